@@ -1,0 +1,86 @@
+"""The hardware abstraction layer: one `Backend` interface every accelerator implements.
+
+Only `anyrec/backends/` may name `torch.cuda`, `torch.version.hip` or vendor libraries; the rest of
+anyrec asks its `Backend` for the device, the process-group backend and the kernels.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from anyrec.backends.specs import DeviceSpec
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What the runtime reports about the machine; detection is a pure function of these facts."""
+
+    cuda_available: bool = False  # torch.cuda.is_available() (true on ROCm builds too)
+    hip_version: str | None = None  # torch.version.hip: set on ROCm builds
+    device_count: int = 0
+    device_name: str = ""  # e.g. "NVIDIA H200", "AMD Instinct MI300X"
+    arch: str = ""  # "sm_90", "gfx942", ...
+    memory_bytes: int = 0
+    multiprocessors: int = 0
+
+
+class Backend(abc.ABC):
+    """One accelerator family: its torch device, collectives backend, spec and kernels."""
+
+    name: str = ""  # "cpu" | "cuda" | "rocm" | plugin name
+    device_type: str = ""  # torch device type; ROCm keeps "cuda"
+    dist_backend: str = ""  # torch.distributed backend: "gloo", "nccl" (RCCL on ROCm)
+
+    def __init__(self, facts: DeviceFacts | None = None) -> None:
+        self._facts = facts
+
+    @property
+    def facts(self) -> DeviceFacts:
+        if self._facts is None:
+            self._facts = self.probe_facts()
+        return self._facts
+
+    @classmethod
+    @abc.abstractmethod
+    def probe_facts(cls) -> DeviceFacts:
+        """Read the facts about this machine from the runtime (cheap, no kernels launched)."""
+
+    @classmethod
+    @abc.abstractmethod
+    def matches(cls, facts: DeviceFacts) -> bool:
+        """Whether this backend can drive the machine described by `facts`."""
+
+    @abc.abstractmethod
+    def device(self, local_rank: int = 0) -> torch.device:
+        """The torch device a process with this local rank uses."""
+
+    def set_device(self, local_rank: int = 0) -> None:  # noqa: B027 - optional hook
+        """Bind this process to its device (no-op where devices are not per-process)."""
+
+    @abc.abstractmethod
+    def device_spec(self) -> DeviceSpec:
+        """The spec of the device this process runs on (SKU table entry or derived from facts)."""
+
+    def synchronize(self) -> None:  # noqa: B027 - optional hook
+        """Wait for queued device work (used by timers)."""
+
+    def max_memory_allocated(self) -> int:
+        """Peak bytes allocated on the device by this process (0 where unknown)."""
+        return 0
+
+    def reset_peak_memory_stats(self) -> None:  # noqa: B027 - optional hook
+        """Reset the peak memory counter."""
+
+    def autocast(self, enabled: bool) -> contextlib.AbstractContextManager:
+        """bf16 autocast on this device when enabled (and supported)."""
+        if not enabled:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device_type, dtype=torch.bfloat16)
+
+    def describe(self) -> str:
+        f = self.facts
+        return f"{self.name} ({f.device_name or 'host'}, {f.arch or '-'}, dist={self.dist_backend})"

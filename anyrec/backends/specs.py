@@ -1,0 +1,119 @@
+"""Device specs per SKU: the numbers the planner and the backends reason with.
+
+Figures are vendor datasheet values (dense, no sparsity) unless marked "measured" or "empirical".
+Link bandwidths are stored ONE-WAY per device: vendors quote bidirectional aggregates, halved here.
+Capacities are decimal (1 GB = 1e9 bytes), as the datasheets state them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+GB = 1e9
+TB = 1e12
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """What one accelerator (or CPU host) offers: capacity, bandwidths, FLOP/s and SIMD width."""
+
+    name: str  # SKU name, e.g. "MI350X"
+    vendor: str  # "amd" | "nvidia" | "cpu" | plugin-defined
+    arch: str  # "gfx950", "sm_90", "x86_64", ...
+    memory_bytes: int  # device memory (HBM) capacity
+    memory_bw_bytes_per_s: float  # device memory bandwidth
+    peak_bf16_flops: float  # dense bf16 FLOP/s
+    peak_fp32_flops: float  # dense fp32 (vector) FLOP/s
+    simd_width: int  # threads per warp / wavefront: 32 NVIDIA, 64 AMD CDNA
+    scale_up_bw_bytes_per_s: float  # intra-node link per device, one way
+    scale_out_bw_bytes_per_s: float  # inter-node NIC bandwidth per device, one way
+    h2d_bw_bytes_per_s: float  # host <-> device, one way, pinned memory
+    host_memory_bytes: int = 0  # host DDR available to this device's process (0: unknown)
+    host_memory_bw_bytes_per_s: float = 0.0  # host DDR bandwidth seen by this device
+    source: str = ""  # where the figures come from
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v < 0:
+                raise ValueError(f"DeviceSpec {self.name}: {f.name} must be >= 0, got {v}")
+        if self.memory_bytes <= 0:
+            raise ValueError(f"DeviceSpec {self.name}: memory_bytes must be > 0")
+        if self.memory_bw_bytes_per_s <= 0:
+            raise ValueError(f"DeviceSpec {self.name}: memory_bw_bytes_per_s must be > 0")
+
+    def replace(self, **changes: object) -> DeviceSpec:
+        """A copy with some fields changed (e.g. calibrated bandwidths)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# Host side of a typical 8-GPU node: 2 sockets x 12 DDR5 channels; split evenly per device.
+_HOST_DDR_PER_DEVICE = int(2048 * GB / 8)  # 2 TB DDR per 8-GPU node
+_HOST_DDR_BW_PER_DEVICE = 2 * 460 * GB / 8  # two sockets, ~460 GB/s each (12ch DDR5-4800)
+_NIC_400G = 400e9 / 8  # one 400 Gb/s NIC per GPU (ConnectX-7 / Pollara 400)
+_PCIE5_X16 = 55 * GB  # measured on the lent H200 from pinned memory, 2026-11-30
+_NIC_800G = 800e9 / 8  # ConnectX-8 per GPU on B200/GB200 systems
+
+SKUS: dict[str, DeviceSpec] = {
+    # AMD Instinct MI300X datasheet: 192 GB HBM3, 5.3 TB/s, 1307.4 TF bf16, 163.4 TF fp32,
+    # 7 Infinity Fabric links x 128 GB/s = 896 GB/s aggregate bidirectional.
+    "mi300x": DeviceSpec(
+        "MI300X", "amd", "gfx942", int(192 * GB), 5.3 * TB, 1307.4 * TB, 163.4 * TB, 64,
+        896 * GB / 2, _NIC_400G, _PCIE5_X16, _HOST_DDR_PER_DEVICE, _HOST_DDR_BW_PER_DEVICE,
+        "AMD MI300X datasheet"),
+    # AMD Instinct MI325X datasheet: 256 GB HBM3E, 6.0 TB/s; compute and links as MI300X.
+    "mi325x": DeviceSpec(
+        "MI325X", "amd", "gfx942", int(256 * GB), 6.0 * TB, 1307.4 * TB, 163.4 * TB, 64,
+        896 * GB / 2, _NIC_400G, _PCIE5_X16, _HOST_DDR_PER_DEVICE, _HOST_DDR_BW_PER_DEVICE,
+        "AMD MI325X datasheet"),
+    # AMD Instinct MI350X (CDNA4): 288 GB HBM3E, 8 TB/s, ~2.3 PF bf16 dense, ~144 TF fp32,
+    # Infinity Fabric 4, ~1075 GB/s aggregate bidirectional.
+    "mi350x": DeviceSpec(
+        "MI350X", "amd", "gfx950", int(288 * GB), 8.0 * TB, 2300 * TB, 144.2 * TB, 64,
+        1075 * GB / 2, _NIC_400G, _PCIE5_X16, _HOST_DDR_PER_DEVICE, _HOST_DDR_BW_PER_DEVICE,
+        "AMD MI350X datasheet (compute figures approximate)"),
+    # AMD Instinct MI355X: as MI350X at higher clocks: ~2.5 PF bf16, ~157 TF fp32.
+    "mi355x": DeviceSpec(
+        "MI355X", "amd", "gfx950", int(288 * GB), 8.0 * TB, 2500 * TB, 157.3 * TB, 64,
+        1075 * GB / 2, _NIC_400G, _PCIE5_X16, _HOST_DDR_PER_DEVICE, _HOST_DDR_BW_PER_DEVICE,
+        "AMD MI355X datasheet (compute figures approximate)"),
+    # NVIDIA H100 SXM5: 80 GB HBM3, 3.35 TB/s, 989 TF bf16, 67 TF fp32, NVLink4 900 GB/s bidir.
+    "h100": DeviceSpec(
+        "H100", "nvidia", "sm_90", int(80 * GB), 3.35 * TB, 989 * TB, 67 * TB, 32,
+        900 * GB / 2, _NIC_400G, _PCIE5_X16, _HOST_DDR_PER_DEVICE, _HOST_DDR_BW_PER_DEVICE,
+        "NVIDIA H100 SXM datasheet"),
+    # NVIDIA H200 SXM: 141 GB HBM3E, 4.8 TB/s; compute and NVLink as H100.
+    "h200": DeviceSpec(
+        "H200", "nvidia", "sm_90", int(141 * GB), 4.8 * TB, 989 * TB, 67 * TB, 32,
+        900 * GB / 2, _NIC_400G, _PCIE5_X16, _HOST_DDR_PER_DEVICE, _HOST_DDR_BW_PER_DEVICE,
+        "NVIDIA H200 datasheet"),
+    # NVIDIA B200 (HGX): 180 GB HBM3E, ~8 TB/s, 2.25 PF bf16 dense, 80 TF fp32, NVLink5 1.8 TB/s bidir.
+    "b200": DeviceSpec(
+        "B200", "nvidia", "sm_100", int(180 * GB), 8.0 * TB, 2250 * TB, 80 * TB, 32,
+        1800 * GB / 2, _NIC_800G, 2 * _PCIE5_X16, _HOST_DDR_PER_DEVICE, _HOST_DDR_BW_PER_DEVICE,
+        "NVIDIA HGX B200 datasheet"),
+    # NVIDIA GB200 NVL72, per GPU: 186 GB HBM3E, 8 TB/s, 2.5 PF bf16, 90 TF fp32, NVLink5 1.8 TB/s
+    # bidir in a 72-GPU domain; host is a Grace CPU over NVLink-C2C (900 GB/s bidir, shared by 2 GPUs).
+    "gb200": DeviceSpec(
+        "GB200", "nvidia", "sm_100", int(186 * GB), 8.0 * TB, 2500 * TB, 90 * TB, 32,
+        1800 * GB / 2, _NIC_800G, 900 * GB / 2 / 2, int(480 * GB / 2), 512 * GB / 2,
+        "NVIDIA GB200 NVL72 datasheet"),
+    # A generic CPU host (one process): the 'device' is host DDR. Empirical, to be calibrated.
+    "cpu": DeviceSpec(
+        "CPU", "cpu", "x86_64", int(16 * GB), 20 * GB, 0.5 * TB, 0.5 * TB, 16,
+        10 * GB, 12.5 * GB, 20 * GB, int(16 * GB), 20 * GB,
+        "generic host, empirical; calibrate with anyrec.calibrate"),
+}
+
+
+def get_sku(name: str) -> DeviceSpec:
+    """Look up a SKU by name (case-insensitive, e.g. 'mi350x', 'H200')."""
+    key = name.lower().replace("-", "").replace("_", "").replace(" ", "")
+    key = key.removesuffix("sxm").removesuffix("sxm5").removesuffix("hgx")
+    if key not in SKUS:
+        raise ValueError(f"unknown hardware SKU {name!r}; known: {', '.join(sorted(SKUS))}")
+    return SKUS[key]
