@@ -1,0 +1,1 @@
+"""Data sources: synthetic Criteo-shaped batches and Criteo files."""

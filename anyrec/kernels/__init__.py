@@ -1,0 +1,1 @@
+"""Embedding and dense kernels: Triton implementations and their pure-torch references."""

@@ -1,0 +1,1 @@
+"""DLRM-family models."""

@@ -1,0 +1,85 @@
+"""DLRM (dot interaction) and DLRMv2 (DCNv2 cross interaction) over a torchrec EmbeddingBagCollection.
+
+Legend: B batch, F sparse features, D embedding dim, I dense features.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from anyrec.config import ModelConfig
+from anyrec.models.interaction import CrossInteraction, DotInteraction
+from anyrec.models.mlp import MLP
+
+
+def feature_names(num_tables: int) -> list[str]:
+    """Sparse feature names, one per table, in KJT key order."""
+    return [f"cat_{i}" for i in range(num_tables)]
+
+
+def table_configs(cfg: ModelConfig) -> list[EmbeddingBagConfig]:
+    """One sum-pooled table per sparse feature, named `t_cat_<i>`."""
+    if not cfg.table_rows:
+        raise ValueError(f"model {cfg.name}: table_rows is empty")
+    if cfg.multi_hot and len(cfg.multi_hot) != len(cfg.table_rows):
+        raise ValueError(f"model {cfg.name}: multi_hot has {len(cfg.multi_hot)} entries for "
+                         f"{len(cfg.table_rows)} tables")
+    if any(r < 1 for r in cfg.table_rows):
+        raise ValueError(f"model {cfg.name}: every table needs at least one row")
+    return [
+        EmbeddingBagConfig(
+            name=f"t_{f}", embedding_dim=cfg.embedding_dim, num_embeddings=rows,
+            feature_names=[f], pooling=PoolingType.SUM,
+        )
+        for f, rows in zip(feature_names(len(cfg.table_rows)), cfg.table_rows, strict=True)
+    ]
+
+
+def dense_param_count(cfg: ModelConfig) -> int:
+    """Parameters outside the embedding tables (what the planner replicates on every rank)."""
+    model = DLRM(cfg, EmbeddingBagCollection(table_configs(cfg), device=torch.device("meta")),
+                 device=torch.device("meta"))
+    return sum(p.numel() for n, p in model.named_parameters() if not n.startswith("sparse_arch."))
+
+
+class DLRM(nn.Module):
+    """Bottom MLP on dense features, pooled embeddings, an interaction, and a top MLP to one logit."""
+
+    def __init__(self, cfg: ModelConfig, ebc: EmbeddingBagCollection, device: torch.device | None = None):
+        super().__init__()
+        num_sparse = len(ebc.embedding_bag_configs())
+        dim = cfg.embedding_dim
+        if not cfg.bottom_mlp or cfg.bottom_mlp[-1] != dim:
+            raise ValueError(f"model {cfg.name}: bottom_mlp must end in embedding_dim={dim}, "
+                             f"got {cfg.bottom_mlp}")
+        if not cfg.top_mlp or cfg.top_mlp[-1] != 1:
+            raise ValueError(f"model {cfg.name}: top_mlp must end in 1, got {cfg.top_mlp}")
+        self.sparse_arch = ebc
+        self.feature_names = [f for c in ebc.embedding_bag_configs() for f in c.feature_names]
+        with torch.device(device or torch.device("cpu")):
+            self.dense_arch = MLP(cfg.num_dense_features, cfg.bottom_mlp)
+            if cfg.interaction == "dot":
+                self.interaction: nn.Module = DotInteraction(num_sparse)
+                top_in = dim + self.interaction.out_features_extra
+            elif cfg.interaction == "dcn":
+                self.interaction = CrossInteraction(num_sparse, dim, cfg.dcn_num_layers, cfg.dcn_low_rank)
+                top_in = self.interaction.out_features
+            else:
+                raise ValueError(f"model {cfg.name}: unknown interaction {cfg.interaction!r} (dot|dcn)")
+            self.over_arch = MLP(top_in, cfg.top_mlp, final_activation=False)
+
+    def forward(self, dense_BI: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        dense_BD = self.dense_arch(dense_BI)
+        pooled = self.sparse_arch(sparse)
+        sparse_BFD = torch.stack([pooled[f] for f in self.feature_names], dim=1)
+        return self.over_arch(self.interaction(dense_BD, sparse_BFD)).squeeze(-1)
+
+
+def build_model(cfg: ModelConfig, device: torch.device, ebc_device: torch.device | None = None) -> DLRM:
+    """The DLRM for `cfg`; tables on `ebc_device` (meta: let DistributedModelParallel allocate shards)."""
+    ebc = EmbeddingBagCollection(table_configs(cfg), device=ebc_device or device)
+    return DLRM(cfg, ebc, device=device)

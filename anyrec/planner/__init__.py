@@ -1,0 +1,1 @@
+"""Sharding planners: the analytical co-design planner and a simple balanced fallback."""

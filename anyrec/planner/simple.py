@@ -1,0 +1,68 @@
+"""A simple balanced planner: big tables row-wise, the rest table-wise by greedy size balance.
+
+The fallback next to the co-design planner, and the way tests force a sharding type.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torchrec.distributed.sharding_plan import (
+    column_wise,
+    construct_module_sharding_plan,
+    data_parallel,
+    row_wise,
+    table_row_wise,
+    table_wise,
+)
+from torchrec.distributed.types import ModuleSharder, ShardingPlan
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+SHARDINGS = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
+
+
+def simple_table_shardings(
+    tables: list[EmbeddingBagConfig], world_size: int,
+    row_wise_min_rows: int = 10_000, force: str = "auto",
+) -> dict[str, tuple[str, list[int]]]:
+    """Per table: (sharding type, ranks). Largest-first greedy balance of bytes for table-wise."""
+    if force not in ("auto", *SHARDINGS):
+        raise ValueError(f"unknown sharding {force!r}; choose auto or one of {', '.join(SHARDINGS)}")
+    load = [0] * world_size
+    out: dict[str, tuple[str, list[int]]] = {}
+    for t in sorted(tables, key=lambda t: t.num_embeddings * t.embedding_dim, reverse=True):
+        kind = force
+        if kind == "auto":
+            kind = "row_wise" if world_size > 1 and t.num_embeddings >= row_wise_min_rows else "table_wise"
+        if kind == "table_wise":
+            r = min(range(world_size), key=lambda i: load[i])
+            load[r] += t.num_embeddings * t.embedding_dim
+            out[t.name] = (kind, [r])
+        else:
+            out[t.name] = (kind, list(range(world_size)))
+    return out
+
+
+def to_sharding_plan(ebc: nn.Module, shardings: dict[str, tuple[str, list[int]]], module_path: str,
+                     world_size: int, local_world_size: int, device_type: str,
+                     compute_kernel: str = "fused", sharder: ModuleSharder | None = None) -> ShardingPlan:
+    """A torchrec ShardingPlan placing the tables of `ebc` (at `module_path` in the model)."""
+    per_param = {}
+    for name, (kind, ranks) in shardings.items():
+        if kind == "table_wise":
+            per_param[name] = table_wise(rank=ranks[0], compute_kernel=compute_kernel)
+        elif kind == "row_wise":
+            per_param[name] = row_wise(compute_kernel=compute_kernel)
+        elif kind == "column_wise":
+            per_param[name] = column_wise(ranks=ranks, compute_kernel=compute_kernel)
+        elif kind == "table_row_wise":
+            per_param[name] = table_row_wise(host_index=ranks[0] // local_world_size,
+                                             compute_kernel=compute_kernel)
+        elif kind == "data_parallel":
+            per_param[name] = data_parallel()
+        else:
+            raise ValueError(f"table {name}: unknown sharding {kind!r}")
+    module_plan = construct_module_sharding_plan(
+        ebc, per_param, sharder=sharder, local_size=local_world_size, world_size=world_size,
+        device_type=device_type,
+    )
+    return ShardingPlan({module_path: module_plan})

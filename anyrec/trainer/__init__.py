@@ -1,0 +1,1 @@
+"""Training loop, distributed setup, metrics and checkpoints."""

@@ -1,0 +1,48 @@
+"""Shared test helpers: composing configs and launching torchrun jobs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def compose_config(overrides: list[str] | None = None):
+    """The typed AnyrecConfig for these overrides, as the entry points would compose it."""
+    from hydra import compose, initialize_config_dir
+
+    from anyrec import _hydra
+    from anyrec.config import config_dir, to_object
+
+    _hydra.setup()
+    with initialize_config_dir(str(config_dir()), version_base="1.3"):
+        cfg = compose("config", overrides=overrides or [])
+    return cfg, to_object(cfg)
+
+
+def torchrun(args: list[str], nproc: int = 2, timeout: float = 240, cwd: Path | None = None,
+             env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `torchrun --standalone --nproc_per_node=N ARGS` and return the finished process."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env["PYTHONPATH"] = os.pathsep.join([str(ROOT), full_env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd or ROOT, env=full_env)
+
+
+def last_json_line(stdout: str) -> dict:
+    """The summary contract: the last stdout line is one JSON object."""
+    lines = [ln for ln in stdout.strip().splitlines() if ln.strip()]
+    assert lines, "no stdout"
+    return json.loads(lines[-1])
+
+
+@pytest.fixture
+def tmp_cwd(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
