@@ -96,7 +96,8 @@ def explain_infeasible(
     allowed = wl.options.allowed_placements
     if free <= 0:
         what = (
-            f"the dense model, its optimizer and the batch buffers need {_gb(base.storage.hbm_bytes)} per rank "
+            f"the dense model, its optimizer and the batch buffers need {_gb(base.storage.hbm_bytes)} "
+            "per rank "
             f"but a rank has {_gb(caps.hbm_bytes)} usable ({reserve})"
         )
     else:
@@ -106,7 +107,8 @@ def explain_infeasible(
         if need_rank > free and Placement.HBM in allowed and allowed == (Placement.HBM,):
             what = (
                 f"table {biggest} needs {_gb(need_rank)} per rank even split row-wise over {w} rank(s); "
-                f"a rank has {_gb(free)} free ({reserve}, less {_gb(base.storage.hbm_bytes)} dense and buffers)"
+                f"a rank has {_gb(free)} free ({reserve}, less "
+                f"{_gb(base.storage.hbm_bytes)} dense and buffers)"
             )
         else:
             total = sum(sizes.values())
@@ -116,7 +118,8 @@ def explain_infeasible(
                 else ""
             )
             what = (
-                f"the {len(wl.tables)} tables ({wl.optimizer}) need {_gb(total)} for weights and optimizer state; "
+                f"the {len(wl.tables)} tables ({wl.optimizer}) need {_gb(total)} for weights and "
+                "optimizer state; "
                 f"{w} rank(s) have {_gb(free * w)} of HBM free ({_gb(free)} each: {reserve}, less "
                 f"{_gb(base.storage.hbm_bytes)} dense and buffers){host}"
             )
@@ -178,7 +181,9 @@ def co_design_advice(plan) -> list[str]:
     for d, names in sorted(dims.items()):
         u = simd_utilisation(d, dev.simd_width)
         if u < 1.0:
-            up = -(-d // dev.simd_width) * dev.simd_width if d >= dev.simd_width else 1 << (d - 1).bit_length()
+            up = (
+                -(-d // dev.simd_width) * dev.simd_width if d >= dev.simd_width else 1 << (d - 1).bit_length()
+            )
             ok = sorted({s.name for s in SKUS.values() if simd_utilisation(d, s.simd_width) == 1.0})
             ex = ", ".join(names[:3]) + (f" +{len(names) - 3}" if len(names) > 3 else "")
             out.append(
@@ -193,8 +198,10 @@ def co_design_advice(plan) -> list[str]:
         for key, other in SKUS.items():
             if key != "cpu" and other.name != dev.name and fits_in_hbm(wl, other, w, topo):
                 better.append(f"{other.name} ({_gb(other.memory_bytes)})")
-        msg = f"{len(off)} table(s) leave HBM on {w} x {dev.name} ({_gb(dev.memory_bytes)}): {', '.join(off[:5])}"
-        msg += f"; all fit in HBM on {w} x " + " or ".join(better) if better else "; no other SKU holds them"
+        msg = f"{len(off)} table(s) leave HBM on {w} x {dev.name} ({_gb(dev.memory_bytes)}): "
+        msg += ", ".join(off[:5])
+        fits = f"; all fit in HBM on {w} x " + " or ".join(better)
+        msg += fits if better else "; no other SKU holds them"
         out.append(msg)
     try:
         cross, direction = comms_crossover_batch(plan)
@@ -204,9 +211,14 @@ def co_design_advice(plan) -> list[str]:
     if direction == "always":
         out.append(f"comms dominate compute on the slowest rank at every batch size (now {b}/rank)")
     elif cross is not None:
-        now = "now" if (direction == "above" and b > cross) or (direction == "below" and b < cross) else "not yet"
+        now = (
+            "now"
+            if (direction == "above" and b > cross) or (direction == "below" and b < cross)
+            else "not yet"
+        )
         out.append(
-            f"comms overtake compute on the slowest rank {direction} batch {cross}/rank ({now}: batch {b}/rank)"
+            f"comms overtake compute on the slowest rank {direction} batch {cross}/rank "
+            f"({now}: batch {b}/rank)"
         )
     counts = []
     for key, other in SKUS.items():

@@ -70,7 +70,9 @@ class EmbeddingEnumerator(Enumerator):
         zero_s, zero_p = Storage(), Perf()
         opts: list[ShardingOption] = []
 
-        def add(sharding: ShardingType, shards: list[Shard], host: int | None = None, k: str = kernel) -> None:
+        def add(
+            sharding: ShardingType, shards: list[Shard], host: int | None = None, k: str = kernel
+        ) -> None:
             opt = ShardingOption(t, sharding, placement, k, shards, host, ratio)
             self.storage_estimator.estimate(opt, topology, workload)
             self.perf_estimator.estimate(opt, topology, workload)
@@ -82,7 +84,9 @@ class EmbeddingEnumerator(Enumerator):
         if w == 1:
             return opts  # every sharding type is table-wise on one rank
         if ShardingType.DATA_PARALLEL in allowed and placement == Placement.HBM:
-            add(ShardingType.DATA_PARALLEL, [Shard(n, d, zero_s, zero_p, r) for r in range(w)], k=DENSE_KERNEL)
+            add(
+                ShardingType.DATA_PARALLEL, [Shard(n, d, zero_s, zero_p, r) for r in range(w)], k=DENSE_KERNEL
+            )
         if ShardingType.ROW_WISE in allowed and n >= w:
             sizes = row_shard_sizes(n, w)
             add(ShardingType.ROW_WISE, [Shard(rows, d, zero_s, zero_p, r) for r, rows in enumerate(sizes)])

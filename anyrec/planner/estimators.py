@@ -173,7 +173,8 @@ def all_reduce_time_s(total_bytes: float, topology: Topology) -> float:
 
 class EmbeddingPerfEstimator(PerfEstimator):
     """Per-shard step time: lookup bytes over the placement's bandwidth, plus the comms each sharding
-    type needs (all-to-all for table/column-wise, reduce-scatter for row-wise, all-reduce for data-parallel)."""
+    type needs (all-to-all for table/column-wise, reduce-scatter for row-wise, all-reduce for
+    data-parallel)."""
 
     def estimate(self, option: ShardingOption, topology: Topology, workload: Workload) -> None:
         t = option.table
@@ -203,7 +204,9 @@ class EmbeddingPerfEstimator(PerfEstimator):
         elif st == ShardingType.ROW_WISE:
             fwd, bwd = lookup(g * p / w, g * f, t.embedding_dim)
             ids = all_to_all_time_s(b * (p + f) * ID_BYTES, topology)
-            rs = reduce_scatter_time_s(g * f * t.embedding_dim * OUTPUT_BYTES, w, topology.num_hosts, topology)
+            rs = reduce_scatter_time_s(
+                g * f * t.embedding_dim * OUTPUT_BYTES, w, topology.num_hosts, topology
+            )
             perf = Perf(fwd, bwd, ids + rs, rs)
         elif st == ShardingType.TABLE_ROW_WISE:
             local = topology.local_world_size

@@ -47,8 +47,18 @@ def _flatten(opt: ShardingOption, w: int) -> _Cand:
         return _Cand(opt, True, tv, hv, dv, 0, 0.0, 0.0, 0.0, float(tv.sum()))
     s = opt.shards[0]
     k = len(opt.shards)
-    return _Cand(opt, False, None, None, None, k, s.perf.total_s, s.storage.hbm_bytes, s.storage.ddr_bytes,
-                 k * s.perf.total_s)
+    return _Cand(
+        opt,
+        False,
+        None,
+        None,
+        None,
+        k,
+        s.perf.total_s,
+        s.storage.hbm_bytes,
+        s.storage.ddr_bytes,
+        k * s.perf.total_s,
+    )
 
 
 def _materialise(c: _Cand, ranks: list[int] | None) -> ShardingOption:
@@ -57,9 +67,13 @@ def _materialise(c: _Cand, ranks: list[int] | None) -> ShardingOption:
     if c.fixed:
         shards = [Shard(s.num_rows, s.num_cols, s.storage, s.perf, s.rank) for s in opt.shards]
     else:
-        shards = [Shard(s.num_rows, s.num_cols, s.storage, s.perf, r) for s, r in zip(opt.shards, ranks)]
-    return ShardingOption(opt.table, opt.sharding, opt.placement, opt.compute_kernel, shards, opt.host,
-                          opt.cache_ratio)
+        shards = [
+            Shard(s.num_rows, s.num_cols, s.storage, s.perf, r)
+            for s, r in zip(opt.shards, ranks, strict=True)
+        ]
+    return ShardingOption(
+        opt.table, opt.sharding, opt.placement, opt.compute_kernel, shards, opt.host, opt.cache_ratio
+    )
 
 
 class _State:
@@ -135,7 +149,9 @@ class GreedyPerfPartitioner(Partitioner):
     @staticmethod
     def _greedy(cands, base, w, caps, by_memory):
         min_work = {n: min(c.work for c in cs) for n, cs in cands.items()}
-        min_hbm = {n: min(float(c.h_vec.sum()) if c.fixed else c.k * c.h for c in cs) for n, cs in cands.items()}
+        min_hbm = {
+            n: min(float(c.h_vec.sum()) if c.fixed else c.k * c.h for c in cs) for n, cs in cands.items()
+        }
         tot_w = sum(min_work.values()) or 1.0
         tot_h = sum(min_hbm.values()) or 1.0
         order = sorted(cands, key=lambda n: -max(min_work[n] / tot_w, min_hbm[n] / tot_h))
@@ -169,7 +185,7 @@ class GreedyPerfPartitioner(Partitioner):
             bottleneck = int(np.argmax(state.T))
             cur = (float(state.T.max()), float(state.T.sum()))
 
-            def load_on_bottleneck(name: str) -> float:
+            def load_on_bottleneck(name: str, bottleneck: int = bottleneck) -> float:
                 c, ranks = chosen[name]
                 if c.fixed:
                     return float(c.t_vec[bottleneck])
@@ -248,4 +264,4 @@ class ExhaustivePartitioner(Partitioner):
         dfs(0)
         if best[1] is None:
             return None
-        return {n: _materialise(c, ranks) for n, (c, ranks) in zip(names, best[1])}
+        return {n: _materialise(c, ranks) for n, (c, ranks) in zip(names, best[1], strict=False)}

@@ -94,7 +94,9 @@ class PlanResult:
             out[opt.placement].append(name)
         return out
 
-    def to_sharding_plan(self, module_path: str = DEFAULT_EBC_FQN, module=None, compute_device: str | None = None):
+    def to_sharding_plan(
+        self, module_path: str = DEFAULT_EBC_FQN, module=None, compute_device: str | None = None
+    ):
         """A torchrec ShardingPlan for the EmbeddingBagCollection at `module_path` (built on the meta
         device from the TableSpecs when `module` is not given)."""
         from anyrec.planner.torchrec_plan import to_sharding_plan
@@ -104,14 +106,16 @@ class PlanResult:
     def to_json_dict(self) -> dict:
         """The plan as the JSON schema of `plan.output`."""
         ranks = []
-        for r, (st, pf) in enumerate(zip(self.rank_storage, self.rank_perf)):
-            ranks.append({
-                "rank": r,
-                "hbm_bytes": int(st.hbm_bytes),
-                "hbm_cap_bytes": int(self.topology.hbm_bytes_per_rank),
-                "ddr_bytes": int(st.ddr_bytes),
-                "predicted_ms": pf.total_s * 1e3,
-            })
+        for r, (st, pf) in enumerate(zip(self.rank_storage, self.rank_perf, strict=False)):
+            ranks.append(
+                {
+                    "rank": r,
+                    "hbm_bytes": int(st.hbm_bytes),
+                    "hbm_cap_bytes": int(self.topology.hbm_bytes_per_rank),
+                    "ddr_bytes": int(st.ddr_bytes),
+                    "predicted_ms": pf.total_s * 1e3,
+                }
+            )
         tables = [
             {
                 "name": name,
@@ -239,7 +243,9 @@ class CoDesignPlanner:
         raise InfeasiblePlanError(explain_infeasible(wl, topology, caps, base, options))
 
     def _partition(self, options, topology, wl, base, caps):
-        exact = ExhaustivePartitioner.search_space(options, topology.world_size) <= wl.options.exhaustive_limit
+        exact = (
+            ExhaustivePartitioner.search_space(options, topology.world_size) <= wl.options.exhaustive_limit
+        )
         part = self.exact_partitioner if exact else self.partitioner
         chosen = part.partition(options, topology, base, caps)
         if chosen is None:
@@ -256,7 +262,11 @@ class CoDesignPlanner:
         plan.plan_time_s = time.perf_counter() - start
         logger.info(
             "planned %d tables on %d x %s in %.3f s (%s): predicted step %.3f ms",
-            len(wl.tables), topology.world_size, topology.device.name, plan.plan_time_s, solver,
+            len(wl.tables),
+            topology.world_size,
+            topology.device.name,
+            plan.plan_time_s,
+            solver,
             plan.predicted_step_s * 1e3,
         )
         return plan
@@ -289,8 +299,11 @@ def evaluate_assignment(
         opt = match[0]
         shards = [dataclasses.replace(s) for s in opt.shards]
         if not opt.ranks_fixed:
-            for s, r in zip(shards, ranks if len(ranks) == len(shards) else list(ranks) * len(shards)):
+            placed = ranks if len(ranks) == len(shards) else list(ranks) * len(shards)
+            for s, r in zip(shards, placed, strict=False):
                 s.rank = r
         chosen[t.name] = dataclasses.replace(opt, shards=shards)
     base = DenseEstimator().estimate(topology, wl)
-    return PlanResult(chosen, topology, wl, base, usable_caps(topology, wl), "given", options_by_table=options)
+    return PlanResult(
+        chosen, topology, wl, base, usable_caps(topology, wl), "given", options_by_table=options
+    )

@@ -41,7 +41,10 @@ def explain_tables(plan) -> dict[str, str]:
             if tw is None:
                 reason = f"a whole copy does not fit one rank's {free / GB:.1f} GB free HBM"
             elif tw > balanced:
-                reason = f"a whole copy ({tw * 1e3:.3f} ms) exceeds the balanced rank load ({balanced * 1e3:.3f} ms)"
+                reason = (
+                    f"a whole copy ({tw * 1e3:.3f} ms) exceeds the balanced rank load "
+                    f"({balanced * 1e3:.3f} ms)"
+                )
             else:
                 reason = f"balances ranks ({work * 1e3:.3f} ms total vs table_wise {tw * 1e3:.3f} ms)"
             if st == ShardingType.COLUMN_WISE:
@@ -78,11 +81,14 @@ def format_report(plan, advice: bool = True, max_tables: int = 60) -> str:
         f"solver {plan.solver}, planned in {plan.plan_time_s:.3f} s"
     )
     lines.append("")
-    lines.append(f"{'rank':>4}  {'HBM used / cap GB':>19}  {'DDR GB':>7}  {'compute ms':>10}  {'comms ms':>9}  "
-                 f"{'total ms':>9}")
-    for r, (st, pf) in enumerate(zip(plan.rank_storage, plan.rank_perf)):
+    lines.append(
+        f"{'rank':>4}  {'HBM used / cap GB':>19}  {'DDR GB':>7}  {'compute ms':>10}  {'comms ms':>9}  "
+        f"{'total ms':>9}"
+    )
+    for r, (st, pf) in enumerate(zip(plan.rank_storage, plan.rank_perf, strict=False)):
         lines.append(
-            f"{r:>4}  {st.hbm_bytes / GB:>8.1f} / {topo.hbm_bytes_per_rank / GB:>8.1f}  {st.ddr_bytes / GB:>7.1f}  "
+            f"{r:>4}  {st.hbm_bytes / GB:>8.1f} / {topo.hbm_bytes_per_rank / GB:>8.1f}  "
+            f"{st.ddr_bytes / GB:>7.1f}  "
             f"{pf.compute_s * 1e3:>10.3f}  {pf.comms_s * 1e3:>9.3f}  {pf.total_s * 1e3:>9.3f}"
         )
     lines.append(
@@ -90,8 +96,10 @@ def format_report(plan, advice: bool = True, max_tables: int = 60) -> str:
         f"{plan.base.storage.hbm_bytes / GB:.2f} GB and {plan.base.perf.total_s * 1e3:.3f} ms per rank)"
     )
     lines.append("")
-    lines.append(f"{'table':<14} {'rows':>10} {'dim':>4} {'pool':>5} {'sharding':<16} {'placement':<11} "
-                 f"{'kernel':<17} {'ranks':<9} why")
+    lines.append(
+        f"{'table':<14} {'rows':>10} {'dim':>4} {'pool':>5} {'sharding':<16} {'placement':<11} "
+        f"{'kernel':<17} {'ranks':<9} why"
+    )
     items = list(plan.tables.items())
     if len(items) > max_tables:
         items = sorted(items, key=lambda kv: -kv[1].total_perf_s)[:max_tables]
@@ -100,7 +108,8 @@ def format_report(plan, advice: bool = True, max_tables: int = 60) -> str:
         t = opt.table
         lines.append(
             f"{name:<14} {t.num_rows:>10} {t.embedding_dim:>4} {t.pooling_factor:>5.0f} {sh:<16} "
-            f"{opt.placement.value:<11} {opt.compute_kernel:<17} {_ranks(opt.ranks):<9} {plan.reasons.get(name, '')}"
+            f"{opt.placement.value:<11} {opt.compute_kernel:<17} {_ranks(opt.ranks):<9} "
+            f"{plan.reasons.get(name, '')}"
         )
     if len(plan.tables) > max_tables:
         lines.append(f"... {len(plan.tables) - max_tables} cheaper tables not shown")
@@ -147,7 +156,8 @@ def format_compare(a, b) -> str:
         f"= {ratio:.2f}x; predicted step ratio {a.predicted_step_s / b.predicted_step_s:.2f}x"
     )
     changed = [
-        n for n in a.tables
+        n
+        for n in a.tables
         if (a.tables[n].sharding, a.tables[n].placement) != (b.tables[n].sharding, b.tables[n].placement)
     ]
     for n in changed[:20]:
@@ -165,8 +175,10 @@ def memory_breakdown(plan) -> dict[str, list[float]]:
     from anyrec.planner.estimators import state_bytes
 
     w = plan.topology.world_size
-    kinds = {k: [0.0] * w for k in ("dense + local buffers", "weights", "optimizer state", "uvm cache",
-                                   "sharded buffers")}
+    kinds = {
+        k: [0.0] * w
+        for k in ("dense + local buffers", "weights", "optimizer state", "uvm cache", "sharded buffers")
+    }
     for r in range(w):
         kinds["dense + local buffers"][r] = plan.base.storage.hbm_bytes
     for opt in plan.tables.values():
@@ -205,9 +217,9 @@ def plot_plan(plan, path: str, compare=None) -> None:
         kinds = memory_breakdown(p)
         ranks = list(range(p.topology.world_size))
         bottom = [0.0] * len(ranks)
-        for (kind, vals), c in zip(kinds.items(), colors):
+        for (kind, vals), c in zip(kinds.items(), colors, strict=False):
             ax_m.bar(ranks, [v / GB for v in vals], bottom=bottom, label=kind, color=c)
-            bottom = [b + v / GB for b, v in zip(bottom, vals)]
+            bottom = [b + v / GB for b, v in zip(bottom, vals, strict=False)]
         ax_m.axhline(p.topology.hbm_bytes_per_rank / GB, color="red", linestyle="--", label="HBM cap")
         ax_m.axhline(p.caps.hbm_bytes / GB, color="red", linestyle=":", label="cap less reserve")
         ax_m.set_title(f"{p.topology.world_size} x {p.topology.device.name}: HBM per rank")

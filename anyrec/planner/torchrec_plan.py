@@ -87,7 +87,9 @@ def to_sharding_plan(plan, module_path: str, module=None, compute_device: str | 
     return ShardingPlan({module_path: module_plan})
 
 
-def from_sharding_plan(sharding_plan, module_path: str | None = None) -> dict[str, tuple[str, str, list[int]]]:
+def from_sharding_plan(
+    sharding_plan, module_path: str | None = None
+) -> dict[str, tuple[str, str, list[int]]]:
     """Per table (sharding type, placement, ranks) from a torchrec ShardingPlan, for costing it."""
     plans = sharding_plan.plan
     paths = [module_path] if module_path else list(plans)

@@ -9,14 +9,14 @@ from __future__ import annotations
 import abc
 import dataclasses
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 from anyrec.backends.specs import DeviceSpec
 
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "fp8": 1}
 
 
-class ShardingType(str, Enum):
+class ShardingType(StrEnum):
     """How one table is split over ranks (the names torchrec uses)."""
 
     DATA_PARALLEL = "data_parallel"
@@ -26,7 +26,7 @@ class ShardingType(str, Enum):
     TABLE_ROW_WISE = "table_row_wise"
 
 
-class Placement(str, Enum):
+class Placement(StrEnum):
     """Where a table's weights and optimizer state live."""
 
     HBM = "hbm"  # device memory (on a CPU compute device: host memory the process owns)
@@ -96,9 +96,7 @@ class Topology:
             raise ValueError(f"world_size must be > 0, got {self.world_size}")
         local = self.local_world_size or min(self.world_size, 8)
         if local <= 0 or self.world_size % local != 0:
-            raise ValueError(
-                f"world_size {self.world_size} must be a multiple of local_world_size {local}"
-            )
+            raise ValueError(f"world_size {self.world_size} must be a multiple of local_world_size {local}")
         object.__setattr__(self, "local_world_size", local)
         compute = self.compute_device or ("cpu" if self.device.vendor == "cpu" else "cuda")
         if compute not in ("cuda", "cpu"):
