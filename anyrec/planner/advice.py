@@ -60,9 +60,8 @@ def fits_in_hbm(wl: Workload, device: DeviceSpec, world_size: int, like: Topolog
 
 
 def min_devices_in_hbm(wl: Workload, device: DeviceSpec, like: Topology) -> int | None:
-    """Fewest devices (1, 2, 4, then multiples of a host) that hold every table in HBM; None if none do."""
-    sizes = [1, 2, 4] + list(range(like.local_world_size, MAX_DEVICES + 1, like.local_world_size))
-    for w in sorted(set(sizes)):
+    """Fewest devices (1 to 8, then whole 8-device hosts) that hold every table in HBM; None if none do."""
+    for w in list(range(1, 9)) + list(range(16, MAX_DEVICES + 1, 8)):
         if fits_in_hbm(wl, device, w, like):
             return w
     return None

@@ -134,20 +134,30 @@ class GreedyPerfPartitioner(Partitioner):
         cands = {name: [_flatten(o, w) for o in opts] for name, opts in options.items()}
         if any(not cs for cs in cands.values()):
             return None
-        for by_memory in (False, True):
-            chosen = self._greedy(cands, base_per_rank, w, caps, by_memory)
-            if chosen is not None:
-                break
-        else:
+        # Multi-start: three scorings of the greedy step, each polished by local search; keep the best.
+        starts = [(False, "lookahead"), (False, "makespan"), (False, "work")]
+        best, best_key = None, None
+        deadline = time.perf_counter() + self.local_search_s
+        for i, (by_memory, scoring) in enumerate(starts):
+            chosen = self._greedy(cands, base_per_rank, w, caps, by_memory, scoring)
+            if chosen is None and i == 0:
+                chosen = self._greedy(cands, base_per_rank, w, caps, True, scoring)
+            if chosen is None:
+                continue
+            state = _State(base_per_rank, w, caps)
+            for c, ranks in chosen.values():
+                state.apply(c, ranks)
+            share = (deadline - time.perf_counter()) / (len(starts) - i)
+            self._local_search(cands, chosen, state, time.perf_counter() + max(share, 0.0))
+            key = (float(state.T.max()), float(state.T.sum()))
+            if best_key is None or _better(key, best_key):
+                best, best_key = chosen, key
+        if best is None:
             return None
-        state = _State(base_per_rank, w, caps)
-        for c, ranks in chosen.values():
-            state.apply(c, ranks)
-        self._local_search(cands, chosen, state)
-        return {name: _materialise(c, ranks) for name, (c, ranks) in chosen.items()}
+        return {name: _materialise(c, ranks) for name, (c, ranks) in best.items()}
 
     @staticmethod
-    def _greedy(cands, base, w, caps, by_memory):
+    def _greedy(cands, base, w, caps, by_memory, scoring="lookahead"):
         min_work = {n: min(c.work for c in cs) for n, cs in cands.items()}
         min_hbm = {
             n: min(float(c.h_vec.sum()) if c.fixed else c.k * c.h for c in cs) for n, cs in cands.items()
@@ -167,8 +177,13 @@ class GreedyPerfPartitioner(Partitioner):
                 if r is None:
                     continue
                 makespan, ranks = r
-                bound = (committed + c.work + remaining) / w
-                key = (max(makespan, bound), c.work, makespan)
+                if scoring == "lookahead":  # the final makespan is at least the mean rank load
+                    bound = (committed + c.work + remaining) / w
+                    key = (max(makespan, bound), c.work, makespan)
+                elif scoring == "makespan":
+                    key = (makespan, c.work, 0.0)
+                else:
+                    key = (c.work, makespan, 0.0)
                 if best_key is None or key < best_key:
                     best, best_key = (c, ranks), key
             if best is None:
@@ -177,8 +192,7 @@ class GreedyPerfPartitioner(Partitioner):
             chosen[name] = best
         return chosen
 
-    def _local_search(self, cands, chosen, state: _State) -> None:
-        deadline = time.perf_counter() + self.local_search_s
+    def _local_search(self, cands, chosen, state: _State, deadline: float) -> None:
         improved = True
         while improved and time.perf_counter() < deadline:
             improved = False
@@ -212,6 +226,39 @@ class GreedyPerfPartitioner(Partitioner):
                     chosen[name] = best
                     improved = True
                     break
+            if not improved:
+                improved = self._swap(chosen, state, bottleneck, cur, names, deadline)
+
+    @staticmethod
+    def _swap(chosen, state: _State, b: int, cur, names, deadline: float) -> bool:
+        """Swap a single-shard table on the bottleneck rank with a smaller one elsewhere."""
+        singles = [n for n in chosen if not chosen[n][0].fixed and chosen[n][0].k == 1]
+        on_b = [n for n in names if n in set(singles)]
+        others = sorted((n for n in singles if chosen[n][1][0] != b), key=lambda n: chosen[n][0].t)
+        for a in on_b:
+            ca = chosen[a][0]
+            for o in others:
+                if time.perf_counter() >= deadline:
+                    return False
+                co, r = chosen[o][0], chosen[o][1][0]
+                if co.t >= ca.t:
+                    break
+                delta = ca.t - co.t
+                if state.H[r] - co.h + ca.h > state.hcap or state.H[b] - ca.h + co.h > state.hcap:
+                    continue
+                if state.D[r] - co.d + ca.d > state.dcap or state.D[b] - ca.d + co.d > state.dcap:
+                    continue
+                T = state.T.copy()
+                T[b] -= delta
+                T[r] += delta
+                if _better((float(T.max()), float(T.sum())), cur):
+                    state.apply(ca, [b], -1.0)
+                    state.apply(co, [r], -1.0)
+                    state.apply(ca, [r])
+                    state.apply(co, [b])
+                    chosen[a], chosen[o] = (ca, [r]), (co, [b])
+                    return True
+        return False
 
 
 class ExhaustivePartitioner(Partitioner):
