@@ -175,15 +175,18 @@ def co_design_advice(plan) -> list[str]:
     dev = topo.device
     out: list[str] = []
     dims: dict[int, list[str]] = {}
-    for name, opt in plan.tables.items():
-        dims.setdefault(opt.shards[0].num_cols, []).append(name)
+    for name, opt in plan.tables.items():  # the table's dim, and its column pieces' dim
+        for d in {opt.table.embedding_dim, opt.shards[0].num_cols}:
+            dims.setdefault(d, []).append(name)
     for d, names in sorted(dims.items()):
         u = simd_utilisation(d, dev.simd_width)
         if u < 1.0:
             up = (
                 -(-d // dev.simd_width) * dev.simd_width if d >= dev.simd_width else 1 << (d - 1).bit_length()
             )
-            ok = sorted({s.name for s in SKUS.values() if simd_utilisation(d, s.simd_width) == 1.0})
+            ok = sorted(
+                {s.name for k, s in SKUS.items() if k != "cpu" and simd_utilisation(d, s.simd_width) == 1.0}
+            )
             ex = ", ".join(names[:3]) + (f" +{len(names) - 3}" if len(names) > 3 else "")
             out.append(
                 f"dim {d} ({ex}) fills {u:.0%} of the {dev.simd_width}-wide SIMD on {dev.name}: lookups cost "
