@@ -39,6 +39,7 @@ class KernelProfile:
     name: str
     bw_efficiency: float  # empirical: achieved lookup bandwidth / device memory bandwidth
     access_bytes: int  # smallest memory transaction on a GPU: rows are read in multiples of this
+    per_row_s: float = 0.0  # empirical: latency-bound cost per looked-up row (CPU: DRAM misses), seconds
 
 
 KERNELS: dict[str, KernelProfile] = {
@@ -129,8 +130,9 @@ def lookup_time_s(
     bwd_rows = 2 * n_ids * (row_bytes + state_row_bytes)
     out_bytes = n_bags * dim * OUTPUT_BYTES
     hbm_bw = dev.memory_bw_bytes_per_s * kernel.bw_efficiency * simd_utilisation(dim, dev.simd_width)
+    latency = n_ids * kernel.per_row_s
     if cpu or placement == Placement.HBM:
-        return (fwd_rows + out_bytes) / hbm_bw, (bwd_rows + out_bytes) / hbm_bw
+        return (fwd_rows + out_bytes) / hbm_bw + latency, (bwd_rows + out_bytes) / hbm_bw + 2 * latency
     h2d = dev.h2d_bw_bytes_per_s or dev.host_memory_bw_bytes_per_s
     if h2d <= 0:
         raise ValueError(f"{dev.name}: h2d_bw_bytes_per_s is 0, cannot place tables in host memory")
