@@ -120,7 +120,7 @@ def _better(a: tuple[float, float], b: tuple[float, float]) -> bool:
 class GreedyPerfPartitioner(Partitioner):
     """Greedy list scheduling in descending cost with a lower-bound lookahead, then local search."""
 
-    def __init__(self, local_search_s: float = 0.3) -> None:
+    def __init__(self, local_search_s: float = 0.2) -> None:
         self.local_search_s = local_search_s  # time budget for the improvement passes, seconds
 
     def partition(
