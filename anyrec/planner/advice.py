@@ -1,0 +1,232 @@
+"""Co-design advice: the model and job knobs that would change the plan on this hardware, and the
+one-line explanation of an infeasible plan."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from anyrec.backends.specs import SKUS, DeviceSpec
+from anyrec.planner.estimators import (
+    ID_BYTES,
+    OUTPUT_BYTES,
+    DenseEstimator,
+    simd_utilisation,
+    state_bytes,
+    usable_caps,
+)
+from anyrec.planner.types import Placement, RankCost, ShardingOption, Storage, TableSpec, Topology, Workload
+
+GB = 1e9
+MAX_DEVICES = 4096
+
+
+def _gb(x: float) -> str:
+    return f"{x / GB:.1f} GB"
+
+
+def table_bytes(t: TableSpec, optimizer: str) -> int:
+    """Weights plus optimizer state of a whole table."""
+    return t.weight_bytes + state_bytes(optimizer, t.num_rows, t.embedding_dim)
+
+
+def _buffers_per_rank(wl: Workload) -> float:
+    """Approximate per-rank HBM for sharded ids/outputs: the global batch's buffers spread over ranks."""
+    b, depth = wl.batch_size_per_rank, wl.options.pipeline_depth
+    per = 0.0
+    for t in wl.tables:
+        out = b * t.num_features * t.embedding_dim * OUTPUT_BYTES
+        per += depth * (b * (t.pooling_factor + t.num_features) * ID_BYTES + out) + out
+    return per
+
+
+def _topology_for(device: DeviceSpec, world_size: int, like: Topology) -> Topology:
+    local = min(world_size, like.local_world_size)
+    while world_size % local:
+        local -= 1
+    return Topology(device, world_size, local, like.compute_device)
+
+
+def fits_in_hbm(wl: Workload, device: DeviceSpec, world_size: int, like: Topology) -> bool:
+    """Memory-model check that every table can live in HBM on `world_size` x `device` (aggregate
+    bytes, and the largest table split row-wise over all ranks)."""
+    topo = _topology_for(device, world_size, like)
+    base = DenseEstimator().estimate(topo, wl)
+    free = usable_caps(topo, wl).hbm_bytes - base.storage.hbm_bytes - _buffers_per_rank(wl)
+    if free <= 0:
+        return False
+    sizes = [table_bytes(t, wl.optimizer) for t in wl.tables]
+    return sum(sizes) <= free * world_size and max(sizes) / world_size <= free
+
+
+def min_devices_in_hbm(wl: Workload, device: DeviceSpec, like: Topology) -> int | None:
+    """Fewest devices (1 to 8, then whole 8-device hosts) that hold every table in HBM; None if none do."""
+    for w in list(range(1, 9)) + list(range(16, MAX_DEVICES + 1, 8)):
+        if fits_in_hbm(wl, device, w, like):
+            return w
+    return None
+
+
+def _max_dim_in_hbm(wl: Workload, topo: Topology) -> int | None:
+    """Largest embedding dim (multiple of 8, all tables) at which every table fits in HBM here."""
+    dims = sorted({t.embedding_dim for t in wl.tables})
+    for d in range(max(dims) - 8, 7, -8):
+        tables = [dataclasses.replace(t, embedding_dim=min(t.embedding_dim, d)) for t in wl.tables]
+        if fits_in_hbm(dataclasses.replace(wl, tables=tables), topo.device, topo.world_size, topo):
+            return d
+    return None
+
+
+def explain_infeasible(
+    wl: Workload,
+    topo: Topology,
+    caps: Storage,
+    base: RankCost,
+    options: dict[str, list[ShardingOption]] | None,
+) -> str:
+    """One line: what does not fit, bytes needed and available, and what would fit."""
+    w, dev = topo.world_size, topo.device
+    where = f"{w} x {dev.name}"
+    free = caps.hbm_bytes - base.storage.hbm_bytes
+    reserve = (
+        f"{_gb(topo.hbm_bytes_per_rank)} less {wl.options.reserve_fraction:.0%} and "
+        f"{_gb(wl.options.reserve_bytes)} reserve"
+    )
+    allowed = wl.options.allowed_placements
+    if free <= 0:
+        what = (
+            f"the dense model, its optimizer and the batch buffers need {_gb(base.storage.hbm_bytes)} "
+            "per rank "
+            f"but a rank has {_gb(caps.hbm_bytes)} usable ({reserve})"
+        )
+    else:
+        sizes = {t.name: table_bytes(t, wl.optimizer) for t in wl.tables}
+        biggest = max(sizes, key=sizes.get)
+        need_rank = sizes[biggest] / w
+        if need_rank > free and Placement.HBM in allowed and allowed == (Placement.HBM,):
+            what = (
+                f"table {biggest} needs {_gb(need_rank)} per rank even split row-wise over {w} rank(s); "
+                f"a rank has {_gb(free)} free ({reserve}, less "
+                f"{_gb(base.storage.hbm_bytes)} dense and buffers)"
+            )
+        else:
+            total = sum(sizes.values())
+            host = (
+                f"; in host memory they need {_gb(total / w)} per rank, {_gb(caps.ddr_bytes)} DDR available"
+                if allowed != (Placement.HBM,)
+                else ""
+            )
+            what = (
+                f"the {len(wl.tables)} tables ({wl.optimizer}) need {_gb(total)} for weights and "
+                "optimizer state; "
+                f"{w} rank(s) have {_gb(free * w)} of HBM free ({_gb(free)} each: {reserve}, less "
+                f"{_gb(base.storage.hbm_bytes)} dense and buffers){host}"
+            )
+    fixes = []
+    n_same = min_devices_in_hbm(wl, dev, topo)
+    if n_same is not None and n_same > w:
+        fixes.append(f"{n_same} x {dev.name} in HBM")
+    if Placement.UVM_CACHING not in allowed and topo.compute_device != "cpu":
+        fixes.append("allowing uvm_caching placement (allowed_placements)")
+    for key, other in SKUS.items():
+        if key == "cpu" or other.name == dev.name or other.memory_bytes <= dev.memory_bytes:
+            continue
+        n = min_devices_in_hbm(wl, other, topo)
+        if n is not None and n <= max(w, 1) * 2:
+            fixes.append(f"{n} x {other.name} ({_gb(other.memory_bytes)})")
+    d = _max_dim_in_hbm(wl, topo)
+    if d is not None:
+        fixes.append(f"embedding dim <= {d} on {where}")
+    tail = "; would fit: " + ", ".join(fixes) if fixes else ""
+    return f"cannot plan {len(wl.tables)} tables on {where}: {what}{tail}"
+
+
+def _evaluate_at_batch(plan, batch: int):
+    from anyrec.planner.planner import evaluate_assignment
+
+    wl = dataclasses.replace(plan.workload, batch_size_per_rank=batch)
+    assignment = {n: (o.sharding.value, o.placement.value, o.ranks) for n, o in plan.tables.items()}
+    return evaluate_assignment(assignment, plan.topology, wl)
+
+
+def comms_crossover_batch(plan) -> tuple[int | None, str]:
+    """Batch size per rank at which predicted comms overtake compute on the slowest rank, with the
+    direction ("above" or "below"), using the costs' linearity in batch size."""
+    b1 = plan.workload.batch_size_per_rank
+    b2 = 2 * b1
+    p1, p2 = plan.rank_perf, _evaluate_at_batch(plan, b2).rank_perf
+    r = max(range(len(p1)), key=lambda i: p1[i].total_s)
+    a_c = (p2[r].compute_s - p1[r].compute_s) / (b2 - b1)
+    a_m = (p2[r].comms_s - p1[r].comms_s) / (b2 - b1)
+    c0 = p1[r].compute_s - a_c * b1
+    m0 = p1[r].comms_s - a_m * b1
+    if math.isclose(a_m, a_c, rel_tol=1e-9):
+        return None, ""
+    cross = (c0 - m0) / (a_m - a_c)
+    if cross <= 0:
+        return None, "always" if a_m > a_c else "never"
+    return int(cross), ("above" if a_m > a_c else "below")
+
+
+def co_design_advice(plan) -> list[str]:
+    """Knobs that would change this plan: SIMD-misaligned dims, tables pushed out of HBM that another
+    SKU holds, the batch size where comms dominate, the fewest devices per SKU that hold the model."""
+    topo, wl = plan.topology, plan.workload
+    dev = topo.device
+    out: list[str] = []
+    dims: dict[int, list[str]] = {}
+    for name, opt in plan.tables.items():  # the table's dim, and its column pieces' dim
+        for d in {opt.table.embedding_dim, opt.shards[0].num_cols}:
+            dims.setdefault(d, []).append(name)
+    for d, names in sorted(dims.items()):
+        u = simd_utilisation(d, dev.simd_width)
+        if u < 1.0:
+            up = (
+                -(-d // dev.simd_width) * dev.simd_width if d >= dev.simd_width else 1 << (d - 1).bit_length()
+            )
+            ok = sorted(
+                {s.name for k, s in SKUS.items() if k != "cpu" and simd_utilisation(d, s.simd_width) == 1.0}
+            )
+            ex = ", ".join(names[:3]) + (f" +{len(names) - 3}" if len(names) > 3 else "")
+            out.append(
+                f"dim {d} ({ex}) fills {u:.0%} of the {dev.simd_width}-wide SIMD on {dev.name}: lookups cost "
+                f"as much as dim {up}; use dim {up} for free capacity or a multiple of {dev.simd_width}"
+                + (f" (no waste on {', '.join(ok)})" if ok else "")
+            )
+    off = [n for n, o in plan.tables.items() if o.placement != Placement.HBM]
+    if off:
+        w = topo.world_size
+        better = []
+        for key, other in SKUS.items():
+            if key != "cpu" and other.name != dev.name and fits_in_hbm(wl, other, w, topo):
+                better.append(f"{other.name} ({_gb(other.memory_bytes)})")
+        msg = f"{len(off)} table(s) leave HBM on {w} x {dev.name} ({_gb(dev.memory_bytes)}): "
+        msg += ", ".join(off[:5])
+        fits = f"; all fit in HBM on {w} x " + " or ".join(better)
+        msg += fits if better else "; no other SKU holds them"
+        out.append(msg)
+    try:
+        cross, direction = comms_crossover_batch(plan)
+    except ValueError:
+        cross, direction = None, ""
+    b = wl.batch_size_per_rank
+    if direction == "always":
+        out.append(f"comms dominate compute on the slowest rank at every batch size (now {b}/rank)")
+    elif cross is not None:
+        now = (
+            "now"
+            if (direction == "above" and b > cross) or (direction == "below" and b < cross)
+            else "not yet"
+        )
+        out.append(
+            f"comms overtake compute on the slowest rank {direction} batch {cross}/rank "
+            f"({now}: batch {b}/rank)"
+        )
+    counts = []
+    for key, other in SKUS.items():
+        if key == "cpu":
+            continue
+        n = min_devices_in_hbm(wl, other, topo)
+        counts.append(f"{other.name} {n if n is not None else '>' + str(MAX_DEVICES)}")
+    out.append("fewest devices holding every table in HBM: " + ", ".join(counts))
+    return out

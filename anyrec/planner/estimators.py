@@ -1,0 +1,293 @@
+"""Analytical cost model: bytes moved over the bandwidth that carries them, FLOPs over FLOP/s.
+
+Every function is pure and takes explicit units. Constants marked "empirical" are fitted or taken from
+measurements and are the ones to recalibrate (benchmarks/planner_validate.py) on new hardware.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from anyrec.planner.types import (
+    Perf,
+    PerfEstimator,
+    Placement,
+    RankCost,
+    ShardingOption,
+    ShardingType,
+    Storage,
+    StorageEstimator,
+    TableSpec,
+    Topology,
+    Workload,
+)
+
+ID_BYTES = 8  # int64 ids and offsets, as torchrec's KeyedJaggedTensor carries them
+OUTPUT_BYTES = 4  # pooled embeddings and their gradients travel as fp32
+COMMS_EFFICIENCY = 0.75  # empirical: NCCL/RCCL all-to-all and ring bus bandwidth / link bandwidth
+DENSE_EFFICIENCY = 0.5  # empirical: DLRM-size GEMMs reach about half of dense peak FLOP/s
+# empirical: recommendation ids follow a power law; 20% of rows take about 80% of lookups (Pareto),
+# so hit rate = ratio ** (ln 0.8 / ln 0.2) gives 0.8 at torchrec's default 0.2 cache ratio.
+_CACHE_HIT_EXPONENT = math.log(0.8) / math.log(0.2)
+
+
+@dataclass(frozen=True)
+class KernelProfile:
+    """How well an embedding kernel family uses the memory system."""
+
+    name: str
+    bw_efficiency: float  # empirical: achieved lookup bandwidth / device memory bandwidth
+    access_bytes: int  # smallest memory transaction on a GPU: rows are read in multiples of this
+    per_row_s: float = 0.0  # empirical: latency-bound cost per looked-up row (CPU: DRAM misses), seconds
+
+
+KERNELS: dict[str, KernelProfile] = {
+    # empirical: FBGEMM TBE forward+backward reaches roughly 55% of HBM bandwidth on dim-128 fp32 rows.
+    "fbgemm": KernelProfile("fbgemm", 0.55, 32),
+    # measured on the lent H200: naive Triton forward 3,311 GB/s of 4.8 TB/s peak.
+    "triton": KernelProfile("triton", 0.69, 32),
+    # measured on the lent H200: nn.EmbeddingBag forward 1,345 GB/s of 4.8 TB/s peak.
+    "torch": KernelProfile("torch", 0.28, 32),
+}
+CPU_ACCESS_BYTES = 64  # one cache line
+
+
+def get_kernel(name: str) -> KernelProfile:
+    """The kernel profile by name; ValueError lists the known ones."""
+    if name not in KERNELS:
+        raise ValueError(f"unknown embedding kernel {name!r}; known: {', '.join(sorted(KERNELS))}")
+    return KERNELS[name]
+
+
+# Optimizer state bytes per embedding row of width `dim` (fp32 state), and per dense parameter.
+OPTIMIZER_STATE_BYTES_PER_ROW = {
+    "sgd": lambda dim: 0,
+    "adagrad": lambda dim: 4 * dim,
+    "rowwise_adagrad": lambda dim: 4,
+    "adam": lambda dim: 8 * dim,
+}
+OPTIMIZER_DENSE_STATE_BYTES = {"sgd": 0, "adagrad": 4, "rowwise_adagrad": 4, "adam": 8}
+
+
+def check_optimizer(optimizer: str) -> None:
+    """ValueError unless the planner knows the optimizer's state size."""
+    if optimizer not in OPTIMIZER_STATE_BYTES_PER_ROW:
+        known = ", ".join(sorted(OPTIMIZER_STATE_BYTES_PER_ROW))
+        raise ValueError(f"unknown optimizer {optimizer!r}; known: {known}")
+
+
+def state_bytes(optimizer: str, rows: int, dim: int) -> int:
+    """Optimizer state bytes for a shard of `rows` x `dim`."""
+    return rows * OPTIMIZER_STATE_BYTES_PER_ROW[optimizer](dim)
+
+
+def simd_utilisation(dim: int, simd_width: int) -> float:
+    """Fraction of SIMD lanes doing work when one wavefront/warp walks an embedding row.
+
+    Rows at least as wide as the SIMD width are padded up to a multiple of it; narrower rows are
+    packed (several rows per wavefront), padded to a power of two.
+    """
+    if dim >= simd_width:
+        lanes = math.ceil(dim / simd_width) * simd_width
+    else:
+        lanes = 1 << (dim - 1).bit_length()
+    return dim / lanes
+
+
+def cache_hit_rate(cache_ratio: float) -> float:
+    """Predicted fraction of lookups served from the HBM cache of a uvm_caching table."""
+    return min(1.0, cache_ratio**_CACHE_HIT_EXPONENT)
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def lookup_time_s(
+    n_ids: float,
+    n_bags: float,
+    dim: int,
+    table: TableSpec,
+    placement: Placement,
+    topology: Topology,
+    optimizer: str,
+    kernel: KernelProfile,
+    cache_ratio: float = 0.0,
+) -> tuple[float, float]:
+    """Forward and backward seconds for a shard that reads `n_ids` rows of width `dim` into `n_bags` bags.
+
+    Forward reads the rows and writes pooled outputs; backward reads output gradients and reads and
+    writes each touched row and its optimizer state (fused update).
+    """
+    dev = topology.device
+    cpu = topology.compute_device == "cpu"
+    access = CPU_ACCESS_BYTES if cpu else kernel.access_bytes
+    row_bytes = _round_up(dim * table.element_bytes, access)
+    st = OPTIMIZER_STATE_BYTES_PER_ROW[optimizer](dim)
+    state_row_bytes = _round_up(st, access) if st else 0
+    fwd_rows = n_ids * row_bytes
+    bwd_rows = 2 * n_ids * (row_bytes + state_row_bytes)
+    out_bytes = n_bags * dim * OUTPUT_BYTES
+    hbm_bw = dev.memory_bw_bytes_per_s * kernel.bw_efficiency * simd_utilisation(dim, dev.simd_width)
+    latency = n_ids * kernel.per_row_s
+    if cpu or placement == Placement.HBM:
+        return (fwd_rows + out_bytes) / hbm_bw + latency, (bwd_rows + out_bytes) / hbm_bw + 2 * latency
+    h2d = dev.h2d_bw_bytes_per_s or dev.host_memory_bw_bytes_per_s
+    if h2d <= 0:
+        raise ValueError(f"{dev.name}: h2d_bw_bytes_per_s is 0, cannot place tables in host memory")
+    if placement == Placement.UVM_CACHING:
+        hit = cache_hit_rate(cache_ratio)
+        per_byte = hit / hbm_bw + (1.0 - hit) / h2d
+    else:  # DDR: every row crosses the host link
+        per_byte = 1.0 / h2d
+    return fwd_rows * per_byte + out_bytes / hbm_bw, bwd_rows * per_byte + out_bytes / hbm_bw
+
+
+def all_to_all_time_s(bytes_to_all: float, topology: Topology) -> float:
+    """Seconds for one rank to send `bytes_to_all` spread evenly over all ranks (its own share stays)."""
+    w, local = topology.world_size, topology.local_world_size
+    if w == 1:
+        return 0.0
+    dev = topology.device
+    intra = bytes_to_all * (local - 1) / w / dev.scale_up_bw_bytes_per_s if local > 1 else 0.0
+    inter = bytes_to_all * (w - local) / w / dev.scale_out_bw_bytes_per_s if w > local else 0.0
+    return max(intra, inter) / COMMS_EFFICIENCY
+
+
+def reduce_scatter_time_s(total_bytes: float, ranks: int, hosts: int, topology: Topology) -> float:
+    """Seconds for a hierarchical ring reduce-scatter (or all-gather) of `total_bytes` over `ranks`
+    ranks on `hosts` hosts: intra-host ring over scale-up, then inter-host over scale-out."""
+    if ranks <= 1:
+        return 0.0
+    dev = topology.device
+    per_host = ranks // hosts
+    t = total_bytes * (per_host - 1) / per_host / dev.scale_up_bw_bytes_per_s if per_host > 1 else 0.0
+    if hosts > 1:
+        t += total_bytes / per_host * (hosts - 1) / hosts / dev.scale_out_bw_bytes_per_s
+    return t / COMMS_EFFICIENCY
+
+
+def all_reduce_time_s(total_bytes: float, topology: Topology) -> float:
+    """Seconds for an all-reduce of `total_bytes` over all ranks (reduce-scatter + all-gather)."""
+    return 2 * reduce_scatter_time_s(total_bytes, topology.world_size, topology.num_hosts, topology)
+
+
+class EmbeddingPerfEstimator(PerfEstimator):
+    """Per-shard step time: lookup bytes over the placement's bandwidth, plus the comms each sharding
+    type needs (all-to-all for table/column-wise, reduce-scatter for row-wise, all-reduce for
+    data-parallel)."""
+
+    def estimate(self, option: ShardingOption, topology: Topology, workload: Workload) -> None:
+        t = option.table
+        b, w = workload.batch_size_per_rank, topology.world_size
+        g = b * w  # global batch
+        p, f = t.pooling_factor, t.num_features
+        kernel = get_kernel(workload.options.kernel)
+        opt = workload.optimizer
+        s0 = option.shards[0]
+
+        def lookup(n_ids: float, n_bags: float, dim: int) -> tuple[float, float]:
+            return lookup_time_s(
+                n_ids, n_bags, dim, t, option.placement, topology, opt, kernel, option.cache_ratio
+            )
+
+        st = option.sharding
+        if st == ShardingType.DATA_PARALLEL:
+            fwd, bwd = lookup(b * p, b * f, t.embedding_dim)
+            # Dense gradient of the whole table, all-reduced every step.
+            perf = Perf(fwd, bwd, 0.0, all_reduce_time_s(t.weight_bytes, topology))
+        elif st in (ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE):
+            dim = s0.num_cols
+            fwd, bwd = lookup(g * p, g * f, dim)
+            ids = all_to_all_time_s(g * (p + f) * ID_BYTES, topology)
+            out = all_to_all_time_s(g * f * dim * OUTPUT_BYTES, topology)
+            perf = Perf(fwd, bwd, ids + out, out)
+        elif st == ShardingType.ROW_WISE:
+            fwd, bwd = lookup(g * p / w, g * f, t.embedding_dim)
+            ids = all_to_all_time_s(b * (p + f) * ID_BYTES, topology)
+            rs = reduce_scatter_time_s(
+                g * f * t.embedding_dim * OUTPUT_BYTES, w, topology.num_hosts, topology
+            )
+            perf = Perf(fwd, bwd, ids + rs, rs)
+        elif st == ShardingType.TABLE_ROW_WISE:
+            local = topology.local_world_size
+            fwd, bwd = lookup(g * p / local, g * f, t.embedding_dim)
+            out_bytes = g * f * t.embedding_dim * OUTPUT_BYTES
+            ids = all_to_all_time_s(g * (p + f) * ID_BYTES / local, topology)
+            rs = reduce_scatter_time_s(out_bytes, local, 1, topology)
+            a2a = all_to_all_time_s(out_bytes / local, topology)
+            perf = Perf(fwd, bwd, ids + rs + a2a, rs + a2a)
+        else:  # pragma: no cover - enum is closed
+            raise AssertionError(st)
+        for s in option.shards:
+            s.perf = perf
+
+
+class EmbeddingStorageEstimator(StorageEstimator):
+    """Per-shard bytes: weights and optimizer state where the placement puts them, plus input ids and
+    output/gradient buffers in HBM for every batch in flight (pipeline depth)."""
+
+    def estimate(self, option: ShardingOption, topology: Topology, workload: Workload) -> None:
+        t = option.table
+        b, w = workload.batch_size_per_rank, topology.world_size
+        g = b * w
+        p, f = t.pooling_factor, t.num_features
+        depth = workload.options.pipeline_depth
+        st = option.sharding
+        if st == ShardingType.DATA_PARALLEL:
+            ids, bags = b * p, b * f
+        elif st in (ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE):
+            ids, bags = g * p, g * f
+        elif st == ShardingType.ROW_WISE:
+            ids, bags = g * p / w, g * f
+        else:
+            ids, bags = g * p / topology.local_world_size, g * f
+        cache: dict[tuple[int, int], Storage] = {}
+        for s in option.shards:
+            key = (s.num_rows, s.num_cols)
+            if key not in cache:
+                weights = s.num_rows * s.num_cols * t.element_bytes
+                state = state_bytes(workload.optimizer, s.num_rows, s.num_cols)
+                out = bags * s.num_cols * OUTPUT_BYTES
+                buffers = int(depth * ((ids + bags) * ID_BYTES + out) + out)  # + output gradient
+                if st == ShardingType.DATA_PARALLEL:
+                    hbm, ddr = weights + state + weights, 0  # dense gradient of the replica
+                elif option.placement == Placement.HBM or topology.compute_device == "cpu":
+                    hbm, ddr = weights + state, 0
+                elif option.placement == Placement.UVM_CACHING:
+                    hbm, ddr = int(option.cache_ratio * (weights + state)), weights + state
+                else:
+                    hbm, ddr = 0, weights + state
+                cache[key] = Storage(hbm + buffers, ddr)
+            s.storage = cache[key]
+
+
+class DenseEstimator:
+    """Per-rank cost that every plan pays: the data-parallel dense model (weights, gradients,
+    optimizer state, FLOPs, gradient all-reduce) and the pooled embeddings of the local batch."""
+
+    def estimate(self, topology: Topology, workload: Workload) -> RankCost:
+        n = workload.dense_param_count
+        b = workload.batch_size_per_rank
+        opts = workload.options
+        dense_state = OPTIMIZER_DENSE_STATE_BYTES[workload.optimizer]
+        pooled = b * sum(t.num_features * t.embedding_dim for t in workload.tables) * OUTPUT_BYTES
+        hbm = n * (4 + 4 + dense_state) + opts.pipeline_depth * pooled + pooled
+        hbm += b * opts.dense_activation_bytes_per_sample
+        dev = topology.device
+        peak = dev.peak_bf16_flops if opts.dense_dtype in ("bf16", "fp16") else dev.peak_fp32_flops
+        if topology.compute_device == "cpu":
+            peak = dev.peak_fp32_flops
+        flops = 6.0 * n * b  # forward 2 FLOPs per parameter per sample, backward 4
+        compute = flops / (peak * DENSE_EFFICIENCY) if peak > 0 else 0.0
+        comms = all_reduce_time_s(4 * n, topology)
+        perf = Perf(compute / 3, 2 * compute / 3, 0.0, comms)
+        return RankCost(Storage(int(hbm), 0), perf)
+
+
+def usable_caps(topology: Topology, workload: Workload) -> Storage:
+    """Per-rank bytes the planner may fill: HBM less the reserve, and host DDR."""
+    opts = workload.options
+    hbm = int(topology.hbm_bytes_per_rank * (1.0 - opts.reserve_fraction)) - opts.reserve_bytes
+    return Storage(max(hbm, 0), topology.ddr_bytes_per_rank)

@@ -1,0 +1,239 @@
+"""Readable plan reports, the per-table 'why', the side-by-side SKU comparison and the plan picture."""
+
+from __future__ import annotations
+
+from anyrec.planner.estimators import cache_hit_rate
+from anyrec.planner.types import Placement, ShardingType
+
+GB = 1e9
+
+
+def _ranks(ranks: list[int]) -> str:
+    rs = sorted(set(ranks))
+    if len(rs) > 2 and rs == list(range(rs[0], rs[-1] + 1)):
+        return f"{rs[0]}-{rs[-1]}"
+    return ",".join(map(str, rs))
+
+
+def explain_tables(plan) -> dict[str, str]:
+    """Why each table got its sharding and placement, from the alternatives the search had."""
+    topo = plan.topology
+    free = plan.caps.hbm_bytes - plan.base.storage.hbm_bytes
+    balanced = plan.lower_bound_s - plan.base.perf.total_s
+    out = {}
+    for name, opt in plan.tables.items():
+        alts: dict[str, float] = {}
+        for o in plan.options_by_table.get(name, []):
+            if o.placement == opt.placement:
+                key = o.sharding.value
+                alts[key] = min(alts.get(key, float("inf")), o.total_perf_s)
+        work = opt.total_perf_s
+        tw = alts.get(ShardingType.TABLE_WISE.value)
+        whole = opt.table.weight_bytes
+        st = opt.sharding
+        if st == ShardingType.DATA_PARALLEL:
+            why = f"replicated: local lookups + all-reduce of {whole / 1e6:.2f} MB gradient is cheapest"
+        elif st == ShardingType.TABLE_WISE:
+            rw = alts.get(ShardingType.ROW_WISE.value)
+            cmp = f" (row_wise {rw * 1e3:.3f} ms)" if rw is not None else ""
+            why = f"whole table on one rank: least total time {work * 1e3:.3f} ms{cmp}"
+        else:
+            if tw is None:
+                reason = f"a whole copy does not fit one rank's {free / GB:.1f} GB free HBM"
+            elif tw > balanced:
+                reason = (
+                    f"a whole copy ({tw * 1e3:.3f} ms) exceeds the balanced rank load "
+                    f"({balanced * 1e3:.3f} ms)"
+                )
+            else:
+                reason = f"balances ranks ({work * 1e3:.3f} ms total vs table_wise {tw * 1e3:.3f} ms)"
+            if st == ShardingType.COLUMN_WISE:
+                why = f"{opt.num_shards} column pieces of dim {opt.shards[0].num_cols}: {reason}"
+            elif st == ShardingType.ROW_WISE:
+                why = f"rows over all {topo.world_size} ranks: {reason}"
+            else:
+                why = f"rows over host {opt.host}'s {topo.local_world_size} ranks (scale-up reduce): {reason}"
+        if opt.placement == Placement.UVM_CACHING:
+            why += (
+                f"; UVM caching ({opt.cache_ratio:.0%} rows cached, predicted hit rate "
+                f"{cache_hit_rate(opt.cache_ratio):.0%}): HBM cannot hold every table"
+            )
+        elif opt.placement == Placement.DDR:
+            why += "; host DDR over the host link: HBM cannot hold it even cached"
+        out[name] = why
+    return out
+
+
+def format_report(plan, advice: bool = True, max_tables: int = 60) -> str:
+    """Per rank: memory used/cap, predicted compute and comms; per table: sharding, placement, ranks, why."""
+    topo, wl = plan.topology, plan.workload
+    lines = []
+    lb = plan.lower_bound_s
+    step = plan.predicted_step_s
+    gap = (step / lb - 1) if lb > 0 else 0.0
+    lines.append(
+        f"anyrec plan: {len(wl.tables)} tables on {topo.world_size} x {topo.device.name} "
+        f"({topo.num_hosts} host(s) x {topo.local_world_size}), batch {wl.batch_size_per_rank}/rank, "
+        f"{wl.optimizer}, kernel {wl.options.kernel}, compute device {topo.compute_device}"
+    )
+    lines.append(
+        f"predicted step {step * 1e3:.3f} ms (slowest rank); lower bound {lb * 1e3:.3f} ms, gap {gap:.1%}; "
+        f"solver {plan.solver}, planned in {plan.plan_time_s:.3f} s"
+    )
+    lines.append("")
+    lines.append(
+        f"{'rank':>4}  {'HBM used / cap GB':>19}  {'DDR GB':>7}  {'compute ms':>10}  {'comms ms':>9}  "
+        f"{'total ms':>9}"
+    )
+    for r, (st, pf) in enumerate(zip(plan.rank_storage, plan.rank_perf, strict=False)):
+        lines.append(
+            f"{r:>4}  {st.hbm_bytes / GB:>8.1f} / {topo.hbm_bytes_per_rank / GB:>8.1f}  "
+            f"{st.ddr_bytes / GB:>7.1f}  "
+            f"{pf.compute_s * 1e3:>10.3f}  {pf.comms_s * 1e3:>9.3f}  {pf.total_s * 1e3:>9.3f}"
+        )
+    lines.append(
+        f"(HBM cap less reserve: {plan.caps.hbm_bytes / GB:.1f} GB usable; dense model and local buffers "
+        f"{plan.base.storage.hbm_bytes / GB:.2f} GB and {plan.base.perf.total_s * 1e3:.3f} ms per rank)"
+    )
+    lines.append("")
+    lines.append(
+        f"{'table':<14} {'rows':>10} {'dim':>4} {'pool':>5} {'sharding':<16} {'placement':<11} "
+        f"{'kernel':<17} {'ranks':<9} why"
+    )
+    items = list(plan.tables.items())
+    if len(items) > max_tables:
+        items = sorted(items, key=lambda kv: -kv[1].total_perf_s)[:max_tables]
+    for name, opt in items:
+        sh = opt.sharding.value + (f"x{opt.num_shards}" if opt.sharding == ShardingType.COLUMN_WISE else "")
+        t = opt.table
+        lines.append(
+            f"{name:<14} {t.num_rows:>10} {t.embedding_dim:>4} {t.pooling_factor:>5.0f} {sh:<16} "
+            f"{opt.placement.value:<11} {opt.compute_kernel:<17} {_ranks(opt.ranks):<9} "
+            f"{plan.reasons.get(name, '')}"
+        )
+    if len(plan.tables) > max_tables:
+        lines.append(f"... {len(plan.tables) - max_tables} cheaper tables not shown")
+    for note in plan.notes:
+        lines.append(f"note: {note}")
+    if advice:
+        from anyrec.planner.advice import co_design_advice
+
+        lines.append("")
+        lines.append("co-design advice:")
+        lines.extend(f"  - {a}" for a in co_design_advice(plan))
+    return "\n".join(lines)
+
+
+def format_compare(a, b) -> str:
+    """Two plans of the same workload on two SKUs side by side, and what memory density changes."""
+    rows = []
+
+    def summary(p):
+        st, pf = p.rank_storage, p.rank_perf
+        pl = p.placements()
+        return {
+            "hardware": f"{p.topology.world_size} x {p.topology.device.name}",
+            "HBM per device": f"{p.topology.hbm_bytes_per_rank / GB:.0f} GB",
+            "HBM bandwidth": f"{p.topology.device.memory_bw_bytes_per_s / 1e12:.2f} TB/s",
+            "max HBM used": f"{max(s.hbm_bytes for s in st) / GB:.1f} GB",
+            "tables in HBM / UVM / DDR": (
+                f"{len(pl[Placement.HBM])} / {len(pl[Placement.UVM_CACHING])} / {len(pl[Placement.DDR])}"
+            ),
+            "predicted step": f"{p.predicted_step_s * 1e3:.3f} ms",
+            "slowest rank compute": f"{max(pf, key=lambda x: x.total_s).compute_s * 1e3:.3f} ms",
+            "slowest rank comms": f"{max(pf, key=lambda x: x.total_s).comms_s * 1e3:.3f} ms",
+        }
+
+    sa, sb = summary(a), summary(b)
+    w = max(len(k) for k in sa) + 2
+    for k in sa:
+        rows.append(f"{k:<{w}} {sa[k]:>22} {sb[k]:>22}")
+    da, db = a.topology.device, b.topology.device
+    ratio = da.memory_bytes / db.memory_bytes
+    rows.append("")
+    rows.append(
+        f"memory density: {da.name} {da.memory_bytes / GB:.0f} GB vs {db.name} {db.memory_bytes / GB:.0f} GB "
+        f"= {ratio:.2f}x; predicted step ratio {a.predicted_step_s / b.predicted_step_s:.2f}x"
+    )
+    changed = [
+        n
+        for n in a.tables
+        if (a.tables[n].sharding, a.tables[n].placement) != (b.tables[n].sharding, b.tables[n].placement)
+    ]
+    for n in changed[:20]:
+        oa, ob = a.tables[n], b.tables[n]
+        rows.append(f"  {n}: {oa.label()} on {da.name} -> {ob.label()} on {db.name}")
+    if len(changed) > 20:
+        rows.append(f"  ... {len(changed) - 20} more tables change")
+    if not changed:
+        rows.append("  every table gets the same sharding and placement on both")
+    return "\n".join(rows)
+
+
+def memory_breakdown(plan) -> dict[str, list[float]]:
+    """Per-rank HBM bytes by kind: weights, optimizer state, caches, buffers, dense + local buffers."""
+    from anyrec.planner.estimators import state_bytes
+
+    w = plan.topology.world_size
+    kinds = {
+        k: [0.0] * w
+        for k in ("dense + local buffers", "weights", "optimizer state", "uvm cache", "sharded buffers")
+    }
+    for r in range(w):
+        kinds["dense + local buffers"][r] = plan.base.storage.hbm_bytes
+    for opt in plan.tables.values():
+        t = opt.table
+        for s in opt.shards:
+            wt = s.num_rows * s.num_cols * t.element_bytes
+            stb = state_bytes(plan.workload.optimizer, s.num_rows, s.num_cols)
+            if opt.sharding == ShardingType.DATA_PARALLEL:
+                wt *= 2  # replica + its dense gradient
+            if opt.placement == Placement.HBM or plan.topology.compute_device == "cpu":
+                held = wt + stb
+                kinds["weights"][s.rank] += wt
+                kinds["optimizer state"][s.rank] += stb
+            elif opt.placement == Placement.UVM_CACHING:
+                held = int(opt.cache_ratio * (wt + stb))
+                kinds["uvm cache"][s.rank] += held
+            else:
+                held = 0
+            kinds["sharded buffers"][s.rank] += s.storage.hbm_bytes - held
+    return kinds
+
+
+def plot_plan(plan, path: str, compare=None) -> None:
+    """PNG: per-rank HBM stacked by kind against the cap; per-rank predicted compute + comms.
+    With `compare`, the second SKU's plan is drawn beside the first."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plans = [plan] + ([compare] if compare is not None else [])
+    fig, axes = plt.subplots(2, len(plans), figsize=(6.5 * len(plans), 7), squeeze=False)
+    colors = ["#8c8c8c", "#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd"]
+    for col, p in enumerate(plans):
+        ax_m, ax_t = axes[0][col], axes[1][col]
+        kinds = memory_breakdown(p)
+        ranks = list(range(p.topology.world_size))
+        bottom = [0.0] * len(ranks)
+        for (kind, vals), c in zip(kinds.items(), colors, strict=False):
+            ax_m.bar(ranks, [v / GB for v in vals], bottom=bottom, label=kind, color=c)
+            bottom = [b + v / GB for b, v in zip(bottom, vals, strict=False)]
+        ax_m.axhline(p.topology.hbm_bytes_per_rank / GB, color="red", linestyle="--", label="HBM cap")
+        ax_m.axhline(p.caps.hbm_bytes / GB, color="red", linestyle=":", label="cap less reserve")
+        ax_m.set_title(f"{p.topology.world_size} x {p.topology.device.name}: HBM per rank")
+        ax_m.set_ylabel("GB")
+        ax_m.legend(fontsize=7, loc="lower right")
+        perf = p.rank_perf
+        comp = [x.compute_s * 1e3 for x in perf]
+        comm = [x.comms_s * 1e3 for x in perf]
+        ax_t.bar(ranks, comp, label="compute", color="#1f77b4")
+        ax_t.bar(ranks, comm, bottom=comp, label="comms", color="#d62728")
+        ax_t.set_title(f"predicted step {p.predicted_step_s * 1e3:.3f} ms (slowest rank)")
+        ax_t.set_xlabel("rank")
+        ax_t.set_ylabel("ms")
+        ax_t.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

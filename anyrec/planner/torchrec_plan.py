@@ -1,0 +1,101 @@
+"""Conversions between anyrec plans and torchrec ShardingPlans (both directions)."""
+
+from __future__ import annotations
+
+import torch
+
+from anyrec.planner.types import Placement, ShardingType, TableSpec
+
+# torchrec compute kernel -> anyrec placement
+KERNEL_PLACEMENT = {
+    "dense": Placement.HBM,
+    "fused": Placement.HBM,
+    "fused_uvm_caching": Placement.UVM_CACHING,
+    "fused_uvm": Placement.DDR,
+}
+
+
+def meta_ebc(tables: list[TableSpec]):
+    """A torchrec EmbeddingBagCollection on the meta device: no table memory is allocated."""
+    from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    dtypes = {"fp32": DataType.FP32, "fp16": DataType.FP16, "bf16": DataType.BF16, "int8": DataType.INT8}
+    configs = [
+        EmbeddingBagConfig(
+            name=t.name,
+            embedding_dim=t.embedding_dim,
+            num_embeddings=t.num_rows,
+            feature_names=list(t.feature_names),
+            data_type=dtypes.get(t.weight_dtype, DataType.FP32),
+        )
+        for t in tables
+    ]
+    return EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
+
+
+def _kernel_for(placement: Placement, sharding: ShardingType, compute_device: str) -> str:
+    if sharding == ShardingType.DATA_PARALLEL:
+        return "dense"
+    if compute_device == "cpu":
+        return "fused"  # torchrec has only dense/fused kernels on CPU; tables live in host memory anyway
+    return {Placement.HBM: "fused", Placement.UVM_CACHING: "fused_uvm_caching", Placement.DDR: "fused_uvm"}[
+        placement
+    ]
+
+
+def to_sharding_plan(plan, module_path: str, module=None, compute_device: str | None = None):
+    """torchrec ShardingPlan {module_path: per-table ParameterSharding} for a PlanResult."""
+    from torchrec.distributed.sharding_plan import (
+        column_wise,
+        construct_module_sharding_plan,
+        data_parallel,
+        row_wise,
+        table_row_wise,
+        table_wise,
+    )
+    from torchrec.distributed.types import ShardingPlan
+
+    topo = plan.topology
+    device = compute_device or topo.compute_device
+    module = module if module is not None else meta_ebc(plan.workload.tables)
+    generators = {}
+    kernels = {}
+    for name, opt in plan.tables.items():
+        kernel = _kernel_for(opt.placement, opt.sharding, device)
+        kernels[name] = kernel
+        st = opt.sharding
+        if st == ShardingType.DATA_PARALLEL:
+            generators[name] = data_parallel()
+        elif st == ShardingType.TABLE_WISE:
+            generators[name] = table_wise(rank=opt.shards[0].rank, compute_kernel=kernel)
+        elif st == ShardingType.COLUMN_WISE:
+            generators[name] = column_wise(ranks=[s.rank for s in opt.shards], compute_kernel=kernel)
+        elif st == ShardingType.ROW_WISE:
+            generators[name] = row_wise(compute_kernel=kernel)
+        else:
+            generators[name] = table_row_wise(host_index=opt.host)
+    module_plan = construct_module_sharding_plan(
+        module,
+        generators,
+        local_size=topo.local_world_size,
+        world_size=topo.world_size,
+        device_type=device,
+    )
+    for name, ps in module_plan.items():
+        ps.compute_kernel = kernels[name]  # table_row_wise() takes no kernel argument
+    return ShardingPlan({module_path: module_plan})
+
+
+def from_sharding_plan(
+    sharding_plan, module_path: str | None = None
+) -> dict[str, tuple[str, str, list[int]]]:
+    """Per table (sharding type, placement, ranks) from a torchrec ShardingPlan, for costing it."""
+    plans = sharding_plan.plan
+    paths = [module_path] if module_path else list(plans)
+    out: dict[str, tuple[str, str, list[int]]] = {}
+    for path in paths:
+        for name, ps in plans[path].items():
+            placement = KERNEL_PLACEMENT.get(ps.compute_kernel, Placement.HBM)
+            out[name] = (ps.sharding_type, placement.value, list(ps.ranks or []))
+    return out

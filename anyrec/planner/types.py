@@ -1,0 +1,330 @@
+"""Planner value types and role interfaces (torchrec planner split: types, estimators, enumerators,
+proposers, partitioners, planner, report).
+
+Units: bytes for memory, seconds for time inside the planner (reports print ms), bytes/s for bandwidth.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from anyrec.backends.specs import DeviceSpec
+
+DTYPE_BYTES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "fp8": 1}
+
+
+class ShardingType(StrEnum):
+    """How one table is split over ranks (the names torchrec uses)."""
+
+    DATA_PARALLEL = "data_parallel"
+    TABLE_WISE = "table_wise"
+    ROW_WISE = "row_wise"
+    COLUMN_WISE = "column_wise"
+    TABLE_ROW_WISE = "table_row_wise"
+
+
+class Placement(StrEnum):
+    """Where a table's weights and optimizer state live."""
+
+    HBM = "hbm"  # device memory (on a CPU compute device: host memory the process owns)
+    UVM_CACHING = "uvm_caching"  # host memory, with a software cache of hot rows in HBM
+    DDR = "ddr"  # host memory, read over the host<->device link on every lookup
+
+
+ALL_SHARDINGS: tuple[ShardingType, ...] = tuple(ShardingType)
+ALL_PLACEMENTS: tuple[Placement, ...] = tuple(Placement)
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """One embedding table as the planner sees it.
+
+    `pooling_factor` is the mean number of ids per sample, summed over the table's features.
+    """
+
+    name: str
+    num_rows: int
+    embedding_dim: int
+    pooling_factor: float
+    feature_names: list[str]
+    weight_dtype: str = "fp32"
+
+    def __post_init__(self) -> None:
+        if self.num_rows <= 0 or self.embedding_dim <= 0:
+            raise ValueError(f"table {self.name}: num_rows and embedding_dim must be > 0")
+        if self.pooling_factor < 0:
+            raise ValueError(f"table {self.name}: pooling_factor must be >= 0")
+        if self.weight_dtype not in DTYPE_BYTES:
+            raise ValueError(
+                f"table {self.name}: unknown weight_dtype {self.weight_dtype!r}; known: {sorted(DTYPE_BYTES)}"
+            )
+        if not self.feature_names:
+            raise ValueError(f"table {self.name}: needs at least one feature name")
+
+    @property
+    def num_features(self) -> int:
+        return len(self.feature_names)
+
+    @property
+    def element_bytes(self) -> int:
+        return DTYPE_BYTES[self.weight_dtype]
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.num_rows * self.embedding_dim * self.element_bytes
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The job's machines: one DeviceSpec per rank, `world_size` ranks, `local_world_size` per host.
+
+    `hbm_cap_bytes` / `ddr_cap_bytes` override the DeviceSpec capacities (e.g. a shared node).
+    """
+
+    device: DeviceSpec
+    world_size: int
+    local_world_size: int | None = None
+    compute_device: str | None = None  # "cuda" | "cpu"; default from the device vendor
+    hbm_cap_bytes: int | None = None
+    ddr_cap_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.world_size <= 0:
+            raise ValueError(f"world_size must be > 0, got {self.world_size}")
+        local = self.local_world_size or min(self.world_size, 8)
+        if local <= 0 or self.world_size % local != 0:
+            raise ValueError(f"world_size {self.world_size} must be a multiple of local_world_size {local}")
+        object.__setattr__(self, "local_world_size", local)
+        compute = self.compute_device or ("cpu" if self.device.vendor == "cpu" else "cuda")
+        if compute not in ("cuda", "cpu"):
+            raise ValueError(f"compute_device must be 'cuda' or 'cpu', got {compute!r}")
+        object.__setattr__(self, "compute_device", compute)
+
+    @property
+    def num_hosts(self) -> int:
+        return self.world_size // self.local_world_size
+
+    @property
+    def hbm_bytes_per_rank(self) -> int:
+        return self.hbm_cap_bytes if self.hbm_cap_bytes is not None else self.device.memory_bytes
+
+    @property
+    def ddr_bytes_per_rank(self) -> int:
+        if self.ddr_cap_bytes is not None:
+            return self.ddr_cap_bytes
+        # Unknown host memory: torchrec's default of 128 GB per rank.
+        return self.device.host_memory_bytes or 128 * 10**9
+
+    def host_of(self, rank: int) -> int:
+        return rank // self.local_world_size
+
+    def replace(self, **changes: object) -> Topology:
+        """A copy with some fields changed (e.g. another DeviceSpec for what-if planning)."""
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Storage:
+    """Bytes one shard (or one rank) holds in device memory (HBM) and host memory (DDR)."""
+
+    hbm_bytes: int = 0
+    ddr_bytes: int = 0
+
+    def __add__(self, other: Storage) -> Storage:
+        return Storage(self.hbm_bytes + other.hbm_bytes, self.ddr_bytes + other.ddr_bytes)
+
+    def fits_in(self, other: Storage) -> bool:
+        return self.hbm_bytes <= other.hbm_bytes and self.ddr_bytes <= other.ddr_bytes
+
+
+@dataclass(frozen=True)
+class Perf:
+    """Predicted seconds one shard (or one rank) spends per training step, by phase and kind."""
+
+    fwd_compute_s: float = 0.0
+    bwd_compute_s: float = 0.0
+    fwd_comms_s: float = 0.0
+    bwd_comms_s: float = 0.0
+
+    def __add__(self, other: Perf) -> Perf:
+        return Perf(
+            self.fwd_compute_s + other.fwd_compute_s,
+            self.bwd_compute_s + other.bwd_compute_s,
+            self.fwd_comms_s + other.fwd_comms_s,
+            self.bwd_comms_s + other.bwd_comms_s,
+        )
+
+    @property
+    def compute_s(self) -> float:
+        return self.fwd_compute_s + self.bwd_compute_s
+
+    @property
+    def comms_s(self) -> float:
+        return self.fwd_comms_s + self.bwd_comms_s
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.comms_s
+
+
+@dataclass
+class Shard:
+    """One piece of a table: its rows/columns, where it lives and what it costs on its rank."""
+
+    num_rows: int
+    num_cols: int
+    storage: Storage
+    perf: Perf
+    rank: int | None = None  # None until the partitioner places it
+
+
+@dataclass
+class ShardingOption:
+    """One way to shard and place a table: sharding type, placement, compute kernel and its shards.
+
+    Data-parallel, row-wise and table-row-wise options have their ranks fixed at enumeration; the
+    partitioner assigns ranks to table-wise and column-wise shards.
+    """
+
+    table: TableSpec
+    sharding: ShardingType
+    placement: Placement
+    compute_kernel: str  # torchrec compute kernel: "fused", "fused_uvm_caching", "fused_uvm", "dense"
+    shards: list[Shard]
+    host: int | None = None  # table-row-wise: the host whose ranks hold the rows
+    cache_ratio: float = 0.0  # uvm_caching: fraction of rows cached in HBM
+
+    @property
+    def ranks_fixed(self) -> bool:
+        return self.sharding in (
+            ShardingType.DATA_PARALLEL,
+            ShardingType.ROW_WISE,
+            ShardingType.TABLE_ROW_WISE,
+        )
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.shards)
+
+    @property
+    def total_perf_s(self) -> float:
+        return sum(s.perf.total_s for s in self.shards)
+
+    @property
+    def total_storage(self) -> Storage:
+        out = Storage()
+        for s in self.shards:
+            out = out + s.storage
+        return out
+
+    @property
+    def ranks(self) -> list[int]:
+        return [s.rank for s in self.shards if s.rank is not None]
+
+    def label(self) -> str:
+        k = f"x{self.num_shards}" if self.sharding == ShardingType.COLUMN_WISE else ""
+        h = f"@host{self.host}" if self.host is not None else ""
+        return f"{self.sharding.value}{k}{h}/{self.placement.value}"
+
+
+@dataclass
+class PlanOptions:
+    """Knobs the caller (trainer, CLI) sets; defaults suit a GPU training job."""
+
+    allowed_shardings: tuple[ShardingType, ...] = ALL_SHARDINGS
+    allowed_placements: tuple[Placement, ...] = ALL_PLACEMENTS
+    kernel: str = "fbgemm"  # embedding kernel family: sets the bandwidth efficiency
+    uvm_cache_ratio: float = 0.2  # HBM cache rows / table rows for uvm_caching (torchrec's default)
+    reserve_fraction: float = 0.05  # of HBM kept free (fragmentation, allocator slack)
+    reserve_bytes: int = 2 * 10**9  # HBM kept free for the runtime context and workspaces
+    pipeline_depth: int = 3  # batches in flight: copies of input/output buffers (TrainPipelineSparseDist)
+    max_column_shards: int = 8  # most column-wise pieces considered per table
+    exhaustive_limit: int = 20_000  # search spaces at most this large are solved exactly
+    dense_dtype: str = "bf16"  # dense (MLP) compute dtype: picks peak FLOP/s
+    dense_activation_bytes_per_sample: int = 0  # extra per-sample activation memory for the dense part
+
+    def __post_init__(self) -> None:
+        self.allowed_shardings = tuple(ShardingType(s) for s in self.allowed_shardings)
+        self.allowed_placements = tuple(Placement(p) for p in self.allowed_placements)
+        if not self.allowed_shardings:
+            raise ValueError("allowed_shardings is empty")
+        if not self.allowed_placements:
+            raise ValueError("allowed_placements is empty")
+        if not 0.0 < self.uvm_cache_ratio <= 1.0:
+            raise ValueError(f"uvm_cache_ratio must be in (0, 1], got {self.uvm_cache_ratio}")
+        if not 0.0 <= self.reserve_fraction < 1.0:
+            raise ValueError(f"reserve_fraction must be in [0, 1), got {self.reserve_fraction}")
+        if self.pipeline_depth < 1:
+            raise ValueError(f"pipeline_depth must be >= 1, got {self.pipeline_depth}")
+
+
+@dataclass
+class Workload:
+    """Everything about the job except the topology: the tables, batch, optimizer, dense model."""
+
+    tables: list[TableSpec]
+    batch_size_per_rank: int
+    optimizer: str
+    dense_param_count: int = 0
+    options: PlanOptions = field(default_factory=PlanOptions)
+
+
+class PerfEstimator(abc.ABC):
+    """Predicts per-shard step time for a sharding option."""
+
+    @abc.abstractmethod
+    def estimate(self, option: ShardingOption, topology: Topology, workload: Workload) -> None:
+        """Fill `perf` of every shard of `option`."""
+
+
+class StorageEstimator(abc.ABC):
+    """Predicts per-shard HBM and DDR bytes for a sharding option."""
+
+    @abc.abstractmethod
+    def estimate(self, option: ShardingOption, topology: Topology, workload: Workload) -> None:
+        """Fill `storage` of every shard of `option`."""
+
+
+class Enumerator(abc.ABC):
+    """Lists the candidate sharding options for each table."""
+
+    @abc.abstractmethod
+    def enumerate(
+        self, topology: Topology, workload: Workload, placements: dict[str, tuple[Placement, ...]]
+    ) -> dict[str, list[ShardingOption]]:
+        """Options per table name, restricted to each table's allowed placements."""
+
+
+class Partitioner(abc.ABC):
+    """Picks one option per table and assigns ranks to its shards, minimising the slowest rank."""
+
+    @abc.abstractmethod
+    def partition(
+        self,
+        options: dict[str, list[ShardingOption]],
+        topology: Topology,
+        base_per_rank: RankCost,
+        caps: Storage,
+    ) -> dict[str, ShardingOption] | None:
+        """The chosen option per table with ranks set, or None when nothing fits `caps`."""
+
+
+class Proposer(abc.ABC):
+    """Decides which placements each table may use, escalating HBM -> UVM caching -> DDR."""
+
+    @abc.abstractmethod
+    def proposals(
+        self, options: dict[str, list[ShardingOption]], topology: Topology, free: Storage, workload: Workload
+    ) -> list[dict[str, tuple[Placement, ...]]]:
+        """Placement restrictions to try, in order; the planner stops at the first that partitions."""
+
+
+@dataclass(frozen=True)
+class RankCost:
+    """Per-rank cost that does not depend on the embedding plan: dense model, buffers, reserve."""
+
+    storage: Storage
+    perf: Perf

@@ -1,0 +1,236 @@
+"""Plan the same inputs with anyrec's CoDesignPlanner and torchrec's EmbeddingShardingPlanner.
+
+For each workload: planning time of each, and each plan's predicted step time under both cost
+models (anyrec's analytical model and torchrec's shard estimators, rated as torchrec does: the
+slowest rank's sum of shard perf). Both planners get the same topology numbers.
+
+    PYTHONPATH=. python benchmarks/planner.py                 # DLRMv2 + 1,000 synthetic tables
+    PYTHONPATH=. python benchmarks/planner.py --small         # DLRMv2 + 50 tables (for tests)
+
+torchrec's default proposers take minutes at 500+ tables, so the synthetic workload runs torchrec
+with its UniformProposer only unless --torchrec-proposers default is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from anyrec.backends.specs import get_sku  # noqa: E402
+from anyrec.planner.cli import write_json_atomic  # noqa: E402
+from anyrec.planner.planner import CoDesignPlanner, evaluate_assignment, make_workload  # noqa: E402
+from anyrec.planner.torchrec_plan import from_sharding_plan, meta_ebc  # noqa: E402
+from anyrec.planner.types import Placement, TableSpec, Topology  # noqa: E402
+from anyrec.planner.workloads import DLRMV2_DENSE_PARAMS, dlrmv2_tables, synthetic_tables  # noqa: E402
+
+TR_KERNEL = {"hbm": "fused", "uvm_caching": "fused_uvm_caching", "ddr": "fused_uvm"}
+
+
+def _torchrec_setup(tables: list[TableSpec], topo: Topology, batch: int, optimizer: str):
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.planner.types import ParameterConstraints
+    from torchrec.distributed.planner.types import Topology as TrTopology
+
+    dev = topo.device
+    per_ms = 1e-3  # torchrec bandwidths are bytes per millisecond
+    tr_topo = TrTopology(
+        world_size=topo.world_size,
+        local_world_size=topo.local_world_size,
+        compute_device="cuda",
+        hbm_cap=topo.hbm_bytes_per_rank,
+        ddr_cap=topo.ddr_bytes_per_rank,
+        hbm_mem_bw=dev.memory_bw_bytes_per_s * per_ms,
+        ddr_mem_bw=(dev.host_memory_bw_bytes_per_s or dev.h2d_bw_bytes_per_s) * per_ms,
+        hbm_to_ddr_mem_bw=dev.h2d_bw_bytes_per_s * per_ms,
+        intra_host_bw=dev.scale_up_bw_bytes_per_s * per_ms,
+        inter_host_bw=dev.scale_out_bw_bytes_per_s * per_ms,
+    )
+    constraints = {
+        t.name: ParameterConstraints(pooling_factors=[t.pooling_factor / t.num_features] * t.num_features)
+        for t in tables
+    }
+    module = meta_ebc(tables)
+    opt_cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad}
+    if optimizer == "rowwise_adagrad":
+        from torchrec.optim import RowWiseAdagrad
+
+        opt_cls["rowwise_adagrad"] = RowWiseAdagrad
+    for p in module.parameters():
+        p._optimizer_classes = [opt_cls[optimizer]]  # what torchrec's storage estimator reads
+    return tr_topo, constraints, module, [EmbeddingBagCollectionSharder()]
+
+
+def torchrec_cost(assignment, tr_options, world_size: int, local: int) -> float | None:
+    """Step ms of a plan (table -> (sharding, placement, ranks)) under torchrec's estimators."""
+    by_table: dict[str, list] = {}
+    for o in tr_options:
+        by_table.setdefault(o.name, []).append(o)
+    perfs = [0.0] * world_size
+    for name, (st, placement, ranks) in assignment.items():
+        kernel = "dense" if st == "data_parallel" else TR_KERNEL[placement]
+        cands = [o for o in by_table.get(name, []) if o.sharding_type == st and o.compute_kernel == kernel]
+        if not cands:
+            cands = [o for o in by_table.get(name, []) if o.sharding_type == st]
+        if not cands:
+            return None
+        if st == "column_wise":
+            cands.sort(key=lambda o: abs(len(o.shards) - len(ranks)))
+        o = cands[0]
+        if st in ("table_wise", "column_wise"):
+            placed = [ranks[i % len(ranks)] for i in range(len(o.shards))]
+        elif st == "table_row_wise":
+            host = ranks[0] // local
+            placed = [host * local + i for i in range(len(o.shards))]
+        else:
+            placed = list(range(len(o.shards)))
+        for s, r in zip(o.shards, placed, strict=True):
+            perfs[r] += s.perf.total
+    return max(perfs)
+
+
+def run_workload(name, tables, sku, world_size, batch, optimizer, dense_params, proposers, repeats=3):
+    """Plan one workload with both planners and cost each plan under both models."""
+    from torchrec.distributed.planner import EmbeddingShardingPlanner
+    from torchrec.distributed.planner.enumerators import EmbeddingEnumerator as TrEnumerator
+    from torchrec.distributed.planner.proposers import UniformProposer
+    from torchrec.distributed.planner.shard_estimators import (
+        EmbeddingPerfEstimator as TrPerf,
+    )
+    from torchrec.distributed.planner.shard_estimators import (
+        EmbeddingStorageEstimator as TrStorage,
+    )
+
+    topo = Topology(get_sku(sku), world_size)
+    planner = CoDesignPlanner()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        ours = planner.plan(tables, topo, batch, optimizer, dense_params)
+        times.append(time.perf_counter() - start)
+    ours_assign = {n: (o.sharding.value, o.placement.value, o.ranks) for n, o in ours.tables.items()}
+
+    tr_topo, constraints, module, sharders = _torchrec_setup(tables, topo, batch, optimizer)
+    kwargs = {"proposer": UniformProposer()} if proposers == "uniform" else {}
+    tr_planner = EmbeddingShardingPlanner(
+        topology=tr_topo, batch_size=batch, constraints=constraints, debug=False, **kwargs
+    )
+    start = time.perf_counter()
+    try:
+        tr_plan = tr_planner.plan(module, sharders)
+        tr_error = None
+    except Exception as e:  # torchrec raises PlannerError subclasses when nothing fits
+        tr_plan, tr_error = None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    tr_time = time.perf_counter() - start
+
+    enumerator = TrEnumerator(
+        topology=tr_topo,
+        batch_size=batch,
+        constraints=constraints,
+        estimator=[TrPerf(tr_topo, constraints), TrStorage(tr_topo, constraints)],
+    )
+    tr_options = enumerator.enumerate(module, sharders)
+    wl = make_workload(tables, batch, optimizer, dense_params)
+    row = {
+        "workload": name,
+        "tables": len(tables),
+        "hardware": f"{world_size} x {topo.device.name}",
+        "batch_size_per_rank": batch,
+        "optimizer": optimizer,
+        "torchrec_proposers": proposers,
+        "anyrec_plan_s": min(times),
+        "anyrec_step_ms_anyrec_model": ours.predicted_step_s * 1e3,
+        "anyrec_step_ms_torchrec_model": torchrec_cost(
+            ours_assign, tr_options, world_size, topo.local_world_size
+        ),
+        "anyrec_tables_off_hbm": sum(o.placement != Placement.HBM for o in ours.tables.values()),
+        "torchrec_plan_s": tr_time,
+        "torchrec_error": tr_error,
+        "torchrec_step_ms_anyrec_model": None,
+        "torchrec_step_ms_torchrec_model": None,
+    }
+    if tr_plan is not None:
+        tr_assign = from_sharding_plan(tr_plan)
+        row["torchrec_step_ms_anyrec_model"] = evaluate_assignment(tr_assign, topo, wl).predicted_step_s * 1e3
+        row["torchrec_step_ms_torchrec_model"] = torchrec_cost(
+            tr_assign, tr_options, world_size, topo.local_world_size
+        )
+    return row
+
+
+def _fmt(x, spec=".3f"):
+    return "-" if x is None else format(x, spec)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--small", action="store_true", help="DLRMv2 and 50 synthetic tables (quick)")
+    ap.add_argument("--tables", type=int, default=1000, help="synthetic table count")
+    ap.add_argument("--sku", default="h200")
+    ap.add_argument("--world-size", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=8192, help="batch size per rank")
+    ap.add_argument("--optimizer", default="adagrad")
+    ap.add_argument(
+        "--torchrec-proposers",
+        choices=("default", "uniform"),
+        default=None,
+        help="for the synthetic workload (default: uniform; DLRMv2 always uses torchrec's defaults)",
+    )
+    ap.add_argument("--output", default="planner_benchmark.json")
+    args = ap.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    n = 50 if args.small else args.tables
+    synth_prop = args.torchrec_proposers or "uniform"
+    rows = [
+        run_workload(
+            "dlrmv2",
+            dlrmv2_tables(),
+            args.sku,
+            args.world_size,
+            args.batch,
+            args.optimizer,
+            DLRMV2_DENSE_PARAMS,
+            "default",
+        ),
+        run_workload(
+            f"synthetic_{n}",
+            synthetic_tables(n, seed=0),
+            args.sku,
+            args.world_size,
+            args.batch,
+            args.optimizer,
+            0,
+            synth_prop,
+        ),
+    ]
+    head = (
+        f"{'workload':<15} {'hardware':<10} {'planner':<8} {'plan s':>8} {'step ms (anyrec model)':>23} "
+        f"{'step ms (torchrec model)':>25}  note"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(
+            f"{r['workload']:<15} {r['hardware']:<10} {'anyrec':<8} {r['anyrec_plan_s']:>8.3f} "
+            f"{_fmt(r['anyrec_step_ms_anyrec_model']):>23} {_fmt(r['anyrec_step_ms_torchrec_model']):>25}  "
+            f"{r['anyrec_tables_off_hbm']} tables off HBM"
+        )
+        print(
+            f"{'':<15} {'':<10} {'torchrec':<8} {r['torchrec_plan_s']:>8.3f} "
+            f"{_fmt(r['torchrec_step_ms_anyrec_model']):>23} "
+            f"{_fmt(r['torchrec_step_ms_torchrec_model']):>25}  "
+            f"proposers: {r['torchrec_proposers']}{'; ' + r['torchrec_error'] if r['torchrec_error'] else ''}"
+        )
+    write_json_atomic(args.output, {"rows": rows})
+    print(f"wrote {args.output}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""The planner benchmark scripts run end to end on small inputs."""
+
+import importlib.util
+import json
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_planner_benchmark_small(tmp_path):
+    out = tmp_path / "bench.json"
+    rows = _load("planner").main(["--small", "--output", str(out)])
+    assert [r["tables"] for r in rows] == [26, 50]
+    for r in rows:
+        assert r["anyrec_plan_s"] < 1.0
+        assert r["anyrec_step_ms_anyrec_model"] > 0 and r["anyrec_step_ms_torchrec_model"] > 0
+        assert r["torchrec_error"] or r["torchrec_step_ms_anyrec_model"] > 0
+    assert json.loads(out.read_text())["rows"][0]["workload"] == "dlrmv2"
