@@ -17,6 +17,10 @@ def _rank0_only(value: str) -> str | None:
 
 def setup() -> None:
     """Idempotent: register the config schema and anyrec's resolvers."""
+    # FBGEMM logs every library it loads at INFO on the root logger; load it before Hydra turns
+    # INFO logging on, so the console shows anyrec's messages only.
+    import torchrec  # noqa: F401
+
     register_configs()
     if not OmegaConf.has_resolver("anyrec_rank0"):
         OmegaConf.register_new_resolver("anyrec_rank0", _rank0_only)

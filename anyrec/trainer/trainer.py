@@ -94,7 +94,7 @@ class Trainer:
         if self.dist.is_main:
             logger.info("backend: %s", self.backend.describe())
             logger.info("embedding kernel: %s", self.embedding_kernel)
-            logger.info("plan:\n%s", self.sharding_plan)
+            logger.info("torchrec sharding plan:\n%s", self.sharding_plan)
 
     @property
     def embedding_kernel(self) -> str:
@@ -106,13 +106,25 @@ class Trainer:
         return [EmbeddingBagCollectionSharder()]
 
     def _plan(self, model: DLRM) -> ShardingPlan:
+        """The sharding plan from the configured planner (co-design by default)."""
+        from anyrec.planner.job import plan_job
+        from anyrec.planner.resolve import resolve_device
         from anyrec.planner.simple import simple_table_shardings, to_sharding_plan
 
-        tables = model.sparse_arch.embedding_bag_configs()
-        shardings = simple_table_shardings(tables, self.dist.world_size, force=self.cfg.planner.sharding)
-        return to_sharding_plan(model.sparse_arch, shardings, EBC_PATH, self.dist.world_size,
-                                self.dist.local_world_size, self.backend.device_type,
-                                sharder=self._sharders()[0])
+        ebc, info = model.sparse_arch, self.dist
+        if self.cfg.planner.name == "simple":
+            shardings = simple_table_shardings(ebc.embedding_bag_configs(), info.world_size,
+                                               force=self.cfg.planner.sharding)
+            return to_sharding_plan(ebc, shardings, EBC_PATH, info.world_size, info.local_world_size,
+                                    self.backend.device_type, sharder=self._sharders()[0])
+        if self.cfg.planner.name != "codesign":
+            raise ValueError(f"unknown planner {self.cfg.planner.name!r}; choose codesign or simple")
+        device = resolve_device(self.cfg.hardware, self.backend)
+        result = plan_job(self.cfg, device, info.world_size, info.local_world_size, self.cfg.data.batch_size,
+                          compute_device=self.backend.device_type, kernel=self.embedding_kernel)
+        if info.is_main:
+            logger.info("co-design plan:\n%s", result.report(advice=False))
+        return result.to_sharding_plan(EBC_PATH, module=ebc, compute_device=self.backend.device_type)
 
     def _to_device(self, batch: Batch) -> Batch:
         return batch.to(self.device, non_blocking=True)
