@@ -28,9 +28,13 @@ except ImportError:  # the torch execution path needs no triton
 
 
 def forward_blocks(max_dim: int) -> tuple[int, int, int]:
-    """(BLOCK_B, BLOCK_D, num_warps) for the forward: ~4K elements of fp32 accumulator per program."""
+    """(BLOCK_B, BLOCK_D, num_warps) for the forward: ~1K fp32 accumulators per program.
+
+    ptxas (sm_90) spills heavily at 4K (BLOCK_B=32, D=128) and uses 125 registers, no spills, at 1K;
+    see `python -m anyrec.kernels.aot`.
+    """
     block_d = min(128, 1 << (max(max_dim, 1) - 1).bit_length())
-    block_b = max(1, min(64, 4096 // block_d))
+    block_b = max(1, min(64, 1024 // block_d))
     return block_b, block_d, 4
 
 
