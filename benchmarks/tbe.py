@@ -59,7 +59,8 @@ def make_batch(pooling: list[int], rows: int, batch: int, device):
     offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=device)
     offsets[1:] = torch.cumsum(lengths, 0)
     n = int(offsets[-1])
-    table = torch.repeat_interleave(torch.arange(len(pooling), device=device).repeat_interleave(batch), lengths)
+    bag_table = torch.arange(len(pooling), device=device).repeat_interleave(batch)
+    table = torch.repeat_interleave(bag_table, lengths)
     ids = torch.randint(0, rows, (n,), device=device)
     return ids, offsets, ids + table * rows
 
@@ -94,7 +95,6 @@ def main(argv: list[str] | None = None) -> dict:
     n = (1 << 20) if small else (1 << 28)
     src, dst = torch.randn(n, device=device), torch.empty(n, device=device)
     copy_gbps = record("copy (read+write)", bench(lambda: dst.copy_(src), device, iters, warmup), 2 * n * 4)
-    del src, dst
     res["copy_GBps"] = copy_gbps
 
     for dname in a.dtypes.split(","):
@@ -114,12 +114,12 @@ def main(argv: list[str] | None = None) -> dict:
             tag = f"{shape} {dname}"
             grad = torch.randn(batch, T * D, device=device)
 
-            def tbe_train():
+            def tbe_train(tbe=tbe, ids=ids, offsets=offsets, grad=grad):
                 tbe(ids, offsets).backward(grad)
 
             with torch.no_grad():
                 tbe.eval()
-                t_f = bench(lambda: tbe(ids, offsets), device, iters, warmup)
+                t_f = bench(lambda tbe=tbe, ids=ids, o=offsets: tbe(ids, o), device, iters, warmup)
             tbe.train()
             t_t = bench(tbe_train, device, iters, warmup)
             ours_f = record(f"anyrec TBE fwd {tag}", t_f, fwd_bytes, shape=shape, dtype=dname, op="fwd")
@@ -127,10 +127,10 @@ def main(argv: list[str] | None = None) -> dict:
                             dtype=dname, op="train")
             goff = offsets[:-1]
             with torch.no_grad():
-                e_f = bench(lambda: ebag(gids, goff), device, iters, warmup)
+                e_f = bench(lambda e=ebag, g=gids, o=goff: e(g, o), device, iters, warmup)
             eb_f = record(f"nn.EmbeddingBag fwd {tag}", e_f, fwd_bytes, shape=shape, dtype=dname, op="fwd")
 
-            def ebag_train():
+            def ebag_train(ebag=ebag, sgd=sgd, gids=gids, goff=goff):
                 sgd.zero_grad(set_to_none=True)
                 out = ebag(gids, goff)
                 out.backward(torch.ones_like(out))
@@ -146,11 +146,11 @@ def main(argv: list[str] | None = None) -> dict:
             res["results"].append({"name": f"ratios {tag}", "fwd_vs_copy": ours_f / copy_gbps,
                                    "fwd_vs_embeddingbag": ours_f / eb_f, "train_vs_copy": ours_t / copy_gbps,
                                    "train_vs_embeddingbag": (ours_t / eb_t) if eb_t else None})
-            lines.append(f"  ratios {tag}: fwd {ours_f / copy_gbps:.2f}x copy, {ours_f / eb_f:.2f}x EmbeddingBag;"
+            lines.append(f"  ratios {tag}: fwd {ours_f / copy_gbps:.2f}x copy, "
+                         f"{ours_f / eb_f:.2f}x EmbeddingBag;"
                          f" train {ours_t / copy_gbps:.2f}x copy"
                          + (f", {ours_t / eb_t:.2f}x EmbeddingBag+SGD" if eb_t else ""))
             print(lines[-1], flush=True)
-        del tbe, ebag, sgd
 
     out = Path(a.out_dir) / a.json
     out.parent.mkdir(parents=True, exist_ok=True)

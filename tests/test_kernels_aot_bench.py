@@ -25,7 +25,8 @@ def test_aot_compiles_for_nvidia_and_amd(tmp_path):
     pytest.importorskip("triton")
     out = tmp_path / "aot.json"
     proc = subprocess.run([sys.executable, "-m", "anyrec.kernels.aot", "--targets", "sm_90,gfx942",
-                           "--json", str(out)], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+                           "--json", str(out)],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     results = json.loads(out.read_text())
     assert {r["target"] for r in results} == {"sm_90", "gfx942"}

@@ -198,7 +198,8 @@ def test_stochastic_rounding_is_unbiased():
 
 def test_fp16_training_with_stochastic_rounding_tracks_fp32():
     opt = OptimizerConfig("sgd", lr=0.01)
-    m16 = TritonTableBatchedEmbedding(SPECS, FTM, optimizer=opt, weights_dtype=torch.float16, execution="torch")
+    m16 = TritonTableBatchedEmbedding(SPECS, FTM, optimizer=opt, weights_dtype=torch.float16,
+                                      execution="torch")
     tables0 = [w.float() for w in m16.split_embedding_weights()]
     ids, off, _ = make_batch(SPECS, FTM, 4, seed=9)
     batches = [(ids, off, None, torch.randn(4, m16.layout.output_dim)) for _ in range(3)]

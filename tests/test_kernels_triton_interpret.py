@@ -103,7 +103,8 @@ else:
     @pytest.mark.parametrize("weights_dtype", [torch.float16, torch.bfloat16])
     def test_stochastic_rounding_update(weights_dtype):
         opt = OptimizerConfig("sgd", lr=0.01)
-        m = TritonTableBatchedEmbedding(SPECS, FTM, optimizer=opt, weights_dtype=weights_dtype, execution="triton")
+        m = TritonTableBatchedEmbedding(SPECS, FTM, optimizer=opt, weights_dtype=weights_dtype,
+                                        execution="triton")
         tables0 = [w.float() for w in m.split_embedding_weights()]
         ids, off, _ = make_batch(SPECS, FTM, 2, seed=9)
         batches = [(ids, off, None, torch.randn(2, m.layout.output_dim))]

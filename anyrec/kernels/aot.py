@@ -6,8 +6,8 @@ Compiles each kernel variant (the constexpr combinations the launchers use) for 
 gfx942 and gfx950 with `triton.compile(ASTSource(...), target=GPUTarget(...))`, prints registers,
 spills and shared memory per kernel and target, and exits 1 if any compile fails. NVIDIA register
 and spill counts come from `ptxas -v` on the generated PTX (Triton reads them from the driver only
-when a kernel is loaded); AMD ones from the metadata in the generated AMDGCN (VGPRs, VGPR spills to scratch; SGPR
-spills into VGPR lanes are not counted). '-' where unknown.
+when a kernel is loaded); AMD ones from the metadata in the generated AMDGCN (VGPRs, VGPR spills
+to scratch; SGPR spills into VGPR lanes are not counted). '-' where unknown.
 """
 
 from __future__ import annotations
@@ -127,7 +127,8 @@ def format_table(results: list[CompileResult]) -> str:
     def c(v):
         return "-" if v is None else str(v)
 
-    rows = [f"{'kernel':<13} {'variant':<32} {'target':<7} {'ok':<4} {'regs':>5} {'spills':>6} {'smem B':>7} {'s':>5}"]
+    head = f"{'kernel':<13} {'variant':<32} {'target':<7} {'ok':<4} {'regs':>5} {'spills':>6} {'smem B':>7}"
+    rows = [f"{head} {'s':>5}"]
     for r in results:
         rows.append(f"{r.kernel:<13} {r.variant:<32} {r.target:<7} {'ok' if r.ok else 'FAIL':<4} "
                     f"{c(r.registers):>5} {c(r.spills):>6} {c(r.shared_bytes):>7} {r.seconds:5.1f}")
@@ -155,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         Path(a.json).write_text(json.dumps([asdict(r) for r in results], indent=1))
     failed = [r for r in results if not r.ok]
-    print(f"{len(results) - len(failed)}/{len(results)} compiled" + (f", {len(failed)} FAILED" if failed else ""))
+    summary = f"{len(results) - len(failed)}/{len(results)} compiled"
+    print(summary + (f", {len(failed)} FAILED" if failed else ""))
     return 1 if failed else 0
 
 

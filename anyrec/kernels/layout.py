@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 
-class BoundsCheckMode(str, enum.Enum):
+class BoundsCheckMode(enum.StrEnum):
     """What to do with ids outside [0, rows): raise (default) or skip them (they add nothing)."""
 
     ERROR = "error"  # checked with torch ops before the kernels run; names the feature and id
@@ -40,7 +40,9 @@ class TBELayout:
         if any(r < 1 for r in self.rows) or any(d < 1 for d in self.dims):
             raise ValueError(f"tables need rows >= 1 and dim >= 1, got rows={self.rows} dims={self.dims}")
         if not self.feature_table_map or any(not 0 <= t < len(self.rows) for t in self.feature_table_map):
-            raise ValueError(f"feature_table_map {self.feature_table_map} must name tables 0..{len(self.rows) - 1}")
+            raise ValueError(
+                f"feature_table_map {self.feature_table_map} must name tables 0..{len(self.rows) - 1}"
+            )
         if self.feature_names and len(self.feature_names) != len(self.feature_table_map):
             raise ValueError("feature_names must have one name per feature")
         w_off, r_start, c_off = [0], [0], [0]

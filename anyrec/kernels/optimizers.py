@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 
-class OptimizerKind(str, enum.Enum):
+class OptimizerKind(enum.StrEnum):
     """The fused update rules the embedding kernels implement."""
 
     SGD = "sgd"

@@ -47,7 +47,8 @@ def resolve_execution(execution: str, device: torch.device) -> str:
         raise ValueError(f"execution must be one of {EXECUTIONS}, got {execution!r}")
     triton_runs_here = triton_tbe.HAS_TRITON and (device.type != "cpu" or triton_interpreter_enabled())
     if execution == "triton" and not triton_runs_here:
-        why = "triton is not installed" if not triton_tbe.HAS_TRITON else "CPU tensors need TRITON_INTERPRET=1"
+        why = ("triton is not installed" if not triton_tbe.HAS_TRITON
+               else "CPU tensors need TRITON_INTERPRET=1")
         raise ValueError(f"triton execution requested on {device} but {why}; use execution='torch'")
     chosen = execution if execution != "auto" else ("triton" if triton_runs_here and device.type != "cpu"
                                                       else "torch")

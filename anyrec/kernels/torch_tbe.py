@@ -54,9 +54,9 @@ def torch_forward(
         layout, lt, indices_N, offsets_FB1, per_sample_weights_N, batch, pooling
     )
     for d, sel in _dim_groups(layout, lt, table_N):
-        bag, table, ids, scale = (
-            (bag_N, table_N, ids_N, scale_N) if sel is None else (bag_N[sel], table_N[sel], ids_N[sel], scale_N[sel])
-        )
+        bag, table, ids, scale = (bag_N, table_N, ids_N, scale_N)
+        if sel is not None:
+            bag, table, ids, scale = bag[sel], table[sel], ids[sel], scale[sel]
         ar_D = torch.arange(d, device=weights.device)
         addr_nD = (lt.weight_offsets_T[table] + ids * d)[:, None] + ar_D
         vals_nD = weights[addr_nD].float() * scale[:, None]

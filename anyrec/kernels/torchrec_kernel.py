@@ -15,8 +15,8 @@ state_dict and `fused_optimizer.state_dict()` like FBGEMM's.
 
 Usage:
     sharder = TritonEmbeddingBagCollectionSharder(OptimizerConfig("rowwise_adagrad", lr=0.01))
-    plan = construct_module_sharding_plan(ebc, {"t0": table_wise(rank=0, compute_kernel=TRITON_COMPUTE_KERNEL)},
-                                          sharder=sharder, ...)
+    plan = construct_module_sharding_plan(
+        ebc, {"t0": table_wise(rank=0, compute_kernel=TRITON_COMPUTE_KERNEL)}, sharder=sharder, ...)
     model = DistributedModelParallel(ebc, sharders=[sharder], plan=ShardingPlan({"": plan}))
 """
 
@@ -82,7 +82,8 @@ def optimizer_from_fused_params(fused_params: dict[str, Any]) -> OptimizerConfig
     kind = fused_params.get("optimizer", EmbOptimType.EXACT_ROWWISE_ADAGRAD)
     if isinstance(kind, EmbOptimType):
         if kind not in _FBGEMM_OPTIMIZERS:
-            raise ValueError(f"the Triton TBE does not implement {kind}; use one of {list(_FBGEMM_OPTIMIZERS)}")
+            supported = list(_FBGEMM_OPTIMIZERS)
+            raise ValueError(f"the Triton TBE does not implement {kind}; use one of {supported}")
         kind = _FBGEMM_OPTIMIZERS[kind]
     defaults = OptimizerConfig(kind=kind)
     return OptimizerConfig(

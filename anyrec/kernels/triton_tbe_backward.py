@@ -150,8 +150,10 @@ if HAS_TRITON:
                 tl.store(state1_ptr + base + d_D, m_D, mask=d_ok_D)
                 w_D = w_D - lr * g_D / (tl.sqrt(m_D) + eps)
             else:
-                m1_D = beta1 * tl.load(state1_ptr + base + d_D, mask=d_ok_D, other=0.0) + (1 - beta1) * g_D
-                m2_D = beta2 * tl.load(state2_ptr + base + d_D, mask=d_ok_D, other=0.0) + (1 - beta2) * g_D * g_D
+                m1_D = tl.load(state1_ptr + base + d_D, mask=d_ok_D, other=0.0)
+                m2_D = tl.load(state2_ptr + base + d_D, mask=d_ok_D, other=0.0)
+                m1_D = beta1 * m1_D + (1 - beta1) * g_D
+                m2_D = beta2 * m2_D + (1 - beta2) * g_D * g_D
                 tl.store(state1_ptr + base + d_D, m1_D, mask=d_ok_D)
                 tl.store(state2_ptr + base + d_D, m2_D, mask=d_ok_D)
                 step = tl.load(step_ptr)
