@@ -1,1 +1,21 @@
-"""Embedding and dense kernels: Triton implementations and their pure-torch references."""
+"""Portable embedding kernels: Triton table-batched embeddings with a fused optimizer, and their oracle.
+
+Public entry points (torchrec is imported only by `anyrec.kernels.torchrec_kernel`):
+  `tbe.TritonTableBatchedEmbedding`, `optimizers.OptimizerConfig`, `optimizers.state_bytes_per_row`,
+  `torchrec_kernel.TritonEmbeddingBagCollectionSharder`, `torchrec_kernel.TRITON_COMPUTE_KERNEL`,
+  `python -m anyrec.kernels.aot` (portability gate).
+"""
+
+from anyrec.kernels.layout import BoundsCheckMode
+from anyrec.kernels.optimizers import OptimizerConfig, OptimizerKind, state_bytes_per_row
+from anyrec.kernels.tbe import TritonTableBatchedEmbedding
+from anyrec.kernels.triton_tbe import HAS_TRITON
+
+__all__ = [
+    "HAS_TRITON",
+    "BoundsCheckMode",
+    "OptimizerConfig",
+    "OptimizerKind",
+    "TritonTableBatchedEmbedding",
+    "state_bytes_per_row",
+]

@@ -1,0 +1,165 @@
+"""Portability gate: compile every TBE kernel ahead of time for NVIDIA and AMD targets, no GPU needed.
+
+    python -m anyrec.kernels.aot [--targets sm_90,gfx942] [--json out.json]
+
+Compiles each kernel variant (the constexpr combinations the launchers use) for sm_90, sm_100,
+gfx942 and gfx950 with `triton.compile(ASTSource(...), target=GPUTarget(...))`, prints registers,
+spills and shared memory per kernel and target, and exits 1 if any compile fails. NVIDIA register
+and spill counts come from `ptxas -v` on the generated PTX (Triton reads them from the driver only
+when a kernel is loaded); AMD ones from the metadata in the generated AMDGCN (VGPRs, VGPR spills
+to scratch; SGPR spills into VGPR lanes are not counted). '-' where unknown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+TARGETS = {
+    "sm_90": ("cuda", 90, 32),
+    "sm_100": ("cuda", 100, 32),
+    "gfx942": ("hip", "gfx942", 64),
+    "gfx950": ("hip", "gfx950", 64),
+}
+
+
+@dataclass
+class CompileResult:
+    """One kernel variant compiled for one target (counts are None where the toolchain hides them)."""
+
+    kernel: str
+    variant: str
+    target: str
+    ok: bool
+    registers: int | None = None  # per thread (NVIDIA) / VGPRs per lane (AMD)
+    spills: int | None = None  # spill-store bytes (NVIDIA) / VGPRs spilled to scratch (AMD)
+    shared_bytes: int | None = None
+    seconds: float = 0.0
+    error: str = ""
+
+
+def _variants():
+    """(kernel name, variant label, jit fn, signature types, constexprs, num_warps)."""
+    from anyrec.kernels.triton_tbe import forward_blocks, tbe_forward_kernel
+    from anyrec.kernels.triton_tbe_backward import OPTIMIZER_CODES, backward_blocks, tbe_backward_kernel
+
+    out = []
+    bb, bd, nw = forward_blocks(128)
+    for wdt, psw, mean in (("fp32", False, False), ("bf16", True, True), ("fp16", False, False)):
+        types = ["*" + wdt] + ["*i64"] * 5 + ["*i64", "*i64", "*fp32", "*fp32", "i32", "i32", "i32"]
+        cx = {"HAS_PSW": psw, "MEAN": mean, "BLOCK_B": bb, "BLOCK_D": bd}
+        out.append(("tbe_forward", f"w={wdt} psw={int(psw)} mean={int(mean)} D<=128", tbe_forward_kernel,
+                    types, cx, nw))
+    for kind, code in OPTIMIZER_CODES.items():
+        for wdt in ("fp32",) if kind.value != "rowwise_adagrad" else ("fp32", "bf16"):
+            bl, bd, nw = backward_blocks(128)
+            types = (["*" + wdt, "*fp32", "*fp32", "*fp32"] + ["*i64"] * 6 + ["*fp32"] + ["*i64"] * 4
+                     + ["*fp32", "i32", "i32", "i64", "fp32", "fp32", "fp32", "fp32", "fp32", "i32"])
+            cx = {"OPTIMIZER": code, "HAS_PSW": False, "MEAN": False, "STOCHASTIC_ROUNDING": wdt != "fp32",
+                  "DROPPED_BITS": 16, "BLOCK_L": bl, "BLOCK_D": bd}
+            out.append(("tbe_backward", f"{kind.value} w={wdt} D<=128", tbe_backward_kernel, types, cx, nw))
+    return out
+
+
+def _nvidia_counts(ptx: str, arch: int) -> tuple[int | None, int | None]:
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "k.ptx"
+        src.write_text(ptx)
+        proc = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name={sm_arch_from_capability(arch)}",
+                               str(src), "-o", str(Path(d) / "k.o")], capture_output=True, text=True)
+    log = proc.stdout + proc.stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    spill = re.search(r"(\d+) bytes spill stores", log)
+    return (int(regs.group(1)) if regs else None, int(spill.group(1)) if spill else None)
+
+
+def _amd_counts(amdgcn: str) -> tuple[int | None, int | None]:
+    def field(name: str) -> int | None:
+        m = re.search(rf"\.{name}:\s+(\d+)", amdgcn)
+        return int(m.group(1)) if m else None
+
+    # SGPR spills go to VGPR lanes (no memory traffic); only VGPR spills reach scratch memory
+    return field("vgpr_count"), field("vgpr_spill_count")
+
+
+def compile_one(name, label, fn, types, constexprs, num_warps, target: str) -> CompileResult:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    t0 = time.perf_counter()
+    res = CompileResult(kernel=name, variant=label, target=target, ok=False)
+    try:
+        args = [a for a in fn.arg_names if a not in constexprs]
+        if len(args) != len(types):
+            raise ValueError(f"{name}: {len(args)} runtime args but {len(types)} types")
+        sig = dict(zip(args, types, strict=True)) | {k: "constexpr" for k in constexprs}
+        backend, arch, warp = TARGETS[target]
+        k = triton.compile(ASTSource(fn, sig, constexprs=constexprs), target=GPUTarget(backend, arch, warp),
+                           options={"num_warps": num_warps})
+        res.shared_bytes = int(k.metadata.shared)
+        if backend == "cuda":
+            res.registers, res.spills = _nvidia_counts(k.asm["ptx"], arch)
+        else:
+            res.registers, res.spills = _amd_counts(k.asm["amdgcn"])
+        res.ok = True
+    except Exception as ex:  # report every failure, keep compiling the rest
+        res.error = f"{type(ex).__name__}: {ex}"[:500]
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def run(targets: list[str]) -> list[CompileResult]:
+    """Compile every variant for every target."""
+    return [compile_one(*v, target=t) for v in _variants() for t in targets]
+
+
+def format_table(results: list[CompileResult]) -> str:
+    def c(v):
+        return "-" if v is None else str(v)
+
+    head = f"{'kernel':<13} {'variant':<32} {'target':<7} {'ok':<4} {'regs':>5} {'spills':>6} {'smem B':>7}"
+    rows = [f"{head} {'s':>5}"]
+    for r in results:
+        rows.append(f"{r.kernel:<13} {r.variant:<32} {r.target:<7} {'ok' if r.ok else 'FAIL':<4} "
+                    f"{c(r.registers):>5} {c(r.spills):>6} {c(r.shared_bytes):>7} {r.seconds:5.1f}")
+        if r.error:
+            rows.append(f"    {r.error}")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--targets", default=",".join(TARGETS), help="comma list of " + ", ".join(TARGETS))
+    ap.add_argument("--json", default="", help="also write the results here")
+    a = ap.parse_args(argv)
+    targets = [t for t in a.targets.split(",") if t]
+    unknown = [t for t in targets if t not in TARGETS]
+    if unknown:
+        ap.error(f"unknown targets {unknown}; choose from {list(TARGETS)}")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        print("triton is not installed: cannot compile", file=sys.stderr)
+        return 1
+    results = run(targets)
+    print(format_table(results))
+    if a.json:
+        Path(a.json).write_text(json.dumps([asdict(r) for r in results], indent=1))
+    failed = [r for r in results if not r.ok]
+    summary = f"{len(results) - len(failed)}/{len(results)} compiled"
+    print(summary + (f", {len(failed)} FAILED" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""Optimizer settings for the fused embedding update, and the state footprint the planner charges.
+
+The update is applied inside the embedding backward (no weight gradient is materialised); these
+value objects say which rule runs and how many bytes of state it keeps per embedding row.
+Semantics follow FBGEMM's fused TBE optimizers (L2 weight decay folded into the row gradient):
+
+  sgd              w -= lr * g
+  rowwise_adagrad  m += mean_d(g^2) (one fp32 per row); w -= lr * g / (sqrt(m) + eps)
+  adagrad          m += g^2 (one fp32 per element);     w -= lr * g / (sqrt(m) + eps)
+  adam             m1 = b1 m1 + (1-b1) g; m2 = b2 m2 + (1-b2) g^2 (fp32 per element, lazy: only
+                   rows seen this step move); w -= lr * m1_hat / (sqrt(m2_hat) + eps)
+
+where g is the row's gradient summed over every lookup of that row in the batch (plus
+weight_decay * w when weight_decay > 0).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+
+class OptimizerKind(enum.StrEnum):
+    """The fused update rules the embedding kernels implement."""
+
+    SGD = "sgd"
+    ROWWISE_ADAGRAD = "rowwise_adagrad"
+    ADAGRAD = "adagrad"
+    ADAM = "adam"
+
+
+# fp32 state elements each rule keeps: (per row, per element of the row)
+_STATE_ELEMENTS: dict[OptimizerKind, tuple[int, int]] = {
+    OptimizerKind.SGD: (0, 0),
+    OptimizerKind.ROWWISE_ADAGRAD: (1, 0),
+    OptimizerKind.ADAGRAD: (0, 1),
+    OptimizerKind.ADAM: (0, 2),
+}
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """One fused embedding optimizer: the rule and its hyperparameters (lr in weight units per step)."""
+
+    kind: OptimizerKind = OptimizerKind.ROWWISE_ADAGRAD
+    lr: float = 0.01
+    eps: float = 1e-8
+    beta1: float = 0.9  # adam only
+    beta2: float = 0.999  # adam only
+    weight_decay: float = 0.0  # L2, added to the row gradient
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "kind", OptimizerKind(self.kind))
+        except ValueError:
+            kinds = ", ".join(k.value for k in OptimizerKind)
+            raise ValueError(f"unknown embedding optimizer {self.kind!r}; expected one of {kinds}") from None
+        if self.lr < 0 or self.eps <= 0 or self.weight_decay < 0:
+            raise ValueError(f"optimizer needs lr >= 0, eps > 0, weight_decay >= 0; got {self}")
+        if not (0.0 <= self.beta1 < 1.0 and 0.0 <= self.beta2 < 1.0):
+            raise ValueError(f"adam betas must lie in [0, 1); got {self.beta1}, {self.beta2}")
+
+
+def state_bytes_per_row(kind: OptimizerKind | str, dim: int, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of optimizer state one embedding row of `dim` elements carries (state is always fp32).
+
+    `dtype` is the weight dtype; it does not change the state size today and is accepted so the
+    planner's memory model does not have to know that.
+    """
+    del dtype
+    per_row, per_elem = _STATE_ELEMENTS[OptimizerKind(kind)]
+    return 4 * (per_row + per_elem * dim)
+
+
+def weight_bytes_per_row(dim: int, dtype: torch.dtype) -> int:
+    """Bytes of weights one embedding row takes."""
+    return dim * torch.empty((), dtype=dtype).element_size()

@@ -1,0 +1,247 @@
+"""`TritonTableBatchedEmbedding`: pooled embedding bags over many tables with the optimizer fused
+into the backward, like FBGEMM's `SplitTableBatchedEmbeddingBagsCodegen` but portable.
+
+All tables share one flat weight buffer and flat optimizer-state buffers, registered as buffers so
+`state_dict()` carries them. The forward runs through an autograd Function whose backward applies
+the optimizer update in place and returns no weight gradient; training code therefore never calls
+an optimizer for these weights (`learning_rate` can be changed between steps).
+
+Execution is "triton" (the Triton kernels: CUDA, ROCm, or CPU under TRITON_INTERPRET=1) or "torch"
+(vectorised torch ops, any device). "auto" picks triton for GPU tensors when triton imports and
+torch otherwise, and logs the choice once; asking for "triton" where it cannot run raises.
+Legend (shape suffixes): N lookups, F features, B batch size, Dt output dim, T tables.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from anyrec.kernels import triton_tbe, triton_tbe_backward
+from anyrec.kernels.layout import BoundsCheckMode, TBELayout, batch_size, check_ids
+from anyrec.kernels.optimizers import OptimizerConfig, OptimizerKind
+from anyrec.kernels.reference import POOLING_MODES
+from anyrec.kernels.torch_tbe import torch_backward_update, torch_forward
+
+logger = logging.getLogger(__name__)
+
+EXECUTIONS = ("auto", "triton", "torch")
+# Module-level default for `execution=None`; tests and launchers may flip it.
+DEFAULT_EXECUTION = "auto"
+
+_LOGGED: set[tuple[str, str]] = set()
+
+
+def triton_interpreter_enabled() -> bool:
+    """Whether triton kernels run on CPU tensors (TRITON_INTERPRET=1, read before importing triton)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def resolve_execution(execution: str, device: torch.device) -> str:
+    """'triton' or 'torch' for tensors on `device`; raises ValueError when triton cannot run there."""
+    if execution not in EXECUTIONS:
+        raise ValueError(f"execution must be one of {EXECUTIONS}, got {execution!r}")
+    triton_runs_here = triton_tbe.HAS_TRITON and (device.type != "cpu" or triton_interpreter_enabled())
+    if execution == "triton" and not triton_runs_here:
+        why = ("triton is not installed" if not triton_tbe.HAS_TRITON
+               else "CPU tensors need TRITON_INTERPRET=1")
+        raise ValueError(f"triton execution requested on {device} but {why}; use execution='torch'")
+    chosen = execution if execution != "auto" else ("triton" if triton_runs_here and device.type != "cpu"
+                                                      else "torch")
+    if (chosen, device.type) not in _LOGGED:
+        _LOGGED.add((chosen, device.type))
+        logger.info("table-batched embedding: %s execution on %s", chosen, device.type)
+    return chosen
+
+
+class _TBELookup(torch.autograd.Function):
+    """Pooled forward; backward applies the fused optimizer and returns no gradients."""
+
+    @staticmethod
+    def forward(ctx, placeholder, module, indices_N, offsets_FB1, psw_N, batch):
+        ctx.module = module
+        ctx.batch = batch
+        ctx.inputs = (indices_N, offsets_FB1, psw_N)
+        return module._pooled_forward(indices_N, offsets_FB1, psw_N, batch)
+
+    @staticmethod
+    def backward(ctx, grad_out_BDt):
+        indices_N, offsets_FB1, psw_N = ctx.inputs
+        ctx.module._fused_update(indices_N, offsets_FB1, psw_N, grad_out_BDt, ctx.batch)
+        return None, None, None, None, None, None
+
+
+class TritonTableBatchedEmbedding(nn.Module):
+    """Table-batched pooled embeddings with a fused optimizer (sum/mean; fp32/fp16/bf16 weights).
+
+    `embedding_specs`: (rows, dim) per table. `feature_table_map`: table of each KJT feature (default:
+    feature t reads table t). forward(indices, offsets, per_sample_weights) takes a KJT's values and
+    offsets (F*B+1, feature-major, int32 or int64) and returns [B, sum of the features' dims].
+    """
+
+    def __init__(
+        self,
+        embedding_specs: Sequence[tuple[int, int]],
+        feature_table_map: Sequence[int] | None = None,
+        optimizer: OptimizerConfig | None = None,
+        pooling: str = "sum",
+        weights_dtype: torch.dtype = torch.float32,
+        output_dtype: torch.dtype = torch.float32,
+        stochastic_rounding: bool = True,
+        bounds_check: BoundsCheckMode | str = BoundsCheckMode.ERROR,
+        feature_names: Sequence[str] | None = None,
+        device: torch.device | str | None = None,
+        execution: str | None = None,
+    ) -> None:
+        super().__init__()
+        if pooling not in POOLING_MODES:
+            raise ValueError(f"pooling must be one of {POOLING_MODES}, got {pooling!r}")
+        if weights_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"weights_dtype must be fp32, fp16 or bf16, got {weights_dtype}")
+        if output_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"output_dtype must be fp32, fp16 or bf16, got {output_dtype}")
+        specs = [(int(r), int(d)) for r, d in embedding_specs]
+        ftm = tuple(feature_table_map) if feature_table_map is not None else tuple(range(len(specs)))
+        self.layout = TBELayout(
+            rows=tuple(r for r, _ in specs), dims=tuple(d for _, d in specs), feature_table_map=ftm,
+            feature_names=tuple(feature_names or ()),
+        )
+        self.optimizer = optimizer or OptimizerConfig()
+        self.pooling = pooling
+        self.output_dtype = output_dtype
+        self.stochastic_rounding = stochastic_rounding
+        self.bounds_check = BoundsCheckMode(bounds_check)
+        self.execution = execution or DEFAULT_EXECUTION
+        if self.execution not in EXECUTIONS:
+            raise ValueError(f"execution must be one of {EXECUTIONS}, got {self.execution!r}")
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        if self.execution == "triton":
+            resolve_execution("triton", device)  # fail at construction, not at the first batch
+        lay = self.layout
+        self.register_buffer("weight", torch.empty(lay.total_elements, dtype=weights_dtype, device=device))
+        kind = self.optimizer.kind
+        if kind == OptimizerKind.ROWWISE_ADAGRAD:
+            self.register_buffer("momentum1", torch.zeros(lay.total_rows, device=device))
+        elif kind in (OptimizerKind.ADAGRAD, OptimizerKind.ADAM):
+            self.register_buffer("momentum1", torch.zeros(lay.total_elements, device=device))
+        if kind == OptimizerKind.ADAM:
+            self.register_buffer("momentum2", torch.zeros(lay.total_elements, device=device))
+        self.register_buffer("step", torch.zeros((), device=device))  # fp32 count of fused updates
+        self.register_buffer("table_offsets", torch.tensor(lay.weight_offsets[:-1], device=device),
+                             persistent=False)
+        self._layout_tensors = None
+        self._placeholder = torch.zeros(0, requires_grad=True)
+        self.reset_parameters()
+
+    # ---- parameters and state -------------------------------------------------------------------
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Uniform(-1/sqrt(rows), 1/sqrt(rows)) per table (torchrec's default), zero optimizer state."""
+        for w in self.split_embedding_weights():
+            bound = w.shape[0] ** -0.5
+            w.uniform_(-bound, bound)
+        for name in ("momentum1", "momentum2", "step"):
+            if hasattr(self, name):
+                getattr(self, name).zero_()
+
+    def split_embedding_weights(self) -> list[torch.Tensor]:
+        """Per-table [rows, dim] views into the flat weight buffer."""
+        lay = self.layout
+        return [self.weight[lay.weight_offsets[t]: lay.weight_offsets[t + 1]].view(lay.rows[t], lay.dims[t])
+                for t in range(lay.num_tables)]
+
+    def get_optimizer_state(self) -> list[dict[str, torch.Tensor]]:
+        """Per-table views of the optimizer state, keyed as FBGEMM keys them ("sum", "exp_avg", ...)."""
+        lay, kind, out = self.layout, self.optimizer.kind, []
+        for t in range(lay.num_tables):
+            e0, e1 = lay.weight_offsets[t], lay.weight_offsets[t + 1]
+            shape = (lay.rows[t], lay.dims[t])
+            if kind == OptimizerKind.ROWWISE_ADAGRAD:
+                out.append({"sum": self.momentum1[lay.row_starts[t]: lay.row_starts[t + 1]]})
+            elif kind == OptimizerKind.ADAGRAD:
+                out.append({"sum": self.momentum1[e0:e1].view(shape)})
+            elif kind == OptimizerKind.ADAM:
+                out.append({"exp_avg": self.momentum1[e0:e1].view(shape),
+                            "exp_avg_sq": self.momentum2[e0:e1].view(shape)})
+            else:
+                out.append({})
+        return out
+
+    @property
+    def learning_rate(self) -> float:
+        return self.optimizer.lr
+
+    @learning_rate.setter
+    def learning_rate(self, lr: float) -> None:
+        self.set_learning_rate(lr)
+
+    def set_learning_rate(self, lr: float) -> None:
+        """Change the fused optimizer's learning rate for the next updates."""
+        self.optimizer = OptimizerConfig(**{**self.optimizer.__dict__, "lr": float(lr)})
+
+    def flush(self) -> None:
+        """No cache to flush (present for torchrec's kernel interface)."""
+
+    def reset_cache_states(self) -> None:
+        """No cache to reset (present for torchrec's kernel interface)."""
+
+    def _apply(self, fn, recurse=True):
+        self._layout_tensors = None
+        return super()._apply(fn, recurse)
+
+    # ---- compute --------------------------------------------------------------------------------
+
+    def _lt(self):
+        if self._layout_tensors is None or self._layout_tensors.dims_T.device != self.weight.device:
+            self._layout_tensors = self.layout.tensors(self.weight.device)
+        return self._layout_tensors
+
+    def forward(
+        self,
+        indices: torch.Tensor,
+        offsets: torch.Tensor,
+        per_sample_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Pooled lookups: [B, output_dim]; in training, backward applies the fused optimizer."""
+        B = batch_size(self.layout, offsets)
+        if per_sample_weights is not None and per_sample_weights.numel() != indices.numel():
+            raise ValueError("per_sample_weights needs one weight per id")
+        if self.bounds_check == BoundsCheckMode.ERROR:
+            check_ids(self.layout, self._lt(), indices, offsets, B)
+        if self.training and torch.is_grad_enabled():
+            return _TBELookup.apply(self._placeholder, self, indices, offsets, per_sample_weights, B)
+        return self._pooled_forward(indices, offsets, per_sample_weights, B)
+
+    def _pooled_forward(self, indices_N, offsets_FB1, psw_N, batch: int) -> torch.Tensor:
+        run = triton_tbe.triton_forward if self._execution() == "triton" else torch_forward
+        return run(self.layout, self._lt(), self.weight, indices_N, offsets_FB1, psw_N, batch,
+                   self.pooling, self.output_dtype)
+
+    def _execution(self) -> str:
+        return resolve_execution(self.execution, self.weight.device)
+
+    @torch.no_grad()
+    def _fused_update(self, indices_N, offsets_FB1, psw_N, grad_out_BDt, batch: int) -> None:
+        self.step += 1
+        dev = self.weight.device
+        dummy = torch.zeros(1, device=dev)
+        state1 = getattr(self, "momentum1", dummy)
+        state2 = getattr(self, "momentum2", dummy)
+        lt = self._lt()
+        if self._execution() == "triton":
+            segments = triton_tbe_backward.dedupe_rows(self.layout, lt, indices_N, offsets_FB1, batch)
+            seed = int(torch.randint(0, 2**31 - 1, (1,)))
+            triton_tbe_backward.triton_backward_update(
+                self.layout, lt, self.weight, state1, state2, self.step, segments, offsets_FB1, psw_N,
+                grad_out_BDt, batch, self.pooling, self.optimizer, self.stochastic_rounding, seed,
+            )
+        else:
+            torch_backward_update(
+                self.layout, lt, self.weight, state1, state2, self.step, indices_N, offsets_FB1, psw_N,
+                grad_out_BDt, batch, self.pooling, self.optimizer, self.stochastic_rounding,
+            )

@@ -1,0 +1,270 @@
+"""torchrec integration: the Triton TBE as the compute kernel of sharded EmbeddingBagCollections.
+
+Extension point (public subclassing only, nothing in torchrec is patched):
+`TritonEmbeddingBagCollectionSharder` offers the `fused_triton` compute kernel
+(`EmbeddingComputeKernel.FUSED_TRITON`, the enum value torchrec reserves for a Triton TBE) for
+table-, row-, column-, table-row- and table-column-wise shards, and its `shard()` builds a
+`TritonShardedEmbeddingBagCollection`. That class only overrides the public classmethod
+`create_embedding_bag_sharding` to return sharding subclasses whose `create_lookup` builds a
+`TritonGroupedPooledEmbeddingsLookup`, and that lookup's `_create_embedding_kernel` returns
+`TritonFusedEmbeddingBag` for `fused_triton` groups (torchrec's own branch imports a module it does
+not ship). `TritonFusedEmbeddingBag` reuses torchrec's `TritonBatchedFusedEmbeddingBag` plumbing
+(state_dict as ShardedTensors, per-table parameter slices) and `TritonEmbeddingFusedOptimizer`, so
+weights and optimizer state ("<table>.momentum1", ...) appear in `DistributedModelParallel`'s
+state_dict and `fused_optimizer.state_dict()` like FBGEMM's.
+
+Usage:
+    sharder = TritonEmbeddingBagCollectionSharder(OptimizerConfig("rowwise_adagrad", lr=0.01))
+    plan = construct_module_sharding_plan(
+        ebc, {"t0": table_wise(rank=0, compute_kernel=TRITON_COMPUTE_KERNEL)}, sharder=sharder, ...)
+    model = DistributedModelParallel(ebc, sharders=[sharder], plan=ShardingPlan({"": plan}))
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+from torchrec.distributed.batched_embedding_kernel import (
+    BaseBatchedEmbeddingBag,
+    TritonBatchedFusedEmbeddingBag,
+    TritonEmbeddingFusedOptimizer,
+)
+from torchrec.distributed.embedding_lookup import GroupedPooledEmbeddingsLookup
+from torchrec.distributed.embedding_types import (
+    BaseEmbeddingLookup,
+    EmbeddingComputeKernel,
+    GroupedEmbeddingConfig,
+)
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder, ShardedEmbeddingBagCollection
+from torchrec.distributed.sharding.cw_sharding import CwPooledEmbeddingSharding
+from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
+from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
+from torchrec.distributed.sharding.twcw_sharding import TwCwPooledEmbeddingSharding
+from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingSharding
+from torchrec.distributed.types import ShardingEnv, ShardingType
+from torchrec.modules.embedding_configs import data_type_to_dtype
+
+from anyrec.kernels.optimizers import OptimizerConfig, OptimizerKind
+from anyrec.kernels.tbe import TritonTableBatchedEmbedding
+
+TRITON_COMPUTE_KERNEL = EmbeddingComputeKernel.FUSED_TRITON.value
+
+SUPPORTED_SHARDING_TYPES = (
+    ShardingType.TABLE_WISE.value,
+    ShardingType.ROW_WISE.value,
+    ShardingType.COLUMN_WISE.value,
+    ShardingType.TABLE_ROW_WISE.value,
+    ShardingType.TABLE_COLUMN_WISE.value,
+)
+
+_FBGEMM_OPTIMIZERS = {
+    EmbOptimType.EXACT_SGD: OptimizerKind.SGD,
+    EmbOptimType.SGD: OptimizerKind.SGD,
+    EmbOptimType.EXACT_ROWWISE_ADAGRAD: OptimizerKind.ROWWISE_ADAGRAD,
+    EmbOptimType.ROWWISE_ADAGRAD: OptimizerKind.ROWWISE_ADAGRAD,
+    EmbOptimType.EXACT_ADAGRAD: OptimizerKind.ADAGRAD,
+    EmbOptimType.ADAM: OptimizerKind.ADAM,
+}
+_TO_FBGEMM = {
+    OptimizerKind.SGD: EmbOptimType.EXACT_SGD,
+    OptimizerKind.ROWWISE_ADAGRAD: EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+    OptimizerKind.ADAGRAD: EmbOptimType.EXACT_ADAGRAD,
+    OptimizerKind.ADAM: EmbOptimType.ADAM,
+}
+
+
+def optimizer_from_fused_params(fused_params: dict[str, Any]) -> OptimizerConfig:
+    """Read torchrec/FBGEMM-style fused params (optimizer, learning_rate, eps, beta1/2, weight_decay)."""
+    kind = fused_params.get("optimizer", EmbOptimType.EXACT_ROWWISE_ADAGRAD)
+    if isinstance(kind, EmbOptimType):
+        if kind not in _FBGEMM_OPTIMIZERS:
+            supported = list(_FBGEMM_OPTIMIZERS)
+            raise ValueError(f"the Triton TBE does not implement {kind}; use one of {supported}")
+        kind = _FBGEMM_OPTIMIZERS[kind]
+    defaults = OptimizerConfig(kind=kind)
+    return OptimizerConfig(
+        kind=kind,
+        lr=float(fused_params.get("learning_rate", defaults.lr)),
+        eps=float(fused_params.get("eps", defaults.eps)),
+        beta1=float(fused_params.get("beta1", defaults.beta1)),
+        beta2=float(fused_params.get("beta2", defaults.beta2)),
+        weight_decay=float(fused_params.get("weight_decay", defaults.weight_decay)),
+    )
+
+
+def fused_params_from_optimizer(opt: OptimizerConfig) -> dict[str, Any]:
+    """The inverse of `optimizer_from_fused_params` (what the sharder hands torchrec)."""
+    return {"optimizer": _TO_FBGEMM[opt.kind], "learning_rate": opt.lr, "eps": opt.eps, "beta1": opt.beta1,
+            "beta2": opt.beta2, "weight_decay": opt.weight_decay}
+
+
+class TritonFusedEmbeddingBag(TritonBatchedFusedEmbeddingBag):
+    """torchrec compute kernel for one group of local shards, backed by `TritonTableBatchedEmbedding`.
+
+    Extra fused params it reads: "stochastic_rounding" (bool), "output_dtype" (SparseType),
+    "bounds_check" ("error" | "skip") and "execution" ("auto" | "triton" | "torch").
+    """
+
+    def __init__(
+        self,
+        config: GroupedEmbeddingConfig,
+        pg: dist.ProcessGroup | None = None,
+        device: torch.device | None = None,
+        sharding_type: ShardingType | None = None,
+        env: ShardingEnv | None = None,
+    ) -> None:
+        # skip TritonBatchedFusedEmbeddingBag.__init__: it imports torchrec's unshipped Triton TBE
+        BaseBatchedEmbeddingBag.__init__(self, config, pg, device, sharding_type)
+        fp = dict(config.fused_params or {})
+        output_dtype = fp.get("output_dtype", SparseType.FP32)
+        # torchrec already maps mean to sum for row-wise shards (it divides after the reduce)
+        pooling = "mean" if self._pooling == PoolingMode.MEAN else "sum"
+        names = [name for t in config.embedding_tables for name in t.feature_names]
+        self._emb_module = TritonTableBatchedEmbedding(
+            list(zip(self._local_rows, self._local_cols, strict=True)),
+            feature_table_map=self._feature_table_map,
+            optimizer=optimizer_from_fused_params(fp),
+            pooling=pooling,
+            weights_dtype=data_type_to_dtype(config.data_type),
+            output_dtype=output_dtype.as_dtype() if isinstance(output_dtype, SparseType) else output_dtype,
+            stochastic_rounding=bool(fp.get("stochastic_rounding", True)),
+            bounds_check=fp.get("bounds_check", "error"),
+            feature_names=names,
+            device=device,
+            execution=fp.get("execution"),
+        )
+        self._optim = TritonEmbeddingFusedOptimizer(config, self._emb_module, pg)
+        self.init_parameters()
+
+
+class TritonGroupedPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
+    """Grouped pooled lookup that builds `TritonFusedEmbeddingBag` for `fused_triton` groups."""
+
+    def _create_embedding_kernel(self, config, device, pg, sharding_type, env):
+        if config.compute_kernel == EmbeddingComputeKernel.FUSED_TRITON:
+            return TritonFusedEmbeddingBag(config=config, pg=pg, device=device, sharding_type=sharding_type,
+                                           env=env)
+        return super()._create_embedding_kernel(config, device, pg, sharding_type, env)
+
+
+class _TritonLookupMixin:
+    """create_lookup of torchrec's pooled shardings, with the Triton-aware lookup."""
+
+    _lookup_sharding_type: ShardingType | None = None
+
+    def _lookup_configs(self) -> list[GroupedEmbeddingConfig]:
+        return self._grouped_embedding_configs
+
+    def create_lookup(self, device=None, fused_params=None, feature_processor=None) -> BaseEmbeddingLookup:
+        return TritonGroupedPooledEmbeddingsLookup(
+            grouped_configs=self._lookup_configs(),
+            pg=self._pg,
+            device=device if device is not None else self._device,
+            feature_processor=feature_processor,
+            sharding_type=self._lookup_sharding_type,
+            env=self._env,
+        )
+
+
+class TritonTwPooledEmbeddingSharding(_TritonLookupMixin, TwPooledEmbeddingSharding):
+    """Table-wise sharding with the Triton-aware lookup."""
+
+
+class TritonCwPooledEmbeddingSharding(_TritonLookupMixin, CwPooledEmbeddingSharding):
+    """Column-wise sharding with the Triton-aware lookup."""
+
+
+class TritonTwCwPooledEmbeddingSharding(_TritonLookupMixin, TwCwPooledEmbeddingSharding):
+    """Table-column-wise sharding with the Triton-aware lookup."""
+
+
+class TritonRwPooledEmbeddingSharding(_TritonLookupMixin, RwPooledEmbeddingSharding):
+    """Row-wise sharding with the Triton-aware lookup."""
+
+    _lookup_sharding_type = ShardingType.ROW_WISE
+
+
+class TritonTwRwPooledEmbeddingSharding(_TritonLookupMixin, TwRwPooledEmbeddingSharding):
+    """Table-row-wise sharding with the Triton-aware lookup."""
+
+    _lookup_sharding_type = ShardingType.TABLE_ROW_WISE
+
+    def _lookup_configs(self) -> list[GroupedEmbeddingConfig]:
+        return self._grouped_embedding_configs_per_rank[self._rank]
+
+
+_SHARDINGS = {
+    ShardingType.TABLE_WISE.value: TritonTwPooledEmbeddingSharding,
+    ShardingType.ROW_WISE.value: TritonRwPooledEmbeddingSharding,
+    ShardingType.COLUMN_WISE.value: TritonCwPooledEmbeddingSharding,
+    ShardingType.TABLE_ROW_WISE.value: TritonTwRwPooledEmbeddingSharding,
+    ShardingType.TABLE_COLUMN_WISE.value: TritonTwCwPooledEmbeddingSharding,
+}
+
+
+class TritonShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
+    """ShardedEmbeddingBagCollection whose shardings build Triton-aware lookups."""
+
+    @classmethod
+    def create_embedding_bag_sharding(
+        cls, sharding_infos, env, device=None, permute_embeddings=False, qcomm_codecs_registry=None
+    ):
+        sharding_type = sharding_infos[0].param_sharding.sharding_type
+        kernel = sharding_infos[0].param_sharding.compute_kernel
+        if kernel != TRITON_COMPUTE_KERNEL or sharding_type not in _SHARDINGS:
+            return super().create_embedding_bag_sharding(
+                sharding_infos, env, device, permute_embeddings=permute_embeddings,
+                qcomm_codecs_registry=qcomm_codecs_registry,
+            )
+        kwargs: dict[str, Any] = {"qcomm_codecs_registry": qcomm_codecs_registry}
+        if sharding_type in (ShardingType.COLUMN_WISE.value, ShardingType.TABLE_COLUMN_WISE.value):
+            kwargs["permute_embeddings"] = permute_embeddings
+        return _SHARDINGS[sharding_type](sharding_infos, env, device, **kwargs)
+
+
+class TritonEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
+    """EmbeddingBagCollection sharder whose model-parallel shards use the Triton TBE kernel.
+
+    `optimizer` sets the fused update (it overrides the optimizer keys of `fused_params`);
+    `execution` is passed to the kernel ("auto": Triton on GPUs, torch ops on CPU).
+    """
+
+    def __init__(
+        self,
+        optimizer: OptimizerConfig | None = None,
+        fused_params: dict[str, Any] | None = None,
+        execution: str | None = None,
+        qcomm_codecs_registry: dict | None = None,
+    ) -> None:
+        params = dict(fused_params or {})
+        if optimizer is not None:
+            params.update(fused_params_from_optimizer(optimizer))
+        if execution is not None:
+            params["execution"] = execution
+        super().__init__(fused_params=params, qcomm_codecs_registry=qcomm_codecs_registry)
+
+    def sharding_types(self, compute_device_type: str) -> list[str]:
+        return list(SUPPORTED_SHARDING_TYPES)
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
+        return [TRITON_COMPUTE_KERNEL] if sharding_type in SUPPORTED_SHARDING_TYPES else []
+
+    def shard(self, module, params, env, device=None, module_fqn=None) -> TritonShardedEmbeddingBagCollection:
+        return TritonShardedEmbeddingBagCollection(
+            module=module,
+            table_name_to_parameter_sharding=params,
+            env=env,
+            fused_params=self.fused_params,
+            device=device,
+            qcomm_codecs_registry=self.qcomm_codecs_registry,
+            module_fqn=module_fqn,
+            sharded_module_order_overwrite=self._sharded_module_order_overwrite,
+        )
+
+    @property
+    def sharded_module_type(self) -> type[TritonShardedEmbeddingBagCollection]:
+        return TritonShardedEmbeddingBagCollection

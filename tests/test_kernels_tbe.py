@@ -1,0 +1,250 @@
+"""TritonTableBatchedEmbedding's torch execution path against the reference and FBGEMM's CPU TBE.
+
+The Triton kernels themselves are checked in test_kernels_triton_interpret.py (interpreter, in a
+subprocess). Shapes are tiny on purpose: the CI machine has two cores.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from anyrec.kernels import reference as R
+from anyrec.kernels.layout import BoundsCheckMode
+from anyrec.kernels.optimizers import OptimizerConfig, OptimizerKind, state_bytes_per_row
+from anyrec.kernels.tbe import TritonTableBatchedEmbedding
+from anyrec.kernels.torch_tbe import stochastic_round_torch
+
+# dims 4/36/100/260, a one-row table, and a table read by two features
+SPECS = [(6, 4), (1, 36), (9, 100), (5, 260), (7, 4)]
+FTM = [0, 1, 2, 3, 4, 0]
+ALL_OPTS = [
+    OptimizerConfig("sgd", lr=0.1),
+    OptimizerConfig("rowwise_adagrad", lr=0.1, eps=1e-6),
+    OptimizerConfig("adagrad", lr=0.1, eps=1e-6),
+    OptimizerConfig("adam", lr=0.05, eps=1e-6, beta1=0.8, beta2=0.95),
+]
+
+
+def make_batch(specs, ftm, batch, seed, index_dtype=torch.int64, psw=False):
+    """KJT values/offsets with empty bags, mixed pooling, duplicates in and across bags, last rows."""
+    g = torch.Generator().manual_seed(seed)
+    lengths, ids = [], []
+    for f, t in enumerate(ftm):
+        rows = specs[t][0]
+        for b in range(batch):
+            n = [0, 1, 3, 5, 2][(f + b) % 5]
+            # draw from a few rows so ids repeat within and across bags; include the last row
+            x = torch.randint(0, min(rows, 3), (n,), generator=g) + max(rows - 3, 0)
+            lengths.append(n)
+            ids.append(x)
+    offsets = torch.zeros(len(lengths) + 1, dtype=index_dtype)
+    offsets[1:] = torch.tensor(lengths).cumsum(0)
+    indices = torch.cat(ids).to(index_dtype)
+    weights = torch.rand(indices.numel(), generator=g) + 0.5 if psw else None
+    return indices, offsets, weights
+
+
+def reference_steps(tables, ftm, batches, opt, pooling="sum"):
+    """Weights (fp32) and states after applying the reference update once per batch."""
+    tables = [w.float().clone() for w in tables]
+    states = [R.init_state_ref(opt.kind, *w.shape) for w in tables]
+    for step, (ids, off, psw, g) in enumerate(batches, start=1):
+        grads, touched = R.row_gradients_ref(tables, ftm, ids, off, g, psw, pooling)
+        tables = [R.apply_optimizer_ref(w, s, gr, tc, opt, step)
+                  for w, s, gr, tc in zip(tables, states, grads, touched, strict=True)]
+    return tables, states
+
+
+def train(module, batches):
+    for ids, off, psw, g in batches:
+        module(ids, off, psw).backward(g)
+
+
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("psw", [False, True])
+def test_forward_matches_reference(pooling, index_dtype, psw):
+    m = TritonTableBatchedEmbedding(SPECS, FTM, pooling=pooling, execution="torch")
+    ids, off, w = make_batch(SPECS, FTM, 4, seed=1, index_dtype=index_dtype, psw=psw)
+    out = m(ids, off, w)
+    ref = R.pooled_forward_ref(m.split_embedding_weights(), FTM, ids, off, w, pooling)
+    assert out.shape == (4, sum(SPECS[t][1] for t in FTM))
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("weights_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("output_dtype", [torch.float32, torch.bfloat16])
+def test_forward_low_precision_weights(weights_dtype, output_dtype):
+    m = TritonTableBatchedEmbedding(SPECS, FTM, weights_dtype=weights_dtype, output_dtype=output_dtype,
+                                    execution="torch")
+    ids, off, _ = make_batch(SPECS, FTM, 3, seed=2)
+    out = m(ids, off)
+    assert out.dtype == output_dtype
+    ref = R.pooled_forward_ref(m.split_embedding_weights(), FTM, ids, off)  # fp32 accumulation
+    torch.testing.assert_close(out.float(), ref, rtol=1e-2 if output_dtype == torch.bfloat16 else 1e-6,
+                               atol=1e-2 if output_dtype == torch.bfloat16 else 1e-6)
+
+
+@pytest.mark.parametrize("opt", ALL_OPTS, ids=lambda o: o.kind.value)
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+def test_fused_update_matches_reference(opt, pooling):
+    m = TritonTableBatchedEmbedding(SPECS, FTM, optimizer=opt, pooling=pooling, execution="torch")
+    tables0 = [w.clone() for w in m.split_embedding_weights()]
+    batches = []
+    for s in range(3):
+        ids, off, psw = make_batch(SPECS, FTM, 4, seed=10 + s, psw=s == 1)
+        batches.append((ids, off, psw, torch.randn(4, m.layout.output_dim)))
+    train(m, batches)
+    want_w, want_s = reference_steps(tables0, FTM, batches, opt, pooling)
+    for t, (w, s) in enumerate(zip(m.split_embedding_weights(), m.get_optimizer_state(), strict=True)):
+        torch.testing.assert_close(w, want_w[t], rtol=1e-5, atol=1e-6, msg=f"table {t} weights")
+        for k, v in s.items():
+            torch.testing.assert_close(v, want_s[t][k], rtol=1e-5, atol=1e-6, msg=f"table {t} {k}")
+    assert float(m.step) == 3
+
+
+def test_weight_decay_and_lr_change():
+    opt = OptimizerConfig("rowwise_adagrad", lr=0.1, weight_decay=0.01)
+    m = TritonTableBatchedEmbedding(SPECS, FTM, optimizer=opt, execution="torch")
+    tables0 = [w.clone() for w in m.split_embedding_weights()]
+    ids, off, _ = make_batch(SPECS, FTM, 2, seed=3)
+    g = torch.randn(2, m.layout.output_dim)
+    m.learning_rate = 0.2
+    train(m, [(ids, off, None, g)])
+    want, _ = reference_steps(tables0, FTM, [(ids, off, None, g)], OptimizerConfig(
+        "rowwise_adagrad", lr=0.2, weight_decay=0.01))
+    for w, r in zip(m.split_embedding_weights(), want, strict=True):
+        torch.testing.assert_close(w, r, rtol=1e-5, atol=1e-6)
+
+
+def test_eval_mode_does_not_update():
+    m = TritonTableBatchedEmbedding(SPECS, FTM, execution="torch").eval()
+    ids, off, _ = make_batch(SPECS, FTM, 2, seed=4)
+    before = m.weight.clone()
+    out = m(ids, off)
+    assert not out.requires_grad
+    assert torch.equal(m.weight, before)
+
+
+@pytest.mark.parametrize("bad_id", [-1, 6])
+def test_bounds_check_names_feature_and_id(bad_id):
+    m = TritonTableBatchedEmbedding(SPECS, FTM, feature_names=[f"cat_{i}" for i in range(len(FTM))],
+                                    execution="torch")
+    ids, off, _ = make_batch(SPECS, FTM, 2, seed=5)
+    first_of_last_feature = int(off[(len(FTM) - 1) * 2])  # feature 5 reads table 0 (6 rows)
+    ids = ids.clone()
+    ids[first_of_last_feature] = bad_id
+    with pytest.raises(ValueError, match=rf"cat_5 \(table 0, 6 rows\): id {bad_id} "):
+        m(ids, off)
+
+
+def test_skip_mode_drops_bad_ids():
+    m = TritonTableBatchedEmbedding(SPECS, FTM, bounds_check="skip", execution="torch")
+    assert m.bounds_check == BoundsCheckMode.SKIP
+    ids, off, _ = make_batch(SPECS, FTM, 2, seed=6)
+    bad = ids.clone()
+    bad[0] = 10**6
+    ref_psw = torch.ones(ids.numel())
+    ref_psw[0] = 0.0  # the skipped lookup contributes nothing
+    ref = R.pooled_forward_ref(m.split_embedding_weights(), FTM, ids, off, ref_psw)
+    torch.testing.assert_close(m(bad, off), ref)
+
+
+def test_bad_configuration_raises():
+    with pytest.raises(ValueError, match="pooling"):
+        TritonTableBatchedEmbedding(SPECS, FTM, pooling="max")
+    with pytest.raises(ValueError, match="optimizer"):
+        OptimizerConfig("lion")
+    with pytest.raises(ValueError, match="feature_table_map"):
+        TritonTableBatchedEmbedding(SPECS, [0, 9])
+    m = TritonTableBatchedEmbedding(SPECS, FTM, execution="torch")
+    ids, off, _ = make_batch(SPECS, FTM, 2, seed=7)
+    with pytest.raises(ValueError, match="F\\*B\\+1"):
+        m(ids, off[:-1])
+
+
+def test_state_dict_carries_optimizer_state():
+    opt = OptimizerConfig("adam", lr=0.01)
+    m = TritonTableBatchedEmbedding(SPECS, FTM, optimizer=opt, execution="torch")
+    ids, off, _ = make_batch(SPECS, FTM, 2, seed=8)
+    train(m, [(ids, off, None, torch.randn(2, m.layout.output_dim))])
+    sd = m.state_dict()
+    assert set(sd) == {"weight", "momentum1", "momentum2", "step"}
+    m2 = TritonTableBatchedEmbedding(SPECS, FTM, optimizer=opt, execution="torch")
+    m2.load_state_dict(sd)
+    for k in sd:
+        assert torch.equal(getattr(m2, k), getattr(m, k))
+
+
+def test_state_bytes_per_row():
+    assert state_bytes_per_row("sgd", 128) == 0
+    assert state_bytes_per_row(OptimizerKind.ROWWISE_ADAGRAD, 128) == 4
+    assert state_bytes_per_row("adagrad", 128, torch.float16) == 512
+    assert state_bytes_per_row("adam", 128) == 1024
+
+
+def test_stochastic_rounding_is_unbiased():
+    torch.manual_seed(0)
+    for dtype in (torch.float16, torch.bfloat16):
+        lo = torch.tensor(1.0)
+        hi = torch.nextafter(torch.tensor(1.0, dtype=dtype), torch.tensor(2.0, dtype=dtype)).float()
+        x = torch.full((20000,), float(lo + 0.3 * (hi - lo)))
+        y = stochastic_round_torch(x, dtype).float()
+        assert bool(((y == lo) | (y == hi)).all())
+        frac_up = float((y == hi).float().mean())
+        assert abs(frac_up - 0.3) < 0.02, (dtype, frac_up)
+
+
+def test_fp16_training_with_stochastic_rounding_tracks_fp32():
+    opt = OptimizerConfig("sgd", lr=0.01)
+    m16 = TritonTableBatchedEmbedding(SPECS, FTM, optimizer=opt, weights_dtype=torch.float16,
+                                      execution="torch")
+    tables0 = [w.float() for w in m16.split_embedding_weights()]
+    ids, off, _ = make_batch(SPECS, FTM, 4, seed=9)
+    batches = [(ids, off, None, torch.randn(4, m16.layout.output_dim)) for _ in range(3)]
+    train(m16, batches)
+    want, _ = reference_steps(tables0, FTM, batches, opt)
+    for w, r in zip(m16.split_embedding_weights(), want, strict=True):
+        torch.testing.assert_close(w.float(), r, rtol=0, atol=4e-3)
+
+
+# ---- FBGEMM's CPU TBE with the same hyperparameters ------------------------------------------------
+
+FBGEMM_OPTS = {
+    "sgd": "EXACT_SGD",
+    "rowwise_adagrad": "EXACT_ROWWISE_ADAGRAD",
+    "adagrad": "EXACT_ADAGRAD",
+}  # FBGEMM's CPU TBE refuses ADAM ("not supported in CPU mode"); Adam is checked against the reference
+
+
+@pytest.mark.parametrize("kind", sorted(FBGEMM_OPTS))
+def test_matches_fbgemm_cpu_tbe(kind):
+    fb = pytest.importorskip("fbgemm_gpu.split_table_batched_embeddings_ops_training")
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+
+    # FBGEMM's CPU row-wise Adagrad rejects a table read by two features, so none is shared here
+    specs, ftm = [(6, 4), (1, 36), (9, 100), (5, 260)], [0, 1, 2, 3]
+    opt = OptimizerConfig(kind, lr=0.1, eps=1e-4)
+    ours = TritonTableBatchedEmbedding(specs, ftm, optimizer=opt, execution="torch")
+    theirs = fb.SplitTableBatchedEmbeddingBagsCodegen(
+        [(r, d, EmbeddingLocation.HOST, fb.ComputeDevice.CPU) for r, d in specs],
+        feature_table_map=ftm, optimizer=getattr(EmbOptimType, FBGEMM_OPTS[kind]), learning_rate=opt.lr,
+        eps=opt.eps, beta1=opt.beta1, beta2=opt.beta2, pooling_mode=PoolingMode.SUM,
+    )
+    with torch.no_grad():
+        for a, b in zip(theirs.split_embedding_weights(), ours.split_embedding_weights(), strict=True):
+            a.copy_(b)
+    for s in range(3):
+        ids, off, _ = make_batch(specs, ftm, 3, seed=20 + s)
+        g = torch.randn(3, ours.layout.output_dim)
+        out_o, out_t = ours(ids, off), theirs(ids, off)
+        torch.testing.assert_close(out_o, out_t, rtol=1e-5, atol=1e-6)
+        out_o.backward(g)
+        out_t.backward(g)
+    for a, b in zip(theirs.split_embedding_weights(), ours.split_embedding_weights(), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    for a, b in zip(theirs.get_optimizer_state(), ours.get_optimizer_state(), strict=False):
+        for k in b:
+            torch.testing.assert_close(b[k], a[k].view(b[k].shape), rtol=1e-5, atol=1e-7, msg=k)

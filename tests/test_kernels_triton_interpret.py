@@ -1,0 +1,118 @@
+"""The Triton TBE kernels under TRITON_INTERPRET=1 (CPU), against the reference.
+
+TRITON_INTERPRET must be set before triton is imported, and pytest imports every test module into
+one process, so this file re-runs itself in a child pytest with the variable set; the kernel tests
+only run in that child (or when the whole suite was started with TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+triton = pytest.importorskip("triton")
+
+if not IN_INTERPRETER:
+
+    def test_triton_kernels_under_interpreter():
+        """Run this module's kernel tests in a child process with TRITON_INTERPRET=1."""
+        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        root = Path(__file__).resolve().parents[1]
+        env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())],
+            cwd=root, env=env, capture_output=True, text=True, timeout=600,
+        )
+        assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+        assert " passed" in proc.stdout
+
+else:
+    from anyrec.kernels import reference as R
+    from anyrec.kernels.optimizers import OptimizerConfig
+    from anyrec.kernels.tbe import TritonTableBatchedEmbedding
+    from tests.test_kernels_tbe import ALL_OPTS, FTM, SPECS, make_batch, reference_steps, train
+
+    def both(**kw):
+        """The same module twice: Triton execution and torch execution, with equal weights."""
+        t = TritonTableBatchedEmbedding(SPECS, FTM, execution="triton", **kw)
+        p = TritonTableBatchedEmbedding(SPECS, FTM, execution="torch", **kw)
+        p.load_state_dict(t.state_dict())
+        return t, p
+
+    @pytest.mark.parametrize("pooling", ["sum", "mean"])
+    @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+    def test_forward(pooling, index_dtype):
+        m = TritonTableBatchedEmbedding(SPECS, FTM, pooling=pooling, execution="triton")
+        ids, off, psw = make_batch(SPECS, FTM, 3, seed=1, index_dtype=index_dtype, psw=True)
+        for w in (None, psw):
+            ref = R.pooled_forward_ref(m.split_embedding_weights(), FTM, ids, off, w, pooling)
+            torch.testing.assert_close(m(ids, off, w), ref, rtol=1e-6, atol=1e-6)
+
+    @pytest.mark.parametrize("weights_dtype", [torch.float16, torch.bfloat16])
+    def test_forward_low_precision(weights_dtype):
+        m = TritonTableBatchedEmbedding(SPECS, FTM, weights_dtype=weights_dtype, output_dtype=torch.bfloat16,
+                                        execution="triton")
+        ids, off, _ = make_batch(SPECS, FTM, 2, seed=2)
+        out = m(ids, off)
+        assert out.dtype == torch.bfloat16
+        ref = R.pooled_forward_ref(m.split_embedding_weights(), FTM, ids, off)
+        torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
+
+    @pytest.mark.parametrize("opt", ALL_OPTS, ids=lambda o: o.kind.value)
+    def test_fused_update(opt):
+        pooling = "mean" if opt.kind.value == "adagrad" else "sum"
+        m = TritonTableBatchedEmbedding(SPECS, FTM, optimizer=opt, pooling=pooling, execution="triton")
+        tables0 = [w.clone() for w in m.split_embedding_weights()]
+        batches = []
+        for s in range(3):
+            ids, off, psw = make_batch(SPECS, FTM, 3, seed=10 + s, psw=s == 1)
+            batches.append((ids, off, psw, torch.randn(3, m.layout.output_dim)))
+        train(m, batches)
+        want_w, want_s = reference_steps(tables0, FTM, batches, opt, pooling)
+        for t, (w, s) in enumerate(zip(m.split_embedding_weights(), m.get_optimizer_state(), strict=True)):
+            torch.testing.assert_close(w, want_w[t], rtol=1e-5, atol=1e-6, msg=f"table {t} weights")
+            for k, v in s.items():
+                torch.testing.assert_close(v, want_s[t][k], rtol=1e-5, atol=1e-6, msg=f"table {t} {k}")
+
+    def test_skip_mode_masks_out_of_range_ids():
+        t, p = both(bounds_check="skip", optimizer=OptimizerConfig("rowwise_adagrad", lr=0.1))
+        ids, off, _ = make_batch(SPECS, FTM, 2, seed=6)
+        ids = ids.clone()
+        ids[0], ids[-1] = -3, 10**6
+        g = torch.randn(2, t.layout.output_dim)
+        torch.testing.assert_close(t(ids, off), p(ids, off))
+        train(t, [(ids, off, None, g)])
+        train(p, [(ids, off, None, g)])
+        torch.testing.assert_close(t.weight, p.weight, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(t.momentum1, p.momentum1, rtol=1e-5, atol=1e-7)
+
+    def test_bounds_error_under_triton():
+        m = TritonTableBatchedEmbedding(SPECS, FTM, execution="triton")
+        ids, off, _ = make_batch(SPECS, FTM, 2, seed=5)
+        ids = ids.clone()
+        ids[0] = 99
+        with pytest.raises(ValueError, match="feature 0 .*id 99"):
+            m(ids, off)
+
+    @pytest.mark.parametrize("weights_dtype", [torch.float16, torch.bfloat16])
+    def test_stochastic_rounding_update(weights_dtype):
+        opt = OptimizerConfig("sgd", lr=0.01)
+        m = TritonTableBatchedEmbedding(SPECS, FTM, optimizer=opt, weights_dtype=weights_dtype,
+                                        execution="triton")
+        tables0 = [w.float() for w in m.split_embedding_weights()]
+        ids, off, _ = make_batch(SPECS, FTM, 2, seed=9)
+        batches = [(ids, off, None, torch.randn(2, m.layout.output_dim))]
+        train(m, batches)
+        want, _ = reference_steps(tables0, FTM, batches, opt)
+        for w, r in zip(m.split_embedding_weights(), want, strict=True):
+            # stochastic rounding lands on one of the two neighbours of the fp32 result
+            lo = r.to(weights_dtype).float()
+            ulp = (torch.nextafter(r.abs().to(weights_dtype), torch.tensor(float("inf"), dtype=weights_dtype))
+                   .float() - r.abs().to(weights_dtype).float())
+            assert bool(((w.float() - r).abs() <= ulp + 1e-12).all()), (w.float() - lo).abs().max()
