@@ -71,6 +71,23 @@ def _spec_from_fields(fields: dict[str, Any], where: str) -> DeviceSpec:
     return DeviceSpec(**{k: _coerce(k, v) for k, v in fields.items()})
 
 
+def _yaml_loader():
+    """A safe YAML loader that also reads `4.8e12` as a number (YAML 1.1 wants `4.8e+12`)."""
+    import re
+
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?(?:[eE][-+]?[0-9]+)$"),
+        list("-+0123456789"),
+    )
+    return Loader
+
+
 def load_hardware_file(path: str | os.PathLike, backend: Backend | None = None) -> HardwareFile:
     """Parse a hardware YAML into a spec (base SKU + overrides, or a complete spec)."""
     import yaml
@@ -79,7 +96,7 @@ def load_hardware_file(path: str | os.PathLike, backend: Backend | None = None) 
     if not p.is_file():
         raise ValueError(f"hardware file {str(p)!r} does not exist")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = yaml.load(p.read_text(), Loader=_yaml_loader()) or {}
     except yaml.YAMLError as e:
         raise ValueError(f"hardware file {p}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(data, dict):
