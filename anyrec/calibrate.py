@@ -226,7 +226,8 @@ def format_table(m: dict) -> str:
         for dtype, v in per.items():
             if isinstance(v, float):
                 rows.append((f"lookup {kernel}", dtype, v / 1e9, "GB/s"))
-    for key, label in (("all_to_all_bw_bytes_per_s", "all-to-all"), ("all_reduce_bw_bytes_per_s", "all-reduce")):
+    for key, label in (("all_to_all_bw_bytes_per_s", "all-to-all"),
+                       ("all_reduce_bw_bytes_per_s", "all-reduce")):
         if key in m:
             rows.append((label, f"{m['world_size']} ranks", m[key] / 1e9, "GB/s"))
     lines = [f"{'measurement':<16} {'variant':<10} {'value':>12}  unit"]
@@ -257,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     backend.set_device(local_rank)
     if world > 1 and not dist.is_initialized():
         if backend.device_type == "cpu":
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
         dist.init_process_group(backend=backend.dist_backend)
     try:
         start = time.perf_counter()

@@ -53,7 +53,8 @@ def discover_plugins(entry_points: Iterable[Any] | None = None) -> dict[str, typ
             raise RuntimeError(f"two backends are named {ep.name!r}: {ep.value} and "
                                f"{(BUILTINS.get(ep.name) or found[ep.name]).__module__}")
         if cls.name != ep.name:
-            raise RuntimeError(f"backend plugin {ep.value}: entry point {ep.name!r} but class name {cls.name!r}")
+            raise RuntimeError(f"backend plugin {ep.value}: entry point {ep.name!r} but class "
+                               f"name {cls.name!r}")
         found[ep.name] = cls
     return found
 

@@ -95,7 +95,8 @@ def probe_triton(backend: Backend) -> str | None:
         return "triton is not installed"
     if backend.device_type == "cpu":
         if os.environ.get("TRITON_INTERPRET") != "1":
-            return "triton does not compile for CPU (set TRITON_INTERPRET=1 to opt in to its slow interpreter)"
+            return ("triton does not compile for CPU "
+                    "(set TRITON_INTERPRET=1 to opt in to its slow interpreter)")
         return None
     try:
         import triton
@@ -142,9 +143,10 @@ def availability(backend: Backend, op: str, impl: str) -> str | None:
     """None if `impl` can serve `op` on `backend`, else why not (cached per backend, op and impl)."""
     key = (backend.name, op, impl)
     if key not in _probe_cache:
-        reason = OPS[op].requirements.get(impl, lambda _: None)(backend)
+        # The library must reach the device first; then the op must have a kernel in it.
+        reason = backend.probe(impl)
         if reason is None:
-            reason = backend.probe(impl)
+            reason = OPS[op].requirements.get(impl, lambda _: None)(backend)
         _probe_cache[key] = reason
     return _probe_cache[key]
 

@@ -52,7 +52,8 @@ def _coerce(name: str, value: Any) -> Any:
     return str(value)
 
 
-def apply_overrides(spec: DeviceSpec, overrides: dict[str, Any] | None, where: str = "hardware.spec") -> DeviceSpec:
+def apply_overrides(spec: DeviceSpec, overrides: dict[str, Any] | None,
+                    where: str = "hardware.spec") -> DeviceSpec:
     """`spec` with some fields replaced; unknown field names are a ValueError naming `where`."""
     if not overrides:
         return spec

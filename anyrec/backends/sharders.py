@@ -59,8 +59,9 @@ class KernelPinnedSharder(EmbeddingBagCollectionSharder):
                 changed.append(f"{name}: {ps.compute_kernel}")
                 ps.compute_kernel = self.kernel
         if changed:
+            shown = ", ".join(changed[:4]) + (" ..." if len(changed) > 4 else "")
             logger.info("embedding compute kernel %s for %d table(s) the plan gave another (%s)",
-                        self.kernel, len(changed), ", ".join(changed[:4]) + (" ..." if len(changed) > 4 else ""))
+                        self.kernel, len(changed), shown)
         return super().shard(module, params, env, device, module_fqn)
 
 
