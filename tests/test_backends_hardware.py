@@ -50,6 +50,7 @@ def test_yaml_with_base_sku_and_measurements(tmp_path):
     ("text", "error"),
     [("spec:\n  name: X\n", "lacks vendor"),
      ("sku: h200\nbogus: 1\n", "unknown key"),
+     ("sku: h200\nbase: h100\n", "base SKU once"),
      ("sku: h200\nspec:\n  hbm: 1\n", "unknown DeviceSpec field"),
      ("sku: other.yaml\n", "must be a SKU name"),
      ("- a\n- b\n", "expected a mapping"),
@@ -72,3 +73,10 @@ def test_hydra_spelling_for_a_file(tmp_path):
     assert resolve_hardware(cfg.hardware.sku, cfg.hardware.spec).memory_bw_bytes_per_s == 1e10
     argv = rewrite_hardware_argv(["prog", f"hardware={f}", "hardware=h200", "model=dlrm_tiny"])
     assert argv == ["prog", f"hardware.sku={f}", "hardware=h200", "model=dlrm_tiny"]
+
+
+def test_flat_json_with_base_is_accepted(tmp_path):
+    f = tmp_path / "cal.json"
+    f.write_text('{"base": "mi300x", "memory_bw_bytes_per_s": 4.9e12}')
+    spec = resolve_hardware(str(f))
+    assert spec.name == "MI300X" and spec.memory_bw_bytes_per_s == 4.9e12

@@ -60,7 +60,7 @@ OPS: dict[str, Op] = {
 }
 
 # What each embedding implementation means to torchrec: its compute kernel. `triton` comes from
-# anyrec.kernels.torchrec_kernel (COMPUTE_KERNEL, sharder()); extend here for new kernels.
+# anyrec.kernels.torchrec_kernel (TRITON_COMPUTE_KERNEL); extend here for new kernels.
 TORCHREC_COMPUTE_KERNELS: dict[str, str | None] = {"fbgemm": "fused", "torch": "dense", "triton": None}
 
 # torch dispatch keys per device type (ROCm registers its kernels under CUDA).

@@ -7,6 +7,9 @@ shape of the `hardware` config group, so the same file also works as a group opt
     spec:                    # DeviceSpec fields (units in the names) replacing the base's
       memory_bw_bytes_per_s: 4.18e+12
     measurements: {...}      # optional, free-form: per-kernel lookup bandwidths etc.
+
+JSON is YAML too, and the flat form is accepted as well: DeviceSpec fields at the top level with
+`base: <sku>` for the rest (`{"base": "h200", "memory_bw_bytes_per_s": 4.18e12}`).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ if TYPE_CHECKING:
     from anyrec.backends.interface import Backend
 
 _FIELDS = {f.name: f for f in dataclasses.fields(DeviceSpec)}
-_FILE_KEYS = ("sku", "spec", "measurements")
+_FILE_KEYS = ("sku", "base", "spec", "measurements")
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,7 @@ class HardwareFile:
 
 def is_hardware_path(sku: str) -> bool:
     """Whether a `hardware` value names a file rather than a SKU (a .yaml/.yml name or a path)."""
-    return sku.endswith((".yaml", ".yml")) or os.sep in sku or "/" in sku
+    return sku.endswith((".yaml", ".yml", ".json")) or os.sep in sku or "/" in sku
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -103,14 +106,20 @@ def load_hardware_file(path: str | os.PathLike, backend: Backend | None = None) 
     if not isinstance(data, dict):
         raise ValueError(f"hardware file {p}: expected a mapping with keys {', '.join(_FILE_KEYS)}")
     data.pop("defaults", None)  # present when the file doubles as a Hydra group option
-    unknown = sorted(set(data) - set(_FILE_KEYS))
+    unknown = sorted(set(data) - set(_FILE_KEYS) - set(_FIELDS))
     if unknown:
-        raise ValueError(f"hardware file {p}: unknown key(s) {', '.join(unknown)}; "
-                         f"expected {', '.join(_FILE_KEYS)}")
+        raise ValueError(f"hardware file {p}: unknown key(s) {', '.join(unknown)}; expected "
+                         f"{', '.join(_FILE_KEYS)} or DeviceSpec fields")
     fields = data.get("spec") or {}
     if not isinstance(fields, dict):
         raise ValueError(f"hardware file {p}: `spec` must be a mapping of DeviceSpec fields")
-    base = data.get("sku")
+    flat = {k: v for k, v in data.items() if k in _FIELDS}
+    if set(flat) & set(fields):
+        raise ValueError(f"hardware file {p}: {', '.join(sorted(set(flat) & set(fields)))} given twice")
+    fields = {**fields, **flat}
+    if "sku" in data and "base" in data:
+        raise ValueError(f"hardware file {p}: give the base SKU once (`sku:` or `base:`)")
+    base = data.get("sku", data.get("base"))
     if base is None:
         unknown = sorted(set(fields) - set(_FIELDS))
         if unknown:

@@ -1,8 +1,8 @@
 """The torchrec side of the `embedding` op: the sharder and compute kernel for each implementation.
 
 `fbgemm` is torchrec's `fused` kernel (FBGEMM TBE, optimizer fused into backward); `torch` is its
-`dense` kernel for now; `triton` comes from `anyrec.kernels.torchrec_kernel`, which must expose
-`COMPUTE_KERNEL: str` and `sharder() -> EmbeddingBagCollectionSharder`.
+`dense` kernel for now; `triton` comes from `anyrec.kernels.torchrec_kernel`
+(`TRITON_COMPUTE_KERNEL` and `TritonEmbeddingBagCollectionSharder`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 def compute_kernel(impl: str) -> str:
     """The torchrec compute kernel that runs the `embedding` implementation `impl`."""
     if impl == "triton":
-        return _triton_module().COMPUTE_KERNEL
+        return _triton_module().TRITON_COMPUTE_KERNEL
     kernel = TORCHREC_COMPUTE_KERNELS.get(impl)
     if kernel is None:
         raise ValueError(f"embedding implementation {impl!r} has no torchrec compute kernel; "
@@ -68,5 +68,6 @@ class KernelPinnedSharder(EmbeddingBagCollectionSharder):
 def embedding_sharder(impl: str) -> EmbeddingBagCollectionSharder:
     """The EBC sharder for the selected `embedding` implementation."""
     if impl == "triton":
-        return _triton_module().sharder()
+        # Its optimizer comes from the parameters' in-backward optimizer, like torchrec's own.
+        return _triton_module().TritonEmbeddingBagCollectionSharder()
     return KernelPinnedSharder(compute_kernel(impl))
