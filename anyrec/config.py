@@ -56,16 +56,23 @@ class DataConfig:
 class BackendConfig:
     """Which backend drives the run and which kernel serves each op."""
 
-    name: str = "auto"  # auto | cpu | cuda | rocm
+    name: str = "auto"  # auto | cpu | cuda | rocm | an installed plugin's name
     embedding_kernel: str = "auto"  # auto | fbgemm | triton | torch
+    interaction_kernel: str = "auto"  # auto | triton | torch
+    dcn_kernel: str = "auto"  # auto | triton | torch
 
 
 @dataclass
 class HardwareConfig:
-    """The device the planner reasons about: `auto` (this one), a SKU name, or a YAML file."""
+    """The device the planner reasons about: `auto` (this one), a SKU name, or a YAML file.
 
-    sku: str = "auto"
-    spec: dict[str, Any] = field(default_factory=dict)  # field overrides (calibrated values)
+    Resolve with `anyrec.backends.resolve_hardware(sku, spec)`. A calibrated YAML has this same
+    shape, so it can also be a group option (`hardware=NAME` with its folder on Hydra's searchpath).
+    """
+
+    sku: str = "auto"  # auto | a SKU name | /path/to/hardware.yaml
+    spec: dict[str, Any] = field(default_factory=dict)  # DeviceSpec field overrides
+    measurements: dict[str, Any] = field(default_factory=dict)  # calibration extras (per kernel)
 
 
 @dataclass

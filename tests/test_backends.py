@@ -72,3 +72,141 @@ def test_sku_table_density():
     assert SKUS["mi300x"].simd_width == 64 and SKUS["h100"].simd_width == 32
     with pytest.raises(ValueError, match="unknown hardware SKU"):
         get_sku("tpu-v9")
+
+
+# --- SKU table ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    ("sku", "memory_gb", "bw_tb_s", "simd", "arch"),
+    [("mi300x", 192, 5.3, 64, "gfx942"), ("mi325x", 256, 6.0, 64, "gfx942"),
+     ("mi350x", 288, 8.0, 64, "gfx950"), ("mi355x", 288, 8.0, 64, "gfx950"),
+     ("h100", 80, 3.35, 32, "sm_90"), ("h200", 141, 4.8, 32, "sm_90"),
+     ("b200", 180, 8.0, 32, "sm_100"), ("gb200", 186, 8.0, 32, "sm_100")],
+)
+def test_sku_table_values(sku, memory_gb, bw_tb_s, simd, arch):
+    spec = get_sku(sku)
+    assert spec.memory_bytes == memory_gb * 10**9
+    assert spec.memory_bw_bytes_per_s == pytest.approx(bw_tb_s * 1e12)
+    assert (spec.simd_width, spec.arch) == (simd, arch)
+    assert spec.peak_bf16_flops > spec.peak_fp32_flops > 0
+    assert spec.scale_up_bw_bytes_per_s > spec.scale_out_bw_bytes_per_s > 0
+    assert spec.h2d_bw_bytes_per_s > 0 and spec.source
+
+
+def test_cpu_sku_and_name_spellings():
+    assert SKUS["cpu"].vendor == "cpu" and SKUS["cpu"].memory_bytes > 0
+    assert get_sku("H100-SXM5") is SKUS["h100"] and get_sku("MI355X") is SKUS["mi355x"]
+
+
+# --- detection from device facts (injected: name, arch, memory) ------------------------------------
+
+GIB = 2**30
+
+
+def _gpu(name: str, arch: str, mem: int, hip: str | None = None) -> DeviceFacts:
+    return DeviceFacts(cuda_available=True, hip_version=hip, device_count=8, device_name=name,
+                       arch=arch, memory_bytes=mem, multiprocessors=100)
+
+
+@pytest.mark.parametrize(
+    ("facts", "backend", "sku"),
+    [
+        (_gpu("AMD Instinct MI300X", "gfx942:sramecc+:xnack-", 192 * GIB, "6.4"), "rocm", "MI300X"),
+        (_gpu("AMD Instinct MI325X", "gfx942", 256 * GIB, "6.4"), "rocm", "MI325X"),
+        (_gpu("AMD Instinct MI350X", "gfx950", 288 * GIB, "7.0"), "rocm", "MI350X"),
+        (_gpu("AMD Instinct MI355X", "gfx950", 288 * GIB, "7.0"), "rocm", "MI355X"),
+        (_gpu("NVIDIA H100 80GB HBM3", "sm_90", 80 * GIB), "cuda", "H100"),
+        (_gpu("NVIDIA H200", "sm_90", 141 * 10**9), "cuda", "H200"),
+        (_gpu("NVIDIA B200", "sm_100", 180 * 10**9), "cuda", "B200"),
+        (_gpu("NVIDIA GB200", "sm_100", 186 * 10**9), "cuda", "GB200"),
+        # No marketing name (some ROCm builds report only "AMD Radeon Graphics"): arch + memory.
+        (_gpu("AMD Radeon Graphics", "gfx942", 192 * GIB, "6.4"), "rocm", "MI300X"),
+        (_gpu("AMD Radeon Graphics", "gfx942", 256 * GIB, "6.4"), "rocm", "MI325X"),
+        (_gpu("AMD Radeon Graphics", "gfx950", 288 * GIB, "7.0"), "rocm", "MI350X"),
+        (_gpu("NVIDIA Graphics Device", "sm_90", 143 * 10**9), "cuda", "H200"),
+    ],
+)
+def test_detection_maps_each_sku(facts, backend, sku):
+    b = get_backend("auto", facts=facts)
+    assert b.name == backend and b.device_type == "cuda"
+    spec = b.device_spec()
+    assert spec.name == sku and spec.memory_bytes == facts.memory_bytes
+
+
+@pytest.mark.parametrize("name", ["NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA GH200 480GB"])
+def test_variants_with_other_specs_are_not_taken_for_the_sxm_part(name, caplog):
+    spec = get_backend("cuda", facts=_gpu(name, "sm_90", 94 * 10**9)).device_spec()
+    assert spec.name == name and "uncalibrated" in spec.source
+    assert "unknown device" in caplog.text
+
+
+def test_rocm_is_told_apart_at_run_time_not_by_build():
+    # A ROCm build of torch that sees an NVIDIA-looking device is not ROCm, and a HIP build with no
+    # device falls back to the CPU.
+    assert detect(_gpu("NVIDIA H200", "sm_90", 141 * 10**9, hip="6.4")) == "cpu"
+    assert detect(DeviceFacts(cuda_available=True, hip_version="6.4", device_count=0)) == "cpu"
+
+
+def test_unknown_amd_device_is_derived_and_warned_once(caplog):
+    from anyrec.backends import _gpu as gpu
+
+    gpu._warned_unknown.clear()
+    facts = _gpu("AMD Radeon PRO W7900", "gfx1100", 48 * 10**9, "6.4")  # RDNA3: wave32
+    b = get_backend("auto", facts=facts)
+    spec, again = b.device_spec(), b.device_spec()
+    assert b.name == "rocm" and spec == again
+    assert spec.memory_bytes == 48 * 10**9 and spec.vendor == "amd" and spec.simd_width == 32
+    # FLOP/s scale with the compute units the device reports (100 vs MI300X's 304).
+    assert spec.peak_bf16_flops == pytest.approx(SKUS["mi300x"].peak_bf16_flops * 100 / 304)
+    assert caplog.text.count("unknown device") == 1 and "anyrec.calibrate" in caplog.text
+
+
+# --- registry and plugins ------------------------------------------------------------------------
+
+class _EP:
+    """A stand-in for importlib.metadata.EntryPoint: name, value, load()."""
+
+    def __init__(self, name, value, obj=None, error=None):
+        self.name, self.value, self._obj, self._error = name, value, obj, error
+
+    def load(self):
+        if self._error:
+            raise self._error
+        return self._obj
+
+
+class _FakeAccel(CPUBackend):
+    name = "fakeaccel"
+
+    @classmethod
+    def matches(cls, facts):
+        return facts.device_name == "FakeAccel"
+
+
+def test_plugins_register_like_builtins_and_detect_before_cpu():
+    from anyrec.backends import BUILTINS, discover_plugins
+
+    eps = [_EP("cpu", "anyrec.backends.cpu:CPUBackend", CPUBackend),  # the built-in's own entry point
+           _EP("fakeaccel", "x:FakeAccel", _FakeAccel),
+           _EP("broken", "y:Broken", error=ImportError("no module y"))]
+    plugins = discover_plugins(eps)
+    assert plugins == {"fakeaccel": _FakeAccel}
+    backends = {**plugins, **BUILTINS}
+    assert list(backends)[-1] == "cpu"
+    assert detect(DeviceFacts(device_name="FakeAccel"), backends) == "fakeaccel"
+    assert detect(CPU_ONLY, backends) == "cpu"
+
+
+def test_plugin_name_clash_and_ambiguity_raise():
+    from anyrec.backends import BUILTINS, discover_plugins
+
+    with pytest.raises(RuntimeError, match="two backends are named 'cuda'"):
+        discover_plugins([_EP("cuda", "z:Other", _FakeAccel)])
+
+    class _Greedy(_FakeAccel):
+        @classmethod
+        def matches(cls, facts):
+            return True
+
+    with pytest.raises(RuntimeError, match="ambiguous accelerator"):
+        detect(H200, {"fakeaccel": _Greedy, **BUILTINS})

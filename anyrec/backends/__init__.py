@@ -1,46 +1,138 @@
-"""Backends: detection and lookup of the accelerator this process runs on."""
+"""Backends: the registry (built-ins and `anyrec.backends` entry-point plugins), detection, lookup.
+
+Detection is lazy, ordered and raises on ambiguity: plugins first (in name order), then ROCm, CUDA,
+and CPU last, which always matches. Plugins are discovered on first use, not at import.
+"""
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
+from collections.abc import Iterable
+from typing import Any
 
 from anyrec.backends.cpu import CPUBackend
 from anyrec.backends.cuda import CUDABackend
+from anyrec.backends.hardware import load_hardware_file, resolve_hardware, rewrite_hardware_argv
 from anyrec.backends.interface import Backend, DeviceFacts
 from anyrec.backends.rocm import ROCmBackend
 from anyrec.backends.specs import SKUS, DeviceSpec, get_sku
 
 logger = logging.getLogger(__name__)
 
-# Detection order: most specific first; CPU always matches and comes last.
-BACKENDS: dict[str, type[Backend]] = {"rocm": ROCmBackend, "cuda": CUDABackend, "cpu": CPUBackend}
+ENTRY_POINT_GROUP = "anyrec.backends"
+# Built-ins are registered here as well as through setup.py's entry points, so a source checkout
+# that was never installed still has them; their entry points are recognised and skipped.
+BUILTINS: dict[str, type[Backend]] = {"rocm": ROCmBackend, "cuda": CUDABackend, "cpu": CPUBackend}
+
+_registry: dict[str, type[Backend]] | None = None
+_plugin_errors: dict[str, str] = {}
 
 
-def detect(facts: DeviceFacts) -> str:
+def discover_plugins(entry_points: Iterable[Any] | None = None) -> dict[str, type[Backend]]:
+    """Plugin backends from the `anyrec.backends` entry-point group (name -> Backend subclass).
+
+    A plugin that fails to load is left out with a warning (and its error kept for `get_backend`);
+    a name taken by another class raises, since detection could not tell them apart.
+    """
+    eps = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP) if entry_points is None else entry_points
+    found: dict[str, type[Backend]] = {}
+    for ep in sorted(eps, key=lambda e: e.name):
+        builtin = BUILTINS.get(ep.name)
+        if builtin is not None and ep.value == f"{builtin.__module__}:{builtin.__qualname__}":
+            continue
+        try:
+            cls = ep.load()
+        except Exception as e:
+            _plugin_errors[ep.name] = f"{type(e).__name__}: {e}"
+            logger.warning("backend plugin %s (%s) failed to load: %s", ep.name, ep.value, e)
+            continue
+        if not (isinstance(cls, type) and issubclass(cls, Backend)):
+            raise TypeError(f"backend plugin {ep.name} ({ep.value}) is not a Backend subclass")
+        if ep.name in BUILTINS or ep.name in found:
+            raise RuntimeError(f"two backends are named {ep.name!r}: {ep.value} and "
+                               f"{(BUILTINS.get(ep.name) or found[ep.name]).__module__}")
+        if cls.name != ep.name:
+            raise RuntimeError(f"backend plugin {ep.value}: entry point {ep.name!r} but class "
+                               f"name {cls.name!r}")
+        found[ep.name] = cls
+    return found
+
+
+def registry() -> dict[str, type[Backend]]:
+    """Every backend in detection order: plugins, then the built-ins (CPU last). Built once."""
+    global _registry
+    if _registry is None:
+        _registry = {**discover_plugins(), **BUILTINS}
+    return _registry
+
+
+def reset_registry() -> None:
+    """Forget discovered plugins (tests change sys.path and discover again)."""
+    global _registry
+    _registry = None
+    _plugin_errors.clear()
+
+
+def __getattr__(name: str) -> Any:
+    # `BACKENDS` is the registry, discovered on first access rather than at import.
+    if name == "BACKENDS":
+        return registry()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def detect(facts: DeviceFacts, backends: dict[str, type[Backend]] | None = None) -> str:
     """Name of the backend that drives a machine with these facts (pure; no torch calls)."""
-    gpu = [name for name, cls in BACKENDS.items() if name != "cpu" and cls.matches(facts)]
-    if len(gpu) > 1:
-        raise RuntimeError(f"ambiguous accelerator: backends {gpu} all match {facts}")
-    return gpu[0] if gpu else "cpu"
+    backends = registry() if backends is None else backends
+    found = [name for name, cls in backends.items() if name != "cpu" and cls.matches(facts)]
+    if len(found) > 1:
+        raise RuntimeError(f"ambiguous accelerator: backends {found} all match {facts}; "
+                           f"choose one with backend.name=")
+    return found[0] if found else "cpu"
+
+
+def _detect_live() -> tuple[str, DeviceFacts]:
+    """Detection on this machine: each backend reads facts with its own probe (shared when equal)."""
+    facts_by_probe: dict[Any, DeviceFacts] = {}
+    found = []
+    for name, cls in registry().items():
+        if name == "cpu":
+            continue
+        probe = cls.probe_facts.__func__  # CUDA and ROCm share one probe: read the device once
+        if probe not in facts_by_probe:
+            facts_by_probe[probe] = cls.probe_facts()
+        if cls.matches(facts_by_probe[probe]):
+            found.append((name, facts_by_probe[probe]))
+    if len(found) > 1:
+        raise RuntimeError(f"ambiguous accelerator: backends {[n for n, _ in found]} all match this "
+                           f"machine; choose one with backend.name=")
+    return found[0] if found else ("cpu", CPUBackend.probe_facts())
 
 
 def get_backend(name: str = "auto", facts: DeviceFacts | None = None) -> Backend:
     """The backend called `name`, or the detected one for 'auto'. Fails clearly if unusable."""
-    if name not in ("auto", *BACKENDS):
-        raise ValueError(f"unknown backend {name!r}; choose one of auto, {', '.join(BACKENDS)}")
-    if facts is None:
-        facts = (CUDABackend.probe_facts() if name in ("auto", "cuda", "rocm")
-                 else CPUBackend.probe_facts())
-        if name in ("auto", "cpu") and not (facts.cuda_available and facts.device_count):
-            facts = CPUBackend.probe_facts()
-    chosen = detect(facts) if name == "auto" else name
-    cls = BACKENDS[chosen]
+    backends = registry()
+    if name not in ("auto", *backends):
+        hint = f" (plugin failed to load: {_plugin_errors[name]})" if name in _plugin_errors else ""
+        raise ValueError(f"unknown backend {name!r}{hint}; choose one of auto, {', '.join(backends)}")
+    if name == "auto":
+        if facts is None:
+            name, facts = _detect_live()
+        else:
+            name = detect(facts)
+    cls = backends[name]
+    if facts is None or (name == "cpu" and facts.cuda_available):
+        facts = cls.probe_facts()
     if not cls.matches(facts):
         raise ValueError(f"backend={name} requested but this machine has no usable {name} device "
                          f"(facts: {facts})")
-    if chosen == "cpu" and facts.cuda_available:
-        facts = CPUBackend.probe_facts()
-    return cls(facts)
+    backend = cls(facts)
+    logger.debug("backend %s selected", backend.describe())
+    return backend
 
 
-__all__ = ["Backend", "DeviceFacts", "DeviceSpec", "SKUS", "get_sku", "detect", "get_backend", "BACKENDS"]
+__all__ = [
+    "Backend", "DeviceFacts", "DeviceSpec", "SKUS", "get_sku", "detect", "get_backend", "BACKENDS",
+    "BUILTINS", "registry", "discover_plugins", "reset_registry", "resolve_hardware",
+    "load_hardware_file", "rewrite_hardware_argv", "ENTRY_POINT_GROUP",
+]

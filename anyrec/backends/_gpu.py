@@ -7,7 +7,7 @@ import logging
 import torch
 
 from anyrec.backends.interface import Backend, DeviceFacts
-from anyrec.backends.specs import SKUS, DeviceSpec
+from anyrec.backends.specs import SKUS, DeviceSpec, match_sku
 
 logger = logging.getLogger(__name__)
 
@@ -32,20 +32,47 @@ def probe_torch_cuda_facts() -> DeviceFacts:
     )
 
 
-# (substring of the marketing name, arch prefix) -> SKU key; first match wins, most specific first.
-_NAME_TO_SKU: list[tuple[str, str]] = [
-    ("mi355", "mi355x"), ("mi350", "mi350x"), ("mi325", "mi325x"), ("mi300x", "mi300x"),
-    ("gb200", "gb200"), ("b200", "b200"), ("h200", "h200"), ("h100", "h100"),
-]
-
-
 def sku_from_facts(facts: DeviceFacts) -> str | None:
-    """Map a device's reported name to a SKU key, or None for an unknown device."""
-    name = facts.device_name.lower().replace(" ", "").replace("-", "")
-    for needle, sku in _NAME_TO_SKU:
-        if needle in name:
-            return sku
-    return None
+    """Map a device's reported name, arch and memory to a SKU key, or None for an unknown device."""
+    return match_sku(facts.device_name, facts.arch, facts.memory_bytes)[0]
+
+
+# Compute units of the base SKUs an unknown device is scaled from (datasheets: MI300X 304 CUs,
+# H100 SXM 132 SMs, B200 148 SMs).
+_BASE_COMPUTE_UNITS = {"mi300x": 304, "h100": 132, "b200": 148}
+_warned_unknown: set[tuple[str, str]] = set()
+
+
+def derived_spec(facts: DeviceFacts, vendor: str) -> DeviceSpec:
+    """A spec for an unknown GPU: the nearest SKU of its family, scaled by its own properties.
+
+    Memory comes from the device; FLOP/s scale with compute units; bandwidths stay the base's
+    until `anyrec.calibrate` measures them. Warns once per device.
+    """
+    arch = facts.arch.lower()
+    if vendor == "amd":
+        base = "mi300x"
+    else:
+        major = int(arch[3:-1]) if arch.startswith("sm_") and arch[3:-1].isdigit() else 9
+        base = "b200" if major >= 10 else "h100"
+    spec = SKUS[base]
+    scale = facts.multiprocessors / _BASE_COMPUTE_UNITS[base] if facts.multiprocessors else 1.0
+    # CDNA (gfx9xx) runs 64-wide wavefronts; RDNA (gfx1xxx) and NVIDIA run 32-wide.
+    simd = 64 if arch.startswith("gfx9") else 32
+    key = (facts.device_name, arch)
+    if key not in _warned_unknown:
+        _warned_unknown.add(key)
+        logger.warning(
+            "unknown device %r (%s, %.0f GB): spec derived from its properties and %s's figures; "
+            "run `python -m anyrec.calibrate output=FILE.yaml` and pass hardware.sku=FILE.yaml for "
+            "accurate planning", facts.device_name, facts.arch, facts.memory_bytes / 1e9, spec.name,
+        )
+    return spec.replace(
+        name=facts.device_name or vendor, vendor=vendor, arch=facts.arch,
+        memory_bytes=facts.memory_bytes or spec.memory_bytes,
+        peak_bf16_flops=spec.peak_bf16_flops * scale, peak_fp32_flops=spec.peak_fp32_flops * scale,
+        simd_width=simd, source=f"derived from device properties and {spec.name} (uncalibrated)",
+    )
 
 
 class GPUBackend(Backend):
@@ -53,6 +80,12 @@ class GPUBackend(Backend):
 
     device_type = "cuda"
     dist_backend = "nccl"  # RCCL answers to the same name on ROCm
+    kernel_order = {
+        "embedding": ("fbgemm", "triton", "torch"),
+        "interaction": ("triton", "torch"),
+        "dcn_cross": ("triton", "torch"),
+        "collectives": ("nccl", "gloo"),
+    }
 
     @classmethod
     def probe_facts(cls) -> DeviceFacts:
@@ -75,18 +108,13 @@ class GPUBackend(Backend):
 
     def device_spec(self) -> DeviceSpec:
         facts = self.facts
-        sku = sku_from_facts(facts)
-        if sku is not None:
-            spec = SKUS[sku]
-            # The runtime's capacity is what we can actually allocate.
-            return spec.replace(memory_bytes=facts.memory_bytes or spec.memory_bytes)
-        logger.warning(
-            "unknown device %r (%s): spec derived from its properties; run anyrec.calibrate "
-            "and pass hardware=FILE.yaml for accurate planning", facts.device_name, facts.arch,
-        )
-        base = SKUS["mi300x"] if self.name == "rocm" else SKUS["h100"]
-        return base.replace(
-            name=facts.device_name or self.name, arch=facts.arch,
-            memory_bytes=facts.memory_bytes or base.memory_bytes,
-            source="derived from device properties (uncalibrated)",
-        )
+        sku, how = match_sku(facts.device_name, facts.arch, facts.memory_bytes)
+        if sku is None:
+            return derived_spec(facts, "amd" if self.name == "rocm" else "nvidia")
+        if how != "name" and (facts.device_name, facts.arch) not in _warned_unknown:
+            _warned_unknown.add((facts.device_name, facts.arch))
+            logger.warning("device %r not known by name: taken as %s from its arch %s and %.0f GB; "
+                           "pass hardware=<sku> if that is wrong", facts.device_name, SKUS[sku].name,
+                           facts.arch, facts.memory_bytes / 1e9)
+        # The runtime's capacity is what we can actually allocate.
+        return SKUS[sku].replace(memory_bytes=facts.memory_bytes or SKUS[sku].memory_bytes)

@@ -24,6 +24,13 @@ class CPUBackend(Backend):
     name = "cpu"
     device_type = "cpu"
     dist_backend = "gloo"
+    # Triton reaches the CPU only through its interpreter: never chosen by auto, only when forced.
+    kernel_order = {
+        "embedding": ("fbgemm", "torch", "triton"),
+        "interaction": ("torch", "triton"),
+        "dcn_cross": ("torch", "triton"),
+        "collectives": ("gloo",),
+    }
 
     @classmethod
     def probe_facts(cls) -> DeviceFacts:

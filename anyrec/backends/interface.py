@@ -9,6 +9,7 @@ from __future__ import annotations
 import abc
 import contextlib
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
@@ -34,9 +35,17 @@ class Backend(abc.ABC):
     name: str = ""  # "cpu" | "cuda" | "rocm" | plugin name
     device_type: str = ""  # torch device type; ROCm keeps "cuda"
     dist_backend: str = ""  # torch.distributed backend: "gloo", "nccl" (RCCL on ROCm)
+    # Per op (see anyrec.backends.dispatch.OPS), implementations in order of preference.
+    kernel_order: ClassVar[dict[str, tuple[str, ...]]] = {
+        "embedding": ("fbgemm", "triton", "torch"),
+        "interaction": ("triton", "torch"),
+        "dcn_cross": ("triton", "torch"),
+        "collectives": ("gloo",),
+    }
 
     def __init__(self, facts: DeviceFacts | None = None) -> None:
         self._facts = facts
+        self._kernels: dict[tuple, dict[str, str]] = {}
 
     @property
     def facts(self) -> DeviceFacts:
@@ -80,6 +89,28 @@ class Backend(abc.ABC):
         if not enabled:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device_type, dtype=torch.bfloat16)
+
+    def probe(self, impl: str) -> str | None:
+        """None if the library behind `impl` runs on this device, else why not (override for new ones)."""
+        from anyrec.backends.dispatch import PROBES
+
+        if impl not in PROBES:
+            return f"backend {self.name} has no probe for implementation {impl!r}"
+        return PROBES[impl](self)
+
+    def select_kernels(self, cfg: Any = None) -> dict[str, str]:
+        """Op name -> implementation, honouring `cfg` (a BackendConfig: `embedding_kernel`, ...).
+
+        Probes once, logs each choice once, raises ValueError for a forced choice that cannot run.
+        """
+        from anyrec.backends.dispatch import OPS, select_all
+
+        requested = {op.name: str(getattr(cfg, op.config_key, "auto") or "auto")
+                     for op in OPS.values() if op.config_key}
+        key = tuple(sorted(requested.items()))
+        if key not in self._kernels:
+            self._kernels[key] = select_all(self, requested)
+        return dict(self._kernels[key])
 
     def describe(self) -> str:
         f = self.facts

@@ -218,10 +218,53 @@ SKUS: dict[str, DeviceSpec] = {
 }
 
 
+def sku_key(name: str) -> str | None:
+    """The SKUS key for a name such as 'MI350X', 'h200', 'H100-SXM5'; None when unknown."""
+    key = name.lower().replace("-", "").replace("_", "").replace(" ", "")
+    key = key.removesuffix("sxm5").removesuffix("sxm").removesuffix("hgx")
+    return key if key in SKUS else None
+
+
 def get_sku(name: str) -> DeviceSpec:
     """Look up a SKU by name (case-insensitive, e.g. 'mi350x', 'H200')."""
-    key = name.lower().replace("-", "").replace("_", "").replace(" ", "")
-    key = key.removesuffix("sxm").removesuffix("sxm5").removesuffix("hgx")
-    if key not in SKUS:
+    key = sku_key(name)
+    if key is None:
         raise ValueError(f"unknown hardware SKU {name!r}; known: {', '.join(sorted(SKUS))}")
     return SKUS[key]
+
+
+# Device name (lower case, no spaces or dashes) -> SKU; first match wins, most specific first.
+# Variants with other memory or links than the SXM/OAM part are excluded and stay "unknown".
+_NAME_RULES: list[tuple[str, str]] = [
+    ("mi355", "mi355x"), ("mi350", "mi350x"), ("mi325", "mi325x"), ("mi300x", "mi300x"),
+    ("gb200", "gb200"), ("b200", "b200"), ("h200", "h200"), ("h100", "h100"),
+]
+_NAME_EXCLUDES = ("pcie", "nvl", "mi300a", "mi308", "h800", "gh200")
+
+# Arch -> SKUs sharing it, told apart by reported memory: (sku, min bytes, max bytes).
+# torch reports binary capacity (MI300X: 192 GiB = 206e9 B), so windows sit between the SKUs.
+_ARCH_RULES: dict[str, list[tuple[str, int, int]]] = {
+    "gfx942": [("mi300x", int(180 * GB), int(230 * GB)), ("mi325x", int(230 * GB), int(300 * GB))],
+    "gfx950": [("mi350x", int(280 * GB), int(330 * GB))],  # MI355X only by name (same memory)
+    "sm_90": [("h100", int(75 * GB), int(100 * GB)), ("h200", int(130 * GB), int(160 * GB))],
+    "sm_100": [("b200", int(170 * GB), int(195 * GB))],  # GB200 only by name
+}
+
+
+def match_sku(device_name: str, arch: str = "", memory_bytes: int = 0) -> tuple[str | None, str]:
+    """(SKU key or None, how it matched: 'name' | 'arch+memory' | reason for no match).
+
+    Pure: the facts are injected, so every SKU's detection is testable without the device.
+    """
+    name = device_name.lower().replace(" ", "").replace("-", "").replace("_", "")
+    excluded = next((x for x in _NAME_EXCLUDES if x in name), None)
+    if excluded is None:
+        for needle, sku in _NAME_RULES:
+            if needle in name:
+                return sku, "name"
+    arch = arch.split(":")[0].lower()
+    for sku, lo, hi in _ARCH_RULES.get(arch, []) if excluded is None else []:
+        if lo <= memory_bytes < hi:
+            return sku, "arch+memory"
+    why = f"name contains {excluded!r}" if excluded else f"no SKU for {device_name!r} ({arch or '-'})"
+    return None, why

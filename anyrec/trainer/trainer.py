@@ -93,17 +93,19 @@ class Trainer:
                                          self.dist.world_size, split="eval")
         if self.dist.is_main:
             logger.info("backend: %s", self.backend.describe())
-            logger.info("embedding kernel: %s", self.embedding_kernel)
+            logger.info("kernels: %s", ", ".join(
+                f"{op}={impl}" for op, impl in self.backend.select_kernels(cfg.backend).items()))
             logger.info("torchrec sharding plan:\n%s", self.sharding_plan)
 
     @property
     def embedding_kernel(self) -> str:
-        return "fbgemm"
+        """The `embedding` op's implementation the backend selected (fbgemm | triton | torch)."""
+        return self.backend.select_kernels(self.cfg.backend)["embedding"]
 
     def _sharders(self) -> list:
-        from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+        from anyrec.backends.sharders import embedding_sharder
 
-        return [EmbeddingBagCollectionSharder()]
+        return [embedding_sharder(self.embedding_kernel)]
 
     def _plan(self, model: DLRM) -> ShardingPlan:
         """The sharding plan from the configured planner (co-design by default)."""

@@ -1,0 +1,82 @@
+"""resolve_hardware: `auto`, a SKU name or a hardware YAML (base SKU + overrides, or complete)."""
+
+from __future__ import annotations
+
+import pytest
+
+from anyrec.backends import get_backend, load_hardware_file, resolve_hardware, rewrite_hardware_argv
+from anyrec.backends.interface import DeviceFacts
+from anyrec.backends.specs import SKUS
+
+from .conftest import compose_config
+
+
+@pytest.mark.parametrize("sku", sorted(SKUS))
+def test_every_sku_option_resolves_to_its_capacity(sku):
+    _, cfg = compose_config([f"hardware={sku}"])
+    spec = resolve_hardware(cfg.hardware.sku, cfg.hardware.spec)
+    assert spec == SKUS[sku] and spec.memory_bytes > 0
+
+
+def test_auto_asks_the_backend():
+    mi300x = DeviceFacts(cuda_available=True, hip_version="6.4", device_count=8,
+                         device_name="AMD Instinct MI300X", arch="gfx942", memory_bytes=192 * 2**30)
+    assert resolve_hardware("auto", backend=get_backend("auto", facts=mi300x)).name == "MI300X"
+    assert resolve_hardware("auto").vendor == "cpu"  # this machine
+
+
+def test_overrides_and_their_errors():
+    spec = resolve_hardware("MI350X", {"memory_bytes": "1.5e11", "memory_bw_bytes_per_s": 7e12})
+    assert spec.memory_bytes == 150_000_000_000 and spec.memory_bw_bytes_per_s == 7e12
+    with pytest.raises(ValueError, match="unknown DeviceSpec field.*hbm_gb"):
+        resolve_hardware("h200", {"hbm_gb": 1})
+    with pytest.raises(ValueError, match="expected a number"):
+        resolve_hardware("h200", {"memory_bytes": "lots"})
+    with pytest.raises(ValueError, match="unknown hardware 'tpu-v9'"):
+        resolve_hardware("tpu-v9")
+
+
+def test_yaml_with_base_sku_and_measurements(tmp_path):
+    f = tmp_path / "h200_cal.yaml"
+    f.write_text("sku: h200\nspec:\n  memory_bw_bytes_per_s: 4.18e12\n  name: H200 (calibrated)\n"
+                 "measurements:\n  copy_bw_bytes_per_s: 4.18e12\n")
+    spec = resolve_hardware(str(f), {"h2d_bw_bytes_per_s": 5.5e10})
+    assert spec.name == "H200 (calibrated)" and spec.memory_bw_bytes_per_s == 4.18e12
+    assert spec.memory_bytes == SKUS["h200"].memory_bytes and spec.h2d_bw_bytes_per_s == 5.5e10
+    assert load_hardware_file(f).measurements == {"copy_bw_bytes_per_s": 4.18e12}
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [("spec:\n  name: X\n", "lacks vendor"),
+     ("sku: h200\nbogus: 1\n", "unknown key"),
+     ("sku: h200\nbase: h100\n", "base SKU once"),
+     ("sku: h200\nspec:\n  hbm: 1\n", "unknown DeviceSpec field"),
+     ("sku: other.yaml\n", "must be a SKU name"),
+     ("- a\n- b\n", "expected a mapping"),
+     ("sku: [\n", "not valid YAML")],
+)
+def test_bad_yaml_fails_in_one_line(tmp_path, text, error):
+    f = tmp_path / "bad.yaml"
+    f.write_text(text)
+    with pytest.raises(ValueError, match=error) as e:
+        resolve_hardware(str(f))
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="does not exist"):
+        resolve_hardware(str(tmp_path / "missing.yaml"))
+
+
+def test_hydra_spelling_for_a_file(tmp_path):
+    f = tmp_path / "cal.yaml"
+    f.write_text("sku: cpu\nspec:\n  memory_bw_bytes_per_s: 1.0e10\n")
+    _, cfg = compose_config([f"hardware.sku={f}"])
+    assert resolve_hardware(cfg.hardware.sku, cfg.hardware.spec).memory_bw_bytes_per_s == 1e10
+    argv = rewrite_hardware_argv(["prog", f"hardware={f}", "hardware=h200", "model=dlrm_tiny"])
+    assert argv == ["prog", f"hardware.sku={f}", "hardware=h200", "model=dlrm_tiny"]
+
+
+def test_flat_json_with_base_is_accepted(tmp_path):
+    f = tmp_path / "cal.json"
+    f.write_text('{"base": "mi300x", "memory_bw_bytes_per_s": 4.9e12}')
+    spec = resolve_hardware(str(f))
+    assert spec.name == "MI300X" and spec.memory_bw_bytes_per_s == 4.9e12

@@ -1,0 +1,104 @@
+"""Op dispatch: per-backend order, probes, forced choices, clear errors, one log line per choice."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from anyrec.backends import dispatch, get_backend
+from anyrec.backends.cpu import CPUBackend
+from anyrec.backends.interface import DeviceFacts
+from anyrec.config import BackendConfig
+
+H200 = DeviceFacts(cuda_available=True, device_count=1, device_name="NVIDIA H200", arch="sm_90",
+                   memory_bytes=141 * 10**9)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_probes(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    dispatch.reset_probes()
+    yield
+    dispatch.reset_probes()
+
+
+def test_registry_has_the_ops_and_every_backend_orders_them():
+    assert {"embedding", "interaction", "dcn_cross", "collectives"} <= set(dispatch.OPS)
+    for cls in (CPUBackend, type(get_backend("cuda", facts=H200))):
+        assert set(cls.kernel_order) == set(dispatch.OPS)
+        assert cls.kernel_order["embedding"][0] == "fbgemm"
+
+
+def test_cpu_auto_choices_are_logged_once(caplog):
+    caplog.set_level(logging.INFO, logger="anyrec.backends.dispatch")
+    b = get_backend("cpu")
+    kernels = b.select_kernels(BackendConfig())
+    assert kernels == {"embedding": "fbgemm", "interaction": "torch", "dcn_cross": "torch",
+                       "collectives": "gloo"}
+    b.select_kernels(BackendConfig())
+    get_backend("cpu").select_kernels(BackendConfig())
+    assert caplog.text.count("op embedding -> fbgemm (fallback chain: fbgemm > torch > triton)") == 1
+
+
+def test_forced_choices():
+    b = get_backend("cpu")
+    assert b.select_kernels(BackendConfig(embedding_kernel="torch"))["embedding"] == "torch"
+    assert b.select_kernels(BackendConfig(embedding_kernel="fbgemm"))["embedding"] == "fbgemm"
+    with pytest.raises(ValueError, match=r"backend.embedding_kernel=triton is not available on cpu: "
+                                         r"triton does not compile for CPU"):
+        b.select_kernels(BackendConfig(embedding_kernel="triton"))
+    with pytest.raises(ValueError, match=r"backend.interaction_kernel=triton is not available on cpu"):
+        b.select_kernels(BackendConfig(interaction_kernel="triton"))
+    with pytest.raises(ValueError, match=r"backend.dcn_kernel=cutlass is not offered by backend cpu"):
+        b.select_kernels(BackendConfig(dcn_kernel="cutlass"))
+
+
+def test_triton_on_cpu_is_an_explicit_opt_in(monkeypatch):
+    b = get_backend("cpu")
+    assert dispatch.availability(b, "embedding", "triton").startswith("triton does not compile")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    dispatch.reset_probes()
+    assert dispatch.probe_triton(b) is None  # the interpreter reaches the CPU ...
+    # ... but the ops still need their kernels.
+    assert dispatch.availability(b, "interaction", "triton") == "no triton kernel for this op"
+    reason = dispatch.availability(b, "embedding", "triton")
+    assert reason is None or "torchrec_kernel" in reason
+
+
+def test_gpu_without_its_kernels_falls_back_loudly(caplog):
+    # This CPU-only torch has no CUDA FBGEMM kernels and no GPU for Triton: a GPU backend (facts
+    # injected) must fall back to torch, and say why at WARNING.
+    b = get_backend("cuda", facts=H200)
+    assert dispatch.probe_fbgemm(b) == "fbgemm_gpu has no TBE kernels for cuda (wrong fbgemm_gpu build?)"
+    with caplog.at_level(logging.INFO, logger="anyrec.backends.dispatch"):
+        assert b.select_kernels()["embedding"] == "torch"
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("fbgemm skipped on cuda" in r.getMessage() for r in warned)
+    assert any("triton skipped on cuda" in r.getMessage() for r in warned)
+    with pytest.raises(ValueError, match="backend.embedding_kernel=fbgemm is not available on cuda"):
+        b.select_kernels(BackendConfig(embedding_kernel="fbgemm"))
+
+
+def test_plugin_probe_for_its_own_library():
+    class Xpu(CPUBackend):
+        name = "xpu_test"
+        kernel_order = {**CPUBackend.kernel_order, "embedding": ("sycl_tbe", "torch")}
+
+        def probe(self, impl):
+            return "oneAPI runtime missing" if impl == "sycl_tbe" else super().probe(impl)
+
+    b = Xpu()
+    assert b.select_kernels()["embedding"] == "torch"
+    with pytest.raises(ValueError, match="sycl_tbe is not available on xpu_test: oneAPI runtime missing"):
+        b.select_kernels(BackendConfig(embedding_kernel="sycl_tbe"))
+
+
+def test_embedding_choice_maps_to_a_torchrec_sharder():
+    from anyrec.backends.sharders import compute_kernel, embedding_sharder
+
+    assert compute_kernel("fbgemm") == "fused" and compute_kernel("torch") == "dense"
+    assert embedding_sharder("torch").compute_kernels("table_wise", "cpu") == ["dense"]
+    assert "dense" in embedding_sharder("fbgemm").compute_kernels("data_parallel", "cpu")
+    with pytest.raises(ValueError, match="triton is not available"):
+        embedding_sharder("triton")
