@@ -64,8 +64,14 @@ else:
         ref = R.pooled_forward_ref(m.split_embedding_weights(), FTM, ids, off)
         torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
 
+    @pytest.mark.parametrize("long_segment", [32, 2, 0], ids=["blocked", "mixed", "all-long"])
     @pytest.mark.parametrize("opt", ALL_OPTS, ids=lambda o: o.kind.value)
-    def test_fused_update(opt):
+    def test_fused_update(opt, long_segment, monkeypatch):
+        """Blocked short segments, hot rows one at a time, and both in one program; dims up to 260
+        (two D tiles: row-wise Adagrad's two-pass path)."""
+        from anyrec.kernels import triton_tbe_backward
+
+        monkeypatch.setattr(triton_tbe_backward, "LONG_SEGMENT", long_segment)
         pooling = "mean" if opt.kind.value == "adagrad" else "sum"
         m = TritonTableBatchedEmbedding(SPECS, FTM, optimizer=opt, pooling=pooling, execution="triton")
         tables0 = [w.clone() for w in m.split_embedding_weights()]
