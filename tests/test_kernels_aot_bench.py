@@ -64,3 +64,4 @@ def test_benchmark_small_on_cpu(tmp_path):
         ratio = next(r for r in res["results"] if r["name"] == f"ratios {shape} fp32")
         assert ratio["fwd_vs_copy"] > 0 and ratio["fwd_vs_embeddingbag"] > 0
     assert "ratios onehot fp32" in proc.stdout
+    assert res["gpu"] == "not run" and "GPU: not run" in proc.stdout

@@ -276,3 +276,16 @@ def test_bounds_check_off_is_the_skip_fast_path():
     ids = ids.clone()
     ids[0] = 10**6
     assert m(ids, off).shape[0] == 2  # masked, no error
+
+
+def test_update_with_a_strided_output_gradient():
+    """Output fed to torch.cat: its gradient is a column slice (row stride > output dim)."""
+    opt = OptimizerConfig("sgd", lr=0.1)
+    m = TritonTableBatchedEmbedding(SPECS, FTM, optimizer=opt, execution="torch")
+    tables0 = [w.clone() for w in m.split_embedding_weights()]
+    ids, off, _ = make_batch(SPECS, FTM, 3, seed=8)
+    g = torch.randn(3, m.layout.output_dim + 5)
+    torch.cat([m(ids, off), torch.zeros(3, 5, requires_grad=True)], dim=1).backward(g)
+    want, _ = reference_steps(tables0, FTM, [(ids, off, None, g[:, : m.layout.output_dim])], opt)
+    for w, r in zip(m.split_embedding_weights(), want, strict=True):
+        torch.testing.assert_close(w, r, rtol=1e-5, atol=1e-6)
