@@ -84,6 +84,9 @@ def main(argv: list[str] | None = None) -> dict:
                  "execution": a.execution, "shape": {"tables": T, "rows": rows, "dim": D, "batch": batch},
                  "results": []}
     lines = []
+    if device.type == "cpu":
+        res["gpu"] = "not run"
+        print("GPU: not run (CPU: toy sizes, numbers only prove the plumbing; H200 anchors: REFERENCE.md)")
 
     def record(name, sec, nbytes, **extra):
         gbps = nbytes / sec / 1e9
@@ -155,7 +158,8 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(a.out_dir) / a.json
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
-    print(f"\n=== TBE benchmark on {res['device']} (small={small}), JSON: {out}")
+    print(f"\n=== TBE benchmark on {res['device']} (small={small}), JSON: {out}"
+          + ("; GPU: not run" if device.type == "cpu" else ""))
     print("\n".join(lines))
     return res
 

@@ -248,3 +248,44 @@ def test_matches_fbgemm_cpu_tbe(kind):
     for a, b in zip(theirs.get_optimizer_state(), ours.get_optimizer_state(), strict=False):
         for k in b:
             torch.testing.assert_close(b[k], a[k].view(b[k].shape), rtol=1e-5, atol=1e-7, msg=k)
+
+
+def test_dedupe_rows_segments_without_host_sync():
+    """Segment starts sized by N (no unique count on the host); bad ids sort into a trailing sentinel."""
+    from anyrec.kernels.triton_tbe_backward import dedupe_rows
+
+    m = TritonTableBatchedEmbedding(SPECS, FTM, execution="torch")
+    ids, off, _ = make_batch(SPECS, FTM, 3, seed=4)
+    ids = ids.clone()
+    ids[0] = -1
+    seg = dedupe_rows(m.layout, m._lt(), ids, off, 3)
+    n = ids.numel()
+    uniq, counts = torch.unique_consecutive(seg.sorted_rows_N, return_counts=True)
+    u = uniq.numel()
+    assert seg.segment_starts_N1.shape == (n + 1,)
+    torch.testing.assert_close(seg.segment_starts_N1[:u], torch.cumsum(counts, 0) - counts)
+    assert bool((seg.segment_starts_N1[u:] == n).all())
+    assert int(seg.sorted_rows_N[-1]) == m.layout.total_rows  # the bad id, last
+    torch.testing.assert_close(seg.sorted_rows_N, seg.sorted_rows_N.sort().values)
+
+
+def test_bounds_check_off_is_the_skip_fast_path():
+    assert BoundsCheckMode("off") is BoundsCheckMode.SKIP
+    m = TritonTableBatchedEmbedding(SPECS, FTM, bounds_check="off", execution="torch")
+    ids, off, _ = make_batch(SPECS, FTM, 2, seed=3)
+    ids = ids.clone()
+    ids[0] = 10**6
+    assert m(ids, off).shape[0] == 2  # masked, no error
+
+
+def test_update_with_a_strided_output_gradient():
+    """Output fed to torch.cat: its gradient is a column slice (row stride > output dim)."""
+    opt = OptimizerConfig("sgd", lr=0.1)
+    m = TritonTableBatchedEmbedding(SPECS, FTM, optimizer=opt, execution="torch")
+    tables0 = [w.clone() for w in m.split_embedding_weights()]
+    ids, off, _ = make_batch(SPECS, FTM, 3, seed=8)
+    g = torch.randn(3, m.layout.output_dim + 5)
+    torch.cat([m(ids, off), torch.zeros(3, 5, requires_grad=True)], dim=1).backward(g)
+    want, _ = reference_steps(tables0, FTM, [(ids, off, None, g[:, : m.layout.output_dim])], opt)
+    for w, r in zip(m.split_embedding_weights(), want, strict=True):
+        torch.testing.assert_close(w, r, rtol=1e-5, atol=1e-6)

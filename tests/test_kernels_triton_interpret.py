@@ -64,8 +64,14 @@ else:
         ref = R.pooled_forward_ref(m.split_embedding_weights(), FTM, ids, off)
         torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
 
+    @pytest.mark.parametrize("long_segment", [32, 2, 0], ids=["blocked", "mixed", "all-long"])
     @pytest.mark.parametrize("opt", ALL_OPTS, ids=lambda o: o.kind.value)
-    def test_fused_update(opt):
+    def test_fused_update(opt, long_segment, monkeypatch):
+        """Blocked short segments, hot rows one at a time, and both in one program; dims up to 260
+        (two D tiles: row-wise Adagrad's two-pass path)."""
+        from anyrec.kernels import triton_tbe_backward
+
+        monkeypatch.setattr(triton_tbe_backward, "LONG_SEGMENT", long_segment)
         pooling = "mean" if opt.kind.value == "adagrad" else "sum"
         m = TritonTableBatchedEmbedding(SPECS, FTM, optimizer=opt, pooling=pooling, execution="triton")
         tables0 = [w.clone() for w in m.split_embedding_weights()]
@@ -116,3 +122,21 @@ else:
             ulp = (torch.nextafter(r.abs().to(weights_dtype), torch.tensor(float("inf"), dtype=weights_dtype))
                    .float() - r.abs().to(weights_dtype).float())
             assert bool(((w.float() - r).abs() <= ulp + 1e-12).all()), (w.float() - lo).abs().max()
+
+    def test_embedding_bag_collection_under_triton():
+        """TritonEmbeddingBagCollection on the Triton kernels == on torch ops (KJT keys out of order)."""
+        from anyrec.kernels.ebc import TritonEmbeddingBagCollection
+        from tests.test_kernels_ebc import OPTS, make_kjt, tables
+
+        t = TritonEmbeddingBagCollection(tables(), OPTS[0], execution="triton")
+        p = TritonEmbeddingBagCollection(tables(), OPTS[0], execution="torch")
+        p.load_state_dict(t.state_dict())
+        for seed in (1, 2):
+            kjt = make_kjt(seed)
+            out_t, out_p = t(kjt).values(), p(kjt).values()
+            torch.testing.assert_close(out_t, out_p, rtol=1e-6, atol=1e-6)
+            g = torch.randn_like(out_t)
+            out_t.backward(g)
+            out_p.backward(g)
+        for k, v in p.state_dict().items():
+            torch.testing.assert_close(t.state_dict()[k], v, rtol=1e-5, atol=1e-6, msg=k)

@@ -1,9 +1,11 @@
 """Portable embedding kernels: Triton table-batched embeddings with a fused optimizer, and their oracle.
 
-Public entry points (torchrec is imported only by `anyrec.kernels.torchrec_kernel`):
+Public entry points (torchrec is imported only by `anyrec.kernels.ebc` and
+`anyrec.kernels.torchrec_kernel`):
   `tbe.TritonTableBatchedEmbedding`, `optimizers.OptimizerConfig`, `optimizers.state_bytes_per_row`,
-  `torchrec_kernel.TritonEmbeddingBagCollectionSharder`, `torchrec_kernel.TRITON_COMPUTE_KERNEL`,
-  `python -m anyrec.kernels.aot` (portability gate).
+  `ebc.TritonEmbeddingBagCollection` (unsharded, single-device, no FBGEMM op) and
+  `ebc.dense_named_parameters`, `torchrec_kernel.TritonEmbeddingBagCollectionSharder`,
+  `torchrec_kernel.TRITON_COMPUTE_KERNEL`, `python -m anyrec.kernels.aot` (portability gate).
 """
 
 from anyrec.kernels.layout import BoundsCheckMode

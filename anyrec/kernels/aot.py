@@ -12,15 +12,21 @@ to scratch; SGPR spills into VGPR lanes are not counted). '-' where unknown.
 
 from __future__ import annotations
 
-import argparse
-import json
+import os
+
+# Triton 3.9 warns when this is unset (its default changes in 3.10); fusion on is what we ship.
+# Read at compile time, so setting it here covers an already-imported triton too.
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
 import re
-import subprocess
-import sys
-import tempfile
-import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from dataclasses import asdict, dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 TARGETS = {
     "sm_90": ("cuda", 90, 32),
@@ -47,24 +53,33 @@ class CompileResult:
 
 def _variants():
     """(kernel name, variant label, jit fn, signature types, constexprs, num_warps)."""
+    from anyrec.kernels.optimizers import OptimizerKind
     from anyrec.kernels.triton_tbe import forward_blocks, tbe_forward_kernel
-    from anyrec.kernels.triton_tbe_backward import OPTIMIZER_CODES, backward_blocks, tbe_backward_kernel
+    from anyrec.kernels.triton_tbe_backward import (
+        LONG_SEGMENT,
+        OPTIMIZER_CODES,
+        backward_blocks,
+        tbe_backward_kernel,
+    )
 
     out = []
-    bb, bd, nw = forward_blocks(128)
+    bb, bd, unroll, nw = forward_blocks(128)
     for wdt, psw, mean in (("fp32", False, False), ("bf16", True, True), ("fp16", False, False)):
         types = ["*" + wdt] + ["*i64"] * 5 + ["*i64", "*i64", "*fp32", "*fp32", "i32", "i32", "i32"]
-        cx = {"HAS_PSW": psw, "MEAN": mean, "BLOCK_B": bb, "BLOCK_D": bd}
+        cx = {"HAS_PSW": psw, "MEAN": mean, "ALIGN": 16, "UNROLL": unroll, "BLOCK_B": bb, "BLOCK_D": bd}
         out.append(("tbe_forward", f"w={wdt} psw={int(psw)} mean={int(mean)} D<=128", tbe_forward_kernel,
                     types, cx, nw))
-    for kind, code in OPTIMIZER_CODES.items():
-        for wdt in ("fp32",) if kind.value != "rowwise_adagrad" else ("fp32", "bf16"):
-            bl, bd, nw = backward_blocks(128)
-            types = (["*" + wdt, "*fp32", "*fp32", "*fp32"] + ["*i64"] * 6 + ["*fp32"] + ["*i64"] * 4
-                     + ["*fp32", "i32", "i32", "i64", "fp32", "fp32", "fp32", "fp32", "fp32", "i32"])
-            cx = {"OPTIMIZER": code, "HAS_PSW": False, "MEAN": False, "STOCHASTIC_ROUNDING": wdt != "fp32",
-                  "DROPPED_BITS": 16, "BLOCK_L": bl, "BLOCK_D": bd}
-            out.append(("tbe_backward", f"{kind.value} w={wdt} D<=128", tbe_backward_kernel, types, cx, nw))
+    cases = [(k, wdt, 128) for k in OPTIMIZER_CODES
+             for wdt in (("fp32", "bf16") if k == OptimizerKind.ROWWISE_ADAGRAD else ("fp32",))]
+    cases.append((OptimizerKind.ROWWISE_ADAGRAD, "fp32", 512))  # D tiles: the two-pass path
+    for kind, wdt, dim in cases:
+        bu, bl, bd, tiles, nw = backward_blocks(dim)
+        types = (["*" + wdt, "*fp32", "*fp32", "*fp32"] + ["*i64"] * 6 + ["*fp32"] + ["*i64"] * 4
+                 + ["*fp32", "i32", "i32", "i32", "i64", "fp32", "fp32", "fp32", "fp32", "fp32", "i32"])
+        cx = {"OPTIMIZER": OPTIMIZER_CODES[kind], "HAS_PSW": False, "MEAN": False,
+              "STOCHASTIC_ROUNDING": wdt != "fp32", "DROPPED_BITS": 16, "ALIGN": 16,
+              "LONG_SEGMENT": LONG_SEGMENT, "BLOCK_U": bu, "BLOCK_L": bl, "BLOCK_D": bd, "NUM_D_TILES": tiles}
+        out.append(("tbe_backward", f"{kind.value} w={wdt} D<={dim}", tbe_backward_kernel, types, cx, nw))
     return out
 
 
@@ -103,8 +118,12 @@ def compile_one(name, label, fn, types, constexprs, num_warps, target: str) -> C
         if len(args) != len(types):
             raise ValueError(f"{name}: {len(args)} runtime args but {len(types)} types")
         sig = dict(zip(args, types, strict=True)) | {k: "constexpr" for k in constexprs}
+        # pointers 16-byte aligned, as the launcher specialises them for torch allocations
+        attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a, t in zip(args, types, strict=True)
+                 if t.startswith("*")}
         backend, arch, warp = TARGETS[target]
-        k = triton.compile(ASTSource(fn, sig, constexprs=constexprs), target=GPUTarget(backend, arch, warp),
+        src = ASTSource(fn, sig, constexprs=constexprs, attrs=attrs)
+        k = triton.compile(src, target=GPUTarget(backend, arch, warp),
                            options={"num_warps": num_warps})
         res.shared_bytes = int(k.metadata.shared)
         if backend == "cuda":

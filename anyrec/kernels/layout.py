@@ -10,6 +10,7 @@ feature_table_map[f] and writes output columns [col_offsets[f], col_offsets[f] +
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -19,7 +20,11 @@ class BoundsCheckMode(enum.StrEnum):
     """What to do with ids outside [0, rows): raise (default) or skip them (they add nothing)."""
 
     ERROR = "error"  # checked with torch ops before the kernels run; names the feature and id
-    SKIP = "skip"  # no check; the kernels mask such lookups out (never an out-of-bounds read)
+    SKIP = "skip"  # no check, no host sync; the kernels mask such lookups out (never an OOB read)
+
+    @classmethod
+    def _missing_(cls, value):
+        return cls.SKIP if value in ("off", "none") else None  # aliases of the fast path
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,27 @@ class TBELayout:
     @property
     def max_dim(self) -> int:
         return max(self.dims)
+
+    def permuted(self, order: tuple[int, ...]) -> TBELayout:
+        """The same tables with the features arriving in `order` (feature i of the result is feature
+        order[i] of this layout); output columns stay where this layout puts them, so a KJT with its
+        keys in another order needs no permute."""
+        if sorted(order) != list(range(self.num_features)):
+            raise ValueError(f"order {order} is not a permutation of {self.num_features} features")
+        out = TBELayout(self.rows, self.dims, tuple(self.feature_table_map[f] for f in order),
+                        tuple(self.feature_names[f] for f in order) if self.feature_names else ())
+        cols = tuple(self.col_offsets[f] for f in order) + (self.col_offsets[-1],)
+        object.__setattr__(out, "col_offsets", cols)
+        return out
+
+    @property
+    def dim_alignment(self) -> int:
+        """Largest power of two (<= 16) dividing every dim: row starts and output columns are
+        multiples of it, which lets the kernels issue vector loads (passed as a constexpr hint)."""
+        g = 0
+        for d in self.dims:
+            g = math.gcd(g, d)
+        return min(16, g & -g)
 
     def feature_name(self, f: int) -> str:
         return self.feature_names[f] if self.feature_names else f"feature {f}"

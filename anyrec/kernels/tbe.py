@@ -62,17 +62,18 @@ class _TBELookup(torch.autograd.Function):
     """Pooled forward; backward applies the fused optimizer and returns no gradients."""
 
     @staticmethod
-    def forward(ctx, placeholder, module, indices_N, offsets_FB1, psw_N, batch):
+    def forward(ctx, placeholder, module, layouts, indices_N, offsets_FB1, psw_N, batch):
         ctx.module = module
+        ctx.layouts = layouts
         ctx.batch = batch
         ctx.inputs = (indices_N, offsets_FB1, psw_N)
-        return module._pooled_forward(indices_N, offsets_FB1, psw_N, batch)
+        return module._pooled_forward(layouts, indices_N, offsets_FB1, psw_N, batch)
 
     @staticmethod
     def backward(ctx, grad_out_BDt):
         indices_N, offsets_FB1, psw_N = ctx.inputs
-        ctx.module._fused_update(indices_N, offsets_FB1, psw_N, grad_out_BDt, ctx.batch)
-        return None, None, None, None, None, None
+        ctx.module._fused_update(ctx.layouts, indices_N, offsets_FB1, psw_N, grad_out_BDt, ctx.batch)
+        return None, None, None, None, None, None, None
 
 
 class TritonTableBatchedEmbedding(nn.Module):
@@ -134,6 +135,7 @@ class TritonTableBatchedEmbedding(nn.Module):
         self.register_buffer("table_offsets", torch.tensor(lay.weight_offsets[:-1], device=device),
                              persistent=False)
         self._layout_tensors = None
+        self._permuted: dict[tuple[int, ...], tuple[TBELayout, object]] = {}
         self._placeholder = torch.zeros(0, requires_grad=True)
         self.reset_parameters()
 
@@ -192,6 +194,7 @@ class TritonTableBatchedEmbedding(nn.Module):
 
     def _apply(self, fn, recurse=True):
         self._layout_tensors = None
+        self._permuted.clear()
         return super()._apply(fn, recurse)
 
     # ---- compute --------------------------------------------------------------------------------
@@ -201,47 +204,63 @@ class TritonTableBatchedEmbedding(nn.Module):
             self._layout_tensors = self.layout.tensors(self.weight.device)
         return self._layout_tensors
 
+    def _layouts(self, feature_order: Sequence[int] | None):
+        """(layout, device tensors) for features arriving in `feature_order` (None: layout order)."""
+        if feature_order is None:
+            return self.layout, self._lt()
+        key = tuple(feature_order)
+        if key not in self._permuted:
+            lay = self.layout.permuted(key)
+            self._permuted[key] = (lay, lay.tensors(self.weight.device))
+        return self._permuted[key]
+
     def forward(
         self,
         indices: torch.Tensor,
         offsets: torch.Tensor,
         per_sample_weights: torch.Tensor | None = None,
+        feature_order: Sequence[int] | None = None,
     ) -> torch.Tensor:
-        """Pooled lookups: [B, output_dim]; in training, backward applies the fused optimizer."""
+        """Pooled lookups: [B, output_dim]; in training, backward applies the fused optimizer.
+
+        `feature_order`: when the KJT's features come in another order than the layout's, feature i
+        of the input is layout feature feature_order[i]; the output columns keep the layout order.
+        """
+        layouts = self._layouts(feature_order)
         B = batch_size(self.layout, offsets)
         if per_sample_weights is not None and per_sample_weights.numel() != indices.numel():
             raise ValueError("per_sample_weights needs one weight per id")
         if self.bounds_check == BoundsCheckMode.ERROR:
-            check_ids(self.layout, self._lt(), indices, offsets, B)
+            check_ids(*layouts, indices, offsets, B)
         if self.training and torch.is_grad_enabled():
-            return _TBELookup.apply(self._placeholder, self, indices, offsets, per_sample_weights, B)
-        return self._pooled_forward(indices, offsets, per_sample_weights, B)
+            return _TBELookup.apply(self._placeholder, self, layouts, indices, offsets, per_sample_weights, B)
+        return self._pooled_forward(layouts, indices, offsets, per_sample_weights, B)
 
-    def _pooled_forward(self, indices_N, offsets_FB1, psw_N, batch: int) -> torch.Tensor:
+    def _pooled_forward(self, layouts, indices_N, offsets_FB1, psw_N, batch: int) -> torch.Tensor:
         run = triton_tbe.triton_forward if self._execution() == "triton" else torch_forward
-        return run(self.layout, self._lt(), self.weight, indices_N, offsets_FB1, psw_N, batch,
-                   self.pooling, self.output_dtype)
+        return run(*layouts, self.weight, indices_N, offsets_FB1, psw_N, batch, self.pooling,
+                   self.output_dtype)
 
     def _execution(self) -> str:
         return resolve_execution(self.execution, self.weight.device)
 
     @torch.no_grad()
-    def _fused_update(self, indices_N, offsets_FB1, psw_N, grad_out_BDt, batch: int) -> None:
+    def _fused_update(self, layouts, indices_N, offsets_FB1, psw_N, grad_out_BDt, batch: int) -> None:
         self.step += 1
         dev = self.weight.device
         dummy = torch.zeros(1, device=dev)
         state1 = getattr(self, "momentum1", dummy)
         state2 = getattr(self, "momentum2", dummy)
-        lt = self._lt()
+        layout, lt = layouts
         if self._execution() == "triton":
-            segments = triton_tbe_backward.dedupe_rows(self.layout, lt, indices_N, offsets_FB1, batch)
-            seed = int(torch.randint(0, 2**31 - 1, (1,)))
+            segments = triton_tbe_backward.dedupe_rows(layout, lt, indices_N, offsets_FB1, batch)
+            seed = int(torch.randint(0, 2**31 - 1, (1,)))  # CPU generator: no device sync
             triton_tbe_backward.triton_backward_update(
-                self.layout, lt, self.weight, state1, state2, self.step, segments, offsets_FB1, psw_N,
+                layout, lt, self.weight, state1, state2, self.step, segments, offsets_FB1, psw_N,
                 grad_out_BDt, batch, self.pooling, self.optimizer, self.stochastic_rounding, seed,
             )
         else:
             torch_backward_update(
-                self.layout, lt, self.weight, state1, state2, self.step, indices_N, offsets_FB1, psw_N,
+                layout, lt, self.weight, state1, state2, self.step, indices_N, offsets_FB1, psw_N,
                 grad_out_BDt, batch, self.pooling, self.optimizer, self.stochastic_rounding,
             )

@@ -94,7 +94,8 @@ def torch_backward_update(
     bag_N, table_N, ids_N, scale_N, ok_N = _lookups(
         layout, lt, indices_N, offsets_FB1, per_sample_weights_N, batch, pooling
     )
-    grad_flat = grad_out_BDt.reshape(-1)
+    grad_out_BDt = grad_out_BDt.contiguous()  # e.g. a column slice of torch.cat's gradient
+    grad_flat = grad_out_BDt.view(-1)
     for d, sel in _dim_groups(layout, lt, table_N):
         keep = ok_N.nonzero().squeeze(1) if sel is None else sel[ok_N[sel]]
         bag, table, ids, scale = bag_N[keep], table_N[keep], ids_N[keep], scale_N[keep]

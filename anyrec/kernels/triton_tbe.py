@@ -4,8 +4,11 @@ Legend (shape suffixes): B bags handled by one program (BLOCK_B), D columns of o
 T tables, F features, N lookups. Program (i, j) pools bags [i*BLOCK_B, (i+1)*BLOCK_B) (feature-major
 KJT bags, f*batch+b) over columns [j*BLOCK_D, (j+1)*BLOCK_D): step l of its loop gathers the l-th id
 of every bag at once, a [BLOCK_B, BLOCK_D] tile, so one-hot features load BLOCK_B rows in parallel and
-multi-hot ones stream their rows with fp32 accumulation. Ids outside a table are masked out (memory
-safety); reporting them is `layout.check_ids`' job.
+multi-hot ones (bags of one feature are adjacent, so a program's bags share their pooling) stream
+their rows with fp32 accumulation, UNROLL independent row loads in flight per step. ALIGN (a power of
+two dividing every dim, hence every row start and output column) lets the compiler use vector
+loads and stores. Ids outside a table are masked out (memory safety); reporting them is
+`layout.check_ids`' job.
 
 `HAS_TRITON` says whether triton imported; kernels exist only then.
 """
@@ -27,15 +30,16 @@ except ImportError:  # the torch execution path needs no triton
     HAS_TRITON = False
 
 
-def forward_blocks(max_dim: int) -> tuple[int, int, int]:
-    """(BLOCK_B, BLOCK_D, num_warps) for the forward: ~1K fp32 accumulators per program.
+def forward_blocks(max_dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_B, BLOCK_D, UNROLL, num_warps) for the forward: ~1K fp32 accumulators per program.
 
-    ptxas (sm_90) spills heavily at 4K (BLOCK_B=32, D=128) and uses 125 registers, no spills, at 1K;
-    see `python -m anyrec.kernels.aot`.
+    ptxas (sm_90) spills heavily at 4K (BLOCK_B=32, D=128); at 1K it does not (see
+    `python -m anyrec.kernels.aot`). UNROLL row tiles in flight cover the gather latency of
+    multi-hot bags; one-hot bags run a single step, so the unroll costs them only masked lanes.
     """
     block_d = min(128, 1 << (max(max_dim, 1) - 1).bit_length())
     block_b = max(1, min(64, 1024 // block_d))
-    return block_b, block_d, 4
+    return block_b, block_d, 4, 4
 
 
 if HAS_TRITON:
@@ -57,6 +61,8 @@ if HAS_TRITON:
         out_stride,
         HAS_PSW: tl.constexpr,
         MEAN: tl.constexpr,
+        ALIGN: tl.constexpr,
+        UNROLL: tl.constexpr,
         BLOCK_B: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
@@ -67,10 +73,10 @@ if HAS_TRITON:
         f_B = bag_B // batch
         b_B = (bag_B % batch).to(tl.int64)
         t_B = tl.load(feature_table_map_F_ptr + f_B, mask=bag_ok_B, other=0)
-        dim_B = tl.load(dims_T_ptr + t_B, mask=bag_ok_B, other=0)
+        dim_B = tl.multiple_of(tl.load(dims_T_ptr + t_B, mask=bag_ok_B, other=0), ALIGN)
         rows_B = tl.load(rows_T_ptr + t_B, mask=bag_ok_B, other=0)
         woff_B = tl.load(weight_offsets_T_ptr + t_B, mask=bag_ok_B, other=0)
-        col_B = tl.load(col_offsets_F_ptr + f_B, mask=bag_ok_B, other=0)
+        col_B = tl.multiple_of(tl.load(col_offsets_F_ptr + f_B, mask=bag_ok_B, other=0), ALIGN)
         start_B = tl.load(offsets_FB1_ptr + bag_B, mask=bag_ok_B, other=0).to(tl.int64)
         end_B = tl.load(offsets_FB1_ptr + bag_B + 1, mask=bag_ok_B, other=0).to(tl.int64)
         len_B = end_B - start_B
@@ -78,20 +84,22 @@ if HAS_TRITON:
         col_ok_BD = bag_ok_B[:, None] & (d_D[None, :] < dim_B[:, None])
         acc_BD = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
         max_len = tl.max(len_B, axis=0)
-        for l in range(0, max_len):
-            live_B = bag_ok_B & (l < len_B)
-            id_B = tl.load(indices_N_ptr + start_B + l, mask=live_B, other=0).to(tl.int64)
-            ok_B = live_B & (id_B >= 0) & (id_B < rows_B)
-            row_ptr_B = weights_ptr + woff_B + id_B * dim_B
-            w_BD = tl.load(row_ptr_B[:, None] + d_D[None, :], mask=ok_B[:, None] & col_ok_BD, other=0.0)
-            w_BD = w_BD.to(tl.float32)
-            if HAS_PSW:
-                s_B = tl.load(psw_N_ptr + start_B + l, mask=live_B, other=0.0).to(tl.float32)
-                w_BD = w_BD * s_B[:, None]
-            acc_BD += w_BD
+        for l0 in range(0, max_len, UNROLL):
+            for k in tl.static_range(UNROLL):
+                live_B = bag_ok_B & (l0 + k < len_B)
+                id_B = tl.load(indices_N_ptr + start_B + l0 + k, mask=live_B, other=0).to(tl.int64)
+                ok_B = live_B & (id_B >= 0) & (id_B < rows_B)
+                row_B = tl.multiple_of(woff_B + tl.where(ok_B, id_B, 0) * dim_B, ALIGN)
+                w_BD = tl.load(weights_ptr + row_B[:, None] + d_D[None, :], mask=ok_B[:, None] & col_ok_BD,
+                               other=0.0).to(tl.float32)
+                if HAS_PSW:
+                    s_B = tl.load(psw_N_ptr + start_B + l0 + k, mask=live_B, other=0.0).to(tl.float32)
+                    w_BD = w_BD * s_B[:, None]
+                acc_BD += w_BD
         if MEAN:
             acc_BD = acc_BD / tl.maximum(len_B, 1).to(tl.float32)[:, None]
-        out_ptr_BD = out_ptr + b_B[:, None] * out_stride + col_B[:, None] + d_D[None, :]
+        out_B = tl.multiple_of(b_B * out_stride + col_B, ALIGN)
+        out_ptr_BD = out_ptr + out_B[:, None] + d_D[None, :]
         tl.store(out_ptr_BD, acc_BD.to(out_ptr.dtype.element_ty), mask=col_ok_BD)
 
 
@@ -113,13 +121,13 @@ def triton_forward(
     num_bags = batch * layout.num_features
     if num_bags == 0:
         return out
-    block_b, block_d, num_warps = forward_blocks(layout.max_dim)
+    block_b, block_d, unroll, num_warps = forward_blocks(layout.max_dim)
     grid = (triton.cdiv(num_bags, block_b), triton.cdiv(layout.max_dim, block_d))
     psw = per_sample_weights_N if per_sample_weights_N is not None else indices_N
     tbe_forward_kernel[grid](
         weights, lt.weight_offsets_T, lt.rows_T, lt.dims_T, lt.feature_table_map_F, lt.col_offsets_F,
         indices_N, offsets_FB1, psw, out, batch, num_bags, out.stride(0),
-        HAS_PSW=per_sample_weights_N is not None, MEAN=pooling == "mean",
-        BLOCK_B=block_b, BLOCK_D=block_d, num_warps=num_warps,
+        HAS_PSW=per_sample_weights_N is not None, MEAN=pooling == "mean", ALIGN=layout.dim_alignment,
+        UNROLL=unroll, BLOCK_B=block_b, BLOCK_D=block_d, num_warps=num_warps,
     )
     return out

@@ -1,0 +1,335 @@
+"""One-shot GPU check of the Triton TBE: correctness, bandwidth, and single-GPU DLRM training.
+
+    OUT=/path PYTHONPATH=. python benchmarks/gpu_suite.py [--small] [--steps 300] [--execution auto]
+
+Sections (each runs on its own; a failure is recorded and the rest still run):
+  env          torch/triton versions, device facts, whether torchrec/fbgemm import
+  correctness  Triton (or --execution) forward and 2 fused row-wise Adagrad / Adam steps vs the
+               pure-torch reference at a few shapes (mixed dims, hot rows, mean pooling, fp16)
+  tbe          benchmarks/tbe.py: DLRMv2 shape (26 x 1M x 128, B=16384), fp32/fp16, forward and
+               fwd+bwd+row-wise Adagrad vs nn.EmbeddingBag and the device copy, same run
+  dlrm_tbe     a DLRM-like train loop (bottom MLP, TritonTableBatchedEmbedding, top MLP; dense Adagrad)
+               from torch + triton only: samples/s
+  dlrm_ebc     the same loop through TritonEmbeddingBagCollection on KeyedJaggedTensors (the
+               trainer's single-device path), with a dispatch-mode check that no fbgemm op runs;
+               skipped with the reason when torchrec does not import (the lent H200 has none)
+Writes $OUT/gpu_suite.json (default ./gpu_out) and $OUT/tbe.json. Sized for < 8 minutes on an
+H200 (most of it Triton compiles and nn.EmbeddingBag's sparse SGD); --small shrinks everything to
+toy sizes and, on CPU, uses the torch execution path (what its test runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from anyrec.kernels import reference as R  # noqa: E402
+from anyrec.kernels.optimizers import OptimizerConfig  # noqa: E402
+from anyrec.kernels.tbe import TritonTableBatchedEmbedding  # noqa: E402
+
+MULTI_HOT = [3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1]
+
+
+def accelerator() -> torch.device:
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return torch.device(acc.type) if acc is not None else torch.device("cpu")
+
+
+def sync(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize()
+
+
+def load_tbe_benchmark():
+    spec = importlib.util.spec_from_file_location("anyrec_bench_tbe", ROOT / "benchmarks" / "tbe.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# ---- sections ------------------------------------------------------------------------------------
+
+
+def section_env(device: torch.device) -> dict:
+    info = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device)}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError as ex:
+        info["triton"] = f"missing ({ex})"
+    if device.type != "cpu":
+        from anyrec.backends._gpu import probe_torch_cuda_facts
+
+        f = probe_torch_cuda_facts()
+        info.update(device_name=f.device_name, arch=f.arch, memory_bytes=f.memory_bytes,
+                    sms=f.multiprocessors)
+    for mod in ("torchrec", "fbgemm_gpu"):
+        try:
+            __import__(mod)
+            info[mod] = "imports"
+        except Exception as ex:  # noqa: BLE001 - any failure means "not usable here"
+            info[mod] = f"does not import: {type(ex).__name__}: {str(ex)[:120]}"
+    return info
+
+
+def _batch(specs, ftm, batch, pooling_per_feature, device, hot: bool, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([p for p in pooling_per_feature for _ in range(batch)])
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    ids = []
+    for f, t in enumerate(ftm):
+        rows = specs[t][0]
+        n = int(lengths[f * batch: (f + 1) * batch].sum())
+        hi = min(rows, 5) if hot and f % 2 == 0 else rows  # hot features: long segments
+        ids.append(torch.randint(0, hi, (n,), generator=g))
+    return torch.cat(ids).to(device), offsets.to(device)
+
+
+def section_correctness(device: torch.device, execution: str, small: bool) -> dict:
+    """Triton vs reference; returns the max errors per case and raises on a mismatch."""
+    cases = [
+        ("dlrm-like D=128 rowwise", [(1000, 128)] * 4, [0, 1, 2, 3], [1, 3, 20, 1], "sum",
+         torch.float32, OptimizerConfig("rowwise_adagrad", lr=0.05, eps=1e-6)),
+        ("mixed dims 4/36/260, shared table, mean, adam", [(50, 4), (40, 36), (30, 260)], [0, 1, 2, 0],
+         [2, 5, 1, 40], "mean", torch.float32, OptimizerConfig("adam", lr=0.01, eps=1e-6)),
+        ("fp16 D=64 sgd", [(500, 64)] * 3, [0, 1, 2], [1, 8, 2], "sum", torch.float16,
+         OptimizerConfig("sgd", lr=0.05)),
+    ]
+    batch = 8 if small else 512
+    out = {}
+    for name, specs, ftm, pool, pooling, wdt, opt in cases:
+        m = TritonTableBatchedEmbedding(specs, ftm, optimizer=opt, pooling=pooling, weights_dtype=wdt,
+                                        stochastic_rounding=False, device=device, execution=execution)
+        tables0 = [w.float().clone() for w in m.split_embedding_weights()]
+        batches = []
+        for s in range(2):
+            ids, off = _batch(specs, ftm, batch, pool, device, hot=True, seed=s)
+            batches.append((ids, off, None, torch.randn(batch, m.layout.output_dim, device=device)))
+        with torch.no_grad():
+            fwd = m(batches[0][0], batches[0][1])
+        ref = R.pooled_forward_ref(tables0, list(ftm), batches[0][0], batches[0][1], None, pooling)
+        tol = 1e-4 if wdt == torch.float32 else 2e-2
+        fwd_err = float((fwd - ref).abs().max())
+        for ids, off, psw, g in batches:
+            m(ids, off, psw).backward(g)
+        tables, _ = reference_steps(tables0, list(ftm), batches, opt, pooling)
+        upd_err = max(float((w.float() - r).abs().max()) for w, r in zip(m.split_embedding_weights(), tables,
+                                                                         strict=True))
+        out[name] = {"forward_max_abs_err": fwd_err, "update_max_abs_err": upd_err,
+                     "ok": fwd_err <= tol and upd_err <= (1e-4 if wdt == torch.float32 else 5e-3)}
+        print(f"  correctness {name}: fwd err {fwd_err:.2e}, update err {upd_err:.2e}", flush=True)
+    bad = [k for k, v in out.items() if not v["ok"]]
+    if bad:
+        raise AssertionError(f"mismatch vs reference in {bad}: {out}")
+    return out
+
+
+def reference_steps(tables, ftm, batches, opt, pooling):
+    tables = [w.float().clone() for w in tables]
+    states = [R.init_state_ref(opt.kind, *w.shape, device=w.device) for w in tables]
+    for step, (ids, off, psw, g) in enumerate(batches, start=1):
+        grads, touched = R.row_gradients_ref(tables, ftm, ids, off, g, psw, pooling)
+        tables = [R.apply_optimizer_ref(w, s, gr, tc, opt, step)
+                  for w, s, gr, tc in zip(tables, states, grads, touched, strict=True)]
+    return tables, states
+
+
+def section_tbe(out_dir: Path, execution: str, small: bool) -> dict:
+    args = ["--out-dir", str(out_dir), "--json", "tbe.json", "--execution", execution,
+            "--dtypes", "fp32,fp16"]
+    res = load_tbe_benchmark().main(args + (["--small"] if small else []))
+    return {"json": str(out_dir / "tbe.json"), "copy_GBps": res["copy_GBps"],
+            "ratios": [r for r in res["results"] if r["name"].startswith("ratios")]}
+
+
+class DenseArch(nn.Module):
+    """Bottom MLP on dense features, concat with pooled embeddings, top MLP to a logit."""
+
+    def __init__(self, num_dense: int, emb_dim: int, num_features: int, small: bool, device) -> None:
+        super().__init__()
+        w = 64 if small else 512
+        self.bottom = nn.Sequential(nn.Linear(num_dense, w), nn.ReLU(), nn.Linear(w, emb_dim), nn.ReLU())
+        top_in = emb_dim * (num_features + 1)
+        widths = [64, 1] if small else [1024, 1024, 512, 256, 1]
+        layers, prev = [], top_in
+        for i, wd in enumerate(widths):
+            layers.append(nn.Linear(prev, wd))
+            if i < len(widths) - 1:
+                layers.append(nn.ReLU())
+            prev = wd
+        self.top = nn.Sequential(*layers)
+        self.to(device)
+
+    def forward(self, dense, pooled):
+        return self.top(torch.cat([self.bottom(dense), pooled], dim=1)).squeeze(1)
+
+
+def _dlrm_shape(small: bool):
+    if small:
+        return 4, 100, 16, 32, [1, 3, 10, 1]  # tables, rows, dim, batch, pooling
+    return 26, 1_000_000, 128, 16384, MULTI_HOT
+
+
+def _train_loop(step_fn, steps: int, warmup: int, batch: int, device) -> dict:
+    for i in range(warmup):
+        step_fn(i)
+    sync(device)
+    t0 = time.perf_counter()
+    loss = None
+    for i in range(steps):
+        loss = step_fn(warmup + i)
+    sync(device)
+    sec = time.perf_counter() - t0
+    return {"steps": steps, "batch": batch, "seconds": sec, "samples_per_s": steps * batch / sec,
+            "final_loss": float(loss)}
+
+
+def section_dlrm_tbe(device, execution: str, small: bool, steps: int) -> dict:
+    T, rows, D, B, pool = _dlrm_shape(small)
+    emb = TritonTableBatchedEmbedding([(rows, D)] * T, optimizer=OptimizerConfig("rowwise_adagrad", lr=0.005),
+                                      bounds_check="off", device=device, execution=execution)
+    dense = DenseArch(13, D, T, small, device)
+    opt = torch.optim.Adagrad(dense.parameters(), lr=0.005)
+    batches = []
+    for s in range(4):
+        ids, off = _batch([(rows, D)] * T, list(range(T)), B, pool, device, hot=False, seed=100 + s)
+        batches.append((torch.randn(B, 13, device=device), ids, off,
+                        torch.randint(0, 2, (B,), device=device).float()))
+
+    def step(i):
+        x, ids, off, y = batches[i % len(batches)]
+        loss = nn.functional.binary_cross_entropy_with_logits(dense(x, emb(ids, off)), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()  # the embedding update happens here
+        opt.step()
+        return loss.detach()
+
+    res = _train_loop(step, steps, 3 if small else 20, B, device)
+    res["shape"] = {"tables": T, "rows": rows, "dim": D, "lookups_per_sample": sum(pool)}
+    print(f"  dlrm_tbe: {res['samples_per_s']:.0f} samples/s ({res['steps']} steps, B={B})", flush=True)
+    return res
+
+
+def section_dlrm_ebc(device, execution: str, small: bool, steps: int) -> dict:
+    try:
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+
+        from anyrec.kernels.ebc import TritonEmbeddingBagCollection, dense_named_parameters
+    except Exception as ex:  # noqa: BLE001 - torchrec needs fbgemm_gpu at import
+        reason = f"torchrec does not import here ({type(ex).__name__}: {str(ex)[:160]})"
+        print(f"  dlrm_ebc: SKIPPED: {reason}", flush=True)
+        return {"skipped": reason}
+
+    class OpNames(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.add(str(func))
+            return func(*args, **(kwargs or {}))
+
+    T, rows, D, B, pool = _dlrm_shape(small)
+    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=D, num_embeddings=rows, feature_names=[f"f{i}"])
+              for i in range(T)]
+    emb = TritonEmbeddingBagCollection(tables, OptimizerConfig("rowwise_adagrad", lr=0.005), device=device,
+                                       execution=execution, bounds_check="off")
+    model = nn.ModuleDict({"emb": emb, "dense": DenseArch(13, D, T, small, device)})
+    opt = torch.optim.Adagrad([p for _, p in dense_named_parameters(model)], lr=0.005)
+    keys = [f"f{i}" for i in reversed(range(T))]  # not table order: mapped by name, no permute
+    batches = []
+    for _ in range(4):
+        lengths = torch.tensor([pool[int(k[1:])] for k in keys for _ in range(B)], device=device)
+        ids = torch.randint(0, rows, (int(lengths.sum()),), device=device)
+        kjt = KeyedJaggedTensor(keys=keys, values=ids, lengths=lengths)  # lengths only, as loaders build
+        y = torch.randint(0, 2, (B,), device=device).float()
+        batches.append((torch.randn(B, 13, device=device), kjt, y))
+
+    def step(i):
+        x, kjt, y = batches[i % len(batches)]
+        logit = model["dense"](x, model["emb"](kjt).values())
+        loss = nn.functional.binary_cross_entropy_with_logits(logit, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    with OpNames() as rec:
+        step(0)
+    fbgemm_ops = sorted(op for op in rec.ops if op.startswith("fbgemm"))
+    if fbgemm_ops:
+        raise AssertionError(f"fbgemm ops called in a training step: {fbgemm_ops}")
+    res = _train_loop(step, steps, 3 if small else 20, B, device)
+    res["fbgemm_ops_called"] = fbgemm_ops
+    print(f"  dlrm_ebc: {res['samples_per_s']:.0f} samples/s, fbgemm ops called: none", flush=True)
+    return res
+
+
+# ---- driver --------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--small", action="store_true", help="toy sizes (for CPU tests)")
+    ap.add_argument("--steps", type=int, default=300, help="timed DLRM training steps per loop")
+    ap.add_argument("--execution", default="auto", choices=["auto", "triton", "torch"])
+    ap.add_argument("--only", default="", help="comma list of sections to run (default: all)")
+    a = ap.parse_args(argv)
+    out_dir = Path(os.environ.get("OUT") or "gpu_out")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device = accelerator()
+    small = a.small
+    steps = min(a.steps, 5) if small else a.steps
+    print(f"=== anyrec GPU suite on {device} (small={small}, execution={a.execution}); JSON in {out_dir}")
+    if device.type == "cpu":
+        print("GPU: not run (no accelerator here); CPU numbers below are for plumbing only")
+    sections = {
+        "env": lambda: section_env(device),
+        "correctness": lambda: section_correctness(device, a.execution, small),
+        "tbe": lambda: section_tbe(out_dir, a.execution, small),
+        "dlrm_tbe": lambda: section_dlrm_tbe(device, a.execution, small, steps),
+        "dlrm_ebc": lambda: section_dlrm_ebc(device, a.execution, small, steps),
+    }
+    only = [s for s in a.only.split(",") if s]
+    report: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "small": small, "sections": {}}
+    for name, fn in sections.items():
+        if only and name not in only and name != "env":
+            continue
+        t0 = time.perf_counter()
+        print(f"--- {name}", flush=True)
+        try:
+            result, status = fn(), "ok"
+            if isinstance(result, dict) and "skipped" in result:
+                status = "skipped"
+        except Exception as ex:  # noqa: BLE001 - record and go on to the next section
+            traceback.print_exc()
+            result, status = {"error": f"{type(ex).__name__}: {ex}"[:2000]}, "failed"
+        report["sections"][name] = {"status": status, "seconds": time.perf_counter() - t0, **result}
+        (out_dir / "gpu_suite.json").write_text(json.dumps(report, indent=1, default=str))
+        if device.type != "cpu" and hasattr(torch.accelerator, "empty_cache"):
+            torch.accelerator.empty_cache()  # the next section's tables need the memory
+    print("=== summary: " + ", ".join(f"{k} {v['status']} ({v['seconds']:.0f}s)"
+                                      for k, v in report["sections"].items()))
+    return report
+
+
+if __name__ == "__main__":
+    rep = main()
+    sys.exit(1 if any(s["status"] == "failed" for s in rep["sections"].values()) else 0)
