@@ -97,8 +97,24 @@ def test_plugin_probe_for_its_own_library():
 def test_embedding_choice_maps_to_a_torchrec_sharder():
     from anyrec.backends.sharders import compute_kernel, embedding_sharder
 
-    assert compute_kernel("fbgemm") == "fused" and compute_kernel("torch") == "dense"
-    assert embedding_sharder("torch").compute_kernels("table_wise", "cpu") == ["dense"]
+    assert compute_kernel("fbgemm") == "fused" and compute_kernel("torch") == "fused_triton"
+    assert compute_kernel("fbgemm", "uvm_caching") == "fused_uvm_caching"
+    with pytest.raises(ValueError, match="needs backend.embedding_kernel=fbgemm"):
+        compute_kernel("triton", "uvm_caching")
+    with pytest.raises(ValueError, match="no torchrec compute kernel"):
+        compute_kernel("sycl_tbe")
+    assert embedding_sharder("torch").compute_kernels("table_wise", "cpu") == ["fused_triton"]
+    assert embedding_sharder("triton").compute_kernels("row_wise", "cuda") == ["fused_triton"]
     assert "dense" in embedding_sharder("fbgemm").compute_kernels("data_parallel", "cpu")
-    with pytest.raises(ValueError, match="triton is not available"):
-        embedding_sharder("triton")
+    assert embedding_sharder("fbgemm").compute_kernels("table_wise", "cpu") == ["fused"]
+    assert "fused_uvm_caching" in embedding_sharder("fbgemm").compute_kernels("table_wise", "cuda")
+
+
+def test_fbgemm_sharder_rejects_a_plan_for_another_kernel():
+    from torchrec.distributed.types import ParameterSharding
+
+    from anyrec.backends.sharders import embedding_sharder
+
+    ps = ParameterSharding(sharding_type="table_wise", compute_kernel="fused_triton", ranks=[0])
+    with pytest.raises(ValueError, match="t0: the plan uses compute kernel 'fused_triton'"):
+        embedding_sharder("fbgemm").shard(None, {"t0": ps}, None)

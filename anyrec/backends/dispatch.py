@@ -59,9 +59,15 @@ OPS: dict[str, Op] = {
     "collectives": Op("collectives", None, "torch.distributed process-group backend", {}),
 }
 
-# What each embedding implementation means to torchrec: its compute kernel. `triton` comes from
-# anyrec.kernels.torchrec_kernel (TRITON_COMPUTE_KERNEL); extend here for new kernels.
-TORCHREC_COMPUTE_KERNELS: dict[str, str | None] = {"fbgemm": "fused", "torch": "dense", "triton": None}
+# What each embedding implementation means to torchrec: the compute kernels it runs, by placement
+# (hbm, uvm_caching, ddr). `triton` and `torch` are anyrec's own TBE (anyrec.kernels.torchrec_kernel)
+# under torchrec's `fused_triton` kernel name, executed by Triton or by plain torch ops; they keep
+# tables in device memory. Extend here for new kernels.
+TORCHREC_COMPUTE_KERNELS: dict[str, dict[str, str]] = {
+    "fbgemm": {"hbm": "fused", "uvm_caching": "fused_uvm_caching", "ddr": "fused_uvm"},
+    "triton": {"hbm": "fused_triton"},
+    "torch": {"hbm": "fused_triton"},
+}
 
 # torch dispatch keys per device type (ROCm registers its kernels under CUDA).
 _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA", "xpu": "XPU", "mtia": "MTIA", "mps": "MPS"}
