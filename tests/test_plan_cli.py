@@ -56,7 +56,8 @@ def test_8_h100_every_rank_within_80gb():
 def test_output_json_schema_plot_and_compare(tmp_path):
     out, png = tmp_path / "plan.json", tmp_path / "plan.png"
     _, text = _run(
-        ["hardware=mi350x", "topology.world_size=1", f"plan.output={out}", f"plan.plot={png}", "plan.compare=b200"]
+        ["hardware=mi350x", "topology.world_size=1", f"plan.output={out}", f"plan.plot={png}",
+         "plan.compare=b200"]
     )
     data = json.loads(out.read_text())
     compare = data.pop("compare")

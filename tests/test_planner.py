@@ -184,11 +184,14 @@ def test_simple_planner_shares_the_torchrec_mapping():
     per_table = plan.plan["m.ebc"]
     assert per_table[tables[0].name].ranks == [1, 3]
     assert per_table[tables[1].name].compute_kernel == "dense"
-    assert per_table[tables[2].name].sharding_type == "table_row_wise"  # took compute_kernel: a TypeError before
+    # table_row_wise() takes no compute_kernel: passing one was a TypeError before.
+    assert per_table[tables[2].name].sharding_type == "table_row_wise"
     assert per_table[tables[2].name].compute_kernel == "fused_uvm"
 
 
 def test_forced_sharding_without_options_says_why():
     tables = dlrmv2_tables(dim=8)[:3]
     with pytest.raises(InfeasiblePlanError, match="cannot plan 3 of 3 tables .* column_wise .* >= 16"):
-        CoDesignPlanner().plan(tables, Topology(get_sku("cpu"), 2, 2), 64, "sgd", allowed_shardings=("column_wise",))
+        CoDesignPlanner().plan(
+            tables, Topology(get_sku("cpu"), 2, 2), 64, "sgd", allowed_shardings=("column_wise",)
+        )

@@ -211,7 +211,8 @@ class EmbeddingPerfEstimator(PerfEstimator):
             # table, which is zeroed, all-reduced and stepped by the dense optimizer every step.
             dense = get_kernel("torch")
             fwd, bwd = lookup_time_s(
-                b * p, b * f, t.embedding_dim, t, option.placement, topology, opt, dense, fused_optimizer=False
+                b * p, b * f, t.embedding_dim, t, option.placement, topology, opt, dense,
+                fused_optimizer=False,
             )
             bwd += dense_update_time_s(t.weight_bytes, t.num_rows, t.embedding_dim, opt, topology)
             perf = Perf(fwd, bwd, 0.0, all_reduce_time_s(t.weight_bytes, topology))

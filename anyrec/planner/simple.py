@@ -42,4 +42,5 @@ def to_sharding_plan(ebc: nn.Module, shardings: dict[str, tuple[str, list[int]]]
     """A torchrec ShardingPlan placing the tables of `ebc` (at `module_path` in the model)."""
     per_table = {name: (kind, ranks, "dense" if kind == "data_parallel" else compute_kernel)
                  for name, (kind, ranks) in shardings.items()}
-    return build_sharding_plan(ebc, per_table, module_path, world_size, local_world_size, device_type, sharder)
+    return build_sharding_plan(ebc, per_table, module_path, world_size, local_world_size, device_type,
+                               sharder)
