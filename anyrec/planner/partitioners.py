@@ -146,6 +146,8 @@ class GreedyPerfPartitioner(Partitioner):
         best, best_key = None, None
         deadline = time.perf_counter() + self.local_search_s
         for i, (by_memory, scoring) in enumerate(starts):
+            if best is not None and time.perf_counter() >= deadline:
+                break  # large cases: the later starts only run while the time budget lasts
             chosen = self._greedy(cands, base_per_rank, w, caps, by_memory, scoring)
             if chosen is None and i == 0:
                 chosen = self._greedy(cands, base_per_rank, w, caps, True, scoring)
