@@ -169,3 +169,29 @@ def test_user_errors_are_value_errors(tmp_path):
     spec.write_text(json.dumps({"base": "h200", "memory_bw_bytes_per_s": 4.18e12}))
     assert load_device_spec(str(spec)).memory_bw_bytes_per_s == 4.18e12
     assert load_device_spec("mi355x").name == "MI355X"
+
+
+def test_simple_planner_shares_the_torchrec_mapping():
+    from anyrec.planner.simple import simple_table_shardings, to_sharding_plan
+    from anyrec.planner.torchrec_plan import meta_ebc
+
+    tables = dlrmv2_tables(dim=16)[:4]
+    ebc = meta_ebc(tables)
+    shardings = simple_table_shardings(ebc.embedding_bag_configs(), 4, force="table_row_wise")
+    shardings[tables[0].name] = ("column_wise", [1, 3])
+    shardings[tables[1].name] = ("data_parallel", [0, 1, 2, 3])
+    plan = to_sharding_plan(ebc, shardings, "m.ebc", 4, 2, "cuda", compute_kernel="fused_uvm")
+    per_table = plan.plan["m.ebc"]
+    assert per_table[tables[0].name].ranks == [1, 3]
+    assert per_table[tables[1].name].compute_kernel == "dense"
+    # table_row_wise() takes no compute_kernel: passing one was a TypeError before.
+    assert per_table[tables[2].name].sharding_type == "table_row_wise"
+    assert per_table[tables[2].name].compute_kernel == "fused_uvm"
+
+
+def test_forced_sharding_without_options_says_why():
+    tables = dlrmv2_tables(dim=8)[:3]
+    with pytest.raises(InfeasiblePlanError, match="cannot plan 3 of 3 tables .* column_wise .* >= 16"):
+        CoDesignPlanner().plan(
+            tables, Topology(get_sku("cpu"), 2, 2), 64, "sgd", allowed_shardings=("column_wise",)
+        )

@@ -23,3 +23,12 @@ def test_planner_benchmark_small(tmp_path):
         assert r["anyrec_step_ms_anyrec_model"] > 0 and r["anyrec_step_ms_torchrec_model"] > 0
         assert r["torchrec_error"] or r["torchrec_step_ms_anyrec_model"] > 0
     assert json.loads(out.read_text())["rows"][0]["workload"] == "dlrmv2"
+
+
+def test_planner_validate_quick(tmp_path):
+    out = tmp_path / "val.json"
+    rows = _load("planner_validate").main(["--quick", "--output", str(out)])
+    assert {r["set"] for r in rows} == {"fit", "hold-out"}
+    data = json.loads(out.read_text())
+    assert data["calibrated"]["lookup_bw_bytes_per_s"] > 0 and data["calibrated"]["kind"] == "empirical"
+    assert all(r["measured_ms"] > 0 and r["predicted_ms"] > 0 for r in data["shapes"])

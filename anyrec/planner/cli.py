@@ -40,6 +40,10 @@ def write_json_atomic(path: str, data: dict) -> None:
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".plan-", suffix=".json", dir=folder)
     try:
+        # mkstemp creates the file 0600; give it the mode open() would (0666 less the umask).
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=2)
             f.write("\n")

@@ -25,6 +25,9 @@ from anyrec.planner.types import (
 
 ID_BYTES = 8  # int64 ids and offsets, as torchrec's KeyedJaggedTensor carries them
 OUTPUT_BYTES = 4  # pooled embeddings and their gradients travel as fp32
+# empirical: streaming elementwise kernels (zero-fill, dense optimizer) vs peak; the lent H200 copied
+# at 4.18 of 4.8 TB/s.
+ELEMENTWISE_EFFICIENCY = 0.87
 COMMS_EFFICIENCY = 0.75  # empirical: NCCL/RCCL all-to-all and ring bus bandwidth / link bandwidth
 DENSE_EFFICIENCY = 0.5  # empirical: DLRM-size GEMMs reach about half of dense peak FLOP/s
 # empirical: recommendation ids follow a power law; 20% of rows take about 80% of lookups (Pareto),
@@ -114,21 +117,23 @@ def lookup_time_s(
     optimizer: str,
     kernel: KernelProfile,
     cache_ratio: float = 0.0,
+    fused_optimizer: bool = True,
 ) -> tuple[float, float]:
     """Forward and backward seconds for a shard that reads `n_ids` rows of width `dim` into `n_bags` bags.
 
-    Forward reads the rows and writes pooled outputs; backward reads output gradients and reads and
-    writes each touched row and its optimizer state (fused update).
+    Both passes read the ids. Forward reads the rows and writes pooled outputs; backward reads output
+    gradients and reads and writes each touched row and, when the optimizer is fused into the backward
+    (TBE), its optimizer state; unfused (data-parallel), it scatter-adds into a dense gradient instead.
     """
     dev = topology.device
     cpu = topology.compute_device == "cpu"
     access = CPU_ACCESS_BYTES if cpu else kernel.access_bytes
     row_bytes = _round_up(dim * table.element_bytes, access)
-    st = OPTIMIZER_STATE_BYTES_PER_ROW[optimizer](dim)
+    st = OPTIMIZER_STATE_BYTES_PER_ROW[optimizer](dim) if fused_optimizer else 0
     state_row_bytes = _round_up(st, access) if st else 0
     fwd_rows = n_ids * row_bytes
     bwd_rows = 2 * n_ids * (row_bytes + state_row_bytes)
-    out_bytes = n_bags * dim * OUTPUT_BYTES
+    out_bytes = n_bags * dim * OUTPUT_BYTES + n_ids * ID_BYTES
     hbm_bw = dev.memory_bw_bytes_per_s * kernel.bw_efficiency * simd_utilisation(dim, dev.simd_width)
     latency = n_ids * kernel.per_row_s
     if cpu or placement == Placement.HBM:
@@ -142,6 +147,14 @@ def lookup_time_s(
     else:  # DDR: every row crosses the host link
         per_byte = 1.0 / h2d
     return fwd_rows * per_byte + out_bytes / hbm_bw, bwd_rows * per_byte + out_bytes / hbm_bw
+
+
+def dense_update_time_s(weight_bytes: int, rows: int, dim: int, optimizer: str, topology: Topology) -> float:
+    """Seconds for the elementwise passes over a data-parallel table's dense gradient: zero-fill, then
+    the optimizer reads weights, gradient and state and writes weights and state."""
+    state = state_bytes(optimizer, rows, dim)
+    bw = topology.device.memory_bw_bytes_per_s * ELEMENTWISE_EFFICIENCY
+    return (4 * weight_bytes + 2 * state) / bw
 
 
 def all_to_all_time_s(bytes_to_all: float, topology: Topology) -> float:
@@ -194,8 +207,14 @@ class EmbeddingPerfEstimator(PerfEstimator):
 
         st = option.sharding
         if st == ShardingType.DATA_PARALLEL:
-            fwd, bwd = lookup(b * p, b * f, t.embedding_dim)
-            # Dense gradient of the whole table, all-reduced every step.
+            # The "dense" kernel (plain embedding bags) scatters into a dense gradient of the whole
+            # table, which is zeroed, all-reduced and stepped by the dense optimizer every step.
+            dense = get_kernel("torch")
+            fwd, bwd = lookup_time_s(
+                b * p, b * f, t.embedding_dim, t, option.placement, topology, opt, dense,
+                fused_optimizer=False,
+            )
+            bwd += dense_update_time_s(t.weight_bytes, t.num_rows, t.embedding_dim, opt, topology)
             perf = Perf(fwd, bwd, 0.0, all_reduce_time_s(t.weight_bytes, topology))
         elif st in (ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE):
             dim = s0.num_cols

@@ -91,10 +91,17 @@ class _State:
             if np.any(self.H + c.h_vec > self.hcap) or np.any(self.D + c.d_vec > self.dcap):
                 return None
             return float((self.T + c.t_vec).max()), None
-        ok = (self.H + c.h <= self.hcap) & (self.D + c.d <= self.dcap)
-        if int(ok.sum()) < c.k:
-            return None
+        ok = self.H <= self.hcap - c.h
+        if c.d:
+            ok &= self.D <= self.dcap - c.d
         key = np.where(ok, self.H if by_memory else self.T, np.inf)
+        if c.k == 1:  # table-wise, the common case: one argmin instead of a sort
+            r = int(key.argmin())
+            if not ok[r]:
+                return None
+            return max(float(self.T.max()), float(self.T[r]) + c.t), [r]
+        if np.count_nonzero(ok) < c.k:
+            return None
         ranks = np.argsort(key, kind="stable")[: c.k]
         return float(max(self.T.max(), (self.T[ranks] + c.t).max())), [int(r) for r in ranks]
 
@@ -139,6 +146,8 @@ class GreedyPerfPartitioner(Partitioner):
         best, best_key = None, None
         deadline = time.perf_counter() + self.local_search_s
         for i, (by_memory, scoring) in enumerate(starts):
+            if best is not None and time.perf_counter() >= deadline:
+                break  # large cases: the later starts only run while the time budget lasts
             chosen = self._greedy(cands, base_per_rank, w, caps, by_memory, scoring)
             if chosen is None and i == 0:
                 chosen = self._greedy(cands, base_per_rank, w, caps, True, scoring)

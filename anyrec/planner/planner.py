@@ -7,7 +7,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from anyrec.planner.enumerators import EmbeddingEnumerator
+from anyrec.planner.enumerators import MIN_COLUMN_SHARD_DIM, EmbeddingEnumerator
 from anyrec.planner.estimators import (
     DenseEstimator,
     check_optimizer,
@@ -226,6 +226,15 @@ class CoDesignPlanner:
                     return self._finish(result, options, topology, wl, base, caps, start, notes)
         if allowed != (Placement.HBM,) or options is None:
             options = self.enumerator.enumerate(topology, wl, {t.name: allowed for t in wl.tables})
+        none = [n for n, opts in options.items() if not opts]
+        if none:
+            kinds = ", ".join(s.value for s in wl.options.allowed_shardings)
+            raise InfeasiblePlanError(
+                f"cannot plan {len(none)} of {len(wl.tables)} tables ({', '.join(none[:3])}"
+                f"{', ...' if len(none) > 3 else ''}) with sharding {kinds} on {topology.world_size} x "
+                f"{topology.device.name}: column-wise needs dim / shards >= {MIN_COLUMN_SHARD_DIM} (and a "
+                f"multiple of 4), row-wise at least as many rows as ranks, table-row-wise more than one host"
+            )
         for proposal in self.proposer.proposals(options, topology, free, wl):
             restricted = {n: [o for o in opts if o.placement in proposal[n]] for n, opts in options.items()}
             result = self._partition(restricted, topology, wl, base, caps)

@@ -210,7 +210,7 @@ def plot_plan(plan, path: str, compare=None) -> None:
     import matplotlib.pyplot as plt
 
     plans = [plan] + ([compare] if compare is not None else [])
-    fig, axes = plt.subplots(2, len(plans), figsize=(6.5 * len(plans), 7), squeeze=False)
+    fig, axes = plt.subplots(2, len(plans), figsize=(6 * len(plans) + 2, 7), squeeze=False)
     colors = ["#8c8c8c", "#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd"]
     for col, p in enumerate(plans):
         ax_m, ax_t = axes[0][col], axes[1][col]
@@ -224,7 +224,7 @@ def plot_plan(plan, path: str, compare=None) -> None:
         ax_m.axhline(p.caps.hbm_bytes / GB, color="red", linestyle=":", label="cap less reserve")
         ax_m.set_title(f"{p.topology.world_size} x {p.topology.device.name}: HBM per rank")
         ax_m.set_ylabel("GB")
-        ax_m.legend(fontsize=7, loc="lower right")
+        ax_m.set_ylim(0, max(max(bottom), p.topology.hbm_bytes_per_rank / GB) * 1.08)
         perf = p.rank_perf
         comp = [x.compute_s * 1e3 for x in perf]
         comm = [x.comms_s * 1e3 for x in perf]
@@ -233,7 +233,10 @@ def plot_plan(plan, path: str, compare=None) -> None:
         ax_t.set_title(f"predicted step {p.predicted_step_s * 1e3:.3f} ms (slowest rank)")
         ax_t.set_xlabel("rank")
         ax_t.set_ylabel("ms")
-        ax_t.legend(fontsize=7)
+        ax_t.set_ylim(0, max(c + m for c, m in zip(comp, comm, strict=True)) * 1.08)
+    # One legend per row, outside the plot area to the right, so it never covers a bar.
+    for ax in (axes[0][-1], axes[1][-1]):
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -6,16 +6,10 @@ The fallback next to the co-design planner, and the way tests force a sharding t
 from __future__ import annotations
 
 from torch import nn
-from torchrec.distributed.sharding_plan import (
-    column_wise,
-    construct_module_sharding_plan,
-    data_parallel,
-    row_wise,
-    table_row_wise,
-    table_wise,
-)
 from torchrec.distributed.types import ModuleSharder, ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+from anyrec.planner.torchrec_plan import build_sharding_plan
 
 SHARDINGS = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
 
@@ -46,23 +40,7 @@ def to_sharding_plan(ebc: nn.Module, shardings: dict[str, tuple[str, list[int]]]
                      world_size: int, local_world_size: int, device_type: str,
                      compute_kernel: str = "fused", sharder: ModuleSharder | None = None) -> ShardingPlan:
     """A torchrec ShardingPlan placing the tables of `ebc` (at `module_path` in the model)."""
-    per_param = {}
-    for name, (kind, ranks) in shardings.items():
-        if kind == "table_wise":
-            per_param[name] = table_wise(rank=ranks[0], compute_kernel=compute_kernel)
-        elif kind == "row_wise":
-            per_param[name] = row_wise(compute_kernel=compute_kernel)
-        elif kind == "column_wise":
-            per_param[name] = column_wise(ranks=ranks, compute_kernel=compute_kernel)
-        elif kind == "table_row_wise":
-            per_param[name] = table_row_wise(host_index=ranks[0] // local_world_size,
-                                             compute_kernel=compute_kernel)
-        elif kind == "data_parallel":
-            per_param[name] = data_parallel()
-        else:
-            raise ValueError(f"table {name}: unknown sharding {kind!r}")
-    module_plan = construct_module_sharding_plan(
-        ebc, per_param, sharder=sharder, local_size=local_world_size, world_size=world_size,
-        device_type=device_type,
-    )
-    return ShardingPlan({module_path: module_plan})
+    per_table = {name: (kind, ranks, "dense" if kind == "data_parallel" else compute_kernel)
+                 for name, (kind, ranks) in shardings.items()}
+    return build_sharding_plan(ebc, per_table, module_path, world_size, local_world_size, device_type,
+                               sharder)

@@ -44,8 +44,22 @@ def _kernel_for(placement: Placement, sharding: ShardingType, compute_device: st
     ]
 
 
-def to_sharding_plan(plan, module_path: str, module=None, compute_device: str | None = None):
-    """torchrec ShardingPlan {module_path: per-table ParameterSharding} for a PlanResult."""
+def build_sharding_plan(
+    module,
+    per_table: dict[str, tuple[str, list[int], str]],
+    module_path: str,
+    world_size: int,
+    local_world_size: int,
+    device_type: str,
+    sharder=None,
+):
+    """torchrec ShardingPlan {module_path: per-table ParameterSharding} for the EmbeddingBagCollection
+    `module`, from table -> (sharding type, ranks, compute kernel).
+
+    Table-wise uses ranks[0], column-wise one shard per listed rank, table-row-wise the host of
+    ranks[0]; row-wise and data-parallel span every rank. The one mapping the co-design planner and
+    the simple planner share.
+    """
     from torchrec.distributed.sharding_plan import (
         column_wise,
         construct_module_sharding_plan,
@@ -56,35 +70,48 @@ def to_sharding_plan(plan, module_path: str, module=None, compute_device: str | 
     )
     from torchrec.distributed.types import ShardingPlan
 
-    topo = plan.topology
-    device = compute_device or topo.compute_device
-    module = module if module is not None else meta_ebc(plan.workload.tables)
     generators = {}
-    kernels = {}
-    for name, opt in plan.tables.items():
-        kernel = _kernel_for(opt.placement, opt.sharding, device)
-        kernels[name] = kernel
-        st = opt.sharding
-        if st == ShardingType.DATA_PARALLEL:
+    for name, (kind, ranks, kernel) in per_table.items():
+        if kind == ShardingType.DATA_PARALLEL:
             generators[name] = data_parallel()
-        elif st == ShardingType.TABLE_WISE:
-            generators[name] = table_wise(rank=opt.shards[0].rank, compute_kernel=kernel)
-        elif st == ShardingType.COLUMN_WISE:
-            generators[name] = column_wise(ranks=[s.rank for s in opt.shards], compute_kernel=kernel)
-        elif st == ShardingType.ROW_WISE:
+        elif kind == ShardingType.TABLE_WISE:
+            generators[name] = table_wise(rank=ranks[0], compute_kernel=kernel)
+        elif kind == ShardingType.COLUMN_WISE:
+            generators[name] = column_wise(ranks=list(ranks), compute_kernel=kernel)
+        elif kind == ShardingType.ROW_WISE:
             generators[name] = row_wise(compute_kernel=kernel)
+        elif kind == ShardingType.TABLE_ROW_WISE:
+            generators[name] = table_row_wise(host_index=ranks[0] // local_world_size)
         else:
-            generators[name] = table_row_wise(host_index=opt.host)
+            raise ValueError(f"table {name}: unknown sharding {kind!r}")
     module_plan = construct_module_sharding_plan(
         module,
         generators,
-        local_size=topo.local_world_size,
-        world_size=topo.world_size,
-        device_type=device,
+        sharder=sharder,
+        local_size=local_world_size,
+        world_size=world_size,
+        device_type=device_type,
     )
     for name, ps in module_plan.items():
-        ps.compute_kernel = kernels[name]  # table_row_wise() takes no kernel argument
+        if per_table[name][0] != ShardingType.DATA_PARALLEL:
+            ps.compute_kernel = per_table[name][2]  # table_row_wise() takes no kernel argument
     return ShardingPlan({module_path: module_plan})
+
+
+def to_sharding_plan(plan, module_path: str, module=None, compute_device: str | None = None, sharder=None):
+    """torchrec ShardingPlan {module_path: per-table ParameterSharding} for a PlanResult."""
+    topo = plan.topology
+    device = compute_device or topo.compute_device
+    module = module if module is not None else meta_ebc(plan.workload.tables)
+    per_table = {}
+    for name, opt in plan.tables.items():
+        ranks = [s.rank for s in opt.shards]
+        if opt.sharding == ShardingType.TABLE_ROW_WISE:
+            ranks = [opt.host * topo.local_world_size]
+        per_table[name] = (opt.sharding.value, ranks, _kernel_for(opt.placement, opt.sharding, device))
+    return build_sharding_plan(
+        module, per_table, module_path, topo.world_size, topo.local_world_size, device, sharder
+    )
 
 
 def from_sharding_plan(

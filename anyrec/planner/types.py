@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -165,9 +166,10 @@ class Perf:
     def comms_s(self) -> float:
         return self.fwd_comms_s + self.bwd_comms_s
 
-    @property
+    @functools.cached_property
     def total_s(self) -> float:
-        return self.compute_s + self.comms_s
+        # Cached: the search reads it for every shard of every candidate many times (frozen, so safe).
+        return self.fwd_compute_s + self.bwd_compute_s + self.fwd_comms_s + self.bwd_comms_s
 
 
 @dataclass

@@ -1,0 +1,98 @@
+"""`anyrec-plan` (anyrec/plan.py): the done-when cases through Hydra configs, JSON schema, plot, compare,
+and the one-line error with exit code 2."""
+
+import json
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from anyrec.plan import run
+from tests.conftest import ROOT, compose_config
+
+GB = 1e9
+DLRMV2 = ["model=dlrmv2", "optim=adagrad", "plan.batch_size=8192"]
+
+# The plan.output schema: key -> type, at the top level, per rank and per table.
+TOP = {"hardware": str, "world_size": int, "predicted_step_ms": float, "ranks": list, "tables": list}
+RANK = {"rank": int, "hbm_bytes": int, "hbm_cap_bytes": int, "ddr_bytes": int, "predicted_ms": float}
+TABLE = {"name": str, "sharding": str, "placement": str, "kernel": str, "ranks": list}
+
+
+def _run(overrides: list[str]):
+    _, cfg = compose_config(DLRMV2 + overrides)
+    lines: list[str] = []
+    result = run(cfg, print_fn=lines.append)
+    return result, "\n".join(lines)
+
+
+def _check_schema(obj: dict, schema: dict) -> None:
+    assert set(obj) == set(schema)
+    for key, typ in schema.items():
+        assert type(obj[key]) is typ, f"{key}: {type(obj[key]).__name__}, want {typ.__name__}"
+
+
+def test_mi350x_keeps_every_table_in_hbm():
+    result, text = _run(["hardware=mi350x", "topology.world_size=1"])
+    assert {o.placement.value for o in result.tables.values()} == {"hbm"}
+    assert "MI350X" in text
+
+
+def test_b200_default_uses_uvm_caching_and_says_why():
+    result, text = _run(["hardware=b200", "topology.world_size=1"])
+    off = [n for n, o in result.tables.items() if o.placement.value == "uvm_caching"]
+    assert off
+    assert "leave HBM" in text and "B200" in text
+
+
+def test_8_h100_every_rank_within_80gb():
+    result, _ = _run(["hardware=h100", "topology.world_size=8"])
+    assert len(result.rank_storage) == 8
+    assert all(s.hbm_bytes <= 80 * GB for s in result.rank_storage)
+
+
+def test_output_json_schema_plot_and_compare(tmp_path):
+    out, png = tmp_path / "plan.json", tmp_path / "plan.png"
+    _, text = _run(
+        ["hardware=mi350x", "topology.world_size=1", f"plan.output={out}", f"plan.plot={png}",
+         "plan.compare=b200"]
+    )
+    data = json.loads(out.read_text())
+    compare = data.pop("compare")
+    for d in (data, compare):
+        _check_schema(d, TOP)
+        for r in d["ranks"]:
+            _check_schema(r, RANK)
+        for t in d["tables"]:
+            _check_schema(t, TABLE)
+            assert all(type(r) is int for r in t["ranks"])
+    assert data["hardware"] == "MI350X" and compare["hardware"] == "B200"
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o666 & ~umask
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "compare: MI350X vs B200" in text and "memory density" in text
+
+
+def test_infeasible_exits_2_with_one_stderr_line(tmp_path):
+    out = tmp_path / "plan.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    args = ["hardware=b200", "topology.world_size=1", "planner.allow_uvm=false", f"plan.output={out}"]
+    args += DLRMV2 + [f"hydra.run.dir={tmp_path / 'hydra'}"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "anyrec.plan", *args], capture_output=True, text=True, cwd=tmp_path, env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("anyrec-plan: error:")]
+    assert len(errors) == 1 and errors[0].startswith("anyrec-plan: error: cannot plan"), proc.stderr[-2000:]
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("bad", ["topology.world_size=0"])
+def test_user_mistakes_are_value_errors(bad):
+    _, cfg = compose_config(DLRMV2 + ["hardware=h100", bad])
+    with pytest.raises(ValueError):
+        run(cfg, print_fn=lambda s: None)
