@@ -28,7 +28,8 @@ setup(
     entry_points={
         "console_scripts": [
             "anyrec-train=anyrec.train:main",
-            "anyrec-plan=anyrec.plan:main",
+            "anyrec-plan=anyrec.plan:cli",
+            "anyrec-calibrate=anyrec.calibrate:main",
         ],
         "anyrec.backends": [
             "cpu=anyrec.backends.cpu:CPUBackend",

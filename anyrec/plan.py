@@ -17,15 +17,14 @@ from anyrec.config import AnyrecConfig, config_dir, to_object
 
 def run(cfg: AnyrecConfig, print_fn=print):
     """Plan, print the report (and the comparison), write plan.output / plan.plot."""
-    from anyrec.backends import get_backend
+    from anyrec.backends import get_backend, resolve_hardware
     from anyrec.models.dlrm import dense_param_count
     from anyrec.planner.cli import run_plan
     from anyrec.planner.job import plan_options, tables_from_model
-    from anyrec.planner.resolve import resolve_device
 
     backend = get_backend(cfg.backend.name) if cfg.hardware.sku == "auto" else None
-    device = resolve_device(cfg.hardware, backend)
-    compare = resolve_device_name(cfg.plan.compare) if cfg.plan.compare else None
+    device = resolve_hardware(cfg.hardware.sku, cfg.hardware.spec, backend)
+    compare = resolve_hardware(cfg.plan.compare) if cfg.plan.compare else None
     if cfg.topology.world_size < 1:
         raise ValueError(f"topology.world_size must be >= 1, got {cfg.topology.world_size}")
     return run_plan(
@@ -35,13 +34,6 @@ def run(cfg: AnyrecConfig, print_fn=print):
         **plan_options(cfg.planner, cfg.backend.embedding_kernel if cfg.backend.embedding_kernel != "auto"
                        else "fbgemm"),
     )
-
-
-def resolve_device_name(name: str):
-    from anyrec.config import HardwareConfig
-    from anyrec.planner.resolve import resolve_device
-
-    return resolve_device(HardwareConfig(sku=name), None)
 
 
 _hydra.setup()
@@ -56,5 +48,13 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """Console entry: `hardware=FILE.yaml` is accepted as well as `hardware.sku=FILE.yaml`."""
+    from anyrec.backends import rewrite_hardware_argv
+
+    sys.argv = rewrite_hardware_argv(sys.argv)
     main()
+
+
+if __name__ == "__main__":
+    cli()

@@ -5,9 +5,10 @@ import os
 
 import pytest
 
+from anyrec.backends import resolve_hardware
 from anyrec.backends.specs import get_sku
 from anyrec.planner import CoDesignPlanner, InfeasiblePlanError, Placement, ShardingType, Topology
-from anyrec.planner.cli import load_device_spec, run_plan, write_json_atomic
+from anyrec.planner.cli import run_plan, write_json_atomic
 from anyrec.planner.estimators import simd_utilisation
 from anyrec.planner.planner import evaluate_assignment, make_workload
 from anyrec.planner.torchrec_plan import from_sharding_plan
@@ -167,8 +168,8 @@ def test_user_errors_are_value_errors(tmp_path):
         make_workload(dlrmv2_tables(), B, "sgd", kernel="cutlass")
     spec = tmp_path / "hw.json"
     spec.write_text(json.dumps({"base": "h200", "memory_bw_bytes_per_s": 4.18e12}))
-    assert load_device_spec(str(spec)).memory_bw_bytes_per_s == 4.18e12
-    assert load_device_spec("mi355x").name == "MI355X"
+    assert resolve_hardware(str(spec)).memory_bw_bytes_per_s == 4.18e12
+    assert resolve_hardware("mi355x").name == "MI355X"
 
 
 def test_simple_planner_shares_the_torchrec_mapping():

@@ -6,32 +6,14 @@ stderr line and exit code 2.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import tempfile
 
-from anyrec.backends.specs import DeviceSpec, get_sku
+from anyrec.backends.specs import DeviceSpec
 from anyrec.planner.planner import CoDesignPlanner, InfeasiblePlanError, PlanResult
 from anyrec.planner.report import format_compare
 from anyrec.planner.types import TableSpec, Topology
-
-
-def load_device_spec(path_or_sku: str) -> DeviceSpec:
-    """A SKU name ('mi350x') or a calibrated hardware JSON file: DeviceSpec fields, optionally with
-    "base": "<sku>" to take the remaining fields from a known SKU."""
-    if not os.path.exists(path_or_sku):
-        return get_sku(path_or_sku)
-    with open(path_or_sku) as f:
-        data = json.load(f)
-    known = {fl.name for fl in dataclasses.fields(DeviceSpec)}
-    unknown = set(data) - known - {"base"}
-    if unknown:
-        raise ValueError(f"{path_or_sku}: unknown DeviceSpec fields {sorted(unknown)}")
-    if "base" in data:
-        base = get_sku(data.pop("base"))
-        return base.replace(**data)
-    return DeviceSpec(**data)
 
 
 def write_json_atomic(path: str, data: dict) -> None:

@@ -24,16 +24,26 @@ def tables_from_model(cfg: ModelConfig) -> list[TableSpec]:
 
 def plan_options(cfg: PlannerConfig, kernel: str) -> dict[str, object]:
     """PlanOptions fields from the `planner` config group."""
+    from anyrec.backends.sharders import supported_placements, supports_data_parallel
+
+    # Only what the selected embedding implementation can run is offered to the search.
+    placements = tuple(p for p in Placement if p.value in supported_placements(kernel))
+    shardings = tuple(s for s in ShardingType
+                      if s != ShardingType.DATA_PARALLEL or supports_data_parallel(kernel))
     opts: dict[str, object] = {
         "kernel": kernel,
         "uvm_cache_ratio": cfg.uvm_cache_ratio,
         "reserve_fraction": cfg.memory_reserve_fraction,
-        "allowed_placements": tuple(Placement) if cfg.allow_uvm else (Placement.HBM,),
+        "allowed_placements": placements if cfg.allow_uvm else (Placement.HBM,),
+        "allowed_shardings": shardings,
     }
     if cfg.sharding != "auto":
         valid = [s.value for s in ShardingType]
         if cfg.sharding not in valid:
             raise ValueError(f"planner.sharding={cfg.sharding!r} is not one of auto, {', '.join(valid)}")
+        if ShardingType(cfg.sharding) not in shardings:
+            raise ValueError(f"planner.sharding={cfg.sharding} cannot run with "
+                             f"backend.embedding_kernel={kernel}")
         opts["allowed_shardings"] = (ShardingType(cfg.sharding),)
     return opts
 

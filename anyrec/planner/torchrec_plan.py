@@ -12,6 +12,7 @@ KERNEL_PLACEMENT = {
     "fused": Placement.HBM,
     "fused_uvm_caching": Placement.UVM_CACHING,
     "fused_uvm": Placement.DDR,
+    "fused_triton": Placement.HBM,
 }
 
 
@@ -34,14 +35,15 @@ def meta_ebc(tables: list[TableSpec]):
     return EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
 
 
-def _kernel_for(placement: Placement, sharding: ShardingType, compute_device: str) -> str:
+def _kernel_for(impl: str, placement: Placement, sharding: ShardingType, compute_device: str) -> str:
+    """The torchrec compute kernel for a table: the embedding implementation's kernel for its placement."""
+    from anyrec.backends.sharders import compute_kernel
+
     if sharding == ShardingType.DATA_PARALLEL:
         return "dense"
     if compute_device == "cpu":
-        return "fused"  # torchrec has only dense/fused kernels on CPU; tables live in host memory anyway
-    return {Placement.HBM: "fused", Placement.UVM_CACHING: "fused_uvm_caching", Placement.DDR: "fused_uvm"}[
-        placement
-    ]
+        placement = Placement.HBM  # on a CPU compute device the tables live in host memory anyway
+    return compute_kernel(impl, placement.value)
 
 
 def build_sharding_plan(
@@ -108,7 +110,8 @@ def to_sharding_plan(plan, module_path: str, module=None, compute_device: str | 
         ranks = [s.rank for s in opt.shards]
         if opt.sharding == ShardingType.TABLE_ROW_WISE:
             ranks = [opt.host * topo.local_world_size]
-        per_table[name] = (opt.sharding.value, ranks, _kernel_for(opt.placement, opt.sharding, device))
+        kernel = _kernel_for(plan.workload.options.kernel, opt.placement, opt.sharding, device)
+        per_table[name] = (opt.sharding.value, ranks, kernel)
     return build_sharding_plan(
         module, per_table, module_path, topo.world_size, topo.local_world_size, device, sharder
     )

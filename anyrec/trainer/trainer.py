@@ -21,7 +21,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-from anyrec.backends import Backend, get_backend
+from anyrec.backends import Backend, get_backend, resolve_hardware
 from anyrec.config import AnyrecConfig
 from anyrec.data.synthetic import SyntheticCriteo
 from anyrec.models.dlrm import DLRM, build_model
@@ -110,18 +110,20 @@ class Trainer:
     def _plan(self, model: DLRM) -> ShardingPlan:
         """The sharding plan from the configured planner (co-design by default)."""
         from anyrec.planner.job import plan_job
-        from anyrec.planner.resolve import resolve_device
         from anyrec.planner.simple import simple_table_shardings, to_sharding_plan
 
         ebc, info = model.sparse_arch, self.dist
         if self.cfg.planner.name == "simple":
             shardings = simple_table_shardings(ebc.embedding_bag_configs(), info.world_size,
                                                force=self.cfg.planner.sharding)
+            from anyrec.backends.sharders import compute_kernel
+
             return to_sharding_plan(ebc, shardings, EBC_PATH, info.world_size, info.local_world_size,
-                                    self.backend.device_type, sharder=self._sharders()[0])
+                                    self.backend.device_type, sharder=self._sharders()[0],
+                                    compute_kernel=compute_kernel(self.embedding_kernel))
         if self.cfg.planner.name != "codesign":
             raise ValueError(f"unknown planner {self.cfg.planner.name!r}; choose codesign or simple")
-        device = resolve_device(self.cfg.hardware, self.backend)
+        device = resolve_hardware(self.cfg.hardware.sku, self.cfg.hardware.spec, self.backend)
         result = plan_job(self.cfg, device, info.world_size, info.local_world_size, self.cfg.data.batch_size,
                           compute_device=self.backend.device_type, kernel=self.embedding_kernel)
         if info.is_main:
