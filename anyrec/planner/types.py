@@ -217,10 +217,8 @@ class ShardingOption:
 
     @property
     def total_storage(self) -> Storage:
-        out = Storage()
-        for s in self.shards:
-            out = out + s.storage
-        return out
+        # Summed as ints, not Storage.__add__: the planner reads this for every option of every table.
+        return Storage(sum(s.storage.hbm_bytes for s in self.shards), sum(s.storage.ddr_bytes for s in self.shards))
 
     @property
     def ranks(self) -> list[int]:
