@@ -26,7 +26,7 @@ def _gb(x: float) -> str:
 
 
 def table_bytes(t: TableSpec, optimizer: str, kernel: str = "fbgemm") -> int:
-    """Weights plus optimizer state of a whole table (state laid out as embedding kernel `kernel` keeps it)."""
+    """Weights plus optimizer state of a whole table (state as embedding kernel `kernel` lays it out)."""
     return t.weight_bytes + state_bytes(optimizer, t.num_rows, t.embedding_dim, kernel)
 
 

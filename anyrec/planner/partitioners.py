@@ -406,9 +406,13 @@ class ExhaustivePartitioner(Partitioner):
                     combos = [None] if c.fixed else [list(r) for r in itertools.combinations(range(w), c.k)]
                     for ranks in combos:
                         if c.fixed:
-                            if np.any(state.H + c.h_vec > state.hcap) or np.any(state.D + c.d_vec > state.dcap):
+                            if np.any(state.H + c.h_vec > state.hcap) or np.any(
+                                state.D + c.d_vec > state.dcap
+                            ):
                                 continue
-                        elif any(state.H[r] + c.h > state.hcap or state.D[r] + c.d > state.dcap for r in ranks):
+                        elif any(
+                            state.H[r] + c.h > state.hcap or state.D[r] + c.d > state.dcap for r in ranks
+                        ):
                             continue
                         state.apply(c, ranks)
                         stack.append((c, ranks))

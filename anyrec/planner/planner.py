@@ -219,7 +219,8 @@ class CoDesignPlanner:
             return self._plan(tables, topology, batch_size_per_rank, optimizer, dense_param_count, options,
                               **overrides)
 
-    def _plan(self, tables, topology, batch_size_per_rank, optimizer, dense_param_count, options, **overrides):
+    def _plan(self, tables, topology, batch_size_per_rank, optimizer, dense_param_count, options,
+              **overrides):
         start = time.perf_counter()
         wl = make_workload(tables, batch_size_per_rank, optimizer, dense_param_count, options, **overrides)
         allowed = wl.options.allowed_placements

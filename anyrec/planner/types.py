@@ -218,7 +218,8 @@ class ShardingOption:
     @property
     def total_storage(self) -> Storage:
         # Summed as ints, not Storage.__add__: the planner reads this for every option of every table.
-        return Storage(sum(s.storage.hbm_bytes for s in self.shards), sum(s.storage.ddr_bytes for s in self.shards))
+        shards = self.shards
+        return Storage(sum(s.storage.hbm_bytes for s in shards), sum(s.storage.ddr_bytes for s in shards))
 
     @property
     def ranks(self) -> list[int]:
