@@ -196,3 +196,36 @@ def test_forced_sharding_without_options_says_why():
         CoDesignPlanner().plan(
             tables, Topology(get_sku("cpu"), 2, 2), 64, "sgd", allowed_shardings=("column_wise",)
         )
+
+
+def test_triton_kernel_plan_is_hbm_only_without_data_parallel():
+    from anyrec.config import PlannerConfig
+    from anyrec.planner.job import plan_options
+
+    opts = plan_options(PlannerConfig(), "triton")
+    assert opts["allowed_placements"] == (Placement.HBM,)
+    assert ShardingType.DATA_PARALLEL not in opts["allowed_shardings"]
+    fbgemm = _plan("h100", 8, **plan_options(PlannerConfig(), "fbgemm"))
+    assert any(o.sharding == ShardingType.DATA_PARALLEL for o in fbgemm.tables.values())  # the case bites
+    res = _plan("h100", 8, **opts)
+    assert all(o.sharding != ShardingType.DATA_PARALLEL for o in res.tables.values())
+    assert {o.placement for o in res.tables.values()} == {Placement.HBM}
+    per_table = res.to_sharding_plan("m.ebc").plan["m.ebc"]
+    assert {ps.compute_kernel for ps in per_table.values()} == {"fused_triton"}
+    # One B200 needs UVM caching for DLRMv2 + Adagrad: the triton kernel cannot, so no plan (not a UVM one).
+    with pytest.raises(InfeasiblePlanError):
+        _plan("b200", 1, **opts)
+
+
+def test_optimizer_state_bytes_follow_the_kernel():
+    from anyrec.kernels.optimizers import state_bytes_per_row as tbe_state_bytes_per_row
+    from anyrec.planner.estimators import state_bytes_per_row
+
+    for kernel in ("fbgemm", "triton", "torch"):
+        # FBGEMM layout (EXACT_ROWWISE_ADAGRAD momentum1: one fp32 per row) and anyrec's TBE agree.
+        assert state_bytes_per_row("rowwise_adagrad", 128, kernel) == 4
+        assert state_bytes_per_row("adagrad", 64, kernel) == 4 * 64
+        assert state_bytes_per_row("adam", 64, kernel) == 8 * 64
+        assert state_bytes_per_row("sgd", 64, kernel) == 0
+    for opt in ("sgd", "rowwise_adagrad", "adagrad", "adam"):
+        assert state_bytes_per_row(opt, 96, "triton") == tbe_state_bytes_per_row(opt, 96)

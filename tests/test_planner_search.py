@@ -92,3 +92,19 @@ def test_thousand_tables_plan_in_about_a_second():
     assert len(res.tables) == 1000
     assert all(s.hbm_bytes <= res.caps.hbm_bytes for s in res.rank_storage)
     assert best < 1.5, f"planning 1,000 tables took {best:.2f} s"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_ties_within_tolerance_go_to_least_total_work(seed):
+    w = 2 if seed % 2 else 4
+    topo, base, caps, options = _instance(seed, 4 if w == 4 else 5, w, tight=False)
+
+    def work(plan):
+        return sum(s.perf.total_s for o in plan.values() for s in o.shards)
+
+    strict = ExhaustivePartitioner(makespan_tolerance=0.0).partition(options, topo, base, caps)
+    tied = ExhaustivePartitioner(makespan_tolerance=0.005).partition(options, topo, base, caps)
+    assert _makespan(tied, base, w) <= _makespan(strict, base, w) * 1.005 * (1 + 1e-9)
+    assert work(tied) <= work(strict) * (1 + 1e-9)
+    greedy = GreedyPerfPartitioner().partition(options, topo, base, caps)
+    assert _makespan(greedy, base, w) <= _makespan(strict, base, w) * GREEDY_BOUND

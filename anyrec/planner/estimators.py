@@ -6,6 +6,7 @@ measurements and are the ones to recalibrate (benchmarks/planner_validate.py) on
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -63,7 +64,9 @@ def get_kernel(name: str) -> KernelProfile:
     return KERNELS[name]
 
 
-# Optimizer state bytes per embedding row of width `dim` (fp32 state), and per dense parameter.
+# FBGEMM TBE's optimizer state per embedding row of width `dim` (fp32 `momentum1`/`momentum2`;
+# checked against fbgemm-gpu's SplitTableBatchedEmbeddingBagsCodegen: EXACT_ROWWISE_ADAGRAD keeps one
+# fp32 per row, EXACT_ADAGRAD one per element, ADAM two per element), and per dense parameter.
 OPTIMIZER_STATE_BYTES_PER_ROW = {
     "sgd": lambda dim: 0,
     "adagrad": lambda dim: 4 * dim,
@@ -71,6 +74,7 @@ OPTIMIZER_STATE_BYTES_PER_ROW = {
     "adam": lambda dim: 8 * dim,
 }
 OPTIMIZER_DENSE_STATE_BYTES = {"sgd": 0, "adagrad": 4, "rowwise_adagrad": 4, "adam": 8}
+ANYREC_TBE_KERNELS = ("triton", "torch")  # anyrec's own TBE: its state layout is anyrec.kernels'
 
 
 def check_optimizer(optimizer: str) -> None:
@@ -80,9 +84,20 @@ def check_optimizer(optimizer: str) -> None:
         raise ValueError(f"unknown optimizer {optimizer!r}; known: {known}")
 
 
-def state_bytes(optimizer: str, rows: int, dim: int) -> int:
-    """Optimizer state bytes for a shard of `rows` x `dim`."""
-    return rows * OPTIMIZER_STATE_BYTES_PER_ROW[optimizer](dim)
+@functools.lru_cache(maxsize=1024)
+def state_bytes_per_row(optimizer: str, dim: int, kernel: str = "fbgemm") -> int:
+    """Optimizer state bytes one row of width `dim` carries with embedding kernel family `kernel`:
+    anyrec's TBE (triton, torch) reports its own layout; FBGEMM's is the table above."""
+    if kernel in ANYREC_TBE_KERNELS:
+        from anyrec.kernels.optimizers import state_bytes_per_row as tbe_state_bytes_per_row
+
+        return tbe_state_bytes_per_row(optimizer, dim)
+    return OPTIMIZER_STATE_BYTES_PER_ROW[optimizer](dim)
+
+
+def state_bytes(optimizer: str, rows: int, dim: int, kernel: str = "fbgemm") -> int:
+    """Optimizer state bytes for a shard of `rows` x `dim` with embedding kernel family `kernel`."""
+    return rows * state_bytes_per_row(optimizer, dim, kernel)
 
 
 def simd_utilisation(dim: int, simd_width: int) -> float:
@@ -129,7 +144,7 @@ def lookup_time_s(
     cpu = topology.compute_device == "cpu"
     access = CPU_ACCESS_BYTES if cpu else kernel.access_bytes
     row_bytes = _round_up(dim * table.element_bytes, access)
-    st = OPTIMIZER_STATE_BYTES_PER_ROW[optimizer](dim) if fused_optimizer else 0
+    st = state_bytes_per_row(optimizer, dim, kernel.name) if fused_optimizer else 0
     state_row_bytes = _round_up(st, access) if st else 0
     fwd_rows = n_ids * row_bytes
     bwd_rows = 2 * n_ids * (row_bytes + state_row_bytes)
@@ -267,7 +282,7 @@ class EmbeddingStorageEstimator(StorageEstimator):
             key = (s.num_rows, s.num_cols)
             if key not in cache:
                 weights = s.num_rows * s.num_cols * t.element_bytes
-                state = state_bytes(workload.optimizer, s.num_rows, s.num_cols)
+                state = state_bytes(workload.optimizer, s.num_rows, s.num_cols, workload.options.kernel)
                 out = bags * s.num_cols * OUTPUT_BYTES
                 buffers = int(depth * ((ids + bags) * ID_BYTES + out) + out)  # + output gradient
                 if st == ShardingType.DATA_PARALLEL:

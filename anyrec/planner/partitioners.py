@@ -5,6 +5,11 @@ subject to every rank's HBM and DDR caps.
 (remove a table and re-insert it at its best option and ranks) under a time budget.
 `ExhaustivePartitioner` is branch-and-bound over every option and rank assignment, for small cases
 (the planner uses it when the search space is small; tests use it as the oracle).
+
+Both rank plans lexicographically: the slowest rank's time first; then, among plans within
+`makespan_tolerance` of the best makespan found, the least total work summed over ranks, then the least
+comms time. The second key is physical: less work is less energy and more headroom on every rank, and a
+plan that does less is less exposed to errors in the cost model.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import numpy as np
 from anyrec.planner.types import Partitioner, RankCost, Shard, ShardingOption, Storage, Topology
 
 _REL_EPS = 1e-9
+MAKESPAN_TOLERANCE = 0.005  # plans within 0.5% of the best makespan compete on total work and comms
 
 
 @dataclass
@@ -35,30 +41,50 @@ class _Cand:
     h: float  # placed: HBM bytes per shard
     d: float  # placed: DDR bytes per shard
     work: float  # total seconds over all ranks
+    comms: float  # total comms seconds over all ranks
 
 
 def _flatten(opt: ShardingOption, w: int) -> _Cand:
+    shards = opt.shards
+    comms = sum(s.perf.comms_s for s in shards)
     if opt.ranks_fixed:
+        ranks = [s.rank for s in shards]
         tv, hv, dv = np.zeros(w), np.zeros(w), np.zeros(w)
-        for s in opt.shards:
-            tv[s.rank] += s.perf.total_s
-            hv[s.rank] += s.storage.hbm_bytes
-            dv[s.rank] += s.storage.ddr_bytes
-        return _Cand(opt, True, tv, hv, dv, 0, 0.0, 0.0, 0.0, float(tv.sum()))
-    s = opt.shards[0]
-    k = len(opt.shards)
-    return _Cand(
-        opt,
-        False,
-        None,
-        None,
-        None,
-        k,
-        s.perf.total_s,
-        s.storage.hbm_bytes,
-        s.storage.ddr_bytes,
-        k * s.perf.total_s,
-    )
+        # One shard per rank (data-parallel, row-wise) assigns; several on a rank accumulate.
+        put = np.put if len(set(ranks)) == len(ranks) else np.add.at
+        put(tv, ranks, [s.perf.total_s for s in shards])
+        put(hv, ranks, [s.storage.hbm_bytes for s in shards])
+        put(dv, ranks, [s.storage.ddr_bytes for s in shards])
+        return _Cand(opt, True, tv, hv, dv, 0, 0.0, 0.0, 0.0, float(tv.sum()), comms)
+    s = shards[0]
+    k = len(shards)
+    t = s.perf.total_s
+    return _Cand(opt, False, None, None, None, k, t, s.storage.hbm_bytes, s.storage.ddr_bytes, k * t, comms)
+
+
+class _Table:
+    """A table's candidates as arrays, so one step of the search scores all of them at once."""
+
+    def __init__(self, cands: list[_Cand], w: int) -> None:
+        self.cands = cands
+        self.work = np.array([c.work for c in cands])
+        self.comms = np.array([c.comms for c in cands])
+        self.min_work = float(self.work.min())
+        ideal = int(np.lexsort((self.comms, self.work))[0])
+        self.ideal = (float(self.work[ideal]), float(self.comms[ideal]))  # least (work, comms) anywhere
+        self.min_hbm = min(float(c.h_vec.sum()) if c.fixed else c.k * c.h for c in cands)
+        placed = [i for i, c in enumerate(cands) if not c.fixed]
+        fixed = [i for i, c in enumerate(cands) if c.fixed]
+        self.p_idx = np.array(placed, dtype=np.intp)
+        self.p_k = np.array([cands[i].k for i in placed], dtype=np.intp)
+        self.p_t = np.array([cands[i].t for i in placed])
+        self.p_h = np.array([cands[i].h for i in placed])
+        self.p_d = np.array([cands[i].d for i in placed])
+        self.p_mask = np.arange(w)[None, :] < self.p_k[:, None]  # first k ranks of each candidate
+        self.f_idx = np.array(fixed, dtype=np.intp)
+        self.f_t = np.array([cands[i].t_vec for i in fixed]).reshape(len(fixed), w)
+        self.f_h = np.array([cands[i].h_vec for i in fixed]).reshape(len(fixed), w)
+        self.f_d = np.array([cands[i].d_vec for i in fixed]).reshape(len(fixed), w)
 
 
 def _materialise(c: _Cand, ranks: list[int] | None) -> ShardingOption:
@@ -105,6 +131,25 @@ class _State:
         ranks = np.argsort(key, kind="stable")[: c.k]
         return float(max(self.T.max(), (self.T[ranks] + c.t).max())), [int(r) for r in ranks]
 
+    def fit_all(self, tab: _Table, by_memory: bool = False) -> np.ndarray:
+        """Makespan after adding each candidate of `tab` (inf where it does not fit): `fit` for all at
+        once, placing shards exactly as `fit` does."""
+        out = np.full(len(tab.cands), np.inf)
+        tmax = float(self.T.max())
+        if len(tab.p_idx):
+            ok = self.H[None, :] <= self.hcap - tab.p_h[:, None]
+            ok &= self.D[None, :] <= self.dcap - tab.p_d[:, None]
+            key = np.where(ok, (self.H if by_memory else self.T)[None, :], np.inf)
+            order = np.argsort(key, axis=1, kind="stable")
+            loads = np.where(tab.p_mask, self.T[order], -np.inf).max(axis=1) + tab.p_t
+            ms = np.maximum(loads, tmax)
+            ms[ok.sum(axis=1) < tab.p_k] = np.inf
+            out[tab.p_idx] = ms
+        if len(tab.f_idx):
+            ok = np.all(self.H + tab.f_h <= self.hcap, axis=1) & np.all(self.D + tab.f_d <= self.dcap, axis=1)
+            out[tab.f_idx] = np.where(ok, (self.T + tab.f_t).max(axis=1), np.inf)
+        return out
+
     def apply(self, c: _Cand, ranks: list[int] | None, sign: float = 1.0) -> None:
         if c.fixed:
             self.T += sign * c.t_vec
@@ -125,10 +170,18 @@ def _better(a: tuple[float, float], b: tuple[float, float]) -> bool:
 
 
 class GreedyPerfPartitioner(Partitioner):
-    """Greedy list scheduling in descending cost with a lower-bound lookahead, then local search."""
+    """Greedy list scheduling in descending cost with a lower-bound lookahead, then local search for the
+    makespan, then moves that lower total work and comms while the makespan stays within tolerance."""
 
-    def __init__(self, local_search_s: float = 0.2) -> None:
-        self.local_search_s = local_search_s  # time budget for the improvement passes, seconds
+    def __init__(
+        self,
+        local_search_s: float = 0.2,
+        work_search_s: float = 0.1,
+        makespan_tolerance: float = MAKESPAN_TOLERANCE,
+    ) -> None:
+        self.local_search_s = local_search_s  # time budget for the makespan improvement passes, seconds
+        self.work_search_s = work_search_s  # time budget for the total-work passes, seconds
+        self.makespan_tolerance = makespan_tolerance
 
     def partition(
         self,
@@ -141,16 +194,17 @@ class GreedyPerfPartitioner(Partitioner):
         cands = {name: [_flatten(o, w) for o in opts] for name, opts in options.items()}
         if any(not cs for cs in cands.values()):
             return None
+        tabs = {name: _Table(cs, w) for name, cs in cands.items()}
         # Multi-start: three scorings of the greedy step, each polished by local search; keep the best.
         starts = [(False, "lookahead"), (False, "makespan"), (False, "work")]
-        best, best_key = None, None
+        best, best_key, best_state = None, None, None
         deadline = time.perf_counter() + self.local_search_s
         for i, (by_memory, scoring) in enumerate(starts):
             if best is not None and time.perf_counter() >= deadline:
                 break  # large cases: the later starts only run while the time budget lasts
-            chosen = self._greedy(cands, base_per_rank, w, caps, by_memory, scoring)
+            chosen = self._greedy(tabs, base_per_rank, w, caps, by_memory, scoring)
             if chosen is None and i == 0:
-                chosen = self._greedy(cands, base_per_rank, w, caps, True, scoring)
+                chosen = self._greedy(tabs, base_per_rank, w, caps, True, scoring)
             if chosen is None:
                 continue
             state = _State(base_per_rank, w, caps)
@@ -160,48 +214,79 @@ class GreedyPerfPartitioner(Partitioner):
             self._local_search(cands, chosen, state, time.perf_counter() + max(share, 0.0))
             key = (float(state.T.max()), float(state.T.sum()))
             if best_key is None or _better(key, best_key):
-                best, best_key = chosen, key
+                best, best_key, best_state = chosen, key, state
         if best is None:
             return None
+        bound = best_key[0] * (1 + self.makespan_tolerance)
+        work_deadline = time.perf_counter() + self.work_search_s
+        self._reduce_work(tabs, best, best_state, bound, work_deadline)
+        # Win back makespan the work moves spent, with moves that add no work.
+        self._local_search(cands, best, best_state, max(work_deadline, time.perf_counter() + 0.02), True)
         return {name: _materialise(c, ranks) for name, (c, ranks) in best.items()}
 
     @staticmethod
-    def _greedy(cands, base, w, caps, by_memory, scoring="lookahead"):
-        min_work = {n: min(c.work for c in cs) for n, cs in cands.items()}
-        min_hbm = {
-            n: min(float(c.h_vec.sum()) if c.fixed else c.k * c.h for c in cs) for n, cs in cands.items()
-        }
-        tot_w = sum(min_work.values()) or 1.0
-        tot_h = sum(min_hbm.values()) or 1.0
-        order = sorted(cands, key=lambda n: -max(min_work[n] / tot_w, min_hbm[n] / tot_h))
+    def _greedy(tabs: dict[str, _Table], base, w, caps, by_memory, scoring="lookahead"):
+        tot_w = sum(t.min_work for t in tabs.values()) or 1.0
+        tot_h = sum(t.min_hbm for t in tabs.values()) or 1.0
+        order = sorted(tabs, key=lambda n: -max(tabs[n].min_work / tot_w, tabs[n].min_hbm / tot_h))
         state = _State(base, w, caps)
-        remaining = sum(min_work.values())
+        remaining = sum(t.min_work for t in tabs.values())
         chosen: dict[str, tuple[_Cand, list[int] | None]] = {}
         for name in order:
-            remaining -= min_work[name]
-            committed = float(state.T.sum())
-            best, best_key = None, None
-            for c in cands[name]:
-                r = state.fit(c, by_memory)
-                if r is None:
-                    continue
-                makespan, ranks = r
-                if scoring == "lookahead":  # the final makespan is at least the mean rank load
-                    bound = (committed + c.work + remaining) / w
-                    key = (max(makespan, bound), c.work, makespan)
-                elif scoring == "makespan":
-                    key = (makespan, c.work, 0.0)
-                else:
-                    key = (c.work, makespan, 0.0)
-                if best_key is None or key < best_key:
-                    best, best_key = (c, ranks), key
-            if best is None:
+            tab = tabs[name]
+            remaining -= tab.min_work
+            ms = state.fit_all(tab, by_memory)
+            fits = np.isfinite(ms)
+            if not fits.any():
                 return None
+            if scoring == "lookahead":  # the final makespan is at least the mean rank load
+                bound = (float(state.T.sum()) + tab.work + remaining) / w
+                keys = (ms, tab.work, np.maximum(ms, bound))
+            elif scoring == "makespan":
+                keys = (tab.work, ms)
+            else:
+                keys = (ms, tab.work)
+            # lexsort sorts by the last key first and is stable, so ties keep the option order.
+            i = int(np.lexsort((*keys, ~fits))[0])
+            c = tab.cands[i]
+            best = (c, state.fit(c, by_memory)[1])
             state.apply(*best)
             chosen[name] = best
         return chosen
 
-    def _local_search(self, cands, chosen, state: _State, deadline: float) -> None:
+    def _reduce_work(self, tabs, chosen, state: _State, bound: float, deadline: float) -> None:
+        """Re-place single tables at the option with the least (work, comms) whose makespan stays within
+        `bound`, biggest savings first, until no move helps or the time budget is spent."""
+        improved = True
+        while improved and time.perf_counter() < deadline:
+            improved = False
+            excess = {n: chosen[n][0].work - tabs[n].min_work for n in chosen}
+            # Tables already at their least (work, comms) option cannot help.
+            names = sorted((n for n in chosen if (chosen[n][0].work, chosen[n][0].comms) > tabs[n].ideal),
+                           key=lambda n: -excess[n])
+            for name in names:
+                if time.perf_counter() >= deadline:
+                    break
+                tab, old = tabs[name], chosen[name]
+                state.apply(*old, sign=-1.0)
+                ms = state.fit_all(tab)
+                ok = ms <= bound
+                i = int(np.lexsort((tab.comms, tab.work, ~ok))[0]) if ok.any() else -1
+                c = tab.cands[i] if i >= 0 else None
+                if c is not None and (
+                    c.work < old[0].work * (1 - _REL_EPS)
+                    or (c.work <= old[0].work * (1 + _REL_EPS) and c.comms < old[0].comms * (1 - _REL_EPS))
+                ):
+                    new = (c, state.fit(c)[1])
+                    state.apply(*new)
+                    chosen[name] = new
+                    improved = True
+                else:
+                    state.apply(*old)
+
+    def _local_search(self, cands, chosen, state: _State, deadline: float, keep_work: bool = False) -> None:
+        """Re-place tables on the slowest rank (or swap them) while (makespan, total work) improves;
+        with `keep_work`, only moves that do not add work (rebalancing after `_reduce_work`)."""
         improved = True
         while improved and time.perf_counter() < deadline:
             improved = False
@@ -228,6 +313,8 @@ class GreedyPerfPartitioner(Partitioner):
                         continue
                     makespan, ranks = r
                     key = (makespan, float(state.T.sum()) + c.work)
+                    if keep_work and key[1] > cur[1] * (1 + _REL_EPS):
+                        continue
                     if _better(key, best_key):
                         best, best_key = (c, ranks), key
                 state.apply(*best)
@@ -281,6 +368,9 @@ class ExhaustivePartitioner(Partitioner):
             size *= sum(1 if o.ranks_fixed else math.comb(world_size, len(o.shards)) for o in opts)
         return size
 
+    def __init__(self, makespan_tolerance: float = MAKESPAN_TOLERANCE) -> None:
+        self.makespan_tolerance = makespan_tolerance
+
     def partition(
         self,
         options: dict[str, list[ShardingOption]],
@@ -291,33 +381,52 @@ class ExhaustivePartitioner(Partitioner):
         w = topology.world_size
         cands = {name: [_flatten(o, w) for o in opts] for name, opts in options.items()}
         names = sorted(cands, key=lambda n: -min(c.work for c in cands[n]))
+        # Least work of the tables not yet placed, for pruning the second pass.
+        rest = [sum(min(c.work for c in cands[n]) for n in names[i:]) for i in range(len(names) + 1)]
         state = _State(base_per_rank, w, caps)
-        best: list = [(math.inf, math.inf), None]
         stack: list[tuple[_Cand, list[int] | None]] = []
 
-        def dfs(i: int) -> None:
-            if float(state.T.max()) > best[0][0] * (1 + _REL_EPS):
-                return
-            if i == len(names):
-                key = (float(state.T.max()), float(state.T.sum()))
-                if _better(key, best[0]):
-                    best[0], best[1] = key, list(stack)
-                return
-            for c in cands[names[i]]:
-                combos = [None] if c.fixed else [list(r) for r in itertools.combinations(range(w), c.k)]
-                for ranks in combos:
-                    if c.fixed:
-                        if np.any(state.H + c.h_vec > state.hcap) or np.any(state.D + c.d_vec > state.dcap):
-                            continue
-                    elif any(state.H[r] + c.h > state.hcap or state.D[r] + c.d > state.dcap for r in ranks):
-                        continue
-                    state.apply(c, ranks)
-                    stack.append((c, ranks))
-                    dfs(i + 1)
-                    stack.pop()
-                    state.apply(c, ranks, sign=-1.0)
+        def search(bound: float | None) -> tuple[tuple, list | None]:
+            """Pass 1 (bound None): least (makespan, work). Pass 2: least (work, comms) with every
+            rank within `bound`."""
+            best: list = [(math.inf, math.inf), None]
 
-        dfs(0)
-        if best[1] is None:
+            def dfs(i: int, work: float, comms: float) -> None:
+                if bound is None:
+                    if float(state.T.max()) > best[0][0] * (1 + _REL_EPS):
+                        return
+                elif float(state.T.max()) > bound or work + rest[i] > best[0][0] * (1 + _REL_EPS):
+                    return
+                if i == len(names):
+                    key = (float(state.T.max()), float(state.T.sum())) if bound is None else (work, comms)
+                    if _better(key, best[0]):
+                        best[0], best[1] = key, list(stack)
+                    return
+                for c in cands[names[i]]:
+                    combos = [None] if c.fixed else [list(r) for r in itertools.combinations(range(w), c.k)]
+                    for ranks in combos:
+                        if c.fixed:
+                            if np.any(state.H + c.h_vec > state.hcap) or np.any(
+                                state.D + c.d_vec > state.dcap
+                            ):
+                                continue
+                        elif any(
+                            state.H[r] + c.h > state.hcap or state.D[r] + c.d > state.dcap for r in ranks
+                        ):
+                            continue
+                        state.apply(c, ranks)
+                        stack.append((c, ranks))
+                        dfs(i + 1, work + c.work, comms + c.comms)
+                        stack.pop()
+                        state.apply(c, ranks, sign=-1.0)
+
+            dfs(0, 0.0, 0.0)
+            return best[0], best[1]
+
+        key, found = search(None)
+        if found is None:
             return None
-        return {n: _materialise(c, ranks) for n, (c, ranks) in zip(names, best[1], strict=False)}
+        if self.makespan_tolerance > 0:
+            _, relaxed = search(key[0] * (1 + self.makespan_tolerance))
+            found = relaxed or found
+        return {n: _materialise(c, ranks) for n, (c, ranks) in zip(names, found, strict=False)}

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -171,6 +173,20 @@ def make_workload(
     return Workload(list(tables), batch_size_per_rank, optimizer, dense_param_count, opts)
 
 
+@contextlib.contextmanager
+def _gc_paused():
+    """Pause the cyclic garbage collector: planning allocates tens of thousands of short-lived, acyclic
+    option objects (freed by reference counting), and collections triggered by them cost 2-4x the
+    enumeration time at 1,000 tables."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 class CoDesignPlanner:
     """Orchestrates enumerator -> proposer -> partitioner; collaborators are injectable."""
 
@@ -199,6 +215,12 @@ class CoDesignPlanner:
         **overrides: object,
     ) -> PlanResult:
         """Plan `tables` on `topology`; raises InfeasiblePlanError when nothing fits."""
+        with _gc_paused():
+            return self._plan(tables, topology, batch_size_per_rank, optimizer, dense_param_count, options,
+                              **overrides)
+
+    def _plan(self, tables, topology, batch_size_per_rank, optimizer, dense_param_count, options,
+              **overrides):
         start = time.perf_counter()
         wl = make_workload(tables, batch_size_per_rank, optimizer, dense_param_count, options, **overrides)
         allowed = wl.options.allowed_placements

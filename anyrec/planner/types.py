@@ -217,10 +217,9 @@ class ShardingOption:
 
     @property
     def total_storage(self) -> Storage:
-        out = Storage()
-        for s in self.shards:
-            out = out + s.storage
-        return out
+        # Summed as ints, not Storage.__add__: the planner reads this for every option of every table.
+        shards = self.shards
+        return Storage(sum(s.storage.hbm_bytes for s in shards), sum(s.storage.ddr_bytes for s in shards))
 
     @property
     def ranks(self) -> list[int]:
