@@ -117,6 +117,7 @@ class CheckpointConfig:
     every: int = 0  # steps between checkpoints; 0 = only at the end of training
     keep: int = 2  # the last k complete checkpoints stay; older ones are deleted
     resume: bool = True  # resume from the latest checkpoint in `dir` when there is one
+    verify: bool = True  # check the files' SHA-256 before loading (the ranks share the reading)
 
 
 @dataclass

@@ -9,12 +9,14 @@ Every rank writes its shards into the temporary directory; rank 0 adds `meta.jso
 signature, world size, file sizes, anyrec version) and, after a barrier, renames the directory to
 its final name, so a reader never sees half a checkpoint under a final name. The latest complete
 checkpoint is the highest `step_<n>`. Loading checks the signature (tables, dense shapes, optimizer)
-and the file sizes first, so an incompatible or truncated checkpoint fails with one clear line;
+the file sizes and SHA-256 checksums first, so an incompatible or corrupt checkpoint fails with one
+clear line on every rank;
 DCP reshards ShardedTensors when the world size or plan changed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -52,6 +54,29 @@ def _broadcast_str(value: str) -> str:
 
 def _file_sizes(path: Path) -> dict[str, int]:
     return {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file() and p.name != META}
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _gather_dicts(local: dict[str, str]) -> dict[str, str]:
+    rank, world = _world()
+    if world == 1:
+        return local
+    parts: list[dict[str, str]] = [{} for _ in range(world)]
+    dist.all_gather_object(parts, local)
+    return {k: v for part in parts for k, v in part.items()}
 
 
 def signature_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
@@ -106,9 +131,13 @@ class CheckpointManager:
         tmp.mkdir(parents=True, exist_ok=True)
         dcp.save(state, checkpoint_id=str(tmp))
         _barrier()  # every rank's shards are on disk
+        # Checksums are spread over the ranks: each hashes a share of the files.
+        rank, world = _world()
+        names = sorted(_file_sizes(tmp))
+        digests = _gather_dicts({n: _sha256(tmp / n) for n in names[rank::world]})
         if self.is_main:
             meta = {"step": step, "signature": self.signature, "anyrec_version": anyrec.__version__,
-                    "files": _file_sizes(tmp), **extra_meta}
+                    "files": _file_sizes(tmp), "sha256": digests, **extra_meta}
             with (tmp / META).open("w", encoding="utf-8") as f:
                 json.dump(meta, f, indent=1)
                 f.flush()
@@ -145,6 +174,14 @@ class CheckpointManager:
                 have = f.stat().st_size if f.is_file() else "missing"
                 raise CheckpointError(f"checkpoint {path} is corrupt: {name} is {have} bytes, "
                                       f"{size} were written")
+        if self.cfg.verify:
+            rank, world = _world()
+            names = sorted(meta.get("sha256", {}))
+            bad = {n: "bad" for n in names[rank::world] if _sha256(path / n) != meta["sha256"][n]}
+            bad = _gather_dicts(bad)
+            if bad:
+                raise CheckpointError(f"checkpoint {path} is corrupt: checksum mismatch in "
+                                      f"{', '.join(sorted(bad))}")
         return meta
 
     def load(self, path: Path, state: dict[str, Any]) -> None:

@@ -31,7 +31,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from anyrec.backends import Backend, get_backend
 from anyrec.config import AnyrecConfig
 from anyrec.data import build_source, resolve_batch_size
-from anyrec.models.dlrm import DLRM, build_model, feature_names
+from anyrec.models.dlrm import DLRM, build_model, feature_names, table_configs
 from anyrec.trainer.checkpoint import CheckpointManager
 from anyrec.trainer.distributed import DistInfo, all_reduce_mean, destroy_distributed, init_distributed
 from anyrec.trainer.errors import NonFiniteLossError
@@ -342,8 +342,7 @@ class Trainer:
 
     def signature(self) -> dict[str, Any]:
         """What a checkpoint must match to load into this model (world size may differ)."""
-        tables = {c.name: [c.num_embeddings, c.embedding_dim]
-                  for c in self.model.module.model.sparse_arch.embedding_bag_configs()}
+        tables = {c.name: [c.num_embeddings, c.embedding_dim] for c in table_configs(self.cfg.model)}
         dense = {n: list(p.shape) for n, p in self.model.named_parameters() if "sparse_arch" not in n}
         return {"tables": tables, "dense": dense, "optimizer": self.cfg.optim.name}
 
@@ -392,21 +391,35 @@ class Trainer:
             logger.info("resumed from %s (step %d)", path, self.step)
 
     def weights_fingerprint(self) -> str:
-        """SHA-256 over every rank's local shards and the dense weights (same plan => same bits)."""
+        """SHA-256 of every full weight tensor, independent of the plan and world size.
+
+        Gathers all shards to rank 0 (test-sized models; opt-in via trainer.fingerprint_weights).
+        """
         from torch.distributed._shard.sharded_tensor import ShardedTensor
 
-        h = hashlib.sha256()
+        local: dict[str, list[tuple[list[int], torch.Tensor]]] = {}
+        sizes: dict[str, list[int]] = {}
         for name, value in self.model.state_dict().items():
-            tensors = [s.tensor for s in value.local_shards()] if isinstance(value, ShardedTensor) else (
-                [value] if self.dist.is_main else [])
-            for t in tensors:
-                h.update(name.encode())
-                h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        digests: list[str] = [h.hexdigest()]
+            if isinstance(value, ShardedTensor):
+                sizes[name] = list(value.size())
+                local[name] = [(list(s.metadata.shard_offsets), s.tensor.detach().cpu())
+                               for s in value.local_shards()]
+            else:
+                sizes[name] = list(value.shape)
+                local[name] = [([0] * value.dim(), value.detach().cpu())] if self.dist.is_main else []
+        gathered = [local]
         if dist.is_initialized() and dist.get_world_size() > 1:
-            digests = [""] * dist.get_world_size()
-            dist.all_gather_object(digests, h.hexdigest())
-        return hashlib.sha256("".join(digests).encode()).hexdigest()
+            gathered = [{} for _ in range(dist.get_world_size())]
+            dist.all_gather_object(gathered, local)
+        h = hashlib.sha256()
+        for name in sorted(sizes):
+            full = torch.zeros(sizes[name], dtype=torch.float64)  # exact for fp32 and bf16
+            for part in gathered:
+                for offsets, t in part.get(name, []):
+                    full[tuple(slice(o, o + n) for o, n in zip(offsets, t.shape, strict=True))] = t.double()
+            h.update(name.encode())
+            h.update(full.contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
 
     def close(self) -> None:
         """Release the sharded model before the process group goes (see destroy_distributed)."""
