@@ -42,6 +42,7 @@ def test_cpu_variant_and_kaggle_dlrm():
     assert cfg.optim.warmup_steps > 0 and cfg.optim.decay_steps > 0
     build_model(cfg.model, torch.device("cpu"))  # small enough to allocate here
     _, cfg = compose_config(["model=dlrm"])
-    assert cfg.model.interaction == "dot" and cfg.model.embedding_dim == 16 and len(cfg.model.table_rows) == 26
+    assert cfg.model.interaction == "dot" and cfg.model.embedding_dim == 16
+    assert len(cfg.model.table_rows) == 26
     model = build_model(cfg.model, torch.device("meta"))
     assert model.over_arch.layers[0].in_features == 16 + 27 * 26 // 2

@@ -17,7 +17,8 @@ NAMES, ROWS = ["cat_0", "cat_1"], [10, 5]
 def _batch(ids0, ids1, keys=NAMES, dense=13):
     kjt = KeyedJaggedTensor.from_lengths_sync(
         keys=keys, values=torch.tensor(ids0 + ids1), lengths=torch.tensor([1] * len(ids0) + [1] * len(ids1)))
-    return Batch(dense_features=torch.zeros(len(ids0), dense), sparse_features=kjt, labels=torch.zeros(len(ids0)))
+    B = len(ids0)
+    return Batch(dense_features=torch.zeros(B, dense), sparse_features=kjt, labels=torch.zeros(B))
 
 
 def test_check_batch():
