@@ -277,8 +277,10 @@ class Trainer:
         if self.checkpoints is not None and self.step > (self.resumed_from or 0) and (
                 last_ckpt is None or last_ckpt.name != f"step_{self.step}"):
             last_ckpt = self.save_checkpoint()
-        final_loss, train_loss = all_reduce_mean(
-            [float(self._last_loss), sum(window) / len(window) if window else math.nan], self.device)
+        final_loss = train_loss = None  # no step ran in this process (resumed at the end)
+        if self.step > start_step:
+            final_loss, train_loss = all_reduce_mean(
+                [float(self._last_loss), sum(window) / len(window) if window else math.nan], self.device)
         if self.eval_data is not None:
             eval_result = self.evaluate()
             self._log_eval(eval_result)
