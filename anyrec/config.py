@@ -42,14 +42,23 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    """Where batches come from; `batch_size` is per rank."""
+    """Where batches come from; `batch_size` is per rank (or derived from `global_batch_size`)."""
 
-    name: str = "synthetic"
+    name: str = "synthetic"  # synthetic | criteo_tsv | criteo_npy
     batch_size: int = 256
+    global_batch_size: int | None = None  # if set: batch_size = global_batch_size / world size
+    # synthetic
     zipf_exponent: float = 1.05  # id popularity ~ 1/rank^s; 0 = uniform
     signal_scale: float = 2.5  # std of the hidden click logit: higher = more learnable
     id_range_scale: float = 1.0  # ids drawn from [0, scale * rows): > 1 makes out-of-range ids
-    path: str | None = None  # dataset location for file-backed sources
+    # Criteo files
+    path: str | None = None  # directory holding the files below
+    train_files: list[str] = field(default_factory=list)  # TSV names, or npy prefixes ("day_0")
+    eval_files: list[str] = field(default_factory=list)  # empty: evaluate on the train files
+    on_malformed: str = "error"  # error | skip (count them and report the count)
+    hash_ids: bool = True  # ids modulo the table size (Criteo ids are 32-bit hashes)
+    # Test-only fault injection: the dense features of this training step are NaN.
+    inject_nan_at_step: int | None = None
 
 
 @dataclass
@@ -89,7 +98,7 @@ class PlannerConfig:
 
 @dataclass
 class OptimConfig:
-    """Embedding (fused) and dense optimizers."""
+    """Embedding (fused) and dense optimizers, gradient clipping and the learning-rate schedule."""
 
     name: str = "adagrad"  # sgd | adagrad | rowwise_adagrad | adam
     embedding_lr: float = 0.05
@@ -97,17 +106,54 @@ class OptimConfig:
     eps: float = 1e-8
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0  # max L2 norm of the dense gradients; 0 = no clipping
+    # Schedule (MLPerf DLRM style): linear warmup from 0, constant, then polynomial decay to
+    # `end_lr_factor` x lr over `decay_steps` steps starting at `decay_start_step`.
+    warmup_steps: int = 0
+    decay_start_step: int = 0
+    decay_steps: int = 0  # 0 = no decay
+    decay_power: float = 2.0
+    end_lr_factor: float = 0.0
+
+
+@dataclass
+class CheckpointConfig:
+    """torch.distributed.checkpoint snapshots; off unless `dir` is set."""
+
+    dir: str | None = None  # a run pointed at a directory with a checkpoint resumes from the latest
+    every: int = 0  # steps between checkpoints; 0 = only at the end of training
+    keep: int = 2  # the last k complete checkpoints stay; older ones are deleted
+    resume: bool = True  # resume from the latest checkpoint in `dir` when there is one
+    verify: bool = True  # check the files' SHA-256 before loading (the ranks share the reading)
+
+
+@dataclass
+class FaultConfig:
+    """Test-only fault injection (exercises restart and resume); never set in real jobs."""
+
+    kill_at_step: int | None = None  # SIGKILL `kill_rank` after this step, on the first attempt only
+    kill_rank: int = 1
 
 
 @dataclass
 class TrainerConfig:
-    """The training loop."""
+    """The training loop, evaluation, logging and checkpoints."""
 
     steps: int = 300
     seed: int = 0
-    eval_steps: int = 20  # batches per rank at the end; 0 = no evaluation
+    eval_steps: int = 20  # batches per rank per evaluation; 0 = no evaluation
+    eval_every: int = 0  # steps between evaluations; 0 = only at the end
     log_every: int = 25
     progress: bool = True
+    pipeline: bool = True  # torchrec TrainPipelineSparseDist (input dist overlapped with compute)
+    mixed_precision: str = "auto"  # auto (bf16 autocast on GPUs, fp32 on CPU) | bf16 | fp32
+    skip_nonfinite: bool = False  # NaN/inf loss: skip the batch instead of stopping
+    validate_inputs: bool = True  # check ids and feature counts of every batch before it is used
+    run_dir: str | None = None  # JSONL/TensorBoard logs; the entry point sets Hydra's output dir
+    tensorboard: bool = True
+    fingerprint_weights: bool = False  # put a SHA-256 of all weights in the summary (slow if huge)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
 
 
 @dataclass

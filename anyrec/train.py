@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from anyrec import _hydra
 from anyrec.config import config_dir, to_object
+from anyrec.trainer.errors import NonFiniteLossError
 
 logger = logging.getLogger("anyrec.train")
 
@@ -20,7 +23,10 @@ def run(cfg: DictConfig) -> dict:
     from anyrec.trainer.trainer import Trainer
 
     _hydra.quiet_non_main_ranks()
-    trainer = Trainer(to_object(cfg))
+    config = to_object(cfg)
+    if config.trainer.run_dir is None and HydraConfig.initialized():
+        config.trainer.run_dir = HydraConfig.get().runtime.output_dir
+    trainer = Trainer(config)
     try:
         summary = trainer.train()
         is_main = trainer.dist.is_main
@@ -39,9 +45,14 @@ _hydra.setup()
 def main(cfg: DictConfig) -> None:
     try:
         run(cfg)
-    except ValueError as e:  # a user mistake: one line, non-zero exit
-        print(f"anyrec-train: error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+    except (ValueError, NonFiniteLossError) as e:
+        # A user mistake, bad data, a bad checkpoint or a diverged run: every rank raises the same
+        # error at the same point; rank 0 says it in one line, all exit non-zero.
+        if os.environ.get("RANK", "0") == "0":
+            print(f"anyrec-train: error: {e}", file=sys.stderr, flush=True)
+        else:
+            logger.error("%s", e)
+        sys.exit(3 if isinstance(e, NonFiniteLossError) else 2)
 
 
 if __name__ == "__main__":

@@ -1,1 +1,50 @@
-"""Data sources: synthetic Criteo-shaped batches and Criteo files."""
+"""Data sources: synthetic Criteo-shaped batches and the Criteo TSV / npy files.
+
+Every source has `batch(step)` (a pure function of step and rank, which makes resumes exact) and
+`iter_from(step, num_steps)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+from torchrec.datasets.utils import Batch
+
+from anyrec.config import DataConfig, ModelConfig
+
+SOURCES = ("synthetic", "criteo_tsv", "criteo_npy")
+
+
+class DataSource(Protocol):
+    """What the trainer needs from a source of batches."""
+
+    batch_size: int
+
+    def batch(self, step: int) -> Batch: ...
+
+    def iter_from(self, step: int = 0, num_steps: int | None = None): ...
+
+
+def resolve_batch_size(data: DataConfig, world_size: int) -> DataConfig:
+    """`data` with the per-rank batch size fixed (from `global_batch_size` when that is set)."""
+    if data.global_batch_size is None:
+        return data
+    if data.global_batch_size < 1 or data.global_batch_size % world_size:
+        raise ValueError(f"data.global_batch_size={data.global_batch_size} must be a positive "
+                         f"multiple of the world size {world_size}")
+    return dataclasses.replace(data, batch_size=data.global_batch_size // world_size)
+
+
+def build_source(model: ModelConfig, data: DataConfig, seed: int, rank: int, world_size: int,
+                 split: str) -> DataSource:
+    """The source named by `data.name` for one rank and split ("train" or "eval")."""
+    if data.name == "synthetic":
+        from anyrec.data.synthetic import SyntheticCriteo
+
+        return SyntheticCriteo(model, data, seed, rank, world_size, split=split)
+    if data.name in ("criteo_tsv", "criteo_npy"):
+        from anyrec.data.criteo import CriteoSource
+
+        return CriteoSource(model, data, rank, world_size, split=split)
+    raise ValueError(f"unknown data source {data.name!r}; choose one of {', '.join(SOURCES)}")

@@ -41,7 +41,11 @@ def _coprime_multiplier(n: int, start: int = 1_000_003) -> int:
 
 
 class SyntheticCriteo:
-    """Criteo-shaped batches (13 dense, 26 sparse by default) for one rank of a data-parallel job."""
+    """Criteo-shaped batches (13 dense, 26 sparse by default) for one rank of a data-parallel job.
+
+    One-hot or multi-hot following `model.multi_hot`; each feature draws ids from its own range,
+    `data.id_range_scale` x its table's rows (above 1.0 some ids are out of range, on purpose).
+    """
 
     def __init__(self, model: ModelConfig, data: DataConfig, seed: int, rank: int = 0,
                  world_size: int = 1, split: str = "train") -> None:
@@ -68,6 +72,8 @@ class SyntheticCriteo:
         self.offsets = [int(torch.randint(0, n, (1,), generator=g)) for n in self.ranges]
         self.dense_w_I = torch.randn(self.num_dense, generator=g) / math.sqrt(self.num_dense)
         self.feature_salt = [int(x) for x in torch.randint(0, 2**31 - 1, (len(self.rows),), generator=g)]
+        # Test-only: one rank's dense features go NaN at this step (the others stay finite).
+        self.nan_step = data.inject_nan_at_step if split == "train" and rank == 0 else None
 
     def _generator(self, step: int) -> torch.Generator:
         key = ((self.seed * 1_000_003 + _SPLITS[self.split]) * 1_000_033 + step) * 4099 + self.rank
@@ -109,6 +115,8 @@ class SyntheticCriteo:
         z_B = (sparse_logit_B / math.sqrt(len(self.ranges)) + dense_logit_B) / math.sqrt(2.0)
         p_B = torch.sigmoid(self.signal * z_B - 1.0)
         labels_B = torch.bernoulli(p_B, generator=g).float()
+        if step == self.nan_step:
+            dense_BI[0, 0] = math.nan
         sparse = KeyedJaggedTensor.from_lengths_sync(
             keys=self.keys, values=torch.cat(values), lengths=torch.cat(lengths)
         )

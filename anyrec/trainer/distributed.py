@@ -6,6 +6,7 @@ import gc
 import os
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,21 @@ def env_dist_info() -> DistInfo:
     )
 
 
+def _elastic_store() -> dist.Store | None:
+    """Under torchrun's agent store, a store prefixed by the restart attempt.
+
+    After a worker restart (`--max-restarts`), the agent's store still holds the previous attempt's
+    keys (e.g. the gloo address of a killed rank), and a new process group can read them and fail
+    to connect; a per-attempt prefix keeps each attempt's keys apart.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(minutes=10))
+    return dist.PrefixStore(f"anyrec/attempt_{attempt}", store)
+
+
 def init_distributed(backend: Backend) -> DistInfo:
     """Join (or create) the default process group with the backend's collectives library."""
     info = env_dist_info()
@@ -54,7 +70,7 @@ def init_distributed(backend: Backend) -> DistInfo:
             os.environ.setdefault("RANK", "0")
             os.environ.setdefault("WORLD_SIZE", "1")
         device_id = backend.device(info.local_rank) if backend.device_type != "cpu" else None
-        dist.init_process_group(backend=backend.dist_backend, rank=info.rank,
+        dist.init_process_group(backend=backend.dist_backend, rank=info.rank, store=_elastic_store(),
                                 world_size=info.world_size, device_id=device_id)
     return info
 

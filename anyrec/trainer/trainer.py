@@ -1,18 +1,25 @@
-"""The Trainer: build a sharded DLRM from a config, train it, evaluate it, report a summary.
+"""The Trainer: build a sharded DLRM from a config, train it, evaluate it, checkpoint it, report.
 
-Methods read in order: init_distributed, build, train_step, train, evaluate, close.
+Methods read in order: init_distributed, build, train_step, train, evaluate, state_dict /
+load_state_dict, close. Steps run through torchrec's TrainPipelineSparseDist (or an eager loop),
+with the embedding optimizer fused into the backward and the dense one stepped after it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
-import sys
+import os
+import resource
+import signal
 import time
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -23,15 +30,22 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from anyrec.backends import Backend, get_backend, resolve_hardware
 from anyrec.config import AnyrecConfig
-from anyrec.data.synthetic import SyntheticCriteo
-from anyrec.models.dlrm import DLRM, build_model
+from anyrec.data import build_source, resolve_batch_size
+from anyrec.models.dlrm import DLRM, build_model, feature_names, table_configs
+from anyrec.trainer.checkpoint import CheckpointManager
 from anyrec.trainer.distributed import DistInfo, all_reduce_mean, destroy_distributed, init_distributed
-from anyrec.trainer.metrics import AUC
+from anyrec.trainer.errors import NonFiniteLossError
+from anyrec.trainer.metrics import EvalMetrics
 from anyrec.trainer.optim import dense_optimizer, embedding_optimizer
+from anyrec.trainer.pipeline import EagerLoop, SparseDistPipeline, StepFunctions
+from anyrec.trainer.reporting import MetricWriter, progress_bar
+from anyrec.trainer.schedule import WarmupPolyDecay, set_lr
+from anyrec.trainer.validate import InputValidator
 
 logger = logging.getLogger(__name__)
 
 EBC_PATH = "model.sparse_arch"  # where the EmbeddingBagCollection sits inside DLRMTrain
+PRECISIONS = ("auto", "bf16", "fp32")
 
 
 class DLRMTrain(nn.Module):
@@ -44,12 +58,12 @@ class DLRMTrain(nn.Module):
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         logits_B = self.model(batch.dense_features, batch.sparse_features)
-        loss = self.loss_fn(logits_B, batch.labels)
+        loss = self.loss_fn(logits_B.float(), batch.labels)
         return loss, (logits_B.detach(), batch.labels)
 
 
 class Trainer:
-    """Owns the backend, the process group, the sharded model, its optimizers and the data."""
+    """Owns the backend, the process group, the sharded model, its optimizers, data and checkpoints."""
 
     def __init__(self, cfg: AnyrecConfig, plan: ShardingPlan | None = None) -> None:
         self.cfg = cfg
@@ -58,21 +72,36 @@ class Trainer:
         self.device = self.backend.device(self.dist.local_rank)
         self.plan_override = plan
         self.step = 0
+        self.skipped_batches = 0
+        self.resumed_from: int | None = None
+        self._last_loss = torch.tensor(math.nan)
         self.build()
+        self.checkpoints = (CheckpointManager(cfg.trainer.checkpoint, self.signature(), self.dist.is_main)
+                            if cfg.trainer.checkpoint.dir else None)
+        if self.checkpoints is not None and cfg.trainer.checkpoint.resume:
+            latest = self.checkpoints.latest()
+            if latest is not None:
+                self.load_checkpoint(latest)
 
     def init_distributed(self) -> DistInfo:
         info = init_distributed(self.backend)
         if self.backend.device_type == "cpu" and info.local_world_size > 1:
             # Share the host's cores between the local ranks instead of oversubscribing.
-            import os
-
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.local_world_size))
         return info
 
     def build(self) -> None:
-        """Model (tables on meta, then sharded by DMP), plan, optimizers and data."""
-        cfg = self.cfg
-        torch.manual_seed(cfg.trainer.seed)
+        """Model (tables on meta, then sharded by DMP), plan, optimizers, step pipeline and data."""
+        cfg, tc = self.cfg, self.cfg.trainer
+        if tc.mixed_precision not in PRECISIONS:
+            raise ValueError(f"trainer.mixed_precision must be one of {PRECISIONS}, "
+                             f"got {tc.mixed_precision!r}")
+        if tc.steps < 0 or tc.eval_steps < 0 or tc.eval_every < 0:
+            raise ValueError("trainer.steps, eval_steps and eval_every must be >= 0")
+        self.autocast = tc.mixed_precision == "bf16" or (
+            tc.mixed_precision == "auto" and self.backend.device_type != "cpu")
+        self.schedule = WarmupPolyDecay.from_config(cfg.optim)
+        torch.manual_seed(tc.seed)
         model = build_model(cfg.model, self.device, ebc_device=torch.device("meta"))
         # Embedding optimizer fused into the backward pass (TBE updates rows in place).
         opt_cls, opt_kwargs = embedding_optimizer(cfg.optim)
@@ -82,20 +111,32 @@ class Trainer:
         self.model = DistributedModelParallel(
             train_module, device=self.device, plan=self.sharding_plan, sharders=self._sharders(),
         )
-        dense = KeyedOptimizerWrapper(
-            dict(in_backward_optimizer_filter(self.model.named_parameters())),
-            lambda params: dense_optimizer(cfg.optim, params),
-        )
-        self.optimizer = CombinedOptimizer([("dense", dense), ("sparse", self.model.fused_optimizer)])
-        self.train_data = SyntheticCriteo(cfg.model, cfg.data, cfg.trainer.seed, self.dist.rank,
-                                          self.dist.world_size, split="train")
-        self.eval_data = SyntheticCriteo(cfg.model, cfg.data, cfg.trainer.seed, self.dist.rank,
-                                         self.dist.world_size, split="eval")
+        dense_params = dict(in_backward_optimizer_filter(self.model.named_parameters()))
+        self.dense_params = list(dense_params.values())
+        self.dense_optimizer = KeyedOptimizerWrapper(
+            dense_params, lambda params: dense_optimizer(cfg.optim, params))
+        self.optimizer = CombinedOptimizer([("dense", self.dense_optimizer),
+                                            ("sparse", self.model.fused_optimizer)])
+        fns = StepFunctions(self._forward, self._backward, self._optimizer_step)
+        loop = SparseDistPipeline if tc.pipeline else EagerLoop
+        self.pipeline = loop(self.model, self.optimizer, self.device, fns)
+        data_cfg = resolve_batch_size(cfg.data, self.dist.world_size)
+        self.batch_size = data_cfg.batch_size
+        self.train_data = build_source(cfg.model, data_cfg, tc.seed, self.dist.rank,
+                                       self.dist.world_size, split="train")
+        self.eval_data = (build_source(cfg.model, data_cfg, tc.seed, self.dist.rank,
+                                       self.dist.world_size, split="eval") if tc.eval_steps > 0 else None)
+        self.validator = (InputValidator(feature_names(len(cfg.model.table_rows)), list(cfg.model.table_rows),
+                                         cfg.model.num_dense_features, self.device)
+                          if tc.validate_inputs else None)
+        self.writer = MetricWriter(tc.run_dir, self.dist.is_main, tc.tensorboard)
         if self.dist.is_main:
             logger.info("backend: %s", self.backend.describe())
             logger.info("kernels: %s", ", ".join(
                 f"{op}={impl}" for op, impl in self.backend.select_kernels(cfg.backend).items()))
             logger.info("torchrec sharding plan:\n%s", self.sharding_plan)
+            logger.info("step loop: %s, precision: %s, batch %d per rank", type(self.pipeline).__name__,
+                        "bf16 autocast" if self.autocast else "fp32", self.batch_size)
 
     @property
     def embedding_kernel(self) -> str:
@@ -124,80 +165,288 @@ class Trainer:
         if self.cfg.planner.name != "codesign":
             raise ValueError(f"unknown planner {self.cfg.planner.name!r}; choose codesign or simple")
         device = resolve_hardware(self.cfg.hardware.sku, self.cfg.hardware.spec, self.backend)
-        result = plan_job(self.cfg, device, info.world_size, info.local_world_size, self.cfg.data.batch_size,
+        batch = resolve_batch_size(self.cfg.data, info.world_size).batch_size
+        result = plan_job(self.cfg, device, info.world_size, info.local_world_size, batch,
                           compute_device=self.backend.device_type, kernel=self.embedding_kernel)
         if info.is_main:
             logger.info("co-design plan:\n%s", result.report(advice=False))
         return result.to_sharding_plan(EBC_PATH, module=ebc, compute_device=self.backend.device_type)
 
-    def _to_device(self, batch: Batch) -> Batch:
-        return batch.to(self.device, non_blocking=True)
+    # ---- one step, in three parts the pipelines call -------------------------------------------
+
+    def _forward(self, batch: Batch) -> tuple[torch.Tensor, Any]:
+        with self.backend.autocast(self.autocast):
+            return self.model(batch)
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        """Backward (the fused embedding update happens inside it) unless the loss is not finite.
+
+        The finiteness check is all-reduced so every rank stops, or skips, at the same step.
+        """
+        loss = loss if loss.dim() == 0 else loss.sum()
+        value = loss.detach()
+        self._last_loss = value
+        bad = (~torch.isfinite(value)).to(torch.int32).reshape(1)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if int(bad):
+            step = self.step + 1
+            if not self.cfg.trainer.skip_nonfinite:
+                raise NonFiniteLossError(
+                    f"non-finite loss ({float(value)} on rank {self.dist.rank}) at step {step}; "
+                    "set trainer.skip_nonfinite=true to skip such batches")
+            self.skipped_batches += 1
+            logger.warning("step %d: non-finite loss, batch skipped (no update)", step)
+            return
+        loss.backward()
+
+    def _optimizer_step(self) -> None:
+        if self.cfg.optim.grad_clip_norm > 0:
+            torch.nn.utils.clip_grad_norm_(self.dense_params, self.cfg.optim.grad_clip_norm)
+        self.optimizer.step()
+
+    def _set_lr(self, step: int) -> float:
+        """Learning rates of both optimizers for the step about to run; returns the factor."""
+        f = self.schedule.factor(step)
+        set_lr(self.dense_optimizer, self.cfg.optim.dense_lr * f)
+        set_lr(self.model.fused_optimizer, self.cfg.optim.embedding_lr * f)
+        return f
 
     def train_step(self, batch: Batch) -> torch.Tensor:
-        """One step: forward, backward (embedding rows update inside it), dense optimizer step."""
+        """One eager step on one batch: forward, backward (rows update inside it), dense step."""
         self.model.train()
+        self._set_lr(self.step)
         self.optimizer.zero_grad()
-        loss, _ = self.model(self._to_device(batch))
-        loss.backward()
-        self.optimizer.step()
+        loss, _ = self._forward(batch.to(self.device, non_blocking=True))
+        self._backward(loss)
+        self._optimizer_step()
         self.step += 1
-        return loss.detach()
+        return self._last_loss
+
+    # ---- the loop --------------------------------------------------------------------------------
+
+    def _batches(self, source, first_step: int, num_steps: int):
+        batches = source.iter_from(first_step, num_steps)
+        return self.validator.wrap(batches, first_step) if self.validator is not None else batches
+
+    def _next_stop(self, steps: int) -> int:
+        """The next step after which something happens between steps (eval, checkpoint, fault)."""
+        tc = self.cfg.trainer
+        stops = [steps]
+        for every in (tc.eval_every, tc.checkpoint.every if self.checkpoints else 0):
+            if every > 0:
+                stops.append((self.step // every + 1) * every)
+        if tc.fault.kill_at_step is not None and tc.fault.kill_at_step > self.step:
+            stops.append(tc.fault.kill_at_step)
+        return min(stops)
 
     def train(self) -> dict[str, Any]:
-        """Run `trainer.steps` steps, evaluate, and return the summary (identical on every rank)."""
+        """Run to `trainer.steps` (from a resumed step if any) and return the summary (same on all ranks).
+
+        Steps run in chunks between evaluations and checkpoints; each chunk drains the pipeline, so
+        a checkpoint holds exactly the state after its step and the data position is that step.
+        """
         tc = self.cfg.trainer
         window: deque[float] = deque(maxlen=max(1, tc.log_every))
-        bar = None
-        if self.dist.is_main and tc.progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=tc.steps, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
-        last_loss = math.nan
-        start = time.perf_counter()
-        for batch in self.train_data.iter_from(self.step, tc.steps - self.step):
-            loss = self.train_step(batch)
-            last_loss = float(loss)
-            window.append(last_loss)
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{last_loss:.4f}", refresh=False)
-            if tc.log_every and self.step % tc.log_every == 0 and self.dist.is_main:
-                logger.info("step %d loss %.5f", self.step, sum(window) / len(window))
-        self.backend.synchronize()
-        elapsed = time.perf_counter() - start
+        bar = progress_bar(self.dist.is_main and tc.progress, tc.steps, self.step)
+        start_step, train_time = self.step, 0.0
+        eval_result: dict[str, float] | None = None
+        last_ckpt = None
+        self.backend.reset_peak_memory_stats()
+        self.model.train()
+        while self.step < tc.steps:
+            stop = self._next_stop(tc.steps)
+            batches = self._batches(self.train_data, self.step, stop - self.step)
+            t0 = time.perf_counter()
+            while True:
+                lr_factor = self._set_lr(self.step)
+                try:
+                    self.pipeline.progress(batches)
+                except StopIteration:
+                    break
+                self.step += 1
+                loss = float(self._last_loss)
+                if math.isfinite(loss):
+                    window.append(loss)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+                if tc.log_every and self.step % tc.log_every == 0 and window:
+                    mean = sum(window) / len(window)
+                    rate = self.batch_size * self.dist.world_size * (self.step - start_step) / max(
+                        train_time + time.perf_counter() - t0, 1e-9)
+                    if self.dist.is_main:
+                        logger.info("step %d loss %.5f", self.step, mean)
+                    self.writer.write(self.step, "train", {
+                        "loss": mean, "samples_per_s": rate, "lr_factor": lr_factor,
+                        "dense_lr": self.cfg.optim.dense_lr * lr_factor,
+                        "embedding_lr": self.cfg.optim.embedding_lr * lr_factor})
+            self.backend.synchronize()
+            train_time += time.perf_counter() - t0
+            self._maybe_fault()
+            if self.checkpoints is not None and self.step < tc.steps and tc.checkpoint.every and \
+                    self.step % tc.checkpoint.every == 0:
+                last_ckpt = self.save_checkpoint()
+            if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.steps and self.eval_data:
+                self._log_eval(self.evaluate())
         if bar is not None:
             bar.close()
-        final_loss, train_loss = all_reduce_mean(
-            [last_loss, sum(window) / max(1, len(window))], self.device)
-        eval_auc = self.evaluate() if tc.eval_steps > 0 else None
-        samples = tc.steps * self.cfg.data.batch_size * self.dist.world_size
-        return {
+        if self.checkpoints is not None and self.step > (self.resumed_from or 0) and (
+                last_ckpt is None or last_ckpt.name != f"step_{self.step}"):
+            last_ckpt = self.save_checkpoint()
+        final_loss = train_loss = None  # no step ran in this process (resumed at the end)
+        if self.step > start_step:
+            final_loss, train_loss = all_reduce_mean(
+                [float(self._last_loss), sum(window) / len(window) if window else math.nan], self.device)
+        if self.eval_data is not None:
+            eval_result = self.evaluate()
+            self._log_eval(eval_result)
+        samples = (self.step - start_step) * self.batch_size * self.dist.world_size
+        summary = {
             "steps": self.step,
-            "samples_per_s": samples / elapsed if elapsed > 0 else None,
+            "samples_per_s": samples / train_time if train_time > 0 else None,
             "train_loss": train_loss,
             "final_loss": final_loss,
-            "eval_auc": eval_auc,
+            "eval_auc": eval_result["auc"] if eval_result else None,
+            "eval_ne": eval_result["ne"] if eval_result else None,
+            "eval_logloss": eval_result["logloss"] if eval_result else None,
+            "eval_accuracy": eval_result["accuracy"] if eval_result else None,
             "backend": self.backend.name,
             "embedding_kernel": self.embedding_kernel,
             "world_size": self.dist.world_size,
-            "elapsed_s": elapsed,
+            "batch_size_per_rank": self.batch_size,
+            "elapsed_s": train_time,
+            "peak_memory_bytes": self.backend.max_memory_allocated(),
+            "peak_host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "skipped_batches": self.skipped_batches,
+            "data_malformed_rows": getattr(self.train_data, "malformed_rows", 0),
+            "resumed_from_step": self.resumed_from,
+            "checkpoint": str(last_ckpt) if last_ckpt else None,
         }
+        if tc.fingerprint_weights:
+            summary["weights_sha256"] = self.weights_fingerprint()
+        return summary
+
+    def _log_eval(self, result: dict[str, float]) -> None:
+        self.writer.write(self.step, "eval", result)
+        if self.dist.is_main:
+            logger.info("step %d eval %s", self.step, " ".join(f"{k} {v:.5f}" for k, v in result.items()))
+
+    def _maybe_fault(self) -> None:
+        """Test-only: SIGKILL one rank after `trainer.fault.kill_at_step` on the first attempt."""
+        fault = self.cfg.trainer.fault
+        if (fault.kill_at_step is not None and self.step == fault.kill_at_step
+                and self.dist.rank == fault.kill_rank
+                and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+            logger.warning("fault injection: SIGKILL rank %d after step %d", self.dist.rank, self.step)
+            os.kill(os.getpid(), signal.SIGKILL)
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """AUC over `trainer.eval_steps` held-out batches per rank, gathered over all ranks."""
+    def evaluate(self) -> dict[str, float]:
+        """AUC, NE, log loss and accuracy over `trainer.eval_steps` held-out batches per rank."""
+        assert self.eval_data is not None
         self.model.eval()
-        auc = AUC(self.device)
-        for batch in self.eval_data.iter_from(0, self.cfg.trainer.eval_steps):
-            _, (logits_B, labels_B) = self.model(self._to_device(batch))
-            auc.update(torch.sigmoid(logits_B.float()), labels_B)
-        value = auc.compute()
+        metrics = EvalMetrics(self.device)
+        batches = self._batches(self.eval_data, 0, self.cfg.trainer.eval_steps)
+        while True:
+            try:
+                logits_B, labels_B = self.pipeline.progress(batches)
+            except StopIteration:
+                break
+            metrics.update(logits_B, labels_B)
         self.model.train()
-        return value
+        return metrics.compute()
+
+    # ---- checkpoints ----------------------------------------------------------------------------
+
+    def signature(self) -> dict[str, Any]:
+        """What a checkpoint must match to load into this model (world size may differ)."""
+        tables = {c.name: [c.num_embeddings, c.embedding_dim] for c in table_configs(self.cfg.model)}
+        dense = {n: list(p.shape) for n, p in self.model.named_parameters() if "sparse_arch" not in n}
+        return {"tables": tables, "dense": dense, "optimizer": self.cfg.optim.name}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model, both optimizers (dense and fused embedding), step/data position and this rank's RNG."""
+        return {
+            "model": self.model.state_dict(),
+            "optim": self.optimizer.state_dict(),
+            # The data position is the step: every source's batch(step) is a pure function of it.
+            "progress": torch.tensor([self.step, self.step, self.skipped_batches], dtype=torch.int64),
+            "rng": {f"rank{self.dist.rank}": torch.get_rng_state()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optim"])
+        step, data_step, skipped = (int(x) for x in state["progress"])
+        assert step == data_step, "the data position is the step"
+        self.step, self.skipped_batches = step, skipped
+        rng = state.get("rng", {}).get(f"rank{self.dist.rank}")
+        if rng is not None:
+            torch.set_rng_state(rng)
+
+    def save_checkpoint(self) -> Path:
+        assert self.checkpoints is not None
+        path = self.checkpoints.save(self.step, self.state_dict(),
+                                     {"world_size": self.dist.world_size, "model": self.cfg.model.name})
+        if self.dist.is_main:
+            logger.info("checkpoint: %s", path)
+        return path
+
+    def load_checkpoint(self, path: Path) -> None:
+        """Resume from `path`: checks first, then DCP loads in place (resharding if needed)."""
+        assert self.checkpoints is not None
+        self.checkpoints.read_meta(path)
+        self.dense_optimizer.init_state()  # lazy optimizer state must exist to be loaded into
+        state = self.state_dict()
+        saved = self.checkpoints.saved_keys(path)
+        if not any(k.startswith(f"rng.rank{self.dist.rank}") for k in saved):
+            state.pop("rng")  # a rank that did not exist in the saved run
+            logger.warning("checkpoint %s has no RNG state for rank %d", path, self.dist.rank)
+        self.checkpoints.load(path, state)
+        self.load_state_dict(state)
+        self.resumed_from = self.step
+        if self.dist.is_main:
+            logger.info("resumed from %s (step %d)", path, self.step)
+
+    def weights_fingerprint(self) -> str:
+        """SHA-256 of every full weight tensor, independent of the plan and world size.
+
+        Gathers all shards to rank 0 (test-sized models; opt-in via trainer.fingerprint_weights).
+        """
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+        local: dict[str, list[tuple[list[int], torch.Tensor]]] = {}
+        sizes: dict[str, list[int]] = {}
+        for name, value in self.model.state_dict().items():
+            if isinstance(value, ShardedTensor):
+                sizes[name] = list(value.size())
+                local[name] = [(list(s.metadata.shard_offsets), s.tensor.detach().cpu())
+                               for s in value.local_shards()]
+            else:
+                sizes[name] = list(value.shape)
+                local[name] = [([0] * value.dim(), value.detach().cpu())] if self.dist.is_main else []
+        gathered = [local]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            gathered = [{} for _ in range(dist.get_world_size())]
+            dist.all_gather_object(gathered, local)
+        h = hashlib.sha256()
+        for name in sorted(sizes):
+            full = torch.zeros(sizes[name], dtype=torch.float64)  # exact for fp32 and bf16
+            for part in gathered:
+                for offsets, t in part.get(name, []):
+                    full[tuple(slice(o, o + n) for o, n in zip(offsets, t.shape, strict=True))] = t.double()
+            h.update(name.encode())
+            h.update(full.contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
 
     def close(self) -> None:
         """Release the sharded model before the process group goes (see destroy_distributed)."""
-        for name in ("optimizer", "model", "train_data", "eval_data"):
+        if hasattr(self, "writer"):
+            self.writer.close()
+        for name in ("pipeline", "optimizer", "dense_optimizer", "dense_params", "model", "train_data",
+                     "eval_data", "checkpoints"):
             if hasattr(self, name):
                 delattr(self, name)
         destroy_distributed()
+

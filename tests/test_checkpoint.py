@@ -1,0 +1,116 @@
+"""Checkpoints under torchrun: exact resume, resharding 2 -> 1 ranks, a SIGKILLed rank restarted
+by torchrun, and clear failures (nothing overwritten) for corrupt or incompatible checkpoints."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import ROOT, last_json_line, torchrun
+
+BASE = ["-m", "anyrec.train", "model=dlrm_tiny", "data.batch_size=64", "trainer.eval_steps=2",
+        "trainer.progress=false", "trainer.log_every=5", "trainer.fingerprint_weights=true",
+        "planner.sharding=row_wise", "trainer.tensorboard=false"]
+
+
+def _run(tmp_path, extra, nproc=2, torchrun_args=()):
+    proc = torchrun([*torchrun_args, *BASE, f"hydra.run.dir={tmp_path}/hydra", *extra], nproc=nproc,
+                    cwd=tmp_path)
+    return proc
+
+
+def _ok(proc):
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return last_json_line(proc.stdout)
+
+
+def _tree(path):
+    return sorted((str(p.relative_to(path)), p.stat().st_size, p.stat().st_mtime_ns)
+                  for p in path.rglob("*"))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A: 20 steps straight. B: 10 steps with checkpoints. C: B's directory resumed to 20."""
+    tmp = tmp_path_factory.mktemp("ckpt")
+    a = _ok(_run(tmp, ["trainer.steps=20"]))
+    b = _ok(_run(tmp, ["trainer.steps=10", f"trainer.checkpoint.dir={tmp}/ck", "trainer.checkpoint.every=5"]))
+    shutil.copytree(tmp / "ck", tmp / "ck_at_10")
+    c = _ok(_run(tmp, ["trainer.steps=20", f"trainer.checkpoint.dir={tmp}/ck", "trainer.checkpoint.every=5"]))
+    return tmp, a, b, c
+
+
+def test_resume_is_exact(runs):
+    tmp, a, b, c = runs
+    assert b["steps"] == 10 and b["checkpoint"].endswith("step_10")
+    assert c["resumed_from_step"] == 10 and c["steps"] == 20
+    assert c["final_loss"] == a["final_loss"]  # to the last bit
+    assert c["weights_sha256"] == a["weights_sha256"]
+    assert c["eval_auc"] == a["eval_auc"]
+    # keep=2: the last two complete checkpoints, no temporary directories.
+    assert sorted(p.name for p in (tmp / "ck").iterdir()) == ["step_15", "step_20"]
+
+
+def test_restore_onto_one_rank_reshards(runs, tmp_path):
+    src, _, b, _ = runs
+    shutil.copytree(src / "ck_at_10", tmp_path / "ck")
+    d = _ok(_run(tmp_path, ["trainer.steps=10", f"trainer.checkpoint.dir={tmp_path}/ck"], nproc=1))
+    assert d["world_size"] == 1 and d["resumed_from_step"] == 10 and d["steps"] == 10
+    assert d["weights_sha256"] == b["weights_sha256"]
+
+
+def _single(tmp_path, extra):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, *BASE, f"hydra.run.dir={tmp_path}/hydra", *extra], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=240, env=env)
+
+
+def _error_lines(proc):
+    return [ln for ln in proc.stderr.splitlines() if ln.startswith("anyrec-train: error:")]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_corrupt_checkpoint_fails_clearly(runs, tmp_path, damage):
+    src = runs[0]
+    shutil.copytree(src / "ck_at_10", tmp_path / "ck")
+    shard = sorted((tmp_path / "ck" / "step_10").glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    if damage == "truncate":
+        shard.write_bytes(data[: len(data) // 2])
+    else:
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    before = _tree(tmp_path / "ck")
+    proc = _single(tmp_path, ["trainer.steps=20", f"trainer.checkpoint.dir={tmp_path}/ck",
+                              "trainer.checkpoint.every=5"])
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = _error_lines(proc)
+    assert len(lines) == 1 and "is corrupt" in lines[0] and shard.name in lines[0], proc.stderr[-3000:]
+    assert _tree(tmp_path / "ck") == before  # nothing overwritten
+
+
+def test_incompatible_checkpoint_fails_clearly(runs, tmp_path):
+    src = runs[0]
+    shutil.copytree(src / "ck_at_10", tmp_path / "ck")
+    before = _tree(tmp_path / "ck")
+    proc = _single(tmp_path, ["trainer.steps=20", f"trainer.checkpoint.dir={tmp_path}/ck",
+                              "model.embedding_dim=4", "model.bottom_mlp=[16,4]"])
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = _error_lines(proc)
+    assert len(lines) == 1 and "incompatible model" in lines[0] and "dim 8 there" in lines[0], lines
+    assert _tree(tmp_path / "ck") == before
+
+
+def test_sigkilled_rank_restarts_from_last_checkpoint(runs, tmp_path):
+    a = runs[1]
+    proc = _run(tmp_path, ["trainer.steps=20", f"trainer.checkpoint.dir={tmp_path}/ck",
+                           "trainer.checkpoint.every=5", "trainer.fault.kill_at_step=12"],
+                torchrun_args=["--max-restarts=1"])
+    s = _ok(proc)
+    assert "SIGKILL rank 1 after step 12" in proc.stdout + proc.stderr
+    assert s["steps"] == 20 and s["resumed_from_step"] == 10
+    assert s["final_loss"] == a["final_loss"] and s["weights_sha256"] == a["weights_sha256"]

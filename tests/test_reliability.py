@@ -1,0 +1,60 @@
+"""Failures stop cleanly: a NaN loss (or its batch skipped), out-of-range ids, a wrong number of
+features; every rank exits non-zero with one clear line from rank 0, and nothing hangs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from .conftest import ROOT, last_json_line, torchrun
+from .test_data import write_tsv
+
+BASE = ["-m", "anyrec.train", "model=dlrm_tiny", "data.batch_size=32", "trainer.eval_steps=0",
+        "trainer.progress=false", "trainer.tensorboard=false"]
+
+
+def _errors(proc):
+    return [ln for ln in proc.stderr.splitlines() if ln.startswith("anyrec-train: error:")]
+
+
+def test_nan_loss_stops_at_that_step(tmp_path):
+    # The NaN is injected on rank 0 only: rank 1 must stop at the same step (all-reduced check).
+    proc = torchrun([*BASE, "trainer.steps=8", "data.inject_nan_at_step=3", f"hydra.run.dir={tmp_path}"],
+                    cwd=tmp_path, timeout=180)
+    assert proc.returncode != 0
+    lines = _errors(proc)
+    assert len(lines) == 1 and "non-finite loss" in lines[0] and "at step 4" in lines[0], proc.stderr[-3000:]
+    assert "exitcode  : 3" in proc.stderr or "exitcode: 3" in proc.stderr.replace("  ", " ")
+
+
+def test_nan_batch_skipped_when_asked(tmp_path):
+    proc = torchrun([*BASE, "trainer.steps=8", "data.inject_nan_at_step=3", "trainer.skip_nonfinite=true",
+                     f"hydra.run.dir={tmp_path}"], cwd=tmp_path, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = last_json_line(proc.stdout)
+    assert s["steps"] == 8 and s["skipped_batches"] == 1
+    assert s["final_loss"] == s["final_loss"]  # finite: the NaN never reached the weights
+
+
+def test_out_of_range_ids_fail_on_every_rank(tmp_path):
+    proc = torchrun([*BASE, "trainer.steps=8", "data.id_range_scale=2.0", f"hydra.run.dir={tmp_path}"],
+                    cwd=tmp_path, timeout=180)
+    assert proc.returncode != 0
+    lines = _errors(proc)
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert "bad input at step 1" in lines[0] and "out of range for its table of" in lines[0]
+    assert "feature cat_" in lines[0]
+
+
+def test_wrong_number_of_features_fails_clearly(tmp_path):
+    write_tsv(tmp_path / "day_0", 64)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, *BASE, "trainer.steps=2", "data=criteo_tsv", f"data.path={tmp_path}",
+         "model.table_rows=[10,20,30]", f"hydra.run.dir={tmp_path}/h"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 2
+    lines = _errors(proc)
+    assert lines == ["anyrec-train: error: bad input at step 1: the data has 26 sparse features, "
+                     "the model has 3 tables (model.table_rows)"], proc.stderr[-3000:]
