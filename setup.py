@@ -27,7 +27,7 @@ setup(
     extras_require={"dev": ["pytest>=8", "ruff>=0.6"]},
     entry_points={
         "console_scripts": [
-            "anyrec-train=anyrec.train:main",
+            "anyrec-train=anyrec.train:cli",
             "anyrec-plan=anyrec.plan:cli",
             "anyrec-calibrate=anyrec.calibrate:main",
         ],

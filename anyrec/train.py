@@ -55,5 +55,13 @@ def main(cfg: DictConfig) -> None:
         sys.exit(3 if isinstance(e, NonFiniteLossError) else 2)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """Console entry: `hardware=FILE.yaml` is accepted as well as `hardware.sku=FILE.yaml`."""
+    from anyrec.backends import rewrite_hardware_argv
+
+    sys.argv = rewrite_hardware_argv(sys.argv)
     main()
+
+
+if __name__ == "__main__":
+    cli()

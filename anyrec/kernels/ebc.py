@@ -23,6 +23,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
+from torchrec.optim.keyed import KeyedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from anyrec.kernels.layout import BoundsCheckMode
@@ -207,3 +208,25 @@ class TritonEmbeddingBagCollection(nn.Module):
         self.tbe._apply(fn, recurse)
         self._bind_views()
         return self
+
+
+class TritonEBCOptimizer(KeyedOptimizer):
+    """The fused optimizer of an unsharded TritonEmbeddingBagCollection as a torchrec KeyedOptimizer.
+
+    The update itself runs inside backward; like torchrec's fused optimizers, `step()` hands the
+    param group's learning rate to the kernel, and `zero_grad()` has nothing to clear. The optimizer
+    state (momentum buffers, step) is part of the module's state_dict.
+    """
+
+    def __init__(self, ebc: TritonEmbeddingBagCollection, prefix: str = "") -> None:
+        self._ebc = ebc
+        params = {f"{prefix}embedding_bags.{name}.weight": slot.weight
+                  for name, slot in ebc.embedding_bags.items()}
+        super().__init__(params, state={}, param_groups=[{"params": list(params.values()),
+                                                          "lr": ebc.optimizer.lr}])
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        pass
+
+    def step(self, closure=None) -> None:  # noqa: ARG002 - torch.optim signature
+        self._ebc.set_learning_rate(float(self.param_groups[0]["lr"]))

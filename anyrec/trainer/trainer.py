@@ -102,23 +102,21 @@ class Trainer:
             tc.mixed_precision == "auto" and self.backend.device_type != "cpu")
         self.schedule = WarmupPolyDecay.from_config(cfg.optim)
         torch.manual_seed(tc.seed)
-        model = build_model(cfg.model, self.device, ebc_device=torch.device("meta"))
-        # Embedding optimizer fused into the backward pass (TBE updates rows in place).
-        opt_cls, opt_kwargs = embedding_optimizer(cfg.optim)
-        apply_optimizer_in_backward(opt_cls, model.sparse_arch.parameters(), opt_kwargs)
-        train_module = DLRMTrain(model)
-        self.sharding_plan = self.plan_override or self._plan(model)
-        self.model = DistributedModelParallel(
-            train_module, device=self.device, plan=self.sharding_plan, sharders=self._sharders(),
-        )
+        # One device with anyrec's own TBE: no sharding, so no input distribution (whose KJT
+        # permutes need FBGEMM ops) and no FBGEMM kernel anywhere in the step.
+        self.unsharded = self.dist.world_size == 1 and self.embedding_kernel in ("triton", "torch")
+        if self.unsharded:
+            self._build_unsharded()
+        else:
+            self._build_sharded()
         dense_params = dict(in_backward_optimizer_filter(self.model.named_parameters()))
         self.dense_params = list(dense_params.values())
         self.dense_optimizer = KeyedOptimizerWrapper(
             dense_params, lambda params: dense_optimizer(cfg.optim, params))
         self.optimizer = CombinedOptimizer([("dense", self.dense_optimizer),
-                                            ("sparse", self.model.fused_optimizer)])
+                                            ("sparse", self.fused_optimizer)])
         fns = StepFunctions(self._forward, self._backward, self._optimizer_step)
-        loop = SparseDistPipeline if tc.pipeline else EagerLoop
+        loop = SparseDistPipeline if tc.pipeline and not self.unsharded else EagerLoop
         self.pipeline = loop(self.model, self.optimizer, self.device, fns)
         data_cfg = resolve_batch_size(cfg.data, self.dist.world_size)
         self.batch_size = data_cfg.batch_size
@@ -134,9 +132,39 @@ class Trainer:
             logger.info("backend: %s", self.backend.describe())
             logger.info("kernels: %s", ", ".join(
                 f"{op}={impl}" for op, impl in self.backend.select_kernels(cfg.backend).items()))
-            logger.info("torchrec sharding plan:\n%s", self.sharding_plan)
+            if self.unsharded:
+                logger.info("one device, %s embedding kernel: tables unsharded (no input distribution)",
+                            self.embedding_kernel)
+            else:
+                logger.info("torchrec sharding plan:\n%s", self.sharding_plan)
             logger.info("step loop: %s, precision: %s, batch %d per rank", type(self.pipeline).__name__,
                         "bf16 autocast" if self.autocast else "fp32", self.batch_size)
+
+    def _build_sharded(self) -> None:
+        """Tables on the meta device, placed by the plan and allocated by DistributedModelParallel."""
+        model = build_model(self.cfg.model, self.device, ebc_device=torch.device("meta"))
+        # Embedding optimizer fused into the backward pass (TBE updates rows in place).
+        opt_cls, opt_kwargs = embedding_optimizer(self.cfg.optim)
+        apply_optimizer_in_backward(opt_cls, model.sparse_arch.parameters(), opt_kwargs)
+        self.sharding_plan = self.plan_override or self._plan(model)
+        self.model = DistributedModelParallel(
+            DLRMTrain(model), device=self.device, plan=self.sharding_plan, sharders=self._sharders(),
+        )
+        self.fused_optimizer = self.model.fused_optimizer
+
+    def _build_unsharded(self) -> None:
+        """All tables on this device in anyrec's TritonEmbeddingBagCollection (Triton or torch ops)."""
+        from anyrec.kernels import OptimizerConfig
+        from anyrec.kernels.ebc import TritonEBCOptimizer, TritonEmbeddingBagCollection
+
+        o = self.cfg.optim
+        opt = OptimizerConfig(kind=o.name, lr=o.embedding_lr, eps=o.eps, beta1=o.betas[0], beta2=o.betas[1],
+                              weight_decay=o.weight_decay)
+        ebc = TritonEmbeddingBagCollection(table_configs(self.cfg.model), optimizer=opt, device=self.device,
+                                           execution=self.embedding_kernel)
+        self.sharding_plan = None
+        self.model = DLRMTrain(DLRM(self.cfg.model, ebc, device=self.device))
+        self.fused_optimizer = TritonEBCOptimizer(ebc, prefix=f"{EBC_PATH}.")
 
     @property
     def embedding_kernel(self) -> str:
@@ -209,7 +237,7 @@ class Trainer:
         """Learning rates of both optimizers for the step about to run; returns the factor."""
         f = self.schedule.factor(step)
         set_lr(self.dense_optimizer, self.cfg.optim.dense_lr * f)
-        set_lr(self.model.fused_optimizer, self.cfg.optim.embedding_lr * f)
+        set_lr(self.fused_optimizer, self.cfg.optim.embedding_lr * f)
         return f
 
     def train_step(self, batch: Batch) -> torch.Tensor:
@@ -437,15 +465,15 @@ class Trainer:
                 for offsets, t in part.get(name, []):
                     full[tuple(slice(o, o + n) for o, n in zip(offsets, t.shape, strict=True))] = t.double()
             h.update(name.encode())
-            h.update(full.contiguous().view(torch.uint8).numpy().tobytes())
+            h.update(full.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
         return h.hexdigest()
 
     def close(self) -> None:
         """Release the sharded model before the process group goes (see destroy_distributed)."""
         if hasattr(self, "writer"):
             self.writer.close()
-        for name in ("pipeline", "optimizer", "dense_optimizer", "dense_params", "model", "train_data",
-                     "eval_data", "checkpoints"):
+        for name in ("pipeline", "optimizer", "dense_optimizer", "fused_optimizer", "dense_params", "model",
+                     "train_data", "eval_data", "checkpoints"):
             if hasattr(self, name):
                 delattr(self, name)
         destroy_distributed()
