@@ -27,7 +27,7 @@ setup_env() {
   local pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
   case "$accel" in
     cpu)  "${pip[@]}" -r requirements/cpu.txt ;;
-    cuda) "${pip[@]}" torch==2.13.0 fbgemm-gpu==1.8.0 --index-url "${ANYREC_TORCH_INDEX:-https://download.pytorch.org/whl/cu129}" ;;
+    cuda) "${pip[@]}" torch==2.13.0 fbgemm-gpu==1.8.0 --index-url "${ANYREC_TORCH_INDEX:-https://download.pytorch.org/whl/cu130}" ;;
     rocm) "${pip[@]}" torch==2.13.0 fbgemm-gpu==1.8.0 --index-url "${ANYREC_TORCH_INDEX:-https://download.pytorch.org/whl/rocm7.0}" ;;
   esac
   "${pip[@]}" -r requirements/common.txt -r requirements/dev.txt
