@@ -11,13 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from anyrec.kernels import reference as R
 from anyrec.kernels.ebc import TritonEmbeddingBagCollection, dense_named_parameters
 from anyrec.kernels.optimizers import OptimizerConfig
+
+from .conftest import OpRecorder
 
 ROWS = {"t0": 10, "t1": 7}
 OPTS = [OptimizerConfig("rowwise_adagrad", lr=0.1, eps=1e-6), OptimizerConfig("adam", lr=0.05, eps=1e-6)]
@@ -155,26 +156,14 @@ def test_rejects_mixed_pooling_and_missing_features():
         ebc(KeyedJaggedTensor(keys=["f0"], values=torch.tensor([1]), lengths=torch.tensor([1])))
 
 
-class _OpRecorder(TorchDispatchMode):
-    """Names of every op dispatched while active (custom FBGEMM ops included)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 def test_no_fbgemm_op_in_forward_or_backward():
     """torchrec cannot import without fbgemm_gpu, so prove no fbgemm op is *called* instead."""
     ours, _ = models(OPTS[0])
     kjt = make_kjt(seed=7)
-    with _OpRecorder() as control:
+    with OpRecorder() as control:
         make_kjt(seed=7).offsets()  # the recorder does see FBGEMM ops: torchrec's offsets() calls one
     assert any(op.startswith("fbgemm") for op in control.ops)
-    with _OpRecorder() as rec:
+    with OpRecorder() as rec:
         ours(kjt).sum().backward()
     assert "aten.index_add_.default" in rec.ops  # the fused update ran under the recorder
     assert not [op for op in rec.ops if op.startswith("fbgemm")], sorted(set(rec.ops))

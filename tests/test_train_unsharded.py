@@ -4,25 +4,12 @@ unsharded, no FBGEMM op runs in a training step, and checkpoints resume exactly.
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from anyrec.kernels.ebc import TritonEmbeddingBagCollection
 
-from .conftest import compose_config, last_json_line, torchrun
+from .conftest import OpRecorder, compose_config, last_json_line, torchrun
 
 TINY = ["model=dlrm_tiny", "trainer.progress=false", "trainer.tensorboard=false", "data.batch_size=64"]
-
-
-class _OpRecorder(TorchDispatchMode):
-    """Names of every op dispatched while active (custom FBGEMM ops included)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 def test_single_device_torch_kernel_trains_without_fbgemm_ops(tmp_path, monkeypatch):
@@ -41,7 +28,7 @@ def test_single_device_torch_kernel_trains_without_fbgemm_ops(tmp_path, monkeypa
         assert isinstance(trainer.model.model.sparse_arch, TritonEmbeddingBagCollection)
         batches = [trainer.train_data.batch(i) for i in range(3)]
         before = trainer.model.model.sparse_arch.embedding_bags["t_cat_0"].weight.detach().clone()
-        with _OpRecorder() as rec:
+        with OpRecorder() as rec:
             losses = [float(trainer.train_step(b)) for b in batches]
         fbgemm = sorted({op for op in rec.ops if op.startswith("fbgemm")})
         assert not fbgemm, fbgemm
