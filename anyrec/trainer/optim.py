@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torchrec import optim as trec_optim
 from torchrec.optim import RowWiseAdagrad
 
 from anyrec.config import OptimConfig
@@ -22,16 +23,24 @@ def _check(cfg: OptimConfig) -> None:
 
 
 def embedding_optimizer(cfg: OptimConfig) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
-    """Optimizer class and kwargs for `apply_optimizer_in_backward` (torchrec maps them to TBE)."""
+    """Optimizer class and kwargs for `apply_optimizer_in_backward` (torchrec maps them to TBE).
+
+    `weight_decay` is L2 (added to the row gradient), which anyrec's own TBE applies; FBGEMM's fused
+    SGD / Adagrad updates have no weight decay, so the trainer refuses that combination
+    (`check_embedding_weight_decay`) instead of ignoring the setting.
+    """
     _check(cfg)
-    lr = cfg.embedding_lr
+    kwargs: dict[str, Any] = {"lr": cfg.embedding_lr}
+    if cfg.weight_decay > 0:
+        kwargs["weight_decay"] = cfg.weight_decay
     if cfg.name == "sgd":
-        return torch.optim.SGD, {"lr": lr}
+        return trec_optim.SGD, kwargs
+    kwargs["eps"] = cfg.eps
     if cfg.name == "adagrad":
-        return torch.optim.Adagrad, {"lr": lr, "eps": cfg.eps}
+        return trec_optim.Adagrad, kwargs
     if cfg.name == "rowwise_adagrad":
-        return RowWiseAdagrad, {"lr": lr, "eps": cfg.eps}
-    return torch.optim.Adam, {"lr": lr, "eps": cfg.eps, "betas": tuple(cfg.betas)}
+        return RowWiseAdagrad, kwargs
+    return trec_optim.Adam, {**kwargs, "betas": tuple(cfg.betas)}
 
 
 def dense_optimizer(cfg: OptimConfig, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -45,3 +54,11 @@ def dense_optimizer(cfg: OptimConfig, params: Iterable[torch.nn.Parameter]) -> t
         return torch.optim.Adagrad(params, lr=lr, eps=cfg.eps, weight_decay=cfg.weight_decay)
     return torch.optim.Adam(params, lr=lr, eps=cfg.eps, betas=tuple(cfg.betas),
                             weight_decay=cfg.weight_decay)
+
+
+def check_embedding_weight_decay(cfg: OptimConfig, embedding_kernel: str) -> None:
+    """FBGEMM's fused embedding updates do not apply weight decay: say so rather than ignore it."""
+    if cfg.weight_decay > 0 and embedding_kernel == "fbgemm":
+        raise ValueError(f"optim.weight_decay={cfg.weight_decay} is not applied by FBGEMM's fused embedding "
+                         "update; use backend.embedding_kernel=torch or triton (L2 on the rows), or "
+                         "optim.weight_decay=0")

@@ -36,7 +36,7 @@ from anyrec.trainer.checkpoint import CheckpointManager
 from anyrec.trainer.distributed import DistInfo, all_reduce_mean, destroy_distributed, init_distributed
 from anyrec.trainer.errors import NonFiniteLossError
 from anyrec.trainer.metrics import EvalMetrics
-from anyrec.trainer.optim import dense_optimizer, embedding_optimizer
+from anyrec.trainer.optim import check_embedding_weight_decay, dense_optimizer, embedding_optimizer
 from anyrec.trainer.pipeline import EagerLoop, SparseDistPipeline, StepFunctions
 from anyrec.trainer.reporting import MetricWriter, progress_bar
 from anyrec.trainer.schedule import WarmupPolyDecay, set_lr
@@ -104,6 +104,7 @@ class Trainer:
         torch.manual_seed(tc.seed)
         # One device with anyrec's own TBE: no sharding, so no input distribution (whose KJT
         # permutes need FBGEMM ops) and no FBGEMM kernel anywhere in the step.
+        check_embedding_weight_decay(cfg.optim, self.embedding_kernel)
         self.unsharded = self.dist.world_size == 1 and self.embedding_kernel in ("triton", "torch")
         if self.unsharded:
             self._build_unsharded()
@@ -146,7 +147,7 @@ class Trainer:
         # Embedding optimizer fused into the backward pass (TBE updates rows in place).
         opt_cls, opt_kwargs = embedding_optimizer(self.cfg.optim)
         apply_optimizer_in_backward(opt_cls, model.sparse_arch.parameters(), opt_kwargs)
-        self.sharding_plan = self.plan_override or self._plan(model)
+        self.sharding_plan = self.plan_override or self._shared_plan(model)
         self.model = DistributedModelParallel(
             DLRMTrain(model), device=self.device, plan=self.sharding_plan, sharders=self._sharders(),
         )
@@ -175,6 +176,24 @@ class Trainer:
         from anyrec.backends.sharders import embedding_sharder
 
         return [embedding_sharder(self.embedding_kernel)]
+
+    def _shared_plan(self, model: DLRM) -> ShardingPlan:
+        """Rank 0 plans and every rank takes its plan: ranks must never shard by different plans.
+
+        A planning error on rank 0 (e.g. nothing fits) is raised on every rank, so none waits.
+        """
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return self._plan(model)
+        box: list[Any] = [None]
+        if self.dist.is_main:
+            try:
+                box[0] = self._plan(model)
+            except ValueError as e:
+                box[0] = e
+        dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], ValueError):
+            raise ValueError(str(box[0]))
+        return box[0]
 
     def _plan(self, model: DLRM) -> ShardingPlan:
         """The sharding plan from the configured planner (co-design by default)."""

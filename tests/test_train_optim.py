@@ -1,0 +1,60 @@
+"""The embedding optimizer settings reach every embedding kernel the same way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .conftest import compose_config
+
+LR, WD = 0.5, 0.1
+
+
+def _one_step(kernel: str, weight_decay: float, tmp_path) -> tuple[torch.Tensor, torch.Tensor]:
+    """t_cat_0's weights before and after one SGD step."""
+    from anyrec.trainer.trainer import Trainer
+
+    _, cfg = compose_config(["model=dlrm_tiny", "trainer.progress=false", "trainer.tensorboard=false",
+                             "trainer.steps=1", "trainer.eval_steps=0", "data.batch_size=32", "optim=sgd",
+                             f"optim.embedding_lr={LR}", f"optim.weight_decay={weight_decay}",
+                             f"backend.embedding_kernel={kernel}", f"trainer.run_dir={tmp_path}"])
+    trainer = Trainer(cfg)
+
+    def table() -> torch.Tensor:
+        w = trainer.model.state_dict()["model.sparse_arch.embedding_bags.t_cat_0.weight"]
+        w = w.local_shards()[0].tensor if hasattr(w, "local_shards") else w
+        return w.detach().clone().float()
+
+    try:
+        before = table()
+        trainer.train_step(trainer.train_data.batch(0))
+        return before, table()
+    finally:
+        trainer.close()
+
+
+def test_fbgemm_refuses_weight_decay_it_would_ignore():
+    from anyrec.config import OptimConfig
+    from anyrec.trainer.optim import check_embedding_weight_decay
+
+    with pytest.raises(ValueError, match="not applied by FBGEMM"):
+        check_embedding_weight_decay(OptimConfig(weight_decay=0.1), "fbgemm")
+    check_embedding_weight_decay(OptimConfig(weight_decay=0.0), "fbgemm")
+    check_embedding_weight_decay(OptimConfig(weight_decay=0.1), "torch")
+
+
+@pytest.mark.parametrize("kernel", ["torch"])
+def test_embedding_weight_decay_is_l2(kernel, tmp_path, monkeypatch):
+    for var, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1")):
+        monkeypatch.setenv(var, value)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    w0, plain = _one_step(kernel, 0.0, tmp_path)
+    w0_again, decayed = _one_step(kernel, WD, tmp_path)
+    assert torch.equal(w0, w0_again)
+    # First step: same weights, same batch, so the same gradient; L2 decay adds lr * wd * w0 to the
+    # update of exactly the rows the batch touched (sparse, lazy decay as FBGEMM does it).
+    touched = (plain != w0).any(dim=1)
+    assert touched.any()
+    torch.testing.assert_close(decayed[touched], plain[touched] - LR * WD * w0[touched], rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(decayed[~touched], w0[~touched])
