@@ -30,9 +30,13 @@ _BWD_PROGRAMS = 1024
 
 
 def epilogue_blocks(num_features: int) -> tuple[int, int, int]:
-    """(BLOCK_B, BLOCK_N, num_warps): 4K-element tiles, 128 columns wide where N allows."""
+    """(BLOCK_B, BLOCK_N, num_warps): 2K-element tiles over 8 warps, 128 columns wide where N allows.
+
+    8 elements a thread: at 32 (4K tiles, 4 warps) the backward spills on sm_90 (see
+    `python -m anyrec.kernels.aot`).
+    """
     block_n = max(16, min(128, 1 << (max(num_features, 1) - 1).bit_length()))
-    return 4096 // block_n, block_n, 4
+    return 2048 // block_n, block_n, 8
 
 
 def row_splits(batch: int, num_features: int) -> int:

@@ -4,7 +4,7 @@ Legend (shape suffixes): B samples of one program (BLOCK_B), n = F + 1 stacked f
 padded to BLOCK_N), D columns of one tile (BLOCK_D), F sparse features, P = n (n - 1) / 2 pairs.
 Output row b is [dense_b (D) | <x_i, x_j> for i < j, row-major (P)], the layout of
 `anyrec.models.interaction.DotInteraction` (its torch code is the oracle). The forward loops over D
-tiles accumulating a [BLOCK_B, n, n] fp32 Gram with batched `tl.dot` (tensor cores for bf16; exact
+tiles of 16 accumulating a [BLOCK_B, n, n] fp32 Gram with batched `tl.dot` (tensor cores for bf16; exact
 fp32 FMA for fp32, as torch's bmm) and scatters the triangle into the output row. The backward
 rebuilds the symmetric pair gradient S = Gd + Gd^T (Gd: the pair gradients in the upper triangle)
 and writes dX = S X per D tile, plus the dense passthrough into row 0. Dense and sparse inputs are
@@ -31,16 +31,17 @@ except ImportError:  # the torch module needs no triton
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
-def interaction_blocks(num_rows: int, dim: int) -> tuple[int, int, int, int]:
-    """(BLOCK_B, BLOCK_N, BLOCK_D, num_warps): ~4K fp32 Gram accumulators per program.
+def interaction_blocks(num_rows: int) -> tuple[int, int, int, int]:
+    """(BLOCK_B, BLOCK_N, BLOCK_D, num_warps): ~2K fp32 Gram accumulators over 8 warps per program.
 
-    tl.dot needs every dot dimension >= 16; 27 rows (DLRM on Criteo) pad to 32, so 4 samples a
-    program; D streams in tiles of up to 64 columns.
+    tl.dot needs every dot dimension >= 16; 27 rows (DLRM on Criteo) pad to 32, so 2 samples a
+    program; D streams in 16-column tiles. At 4K accumulators or 64-column tiles ptxas spills on
+    sm_90, at 32-column tiles on sm_100 (fp32): the 3D tiles' 64-bit pointers cost as many
+    registers as the data (see `python -m anyrec.kernels.aot`).
     """
     block_n = max(16, 1 << (max(num_rows, 1) - 1).bit_length())
-    block_d = max(16, min(64, 1 << (max(dim, 1) - 1).bit_length()))
-    block_b = max(1, min(16, 4096 // (block_n * block_n)))
-    return block_b, block_n, block_d, 4
+    block_b = max(1, min(16, 2048 // (block_n * block_n)))
+    return block_b, block_n, 16, 8
 
 
 if HAS_TRITON:
@@ -159,7 +160,7 @@ def _check(dense_BD: torch.Tensor, sparse_BFD: torch.Tensor) -> None:
 def _launch_args(dense_BD: torch.Tensor, sparse_BFD: torch.Tensor):
     batch, num_sparse, dim = sparse_BFD.shape
     num_rows = num_sparse + 1
-    block_b, block_n, block_d, num_warps = interaction_blocks(num_rows, dim)
+    block_b, block_n, block_d, num_warps = interaction_blocks(num_rows)
     grid = (triton.cdiv(batch, block_b),)
     meta = {"FP32": dense_BD.dtype == torch.float32, "BLOCK_B": block_b, "BLOCK_N": block_n,
             "BLOCK_D": block_d, "num_warps": num_warps}
