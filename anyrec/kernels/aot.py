@@ -97,7 +97,7 @@ def _dense_variants():
     out = []
     bb, bn, bd, nw = interaction_blocks(27)
     for dt in ("fp32", "bf16"):
-        cx = {"FP32": dt == "fp32", "BLOCK_B": bb, "BLOCK_N": bn, "BLOCK_D": bd}
+        cx = {"DOT_FP32": dt == "fp32", "BLOCK_B": bb, "BLOCK_N": bn, "BLOCK_D": bd}
         label = f"x={dt} n<={bn} D<=128"
         out.append(("dot_fwd", label, dot_interaction_fwd_kernel,
                     ["*" + dt] * 3 + ["i32"] * 4, cx, nw))

@@ -9,12 +9,16 @@ fp32 FMA for fp32, as torch's bmm) and scatters the triangle into the output row
 rebuilds the symmetric pair gradient S = Gd + Gd^T (Gd: the pair gradients in the upper triangle)
 and writes dX = S X per D tile, plus the dense passthrough into row 0. Dense and sparse inputs are
 read in place (no stacking copy). S is exact in the input dtype (each entry is one output gradient),
-so bf16 runs a bf16 x bf16 -> fp32 dot.
+so bf16 runs a bf16 x bf16 -> fp32 dot. DOT_FP32 runs the dots on fp32 operands instead: for fp32
+inputs, and under TRITON_INTERPRET=1, whose tl.dot multiplies bf16 bit patterns (Triton 3.9); the
+result is the same, as products of bf16 values are exact in fp32.
 
 `HAS_TRITON` says whether triton imported; kernels exist only then.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -77,7 +81,7 @@ if HAS_TRITON:
         num_rows,  # n = F + 1
         dim,
         out_stride,
-        FP32: tl.constexpr,
+        DOT_FP32: tl.constexpr,
         BLOCK_B: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
@@ -89,11 +93,11 @@ if HAS_TRITON:
         for d0 in range(0, dim, BLOCK_D):
             d_D = d0 + tl.arange(0, BLOCK_D)
             x_BND, ok_BND = _load_rows(dense_BD_ptr, sparse_BFD_ptr, b_B, r_N, d_D, batch, num_rows, dim)
-            xt_BDN = tl.permute(x_BND, (0, 2, 1))
-            if FP32:
-                gram_BNN = tl.dot(x_BND, xt_BDN, gram_BNN, input_precision="ieee")
+            if DOT_FP32:
+                xf_BND = x_BND.to(tl.float32)
+                gram_BNN = tl.dot(xf_BND, tl.permute(xf_BND, (0, 2, 1)), gram_BNN, input_precision="ieee")
             else:
-                gram_BNN = tl.dot(x_BND, xt_BDN, gram_BNN)
+                gram_BNN = tl.dot(x_BND, tl.permute(x_BND, (0, 2, 1)), gram_BNN)
             # the dense passthrough is row 0 of the tile just loaded
             dense_ok_BND = ok_BND & (r_N == 0)[None, :, None]
             tl.store(out_ptr + b_B[:, None, None] * out_stride + d_D[None, None, :] + 0 * r_N[None, :, None],
@@ -114,7 +118,7 @@ if HAS_TRITON:
         num_rows,
         dim,
         grad_stride,
-        FP32: tl.constexpr,
+        DOT_FP32: tl.constexpr,
         BLOCK_B: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
@@ -131,8 +135,8 @@ if HAS_TRITON:
         for d0 in range(0, dim, BLOCK_D):
             d_D = d0 + tl.arange(0, BLOCK_D)
             x_BND, ok_BND = _load_rows(dense_BD_ptr, sparse_BFD_ptr, b_B, r_N, d_D, batch, num_rows, dim)
-            if FP32:
-                dx_BND = tl.dot(s_BNN, x_BND, input_precision="ieee")
+            if DOT_FP32:
+                dx_BND = tl.dot(s_BNN.to(tl.float32), x_BND.to(tl.float32), input_precision="ieee")
             else:
                 dx_BND = tl.dot(s_BNN.to(x_BND.dtype), x_BND)
             dense_ok_BND = ok_BND & is_dense_N[None, :, None]
@@ -162,7 +166,8 @@ def _launch_args(dense_BD: torch.Tensor, sparse_BFD: torch.Tensor):
     num_rows = num_sparse + 1
     block_b, block_n, block_d, num_warps = interaction_blocks(num_rows)
     grid = (triton.cdiv(batch, block_b),)
-    meta = {"FP32": dense_BD.dtype == torch.float32, "BLOCK_B": block_b, "BLOCK_N": block_n,
+    dot_fp32 = dense_BD.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+    meta = {"DOT_FP32": dot_fp32, "BLOCK_B": block_b, "BLOCK_N": block_n,
             "BLOCK_D": block_d, "num_warps": num_warps}
     return batch, num_rows, dim, grid, meta
 
