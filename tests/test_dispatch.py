@@ -13,6 +13,8 @@ from anyrec.config import BackendConfig
 
 H200 = DeviceFacts(cuda_available=True, device_count=1, device_name="NVIDIA H200", arch="sm_90",
                    memory_bytes=141 * 10**9)
+MI300X = DeviceFacts(cuda_available=True, hip_version="6.2", device_count=1,
+                     device_name="AMD Instinct MI300X", arch="gfx942", memory_bytes=192 * 2**30)
 
 
 @pytest.fixture(autouse=True)
@@ -60,10 +62,27 @@ def test_triton_on_cpu_is_an_explicit_opt_in(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     dispatch.reset_probes()
     assert dispatch.probe_triton(b) is None  # the interpreter reaches the CPU ...
-    # ... but the ops still need their kernels.
-    assert dispatch.availability(b, "interaction", "triton") == "no triton kernel for this op"
+    # ... and every op has its kernels, but on CPU auto still prefers torch for the dense ops.
+    assert dispatch.availability(b, "interaction", "triton") is None
+    assert dispatch.availability(b, "dcn_cross", "triton") is None
     reason = dispatch.availability(b, "embedding", "triton")
     assert reason is None or "torchrec_kernel" in reason
+    assert b.select_kernels()["interaction"] == b.select_kernels()["dcn_cross"] == "torch"
+    forced = b.select_kernels(BackendConfig(interaction_kernel="triton", dcn_kernel="triton"))
+    assert forced["interaction"] == forced["dcn_cross"] == "triton"
+
+
+def test_dense_op_order_per_backend():
+    """GPUs prefer the Triton interaction and fused cross epilogue, CPU plain torch; torch is always last
+    resort on GPUs, and a missing kernel module is a clear reason."""
+    for name, facts in (("cuda", H200), ("rocm", MI300X)):
+        b = get_backend(name, facts=facts)
+        for op in ("interaction", "dcn_cross"):
+            assert b.kernel_order[op] == ("triton", "torch")
+    for op in ("interaction", "dcn_cross"):
+        assert CPUBackend.kernel_order[op] == ("torch", "triton")
+    assert dispatch._kernel_module("anyrec.kernels.no_such_op")(CPUBackend()) == (
+        "anyrec.kernels.no_such_op (the op's Triton kernels) is not installed")
 
 
 def test_gpu_without_its_kernels_falls_back_loudly(caplog):
@@ -72,10 +91,14 @@ def test_gpu_without_its_kernels_falls_back_loudly(caplog):
     b = get_backend("cuda", facts=H200)
     assert dispatch.probe_fbgemm(b) == "fbgemm_gpu has no TBE kernels for cuda (wrong fbgemm_gpu build?)"
     with caplog.at_level(logging.INFO, logger="anyrec.backends.dispatch"):
-        assert b.select_kernels()["embedding"] == "torch"
+        kernels = b.select_kernels()
+    assert kernels["embedding"] == kernels["interaction"] == kernels["dcn_cross"] == "torch"
     warned = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert any("fbgemm skipped on cuda" in r.getMessage() for r in warned)
     assert any("triton skipped on cuda" in r.getMessage() for r in warned)
+    assert any(r.getMessage().startswith("op interaction: triton skipped on cuda") for r in warned)
+    with pytest.raises(ValueError, match="backend.dcn_kernel=triton is not available on cuda: triton"):
+        b.select_kernels(BackendConfig(dcn_kernel="triton"))
     with pytest.raises(ValueError, match="backend.embedding_kernel=fbgemm is not available on cuda"):
         b.select_kernels(BackendConfig(embedding_kernel="fbgemm"))
 

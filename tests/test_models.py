@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from anyrec.models.dlrm import build_model, dense_param_count
@@ -46,3 +47,29 @@ def test_cpu_variant_and_kaggle_dlrm():
     assert len(cfg.model.table_rows) == 26
     model = build_model(cfg.model, torch.device("meta"))
     assert model.over_arch.layers[0].in_features == 16 + 27 * 26 // 2
+
+
+def test_model_builds_the_dispatched_dense_modules():
+    """`kernels` (Backend.select_kernels' answer) picks each dense op's module; parameters are the same,
+    so a checkpoint loads into either. Numerics: tests/test_kernels_interaction.py (Triton interpreter)."""
+    from anyrec.models.interaction import (
+        DotInteraction,
+        LowRankCrossNet,
+        TritonDotInteraction,
+        TritonLowRankCrossNet,
+    )
+
+    meta = torch.device("meta")
+    _, cfg = compose_config(["model=dlrm"])
+    assert type(build_model(cfg.model, meta).interaction) is DotInteraction
+    triton_dot = build_model(cfg.model, meta, kernels={"embedding": "fbgemm", "interaction": "triton"})
+    assert type(triton_dot.interaction) is TritonDotInteraction
+    _, cfg = compose_config(["model=dlrmv2"])
+    torch_dcn = build_model(cfg.model, meta, kernels={"interaction": "triton", "dcn_cross": "torch"})
+    assert type(torch_dcn.interaction.cross) is LowRankCrossNet
+    triton_dcn = build_model(cfg.model, meta, kernels={"dcn_cross": "triton"})
+    assert type(triton_dcn.interaction.cross) is TritonLowRankCrossNet
+    assert {k: v.shape for k, v in triton_dcn.state_dict().items()} == {
+        k: v.shape for k, v in torch_dcn.state_dict().items()}
+    with pytest.raises(ValueError, match="no dcn_cross module for implementation 'cutlass'; known: torch"):
+        build_model(cfg.model, meta, kernels={"dcn_cross": "cutlass"})

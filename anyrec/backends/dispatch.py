@@ -38,8 +38,14 @@ class Op:
     requirements: dict[str, Probe]  # op-specific checks on top of the library's device probe
 
 
-def _no_kernel(_: Backend) -> str:
-    return "no triton kernel for this op"
+def _kernel_module(module: str) -> Probe:
+    """An op's Triton kernels live in `module`; Triton reaching the device is the library probe's job."""
+    def probe(_: Backend) -> str | None:
+        if importlib.util.find_spec(module) is None:
+            return f"{module} (the op's Triton kernels) is not installed"
+        return None
+
+    return probe
 
 
 def _triton_tbe(_: Backend) -> str | None:
@@ -53,9 +59,11 @@ OPS: dict[str, Op] = {
                     "pooled embedding lookup with the optimizer fused into backward",
                     {"triton": _triton_tbe}),
     "interaction": Op("interaction", "interaction_kernel", "DLRM pairwise dot interaction",
-                      {"triton": _no_kernel, "fbgemm": lambda _: "no fbgemm kernel for this op"}),
+                      {"triton": _kernel_module("anyrec.kernels.interaction"),
+                       "fbgemm": lambda _: "no fbgemm kernel for this op"}),
     "dcn_cross": Op("dcn_cross", "dcn_kernel", "DCNv2 low-rank cross layers",
-                    {"triton": _no_kernel, "fbgemm": lambda _: "no fbgemm kernel for this op"}),
+                    {"triton": _kernel_module("anyrec.kernels.dcn"),
+                     "fbgemm": lambda _: "no fbgemm kernel for this op"}),
     "collectives": Op("collectives", None, "torch.distributed process-group backend", {}),
 }
 

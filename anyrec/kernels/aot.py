@@ -1,4 +1,4 @@
-"""Portability gate: compile every TBE kernel ahead of time for NVIDIA and AMD targets, no GPU needed.
+"""Portability gate: compile every Triton kernel ahead of time for NVIDIA and AMD targets, no GPU needed.
 
     python -m anyrec.kernels.aot [--targets sm_90,gfx942] [--json out.json]
 
@@ -80,6 +80,38 @@ def _variants():
               "STOCHASTIC_ROUNDING": wdt != "fp32", "DROPPED_BITS": 16, "ALIGN": 16,
               "LONG_SEGMENT": LONG_SEGMENT, "BLOCK_U": bu, "BLOCK_L": bl, "BLOCK_D": bd, "NUM_D_TILES": tiles}
         out.append(("tbe_backward", f"{kind.value} w={wdt} D<={dim}", tbe_backward_kernel, types, cx, nw))
+    out += _dense_variants()
+    return out
+
+
+def _dense_variants():
+    """The dense ops at the production shapes: DLRM's dot interaction (27 rows of D=128) and DLRMv2's
+    cross-layer epilogue (N = 27 * 128), fp32 and bf16 (autocast: bf16 GEMM output, fp32 x0 and x)."""
+    from anyrec.kernels.dcn import cross_epilogue_bwd_kernel, cross_epilogue_fwd_kernel, epilogue_blocks
+    from anyrec.kernels.interaction import (
+        dot_interaction_bwd_kernel,
+        dot_interaction_fwd_kernel,
+        interaction_blocks,
+    )
+
+    out = []
+    bb, bn, bd, nw = interaction_blocks(27)
+    for dt in ("fp32", "bf16"):
+        cx = {"DOT_FP32": dt == "fp32", "BLOCK_B": bb, "BLOCK_N": bn, "BLOCK_D": bd}
+        label = f"x={dt} n<={bn} D<=128"
+        out.append(("dot_fwd", label, dot_interaction_fwd_kernel,
+                    ["*" + dt] * 3 + ["i32"] * 4, cx, nw))
+        out.append(("dot_bwd", label, dot_interaction_bwd_kernel,
+                    ["*" + dt] * 5 + ["i32"] * 4, cx, nw))
+    bb, bn, nw = epilogue_blocks(27 * 128)
+    cx = {"BLOCK_B": bb, "BLOCK_N": bn}
+    for dt, ydt in (("fp32", "fp32"), ("fp32", "bf16")):
+        label = f"x={dt} y={ydt} D<=128 N=3456"
+        out.append(("dcn_epi_fwd", label, cross_epilogue_fwd_kernel,
+                    ["*" + dt, "*" + ydt, "*fp32", "*" + dt, "*" + dt, "i32", "i32"], cx, nw))
+        # grad_out, x0, y, b, grad_x0, grad_y, grad_b partials, batch, n, rows_per_split
+        types = ["*" + dt, "*" + dt, "*" + ydt, "*fp32", "*" + dt, "*" + ydt, "*fp32", "i32", "i32", "i32"]
+        out.append(("dcn_epi_bwd", label, cross_epilogue_bwd_kernel, types, cx, nw))
     return out
 
 

@@ -5,6 +5,8 @@ Legend: B batch, F sparse features, D embedding dim, I dense features.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
@@ -12,7 +14,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from anyrec.config import ModelConfig
-from anyrec.models.interaction import CrossInteraction, DotInteraction
+from anyrec.models.interaction import CrossInteraction, dot_interaction_module
 from anyrec.models.mlp import MLP
 
 
@@ -47,10 +49,16 @@ def dense_param_count(cfg: ModelConfig) -> int:
 
 
 class DLRM(nn.Module):
-    """Bottom MLP on dense features, pooled embeddings, an interaction, and a top MLP to one logit."""
+    """Bottom MLP on dense features, pooled embeddings, an interaction, and a top MLP to one logit.
 
-    def __init__(self, cfg: ModelConfig, ebc: EmbeddingBagCollection, device: torch.device | None = None):
+    `kernels` is the backend's choice per op (`Backend.select_kernels`): its `interaction` entry
+    picks the dot interaction's module, `dcn_cross` the cross net's (torch | triton; torch if absent).
+    """
+
+    def __init__(self, cfg: ModelConfig, ebc: EmbeddingBagCollection, device: torch.device | None = None,
+                 kernels: Mapping[str, str] | None = None):
         super().__init__()
+        kernels = kernels or {}
         num_sparse = len(ebc.embedding_bag_configs())
         dim = cfg.embedding_dim
         if not cfg.bottom_mlp or cfg.bottom_mlp[-1] != dim:
@@ -63,10 +71,12 @@ class DLRM(nn.Module):
         with torch.device(device or torch.device("cpu")):
             self.dense_arch = MLP(cfg.num_dense_features, cfg.bottom_mlp)
             if cfg.interaction == "dot":
-                self.interaction: nn.Module = DotInteraction(num_sparse)
+                self.interaction: nn.Module = dot_interaction_module(num_sparse,
+                                                                     kernels.get("interaction", "torch"))
                 top_in = dim + self.interaction.out_features_extra
             elif cfg.interaction == "dcn":
-                self.interaction = CrossInteraction(num_sparse, dim, cfg.dcn_num_layers, cfg.dcn_low_rank)
+                self.interaction = CrossInteraction(num_sparse, dim, cfg.dcn_num_layers, cfg.dcn_low_rank,
+                                                    impl=kernels.get("dcn_cross", "torch"))
                 top_in = self.interaction.out_features
             else:
                 raise ValueError(f"model {cfg.name}: unknown interaction {cfg.interaction!r} (dot|dcn)")
@@ -79,7 +89,11 @@ class DLRM(nn.Module):
         return self.over_arch(self.interaction(dense_BD, sparse_BFD)).squeeze(-1)
 
 
-def build_model(cfg: ModelConfig, device: torch.device, ebc_device: torch.device | None = None) -> DLRM:
-    """The DLRM for `cfg`; tables on `ebc_device` (meta: let DistributedModelParallel allocate shards)."""
+def build_model(cfg: ModelConfig, device: torch.device, ebc_device: torch.device | None = None,
+                kernels: Mapping[str, str] | None = None) -> DLRM:
+    """The DLRM for `cfg`; tables on `ebc_device` (meta: let DistributedModelParallel allocate shards).
+
+    `kernels`: the backend's implementation per op (see `DLRM`).
+    """
     ebc = EmbeddingBagCollection(table_configs(cfg), device=ebc_device or device)
-    return DLRM(cfg, ebc, device=device)
+    return DLRM(cfg, ebc, device=device, kernels=kernels)

@@ -1,12 +1,27 @@
 """Feature interactions: DLRM's pairwise dot products and DCNv2's low-rank cross network.
 
-Legend: B batch, F sparse features, D embedding dim, N = (F + 1) * D.
+Legend: B batch, F sparse features, D embedding dim, N = (F + 1) * D, R low rank.
+
+Each op has a torch module (the oracle) and a Triton-backed subclass with the same parameters, so
+checkpoints move between them; `IMPLEMENTATIONS` maps the dispatch choice to the module.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn import functional as F
+
+
+def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """The dtype the torch module would compute in: autocast's, else the promoted input dtype."""
+    device_type = tensors[0].device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
 
 
 class DotInteraction(nn.Module):
@@ -27,6 +42,16 @@ class DotInteraction(nn.Module):
         return torch.cat([dense_BD, pairs_BP], dim=1)
 
 
+class TritonDotInteraction(DotInteraction):
+    """DotInteraction in one Triton kernel per direction (`anyrec.kernels.interaction`)."""
+
+    def forward(self, dense_BD: torch.Tensor, sparse_BFD: torch.Tensor) -> torch.Tensor:
+        from anyrec.kernels.interaction import dot_interaction
+
+        dtype = _compute_dtype(dense_BD, sparse_BFD)
+        return dot_interaction(dense_BD.to(dtype), sparse_BFD.to(dtype))
+
+
 class LowRankCrossNet(nn.Module):
     """DCNv2 cross layers x_{l+1} = x_0 * (U_l (V_l x_l) + b_l) + x_l with rank-r factors."""
 
@@ -44,14 +69,45 @@ class LowRankCrossNet(nn.Module):
         return x_BN
 
 
+class TritonLowRankCrossNet(LowRankCrossNet):
+    """LowRankCrossNet: V and U on cuBLAS/hipBLASLt, the epilogue fused in Triton (`anyrec.kernels.dcn`)."""
+
+    def forward(self, x0_BN: torch.Tensor) -> torch.Tensor:
+        from anyrec.kernels.dcn import cross_epilogue
+
+        x_BN = x0_BN
+        for v, u in zip(self.V, self.U, strict=True):
+            y_BN = F.linear(F.linear(x_BN, v.weight), u.weight)
+            x_BN = cross_epilogue(x0_BN, y_BN, u.bias, x_BN)
+        return x_BN
+
+
 class CrossInteraction(nn.Module):
     """DLRMv2's interaction: concatenate dense and pooled embeddings, then a low-rank cross net."""
 
-    def __init__(self, num_sparse_features: int, embedding_dim: int, num_layers: int, low_rank: int):
+    def __init__(self, num_sparse_features: int, embedding_dim: int, num_layers: int, low_rank: int,
+                 impl: str = "torch"):
         super().__init__()
         self.out_features = (num_sparse_features + 1) * embedding_dim
-        self.cross = LowRankCrossNet(self.out_features, num_layers, low_rank)
+        cross_cls = _impl_class(CROSS_NETS, "dcn_cross", impl)
+        self.cross = cross_cls(self.out_features, num_layers, low_rank)
 
     def forward(self, dense_BD: torch.Tensor, sparse_BFD: torch.Tensor) -> torch.Tensor:
         x_BN = torch.cat([dense_BD, sparse_BFD.flatten(1)], dim=1)
         return self.cross(x_BN)
+
+
+# Dispatch choice (anyrec.backends.dispatch) -> module, per op.
+DOT_INTERACTIONS: dict[str, type[DotInteraction]] = {"torch": DotInteraction, "triton": TritonDotInteraction}
+CROSS_NETS: dict[str, type[LowRankCrossNet]] = {"torch": LowRankCrossNet, "triton": TritonLowRankCrossNet}
+
+
+def _impl_class(table: dict[str, type], op: str, impl: str) -> type:
+    if impl not in table:
+        raise ValueError(f"no {op} module for implementation {impl!r}; known: {', '.join(table)}")
+    return table[impl]
+
+
+def dot_interaction_module(num_sparse_features: int, impl: str = "torch") -> DotInteraction:
+    """The dot interaction for the dispatch choice `impl` (torch | triton)."""
+    return _impl_class(DOT_INTERACTIONS, "interaction", impl)(num_sparse_features)

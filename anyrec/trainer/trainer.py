@@ -143,7 +143,8 @@ class Trainer:
 
     def _build_sharded(self) -> None:
         """Tables on the meta device, placed by the plan and allocated by DistributedModelParallel."""
-        model = build_model(self.cfg.model, self.device, ebc_device=torch.device("meta"))
+        model = build_model(self.cfg.model, self.device, ebc_device=torch.device("meta"),
+                            kernels=self.backend.select_kernels(self.cfg.backend))
         # Embedding optimizer fused into the backward pass (TBE updates rows in place).
         opt_cls, opt_kwargs = embedding_optimizer(self.cfg.optim)
         apply_optimizer_in_backward(opt_cls, model.sparse_arch.parameters(), opt_kwargs)
@@ -164,7 +165,8 @@ class Trainer:
         ebc = TritonEmbeddingBagCollection(table_configs(self.cfg.model), optimizer=opt, device=self.device,
                                            execution=self.embedding_kernel)
         self.sharding_plan = None
-        self.model = DLRMTrain(DLRM(self.cfg.model, ebc, device=self.device))
+        self.model = DLRMTrain(DLRM(self.cfg.model, ebc, device=self.device,
+                                    kernels=self.backend.select_kernels(self.cfg.backend)))
         self.fused_optimizer = TritonEBCOptimizer(ebc, prefix=f"{EBC_PATH}.")
 
     @property
