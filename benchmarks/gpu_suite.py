@@ -12,7 +12,8 @@ Sections (each runs on its own; a failure is recorded and the rest still run):
                from torch + triton only: samples/s
   dlrm_ebc     the same loop through TritonEmbeddingBagCollection on KeyedJaggedTensors (the
                trainer's single-device path), with a dispatch-mode check that no fbgemm op runs;
-               skipped with the reason when torchrec does not import (the lent H200 has none)
+               skipped with the reason when torchrec does not import (a GPU image with torch and
+               triton only)
 Writes $OUT/gpu_suite.json (default ./gpu_out) and $OUT/tbe.json. Sized for < 8 minutes on an
 H200 (most of it Triton compiles and nn.EmbeddingBag's sparse SGD); --small shrinks everything to
 toy sizes and, on CPU, uses the torch execution path (what its test runs).

@@ -30,7 +30,10 @@ setup_env() {
     cuda) "${pip[@]}" torch==2.13.0 fbgemm-gpu==1.8.0 --index-url "${ANYREC_TORCH_INDEX:-https://download.pytorch.org/whl/cu130}" ;;
     rocm) "${pip[@]}" torch==2.13.0 fbgemm-gpu==1.8.0 --index-url "${ANYREC_TORCH_INDEX:-https://download.pytorch.org/whl/rocm7.0}" ;;
   esac
-  "${pip[@]}" -r requirements/common.txt -r requirements/dev.txt
+  # torch stays at the version just installed: its FBGEMM pair depends on it.
+  local pin; pin=$(mktemp); "$VENV/bin/python" -c 'import torch; print("torch==" + torch.__version__.split("+")[0])' > "$pin"
+  "${pip[@]}" -c "$pin" -r requirements/common.txt -r requirements/dev.txt
+  rm -f "$pin"
   # torchrec declares the CUDA fbgemm-gpu: install it alone, its real dependencies come from common.txt.
   "${pip[@]}" --no-deps torchrec==1.9.2
   "${pip[@]}" --no-deps -e .

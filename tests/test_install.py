@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -10,10 +11,17 @@ from .conftest import ROOT
 
 
 def test_wheel_ships_configs_and_composes_elsewhere(tmp_path):
+    # Build from a copy: an in-place build would leave build/ and *.egg-info in the checkout.
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("setup.py", "README.md", "requirements", "anyrec", "configs"):
+        copy = shutil.copytree if (ROOT / name).is_dir() else shutil.copy2
+        copy(ROOT / name, src / name, **({"ignore": shutil.ignore_patterns("__pycache__")}
+                                          if (ROOT / name).is_dir() else {}))
     target = tmp_path / "site"
     build = subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-         "--target", str(target), str(ROOT)],
+         "--target", str(target), str(src)],
         capture_output=True, text=True, timeout=300,
     )
     assert build.returncode == 0, build.stderr[-3000:]

@@ -1,6 +1,6 @@
 """benchmarks/gpu_suite.py at toy size on CPU (torch execution), with and without torchrec/fbgemm.
 
-The lent GPU machine has torch + triton only, so the suite must run its torch/triton sections with
+A GPU machine may have torch + triton only, so the suite must run its torch/triton sections with
 torchrec and fbgemm_gpu unimportable and skip the torchrec section with a reason.
 """
 

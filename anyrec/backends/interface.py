@@ -77,9 +77,9 @@ class Backend(abc.ABC):
     def synchronize(self) -> None:  # noqa: B027 - optional hook
         """Wait for queued device work (used by timers)."""
 
-    def max_memory_allocated(self) -> int:
-        """Peak bytes allocated on the device by this process (0 where unknown)."""
-        return 0
+    def max_memory_allocated(self) -> int | None:
+        """Peak bytes allocated on the device by this process (None where it is not measured)."""
+        return None
 
     def reset_peak_memory_stats(self) -> None:  # noqa: B027 - optional hook
         """Reset the peak memory counter."""

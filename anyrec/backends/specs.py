@@ -55,7 +55,7 @@ class DeviceSpec:
 _HOST_DDR_PER_DEVICE = int(2048 * GB / 8)  # 2 TB DDR per 8-GPU node
 _HOST_DDR_BW_PER_DEVICE = 2 * 460 * GB / 8  # two sockets, ~460 GB/s each (12ch DDR5-4800)
 _NIC_400G = 400e9 / 8  # one 400 Gb/s NIC per GPU (ConnectX-7 / Pollara 400)
-_PCIE5_X16 = 55 * GB  # measured on the lent H200 from pinned memory, 2026-11-30
+_PCIE5_X16 = 55 * GB  # measured on an H200 (2026-11-30) from pinned memory, 2026-11-30
 _NIC_800G = 800e9 / 8  # ConnectX-8 per GPU on B200/GB200 systems
 
 SKUS: dict[str, DeviceSpec] = {

@@ -29,6 +29,8 @@ class DataSource(Protocol):
 def resolve_batch_size(data: DataConfig, world_size: int) -> DataConfig:
     """`data` with the per-rank batch size fixed (from `global_batch_size` when that is set)."""
     if data.global_batch_size is None:
+        if data.batch_size < 1:
+            raise ValueError(f"data.batch_size must be >= 1, got {data.batch_size}")
         return data
     if data.global_batch_size < 1 or data.global_batch_size % world_size:
         raise ValueError(f"data.global_batch_size={data.global_batch_size} must be a positive "

@@ -26,7 +26,7 @@ from anyrec.planner.types import (
 
 ID_BYTES = 8  # int64 ids and offsets, as torchrec's KeyedJaggedTensor carries them
 OUTPUT_BYTES = 4  # pooled embeddings and their gradients travel as fp32
-# empirical: streaming elementwise kernels (zero-fill, dense optimizer) vs peak; the lent H200 copied
+# empirical: streaming elementwise kernels (zero-fill, dense optimizer) vs peak; an H200 (2026-11-30) copied
 # at 4.18 of 4.8 TB/s.
 ELEMENTWISE_EFFICIENCY = 0.87
 COMMS_EFFICIENCY = 0.75  # empirical: NCCL/RCCL all-to-all and ring bus bandwidth / link bandwidth
@@ -49,9 +49,9 @@ class KernelProfile:
 KERNELS: dict[str, KernelProfile] = {
     # empirical: FBGEMM TBE forward+backward reaches roughly 55% of HBM bandwidth on dim-128 fp32 rows.
     "fbgemm": KernelProfile("fbgemm", 0.55, 32),
-    # measured on the lent H200: naive Triton forward 3,311 GB/s of 4.8 TB/s peak.
+    # measured on an H200 (2026-11-30): naive Triton forward 3,311 GB/s of 4.8 TB/s peak.
     "triton": KernelProfile("triton", 0.69, 32),
-    # measured on the lent H200: nn.EmbeddingBag forward 1,345 GB/s of 4.8 TB/s peak.
+    # measured on an H200 (2026-11-30): nn.EmbeddingBag forward 1,345 GB/s of 4.8 TB/s peak.
     "torch": KernelProfile("torch", 0.28, 32),
 }
 CPU_ACCESS_BYTES = 64  # one cache line

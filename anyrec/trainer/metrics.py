@@ -62,17 +62,3 @@ class EvalMetrics:
         ne = self._ne.compute()
         return {"auc": float(self._auc.compute()), "accuracy": float(self._acc.compute()),
                 "ne": float(ne["ne"]), "logloss": float(ne["logloss"])}
-
-
-# Kept for callers of the walking skeleton's API.
-class AUC:
-    """ROC AUC over everything seen on every rank."""
-
-    def __init__(self, device: torch.device) -> None:
-        self._metric = BinaryAUROC().to(device)
-
-    def update(self, probs_B: torch.Tensor, labels_B: torch.Tensor) -> None:
-        self._metric.update(probs_B, labels_B.long())
-
-    def compute(self) -> float:
-        return float(self._metric.compute())

@@ -274,9 +274,9 @@ class Trainer:
 
     # ---- the loop --------------------------------------------------------------------------------
 
-    def _batches(self, source, first_step: int, num_steps: int):
+    def _batches(self, source, first_step: int, num_steps: int, what: str = "step"):
         batches = source.iter_from(first_step, num_steps)
-        return self.validator.wrap(batches, first_step) if self.validator is not None else batches
+        return self.validator.wrap(batches, first_step, what) if self.validator is not None else batches
 
     def _next_stop(self, steps: int) -> int:
         """The next step after which something happens between steps (eval, checkpoint, fault)."""
@@ -365,7 +365,7 @@ class Trainer:
             "world_size": self.dist.world_size,
             "batch_size_per_rank": self.batch_size,
             "elapsed_s": train_time,
-            "peak_memory_bytes": self.backend.max_memory_allocated(),
+            "peak_memory_bytes": self.backend.max_memory_allocated(),  # null where not measured
             "peak_host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "skipped_batches": self.skipped_batches,
             "data_malformed_rows": getattr(self.train_data, "malformed_rows", 0),
@@ -396,7 +396,7 @@ class Trainer:
         assert self.eval_data is not None
         self.model.eval()
         metrics = EvalMetrics(self.device)
-        batches = self._batches(self.eval_data, 0, self.cfg.trainer.eval_steps)
+        batches = self._batches(self.eval_data, 0, self.cfg.trainer.eval_steps, what="eval batch")
         while True:
             try:
                 logits_B, labels_B = self.pipeline.progress(batches)

@@ -53,7 +53,7 @@ class InputValidator:
         self.feature_names, self.table_rows, self.num_dense = feature_names, table_rows, num_dense
         self.device = device
 
-    def __call__(self, batch: Batch, step: int) -> None:
+    def __call__(self, batch: Batch, step: int, what: str = "step") -> None:
         problem = check_batch(batch, self.feature_names, self.table_rows, self.num_dense)
         if dist.is_initialized() and dist.get_world_size() > 1:
             flag = torch.tensor([0 if problem is None else 1], dtype=torch.int32, device=self.device)
@@ -63,12 +63,12 @@ class InputValidator:
             problems: list[str | None] = [None] * dist.get_world_size()
             dist.all_gather_object(problems, problem)
             rank, problem = next((r, p) for r, p in enumerate(problems) if p is not None)
-            raise ValueError(f"bad input at step {step + 1} (rank {rank}): {problem}")
+            raise ValueError(f"bad input at {what} {step + 1} (rank {rank}): {problem}")
         if problem is not None:
-            raise ValueError(f"bad input at step {step + 1}: {problem}")
+            raise ValueError(f"bad input at {what} {step + 1}: {problem}")
 
-    def wrap(self, batches: Iterable[Batch], first_step: int) -> Iterator[Batch]:
+    def wrap(self, batches: Iterable[Batch], first_step: int, what: str = "step") -> Iterator[Batch]:
         """The batches, each validated as it is drawn (so before it enters the pipeline)."""
         for i, batch in enumerate(batches):
-            self(batch, first_step + i)
+            self(batch, first_step + i, what)
             yield batch
