@@ -1,6 +1,7 @@
 """Search quality and speed: greedy vs exhaustive on small cases, 1,000 tables in about a second."""
 
 import random
+import threading
 import time
 
 import pytest
@@ -107,3 +108,39 @@ def test_ties_within_tolerance_go_to_least_total_work(seed):
     assert work(tied) <= work(strict) * (1 + 1e-9)
     greedy = GreedyPerfPartitioner().partition(options, topo, base, caps)
     assert _makespan(greedy, base, w) <= _makespan(strict, base, w) * GREEDY_BOUND
+
+
+def test_same_inputs_give_the_same_plan_under_any_load():
+    """The search stops on budgets of moves, not deadlines: a plan is the same however fast it runs."""
+    tables = synthetic_tables(300, seed=0)
+    topo = Topology(get_sku("h200"), 8)
+    part = GreedyPerfPartitioner()
+    planner = CoDesignPlanner(partitioner=part)
+
+    def plan() -> dict:
+        res = planner.plan(tables, topo, 8192, "adagrad")
+        assert res.solver == "greedy"
+        return res.to_json_dict()
+
+    first, second = plan(), plan()
+    # Once more with a busy thread contending for the interpreter, so the search runs much slower.
+    stop = threading.Event()
+
+    def spin() -> None:
+        x = 0
+        while not stop.is_set():
+            x += 1
+
+    busy = threading.Thread(target=spin, daemon=True)
+    busy.start()
+    try:
+        slowed = plan()
+    finally:
+        stop.set()
+        busy.join()
+    assert first == second == slowed
+    # The search used no more than its budgets.
+    local, work, rebalance = part.budgets(len(tables))
+    used_local = sum(v for k, v in part.stats.items() if k.startswith("local_search_"))
+    assert used_local <= local and part.stats["work_search"] <= work
+    assert part.stats["rebalance"] <= rebalance + work - part.stats["work_search"]
