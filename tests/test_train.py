@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 
@@ -31,6 +32,10 @@ def test_torchrun_trains_and_prints_summary(tmp_path):
     run = tmp_path / "run"
     assert (run / ".hydra" / "config.yaml").is_file()
     assert {p.name for p in run.glob("*.log")} == {"train_rank0.log", "train_rank1.log"}
+    # Rank 0's metric logs: one JSONL record per logging step and eval, and TensorBoard events.
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r.get("split", r.get("kind")) == "train"][:2] == [10, 20]
+    assert list((run / "tb").glob("events.out.tfevents.*"))
 
 
 def test_same_seed_same_loss(tmp_path):
