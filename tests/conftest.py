@@ -59,3 +59,16 @@ class OpRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.append(str(func))
         return func(*args, **(kwargs or {}))
+
+
+def run_under_triton_interpreter(test_file: str) -> None:
+    """Run a test module again in a child pytest with TRITON_INTERPRET=1 (it must be set before
+    triton is imported, so it cannot be switched on inside this process) and assert it passed."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(test_file).resolve())],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout

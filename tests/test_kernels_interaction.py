@@ -8,9 +8,6 @@ the kernel tests run in a child pytest with the variable set; input checks run i
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +18,8 @@ from anyrec.models.interaction import (
     TritonDotInteraction,
     TritonLowRankCrossNet,
 )
+
+from .conftest import run_under_triton_interpreter
 
 IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 triton = pytest.importorskip("triton")
@@ -47,15 +46,7 @@ if not IN_INTERPRETER:
 
     def test_dense_kernels_under_interpreter():
         """Run this module's kernel tests in a child process with TRITON_INTERPRET=1."""
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        root = Path(__file__).resolve().parents[1]
-        env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())],
-            cwd=root, env=env, capture_output=True, text=True, timeout=600,
-        )
-        assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-        assert " passed" in proc.stdout
+        run_under_triton_interpreter(__file__)
 
 else:
     from torchrec import KeyedJaggedTensor

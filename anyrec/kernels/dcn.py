@@ -14,15 +14,7 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # the torch module needs no triton
-    triton = None
-    tl = None
-    HAS_TRITON = False
+from anyrec.kernels._triton import HAS_TRITON, tl, triton
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Backward programs to aim for (a few per SM on the largest GPUs; more only adds partial sums).

@@ -22,15 +22,7 @@ import os
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # the torch module needs no triton
-    triton = None
-    tl = None
-    HAS_TRITON = False
+from anyrec.kernels._triton import HAS_TRITON, tl, triton
 
 _DTYPES = (torch.float32, torch.bfloat16)
 

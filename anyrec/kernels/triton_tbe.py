@@ -17,17 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from anyrec.kernels._triton import HAS_TRITON, tl, triton
 from anyrec.kernels.layout import LayoutTensors, TBELayout
-
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # the torch execution path needs no triton
-    triton = None
-    tl = None
-    HAS_TRITON = False
 
 
 def forward_blocks(max_dim: int) -> tuple[int, int, int, int]:
