@@ -102,9 +102,9 @@ class Trainer:
             tc.mixed_precision == "auto" and self.backend.device_type != "cpu")
         self.schedule = WarmupPolyDecay.from_config(cfg.optim)
         torch.manual_seed(tc.seed)
+        check_embedding_weight_decay(cfg.optim, self.embedding_kernel)
         # One device with anyrec's own TBE: no sharding, so no input distribution (whose KJT
         # permutes need FBGEMM ops) and no FBGEMM kernel anywhere in the step.
-        check_embedding_weight_decay(cfg.optim, self.embedding_kernel)
         self.unsharded = self.dist.world_size == 1 and self.embedding_kernel in ("triton", "torch")
         if self.unsharded:
             self._build_unsharded()
