@@ -86,21 +86,27 @@ def test_forward_low_precision_weights(weights_dtype, output_dtype):
                                atol=1e-2 if output_dtype == torch.bfloat16 else 1e-6)
 
 
-@pytest.mark.parametrize("opt", ALL_OPTS, ids=lambda o: o.kind.value)
-@pytest.mark.parametrize("pooling", ["sum", "mean"])
-def test_fused_update_matches_reference(opt, pooling):
-    m = TritonTableBatchedEmbedding(SPECS, FTM, optimizer=opt, pooling=pooling, execution="torch")
+def check_fused_update(execution, opt, pooling, batch):
+    """Three fused steps (one with per-sample weights) match the reference weights and state."""
+    m = TritonTableBatchedEmbedding(SPECS, FTM, optimizer=opt, pooling=pooling, execution=execution)
     tables0 = [w.clone() for w in m.split_embedding_weights()]
     batches = []
     for s in range(3):
-        ids, off, psw = make_batch(SPECS, FTM, 4, seed=10 + s, psw=s == 1)
-        batches.append((ids, off, psw, torch.randn(4, m.layout.output_dim)))
+        ids, off, psw = make_batch(SPECS, FTM, batch, seed=10 + s, psw=s == 1)
+        batches.append((ids, off, psw, torch.randn(batch, m.layout.output_dim)))
     train(m, batches)
     want_w, want_s = reference_steps(tables0, FTM, batches, opt, pooling)
     for t, (w, s) in enumerate(zip(m.split_embedding_weights(), m.get_optimizer_state(), strict=True)):
         torch.testing.assert_close(w, want_w[t], rtol=1e-5, atol=1e-6, msg=f"table {t} weights")
         for k, v in s.items():
             torch.testing.assert_close(v, want_s[t][k], rtol=1e-5, atol=1e-6, msg=f"table {t} {k}")
+    return m
+
+
+@pytest.mark.parametrize("opt", ALL_OPTS, ids=lambda o: o.kind.value)
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+def test_fused_update_matches_reference(opt, pooling):
+    m = check_fused_update("torch", opt, pooling, batch=4)
     assert float(m.step) == 3
 
 

@@ -27,7 +27,15 @@ else:
     from anyrec.kernels import reference as R
     from anyrec.kernels.optimizers import OptimizerConfig
     from anyrec.kernels.tbe import TritonTableBatchedEmbedding
-    from tests.test_kernels_tbe import ALL_OPTS, FTM, SPECS, make_batch, reference_steps, train
+    from tests.test_kernels_tbe import (
+        ALL_OPTS,
+        FTM,
+        SPECS,
+        check_fused_update,
+        make_batch,
+        reference_steps,
+        train,
+    )
 
     def both(**kw):
         """The same module twice: Triton execution and torch execution, with equal weights."""
@@ -64,18 +72,7 @@ else:
 
         monkeypatch.setattr(triton_tbe_backward, "LONG_SEGMENT", long_segment)
         pooling = "mean" if opt.kind.value == "adagrad" else "sum"
-        m = TritonTableBatchedEmbedding(SPECS, FTM, optimizer=opt, pooling=pooling, execution="triton")
-        tables0 = [w.clone() for w in m.split_embedding_weights()]
-        batches = []
-        for s in range(3):
-            ids, off, psw = make_batch(SPECS, FTM, 3, seed=10 + s, psw=s == 1)
-            batches.append((ids, off, psw, torch.randn(3, m.layout.output_dim)))
-        train(m, batches)
-        want_w, want_s = reference_steps(tables0, FTM, batches, opt, pooling)
-        for t, (w, s) in enumerate(zip(m.split_embedding_weights(), m.get_optimizer_state(), strict=True)):
-            torch.testing.assert_close(w, want_w[t], rtol=1e-5, atol=1e-6, msg=f"table {t} weights")
-            for k, v in s.items():
-                torch.testing.assert_close(v, want_s[t][k], rtol=1e-5, atol=1e-6, msg=f"table {t} {k}")
+        check_fused_update("triton", opt, pooling, batch=3)
 
     def test_skip_mode_masks_out_of_range_ids():
         t, p = both(bounds_check="skip", optimizer=OptimizerConfig("rowwise_adagrad", lr=0.1))
