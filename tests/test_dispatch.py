@@ -10,7 +10,10 @@ import pytest
 from anyrec.backends import dispatch, get_backend
 from anyrec.backends.cpu import CPUBackend
 from anyrec.backends.interface import DeviceFacts
+from anyrec.backends.specs import get_sku
 from anyrec.config import BackendConfig
+from anyrec.planner import CoDesignPlanner, InfeasiblePlanError, Topology
+from anyrec.planner.workloads import DLRMV2_DENSE_PARAMS, dlrmv2_tables
 
 H200 = DeviceFacts(cuda_available=True, device_count=1, device_name="NVIDIA H200", arch="sm_90",
                    memory_bytes=141 * 10**9)
@@ -152,10 +155,24 @@ def test_every_reader_takes_the_embedding_impl_record():
     assert supported_placements("fbgemm") == ("hbm", "uvm_caching", "ddr")
     assert supports_data_parallel("fbgemm")
     assert supported_placements("torch") == ("hbm",) and not supports_data_parallel("torch")
+
+    def plan():  # DLRMv2 + Adagrad on one B200 needs UVM caching; on 8 H100s it replicates small tables
+        one, eight = (CoDesignPlanner().plan(dlrmv2_tables(), Topology(get_sku(sku), w), 8192, "adagrad",
+                                             DLRMV2_DENSE_PARAMS, kernel="fbgemm")
+                      for sku, w in (("b200", 1), ("h100", 8)))
+        return ({o.placement.value for o in one.tables.values()},
+                {o.sharding.value for o in eight.tables.values()})
+
+    placements, shardings = plan()
+    assert "uvm_caching" in placements and "data_parallel" in shardings  # the record allows both
     changed = dataclasses.replace(fbgemm, compute_kernels={"hbm": "fused"}, data_parallel=False)
     dispatch.register_impl(changed, replace=True)
     assert supported_placements("fbgemm") == ("hbm",) and not supports_data_parallel("fbgemm")
     assert embedding_sharder("fbgemm").kernels == ["fused"]
+    with pytest.raises(InfeasiblePlanError):  # the planner reads the record: no UVM placement left
+        plan()
+    dispatch.register_impl(dataclasses.replace(fbgemm, data_parallel=False), replace=True)
+    assert "data_parallel" not in plan()[1]
     with pytest.raises(ValueError, match="is already registered"):
         dispatch.register_impl(dataclasses.replace(changed, description="another"))
 
