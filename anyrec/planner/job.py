@@ -8,18 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 from torch import nn
-from torchrec.distributed.types import ShardingPlan
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
 
 from anyrec.backends.dispatch import embedding_impl
-from anyrec.backends.specs import DeviceSpec
-from anyrec.config import AnyrecConfig, ModelConfig, PlannerConfig
+from anyrec.config import ModelConfig, PlannerConfig
 from anyrec.planner.estimators import inexact_update_reason
 from anyrec.planner.planner import CoDesignPlanner
-from anyrec.planner.report import format_report
-from anyrec.planner.torchrec_plan import to_sharding_plan
 from anyrec.planner.types import Placement, PlanResult, ShardingType, TableSpec, Topology
 from anyrec.schema import feature_names, ids_per_sample
 
@@ -82,33 +77,3 @@ def plan_model(model: nn.Module, ebc: nn.Module, cfg_model: ModelConfig, cfg_pla
         dense_param_count(model, ebc), **plan_options(cfg_planner, kernel, optimizer),
     )
 
-
-class _TrainerPlan:
-    """A PlanResult with the two calls the trainer makes on it (report, torchrec plan).
-
-    Transitional: serves `plan_job` until the trainer's planning (anyrec/trainer/planning.py) calls
-    `plan_model`, `report.format_report` and `torchrec_plan.to_sharding_plan` itself.
-    """
-
-    def __init__(self, result: PlanResult) -> None:
-        self.result = result
-
-    def report(self, advice: bool = True) -> str:
-        return format_report(self.result, advice=advice)
-
-    def to_sharding_plan(self, module_path: str, module: nn.Module | None = None,
-                         compute_device: str | None = None) -> ShardingPlan:
-        return to_sharding_plan(self.result, module_path, module, compute_device)
-
-
-def plan_job(cfg: AnyrecConfig, device: DeviceSpec, world_size: int, local_world_size: int | None,
-             batch_size_per_rank: int, compute_device: str | None = None, kernel: str = "fbgemm",
-             planner: CoDesignPlanner | None = None) -> _TrainerPlan:
-    """Transitional entry of the trainer: plans the job's model as `anyrec-plan` does (meta device)."""
-    from anyrec.models.dlrm import build_model  # transitional: the trainer will pass its real model
-
-    meta = torch.device("meta")
-    model = build_model(cfg.model, meta, ebc_device=meta)
-    topo = Topology(device, world_size, local_world_size, compute_device)
-    return _TrainerPlan(plan_model(model, model.sparse_arch, cfg.model, cfg.planner, cfg.optim.name, topo,
-                                   batch_size_per_rank, kernel, planner))
