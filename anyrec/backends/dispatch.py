@@ -15,6 +15,7 @@ again); each op's choice is logged once.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import importlib.util
@@ -88,6 +89,13 @@ def _resolve(ref: str | Callable) -> Callable:
     return obj
 
 
+@functools.lru_cache(maxsize=4096)
+def _state_bytes_per_row(layout: str | Callable, optimizer: str, dim: int) -> int:
+    # Cached by the layout function itself: a re-registered Impl with another layout is never stale.
+    # The planner asks for every shard of every option it enumerates.
+    return int(_resolve(layout)(optimizer, dim))
+
+
 @dataclass(frozen=True)
 class Impl:
     """One implementation of one op: everything anyrec needs to probe, build, shard and cost it.
@@ -141,7 +149,7 @@ class Impl:
         """Bytes of fused optimizer state one row of width `dim` keeps (embedding implementations)."""
         if self.state_bytes_per_row is None:
             raise ValueError(f"{self.op} implementation {self.name!r} keeps no embedding optimizer state")
-        return int(_resolve(self.state_bytes_per_row)(optimizer, dim))
+        return _state_bytes_per_row(self.state_bytes_per_row, optimizer, dim)
 
     def compute_kernel(self, placement: str = "hbm") -> str:
         """The torchrec compute kernel that runs this implementation with tables in `placement`."""
