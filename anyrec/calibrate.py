@@ -1,8 +1,12 @@
-"""`python -m anyrec.calibrate output=FILE.yaml`: measure this device and write a hardware YAML.
+"""`python -m anyrec.calibrate output=FILE.yaml`: measure what the planner costs, write a hardware YAML.
 
-Measures copy bandwidth, host->device bandwidth (accelerators), embedding lookup bandwidth per
-available kernel and dtype, GEMM FLOP/s, and (under torchrun) all-to-all and all-reduce bandwidth.
-The YAML it writes is accepted by `hardware.sku=FILE.yaml` (see anyrec/backends/hardware.py).
+Measures, on this device: copy bandwidth; host->device bandwidth from pinned and pageable memory
+(accelerators); per registered embedding implementation that can run here, a training step (forward,
+backward with the fused optimizer) at several (tables, rows, dim, batch, pooling) points, fitted by
+least squares into the implementation's KernelProfile (bandwidth efficiency, per-row and per-launch
+seconds) in the planner's own cost terms; GEMM FLOP/s (square, and a DLRM MLP forward + backward);
+and under torchrun all-to-all, all-reduce and reduce-scatter at several sizes, fitted into
+latency + bytes / bus bandwidth. The YAML it writes is accepted by `hardware=FILE.yaml`.
 
     python -m anyrec.calibrate output=cal.yaml [backend=auto] [budget_s=0.5] [size=small|large]
     torchrun --nproc_per_node=2 -m anyrec.calibrate output=cal.yaml
@@ -12,6 +16,7 @@ Legend: T tables, R rows, D dim, B bags per table, L ids per bag.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import sys
@@ -22,17 +27,34 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from anyrec.backends import Backend, get_backend
-from anyrec.backends.dispatch import availability
+from anyrec.backends.dispatch import Impl, KernelProfile, availability, implementations
+from anyrec.backends.specs import DeviceSpec
+from anyrec.planner.estimators import lookup_time_s
+from anyrec.planner.types import Placement, TableSpec, Topology
 
 logger = logging.getLogger("anyrec.calibrate")
 
 OPTIONS = {"output": None, "backend": "auto", "budget_s": "0.5", "size": "small"}
-# Workload sizes: (tables, rows, dim, bags, ids per bag), GEMM n, collective bytes, copy bytes.
+OPTIMIZER = "adagrad"  # the default config's; the profile's bytes term covers any optimizer's state
+# Embedding step points: (tables, rows, dim, batch, pooling). They vary ids (pooling, batch) and bytes
+# per id (dim) independently, and one is tiny, so the fit can tell per-row, per-byte and per-launch
+# costs apart.
+EMB_POINTS = {
+    "small": [(1, 1_000, 16, 32, 1), (2, 5_000, 16, 128, 8), (2, 5_000, 128, 128, 8),
+              (2, 5_000, 64, 128, 32), (4, 10_000, 64, 64, 4), (2, 5_000, 256, 64, 2)],
+    "large": [(1, 10_000, 16, 256, 1), (8, 1_000_000, 16, 16384, 8), (8, 1_000_000, 128, 16384, 8),
+              (8, 1_000_000, 64, 16384, 32), (16, 1_000_000, 64, 8192, 4), (8, 1_000_000, 256, 8192, 2)],
+}
+# DLRM MLP shapes: bottom (13 dense features) and top (interaction output) stacks, batch per rank.
+DLRM_MLP = {"small": dict(batch=256, layers=[13, 512, 256, 64, 512, 256, 1]),
+            "large": dict(batch=8192, layers=[13, 512, 256, 128, 1024, 1024, 512, 256, 1])}
 SIZES = {
-    "small": dict(tbe=(8, 50_000, 64, 1024, 8), gemm=768, comm_bytes=4 << 20, copy_bytes=64 << 20),
-    "large": dict(tbe=(26, 1_000_000, 128, 16384, 8), gemm=8192, comm_bytes=256 << 20, copy_bytes=1 << 30),
+    "small": dict(gemm=512, comm_bytes=[1 << 10, 16 << 10, 256 << 10, 2 << 20], copy_bytes=16 << 20),
+    "large": dict(gemm=8192, comm_bytes=[64 << 10, 1 << 20, 16 << 20, 128 << 20], copy_bytes=1 << 30),
 }
 
 
@@ -71,15 +93,41 @@ def timeit(fn: Callable[[], Any], backend: Backend, budget_s: float, min_reps: i
     return times[len(times) // 2]
 
 
+def fit_nonnegative(rows: list[list[float]], y: list[float]) -> list[float]:
+    """Least squares of `y ~ rows @ c` with c >= 0, minimising relative error (the points span orders
+    of magnitude): the best unconstrained fit over every subset of the columns whose coefficients all
+    come out non-negative (exact for the 2-3 columns used here)."""
+    n = len(rows[0])
+    X = torch.tensor(rows, dtype=torch.float64)
+    Y = torch.tensor(y, dtype=torch.float64)
+    w = 1.0 / Y
+    best, best_err = [0.0] * n, float("inf")
+    for k in range(1, n + 1):
+        for cols in itertools.combinations(range(n), k):
+            Xs = X[:, list(cols)] * w[:, None]
+            sol = torch.linalg.lstsq(Xs, (Y * w)[:, None]).solution[:, 0]
+            if (sol < 0).any():
+                continue
+            err = float(((Xs @ sol - Y * w) ** 2).sum())
+            if err < best_err:
+                best_err, best = err, [0.0] * n
+                for c, v in zip(cols, sol.tolist(), strict=True):
+                    best[c] = v
+    return best
+
+
 def measure_copy(backend: Backend, device: torch.device, nbytes: int, budget_s: float) -> dict[str, float]:
-    """Device copy bandwidth (read + write counted) and host->device bandwidth from pinned memory."""
+    """Device copy bandwidth (read + write counted); on accelerators host->device bandwidth from pinned
+    and from pageable memory."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
     out = {"copy_bw_bytes_per_s": 2 * nbytes / timeit(lambda: dst.copy_(src), backend, budget_s)}
     if device.type != "cpu":
-        host = torch.empty(nbytes // 4, dtype=torch.float32).pin_memory()
-        out["h2d_bw_bytes_per_s"] = nbytes / timeit(lambda: dst.copy_(host, non_blocking=True),
+        pinned = torch.empty(nbytes // 4, dtype=torch.float32).pin_memory()
+        pageable = torch.empty(nbytes // 4, dtype=torch.float32)
+        out["h2d_bw_bytes_per_s"] = nbytes / timeit(lambda: dst.copy_(pinned, non_blocking=True),
                                                     backend, budget_s)
+        out["h2d_pageable_bw_bytes_per_s"] = nbytes / timeit(lambda: dst.copy_(pageable), backend, budget_s)
     return out
 
 
@@ -95,45 +143,43 @@ def measure_gemm(backend: Backend, device: torch.device, n: int, budget_s: float
     return out
 
 
-def _lookup_inputs(device: torch.device, shape: tuple, seed: int = 0):
-    t, rows, _, bags, ids_per_bag = shape
-    g = torch.Generator().manual_seed(seed)
-    ids_N = torch.randint(0, rows, (t * bags * ids_per_bag,), generator=g)
-    offsets = torch.arange(0, t * bags * ids_per_bag + 1, ids_per_bag)
-    return ids_N.to(device), offsets.to(device)
+def measure_dlrm_mlp(backend: Backend, device: torch.device, batch: int, layers: list[int],
+                     budget_s: float) -> dict[str, float]:
+    """fp32 FLOP/s of a DLRM-shaped MLP's forward + backward, counted as the planner counts it
+    (6 FLOPs per parameter per sample)."""
+    mods: list[torch.nn.Module] = []
+    for a, b in itertools.pairwise(layers):
+        mods += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+    mlp = torch.nn.Sequential(*mods[:-1]).to(device)
+    x = torch.randn(batch, layers[0], device=device)
+    params = sum(p.numel() for p in mlp.parameters())
+
+    def step() -> None:
+        mlp(x).sum().backward()
+
+    sec = timeit(step, backend, budget_s)
+    return {"flops": 6.0 * params * batch / sec, "params": params, "batch": batch, "step_s": sec}
 
 
-def measure_lookup(backend: Backend, device: torch.device, shape: tuple, budget_s: float) -> dict:
-    """Pooled lookup (forward) bandwidth: bytes of rows read per second, per kernel and dtype."""
-    t, rows, dim, bags, ids_per_bag = shape
-    ids_N, offsets = _lookup_inputs(device, shape)
-    out: dict[str, dict[str, float]] = {}
-    for kernel in ("fbgemm", "torch", "triton"):
-        reason = availability(backend, "embedding", kernel)
-        if kernel == "triton" or reason is not None:
-            # The Triton TBE lives in anyrec.kernels; calibrating it is that module's job.
-            out[kernel] = {"skipped": reason or "measured by anyrec.kernels benchmarks"}
-            continue
-        out[kernel] = {}
-        for dtype, name in ((torch.float32, "fp32"), (torch.float16, "fp16")):
-            try:
-                fn = _lookup_fn(kernel, device, t, rows, dim, dtype, ids_N, offsets)
-                sec = timeit(fn, backend, budget_s)
-            except (RuntimeError, NotImplementedError) as e:
-                out[kernel][name] = f"failed: {str(e).splitlines()[0][:100]}"
-                continue
-            out[kernel][name] = t * bags * ids_per_bag * dim * dtype.itemsize / sec
-    return out
+def _embedding_step(impl: Impl, device: torch.device, point: tuple) -> Callable[[], Any]:
+    """One training step of `impl` at `point`: forward, backward with the fused optimizer update."""
+    t, rows, dim, batch, pooling = point
+    g = torch.Generator().manual_seed(0)
+    ids_N = torch.randint(0, rows, (t * batch * pooling,), generator=g).to(device)
+    grad = torch.ones(batch, t * dim, device=device)
+    if impl.unsharded_builder is not None:
+        from anyrec.kernels.optimizers import OptimizerConfig
 
-
-def _lookup_fn(kernel, device, t, rows, dim, dtype, ids_N, offsets) -> Callable[[], Any]:
-    if kernel == "torch":
-        bag = torch.nn.EmbeddingBag(t * rows, dim, mode="sum", device=device, dtype=dtype)
-        # One table of t*rows rows stands in for t tables: table i's ids are offset by i*rows.
-        per = ids_N.numel() // t
-        shifted_N = ids_N + torch.arange(t, device=device).repeat_interleave(per) * rows
-        return lambda: bag(shifted_N, offsets[:-1])
-    from fbgemm_gpu.split_embedding_configs import SparseType
+        configs = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=rows,
+                                      feature_names=[f"f{i}"]) for i in range(t)]
+        ebc = impl.build_unsharded(configs, optimizer=OptimizerConfig(kind=OPTIMIZER), device=device)
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            [f"f{i}" for i in range(t)], ids_N, torch.full((t * batch,), pooling, device=device))
+        return lambda: ebc(kjt).values().backward(grad)
+    if impl.compute_kernel("hbm") != "fused":
+        raise NotImplementedError(f"{impl.name} has no single-device build to time")
+    # torchrec's "fused" kernel is FBGEMM's training TBE: time it directly, optimizer fused.
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
         ComputeDevice,
@@ -144,65 +190,177 @@ def _lookup_fn(kernel, device, t, rows, dim, dtype, ids_N, offsets) -> Callable[
     tbe = SplitTableBatchedEmbeddingBagsCodegen(
         [(rows, dim, EmbeddingLocation.HOST if on_cpu else EmbeddingLocation.DEVICE,
           ComputeDevice.CPU if on_cpu else ComputeDevice.CUDA)] * t,
-        weights_precision=SparseType.FP32 if dtype == torch.float32 else SparseType.FP16,
-        device=device,
-    )
-    return lambda: tbe(ids_N, offsets)
+        optimizer=EmbOptimType.EXACT_ADAGRAD, learning_rate=0.01, device=device)
+    offsets = torch.arange(0, t * batch * pooling + 1, pooling, device=device)
+    return lambda: tbe(ids_N, offsets).backward(grad)
 
 
-def measure_collectives(device: torch.device, nbytes: int, backend: Backend, budget_s: float) -> dict:
-    """all-to-all and all-reduce bus bandwidth per rank (nccl-tests conventions)."""
+def _planner_terms(impl: Impl, spec: DeviceSpec, compute: str, point: tuple) -> tuple[float, float]:
+    """(ids looked up, seconds of bytes at full bandwidth) for `point`, in the planner's own terms:
+    the per-row term is charged 3x per id (forward, backward read and write), as lookup_time_s does."""
+    t, rows, dim, batch, pooling = point
+    topo = Topology(spec, 1, 1, compute)
+    table = TableSpec("t", rows, dim, float(pooling), ["f"])
+    unit = KernelProfile(1.0, impl.profile.access_bytes if impl.profile else 32)
+    fwd, bwd = lookup_time_s(batch * pooling, batch, dim, table, Placement.HBM, topo, OPTIMIZER, impl.name,
+                             profile=unit)
+    return 3.0 * t * batch * pooling, t * (fwd + bwd)
+
+
+def predict_step_s(profile: KernelProfile, impl: Impl, spec: DeviceSpec, compute: str, point: tuple) -> float:
+    """The planner's seconds for one embedding step of `impl` at `point` with `profile`."""
+    t, rows, dim, batch, pooling = point
+    topo = Topology(spec, 1, 1, compute)
+    table = TableSpec("t", rows, dim, float(pooling), ["f"])
+    fwd, bwd = lookup_time_s(batch * pooling, batch, dim, table, Placement.HBM, topo, OPTIMIZER, impl.name,
+                             profile=profile)
+    return t * (fwd + bwd) + profile.per_launch_s
+
+
+def measure_embedding(backend: Backend, device: torch.device, spec: DeviceSpec, points: list[tuple],
+                      budget_s: float) -> dict[str, Any]:
+    """Per registered embedding implementation: step seconds per point and the fitted profile."""
+    compute = "cpu" if device.type == "cpu" else "cuda"
+    stamp = time.strftime("%Y-%m-%d", time.gmtime())
+    out: dict[str, Any] = {}
+    for impl in implementations("embedding"):
+        reason = availability(backend, "embedding", impl.name)
+        if reason is not None:
+            out[impl.name] = {"skipped": reason}
+            continue
+        measured = []
+        try:
+            for point in points:
+                measured.append(timeit(_embedding_step(impl, device, point), backend, budget_s))
+        except (RuntimeError, NotImplementedError, ValueError) as e:
+            out[impl.name] = {"skipped": f"failed: {str(e).splitlines()[0][:160]}"}
+            continue
+        rows = [[1.0, *_planner_terms(impl, spec, compute, p)] for p in points]
+        launch, per_row, per_byte = fit_nonnegative(rows, measured)
+        profile = KernelProfile(
+            bw_efficiency=min(1.0, 1.0 / per_byte) if per_byte > 0 else 1.0,
+            access_bytes=impl.profile.access_bytes if impl.profile else 32,
+            per_row_s=per_row, per_launch_s=min(launch, 0.5),
+            source=f"measured by anyrec.calibrate on {backend.describe()} ({stamp}): forward + backward "
+                   f"+ fused {OPTIMIZER} at {len(points)} points, least squares")
+        pred = [predict_step_s(profile, impl, spec, compute, p) for p in points]
+        out[impl.name] = {
+            "profile": {"bw_efficiency": profile.bw_efficiency, "access_bytes": profile.access_bytes,
+                        "per_row_s": profile.per_row_s, "per_launch_s": profile.per_launch_s,
+                        "source": profile.source},
+            "points": [{"tables": p[0], "rows": p[1], "dim": p[2], "batch": p[3], "pooling": p[4],
+                        "step_s": m, "fit_s": f} for p, m, f in zip(points, measured, pred, strict=True)],
+            "fit_max_rel_error": max(abs(f - m) / m for m, f in zip(measured, pred, strict=True)),
+        }
+    return out
+
+
+# Bus bytes per collective of `n` input bytes over `w` ranks (nccl-tests' busbw conventions).
+_BUS_FACTOR = {
+    "all_to_all": lambda n, w: n * (w - 1) / w,
+    "all_reduce": lambda n, w: 2 * n * (w - 1) / w,
+    "reduce_scatter": lambda n, w: n * (w - 1) / w,
+}
+
+
+def _collective(op: str, x: torch.Tensor, world: int) -> Callable[[], Any]:
+    if op == "all_to_all":
+        y = torch.empty_like(x)
+        return lambda: dist.all_to_all_single(y, x)
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(x)
+    y = torch.empty(x.numel() // world, dtype=x.dtype, device=x.device)
+    return lambda: dist.reduce_scatter_tensor(y, x)
+
+
+def measure_collectives(device: torch.device, sizes: list[int], backend: Backend, budget_s: float) -> dict:
+    """all-to-all, all-reduce and reduce-scatter seconds at each size (slowest rank's median), fitted
+    into latency_s + bus bytes / bus_bw_bytes_per_s."""
     world = dist.get_world_size()
-    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    y = torch.empty_like(x)
-    a2a = timeit(lambda: dist.all_to_all_single(y, x), backend, budget_s, reps=10)
-    ar = timeit(lambda: dist.all_reduce(x), backend, budget_s, reps=10)
-    # Times differ between ranks; take the slowest, as a collective step would.
-    t = torch.tensor([a2a, ar], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    a2a, ar = t.tolist()
-    return {
-        "all_to_all_bw_bytes_per_s": nbytes * (world - 1) / world / a2a,
-        "all_reduce_bw_bytes_per_s": 2 * nbytes * (world - 1) / world / ar,
-        "world_size": world,
-    }
+    out: dict[str, Any] = {"world_size": world}
+    for op, bus in _BUS_FACTOR.items():
+        times = []
+        try:
+            for nbytes in sizes:
+                x = torch.ones(nbytes // 4 // world * world, dtype=torch.float32, device=device)
+                times.append(timeit(_collective(op, x, world), backend, budget_s, reps=10))
+        except (RuntimeError, NotImplementedError) as e:  # e.g. a process group without the op
+            out[op] = {"skipped": str(e).splitlines()[0][:160]}
+            continue
+        t = torch.tensor(times, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step waits for the slowest rank
+        times = t.tolist()
+        alpha, per_byte = fit_nonnegative([[1.0, bus(n, world)] for n in sizes], times)
+        out[op] = {"sizes_bytes": sizes, "seconds": times, "latency_s": alpha,
+                   "bus_bw_bytes_per_s": 1.0 / per_byte if per_byte > 0 else max(
+                       bus(n, world) / s for n, s in zip(sizes, times, strict=True))}
+    return out
 
 
 def calibrate(backend: Backend, device: torch.device, size: str = "small", budget_s: float = 0.5) -> dict:
-    """Every measurement on this device, as the `measurements` section of a hardware YAML."""
+    """Every measurement on this device, as the `measurements` section of a hardware YAML; its
+    `spec_fields` are the DeviceSpec fields they determine (units in the names)."""
     s = SIZES[size]
     m: dict[str, Any] = {}
     m.update(measure_copy(backend, device, s["copy_bytes"], budget_s))
     m["gemm_flops"] = measure_gemm(backend, device, s["gemm"], budget_s)
-    m["embedding_lookup_bw_bytes_per_s"] = measure_lookup(backend, device, s["tbe"], budget_s)
+    m["dlrm_mlp"] = measure_dlrm_mlp(backend, device, budget_s=budget_s, **DLRM_MLP[size])
+    fields = spec_fields(backend, m)
+    spec = backend.device_spec().replace(**{k: v for k, v in fields.items() if k != "name"})
+    m["embedding"] = measure_embedding(backend, device, spec, EMB_POINTS[size], budget_s)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        m.update(measure_collectives(device, s["comm_bytes"], backend, budget_s))
-    m["lookup_shape"] = dict(zip(("tables", "rows", "dim", "bags", "ids_per_bag"), s["tbe"], strict=True))
+        m["collectives"] = measure_collectives(device, s["comm_bytes"], backend, budget_s)
+        fields.update(link_fields(m["collectives"]))
     m["threads"] = torch.get_num_threads()
+    m["measured_fields"] = [k for k in fields if k != "name"]
+    m["spec_fields"] = fields
     return m
+
+
+def spec_fields(backend: Backend, m: dict) -> dict[str, Any]:
+    """DeviceSpec fields set by the device measurements (copy, host->device, GEMM)."""
+    spec = backend.device_spec()
+    peak = m["gemm_flops"]["fp32"]
+    fields: dict[str, Any] = {
+        "name": f"{spec.name} (calibrated)",
+        "memory_bw_bytes_per_s": m["copy_bw_bytes_per_s"],
+        "peak_fp32_flops": peak,
+        "peak_bf16_flops": m["gemm_flops"]["bf16"],
+        # A small MLP can beat a mid-size square GEMM on a loaded host; the fraction stays <= 1.
+        "dense_efficiency": min(1.0, m["dlrm_mlp"]["flops"] / peak),
+    }
+    if "h2d_bw_bytes_per_s" in m:
+        fields["h2d_bw_bytes_per_s"] = m["h2d_bw_bytes_per_s"]
+    if backend.device_type == "cpu":
+        fields["host_memory_bw_bytes_per_s"] = m["copy_bw_bytes_per_s"]
+    return fields
+
+
+def link_fields(c: dict) -> dict[str, Any]:
+    """DeviceSpec link fields from the collective fits. Ranks of one launch share a host, so what they
+    measure is the scale-up link: the all-to-all bus bandwidth (what embedding comms mostly are), taken
+    as achieved (efficiency 1), and the median per-collective latency (all-reduce counts as two)."""
+    out: dict[str, Any] = {}
+    if "bus_bw_bytes_per_s" in c.get("all_to_all", {}):
+        out["scale_up_bw_bytes_per_s"] = c["all_to_all"]["bus_bw_bytes_per_s"]
+        out["comms_efficiency"] = 1.0
+    alphas = sorted(c[op]["latency_s"] / (2 if op == "all_reduce" else 1)
+                    for op in _BUS_FACTOR if "latency_s" in c.get(op, {}))
+    if alphas:
+        out["scale_up_latency_s"] = alphas[len(alphas) // 2]
+    return out
 
 
 def hardware_yaml(backend: Backend, m: dict) -> dict:
     """The hardware file: the backend's spec with measured fields replaced, plus the measurements."""
     spec = backend.device_spec()
-    measured: dict[str, Any] = {
-        "name": f"{spec.name} (calibrated)",
-        "memory_bw_bytes_per_s": m["copy_bw_bytes_per_s"],
-        "peak_fp32_flops": m["gemm_flops"]["fp32"],
-        "peak_bf16_flops": m["gemm_flops"]["bf16"],
-    }
-    if "h2d_bw_bytes_per_s" in m:
-        measured["h2d_bw_bytes_per_s"] = m["h2d_bw_bytes_per_s"]
-    if backend.device_type == "cpu":
-        measured["host_memory_bw_bytes_per_s"] = m["copy_bw_bytes_per_s"]
-    if "all_to_all_bw_bytes_per_s" in m:
-        # Ranks of one launch share a host: what they measure is the scale-up link.
-        measured["scale_up_bw_bytes_per_s"] = m["all_to_all_bw_bytes_per_s"]
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    fields = {**spec.to_dict(), **measured,
-              "source": f"anyrec.calibrate on {backend.describe()}, {stamp}; "
-                        f"unmeasured fields from {spec.source or spec.name}"}
-    return {"spec": fields, "measurements": m}
+    measurements = {k: v for k, v in m.items() if k != "spec_fields"}
+    fields = {**spec.to_dict(), **m["spec_fields"],
+              "source": f"anyrec.calibrate on {backend.describe()}, {stamp}: "
+                        f"{', '.join(m['measured_fields'])} measured; the rest from "
+                        f"{spec.source or spec.name}"}
+    return {"spec": fields, "measurements": measurements}
 
 
 def write_yaml(path: Path, data: dict, header: str) -> None:
@@ -218,22 +376,33 @@ def write_yaml(path: Path, data: dict, header: str) -> None:
 def format_table(m: dict) -> str:
     """The measurements as a small text table."""
     rows = [("copy", "", m["copy_bw_bytes_per_s"] / 1e9, "GB/s")]
-    if "h2d_bw_bytes_per_s" in m:
-        rows.append(("host->device", "pinned", m["h2d_bw_bytes_per_s"] / 1e9, "GB/s"))
+    for key, variant in (("h2d_bw_bytes_per_s", "pinned"), ("h2d_pageable_bw_bytes_per_s", "pageable")):
+        if key in m:
+            rows.append(("host->device", variant, m[key] / 1e9, "GB/s"))
     for dtype, v in m["gemm_flops"].items():
         rows.append(("gemm", dtype, v / 1e12, "TFLOP/s"))
-    for kernel, per in m["embedding_lookup_bw_bytes_per_s"].items():
-        for dtype, v in per.items():
-            if isinstance(v, float):
-                rows.append((f"lookup {kernel}", dtype, v / 1e9, "GB/s"))
-    for key, label in (("all_to_all_bw_bytes_per_s", "all-to-all"),
-                       ("all_reduce_bw_bytes_per_s", "all-reduce")):
-        if key in m:
-            rows.append((label, f"{m['world_size']} ranks", m[key] / 1e9, "GB/s"))
+    rows.append(("dlrm mlp f+b", "fp32", m["dlrm_mlp"]["flops"] / 1e12, "TFLOP/s"))
+    skipped = []
+    for impl, e in m["embedding"].items():
+        if "profile" not in e:
+            skipped.append(f"embedding {impl}: {e['skipped']}")
+            continue
+        p = e["profile"]
+        rows += [(f"emb {impl}", "bw_eff", p["bw_efficiency"], "fraction"),
+                 (f"emb {impl}", "per_row", p["per_row_s"] * 1e9, "ns"),
+                 (f"emb {impl}", "per_launch", p["per_launch_s"] * 1e6, "us"),
+                 (f"emb {impl}", "fit_err", e["fit_max_rel_error"] * 100, "% (max)")]
+    for op, c in m.get("collectives", {}).items():
+        if not isinstance(c, dict):
+            continue
+        if "skipped" in c:
+            skipped.append(f"{op}: {c['skipped']}")
+            continue
+        variant = f"{m['collectives']['world_size']} ranks"
+        rows += [(op, variant, c["bus_bw_bytes_per_s"] / 1e9, "GB/s (bus)"),
+                 (op, "latency", c["latency_s"] * 1e6, "us")]
     lines = [f"{'measurement':<16} {'variant':<10} {'value':>12}  unit"]
     lines += [f"{a:<16} {b:<10} {v:>12.3f}  {u}" for a, b, v, u in rows]
-    skipped = [f"lookup {k}: {p['skipped']}" for k, p in m["embedding_lookup_bw_bytes_per_s"].items()
-               if "skipped" in p]
     return "\n".join(lines + [f"(skipped) {s}" for s in skipped])
 
 
@@ -269,7 +438,9 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             out = Path(opts["output"])
             header = (f"# Hardware spec measured by anyrec.calibrate ({backend.describe()}, kernels "
-                      f"{kernels}).\n# Use with: hardware.sku={out.resolve()}\n")
+                      f"{kernels}) on {time.strftime('%Y-%m-%d', time.gmtime())}.\n"
+                      f"# Units are in the key names (_s seconds, _bytes_per_s bytes/s, _flops FLOP/s).\n"
+                      f"# Use with: hardware={out.resolve()}\n")
             write_yaml(out, hardware_yaml(backend, m), header)
             print(format_table(m))
             print(f"wrote {out} in {m['seconds']:.1f} s", flush=True)

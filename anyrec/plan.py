@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 
 from anyrec import _hydra
 from anyrec.backends import get_backend, resolve_hardware, rewrite_hardware_argv
+from anyrec.backends.hardware import figure_sources
 from anyrec.backends.specs import DeviceSpec
 from anyrec.config import AnyrecConfig, config_dir, to_object
 from anyrec.models.dlrm import build_model
@@ -54,6 +55,7 @@ def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print,
 
     result = plan_on(device)
     print_fn(format_report(result))
+    print_fn("figures: " + "\n         ".join(figure_sources(cfg.hardware.sku, device, kernel)))
     other = _compare(plan_on, compare, print_fn) if compare is not None else None
     if other is not None:
         print_fn(f"\ncompare: {device.name} vs {compare.name}, {cfg.topology.world_size} device(s) each")

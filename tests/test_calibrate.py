@@ -1,4 +1,4 @@
-"""anyrec.calibrate on CPU: a hardware YAML with sane numbers that `hardware.sku=FILE` accepts."""
+"""anyrec.calibrate on CPU: a hardware YAML the planner plans with, fitted in the planner's own terms."""
 
 from __future__ import annotations
 
@@ -7,8 +7,21 @@ import yaml
 
 from anyrec import calibrate
 from anyrec.backends import load_hardware_file, resolve_hardware
+from anyrec.backends.dispatch import KernelProfile, embedding_impl, reset_impls
+from anyrec.backends.specs import get_sku
+from anyrec.plan import run
+from anyrec.planner import estimators
+from anyrec.planner.types import Topology
 
-from .conftest import torchrun
+from .conftest import compose_config, torchrun
+
+
+@pytest.fixture(autouse=True)
+def _builtin_profiles():
+    """Resolving a calibration file registers its profiles: every test starts and ends on the built-ins."""
+    reset_impls()
+    yield
+    reset_impls()
 
 
 def _check_file(path, world_size: int) -> dict:
@@ -17,37 +30,109 @@ def _check_file(path, world_size: int) -> dict:
     m = data["measurements"]
     assert m["copy_bw_bytes_per_s"] > 1e8  # any host copies more than 100 MB/s
     assert m["gemm_flops"]["fp32"] > 1e8 and m["gemm_flops"]["bf16"] > 1e7
-    lookups = m["embedding_lookup_bw_bytes_per_s"]
-    assert lookups["torch"]["fp32"] > 1e7 and lookups["fbgemm"]["fp32"] > 1e7
-    assert "skipped" in lookups["triton"]  # no Triton target on CPU
+    assert m["dlrm_mlp"]["flops"] > 1e7
+    emb = m["embedding"]
+    for name in ("fbgemm", "torch"):  # every registered implementation that runs on CPU
+        assert len(emb[name]["points"]) == len(calibrate.EMB_POINTS["small"])
+        assert all(p["step_s"] > 0 for p in emb[name]["points"])
+        assert 0 < emb[name]["profile"]["bw_efficiency"] <= 1
+    assert "skipped" in emb["triton"]  # no Triton target on CPU
     spec = resolve_hardware(str(path))
     assert spec.name.endswith("(calibrated)") and spec.vendor == "cpu"
     assert spec.memory_bw_bytes_per_s == m["copy_bw_bytes_per_s"]
     assert spec.peak_fp32_flops == m["gemm_flops"]["fp32"]
-    assert load_hardware_file(path).measurements["lookup_shape"]["dim"] == 64
+    assert 0 < spec.dense_efficiency <= 1
+    # Resolving the file registered its measured profiles: the planner costs lookups with them.
+    assert embedding_impl("fbgemm").profile.per_launch_s == emb["fbgemm"]["profile"]["per_launch_s"]
+    assert "anyrec.calibrate" in embedding_impl("torch").profile.source
+    assert "memory_bw_bytes_per_s" in load_hardware_file(path).measured_fields
     if world_size > 1:
-        assert m["world_size"] == world_size
-        assert m["all_to_all_bw_bytes_per_s"] > 1e6 and m["all_reduce_bw_bytes_per_s"] > 1e6
-        assert spec.scale_up_bw_bytes_per_s == m["all_to_all_bw_bytes_per_s"]
+        c = m["collectives"]
+        assert c["world_size"] == world_size
+        assert c["all_to_all"]["bus_bw_bytes_per_s"] > 1e6 and c["all_reduce"]["bus_bw_bytes_per_s"] > 1e6
+        assert len(c["all_to_all"]["seconds"]) == len(calibrate.SIZES["small"]["comm_bytes"])
+        assert spec.scale_up_bw_bytes_per_s == c["all_to_all"]["bus_bw_bytes_per_s"]
+        assert spec.scale_up_latency_s > 0 and "scale_up_latency_s" in m["measured_fields"]
     return m
 
 
 def test_calibrate_writes_a_hardware_yaml(tmp_path, capsys):
     out = tmp_path / "sub" / "cal.yaml"
-    assert calibrate.main([f"output={out}", "budget_s=0.05"]) == 0
+    assert calibrate.main([f"output={out}", "budget_s=0.02"]) == 0
     m = _check_file(out, world_size=1)
-    assert m["seconds"] < 60
+    assert m["seconds"] < 120  # a loaded 2-core host; a few seconds when idle
     table = capsys.readouterr().out
-    assert "lookup fbgemm" in table and "gemm" in table and f"wrote {out}" in table
+    assert "emb fbgemm" in table and "per_launch" in table and f"wrote {out}" in table
+    assert "Units are in the key names" in out.read_text()
     assert not list(out.parent.glob(".*tmp*"))  # the atomic write left no temporary behind
 
 
 def test_calibrate_under_torchrun_measures_collectives(tmp_path):
     out = tmp_path / "cal2.yaml"
-    proc = torchrun(["-m", "anyrec.calibrate", f"output={out}", "budget_s=0.05"], nproc=2, cwd=tmp_path)
+    proc = torchrun(["-m", "anyrec.calibrate", f"output={out}", "budget_s=0.02"], nproc=2, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     _check_file(out, world_size=2)
     assert proc.stdout.count("wrote ") == 1  # rank 0 only
+
+
+def test_fit_recovers_known_costs():
+    # step = 50 us + 3 ns per row + bytes term / 0.25: the fit gets the three terms back.
+    rows = [[1.0, r, b] for r, b in [(1e3, 1e-5), (1e5, 1e-4), (4e5, 1e-3), (2e4, 5e-3), (3e5, 2e-4)]]
+    y = [50e-6 + 3e-9 * r + b / 0.25 for _, r, b in rows]
+    launch, per_row, per_byte = calibrate.fit_nonnegative(rows, y)
+    assert launch == pytest.approx(50e-6, rel=1e-6) and per_row == pytest.approx(3e-9, rel=1e-6)
+    assert per_byte == pytest.approx(4.0, rel=1e-6)
+    # A negative best fit is not taken: costs are never negative.
+    assert min(calibrate.fit_nonnegative([[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]], [3.0, 2.0, 1.0])) >= 0
+
+
+def _cal_file(tmp_path, **profile) -> str:
+    prof = {"bw_efficiency": 0.01, "per_row_s": 1e-6, "per_launch_s": 2e-3, "access_bytes": 64, **profile}
+    data = {"sku": "cpu",
+            "spec": {"name": "CPU (calibrated)", "scale_up_bw_bytes_per_s": 1e9, "scale_up_latency_s": 5e-4,
+                     "comms_efficiency": 1.0},
+            "measurements": {"embedding": {"fbgemm": {"profile": prof}, "triton": {"skipped": "no"}},
+                             "measured_fields": ["scale_up_bw_bytes_per_s", "scale_up_latency_s"]}}
+    path = tmp_path / "cal.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_calibration_file_changes_the_plan(tmp_path):
+    lines: list[str] = []
+    args = ["model=dlrm_small", "topology.world_size=2", "plan.batch_size=256"]
+    before = run(compose_config(args + ["hardware.sku=cpu"])[1], print_fn=lambda *_: None)
+    after = run(compose_config(args + [f"hardware.sku={_cal_file(tmp_path)}"])[1], print_fn=lines.append)
+    # 2 ms per launch, 1 us per row and 1% of DDR bandwidth: a much slower predicted step.
+    assert after.predicted_step_s > before.predicted_step_s + 2e-3
+    assert after.base.perf.total_s > before.base.perf.total_s  # launch and all-to-all latency per step
+    text = "\n".join(lines)
+    assert "measured (" in text and "scale_up_latency_s" in text and "embedding fbgemm profile" in text
+
+
+@pytest.mark.parametrize(("profile", "error"), [({"bw_efficiency": 3.0}, "bw_efficiency"),
+                                                ({"per_row_s": -1}, "per_row_s"),
+                                                ({"speed": 1}, "unknown field")])
+def test_nonsense_calibration_is_a_one_line_error(tmp_path, profile, error):
+    with pytest.raises(ValueError, match=error) as e:
+        resolve_hardware(_cal_file(tmp_path, **profile))
+    assert "\n" not in str(e.value) and "cal.yaml" in str(e.value)
+
+
+def test_collectives_pay_a_latency_each():
+    topo = Topology(get_sku("cpu"), 2, 2)
+    alpha = get_sku("cpu").scale_up_latency_s
+    assert alpha > 0
+    assert estimators.all_to_all_time_s(0.0, topo) == pytest.approx(alpha)
+    assert estimators.all_to_all_time_s(0.0, topo, latency=False) == 0.0
+    assert estimators.all_reduce_time_s(0.0, topo) == pytest.approx(2 * alpha)  # reduce-scatter + gather
+    bw = estimators.all_to_all_time_s(1e6, topo, latency=False)
+    assert estimators.all_to_all_time_s(1e6, topo) == pytest.approx(alpha + bw)
+
+
+def test_profile_rejects_a_launch_cost_out_of_range():
+    with pytest.raises(ValueError, match="per_launch_s"):
+        KernelProfile(0.5, per_launch_s=-1.0)
 
 
 @pytest.mark.parametrize(("argv", "error"), [([], "output=FILE.yaml is required"),

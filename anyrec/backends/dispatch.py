@@ -15,6 +15,7 @@ again); each op's choice is logged once.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import importlib.metadata
@@ -71,11 +72,19 @@ class KernelProfile:
     access_bytes: int = 32  # smallest memory transaction on a GPU: rows are read in multiples of this
     per_row_s: float = 0.0  # latency-bound cost per looked-up row (CPU: DRAM misses), seconds
     source: str = ""
+    # Fixed seconds per training step for the rank's batched lookup (launches, bucketing, python):
+    # forward + backward with the fused optimizer, paid once per rank whatever its table count.
+    per_launch_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.bw_efficiency <= 1.0 or self.access_bytes <= 0 or self.per_row_s < 0:
-            raise ValueError(f"kernel profile needs 0 < bw_efficiency <= 1, access_bytes > 0 and "
-                             f"per_row_s >= 0; got {self}")
+        if not 0.0 < self.bw_efficiency <= 1.0 or self.access_bytes <= 0 or self.per_row_s < 0 \
+                or not 0.0 <= self.per_launch_s < 1.0:
+            raise ValueError(f"kernel profile needs 0 < bw_efficiency <= 1, access_bytes > 0, "
+                             f"per_row_s >= 0 and 0 <= per_launch_s < 1 s; got {self}")
+
+    def replace(self, **changes: Any) -> KernelProfile:
+        """A copy with some figures changed (a calibration's)."""
+        return dataclasses.replace(self, **changes)
 
 
 def _resolve(ref: str | Callable) -> Callable:
@@ -312,6 +321,15 @@ def register_impl(impl: Impl, replace: bool = False) -> None:
         raise ValueError(f"{impl.op} implementation {impl.name!r} is already registered")
     _impls[key] = impl
     _probe_cache.clear()
+
+
+def set_profile(op: str, name: str, profile: KernelProfile) -> KernelProfile:
+    """Give the registered Impl `name` of `op` a new performance profile (a calibration's); returns the
+    one it replaces, so a caller can put it back."""
+    impl = get_impl(op, name)
+    assert impl.profile is not None or op != "embedding"
+    register_impl(dataclasses.replace(impl, profile=profile), replace=True)
+    return impl.profile
 
 
 def load_entry_points(

@@ -6,7 +6,11 @@ shape of the `hardware` config group, so the same file also works as a group opt
     sku: h200                # optional base: a SKU name or auto; omitted = `spec` is complete
     spec:                    # DeviceSpec fields (units in the names) replacing the base's
       memory_bw_bytes_per_s: 4.18e+12
-    measurements: {...}      # optional, free-form: per-kernel lookup bandwidths etc.
+    measurements: {...}      # optional: what anyrec.calibrate measured (units in the key names)
+
+Two parts of `measurements` feed the planner: `embedding.<impl>.profile` (a KernelProfile per
+embedding implementation, registered over the built-in one when the file is resolved) and
+`measured_fields` (which spec fields were measured rather than taken from the base SKU).
 
 JSON is YAML too, and the flat form is accepted as well: DeviceSpec fields at the top level with
 `base: <sku>` for the rest (`{"base": "h200", "memory_bw_bytes_per_s": 4.18e12}`).
@@ -20,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from anyrec.backends.dispatch import KernelProfile, find_impl, set_profile
 from anyrec.backends.specs import SKUS, DeviceSpec, sku_key
 
 if TYPE_CHECKING:
@@ -35,6 +40,47 @@ class HardwareFile:
 
     spec: DeviceSpec
     measurements: dict[str, Any] = field(default_factory=dict)
+    profiles: dict[str, KernelProfile] = field(default_factory=dict)  # embedding impl -> measured
+
+    @property
+    def measured_fields(self) -> list[str]:
+        """Spec fields the file's calibration measured (the rest come from its base SKU)."""
+        return [f for f in self.measurements.get("measured_fields", []) if f in _FIELDS]
+
+
+def _profiles(measurements: dict[str, Any], where: str) -> dict[str, KernelProfile]:
+    """The measured KernelProfile per embedding implementation; nonsense figures are a ValueError."""
+    out = {}
+    emb = measurements.get("embedding") or {}
+    if not isinstance(emb, dict):
+        raise ValueError(f"{where}: measurements.embedding must be a mapping")
+    for name, entry in emb.items():
+        fields = entry.get("profile") if isinstance(entry, dict) else None
+        if fields is None:
+            continue  # skipped on that machine
+        if not isinstance(fields, dict):
+            raise ValueError(f"{where}: measurements.embedding.{name}.profile must be a mapping")
+        known = {"bw_efficiency", "access_bytes", "per_row_s", "per_launch_s", "source"}
+        if set(fields) - known:
+            raise ValueError(f"{where}: measurements.embedding.{name}.profile: unknown field(s) "
+                             f"{', '.join(sorted(set(fields) - known))}")
+        try:
+            out[name] = KernelProfile(**{k: v if k == "source" else float(v) if k != "access_bytes"
+                                         else int(v) for k, v in fields.items()})
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: measurements.embedding.{name}.profile: {e}") from None
+    return out
+
+
+def apply_profiles(hw: HardwareFile) -> list[str]:
+    """Register the file's measured embedding profiles over the registered ones; returns the
+    implementations changed (ones not registered in this process are skipped)."""
+    done = []
+    for name, profile in hw.profiles.items():
+        if find_impl("embedding", name) is not None:
+            set_profile("embedding", name, profile)
+            done.append(name)
+    return done
 
 
 def is_hardware_path(sku: str) -> bool:
@@ -132,7 +178,7 @@ def load_hardware_file(path: str | os.PathLike, backend: Backend | None = None) 
     measurements = data.get("measurements") or {}
     if not isinstance(measurements, dict):
         raise ValueError(f"hardware file {p}: `measurements` must be a mapping")
-    return HardwareFile(spec, measurements)
+    return HardwareFile(spec, measurements, _profiles(measurements, f"hardware file {p}"))
 
 
 def resolve_hardware(sku: str, overrides: dict[str, Any] | None = None,
@@ -140,7 +186,8 @@ def resolve_hardware(sku: str, overrides: dict[str, Any] | None = None,
     """The DeviceSpec for a `hardware` setting: 'auto', a SKU name, or a path to a hardware YAML.
 
     `overrides` (the config's `hardware.spec`) replace fields last. 'auto' asks `backend` (or the
-    detected one) for its device. Unknown names, missing files and bad fields raise ValueError.
+    detected one) for its device. A file's measured embedding profiles are registered (they are what
+    the planner costs lookups with). Unknown names, missing files and bad fields raise ValueError.
     """
     sku = str(sku).strip()
     if sku == "auto":
@@ -150,7 +197,9 @@ def resolve_hardware(sku: str, overrides: dict[str, Any] | None = None,
             backend = get_backend("auto")
         spec = backend.device_spec()
     elif is_hardware_path(sku):
-        spec = load_hardware_file(sku, backend).spec
+        hw = load_hardware_file(sku, backend)
+        apply_profiles(hw)
+        spec = hw.spec
     else:
         key = sku_key(sku)
         if key is None:
@@ -170,3 +219,21 @@ def rewrite_hardware_argv(argv: list[str]) -> list[str]:
             arg = f"hardware.sku={value}"
         out.append(arg)
     return out
+
+
+def figure_sources(sku: str, spec: DeviceSpec, kernel: str) -> list[str]:
+    """Where the planner's figures for `spec` (from the `hardware` setting `sku`) and embedding
+    implementation `kernel` come from: measured by a calibration file, or the SKU table's source."""
+    profile = find_impl("embedding", kernel)
+    lines = []
+    if is_hardware_path(str(sku)):
+        hw = load_hardware_file(sku)
+        measured = hw.measured_fields
+        rest = [f for f in _FIELDS if f not in measured and f not in ("name", "vendor", "arch", "source")]
+        lines.append(f"measured ({sku}): {', '.join(measured) or 'none'}")
+        lines.append(f"from the base spec: {', '.join(rest)}")
+    else:
+        lines.append(f"all device figures from the SKU table: {spec.source or spec.name}")
+    if profile is not None and profile.profile is not None:
+        lines.append(f"embedding {kernel} profile: {profile.profile.source or 'no source given'}")
+    return lines

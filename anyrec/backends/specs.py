@@ -32,6 +32,13 @@ class DeviceSpec:
     host_memory_bytes: int = 0  # host DDR available to this device's process (0: unknown)
     host_memory_bw_bytes_per_s: float = 0.0  # host DDR bandwidth seen by this device
     source: str = ""  # where the figures come from
+    # Fixed cost of one collective on each link, seconds (a collective costs latency + bytes / bw);
+    # 0: the planner's default (DEFAULT_*_LATENCY_S below).
+    scale_up_latency_s: float = 0.0
+    scale_out_latency_s: float = 0.0
+    # Achieved / peak, where measured (anyrec.calibrate); 0: the planner's empirical defaults.
+    dense_efficiency: float = 0.0  # DLRM-shape MLP GEMMs (forward + backward) vs peak_*_flops
+    comms_efficiency: float = 0.0  # all-to-all bus bandwidth vs the link bandwidth
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -42,6 +49,9 @@ class DeviceSpec:
             raise ValueError(f"DeviceSpec {self.name}: memory_bytes must be > 0")
         if self.memory_bw_bytes_per_s <= 0:
             raise ValueError(f"DeviceSpec {self.name}: memory_bw_bytes_per_s must be > 0")
+        for f in ("dense_efficiency", "comms_efficiency"):
+            if getattr(self, f) > 1.0:
+                raise ValueError(f"DeviceSpec {self.name}: {f} is a fraction of peak, got {getattr(self, f)}")
 
     def replace(self, **changes: object) -> DeviceSpec:
         """A copy with some fields changed (e.g. calibrated bandwidths)."""
@@ -57,6 +67,13 @@ _HOST_DDR_BW_PER_DEVICE = 2 * 460 * GB / 8  # two sockets, ~460 GB/s each (12ch 
 _NIC_400G = 400e9 / 8  # one 400 Gb/s NIC per GPU (ConnectX-7 / Pollara 400)
 _PCIE5_X16 = 55 * GB  # measured on an H200 (2026-11-30) from pinned memory, 2026-11-30
 _NIC_800G = 800e9 / 8  # ConnectX-8 per GPU on B200/GB200 systems
+# Per-collective latency when a spec gives none (seconds). nccl-tests report small-message all-reduce
+# and all-to-all latencies of ~10-30 us inside an NVLink/xGMI node and ~20-60 us over 400G RoCE/IB;
+# gloo on loopback TCP (CPU ranks) is ~100-300 us per collective (empirical, 2-rank CPU runs). Replace
+# them with anyrec.calibrate's alpha-beta fit on the machine at hand.
+DEFAULT_SCALE_UP_LATENCY_S = 20e-6
+DEFAULT_SCALE_OUT_LATENCY_S = 40e-6
+DEFAULT_CPU_LATENCY_S = 150e-6
 
 SKUS: dict[str, DeviceSpec] = {
     # AMD Instinct MI300X datasheet: 192 GB HBM3, 5.3 TB/s, 1307.4 TF bf16, 163.4 TF fp32,
@@ -214,6 +231,8 @@ SKUS: dict[str, DeviceSpec] = {
         int(16 * GB),
         20 * GB,
         "generic host, empirical; calibrate with anyrec.calibrate",
+        scale_up_latency_s=DEFAULT_CPU_LATENCY_S,
+        scale_out_latency_s=DEFAULT_CPU_LATENCY_S,
     ),
 }
 

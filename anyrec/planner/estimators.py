@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 from anyrec.backends.dispatch import KernelProfile, embedding_impl
+from anyrec.backends.specs import DEFAULT_SCALE_OUT_LATENCY_S, DEFAULT_SCALE_UP_LATENCY_S
 from anyrec.planner.types import (
     Perf,
     PerfEstimator,
@@ -37,6 +38,13 @@ _CACHE_HIT_EXPONENT = math.log(0.8) / math.log(0.2)
 # the embedding implementation that is plain torch ops.
 DENSE_LOOKUP_IMPL = "torch"
 
+
+# DDP all-reduces gradients in buckets of this many bytes (torch's default bucket_cap_mb=25): one
+# collective latency per bucket.
+DDP_BUCKET_BYTES = 25 * 2**20
+# Embedding all-to-alls per step when any table is sharded (ids + lengths in, pooled out forward,
+# their gradients back): torchrec batches every table of one sharding type into these.
+EMBEDDING_A2A_PER_STEP = 3
 
 CPU_ACCESS_BYTES = 64  # one cache line
 # Dense-model optimizer state bytes per parameter; its keys are the optimizers the planner knows.
@@ -157,33 +165,54 @@ def dense_update_time_s(weight_bytes: int, rows: int, dim: int, optimizer: str, 
     return (4 * weight_bytes + 2 * state) / bw
 
 
-def all_to_all_time_s(bytes_to_all: float, topology: Topology) -> float:
-    """Seconds for one rank to send `bytes_to_all` spread evenly over all ranks (its own share stays)."""
+def link_latency_s(topology: Topology, inter_host: bool) -> float:
+    """Fixed seconds of one collective over the scale-up (or scale-out) link: the spec's figure, else
+    the default for SKUs that give none (anyrec.backends.specs)."""
+    dev = topology.device
+    if inter_host:
+        return dev.scale_out_latency_s or DEFAULT_SCALE_OUT_LATENCY_S
+    return dev.scale_up_latency_s or DEFAULT_SCALE_UP_LATENCY_S
+
+
+def comms_efficiency(topology: Topology) -> float:
+    """Achieved bus bandwidth / link bandwidth: the spec's measured figure, else the empirical default."""
+    return topology.device.comms_efficiency or COMMS_EFFICIENCY
+
+
+def all_to_all_time_s(bytes_to_all: float, topology: Topology, latency: bool = True) -> float:
+    """Seconds for one rank to send `bytes_to_all` spread evenly over all ranks (its own share stays):
+    the link's latency (unless `latency=False`, for a share of a batched collective) + bytes / bw."""
     w, local = topology.world_size, topology.local_world_size
     if w == 1:
         return 0.0
     dev = topology.device
     intra = bytes_to_all * (local - 1) / w / dev.scale_up_bw_bytes_per_s if local > 1 else 0.0
     inter = bytes_to_all * (w - local) / w / dev.scale_out_bw_bytes_per_s if w > local else 0.0
-    return max(intra, inter) / COMMS_EFFICIENCY
+    alpha = link_latency_s(topology, w > local) if latency else 0.0
+    return alpha + max(intra, inter) / comms_efficiency(topology)
 
 
-def reduce_scatter_time_s(total_bytes: float, ranks: int, hosts: int, topology: Topology) -> float:
+def reduce_scatter_time_s(total_bytes: float, ranks: int, hosts: int, topology: Topology,
+                          latency: bool = True) -> float:
     """Seconds for a hierarchical ring reduce-scatter (or all-gather) of `total_bytes` over `ranks`
-    ranks on `hosts` hosts: intra-host ring over scale-up, then inter-host over scale-out."""
+    ranks on `hosts` hosts: intra-host ring over scale-up, then inter-host over scale-out; each
+    stage pays its link's latency (unless `latency=False`)."""
     if ranks <= 1:
         return 0.0
     dev = topology.device
     per_host = ranks // hosts
     t = total_bytes * (per_host - 1) / per_host / dev.scale_up_bw_bytes_per_s if per_host > 1 else 0.0
+    alpha = link_latency_s(topology, False) if per_host > 1 and latency else 0.0
     if hosts > 1:
         t += total_bytes / per_host * (hosts - 1) / hosts / dev.scale_out_bw_bytes_per_s
-    return t / COMMS_EFFICIENCY
+        alpha += link_latency_s(topology, True) if latency else 0.0
+    return alpha + t / comms_efficiency(topology)
 
 
-def all_reduce_time_s(total_bytes: float, topology: Topology) -> float:
+def all_reduce_time_s(total_bytes: float, topology: Topology, latency: bool = True) -> float:
     """Seconds for an all-reduce of `total_bytes` over all ranks (reduce-scatter + all-gather)."""
-    return 2 * reduce_scatter_time_s(total_bytes, topology.world_size, topology.num_hosts, topology)
+    return 2 * reduce_scatter_time_s(total_bytes, topology.world_size, topology.num_hosts, topology,
+                                     latency)
 
 
 class EmbeddingPerfEstimator(PerfEstimator):
@@ -214,27 +243,29 @@ class EmbeddingPerfEstimator(PerfEstimator):
                 fused_optimizer=False,
             )
             bwd += dense_update_time_s(t.weight_bytes, t.num_rows, t.embedding_dim, opt, topology)
-            perf = Perf(fwd, bwd, 0.0, all_reduce_time_s(t.weight_bytes, topology))
+            # DistributedModelParallel puts replicas' gradients in DDP's buckets with the dense model's:
+            # their bytes count here, the buckets' latencies in DenseEstimator.
+            perf = Perf(fwd, bwd, 0.0, all_reduce_time_s(t.weight_bytes, topology, latency=False))
         elif st in (ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE):
             dim = s0.num_cols
             fwd, bwd = lookup(g * p, g * f, dim)
-            ids = all_to_all_time_s(g * (p + f) * ID_BYTES, topology)
-            out = all_to_all_time_s(g * f * dim * OUTPUT_BYTES, topology)
+            ids = all_to_all_time_s(g * (p + f) * ID_BYTES, topology, latency=False)
+            out = all_to_all_time_s(g * f * dim * OUTPUT_BYTES, topology, latency=False)
             perf = Perf(fwd, bwd, ids + out, out)
         elif st == ShardingType.ROW_WISE:
             fwd, bwd = lookup(g * p / w, g * f, t.embedding_dim)
-            ids = all_to_all_time_s(b * (p + f) * ID_BYTES, topology)
+            ids = all_to_all_time_s(b * (p + f) * ID_BYTES, topology, latency=False)
             rs = reduce_scatter_time_s(
-                g * f * t.embedding_dim * OUTPUT_BYTES, w, topology.num_hosts, topology
+                g * f * t.embedding_dim * OUTPUT_BYTES, w, topology.num_hosts, topology, latency=False
             )
             perf = Perf(fwd, bwd, ids + rs, rs)
         elif st == ShardingType.TABLE_ROW_WISE:
             local = topology.local_world_size
             fwd, bwd = lookup(g * p / local, g * f, t.embedding_dim)
             out_bytes = g * f * t.embedding_dim * OUTPUT_BYTES
-            ids = all_to_all_time_s(g * (p + f) * ID_BYTES / local, topology)
-            rs = reduce_scatter_time_s(out_bytes, local, 1, topology)
-            a2a = all_to_all_time_s(out_bytes / local, topology)
+            ids = all_to_all_time_s(g * (p + f) * ID_BYTES / local, topology, latency=False)
+            rs = reduce_scatter_time_s(out_bytes, local, 1, topology, latency=False)
+            a2a = all_to_all_time_s(out_bytes / local, topology, latency=False)
             perf = Perf(fwd, bwd, ids + rs + a2a, rs + a2a)
         else:  # pragma: no cover - enum is closed
             raise AssertionError(st)
@@ -283,7 +314,9 @@ class EmbeddingStorageEstimator(StorageEstimator):
 
 class DenseEstimator:
     """Per-rank cost that every plan pays: the data-parallel dense model (weights, gradients,
-    optimizer state, FLOPs, gradient all-reduce) and the pooled embeddings of the local batch."""
+    optimizer state, FLOPs, gradient all-reduce in DDP buckets) and the pooled embeddings of the local
+    batch, plus the fixed per-step costs batched over tables: the embedding implementation's launch
+    cost and the latency of the embedding all-to-alls."""
 
     def estimate(self, topology: Topology, workload: Workload) -> RankCost:
         n = workload.dense_param_count
@@ -298,9 +331,14 @@ class DenseEstimator:
         if topology.compute_device == "cpu":
             peak = dev.peak_fp32_flops
         flops = 6.0 * n * b  # forward 2 FLOPs per parameter per sample, backward 4
-        compute = flops / (peak * DENSE_EFFICIENCY) if peak > 0 else 0.0
-        comms = all_reduce_time_s(4 * n, topology)
-        perf = Perf(compute / 3, 2 * compute / 3, 0.0, comms)
+        compute = flops / (peak * (dev.dense_efficiency or DENSE_EFFICIENCY)) if peak > 0 else 0.0
+        buckets = max(1, math.ceil(4 * n / DDP_BUCKET_BYTES))
+        comms = all_reduce_time_s(4 * n, topology, latency=False)
+        comms += buckets * all_reduce_time_s(0.0, topology)  # each bucket's latency
+        a2a_latency = EMBEDDING_A2A_PER_STEP * all_to_all_time_s(0.0, topology)
+        launch = embedding_impl_profile(opts.kernel).per_launch_s
+        perf = Perf(compute / 3 + launch / 3, 2 * compute / 3 + 2 * launch / 3,
+                    a2a_latency / 3, comms + 2 * a2a_latency / 3)
         return RankCost(Storage(int(hbm), 0), perf)
 
 

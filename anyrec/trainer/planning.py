@@ -30,18 +30,19 @@ def sharders(embedding_kernel: str) -> list[ModuleSharder]:
 
 
 def shared_plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module, module_path: str,
-                embedding_kernel: str) -> ShardingPlan:
-    """Rank 0 plans and every rank takes its plan: ranks must never shard by different plans.
+                embedding_kernel: str) -> tuple[ShardingPlan, float | None]:
+    """Rank 0 plans and every rank takes its plan and its predicted seconds per step (None from a
+    planner that predicts nothing): ranks must never shard by different plans.
 
     A planning error on rank 0 (e.g. nothing fits) is raised on every rank, so none waits.
     """
     args = (cfg, backend, info, model, module_path, embedding_kernel)
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return plan_sharding(*args)
+        return plan_and_predict(*args)
     box: list[Any] = [None]
     if info.is_main:
         try:
-            box[0] = plan_sharding(*args)
+            box[0] = plan_and_predict(*args)
         except ValueError as e:
             box[0] = e
     dist.broadcast_object_list(box, src=0)
@@ -54,13 +55,19 @@ def plan_sharding(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn
                   embedding_kernel: str) -> ShardingPlan:
     """The plan for the EmbeddingBagCollection `model.sparse_arch` (at `module_path`) from the configured
     planner (co-design by default); tables and the dense parameter count are read from `model`."""
+    return plan_and_predict(cfg, backend, info, model, module_path, embedding_kernel)[0]
+
+
+def plan_and_predict(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module,
+                     module_path: str, embedding_kernel: str) -> tuple[ShardingPlan, float | None]:
+    """`plan_sharding`'s plan and the co-design planner's predicted seconds per step (None: simple)."""
     ebc = model.sparse_arch
     if cfg.planner.name == "simple":
         shardings = simple_table_shardings(ebc.embedding_bag_configs(), info.world_size,
                                            force=cfg.planner.sharding, optimizer=cfg.optim.name)
         return simple_sharding_plan(ebc, shardings, module_path, info.world_size, info.local_world_size,
                                     backend.device_type, sharder=sharders(embedding_kernel)[0],
-                                    compute_kernel=compute_kernel(embedding_kernel))
+                                    compute_kernel=compute_kernel(embedding_kernel)), None
     if cfg.planner.name != "codesign":
         raise ValueError(f"unknown planner {cfg.planner.name!r}; choose codesign or simple")
     device = resolve_hardware(cfg.hardware.sku, cfg.hardware.spec, backend)
@@ -69,4 +76,4 @@ def plan_sharding(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn
     result = plan_model(model, ebc, cfg.model, cfg.planner, cfg.optim.name, topology, batch, embedding_kernel)
     if info.is_main:
         logger.info("co-design plan:\n%s", format_report(result, advice=False))
-    return to_sharding_plan(result, module_path, ebc, backend.device_type)
+    return to_sharding_plan(result, module_path, ebc, backend.device_type), result.predicted_step_s

@@ -46,6 +46,7 @@ from anyrec.trainer.optim import (
     embedding_optimizer,
     embedding_optimizer_config,
 )
+from anyrec.trainer.perfcheck import StepTimer, gather_step_s, prediction_check
 from anyrec.trainer.pipeline import EagerLoop, SparseDistPipeline, StepFunctions
 from anyrec.trainer.planning import sharders, shared_plan
 from anyrec.trainer.reporting import MetricWriter, progress_bar
@@ -83,6 +84,7 @@ class _Run:
     train_time_s: float = 0.0  # in finished chunks
     chunk_start: float = 0.0  # perf_counter() at the start of the running chunk
     last_checkpoint: Path | None = None
+    timer: StepTimer | None = None  # seconds per step after warm-up, for the prediction check
 
 
 class Trainer:
@@ -98,6 +100,7 @@ class Trainer:
         self.skipped_batches = 0
         self.resumed_from: int | None = None
         self._last_loss = torch.tensor(math.nan)
+        self.predicted_step_s: float | None = None  # the plan's, where a planner predicted one
         self.build()
         self.checkpoints = (CheckpointManager(cfg.trainer.checkpoint, self.signature(), self.dist.is_main)
                             if cfg.trainer.checkpoint.dir else None)
@@ -153,8 +156,8 @@ class Trainer:
         # Embedding optimizer fused into the backward pass (TBE updates rows in place).
         opt_cls, opt_kwargs = embedding_optimizer(self.cfg.optim)
         apply_optimizer_in_backward(opt_cls, model.sparse_arch.parameters(), opt_kwargs)
-        self.sharding_plan = self.plan_override or shared_plan(
-            self.cfg, self.backend, self.dist, model, EBC_PATH, self.embedding_kernel)
+        self.sharding_plan, self.predicted_step_s = (self.plan_override, None) if self.plan_override else \
+            shared_plan(self.cfg, self.backend, self.dist, model, EBC_PATH, self.embedding_kernel)
         self.model = DistributedModelParallel(
             DLRMTrain(model), device=self.device, plan=self.sharding_plan,
             sharders=sharders(self.embedding_kernel),
@@ -273,7 +276,8 @@ class Trainer:
         """
         tc = self.cfg.trainer
         run = _Run(start_step=self.step, window=deque(maxlen=max(1, tc.log_every)),
-                   bar=progress_bar(self.dist.is_main and tc.progress, tc.steps, self.step))
+                   bar=progress_bar(self.dist.is_main and tc.progress, tc.steps, self.step),
+                   timer=StepTimer(self.step, tc.steps))
         self.backend.reset_peak_memory_stats()
         self.model.train()
         while self.step < tc.steps:
@@ -302,6 +306,7 @@ class Trainer:
         """Steps up to `stop`; the time until the pipeline is drained counts as training time."""
         batches = self._batches(self.train_data, self.step, stop - self.step)
         run.chunk_start = time.perf_counter()
+        run.timer.chunk_start(self.step)
         while True:
             lr_factor = self._set_lr(self.step)
             try:
@@ -309,9 +314,11 @@ class Trainer:
             except StopIteration:
                 break
             self.step += 1
+            run.timer.after_step(self.step)
             self._after_step(run, lr_factor)
         self.backend.synchronize()
         run.train_time_s += time.perf_counter() - run.chunk_start
+        run.timer.chunk_end(self.step)
 
     def _after_step(self, run: _Run, lr_factor: float) -> None:
         """Loss window, progress bar and, every `trainer.log_every` steps, a train record."""
@@ -361,6 +368,8 @@ class Trainer:
             eval_result = self.evaluate()
             self._log_eval(eval_result)
         summary = self._summary(run, final_loss, train_loss, eval_result)
+        summary.update(prediction_check(self.predicted_step_s, gather_step_s(run.timer.step_s, self.device),
+                                        log=self.dist.is_main))
         if self.cfg.trainer.fingerprint_weights:
             summary["weights_sha256"] = weights_fingerprint(self.model, self.dist.is_main)
         return summary

@@ -1,0 +1,92 @@
+"""Every run checks the plan's prediction: measured seconds per step after warm-up, per rank, beside
+the planner's predicted step time.
+
+Timing adds no host sync to the steady-state step: the clock is read at the warm-up boundary (host
+time, no sync) and at the end of each chunk, after the trainer's existing drain of the pipeline, so
+whole chunks are timed between sync points; evaluation and checkpoints between chunks are not counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+MISS_WARN_FRACTION = 0.30  # a prediction off by more than this is worth calibrating for
+MAX_WARMUP_STEPS = 10  # compile, allocator and cache warm-up happen in the first few steps
+
+
+def warmup_steps(steps: int) -> int:
+    """Steps left out of the measurement at the start of a run of `steps` steps (a fifth, 1 to 10)."""
+    return max(1, min(MAX_WARMUP_STEPS, steps // 5))
+
+
+class StepTimer:
+    """Seconds and steps after warm-up, accumulated over chunks that end at a sync point."""
+
+    def __init__(self, first_step: int, steps: int) -> None:
+        self.warm_step = first_step + warmup_steps(steps - first_step)
+        self.seconds = 0.0
+        self.steps = 0
+        self._t0: float | None = None
+        self._s0 = 0
+
+    def chunk_start(self, step: int) -> None:
+        """A chunk begins at `step` (just after a sync point)."""
+        self._t0, self._s0 = (time.perf_counter(), step) if step >= self.warm_step else (None, step)
+
+    def after_step(self, step: int) -> None:
+        """`step` steps are done; at the warm-up boundary the clock starts (a host read, no sync)."""
+        if step == self.warm_step:
+            self._t0, self._s0 = time.perf_counter(), step
+
+    def chunk_end(self, step: int) -> None:
+        """The chunk ended at `step` and the device is drained: count its post-warm-up time."""
+        if self._t0 is not None and step > self._s0:
+            self.seconds += time.perf_counter() - self._t0
+            self.steps += step - self._s0
+        self._t0 = None
+
+    @property
+    def step_s(self) -> float | None:
+        """Measured seconds per step on this rank, None if no step ran after warm-up."""
+        return self.seconds / self.steps if self.steps else None
+
+
+def gather_step_s(step_s: float | None, device: torch.device) -> list[float | None]:
+    """Every rank's measured seconds per step (one collective, at the end of training)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [step_s]
+    mine = torch.tensor([-1.0 if step_s is None else step_s], dtype=torch.float64, device=device)
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, mine)
+    return [None if v < 0 else v for v in (float(t.item()) for t in out)]
+
+
+def prediction_check(predicted_s: float | None, per_rank_s: list[float | None],
+                     log: bool = True) -> dict[str, object]:
+    """The summary's keys: predicted and measured (slowest rank) ms per step and the relative error
+    predicted / measured - 1 (null where either is missing); logs both and warns on a large miss."""
+    measured = [s for s in per_rank_s if s is not None]
+    measured_s = max(measured) if measured else None
+    error = predicted_s / measured_s - 1.0 if predicted_s and measured_s else None
+    if log and measured_s is not None:
+        ranks = " ".join(f"{s * 1e3:.2f}" if s is not None else "-" for s in per_rank_s)
+        pred = f"{predicted_s * 1e3:.2f} ms predicted by the plan" if predicted_s else "no prediction"
+        logger.info("step time after warm-up: %.2f ms measured (per rank: %s ms), %s",
+                    measured_s * 1e3, ranks, pred)
+        if error is not None and abs(error) > MISS_WARN_FRACTION:
+            logger.warning("the plan predicted %.2f ms per step but the slowest rank measured %.2f ms "
+                           "(%+.0f%%): the cost model does not fit this machine; calibrate it "
+                           "(torchrun --nproc_per_node=N -m anyrec.calibrate output=cal.yaml) and plan "
+                           "with hardware=cal.yaml", predicted_s * 1e3, measured_s * 1e3, error * 100)
+    return {
+        "predicted_step_ms": predicted_s * 1e3 if predicted_s else None,
+        "measured_step_ms": measured_s * 1e3 if measured_s is not None else None,
+        "measured_step_ms_per_rank": [None if s is None else s * 1e3 for s in per_rank_s],
+        "prediction_error": error,
+    }

@@ -1,0 +1,79 @@
+"""Every run checks the plan's prediction: step time after warm-up beside the plan's predicted step."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from anyrec.trainer import perfcheck
+from anyrec.trainer.perfcheck import StepTimer, prediction_check
+
+from .conftest import last_json_line, torchrun
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_timer_leaves_out_warmup_and_time_between_chunks(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(perfcheck.time, "perf_counter", clock)
+    timer = StepTimer(first_step=0, steps=20)  # warm-up: 4 steps
+    assert timer.warm_step == 4
+    timer.chunk_start(0)
+    for step in range(1, 11):  # 100 ms per warm-up step, 10 ms per step after
+        clock.now += 0.1 if step <= 4 else 0.01
+        timer.after_step(step)
+    timer.chunk_end(10)
+    clock.now += 5.0  # an evaluation between chunks is not a training step
+    timer.chunk_start(10)
+    for step in range(11, 21):
+        clock.now += 0.01
+        timer.after_step(step)
+    timer.chunk_end(20)
+    assert timer.steps == 16 and timer.step_s == pytest.approx(0.01)
+
+
+def test_no_step_after_warmup_measures_nothing():
+    timer = StepTimer(first_step=0, steps=1)
+    timer.chunk_start(0)
+    timer.after_step(1)
+    timer.chunk_end(1)
+    assert timer.step_s is None
+    assert prediction_check(0.01, [None, None], log=False)["measured_step_ms"] is None
+
+
+def test_prediction_check_reports_and_warns(caplog):
+    with caplog.at_level(logging.INFO, logger="anyrec.trainer.perfcheck"):
+        out = prediction_check(0.010, [0.012, 0.020])  # slowest rank: 20 ms; predicted 10 ms
+    assert out["measured_step_ms"] == pytest.approx(20.0) and out["predicted_step_ms"] == pytest.approx(10.0)
+    assert out["prediction_error"] == pytest.approx(-0.5)
+    assert out["measured_step_ms_per_rank"] == pytest.approx([12.0, 20.0])
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "anyrec.calibrate" in warnings[0].getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="anyrec.trainer.perfcheck"):
+        close = prediction_check(0.019, [0.020])
+    assert abs(close["prediction_error"]) < 0.1
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+    # No prediction (planner=simple, one device): the error is null, the measurement stays.
+    none = prediction_check(None, [0.02], log=False)
+    assert none["prediction_error"] is None and none["predicted_step_ms"] is None
+    assert none["measured_step_ms"] == pytest.approx(20.0)
+
+
+def test_training_summary_holds_prediction_and_measurement(tmp_path):
+    proc = torchrun(["-m", "anyrec.train", "model=dlrm_tiny", "trainer.steps=12", "data.batch_size=64",
+                     "trainer.eval_steps=0", f"hydra.run.dir={tmp_path}/run"], nproc=2, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    s = last_json_line(proc.stdout)
+    assert s["predicted_step_ms"] > 0 and s["measured_step_ms"] > 0
+    assert len(s["measured_step_ms_per_rank"]) == 2 and all(v > 0 for v in s["measured_step_ms_per_rank"])
+    assert s["measured_step_ms"] == max(s["measured_step_ms_per_rank"])
+    assert s["prediction_error"] == pytest.approx(s["predicted_step_ms"] / s["measured_step_ms"] - 1)
+    assert "step time after warm-up" in (tmp_path / "run" / "train_rank0.log").read_text()
