@@ -32,3 +32,29 @@ def test_planner_validate_quick(tmp_path):
     data = json.loads(out.read_text())
     assert data["calibrated"]["lookup_bw_bytes_per_s"] > 0 and data["calibrated"]["kind"] == "empirical"
     assert all(r["measured_ms"] > 0 and r["predicted_ms"] > 0 for r in data["shapes"])
+
+
+def test_planner_accuracy_small(tmp_path):
+    out = tmp_path / "acc.json"
+    rows = _load("planner_accuracy").main(["--small", "--output", str(out)])
+    assert [r["workload"] for r in rows] == ["tiny_26x8", "small_26x16"]
+    for r in rows:
+        for label in ("uncal", "cal"):
+            assert r[f"{label}_error_msg"] is None, r
+            assert r[f"{label}_predicted_ms"] > 0 and len(r[f"{label}_measured_ms_per_rank"]) == 2
+            assert r[f"{label}_error"] == r[f"{label}_predicted_ms"] / r[f"{label}_measured_ms"] - 1
+        # The calibration file changed the prediction (measured figures, not the SKU table's).
+        assert r["cal_predicted_ms"] != r["uncal_predicted_ms"]
+    data = json.loads(out.read_text())
+    assert "embedding:" in data["calibration"] and data["rows"][0]["workload"] == "tiny_26x8"
+
+
+def test_plan_vs_torchrec_small(tmp_path):
+    out = tmp_path / "pvt.json"
+    rows = _load("plan_vs_torchrec").main(["--small", "--output", str(out)])
+    assert [r["workload"] for r in rows] == ["tiny_26x8", "small_26x16"]
+    for r in rows:
+        assert r["anyrec_error_msg"] is None and r["torchrec_error_msg"] is None, r
+        assert r["anyrec_measured_ms"] > 0 and r["torchrec_measured_ms"] > 0
+        assert r["ratio"] == r["anyrec_measured_ms"] / r["torchrec_measured_ms"]
+    assert json.loads(out.read_text())["rows"][1]["workload"] == "small_26x16"

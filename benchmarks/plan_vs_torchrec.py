@@ -1,0 +1,137 @@
+"""Measured, not modelled: train each accuracy workload on 2 ranks under anyrec's plan and under the
+plan of torchrec's EmbeddingShardingPlanner (its default proposers and estimators, same world size,
+same per-rank memory, same sharders), and compare the measured seconds per step.
+
+    python benchmarks/plan_vs_torchrec.py [--small] [--hardware cal.yaml] [--output out.json]
+
+Each run is `torchrun benchmarks/plan_vs_torchrec.py --worker ...`, which trains through anyrec's
+Trainer with the given plan and prints the trainer's JSON summary (`measured_step_ms`: slowest rank,
+after warm-up). Timing on a shared host is noisy: the two plans of one workload run back to back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from planner_accuracy import SMALL, WORKLOADS, _expand  # noqa: E402
+
+
+def torchrec_plan(cfg):
+    """torchrec's EmbeddingShardingPlanner plan for the trainer's model (module paths as the trainer's)."""
+    import torch
+    from torchrec.distributed.planner import EmbeddingShardingPlanner
+    from torchrec.distributed.planner.types import Topology as TrTopology
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    from anyrec.backends import get_backend, resolve_hardware
+    from anyrec.models.dlrm import build_model
+    from anyrec.trainer.optim import embedding_optimizer
+    from anyrec.trainer.planning import sharders
+    from anyrec.trainer.trainer import DLRMTrain
+
+    backend = get_backend(cfg.backend.name)
+    kernel = backend.select_kernels(cfg.backend)["embedding"]
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    device = resolve_hardware(cfg.hardware.sku, cfg.hardware.spec, backend)
+    meta = torch.device("meta")
+    model = build_model(cfg.model, meta, ebc_device=meta)
+    opt_cls, opt_kwargs = embedding_optimizer(cfg.optim)
+    apply_optimizer_in_backward(opt_cls, model.sparse_arch.parameters(), opt_kwargs)
+    compute = "cpu" if backend.device_type == "cpu" else "cuda"
+    topo = TrTopology(world_size=world, local_world_size=world, compute_device=compute,
+                      hbm_cap=device.memory_bytes, ddr_cap=device.host_memory_bytes or device.memory_bytes)
+    planner = EmbeddingShardingPlanner(topology=topo, batch_size=cfg.data.batch_size)
+    # Deterministic on every rank from the same inputs: no collective needed.
+    return planner.plan(DLRMTrain(model), sharders(kernel))
+
+
+def worker(planner: str, overrides: list[str]) -> None:
+    """One rank: compose the config, take the chosen planner's plan, train, print the summary."""
+    from hydra import compose, initialize_config_dir
+
+    from anyrec import _hydra
+    from anyrec.config import config_dir, to_object
+    from anyrec.trainer.trainer import Trainer
+
+    _hydra.setup()
+    with initialize_config_dir(str(config_dir()), version_base="1.3"):
+        cfg = to_object(compose("config", overrides))
+    plan = torchrec_plan(cfg) if planner == "torchrec" else None
+    trainer = Trainer(cfg, plan=plan)
+    try:
+        summary = trainer.train()
+        is_main = trainer.dist.is_main
+    finally:
+        trainer.close()
+    if is_main:
+        print(json.dumps(summary), flush=True)
+
+
+def train(name: str, planner: str, hardware: str, steps: int, batch: int, cwd: Path,
+          timeout_s: float) -> dict:
+    """One 2-rank run of workload `name` under `planner`'s plan; its summary or {"error": ...}."""
+    overrides = [*_expand(WORKLOADS[name]), f"hardware.sku={hardware}", f"trainer.steps={steps}",
+                 f"data.batch_size={batch}", "trainer.eval_steps=0", "trainer.progress=false"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(Path(__file__).resolve()), "--worker", planner, "--", *overrides]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return {"error": (proc.stderr.strip().splitlines() or ["?"])[-1][:300]}
+    return json.loads(lines[-1])
+
+
+def _fmt(v, spec=".2f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--small", action="store_true", help="two workloads, a few steps (for tests)")
+    ap.add_argument("--hardware", default="cpu", help="what anyrec plans for: a SKU or a calibration file")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--output", type=Path, default=Path("plan_vs_torchrec.json"))
+    ap.add_argument("--worker", choices=("anyrec", "torchrec"), help=argparse.SUPPRESS)
+    ap.add_argument("overrides", nargs="*", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        worker(args.worker, args.overrides)
+        return []
+    steps = args.steps or (8 if args.small else 60)
+    batch = 64 if args.small else 256
+    timeout_s = 300.0 if args.small else 900.0
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="anyrec_pvt_") as tmp:
+        for name in SMALL if args.small else WORKLOADS:
+            row: dict = {"workload": name}
+            for planner in ("anyrec", "torchrec"):
+                s = train(name, planner, args.hardware, steps, batch, Path(tmp), timeout_s)
+                row[f"{planner}_measured_ms"] = s.get("measured_step_ms")
+                row[f"{planner}_error_msg"] = s.get("error")
+            a, t = row["anyrec_measured_ms"], row["torchrec_measured_ms"]
+            row["ratio"] = a / t if a and t else None
+            rows.append(row)
+    print(f"{'workload':<20} {'anyrec ms':>10} {'torchrec ms':>12} {'anyrec/torchrec':>16}")
+    for r in rows:
+        print(f"{r['workload']:<20} {_fmt(r['anyrec_measured_ms']):>10} "
+              f"{_fmt(r['torchrec_measured_ms']):>12} "
+              f"{_fmt(r['ratio'], '.3f'):>16}  {r['anyrec_error_msg'] or r['torchrec_error_msg'] or ''}")
+    args.output.write_text(json.dumps({"rows": rows, "steps": steps, "batch_size_per_rank": batch,
+                                       "hardware": args.hardware}, indent=1))
+    print(f"wrote {args.output}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""Does the planner predict the trainer's real step? Calibrate, then plan and train each workload on
+2 ranks of this machine, uncalibrated (the SKU table) and calibrated, and compare the plan's
+predicted step time with the measured one per rank.
+
+    python benchmarks/planner_accuracy.py [--small] [--calibration cal.yaml] [--output out.json]
+
+Each training run is `torchrun -m anyrec.train`; its JSON summary carries `predicted_step_ms`,
+`measured_step_ms_per_rank` (after warm-up) and `prediction_error` (predicted / measured - 1).
+Timing on a shared host is noisy: compare the two columns of one run, not runs on different days.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# name -> Hydra overrides: table counts, dims 8-128, pooling 1-20, id skew, and one whose big table
+# cannot fit one rank (a memory cap forces row- or column-wise sharding).
+WORKLOADS: dict[str, list[str]] = {
+    "tiny_26x8": ["model=dlrm_tiny"],
+    "small_26x16": ["model=dlrm_small"],
+    "small_uniform_ids": ["model=dlrm_small", "data.zipf_exponent=0.0"],
+    "wide_8x128": ["model=dlrm_small", "model.embedding_dim=128", "model.table_rows=[50000]*8",
+                   "model.bottom_mlp=[256,128]"],
+    "multihot_8x32_p20": ["model=dlrm_small", "model.embedding_dim=32", "model.table_rows=[20000]*8",
+                          "model.multi_hot=[20]*8", "model.bottom_mlp=[64,32]"],
+    "big_table_split": ["model=dlrm_small", "model.embedding_dim=64",
+                        "model.table_rows=[400000,1000,1000,1000]", "model.bottom_mlp=[64,64]",
+                        "+hardware.spec.memory_bytes=150000000"],
+}
+SMALL = ("tiny_26x8", "small_26x16")
+
+
+def _expand(overrides: list[str]) -> list[str]:
+    """`key=[v]*n` shorthand into a Hydra list."""
+    out = []
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if value.startswith("[") and "]*" in value:
+            item, _, n = value[1:].partition("]*")
+            value = "[" + ",".join([item] * int(n)) + "]"
+        out.append(f"{key}={value}")
+    return out
+
+
+def _torchrun(args: list[str], cwd: Path, timeout_s: float) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
+
+
+def calibrate(out: Path, small: bool, timeout_s: float) -> Path:
+    """A 2-rank calibration file (collectives included)."""
+    budget = "0.02" if small else "0.3"
+    proc = _torchrun(["-m", "anyrec.calibrate", f"output={out}", f"budget_s={budget}"], out.parent, timeout_s)
+    if proc.returncode != 0:
+        raise RuntimeError(f"calibration failed: {proc.stderr[-2000:]}")
+    return out
+
+
+def train(name: str, hardware: str, steps: int, batch: int, workdir: Path, timeout_s: float) -> dict:
+    """One 2-rank training run of workload `name` planned for `hardware`; its summary."""
+    run_dir = workdir / f"{name}_{Path(hardware).stem}"
+    args = ["-m", "anyrec.train", *_expand(WORKLOADS[name]), f"hardware.sku={hardware}",
+            f"trainer.steps={steps}", f"data.batch_size={batch}", "trainer.eval_steps=0",
+            "trainer.progress=false", f"hydra.run.dir={run_dir}"]
+    proc = _torchrun(args, workdir, timeout_s)
+    if proc.returncode != 0:
+        return {"error": (proc.stderr.strip().splitlines() or ["?"])[-1][:300]}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    return json.loads(lines[-1])
+
+
+def run_workloads(names, cal: Path, steps: int, batch: int, workdir: Path, timeout_s: float) -> list[dict]:
+    rows = []
+    for name in names:
+        row: dict = {"workload": name}
+        for label, hw in (("uncal", "cpu"), ("cal", str(cal))):
+            s = train(name, hw, steps, batch, workdir, timeout_s)
+            row[f"{label}_error_msg"] = s.get("error")
+            row[f"{label}_predicted_ms"] = s.get("predicted_step_ms")
+            row[f"{label}_measured_ms"] = s.get("measured_step_ms")
+            row[f"{label}_measured_ms_per_rank"] = s.get("measured_step_ms_per_rank")
+            row[f"{label}_error"] = s.get("prediction_error")
+        rows.append(row)
+    return rows
+
+
+def _fmt(v, spec=".2f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def table(rows: list[dict]) -> str:
+    head = (f"{'workload':<20} {'uncal pred':>10} {'uncal meas':>10} {'uncal err':>9} "
+            f"{'cal pred':>9} {'cal meas':>9} {'cal err':>8}  per-rank measured (cal, ms)")
+    lines = [head]
+    for r in rows:
+        ranks = r.get("cal_measured_ms_per_rank") or []
+        lines.append(f"{r['workload']:<20} {_fmt(r['uncal_predicted_ms']):>10} "
+                     f"{_fmt(r['uncal_measured_ms']):>10} {_fmt(r['uncal_error'], '+.0%'):>9} "
+                     f"{_fmt(r['cal_predicted_ms']):>9} "
+                     f"{_fmt(r['cal_measured_ms']):>9} {_fmt(r['cal_error'], '+.0%'):>8}  "
+                     + " ".join(_fmt(v) for v in ranks))
+    for label in ("uncal", "cal"):
+        errs = [abs(r[f"{label}_error"]) for r in rows if r[f"{label}_error"] is not None]
+        if errs:
+            lines.append(f"{label}: median |error| {statistics.median(errs):.0%}, worst {max(errs):.0%} "
+                         f"over {len(errs)} workloads")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--small", action="store_true", help="two workloads, a few steps (for tests)")
+    ap.add_argument("--calibration", type=Path, help="use this file instead of calibrating")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--output", type=Path, default=Path("planner_accuracy.json"))
+    args = ap.parse_args(argv)
+    steps = args.steps or (8 if args.small else 60)
+    batch = 64 if args.small else 256
+    timeout_s = 300.0 if args.small else 900.0
+    names = SMALL if args.small else tuple(WORKLOADS)
+    with tempfile.TemporaryDirectory(prefix="anyrec_acc_") as tmp:
+        work = Path(tmp)
+        start = time.perf_counter()
+        cal = args.calibration or calibrate(work / "cal.yaml", args.small, timeout_s)
+        rows = run_workloads(names, cal.resolve(), steps, batch, work, timeout_s)
+        calibration = cal.read_text()
+    print(table(rows))
+    args.output.write_text(json.dumps({"rows": rows, "steps": steps, "batch_size_per_rank": batch,
+                                       "seconds": time.perf_counter() - start,
+                                       "calibration": calibration}, indent=1))
+    print(f"wrote {args.output}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
