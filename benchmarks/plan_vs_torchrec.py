@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 s = train(name, planner, args.hardware, steps, batch, Path(tmp), timeout_s)
                 row[f"{planner}_measured_ms"] = s.get("measured_step_ms")
                 row[f"{planner}_error_msg"] = s.get("error")
+                row[f"{planner}_summary"] = s
             a, t = row["anyrec_measured_ms"], row["torchrec_measured_ms"]
             row["ratio"] = a / t if a and t else None
             rows.append(row)

@@ -55,6 +55,6 @@ def test_plan_vs_torchrec_small(tmp_path):
     assert [r["workload"] for r in rows] == ["tiny_26x8", "small_26x16"]
     for r in rows:
         assert r["anyrec_error_msg"] is None and r["torchrec_error_msg"] is None, r
-        assert r["anyrec_measured_ms"] > 0 and r["torchrec_measured_ms"] > 0
+        assert r["anyrec_measured_ms"] > 0 and r["torchrec_measured_ms"] > 0, r
         assert r["ratio"] == r["anyrec_measured_ms"] / r["torchrec_measured_ms"]
     assert json.loads(out.read_text())["rows"][1]["workload"] == "small_26x16"
