@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from anyrec.planner.estimators import cache_hit_rate
+from anyrec.planner.hosts import host_summary
 from anyrec.planner.types import Placement, ShardingType
 
 GB = 1e9
@@ -80,6 +81,7 @@ def format_report(plan, advice: bool = True, max_tables: int = 60) -> str:
         f"predicted step {step * 1e3:.3f} ms (slowest rank); lower bound {lb * 1e3:.3f} ms, gap {gap:.1%}; "
         f"solver {plan.solver}, planned in {plan.plan_time_s:.3f} s"
     )
+    lines.append(host_summary(plan))
     lines.append("")
     lines.append(
         f"{'rank':>4}  {'HBM used / cap GB':>19}  {'DDR GB':>7}  {'compute ms':>10}  {'comms ms':>9}  "
