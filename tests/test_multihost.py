@@ -104,6 +104,12 @@ class Launch:
         return found[0]
 
 
+def agent_flags(hosts: int, nproc: int, endpoint: str, run_id: str) -> list[str]:
+    """torchrun's flags for one host's agent, as docs/multinode.md shows them."""
+    return [f"--nnodes={hosts}", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}", "--local-addr=127.0.0.1"]
+
+
 def launch_hosts(args: list[str], cwd: Path, nproc: tuple[int, ...] = (2, 2), torchrun_args: tuple = (),
                  timeout: float = 300) -> Launch:
     """One torchrun agent per 'host' (its own session), all at a c10d rendezvous on 127.0.0.1."""
@@ -117,9 +123,8 @@ def launch_hosts(args: list[str], cwd: Path, nproc: tuple[int, ...] = (2, 2), to
         for host, n in enumerate(nproc):
             out, err = open(cwd / f"host{host}.out", "w+"), open(cwd / f"host{host}.err", "w+")  # noqa: SIM115
             files += [out, err]
-            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(nproc)}",
-                   f"--nproc_per_node={n}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-                   f"--rdzv-id=test-{marker}", "--local-addr=127.0.0.1", *torchrun_args, *args]
+            cmd = [sys.executable, "-m", "torch.distributed.run",
+                   *agent_flags(len(nproc), n, f"127.0.0.1:{port}", f"test-{marker}"), *torchrun_args, *args]
             procs.append(subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=err,
                                           start_new_session=True))
         deadline = time.monotonic() + timeout
@@ -263,3 +268,117 @@ def test_each_rank_reads_its_own_rows(tmp_path):
                 .dense_features[:, 0]] for r in range(world)}
     assert sorted(x for rows in seen.values() for x in rows) == list(range(3 * world * b))
     assert seen[2][:b] == list(range(2 * b, 3 * b))  # host 1's first rank, step 0
+
+
+# ---- the cluster recipes and the commands in docs/multinode.md -----------------------------------
+
+DOC = ROOT / "docs" / "multinode.md"
+SBATCH = ROOT / "examples" / "cluster" / "anyrec.sbatch"
+PYTORCHJOB = ROOT / "examples" / "cluster" / "pytorchjob.yaml"
+
+
+def _flags(argv: list[str]) -> dict[str, str]:
+    return dict(a.split("=", 1) for a in argv if a.startswith("--") and "=" in a)
+
+
+def _sbatch(tmp_path: Path, args: list[str], shared: str | None = "/shared/anyrec"):
+    """Run the sbatch script with stand-ins for scontrol and srun; the argv srun got (or None)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "scontrol").write_text('#!/bin/sh\n[ "$1 $2 $3" = "show hostnames node-[a-b]" ] || exit 1\n'
+                                      'printf "node-a\\nnode-b\\n"\n')
+    (bin_dir / "srun").write_text('#!/bin/sh\nprintf "%s\\0" "$@" > "$SRUN_ARGV"\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    record = tmp_path / "srun.argv"
+    record.unlink(missing_ok=True)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node-[a-b]",
+           "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_ID": "77", "SLURM_JOB_NAME": "anyrec",
+           "SRUN_ARGV": str(record), "HOME": str(tmp_path)}
+    if shared:
+        env["ANYREC_SHARED"] = shared
+    proc = subprocess.run(["bash", str(SBATCH), *args], env=env, capture_output=True, text=True, timeout=60)
+    argv = record.read_text().split("\0")[:-1] if record.exists() else None
+    return proc, argv
+
+
+def test_sbatch_runs_one_torchrun_agent_per_node_with_c10d_on_the_first(tmp_path):
+    assert subprocess.run(["bash", "-n", str(SBATCH)], capture_output=True, timeout=30).returncode == 0
+    proc, argv = _sbatch(tmp_path, ["model=dlrmv2", "optim=adagrad", "hardware=mi350x"])
+    assert proc.returncode == 0, proc.stderr
+    assert argv == ["--ntasks=2", "--ntasks-per-node=1", "torchrun", "--nnodes=2", "--nproc-per-node=8",
+                    "--rdzv-backend=c10d", "--rdzv-endpoint=node-a:29400", "--rdzv-id=anyrec-77",
+                    "--max-restarts=3", "-m", "anyrec.train",
+                    "trainer.checkpoint.dir=/shared/anyrec/checkpoints/anyrec",
+                    "hydra.run.dir=/shared/anyrec/runs/77",
+                    "model=dlrmv2", "optim=adagrad", "hardware=mi350x"]
+    # The agent flags are the ones the two-host tests launch with (bar the loopback address).
+    assert set(_flags(agent_flags(2, 8, "x", "y"))) - {"--local-addr"} < set(_flags(argv))
+    from .conftest import compose_config
+
+    compose_config([a for a in argv[11:] if not a.startswith(("hydra.", "hardware="))])  # valid overrides
+    proc, argv = _sbatch(tmp_path, [], shared=None)
+    assert proc.returncode != 0 and argv is None and "set ANYREC_SHARED" in proc.stderr
+
+
+def test_pytorchjob_manifest():
+    import yaml
+
+    job = yaml.safe_load(PYTORCHJOB.read_text())
+    assert job["apiVersion"] == "kubeflow.org/v1" and job["kind"] == "PyTorchJob"
+    spec = job["spec"]
+    elastic, worker = spec["elasticPolicy"], spec["pytorchReplicaSpecs"]["Worker"]
+    assert elastic["rdzvBackend"] == "c10d" and elastic["maxRestarts"] >= 1
+    assert elastic["minReplicas"] == elastic["maxReplicas"] == worker["replicas"]  # a fixed host count
+    assert int(spec["nprocPerNode"]) >= 1
+    pod = worker["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["name"] == "pytorch"  # the container the operator injects PET_* into
+    cmd = container["command"]
+    assert cmd[:3] == ["torchrun", "-m", "anyrec.train"]
+    from .conftest import compose_config
+
+    overrides = [a for a in cmd[3:] if not a.startswith(("hydra.", "hardware="))]
+    _, cfg = compose_config(overrides)
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    assert cfg.trainer.checkpoint.dir.startswith("/shared/") and mounts["/shared"] == "shared"
+    claims = {v["name"]: v for v in pod["volumes"]}
+    assert "persistentVolumeClaim" in claims["shared"]
+
+
+def _doc_commands() -> list[list[str]]:
+    import shlex
+
+    blocks = re.findall(r"```bash\n(.*?)```", DOC.read_text(), re.S)
+    return [shlex.split(line) for block in blocks for line in block.splitlines() if line.strip()]
+
+
+def test_every_command_in_the_multinode_doc_is_one_a_test_runs(tmp_path):
+    """torchrun lines are the two-host tests' agents, sbatch and kubectl name the files tested above,
+    and the anyrec-plan lines run here, verbatim."""
+    commands = _doc_commands()
+    assert {c[0] for c in commands} == {"torchrun", "anyrec-plan", "sbatch", "kubectl"}
+    plans = []
+    for cmd in commands:
+        if cmd[0] == "torchrun":
+            tested = _flags(agent_flags(2, 2, "127.0.0.1:29400", "demo"))
+            assert _flags(cmd) == tested and cmd[cmd.index("-m") + 1] == "anyrec.train"
+            assert {"model=dlrm_tiny", TWRW} <= set(cmd)
+        elif cmd[0] == "sbatch":
+            assert cmd[1:3] == ["--nodes=8", str(SBATCH.relative_to(ROOT))]
+            proc, argv = _sbatch(tmp_path, cmd[3:])
+            assert proc.returncode == 0 and argv[-len(cmd[3:]):] == cmd[3:]
+        elif cmd[0] == "kubectl":
+            assert cmd[1:] == ["apply", "-f", str(PYTORCHJOB.relative_to(ROOT))]
+        else:
+            env = {**os.environ, "PYTHONPATH": str(ROOT)}
+            proc = subprocess.run([sys.executable, "-m", "anyrec.plan", *cmd[1:]], cwd=tmp_path, env=env,
+                                  capture_output=True, text=True, timeout=300)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            plans.append(proc.stdout)
+    default, dlrmv2 = plans
+    # The excerpt the doc quotes is what the first command prints (the planner is deterministic).
+    quoted = re.search(r"^    (hosts: 8 x 8 ranks.*)$", DOC.read_text(), re.M).group(1)
+    assert quoted in default
+    assert re.search(r"table_row_wise tables\s+16 of 26\s+16 of 26", default)
+    assert re.search(r"table_row_wise tables\s+1 of 26\s+1 of 26", dlrmv2)

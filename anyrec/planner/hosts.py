@@ -22,6 +22,11 @@ def _best_s(plan, name: str, sharding: ShardingType) -> float | None:
     return min(times) if times else None
 
 
+def table_row_wise_count(plan) -> str:
+    """'k of n': the plan's tables that are table-row-wise."""
+    return f"{sum(o.sharding == TWRW for o in plan.tables.values())} of {len(plan.tables)}"
+
+
 def host_summary(plan) -> str:
     """One paragraph: the hosts, the links between them, and the table-row-wise count with its reason."""
     topo = plan.topology

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from anyrec.planner.estimators import cache_hit_rate
-from anyrec.planner.hosts import host_summary
+from anyrec.planner.hosts import host_summary, table_row_wise_count
 from anyrec.planner.types import Placement, ShardingType
 
 GB = 1e9
@@ -141,6 +141,7 @@ def format_compare(a, b) -> str:
             "tables in HBM / UVM / DDR": (
                 f"{len(pl[Placement.HBM])} / {len(pl[Placement.UVM_CACHING])} / {len(pl[Placement.DDR])}"
             ),
+            "table_row_wise tables": table_row_wise_count(p),
             "predicted step": f"{p.predicted_step_s * 1e3:.3f} ms",
             "slowest rank compute": f"{max(pf, key=lambda x: x.total_s).compute_s * 1e3:.3f} ms",
             "slowest rank comms": f"{max(pf, key=lambda x: x.total_s).comms_s * 1e3:.3f} ms",
