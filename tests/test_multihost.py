@@ -167,7 +167,8 @@ def test_two_hosts_train_with_host_aware_plan_and_shared_checkpoints(two_hosts):
     assert run.returncodes == [0, 0], run.out[-4000:]
     assert run.strays == []
     s = run.summary()
-    assert s["world_size"] == 4 and s["steps"] == 8 and s["resumed_from_step"] is None
+    assert s["world_size"] == 4 and s["hosts"] == 2 and s["local_world_size"] == 2
+    assert s["steps"] == 8 and s["resumed_from_step"] is None
     assert "2 host(s) x 2 ranks (world size 4)" in run.out
     # Every table's rows sit on the two ranks of one host; both hosts hold tables.
     rows = plan_rows(run.out)
@@ -192,7 +193,7 @@ def test_sigkilled_worker_on_host_1_restarts_both_hosts_from_checkpoint(two_host
     # Both agents stopped their surviving workers and started new ones, which resumed from step 4.
     assert all("closing signal SIGTERM" in err for err in run.stderr), run.out[-4000:]
     s = run.summary()
-    assert s["steps"] == 8 and s["world_size"] == 4 and s["resumed_from_step"] == 4
+    assert s["steps"] == 8 and s["world_size"] == 4 and s["hosts"] == 2 and s["resumed_from_step"] == 4
     assert s["final_loss"] == pytest.approx(ref["final_loss"], rel=0, abs=LOSS_ATOL)
     assert s["train_loss"] == pytest.approx(ref["train_loss"], rel=0, abs=LOSS_ATOL)
 
@@ -206,7 +207,8 @@ def test_two_host_checkpoint_resumes_resharded_on_one_host(two_hosts, tmp_path):
                     nproc=4, cwd=tmp_path, timeout=300, env={"GLOO_SOCKET_IFNAME": "lo"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     s = last_json_line(proc.stdout)
-    assert s["world_size"] == 4 and s["resumed_from_step"] == 4 and s["steps"] == 8
+    assert s["world_size"] == 4 and s["hosts"] == 1 and s["local_world_size"] == 4
+    assert s["resumed_from_step"] == 4 and s["steps"] == 8
     assert "1 host(s) x 4 ranks (world size 4)" in proc.stdout + proc.stderr
     # One host: no table can be table-row-wise, so the loaded shards were laid out anew.
     rows = plan_rows(proc.stdout + proc.stderr)
@@ -251,6 +253,43 @@ def test_launch_token_ignores_an_earlier_launchs_keys():
         t.join(60)
     assert len(tokens) == world and len(set(tokens.values())) == 1
     assert tokens[0] != "old"
+
+
+_JOIN = """
+import torch, torch.distributed as dist
+from anyrec.backends import get_backend
+from anyrec.trainer.distributed import init_distributed
+init_distributed(get_backend("cpu"))
+t = torch.ones(1)
+dist.all_reduce(t)
+print("sum", int(t.item()), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_hosts_with_different_restart_counts_join_one_group():
+    """torchrun counts restarts per agent: after host 1's worker failed, its workers start with
+    TORCHELASTIC_RESTART_COUNT=1 while host 0's (stopped only for the new round) keep 0. Both must
+    still form one group in the agent store that holds the first launch's keys."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port),
+           "TORCHELASTIC_USE_AGENT_STORE": "True", "WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "2",
+           "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+           "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    for restarts in ((0, 0), (0, 1)):
+        procs = [subprocess.Popen([sys.executable, "-c", _JOIN], cwd=ROOT, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                  env={**env, "RANK": str(r), "GROUP_RANK": str(r),
+                                       "TORCHELASTIC_RESTART_COUNT": str(restarts[r])}) for r in range(2)]
+        try:
+            outs = [p.communicate(timeout=120)[0] for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+        assert [p.returncode for p in procs] == [0, 0] and all("sum 2" in o for o in outs), outs
 
 
 def test_each_rank_reads_its_own_rows(tmp_path):
