@@ -379,6 +379,8 @@ class Trainer:
             "backend": self.backend.name,
             "embedding_kernel": self.embedding_kernel,
             "world_size": self.dist.world_size,
+            "hosts": self.dist.hosts,
+            "local_world_size": self.dist.local_world_size,
             "batch_size_per_rank": self.batch_size,
             "elapsed_s": run.train_time_s,
             "peak_memory_bytes": self.backend.max_memory_allocated(),  # null where not measured
