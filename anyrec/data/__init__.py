@@ -1,4 +1,4 @@
-"""Data sources: synthetic Criteo-shaped batches and the Criteo TSV / npy files.
+"""Data sources: synthetic Criteo-shaped batches and the Criteo TSV / npy / multi-hot npz files.
 
 Every source has `batch(step)` (a pure function of step and rank, which makes resumes exact) and
 `iter_from(step, num_steps)`.
@@ -13,7 +13,7 @@ from torchrec.datasets.utils import Batch
 
 from anyrec.config import DataConfig, ModelConfig
 
-SOURCES = ("synthetic", "criteo_tsv", "criteo_npy")
+SOURCES = ("synthetic", "criteo_tsv", "criteo_npy", "criteo_multihot")
 
 
 class DataSource(Protocol):
@@ -39,14 +39,21 @@ def resolve_batch_size(data: DataConfig, world_size: int) -> DataConfig:
 
 
 def build_source(model: ModelConfig, data: DataConfig, seed: int, rank: int, world_size: int,
-                 split: str) -> DataSource:
-    """The source named by `data.name` for one rank and split ("train" or "eval")."""
+                 split: str, pin_memory: bool = False) -> DataSource:
+    """The source named by `data.name` for one rank and split ("train" or "eval"); file sources make
+    `data.prefetch` batches ahead in background threads (into pinned memory with `pin_memory`)."""
     if data.name == "synthetic":
         from anyrec.data.synthetic import SyntheticCriteo
 
         return SyntheticCriteo(model, data, seed, rank, world_size, split=split)
-    if data.name in ("criteo_tsv", "criteo_npy"):
+    if data.name in ("criteo_tsv", "criteo_npy", "criteo_multihot"):
         from anyrec.data.criteo import CriteoSource
+        from anyrec.data.prefetch import Prefetched
 
-        return CriteoSource(model, data, rank, world_size, split=split)
+        source = CriteoSource(model, data, rank, world_size, split=split)
+        if data.prefetch < 0:
+            raise ValueError(f"data.prefetch must be >= 0, got {data.prefetch}")
+        if not data.prefetch:
+            return source
+        return Prefetched(source, data.prefetch, data.prefetch_workers, pin_memory)
     raise ValueError(f"unknown data source {data.name!r}; choose one of {', '.join(SOURCES)}")
