@@ -112,9 +112,10 @@ def test_wrapper_passes_the_source_through():
 def _train(tmp_path, name, extra):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "anyrec.train", "model=dlrm_tiny", "data=criteo_npy", f"data.path={tmp_path}/npy",
-         "data.batch_size=16", "trainer.steps=12", "trainer.eval_every=6", "trainer.eval_steps=3",
-         "trainer.progress=false", "trainer.tensorboard=false", "trainer.fingerprint_weights=true",
+        [sys.executable, "-m", "anyrec.train", "model=dlrm_tiny", "data=criteo_npy",
+         f"data.path={tmp_path}/npy", "data.batch_size=16", "trainer.steps=12", "trainer.eval_every=6",
+         "trainer.eval_steps=3", "trainer.progress=false", "trainer.tensorboard=false",
+         "trainer.fingerprint_weights=true",
          f"hydra.run.dir={tmp_path}/{name}", *extra],
         cwd=tmp_path, capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
