@@ -3,6 +3,7 @@ memory-mapped reader, damaged npz files, and 2 ranks training end to end on mate
 
 from __future__ import annotations
 
+import logging
 import zipfile
 
 import numpy as np
@@ -60,7 +61,7 @@ def test_materialize_matches_the_reference_rule(tmp_path):
         assert (out / f"day_0_{part}.npy").read_bytes() == open(f"{prefix}_{part}.npy", "rb").read()
 
 
-def test_materialize_cli_and_reader(tmp_path, capsys):
+def test_materialize_cli_and_reader(tmp_path, capsys, caplog):
     prefix = _npy_day(tmp_path, n=37)
     out = tmp_path / "mh"
     assert materialize_main([str(prefix), "--out-dir", str(out), "--model", "dlrm_tiny",
@@ -84,9 +85,11 @@ def test_materialize_cli_and_reader(tmp_path, capsys):
     pre = build_source(model, data, 0, 1, 2, "train")
     for a, c in zip(pre.iter_from(0, 6), (src.batch(s) for s in range(6)), strict=True):
         assert torch.equal(a.sparse_features.values(), c.sparse_features.values())
-    # A model whose multi_hot disagrees with the files is refused, naming them.
-    with pytest.raises(ValueError, match=r"model.multi_hot says"):
-        CriteoSource(ModelConfig(name="t", table_rows=TINY_ROWS, multi_hot=[1] * 26), data)
+    # A model whose multi_hot disagrees with the files trains on the files' ids, with a warning.
+    with caplog.at_level(logging.WARNING, logger="anyrec.data.criteo"):
+        other = CriteoSource(ModelConfig(name="t", table_rows=TINY_ROWS, multi_hot=[1] * 26), data, 1, 2)
+    assert "model.multi_hot says [1, 1" in caplog.text
+    assert torch.equal(other.batch(2).sparse_features.values(), kjt.values())
 
 
 @pytest.mark.parametrize("damage", ["truncate", "compressed", "garbage"])

@@ -298,6 +298,16 @@ def check_rows(files: tuple[str, str, str], lo: int, dense_nI: np.ndarray, label
                              f"its table [0, {rows}) (data.hash_ids=false)")
 
 
+def _hash(ids: np.ndarray, rows: int) -> np.ndarray:
+    """ids mod rows (torchrec's `hashes`), skipped when every id is already in range: a min and a
+    max cost a fraction of a modulo, and materialised multi-hot ids are in range by construction."""
+    if ids.size == 0 or (int(ids.min()) >= 0 and int(ids.max()) < rows):
+        return ids
+    if rows > np.iinfo(ids.dtype).max:
+        ids = ids.astype(np.int64)
+    return ids % rows
+
+
 class CriteoSource:
     """Batches of Criteo rows for one rank; `batch(step)` is a pure function of (step, rank)."""
 
@@ -336,9 +346,11 @@ class CriteoSource:
             if p.dense_NI.shape[1] != parts[0].dense_NI.shape[1]:
                 raise ValueError(f"criteo: {p.source} has {p.dense_NI.shape[1]} dense features, "
                                  f"{parts[0].source} has {parts[0].dense_NI.shape[1]}")
-        if model.multi_hot and len(model.multi_hot) == len(self.hot) and list(model.multi_hot) != self.hot:
-            raise ValueError(f"criteo: {parts[0].source} has {self.hot} ids per sample per feature, "
-                             f"model.multi_hot says {list(model.multi_hot)}")
+        if model.multi_hot and list(model.multi_hot) != self.hot:
+            # Training works either way; only the planner's pooling estimates assume model.multi_hot.
+            logger.warning("criteo: %s has %s ids per sample per feature, model.multi_hot says %s "
+                           "(the sharding plan assumes the latter)", parts[0].source, self.hot,
+                           list(model.multi_hot))
         self.keys = feature_names(len(self.hot))
         rows = list(model.table_rows)
         # Hash with the model's table sizes; a feature-count mismatch is left to input validation.
@@ -383,15 +395,13 @@ class CriteoSource:
         g = step * self.world_size + self.rank
         B = self.batch_size
         dense, ids, labels = self._rows(g * B, B)
-        values = []
-        for f, ids_BL in enumerate(ids):
-            ids_BL = ids_BL.astype(np.int64, copy=False)
-            if self.modulo is not None:
-                ids_BL = ids_BL % self.modulo[f]
-            values.append(ids_BL.reshape(-1))
-        kjt = KeyedJaggedTensor(
-            keys=self.keys, values=torch.from_numpy(np.concatenate(values)), lengths=self._lengths.clone(),
-            stride=B, length_per_key=list(self._length_per_key))
+        values = [ids_BL.reshape(-1) for ids_BL in ids]
+        if self.modulo is not None:
+            values = [_hash(v, rows) for v, rows in zip(values, self.modulo, strict=True)]
+        values_N = np.concatenate(values, dtype=np.int64, casting="same_kind")
+        kjt = KeyedJaggedTensor(keys=self.keys, values=torch.from_numpy(values_N),
+                                lengths=self._lengths.clone(), stride=B,
+                                length_per_key=list(self._length_per_key))
         return Batch(dense_features=torch.from_numpy(np.array(dense, dtype=np.float32)),
                      sparse_features=kjt,
                      labels=torch.from_numpy(labels.astype(np.float32)))
