@@ -129,3 +129,24 @@ def test_training_with_prefetch_is_bit_identical(tmp_path):
     ahead = _train(tmp_path, "ahead", ["data.prefetch=3", "data.prefetch_workers=2"])
     assert plain["final_loss"] == ahead["final_loss"] and plain["eval_auc"] == ahead["eval_auc"]
     assert plain["weights_sha256"] == ahead["weights_sha256"]
+
+
+def test_pinned_batches_on_an_accelerator(tmp_path):
+    """GPU-only: prefetched Criteo batches are page-locked and copy to the device unchanged."""
+    from anyrec.backends import get_backend
+
+    backend = get_backend("auto")
+    if backend.device_type == "cpu":
+        pytest.skip("needs an accelerator (pinned memory)")
+    from anyrec.config import DataConfig, ModelConfig
+    from anyrec.data import build_source
+
+    write_tsv(tmp_path / "day_0", 40)
+    assert preprocess_main([str(tmp_path / "day_0"), "--out-dir", str(tmp_path / "npy")]) == 0
+    model = ModelConfig(name="m", table_rows=[97] * 26)
+    data = DataConfig(name="criteo_npy", path=str(tmp_path / "npy"), train_files=["day_0"], batch_size=8)
+    src = build_source(model, data, 0, 0, 1, "train", pin_memory=True)
+    for step, b in enumerate(src.iter_from(0, 3)):
+        assert b.dense_features.is_pinned() and b.sparse_features.values().is_pinned()
+        on_device = b.to(backend.device(), non_blocking=True)
+        assert torch.equal(on_device.dense_features.cpu(), src.batch(step).dense_features)
