@@ -12,6 +12,7 @@ from typing import Protocol
 from torchrec.datasets.utils import Batch
 
 from anyrec.config import DataConfig, ModelConfig
+from anyrec.data.prefetch import Prefetched
 
 SOURCES = ("synthetic", "criteo_tsv", "criteo_npy", "criteo_multihot")
 
@@ -43,12 +44,11 @@ def build_source(model: ModelConfig, data: DataConfig, seed: int, rank: int, wor
     """The source named by `data.name` for one rank and split ("train" or "eval"); file sources make
     `data.prefetch` batches ahead in background threads (into pinned memory with `pin_memory`)."""
     if data.name == "synthetic":
-        from anyrec.data.synthetic import SyntheticCriteo
+        from anyrec.data.synthetic import SyntheticCriteo  # a source loads only when chosen
 
         return SyntheticCriteo(model, data, seed, rank, world_size, split=split)
     if data.name in ("criteo_tsv", "criteo_npy", "criteo_multihot"):
-        from anyrec.data.criteo import CriteoSource
-        from anyrec.data.prefetch import Prefetched
+        from anyrec.data.criteo import CriteoSource  # a source loads only when chosen (numpy, iopath)
 
         source = CriteoSource(model, data, rank, world_size, split=split)
         if data.prefetch < 0:

@@ -36,7 +36,7 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from anyrec.config import DataConfig, ModelConfig
-from anyrec.models.dlrm import feature_names
+from anyrec.schema import feature_names
 
 logger = logging.getLogger(__name__)
 
@@ -330,7 +330,7 @@ class CriteoSource:
         elif data.name == "criteo_npy":
             parts = [read_npy(data.path, f) for f in files]
         else:
-            from anyrec.data.multihot import read_multihot
+            from anyrec.data.multihot import read_multihot  # multihot builds on this module's readers
 
             parts = [read_multihot(data.path, f) for f in files]
         self.parts = parts

@@ -35,7 +35,9 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from omegaconf import OmegaConf
 
+from anyrec.config import config_dir
 from anyrec.data.criteo import check_ids_dtype, load_npy, npy_paths
 from anyrec.data.multihot import multihot_paths, write_npz_members
 from anyrec.data.preprocess import print_reports
@@ -116,10 +118,6 @@ def materialize(inputs: list[str | Path], out_dir: str | Path, table_rows: list[
 
 
 def _model_sizes(name: str) -> tuple[list[int], list[int]]:
-    from omegaconf import OmegaConf
-
-    from anyrec.config import config_dir
-
     path = config_dir() / "model" / f"{name}.yaml"
     if not path.is_file():
         raise ValueError(f"no model config {path}")
