@@ -17,7 +17,7 @@ from anyrec.config import DataConfig, ModelConfig
 from anyrec.data.criteo import CriteoSource, read_tsv, tsv_path
 from anyrec.data.preprocess import main as preprocess_main
 
-from .conftest import ROOT
+from .conftest import ROOT, torchrun
 from .test_data import _row, write_tsv
 
 MODEL = ModelConfig(name="m", table_rows=[97] * 26, bottom_mlp=[16], top_mlp=[1], embedding_dim=16)
@@ -171,4 +171,18 @@ def test_training_on_labels_of_7_fails_with_one_line(tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("anyrec-train: error:")]
     assert lines == [f"anyrec-train: error: criteo: {d}/day_0_labels.npy row 0: label 7 is not 0 or 1"], \
+        proc.stderr[-3000:]
+
+
+def test_a_bad_row_only_one_rank_reads_stops_the_job(tmp_path):
+    labels = (np.arange(256, dtype=np.int32) % 2).reshape(-1, 1)
+    labels[84] = 7  # global batch 5 of 16 rows: rank 1's step 2; rank 0 never reads it
+    d = _write_npy_day(tmp_path / "npy", n=256, labels=labels)
+    proc = torchrun(["-m", "anyrec.train", "model=dlrm_tiny", "data=criteo_npy", f"data.path={d}",
+                     "data.batch_size=16", "trainer.steps=6", "trainer.eval_steps=0",
+                     "trainer.progress=false", "trainer.tensorboard=false", f"hydra.run.dir={tmp_path}/h"],
+                    cwd=tmp_path, timeout=150)
+    assert proc.returncode != 0
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("anyrec-train: error:")]
+    assert lines == [f"anyrec-train: error: criteo: {d}/day_0_labels.npy row 84: label 7 is not 0 or 1"], \
         proc.stderr[-3000:]

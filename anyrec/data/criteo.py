@@ -50,6 +50,13 @@ _INT32 = (-(2**31), 2**31 - 1)
 _MAX_ID = 2**63 - 1
 
 
+class BadRowError(ValueError):
+    """A bad value where one rank read it (file and row named). Only that rank knows: its peers are
+    inside a collective, so the entry point exits at once (`rank_local`) rather than wait for them."""
+
+    rank_local = True
+
+
 class Rows(Protocol):
     """One file's (or one day's) rows, read lazily where they are memory-mapped."""
 
@@ -279,22 +286,22 @@ def read_npy(directory: str | Path, prefix: str) -> CriteoArrays:
 
 def check_rows(files: tuple[str, str, str], lo: int, dense_nI: np.ndarray, labels_n: np.ndarray,
                ids: list[np.ndarray], table_rows: list[int] | None) -> None:
-    """Raise ValueError naming the (dense, sparse, labels) file and row (lo + i) of the first bad value."""
+    """Raise BadRowError naming the (dense, sparse, labels) file and row (lo + i) of the first bad value."""
     bad = np.flatnonzero((labels_n != 0) & (labels_n != 1))
     if bad.size:
         i = int(bad[0])
-        raise ValueError(f"criteo: {files[2]} row {lo + i}: label {labels_n[i].item()} is not 0 or 1")
+        raise BadRowError(f"criteo: {files[2]} row {lo + i}: label {labels_n[i].item()} is not 0 or 1")
     finite = np.isfinite(dense_nI)
     if not finite.all():
         i, j = (int(x) for x in np.argwhere(~finite)[0])
-        raise ValueError(f"criteo: {files[0]} row {lo + i}: dense feature {j} is {dense_nI[i, j]}")
+        raise BadRowError(f"criteo: {files[0]} row {lo + i}: dense feature {j} is {dense_nI[i, j]}")
     if table_rows is None:
         return
     for f, (ids_nL, rows) in enumerate(zip(ids, table_rows, strict=True)):
         wrong = (ids_nL < 0) | (ids_nL >= rows)
         if wrong.any():
             i, k = (int(x) for x in np.argwhere(wrong)[0])
-            raise ValueError(f"criteo: {files[1]} row {lo + i}: feature {f} id {ids_nL[i, k]} is outside "
+            raise BadRowError(f"criteo: {files[1]} row {lo + i}: feature {f} id {ids_nL[i, k]} is outside "
                              f"its table [0, {rows}) (data.hash_ids=false)")
 
 
