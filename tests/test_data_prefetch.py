@@ -13,6 +13,9 @@ import time
 import pytest
 import torch
 
+from anyrec.backends import get_backend
+from anyrec.config import DataConfig, ModelConfig
+from anyrec.data import build_source
 from anyrec.data.prefetch import Prefetched, PrefetchIterator
 from anyrec.data.preprocess import main as preprocess_main
 
@@ -133,14 +136,9 @@ def test_training_with_prefetch_is_bit_identical(tmp_path):
 
 def test_pinned_batches_on_an_accelerator(tmp_path):
     """GPU-only: prefetched Criteo batches are page-locked and copy to the device unchanged."""
-    from anyrec.backends import get_backend
-
     backend = get_backend("auto")
     if backend.device_type == "cpu":
         pytest.skip("needs an accelerator (pinned memory)")
-    from anyrec.config import DataConfig, ModelConfig
-    from anyrec.data import build_source
-
     write_tsv(tmp_path / "day_0", 40)
     assert preprocess_main([str(tmp_path / "day_0"), "--out-dir", str(tmp_path / "npy")]) == 0
     model = ModelConfig(name="m", table_rows=[97] * 26)
@@ -150,3 +148,10 @@ def test_pinned_batches_on_an_accelerator(tmp_path):
         assert b.dense_features.is_pinned() and b.sparse_features.values().is_pinned()
         on_device = b.to(backend.device(), non_blocking=True)
         assert torch.equal(on_device.dense_features.cpu(), src.batch(step).dense_features)
+
+
+def test_prefetch_settings_are_checked():
+    for bad in ({"prefetch": -1}, {"prefetch_workers": 0}):
+        data = DataConfig(name="criteo_npy", path="/nonexistent", train_files=["day_0"], **bad)
+        with pytest.raises(ValueError, match="data.prefetch must be >= 0 and data.prefetch_workers >= 1"):
+            build_source(ModelConfig(name="m", table_rows=[5]), data, 0, 0, 1, "train")

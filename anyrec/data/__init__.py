@@ -50,9 +50,10 @@ def build_source(model: ModelConfig, data: DataConfig, seed: int, rank: int, wor
     if data.name in ("criteo_tsv", "criteo_npy", "criteo_multihot"):
         from anyrec.data.criteo import CriteoSource  # a source loads only when chosen (numpy, iopath)
 
+        if data.prefetch < 0 or data.prefetch_workers < 1:
+            raise ValueError(f"data.prefetch must be >= 0 and data.prefetch_workers >= 1, got "
+                             f"{data.prefetch} and {data.prefetch_workers}")
         source = CriteoSource(model, data, rank, world_size, split=split)
-        if data.prefetch < 0:
-            raise ValueError(f"data.prefetch must be >= 0, got {data.prefetch}")
         if not data.prefetch:
             return source
         return Prefetched(source, data.prefetch, data.prefetch_workers, pin_memory)

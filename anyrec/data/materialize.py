@@ -18,7 +18,9 @@ Bit-identical to the reference: every array (values, dtype int32, shape), given 
 input, table sizes and multi-hot sizes, because the tables are drawn from the same generator
 (RandomState(0)) with the same calls in the same order; drawing a table in row chunks yields the
 same stream (each legacy bounded draw consumes whole 32-bit words; checked by the tests), which
-keeps memory bounded where the reference holds every table (~32 GB at DLRMv2 sizes) in RAM.
+keeps memory bounded where the reference holds every table (~32 GB at DLRMv2 sizes) in RAM: the
+tables go to a temporary directory under --out-dir instead (~24 GB of disk at DLRMv2 sizes),
+removed at the end.
 Not identical: the npz container bytes (zip timestamps; the reference's np.savez also writes its
 members in one piece), the dense/label copies are made always (the reference only with
 `--copy_labels_and_dense`), days are named by the inputs rather than `day_0..day_23`, and only the
