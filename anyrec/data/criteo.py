@@ -301,8 +301,8 @@ def check_rows(files: tuple[str, str, str], lo: int, dense_nI: np.ndarray, label
         wrong = (ids_nL < 0) | (ids_nL >= rows)
         if wrong.any():
             i, k = (int(x) for x in np.argwhere(wrong)[0])
-            raise BadRowError(f"criteo: {files[1]} row {lo + i}: feature {f} id {ids_nL[i, k]} is outside "
-                             f"its table [0, {rows}) (data.hash_ids=false)")
+            raise BadRowError(f"criteo: {files[1]} row {lo + i}: feature {f} id {ids_nL[i, k]} is "
+                              f"outside its table [0, {rows}) (data.hash_ids=false)")
 
 
 def _hash(ids: np.ndarray, rows: int) -> np.ndarray:
