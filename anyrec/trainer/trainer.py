@@ -30,9 +30,10 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from anyrec.backends import Backend, get_backend
+from anyrec.backends.dispatch import embedding_impl
 from anyrec.config import AnyrecConfig
 from anyrec.data import build_source, resolve_batch_size
-from anyrec.kernels.ebc import TritonEBCOptimizer, TritonEmbeddingBagCollection
+from anyrec.kernels.ebc import TritonEBCOptimizer
 from anyrec.models.dlrm import DLRM, build_model, feature_names, table_configs
 from anyrec.trainer.checkpoint import CheckpointManager
 from anyrec.trainer.distributed import DistInfo, all_reduce_mean, destroy_distributed, init_distributed
@@ -125,7 +126,8 @@ class Trainer:
         check_embedding_weight_decay(self.cfg.optim, self.embedding_kernel)
         # One device with anyrec's own TBE: no sharding, so no input distribution (whose KJT
         # permutes need FBGEMM ops) and no FBGEMM kernel anywhere in the step.
-        self.unsharded = self.dist.world_size == 1 and self.embedding_kernel in ("triton", "torch")
+        self.unsharded = (self.dist.world_size == 1
+                          and embedding_impl(self.embedding_kernel).unsharded_builder is not None)
         if self.unsharded:
             self._build_unsharded()
         else:
@@ -161,9 +163,9 @@ class Trainer:
 
     def _build_unsharded(self) -> None:
         """All tables on this device in anyrec's TritonEmbeddingBagCollection (Triton or torch ops)."""
-        ebc = TritonEmbeddingBagCollection(table_configs(self.cfg.model),
-                                           optimizer=embedding_optimizer_config(self.cfg.optim),
-                                           device=self.device, execution=self.embedding_kernel)
+        ebc = embedding_impl(self.embedding_kernel).build_unsharded(
+            table_configs(self.cfg.model), optimizer=embedding_optimizer_config(self.cfg.optim),
+            device=self.device)
         self.sharding_plan = None
         self.model = DLRMTrain(DLRM(self.cfg.model, ebc, device=self.device,
                                     kernels=self.backend.select_kernels(self.cfg.backend)))
