@@ -190,10 +190,12 @@ class Trainer:
         cfg, tc = self.cfg, self.cfg.trainer
         data_cfg = resolve_batch_size(cfg.data, self.dist.world_size)
         self.batch_size = data_cfg.batch_size
+        # Prefetched file batches land in page-locked memory where there is a device to copy them to.
+        pin = self.backend.device_type != "cpu"
         self.train_data = build_source(cfg.model, data_cfg, tc.seed, self.dist.rank,
-                                       self.dist.world_size, split="train")
-        self.eval_data = (build_source(cfg.model, data_cfg, tc.seed, self.dist.rank,
-                                       self.dist.world_size, split="eval") if tc.eval_steps > 0 else None)
+                                       self.dist.world_size, split="train", pin_memory=pin)
+        self.eval_data = (build_source(cfg.model, data_cfg, tc.seed, self.dist.rank, self.dist.world_size,
+                                       split="eval", pin_memory=pin) if tc.eval_steps > 0 else None)
         self.validator = (InputValidator(feature_names(len(cfg.model.table_rows)), list(cfg.model.table_rows),
                                          cfg.model.num_dense_features, self.device)
                           if tc.validate_inputs else None)
@@ -388,6 +390,8 @@ class Trainer:
             "backend": self.backend.name,
             "embedding_kernel": self.embedding_kernel,
             "world_size": self.dist.world_size,
+            "hosts": self.dist.hosts,
+            "local_world_size": self.dist.local_world_size,
             "batch_size_per_rank": self.batch_size,
             "elapsed_s": run.train_time_s,
             "peak_memory_bytes": self.backend.max_memory_allocated(),  # null where not measured
