@@ -69,11 +69,12 @@ _PCIE5_X16 = 55 * GB  # measured on an H200 (2026-11-30) from pinned memory, 202
 _NIC_800G = 800e9 / 8  # ConnectX-8 per GPU on B200/GB200 systems
 # Per-collective latency when a spec gives none (seconds). nccl-tests report small-message all-reduce
 # and all-to-all latencies of ~10-30 us inside an NVLink/xGMI node and ~20-60 us over 400G RoCE/IB;
-# gloo on loopback TCP (CPU ranks) is ~100-300 us per collective (empirical, 2-rank CPU runs). Replace
+# gloo on loopback (CPU ranks): measured by anyrec.calibrate's fit on 2 ranks of a loaded 2-core host
+# (2026-11-30): all-to-all 202 us, reduce-scatter 426 us, all-reduce 411 us (= two stages). Replace
 # them with anyrec.calibrate's alpha-beta fit on the machine at hand.
 DEFAULT_SCALE_UP_LATENCY_S = 20e-6
 DEFAULT_SCALE_OUT_LATENCY_S = 40e-6
-DEFAULT_CPU_LATENCY_S = 150e-6
+DEFAULT_CPU_LATENCY_S = 200e-6
 
 SKUS: dict[str, DeviceSpec] = {
     # AMD Instinct MI300X datasheet: 192 GB HBM3, 5.3 TB/s, 1307.4 TF bf16, 163.4 TF fp32,
