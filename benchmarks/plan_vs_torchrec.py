@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--small", action="store_true", help="two workloads, a few steps (for tests)")
     ap.add_argument("--hardware", default="cpu", help="what anyrec plans for: a SKU or a calibration file")
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--only", nargs="+", choices=tuple(WORKLOADS), help="run only these workloads")
     ap.add_argument("--output", type=Path, default=Path("plan_vs_torchrec.json"))
     ap.add_argument("--worker", choices=("anyrec", "torchrec"), help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help=argparse.SUPPRESS)
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     timeout_s = 300.0 if args.small else 900.0
     rows = []
     with tempfile.TemporaryDirectory(prefix="anyrec_pvt_") as tmp:
-        for name in SMALL if args.small else WORKLOADS:
+        for name in args.only or (SMALL if args.small else WORKLOADS):
             row: dict = {"workload": name}
             for planner in ("anyrec", "torchrec"):
                 s = train(name, planner, args.hardware, steps, batch, Path(tmp), timeout_s)
