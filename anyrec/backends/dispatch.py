@@ -36,6 +36,7 @@ class Op:
     config_key: str | None
     description: str
     requirements: dict[str, Probe]  # op-specific checks on top of the library's device probe
+    default_order: tuple[str, ...] = ()  # for backends whose kernel_order does not list the op
 
 
 def _kernel_module(module: str) -> Probe:
@@ -54,6 +55,17 @@ def _triton_tbe(_: Backend) -> str | None:
     return None
 
 
+def _fbgemm_sparse_ops(backend: Backend) -> str | None:
+    from anyrec.backends.sparse_ops import SPARSE_OPS, missing_kernels
+
+    key = dispatch_key(backend.device_type)
+    missing = missing_kernels(key)
+    if missing:
+        return (f"fbgemm_gpu has no {key} kernel for {len(missing)} of {len(SPARSE_OPS)} sparse ops "
+                f"({', '.join(missing)})")
+    return None
+
+
 OPS: dict[str, Op] = {
     "embedding": Op("embedding", "embedding_kernel",
                     "pooled embedding lookup with the optimizer fused into backward",
@@ -65,6 +77,9 @@ OPS: dict[str, Op] = {
                     {"triton": _kernel_module("anyrec.kernels.dcn"),
                      "fbgemm": lambda _: "no fbgemm kernel for this op"}),
     "collectives": Op("collectives", None, "torch.distributed process-group backend", {}),
+    # torchrec's KJT permutes, offsets and bucketisation, pooled-embedding permutes (sparse_ops.py).
+    "sparse_ops": Op("sparse_ops", "sparse_ops", "FBGEMM sparse ops of torchrec's input/output distribution",
+                     {"fbgemm": _fbgemm_sparse_ops}, default_order=("fbgemm", "portable")),
 }
 
 # What each embedding implementation means to torchrec: the compute kernels it runs, by placement
@@ -79,6 +94,16 @@ TORCHREC_COMPUTE_KERNELS: dict[str, dict[str, str]] = {
 
 # torch dispatch keys per device type (ROCm registers its kernels under CUDA).
 _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA", "xpu": "XPU", "mtia": "MTIA", "mps": "MPS"}
+
+
+def dispatch_key(device_type: str) -> str:
+    """torch's dispatch key for a device type; a renamed PrivateUse1 device maps to PrivateUse1."""
+    if device_type in _DISPATCH_KEYS:
+        return _DISPATCH_KEYS[device_type]
+    if device_type == torch._C._get_privateuse1_backend_name():
+        return "PrivateUse1"
+    return device_type.upper()
+
 # Any one of these with a kernel for the device means FBGEMM's training TBE runs there.
 _FBGEMM_TBE_OPS = (
     "fbgemm::split_embedding_codegen_forward_unweighted_cuda",
@@ -95,7 +120,7 @@ def probe_fbgemm(backend: Backend) -> str | None:
         importlib.import_module("fbgemm_gpu")
     except Exception as e:  # a mismatched wheel fails with OSError/RuntimeError on load
         return f"fbgemm_gpu failed to load ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
-    key = _DISPATCH_KEYS.get(backend.device_type, backend.device_type.upper())
+    key = dispatch_key(backend.device_type)
     names = set(torch._C._dispatch_get_all_op_names())
     for op in _FBGEMM_TBE_OPS:
         if op in names and torch._C._dispatch_has_kernel_for_dispatch_key(op, key):
@@ -140,7 +165,7 @@ def probe_gloo(_: Backend) -> str | None:
 # Library probes by implementation name; a plugin adds its own through `Backend.probe`.
 PROBES: dict[str, Probe] = {
     "fbgemm": probe_fbgemm, "triton": probe_triton, "torch": lambda _: None,
-    "nccl": probe_nccl, "gloo": probe_gloo,
+    "nccl": probe_nccl, "gloo": probe_gloo, "portable": lambda _: None,
 }
 
 _probe_cache: dict[tuple[str, str, str], str | None] = {}
@@ -172,7 +197,7 @@ def select(backend: Backend, op: str, requested: str = "auto") -> str:
     """
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; known: {', '.join(OPS)}")
-    order = backend.kernel_order.get(op, ())
+    order = backend.kernel_order.get(op) or OPS[op].default_order
     if not order:
         raise ValueError(f"backend {backend.name} lists no implementation for op {op}")
     setting = f"backend.{OPS[op].config_key}" if OPS[op].config_key else f"op {op}"
@@ -212,4 +237,5 @@ def _log_once(backend: Backend, op: str, impl: str, why: str) -> None:
 def select_all(backend: Backend, requested: dict[str, str] | None = None) -> dict[str, str]:
     """Every op's implementation; `requested` maps op name to a forced implementation or 'auto'."""
     requested = requested or {}
-    return {op: select(backend, op, requested.get(op, "auto")) for op in OPS if op in backend.kernel_order}
+    return {op: select(backend, op, requested.get(op, "auto")) for op in OPS
+            if op in backend.kernel_order or OPS[op].default_order}
