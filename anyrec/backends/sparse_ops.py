@@ -19,6 +19,7 @@ Legend: T features (rows of a 2-D lengths), B batch, N ids, D_sum summed embeddi
 from __future__ import annotations
 
 import logging
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -335,12 +336,15 @@ def register(dispatch_key: str, ops: list[str] | tuple[str, ...]) -> None:
     for op in ops:
         _native[(op, dispatch_key)] = torch._C._dispatch_has_kernel_for_dispatch_key(op, dispatch_key)
     lib = torch.library.Library("fbgemm", "IMPL")
-    for op in ops:
-        spec = SPARSE_OPS[op]
-        short = op.split("::")[1]
-        lib.impl(short, spec.kernel, dispatch_key)
-        if spec.autograd:
-            lib.impl(short, spec.kernel, autograd_key(dispatch_key))
+    with warnings.catch_warnings():
+        # torch warns when a kernel replaces FBGEMM's; `install` logs which ops it replaced.
+        warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
+        for op in ops:
+            spec = SPARSE_OPS[op]
+            short = op.split("::")[1]
+            lib.impl(short, spec.kernel, dispatch_key)
+            if spec.autograd:
+                lib.impl(short, spec.kernel, autograd_key(dispatch_key))
     _libs[dispatch_key] = lib
     _installed[dispatch_key] = tuple(ops)
 
@@ -391,3 +395,10 @@ def install(backend: Backend, mode: str = "auto") -> SparseOpsChoice:
         else:
             logger.info("sparse ops on %s: FBGEMM kernels for all %d", key, len(SPARSE_OPS))
     return choice
+
+
+def uninstall(backend: Backend) -> None:
+    """Remove the portable kernels from the backend's dispatch key (FBGEMM's serve again)."""
+    from anyrec.backends.dispatch import dispatch_key
+
+    unregister(dispatch_key(backend.device_type))
