@@ -4,6 +4,9 @@ rules, and 2-rank sharded training bit-identical to FBGEMM's with every FBGEMM c
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
@@ -14,7 +17,8 @@ from anyrec.backends import dispatch, sparse_ops
 from anyrec.backends.cpu import CPUBackend
 from anyrec.backends.sparse_ops import CALLS, SPARSE_OPS
 
-from .conftest import ROOT, torchrun
+from .conftest import ROOT, compose_config, last_json_line, torchrun
+from .test_plugin import plugin_path  # noqa: F401 - the fake accelerator, pip-installed once
 
 fbgemm = pytest.importorskip("fbgemm_gpu")
 OPS = torch.ops.fbgemm
@@ -299,3 +303,54 @@ def test_recorded_fbgemm_calls_are_all_served_by_portable_kernels(two_rank_resul
         assert sparse == po["served"]  # every call, each served once by a portable kernel
         assert set(po["recorded"]) - set(sparse) <= EMBEDDING_OPS
         assert fb["served"] == {} and sum(fb["recorded"].values()) > 0  # the FBGEMM run used FBGEMM
+
+
+def test_world_size_one_takes_the_sharded_path_when_sparse_ops_are_named(tmp_path, monkeypatch, fresh_probes):
+    """`auto` keeps one device unsharded; naming the sparse ops shards through DMP, bit-identically."""
+    from anyrec.trainer.fingerprint import weights_fingerprint
+    from anyrec.trainer.trainer import Trainer
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    results = {}
+    for mode in ("auto", "fbgemm", "portable"):
+        _, cfg = compose_config(["model=dlrm_tiny", "backend.name=cpu", "backend.embedding_kernel=torch",
+                                 f"backend.sparse_ops={mode}", "trainer.steps=3", "trainer.eval_steps=0",
+                                 "trainer.progress=false", "trainer.tensorboard=false", "data.batch_size=32",
+                                 f"trainer.run_dir={tmp_path / mode}"])
+        trainer = Trainer(cfg)
+        try:
+            before = Counter(CALLS)
+            summary = trainer.train()
+            served = sum((Counter(CALLS) - before).values())
+            results[mode] = (trainer.unsharded, type(trainer.pipeline).__name__, summary["final_loss"],
+                             weights_fingerprint(trainer.model, True), served)
+        finally:
+            trainer.close()
+    assert results["auto"][:2] == (True, "EagerLoop")
+    assert results["fbgemm"][:2] == (False, "SparseDistPipeline") and results["fbgemm"][4] == 0
+    assert results["portable"][:2] == (False, "SparseDistPipeline") and results["portable"][4] > 0
+    assert results["portable"][2:4] == results["fbgemm"][2:4]
+
+
+def test_plugin_backend_trains_sharded_on_portable_sparse_ops(request, tmp_path):
+    plugin = request.getfixturevalue("plugin_path")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(plugin), os.environ.get("PYTHONPATH", "")])}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "anyrec.train", "backend.name=fakeaccel", "backend.embedding_kernel=torch",
+         "backend.sparse_ops=portable", "model=dlrm_tiny", "trainer.steps=2", "trainer.eval_steps=0",
+         "trainer.progress=false", f"hydra.run.dir={tmp_path}/r"],
+        capture_output=True, text=True, timeout=240, cwd=tmp_path, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = last_json_line(proc.stdout)
+    assert (summary["backend"], summary["steps"], summary["embedding_kernel"]) == ("fakeaccel", 2, "torch")
+    log = (tmp_path / "r" / "train_rank0.log").read_text()
+    assert "op sparse_ops -> portable (forced by backend.sparse_ops)" in log
+    assert "sparse ops on CPU: portable kernels for fbgemm::asynchronous_complete_cumsum" in log
+    assert "torchrec sharding plan" in log and "SparseDistPipeline" in log

@@ -30,6 +30,7 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from anyrec.backends import Backend, get_backend
+from anyrec.backends.sparse_ops import install as install_sparse_ops
 from anyrec.config import AnyrecConfig
 from anyrec.data import build_source, resolve_batch_size
 from anyrec.kernels.ebc import TritonEBCOptimizer, TritonEmbeddingBagCollection
@@ -124,8 +125,10 @@ class Trainer:
         torch.manual_seed(tc.seed)
         check_embedding_weight_decay(self.cfg.optim, self.embedding_kernel)
         # One device with anyrec's own TBE: no sharding, so no input distribution (whose KJT
-        # permutes need FBGEMM ops) and no FBGEMM kernel anywhere in the step.
-        self.unsharded = self.dist.world_size == 1 and self.embedding_kernel in ("triton", "torch")
+        # permutes need FBGEMM ops) and no FBGEMM kernel anywhere in the step. Naming the sparse ops'
+        # implementation (backend.sparse_ops=portable|fbgemm) asks for the sharded path instead.
+        self.unsharded = (self.dist.world_size == 1 and self.embedding_kernel in ("triton", "torch")
+                          and self.cfg.backend.sparse_ops == "auto")
         if self.unsharded:
             self._build_unsharded()
         else:
@@ -146,6 +149,7 @@ class Trainer:
 
     def _build_sharded(self) -> None:
         """Tables on the meta device, placed by the plan and allocated by DistributedModelParallel."""
+        install_sparse_ops(self.backend, self.cfg.backend.sparse_ops)  # torchrec's input/output dist ops
         model = build_model(self.cfg.model, self.device, ebc_device=torch.device("meta"),
                             kernels=self.backend.select_kernels(self.cfg.backend))
         # Embedding optimizer fused into the backward pass (TBE updates rows in place).

@@ -17,8 +17,9 @@ from pathlib import Path
 
 from torch.profiler import ProfilerActivity, profile
 
-from anyrec.backends import get_backend, sparse_ops
+from anyrec.backends import sparse_ops
 from anyrec.trainer.distributed import destroy_distributed
+from anyrec.trainer.fingerprint import weights_fingerprint
 from anyrec.trainer.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -36,7 +37,6 @@ def run(sharding: str, mode: str, out_dir: Path) -> dict:
         f"trainer.steps={STEPS}", "trainer.eval_steps=0", "trainer.progress=false", "trainer.tensorboard=false",
         "trainer.log_every=1", "data.batch_size=16", f"trainer.run_dir={out_dir / f'{sharding}_{mode}'}",
     ])
-    sparse_ops.install(get_backend("cpu"), mode)
     trainer = Trainer(cfg)
     losses: list[float] = []
     fns = trainer.pipeline._fns
@@ -47,7 +47,7 @@ def run(sharding: str, mode: str, out_dir: Path) -> dict:
         backward(loss)
 
     fns.backward = record_loss
-    initial = trainer.weights_fingerprint()
+    initial = weights_fingerprint(trainer.model, trainer.dist.is_main)
     before = Counter(sparse_ops.CALLS)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         summary = trainer.train()
@@ -56,7 +56,7 @@ def run(sharding: str, mode: str, out_dir: Path) -> dict:
     recorded = Counter(ev.name for ev in prof.events() if ev.name.startswith("fbgemm::"))
     result = {
         "losses": losses, "final_loss": summary["final_loss"], "initial_weights": initial,
-        "weights": trainer.weights_fingerprint(), "recorded": dict(recorded),
+        "weights": weights_fingerprint(trainer.model, trainer.dist.is_main), "recorded": dict(recorded),
         "served": {k: v for k, v in served.items() if v},
         "installed": list(sparse_ops.installed("CPU")),
     }
