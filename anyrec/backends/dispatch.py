@@ -1,7 +1,8 @@
 """Op dispatch: for each op, the backend's ordered implementations, each behind an availability probe.
 
-An op (`embedding`, `interaction`, `dcn_cross`, `collectives`) has implementations named after the
-library that provides them (`fbgemm`, `triton`, `torch`, `nccl`, `gloo`, or a plugin's own). A backend
+An op (`embedding`, `interaction`, `dcn_cross`, `collectives`, `sparse_ops`) has implementations named
+after the library that provides them (`fbgemm`, `triton`, `torch`, `nccl`, `gloo`, `portable`, or a
+plugin's own). A backend
 lists them in preference order (`Backend.kernel_order`); `select` takes the first whose probe passes,
 or the one the config forces, and fails clearly when a forced one cannot run. Probes run once per
 process (`reset_probes()` lets tests run them again); each op's choice is logged once.
