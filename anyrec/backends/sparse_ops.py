@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from anyrec.backends.dispatch import dispatch_key, select
+
 if TYPE_CHECKING:
     from anyrec.backends.interface import Backend
 
@@ -372,8 +374,6 @@ def install(backend: Backend, mode: str = "auto") -> SparseOpsChoice:
     for all (overriding FBGEMM's); `fbgemm`: FBGEMM only (fails if it lacks a kernel for the device).
     The implementation is chosen by the backend's op dispatch (op `sparse_ops`), logged once.
     """
-    from anyrec.backends.dispatch import dispatch_key, select
-
     if mode not in MODES:
         raise ValueError(f"backend.sparse_ops must be one of {', '.join(MODES)}, got {mode!r}")
     key = dispatch_key(backend.device_type)
@@ -399,6 +399,4 @@ def install(backend: Backend, mode: str = "auto") -> SparseOpsChoice:
 
 def uninstall(backend: Backend) -> None:
     """Remove the portable kernels from the backend's dispatch key (FBGEMM's serve again)."""
-    from anyrec.backends.dispatch import dispatch_key
-
     unregister(dispatch_key(backend.device_type))
