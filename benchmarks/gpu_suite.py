@@ -36,6 +36,7 @@ import traceback
 from pathlib import Path
 
 import torch
+import torch.distributed
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -304,7 +305,7 @@ def section_dlrm_sharded(device, execution: str, small: bool, steps: int) -> dic
         from anyrec.config import OptimConfig
         from anyrec.kernels.torchrec_kernel import TritonEmbeddingBagCollectionSharder
         from anyrec.planner.simple import to_sharding_plan
-        from anyrec.trainer.distributed import destroy_distributed, init_distributed
+        from anyrec.trainer.distributed import destroy_distributed
         from anyrec.trainer.optim import embedding_optimizer
     except Exception as ex:  # noqa: BLE001 - torchrec needs fbgemm_gpu at import
         reason = f"torchrec does not import here ({type(ex).__name__}: {str(ex)[:160]})"
@@ -312,7 +313,10 @@ def section_dlrm_sharded(device, execution: str, small: bool, steps: int) -> dic
         return {"skipped": reason}
 
     backend = get_backend("auto")
-    init_distributed(backend)
+    # A group of one of its own (an in-memory store): the suite never joins a job whose launcher
+    # variables it happens to inherit.
+    torch.distributed.init_process_group(backend.dist_backend, store=torch.distributed.HashStore(), rank=0,
+                                         world_size=1, device_id=device if device.type != "cpu" else None)
     try:
         choice = sparse_ops.install(backend, "portable")
         missing = sparse_ops.missing_kernels(choice.dispatch_key)  # FBGEMM's gaps on this device

@@ -16,6 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 from anyrec.backends import dispatch, sparse_ops
 from anyrec.backends.cpu import CPUBackend
 from anyrec.backends.sparse_ops import CALLS, SPARSE_OPS
+from anyrec.trainer.distributed import _free_port
 
 from .conftest import ROOT, compose_config, last_json_line, torchrun
 from .test_plugin import plugin_path  # noqa: F401 - the fake accelerator, pip-installed once
@@ -310,10 +311,11 @@ def test_world_size_one_takes_the_sharded_path_when_sparse_ops_are_named(tmp_pat
     from anyrec.trainer.fingerprint import weights_fingerprint
     from anyrec.trainer.trainer import Trainer
 
+    # A group of one on a free port; monkeypatch restores every variable, so none leaks to later tests.
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
-    monkeypatch.delenv("MASTER_ADDR", raising=False)
-    monkeypatch.delenv("MASTER_PORT", raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
     results = {}
     for mode in ("auto", "fbgemm", "portable"):
         _, cfg = compose_config(["model=dlrm_tiny", "backend.name=cpu", "backend.embedding_kernel=torch",
