@@ -6,9 +6,12 @@ import json
 import math
 import sys
 
+import pytest
+
 from .conftest import ROOT, last_json_line, torchrun
 
 
+@pytest.mark.cpu_only  # expects backend "cpu" and two ranks on one host
 def test_torchrun_trains_and_prints_summary(tmp_path):
     proc = torchrun(
         ["-m", "anyrec.train", "model=dlrm_tiny", "trainer.steps=60", "trainer.seed=7",
