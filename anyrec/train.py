@@ -12,16 +12,16 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from anyrec import _hydra
+from anyrec.backends import rewrite_hardware_argv
 from anyrec.config import config_dir, to_object
 from anyrec.trainer.errors import NonFiniteLossError
+from anyrec.trainer.trainer import Trainer
 
 logger = logging.getLogger("anyrec.train")
 
 
 def run(cfg: DictConfig) -> dict:
     """Train with a composed config; rank 0 prints the JSON summary as its last stdout line."""
-    from anyrec.trainer.trainer import Trainer
-
     _hydra.quiet_non_main_ranks()
     config = to_object(cfg)
     if config.trainer.run_dir is None and HydraConfig.initialized():
@@ -57,8 +57,6 @@ def main(cfg: DictConfig) -> None:
 
 def cli() -> None:
     """Console entry: `hardware=FILE.yaml` is accepted as well as `hardware.sku=FILE.yaml`."""
-    from anyrec.backends import rewrite_hardware_argv
-
     sys.argv = rewrite_hardware_argv(sys.argv)
     main()
 
