@@ -15,13 +15,14 @@ from anyrec import _hydra
 from anyrec.backends import rewrite_hardware_argv
 from anyrec.config import config_dir, to_object
 from anyrec.trainer.errors import NonFiniteLossError
-from anyrec.trainer.trainer import Trainer
 
 logger = logging.getLogger("anyrec.train")
 
 
 def run(cfg: DictConfig) -> dict:
     """Train with a composed config; rank 0 prints the JSON summary as its last stdout line."""
+    from anyrec.trainer.trainer import Trainer  # torchrec loads once Hydra has parsed the command line
+
     _hydra.quiet_non_main_ranks()
     config = to_object(cfg)
     if config.trainer.run_dir is None and HydraConfig.initialized():
@@ -30,8 +31,13 @@ def run(cfg: DictConfig) -> dict:
     try:
         summary = trainer.train()
         is_main = trainer.dist.is_main
-    finally:
-        trainer.close()
+    except BaseException as e:
+        # An error only this rank saw (bad data where it read it) leaves its peers inside a
+        # collective, where close()'s barrier would wait for them: exit now, the launcher stops them.
+        if not getattr(e, "rank_local", False):
+            trainer.close()
+        raise
+    trainer.close()
     if is_main:
         sys.stdout.flush()
         print(json.dumps(summary), flush=True)
@@ -47,8 +53,9 @@ def main(cfg: DictConfig) -> None:
         run(cfg)
     except (ValueError, NonFiniteLossError) as e:
         # A user mistake, bad data, a bad checkpoint or a diverged run: every rank raises the same
-        # error at the same point; rank 0 says it in one line, all exit non-zero.
-        if os.environ.get("RANK", "0") == "0":
+        # error at the same point; rank 0 says it in one line, all exit non-zero. Bad rows found
+        # where they were read are seen by the reading rank alone, which says it itself.
+        if os.environ.get("RANK", "0") == "0" or getattr(e, "rank_local", False):
             print(f"anyrec-train: error: {e}", file=sys.stderr, flush=True)
         else:
             logger.error("%s", e)
