@@ -3,6 +3,7 @@ compose, and each key named in the prose is in the composed config."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -62,6 +63,11 @@ def _group_options() -> list[str]:
         group, options = (re.findall(r"`([^`]+)`", cell) for cell in row.split("|")[1:3])
         out += [f"{group[0]}={o}" for o in options if "=" not in o]
     return out
+
+
+def summary_example() -> dict:
+    """The JSON summary the README shows for the default job."""
+    return json.loads(README.split("```json\n", 1)[1].split("```", 1)[0])
 
 
 COMMANDS = list({" ".join(c): c for c in _commands()}.values())
