@@ -12,7 +12,27 @@ from pathlib import Path
 import pytest
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from anyrec.backends import get_backend
+
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "cpu_only: expects a host without an accelerator (skipped where anyrec detects one)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip `cpu_only` tests where the auto-detected backend is an accelerator."""
+    marked = [item for item in items if item.get_closest_marker("cpu_only")]
+    if not marked:
+        return
+    backend = get_backend("auto")
+    if backend.device_type == "cpu":
+        return
+    skip = pytest.mark.skip(reason=f"expects a CPU-only host; this one has {backend.describe()}")
+    for item in marked:
+        item.add_marker(skip)
 
 
 def compose_config(overrides: list[str] | None = None):

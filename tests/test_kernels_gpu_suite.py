@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = ROOT / "benchmarks" / "gpu_suite.py"
 
@@ -29,6 +31,7 @@ def _run(tmp_path: Path, args: list[str], block: bool = False) -> tuple[subproce
     return proc, report
 
 
+@pytest.mark.cpu_only  # expects "GPU: not run"
 def test_gpu_suite_small_on_cpu(tmp_path):
     proc, rep = _run(tmp_path, ["--small", "--execution", "torch"])
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
