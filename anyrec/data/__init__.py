@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
+import torch
 from torchrec.datasets.utils import Batch
 
 from anyrec.config import DataConfig, ModelConfig
@@ -39,12 +40,15 @@ def resolve_batch_size(data: DataConfig, world_size: int) -> DataConfig:
 
 
 def build_source(model: ModelConfig, data: DataConfig, seed: int, rank: int, world_size: int,
-                 split: str) -> DataSource:
-    """The source named by `data.name` for one rank and split ("train" or "eval")."""
+                 split: str, device: torch.device | None = None) -> DataSource:
+    """The source named by `data.name` for one rank and split ("train" or "eval").
+
+    Synthetic batches are made on `device` (the training device); file sources read on the host.
+    """
     if data.name == "synthetic":
         from anyrec.data.synthetic import SyntheticCriteo
 
-        return SyntheticCriteo(model, data, seed, rank, world_size, split=split)
+        return SyntheticCriteo(model, data, seed, rank, world_size, split=split, device=device)
     if data.name in ("criteo_tsv", "criteo_npy"):
         from anyrec.data.criteo import CriteoSource
 
