@@ -19,8 +19,9 @@ def test_train_step_benchmark_small(tmp_path):
                           cwd=tmp_path, capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
-    names = {"torch eager", "torch compile", "anyrec eager", "anyrec pipelined"}
+    names = {"torch eager", "torch compile", "anyrec eager", "anyrec pipelined", "anyrec loop"}
     assert set(result["samples_per_s"]) == names
     assert all(v > 0 for v in result["samples_per_s"].values())
     assert result["ratio_vs_torch_eager"]["torch eager"] == 1.0
     assert "vs torch eager" in proc.stdout
+    assert result["loop_vs_step"] > 0 and len(result["pairs"]) == 1 and "loop/step" in proc.stdout
