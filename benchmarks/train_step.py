@@ -155,6 +155,28 @@ def bench_loop(cfg: ModelConfig, batch_size: int, steps: int, warmup: int) -> fl
         trainer.close()
 
 
+HOST_SYNC_OPS = ("aten::_local_scalar_dense", "c10d::allreduce_", "c10d::broadcast_", "c10d::allgather_")
+
+
+def profile_loop(cfg: ModelConfig, batch_size: int, steps: int, warmup: int, rows: int = 12) -> dict:
+    """torch.profiler (CPU) over `steps` steady-state steps of Trainer.train(): the top ops by self
+    time and how often anything reads a device value on the host or runs a collective."""
+    trainer = anyrec_trainer(cfg, batch_size, warmup)
+    try:
+        trainer.train()
+        trainer.cfg.trainer.steps = warmup + steps
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            trainer.train()
+    finally:
+        trainer.close()
+    averages = prof.key_averages()
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=rows))
+    counts = {name: sum(e.count for e in averages if e.key == name) for name in HOST_SYNC_OPS}
+    print(f"host reads / collectives in {steps} steps + run end: " +
+          ", ".join(f"{k} {v}" for k, v in counts.items()))
+    return {"steps": steps, "host_sync_ops": counts}
+
+
 def bench_anyrec(cfg: ModelConfig, batch_size: int, batches, steps, warmup, pipelined: bool) -> float:
     trainer = anyrec_trainer(cfg, batch_size, steps, pipelined)
     try:
@@ -181,6 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch-size", type=int, default=None)
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile contender")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--profile", action="store_true", help="only profile the whole loop's steady state")
     args = parser.parse_args(argv)
     from anyrec.backends import get_backend
 
@@ -191,6 +214,8 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = named_model(args.model)
     batch_size = args.batch_size or batch_size
     steps = args.steps or (20 if args.small else 50)
+    if args.profile:
+        return profile_loop(cfg, batch_size, steps, args.warmup)
     src = SyntheticCriteo(cfg, DataConfig(batch_size=batch_size), seed=0)
     batches = [src.batch(i) for i in range(min(8, steps + args.warmup))]
 
