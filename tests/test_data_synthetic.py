@@ -53,6 +53,17 @@ def test_multi_hot_deterministic_and_in_range():
         assert not torch.equal(other.sparse_features.values(), b.sparse_features.values())
 
 
+def test_one_pass_and_per_group_paths_agree():
+    """Small batches (and accelerators) take one [B, S] pass, large CPU batches go per group."""
+    data = DataConfig(batch_size=20_000)
+    grouped = SyntheticCriteo(TINY, data, seed=3)
+    flat = SyntheticCriteo(TINY, data, seed=3)
+    flat.flat = True
+    assert not grouped.flat and SyntheticCriteo(TINY, DataConfig(batch_size=64), seed=3).flat
+    for step in (0, 5):
+        assert _digest(flat.batch(step)) == _digest(grouped.batch(step))
+
+
 def test_pinned_batch_digest():
     """The integer stream is part of the numerics contract: changing it is a deliberate act."""
     b = SyntheticCriteo(TINY, DataConfig(batch_size=8), seed=7).batch(2)

@@ -52,6 +52,9 @@ _DENSE_BITS = 12  # levels of the dense features' normal quantile table
 _Z_FRAC_BITS = 16  # fixed-point fraction bits of the hidden logit
 _P_FRAC_BITS = 10  # logit resolution of the click-probability table
 _Z_MAX = 8  # the probability table spans logits in [-8, 8) (|z| has unit variance)
+# At most this many ids per batch are made in one [B, S] pass (fewest ops: small batches, and any
+# accelerator); larger CPU batches go group by group, where each group's tables stay in cache.
+_FLAT_MAX_IDS = 1 << 18
 
 
 def _mix32(h):
@@ -193,8 +196,13 @@ class SyntheticCriteo:
         self._offset_per_key = [0, *torch.cumsum(torch.tensor(self._length_per_key), 0).tolist()]
         self._lengths = torch.cat([torch.full((B,), L, dtype=torch.int32) for L in self.multi_hot]).to(dev)
         self._arange_B = torch.arange(B, dtype=torch.int64, device=dev)
-        largest = max(len(feats) * B * L for L, feats, _, _ in self._groups)
-        self._scratch = [torch.empty(largest, dtype=torch.int64, device=dev) for _ in range(3)]
+        # The same multipliers and table offsets as one row of all slots, feature after feature.
+        self._mult_S = torch.tensor([_multiplier(_key(seed, 3, f, j)) for f, L in enumerate(self.multi_hot)
+                                     for j in range(L)], device=dev)
+        self._base_S = torch.tensor([f * K for f, L in enumerate(self.multi_hot) for _ in range(L)],
+                                    device=dev)
+        self.flat = dev.type != "cpu" or B * len(self._mult_S) <= _FLAT_MAX_IDS
+        self._scratch: list[torch.Tensor] = []  # sized by the first pass that needs them
 
     def _sample_hashes(self, first: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Three independent 32-bit hashes of samples first .. first + B - 1: sparse, dense, click."""
@@ -202,32 +210,49 @@ class SyntheticCriteo:
         h_B = _mix32(_mix32((n_B & _MASK32) ^ self._split_key) ^ (n_B >> 32))
         return h_B, _mix32(h_B ^ 0x68E31DA4), _mix32(h_B ^ 0x1B56C4E9)
 
+    def _ids(self, h_B: torch.Tensor, mult: torch.Tensor, base: torch.Tensor):
+        """(first id of the block, offset in it, teacher weight) of every slot in h_B * mult.
+
+        Scratch buffers are reused across batches: fresh large tensors cost more (page faults) than
+        the maths.
+        """
+        shape = torch.broadcast_shapes(h_B.shape, mult.shape)
+        n = math.prod(shape)
+        if not self._scratch or self._scratch[0].numel() < n:
+            self._scratch = [torch.empty(n, dtype=torch.int64, device=self.device) for _ in range(4)]
+        h, bucket, looked_up, teacher = (t[:n] for t in self._scratch)
+        h = torch.mul(h_B, mult, out=h.view(shape))  # < 2^63
+        torch.bitwise_right_shift(h.view(-1), 32 - _BUCKET_BITS, out=bucket)
+        bucket.view(shape).bitwise_and_((1 << _BUCKET_BITS) - 1).add_(base)
+        offset = h.bitwise_right_shift_(32).bitwise_and_((1 << _OFFSET_BITS) - 1)
+        torch.gather(self._width, 0, bucket, out=looked_up)
+        offset.mul_(looked_up.view(shape)).bitwise_right_shift_(_OFFSET_BITS)
+        torch.gather(self._first_id, 0, bucket, out=looked_up)
+        torch.gather(self._teacher, 0, bucket, out=teacher)
+        return looked_up.view(shape), offset, teacher.view(shape)
+
     def batch(self, step: int) -> Batch:
         """Batch number `step` of this rank's slice of the global batch."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        B, K = self.batch_size, 1 << _BUCKET_BITS
+        B = self.batch_size
         h_B, hd_B, hc_B = self._sample_hashes(step * self.global_batch_size + self.rank * B)
         values = torch.empty(self._offset_per_key[-1], dtype=torch.int64, device=self.device)
         z_B = torch.zeros(B, dtype=torch.int64, device=self.device)
-        for L, feats, mult_k1L, base_k11 in self._groups:
-            # Scratch reused across batches: fresh large tensors cost more (page faults) than the maths.
-            n = len(feats) * B * L
-            h_kBL, bucket, looked_up = (t[:n] for t in self._scratch)
-            h_kBL = torch.mul(h_B.view(1, B, 1), mult_k1L, out=h_kBL.view(len(feats), B, L))  # < 2^63
-            torch.bitwise_right_shift(h_kBL.view(-1), 32 - _BUCKET_BITS, out=bucket)
-            bucket.view_as(h_kBL).bitwise_and_(K - 1).add_(base_k11)
-            offset_kBL = h_kBL.bitwise_right_shift_(32).bitwise_and_((1 << _OFFSET_BITS) - 1)
-            torch.gather(self._width, 0, bucket, out=looked_up)
-            offset_kBL.mul_(looked_up.view_as(offset_kBL)).bitwise_right_shift_(_OFFSET_BITS)
-            torch.gather(self._first_id, 0, bucket, out=looked_up)
-            # KJT order is feature-major, sample-major within a feature.
+        if self.flat:  # one [B, S] pass; feature f's ids are columns c .. c + L_f
+            first_id_BS, offset_BS, teacher_BS = self._ids(h_B.view(B, 1), self._mult_S, self._base_S)
+            col = 0
+            for L, start in zip(self.multi_hot, self._offset_per_key, strict=False):
+                torch.add(first_id_BS[:, col:col + L], offset_BS[:, col:col + L],
+                          out=values[start:start + B * L].view(B, L))
+                col += L
+            z_B += teacher_BS.sum(1)
+        for L, feats, mult_k1L, base_k11 in [] if self.flat else self._groups:  # [k, B, L] per group
+            first_id_kBL, offset_kBL, teacher_kBL = self._ids(h_B.view(1, B, 1), mult_k1L, base_k11)
             for i, f in enumerate(feats):
                 start = self._offset_per_key[f]
-                torch.add(looked_up.view_as(offset_kBL)[i], offset_kBL[i],
-                          out=values[start:start + B * L].view(B, L))
-            torch.gather(self._teacher, 0, bucket, out=looked_up)
-            z_B += looked_up.view(-1, B, L).sum(2).sum(0)
+                torch.add(first_id_kBL[i], offset_kBL[i], out=values[start:start + B * L].view(B, L))
+            z_B += teacher_kBL.sum(2).sum(0)
         level_BI = ((hd_B[:, None] * self._dense_mult_I) >> (32 - _DENSE_BITS)) & ((1 << _DENSE_BITS) - 1)
         dense_BI = torch.take(self._dense_levels, level_BI)
         z_B += torch.take(self._dense_teacher, level_BI + self._dense_base_I).sum(1)
