@@ -42,7 +42,7 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from anyrec.config import DataConfig, ModelConfig
-from anyrec.models.dlrm import feature_names
+from anyrec.schema import feature_names, ids_per_sample
 
 _SPLITS = {"train": 0, "eval": 1}
 _MASK32 = 0xFFFFFFFF
@@ -139,9 +139,7 @@ class SyntheticCriteo:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside the world of {world_size} ranks")
         rows = list(model.table_rows)
-        self.multi_hot = list(model.multi_hot) or [1] * len(rows)
-        if len(self.multi_hot) != len(rows) or min(self.multi_hot) < 1:
-            raise ValueError(f"multi_hot must give >= 1 id for each of the {len(rows)} features")
+        self.multi_hot = ids_per_sample(model)
         self.keys = feature_names(len(rows))
         self.num_dense = model.num_dense_features
         self.batch_size = data.batch_size
