@@ -168,8 +168,10 @@ class SyntheticCriteo:
             t = (_unit(_mix32(block ^ _key(seed, 2, f))) * 2.0 - 1.0) * math.sqrt(3.0)
             teacher.append(torch.round(t * zscale / (L * math.sqrt(num_f))).long())
         self._first_id = torch.cat(first_id).to(dev)
-        self._width = torch.cat(width).to(dev)
-        self._teacher = torch.cat(teacher).to(dev)
+        # Width and teacher weight share one entry (one lookup): width << 16 | (teacher + 2^15).
+        teacher_all = torch.cat(teacher)
+        assert int(teacher_all.abs().max()) < 1 << 15, "teacher weights must fit 16 bits"
+        self._width_teacher = ((torch.cat(width) << 16) | (teacher_all + (1 << 15))).to(dev)
         # Features with the same number of slots are generated together: [k, B, L] per group.
         self._groups = []
         for L in sorted(set(self.multi_hot)):
@@ -223,10 +225,10 @@ class SyntheticCriteo:
         torch.bitwise_right_shift(h.view(-1), 32 - _BUCKET_BITS, out=bucket)
         bucket.view(shape).bitwise_and_((1 << _BUCKET_BITS) - 1).add_(base)
         offset = h.bitwise_right_shift_(32).bitwise_and_((1 << _OFFSET_BITS) - 1)
-        torch.gather(self._width, 0, bucket, out=looked_up)
-        offset.mul_(looked_up.view(shape)).bitwise_right_shift_(_OFFSET_BITS)
+        torch.gather(self._width_teacher, 0, bucket, out=looked_up)
+        torch.bitwise_and(looked_up, 0xFFFF, out=teacher).sub_(1 << 15)
+        offset.mul_(looked_up.bitwise_right_shift_(16).view(shape)).bitwise_right_shift_(_OFFSET_BITS)
         torch.gather(self._first_id, 0, bucket, out=looked_up)
-        torch.gather(self._teacher, 0, bucket, out=teacher)
         return looked_up.view(shape), offset, teacher.view(shape)
 
     def batch(self, step: int) -> Batch:
