@@ -204,6 +204,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--small", action="store_true", help="CPU-sized shapes")
     parser.add_argument("--model", default=None, help="a model config name instead (e.g. dlrmv2_small)")
     parser.add_argument("--repeats", type=int, default=1, help="alternating pipelined/loop pairs")
+    parser.add_argument("--distinct-batches", type=int, default=8,
+                        help="pre-generated batches, cycled (the loop never repeats one: for a like-for-like "
+                             "loop/step ratio pass at least steps + warmup)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 20 small, 50 full)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=None)
@@ -223,7 +226,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.profile:
         return profile_loop(cfg, batch_size, steps, args.warmup)
     src = SyntheticCriteo(cfg, DataConfig(batch_size=batch_size), seed=0)
-    batches = [src.batch(i) for i in range(min(8, steps + args.warmup))]
+    batches = [src.batch(i) for i in range(min(args.distinct_batches, steps + args.warmup))]
 
     results: dict[str, float] = {}
     sync = backend.synchronize
