@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from anyrec.backends import Backend, get_backend
 from anyrec.backends.dispatch import availability
+from anyrec.io_checks import writable_file
 
 logger = logging.getLogger("anyrec.calibrate")
 
@@ -244,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("anyrec").setLevel(logging.INFO)
     try:
         opts = parse_args(sys.argv[1:] if argv is None else argv)
+        writable_file(opts["output"], "output")
         budget_s = float(opts["budget_s"])
         backend = get_backend(opts["backend"])
     except ValueError as e:

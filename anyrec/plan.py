@@ -12,16 +12,20 @@ import hydra
 from omegaconf import DictConfig
 
 from anyrec import _hydra
-from anyrec.config import AnyrecConfig, config_dir, to_object
+from anyrec.config import AnyrecConfig, check_values, config_dir, to_object
 
 
 def run(cfg: AnyrecConfig, print_fn=print):
     """Plan, print the report (and the comparison), write plan.output / plan.plot."""
     from anyrec.backends import get_backend, resolve_hardware
+    from anyrec.io_checks import writable_file
     from anyrec.models.dlrm import dense_param_count
     from anyrec.planner.cli import run_plan
     from anyrec.planner.job import plan_options, tables_from_model
 
+    check_values(cfg)
+    writable_file(cfg.plan.output, "plan.output")
+    writable_file(cfg.plan.plot, "plan.plot")
     backend = get_backend(cfg.backend.name) if cfg.hardware.sku == "auto" else None
     device = resolve_hardware(cfg.hardware.sku, cfg.hardware.spec, backend)
     compare = resolve_hardware(cfg.plan.compare) if cfg.plan.compare else None

@@ -5,17 +5,23 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from anyrec import _hydra
-from anyrec.config import config_dir, to_object
-from anyrec.trainer.errors import NonFiniteLossError
+from anyrec.config import check_values, config_dir, to_object
+from anyrec.io_checks import writable_dir
+from anyrec.trainer.errors import NonFiniteLossError, PeerLostError, write_error_file
 
 logger = logging.getLogger("anyrec.train")
+# Exit statuses without torchrun (README, "Exit codes"): 2 a user or data mistake, 3 a diverged run,
+# 4 a lost peer; 128 + N after signal N stopped the run. Anything else is a bug (a traceback, 1).
+EXIT_CODES = {NonFiniteLossError: 3, PeerLostError: 4}
 
 
 def run(cfg: DictConfig) -> dict:
@@ -24,8 +30,12 @@ def run(cfg: DictConfig) -> dict:
 
     _hydra.quiet_non_main_ranks()
     config = to_object(cfg)
+    check_values(config)
     if config.trainer.run_dir is None and HydraConfig.initialized():
         config.trainer.run_dir = HydraConfig.get().runtime.output_dir
+    config.trainer.checkpoint.dir = _hydra.per_job_dir(config.trainer.checkpoint.dir)
+    writable_dir(config.trainer.checkpoint.dir, "trainer.checkpoint.dir")
+    writable_dir(config.trainer.run_dir, "trainer.run_dir")
     trainer = Trainer(config)
     try:
         summary = trainer.train()
@@ -42,17 +52,23 @@ _hydra.setup()
 
 
 @hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")
+@record  # under torchrun: an unexpected exception's traceback goes to torchrun's error report
 def main(cfg: DictConfig) -> None:
     try:
-        run(cfg)
-    except (ValueError, NonFiniteLossError) as e:
+        summary = run(cfg)
+    except (ValueError, NonFiniteLossError, PeerLostError) as e:
         # A user mistake, bad data, a bad checkpoint or a diverged run: every rank raises the same
-        # error at the same point; rank 0 says it in one line, all exit non-zero.
-        if os.environ.get("RANK", "0") == "0":
-            print(f"anyrec-train: error: {e}", file=sys.stderr, flush=True)
+        # error at the same point; rank 0 says it in one line, all exit non-zero. A lost peer is
+        # seen differently by each surviving rank: each says what it saw.
+        line = f"anyrec-train: error: {e}"
+        if os.environ.get("RANK", "0") == "0" or isinstance(e, PeerLostError):
+            print(line, file=sys.stderr, flush=True)
         else:
             logger.error("%s", e)
-        sys.exit(3 if isinstance(e, NonFiniteLossError) else 2)
+        write_error_file(line)
+        sys.exit(EXIT_CODES[type(e)] if type(e) in EXIT_CODES else 2)
+    if summary.get("stopped_by"):  # SIGINT/SIGTERM: stopped at a step boundary, as a shell expects
+        sys.exit(128 + signal.Signals[summary["stopped_by"]])
 
 
 def cli() -> None:

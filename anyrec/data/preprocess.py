@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from anyrec.data.criteo import MALFORMED, read_tsv, write_npy
+from anyrec.io_checks import writable_dir
 
 
 def convert(src: str | Path, out_dir: str | Path, on_malformed: str = "error") -> dict:
@@ -35,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="error: stop at the first malformed row; skip: count and drop them")
     args = parser.parse_args(argv)
     try:
+        writable_dir(args.out_dir, "--out-dir")
         for src in args.inputs:
             print(json.dumps(convert(src, args.out_dir, args.on_malformed)), flush=True)
     except ValueError as e:
