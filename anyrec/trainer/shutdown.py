@@ -143,6 +143,7 @@ class StopRequest:
         if stop:
             self.stopped_by = signal.Signals(stop).name
             self._agreed.set()
+            logger.warning("rank %d: stopping after step %d (%s)", self.rank, step, self.stopped_by)
         return bool(stop)
 
     def _exchange(self, step: int, local: int) -> list[int]:
@@ -204,3 +205,17 @@ def _roll_call(rank: int, world_size: int) -> list[int]:
         return silent
     except Exception:  # noqa: BLE001 - the store itself may be gone with the launcher
         return []
+
+
+def meet_peers(name: str, rank: int, world_size: int, timeout_s: float) -> bool:
+    """Whether every rank reaches this point within `timeout_s` (a barrier that gives up)."""
+    try:
+        store = _store()
+        if store is None:
+            return True
+        keys = [f"meet/{name}/{r}" for r in range(world_size)]
+        store.set(keys[rank], "1")
+        store.wait(keys, timedelta(seconds=timeout_s))
+        return True
+    except Exception:  # noqa: BLE001 - a timeout, or the store went with the launcher
+        return False
