@@ -26,6 +26,7 @@ EXIT_CODES = {NonFiniteLossError: 3, PeerLostError: 4}
 
 def run(cfg: DictConfig) -> dict:
     """Train with a composed config; rank 0 prints the JSON summary as its last stdout line."""
+    from anyrec.trainer.shutdown import peer_failure
     from anyrec.trainer.trainer import Trainer
 
     _hydra.quiet_non_main_ranks()
@@ -39,9 +40,16 @@ def run(cfg: DictConfig) -> dict:
     trainer = Trainer(config)
     try:
         summary = trainer.train()
-        is_main = trainer.dist.is_main
-    finally:
-        trainer.close()
+    except BaseException as e:
+        # A peer may be gone: name it (before the group goes) and do not wait for it in close().
+        info, timeout_s = trainer.dist, config.trainer.collective_timeout_s
+        lost = peer_failure(e, info.rank, info.world_size, timeout_s) if isinstance(e, Exception) else None
+        trainer.close(failed=True)
+        if lost:
+            raise PeerLostError(lost) from None
+        raise
+    is_main = trainer.dist.is_main
+    trainer.close()
     if is_main:
         sys.stdout.flush()
         print(json.dumps(summary), flush=True)
@@ -67,6 +75,8 @@ def main(cfg: DictConfig) -> None:
             logger.error("%s", e)
         write_error_file(line)
         sys.exit(EXIT_CODES[type(e)] if type(e) in EXIT_CODES else 2)
+    except KeyboardInterrupt:  # SIGINT before or after the step loop (in it, the loop stops cleanly)
+        sys.exit(128 + signal.SIGINT)
     if summary.get("stopped_by"):  # SIGINT/SIGTERM: stopped at a step boundary, as a shell expects
         sys.exit(128 + signal.Signals[summary["stopped_by"]])
 

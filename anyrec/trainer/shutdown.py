@@ -22,12 +22,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from anyrec.trainer.errors import PeerLostError
+from anyrec.trainer.errors import NonFiniteLossError, PeerLostError
 
 logger = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 ROLL_CALL_S = 3.0  # how long a failed rank waits for its peers to report before naming the silent ones
+CLOSE_WAIT_S = 5.0  # after an error, how long close() waits for the other ranks before leaving alone
 
 
 def _store() -> Any | None:
@@ -176,6 +177,8 @@ def peer_failure(e: BaseException, rank: int, world_size: int, timeout_s: float)
     """
     if isinstance(e, PeerLostError):
         return str(e)
+    if isinstance(e, ValueError | NonFiniteLossError):  # raised by every rank alike, not a peer's fault
+        return None
     text = str(e)
     if world_size <= 1 or not (isinstance(e, getattr(dist, "DistError", ())) or
                                any(m in text for m in _PEER_MARKERS)):
@@ -207,7 +210,7 @@ def _roll_call(rank: int, world_size: int) -> list[int]:
         return []
 
 
-def meet_peers(name: str, rank: int, world_size: int, timeout_s: float) -> bool:
+def peers_met(rank: int, world_size: int, timeout_s: float = CLOSE_WAIT_S, name: str = "close") -> bool:
     """Whether every rank reaches this point within `timeout_s` (a barrier that gives up)."""
     try:
         store = _store()

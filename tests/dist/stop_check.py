@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -17,7 +18,7 @@ import torch.distributed as dist
 
 from anyrec.trainer.shutdown import StopRequest
 
-dist.init_process_group("gloo")
+dist.init_process_group("gloo", timeout=timedelta(seconds=30))  # a hang fails, never strays
 rank, world = dist.get_rank(), dist.get_world_size()
 stop = StopRequest(rank, world, check_every=3, grace_s=20, timeout_s=20)
 stop.install()
