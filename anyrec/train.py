@@ -78,7 +78,12 @@ def main(cfg: DictConfig) -> None:
     except KeyboardInterrupt:  # SIGINT before or after the step loop (in it, the loop stops cleanly)
         sys.exit(128 + signal.SIGINT)
     if summary.get("stopped_by"):  # SIGINT/SIGTERM: stopped at a step boundary, as a shell expects
-        sys.exit(128 + signal.Signals[summary["stopped_by"]])
+        # Everything is saved and closed; skip the interpreter's teardown (seconds with torch and
+        # FBGEMM loaded): whoever sent the signal is waiting for the process to go.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 + signal.Signals[summary["stopped_by"]])
 
 
 def cli() -> None:
