@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from anyrec import _hydra
+from anyrec.backends import rewrite_hardware_argv
 from anyrec.config import check_values, config_dir, to_object
 from anyrec.io_checks import writable_dir
 from anyrec.trainer.errors import NonFiniteLossError, PeerLostError, write_error_file
@@ -27,7 +28,7 @@ EXIT_CODES = {NonFiniteLossError: 3, PeerLostError: 4}
 def run(cfg: DictConfig) -> dict:
     """Train with a composed config; rank 0 prints the JSON summary as its last stdout line."""
     from anyrec.trainer.shutdown import peer_failure
-    from anyrec.trainer.trainer import Trainer
+    from anyrec.trainer.trainer import Trainer  # torchrec loads once Hydra has parsed the command line
 
     _hydra.quiet_non_main_ranks()
     config = to_object(cfg)
@@ -42,9 +43,12 @@ def run(cfg: DictConfig) -> dict:
         summary = trainer.train()
     except BaseException as e:
         # A peer may be gone: name it (before the group goes) and do not wait for it in close().
+        # An error only this rank saw (bad data where it read it) leaves its peers inside a
+        # collective: exit now, the launcher stops them.
         info, timeout_s = trainer.dist, config.trainer.collective_timeout_s
         lost = peer_failure(e, info.rank, info.world_size, timeout_s) if isinstance(e, Exception) else None
-        trainer.close(failed=True)
+        if not getattr(e, "rank_local", False):
+            trainer.close(failed=True)
         if lost:
             raise PeerLostError(lost) from None
         raise
@@ -66,10 +70,12 @@ def main(cfg: DictConfig) -> None:
         summary = run(cfg)
     except (ValueError, NonFiniteLossError, PeerLostError) as e:
         # A user mistake, bad data, a bad checkpoint or a diverged run: every rank raises the same
-        # error at the same point; rank 0 says it in one line, all exit non-zero. A lost peer is
-        # seen differently by each surviving rank: each says what it saw.
+        # error at the same point; rank 0 says it in one line, all exit non-zero. Bad rows found
+        # where they were read are seen by the reading rank alone, which says it itself; a lost peer
+        # is seen differently by each surviving rank: each says what it saw.
         line = f"anyrec-train: error: {e}"
-        if os.environ.get("RANK", "0") == "0" or isinstance(e, PeerLostError):
+        if os.environ.get("RANK", "0") == "0" or getattr(e, "rank_local", False) or \
+                isinstance(e, PeerLostError):
             print(line, file=sys.stderr, flush=True)
         else:
             logger.error("%s", e)
@@ -88,8 +94,6 @@ def main(cfg: DictConfig) -> None:
 
 def cli() -> None:
     """Console entry: `hardware=FILE.yaml` is accepted as well as `hardware.sku=FILE.yaml`."""
-    from anyrec.backends import rewrite_hardware_argv
-
     sys.argv = rewrite_hardware_argv(sys.argv)
     main()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,27 @@ from pathlib import Path
 import pytest
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from anyrec.backends import get_backend
+
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "cpu_only: expects a host without an accelerator (skipped where anyrec detects one)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip `cpu_only` tests where the auto-detected backend is an accelerator."""
+    marked = [item for item in items if item.get_closest_marker("cpu_only")]
+    if not marked:
+        return
+    backend = get_backend("auto")
+    if backend.device_type == "cpu":
+        return
+    skip = pytest.mark.skip(reason=f"expects a CPU-only host; this one has {backend.describe()}")
+    for item in marked:
+        item.add_marker(skip)
 
 
 def compose_config(overrides: list[str] | None = None):
@@ -72,3 +93,17 @@ def run_under_triton_interpreter(test_file: str) -> None:
     )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout
+
+
+def pip_install_target(package: Path, tmp: Path) -> Path:
+    """Install the package folder `package` with pip into a fresh target directory under `tmp` (not the
+    venv) and return that directory, to be put on sys.path / PYTHONPATH."""
+    src = shutil.copytree(package, tmp / "src")  # pip's build leaves files beside the sources
+    target = tmp / "site"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+         "--disable-pip-version-check", "--no-index", "--target", str(target), str(src)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return target

@@ -30,9 +30,11 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from anyrec.backends import Backend, get_backend
+from anyrec.backends.dispatch import embedding_impl
+from anyrec.backends.sparse_ops import install as install_sparse_ops
 from anyrec.config import AnyrecConfig
 from anyrec.data import build_source, resolve_batch_size
-from anyrec.kernels.ebc import TritonEBCOptimizer, TritonEmbeddingBagCollection
+from anyrec.kernels.ebc import TritonEBCOptimizer
 from anyrec.models.dlrm import DLRM, build_model, feature_names, table_configs
 from anyrec.trainer.checkpoint import CheckpointManager
 from anyrec.trainer.distributed import DistInfo, all_reduce_mean, destroy_distributed, init_distributed
@@ -125,8 +127,11 @@ class Trainer:
         torch.manual_seed(tc.seed)
         check_embedding_weight_decay(self.cfg.optim, self.embedding_kernel)
         # One device with anyrec's own TBE: no sharding, so no input distribution (whose KJT
-        # permutes need FBGEMM ops) and no FBGEMM kernel anywhere in the step.
-        self.unsharded = self.dist.world_size == 1 and self.embedding_kernel in ("triton", "torch")
+        # permutes need FBGEMM ops) and no FBGEMM kernel anywhere in the step. Naming the sparse ops'
+        # implementation (backend.sparse_ops=portable|fbgemm) asks for the sharded path instead.
+        self.unsharded = (self.dist.world_size == 1
+                          and embedding_impl(self.embedding_kernel).unsharded_builder is not None
+                          and self.cfg.backend.sparse_ops == "auto")
         if self.unsharded:
             self._build_unsharded()
         else:
@@ -147,13 +152,14 @@ class Trainer:
 
     def _build_sharded(self) -> None:
         """Tables on the meta device, placed by the plan and allocated by DistributedModelParallel."""
+        install_sparse_ops(self.backend, self.cfg.backend.sparse_ops)  # torchrec's input/output dist ops
         model = build_model(self.cfg.model, self.device, ebc_device=torch.device("meta"),
                             kernels=self.backend.select_kernels(self.cfg.backend))
         # Embedding optimizer fused into the backward pass (TBE updates rows in place).
         opt_cls, opt_kwargs = embedding_optimizer(self.cfg.optim)
         apply_optimizer_in_backward(opt_cls, model.sparse_arch.parameters(), opt_kwargs)
         self.sharding_plan = self.plan_override or shared_plan(
-            self.cfg, self.backend, self.dist, model.sparse_arch, EBC_PATH, self.embedding_kernel)
+            self.cfg, self.backend, self.dist, model, EBC_PATH, self.embedding_kernel)
         self.model = DistributedModelParallel(
             DLRMTrain(model), device=self.device, plan=self.sharding_plan,
             sharders=sharders(self.embedding_kernel),
@@ -162,9 +168,9 @@ class Trainer:
 
     def _build_unsharded(self) -> None:
         """All tables on this device in anyrec's TritonEmbeddingBagCollection (Triton or torch ops)."""
-        ebc = TritonEmbeddingBagCollection(table_configs(self.cfg.model),
-                                           optimizer=embedding_optimizer_config(self.cfg.optim),
-                                           device=self.device, execution=self.embedding_kernel)
+        ebc = embedding_impl(self.embedding_kernel).build_unsharded(
+            table_configs(self.cfg.model), optimizer=embedding_optimizer_config(self.cfg.optim),
+            device=self.device)
         self.sharding_plan = None
         self.model = DLRMTrain(DLRM(self.cfg.model, ebc, device=self.device,
                                     kernels=self.backend.select_kernels(self.cfg.backend)))
@@ -186,10 +192,12 @@ class Trainer:
         cfg, tc = self.cfg, self.cfg.trainer
         data_cfg = resolve_batch_size(cfg.data, self.dist.world_size)
         self.batch_size = data_cfg.batch_size
+        # Prefetched file batches land in page-locked memory where there is a device to copy them to.
+        pin = self.backend.device_type != "cpu"
         self.train_data = build_source(cfg.model, data_cfg, tc.seed, self.dist.rank,
-                                       self.dist.world_size, split="train")
-        self.eval_data = (build_source(cfg.model, data_cfg, tc.seed, self.dist.rank,
-                                       self.dist.world_size, split="eval") if tc.eval_steps > 0 else None)
+                                       self.dist.world_size, split="train", pin_memory=pin)
+        self.eval_data = (build_source(cfg.model, data_cfg, tc.seed, self.dist.rank, self.dist.world_size,
+                                       split="eval", pin_memory=pin) if tc.eval_steps > 0 else None)
         self.validator = (InputValidator(feature_names(len(cfg.model.table_rows)), list(cfg.model.table_rows),
                                          cfg.model.num_dense_features, self.device)
                           if tc.validate_inputs else None)
@@ -389,6 +397,8 @@ class Trainer:
             "backend": self.backend.name,
             "embedding_kernel": self.embedding_kernel,
             "world_size": self.dist.world_size,
+            "hosts": self.dist.hosts,
+            "local_world_size": self.dist.local_world_size,
             "batch_size_per_rank": self.batch_size,
             "elapsed_s": run.train_time_s,
             "peak_memory_bytes": self.backend.max_memory_allocated(),  # null where not measured
