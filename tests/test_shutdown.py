@@ -109,7 +109,8 @@ def test_a_stopped_rank_fails_the_job_naming_it(tmp_path):
         text = output(tmp_path)
         assert "anyrec-train: error: rank 0: rank(s) 1 stopped responding" in text, text[-3000:]
     finally:
-        os.kill(stuck, signal.SIGCONT)
+        if alive({stuck}):
+            os.kill(stuck, signal.SIGCONT)
     assert wait_gone(proc, pids, limit=60) is not None
     text = output(tmp_path)
     assert "traceback : anyrec-train: error: rank 0: rank(s) 1 stopped responding" in text

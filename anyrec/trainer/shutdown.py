@@ -165,8 +165,9 @@ class StopRequest:
         return values
 
 
-_PEER_MARKERS = ("Timed out waiting", "Connection closed by peer", "Connection reset by peer",
-                 "watchdog", "NCCL", "RCCL", "gloo")
+# gloo's words for a peer that is gone or silent (it raises plain RuntimeErrors), and the libraries'.
+_PEER_MARKERS = ("Timed out waiting", "Application timeout caused pair closure", "Connection closed by peer",
+                 "Connection reset by peer", "watchdog", "NCCL", "RCCL", "gloo")
 
 
 def peer_failure(e: BaseException, rank: int, world_size: int, timeout_s: float) -> str | None:
