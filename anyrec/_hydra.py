@@ -1,11 +1,14 @@
-"""Hydra plumbing shared by the entry points: schema registration, resolvers, rank-aware logging."""
+"""Hydra plumbing shared by the entry points: schema registration, resolvers, rank-aware logging,
+and the strict key check (no key the schema does not know)."""
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import logging
 import os
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from anyrec.config import register_configs
 
@@ -33,3 +36,66 @@ def quiet_non_main_ranks() -> None:
     for handler in logging.getLogger().handlers:
         if type(handler) is logging.StreamHandler:
             handler.setLevel(logging.WARNING)
+
+
+def _schema_keys(node_type: type, prefix: str = "") -> list[str]:
+    """Every dotted key the dataclass schema `node_type` defines (nested dataclasses expanded)."""
+    keys = []
+    for f in dataclasses.fields(node_type):
+        key = f"{prefix}{f.name}"
+        keys.append(key)
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            keys += _schema_keys(type(default), f"{key}.")
+    return keys
+
+
+def _unknown_keys(cfg: DictConfig, prefix: str = "") -> list[tuple[str, list[str]]]:
+    """Keys of `cfg` its schema does not define, each with the keys known at its level.
+
+    Hydra's `+key=value` adds a key even to a structured (schema-typed) config, and OmegaConf drops
+    it when building the dataclass, so a typo there would be accepted silently.
+    """
+    schema = OmegaConf.get_type(cfg)
+    if not dataclasses.is_dataclass(schema):
+        return []  # a free-form mapping (e.g. hardware.spec): checked where it is used
+    known = {f.name for f in dataclasses.fields(schema)}
+    found = []
+    for key in cfg.keys():
+        if key not in known:
+            found.append((f"{prefix}{key}", sorted(known)))
+            continue
+        child = cfg._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
+            found += _unknown_keys(child, f"{prefix}{key}.")
+    return found
+
+
+def check_known_keys(cfg: DictConfig) -> None:
+    """Reject keys the schema does not know (e.g. `+trainer.checkpoint.dirr=D`), naming the closest."""
+    unknown = _unknown_keys(cfg)
+    if not unknown:
+        return
+    everything = _schema_keys(OmegaConf.get_type(cfg))
+    parts = []
+    for key, siblings in unknown:
+        parent, _, name = key.rpartition(".")
+        near = difflib.get_close_matches(name, siblings, n=1, cutoff=0.6)
+        guess = f"{parent}.{near[0]}" if near and parent else (near[0] if near else None)
+        if guess is None:
+            candidates = [k for k in everything if not key.startswith(f"{k}.")]
+            near = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
+            guess = near[0] if near else None
+        parts.append(f"{key} (did you mean {guess}?)" if guess else
+                     f"{key} (known under {parent or 'the top level'}: {', '.join(siblings)})")
+    raise ValueError(f"unknown config key{'s' if len(parts) > 1 else ''}: {'; '.join(parts)}")
+
+
+def per_job_dir(path: str | None) -> str | None:
+    """Under a Hydra multirun, `path/<job number>`: jobs of one sweep never share a checkpoint dir."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if path is None or not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return path
+    return os.path.join(path, str(HydraConfig.get().job.num))

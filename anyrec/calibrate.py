@@ -33,6 +33,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from anyrec.backends import Backend, get_backend
 from anyrec.backends.dispatch import Impl, KernelProfile, availability, implementations
 from anyrec.backends.specs import DeviceSpec
+from anyrec.io_checks import writable_file
 from anyrec.planner.estimators import lookup_time_s
 from anyrec.planner.types import Placement, TableSpec, Topology
 
@@ -413,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("anyrec").setLevel(logging.INFO)
     try:
         opts = parse_args(sys.argv[1:] if argv is None else argv)
+        writable_file(opts["output"], "output")
         budget_s = float(opts["budget_s"])
         backend = get_backend(opts["backend"])
     except ValueError as e:

@@ -131,6 +131,11 @@ class CheckpointConfig:
     keep: int = 2  # the last k complete checkpoints stay; older ones are deleted
     resume: bool = True  # resume from the latest checkpoint in `dir` when there is one
     verify: bool = True  # check the files' SHA-256 before loading (the ranks share the reading)
+    # A directory belongs to one run lineage (meta.json records it): resume=false on a directory
+    # holding checkpoints is refused unless overwrite=true (then they go once this run has saved).
+    overwrite: bool = False
+    resume_from: str | None = None  # a compatible checkpoint of another lineage to start from
+    on_signal: bool = True  # SIGINT/SIGTERM: stop at the next step boundary and save first
 
 
 @dataclass
@@ -158,6 +163,9 @@ class TrainerConfig:
     run_dir: str | None = None  # JSONL/TensorBoard logs; the entry point sets Hydra's output dir
     tensorboard: bool = True
     fingerprint_weights: bool = False  # put a SHA-256 of all weights in the summary (slow if huge)
+    collective_timeout_s: float = 600.0  # a rank waiting this long on a peer fails the job
+    stop_check_every: int = 10  # steps between the ranks' checks for a stop request (a signal)
+    stop_grace_s: float = 10.0  # a rank not stopped this long after a signal exits without a checkpoint
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
 
@@ -211,7 +219,32 @@ def to_object(cfg: Any) -> AnyrecConfig:
     """A typed `AnyrecConfig` from a composed DictConfig (validated by the schema)."""
     from omegaconf import OmegaConf
 
+    from anyrec._hydra import check_known_keys
+
+    check_known_keys(cfg)
     obj = OmegaConf.to_object(cfg)
     if not isinstance(obj, AnyrecConfig):
         raise TypeError(f"config does not follow the anyrec schema: got {type(obj).__name__}")
     return obj
+
+
+def check_values(cfg: AnyrecConfig) -> None:
+    """Counts and sizes that must be positive (a 0 would otherwise mean "unset" or divide by zero).
+
+    Called by the entry points on the typed config; a ValueError names the key.
+    """
+    import math
+
+    positive = {"topology.world_size": cfg.topology.world_size,
+                "topology.local_world_size": cfg.topology.local_world_size,
+                "plan.batch_size": cfg.plan.batch_size, "data.batch_size": cfg.data.batch_size,
+                "data.global_batch_size": cfg.data.global_batch_size,
+                "trainer.checkpoint.keep": cfg.trainer.checkpoint.keep,
+                "trainer.stop_check_every": cfg.trainer.stop_check_every}
+    for key, value in positive.items():
+        if value is not None and value < 1:
+            raise ValueError(f"{key} must be >= 1, got {value}")
+    for key in ("collective_timeout_s", "stop_grace_s"):
+        seconds = getattr(cfg.trainer, key)
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise ValueError(f"trainer.{key} must be a positive number of seconds, got {seconds}")

@@ -20,7 +20,8 @@ from anyrec import _hydra
 from anyrec.backends import get_backend, resolve_hardware, rewrite_hardware_argv
 from anyrec.backends.hardware import figure_sources
 from anyrec.backends.specs import DeviceSpec
-from anyrec.config import AnyrecConfig, config_dir, to_object
+from anyrec.config import AnyrecConfig, check_values, config_dir, to_object
+from anyrec.io_checks import writable_file
 from anyrec.models.dlrm import build_model
 from anyrec.planner.job import plan_model
 from anyrec.planner.planner import CoDesignPlanner
@@ -38,6 +39,9 @@ def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print,
     side; an infeasible comparison is reported, not raised. Raises InfeasiblePlanError (a ValueError)
     with a one-line message when nothing fits, before anything is written.
     """
+    check_values(cfg)
+    writable_file(cfg.plan.output, "plan.output")
+    writable_file(cfg.plan.plot, "plan.plot")
     backend = get_backend(cfg.backend.name) if cfg.hardware.sku == "auto" else None
     device = resolve_hardware(cfg.hardware.sku, cfg.hardware.spec, backend)
     compare = resolve_hardware(cfg.plan.compare) if cfg.plan.compare else None

@@ -5,38 +5,54 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from anyrec import _hydra
 from anyrec.backends import rewrite_hardware_argv
-from anyrec.config import config_dir, to_object
-from anyrec.trainer.errors import NonFiniteLossError
+from anyrec.config import check_values, config_dir, to_object
+from anyrec.io_checks import writable_dir
+from anyrec.trainer.errors import NonFiniteLossError, PeerLostError, write_error_file
 
 logger = logging.getLogger("anyrec.train")
+# Exit statuses without torchrun (README, "Exit codes"): 2 a user or data mistake, 3 a diverged run,
+# 4 a lost peer; 128 + N after signal N stopped the run. Anything else is a bug (a traceback, 1).
+EXIT_CODES = {NonFiniteLossError: 3, PeerLostError: 4}
 
 
 def run(cfg: DictConfig) -> dict:
     """Train with a composed config; rank 0 prints the JSON summary as its last stdout line."""
+    from anyrec.trainer.shutdown import peer_failure
     from anyrec.trainer.trainer import Trainer  # torchrec loads once Hydra has parsed the command line
 
     _hydra.quiet_non_main_ranks()
     config = to_object(cfg)
+    check_values(config)
     if config.trainer.run_dir is None and HydraConfig.initialized():
         config.trainer.run_dir = HydraConfig.get().runtime.output_dir
+    config.trainer.checkpoint.dir = _hydra.per_job_dir(config.trainer.checkpoint.dir)
+    writable_dir(config.trainer.checkpoint.dir, "trainer.checkpoint.dir")
+    writable_dir(config.trainer.run_dir, "trainer.run_dir")
     trainer = Trainer(config)
     try:
         summary = trainer.train()
-        is_main = trainer.dist.is_main
     except BaseException as e:
+        # A peer may be gone: name it (before the group goes) and do not wait for it in close().
         # An error only this rank saw (bad data where it read it) leaves its peers inside a
-        # collective, where close()'s barrier would wait for them: exit now, the launcher stops them.
+        # collective: exit now, the launcher stops them.
+        info, timeout_s = trainer.dist, config.trainer.collective_timeout_s
+        lost = peer_failure(e, info.rank, info.world_size, timeout_s) if isinstance(e, Exception) else None
         if not getattr(e, "rank_local", False):
-            trainer.close()
+            trainer.close(failed=True)
+        if lost:
+            raise PeerLostError(lost) from None
         raise
+    is_main = trainer.dist.is_main
     trainer.close()
     if is_main:
         sys.stdout.flush()
@@ -48,18 +64,32 @@ _hydra.setup()
 
 
 @hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")
+@record  # under torchrun: an unexpected exception's traceback goes to torchrun's error report
 def main(cfg: DictConfig) -> None:
     try:
-        run(cfg)
-    except (ValueError, NonFiniteLossError) as e:
+        summary = run(cfg)
+    except (ValueError, NonFiniteLossError, PeerLostError) as e:
         # A user mistake, bad data, a bad checkpoint or a diverged run: every rank raises the same
         # error at the same point; rank 0 says it in one line, all exit non-zero. Bad rows found
-        # where they were read are seen by the reading rank alone, which says it itself.
-        if os.environ.get("RANK", "0") == "0" or getattr(e, "rank_local", False):
-            print(f"anyrec-train: error: {e}", file=sys.stderr, flush=True)
+        # where they were read are seen by the reading rank alone, which says it itself; a lost peer
+        # is seen differently by each surviving rank: each says what it saw.
+        line = f"anyrec-train: error: {e}"
+        if os.environ.get("RANK", "0") == "0" or getattr(e, "rank_local", False) or \
+                isinstance(e, PeerLostError):
+            print(line, file=sys.stderr, flush=True)
         else:
             logger.error("%s", e)
-        sys.exit(3 if isinstance(e, NonFiniteLossError) else 2)
+        write_error_file(line)
+        sys.exit(EXIT_CODES[type(e)] if type(e) in EXIT_CODES else 2)
+    except KeyboardInterrupt:  # SIGINT before or after the step loop (in it, the loop stops cleanly)
+        sys.exit(128 + signal.SIGINT)
+    if summary.get("stopped_by"):  # SIGINT/SIGTERM: stopped at a step boundary, as a shell expects
+        # Everything is saved and closed; skip the interpreter's teardown (seconds with torch and
+        # FBGEMM loaded): whoever sent the signal is waiting for the process to go.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 + signal.Signals[summary["stopped_by"]])
 
 
 def cli() -> None:

@@ -84,3 +84,22 @@ def test_flat_json_with_base_is_accepted(tmp_path):
     f.write_text('{"base": "mi300x", "memory_bw_bytes_per_s": 4.9e12}')
     spec = resolve_hardware(str(f))
     assert spec.name == "MI300X" and spec.memory_bw_bytes_per_s == 4.9e12
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ({"simd_width": 0}, "simd_width must be a finite number > 0, got 0"),
+    ({"memory_bw_bytes_per_s": float("nan")}, "memory_bw_bytes_per_s must be a finite number > 0, got nan"),
+    ({"scale_up_bw_bytes_per_s": "inf"}, "scale_up_bw_bytes_per_s must be a finite number > 0, got inf"),
+    ({"simd_width": "inf"}, "simd_width: expected a number"),
+])
+def test_spec_numbers_must_be_finite_and_positive(override, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_hardware("h200", override)
+    assert resolve_hardware("h200", {"h2d_bw_bytes_per_s": 0}).h2d_bw_bytes_per_s == 0  # 0 = unknown
+
+
+def test_a_hardware_file_with_nan_fails_in_one_line(tmp_path):
+    f = tmp_path / "cal.yaml"
+    f.write_text("sku: h200\nspec:\n  memory_bw_bytes_per_s: .nan\n")
+    with pytest.raises(ValueError, match=f"hardware file {f}: memory_bw_bytes_per_s must be a finite"):
+        resolve_hardware(str(f))

@@ -3,6 +3,7 @@ by torchrun, and clear failures (nothing overwritten) for corrupt or incompatibl
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -29,8 +30,9 @@ def _ok(proc):
 
 
 def _tree(path):
+    """Every checkpoint file (the directory's lock file aside) with its size and modification time."""
     return sorted((str(p.relative_to(path)), p.stat().st_size, p.stat().st_mtime_ns)
-                  for p in path.rglob("*"))
+                  for p in path.rglob("*") if p.name != ".anyrec.lock")
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +54,7 @@ def test_resume_is_exact(runs):
     assert c["weights_sha256"] == a["weights_sha256"]
     assert c["eval_auc"] == a["eval_auc"]
     # keep=2: the last two complete checkpoints, no temporary directories.
-    assert sorted(p.name for p in (tmp / "ck").iterdir()) == ["step_15", "step_20"]
+    assert sorted(p.name for p in (tmp / "ck").iterdir()) == [".anyrec.lock", "step_15", "step_20"]
 
 
 def test_restore_onto_one_rank_reshards(runs, tmp_path):
@@ -63,10 +65,10 @@ def test_restore_onto_one_rank_reshards(runs, tmp_path):
     assert d["weights_sha256"] == b["weights_sha256"]
 
 
-def _single(tmp_path, extra):
+def _single(tmp_path, extra, flags=()):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, *BASE, f"hydra.run.dir={tmp_path}/hydra", *extra], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=240, env=env)
+    cmd = [sys.executable, *BASE[:2], *flags, *BASE[2:], f"hydra.run.dir={tmp_path}/hydra", *extra]
+    return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240, env=env)
 
 
 def _error_lines(proc):
@@ -114,3 +116,65 @@ def test_sigkilled_rank_restarts_from_last_checkpoint(runs, tmp_path):
     assert "SIGKILL rank 1 after step 12" in proc.stdout + proc.stderr
     assert s["steps"] == 20 and s["resumed_from_step"] == 10
     assert s["final_loss"] == a["final_loss"] and s["weights_sha256"] == a["weights_sha256"]
+
+
+def _hashes(path):
+    """Every byte of every checkpoint under `path`, as {relative path: sha256} (the lock file aside)."""
+    import hashlib
+
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(path.rglob("*")) if p.is_file() and p.name != ".anyrec.lock"}
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["trainer.checkpoint.resume=false"], "already holds checkpoints (step_5, step_10) and "
+                                          "trainer.checkpoint.resume=false"),
+    (["optim.dense_lr=0.1"], "holds another run's checkpoints (step_5, step_10, run "),
+    (["trainer.seed=3"], "trainer.seed 0 there, 3 here"),
+])
+def test_another_runs_checkpoints_are_kept_byte_for_byte(runs, tmp_path, extra, message):
+    src = runs[0]
+    shutil.copytree(src / "ck_at_10", tmp_path / "ck")
+    before = _hashes(tmp_path / "ck")
+    proc = _single(tmp_path, ["trainer.steps=12", f"trainer.checkpoint.dir={tmp_path}/ck",
+                              "trainer.checkpoint.every=2", "trainer.checkpoint.keep=1", *extra])
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = _error_lines(proc)
+    assert len(lines) == 1 and message in lines[0], proc.stderr[-3000:]
+    assert _hashes(tmp_path / "ck") == before
+
+
+def test_overwrite_replaces_another_run(runs, tmp_path):
+    src = runs[0]
+    shutil.copytree(src / "ck_at_10", tmp_path / "ck")
+    s = _ok(_single(tmp_path, ["trainer.steps=4", f"trainer.checkpoint.dir={tmp_path}/ck",
+                               "trainer.checkpoint.resume=false", "trainer.checkpoint.overwrite=true"]))
+    assert s["resumed_from_step"] is None and s["steps"] == 4
+    assert sorted(p.name for p in (tmp_path / "ck").glob("step_*")) == ["step_4"]
+
+
+def test_resume_past_the_last_step_says_so(runs, tmp_path):
+    shutil.copytree(runs[0] / "ck_at_10", tmp_path / "ck")
+    proc = _single(tmp_path, ["trainer.steps=6", f"trainer.checkpoint.dir={tmp_path}/ck"])
+    s = _ok(proc)
+    assert s["steps"] == 10 and s["resumed_from_step"] == 10 and s["final_loss"] is None
+    assert "resumed at step 10, past trainer.steps=6: no step to train" in proc.stdout + proc.stderr
+
+
+def test_multirun_jobs_get_a_directory_each(tmp_path):
+    proc = _single(tmp_path, ["trainer.steps=2,3", f"trainer.checkpoint.dir={tmp_path}/ck",
+                              f"hydra.sweep.dir={tmp_path}/sweep"], flags=["-m"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summaries = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert [s["steps"] for s in summaries] == [2, 3]
+    assert all(s["resumed_from_step"] is None for s in summaries)  # job 1 did not take job 0's
+    assert [s["checkpoint"] for s in summaries] == [f"{tmp_path}/ck/0/step_2", f"{tmp_path}/ck/1/step_3"]
+
+
+def test_a_checkpoint_dir_that_is_a_file_fails_before_training(tmp_path):
+    (tmp_path / "ck").write_text("x")
+    proc = _single(tmp_path, ["trainer.steps=2", f"trainer.checkpoint.dir={tmp_path}/ck"])
+    assert proc.returncode == 2
+    assert _error_lines(proc) == [f"anyrec-train: error: trainer.checkpoint.dir {tmp_path}/ck is a file, "
+                                  "not a folder"], proc.stderr[-3000:]
+    assert "step 1" not in proc.stdout + proc.stderr

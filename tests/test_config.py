@@ -6,7 +6,7 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError
 
-from anyrec.config import AnyrecConfig, config_dir
+from anyrec.config import AnyrecConfig, check_values, config_dir
 
 from .conftest import compose_config
 
@@ -57,3 +57,35 @@ def test_wrong_type_fails():
 def test_unknown_option_fails():
     with pytest.raises(ConfigCompositionException):
         compose_config(["model=no_such_model"])
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("+trainer.checkpoint.dirr=D", "trainer.checkpoint.dirr (did you mean trainer.checkpoint.dir?)"),
+    ("+trainer.bogus=1", "unknown config key: trainer.bogus ("),
+    ("+model.embeding_dim=8", "model.embeding_dim (did you mean model.embedding_dim?)"),
+])
+def test_unknown_added_key_fails_naming_the_closest(override, message):
+    # `+key=value` adds a key past Hydra's struct check; the schema check must still refuse it.
+    with pytest.raises(ValueError) as e:
+        compose_config(["model=dlrm_tiny", override])
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_legitimate_additions_compose():
+    _, cfg = compose_config(["+experiment=dlrmv2_cpu", "trainer.steps=5"])
+    assert cfg.model.name == "dlrmv2_small" and cfg.trainer.steps == 5 and cfg.optim.warmup_steps == 20
+    _, cfg = compose_config(["+hardware.spec.simd_width=64"])  # a free-form mapping: checked on use
+    assert cfg.hardware.spec == {"simd_width": 64}
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("topology.local_world_size=0", "topology.local_world_size must be >= 1, got 0"),
+    ("plan.batch_size=0", "plan.batch_size must be >= 1, got 0"),
+    ("trainer.checkpoint.keep=0", "trainer.checkpoint.keep must be >= 1"),
+    ("trainer.collective_timeout_s=0", "trainer.collective_timeout_s must be a positive"),
+    ("trainer.collective_timeout_s=nan", "trainer.collective_timeout_s must be a positive"),
+])
+def test_counts_must_be_positive(override, message):
+    _, cfg = compose_config([override])
+    with pytest.raises(ValueError, match=message):
+        check_values(cfg)

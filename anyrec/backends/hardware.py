@@ -32,6 +32,9 @@ if TYPE_CHECKING:
 
 _FIELDS = {f.name: f for f in dataclasses.fields(DeviceSpec)}
 _FILE_KEYS = ("sku", "base", "spec", "measurements")
+# Fields that may be 0 meaning "unknown" (the planner then falls back or refuses host placement);
+# every other number is a capacity, a rate or a width the planner divides by.
+_MAY_BE_ZERO = ("h2d_bw_bytes_per_s", "host_memory_bytes", "host_memory_bw_bytes_per_s")
 
 
 @dataclass(frozen=True)
@@ -96,9 +99,23 @@ def _coerce(name: str, value: Any) -> Any:
             return int(float(value))
         if kind == "float":
             return float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ValueError(f"hardware field {name}: expected a number, got {value!r}") from None
     return str(value)
+
+
+def check_spec(spec: DeviceSpec, where: str) -> DeviceSpec:
+    """`spec` if every number in it is finite and positive (0 allowed where it means unknown)."""
+    import math
+
+    for name, f in _FIELDS.items():
+        value = getattr(spec, name)
+        if f.type not in ("int", "float"):
+            continue
+        if not math.isfinite(value) or value < 0 or (value == 0 and name not in _MAY_BE_ZERO):
+            need = ">= 0" if name in _MAY_BE_ZERO else "> 0"
+            raise ValueError(f"{where}: {name} must be a finite number {need}, got {value}")
+    return spec
 
 
 def apply_overrides(spec: DeviceSpec, overrides: dict[str, Any] | None,
@@ -110,7 +127,7 @@ def apply_overrides(spec: DeviceSpec, overrides: dict[str, Any] | None,
     if unknown:
         raise ValueError(f"{where}: unknown DeviceSpec field(s) {', '.join(unknown)}; "
                          f"known: {', '.join(_FIELDS)}")
-    return spec.replace(**{k: _coerce(k, v) for k, v in overrides.items()})
+    return check_spec(spec.replace(**{k: _coerce(k, v) for k, v in overrides.items()}), where)
 
 
 def _spec_from_fields(fields: dict[str, Any], where: str) -> DeviceSpec:
@@ -118,7 +135,7 @@ def _spec_from_fields(fields: dict[str, Any], where: str) -> DeviceSpec:
                if n not in fields and f.default is dataclasses.MISSING]
     if missing:
         raise ValueError(f"{where}: no `sku:` base and spec lacks {', '.join(missing)}")
-    return DeviceSpec(**{k: _coerce(k, v) for k, v in fields.items()})
+    return check_spec(DeviceSpec(**{k: _coerce(k, v) for k, v in fields.items()}), where)
 
 
 def _yaml_loader():
@@ -195,7 +212,7 @@ def resolve_hardware(sku: str, overrides: dict[str, Any] | None = None,
             from anyrec.backends import get_backend  # the package imports this module first
 
             backend = get_backend("auto")
-        spec = backend.device_spec()
+        spec = check_spec(backend.device_spec(), f"the {backend.name} backend's device spec")
     elif is_hardware_path(sku):
         hw = load_hardware_file(sku, backend)
         apply_profiles(hw)

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from anyrec.data.criteo import DENSE_TRANSFORMS, MALFORMED, read_tsv, write_npy
+from anyrec.io_checks import writable_dir
 
 
 def convert(src: str | Path, out_dir: str | Path, on_malformed: str = "error",
@@ -42,8 +43,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dense-transform", choices=DENSE_TRANSFORMS, default="torchrec",
                         help="torchrec: log(x - min + 2) as tsv_to_npys (default); log1p: log(1 + max(x, 0))")
     args = parser.parse_args(argv)
-    return print_reports("anyrec-preprocess", lambda: (
-        convert(src, args.out_dir, args.on_malformed, args.dense_transform) for src in args.inputs))
+
+    def reports() -> Iterable[dict]:
+        writable_dir(args.out_dir, "--out-dir")  # before converting anything
+        return (convert(src, args.out_dir, args.on_malformed, args.dense_transform) for src in args.inputs)
+
+    return print_reports("anyrec-preprocess", reports)
 
 
 def print_reports(prog: str, reports: Callable[[], Iterable[dict]]) -> int:

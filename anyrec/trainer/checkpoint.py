@@ -1,9 +1,11 @@
 """Checkpoints with torch.distributed.checkpoint (DCP): written atomically, found, checked, resharded.
 
-Layout of `trainer.checkpoint.dir`:
+Layout of `trainer.checkpoint.dir` (owned by one run lineage at a time, see lineage.py):
 
-    step_<n>/            a complete checkpoint: DCP files (.metadata, __<rank>_0.distcp) + meta.json
-    step_<n>.tmp-<id>/   one being written (or left by a crash): never read, removed by the next save
+    step_<n>/                       a complete checkpoint: DCP files + meta.json
+    step_<n>.tmp-<lineage>-<id>/    one being written: never read; removed if the save fails, or
+                                    (left by a crash) by the lineage's next save
+    .anyrec.lock                    held (flock) by rank 0 of the job writing the directory
 
 Every rank writes its shards into the temporary directory; rank 0 adds `meta.json` (step, the model
 signature, world size, file sizes, anyrec version) and, after a barrier, renames the directory to
@@ -22,6 +24,7 @@ import logging
 import os
 import re
 import shutil
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -32,6 +35,7 @@ import torch.distributed.checkpoint as dcp
 import anyrec
 from anyrec.config import CheckpointConfig
 from anyrec.trainer.errors import CheckpointError
+from anyrec.trainer.lineage import DirLock, Found, RunIdentity, Start, decide_start, launch_id, read_meta_file
 
 logger = logging.getLogger(__name__)
 
@@ -39,17 +43,35 @@ META = "meta.json"
 _FINAL = re.compile(r"^step_(\d+)$")
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _broadcast_str(value: str) -> str:
+def _broadcast(value: Any) -> Any:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return value
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _agree(error: str | None) -> None:
+    """Collective: if any rank had an error, every rank raises the first one (nobody waits alone)."""
+    errors = [error]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e), None)
+    if first:
+        raise CheckpointError(first)
+
+
+def describe_error(e: BaseException) -> str:
+    """One line for a failed checkpoint read or write: DCP wraps every rank's error, keep the cause."""
+    failures = getattr(e, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
+    if isinstance(failures, dict) and failures:
+        rank, (cause, _) = sorted(failures.items(), key=lambda kv: kv[0])[0]
+        return f"rank {rank}: {describe_error(cause)}"
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror}{f' ({e.filename})' if e.filename else ''}"
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:300]}" if text else type(e).__name__
 
 
 def _file_sizes(path: Path) -> dict[str, int]:
@@ -98,15 +120,60 @@ def signature_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> str | 
 
 
 class CheckpointManager:
-    """Saves and finds the checkpoints of one run directory."""
+    """Saves and finds the checkpoints of one run directory (collective: every rank calls each method).
 
-    def __init__(self, cfg: CheckpointConfig, signature: dict[str, Any], is_main: bool) -> None:
+    `identity` is the run's settings (lineage.identity_config); `start()` takes the directory for
+    this run and says which checkpoint to load.
+    """
+
+    def __init__(self, cfg: CheckpointConfig, signature: dict[str, Any], is_main: bool,
+                 identity: dict[str, Any] | None = None) -> None:
         if not cfg.dir:
             raise ValueError("CheckpointManager needs trainer.checkpoint.dir")
         if cfg.every < 0 or cfg.keep < 1:
             raise ValueError(f"trainer.checkpoint.every must be >= 0 and keep >= 1, got "
                              f"every={cfg.every}, keep={cfg.keep}")
         self.cfg, self.root, self.signature, self.is_main = cfg, Path(cfg.dir), signature, is_main
+        self.identity = identity or {}
+        self.run: RunIdentity | None = None  # set by start()
+        self._replace: tuple[str, ...] = ()
+        self._lock: DirLock | None = None
+
+    def start(self) -> Path | None:
+        """Lock the directory (rank 0) and decide where this run starts: the checkpoint to load or None.
+
+        Raises CheckpointError on every rank when the directory is in use or holds another run.
+        """
+        decision: Start | str | None = None
+        if self.is_main:
+            try:
+                run_id = launch_id()
+                self.root.mkdir(parents=True, exist_ok=True)
+                self._lock = DirLock(self.root, run_id)
+                decision = decide_start(self.root, self._scan(), self.cfg, self.identity,
+                                        lambda saved: signature_mismatch(saved, self.signature))
+                decision = (decision, run_id)
+            except CheckpointError as e:
+                decision = str(e)
+            except OSError as e:
+                decision = f"trainer.checkpoint.dir {self.root}: {describe_error(e)}"
+        decision = _broadcast(decision)
+        if isinstance(decision, str):
+            self.close()
+            raise CheckpointError(decision)
+        start, run_id = decision
+        self.run = RunIdentity(start.lineage, run_id, self.identity, start.parent)
+        self._replace = start.replace
+        if self.is_main and start.replace:
+            logger.warning("trainer.checkpoint.overwrite: %d checkpoint(s) in %s are deleted after this "
+                           "run's first save", len(start.replace), self.root)
+        return Path(start.load) if start.load else None
+
+    def close(self) -> None:
+        """Release the directory lock (the kernel does it too, however the process ends)."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def _complete(self) -> list[tuple[int, Path]]:
         if not self.root.is_dir():
@@ -118,53 +185,110 @@ class CheckpointManager:
                 found.append((int(m.group(1)), p))
         return sorted(found)
 
+    def _scan(self) -> list[Found]:
+        found = []
+        for step, path in self._complete():
+            try:
+                meta = json.loads((path / META).read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                meta = None
+            found.append(Found(step, path, meta if isinstance(meta, dict) else None))
+        return found
+
+    def _mine(self, found: list[Found]) -> list[Found]:
+        lineage = self.run.lineage if self.run else None
+        return [f for f in found if f.lineage == lineage]
+
     def latest(self) -> Path | None:
-        """The newest final-named checkpoint directory (checked when loaded), or None."""
-        found = self._complete()
-        return found[-1][1] if found else None
+        """The newest final-named checkpoint of this run's lineage (any, before start()), or None."""
+        found = self._scan()
+        found = self._mine(found) if self.run else found
+        return found[-1].path if found else None
 
     def save(self, step: int, state: dict[str, Any], extra_meta: dict[str, Any]) -> Path:
-        """Write `state` as checkpoint `step_<step>` atomically (collective: every rank calls it)."""
-        token = _broadcast_str(uuid.uuid4().hex[:12] if self.is_main else "")
-        tmp = self.root / f"step_{step}.tmp-{token}"
+        """Write `state` as checkpoint `step_<step>` atomically (collective: every rank calls it).
+
+        A failure on any rank (a full disk, a permission error) is raised on every rank as one
+        CheckpointError, and the temporary directory is removed: nothing half-written stays.
+        """
+        tag = self.run.lineage[:8] if self.run else "x"
+        token = _broadcast(uuid.uuid4().hex[:12] if self.is_main else "")
+        tmp = self.root / f"step_{step}.tmp-{tag}-{token}"
         final = self.root / f"step_{step}"
-        tmp.mkdir(parents=True, exist_ok=True)
-        dcp.save(state, checkpoint_id=str(tmp))
-        _barrier()  # every rank's shards are on disk
+        try:
+            self._write(step, state, extra_meta, tmp, final)
+        except CheckpointError:
+            if self.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return final
+
+    def _write(self, step: int, state: dict[str, Any], extra_meta: dict[str, Any], tmp: Path,
+               final: Path) -> None:
+        where = f"checkpoint step_{step} could not be written to {self.root}"
+        error = None
+        try:
+            tmp.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            error = f"{where}: {describe_error(e)}"
+        _agree(error)
+        try:
+            dcp.save(state, checkpoint_id=str(tmp))
+        except BaseException as e:  # DCP's CheckpointException is a BaseException, raised on every rank
+            if isinstance(e, KeyboardInterrupt | SystemExit):
+                raise
+            raise CheckpointError(f"{where}: {describe_error(e)}") from None
         # Checksums are spread over the ranks: each hashes a share of the files.
         rank, world = _world()
         names = sorted(_file_sizes(tmp))
         digests = _gather_dicts({n: _sha256(tmp / n) for n in names[rank::world]})
+        error = None
         if self.is_main:
-            meta = {"step": step, "signature": self.signature, "anyrec_version": anyrec.__version__,
-                    "files": _file_sizes(tmp), "sha256": digests, **extra_meta}
-            with (tmp / META).open("w", encoding="utf-8") as f:
-                json.dump(meta, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            if final.exists():  # the same step saved again after a restart
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            self._prune(keep_tmp=tmp.name)
-        _barrier()
-        return final
+            try:
+                self._publish(step, extra_meta, tmp, final, digests)
+            except (OSError, CheckpointError) as e:
+                error = f"{where}: {describe_error(e) if isinstance(e, OSError) else e}"
+        error = _broadcast(error)
+        if error:
+            raise CheckpointError(error)
+
+    def _publish(self, step: int, extra_meta: dict[str, Any], tmp: Path, final: Path,
+                 digests: dict[str, str]) -> None:
+        """Rank 0: meta.json, the rename to the final name, then pruning."""
+        meta = {"step": step, "signature": self.signature, "anyrec_version": anyrec.__version__,
+                "files": _file_sizes(tmp), "sha256": digests, "saved_at": time.time(), **extra_meta}
+        if self.run is not None:
+            meta["run"] = self.run.to_meta()
+        with (tmp / META).open("w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        if final.exists():  # the same step saved again after a restart, or one being replaced
+            owner = next((f.lineage for f in self._scan() if f.path == final), None)
+            if self.run is not None and owner != self.run.lineage and str(final) not in self._replace:
+                raise CheckpointError(f"{final} belongs to another run")
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        self._prune(keep_tmp=tmp.name)
 
     def _prune(self, keep_tmp: str) -> None:
-        for _, path in self._complete()[:-self.cfg.keep]:
-            shutil.rmtree(path, ignore_errors=True)
+        """Older checkpoints of this lineage beyond `keep`, its stale temporaries, and what it replaces."""
+        mine = self._mine(self._scan()) if self.run else self._scan()
+        for f in mine[:-self.cfg.keep]:
+            shutil.rmtree(f.path, ignore_errors=True)
+        tag = f".tmp-{self.run.lineage[:8]}-" if self.run else ".tmp-"
         for p in self.root.glob("step_*.tmp-*"):
-            if p.name != keep_tmp:
+            if p.name != keep_tmp and (tag in p.name or self._replace):
                 shutil.rmtree(p, ignore_errors=True)
+        if self._replace:  # overwrite: the replaced run's checkpoints go once this one has saved
+            for f in self._scan():
+                if str(f.path) in self._replace and f.lineage != (self.run.lineage if self.run else None):
+                    shutil.rmtree(f.path, ignore_errors=True)
+            self._replace = ()
 
     def read_meta(self, path: Path) -> dict[str, Any]:
         """meta.json of a checkpoint, checked against this model and the files on disk."""
-        try:
-            meta = json.loads((path / META).read_text(encoding="utf-8"))
-            if not isinstance(meta, dict) or "step" not in meta or "signature" not in meta:
-                raise ValueError("missing fields")
-        except (OSError, ValueError) as e:
-            raise CheckpointError(f"checkpoint {path} is corrupt or incomplete: unreadable {META} "
-                                  f"({type(e).__name__}: {e})") from None
+        meta = read_meta_file(path)
         why = signature_mismatch(meta["signature"], self.signature)
         if why:
             raise CheckpointError(f"checkpoint {path} is from an incompatible model: {why}")
@@ -188,9 +312,11 @@ class CheckpointManager:
         """Fill `state` in place from checkpoint `path` (collective; DCP reshards as needed)."""
         try:
             dcp.load(state, checkpoint_id=str(path))
-        except Exception as e:  # DCP wraps every rank's failure; keep the first line of the cause
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise CheckpointError(f"checkpoint {path} is corrupt or unreadable: {first[:300]}") from None
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            if isinstance(e, KeyboardInterrupt | SystemExit):
+                raise
+            raise CheckpointError(f"checkpoint {path} is corrupt or unreadable: "
+                                  f"{describe_error(e)}") from None
 
     def saved_keys(self, path: Path) -> set[str]:
         """Flattened keys stored in a checkpoint (to load only what it has, e.g. per-rank RNG)."""

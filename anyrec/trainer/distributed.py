@@ -135,8 +135,12 @@ def check_hosts(info: DistInfo, device: torch.device | None) -> None:
                          f"host(s) x {info.local_world_size}); launch with torchrun, one agent per host")
 
 
-def init_distributed(backend: Backend) -> DistInfo:
-    """Join (or create) the default process group with the backend's collectives library."""
+def init_distributed(backend: Backend, timeout_s: float | None = None) -> DistInfo:
+    """Join (or create) the default process group with the backend's collectives library.
+
+    `timeout_s` bounds every collective (trainer.collective_timeout_s): a rank waiting longer on a
+    stopped or stuck peer fails instead of hanging for torch's default (10 to 30 minutes).
+    """
     info = env_dist_info()
     backend.set_device(info.local_rank)
     if not dist.is_initialized():
@@ -147,7 +151,8 @@ def init_distributed(backend: Backend) -> DistInfo:
             os.environ.setdefault("WORLD_SIZE", "1")
         device_id = backend.device(info.local_rank) if backend.device_type != "cpu" else None
         dist.init_process_group(backend=backend.dist_backend, rank=info.rank, store=_elastic_store(info),
-                                world_size=info.world_size, device_id=device_id)
+                                world_size=info.world_size, device_id=device_id,
+                                timeout=timedelta(seconds=timeout_s) if timeout_s else None)
     check_hosts(info, backend.device(info.local_rank))
     if info.is_main:
         logger.info("%d host(s) x %d ranks (world size %d)", info.hosts, info.local_world_size,
@@ -155,11 +160,15 @@ def init_distributed(backend: Backend) -> DistInfo:
     return info
 
 
-def destroy_distributed() -> None:
-    """Tear the group down; collect sharded modules first (avoids an abort at exit with row-wise shards)."""
+def destroy_distributed(barrier: bool = True) -> None:
+    """Tear the group down; collect sharded modules first (avoids an abort at exit with row-wise shards).
+
+    `barrier=False` when a peer may be gone (after an error): then nobody waits for it.
+    """
     gc.collect()
     if dist.is_initialized():
-        dist.barrier()
+        if barrier:
+            dist.barrier()
         dist.destroy_process_group()
 
 

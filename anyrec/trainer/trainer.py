@@ -37,6 +37,7 @@ from anyrec.models.dlrm import DLRM, build_model, feature_names, table_configs
 from anyrec.trainer.checkpoint import CheckpointManager
 from anyrec.trainer.distributed import DistInfo, all_reduce_mean, destroy_distributed, init_distributed
 from anyrec.trainer.fingerprint import weights_fingerprint
+from anyrec.trainer.lineage import identity_config
 from anyrec.trainer.metrics import EvalMetrics
 from anyrec.trainer.optim import (
     check_embedding_weight_decay,
@@ -49,6 +50,7 @@ from anyrec.trainer.pipeline import EagerLoop, SparseDistPipeline, StepFunctions
 from anyrec.trainer.planning import sharders, shared_plan
 from anyrec.trainer.reporting import LossWindow, MetricWriter, progress_bar
 from anyrec.trainer.schedule import WarmupPolyDecay, set_lr
+from anyrec.trainer.shutdown import StopRequest, peers_met
 from anyrec.trainer.validate import InputValidator, NonFiniteGuard
 
 logger = logging.getLogger(__name__)
@@ -100,15 +102,14 @@ class Trainer:
         self._last_loss = torch.tensor(math.nan)
         self.predicted_step_s: float | None = None  # the plan's, where a planner predicted one
         self.build()
-        self.checkpoints = (CheckpointManager(cfg.trainer.checkpoint, self.signature(), self.dist.is_main)
-                            if cfg.trainer.checkpoint.dir else None)
-        if self.checkpoints is not None and cfg.trainer.checkpoint.resume:
-            latest = self.checkpoints.latest()
-            if latest is not None:
-                self.load_checkpoint(latest)
+        self.checkpoints = (CheckpointManager(cfg.trainer.checkpoint, self.signature(), self.dist.is_main,
+                                              identity_config(cfg)) if cfg.trainer.checkpoint.dir else None)
+        start = self.checkpoints.start() if self.checkpoints is not None else None  # locks the dir
+        if start is not None:
+            self.load_checkpoint(start)
 
     def init_distributed(self) -> DistInfo:
-        info = init_distributed(self.backend)
+        info = init_distributed(self.backend, self.cfg.trainer.collective_timeout_s)
         if self.backend.device_type == "cpu" and info.local_world_size > 1:
             # Share the host's cores between the local ranks instead of oversubscribing.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.local_world_size))
@@ -274,12 +275,19 @@ class Trainer:
                    timer=StepTimer(self.step, tc.steps))
         self.backend.reset_peak_memory_stats()
         self.model.train()
-        while self.step < tc.steps:
-            self._train_chunk(self._next_stop(tc.steps), run)
-            self._between_chunks(run)
-        if run.bar is not None:
-            run.bar.close()
-        return self._finish(run)
+        self.stopper = StopRequest(self.dist.rank, self.dist.world_size, tc.stop_check_every, tc.stop_grace_s,
+                                   tc.collective_timeout_s)
+        self.stopper.install()  # SIGINT/SIGTERM: every rank stops after the same step
+        try:
+            while self.step < tc.steps and not self.stopper.stopped_by:
+                self._train_chunk(self._next_stop(tc.steps), run)
+                if not self.stopper.stopped_by:
+                    self._between_chunks(run)
+            if run.bar is not None:
+                run.bar.close()
+            return self._finish(run)
+        finally:
+            self.stopper.restore()
 
     def _next_stop(self, steps: int) -> int:
         """The next step after which something happens between steps (eval, checkpoint, fault)."""
@@ -310,6 +318,8 @@ class Trainer:
             self.step += 1
             run.timer.after_step(self.step)
             self._after_step(run, lr_factor)
+            if self.stopper.should_stop(self.step):
+                break
         self._flush_checks()  # before any checkpoint or evaluation of this state
         self.backend.synchronize()
         run.train_time_s += time.perf_counter() - run.chunk_start
@@ -359,7 +369,9 @@ class Trainer:
 
     def _finish(self, run: _Run) -> dict[str, Any]:
         """The final checkpoint (unless the last chunk wrote it), the final evaluation and the summary."""
+        stopped = self.stopper.stopped_by is not None
         if self.checkpoints is not None and self.step > (self.resumed_from or 0) and (
+                not stopped or self.cfg.trainer.checkpoint.on_signal) and (
                 run.last_checkpoint is None or run.last_checkpoint.name != f"step_{self.step}"):
             run.last_checkpoint = self.save_checkpoint()
         final_loss = train_loss = None  # no step ran in this process (resumed at the end)
@@ -368,7 +380,7 @@ class Trainer:
                 [float(self._last_loss), run.window.mean()],
                 self.device)
         eval_result = None
-        if self.eval_data is not None:
+        if self.eval_data is not None and not stopped:
             eval_result = self.evaluate()
             self._log_eval(eval_result)
         summary = self._summary(run, final_loss, train_loss, eval_result)
@@ -402,6 +414,7 @@ class Trainer:
             "data_malformed_rows": getattr(self.train_data, "malformed_rows", 0),
             "resumed_from_step": self.resumed_from,
             "checkpoint": str(run.last_checkpoint) if run.last_checkpoint else None,
+            "stopped_by": self.stopper.stopped_by,  # SIGINT/SIGTERM, or null
         }
 
     def _log_eval(self, result: dict[str, float]) -> None:
@@ -487,12 +500,20 @@ class Trainer:
         self.resumed_from = self.step
         if self.dist.is_main:
             logger.info("resumed from %s (step %d)", path, self.step)
+            if self.step > self.cfg.trainer.steps:
+                logger.warning("resumed at step %d, past trainer.steps=%d: no step to train", self.step,
+                               self.cfg.trainer.steps)
 
-    def close(self) -> None:
-        """Release the sharded model before the process group goes (see destroy_distributed)."""
+    def close(self, failed: bool = False) -> None:
+        """Release the sharded model before the process group goes (see destroy_distributed).
+
+        `failed`: after an error, a peer may be gone; wait for the others only briefly.
+        """
         self.writer.close()
+        if self.checkpoints is not None:
+            self.checkpoints.close()
         # Everything that holds the sharded tables or their process groups goes first, so the
         # gc.collect() in destroy_distributed frees them while the group still exists.
         del self.pipeline, self.optimizer, self.dense_optimizer, self.fused_optimizer, self.dense_params
         del self.model, self.train_data, self.eval_data, self.checkpoints
-        destroy_distributed()
+        destroy_distributed(barrier=not failed or peers_met(self.dist.rank, self.dist.world_size))

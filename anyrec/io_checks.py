@@ -1,0 +1,61 @@
+"""Output paths checked before any work starts: a job whose results cannot be written fails in seconds.
+
+Each check creates nothing that stays: it probes the path itself or its nearest existing folder by
+creating and removing a temporary file, so permissions, read-only mounts, a file where a folder
+should be (and the reverse) are all found the way the real write would find them.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+
+def _reason(e: OSError) -> str:
+    return e.strerror or type(e).__name__
+
+
+def _probe(folder: Path, what: str, path: Path) -> None:
+    """Create and remove a file in the existing folder `folder` (the write the job will make)."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=".anyrec-probe-", dir=folder)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as e:
+        raise ValueError(f"{what} {path}: cannot write in {folder} ({_reason(e)})") from None
+
+
+def _existing_ancestor(path: Path, what: str) -> Path:
+    """The nearest folder above `path` that exists; a file on the way is an error."""
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"{what} {path}: {parent} is a file, not a folder")
+            return parent
+    raise ValueError(f"{what} {path}: no existing folder above it")  # pragma: no cover (/ exists)
+
+
+def writable_dir(path: str | os.PathLike | None, what: str) -> None:
+    """A folder the job will create files in (created later if missing); None is not checked."""
+    if path is None or str(path) == "":
+        return
+    p = Path(path).expanduser().absolute()
+    if p.exists():
+        if not p.is_dir():
+            raise ValueError(f"{what} {p} is a file, not a folder")
+        _probe(p, what, p)
+    else:
+        _probe(_existing_ancestor(p, what), what, p)
+
+
+def writable_file(path: str | os.PathLike | None, what: str) -> None:
+    """A file the job will write (replace if present); None is not checked."""
+    if path is None or str(path) == "":
+        return
+    p = Path(path).expanduser().absolute()
+    if p.is_dir():
+        raise ValueError(f"{what} {p} is a folder, not a file")
+    if p.exists() and not os.access(p, os.W_OK):
+        raise ValueError(f"{what} {p}: the file is not writable")
+    _probe(_existing_ancestor(p, what), what, p)

@@ -1,0 +1,225 @@
+"""Clean shutdown and bounded waits: every rank stops at the same step on SIGINT/SIGTERM, a lost peer
+is named, and nothing waits forever.
+
+Ranks agree through the process group's store (the TCPStore torchrun or init_process_group made),
+every `trainer.stop_check_every` steps: each rank posts whether it saw a signal and reads the others'
+posts, host-side only (no device sync, no collective on the accelerator). A signal is noticed by a
+watcher thread through `signal.set_wakeup_fd`, so even a main thread blocked inside a collective with
+a stopped peer cannot delay it: if the ranks have not agreed to stop within `trainer.stop_grace_s`,
+the process exits anyway (128 + signal number) and its peers see the connection close.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from anyrec.trainer.errors import NonFiniteLossError, PeerLostError
+
+logger = logging.getLogger(__name__)
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+ROLL_CALL_S = 3.0  # how long a failed rank waits for its peers to report before naming the silent ones
+CLOSE_WAIT_S = 5.0  # after an error, how long close() waits for the other ranks before leaving alone
+
+
+def _store() -> Any | None:
+    """The default process group's store, prefixed for anyrec's keys; None without a group."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    return dist.PrefixStore("anyrec/", dist.distributed_c10d._get_default_store())
+
+
+class StopRequest:
+    """SIGINT/SIGTERM turned into a stop at a step boundary that every rank agrees on."""
+
+    def __init__(self, rank: int, world_size: int, check_every: int, grace_s: float,
+                 timeout_s: float) -> None:
+        self.rank, self.world_size, self.check_every = rank, world_size, check_every
+        self.grace_s, self.timeout_s = grace_s, timeout_s
+        self.signum: int | None = None  # the first signal seen on this rank
+        self.stopped_by: str | None = None  # the signal the ranks agreed to stop for
+        self._count = 0
+        self._agreed = threading.Event()
+        self._lock = threading.Lock()
+        self._store = _store()
+        self._installed: dict[int, Any] = {}
+        self._old_wakeup = -1
+        self._pair: tuple[socket.socket, socket.socket] | None = None
+        self._parent = os.getppid()
+
+    # ---- signals --------------------------------------------------------------------------------
+
+    def install(self) -> None:
+        """Catch SIGINT/SIGTERM (main thread only; a no-op elsewhere, e.g. under a test runner thread)."""
+        if threading.current_thread() is not threading.main_thread() or self._installed:
+            return
+        reader, writer = socket.socketpair()
+        writer.setblocking(False)
+        self._pair = (reader, writer)
+        self._old_wakeup = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        for sig in SIGNALS:
+            # The watcher thread acts on the signal; this handler only keeps Python's default
+            # (KeyboardInterrupt, or death) from interrupting the step.
+            self._installed[sig] = signal.signal(sig, lambda signum, frame: None)
+        threading.Thread(target=self._watch, args=(reader,), name="anyrec-signals", daemon=True).start()
+
+    def restore(self) -> None:
+        """Put the previous handlers back and stop the watcher."""
+        if not self._installed:
+            return
+        for sig, old in self._installed.items():
+            signal.signal(sig, old)
+        self._installed = {}
+        signal.set_wakeup_fd(self._old_wakeup)
+        assert self._pair is not None
+        self._pair[1].close()
+        self._pair[0].shutdown(socket.SHUT_RDWR)
+        self._pair = None
+
+    def _watch(self, reader: socket.socket) -> None:
+        while True:
+            try:
+                data = reader.recv(64)
+            except OSError:
+                return
+            if not data:
+                return
+            for signum in data:
+                if signum in SIGNALS:
+                    self._on_signal(signum)
+
+    def _on_signal(self, signum: int) -> None:
+        with self._lock:
+            self._count += 1
+            first = self._count == 1
+            if first:
+                self.signum = signum
+        name = signal.Signals(signum).name
+        if not first:
+            logger.error("rank %d: second signal (%s): exiting now, without a checkpoint", self.rank, name)
+            os._exit(128 + signum)
+        logger.warning("rank %d: %s: stopping at the next step boundary (within %d steps)", self.rank,
+                       name, self.check_every)
+        timer = threading.Timer(self.grace_s, self._expire, args=(signum,))
+        timer.daemon = True
+        timer.start()
+
+    def _expire(self, signum: int) -> None:
+        if not self._agreed.is_set():
+            logger.error("rank %d: no step boundary reached within %.0f s of %s (trainer.stop_grace_s): "
+                         "exiting without a checkpoint", self.rank, self.grace_s, signal.Signals(signum).name)
+            os._exit(128 + signum)
+
+    # ---- agreement ------------------------------------------------------------------------------
+
+    def _launcher_gone(self) -> bool:
+        """Under torchrun, a worker whose agent died (e.g. SIGKILL) is orphaned: stop rather than run on."""
+        return "TORCHELASTIC_RUN_ID" in os.environ and os.getppid() != self._parent
+
+    def should_stop(self, step: int) -> bool:
+        """At step boundaries: True on every rank at the same step once any rank got a signal.
+
+        Only every `check_every` steps does it talk to the other ranks (three store round trips).
+        """
+        if step % self.check_every:
+            return False
+        if self.signum is None and self._launcher_gone():
+            logger.error("rank %d: the launcher (pid %d) is gone: stopping", self.rank, self._parent)
+            self.signum = signal.SIGTERM
+        local = self.signum or 0
+        if self._store is None:
+            signums = [local]
+        else:
+            signums = self._exchange(step, local)
+        stop = next((s for s in signums if s), 0)
+        if stop:
+            self.stopped_by = signal.Signals(stop).name
+            self._agreed.set()
+            logger.warning("rank %d: stopping after step %d (%s)", self.rank, step, self.stopped_by)
+        return bool(stop)
+
+    def _exchange(self, step: int, local: int) -> list[int]:
+        store = self._store
+        keys = [f"stop/{step}/{r}" for r in range(self.world_size)]
+        store.set(keys[self.rank], str(local))
+        try:
+            store.wait(keys, timedelta(seconds=self.timeout_s))
+        except Exception:  # noqa: BLE001 - the store's timeout error has no public type
+            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            raise PeerLostError(f"rank {self.rank}: rank(s) {', '.join(map(str, missing))} did not reach "
+                                f"step {step} within {self.timeout_s:.0f} s (trainer.collective_timeout_s)"
+                                ) from None
+        values = [int(v) for v in store.multi_get(keys)]
+        old = step - 2 * self.check_every  # every rank has read that round: it finished the last one
+        if old >= 0:
+            store.delete_key(f"stop/{old}/{self.rank}")
+        return values
+
+
+# gloo's words for a peer that is gone or silent (it raises plain RuntimeErrors), and the libraries'.
+_PEER_MARKERS = ("Timed out waiting", "Application timeout caused pair closure", "Connection closed by peer",
+                 "Connection reset by peer", "watchdog", "NCCL", "RCCL", "gloo")
+
+
+def peer_failure(e: BaseException, rank: int, world_size: int, timeout_s: float) -> str | None:
+    """One line for a collective that failed because of another rank, naming the silent rank(s).
+
+    The ranks that hit the failure check in through the store for a few seconds; the ones that do not
+    are the likely culprits. None when `e` is not a collective failure.
+    """
+    if isinstance(e, PeerLostError):
+        return str(e)
+    if isinstance(e, ValueError | NonFiniteLossError):  # raised by every rank alike, not a peer's fault
+        return None
+    text = str(e)
+    if world_size <= 1 or not (isinstance(e, getattr(dist, "DistError", ())) or
+                               any(m in text for m in _PEER_MARKERS)):
+        return None
+    cause = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+    cause = cause.split("] ", 1)[-1][:200]  # drop the C++ source location
+    silent = _roll_call(rank, world_size)
+    who = (f"rank(s) {', '.join(map(str, silent))} stopped responding" if silent
+           else "a peer rank failed")
+    return (f"rank {rank}: {who} (collective failed: {cause}; trainer.collective_timeout_s="
+            f"{timeout_s:.0f})")
+
+
+def _roll_call(rank: int, world_size: int) -> list[int]:
+    try:
+        store = _store()
+        if store is None:
+            return []
+        store.set(f"failed/{rank}", "1")
+        deadline = time.monotonic() + ROLL_CALL_S
+        keys = [f"failed/{r}" for r in range(world_size)]
+        while time.monotonic() < deadline:
+            silent = [r for r, k in enumerate(keys) if not store.check([k])]
+            if not silent:
+                return []
+            time.sleep(0.1)
+        return silent
+    except Exception:  # noqa: BLE001 - the store itself may be gone with the launcher
+        return []
+
+
+def peers_met(rank: int, world_size: int, timeout_s: float = CLOSE_WAIT_S, name: str = "close") -> bool:
+    """Whether every rank reaches this point within `timeout_s` (a barrier that gives up)."""
+    try:
+        store = _store()
+        if store is None:
+            return True
+        keys = [f"meet/{name}/{r}" for r in range(world_size)]
+        store.set(keys[rank], "1")
+        store.wait(keys, timedelta(seconds=timeout_s))
+        return True
+    except Exception:  # noqa: BLE001 - a timeout, or the store went with the launcher
+        return False

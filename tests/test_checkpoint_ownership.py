@@ -1,0 +1,225 @@
+"""Checkpoint directories are owned by one run lineage: resumed only by it (or when named explicitly),
+never pruned, overwritten or written concurrently by another run, and a failed save leaves nothing.
+
+One process and a small tensor state (DCP needs no process group for one rank); the multi-rank
+paths run in tests/test_checkpoint.py and tests/test_shutdown.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from anyrec.config import CheckpointConfig
+from anyrec.trainer.checkpoint import CheckpointManager
+from anyrec.trainer.errors import CheckpointError
+
+from .conftest import ROOT
+
+SIG = {"tables": {"t0": [10, 4]}, "dense": {"w": [8]}, "optimizer": "adagrad"}
+RUN_A = {"optim.dense_lr": 0.05, "model.embedding_dim": 4, "trainer.seed": 0}
+RUN_B = {**RUN_A, "optim.dense_lr": 0.1}
+
+
+def _manager(root, identity=RUN_A, **cfg):
+    return CheckpointManager(CheckpointConfig(dir=str(root), **cfg), SIG, True, identity)
+
+
+def _state(value: float) -> dict:
+    return {"w": torch.full((8,), value), "t0": torch.full((10, 4), value)}
+
+
+def _train(root, steps, identity=RUN_A, **cfg):
+    """A fake run: start, 'resume' (read the step back), save at each of `steps`; returns the start."""
+    m = _manager(root, identity, **cfg)
+    start = m.start()
+    for step in steps:
+        m.save(step, _state(float(step)), {})
+    m.close()
+    return start
+
+
+def _hashes(root):
+    """Every byte under `root` (lock file aside), as {relative path: sha256}."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name != ".anyrec.lock"}
+
+
+def _meta(path):
+    return json.loads((path / "meta.json").read_text())
+
+
+def test_meta_records_the_run_and_the_same_settings_resume(tmp_path):
+    root = tmp_path / "ck"
+    assert _train(root, [5, 10]) is None
+    meta = _meta(root / "step_10")
+    run = meta["run"]
+    assert run["config"] == RUN_A and len(run["fingerprint"]) == 16 and run["run_id"]
+    assert _meta(root / "step_5")["run"]["lineage"] == run["lineage"]
+    # A second launch with the same settings continues the lineage from its newest checkpoint.
+    m = _manager(root)
+    assert m.start() == root / "step_10"
+    m.save(15, _state(15.0), {})
+    assert _meta(root / "step_15")["run"]["lineage"] == run["lineage"]
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_10", "step_15"]  # keep=2, own lineage
+
+
+def test_other_settings_do_not_resume_another_run(tmp_path):
+    root = tmp_path / "ck"
+    _train(root, [5, 10, 20])
+    before = _hashes(root)
+    with pytest.raises(CheckpointError) as e:
+        _train(root, [5, 10], identity=RUN_B)
+    msg = str(e.value)
+    assert "holds another run's checkpoints" in msg and "optim.dense_lr 0.05 there, 0.1 here" in msg
+    assert "\n" not in msg
+    assert _hashes(root) == before
+
+
+def test_resume_false_refuses_a_directory_with_checkpoints(tmp_path):
+    root = tmp_path / "ck"
+    _train(root, [5, 10, 20])
+    before = _hashes(root)
+    with pytest.raises(CheckpointError, match="resume=false.*overwrite=true"):
+        _train(root, [5, 10], resume=False)
+    assert _hashes(root) == before
+
+
+def test_overwrite_replaces_the_other_run_only_after_saving(tmp_path):
+    root = tmp_path / "ck"
+    _train(root, [5, 10, 20])
+    old = _meta(root / "step_20")["run"]["lineage"]
+    m = _manager(root, RUN_B, resume=False, overwrite=True)
+    assert m.start() is None
+    assert (root / "step_20").is_dir()  # nothing deleted before this run has a checkpoint
+    m.save(5, _state(-5.0), {})
+    m.close()
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_5"]
+    assert _meta(root / "step_5")["run"]["lineage"] != old
+
+
+def test_pruning_keeps_another_runs_checkpoints(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    _train(a, [1, 2, 3], keep=3)
+    _train(b, [4], identity=RUN_B, keep=1)
+    for name in ("step_1", "step_2", "step_3"):  # another run's checkpoints copied in
+        os.rename(a / name, b / name)
+    before = _hashes(b)
+    other = {k: v for k, v in before.items() if not k.startswith("step_4/")}
+    assert _train(b, [5, 6, 7], identity=RUN_B, keep=1) == b / "step_4"  # own lineage, not step_3
+    after = _hashes(b)
+    assert {k: v for k, v in after.items() if k in other} == other
+    assert sorted(p.name for p in b.glob("step_*")) == ["step_1", "step_2", "step_3", "step_7"]
+
+
+def test_resume_from_names_a_compatible_checkpoint(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    _train(a, [5, 10])
+    before = _hashes(a)
+    m = _manager(b, RUN_B, resume_from=str(a))
+    assert m.start() == a / "step_10"
+    m.save(15, _state(15.0), {})
+    m.close()
+    run = _meta(b / "step_15")["run"]
+    assert run["parent"]["step"] == 10 and run["parent"]["path"] == str((a / "step_10").resolve())
+    assert run["lineage"] != _meta(a / "step_10")["run"]["lineage"]
+    assert _hashes(a) == before
+    # A restart of that job resumes its own lineage, not the named checkpoint again.
+    assert _train(b, [], RUN_B, resume_from=str(a)) == b / "step_15"
+    # Into a directory that holds checkpoints: refused.
+    with pytest.raises(CheckpointError, match="needs an empty directory"):
+        _train(a, [], RUN_B, resume_from=str(b))
+    assert _hashes(a) == before
+
+
+def test_checkpoints_without_identity_are_not_resumed_silently(tmp_path):
+    root = tmp_path / "ck"
+    _train(root, [5])
+    meta = _meta(root / "step_5")
+    del meta["run"]
+    (root / "step_5" / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="no run identity.*resume_from="):
+        _train(root, [10])
+
+
+def test_incompatible_model_is_named(tmp_path):
+    root = tmp_path / "ck"
+    _train(root, [5])
+    m = CheckpointManager(CheckpointConfig(dir=str(root)), {**SIG, "tables": {"t0": [10, 8]}}, True, RUN_B)
+    with pytest.raises(CheckpointError, match="incompatible model: table t0 is 10 rows x dim 4 there"):
+        m.start()
+
+
+def _python(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+
+
+def test_a_locked_directory_is_refused_and_a_killed_holder_frees_it(tmp_path):
+    root = tmp_path / "ck"
+    m = _manager(root)
+    m.start()
+    proc = _python(f"""
+        from tests.test_checkpoint_ownership import _train
+        from anyrec.trainer.errors import CheckpointError
+        try:
+            _train({str(root)!r}, [1])
+        except CheckpointError as e:
+            print(e)
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert f"is in use by another job (pid {os.getpid()} on" in proc.stdout
+    assert not list(root.glob("step_*"))
+    m.close()
+    # A holder killed with SIGKILL (no cleanup at all) leaves the directory free.
+    proc = _python(f"""
+        import os, signal
+        from tests.test_checkpoint_ownership import _manager
+        _manager({str(root)!r}).start()
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    assert proc.returncode == -9
+    assert _train(root, [1]) is None
+
+
+def test_a_failed_save_is_one_line_and_leaves_no_temporary(tmp_path):
+    # A real write failure: the file size limit (EFBIG) stands in for a full disk.
+    root = tmp_path / "ck"
+    proc = _python(f"""
+        import resource, signal
+        from tests.test_checkpoint_ownership import _manager, _state
+        from anyrec.trainer.errors import CheckpointError
+        import torch
+        m = _manager({str(root)!r})
+        m.start()
+        m.save(1, _state(1.0), {{}})
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))
+        try:
+            m.save(2, {{"w": torch.zeros(100_000)}}, {{}})
+        except CheckpointError as e:
+            print("ERROR", e)
+    """)
+    assert proc.returncode == 0, proc.stderr
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("ERROR")]
+    assert len(lines) == 1 and "checkpoint step_2 could not be written" in lines[0], proc.stdout
+    assert "File too large" in lines[0]
+    assert sorted(p.name for p in root.iterdir() if p.name != ".anyrec.lock") == ["step_1"]
+
+
+def test_a_corrupt_checkpoint_load_is_one_line(tmp_path):
+    root = tmp_path / "ck"
+    _train(root, [1])
+    (root / "step_1" / ".metadata").write_bytes(b"garbage")
+    m = _manager(root)
+    with pytest.raises(CheckpointError) as e:
+        m.load(root / "step_1", _state(0.0))
+    assert "is corrupt or unreadable: rank 0:" in str(e.value) and "\n" not in str(e.value)

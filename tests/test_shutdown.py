@@ -1,0 +1,148 @@
+"""Clean shutdown under torchrun: a signal stops every rank at one step boundary (with a checkpoint),
+a stopped rank fails the job naming it, an orphaned worker stops, and errors reach torchrun's report.
+
+Every job is 2 ranks on loopback, bounded in time, and the test checks that no process is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .conftest import ROOT, torchrun
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from interrupt import alive, descendants, launch, output, wait_for, wait_gone  # noqa: E402
+
+FAST = ["trainer.stop_check_every=5"]
+
+
+@pytest.mark.parametrize("signal_rank", [0, 1])
+def test_a_signal_on_one_rank_stops_all_at_one_step(tmp_path, signal_rank):
+    # tests/dist/stop_check.py: one all-reduce per step, SIGINT on one rank after step 7, checks
+    # every 3 steps: every rank stops after step 9, and says why.
+    proc = torchrun([str(ROOT / "tests" / "dist" / "stop_check.py"), str(tmp_path), str(signal_rank)],
+                    cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert results == [{"step": 9, "stopped_by": "SIGINT"}] * 2
+
+
+def _worker(pids: set[int], rank: int) -> int:
+    """The pid of the anyrec worker with RANK=rank among `pids`."""
+    for pid in pids:
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and b"anyrec.train" in cmd:
+            return pid
+    raise AssertionError(f"no worker with RANK={rank} among {sorted(pids)}")
+
+
+def _stopped_steps(text: str) -> list[int]:
+    return [int(m) for m in re.findall(r"stopping after step (\d+)", text)]
+
+
+def _summary(text: str) -> dict:
+    lines = [ln for ln in text.splitlines() if ln.startswith("{")]
+    assert lines, text[-3000:]
+    return json.loads(lines[-1])
+
+
+def test_ctrl_c_stops_every_rank_at_one_step_and_saves(tmp_path):
+    ck = tmp_path / "ck"
+    proc = launch(tmp_path, [*FAST, f"trainer.checkpoint.dir={ck}"])
+    pids = wait_for(proc, tmp_path, "step 10 loss", timeout=240)
+    # A second job on the same checkpoint directory is refused while this one holds it.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    other = subprocess.run([sys.executable, "-m", "anyrec.train", "model=dlrm_tiny", "trainer.steps=2",
+                            f"trainer.checkpoint.dir={ck}", f"hydra.run.dir={tmp_path}/other"],
+                           capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert other.returncode == 2, other.stderr[-2000:]
+    assert f"anyrec-train: error: trainer.checkpoint.dir {ck} is in use by another job" in other.stderr
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+    seconds = wait_gone(proc, pids, limit=60)
+    text = output(tmp_path)
+    assert seconds is not None and "forcefully exiting via" not in text, text[-3000:]
+    assert seconds < 25, seconds  # torchrun would SIGKILL at 30 s: the workers left on their own
+    steps = _stopped_steps(text)
+    assert len(steps) == 2 and steps[0] == steps[1] and steps[0] % 5 == 0, text[-3000:]
+    summary = _summary((tmp_path / "out.txt").read_text())
+    assert summary["stopped_by"] == "SIGINT" and summary["steps"] == steps[0]
+    assert (ck / f"step_{steps[0]}" / "meta.json").is_file()
+    assert proc.returncode == 1 and "SignalException" in text  # torchrun's own status on a signal
+
+
+def test_sigterm_to_one_rank_stops_both(tmp_path):
+    ck = tmp_path / "ck"
+    proc = launch(tmp_path, [*FAST, f"trainer.checkpoint.dir={ck}"])
+    pids = wait_for(proc, tmp_path, "step 10 loss", timeout=240)
+    os.kill(_worker(pids, 1), signal.SIGTERM)  # e.g. a scheduler's preemption of one host
+    seconds = wait_gone(proc, pids, limit=60)
+    text = output(tmp_path)
+    assert seconds is not None and "forcefully exiting via" not in text, text[-3000:]
+    steps = _stopped_steps(text)
+    assert len(steps) == 2 and steps[0] == steps[1], text[-3000:]
+    assert (ck / f"step_{steps[0]}" / "meta.json").is_file()
+    assert proc.returncode == 1 and re.search(r"exitcode\s*: 143", text), text[-3000:]
+
+
+def test_a_stopped_rank_fails_the_job_naming_it(tmp_path):
+    proc = launch(tmp_path, ["trainer.collective_timeout_s=5", "trainer.stop_check_every=1000"])
+    pids = wait_for(proc, tmp_path, "step 10 loss", timeout=240)
+    stuck = _worker(pids, 1)
+    os.kill(stuck, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 60
+        while "anyrec-train: error:" not in output(tmp_path) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        text = output(tmp_path)
+        assert "anyrec-train: error: rank 0: rank(s) 1 stopped responding" in text, text[-3000:]
+    finally:
+        if alive({stuck}):
+            os.kill(stuck, signal.SIGCONT)
+    assert wait_gone(proc, pids, limit=60) is not None
+    text = output(tmp_path)
+    assert "traceback : anyrec-train: error: rank 0: rank(s) 1 stopped responding" in text
+    assert "trainer.collective_timeout_s=5)" in text and re.search(r"exitcode\s*: 4", text), text[-3000:]
+
+
+def test_workers_of_a_killed_launcher_stop(tmp_path):
+    ck = tmp_path / "ck"
+    proc = launch(tmp_path, [*FAST, f"trainer.checkpoint.dir={ck}"])
+    pids = wait_for(proc, tmp_path, "step 10 loss", timeout=240)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + 30
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = alive(pids)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, output(tmp_path)[-3000:]
+    assert "the launcher" in output(tmp_path) or "is gone" in output(tmp_path)
+
+
+@pytest.mark.parametrize("what", ["file", "bogus"])
+def test_errors_reach_torchruns_report_in_one_line(tmp_path, what):
+    f = tmp_path / "a_file"
+    f.write_text("x")
+    bad = f"trainer.checkpoint.dir={f}" if what == "file" else "+trainer.checkpoint.dirr=D"
+    proc = torchrun(["-m", "anyrec.train", "model=dlrm_tiny", bad, f"hydra.run.dir={tmp_path}/run"],
+                    cwd=tmp_path, timeout=180)
+    assert proc.returncode != 0
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("anyrec-train: error:")]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    reported = [ln.split("traceback : ", 1)[1] for ln in proc.stderr.splitlines() if "traceback : " in ln]
+    assert reported and all(r == lines[0] for r in reported), proc.stderr[-3000:]
+    assert not alive(descendants(os.getpid()))  # torchrun and its workers are all gone
