@@ -34,7 +34,9 @@ _FIELDS = {f.name: f for f in dataclasses.fields(DeviceSpec)}
 _FILE_KEYS = ("sku", "base", "spec", "measurements")
 # Fields that may be 0 meaning "unknown" (the planner then falls back or refuses host placement);
 # every other number is a capacity, a rate or a width the planner divides by.
-_MAY_BE_ZERO = ("h2d_bw_bytes_per_s", "host_memory_bytes", "host_memory_bw_bytes_per_s")
+# 0 means unknown / unmeasured: the planner uses its defaults (see DeviceSpec).
+_MAY_BE_ZERO = ("h2d_bw_bytes_per_s", "host_memory_bytes", "host_memory_bw_bytes_per_s",
+                "scale_up_latency_s", "scale_out_latency_s", "dense_efficiency", "comms_efficiency")
 
 
 @dataclass(frozen=True)
