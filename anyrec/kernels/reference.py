@@ -121,7 +121,7 @@ def apply_optimizer_ref(
     elif opt.kind == OptimizerKind.ROWWISE_ADAGRAD:
         m = state["sum"][rows] + (g * g).mean(dim=1)
         state["sum"][rows] = m
-        wr = wr - opt.lr * g / (m.sqrt() + opt.eps)[:, None]
+        wr = wr - g * (opt.lr / (m.sqrt() + opt.eps))[:, None]
     elif opt.kind == OptimizerKind.ADAGRAD:
         m = state["sum"][rows] + g * g
         state["sum"][rows] = m

@@ -122,7 +122,7 @@ def _apply_rows(weights, state1, state2, step, rows_U, addr_UD, g_UD, opt: Optim
     elif opt.kind == OptimizerKind.ROWWISE_ADAGRAD:
         m_U = state1[rows_U] + (g_UD * g_UD).mean(dim=1)
         state1[rows_U] = m_U
-        w_UD = w_UD - opt.lr * g_UD / (m_U.sqrt() + opt.eps)[:, None]
+        w_UD = w_UD - g_UD * (opt.lr / (m_U.sqrt() + opt.eps))[:, None]  # FBGEMM's order of operations
     elif opt.kind == OptimizerKind.ADAGRAD:
         m_UD = state1[addr_UD] + g_UD * g_UD
         state1[addr_UD] = m_UD

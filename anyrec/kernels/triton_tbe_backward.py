@@ -189,7 +189,7 @@ if HAS_TRITON:
                     m_U = tl.load(state1_ptr + row_U, mask=lane_U, other=0.0)
                     m_U += tl.sum(g_UD * g_UD, axis=1) / dimf_U
                     tl.store(state1_ptr + row_U, m_U, mask=lane_U)
-                w_UD = w_UD - lr * g_UD / (tl.sqrt(m_U) + eps)[:, None]
+                w_UD = w_UD - g_UD * (lr / (tl.sqrt(m_U) + eps))[:, None]  # FBGEMM's order of operations
             elif OPTIMIZER == 2:
                 m_UD = tl.load(state1_ptr + addr_UD, mask=ok_UD, other=0.0) + g_UD * g_UD
                 tl.store(state1_ptr + addr_UD, m_UD, mask=ok_UD)

@@ -184,3 +184,14 @@ def init_dense(model: nn.Module, seed: int, skip: Callable[[str], bool] = lambda
 def _strip_wrappers(name: str) -> str:
     """A module path without DistributedModelParallel / DDP wrapper segments (same key on every plan)."""
     return ".".join(p for p in name.split(".") if p not in ("_dmp_wrapped_module", "module"))
+
+
+def init_model(model: nn.Module, tables: Iterable, seed: int, ebc_path: str) -> None:
+    """Plan-invariant initial weights for a built (and, if sharded, materialised) model, in place.
+
+    `ebc_path` is where the embedding collection sits (`<ebc_path>.embedding_bags.<table>.weight`
+    in the state_dict, DistributedModelParallel or not); everything else is dense.
+    """
+    tables = list(tables)
+    init_tables(model.state_dict(), tables, seed, f"{ebc_path}.embedding_bags.")
+    init_dense(model, seed, skip=lambda name: _strip_wrappers(name) == ebc_path)
