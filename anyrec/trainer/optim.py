@@ -10,8 +10,9 @@ from torchrec import optim as trec_optim
 from torchrec.optim import RowWiseAdagrad
 
 from anyrec.config import OptimConfig
+from anyrec.kernels.optimizers import OptimizerConfig, OptimizerKind
 
-OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
+OPTIMIZERS = tuple(k.value for k in OptimizerKind)  # the fused update rules name the optimizers
 
 
 def _check(cfg: OptimConfig) -> None:
@@ -20,6 +21,16 @@ def _check(cfg: OptimConfig) -> None:
     if cfg.embedding_lr <= 0 or cfg.dense_lr <= 0:
         raise ValueError(f"learning rates must be > 0, got embedding_lr={cfg.embedding_lr}, "
                          f"dense_lr={cfg.dense_lr}")
+    if len(cfg.betas) != 2:
+        raise ValueError(f"optim.betas needs two values (beta1, beta2), got {list(cfg.betas)}")
+
+
+def embedding_optimizer_config(cfg: OptimConfig) -> OptimizerConfig:
+    """The fused embedding update the config asks for: the one conversion both build paths use
+    (anyrec's TBE takes it as is; `embedding_optimizer` turns it into torchrec's terms)."""
+    _check(cfg)
+    return OptimizerConfig(kind=cfg.name, lr=cfg.embedding_lr, eps=cfg.eps, beta1=cfg.betas[0],
+                           beta2=cfg.betas[1], weight_decay=cfg.weight_decay)
 
 
 def embedding_optimizer(cfg: OptimConfig) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
@@ -29,18 +40,18 @@ def embedding_optimizer(cfg: OptimConfig) -> tuple[type[torch.optim.Optimizer], 
     SGD / Adagrad updates have no weight decay, so the trainer refuses that combination
     (`check_embedding_weight_decay`) instead of ignoring the setting.
     """
-    _check(cfg)
-    kwargs: dict[str, Any] = {"lr": cfg.embedding_lr}
-    if cfg.weight_decay > 0:
-        kwargs["weight_decay"] = cfg.weight_decay
-    if cfg.name == "sgd":
+    opt = embedding_optimizer_config(cfg)
+    kwargs: dict[str, Any] = {"lr": opt.lr}
+    if opt.weight_decay > 0:
+        kwargs["weight_decay"] = opt.weight_decay
+    if opt.kind == OptimizerKind.SGD:
         return trec_optim.SGD, kwargs
-    kwargs["eps"] = cfg.eps
-    if cfg.name == "adagrad":
+    kwargs["eps"] = opt.eps
+    if opt.kind == OptimizerKind.ADAGRAD:
         return trec_optim.Adagrad, kwargs
-    if cfg.name == "rowwise_adagrad":
+    if opt.kind == OptimizerKind.ROWWISE_ADAGRAD:
         return RowWiseAdagrad, kwargs
-    return trec_optim.Adam, {**kwargs, "betas": tuple(cfg.betas)}
+    return trec_optim.Adam, {**kwargs, "betas": (opt.beta1, opt.beta2)}
 
 
 def dense_optimizer(cfg: OptimConfig, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:

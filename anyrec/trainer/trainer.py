@@ -3,11 +3,11 @@
 Methods read in order: init_distributed, build, train_step, train, evaluate, state_dict /
 load_state_dict, close. Steps run through torchrec's TrainPipelineSparseDist (or an eager loop),
 with the embedding optimizer fused into the backward and the dense one stepped after it.
+Planning lives in `planning.py`, the weight fingerprint in `fingerprint.py`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import os
@@ -15,6 +15,7 @@ import resource
 import signal
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,16 +29,24 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-from anyrec.backends import Backend, get_backend, resolve_hardware
+from anyrec.backends import Backend, get_backend
 from anyrec.config import AnyrecConfig
 from anyrec.data import build_source, resolve_batch_size
+from anyrec.kernels.ebc import TritonEBCOptimizer, TritonEmbeddingBagCollection
 from anyrec.models.dlrm import DLRM, build_model, feature_names, table_configs
 from anyrec.trainer.checkpoint import CheckpointManager
 from anyrec.trainer.distributed import DistInfo, all_reduce_mean, destroy_distributed, init_distributed
 from anyrec.trainer.errors import NonFiniteLossError
+from anyrec.trainer.fingerprint import weights_fingerprint
 from anyrec.trainer.metrics import EvalMetrics
-from anyrec.trainer.optim import check_embedding_weight_decay, dense_optimizer, embedding_optimizer
+from anyrec.trainer.optim import (
+    check_embedding_weight_decay,
+    dense_optimizer,
+    embedding_optimizer,
+    embedding_optimizer_config,
+)
 from anyrec.trainer.pipeline import EagerLoop, SparseDistPipeline, StepFunctions
+from anyrec.trainer.planning import sharders, shared_plan
 from anyrec.trainer.reporting import MetricWriter, progress_bar
 from anyrec.trainer.schedule import WarmupPolyDecay, set_lr
 from anyrec.trainer.validate import InputValidator
@@ -60,6 +69,19 @@ class DLRMTrain(nn.Module):
         logits_B = self.model(batch.dense_features, batch.sparse_features)
         loss = self.loss_fn(logits_B.float(), batch.labels)
         return loss, (logits_B.detach(), batch.labels)
+
+
+
+@dataclass
+class _Run:
+    """What one `train()` call accumulates between its steps."""
+
+    start_step: int
+    window: deque[float]  # the last `log_every` finite losses
+    bar: Any  # a tqdm bar or None
+    train_time_s: float = 0.0  # in finished chunks
+    chunk_start: float = 0.0  # perf_counter() at the start of the running chunk
+    last_checkpoint: Path | None = None
 
 
 class Trainer:
@@ -90,19 +112,17 @@ class Trainer:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.local_world_size))
         return info
 
+    # ---- build ------------------------------------------------------------------------------------
+
     def build(self) -> None:
         """Model (tables on meta, then sharded by DMP), plan, optimizers, step pipeline and data."""
-        cfg, tc = self.cfg, self.cfg.trainer
-        if tc.mixed_precision not in PRECISIONS:
-            raise ValueError(f"trainer.mixed_precision must be one of {PRECISIONS}, "
-                             f"got {tc.mixed_precision!r}")
-        if tc.steps < 0 or tc.eval_steps < 0 or tc.eval_every < 0:
-            raise ValueError("trainer.steps, eval_steps and eval_every must be >= 0")
+        tc = self.cfg.trainer
+        self._check_trainer_config()
         self.autocast = tc.mixed_precision == "bf16" or (
             tc.mixed_precision == "auto" and self.backend.device_type != "cpu")
-        self.schedule = WarmupPolyDecay.from_config(cfg.optim)
+        self.schedule = WarmupPolyDecay.from_config(self.cfg.optim)
         torch.manual_seed(tc.seed)
-        check_embedding_weight_decay(cfg.optim, self.embedding_kernel)
+        check_embedding_weight_decay(self.cfg.optim, self.embedding_kernel)
         # One device with anyrec's own TBE: no sharding, so no input distribution (whose KJT
         # permutes need FBGEMM ops) and no FBGEMM kernel anywhere in the step.
         self.unsharded = self.dist.world_size == 1 and self.embedding_kernel in ("triton", "torch")
@@ -110,15 +130,59 @@ class Trainer:
             self._build_unsharded()
         else:
             self._build_sharded()
+        self._build_optimizers_and_pipeline()
+        self._build_data()
+        self.writer = MetricWriter(tc.run_dir, self.dist.is_main, tc.tensorboard)
+        if self.dist.is_main:
+            self._log_setup()
+
+    def _check_trainer_config(self) -> None:
+        tc = self.cfg.trainer
+        if tc.mixed_precision not in PRECISIONS:
+            raise ValueError(f"trainer.mixed_precision must be one of {PRECISIONS}, "
+                             f"got {tc.mixed_precision!r}")
+        if tc.steps < 0 or tc.eval_steps < 0 or tc.eval_every < 0:
+            raise ValueError("trainer.steps, eval_steps and eval_every must be >= 0")
+
+    def _build_sharded(self) -> None:
+        """Tables on the meta device, placed by the plan and allocated by DistributedModelParallel."""
+        model = build_model(self.cfg.model, self.device, ebc_device=torch.device("meta"),
+                            kernels=self.backend.select_kernels(self.cfg.backend))
+        # Embedding optimizer fused into the backward pass (TBE updates rows in place).
+        opt_cls, opt_kwargs = embedding_optimizer(self.cfg.optim)
+        apply_optimizer_in_backward(opt_cls, model.sparse_arch.parameters(), opt_kwargs)
+        self.sharding_plan = self.plan_override or shared_plan(
+            self.cfg, self.backend, self.dist, model.sparse_arch, EBC_PATH, self.embedding_kernel)
+        self.model = DistributedModelParallel(
+            DLRMTrain(model), device=self.device, plan=self.sharding_plan,
+            sharders=sharders(self.embedding_kernel),
+        )
+        self.fused_optimizer = self.model.fused_optimizer
+
+    def _build_unsharded(self) -> None:
+        """All tables on this device in anyrec's TritonEmbeddingBagCollection (Triton or torch ops)."""
+        ebc = TritonEmbeddingBagCollection(table_configs(self.cfg.model),
+                                           optimizer=embedding_optimizer_config(self.cfg.optim),
+                                           device=self.device, execution=self.embedding_kernel)
+        self.sharding_plan = None
+        self.model = DLRMTrain(DLRM(self.cfg.model, ebc, device=self.device,
+                                    kernels=self.backend.select_kernels(self.cfg.backend)))
+        self.fused_optimizer = TritonEBCOptimizer(ebc, prefix=f"{EBC_PATH}.")
+
+    def _build_optimizers_and_pipeline(self) -> None:
+        """The dense optimizer beside the fused one, and the loop that runs a step."""
         dense_params = dict(in_backward_optimizer_filter(self.model.named_parameters()))
         self.dense_params = list(dense_params.values())
         self.dense_optimizer = KeyedOptimizerWrapper(
-            dense_params, lambda params: dense_optimizer(cfg.optim, params))
+            dense_params, lambda params: dense_optimizer(self.cfg.optim, params))
         self.optimizer = CombinedOptimizer([("dense", self.dense_optimizer),
                                             ("sparse", self.fused_optimizer)])
         fns = StepFunctions(self._forward, self._backward, self._optimizer_step)
-        loop = SparseDistPipeline if tc.pipeline and not self.unsharded else EagerLoop
+        loop = SparseDistPipeline if self.cfg.trainer.pipeline and not self.unsharded else EagerLoop
         self.pipeline = loop(self.model, self.optimizer, self.device, fns)
+
+    def _build_data(self) -> None:
+        cfg, tc = self.cfg, self.cfg.trainer
         data_cfg = resolve_batch_size(cfg.data, self.dist.world_size)
         self.batch_size = data_cfg.batch_size
         self.train_data = build_source(cfg.model, data_cfg, tc.seed, self.dist.rank,
@@ -128,98 +192,23 @@ class Trainer:
         self.validator = (InputValidator(feature_names(len(cfg.model.table_rows)), list(cfg.model.table_rows),
                                          cfg.model.num_dense_features, self.device)
                           if tc.validate_inputs else None)
-        self.writer = MetricWriter(tc.run_dir, self.dist.is_main, tc.tensorboard)
-        if self.dist.is_main:
-            logger.info("backend: %s", self.backend.describe())
-            logger.info("kernels: %s", ", ".join(
-                f"{op}={impl}" for op, impl in self.backend.select_kernels(cfg.backend).items()))
-            if self.unsharded:
-                logger.info("one device, %s embedding kernel: tables unsharded (no input distribution)",
-                            self.embedding_kernel)
-            else:
-                logger.info("torchrec sharding plan:\n%s", self.sharding_plan)
-            logger.info("step loop: %s, precision: %s, batch %d per rank", type(self.pipeline).__name__,
-                        "bf16 autocast" if self.autocast else "fp32", self.batch_size)
 
-    def _build_sharded(self) -> None:
-        """Tables on the meta device, placed by the plan and allocated by DistributedModelParallel."""
-        model = build_model(self.cfg.model, self.device, ebc_device=torch.device("meta"),
-                            kernels=self.backend.select_kernels(self.cfg.backend))
-        # Embedding optimizer fused into the backward pass (TBE updates rows in place).
-        opt_cls, opt_kwargs = embedding_optimizer(self.cfg.optim)
-        apply_optimizer_in_backward(opt_cls, model.sparse_arch.parameters(), opt_kwargs)
-        self.sharding_plan = self.plan_override or self._shared_plan(model)
-        self.model = DistributedModelParallel(
-            DLRMTrain(model), device=self.device, plan=self.sharding_plan, sharders=self._sharders(),
-        )
-        self.fused_optimizer = self.model.fused_optimizer
-
-    def _build_unsharded(self) -> None:
-        """All tables on this device in anyrec's TritonEmbeddingBagCollection (Triton or torch ops)."""
-        from anyrec.kernels import OptimizerConfig
-        from anyrec.kernels.ebc import TritonEBCOptimizer, TritonEmbeddingBagCollection
-
-        o = self.cfg.optim
-        opt = OptimizerConfig(kind=o.name, lr=o.embedding_lr, eps=o.eps, beta1=o.betas[0], beta2=o.betas[1],
-                              weight_decay=o.weight_decay)
-        ebc = TritonEmbeddingBagCollection(table_configs(self.cfg.model), optimizer=opt, device=self.device,
-                                           execution=self.embedding_kernel)
-        self.sharding_plan = None
-        self.model = DLRMTrain(DLRM(self.cfg.model, ebc, device=self.device,
-                                    kernels=self.backend.select_kernels(self.cfg.backend)))
-        self.fused_optimizer = TritonEBCOptimizer(ebc, prefix=f"{EBC_PATH}.")
+    def _log_setup(self) -> None:
+        logger.info("backend: %s", self.backend.describe())
+        logger.info("kernels: %s", ", ".join(
+            f"{op}={impl}" for op, impl in self.backend.select_kernels(self.cfg.backend).items()))
+        if self.unsharded:
+            logger.info("one device, %s embedding kernel: tables unsharded (no input distribution)",
+                        self.embedding_kernel)
+        else:
+            logger.info("torchrec sharding plan:\n%s", self.sharding_plan)
+        logger.info("step loop: %s, precision: %s, batch %d per rank", type(self.pipeline).__name__,
+                    "bf16 autocast" if self.autocast else "fp32", self.batch_size)
 
     @property
     def embedding_kernel(self) -> str:
         """The `embedding` op's implementation the backend selected (fbgemm | triton | torch)."""
         return self.backend.select_kernels(self.cfg.backend)["embedding"]
-
-    def _sharders(self) -> list:
-        from anyrec.backends.sharders import embedding_sharder
-
-        return [embedding_sharder(self.embedding_kernel)]
-
-    def _shared_plan(self, model: DLRM) -> ShardingPlan:
-        """Rank 0 plans and every rank takes its plan: ranks must never shard by different plans.
-
-        A planning error on rank 0 (e.g. nothing fits) is raised on every rank, so none waits.
-        """
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return self._plan(model)
-        box: list[Any] = [None]
-        if self.dist.is_main:
-            try:
-                box[0] = self._plan(model)
-            except ValueError as e:
-                box[0] = e
-        dist.broadcast_object_list(box, src=0)
-        if isinstance(box[0], ValueError):
-            raise ValueError(str(box[0]))
-        return box[0]
-
-    def _plan(self, model: DLRM) -> ShardingPlan:
-        """The sharding plan from the configured planner (co-design by default)."""
-        from anyrec.planner.job import plan_job
-        from anyrec.planner.simple import simple_table_shardings, to_sharding_plan
-
-        ebc, info = model.sparse_arch, self.dist
-        if self.cfg.planner.name == "simple":
-            shardings = simple_table_shardings(ebc.embedding_bag_configs(), info.world_size,
-                                               force=self.cfg.planner.sharding)
-            from anyrec.backends.sharders import compute_kernel
-
-            return to_sharding_plan(ebc, shardings, EBC_PATH, info.world_size, info.local_world_size,
-                                    self.backend.device_type, sharder=self._sharders()[0],
-                                    compute_kernel=compute_kernel(self.embedding_kernel))
-        if self.cfg.planner.name != "codesign":
-            raise ValueError(f"unknown planner {self.cfg.planner.name!r}; choose codesign or simple")
-        device = resolve_hardware(self.cfg.hardware.sku, self.cfg.hardware.spec, self.backend)
-        batch = resolve_batch_size(self.cfg.data, info.world_size).batch_size
-        result = plan_job(self.cfg, device, info.world_size, info.local_world_size, batch,
-                          compute_device=self.backend.device_type, kernel=self.embedding_kernel)
-        if info.is_main:
-            logger.info("co-design plan:\n%s", result.report(advice=False))
-        return result.to_sharding_plan(EBC_PATH, module=ebc, compute_device=self.backend.device_type)
 
     # ---- one step, in three parts the pipelines call -------------------------------------------
 
@@ -274,9 +263,23 @@ class Trainer:
 
     # ---- the loop --------------------------------------------------------------------------------
 
-    def _batches(self, source, first_step: int, num_steps: int, what: str = "step"):
-        batches = source.iter_from(first_step, num_steps)
-        return self.validator.wrap(batches, first_step, what) if self.validator is not None else batches
+    def train(self) -> dict[str, Any]:
+        """Run to `trainer.steps` (from a resumed step if any) and return the summary (same on all ranks).
+
+        Steps run in chunks between evaluations and checkpoints; each chunk drains the pipeline, so
+        a checkpoint holds exactly the state after its step and the data position is that step.
+        """
+        tc = self.cfg.trainer
+        run = _Run(start_step=self.step, window=deque(maxlen=max(1, tc.log_every)),
+                   bar=progress_bar(self.dist.is_main and tc.progress, tc.steps, self.step))
+        self.backend.reset_peak_memory_stats()
+        self.model.train()
+        while self.step < tc.steps:
+            self._train_chunk(self._next_stop(tc.steps), run)
+            self._between_chunks(run)
+        if run.bar is not None:
+            run.bar.close()
+        return self._finish(run)
 
     def _next_stop(self, steps: int) -> int:
         """The next step after which something happens between steps (eval, checkpoint, fault)."""
@@ -289,92 +292,100 @@ class Trainer:
             stops.append(tc.fault.kill_at_step)
         return min(stops)
 
-    def train(self) -> dict[str, Any]:
-        """Run to `trainer.steps` (from a resumed step if any) and return the summary (same on all ranks).
+    def _batches(self, source, first_step: int, num_steps: int, what: str = "step"):
+        batches = source.iter_from(first_step, num_steps)
+        return self.validator.wrap(batches, first_step, what) if self.validator is not None else batches
 
-        Steps run in chunks between evaluations and checkpoints; each chunk drains the pipeline, so
-        a checkpoint holds exactly the state after its step and the data position is that step.
-        """
+    def _train_chunk(self, stop: int, run: _Run) -> None:
+        """Steps up to `stop`; the time until the pipeline is drained counts as training time."""
+        batches = self._batches(self.train_data, self.step, stop - self.step)
+        run.chunk_start = time.perf_counter()
+        while True:
+            lr_factor = self._set_lr(self.step)
+            try:
+                self.pipeline.progress(batches)
+            except StopIteration:
+                break
+            self.step += 1
+            self._after_step(run, lr_factor)
+        self.backend.synchronize()
+        run.train_time_s += time.perf_counter() - run.chunk_start
+
+    def _after_step(self, run: _Run, lr_factor: float) -> None:
+        """Loss window, progress bar and, every `trainer.log_every` steps, a train record."""
+        log_every = self.cfg.trainer.log_every
+        loss = float(self._last_loss)
+        if math.isfinite(loss):
+            run.window.append(loss)
+        if run.bar is not None:
+            run.bar.update(1)
+            run.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+        if log_every and self.step % log_every == 0 and run.window:
+            self._log_train(run, lr_factor)
+
+    def _log_train(self, run: _Run, lr_factor: float) -> None:
+        mean = sum(run.window) / len(run.window)
+        elapsed_s = run.train_time_s + time.perf_counter() - run.chunk_start
+        rate = self.batch_size * self.dist.world_size * (self.step - run.start_step) / max(elapsed_s, 1e-9)
+        if self.dist.is_main:
+            logger.info("step %d loss %.5f", self.step, mean)
+        self.writer.write(self.step, "train", {
+            "loss": mean, "samples_per_s": rate, "lr_factor": lr_factor,
+            "dense_lr": self.cfg.optim.dense_lr * lr_factor,
+            "embedding_lr": self.cfg.optim.embedding_lr * lr_factor})
+
+    def _between_chunks(self, run: _Run) -> None:
+        """Fault injection, then a periodic checkpoint and evaluation when one is due (not at the end)."""
         tc = self.cfg.trainer
-        window: deque[float] = deque(maxlen=max(1, tc.log_every))
-        bar = progress_bar(self.dist.is_main and tc.progress, tc.steps, self.step)
-        start_step, train_time = self.step, 0.0
-        eval_result: dict[str, float] | None = None
-        last_ckpt = None
-        self.backend.reset_peak_memory_stats()
-        self.model.train()
-        while self.step < tc.steps:
-            stop = self._next_stop(tc.steps)
-            batches = self._batches(self.train_data, self.step, stop - self.step)
-            t0 = time.perf_counter()
-            while True:
-                lr_factor = self._set_lr(self.step)
-                try:
-                    self.pipeline.progress(batches)
-                except StopIteration:
-                    break
-                self.step += 1
-                loss = float(self._last_loss)
-                if math.isfinite(loss):
-                    window.append(loss)
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
-                if tc.log_every and self.step % tc.log_every == 0 and window:
-                    mean = sum(window) / len(window)
-                    rate = self.batch_size * self.dist.world_size * (self.step - start_step) / max(
-                        train_time + time.perf_counter() - t0, 1e-9)
-                    if self.dist.is_main:
-                        logger.info("step %d loss %.5f", self.step, mean)
-                    self.writer.write(self.step, "train", {
-                        "loss": mean, "samples_per_s": rate, "lr_factor": lr_factor,
-                        "dense_lr": self.cfg.optim.dense_lr * lr_factor,
-                        "embedding_lr": self.cfg.optim.embedding_lr * lr_factor})
-            self.backend.synchronize()
-            train_time += time.perf_counter() - t0
-            self._maybe_fault()
-            if self.checkpoints is not None and self.step < tc.steps and tc.checkpoint.every and \
-                    self.step % tc.checkpoint.every == 0:
-                last_ckpt = self.save_checkpoint()
-            if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.steps and self.eval_data:
-                self._log_eval(self.evaluate())
-        if bar is not None:
-            bar.close()
+        self._maybe_fault()
+        if self.checkpoints is not None and self.step < tc.steps and tc.checkpoint.every and \
+                self.step % tc.checkpoint.every == 0:
+            run.last_checkpoint = self.save_checkpoint()
+        if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.steps and self.eval_data:
+            self._log_eval(self.evaluate())
+
+    def _finish(self, run: _Run) -> dict[str, Any]:
+        """The final checkpoint (unless the last chunk wrote it), the final evaluation and the summary."""
         if self.checkpoints is not None and self.step > (self.resumed_from or 0) and (
-                last_ckpt is None or last_ckpt.name != f"step_{self.step}"):
-            last_ckpt = self.save_checkpoint()
+                run.last_checkpoint is None or run.last_checkpoint.name != f"step_{self.step}"):
+            run.last_checkpoint = self.save_checkpoint()
         final_loss = train_loss = None  # no step ran in this process (resumed at the end)
-        if self.step > start_step:
+        if self.step > run.start_step:
             final_loss, train_loss = all_reduce_mean(
-                [float(self._last_loss), sum(window) / len(window) if window else math.nan], self.device)
+                [float(self._last_loss), sum(run.window) / len(run.window) if run.window else math.nan],
+                self.device)
+        eval_result = None
         if self.eval_data is not None:
             eval_result = self.evaluate()
             self._log_eval(eval_result)
-        samples = (self.step - start_step) * self.batch_size * self.dist.world_size
-        summary = {
+        summary = self._summary(run, final_loss, train_loss, eval_result)
+        if self.cfg.trainer.fingerprint_weights:
+            summary["weights_sha256"] = weights_fingerprint(self.model, self.dist.is_main)
+        return summary
+
+    def _summary(self, run: _Run, final_loss: float | None, train_loss: float | None,
+                 eval_result: dict[str, float] | None) -> dict[str, Any]:
+        """The run's JSON summary (README documents its keys)."""
+        samples = (self.step - run.start_step) * self.batch_size * self.dist.world_size
+        return {
             "steps": self.step,
-            "samples_per_s": samples / train_time if train_time > 0 else None,
+            "samples_per_s": samples / run.train_time_s if run.train_time_s > 0 else None,
             "train_loss": train_loss,
             "final_loss": final_loss,
-            "eval_auc": eval_result["auc"] if eval_result else None,
-            "eval_ne": eval_result["ne"] if eval_result else None,
-            "eval_logloss": eval_result["logloss"] if eval_result else None,
-            "eval_accuracy": eval_result["accuracy"] if eval_result else None,
+            **{f"eval_{k}": eval_result[k] if eval_result else None
+               for k in ("auc", "ne", "logloss", "accuracy")},
             "backend": self.backend.name,
             "embedding_kernel": self.embedding_kernel,
             "world_size": self.dist.world_size,
             "batch_size_per_rank": self.batch_size,
-            "elapsed_s": train_time,
+            "elapsed_s": run.train_time_s,
             "peak_memory_bytes": self.backend.max_memory_allocated(),  # null where not measured
             "peak_host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "skipped_batches": self.skipped_batches,
             "data_malformed_rows": getattr(self.train_data, "malformed_rows", 0),
             "resumed_from_step": self.resumed_from,
-            "checkpoint": str(last_ckpt) if last_ckpt else None,
+            "checkpoint": str(run.last_checkpoint) if run.last_checkpoint else None,
         }
-        if tc.fingerprint_weights:
-            summary["weights_sha256"] = self.weights_fingerprint()
-        return summary
 
     def _log_eval(self, result: dict[str, float]) -> None:
         self.writer.write(self.step, "eval", result)
@@ -458,44 +469,11 @@ class Trainer:
         if self.dist.is_main:
             logger.info("resumed from %s (step %d)", path, self.step)
 
-    def weights_fingerprint(self) -> str:
-        """SHA-256 of every full weight tensor, independent of the plan and world size.
-
-        Gathers all shards to rank 0 (test-sized models; opt-in via trainer.fingerprint_weights).
-        """
-        from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-        local: dict[str, list[tuple[list[int], torch.Tensor]]] = {}
-        sizes: dict[str, list[int]] = {}
-        for name, value in self.model.state_dict().items():
-            if isinstance(value, ShardedTensor):
-                sizes[name] = list(value.size())
-                local[name] = [(list(s.metadata.shard_offsets), s.tensor.detach().cpu())
-                               for s in value.local_shards()]
-            else:
-                sizes[name] = list(value.shape)
-                local[name] = [([0] * value.dim(), value.detach().cpu())] if self.dist.is_main else []
-        gathered = [local]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            gathered = [{} for _ in range(dist.get_world_size())]
-            dist.all_gather_object(gathered, local)
-        h = hashlib.sha256()
-        for name in sorted(sizes):
-            full = torch.zeros(sizes[name], dtype=torch.float64)  # exact for fp32 and bf16
-            for part in gathered:
-                for offsets, t in part.get(name, []):
-                    full[tuple(slice(o, o + n) for o, n in zip(offsets, t.shape, strict=True))] = t.double()
-            h.update(name.encode())
-            h.update(full.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-        return h.hexdigest()
-
     def close(self) -> None:
         """Release the sharded model before the process group goes (see destroy_distributed)."""
-        if hasattr(self, "writer"):
-            self.writer.close()
-        for name in ("pipeline", "optimizer", "dense_optimizer", "fused_optimizer", "dense_params", "model",
-                     "train_data", "eval_data", "checkpoints"):
-            if hasattr(self, name):
-                delattr(self, name)
+        self.writer.close()
+        # Everything that holds the sharded tables or their process groups goes first, so the
+        # gc.collect() in destroy_distributed frees them while the group still exists.
+        del self.pipeline, self.optimizer, self.dense_optimizer, self.fused_optimizer, self.dense_params
+        del self.model, self.train_data, self.eval_data, self.checkpoints
         destroy_distributed()
-

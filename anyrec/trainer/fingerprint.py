@@ -1,0 +1,49 @@
+"""A SHA-256 of a model's full weights, the same whatever the sharding plan and world size."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+# name -> [(offsets of a piece in the full tensor, the piece)]
+Pieces = dict[str, list[tuple[list[int], torch.Tensor]]]
+
+
+def _local_pieces(model: nn.Module, is_main: bool) -> tuple[Pieces, dict[str, list[int]]]:
+    """This rank's pieces of every state_dict entry (unsharded ones from rank 0 only) and full sizes."""
+    local: Pieces = {}
+    sizes: dict[str, list[int]] = {}
+    for name, value in model.state_dict().items():
+        if isinstance(value, ShardedTensor):
+            sizes[name] = list(value.size())
+            local[name] = [(list(s.metadata.shard_offsets), s.tensor.detach().cpu())
+                           for s in value.local_shards()]
+        else:
+            sizes[name] = list(value.shape)
+            local[name] = [([0] * value.dim(), value.detach().cpu())] if is_main else []
+    return local, sizes
+
+
+def weights_fingerprint(model: nn.Module, is_main: bool) -> str:
+    """SHA-256 of every full weight tensor, independent of the plan and world size.
+
+    Gathers all shards to every rank (test-sized models; opt-in via trainer.fingerprint_weights).
+    """
+    local, sizes = _local_pieces(model, is_main)
+    gathered = [local]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered = [{} for _ in range(dist.get_world_size())]
+        dist.all_gather_object(gathered, local)
+    h = hashlib.sha256()
+    for name in sorted(sizes):
+        full = torch.zeros(sizes[name], dtype=torch.float64)  # exact for fp32 and bf16
+        for part in gathered:
+            for offsets, t in part.get(name, []):
+                full[tuple(slice(o, o + n) for o, n in zip(offsets, t.shape, strict=True))] = t.double()
+        h.update(name.encode())
+        h.update(full.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

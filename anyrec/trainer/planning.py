@@ -1,0 +1,67 @@
+"""The trainer's sharding plan: chosen once on rank 0 by the configured planner, shared with every rank."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+from torchrec.distributed.types import ModuleSharder, ShardingPlan
+
+from anyrec.backends import Backend, resolve_hardware
+from anyrec.backends.sharders import compute_kernel, embedding_sharder
+from anyrec.config import AnyrecConfig
+from anyrec.data import resolve_batch_size
+from anyrec.planner.job import plan_job
+from anyrec.planner.simple import simple_table_shardings, to_sharding_plan
+from anyrec.trainer.distributed import DistInfo
+
+logger = logging.getLogger(__name__)
+
+
+def sharders(embedding_kernel: str) -> list[ModuleSharder]:
+    """The sharders DistributedModelParallel uses: one for the selected embedding implementation."""
+    return [embedding_sharder(embedding_kernel)]
+
+
+def shared_plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, ebc: nn.Module, module_path: str,
+                embedding_kernel: str) -> ShardingPlan:
+    """Rank 0 plans and every rank takes its plan: ranks must never shard by different plans.
+
+    A planning error on rank 0 (e.g. nothing fits) is raised on every rank, so none waits.
+    """
+    args = (cfg, backend, info, ebc, module_path, embedding_kernel)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return plan_sharding(*args)
+    box: list[Any] = [None]
+    if info.is_main:
+        try:
+            box[0] = plan_sharding(*args)
+        except ValueError as e:
+            box[0] = e
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], ValueError):
+        raise ValueError(str(box[0]))
+    return box[0]
+
+
+def plan_sharding(cfg: AnyrecConfig, backend: Backend, info: DistInfo, ebc: nn.Module, module_path: str,
+                  embedding_kernel: str) -> ShardingPlan:
+    """The plan for the EmbeddingBagCollection `ebc` at `module_path` from the configured planner
+    (co-design by default)."""
+    if cfg.planner.name == "simple":
+        shardings = simple_table_shardings(ebc.embedding_bag_configs(), info.world_size,
+                                           force=cfg.planner.sharding)
+        return to_sharding_plan(ebc, shardings, module_path, info.world_size, info.local_world_size,
+                                backend.device_type, sharder=sharders(embedding_kernel)[0],
+                                compute_kernel=compute_kernel(embedding_kernel))
+    if cfg.planner.name != "codesign":
+        raise ValueError(f"unknown planner {cfg.planner.name!r}; choose codesign or simple")
+    device = resolve_hardware(cfg.hardware.sku, cfg.hardware.spec, backend)
+    batch = resolve_batch_size(cfg.data, info.world_size).batch_size
+    result = plan_job(cfg, device, info.world_size, info.local_world_size, batch,
+                      compute_device=backend.device_type, kernel=embedding_kernel)
+    if info.is_main:
+        logger.info("co-design plan:\n%s", result.report(advice=False))
+    return result.to_sharding_plan(module_path, module=ebc, compute_device=backend.device_type)
