@@ -138,37 +138,16 @@ def run_steps(trainer, steps: int) -> list[float]:
 
 
 def full_weights(model, is_main: bool) -> dict[str, Any]:
-    """Every `*weight` / `*bias` entry of the state_dict, whole (shards gathered), on rank 0; else {}."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    """Every `*weight` / `*bias` entry of the state_dict, whole (fp32, shards gathered), on rank 0; else {}.
 
-    local: dict[str, list] = {}
-    sizes: dict[str, list[int]] = {}
-    for name, value in model.state_dict().items():
-        if not name.endswith(("weight", "bias")):
-            continue  # optimizer state and counters live in the state_dict of some kernels only
-        if isinstance(value, ShardedTensor):
-            sizes[name] = list(value.size())
-            local[name] = [(list(s.metadata.shard_offsets), s.tensor.detach().cpu().float())
-                           for s in value.local_shards()]
-        else:
-            sizes[name] = list(value.shape)
-            local[name] = [([0] * value.dim(), value.detach().cpu().float())] if is_main else []
-    gathered = [local]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        gathered = [{} for _ in range(dist.get_world_size())]
-        dist.all_gather_object(gathered, local)
+    Other entries (optimizer state, counters) are in the state_dict of some kernels only.
+    """
+    from anyrec.trainer.fingerprint import full_state
+
+    state = full_state(model, is_main)
     if not is_main:
         return {}
-    out = {}
-    for name in sorted(sizes):
-        full = torch.zeros(sizes[name], dtype=torch.float32)
-        for part in gathered:
-            for offsets, t in part.get(name, []):
-                full[tuple(slice(o, o + n) for o, n in zip(offsets, t.shape, strict=True))] = t
-        out[name] = full
-    return out
+    return {name: t.float() for name, t in state.items() if name.endswith(("weight", "bias"))}
 
 
 def compose_job(overrides: list[str]):

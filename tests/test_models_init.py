@@ -108,3 +108,29 @@ def test_dense_module_without_reset_is_refused():
 
     with pytest.raises(ValueError, match="reset_parameters"):
         init_dense(nn.Sequential(Scale()), 0)
+
+
+def test_trainer_starts_from_the_same_weights_on_every_kernel_and_plan(monkeypatch):
+    """FBGEMM under DistributedModelParallel (table-wise, column-wise) and anyrec's unsharded torch TBE."""
+    from anyrec.parity import full_weights
+    from anyrec.trainer.trainer import Trainer
+
+    from .conftest import compose_config
+
+    for var, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1")):
+        monkeypatch.setenv(var, value)
+    weights = []
+    for variant in (["backend.embedding_kernel=torch"], ["backend.embedding_kernel=fbgemm"],
+                    ["backend.embedding_kernel=fbgemm", "planner.name=simple", "planner.sharding=column_wise"]):
+        _, cfg = compose_config(["model=dlrm_tiny", "trainer.steps=0", "trainer.eval_steps=0",
+                                 "trainer.progress=false", "trainer.seed=7", *variant])
+        trainer = Trainer(cfg)
+        try:
+            weights.append(full_weights(trainer.model, True))
+        finally:
+            trainer.close()
+    assert len(weights[0]) == 26 + 8  # tables, and the weight and bias of 4 linear layers
+    for other in weights[1:]:
+        assert other.keys() == weights[0].keys()
+        for name, w in weights[0].items():
+            assert torch.equal(w, other[name]), name

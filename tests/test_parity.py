@@ -72,3 +72,35 @@ def test_against_a_saved_file(tmp_path, monkeypatch, capsys):
     runs = iter([_record([0.7, 0.6], [0.1, 0.2])])
     assert main(["model=dlrm_tiny", f"parity.against={saved}"]) == 1
     assert "DIFFERS" in capsys.readouterr().out
+
+
+BASE = ["model=dlrm_tiny", "backend=cpu", "trainer.steps=8", "trainer.eval_steps=0",
+        "trainer.progress=false", "optim=rowwise_adagrad", "data.global_batch_size=64"]
+
+
+def _run(variants: list[str], capsys) -> tuple[int, list[str]]:
+    rc = main([*BASE, *(f"parity.variant={v}" for v in variants), "parity.timeout_s=400"])
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| ") and "---" not in ln]
+    return rc, rows[1:]
+
+
+def test_one_rank_kernels_and_plans_agree(capsys):
+    """Unsharded torch TBE, FBGEMM under the co-design plan and FBGEMM with every table replicated
+    (trained by the replicated-table optimizer): the same losses and weights."""
+    rc, rows = _run(["backend.embedding_kernel=torch",
+                     "backend.embedding_kernel=fbgemm",
+                     "backend.embedding_kernel=fbgemm planner.name=simple planner.sharding=data_parallel",
+                     "backend.embedding_kernel=no_such_kernel"], capsys)
+    assert rc == 1  # the last variant fails, and says so in its row
+    assert [r.split("|")[-2].strip() for r in rows[:3]] == ["ok", "ok", "ok"], rows
+    assert "FAILED" in rows[3]
+
+
+def test_two_rank_plans_agree(capsys):
+    """Row-wise, table-wise (anyrec's torch TBE) and data-parallel sharding over two loopback ranks."""
+    simple = "planner.name=simple planner.sharding"
+    rc, rows = _run([f"backend.embedding_kernel=fbgemm {simple}=row_wise nproc=2",
+                     f"backend.embedding_kernel=torch {simple}=table_wise nproc=2",
+                     f"backend.embedding_kernel=fbgemm {simple}=data_parallel nproc=2"], capsys)
+    assert rc == 0, rows
+    assert len(rows) == 3 and all(r.split("|")[-2].strip() == "ok" for r in rows)
