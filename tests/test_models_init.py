@@ -120,8 +120,9 @@ def test_trainer_starts_from_the_same_weights_on_every_kernel_and_plan(monkeypat
     for var, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1")):
         monkeypatch.setenv(var, value)
     weights = []
+    column_wise = ["planner.name=simple", "planner.sharding=column_wise"]
     for variant in (["backend.embedding_kernel=torch"], ["backend.embedding_kernel=fbgemm"],
-                    ["backend.embedding_kernel=fbgemm", "planner.name=simple", "planner.sharding=column_wise"]):
+                    ["backend.embedding_kernel=fbgemm", *column_wise]):
         _, cfg = compose_config(["model=dlrm_tiny", "trainer.steps=0", "trainer.eval_steps=0",
                                  "trainer.progress=false", "trainer.seed=7", *variant])
         trainer = Trainer(cfg)
