@@ -2,38 +2,79 @@
 
     anyrec-plan model=dlrmv2 optim=adagrad hardware=mi350x topology.world_size=8
     anyrec-plan model=dlrmv2 hardware=mi350x plan.compare=b200 plan.output=plan.json plan.plot=plan.png
+
+The model is built on the meta device (no table memory), so any model plans on any machine; tables and
+the dense parameter count are read from it as the trainer reads them from its real model.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import hydra
+import torch
 from omegaconf import DictConfig
 
 from anyrec import _hydra
+from anyrec.backends import get_backend, resolve_hardware, rewrite_hardware_argv
+from anyrec.backends.specs import DeviceSpec
 from anyrec.config import AnyrecConfig, config_dir, to_object
+from anyrec.models.dlrm import build_model
+from anyrec.planner.job import plan_model
+from anyrec.planner.planner import CoDesignPlanner
+from anyrec.planner.report import format_compare, format_report, plan_json, plot_plan, write_json_atomic
+from anyrec.planner.types import InfeasiblePlanError, PlanResult, Topology
+
+DEFAULT_EMBEDDING_KERNEL = "fbgemm"  # what `backend.embedding_kernel=auto` plans for offline
 
 
-def run(cfg: AnyrecConfig, print_fn=print):
-    """Plan, print the report (and the comparison), write plan.output / plan.plot."""
-    from anyrec.backends import get_backend, resolve_hardware
-    from anyrec.models.dlrm import dense_param_count
-    from anyrec.planner.cli import run_plan
-    from anyrec.planner.job import plan_options, tables_from_model
+def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print,
+        planner: CoDesignPlanner | None = None) -> PlanResult:
+    """Plan, print the report (and the comparison), write plan.output (JSON) and plan.plot (PNG).
 
+    With `plan.compare`, the same job is also planned on as many devices of that SKU and shown side by
+    side; an infeasible comparison is reported, not raised. Raises InfeasiblePlanError (a ValueError)
+    with a one-line message when nothing fits, before anything is written.
+    """
     backend = get_backend(cfg.backend.name) if cfg.hardware.sku == "auto" else None
     device = resolve_hardware(cfg.hardware.sku, cfg.hardware.spec, backend)
     compare = resolve_hardware(cfg.plan.compare) if cfg.plan.compare else None
     if cfg.topology.world_size < 1:
         raise ValueError(f"topology.world_size must be >= 1, got {cfg.topology.world_size}")
-    return run_plan(
-        tables_from_model(cfg.model), device, cfg.topology.world_size, cfg.topology.local_world_size,
-        cfg.plan.batch_size or cfg.data.batch_size, cfg.optim.name, dense_param_count(cfg.model),
-        output=cfg.plan.output, plot=cfg.plan.plot, compare=compare, print_fn=print_fn,
-        **plan_options(cfg.planner, cfg.backend.embedding_kernel if cfg.backend.embedding_kernel != "auto"
-                       else "fbgemm"),
-    )
+    kernel = cfg.backend.embedding_kernel
+    kernel = DEFAULT_EMBEDDING_KERNEL if kernel == "auto" else kernel
+    meta = torch.device("meta")
+    model = build_model(cfg.model, meta, ebc_device=meta)
+
+    def plan_on(dev: DeviceSpec) -> PlanResult:
+        topo = Topology(dev, cfg.topology.world_size, cfg.topology.local_world_size)
+        return plan_model(model, model.sparse_arch, cfg.model, cfg.planner, cfg.optim.name, topo,
+                          cfg.plan.batch_size or cfg.data.batch_size, kernel, planner)
+
+    result = plan_on(device)
+    print_fn(format_report(result))
+    other = _compare(plan_on, compare, print_fn) if compare is not None else None
+    if other is not None:
+        print_fn(f"\ncompare: {device.name} vs {compare.name}, {cfg.topology.world_size} device(s) each")
+        print_fn(format_compare(result, other))
+    if cfg.plan.output:
+        data = plan_json(result)
+        if other is not None:
+            data["compare"] = plan_json(other)
+        write_json_atomic(cfg.plan.output, data)
+    if cfg.plan.plot:
+        plot_plan(result, cfg.plan.plot, compare=other)
+    return result
+
+
+def _compare(plan_on: Callable[[DeviceSpec], PlanResult], device: DeviceSpec,
+             print_fn: Callable[[str], None]) -> PlanResult | None:
+    try:
+        return plan_on(device)
+    except InfeasiblePlanError as e:
+        print_fn(f"\ncompare: {e}")
+        return None
 
 
 _hydra.setup()
@@ -50,8 +91,6 @@ def main(cfg: DictConfig) -> None:
 
 def cli() -> None:
     """Console entry: `hardware=FILE.yaml` is accepted as well as `hardware.sku=FILE.yaml`."""
-    from anyrec.backends import rewrite_hardware_argv
-
     sys.argv = rewrite_hardware_argv(sys.argv)
     main()
 

@@ -12,6 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from anyrec import _hydra
+from anyrec.backends import rewrite_hardware_argv
 from anyrec.config import config_dir, to_object
 from anyrec.trainer.errors import NonFiniteLossError
 
@@ -20,7 +21,7 @@ logger = logging.getLogger("anyrec.train")
 
 def run(cfg: DictConfig) -> dict:
     """Train with a composed config; rank 0 prints the JSON summary as its last stdout line."""
-    from anyrec.trainer.trainer import Trainer
+    from anyrec.trainer.trainer import Trainer  # torchrec loads once Hydra has parsed the command line
 
     _hydra.quiet_non_main_ranks()
     config = to_object(cfg)
@@ -57,8 +58,6 @@ def main(cfg: DictConfig) -> None:
 
 def cli() -> None:
     """Console entry: `hardware=FILE.yaml` is accepted as well as `hardware.sku=FILE.yaml`."""
-    from anyrec.backends import rewrite_hardware_argv
-
     sys.argv = rewrite_hardware_argv(sys.argv)
     main()
 

@@ -24,14 +24,16 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from anyrec.backends.dispatch import embedding_impl  # noqa: E402
 from anyrec.backends.specs import get_sku  # noqa: E402
-from anyrec.planner.cli import write_json_atomic  # noqa: E402
-from anyrec.planner.planner import CoDesignPlanner, evaluate_assignment, make_workload  # noqa: E402
+from anyrec.planner.evaluate import evaluate_assignment  # noqa: E402
+from anyrec.planner.planner import CoDesignPlanner, make_workload  # noqa: E402
+from anyrec.planner.report import write_json_atomic  # noqa: E402
 from anyrec.planner.torchrec_plan import from_sharding_plan, meta_ebc  # noqa: E402
 from anyrec.planner.types import Placement, TableSpec, Topology  # noqa: E402
 from anyrec.planner.workloads import DLRMV2_DENSE_PARAMS, dlrmv2_tables, synthetic_tables  # noqa: E402
 
-TR_KERNEL = {"hbm": "fused", "uvm_caching": "fused_uvm_caching", "ddr": "fused_uvm"}
+TR_KERNEL = dict(embedding_impl("fbgemm").compute_kernels)  # placement -> torchrec compute kernel
 
 
 def _torchrec_setup(tables: list[TableSpec], topo: Topology, batch: int, optimizer: str):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -72,3 +73,17 @@ def run_under_triton_interpreter(test_file: str) -> None:
     )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout
+
+
+def pip_install_target(package: Path, tmp: Path) -> Path:
+    """Install the package folder `package` with pip into a fresh target directory under `tmp` (not the
+    venv) and return that directory, to be put on sys.path / PYTHONPATH."""
+    src = shutil.copytree(package, tmp / "src")  # pip's build leaves files beside the sources
+    target = tmp / "site"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+         "--disable-pip-version-check", "--no-index", "--target", str(target), str(src)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return target

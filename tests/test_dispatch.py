@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -9,7 +10,10 @@ import pytest
 from anyrec.backends import dispatch, get_backend
 from anyrec.backends.cpu import CPUBackend
 from anyrec.backends.interface import DeviceFacts
+from anyrec.backends.specs import get_sku
 from anyrec.config import BackendConfig
+from anyrec.planner import CoDesignPlanner, InfeasiblePlanError, Topology
+from anyrec.planner.workloads import DLRMV2_DENSE_PARAMS, dlrmv2_tables
 
 H200 = DeviceFacts(cuda_available=True, device_count=1, device_name="NVIDIA H200", arch="sm_90",
                    memory_bytes=141 * 10**9)
@@ -20,9 +24,9 @@ MI300X = DeviceFacts(cuda_available=True, hip_version="6.2", device_count=1,
 @pytest.fixture(autouse=True)
 def _fresh_probes(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    dispatch.reset_probes()
+    dispatch.reset_impls()
     yield
-    dispatch.reset_probes()
+    dispatch.reset_impls()
 
 
 def test_registry_has_the_ops_and_every_backend_orders_them():
@@ -124,7 +128,7 @@ def test_embedding_choice_maps_to_a_torchrec_sharder():
     assert compute_kernel("fbgemm", "uvm_caching") == "fused_uvm_caching"
     with pytest.raises(ValueError, match="needs backend.embedding_kernel=fbgemm"):
         compute_kernel("triton", "uvm_caching")
-    with pytest.raises(ValueError, match="no torchrec compute kernel"):
+    with pytest.raises(ValueError, match="unknown embedding kernel 'sycl_tbe'; known: fbgemm, triton, torch"):
         compute_kernel("sycl_tbe")
     assert embedding_sharder("torch").compute_kernels("table_wise", "cpu") == ["fused_triton"]
     assert embedding_sharder("triton").compute_kernels("row_wise", "cuda") == ["fused_triton"]
@@ -141,3 +145,83 @@ def test_fbgemm_sharder_rejects_a_plan_for_another_kernel():
     ps = ParameterSharding(sharding_type="table_wise", compute_kernel="fused_triton", ranks=[0])
     with pytest.raises(ValueError, match="t0: the plan uses compute kernel 'fused_triton'"):
         embedding_sharder("fbgemm").shard(None, {"t0": ps}, None)
+
+
+def test_every_reader_takes_the_embedding_impl_record():
+    """One record per implementation: sharder, planner kernels, placements and DP support all follow it."""
+    from anyrec.backends.sharders import embedding_sharder, supported_placements, supports_data_parallel
+
+    fbgemm = dispatch.get_impl("embedding", "fbgemm")
+    assert supported_placements("fbgemm") == ("hbm", "uvm_caching", "ddr")
+    assert supports_data_parallel("fbgemm")
+    assert supported_placements("torch") == ("hbm",) and not supports_data_parallel("torch")
+
+    def plan():  # DLRMv2 + Adagrad on one B200 needs UVM caching; on 8 H100s it replicates small tables
+        one, eight = (CoDesignPlanner().plan(dlrmv2_tables(), Topology(get_sku(sku), w), 8192, "adagrad",
+                                             DLRMV2_DENSE_PARAMS, kernel="fbgemm")
+                      for sku, w in (("b200", 1), ("h100", 8)))
+        return ({o.placement.value for o in one.tables.values()},
+                {o.sharding.value for o in eight.tables.values()})
+
+    placements, shardings = plan()
+    assert "uvm_caching" in placements and "data_parallel" in shardings  # the record allows both
+    changed = dataclasses.replace(fbgemm, compute_kernels={"hbm": "fused"}, data_parallel=False)
+    dispatch.register_impl(changed, replace=True)
+    assert supported_placements("fbgemm") == ("hbm",) and not supports_data_parallel("fbgemm")
+    assert embedding_sharder("fbgemm").kernels == ["fused"]
+    with pytest.raises(InfeasiblePlanError):  # the planner reads the record: no UVM placement left
+        plan()
+    dispatch.register_impl(dataclasses.replace(fbgemm, data_parallel=False), replace=True)
+    assert "data_parallel" not in plan()[1]
+    with pytest.raises(ValueError, match="is already registered"):
+        dispatch.register_impl(dataclasses.replace(changed, description="another"))
+
+
+def test_impl_records_are_checked():
+    with pytest.raises(ValueError, match="unknown op 'pooling'"):
+        dispatch.Impl("pooling", "x")
+    with pytest.raises(ValueError, match="needs a compute kernel for placement 'hbm'"):
+        dispatch.Impl("embedding", "x", "m:f", compute_kernels={"ddr": "fused_uvm"})
+    with pytest.raises(ValueError, match="needs a builder .* and a profile"):
+        dispatch.Impl("embedding", "x", "m:f", compute_kernels={"hbm": "fused"})
+    with pytest.raises(ValueError, match="bw_efficiency"):
+        dispatch.KernelProfile(1.5)
+    with pytest.raises(ValueError, match="builds nothing"):
+        dispatch.get_impl("collectives", "gloo").build()
+
+
+def test_plugin_impls_come_from_entry_points_and_can_be_forced():
+    """A plugin's Impl (entry-point group anyrec.impls) is probed, forced and built like a built-in."""
+    built = []
+
+    class EP:  # an importlib.metadata.EntryPoint as far as the loader is concerned
+        name, value = "vendor_tbe", "vendor:IMPLS"
+
+        def load(self):
+            return [dispatch.Impl(
+                "embedding", "vendor_tbe", lambda **kw: built.append(kw) or "sharder",
+                probe=lambda b: None if b.device_type == "cpu" else "vendor runtime missing",
+                options={"flavour": "fast"}, compute_kernels={"hbm": "fused_triton"},
+                state_bytes_per_row=lambda opt, dim: 4, profile=dispatch.KernelProfile(0.5, source="test"))]
+
+    dispatch._load_plugins([EP()])
+    b = get_backend("cpu")
+    assert b.select_kernels()["embedding"] == "fbgemm"  # auto keeps the backend's order
+    assert b.select_kernels(BackendConfig(embedding_kernel="vendor_tbe"))["embedding"] == "vendor_tbe"
+    assert dispatch.embedding_impl("vendor_tbe").build() == "sharder" and built == [{"flavour": "fast"}]
+    assert dispatch.torchrec_kernel_placements()["fused_triton"] == "hbm"
+    with pytest.raises(ValueError, match="vendor_tbe is not available on cuda: vendor runtime missing"):
+        get_backend("cuda", facts=H200).select_kernels(BackendConfig(embedding_kernel="vendor_tbe"))
+    dispatch.reset_impls()
+    with pytest.raises(ValueError, match="not offered by backend cpu"):
+        get_backend("cpu").select_kernels(BackendConfig(embedding_kernel="vendor_tbe"))
+
+
+def test_a_kernel_order_entry_without_a_record_says_so():
+    class Odd(CPUBackend):
+        name = "odd_test"
+        kernel_order = {**CPUBackend.kernel_order, "interaction": ("fbgemm", "torch")}
+
+    with pytest.raises(ValueError, match="no interaction implementation 'fbgemm' is registered"):
+        Odd().select_kernels(BackendConfig(interaction_kernel="fbgemm"))
+    assert Odd().select_kernels()["interaction"] == "torch"

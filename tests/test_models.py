@@ -5,27 +5,32 @@ from __future__ import annotations
 import pytest
 import torch
 
-from anyrec.models.dlrm import build_model, dense_param_count
+from anyrec.models.dlrm import build_model
+from anyrec.planner.job import dense_param_count
+from anyrec.planner.workloads import DLRMV2_DENSE_PARAMS, dlrmv2_tables
+from anyrec.schema import load_model_config
 
 from .conftest import compose_config
 
-MLPERF_ROWS = [40000000, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 40000000, 3067956, 405282, 10,
-               2209, 11938, 155, 4, 976, 14, 40000000, 40000000, 40000000, 590152, 12973, 108, 36]
-MLPERF_HOT = [3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1]
-
 
 def test_dlrmv2_is_the_mlperf_model():
+    """configs/model/dlrmv2.yaml is the one copy of the MLPerf table list: checked here against the
+    reference's totals (204.2 M rows, 214 lookups per sample, five 40 M-row tables) and a few entries."""
     _, cfg = compose_config(["model=dlrmv2"])
     m = cfg.model
-    assert m.table_rows == MLPERF_ROWS and sum(m.table_rows) == 204_184_588
-    assert m.multi_hot == MLPERF_HOT and sum(m.multi_hot) == 214
+    assert len(m.table_rows) == 26 and sum(m.table_rows) == 204_184_588
+    assert m.table_rows.count(40_000_000) == 5 and m.table_rows[10] == 3_067_956 and m.table_rows[-1] == 36
+    assert len(m.multi_hot) == 26 and sum(m.multi_hot) == 214 and m.multi_hot[20] == 100
+    assert load_model_config("dlrmv2") == m
+    assert [t.num_rows for t in dlrmv2_tables()] == m.table_rows
+    assert [t.pooling_factor for t in dlrmv2_tables()] == m.multi_hot
     assert (m.embedding_dim, m.bottom_mlp, m.top_mlp) == (128, [512, 256, 128], [1024, 1024, 512, 256, 1])
     assert (m.interaction, m.dcn_num_layers, m.dcn_low_rank) == ("dcn", 3, 512)
     model = build_model(m, torch.device("meta"))
     x = model.interaction.cross
     assert len(x.V) == 3 and x.V[0].weight.shape == (512, 27 * 128) and x.U[0].weight.shape == (27 * 128, 512)
     assert model.over_arch.layers[0].in_features == 27 * 128
-    assert dense_param_count(m) > 10_000_000
+    assert dense_param_count(model, model.sparse_arch) == DLRMV2_DENSE_PARAMS > 10_000_000
 
 
 def test_mlperf_experiment_hyperparameters():
@@ -38,7 +43,7 @@ def test_mlperf_experiment_hyperparameters():
 
 def test_cpu_variant_and_kaggle_dlrm():
     _, cfg = compose_config(["+experiment=dlrmv2_cpu"])
-    assert cfg.model.name == "dlrmv2_small" and cfg.model.multi_hot == MLPERF_HOT
+    assert cfg.model.name == "dlrmv2_small" and cfg.model.multi_hot == load_model_config("dlrmv2").multi_hot
     assert cfg.model.interaction == "dcn" and max(cfg.model.table_rows) <= 20000
     assert cfg.optim.warmup_steps > 0 and cfg.optim.decay_steps > 0
     build_model(cfg.model, torch.device("cpu"))  # small enough to allocate here
@@ -71,5 +76,5 @@ def test_model_builds_the_dispatched_dense_modules():
     assert type(triton_dcn.interaction.cross) is TritonLowRankCrossNet
     assert {k: v.shape for k, v in triton_dcn.state_dict().items()} == {
         k: v.shape for k, v in torch_dcn.state_dict().items()}
-    with pytest.raises(ValueError, match="no dcn_cross module for implementation 'cutlass'; known: torch"):
+    with pytest.raises(ValueError, match="unknown dcn_cross implementation 'cutlass'; known: triton, torch"):
         build_model(cfg.model, meta, kernels={"dcn_cross": "cutlass"})

@@ -73,7 +73,31 @@ def test_output_json_schema_plot_and_compare(tmp_path):
     os.umask(umask)
     assert stat.S_IMODE(out.stat().st_mode) == 0o666 & ~umask
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "compare: MI350X vs B200" in text and "memory density" in text
+    assert "compare: MI350X vs B200" in text
+    assert "memory density: MI350X 288 GB vs B200 180 GB = 1.60x" in text
+    assert "table_wise/hbm on MI350X -> table_wise/uvm_caching on B200" in text
+
+
+def test_report_and_json_name_the_selected_kernel(tmp_path):
+    """backend.embedding_kernel=triton shards with `fused_triton`: the report and JSON say so."""
+    out = tmp_path / "plan.json"
+    _, text = _run(["hardware=h100", "topology.world_size=8", "backend.embedding_kernel=triton",
+                    f"plan.output={out}"])
+    kernels = {t["kernel"] for t in json.loads(out.read_text())["tables"]}
+    assert kernels == {"fused_triton"}
+    assert "kernel triton" in text
+    rows = [ln for ln in text.splitlines() if ln.startswith("t_cat_")]
+    assert len(rows) == 26 and all(" fused_triton " in ln for ln in rows)
+
+
+def test_forced_sharding_that_changes_the_update_is_one_line(tmp_path):
+    out = tmp_path / "plan.json"
+    with pytest.raises(ValueError) as e:
+        _run(["hardware=h100", "topology.world_size=8", "optim=rowwise_adagrad",
+              "planner.sharding=column_wise", f"plan.output={out}"])
+    assert str(e.value).startswith("planner.sharding=column_wise: column_wise sharding cannot train "
+                                   "optim=rowwise_adagrad exactly") and "\n" not in str(e.value)
+    assert not out.exists()
 
 
 def test_infeasible_exits_2_with_one_stderr_line(tmp_path):

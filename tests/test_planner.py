@@ -7,11 +7,18 @@ import pytest
 
 from anyrec.backends import resolve_hardware
 from anyrec.backends.specs import get_sku
+from anyrec.config import PlannerConfig
+from anyrec.kernels.optimizers import OptimizerConfig
+from anyrec.kernels.tbe import TritonTableBatchedEmbedding
 from anyrec.planner import CoDesignPlanner, InfeasiblePlanError, Placement, ShardingType, Topology
-from anyrec.planner.cli import run_plan, write_json_atomic
-from anyrec.planner.estimators import simd_utilisation
-from anyrec.planner.planner import evaluate_assignment, make_workload
-from anyrec.planner.torchrec_plan import from_sharding_plan
+from anyrec.planner.estimators import simd_utilisation, state_bytes_per_row
+from anyrec.planner.evaluate import evaluate_assignment
+from anyrec.planner.job import plan_options
+from anyrec.planner.planner import make_workload
+from anyrec.planner.report import format_report, plan_json, plot_plan, write_json_atomic
+from anyrec.planner.simple import simple_table_shardings, to_sharding_plan
+from anyrec.planner.torchrec_plan import from_sharding_plan, meta_ebc
+from anyrec.planner.torchrec_plan import to_sharding_plan as plan_to_sharding_plan
 from anyrec.planner.types import Perf, Storage, TableSpec
 from anyrec.planner.workloads import DLRMV2_DENSE_PARAMS, dlrmv2_tables
 
@@ -49,7 +56,7 @@ def test_dlrmv2_adagrad_on_one_b200_uses_uvm_caching_or_says_why():
     off = [n for n, o in res.tables.items() if o.placement != Placement.HBM]
     assert off and all(res.tables[n].placement == Placement.UVM_CACHING for n in off)
     assert res.rank_storage[0].hbm_bytes <= res.caps.hbm_bytes
-    assert "leave HBM" in res.report()
+    assert "leave HBM" in format_report(res)
     with pytest.raises(InfeasiblePlanError) as e:
         _plan("b200", 1, allowed_placements=("hbm",))
     msg = str(e.value)
@@ -61,7 +68,7 @@ def test_dlrmv2_on_8_h100_within_80gb_and_torchrec_plan():
     res = _plan("h100", 8)
     assert all(s.hbm_bytes <= 80 * GB for s in res.rank_storage)
     assert res.predicted_step_s >= res.lower_bound_s
-    plan = res.to_sharding_plan("model.ebc")
+    plan = plan_to_sharding_plan(res, "model.ebc")
     per_table = plan.plan["model.ebc"]
     assert set(per_table) == {t.name for t in dlrmv2_tables()}
     for name, opt in res.tables.items():
@@ -79,79 +86,37 @@ def test_forced_row_wise_and_cpu_kernels():
     topo = Topology(get_sku("cpu"), 2, 2)
     res = CoDesignPlanner().plan(tables, topo, 64, "sgd", allowed_shardings=("row_wise",))
     assert {o.sharding for o in res.tables.values()} == {ShardingType.ROW_WISE}
-    plan = res.to_sharding_plan()
+    plan = plan_to_sharding_plan(res)
     kernels = {ps.compute_kernel for ps in next(iter(plan.plan.values())).values()}
     assert kernels == {"fused"}
 
 
 def test_uvm_kernel_names_on_cuda():
     res = _plan("b200", 1)
-    plan = res.to_sharding_plan()
+    plan = plan_to_sharding_plan(res)
     kernels = {ps.compute_kernel for ps in next(iter(plan.plan.values())).values()}
     assert kernels == {"fused", "fused_uvm_caching"}
 
 
 def test_json_schema_report_and_plot(tmp_path):
     res = _plan("h100", 8)
-    d = res.to_json_dict()
+    d = plan_json(res)
     assert d["hardware"] == "H100" and d["world_size"] == 8 and d["predicted_step_ms"] > 0
     assert [r["rank"] for r in d["ranks"]] == list(range(8))
     assert set(d["ranks"][0]) == {"rank", "hbm_bytes", "hbm_cap_bytes", "ddr_bytes", "predicted_ms"}
     assert set(d["tables"][0]) == {"name", "sharding", "placement", "kernel", "ranks"}
     json.dumps(d)
-    text = res.report()
+    text = format_report(res)
     assert "t_cat_20" in text and "why" in text and "fewest devices" in text
     path = tmp_path / "plan.png"
-    res.plot(str(path), compare=_plan("mi350x", 8))
+    plot_plan(res, str(path), compare=_plan("mi350x", 8))
     assert path.stat().st_size > 10_000
 
 
 def test_simd_advice_names_misaligned_dim():
     tables = [TableSpec("t0", 1_000_000, 96, 4.0, ["f0"]), TableSpec("t1", 1000, 128, 1.0, ["f1"])]
     res = CoDesignPlanner().plan(tables, Topology(get_sku("mi350x"), 2), 1024, "sgd")
-    assert "dim 96" in res.report() and "64-wide SIMD" in res.report()
-
-
-def test_run_plan_writes_json_png_and_compares(tmp_path):
-    out, png = tmp_path / "p.json", tmp_path / "p.png"
-    lines = []
-    res = run_plan(
-        dlrmv2_tables(),
-        get_sku("mi350x"),
-        1,
-        1,
-        B,
-        "adagrad",
-        DLRMV2_DENSE_PARAMS,
-        output=str(out),
-        plot=str(png),
-        compare=get_sku("b200"),
-        print_fn=lines.append,
-    )
-    data = json.loads(out.read_text())
-    assert data["hardware"] == "MI350X" and data["compare"]["hardware"] == "B200"
-    assert png.exists() and res.predicted_step_s > 0
-    text = "\n".join(lines)
-    assert "memory density: MI350X 288 GB vs B200 180 GB = 1.60x" in text
-    assert "table_wise/hbm on MI350X -> table_wise/uvm_caching on B200" in text
-
-
-def test_run_plan_infeasible_writes_nothing(tmp_path):
-    out = tmp_path / "p.json"
-    with pytest.raises(InfeasiblePlanError):
-        run_plan(
-            dlrmv2_tables(),
-            get_sku("h100"),
-            1,
-            1,
-            B,
-            "adam",
-            0,
-            output=str(out),
-            allowed_placements=("hbm",),
-            print_fn=lambda s: None,
-        )
-    assert not out.exists()
+    assert "dim 96" in format_report(res) and "64-wide SIMD" in format_report(res)
 
 
 def test_atomic_write_leaves_no_partial_file(tmp_path):
@@ -173,9 +138,6 @@ def test_user_errors_are_value_errors(tmp_path):
 
 
 def test_simple_planner_shares_the_torchrec_mapping():
-    from anyrec.planner.simple import simple_table_shardings, to_sharding_plan
-    from anyrec.planner.torchrec_plan import meta_ebc
-
     tables = dlrmv2_tables(dim=16)[:4]
     ebc = meta_ebc(tables)
     shardings = simple_table_shardings(ebc.embedding_bag_configs(), 4, force="table_row_wise")
@@ -199,33 +161,75 @@ def test_forced_sharding_without_options_says_why():
 
 
 def test_triton_kernel_plan_is_hbm_only_without_data_parallel():
-    from anyrec.config import PlannerConfig
-    from anyrec.planner.job import plan_options
-
-    opts = plan_options(PlannerConfig(), "triton")
+    opts = plan_options(PlannerConfig(), "triton", "adagrad")
     assert opts["allowed_placements"] == (Placement.HBM,)
     assert ShardingType.DATA_PARALLEL not in opts["allowed_shardings"]
-    fbgemm = _plan("h100", 8, **plan_options(PlannerConfig(), "fbgemm"))
+    fbgemm = _plan("h100", 8, **plan_options(PlannerConfig(), "fbgemm", "adagrad"))
     assert any(o.sharding == ShardingType.DATA_PARALLEL for o in fbgemm.tables.values())  # the case bites
     res = _plan("h100", 8, **opts)
     assert all(o.sharding != ShardingType.DATA_PARALLEL for o in res.tables.values())
     assert {o.placement for o in res.tables.values()} == {Placement.HBM}
-    per_table = res.to_sharding_plan("m.ebc").plan["m.ebc"]
+    per_table = plan_to_sharding_plan(res, "m.ebc").plan["m.ebc"]
     assert {ps.compute_kernel for ps in per_table.values()} == {"fused_triton"}
     # One B200 needs UVM caching for DLRMv2 + Adagrad: the triton kernel cannot, so no plan (not a UVM one).
     with pytest.raises(InfeasiblePlanError):
         _plan("b200", 1, **opts)
 
 
-def test_optimizer_state_bytes_follow_the_kernel():
-    from anyrec.kernels.optimizers import state_bytes_per_row as tbe_state_bytes_per_row
-    from anyrec.planner.estimators import state_bytes_per_row
-
-    for kernel in ("fbgemm", "triton", "torch"):
-        # FBGEMM layout (EXACT_ROWWISE_ADAGRAD momentum1: one fp32 per row) and anyrec's TBE agree.
-        assert state_bytes_per_row("rowwise_adagrad", 128, kernel) == 4
-        assert state_bytes_per_row("adagrad", 64, kernel) == 4 * 64
-        assert state_bytes_per_row("adam", 64, kernel) == 8 * 64
-        assert state_bytes_per_row("sgd", 64, kernel) == 0
+def test_optimizer_state_bytes_are_what_the_kernel_allocates():
+    """The planner charges each implementation the optimizer state its kernel really keeps: anyrec's
+    TBE (triton, torch) is measured from the tensors it allocates; FBGEMM's against its documented
+    layout (EXACT_ROWWISE_ADAGRAD one fp32 per row, EXACT_ADAGRAD one per element, ADAM two)."""
+    rows, dim = 10, 96
     for opt in ("sgd", "rowwise_adagrad", "adagrad", "adam"):
-        assert state_bytes_per_row(opt, 96, "triton") == tbe_state_bytes_per_row(opt, 96)
+        tbe = TritonTableBatchedEmbedding([(rows, dim)], [0], optimizer=OptimizerConfig(kind=opt),
+                                          execution="torch")
+        state = {n: b for n, b in tbe.named_buffers() if n.startswith("momentum")}
+        allocated = sum(b.numel() * b.element_size() for b in state.values())
+        assert allocated == rows * state_bytes_per_row(opt, dim, "torch"), opt
+        assert state_bytes_per_row(opt, dim, "triton") == state_bytes_per_row(opt, dim, "torch")
+    assert allocated > 0  # adam: the loop checked a kernel that keeps state
+    fbgemm = {"sgd": 0, "rowwise_adagrad": 4, "adagrad": 4 * dim, "adam": 8 * dim}
+    assert {o: state_bytes_per_row(o, dim, "fbgemm") for o in fbgemm} == fbgemm
+
+
+def test_rowwise_adagrad_is_never_split_by_columns():
+    """Row-wise Adagrad keeps one accumulator per row; over column shards each piece would keep its own,
+    so the planners never propose column-wise for it, and forcing it fails in one line."""
+    adagrad = _plan("h100", 8)
+    assert any(o.sharding == ShardingType.COLUMN_WISE for o in adagrad.tables.values())  # the case bites
+    rowwise = CoDesignPlanner().plan(dlrmv2_tables(), Topology(get_sku("h100"), 8), B, "rowwise_adagrad",
+                                     DLRMV2_DENSE_PARAMS)
+    assert {o.sharding for o in rowwise.tables.values()} <= {
+        ShardingType.TABLE_WISE, ShardingType.ROW_WISE, ShardingType.DATA_PARALLEL}
+    assert all(o.sharding != ShardingType.COLUMN_WISE
+               for opts in rowwise.options_by_table.values() for o in opts)
+    tables = dlrmv2_tables(dim=32)[:3]
+    with pytest.raises(ValueError, match="^column_wise sharding cannot train optim=rowwise_adagrad ex") as e:
+        CoDesignPlanner().plan(tables, Topology(get_sku("cpu"), 2, 2), 64, "rowwise_adagrad",
+                               allowed_shardings=("column_wise",))
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="^planner.sharding=column_wise: column_wise sharding cannot train"):
+        plan_options(PlannerConfig(sharding="column_wise"), "fbgemm", "rowwise_adagrad")
+    assert plan_options(PlannerConfig(sharding="column_wise"), "fbgemm", "adagrad")["allowed_shardings"] == (
+        ShardingType.COLUMN_WISE,)
+    configs = meta_ebc(tables).embedding_bag_configs()
+    with pytest.raises(ValueError, match="^column_wise sharding cannot train optim=rowwise_adagrad"):
+        simple_table_shardings(configs, 2, force="column_wise", optimizer="rowwise_adagrad")
+    assert {k for k, _ in simple_table_shardings(configs, 2, optimizer="rowwise_adagrad").values()} <= {
+        "table_wise", "row_wise"}
+    assert simple_table_shardings(configs, 2, force="column_wise", optimizer="adam")[tables[0].name][0] == (
+        "column_wise")
+
+
+def test_plan_names_the_compute_kernel_the_trainer_shards_with():
+    """The report, the JSON and the torchrec plan all name the embedding implementation's kernel."""
+    for kernel, expected in (("fbgemm", "fused"), ("triton", "fused_triton"), ("torch", "fused_triton")):
+        res = _plan("h100", 8, **plan_options(PlannerConfig(), kernel, "adagrad"))
+        sharded = {n for n, o in res.tables.items() if o.sharding != ShardingType.DATA_PARALLEL}
+        assert sharded
+        assert {t["kernel"] for t in plan_json(res)["tables"] if t["name"] in sharded} == {expected}
+        per_table = plan_to_sharding_plan(res, "m.ebc").plan["m.ebc"]
+        assert {per_table[n].compute_kernel for n in sharded} == {expected}
+        rows = [ln for ln in format_report(res).splitlines() if ln.split(" ")[0] in sharded]
+        assert len(rows) == len(sharded) and all(f" {expected} " in ln for ln in rows)

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 
-from .conftest import ROOT, last_json_line
+from .conftest import ROOT, last_json_line, pip_install_target
 
 PKG = ROOT / "tests" / "plugin_pkg"
 
@@ -17,16 +16,7 @@ PKG = ROOT / "tests" / "plugin_pkg"
 @pytest.fixture(scope="module")
 def plugin_path(tmp_path_factory):
     """The fake accelerator installed with pip into a fresh target directory (not the venv)."""
-    tmp = tmp_path_factory.mktemp("plugin")
-    src = shutil.copytree(PKG, tmp / "src")  # pip's build leaves files beside the sources
-    target = tmp / "site"
-    proc = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-         "--disable-pip-version-check", "--no-index", "--target", str(target), str(src)],
-        capture_output=True, text=True, timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return target
+    return pip_install_target(PKG, tmp_path_factory.mktemp("plugin"))
 
 
 def test_plugin_is_discovered_detected_and_resolves_its_hardware(plugin_path, monkeypatch):

@@ -13,6 +13,7 @@ from typing import Any
 
 from anyrec.backends.cpu import CPUBackend
 from anyrec.backends.cuda import CUDABackend
+from anyrec.backends.dispatch import load_entry_points
 from anyrec.backends.hardware import load_hardware_file, resolve_hardware, rewrite_hardware_argv
 from anyrec.backends.interface import Backend, DeviceFacts
 from anyrec.backends.rocm import ROCmBackend
@@ -37,16 +38,9 @@ def discover_plugins(entry_points: Iterable[Any] | None = None) -> dict[str, typ
     """
     eps = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP) if entry_points is None else entry_points
     found: dict[str, type[Backend]] = {}
-    for ep in sorted(eps, key=lambda e: e.name):
-        builtin = BUILTINS.get(ep.name)
-        if builtin is not None and ep.value == f"{builtin.__module__}:{builtin.__qualname__}":
-            continue
-        try:
-            cls = ep.load()
-        except Exception as e:
-            _plugin_errors[ep.name] = f"{type(e).__name__}: {e}"
-            logger.warning("backend plugin %s (%s) failed to load: %s", ep.name, ep.value, e)
-            continue
+    ours = {f"{b.__module__}:{b.__qualname__}" for b in BUILTINS.values()}
+    plugins = [ep for ep in eps if not (ep.name in BUILTINS and ep.value in ours)]
+    for ep, cls in load_entry_points(plugins, _plugin_errors, "backend"):
         if not (isinstance(cls, type) and issubclass(cls, Backend)):
             raise TypeError(f"backend plugin {ep.name} ({ep.value}) is not a Backend subclass")
         if ep.name in BUILTINS or ep.name in found:

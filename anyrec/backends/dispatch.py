@@ -1,23 +1,31 @@
-"""Op dispatch: for each op, the backend's ordered implementations, each behind an availability probe.
+"""Op dispatch: one `Impl` record per (op, implementation), and the backend's choice among them.
 
 An op (`embedding`, `interaction`, `dcn_cross`, `collectives`) has implementations named after the
-library that provides them (`fbgemm`, `triton`, `torch`, `nccl`, `gloo`, or a plugin's own). A backend
-lists them in preference order (`Backend.kernel_order`); `select` takes the first whose probe passes,
-or the one the config forces, and fails clearly when a forced one cannot run. Probes run once per
-process (`reset_probes()` lets tests run them again); each op's choice is logged once.
+library that provides them (`fbgemm`, `triton`, `torch`, `nccl`, `gloo`, or a plugin's own). Each is
+one `Impl` record, registered here or by a plugin (`register_impl`, or the `anyrec.impls` entry-point
+group): its probe, the builder of its module or sharder, and for `embedding` the torchrec compute
+kernel per placement, data-parallel support, optimizer-state layout and performance profile. The
+planner, the sharder and the model builder all read these records; nothing else lists implementations.
+
+A backend lists implementations in preference order (`Backend.kernel_order`); `select` takes the first
+whose probe passes, or the one the config forces (any registered implementation), and fails clearly
+when a forced one cannot run. Probes run once per process (`reset_probes()` lets tests run them
+again); each op's choice is logged once.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
 import logging
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 if TYPE_CHECKING:
     from anyrec.backends.interface import Backend
@@ -26,6 +34,10 @@ logger = logging.getLogger(__name__)
 
 # A probe answers None when the implementation can run, else the reason it cannot.
 Probe = Callable[["Backend"], "str | None"]
+IMPL_ENTRY_POINT_GROUP = "anyrec.impls"
+# torchrec's compute kernel for data-parallel (replicated) tables: plain embedding bags, whatever the
+# implementation of the sharded ones.
+DATA_PARALLEL_KERNEL = "dense"
 
 
 @dataclass(frozen=True)
@@ -35,47 +47,105 @@ class Op:
     name: str
     config_key: str | None
     description: str
-    requirements: dict[str, Probe]  # op-specific checks on top of the library's device probe
-
-
-def _kernel_module(module: str) -> Probe:
-    """An op's Triton kernels live in `module`; Triton reaching the device is the library probe's job."""
-    def probe(_: Backend) -> str | None:
-        if importlib.util.find_spec(module) is None:
-            return f"{module} (the op's Triton kernels) is not installed"
-        return None
-
-    return probe
-
-
-def _triton_tbe(_: Backend) -> str | None:
-    if importlib.util.find_spec("anyrec.kernels.torchrec_kernel") is None:
-        return "anyrec.kernels.torchrec_kernel (the Triton TBE sharder) is not installed"
-    return None
 
 
 OPS: dict[str, Op] = {
     "embedding": Op("embedding", "embedding_kernel",
-                    "pooled embedding lookup with the optimizer fused into backward",
-                    {"triton": _triton_tbe}),
-    "interaction": Op("interaction", "interaction_kernel", "DLRM pairwise dot interaction",
-                      {"triton": _kernel_module("anyrec.kernels.interaction"),
-                       "fbgemm": lambda _: "no fbgemm kernel for this op"}),
-    "dcn_cross": Op("dcn_cross", "dcn_kernel", "DCNv2 low-rank cross layers",
-                    {"triton": _kernel_module("anyrec.kernels.dcn"),
-                     "fbgemm": lambda _: "no fbgemm kernel for this op"}),
-    "collectives": Op("collectives", None, "torch.distributed process-group backend", {}),
+                    "pooled embedding lookup with the optimizer fused into backward"),
+    "interaction": Op("interaction", "interaction_kernel", "DLRM pairwise dot interaction"),
+    "dcn_cross": Op("dcn_cross", "dcn_kernel", "DCNv2 low-rank cross layers"),
+    "collectives": Op("collectives", None, "torch.distributed process-group backend"),
 }
 
-# What each embedding implementation means to torchrec: the compute kernels it runs, by placement
-# (hbm, uvm_caching, ddr). `triton` and `torch` are anyrec's own TBE (anyrec.kernels.torchrec_kernel)
-# under torchrec's `fused_triton` kernel name, executed by Triton or by plain torch ops; they keep
-# tables in device memory. Extend here for new kernels.
-TORCHREC_COMPUTE_KERNELS: dict[str, dict[str, str]] = {
-    "fbgemm": {"hbm": "fused", "uvm_caching": "fused_uvm_caching", "ddr": "fused_uvm"},
-    "triton": {"hbm": "fused_triton"},
-    "torch": {"hbm": "fused_triton"},
-}
+
+@dataclass(frozen=True)
+class KernelProfile:
+    """How well an embedding implementation uses the memory system: the planner's cost inputs.
+
+    Calibration (measured lookup bandwidth on the machine at hand) replaces the profile of a
+    registered Impl; `source` says where the numbers come from.
+    """
+
+    bw_efficiency: float  # achieved lookup bandwidth / device memory bandwidth
+    access_bytes: int = 32  # smallest memory transaction on a GPU: rows are read in multiples of this
+    per_row_s: float = 0.0  # latency-bound cost per looked-up row (CPU: DRAM misses), seconds
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.bw_efficiency <= 1.0 or self.access_bytes <= 0 or self.per_row_s < 0:
+            raise ValueError(f"kernel profile needs 0 < bw_efficiency <= 1, access_bytes > 0 and "
+                             f"per_row_s >= 0; got {self}")
+
+
+def _resolve(ref: str | Callable) -> Callable:
+    """A callable, or one named "module:attr" (imported on first use, as entry points are)."""
+    if callable(ref):
+        return ref
+    module, _, attr = ref.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@dataclass(frozen=True)
+class Impl:
+    """One implementation of one op: everything anyrec needs to probe, build, shard and cost it.
+
+    `builder` makes the thing the op runs: the embedding op's EBC sharder, the interaction's and
+    cross net's nn.Module; it is a callable or "module:attr", called with `options` plus the
+    caller's arguments. Embedding-only fields: `compute_kernels` (placement "hbm" | "uvm_caching" |
+    "ddr" -> torchrec compute kernel), `data_parallel` (replicated tables can run with it),
+    `state_bytes_per_row` ((optimizer, dim) -> bytes of fused optimizer state, callable or
+    "module:attr") and `profile`.
+    """
+
+    op: str
+    name: str
+    builder: str | Callable | None = None
+    probe: Probe | None = None  # None: runs wherever `Backend.probe(name)` allows
+    options: Mapping[str, Any] = field(default_factory=dict)
+    compute_kernels: Mapping[str, str] = field(default_factory=dict)
+    data_parallel: bool = False
+    state_bytes_per_row: str | Callable[[str, int], int] | None = None
+    profile: KernelProfile | None = None
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if self.op not in OPS:
+            raise ValueError(f"implementation {self.name!r}: unknown op {self.op!r}; known: {', '.join(OPS)}")
+        if self.op == "embedding":
+            if "hbm" not in self.compute_kernels:
+                raise ValueError(f"embedding implementation {self.name!r} needs a compute kernel for "
+                                 f"placement 'hbm'")
+            if self.profile is None or self.state_bytes_per_row is None or self.builder is None:
+                raise ValueError(f"embedding implementation {self.name!r} needs a builder (its sharder), "
+                                 f"state_bytes_per_row and a profile")
+
+    def build(self, *args: Any, **kwargs: Any) -> Any:
+        """The implementation's module or sharder (`builder(*args, **options, **kwargs)`)."""
+        if self.builder is None:
+            raise ValueError(f"{self.op} implementation {self.name!r} builds nothing")
+        return _resolve(self.builder)(*args, **{**self.options, **kwargs})
+
+    def optimizer_state_bytes_per_row(self, optimizer: str, dim: int) -> int:
+        """Bytes of fused optimizer state one row of width `dim` keeps (embedding implementations)."""
+        if self.state_bytes_per_row is None:
+            raise ValueError(f"{self.op} implementation {self.name!r} keeps no embedding optimizer state")
+        return int(_resolve(self.state_bytes_per_row)(optimizer, dim))
+
+    def compute_kernel(self, placement: str = "hbm") -> str:
+        """The torchrec compute kernel that runs this implementation with tables in `placement`."""
+        if placement not in self.compute_kernels:
+            can = [i.name for i in implementations(self.op) if placement in i.compute_kernels]
+            key = f"backend.{OPS[self.op].config_key}"
+            need = " or ".join(f"{key}={n}" for n in can) or "an implementation that serves it"
+            raise ValueError(f"{key}={self.name} keeps tables in {', '.join(self.compute_kernels)}; "
+                             f"placement {placement!r} needs {need}")
+        return self.compute_kernels[placement]
+
+
+# ---- probes ---------------------------------------------------------------------------------------
 
 # torch dispatch keys per device type (ROCm registers its kernels under CUDA).
 _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA", "xpu": "XPU", "mtia": "MTIA", "mps": "MPS"}
@@ -113,9 +183,7 @@ def probe_triton(backend: Backend) -> str | None:
                     "(set TRITON_INTERPRET=1 to opt in to its slow interpreter)")
         return None
     try:
-        import triton
-
-        target = triton.runtime.driver.active.get_current_target()
+        target = importlib.import_module("triton").runtime.driver.active.get_current_target()
     except Exception as e:
         return f"triton has no driver for this device ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
     if backend.device_type == "cuda" and target.backend not in ("cuda", "hip"):
@@ -125,23 +193,190 @@ def probe_triton(backend: Backend) -> str | None:
 
 def probe_nccl(_: Backend) -> str | None:
     """NCCL (RCCL on ROCm) is built into torch.distributed."""
-    import torch.distributed as dist
-
     return None if dist.is_available() and dist.is_nccl_available() else "torch was built without NCCL/RCCL"
 
 
 def probe_gloo(_: Backend) -> str | None:
     """Gloo is built into torch.distributed."""
-    import torch.distributed as dist
-
     return None if dist.is_available() and dist.is_gloo_available() else "torch was built without gloo"
 
 
-# Library probes by implementation name; a plugin adds its own through `Backend.probe`.
-PROBES: dict[str, Probe] = {
-    "fbgemm": probe_fbgemm, "triton": probe_triton, "torch": lambda _: None,
-    "nccl": probe_nccl, "gloo": probe_gloo,
+def _module_present(module: str, what: str) -> Probe:
+    def probe(_: Backend) -> str | None:
+        if importlib.util.find_spec(module) is None:
+            return f"{module} ({what}) is not installed"
+        return None
+
+    return probe
+
+
+def _kernel_module(module: str) -> Probe:
+    """An op's Triton kernels live in `module`; Triton reaching the device is `probe_triton`'s job."""
+    return _module_present(module, "the op's Triton kernels")
+
+
+def all_of(*probes: Probe) -> Probe:
+    """A probe that passes when every one of `probes` does (the first reason otherwise)."""
+    def probe(backend: Backend) -> str | None:
+        for p in probes:
+            reason = p(backend)
+            if reason is not None:
+                return reason
+        return None
+
+    return probe
+
+
+# ---- the registry ---------------------------------------------------------------------------------
+
+# FBGEMM TBE's optimizer state per embedding row of width `dim` (fp32 `momentum1`/`momentum2`;
+# checked against fbgemm-gpu's SplitTableBatchedEmbeddingBagsCodegen: EXACT_ROWWISE_ADAGRAD keeps one
+# fp32 per row, EXACT_ADAGRAD one per element, ADAM two per element).
+_FBGEMM_STATE_BYTES_PER_ROW: dict[str, Callable[[int], int]] = {
+    "sgd": lambda dim: 0,
+    "adagrad": lambda dim: 4 * dim,
+    "rowwise_adagrad": lambda dim: 4,
+    "adam": lambda dim: 8 * dim,
 }
+
+
+def fbgemm_state_bytes_per_row(optimizer: str, dim: int) -> int:
+    """Bytes of optimizer state FBGEMM's TBE keeps per row of width `dim`."""
+    if optimizer not in _FBGEMM_STATE_BYTES_PER_ROW:
+        known = ", ".join(sorted(_FBGEMM_STATE_BYTES_PER_ROW))
+        raise ValueError(f"unknown optimizer {optimizer!r}; known: {known}")
+    return _FBGEMM_STATE_BYTES_PER_ROW[optimizer](dim)
+
+
+_ANYREC_TBE_PROBE = _module_present("anyrec.kernels.torchrec_kernel", "the Triton TBE sharder")
+_ANYREC_TBE = dict(
+    builder="anyrec.kernels.torchrec_kernel:TritonEmbeddingBagCollectionSharder",
+    compute_kernels={"hbm": "fused_triton"},  # anyrec's own TBE under torchrec's reserved kernel name
+    state_bytes_per_row="anyrec.kernels.optimizers:state_bytes_per_row",
+)
+
+BUILTIN_IMPLS: tuple[Impl, ...] = (
+    Impl("embedding", "fbgemm", "anyrec.backends.sharders:KernelFamilySharder", probe_fbgemm,
+         options={"impl": "fbgemm"},
+         compute_kernels={"hbm": "fused", "uvm_caching": "fused_uvm_caching", "ddr": "fused_uvm"},
+         data_parallel=True, state_bytes_per_row=fbgemm_state_bytes_per_row,
+         profile=KernelProfile(0.55, 32, source="empirical: FBGEMM TBE forward+backward reaches roughly "
+                                                 "55% of HBM bandwidth on dim-128 fp32 rows"),
+         description="FBGEMM's TBE (torchrec's fused kernels), tables in HBM, UVM cache or host DDR"),
+    Impl("embedding", "triton", probe=all_of(probe_triton, _ANYREC_TBE_PROBE),
+         options={"execution": "triton"},
+         profile=KernelProfile(0.69, 32, source="measured on an H200 (2026-11-30): naive Triton forward "
+                                                 "3,311 GB/s of 4.8 TB/s peak"),
+         description="anyrec's TBE run by Triton kernels (anyrec.kernels)", **_ANYREC_TBE),
+    Impl("embedding", "torch", probe=_ANYREC_TBE_PROBE, options={"execution": "torch"},
+         profile=KernelProfile(0.28, 32, source="measured on an H200 (2026-11-30): nn.EmbeddingBag forward "
+                                                 "1,345 GB/s of 4.8 TB/s peak"),
+         description="anyrec's TBE run by plain torch ops", **_ANYREC_TBE),
+    Impl("interaction", "triton", "anyrec.models.interaction:TritonDotInteraction",
+         all_of(probe_triton, _kernel_module("anyrec.kernels.interaction"))),
+    Impl("interaction", "torch", "anyrec.models.interaction:DotInteraction"),
+    Impl("dcn_cross", "triton", "anyrec.models.interaction:TritonLowRankCrossNet",
+         all_of(probe_triton, _kernel_module("anyrec.kernels.dcn"))),
+    Impl("dcn_cross", "torch", "anyrec.models.interaction:LowRankCrossNet"),
+    Impl("collectives", "nccl", probe=probe_nccl),
+    Impl("collectives", "gloo", probe=probe_gloo),
+)
+
+_impls: dict[tuple[str, str], Impl] = {(i.op, i.name): i for i in BUILTIN_IMPLS}
+_plugins_loaded = False
+_plugin_errors: dict[str, str] = {}
+
+
+def register_impl(impl: Impl, replace: bool = False) -> None:
+    """Make `impl` known (a plugin's own kernel, or a calibrated profile with `replace=True`)."""
+    key = (impl.op, impl.name)
+    if key in _impls and not replace and _impls[key] != impl:
+        raise ValueError(f"{impl.op} implementation {impl.name!r} is already registered")
+    _impls[key] = impl
+    _probe_cache.clear()
+
+
+def load_entry_points(
+    entry_points: Iterable[Any], errors: dict[str, str], kind: str
+) -> list[tuple[Any, Any]]:
+    """(entry point, loaded object) for each entry point in name order; one that fails to load is
+    left out with a warning, its error kept in `errors` under its name."""
+    loaded = []
+    for ep in sorted(entry_points, key=lambda e: e.name):
+        try:
+            loaded.append((ep, ep.load()))
+        except Exception as e:
+            errors[ep.name] = f"{type(e).__name__}: {e}"
+            logger.warning("%s plugin %s (%s) failed to load: %s", kind, ep.name, ep.value, e)
+    return loaded
+
+
+def _load_plugins(entry_points: Iterable[Any] | None = None) -> None:
+    """Register the Impls of the `anyrec.impls` entry-point group (an Impl, or an iterable of them)."""
+    global _plugins_loaded
+    if _plugins_loaded and entry_points is None:
+        return
+    _plugins_loaded = True
+    if entry_points is None:
+        entry_points = importlib.metadata.entry_points(group=IMPL_ENTRY_POINT_GROUP)
+    for ep, obj in load_entry_points(entry_points, _plugin_errors, "implementation"):
+        for impl in (obj,) if isinstance(obj, Impl) else tuple(obj):
+            if not isinstance(impl, Impl):
+                raise TypeError(f"implementation plugin {ep.name} ({ep.value}) gives {impl!r}, not an Impl")
+            register_impl(impl)
+
+
+def reset_impls() -> None:
+    """Back to the built-in Impls; plugins are discovered again on next use (tests change sys.path)."""
+    global _plugins_loaded
+    _impls.clear()
+    _impls.update({(i.op, i.name): i for i in BUILTIN_IMPLS})
+    _plugins_loaded = False
+    _plugin_errors.clear()
+    reset_probes()
+
+
+def implementations(op: str) -> list[Impl]:
+    """Every registered implementation of `op` (built-ins first, then plugins')."""
+    _load_plugins()
+    return [i for (o, _), i in _impls.items() if o == op]
+
+
+def find_impl(op: str, name: str) -> Impl | None:
+    """The registered Impl of `op` called `name`, or None."""
+    _load_plugins()
+    return _impls.get((op, name))
+
+
+def get_impl(op: str, name: str) -> Impl:
+    """The registered Impl of `op` called `name`; ValueError names the known ones."""
+    impl = find_impl(op, name)
+    if impl is None:
+        known = ", ".join(i.name for i in implementations(op))
+        hint = f" (plugin failed to load: {_plugin_errors[name]})" if name in _plugin_errors else ""
+        raise ValueError(f"unknown {op} implementation {name!r}{hint}; known: {known}")
+    return impl
+
+
+def embedding_impl(name: str) -> Impl:
+    """The registered `embedding` Impl called `name` (ValueError "unknown embedding kernel" if none)."""
+    impl = find_impl("embedding", name)
+    if impl is None:
+        known = ", ".join(i.name for i in implementations("embedding"))
+        raise ValueError(f"unknown embedding kernel {name!r}; known: {known}")
+    return impl
+
+
+def torchrec_kernel_placements() -> dict[str, str]:
+    """torchrec compute kernel -> placement, over every registered embedding implementation."""
+    out = {DATA_PARALLEL_KERNEL: "hbm"}  # a replica in device memory
+    for impl in implementations("embedding"):
+        for placement, kernel in impl.compute_kernels.items():
+            out.setdefault(kernel, placement)
+    return out
+
+
+# ---- selection ------------------------------------------------------------------------------------
 
 _probe_cache: dict[tuple[str, str, str], str | None] = {}
 _logged: set[tuple[str, str, str]] = set()
@@ -157,10 +392,16 @@ def availability(backend: Backend, op: str, impl: str) -> str | None:
     """None if `impl` can serve `op` on `backend`, else why not (cached per backend, op and impl)."""
     key = (backend.name, op, impl)
     if key not in _probe_cache:
-        # The library must reach the device first; then the op must have a kernel in it.
+        # The backend may veto (or answer for a library of its own) first; then the Impl's probe.
         reason = backend.probe(impl)
         if reason is None:
-            reason = OPS[op].requirements.get(impl, lambda _: None)(backend)
+            record = find_impl(op, impl)
+            if record is None:
+                reason = (f"no {op} implementation {impl!r} is registered "
+                          f"(anyrec.backends.dispatch.register_impl or the {IMPL_ENTRY_POINT_GROUP} "
+                          f"entry points)")
+            elif record.probe is not None:
+                reason = record.probe(backend)
         _probe_cache[key] = reason
     return _probe_cache[key]
 
@@ -168,7 +409,8 @@ def availability(backend: Backend, op: str, impl: str) -> str | None:
 def select(backend: Backend, op: str, requested: str = "auto") -> str:
     """The implementation of `op` on `backend`: the first available in its order, or the forced one.
 
-    A forced implementation that cannot run raises ValueError with the probe's reason.
+    Any registered implementation can be forced; one that cannot run raises ValueError with the
+    probe's reason.
     """
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; known: {', '.join(OPS)}")
@@ -178,7 +420,7 @@ def select(backend: Backend, op: str, requested: str = "auto") -> str:
     setting = f"backend.{OPS[op].config_key}" if OPS[op].config_key else f"op {op}"
     chain = " > ".join(order)
     if requested != "auto":
-        if requested not in order:
+        if requested not in order and find_impl(op, requested) is None:
             raise ValueError(f"{setting}={requested} is not offered by backend {backend.name}; "
                              f"choose auto or one of {', '.join(order)}")
         reason = availability(backend, op, requested)
@@ -213,3 +455,4 @@ def select_all(backend: Backend, requested: dict[str, str] | None = None) -> dic
     """Every op's implementation; `requested` maps op name to a forced implementation or 'auto'."""
     requested = requested or {}
     return {op: select(backend, op, requested.get(op, "auto")) for op in OPS if op in backend.kernel_order}
+

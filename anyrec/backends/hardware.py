@@ -145,7 +145,7 @@ def resolve_hardware(sku: str, overrides: dict[str, Any] | None = None,
     sku = str(sku).strip()
     if sku == "auto":
         if backend is None:
-            from anyrec.backends import get_backend
+            from anyrec.backends import get_backend  # the package imports this module first
 
             backend = get_backend("auto")
         spec = backend.device_spec()

@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from anyrec.backends.dispatch import OPS, select_all
 from anyrec.backends.specs import DeviceSpec
 
 
@@ -35,7 +36,7 @@ class Backend(abc.ABC):
     name: str = ""  # "cpu" | "cuda" | "rocm" | plugin name
     device_type: str = ""  # torch device type; ROCm keeps "cuda"
     dist_backend: str = ""  # torch.distributed backend: "gloo", "nccl" (RCCL on ROCm)
-    # Per op (see anyrec.backends.dispatch.OPS), implementations in order of preference.
+    # Per op (see anyrec.backends.dispatch.OPS), registered implementations in order of preference.
     kernel_order: ClassVar[dict[str, tuple[str, ...]]] = {
         "embedding": ("fbgemm", "triton", "torch"),
         "interaction": ("triton", "torch"),
@@ -91,20 +92,17 @@ class Backend(abc.ABC):
         return torch.autocast(device_type=self.device_type, dtype=torch.bfloat16)
 
     def probe(self, impl: str) -> str | None:
-        """None if the library behind `impl` runs on this device, else why not (override for new ones)."""
-        from anyrec.backends.dispatch import PROBES
+        """This backend's veto on implementation `impl` (None: let the Impl's own probe decide).
 
-        if impl not in PROBES:
-            return f"backend {self.name} has no probe for implementation {impl!r}"
-        return PROBES[impl](self)
+        Override to answer for a library of your own, or to rule one out on your device.
+        """
+        return None
 
     def select_kernels(self, cfg: Any = None) -> dict[str, str]:
         """Op name -> implementation, honouring `cfg` (a BackendConfig: `embedding_kernel`, ...).
 
         Probes once, logs each choice once, raises ValueError for a forced choice that cannot run.
         """
-        from anyrec.backends.dispatch import OPS, select_all
-
         requested = {op.name: str(getattr(cfg, op.config_key, "auto") or "auto")
                      for op in OPS.values() if op.config_key}
         key = tuple(sorted(requested.items()))

@@ -1,45 +1,32 @@
-"""The torchrec side of the `embedding` op: the sharder and compute kernels of each implementation.
+"""The torchrec side of the `embedding` op: each implementation's sharder, read from its Impl record.
 
 `fbgemm` is torchrec's FBGEMM TBE family (`fused`, `fused_uvm_caching`, `fused_uvm`: optimizer fused
-into backward); `triton` and `torch` are anyrec's own TBE (`anyrec.kernels.torchrec_kernel`) run by
-Triton kernels or by plain torch ops, so neither needs an FBGEMM kernel for the device.
+into backward), sharded by `KernelFamilySharder`; `triton` and `torch` are anyrec's own TBE
+(`anyrec.kernels.torchrec_kernel`) run by Triton kernels or by plain torch ops, so neither needs an
+FBGEMM kernel for the device. A plugin's implementation brings its own builder in its Impl.
 """
 
 from __future__ import annotations
 
-import importlib
-
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.types import ShardingType
 
-from anyrec.backends.dispatch import TORCHREC_COMPUTE_KERNELS
-
-
-def _kernels(impl: str) -> dict[str, str]:
-    kernels = TORCHREC_COMPUTE_KERNELS.get(impl)
-    if kernels is None:
-        raise ValueError(f"embedding implementation {impl!r} has no torchrec compute kernel; "
-                         f"known: {', '.join(TORCHREC_COMPUTE_KERNELS)}")
-    return kernels
+from anyrec.backends.dispatch import embedding_impl
 
 
 def compute_kernel(impl: str, placement: str = "hbm") -> str:
     """The torchrec compute kernel that runs implementation `impl` with tables in `placement`."""
-    kernels = _kernels(impl)
-    if placement not in kernels:
-        raise ValueError(f"backend.embedding_kernel={impl} keeps tables in {', '.join(kernels)}; "
-                         f"placement {placement!r} needs backend.embedding_kernel=fbgemm")
-    return kernels[placement]
+    return embedding_impl(impl).compute_kernel(placement)
 
 
 def supported_placements(impl: str) -> tuple[str, ...]:
     """Placements (hbm, uvm_caching, ddr) the implementation can serve."""
-    return tuple(_kernels(impl))
+    return tuple(embedding_impl(impl).compute_kernels)
 
 
 def supports_data_parallel(impl: str) -> bool:
     """Whether replicated (data-parallel) tables can run with this implementation."""
-    return impl == "fbgemm"
+    return embedding_impl(impl).data_parallel
 
 
 class KernelFamilySharder(EmbeddingBagCollectionSharder):
@@ -52,7 +39,7 @@ class KernelFamilySharder(EmbeddingBagCollectionSharder):
     def __init__(self, impl: str, **kwargs) -> None:
         super().__init__(**kwargs)
         self.impl = impl
-        self.kernels = list(_kernels(impl).values())
+        self.kernels = list(embedding_impl(impl).compute_kernels.values())
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
         if sharding_type == ShardingType.DATA_PARALLEL.value:
@@ -69,13 +56,9 @@ class KernelFamilySharder(EmbeddingBagCollectionSharder):
 
 
 def embedding_sharder(impl: str) -> EmbeddingBagCollectionSharder:
-    """The EBC sharder for the selected `embedding` implementation."""
-    if impl in ("triton", "torch"):
-        try:
-            module = importlib.import_module("anyrec.kernels.torchrec_kernel")
-        except ImportError as e:  # e.g. a build without anyrec.kernels
-            raise ValueError(f"backend.embedding_kernel={impl} is not available: {e}") from None
-        # The optimizer comes from the parameters' in-backward optimizer, as with torchrec's own.
-        return module.TritonEmbeddingBagCollectionSharder(execution=impl)
-    _kernels(impl)
-    return KernelFamilySharder(impl)
+    """The EBC sharder for the selected `embedding` implementation (its Impl's builder)."""
+    record = embedding_impl(impl)
+    try:
+        return record.build()
+    except ImportError as e:  # e.g. a build without anyrec.kernels, or a plugin's missing library
+        raise ValueError(f"backend.embedding_kernel={impl} is not available: {e}") from None

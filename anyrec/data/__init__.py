@@ -42,11 +42,11 @@ def build_source(model: ModelConfig, data: DataConfig, seed: int, rank: int, wor
                  split: str) -> DataSource:
     """The source named by `data.name` for one rank and split ("train" or "eval")."""
     if data.name == "synthetic":
-        from anyrec.data.synthetic import SyntheticCriteo
+        from anyrec.data.synthetic import SyntheticCriteo  # a source loads only when chosen
 
         return SyntheticCriteo(model, data, seed, rank, world_size, split=split)
     if data.name in ("criteo_tsv", "criteo_npy"):
-        from anyrec.data.criteo import CriteoSource
+        from anyrec.data.criteo import CriteoSource  # a source loads only when chosen (numpy, iopath)
 
         return CriteoSource(model, data, rank, world_size, split=split)
     raise ValueError(f"unknown data source {data.name!r}; choose one of {', '.join(SOURCES)}")

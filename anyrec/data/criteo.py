@@ -27,7 +27,7 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from anyrec.config import DataConfig, ModelConfig
-from anyrec.models.dlrm import feature_names
+from anyrec.schema import feature_names
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from anyrec.config import DataConfig, ModelConfig
-from anyrec.models.dlrm import feature_names
+from anyrec.schema import feature_names, ids_per_sample
 
 _SPLITS = {"train": 0, "eval": 1}
 _MASK32 = 0xFFFFFFFF
@@ -56,9 +56,7 @@ class SyntheticCriteo:
         if data.id_range_scale <= 0:
             raise ValueError(f"data.id_range_scale must be > 0, got {data.id_range_scale}")
         self.rows = list(model.table_rows)
-        self.multi_hot = list(model.multi_hot) or [1] * len(self.rows)
-        if len(self.multi_hot) != len(self.rows) or min(self.multi_hot) < 1:
-            raise ValueError(f"multi_hot must give >= 1 id for each of the {len(self.rows)} features")
+        self.multi_hot = ids_per_sample(model)
         self.keys = feature_names(len(self.rows))
         self.num_dense = model.num_dense_features
         self.batch_size = data.batch_size

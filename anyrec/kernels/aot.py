@@ -28,6 +28,8 @@ import time  # noqa: E402
 from dataclasses import asdict, dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from anyrec.kernels.optimizers import OptimizerKind  # noqa: E402
+
 TARGETS = {
     "sm_90": ("cuda", 90, 32),
     "sm_100": ("cuda", 100, 32),
@@ -53,9 +55,8 @@ class CompileResult:
 
 def _variants():
     """(kernel name, variant label, jit fn, signature types, constexprs, num_warps)."""
-    from anyrec.kernels.optimizers import OptimizerKind
-    from anyrec.kernels.triton_tbe import forward_blocks, tbe_forward_kernel
-    from anyrec.kernels.triton_tbe_backward import (
+    from anyrec.kernels.triton_tbe import forward_blocks, tbe_forward_kernel  # needs triton
+    from anyrec.kernels.triton_tbe_backward import (  # needs triton
         LONG_SEGMENT,
         OPTIMIZER_CODES,
         backward_blocks,
@@ -87,8 +88,12 @@ def _variants():
 def _dense_variants():
     """The dense ops at the production shapes: DLRM's dot interaction (27 rows of D=128) and DLRMv2's
     cross-layer epilogue (N = 27 * 128), fp32 and bf16 (autocast: bf16 GEMM output, fp32 x0 and x)."""
-    from anyrec.kernels.dcn import cross_epilogue_bwd_kernel, cross_epilogue_fwd_kernel, epilogue_blocks
-    from anyrec.kernels.interaction import (
+    from anyrec.kernels.dcn import (  # needs triton
+        cross_epilogue_bwd_kernel,
+        cross_epilogue_fwd_kernel,
+        epilogue_blocks,
+    )
+    from anyrec.kernels.interaction import (  # needs triton
         dot_interaction_bwd_kernel,
         dot_interaction_fwd_kernel,
         interaction_blocks,

@@ -16,36 +16,20 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from anyrec.config import ModelConfig
 from anyrec.models.interaction import CrossInteraction, dot_interaction_module
 from anyrec.models.mlp import MLP
+from anyrec.schema import feature_names, sparse_features
 
-
-def feature_names(num_tables: int) -> list[str]:
-    """Sparse feature names, one per table, in KJT key order."""
-    return [f"cat_{i}" for i in range(num_tables)]
+__all__ = ["DLRM", "build_model", "feature_names", "table_configs"]
 
 
 def table_configs(cfg: ModelConfig) -> list[EmbeddingBagConfig]:
-    """One sum-pooled table per sparse feature, named `t_cat_<i>`."""
-    if not cfg.table_rows:
-        raise ValueError(f"model {cfg.name}: table_rows is empty")
-    if cfg.multi_hot and len(cfg.multi_hot) != len(cfg.table_rows):
-        raise ValueError(f"model {cfg.name}: multi_hot has {len(cfg.multi_hot)} entries for "
-                         f"{len(cfg.table_rows)} tables")
-    if any(r < 1 for r in cfg.table_rows):
-        raise ValueError(f"model {cfg.name}: every table needs at least one row")
+    """One sum-pooled table per sparse feature, named as the schema names them (`t_cat_<i>`)."""
     return [
         EmbeddingBagConfig(
-            name=f"t_{f}", embedding_dim=cfg.embedding_dim, num_embeddings=rows,
-            feature_names=[f], pooling=PoolingType.SUM,
+            name=f.table, embedding_dim=cfg.embedding_dim, num_embeddings=f.num_rows,
+            feature_names=[f.name], pooling=PoolingType.SUM,
         )
-        for f, rows in zip(feature_names(len(cfg.table_rows)), cfg.table_rows, strict=True)
+        for f in sparse_features(cfg)
     ]
-
-
-def dense_param_count(cfg: ModelConfig) -> int:
-    """Parameters outside the embedding tables (what the planner replicates on every rank)."""
-    model = DLRM(cfg, EmbeddingBagCollection(table_configs(cfg), device=torch.device("meta")),
-                 device=torch.device("meta"))
-    return sum(p.numel() for n, p in model.named_parameters() if not n.startswith("sparse_arch."))
 
 
 class DLRM(nn.Module):

@@ -3,7 +3,8 @@
 Legend: B batch, F sparse features, D embedding dim, N = (F + 1) * D, R low rank.
 
 Each op has a torch module (the oracle) and a Triton-backed subclass with the same parameters, so
-checkpoints move between them; `IMPLEMENTATIONS` maps the dispatch choice to the module.
+checkpoints move between them; each is the builder of its op's `Impl` record
+(`anyrec.backends.dispatch`), which maps the dispatch choice to the module.
 """
 
 from __future__ import annotations
@@ -11,6 +12,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from anyrec.backends.dispatch import get_impl
+from anyrec.kernels.dcn import cross_epilogue
+from anyrec.kernels.interaction import dot_interaction
 
 
 def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -46,8 +51,6 @@ class TritonDotInteraction(DotInteraction):
     """DotInteraction in one Triton kernel per direction (`anyrec.kernels.interaction`)."""
 
     def forward(self, dense_BD: torch.Tensor, sparse_BFD: torch.Tensor) -> torch.Tensor:
-        from anyrec.kernels.interaction import dot_interaction
-
         dtype = _compute_dtype(dense_BD, sparse_BFD)
         return dot_interaction(dense_BD.to(dtype), sparse_BFD.to(dtype))
 
@@ -73,8 +76,6 @@ class TritonLowRankCrossNet(LowRankCrossNet):
     """LowRankCrossNet: V and U on cuBLAS/hipBLASLt, the epilogue fused in Triton (`anyrec.kernels.dcn`)."""
 
     def forward(self, x0_BN: torch.Tensor) -> torch.Tensor:
-        from anyrec.kernels.dcn import cross_epilogue
-
         x_BN = x0_BN
         for v, u in zip(self.V, self.U, strict=True):
             y_BN = F.linear(F.linear(x_BN, v.weight), u.weight)
@@ -89,25 +90,13 @@ class CrossInteraction(nn.Module):
                  impl: str = "torch"):
         super().__init__()
         self.out_features = (num_sparse_features + 1) * embedding_dim
-        cross_cls = _impl_class(CROSS_NETS, "dcn_cross", impl)
-        self.cross = cross_cls(self.out_features, num_layers, low_rank)
+        self.cross = get_impl("dcn_cross", impl).build(self.out_features, num_layers, low_rank)
 
     def forward(self, dense_BD: torch.Tensor, sparse_BFD: torch.Tensor) -> torch.Tensor:
         x_BN = torch.cat([dense_BD, sparse_BFD.flatten(1)], dim=1)
         return self.cross(x_BN)
 
 
-# Dispatch choice (anyrec.backends.dispatch) -> module, per op.
-DOT_INTERACTIONS: dict[str, type[DotInteraction]] = {"torch": DotInteraction, "triton": TritonDotInteraction}
-CROSS_NETS: dict[str, type[LowRankCrossNet]] = {"torch": LowRankCrossNet, "triton": TritonLowRankCrossNet}
-
-
-def _impl_class(table: dict[str, type], op: str, impl: str) -> type:
-    if impl not in table:
-        raise ValueError(f"no {op} module for implementation {impl!r}; known: {', '.join(table)}")
-    return table[impl]
-
-
 def dot_interaction_module(num_sparse_features: int, impl: str = "torch") -> DotInteraction:
-    """The dot interaction for the dispatch choice `impl` (torch | triton)."""
-    return _impl_class(DOT_INTERACTIONS, "interaction", impl)(num_sparse_features)
+    """The dot interaction for the dispatch choice `impl` (its Impl's builder: torch | triton | ...)."""
+    return get_impl("interaction", impl).build(num_sparse_features)

@@ -1,7 +1,20 @@
-"""Co-design planner: shard and place embedding tables from the device's memory and bandwidths."""
+"""Co-design planner: shard and place embedding tables from the device's memory and bandwidths.
 
-from anyrec.planner.planner import CoDesignPlanner, InfeasiblePlanError, PlanResult, evaluate_assignment
-from anyrec.planner.types import Placement, PlanOptions, ShardingType, TableSpec, Topology
+Modules, lowest first (each imports only those before it): types, estimators, enumerators,
+proposers, partitioners, evaluate, advice, planner, report, torchrec_plan, simple, workloads, job.
+"""
+
+from anyrec.planner.evaluate import evaluate_assignment
+from anyrec.planner.planner import CoDesignPlanner
+from anyrec.planner.types import (
+    InfeasiblePlanError,
+    Placement,
+    PlanOptions,
+    PlanResult,
+    ShardingType,
+    TableSpec,
+    Topology,
+)
 
 __all__ = [
     "CoDesignPlanner",

@@ -1,5 +1,5 @@
-"""Co-design advice: the model and job knobs that would change the plan on this hardware, and the
-one-line explanation of an infeasible plan."""
+"""Explanations: why each table got its sharding and placement, the model and job knobs that would
+change the plan on this hardware (co-design advice), and the one-line explanation of an infeasible plan."""
 
 from __future__ import annotations
 
@@ -11,11 +11,23 @@ from anyrec.planner.estimators import (
     ID_BYTES,
     OUTPUT_BYTES,
     DenseEstimator,
+    cache_hit_rate,
     simd_utilisation,
     state_bytes,
     usable_caps,
 )
-from anyrec.planner.types import Placement, RankCost, ShardingOption, Storage, TableSpec, Topology, Workload
+from anyrec.planner.evaluate import evaluate_at_batch
+from anyrec.planner.types import (
+    Placement,
+    PlanResult,
+    RankCost,
+    ShardingOption,
+    ShardingType,
+    Storage,
+    TableSpec,
+    Topology,
+    Workload,
+)
 
 GB = 1e9
 MAX_DEVICES = 4096
@@ -141,20 +153,61 @@ def explain_infeasible(
     return f"cannot plan {len(wl.tables)} tables on {where}: {what}{tail}"
 
 
-def _evaluate_at_batch(plan, batch: int):
-    from anyrec.planner.planner import evaluate_assignment
+def explain_tables(plan: PlanResult) -> dict[str, str]:
+    """Why each table got its sharding and placement, from the alternatives the search had."""
+    topo = plan.topology
+    free = plan.caps.hbm_bytes - plan.base.storage.hbm_bytes
+    balanced = plan.lower_bound_s - plan.base.perf.total_s
+    out = {}
+    for name, opt in plan.tables.items():
+        alts: dict[str, float] = {}
+        for o in plan.options_by_table.get(name, []):
+            if o.placement == opt.placement:
+                key = o.sharding.value
+                alts[key] = min(alts.get(key, float("inf")), o.total_perf_s)
+        work = opt.total_perf_s
+        tw = alts.get(ShardingType.TABLE_WISE.value)
+        whole = opt.table.weight_bytes
+        st = opt.sharding
+        if st == ShardingType.DATA_PARALLEL:
+            why = f"replicated: local lookups + all-reduce of {whole / 1e6:.2f} MB gradient is cheapest"
+        elif st == ShardingType.TABLE_WISE:
+            rw = alts.get(ShardingType.ROW_WISE.value)
+            cmp = f" (row_wise {rw * 1e3:.3f} ms)" if rw is not None else ""
+            why = f"whole table on one rank: least total time {work * 1e3:.3f} ms{cmp}"
+        else:
+            if tw is None:
+                reason = f"a whole copy does not fit one rank's {free / GB:.1f} GB free HBM"
+            elif tw > balanced:
+                reason = (
+                    f"a whole copy ({tw * 1e3:.3f} ms) exceeds the balanced rank load "
+                    f"({balanced * 1e3:.3f} ms)"
+                )
+            else:
+                reason = f"balances ranks ({work * 1e3:.3f} ms total vs table_wise {tw * 1e3:.3f} ms)"
+            if st == ShardingType.COLUMN_WISE:
+                why = f"{opt.num_shards} column pieces of dim {opt.shards[0].num_cols}: {reason}"
+            elif st == ShardingType.ROW_WISE:
+                why = f"rows over all {topo.world_size} ranks: {reason}"
+            else:
+                why = f"rows over host {opt.host}'s {topo.local_world_size} ranks (scale-up reduce): {reason}"
+        if opt.placement == Placement.UVM_CACHING:
+            why += (
+                f"; UVM caching ({opt.cache_ratio:.0%} rows cached, predicted hit rate "
+                f"{cache_hit_rate(opt.cache_ratio):.0%}): HBM cannot hold every table"
+            )
+        elif opt.placement == Placement.DDR:
+            why += "; host DDR over the host link: HBM cannot hold it even cached"
+        out[name] = why
+    return out
 
-    wl = dataclasses.replace(plan.workload, batch_size_per_rank=batch)
-    assignment = {n: (o.sharding.value, o.placement.value, o.ranks) for n, o in plan.tables.items()}
-    return evaluate_assignment(assignment, plan.topology, wl)
 
-
-def comms_crossover_batch(plan) -> tuple[int | None, str]:
+def comms_crossover_batch(plan: PlanResult) -> tuple[int | None, str]:
     """Batch size per rank at which predicted comms overtake compute on the slowest rank, with the
     direction ("above" or "below"), using the costs' linearity in batch size."""
     b1 = plan.workload.batch_size_per_rank
     b2 = 2 * b1
-    p1, p2 = plan.rank_perf, _evaluate_at_batch(plan, b2).rank_perf
+    p1, p2 = plan.rank_perf, evaluate_at_batch(plan, b2).rank_perf
     r = max(range(len(p1)), key=lambda i: p1[i].total_s)
     a_c = (p2[r].compute_s - p1[r].compute_s) / (b2 - b1)
     a_m = (p2[r].comms_s - p1[r].comms_s) / (b2 - b1)
@@ -168,7 +221,7 @@ def comms_crossover_batch(plan) -> tuple[int | None, str]:
     return int(cross), ("above" if a_m > a_c else "below")
 
 
-def co_design_advice(plan) -> list[str]:
+def co_design_advice(plan: PlanResult) -> list[str]:
     """Knobs that would change this plan: SIMD-misaligned dims, tables pushed out of HBM that another
     SKU holds, the batch size where comms dominate, the fewest devices per SKU that hold the model."""
     topo, wl = plan.topology, plan.workload

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from anyrec.backends.dispatch import DATA_PARALLEL_KERNEL, embedding_impl
 from anyrec.planner.estimators import EmbeddingPerfEstimator, EmbeddingStorageEstimator
 from anyrec.planner.types import (
     Enumerator,
@@ -18,12 +19,6 @@ from anyrec.planner.types import (
     Workload,
 )
 
-COMPUTE_KERNEL = {
-    Placement.HBM: "fused",
-    Placement.UVM_CACHING: "fused_uvm_caching",
-    Placement.DDR: "fused_uvm",
-}
-DENSE_KERNEL = "dense"  # data-parallel tables: plain embedding bags updated by the dense optimizer
 MIN_COLUMN_SHARD_DIM = 16  # narrower column shards waste SIMD lanes and multiply the ids all-to-all
 
 
@@ -36,9 +31,11 @@ def row_shard_sizes(num_rows: int, parts: int) -> list[int]:
 class EmbeddingEnumerator(Enumerator):
     """All sharding types the topology allows, for each allowed placement of each table.
 
-    Data-parallel only in HBM (the dense optimizer updates it); row-wise needs at least as many rows
-    as ranks; table-row-wise needs more than one host; column-wise splits into 2, 4, ... pieces that
-    divide the dim and stay at least MIN_COLUMN_SHARD_DIM wide.
+    What the embedding implementation (`workload.options.kernel`, an Impl record) runs sets the
+    compute kernel per placement, and which placements and whether data-parallel are offered at all.
+    Data-parallel only in HBM; row-wise needs at least as many rows as ranks;
+    table-row-wise needs more than one host; column-wise splits into 2, 4, ... pieces that divide the
+    dim and stay at least MIN_COLUMN_SHARD_DIM wide.
     """
 
     def __init__(
@@ -64,8 +61,12 @@ class EmbeddingEnumerator(Enumerator):
         self, t: TableSpec, placement: Placement, topology: Topology, workload: Workload
     ) -> list[ShardingOption]:
         w, local = topology.world_size, topology.local_world_size
-        allowed = workload.options.allowed_shardings
-        kernel = COMPUTE_KERNEL[placement]
+        impl = embedding_impl(workload.options.kernel)
+        if placement.value not in impl.compute_kernels:
+            return []
+        allowed = [s for s in workload.options.allowed_shardings
+                   if s != ShardingType.DATA_PARALLEL or impl.data_parallel]
+        kernel = impl.compute_kernel(placement.value)
         ratio = workload.options.uvm_cache_ratio if placement == Placement.UVM_CACHING else 0.0
         zero_s, zero_p = Storage(), Perf()
         opts: list[ShardingOption] = []
@@ -84,9 +85,8 @@ class EmbeddingEnumerator(Enumerator):
         if w == 1:
             return opts  # every sharding type is table-wise on one rank
         if ShardingType.DATA_PARALLEL in allowed and placement == Placement.HBM:
-            add(
-                ShardingType.DATA_PARALLEL, [Shard(n, d, zero_s, zero_p, r) for r in range(w)], k=DENSE_KERNEL
-            )
+            replicas = [Shard(n, d, zero_s, zero_p, r) for r in range(w)]
+            add(ShardingType.DATA_PARALLEL, replicas, k=DATA_PARALLEL_KERNEL)
         if ShardingType.ROW_WISE in allowed and n >= w:
             sizes = row_shard_sizes(n, w)
             add(ShardingType.ROW_WISE, [Shard(rows, d, zero_s, zero_p, r) for r, rows in enumerate(sizes)])

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 
+from anyrec.backends.dispatch import KernelProfile, embedding_impl
 from anyrec.planner.types import (
     Perf,
     PerfEstimator,
@@ -34,69 +34,53 @@ DENSE_EFFICIENCY = 0.5  # empirical: DLRM-size GEMMs reach about half of dense p
 # empirical: recommendation ids follow a power law; 20% of rows take about 80% of lookups (Pareto),
 # so hit rate = ratio ** (ln 0.8 / ln 0.2) gives 0.8 at torchrec's default 0.2 cache ratio.
 _CACHE_HIT_EXPONENT = math.log(0.8) / math.log(0.2)
+# Data-parallel tables run torchrec's "dense" kernel: plain embedding bags, costed with the profile of
+# the embedding implementation that is plain torch ops.
+DENSE_LOOKUP_IMPL = "torch"
 
 
-@dataclass(frozen=True)
-class KernelProfile:
-    """How well an embedding kernel family uses the memory system."""
-
-    name: str
-    bw_efficiency: float  # empirical: achieved lookup bandwidth / device memory bandwidth
-    access_bytes: int  # smallest memory transaction on a GPU: rows are read in multiples of this
-    per_row_s: float = 0.0  # empirical: latency-bound cost per looked-up row (CPU: DRAM misses), seconds
-
-
-KERNELS: dict[str, KernelProfile] = {
-    # empirical: FBGEMM TBE forward+backward reaches roughly 55% of HBM bandwidth on dim-128 fp32 rows.
-    "fbgemm": KernelProfile("fbgemm", 0.55, 32),
-    # measured on an H200 (2026-11-30): naive Triton forward 3,311 GB/s of 4.8 TB/s peak.
-    "triton": KernelProfile("triton", 0.69, 32),
-    # measured on an H200 (2026-11-30): nn.EmbeddingBag forward 1,345 GB/s of 4.8 TB/s peak.
-    "torch": KernelProfile("torch", 0.28, 32),
-}
 CPU_ACCESS_BYTES = 64  # one cache line
-
-
-def get_kernel(name: str) -> KernelProfile:
-    """The kernel profile by name; ValueError lists the known ones."""
-    if name not in KERNELS:
-        raise ValueError(f"unknown embedding kernel {name!r}; known: {', '.join(sorted(KERNELS))}")
-    return KERNELS[name]
-
-
-# FBGEMM TBE's optimizer state per embedding row of width `dim` (fp32 `momentum1`/`momentum2`;
-# checked against fbgemm-gpu's SplitTableBatchedEmbeddingBagsCodegen: EXACT_ROWWISE_ADAGRAD keeps one
-# fp32 per row, EXACT_ADAGRAD one per element, ADAM two per element), and per dense parameter.
-OPTIMIZER_STATE_BYTES_PER_ROW = {
-    "sgd": lambda dim: 0,
-    "adagrad": lambda dim: 4 * dim,
-    "rowwise_adagrad": lambda dim: 4,
-    "adam": lambda dim: 8 * dim,
-}
+# Dense-model optimizer state bytes per parameter; its keys are the optimizers the planner knows.
 OPTIMIZER_DENSE_STATE_BYTES = {"sgd": 0, "adagrad": 4, "rowwise_adagrad": 4, "adam": 8}
-ANYREC_TBE_KERNELS = ("triton", "torch")  # anyrec's own TBE: its state layout is anyrec.kernels'
+# Optimizers whose embedding state is one value per row (of each shard): splitting a row over column
+# shards gives each piece its own value, so the update would change with the plan.
+ROW_STATE_OPTIMIZERS = ("rowwise_adagrad",)
+COLUMN_SPLIT_SHARDINGS = ("column_wise", "table_column_wise")  # torchrec's types that split rows' columns
 
 
 def check_optimizer(optimizer: str) -> None:
     """ValueError unless the planner knows the optimizer's state size."""
-    if optimizer not in OPTIMIZER_STATE_BYTES_PER_ROW:
-        known = ", ".join(sorted(OPTIMIZER_STATE_BYTES_PER_ROW))
+    if optimizer not in OPTIMIZER_DENSE_STATE_BYTES:
+        known = ", ".join(sorted(OPTIMIZER_DENSE_STATE_BYTES))
         raise ValueError(f"unknown optimizer {optimizer!r}; known: {known}")
+
+
+def inexact_update_reason(optimizer: str, sharding: str) -> str | None:
+    """Why `sharding` cannot train a table with exactly the update `optimizer` gives it unsharded,
+    or None when it can (every sharding type splits rows intact except column-wise ones)."""
+    if optimizer in ROW_STATE_OPTIMIZERS and sharding in COLUMN_SPLIT_SHARDINGS:
+        return (f"{sharding} sharding cannot train optim={optimizer} exactly: its one accumulator per row "
+                f"would be kept per column shard, so the update would change with the plan; use another "
+                f"sharding type or an element-wise optimizer (adagrad, adam, sgd)")
+    return None
+
+
+def embedding_impl_profile(kernel: str) -> KernelProfile:
+    """The performance profile of embedding implementation `kernel` (its Impl record's)."""
+    profile = embedding_impl(kernel).profile
+    assert profile is not None  # Impl validates that embedding implementations carry one
+    return profile
 
 
 @functools.lru_cache(maxsize=1024)
 def state_bytes_per_row(optimizer: str, dim: int, kernel: str = "fbgemm") -> int:
-    """Optimizer state bytes one row of width `dim` carries with embedding kernel family `kernel`:
-    anyrec's TBE (triton, torch) reports its own layout; FBGEMM's is the table above."""
-    if kernel in ANYREC_TBE_KERNELS:
-        from anyrec.kernels.optimizers import state_bytes_per_row as tbe_state_bytes_per_row
-
-        return tbe_state_bytes_per_row(optimizer, dim)
-    return OPTIMIZER_STATE_BYTES_PER_ROW[optimizer](dim)
+    """Optimizer state bytes one row of width `dim` carries with embedding implementation `kernel`
+    (as its Impl record lays the state out)."""
+    return embedding_impl(kernel).optimizer_state_bytes_per_row(optimizer, dim)
 
 
 def state_bytes(optimizer: str, rows: int, dim: int, kernel: str = "fbgemm") -> int:
-    """Optimizer state bytes for a shard of `rows` x `dim` with embedding kernel family `kernel`."""
+    """Optimizer state bytes for a shard of `rows` x `dim` with embedding implementation `kernel`."""
     return rows * state_bytes_per_row(optimizer, dim, kernel)
 
 
@@ -130,27 +114,30 @@ def lookup_time_s(
     placement: Placement,
     topology: Topology,
     optimizer: str,
-    kernel: KernelProfile,
+    kernel: str,
     cache_ratio: float = 0.0,
     fused_optimizer: bool = True,
+    profile: KernelProfile | None = None,
 ) -> tuple[float, float]:
     """Forward and backward seconds for a shard that reads `n_ids` rows of width `dim` into `n_bags` bags.
 
     Both passes read the ids. Forward reads the rows and writes pooled outputs; backward reads output
     gradients and reads and writes each touched row and, when the optimizer is fused into the backward
     (TBE), its optimizer state; unfused (data-parallel), it scatter-adds into a dense gradient instead.
+    `kernel` names the embedding implementation; `profile` overrides its Impl's performance profile.
     """
+    profile = profile or embedding_impl_profile(kernel)
     dev = topology.device
     cpu = topology.compute_device == "cpu"
-    access = CPU_ACCESS_BYTES if cpu else kernel.access_bytes
+    access = CPU_ACCESS_BYTES if cpu else profile.access_bytes
     row_bytes = _round_up(dim * table.element_bytes, access)
-    st = state_bytes_per_row(optimizer, dim, kernel.name) if fused_optimizer else 0
+    st = state_bytes_per_row(optimizer, dim, kernel) if fused_optimizer else 0
     state_row_bytes = _round_up(st, access) if st else 0
     fwd_rows = n_ids * row_bytes
     bwd_rows = 2 * n_ids * (row_bytes + state_row_bytes)
     out_bytes = n_bags * dim * OUTPUT_BYTES + n_ids * ID_BYTES
-    hbm_bw = dev.memory_bw_bytes_per_s * kernel.bw_efficiency * simd_utilisation(dim, dev.simd_width)
-    latency = n_ids * kernel.per_row_s
+    hbm_bw = dev.memory_bw_bytes_per_s * profile.bw_efficiency * simd_utilisation(dim, dev.simd_width)
+    latency = n_ids * profile.per_row_s
     if cpu or placement == Placement.HBM:
         return (fwd_rows + out_bytes) / hbm_bw + latency, (bwd_rows + out_bytes) / hbm_bw + 2 * latency
     h2d = dev.h2d_bw_bytes_per_s or dev.host_memory_bw_bytes_per_s
@@ -211,7 +198,7 @@ class EmbeddingPerfEstimator(PerfEstimator):
         b, w = workload.batch_size_per_rank, topology.world_size
         g = b * w  # global batch
         p, f = t.pooling_factor, t.num_features
-        kernel = get_kernel(workload.options.kernel)
+        kernel = workload.options.kernel
         opt = workload.optimizer
         s0 = option.shards[0]
 
@@ -224,9 +211,8 @@ class EmbeddingPerfEstimator(PerfEstimator):
         if st == ShardingType.DATA_PARALLEL:
             # The "dense" kernel (plain embedding bags) scatters into a dense gradient of the whole
             # table, which is zeroed, all-reduced and stepped by the dense optimizer every step.
-            dense = get_kernel("torch")
             fwd, bwd = lookup_time_s(
-                b * p, b * f, t.embedding_dim, t, option.placement, topology, opt, dense,
+                b * p, b * f, t.embedding_dim, t, option.placement, topology, opt, DENSE_LOOKUP_IMPL,
                 fused_optimizer=False,
             )
             bwd += dense_update_time_s(t.weight_bytes, t.num_rows, t.embedding_dim, opt, topology)

@@ -1,35 +1,52 @@
-"""From a job config to planner inputs: the one place the trainer and `anyrec-plan` share."""
+"""From a job's model and config to planner inputs: the one place the trainer and `anyrec-plan` share.
+
+Tables and the dense parameter count come from the model itself (the trainer's real one, or the
+meta-device one `anyrec-plan` builds), pooling factors from the data schema.
+"""
 
 from __future__ import annotations
 
-from anyrec.backends.specs import DeviceSpec
-from anyrec.config import AnyrecConfig, ModelConfig, PlannerConfig
-from anyrec.models.dlrm import dense_param_count, feature_names
-from anyrec.planner.planner import CoDesignPlanner, PlanResult
-from anyrec.planner.types import Placement, ShardingType, TableSpec, Topology
+from collections.abc import Sequence
+
+from torch import nn
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
+
+from anyrec.backends.dispatch import embedding_impl
+from anyrec.config import ModelConfig, PlannerConfig
+from anyrec.planner.estimators import inexact_update_reason
+from anyrec.planner.planner import CoDesignPlanner
+from anyrec.planner.types import Placement, PlanResult, ShardingType, TableSpec, Topology
+from anyrec.schema import feature_names, ids_per_sample
+
+WEIGHT_DTYPES = {DataType.FP32: "fp32", DataType.FP16: "fp16", DataType.BF16: "bf16", DataType.INT8: "int8"}
 
 
-def tables_from_model(cfg: ModelConfig) -> list[TableSpec]:
-    """One TableSpec per model table (`t_cat_<i>`, feature `cat_<i>`), pooling = ids per sample."""
-    multi_hot = list(cfg.multi_hot) or [1] * len(cfg.table_rows)
-    if len(multi_hot) != len(cfg.table_rows):
-        raise ValueError(f"model {cfg.name}: multi_hot has {len(multi_hot)} entries for "
-                         f"{len(cfg.table_rows)} tables")
+def model_tables(configs: Sequence[EmbeddingBagConfig], model: ModelConfig) -> list[TableSpec]:
+    """One TableSpec per embedding table of the model; pooling = ids per sample over its features."""
+    hot = dict(zip(feature_names(len(model.table_rows)), ids_per_sample(model), strict=True))
     return [
-        TableSpec(name=f"t_{f}", num_rows=rows, embedding_dim=cfg.embedding_dim,
-                  pooling_factor=float(pool), feature_names=[f])
-        for f, rows, pool in zip(feature_names(len(cfg.table_rows)), cfg.table_rows, multi_hot, strict=True)
+        TableSpec(name=c.name, num_rows=c.num_embeddings, embedding_dim=c.embedding_dim,
+                  pooling_factor=float(sum(hot.get(f, 1) for f in c.feature_names)),
+                  feature_names=list(c.feature_names), weight_dtype=WEIGHT_DTYPES.get(c.data_type, "fp32"))
+        for c in configs
     ]
 
 
-def plan_options(cfg: PlannerConfig, kernel: str) -> dict[str, object]:
-    """PlanOptions fields from the `planner` config group."""
-    from anyrec.backends.sharders import supported_placements, supports_data_parallel
+def dense_param_count(model: nn.Module, ebc: nn.Module) -> int:
+    """Parameters of `model` outside its EmbeddingBagCollection `ebc` (replicated on every rank)."""
+    sparse = {id(p) for p in ebc.parameters()}
+    return sum(p.numel() for p in model.parameters() if id(p) not in sparse)
 
-    # Only what the selected embedding implementation can run is offered to the search.
-    placements = tuple(p for p in Placement if p.value in supported_placements(kernel))
-    shardings = tuple(s for s in ShardingType
-                      if s != ShardingType.DATA_PARALLEL or supports_data_parallel(kernel))
+
+def plan_options(cfg: PlannerConfig, kernel: str, optimizer: str) -> dict[str, object]:
+    """PlanOptions fields from the `planner` config group, for embedding implementation `kernel`.
+
+    Only what the implementation can run (its Impl record) is offered to the search; a forced
+    `planner.sharding` it cannot run, or that would change `optimizer`'s update, is a ValueError.
+    """
+    impl = embedding_impl(kernel)
+    placements = tuple(p for p in Placement if p.value in impl.compute_kernels)
+    shardings = tuple(s for s in ShardingType if s != ShardingType.DATA_PARALLEL or impl.data_parallel)
     opts: dict[str, object] = {
         "kernel": kernel,
         "uvm_cache_ratio": cfg.uvm_cache_ratio,
@@ -44,16 +61,19 @@ def plan_options(cfg: PlannerConfig, kernel: str) -> dict[str, object]:
         if ShardingType(cfg.sharding) not in shardings:
             raise ValueError(f"planner.sharding={cfg.sharding} cannot run with "
                              f"backend.embedding_kernel={kernel}")
+        reason = inexact_update_reason(optimizer, cfg.sharding)
+        if reason is not None:
+            raise ValueError(f"planner.sharding={cfg.sharding}: {reason}")
         opts["allowed_shardings"] = (ShardingType(cfg.sharding),)
     return opts
 
 
-def plan_job(cfg: AnyrecConfig, device: DeviceSpec, world_size: int, local_world_size: int | None,
-             batch_size_per_rank: int, compute_device: str | None = None, kernel: str = "fbgemm",
-             planner: CoDesignPlanner | None = None) -> PlanResult:
-    """Plan the job's tables on `world_size` x `device` with the co-design planner."""
-    topo = Topology(device, world_size, local_world_size, compute_device)
+def plan_model(model: nn.Module, ebc: nn.Module, cfg_model: ModelConfig, cfg_planner: PlannerConfig,
+               optimizer: str, topology: Topology, batch_size_per_rank: int, kernel: str,
+               planner: CoDesignPlanner | None = None) -> PlanResult:
+    """Plan the tables of `model`'s EmbeddingBagCollection `ebc` on `topology` with the co-design planner."""
     return (planner or CoDesignPlanner()).plan(
-        tables_from_model(cfg.model), topo, batch_size_per_rank, cfg.optim.name,
-        dense_param_count(cfg.model), **plan_options(cfg.planner, kernel),
+        model_tables(ebc.embedding_bag_configs(), cfg_model), topology, batch_size_per_rank, optimizer,
+        dense_param_count(model, ebc), **plan_options(cfg_planner, kernel, optimizer),
     )
+

@@ -1,9 +1,15 @@
-"""Readable plan reports, the per-table 'why', the side-by-side SKU comparison and the plan picture."""
+"""A plan's presentation, as free functions of a PlanResult: the readable report, the side-by-side
+SKU comparison, the `plan.output` JSON (written atomically) and the plan picture."""
 
 from __future__ import annotations
 
-from anyrec.planner.estimators import cache_hit_rate
-from anyrec.planner.types import Placement, ShardingType
+import json
+import os
+import tempfile
+
+from anyrec.planner.advice import co_design_advice
+from anyrec.planner.estimators import state_bytes
+from anyrec.planner.types import Placement, PlanResult, ShardingType
 
 GB = 1e9
 
@@ -15,56 +21,7 @@ def _ranks(ranks: list[int]) -> str:
     return ",".join(map(str, rs))
 
 
-def explain_tables(plan) -> dict[str, str]:
-    """Why each table got its sharding and placement, from the alternatives the search had."""
-    topo = plan.topology
-    free = plan.caps.hbm_bytes - plan.base.storage.hbm_bytes
-    balanced = plan.lower_bound_s - plan.base.perf.total_s
-    out = {}
-    for name, opt in plan.tables.items():
-        alts: dict[str, float] = {}
-        for o in plan.options_by_table.get(name, []):
-            if o.placement == opt.placement:
-                key = o.sharding.value
-                alts[key] = min(alts.get(key, float("inf")), o.total_perf_s)
-        work = opt.total_perf_s
-        tw = alts.get(ShardingType.TABLE_WISE.value)
-        whole = opt.table.weight_bytes
-        st = opt.sharding
-        if st == ShardingType.DATA_PARALLEL:
-            why = f"replicated: local lookups + all-reduce of {whole / 1e6:.2f} MB gradient is cheapest"
-        elif st == ShardingType.TABLE_WISE:
-            rw = alts.get(ShardingType.ROW_WISE.value)
-            cmp = f" (row_wise {rw * 1e3:.3f} ms)" if rw is not None else ""
-            why = f"whole table on one rank: least total time {work * 1e3:.3f} ms{cmp}"
-        else:
-            if tw is None:
-                reason = f"a whole copy does not fit one rank's {free / GB:.1f} GB free HBM"
-            elif tw > balanced:
-                reason = (
-                    f"a whole copy ({tw * 1e3:.3f} ms) exceeds the balanced rank load "
-                    f"({balanced * 1e3:.3f} ms)"
-                )
-            else:
-                reason = f"balances ranks ({work * 1e3:.3f} ms total vs table_wise {tw * 1e3:.3f} ms)"
-            if st == ShardingType.COLUMN_WISE:
-                why = f"{opt.num_shards} column pieces of dim {opt.shards[0].num_cols}: {reason}"
-            elif st == ShardingType.ROW_WISE:
-                why = f"rows over all {topo.world_size} ranks: {reason}"
-            else:
-                why = f"rows over host {opt.host}'s {topo.local_world_size} ranks (scale-up reduce): {reason}"
-        if opt.placement == Placement.UVM_CACHING:
-            why += (
-                f"; UVM caching ({opt.cache_ratio:.0%} rows cached, predicted hit rate "
-                f"{cache_hit_rate(opt.cache_ratio):.0%}): HBM cannot hold every table"
-            )
-        elif opt.placement == Placement.DDR:
-            why += "; host DDR over the host link: HBM cannot hold it even cached"
-        out[name] = why
-    return out
-
-
-def format_report(plan, advice: bool = True, max_tables: int = 60) -> str:
+def format_report(plan: PlanResult, advice: bool = True, max_tables: int = 60) -> str:
     """Per rank: memory used/cap, predicted compute and comms; per table: sharding, placement, ranks, why."""
     topo, wl = plan.topology, plan.workload
     lines = []
@@ -116,19 +73,70 @@ def format_report(plan, advice: bool = True, max_tables: int = 60) -> str:
     for note in plan.notes:
         lines.append(f"note: {note}")
     if advice:
-        from anyrec.planner.advice import co_design_advice
-
         lines.append("")
         lines.append("co-design advice:")
         lines.extend(f"  - {a}" for a in co_design_advice(plan))
     return "\n".join(lines)
 
 
-def format_compare(a, b) -> str:
+def plan_json(plan: PlanResult) -> dict:
+    """The plan as the JSON schema of `plan.output`: per rank memory and time, per table sharding,
+    placement, torchrec compute kernel and ranks."""
+    ranks = []
+    for r, (st, pf) in enumerate(zip(plan.rank_storage, plan.rank_perf, strict=True)):
+        ranks.append(
+            {
+                "rank": r,
+                "hbm_bytes": int(st.hbm_bytes),
+                "hbm_cap_bytes": int(plan.topology.hbm_bytes_per_rank),
+                "ddr_bytes": int(st.ddr_bytes),
+                "predicted_ms": pf.total_s * 1e3,
+            }
+        )
+    tables = [
+        {
+            "name": name,
+            "sharding": opt.sharding.value,
+            "placement": opt.placement.value,
+            "kernel": opt.compute_kernel,
+            "ranks": sorted(set(opt.ranks)),
+        }
+        for name, opt in plan.tables.items()
+    ]
+    return {
+        "hardware": plan.topology.device.name,
+        "world_size": plan.topology.world_size,
+        "predicted_step_ms": plan.predicted_step_s * 1e3,
+        "ranks": ranks,
+        "tables": tables,
+    }
+
+
+def write_json_atomic(path: str, data: dict) -> None:
+    """Write JSON through a temp file in the same folder and rename it: never a half-written file."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".plan-", suffix=".json", dir=folder)
+    try:
+        # mkstemp creates the file 0600; give it the mode open() would (0666 less the umask).
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def format_compare(a: PlanResult, b: PlanResult) -> str:
     """Two plans of the same workload on two SKUs side by side, and what memory density changes."""
     rows = []
 
-    def summary(p):
+    def summary(p: PlanResult) -> dict[str, str]:
         st, pf = p.rank_storage, p.rank_perf
         pl = p.placements()
         return {
@@ -170,10 +178,8 @@ def format_compare(a, b) -> str:
     return "\n".join(rows)
 
 
-def memory_breakdown(plan) -> dict[str, list[float]]:
+def memory_breakdown(plan: PlanResult) -> dict[str, list[float]]:
     """Per-rank HBM bytes by kind: weights, optimizer state, caches, buffers, dense + local buffers."""
-    from anyrec.planner.estimators import state_bytes
-
     w = plan.topology.world_size
     kinds = {
         k: [0.0] * w
@@ -201,10 +207,10 @@ def memory_breakdown(plan) -> dict[str, list[float]]:
     return kinds
 
 
-def plot_plan(plan, path: str, compare=None) -> None:
+def plot_plan(plan: PlanResult, path: str, compare: PlanResult | None = None) -> None:
     """PNG: per-rank HBM stacked by kind against the cap; per-rank predicted compute + comms.
     With `compare`, the second SKU's plan is drawn beside the first."""
-    import matplotlib
+    import matplotlib  # optional dependency, needed only for plan.plot
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

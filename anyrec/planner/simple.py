@@ -9,18 +9,29 @@ from torch import nn
 from torchrec.distributed.types import ModuleSharder, ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
+from anyrec.backends.dispatch import DATA_PARALLEL_KERNEL, embedding_impl
+from anyrec.planner.estimators import inexact_update_reason
 from anyrec.planner.torchrec_plan import build_sharding_plan
+from anyrec.planner.types import ShardingType
 
-SHARDINGS = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
+SHARDINGS = tuple(s.value for s in ShardingType)
 
 
 def simple_table_shardings(
     tables: list[EmbeddingBagConfig], world_size: int,
-    row_wise_min_rows: int = 10_000, force: str = "auto",
+    row_wise_min_rows: int = 10_000, force: str = "auto", optimizer: str | None = None,
 ) -> dict[str, tuple[str, list[int]]]:
-    """Per table: (sharding type, ranks). Largest-first greedy balance of bytes for table-wise."""
+    """Per table: (sharding type, ranks). Largest-first greedy balance of bytes for table-wise.
+
+    A forced sharding type that would change `optimizer`'s update (see
+    `estimators.inexact_update_reason`) raises ValueError; auto never picks one.
+    """
     if force not in ("auto", *SHARDINGS):
         raise ValueError(f"unknown sharding {force!r}; choose auto or one of {', '.join(SHARDINGS)}")
+    if force != "auto" and optimizer is not None:
+        reason = inexact_update_reason(optimizer, force)
+        if reason is not None:
+            raise ValueError(reason)
     load = [0] * world_size
     out: dict[str, tuple[str, list[int]]] = {}
     for t in sorted(tables, key=lambda t: t.num_embeddings * t.embedding_dim, reverse=True):
@@ -38,9 +49,11 @@ def simple_table_shardings(
 
 def to_sharding_plan(ebc: nn.Module, shardings: dict[str, tuple[str, list[int]]], module_path: str,
                      world_size: int, local_world_size: int, device_type: str,
-                     compute_kernel: str = "fused", sharder: ModuleSharder | None = None) -> ShardingPlan:
-    """A torchrec ShardingPlan placing the tables of `ebc` (at `module_path` in the model)."""
-    per_table = {name: (kind, ranks, "dense" if kind == "data_parallel" else compute_kernel)
+                     compute_kernel: str | None = None, sharder: ModuleSharder | None = None) -> ShardingPlan:
+    """A torchrec ShardingPlan placing the tables of `ebc` (at `module_path` in the model), in device
+    memory with torchrec compute kernel `compute_kernel` (default: FBGEMM's, from its Impl record)."""
+    kernel = compute_kernel or embedding_impl("fbgemm").compute_kernel("hbm")
+    per_table = {name: (kind, ranks, DATA_PARALLEL_KERNEL if kind == "data_parallel" else kernel)
                  for name, (kind, ranks) in shardings.items()}
     return build_sharding_plan(ebc, per_table, module_path, world_size, local_world_size, device_type,
                                sharder)

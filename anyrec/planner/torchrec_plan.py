@@ -1,26 +1,33 @@
-"""Conversions between anyrec plans and torchrec ShardingPlans (both directions)."""
+"""Conversions between anyrec plans and torchrec ShardingPlans (both directions).
+
+The compute kernel of each table is its embedding implementation's for the placement (the Impl record
+in anyrec.backends.dispatch), the same one the plan report and JSON show.
+"""
 
 from __future__ import annotations
 
 import torch
+from torch import nn
+from torchrec.distributed.sharding_plan import (
+    column_wise,
+    construct_module_sharding_plan,
+    data_parallel,
+    row_wise,
+    table_row_wise,
+    table_wise,
+)
+from torchrec.distributed.types import ModuleSharder, ShardingPlan
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from anyrec.planner.types import Placement, ShardingType, TableSpec
+from anyrec.backends.dispatch import embedding_impl, torchrec_kernel_placements
+from anyrec.planner.types import Placement, PlanResult, ShardingType, TableSpec
 
-# torchrec compute kernel -> anyrec placement
-KERNEL_PLACEMENT = {
-    "dense": Placement.HBM,
-    "fused": Placement.HBM,
-    "fused_uvm_caching": Placement.UVM_CACHING,
-    "fused_uvm": Placement.DDR,
-    "fused_triton": Placement.HBM,
-}
+DEFAULT_EBC_FQN = "sparse_arch.embedding_bag_collection"  # torchrec DLRM's EmbeddingBagCollection
 
 
-def meta_ebc(tables: list[TableSpec]):
+def meta_ebc(tables: list[TableSpec]) -> EmbeddingBagCollection:
     """A torchrec EmbeddingBagCollection on the meta device: no table memory is allocated."""
-    from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
-
     dtypes = {"fp32": DataType.FP32, "fp16": DataType.FP16, "bf16": DataType.BF16, "int8": DataType.INT8}
     configs = [
         EmbeddingBagConfig(
@@ -35,26 +42,15 @@ def meta_ebc(tables: list[TableSpec]):
     return EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
 
 
-def _kernel_for(impl: str, placement: Placement, sharding: ShardingType, compute_device: str) -> str:
-    """The torchrec compute kernel for a table: the embedding implementation's kernel for its placement."""
-    from anyrec.backends.sharders import compute_kernel
-
-    if sharding == ShardingType.DATA_PARALLEL:
-        return "dense"
-    if compute_device == "cpu":
-        placement = Placement.HBM  # on a CPU compute device the tables live in host memory anyway
-    return compute_kernel(impl, placement.value)
-
-
 def build_sharding_plan(
-    module,
+    module: nn.Module,
     per_table: dict[str, tuple[str, list[int], str]],
     module_path: str,
     world_size: int,
     local_world_size: int,
     device_type: str,
-    sharder=None,
-):
+    sharder: ModuleSharder | None = None,
+) -> ShardingPlan:
     """torchrec ShardingPlan {module_path: per-table ParameterSharding} for the EmbeddingBagCollection
     `module`, from table -> (sharding type, ranks, compute kernel).
 
@@ -62,16 +58,6 @@ def build_sharding_plan(
     ranks[0]; row-wise and data-parallel span every rank. The one mapping the co-design planner and
     the simple planner share.
     """
-    from torchrec.distributed.sharding_plan import (
-        column_wise,
-        construct_module_sharding_plan,
-        data_parallel,
-        row_wise,
-        table_row_wise,
-        table_wise,
-    )
-    from torchrec.distributed.types import ShardingPlan
-
     generators = {}
     for name, (kind, ranks, kernel) in per_table.items():
         if kind == ShardingType.DATA_PARALLEL:
@@ -100,17 +86,30 @@ def build_sharding_plan(
     return ShardingPlan({module_path: module_plan})
 
 
-def to_sharding_plan(plan, module_path: str, module=None, compute_device: str | None = None, sharder=None):
-    """torchrec ShardingPlan {module_path: per-table ParameterSharding} for a PlanResult."""
+def to_sharding_plan(
+    plan: PlanResult,
+    module_path: str = DEFAULT_EBC_FQN,
+    module: nn.Module | None = None,
+    compute_device: str | None = None,
+    sharder: ModuleSharder | None = None,
+) -> ShardingPlan:
+    """torchrec ShardingPlan {module_path: per-table ParameterSharding} for a PlanResult; the
+    EmbeddingBagCollection is built on the meta device from the TableSpecs when `module` is not given.
+
+    Each table keeps the compute kernel the plan chose, except that on a CPU compute device tables
+    live in host memory anyway and run the implementation's HBM kernel.
+    """
     topo = plan.topology
     device = compute_device or topo.compute_device
     module = module if module is not None else meta_ebc(plan.workload.tables)
+    hbm_kernel = embedding_impl(plan.workload.options.kernel).compute_kernel(Placement.HBM.value)
     per_table = {}
     for name, opt in plan.tables.items():
         ranks = [s.rank for s in opt.shards]
         if opt.sharding == ShardingType.TABLE_ROW_WISE:
             ranks = [opt.host * topo.local_world_size]
-        kernel = _kernel_for(plan.workload.options.kernel, opt.placement, opt.sharding, device)
+        sharded_on_cpu = device == "cpu" and opt.sharding != ShardingType.DATA_PARALLEL
+        kernel = hbm_kernel if sharded_on_cpu else opt.compute_kernel
         per_table[name] = (opt.sharding.value, ranks, kernel)
     return build_sharding_plan(
         module, per_table, module_path, topo.world_size, topo.local_world_size, device, sharder
@@ -118,14 +117,15 @@ def to_sharding_plan(plan, module_path: str, module=None, compute_device: str | 
 
 
 def from_sharding_plan(
-    sharding_plan, module_path: str | None = None
+    sharding_plan: ShardingPlan, module_path: str | None = None
 ) -> dict[str, tuple[str, str, list[int]]]:
     """Per table (sharding type, placement, ranks) from a torchrec ShardingPlan, for costing it."""
+    placement_of = torchrec_kernel_placements()
     plans = sharding_plan.plan
     paths = [module_path] if module_path else list(plans)
     out: dict[str, tuple[str, str, list[int]]] = {}
     for path in paths:
         for name, ps in plans[path].items():
-            placement = KERNEL_PLACEMENT.get(ps.compute_kernel, Placement.HBM)
-            out[name] = (ps.sharding_type, placement.value, list(ps.ranks or []))
+            placement = placement_of.get(ps.compute_kernel, Placement.HBM.value)
+            out[name] = (ps.sharding_type, placement, list(ps.ranks or []))
     return out

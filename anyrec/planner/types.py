@@ -194,7 +194,7 @@ class ShardingOption:
     table: TableSpec
     sharding: ShardingType
     placement: Placement
-    compute_kernel: str  # torchrec compute kernel: "fused", "fused_uvm_caching", "fused_uvm", "dense"
+    compute_kernel: str  # torchrec compute kernel: the embedding Impl's for the placement, or "dense"
     shards: list[Shard]
     host: int | None = None  # table-row-wise: the host whose ranks hold the rows
     cache_ratio: float = 0.0  # uvm_caching: fraction of rows cached in HBM
@@ -237,7 +237,7 @@ class PlanOptions:
 
     allowed_shardings: tuple[ShardingType, ...] = ALL_SHARDINGS
     allowed_placements: tuple[Placement, ...] = ALL_PLACEMENTS
-    kernel: str = "fbgemm"  # embedding kernel family: sets the bandwidth efficiency
+    kernel: str = "fbgemm"  # embedding implementation (anyrec.backends.dispatch Impl): kernels, profile
     uvm_cache_ratio: float = 0.2  # HBM cache rows / table rows for uvm_caching (torchrec's default)
     reserve_fraction: float = 0.05  # of HBM kept free (fragmentation, allocator slack)
     reserve_bytes: int = 2 * 10**9  # HBM kept free for the runtime context and workspaces
@@ -329,3 +329,66 @@ class RankCost:
 
     storage: Storage
     perf: Perf
+
+
+class InfeasiblePlanError(ValueError):
+    """No plan fits: the message names what does not fit, the bytes needed and available, and what would."""
+
+
+@dataclass
+class PlanResult:
+    """A plan: the chosen option (with ranks) per table, and the predicted per-rank cost.
+
+    Presentation lives beside it as free functions: `report.format_report`, `report.plan_json`,
+    `report.plot_plan`; `torchrec_plan.to_sharding_plan` turns it into a torchrec ShardingPlan.
+    """
+
+    tables: dict[str, ShardingOption]
+    topology: Topology
+    workload: Workload
+    base: RankCost  # per-rank dense model and local-batch buffers
+    caps: Storage  # usable per-rank bytes (HBM less reserve, DDR)
+    solver: str  # "exhaustive" (exact) | "greedy" | "given" (costed, not searched)
+    plan_time_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    reasons: dict[str, str] = field(default_factory=dict)
+    options_by_table: dict[str, list[ShardingOption]] = field(default_factory=dict, repr=False)
+
+    @property
+    def rank_storage(self) -> list[Storage]:
+        out = [self.base.storage] * self.topology.world_size
+        for opt in self.tables.values():
+            for s in opt.shards:
+                out[s.rank] = out[s.rank] + s.storage
+        return out
+
+    @property
+    def rank_perf(self) -> list[Perf]:
+        out = [self.base.perf] * self.topology.world_size
+        for opt in self.tables.values():
+            for s in opt.shards:
+                out[s.rank] = out[s.rank] + s.perf
+        return out
+
+    @property
+    def predicted_step_s(self) -> float:
+        """The slowest rank's predicted seconds per step."""
+        return max(p.total_s for p in self.rank_perf)
+
+    @property
+    def lower_bound_s(self) -> float:
+        """A lower bound on any plan's step time with these options: the mean rank load, and no rank
+        below the dense cost. The gap to `predicted_step_s` bounds how far the search is from optimal
+        (exact when solver == "exhaustive")."""
+        w = self.topology.world_size
+        opts = [o for o in self.options_by_table.values() if o]
+        mean = sum(min(o.total_perf_s for o in os) for os in opts) / w
+        one_shard = max((min(max(s.perf.total_s for s in o.shards) for o in os) for os in opts), default=0.0)
+        return self.base.perf.total_s + max(mean, one_shard)
+
+    def placements(self) -> dict[Placement, list[str]]:
+        """Table names per placement."""
+        out: dict[Placement, list[str]] = {p: [] for p in Placement}
+        for name, opt in self.tables.items():
+            out[opt.placement].append(name)
+        return out

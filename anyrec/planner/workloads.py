@@ -1,4 +1,5 @@
-"""Table sets the planner is benchmarked and tested on: MLPerf DLRMv2 and synthetic mixes."""
+"""Table sets the planner is benchmarked and tested on: MLPerf DLRMv2 (from its model config) and
+synthetic mixes."""
 
 from __future__ import annotations
 
@@ -6,64 +7,8 @@ import math
 import random
 
 from anyrec.planner.types import TableSpec
+from anyrec.schema import load_model_config, sparse_features
 
-# MLPerf DLRMv2 (Criteo 1TB multi-hot): rows per table and multi-hot size (ids per sample) per feature.
-DLRMV2_ROWS: tuple[int, ...] = (
-    40000000,
-    39060,
-    17295,
-    7424,
-    20265,
-    3,
-    7122,
-    1543,
-    63,
-    40000000,
-    3067956,
-    405282,
-    10,
-    2209,
-    11938,
-    155,
-    4,
-    976,
-    14,
-    40000000,
-    40000000,
-    40000000,
-    590152,
-    12973,
-    108,
-    36,
-)
-DLRMV2_MULTI_HOT: tuple[int, ...] = (
-    3,
-    2,
-    1,
-    2,
-    6,
-    1,
-    1,
-    1,
-    1,
-    7,
-    3,
-    8,
-    1,
-    6,
-    9,
-    5,
-    1,
-    1,
-    1,
-    12,
-    100,
-    27,
-    10,
-    3,
-    1,
-    1,
-)
 # DLRMv2 dense part (DCNv2): bottom MLP 13-512-256-128, 3 low-rank (512) cross layers over the
 # 27 x 128 = 3456-wide interaction, top MLP 3456-1024-1024-512-256-1. Parameters (weights + biases).
 DLRMV2_DENSE_PARAMS: int = (
@@ -80,10 +25,10 @@ DLRMV2_DENSE_PARAMS: int = (
 
 
 def dlrmv2_tables(dim: int = 128, weight_dtype: str = "fp32") -> list[TableSpec]:
-    """The 26 DLRMv2 tables, named as the trainer names them (t_cat_i with feature cat_i)."""
+    """The 26 MLPerf DLRMv2 tables of `configs/model/dlrmv2.yaml`, named as the trainer names them."""
     return [
-        TableSpec(f"t_cat_{i}", rows, dim, float(hot), [f"cat_{i}"], weight_dtype)
-        for i, (rows, hot) in enumerate(zip(DLRMV2_ROWS, DLRMV2_MULTI_HOT, strict=False))
+        TableSpec(f.table, f.num_rows, dim, float(f.ids_per_sample), [f.name], weight_dtype)
+        for f in sparse_features(load_model_config("dlrmv2"))
     ]
 
 

@@ -13,8 +13,12 @@ from anyrec.backends import Backend, resolve_hardware
 from anyrec.backends.sharders import compute_kernel, embedding_sharder
 from anyrec.config import AnyrecConfig
 from anyrec.data import resolve_batch_size
-from anyrec.planner.job import plan_job
-from anyrec.planner.simple import simple_table_shardings, to_sharding_plan
+from anyrec.planner.job import plan_model
+from anyrec.planner.report import format_report
+from anyrec.planner.simple import simple_table_shardings
+from anyrec.planner.simple import to_sharding_plan as simple_sharding_plan
+from anyrec.planner.torchrec_plan import to_sharding_plan
+from anyrec.planner.types import Topology
 from anyrec.trainer.distributed import DistInfo
 
 logger = logging.getLogger(__name__)
@@ -25,13 +29,13 @@ def sharders(embedding_kernel: str) -> list[ModuleSharder]:
     return [embedding_sharder(embedding_kernel)]
 
 
-def shared_plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, ebc: nn.Module, module_path: str,
+def shared_plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module, module_path: str,
                 embedding_kernel: str) -> ShardingPlan:
     """Rank 0 plans and every rank takes its plan: ranks must never shard by different plans.
 
     A planning error on rank 0 (e.g. nothing fits) is raised on every rank, so none waits.
     """
-    args = (cfg, backend, info, ebc, module_path, embedding_kernel)
+    args = (cfg, backend, info, model, module_path, embedding_kernel)
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return plan_sharding(*args)
     box: list[Any] = [None]
@@ -46,22 +50,23 @@ def shared_plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, ebc: nn.Mod
     return box[0]
 
 
-def plan_sharding(cfg: AnyrecConfig, backend: Backend, info: DistInfo, ebc: nn.Module, module_path: str,
+def plan_sharding(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module, module_path: str,
                   embedding_kernel: str) -> ShardingPlan:
-    """The plan for the EmbeddingBagCollection `ebc` at `module_path` from the configured planner
-    (co-design by default)."""
+    """The plan for the EmbeddingBagCollection `model.sparse_arch` (at `module_path`) from the configured
+    planner (co-design by default); tables and the dense parameter count are read from `model`."""
+    ebc = model.sparse_arch
     if cfg.planner.name == "simple":
         shardings = simple_table_shardings(ebc.embedding_bag_configs(), info.world_size,
-                                           force=cfg.planner.sharding)
-        return to_sharding_plan(ebc, shardings, module_path, info.world_size, info.local_world_size,
-                                backend.device_type, sharder=sharders(embedding_kernel)[0],
-                                compute_kernel=compute_kernel(embedding_kernel))
+                                           force=cfg.planner.sharding, optimizer=cfg.optim.name)
+        return simple_sharding_plan(ebc, shardings, module_path, info.world_size, info.local_world_size,
+                                    backend.device_type, sharder=sharders(embedding_kernel)[0],
+                                    compute_kernel=compute_kernel(embedding_kernel))
     if cfg.planner.name != "codesign":
         raise ValueError(f"unknown planner {cfg.planner.name!r}; choose codesign or simple")
     device = resolve_hardware(cfg.hardware.sku, cfg.hardware.spec, backend)
+    topology = Topology(device, info.world_size, info.local_world_size, backend.device_type)
     batch = resolve_batch_size(cfg.data, info.world_size).batch_size
-    result = plan_job(cfg, device, info.world_size, info.local_world_size, batch,
-                      compute_device=backend.device_type, kernel=embedding_kernel)
+    result = plan_model(model, ebc, cfg.model, cfg.planner, cfg.optim.name, topology, batch, embedding_kernel)
     if info.is_main:
-        logger.info("co-design plan:\n%s", result.report(advice=False))
-    return result.to_sharding_plan(module_path, module=ebc, compute_device=backend.device_type)
+        logger.info("co-design plan:\n%s", format_report(result, advice=False))
+    return to_sharding_plan(result, module_path, ebc, backend.device_type)

@@ -156,7 +156,7 @@ class Trainer:
         opt_cls, opt_kwargs = embedding_optimizer(self.cfg.optim)
         apply_optimizer_in_backward(opt_cls, model.sparse_arch.parameters(), opt_kwargs)
         self.sharding_plan = self.plan_override or shared_plan(
-            self.cfg, self.backend, self.dist, model.sparse_arch, EBC_PATH, self.embedding_kernel)
+            self.cfg, self.backend, self.dist, model, EBC_PATH, self.embedding_kernel)
         self.model = DistributedModelParallel(
             DLRMTrain(model), device=self.device, plan=self.sharding_plan,
             sharders=sharders(self.embedding_kernel),

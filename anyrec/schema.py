@@ -1,0 +1,76 @@
+"""The data schema: how sparse features and their tables are named, and how many ids each sample has.
+
+A model config (`ModelConfig`) lists one table per sparse feature. Data sources, models and the
+planner all name features and tables through this module, so none of them imports another for it.
+Shipped model configs live once, as YAML under `configs/model/` (`load_model_config` reads one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from anyrec.config import ModelConfig, config_dir
+
+
+def feature_names(num_tables: int) -> list[str]:
+    """Sparse feature names, one per table, in KeyedJaggedTensor key order: `cat_<i>`."""
+    return [f"cat_{i}" for i in range(num_tables)]
+
+
+def table_name(feature: str) -> str:
+    """The table that serves a sparse feature: `t_<feature>`."""
+    return f"t_{feature}"
+
+
+def ids_per_sample(model: ModelConfig) -> list[int]:
+    """Ids per sample of each sparse feature (`multi_hot`; empty means one-hot), checked."""
+    hot = list(model.multi_hot) or [1] * len(model.table_rows)
+    if len(hot) != len(model.table_rows):
+        raise ValueError(f"model {model.name}: multi_hot has {len(hot)} entries for "
+                         f"{len(model.table_rows)} tables")
+    if hot and min(hot) < 1:
+        raise ValueError(f"model {model.name}: multi_hot must give >= 1 id for each of the "
+                         f"{len(hot)} features")
+    return hot
+
+
+@dataclass(frozen=True)
+class SparseFeature:
+    """One sparse feature and the table that serves it."""
+
+    name: str
+    table: str
+    num_rows: int
+    ids_per_sample: int
+
+
+def sparse_features(model: ModelConfig) -> list[SparseFeature]:
+    """The model's sparse features in key order, with their tables; ValueError on a malformed config."""
+    if not model.table_rows:
+        raise ValueError(f"model {model.name}: table_rows is empty")
+    if any(r < 1 for r in model.table_rows):
+        raise ValueError(f"model {model.name}: every table needs at least one row")
+    names = feature_names(len(model.table_rows))
+    return [SparseFeature(f, table_name(f), rows, hot)
+            for f, rows, hot in zip(names, model.table_rows, ids_per_sample(model), strict=True)]
+
+
+def load_model_config(name: str, folder: Path | None = None) -> ModelConfig:
+    """A shipped model config (`configs/model/<name>.yaml`) without composing a whole job.
+
+    Entries of its `defaults` list that name another model config are loaded first, as Hydra would.
+    """
+    folder = folder or config_dir() / "model"
+    path = folder / f"{name}.yaml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in folder.glob("*.yaml")))
+        raise ValueError(f"unknown model config {name!r}; known: {known}")
+    raw = OmegaConf.load(path)
+    merged = OmegaConf.structured(ModelConfig)
+    for entry in raw.pop("defaults", []):
+        if isinstance(entry, str) and (folder / f"{entry}.yaml").is_file():
+            merged = OmegaConf.merge(merged, OmegaConf.structured(load_model_config(entry, folder)))
+    return OmegaConf.to_object(OmegaConf.merge(merged, raw))
