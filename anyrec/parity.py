@@ -25,6 +25,7 @@ or checkpoints.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -36,6 +37,15 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch
+import torch.distributed as dist
+from hydra import compose, initialize_config_dir
+
+from anyrec import _hydra
+from anyrec.config import AnyrecConfig, config_dir, to_object
+from anyrec.trainer.fingerprint import full_state
+from anyrec.trainer.trainer import Trainer
 
 FORMAT = "anyrec-parity/1"
 _WORKER_FLAG = "--parity-worker"
@@ -116,9 +126,6 @@ def parse_args(argv: list[str]) -> ParityArgs:
 
 def run_steps(trainer, steps: int) -> list[float]:
     """Train `steps` steps the way `Trainer.train` does; each step's loss, averaged over ranks."""
-    import torch
-    import torch.distributed as dist
-
     losses: list[float] = []
     batches = trainer._batches(trainer.train_data, trainer.step, steps)
     trainer.model.train()
@@ -142,20 +149,14 @@ def full_weights(model, is_main: bool) -> dict[str, Any]:
 
     Other entries (optimizer state, counters) are in the state_dict of some kernels only.
     """
-    from anyrec.trainer.fingerprint import full_state
-
     state = full_state(model, is_main)
     if not is_main:
         return {}
     return {name: t.float() for name, t in state.items() if name.endswith(("weight", "bias"))}
 
 
-def compose_job(overrides: list[str]):
+def compose_job(overrides: list[str]) -> AnyrecConfig:
     """The typed config of `overrides`, composed as `anyrec-train` composes it."""
-    from hydra import compose, initialize_config_dir
-
-    from anyrec import _hydra
-    from anyrec.config import config_dir, to_object
 
     _hydra.setup()
     with initialize_config_dir(str(config_dir()), version_base="1.3"):
@@ -164,8 +165,6 @@ def compose_job(overrides: list[str]):
 
 def train_losses(overrides: list[str]) -> list[float]:
     """Per-step training losses of `overrides` run in this process (one rank)."""
-    from anyrec.trainer.trainer import Trainer
-
     cfg = compose_job(overrides)
     trainer = Trainer(cfg)
     try:
@@ -176,12 +175,6 @@ def train_losses(overrides: list[str]) -> list[float]:
 
 def worker(out_path: str, overrides: list[str]) -> None:
     """Train one variant; rank 0 writes its record to `out_path`."""
-    import hashlib
-
-    import torch
-
-    from anyrec.trainer.trainer import Trainer
-
     cfg = compose_job(overrides)
     trainer = Trainer(cfg)
     try:
@@ -240,8 +233,6 @@ def run_variant(base: list[str], variant: Variant, timeout_s: float) -> dict[str
 
 def compare(ref: dict[str, Any], rec: dict[str, Any]) -> dict[str, float]:
     """Largest loss differences over the steps and largest weight difference, `rec` against `ref`."""
-    import torch
-
     a, b = ref["losses"], rec["losses"]
     if len(a) != len(b):
         return {"loss_abs": math.inf, "loss_rel": math.inf, "weight_abs": math.inf}

@@ -3,7 +3,8 @@
 
     python scripts/parity_matrix.py [--optimizers sgd,adam] [--steps 20] [--nproc 1,2] [--no-triton]
 
-Reference variant: anyrec's torch TBE on one rank (unsharded). Then FBGEMM under the co-design plan
+Reference variant: anyrec's torch TBE on one rank (unsharded), or with --nproc 2 alone the first
+two-rank variant. Then FBGEMM under the co-design plan
 and each forced sharding type, anyrec's torch TBE sharded over two ranks, and the Triton TBE under
 TRITON_INTERPRET=1. Left out, because they do not exist on CPU or are refused by design: FBGEMM's
 fused Adam (CPU FBGEMM has none; its replicated tables run anyway), data-parallel tables on anyrec's
@@ -21,8 +22,8 @@ SHARDINGS = ("table_wise", "column_wise", "row_wise", "table_row_wise", "data_pa
 
 
 def variants(optimizer: str, nprocs: list[int], triton: bool) -> list[str]:
-    """The variant strings for one optimizer, the reference first."""
-    out = ["backend.embedding_kernel=torch"]
+    """The variant strings for one optimizer, the reference first (the first sharded one without 1 rank)."""
+    out = ["backend.embedding_kernel=torch"] if 1 in nprocs else []
     for n in nprocs:
         ranks = f" nproc={n}" if n > 1 else ""
         forced = [f"planner.name=simple planner.sharding={s}" for s in SHARDINGS]

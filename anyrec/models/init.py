@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 _MASK32 = 0xFFFFFFFF
 _CHUNK_ELEMENTS = 1 << 22  # elements hashed per pass (bounds the int64 temporaries to ~100 MB)
@@ -129,8 +130,6 @@ def init_tables(state: Mapping[str, object], tables: Iterable, seed: int, prefix
     which must be a view of the live weights (torchrec's and anyrec's EBCs give views). Returns the
     number of blocks written, so a caller can check that the keys matched.
     """
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-
     written = 0
     for cfg in tables:
         key = f"{prefix}{cfg.name}.weight"
