@@ -44,7 +44,7 @@ class ModelConfig:
 class DataConfig:
     """Where batches come from; `batch_size` is per rank (or derived from `global_batch_size`)."""
 
-    name: str = "synthetic"  # synthetic | criteo_tsv | criteo_npy
+    name: str = "synthetic"  # synthetic | criteo_tsv | criteo_npy | criteo_multihot
     batch_size: int = 256
     global_batch_size: int | None = None  # if set: batch_size = global_batch_size / world size
     # synthetic
@@ -57,6 +57,9 @@ class DataConfig:
     eval_files: list[str] = field(default_factory=list)  # empty: evaluate on the train files
     on_malformed: str = "error"  # error | skip (count them and report the count)
     hash_ids: bool = True  # ids modulo the table size (Criteo ids are 32-bit hashes)
+    dense_transform: str = "torchrec"  # TSV: torchrec (log(x - min + 2), as tsv_to_npys) | log1p
+    prefetch: int = 2  # file sources: batches made ahead by background threads; 0 = in the step
+    prefetch_workers: int = 1  # threads making them (order is kept either way)
     # Test-only fault injection: the dense features of this training step are NaN.
     inject_nan_at_step: int | None = None
 

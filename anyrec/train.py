@@ -31,8 +31,13 @@ def run(cfg: DictConfig) -> dict:
     try:
         summary = trainer.train()
         is_main = trainer.dist.is_main
-    finally:
-        trainer.close()
+    except BaseException as e:
+        # An error only this rank saw (bad data where it read it) leaves its peers inside a
+        # collective, where close()'s barrier would wait for them: exit now, the launcher stops them.
+        if not getattr(e, "rank_local", False):
+            trainer.close()
+        raise
+    trainer.close()
     if is_main:
         sys.stdout.flush()
         print(json.dumps(summary), flush=True)
@@ -48,8 +53,9 @@ def main(cfg: DictConfig) -> None:
         run(cfg)
     except (ValueError, NonFiniteLossError) as e:
         # A user mistake, bad data, a bad checkpoint or a diverged run: every rank raises the same
-        # error at the same point; rank 0 says it in one line, all exit non-zero.
-        if os.environ.get("RANK", "0") == "0":
+        # error at the same point; rank 0 says it in one line, all exit non-zero. Bad rows found
+        # where they were read are seen by the reading rank alone, which says it itself.
+        if os.environ.get("RANK", "0") == "0" or getattr(e, "rank_local", False):
             print(f"anyrec-train: error: {e}", file=sys.stderr, flush=True)
         else:
             logger.error("%s", e)

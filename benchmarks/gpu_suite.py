@@ -41,8 +41,9 @@ if str(ROOT) not in sys.path:
 from anyrec.kernels import reference as R  # noqa: E402
 from anyrec.kernels.optimizers import OptimizerConfig  # noqa: E402
 from anyrec.kernels.tbe import TritonTableBatchedEmbedding  # noqa: E402
+from anyrec.schema import load_model_config  # noqa: E402
 
-MULTI_HOT = [3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1]
+MULTI_HOT = load_model_config("dlrmv2").multi_hot  # MLPerf DLRMv2's ids per sample per feature
 
 
 def accelerator() -> torch.device:

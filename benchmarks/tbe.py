@@ -24,8 +24,9 @@ from torch import nn
 
 from anyrec.kernels.optimizers import OptimizerConfig, state_bytes_per_row
 from anyrec.kernels.tbe import TritonTableBatchedEmbedding
+from anyrec.schema import load_model_config
 
-MULTI_HOT = [3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1]
+MULTI_HOT = load_model_config("dlrmv2").multi_hot  # MLPerf DLRMv2's ids per sample per feature
 
 
 def accelerator() -> torch.device:

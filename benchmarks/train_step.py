@@ -32,8 +32,9 @@ from anyrec.config import AnyrecConfig, DataConfig, ModelConfig, OptimConfig, Tr
 from anyrec.data.synthetic import SyntheticCriteo  # noqa: E402
 from anyrec.models.interaction import CrossInteraction  # noqa: E402
 from anyrec.models.mlp import MLP  # noqa: E402
+from anyrec.schema import load_model_config  # noqa: E402
 
-DLRMV2_HOT = [3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1]
+DLRMV2_HOT = load_model_config("dlrmv2").multi_hot  # MLPerf DLRMv2's ids per sample per feature
 
 
 def shapes(small: bool) -> tuple[ModelConfig, int]:

@@ -73,12 +73,18 @@ def write_tsv(path, n, bad_lines=()):
 
 def test_tsv_malformed_rows_error_or_counted(tmp_path):
     p = write_tsv(tmp_path / "day_0", 10, bad_lines=(4,))
+    with p.open("a") as f:  # the file's smallest dense value: write_tsv draws from [-2, 1000)
+        f.write(_row(0, [-3] + [1] * 12, ["0"] * 26) + "\n")
     with pytest.raises(ValueError, match=r"line 6: malformed row: expected 40 tab-separated fields"):
         read_tsv(p, "error")
     arrays = read_tsv(p, "skip")
-    assert len(arrays) == 10 and arrays.malformed_rows == 2
-    assert arrays.dense_NI.dtype == np.float32 and float(arrays.dense_NI.min()) >= 0.0
-    assert arrays.dense_NI[0, 3] == 0.0 and arrays.sparse_NF[0, 5] == 0
+    assert len(arrays) == 11 and arrays.malformed_rows == 2
+    # torchrec's rule: log(x - min + 2), so the file's smallest value maps to log 2 and a missing
+    # value (0) to log(2 - min).
+    raw_min = -3
+    assert arrays.dense_NI.dtype == np.float32 and float(arrays.dense_NI.min()) == pytest.approx(np.log(2))
+    assert arrays.dense_NI[0, 3] == np.float32(np.log(np.float32(2 - raw_min)))
+    assert arrays.sparse_NF[0, 5] == 0
 
 
 def test_preprocess_npy_matches_tsv_and_torchrec_reads_it(tmp_path, capsys):

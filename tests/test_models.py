@@ -35,7 +35,7 @@ def test_dlrmv2_is_the_mlperf_model():
 
 def test_mlperf_experiment_hyperparameters():
     _, cfg = compose_config(["+experiment=dlrmv2_mlperf", "data.path=/data/criteo"])
-    assert cfg.model.name == "dlrmv2" and cfg.data.name == "criteo_npy"
+    assert cfg.model.name == "dlrmv2" and cfg.data.name == "criteo_multihot"
     assert cfg.optim.name == "adagrad" and cfg.optim.embedding_lr == 0.005 and cfg.optim.dense_lr == 0.005
     assert cfg.optim.eps == 1e-8 and cfg.data.global_batch_size == 65536
     assert cfg.data.eval_files == ["day_23"] and len(cfg.data.train_files) == 23

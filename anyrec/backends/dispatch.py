@@ -15,6 +15,7 @@ again); each op's choice is logged once.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import importlib.util
@@ -88,6 +89,13 @@ def _resolve(ref: str | Callable) -> Callable:
     return obj
 
 
+@functools.lru_cache(maxsize=4096)
+def _state_bytes_per_row(layout: str | Callable, optimizer: str, dim: int) -> int:
+    # Cached by the layout function itself: a re-registered Impl with another layout is never stale.
+    # The planner asks for every shard of every option it enumerates.
+    return int(_resolve(layout)(optimizer, dim))
+
+
 @dataclass(frozen=True)
 class Impl:
     """One implementation of one op: everything anyrec needs to probe, build, shard and cost it.
@@ -97,7 +105,7 @@ class Impl:
     caller's arguments. Embedding-only fields: `compute_kernels` (placement "hbm" | "uvm_caching" |
     "ddr" -> torchrec compute kernel), `data_parallel` (replicated tables can run with it),
     `state_bytes_per_row` ((optimizer, dim) -> bytes of fused optimizer state, callable or
-    "module:attr") and `profile`.
+    "module:attr"), `profile`, and `unsharded_builder` (one-device jobs skip torchrec sharding).
     """
 
     op: str
@@ -110,6 +118,9 @@ class Impl:
     state_bytes_per_row: str | Callable[[str, int], int] | None = None
     profile: KernelProfile | None = None
     description: str = ""
+    # embedding: builds the whole EmbeddingBagCollection on one device without torchrec sharding
+    # (called with the table configs, optimizer= and device=, plus `options`); None: always shard.
+    unsharded_builder: str | Callable | None = None
 
     def __post_init__(self) -> None:
         if self.op not in OPS:
@@ -128,11 +139,17 @@ class Impl:
             raise ValueError(f"{self.op} implementation {self.name!r} builds nothing")
         return _resolve(self.builder)(*args, **{**self.options, **kwargs})
 
+    def build_unsharded(self, *args: Any, **kwargs: Any) -> Any:
+        """The single-device EmbeddingBagCollection (`unsharded_builder(*args, **options, **kwargs)`)."""
+        if self.unsharded_builder is None:
+            raise ValueError(f"{self.op} implementation {self.name!r} has no single-device build")
+        return _resolve(self.unsharded_builder)(*args, **{**self.options, **kwargs})
+
     def optimizer_state_bytes_per_row(self, optimizer: str, dim: int) -> int:
         """Bytes of fused optimizer state one row of width `dim` keeps (embedding implementations)."""
         if self.state_bytes_per_row is None:
             raise ValueError(f"{self.op} implementation {self.name!r} keeps no embedding optimizer state")
-        return int(_resolve(self.state_bytes_per_row)(optimizer, dim))
+        return _state_bytes_per_row(self.state_bytes_per_row, optimizer, dim)
 
     def compute_kernel(self, placement: str = "hbm") -> str:
         """The torchrec compute kernel that runs this implementation with tables in `placement`."""
@@ -253,6 +270,7 @@ _ANYREC_TBE = dict(
     builder="anyrec.kernels.torchrec_kernel:TritonEmbeddingBagCollectionSharder",
     compute_kernels={"hbm": "fused_triton"},  # anyrec's own TBE under torchrec's reserved kernel name
     state_bytes_per_row="anyrec.kernels.optimizers:state_bytes_per_row",
+    unsharded_builder="anyrec.kernels.ebc:TritonEmbeddingBagCollection",
 )
 
 BUILTIN_IMPLS: tuple[Impl, ...] = (

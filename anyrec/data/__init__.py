@@ -1,4 +1,4 @@
-"""Data sources: synthetic Criteo-shaped batches and the Criteo TSV / npy files.
+"""Data sources: synthetic Criteo-shaped batches and the Criteo TSV / npy / multi-hot npz files.
 
 Every source has `batch(step)` (a pure function of step and rank, which makes resumes exact) and
 `iter_from(step, num_steps)`.
@@ -12,8 +12,9 @@ from typing import Protocol
 from torchrec.datasets.utils import Batch
 
 from anyrec.config import DataConfig, ModelConfig
+from anyrec.data.prefetch import Prefetched
 
-SOURCES = ("synthetic", "criteo_tsv", "criteo_npy")
+SOURCES = ("synthetic", "criteo_tsv", "criteo_npy", "criteo_multihot")
 
 
 class DataSource(Protocol):
@@ -39,14 +40,21 @@ def resolve_batch_size(data: DataConfig, world_size: int) -> DataConfig:
 
 
 def build_source(model: ModelConfig, data: DataConfig, seed: int, rank: int, world_size: int,
-                 split: str) -> DataSource:
-    """The source named by `data.name` for one rank and split ("train" or "eval")."""
+                 split: str, pin_memory: bool = False) -> DataSource:
+    """The source named by `data.name` for one rank and split ("train" or "eval"); file sources make
+    `data.prefetch` batches ahead in background threads (into pinned memory with `pin_memory`)."""
     if data.name == "synthetic":
         from anyrec.data.synthetic import SyntheticCriteo  # a source loads only when chosen
 
         return SyntheticCriteo(model, data, seed, rank, world_size, split=split)
-    if data.name in ("criteo_tsv", "criteo_npy"):
+    if data.name in ("criteo_tsv", "criteo_npy", "criteo_multihot"):
         from anyrec.data.criteo import CriteoSource  # a source loads only when chosen (numpy, iopath)
 
-        return CriteoSource(model, data, rank, world_size, split=split)
+        if data.prefetch < 0 or data.prefetch_workers < 1:
+            raise ValueError(f"data.prefetch must be >= 0 and data.prefetch_workers >= 1, got "
+                             f"{data.prefetch} and {data.prefetch_workers}")
+        source = CriteoSource(model, data, rank, world_size, split=split)
+        if not data.prefetch:
+            return source
+        return Prefetched(source, data.prefetch, data.prefetch_workers, pin_memory)
     raise ValueError(f"unknown data source {data.name!r}; choose one of {', '.join(SOURCES)}")

@@ -1,28 +1,37 @@
 """Criteo click logs: the raw TSV day files and torchrec's preprocessed npy layout.
 
-TSV rows are `label \\t 13 integer dense \\t 26 hex categorical` (empty = missing = 0). The npy
-layout is the one `torchrec.datasets.criteo.BinaryCriteoUtils` writes and
-`InMemoryBinaryCriteoIterDataPipe` reads: `<prefix>_dense.npy` (float32, N x 13, already
-log-transformed), `<prefix>_sparse.npy` (raw ids, N x 26), `<prefix>_labels.npy` (int32, N x 1).
+TSV rows are `label \\t 13 integer dense \\t 26 hex categorical` (empty = missing = 0); `.gz` days
+(as Criteo ships them) are read transparently. The npy layout is the one
+`torchrec.datasets.criteo.BinaryCriteoUtils.tsv_to_npys` writes and `InMemoryBinaryCriteoIterDataPipe`
+reads: `<prefix>_dense.npy` (float32, N x 13, already transformed), `<prefix>_sparse.npy` (raw ids,
+int64, N x 26), `<prefix>_labels.npy` (int32, N x 1). Dense values follow torchrec's rule,
+log(x - min + 2) with `min` the smallest dense value of the whole file (see `dense_transform`).
 Ids are hashed modulo each table's size when batches are made (as torchrec does with `hashes`).
+
+Every file is checked where it is read, and errors name the file and the line (TSV, from 1) or row
+(npy, from 0): labels in {0, 1}, finite dense values, integer ids that fit 64 bits (and, without
+hashing, fall in their table), dense integers that fit torchrec's int32, shapes and dtypes.
 
 Batch `step` of rank `r` is global batch `step * world_size + r`: rows `[g * B, (g + 1) * B)`
 modulo the dataset size, so every rank reads its own deterministic slice, a resume at step n sees
 exactly the batches an uninterrupted run would, and a run longer than the data wraps around.
-Legend: N rows, B batch per rank, I dense features (13), F sparse features (26).
+Legend: N rows, B batch per rank, I dense features (13), F sparse features (26), L ids per sample.
 """
 
 from __future__ import annotations
 
+import gzip
 import logging
 import math
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
-from torchrec.datasets.criteo import CAT_FEATURE_COUNT, INT_FEATURE_COUNT, BinaryCriteoUtils
+from torchrec.datasets.criteo import CAT_FEATURE_COUNT, INT_FEATURE_COUNT
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -33,19 +42,61 @@ logger = logging.getLogger(__name__)
 
 NUM_FIELDS = 1 + INT_FEATURE_COUNT + CAT_FEATURE_COUNT
 MALFORMED = ("error", "skip")
+# torchrec: log(x - min + 2) with the file's min; log1p: log(1 + max(x, 0)) (the DLRM scripts' rule).
+DENSE_TRANSFORMS = ("torchrec", "log1p")
+FILE_SOURCES = ("criteo_tsv", "criteo_npy", "criteo_multihot")
+# torchrec stores raw dense integers as int32 and ids as int64 before transforming them.
+_INT32 = (-(2**31), 2**31 - 1)
+_MAX_ID = 2**63 - 1
+
+
+class BadRowError(ValueError):
+    """A bad value where one rank read it (file and row named). Only that rank knows: its peers are
+    inside a collective, so the entry point exits at once (`rank_local`) rather than wait for them."""
+
+    rank_local = True
+
+
+class Rows(Protocol):
+    """One file's (or one day's) rows, read lazily where they are memory-mapped."""
+
+    source: str  # the day, in messages about the whole of it
+    files: tuple[str, str, str]  # the (dense, sparse, labels) files, named in errors about their rows
+    dense_NI: np.ndarray
+    labels_N1: np.ndarray
+
+    def __len__(self) -> int: ...
+
+    def hot_sizes(self) -> list[int]: ...
+
+    def sparse_rows(self, lo: int, n: int) -> list[np.ndarray]: ...
 
 
 @dataclass
 class CriteoArrays:
-    """One file's rows: dense (log1p, float32), raw sparse ids (int64) and labels (int32)."""
+    """One file's rows: dense (transformed, float32), raw sparse ids (int64) and labels (int32)."""
 
     dense_NI: np.ndarray
     sparse_NF: np.ndarray
     labels_N1: np.ndarray
     malformed_rows: int = 0
+    source: str = ""
+    files: tuple[str, str, str] = ("", "", "")
 
     def __len__(self) -> int:
         return len(self.labels_N1)
+
+    def hot_sizes(self) -> list[int]:
+        """One id per sample for every feature."""
+        return [1] * self.sparse_NF.shape[1]
+
+    def sparse_rows(self, lo: int, n: int) -> list[np.ndarray]:
+        """Rows [lo, lo + n) as one [n, 1] array per feature."""
+        block = np.asarray(self.sparse_NF[lo:lo + n])
+        return [block[:, f:f + 1] for f in range(block.shape[1])]
+
+
+# ---- TSV ---------------------------------------------------------------------------------------------
 
 
 def _parse_row(fields: list[str]) -> tuple[list[int], list[int], int]:
@@ -59,53 +110,143 @@ def _parse_row(fields: list[str]) -> tuple[list[int], list[int], int]:
         dense = [int(x) if x else 0 for x in fields[1:1 + INT_FEATURE_COUNT]]
     except ValueError as e:
         raise ValueError(f"non-integer dense feature ({e})") from None
+    if dense and not _INT32[0] <= min(dense) <= max(dense) <= _INT32[1]:
+        bad = next(x for x in dense if not _INT32[0] <= x <= _INT32[1])
+        raise ValueError(f"dense value {bad} does not fit in 32 bits (torchrec stores dense values as int32)")
     try:
         sparse = [int(x, 16) if x else 0 for x in fields[1 + INT_FEATURE_COUNT:]]
     except ValueError as e:
         raise ValueError(f"non-hex categorical feature ({e})") from None
+    if sparse and (max(sparse) > _MAX_ID or min(sparse) < 0):
+        bad = next(x for x in sparse if not 0 <= x <= _MAX_ID)
+        raise ValueError(f"categorical id {bad:#x} does not fit in 63 bits (ids are stored as int64)")
     return dense, sparse, int(label)
 
 
-def dense_transform(dense: np.ndarray) -> np.ndarray:
-    """DLRM's dense preprocessing: negatives to 0, then log(x + 1), as float32."""
-    return np.log1p(np.maximum(dense, 0).astype(np.float64)).astype(np.float32)
+def dense_transform(dense_NI: np.ndarray, rule: str = "torchrec") -> np.ndarray:
+    """Raw dense integers to model inputs, as float32.
+
+    `torchrec` is `BinaryCriteoUtils.tsv_to_npys`: subtract (min over all of `dense_NI`) - 2 from
+    every value, then log in float32, so the smallest value maps to log 2 and a file's transform
+    depends on its own minimum. `log1p` is log(1 + max(x, 0)) per value (the older DLRM rule).
+    """
+    if rule == "log1p":
+        return np.log1p(np.maximum(dense_NI, 0).astype(np.float64)).astype(np.float32)
+    if rule != "torchrec":
+        raise ValueError(f"data.dense_transform must be one of {DENSE_TRANSFORMS}, got {rule!r}")
+    if dense_NI.size == 0:
+        return np.zeros(dense_NI.shape, dtype=np.float32)
+    shifted = np.asarray(dense_NI, dtype=np.int64) - (int(dense_NI.min()) - 2)
+    if int(shifted.max()) > _INT32[1]:
+        # torchrec does this subtraction in int32, where it would wrap to negative numbers (NaN logs).
+        raise ValueError(f"dense values span {int(dense_NI.min())}..{int(dense_NI.max())}: x - min + 2 "
+                         "overflows torchrec's int32 (use data.dense_transform=log1p)")
+    return np.log(shifted.astype(np.int32), dtype=np.float32)
 
 
-def read_tsv(path: str | Path, on_malformed: str = "error") -> CriteoArrays:
-    """Parse a Criteo TSV file. Malformed rows raise ValueError (`error`) or are counted (`skip`)."""
+def _open_text(path: Path):
+    """A text stream of the file, gunzipped when it starts with gzip's magic bytes."""
+    with path.open("rb") as f:
+        magic = f.read(2)
+    if magic == b"\x1f\x8b":
+        return gzip.open(path, "rt", encoding="utf-8", errors="replace", newline="")
+    return path.open("r", encoding="utf-8", errors="replace", newline="")
+
+
+def read_tsv(path: str | Path, on_malformed: str = "error", transform: str = "torchrec") -> CriteoArrays:
+    """Parse a Criteo TSV file (plain or gzipped). Malformed rows raise ValueError (`error`) or are
+    counted (`skip`)."""
     if on_malformed not in MALFORMED:
         raise ValueError(f"data.on_malformed must be one of {MALFORMED}, got {on_malformed!r}")
+    if transform not in DENSE_TRANSFORMS:
+        raise ValueError(f"data.dense_transform must be one of {DENSE_TRANSFORMS}, got {transform!r}")
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"criteo: no such TSV file {path}")
     dense, sparse, labels = [], [], []
     bad = 0
-    with path.open("r", encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, start=1):
-            line = line.rstrip("\n").rstrip("\r")
-            if not line:
-                continue
-            try:
-                d, s, y = _parse_row(line.split("\t"))
-            except ValueError as e:
-                if on_malformed == "error":
-                    raise ValueError(f"criteo: {path} line {lineno}: malformed row: {e} "
-                                     "(set data.on_malformed=skip to count and skip such rows)") from None
-                bad += 1
-                continue
-            dense.append(d)
-            sparse.append(s)
-            labels.append(y)
+    lineno = 0
+    try:
+        with _open_text(path) as f:
+            for lineno, line in enumerate(f, start=1):
+                line = line.rstrip("\n").rstrip("\r")
+                if not line:
+                    continue
+                try:
+                    d, s, y = _parse_row(line.split("\t"))
+                except ValueError as e:
+                    if on_malformed == "error":
+                        raise ValueError(f"criteo: {path} line {lineno}: malformed row: {e} "
+                                         "(set data.on_malformed=skip to count and skip such rows)") from None
+                    bad += 1
+                    continue
+                dense.append(d)
+                sparse.append(s)
+                labels.append(y)
+    except (OSError, EOFError, zlib.error) as e:  # a truncated or corrupt .gz
+        raise ValueError(f"criteo: {path}: unreadable after line {lineno}: {e}") from None
     if bad:
         logger.warning("criteo: %s: skipped %d malformed rows of %d", path, bad, bad + len(labels))
     if not labels:
         raise ValueError(f"criteo: {path} has no valid rows")
+    try:
+        dense_NI = dense_transform(np.asarray(dense, dtype=np.int64), transform)
+    except ValueError as e:
+        raise ValueError(f"criteo: {path}: {e}") from None
     return CriteoArrays(
-        dense_NI=dense_transform(np.asarray(dense, dtype=np.int64)),
+        dense_NI=dense_NI,
         sparse_NF=np.asarray(sparse, dtype=np.int64),
         labels_N1=np.asarray(labels, dtype=np.int32).reshape(-1, 1),
         malformed_rows=bad,
+        source=str(path),
+        files=(str(path),) * 3,
     )
+
+
+def tsv_path(directory: str | Path, name: str) -> Path:
+    """`directory/name`, or with the first of .tsv, .txt, .gz, .tsv.gz that exists when name has none."""
+    p = Path(directory) / name
+    if p.exists() or p.suffix:
+        return p
+    return next((q for q in (p.with_name(p.name + s) for s in (".tsv", ".txt", ".gz", ".tsv.gz"))
+                 if q.exists()), p)
+
+
+# ---- npy ---------------------------------------------------------------------------------------------
+
+
+def load_npy(path: Path) -> np.ndarray:
+    """Memory-map one .npy file; a missing, truncated or foreign file is a ValueError naming it."""
+    if not path.is_file():
+        raise ValueError(f"criteo: missing {path} (make it with `python -m anyrec.data.preprocess`)")
+    try:
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise ValueError(f"criteo: {path} is not a readable .npy file ({e})") from None
+    if not isinstance(arr, np.ndarray):
+        raise ValueError(f"criteo: {path} is not an .npy file (it holds {type(arr).__name__})")
+    return arr
+
+
+def check_layout(dense_path, dense: np.ndarray, labels_path, labels: np.ndarray) -> np.ndarray:
+    """Check the dense and label arrays' dtypes and shapes; return labels as [N, 1]."""
+    if dense.ndim != 2:
+        raise ValueError(f"criteo: {dense_path} must be 2-D (rows x dense features), has shape {dense.shape}")
+    if dense.dtype.kind != "f":
+        raise ValueError(f"criteo: {dense_path} holds {dense.dtype}, expected float32 dense features")
+    if labels.dtype.kind not in "iubf":
+        raise ValueError(f"criteo: {labels_path} holds {labels.dtype}, expected int32 labels")
+    if labels.ndim not in (1, 2) or (labels.ndim == 2 and labels.shape[1] != 1):
+        raise ValueError(f"criteo: {labels_path} must have one label per row, has shape {labels.shape}")
+    if len(labels) != len(dense):
+        raise ValueError(f"criteo: {labels_path} has {len(labels)} rows, {dense_path} has {len(dense)}")
+    return labels.reshape(len(labels), 1)
+
+
+def check_ids_dtype(path, arr: np.ndarray) -> None:
+    """Ids must be integers (any width up to 64 bits)."""
+    if arr.dtype.kind not in "iu" or arr.dtype.itemsize > 8 or arr.dtype == np.uint64:
+        raise ValueError(f"criteo: {path} holds {arr.dtype}, expected integer ids (int32 or int64)")
 
 
 def npy_paths(directory: str | Path, prefix: str) -> tuple[Path, Path, Path]:
@@ -115,26 +256,63 @@ def npy_paths(directory: str | Path, prefix: str) -> tuple[Path, Path, Path]:
 
 
 def write_npy(arrays: CriteoArrays, directory: str | Path, prefix: str) -> None:
-    """Save in torchrec's layout (readable by `InMemoryBinaryCriteoIterDataPipe` as well)."""
+    """Save in torchrec's layout (readable by `InMemoryBinaryCriteoIterDataPipe` as well); each
+    file appears whole or not at all."""
     Path(directory).mkdir(parents=True, exist_ok=True)
     for p, arr in zip(npy_paths(directory, prefix), (arrays.dense_NI, arrays.sparse_NF, arrays.labels_N1),
                       strict=True):
-        np.save(p, arr)
+        tmp = p.with_name(p.name + ".tmp")
+        with tmp.open("wb") as f:
+            np.save(f, arr)
+        tmp.replace(p)
 
 
 def read_npy(directory: str | Path, prefix: str) -> CriteoArrays:
     """Memory-map one preprocessed day (rows are read only when a batch needs them)."""
-    paths = npy_paths(directory, prefix)
-    for p in paths:
-        if not p.is_file():
-            raise ValueError(f"criteo: missing {p} (make it with `python -m anyrec.data.preprocess`)")
-    rows = {BinaryCriteoUtils.get_shape_from_npy(str(p))[0] for p in paths}
-    if len(rows) != 1:
-        raise ValueError(f"criteo: {directory}/{prefix}_*.npy disagree on the number of rows: {sorted(rows)}")
-    dense, sparse, labels = (np.load(p, mmap_mode="r") for p in paths)
-    if dense.ndim != 2 or sparse.ndim != 2:
-        raise ValueError(f"criteo: {directory}/{prefix}: dense and sparse arrays must be 2-D")
-    return CriteoArrays(dense, sparse, labels.reshape(len(labels), -1))
+    dense_p, sparse_p, labels_p = npy_paths(directory, prefix)
+    dense, sparse, labels = (load_npy(p) for p in (dense_p, sparse_p, labels_p))
+    labels = check_layout(dense_p, dense, labels_p, labels)
+    if sparse.ndim != 2:
+        raise ValueError(f"criteo: {sparse_p} must be 2-D (rows x sparse features), has shape {sparse.shape}")
+    check_ids_dtype(sparse_p, sparse)
+    if len(sparse) != len(dense):
+        raise ValueError(f"criteo: {sparse_p} has {len(sparse)} rows, {dense_p} has {len(dense)}")
+    return CriteoArrays(dense, sparse, labels, source=str(Path(directory) / f"{prefix}_*.npy"),
+                        files=(str(dense_p), str(sparse_p), str(labels_p)))
+
+
+# ---- batches -----------------------------------------------------------------------------------------
+
+
+def check_rows(files: tuple[str, str, str], lo: int, dense_nI: np.ndarray, labels_n: np.ndarray,
+               ids: list[np.ndarray], table_rows: list[int] | None) -> None:
+    """Raise BadRowError naming the (dense, sparse, labels) file and row (lo + i) of the first bad value."""
+    bad = np.flatnonzero((labels_n != 0) & (labels_n != 1))
+    if bad.size:
+        i = int(bad[0])
+        raise BadRowError(f"criteo: {files[2]} row {lo + i}: label {labels_n[i].item()} is not 0 or 1")
+    finite = np.isfinite(dense_nI)
+    if not finite.all():
+        i, j = (int(x) for x in np.argwhere(~finite)[0])
+        raise BadRowError(f"criteo: {files[0]} row {lo + i}: dense feature {j} is {dense_nI[i, j]}")
+    if table_rows is None:
+        return
+    for f, (ids_nL, rows) in enumerate(zip(ids, table_rows, strict=True)):
+        wrong = (ids_nL < 0) | (ids_nL >= rows)
+        if wrong.any():
+            i, k = (int(x) for x in np.argwhere(wrong)[0])
+            raise BadRowError(f"criteo: {files[1]} row {lo + i}: feature {f} id {ids_nL[i, k]} is "
+                              f"outside its table [0, {rows}) (data.hash_ids=false)")
+
+
+def _hash(ids: np.ndarray, rows: int) -> np.ndarray:
+    """ids mod rows (torchrec's `hashes`), skipped when every id is already in range: a min and a
+    max cost a fraction of a modulo, and materialised multi-hot ids are in range by construction."""
+    if ids.size == 0 or (int(ids.min()) >= 0 and int(ids.max()) < rows):
+        return ids
+    if rows > np.iinfo(ids.dtype).max:
+        ids = ids.astype(np.int64)
+    return ids % rows
 
 
 class CriteoSource:
@@ -142,8 +320,8 @@ class CriteoSource:
 
     def __init__(self, model: ModelConfig, data: DataConfig, rank: int = 0, world_size: int = 1,
                  split: str = "train") -> None:
-        if data.name not in ("criteo_tsv", "criteo_npy"):
-            raise ValueError(f"CriteoSource reads criteo_tsv or criteo_npy, not {data.name!r}")
+        if data.name not in FILE_SOURCES:
+            raise ValueError(f"CriteoSource reads {', '.join(FILE_SOURCES)}, not {data.name!r}")
         if not data.path:
             raise ValueError(f"data={data.name} needs data.path (the directory holding the files)")
         if data.batch_size < 1:
@@ -153,65 +331,87 @@ class CriteoSource:
             raise ValueError(f"data={data.name} needs data.train_files")
         if split == "eval" and not data.eval_files:
             logger.warning("criteo: data.eval_files is empty: evaluating on the training files")
+        parts: list[Rows]
         if data.name == "criteo_tsv":
-            parts = [read_tsv(self._tsv_path(data.path, f), data.on_malformed) for f in files]
-        else:
+            parts = [read_tsv(tsv_path(data.path, f), data.on_malformed, data.dense_transform) for f in files]
+        elif data.name == "criteo_npy":
             parts = [read_npy(data.path, f) for f in files]
+        else:
+            from anyrec.data.multihot import read_multihot  # multihot builds on this module's readers
+
+            parts = [read_multihot(data.path, f) for f in files]
         self.parts = parts
-        self.malformed_rows = sum(p.malformed_rows for p in parts)
+        self.malformed_rows = sum(getattr(p, "malformed_rows", 0) for p in parts)
         self.cum_rows = np.cumsum([0] + [len(p) for p in parts])
         self.num_rows = int(self.cum_rows[-1])
-        num_sparse = parts[0].sparse_NF.shape[1]
-        self.keys = feature_names(num_sparse)
+        self.hot = parts[0].hot_sizes()
+        for p in parts[1:]:
+            if p.hot_sizes() != self.hot:
+                raise ValueError(f"criteo: {p.source} has ids per feature {p.hot_sizes()}, "
+                                 f"{parts[0].source} has {self.hot}")
+        for p in parts:
+            if p.dense_NI.shape[1] != parts[0].dense_NI.shape[1]:
+                raise ValueError(f"criteo: {p.source} has {p.dense_NI.shape[1]} dense features, "
+                                 f"{parts[0].source} has {parts[0].dense_NI.shape[1]}")
+        if model.multi_hot and list(model.multi_hot) != self.hot:
+            # Training works either way; only the planner's pooling estimates assume model.multi_hot.
+            logger.warning("criteo: %s has %s ids per sample per feature, model.multi_hot says %s "
+                           "(the sharding plan assumes the latter)", parts[0].source, self.hot,
+                           list(model.multi_hot))
+        self.keys = feature_names(len(self.hot))
         rows = list(model.table_rows)
         # Hash with the model's table sizes; a feature-count mismatch is left to input validation.
-        self.modulo = (np.asarray(rows, dtype=np.int64).reshape(1, -1)
-                       if data.hash_ids and len(rows) == num_sparse else None)
+        matches = len(rows) == len(self.hot)
+        self.modulo = rows if data.hash_ids and matches else None
+        self.checked_rows = rows if not data.hash_ids and matches else None
         self.batch_size = data.batch_size
         self.rank, self.world_size = rank, world_size
-
-    @staticmethod
-    def _tsv_path(directory: str, name: str) -> Path:
-        p = Path(directory) / name
-        return p if p.exists() or p.suffix else next(
-            (q for q in (p.with_suffix(".tsv"), p.with_suffix(".txt")) if q.exists()), p)
+        B = self.batch_size
+        self._lengths = torch.cat([torch.full((B,), L, dtype=torch.int32) for L in self.hot])
+        self._length_per_key = [B * L for L in self.hot]
 
     @property
     def batches_per_epoch(self) -> int:
         """Global steps until every row has been read once (all ranks together)."""
         return math.ceil(self.num_rows / (self.batch_size * self.world_size))
 
-    def _rows(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """`count` rows from global row `start` on (mod N), as contiguous slices of the files."""
-        pieces: list[list[np.ndarray]] = [[], [], []]
+    def _rows(self, start: int, count: int) -> tuple[np.ndarray, list[np.ndarray], np.ndarray]:
+        """`count` rows from global row `start` on (mod N), as contiguous slices of the files, each
+        checked as it is read."""
+        dense_p, labels_p, sparse_p = [], [], []
         pos, left = start % self.num_rows, count
         while left > 0:
             p = int(np.searchsorted(self.cum_rows, pos, side="right")) - 1
             part, lo = self.parts[p], pos - int(self.cum_rows[p])
             n = min(left, len(part) - lo)
-            for out, arr in zip(pieces, (part.dense_NI, part.sparse_NF, part.labels_N1), strict=True):
-                out.append(np.asarray(arr[lo:lo + n]))
+            dense = np.asarray(part.dense_NI[lo:lo + n])
+            labels = np.asarray(part.labels_N1[lo:lo + n]).reshape(-1)
+            ids = part.sparse_rows(lo, n)
+            check_rows(part.files, lo, dense, labels, ids, self.checked_rows)
+            dense_p.append(dense)
+            labels_p.append(labels)
+            sparse_p.append(ids)
             pos, left = (pos + n) % self.num_rows, left - n
-        dense, sparse, labels = (np.concatenate(x) if len(x) > 1 else x[0] for x in pieces)
-        return dense, sparse, labels
+        if len(dense_p) == 1:
+            return dense_p[0], sparse_p[0], labels_p[0]
+        return (np.concatenate(dense_p), [np.concatenate(f) for f in zip(*sparse_p, strict=True)],
+                np.concatenate(labels_p))
 
     def batch(self, step: int) -> Batch:
         """Batch number `step` of this rank's slice."""
         g = step * self.world_size + self.rank
         B = self.batch_size
-        dense, sparse, labels = self._rows(g * B, B)
-        sparse = sparse.astype(np.int64, copy=False)
+        dense, ids, labels = self._rows(g * B, B)
+        values = [ids_BL.reshape(-1) for ids_BL in ids]
         if self.modulo is not None:
-            sparse = sparse % self.modulo
-        F = sparse.shape[1]
-        kjt = KeyedJaggedTensor.from_lengths_sync(
-            keys=self.keys,
-            values=torch.from_numpy(np.ascontiguousarray(sparse.T).reshape(-1)),
-            lengths=torch.ones(F * B, dtype=torch.int32),
-        )
+            values = [_hash(v, rows) for v, rows in zip(values, self.modulo, strict=True)]
+        values_N = np.concatenate(values, dtype=np.int64, casting="same_kind")
+        kjt = KeyedJaggedTensor(keys=self.keys, values=torch.from_numpy(values_N),
+                                lengths=self._lengths.clone(), stride=B,
+                                length_per_key=list(self._length_per_key))
         return Batch(dense_features=torch.from_numpy(np.array(dense, dtype=np.float32)),
                      sparse_features=kjt,
-                     labels=torch.from_numpy(np.asarray(labels, dtype=np.float32).reshape(-1)))
+                     labels=torch.from_numpy(labels.astype(np.float32)))
 
     def iter_from(self, step: int = 0, num_steps: int | None = None) -> Iterator[Batch]:
         """Batches `step`, `step + 1`, ... (forever when num_steps is None)."""

@@ -6,7 +6,6 @@ measurements and are the ones to recalibrate (benchmarks/planner_validate.py) on
 
 from __future__ import annotations
 
-import functools
 import math
 
 from anyrec.backends.dispatch import KernelProfile, embedding_impl
@@ -72,7 +71,6 @@ def embedding_impl_profile(kernel: str) -> KernelProfile:
     return profile
 
 
-@functools.lru_cache(maxsize=1024)
 def state_bytes_per_row(optimizer: str, dim: int, kernel: str = "fbgemm") -> int:
     """Optimizer state bytes one row of width `dim` carries with embedding implementation `kernel`
     (as its Impl record lays the state out)."""

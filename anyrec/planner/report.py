@@ -9,6 +9,7 @@ import tempfile
 
 from anyrec.planner.advice import co_design_advice
 from anyrec.planner.estimators import state_bytes
+from anyrec.planner.hosts import host_summary, table_row_wise_count
 from anyrec.planner.types import Placement, PlanResult, ShardingType
 
 GB = 1e9
@@ -37,6 +38,7 @@ def format_report(plan: PlanResult, advice: bool = True, max_tables: int = 60) -
         f"predicted step {step * 1e3:.3f} ms (slowest rank); lower bound {lb * 1e3:.3f} ms, gap {gap:.1%}; "
         f"solver {plan.solver}, planned in {plan.plan_time_s:.3f} s"
     )
+    lines.append(host_summary(plan))
     lines.append("")
     lines.append(
         f"{'rank':>4}  {'HBM used / cap GB':>19}  {'DDR GB':>7}  {'compute ms':>10}  {'comms ms':>9}  "
@@ -147,6 +149,7 @@ def format_compare(a: PlanResult, b: PlanResult) -> str:
             "tables in HBM / UVM / DDR": (
                 f"{len(pl[Placement.HBM])} / {len(pl[Placement.UVM_CACHING])} / {len(pl[Placement.DDR])}"
             ),
+            "table_row_wise tables": table_row_wise_count(p),
             "predicted step": f"{p.predicted_step_s * 1e3:.3f} ms",
             "slowest rank compute": f"{max(pf, key=lambda x: x.total_s).compute_s * 1e3:.3f} ms",
             "slowest rank comms": f"{max(pf, key=lambda x: x.total_s).comms_s * 1e3:.3f} ms",

@@ -31,7 +31,7 @@ def simple_table_shardings(
     if force != "auto" and optimizer is not None:
         reason = inexact_update_reason(optimizer, force)
         if reason is not None:
-            raise ValueError(reason)
+            raise ValueError(f"planner.sharding={force}: {reason}")
     load = [0] * world_size
     out: dict[str, tuple[str, list[int]]] = {}
     for t in sorted(tables, key=lambda t: t.num_embeddings * t.embedding_dim, reverse=True):

@@ -1,10 +1,19 @@
-"""Process-group setup from torchrun's environment (or a one-process group without it)."""
+"""Process-group setup from torchrun's environment (or a one-process group without it).
+
+torchrun tells every worker where it sits: RANK / WORLD_SIZE over the job, LOCAL_RANK /
+LOCAL_WORLD_SIZE on its host, GROUP_RANK / GROUP_WORLD_SIZE for the host among the hosts (one
+torchrun agent per host). The planner and torchrec's table-row-wise sharding take a host to be
+`local_world_size` consecutive ranks, so the job must run the same number of ranks on every host.
+"""
 
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import socket
+import time
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -13,15 +22,19 @@ import torch.distributed as dist
 
 from anyrec.backends import Backend
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class DistInfo:
-    """Where this process sits in the job."""
+    """Where this process sits in the job: ranks over the job, ranks on its host, hosts."""
 
     rank: int
     world_size: int
     local_rank: int
     local_world_size: int
+    hosts: int = 1  # torchrun agents (GROUP_WORLD_SIZE)
+    host: int = 0  # this agent's GROUP_RANK
 
     @property
     def is_main(self) -> bool:
@@ -36,27 +49,90 @@ def _free_port() -> int:
 
 def env_dist_info() -> DistInfo:
     """Rank facts from torchrun's variables; a single process without them."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    env = os.environ
+    rank, world = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
+    local = int(env.get("LOCAL_WORLD_SIZE", str(world)))
     return DistInfo(
-        rank=int(os.environ.get("RANK", "0")), world_size=world,
-        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(world))),
+        rank=rank, world_size=world, local_rank=int(env.get("LOCAL_RANK", "0")), local_world_size=local,
+        hosts=int(env.get("GROUP_WORLD_SIZE", str(max(1, world // max(1, local))))),
+        host=int(env.get("GROUP_RANK", str(rank // max(1, local)))),
     )
 
 
-def _elastic_store() -> dist.Store | None:
-    """Under torchrun's agent store, a store prefixed by the restart attempt.
+_JOIN = "anyrec/join"  # keys of the launch handshake in torchrun's agent store
 
-    After a worker restart (`--max-restarts`), the agent's store still holds the previous attempt's
-    keys (e.g. the gloo address of a killed rank), and a new process group can read them and fail
-    to connect; a per-attempt prefix keeps each attempt's keys apart.
+
+def launch_token(store: dist.Store, rank: int, world_size: int, timeout_s: float = 600.0) -> str:
+    """A key prefix that every rank of this launch gets and no earlier launch on `store` used.
+
+    torchrun's agent store outlives worker restarts and keeps the previous attempt's keys (e.g. the
+    gloo address of a killed rank). TORCHELASTIC_RESTART_COUNT cannot name the attempt: an agent
+    whose workers were stopped only because another host's failed does not count a restart, so the
+    hosts disagree. Instead rank 0 draws a token and hands it to each rank in answer to a nonce that
+    rank drew, which no stale key can hold; the ranks acknowledge under the token, which no stale
+    key can hold either. Assumes (as torchrun ensures) that no worker of an earlier attempt is alive.
     """
+    if world_size == 1:
+        return uuid.uuid4().hex
+    deadline = time.monotonic() + timeout_s
+    if rank == 0:
+        token = uuid.uuid4().hex
+        requests = [f"{_JOIN}/req/{r}" for r in range(1, world_size)]
+        answers = [f"{_JOIN}/resp/{r}" for r in range(1, world_size)]
+        store.wait(requests)  # each exists, from this launch or an earlier one
+        answered: list[bytes | None] = [None] * len(requests)
+        while store.add(f"{_JOIN}/ack/{token}", 0) < world_size - 1:
+            nonces = store.multi_get(requests)
+            todo = [i for i, n in enumerate(nonces) if n != answered[i]]
+            if todo:
+                store.multi_set([answers[i] for i in todo], [nonces[i] + b":" + token.encode() for i in todo])
+                for i in todo:
+                    answered[i] = nonces[i]
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ranks did not join within {timeout_s:.0f} s")
+            time.sleep(0.02)
+        return token
+    nonce = uuid.uuid4().hex
+    store.set(f"{_JOIN}/req/{rank}", nonce)
+    while True:
+        got, _, token = store.get(f"{_JOIN}/resp/{rank}").decode().partition(":")
+        if got == nonce:
+            store.add(f"{_JOIN}/ack/{token}", 1)
+            return token
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 did not answer rank {rank} within {timeout_s:.0f} s")
+        time.sleep(0.02)
+
+
+def _elastic_store(info: DistInfo) -> dist.Store | None:
+    """Under torchrun's agent store, that store under a prefix of this launch's own (see launch_token)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=timedelta(minutes=10))
-    return dist.PrefixStore(f"anyrec/attempt_{attempt}", store)
+    return dist.PrefixStore(f"anyrec/launch_{launch_token(store, info.rank, info.world_size)}", store)
+
+
+def check_hosts(info: DistInfo, device: torch.device | None) -> None:
+    """Raise ValueError on every rank unless every host runs `local_world_size` consecutive ranks.
+
+    Collective: torchrun accepts a different --nproc-per-node per host, which only some ranks
+    could notice on their own.
+    """
+    if info.world_size == 1:
+        return
+    numbered = (info.rank == info.host * info.local_world_size + info.local_rank
+                and info.hosts * info.local_world_size == info.world_size)
+    t = torch.tensor([info.local_world_size, -info.local_world_size, int(not numbered)], dtype=torch.int64,
+                     device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    most, fewest, misnumbered = int(t[0]), -int(t[1]), int(t[2])
+    if most != fewest:
+        raise ValueError(f"hosts run different numbers of ranks ({fewest} to {most}); anyrec needs the "
+                         "same --nproc-per-node on every host")
+    if misnumbered:
+        raise ValueError(f"ranks are not numbered host by host ({info.world_size} ranks, {info.hosts} "
+                         f"host(s) x {info.local_world_size}); launch with torchrun, one agent per host")
 
 
 def init_distributed(backend: Backend) -> DistInfo:
@@ -70,8 +146,12 @@ def init_distributed(backend: Backend) -> DistInfo:
             os.environ.setdefault("RANK", "0")
             os.environ.setdefault("WORLD_SIZE", "1")
         device_id = backend.device(info.local_rank) if backend.device_type != "cpu" else None
-        dist.init_process_group(backend=backend.dist_backend, rank=info.rank, store=_elastic_store(),
+        dist.init_process_group(backend=backend.dist_backend, rank=info.rank, store=_elastic_store(info),
                                 world_size=info.world_size, device_id=device_id)
+    check_hosts(info, backend.device(info.local_rank))
+    if info.is_main:
+        logger.info("%d host(s) x %d ranks (world size %d)", info.hosts, info.local_world_size,
+                    info.world_size)
     return info
 
 

@@ -30,9 +30,10 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from anyrec.backends import Backend, get_backend
+from anyrec.backends.dispatch import embedding_impl
 from anyrec.config import AnyrecConfig
 from anyrec.data import build_source, resolve_batch_size
-from anyrec.kernels.ebc import TritonEBCOptimizer, TritonEmbeddingBagCollection
+from anyrec.kernels.ebc import TritonEBCOptimizer
 from anyrec.kernels.replicated import ReplicatedTableOptimizer
 from anyrec.models.dlrm import DLRM, build_model, feature_names, table_configs
 from anyrec.models.init import init_model
@@ -127,7 +128,8 @@ class Trainer:
         check_embedding_weight_decay(self.cfg.optim, self.embedding_kernel)
         # One device with anyrec's own TBE: no sharding, so no input distribution (whose KJT
         # permutes need FBGEMM ops) and no FBGEMM kernel anywhere in the step.
-        self.unsharded = self.dist.world_size == 1 and self.embedding_kernel in ("triton", "torch")
+        self.unsharded = (self.dist.world_size == 1
+                          and embedding_impl(self.embedding_kernel).unsharded_builder is not None)
         if self.unsharded:
             self._build_unsharded()
         else:
@@ -165,9 +167,9 @@ class Trainer:
 
     def _build_unsharded(self) -> None:
         """All tables on this device in anyrec's TritonEmbeddingBagCollection (Triton or torch ops)."""
-        ebc = TritonEmbeddingBagCollection(table_configs(self.cfg.model),
-                                           optimizer=embedding_optimizer_config(self.cfg.optim),
-                                           device=self.device, execution=self.embedding_kernel)
+        ebc = embedding_impl(self.embedding_kernel).build_unsharded(
+            table_configs(self.cfg.model), optimizer=embedding_optimizer_config(self.cfg.optim),
+            device=self.device)
         self.sharding_plan = None
         self.model = DLRMTrain(DLRM(self.cfg.model, ebc, device=self.device,
                                     kernels=self.backend.select_kernels(self.cfg.backend)))
@@ -198,10 +200,12 @@ class Trainer:
         cfg, tc = self.cfg, self.cfg.trainer
         data_cfg = resolve_batch_size(cfg.data, self.dist.world_size)
         self.batch_size = data_cfg.batch_size
+        # Prefetched file batches land in page-locked memory where there is a device to copy them to.
+        pin = self.backend.device_type != "cpu"
         self.train_data = build_source(cfg.model, data_cfg, tc.seed, self.dist.rank,
-                                       self.dist.world_size, split="train")
-        self.eval_data = (build_source(cfg.model, data_cfg, tc.seed, self.dist.rank,
-                                       self.dist.world_size, split="eval") if tc.eval_steps > 0 else None)
+                                       self.dist.world_size, split="train", pin_memory=pin)
+        self.eval_data = (build_source(cfg.model, data_cfg, tc.seed, self.dist.rank, self.dist.world_size,
+                                       split="eval", pin_memory=pin) if tc.eval_steps > 0 else None)
         self.validator = (InputValidator(feature_names(len(cfg.model.table_rows)), list(cfg.model.table_rows),
                                          cfg.model.num_dense_features, self.device)
                           if tc.validate_inputs else None)
@@ -392,6 +396,8 @@ class Trainer:
             "backend": self.backend.name,
             "embedding_kernel": self.embedding_kernel,
             "world_size": self.dist.world_size,
+            "hosts": self.dist.hosts,
+            "local_world_size": self.dist.local_world_size,
             "batch_size_per_rank": self.batch_size,
             "elapsed_s": run.train_time_s,
             "peak_memory_bytes": self.backend.max_memory_allocated(),  # null where not measured

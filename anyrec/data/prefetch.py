@@ -1,0 +1,131 @@
+"""Batches made ahead of the step by background threads, in order, optionally in pinned memory.
+
+`Prefetched(source, depth, workers, pin_memory)` wraps any source: `batch(step)` is the source's,
+`iter_from(step, n)` yields the same batches in the same order while `workers` threads make up to
+`depth` of them ahead (worker w makes steps step + w, step + w + workers, ...). Reading files,
+slicing memory maps and hashing ids are numpy work that releases the GIL, so it overlaps the step.
+With `pin_memory` (only where an accelerator is present) batches land in page-locked memory, so
+the copy torchrec's TrainPipelineSparseDist issues on its own stream is asynchronous.
+
+A worker's exception is raised in the consumer, unchanged (so the file and row it names reach the
+trainer), when the consumer reaches the batch that failed. Threads are daemons that stop when the
+iterator is exhausted, closed or garbage-collected; nothing outlives the process.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torchrec.datasets.utils import Batch
+
+_POLL_S = 0.1  # how often a blocked thread looks for a stop request
+
+
+class _Failure:
+    """An exception raised while making a batch, carried to the consumer."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+_END = object()
+
+
+def _work(make: Callable[[int], Batch], steps: range, pin: bool, out: queue.Queue,
+          stop: threading.Event) -> None:
+    """Make the batches of `steps` into `out` until done, failed or asked to stop."""
+    for step in steps:
+        if stop.is_set():
+            return
+        try:
+            item: Any = make(step)
+            if pin:
+                item = item.pin_memory()
+        except BaseException as e:  # noqa: BLE001 - every failure goes to the consumer
+            item = _Failure(e)
+        while not stop.is_set():
+            try:
+                out.put(item, timeout=_POLL_S)
+                break
+            except queue.Full:
+                continue
+        if isinstance(item, _Failure):
+            return
+
+
+def _stop(stop: threading.Event, threads: list[threading.Thread]) -> None:
+    stop.set()
+    for t in threads:
+        if t is not threading.current_thread():
+            t.join(timeout=10)
+
+
+class PrefetchIterator(Iterator[Batch]):
+    """Batches `first`, `first + 1`, ... (`count` of them, or forever when None) made ahead."""
+
+    def __init__(self, make: Callable[[int], Batch], first: int, count: int | None, depth: int,
+                 workers: int = 1, pin_memory: bool = False) -> None:
+        if depth < 1 or workers < 1:
+            raise ValueError(f"data.prefetch and data.prefetch_workers must be >= 1, got {depth}, {workers}")
+        workers = min(workers, depth)
+        end = first + count if count is not None else None
+        self._first, self._next, self._end = first, first, end
+        self._stop = threading.Event()
+        per_worker = -(-depth // workers)
+        self._queues = [queue.Queue(maxsize=per_worker) for _ in range(workers)]
+        self._threads = []
+        for w, q in enumerate(self._queues):
+            steps = range(first + w, end if end is not None else 2**62, workers)
+            t = threading.Thread(target=_work, args=(make, steps, pin_memory, q, self._stop),
+                                 name=f"anyrec-prefetch-{w}", daemon=True)
+            self._threads.append(t)
+        self._finalizer = weakref.finalize(self, _stop, self._stop, self._threads)
+        for t in self._threads:
+            t.start()
+
+    def __next__(self) -> Batch:
+        if self._end is not None and self._next >= self._end or self._stop.is_set():
+            self.close()
+            raise StopIteration
+        w = (self._next - self._first) % len(self._queues)
+        q, t = self._queues[w], self._threads[w]
+        while True:
+            try:
+                item = q.get(timeout=_POLL_S)
+                break
+            except queue.Empty:
+                if not t.is_alive() and q.empty():
+                    self.close()
+                    raise RuntimeError(f"prefetch worker {w} stopped before batch {self._next}") from None
+        if isinstance(item, _Failure):
+            self.close()
+            raise item.exc
+        self._next += 1
+        return item
+
+    def close(self) -> None:
+        """Stop the workers and wait for them (each finishes the batch it is making)."""
+        self._finalizer()
+
+
+class Prefetched:
+    """A source whose `iter_from` makes batches ahead in background threads (see the module doc)."""
+
+    def __init__(self, source: Any, depth: int, workers: int = 1, pin_memory: bool = False) -> None:
+        self.source, self.depth, self.workers, self.pin_memory = source, depth, workers, pin_memory
+
+    def __getattr__(self, name: str) -> Any:
+        # batch_size, batches_per_epoch, malformed_rows, ...: the wrapped source's.
+        return getattr(self.__dict__["source"], name)
+
+    def batch(self, step: int) -> Batch:
+        """Batch number `step`, made here (no thread)."""
+        return self.source.batch(step)
+
+    def iter_from(self, step: int = 0, num_steps: int | None = None) -> PrefetchIterator:
+        """Batches `step`, `step + 1`, ... made ahead by the workers."""
+        return PrefetchIterator(self.source.batch, step, num_steps, self.depth, self.workers, self.pin_memory)

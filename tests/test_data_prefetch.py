@@ -1,0 +1,157 @@
+"""Prefetching: the same batches in the same order, made ahead by threads, errors surfacing at the
+batch that failed, pinned memory when asked, and no thread left behind."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from anyrec.backends import get_backend
+from anyrec.config import DataConfig, ModelConfig
+from anyrec.data import build_source
+from anyrec.data.prefetch import Prefetched, PrefetchIterator
+from anyrec.data.preprocess import main as preprocess_main
+
+from .conftest import ROOT, last_json_line
+from .test_data import write_tsv
+
+
+class CountingSource:
+    """Batch `step` is a tensor holding step; records which steps were made; fails at `fail_at`."""
+
+    batch_size = 4
+
+    def __init__(self, fail_at: int | None = None, delay_s: float = 0.0) -> None:
+        self.made: list[int] = []
+        self.fail_at, self.delay_s = fail_at, delay_s
+
+    def batch(self, step: int):
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        if step == self.fail_at:
+            raise ValueError(f"criteo: /data/day_0_labels.npy row {step * 4}: label 7 is not 0 or 1")
+        self.made.append(step)
+        return torch.full((4,), step)
+
+
+def _prefetch_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("anyrec-prefetch")]
+
+
+def _wait_for(cond, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_same_batches_in_order(workers):
+    src = CountingSource()
+    got = [int(b[0]) for b in Prefetched(src, depth=4, workers=workers).iter_from(5, 17)]
+    assert got == list(range(5, 22))
+    assert _wait_for(lambda: not _prefetch_threads())
+
+
+def test_batches_are_made_ahead_of_the_consumer():
+    src = CountingSource()
+    it = Prefetched(src, depth=3).iter_from(0, None)
+    assert int(next(it)[0]) == 0
+    # With nothing consumed since, the worker fills its queue: batches 1..3 exist before anyone asks.
+    assert _wait_for(lambda: len(src.made) >= 4), src.made
+    time.sleep(0.2)
+    assert len(src.made) <= 5  # bounded: depth queued plus one waiting to be queued
+    it.close()
+    assert _wait_for(lambda: not _prefetch_threads())
+
+
+def test_worker_error_surfaces_at_its_batch():
+    it = Prefetched(CountingSource(fail_at=3), depth=2, workers=2).iter_from(0, 10)
+    assert [int(next(it)[0]) for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(ValueError, match=r"^criteo: /data/day_0_labels.npy row 12: label 7 is not 0 or 1$"):
+        next(it)
+    assert _wait_for(lambda: not _prefetch_threads())
+
+
+def test_abandoned_iterator_stops_its_threads():
+    it = Prefetched(CountingSource(delay_s=0.01), depth=2, workers=2).iter_from(0, None)
+    next(it)
+    assert _prefetch_threads()
+    del it
+    gc.collect()
+    assert _wait_for(lambda: not _prefetch_threads())
+
+
+def test_pinned_only_when_asked():
+    class Pinnable:
+        def __init__(self) -> None:
+            self.pinned = False
+
+        def pin_memory(self):
+            self.pinned = True
+            return self
+
+    assert all(b.pinned for b in PrefetchIterator(lambda s: Pinnable(), 0, 3, depth=2, pin_memory=True))
+    assert not any(b.pinned for b in PrefetchIterator(lambda s: Pinnable(), 0, 3, depth=2))
+
+
+def test_wrapper_passes_the_source_through():
+    src = CountingSource()
+    pre = Prefetched(src, depth=2)
+    assert pre.batch_size == 4 and int(pre.batch(7)[0]) == 7
+    with pytest.raises(ValueError, match="must be >= 1"):
+        PrefetchIterator(src.batch, 0, 1, depth=0)
+
+
+def _train(tmp_path, name, extra):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "anyrec.train", "model=dlrm_tiny", "data=criteo_npy",
+         f"data.path={tmp_path}/npy", "data.batch_size=16", "trainer.steps=12", "trainer.eval_every=6",
+         "trainer.eval_steps=3", "trainer.progress=false", "trainer.tensorboard=false",
+         "trainer.fingerprint_weights=true",
+         f"hydra.run.dir={tmp_path}/{name}", *extra],
+        cwd=tmp_path, capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return last_json_line(proc.stdout)
+
+
+def test_training_with_prefetch_is_bit_identical(tmp_path):
+    write_tsv(tmp_path / "day_0", 150)
+    assert preprocess_main([str(tmp_path / "day_0"), "--out-dir", str(tmp_path / "npy")]) == 0
+    plain = _train(tmp_path, "plain", ["data.prefetch=0"])
+    ahead = _train(tmp_path, "ahead", ["data.prefetch=3", "data.prefetch_workers=2"])
+    assert plain["final_loss"] == ahead["final_loss"] and plain["eval_auc"] == ahead["eval_auc"]
+    assert plain["weights_sha256"] == ahead["weights_sha256"]
+
+
+def test_pinned_batches_on_an_accelerator(tmp_path):
+    """GPU-only: prefetched Criteo batches are page-locked and copy to the device unchanged."""
+    backend = get_backend("auto")
+    if backend.device_type == "cpu":
+        pytest.skip("needs an accelerator (pinned memory)")
+    write_tsv(tmp_path / "day_0", 40)
+    assert preprocess_main([str(tmp_path / "day_0"), "--out-dir", str(tmp_path / "npy")]) == 0
+    model = ModelConfig(name="m", table_rows=[97] * 26)
+    data = DataConfig(name="criteo_npy", path=str(tmp_path / "npy"), train_files=["day_0"], batch_size=8)
+    src = build_source(model, data, 0, 0, 1, "train", pin_memory=True)
+    for step, b in enumerate(src.iter_from(0, 3)):
+        assert b.dense_features.is_pinned() and b.sparse_features.values().is_pinned()
+        on_device = b.to(backend.device(), non_blocking=True)
+        assert torch.equal(on_device.dense_features.cpu(), src.batch(step).dense_features)
+
+
+def test_prefetch_settings_are_checked():
+    for bad in ({"prefetch": -1}, {"prefetch_workers": 0}):
+        data = DataConfig(name="criteo_npy", path="/nonexistent", train_files=["day_0"], **bad)
+        with pytest.raises(ValueError, match="data.prefetch must be >= 0 and data.prefetch_workers >= 1"):
+            build_source(ModelConfig(name="m", table_rows=[5]), data, 0, 0, 1, "train")
