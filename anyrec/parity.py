@@ -49,6 +49,8 @@ from anyrec.trainer.trainer import Trainer
 
 FORMAT = "anyrec-parity/1"
 _WORKER_FLAG = "--parity-worker"
+_DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+             "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 @dataclass
@@ -213,7 +215,10 @@ def run_variant(base: list[str], variant: Variant, timeout_s: float) -> dict[str
                    f"--nproc_per_node={variant.nproc}", *worker_args]
         else:
             cmd = [sys.executable, *worker_args]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **variant.env}
+        # a fresh job: no rendezvous settings inherited from a surrounding (or finished) one
+        env = {k: v for k, v in os.environ.items()
+               if k not in _DIST_ENV and not k.startswith("TORCHELASTIC_")}
+        env.update({"PYTHONUNBUFFERED": "1", **variant.env})
         # own process group: a timeout takes torchrun's workers down with it
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                 start_new_session=True)

@@ -119,6 +119,8 @@ def test_trainer_starts_from_the_same_weights_on_every_kernel_and_plan(monkeypat
 
     for var, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1")):
         monkeypatch.setenv(var, value)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
     weights = []
     column_wise = ["planner.name=simple", "planner.sharding=column_wise"]
     for variant in (["backend.embedding_kernel=torch"], ["backend.embedding_kernel=fbgemm"],
