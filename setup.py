@@ -16,7 +16,7 @@ setup(
     description="Train DLRM-style recommendation models on NVIDIA, AMD and CPU from one code base",
     long_description=(here / "README.md").read_text(),
     long_description_content_type="text/markdown",
-    python_requires=">=3.10",
+    python_requires=">=3.11",  # enum.StrEnum
     packages=find_packages(include=["anyrec", "anyrec.*"]) + ["anyrec.configs"],
     # The Hydra config groups live at the repository root and ship inside the package.
     package_dir={"anyrec.configs": "configs"},

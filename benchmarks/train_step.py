@@ -3,6 +3,7 @@
     python benchmarks/train_step.py --small              # CPU-sized (seconds)
     python benchmarks/train_step.py                      # DLRMv2 shape: 26 x 1M x 128, batch 16384 (GPU)
     python benchmarks/train_step.py --small --no-compile --json out.json
+    python benchmarks/train_step.py --model dlrmv2_small --batch-size 1024 --no-compile --repeats 3
 
 Same batches (pre-generated, multi-hot, already on the device) for every contender, same MLPs,
 DCNv2 interaction, Adagrad and fp32 everywhere:
@@ -11,14 +12,20 @@ DCNv2 interaction, Adagrad and fp32 everywhere:
   torch eager       nn.EmbeddingBag tables (sparse grads) + Adagrad, the same dense modules
   torch compile     the same with torch.compile on everything after the lookups (inductor
                     cannot trace sparse-gradient EmbeddingBags)
+  anyrec loop       Trainer.train(): the real loop with its real data source (synthetic batches made
+                    on the device as it trains), input validation, loss checks and logging included
+The pipelined step and the whole loop run alternately `--repeats` times (shared machines are noisy);
+each pair's loop/step ratio is reported, the table shows the medians.
 Prints a table (samples/s and the ratio to plain eager) and writes JSON with `--json`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,6 +42,20 @@ from anyrec.models.mlp import MLP  # noqa: E402
 from anyrec.schema import load_model_config  # noqa: E402
 
 DLRMV2_HOT = load_model_config("dlrmv2").multi_hot  # MLPerf DLRMv2's ids per sample per feature
+
+
+def named_model(name: str) -> ModelConfig:
+    """A model from configs/model/NAME.yaml."""
+    from omegaconf import OmegaConf
+
+    from anyrec.config import config_dir
+
+    path = config_dir() / "model" / f"{name}.yaml"
+    if not path.is_file():
+        raise SystemExit(f"train_step.py: error: no model config {path}")
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    raw = OmegaConf.to_container(OmegaConf.load(path))
+    return ModelConfig(**{k: v for k, v in raw.items() if k in fields})
 
 
 def shapes(small: bool) -> tuple[ModelConfig, int]:
@@ -81,14 +102,18 @@ def plain_inputs(batch, device):
     return batch.dense_features.to(device), ids, offsets, batch.labels.to(device)
 
 
-def time_steps(step, n: int, warmup: int, sync) -> float:
+CPU_SECONDS: dict[str, float] = {}  # process CPU time of the last timed run, by contender
+
+
+def time_steps(step, n: int, warmup: int, sync, name: str = "") -> float:
     for i in range(warmup):
         step(i)
     sync()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for i in range(n):
         step(warmup + i)
     sync()
+    CPU_SECONDS[name] = time.process_time() - c0
     return time.perf_counter() - t0
 
 
@@ -112,14 +137,55 @@ def bench_plain(cfg: ModelConfig, batches, device, steps, warmup, compile_: bool
     return time_steps(step, steps, warmup, sync)
 
 
-def bench_anyrec(cfg: ModelConfig, batch_size: int, batches, steps, warmup, pipelined: bool) -> float:
+def anyrec_trainer(cfg: ModelConfig, batch_size: int, steps: int, pipelined: bool = True):
     from anyrec.trainer.trainer import Trainer
 
-    trainer = Trainer(AnyrecConfig(
+    return Trainer(AnyrecConfig(
         model=cfg, data=DataConfig(batch_size=batch_size),
         optim=OptimConfig(name="adagrad", embedding_lr=0.01, dense_lr=0.01),
         trainer=TrainerConfig(steps=steps, eval_steps=0, progress=False, tensorboard=False,
                               pipeline=pipelined, mixed_precision="fp32")))
+
+
+def bench_loop(cfg: ModelConfig, batch_size: int, steps: int, warmup: int) -> float:
+    """Seconds of `steps` steps of Trainer.train() after `warmup` steps of it (its own timer)."""
+    trainer = anyrec_trainer(cfg, batch_size, warmup)
+    try:
+        trainer.train()
+        trainer.cfg.trainer.steps = warmup + steps
+        c0 = time.process_time()
+        summary = trainer.train()
+        CPU_SECONDS["anyrec loop"] = time.process_time() - c0
+        assert summary["steps"] == warmup + steps
+        return summary["elapsed_s"]
+    finally:
+        trainer.close()
+
+
+HOST_SYNC_OPS = ("aten::_local_scalar_dense", "c10d::allreduce_", "c10d::broadcast_", "c10d::allgather_")
+
+
+def profile_loop(cfg: ModelConfig, batch_size: int, steps: int, warmup: int, rows: int = 12) -> dict:
+    """torch.profiler (CPU) over `steps` steady-state steps of Trainer.train(): the top ops by self
+    time and how often anything reads a device value on the host or runs a collective."""
+    trainer = anyrec_trainer(cfg, batch_size, warmup)
+    try:
+        trainer.train()
+        trainer.cfg.trainer.steps = warmup + steps
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            trainer.train()
+    finally:
+        trainer.close()
+    averages = prof.key_averages()
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=rows))
+    counts = {name: sum(e.count for e in averages if e.key == name) for name in HOST_SYNC_OPS}
+    print(f"host reads / collectives in {steps} steps + run end: " +
+          ", ".join(f"{k} {v}" for k, v in counts.items()))
+    return {"steps": steps, "host_sync_ops": counts}
+
+
+def bench_anyrec(cfg: ModelConfig, batch_size: int, batches, steps, warmup, pipelined: bool) -> float:
+    trainer = anyrec_trainer(cfg, batch_size, steps, pipelined)
     try:
         sync = trainer.backend.synchronize
         # On the device already, like the plain contenders' inputs (no host-to-device copy timed).
@@ -128,7 +194,7 @@ def bench_anyrec(cfg: ModelConfig, batch_size: int, batches, steps, warmup, pipe
             return time_steps(lambda i: trainer.train_step(batches[i % len(batches)]), steps, warmup, sync)
         trainer.model.train()
         it = iter([batches[i % len(batches)] for i in range(warmup + steps)])
-        return time_steps(lambda i: trainer.pipeline.progress(it), steps, warmup, sync)
+        return time_steps(lambda i: trainer.pipeline.progress(it), steps, warmup, sync, "anyrec pipelined")
     finally:
         trainer.close()
 
@@ -137,21 +203,31 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="CPU-sized shapes")
+    parser.add_argument("--model", default=None, help="a model config name instead (e.g. dlrmv2_small)")
+    parser.add_argument("--repeats", type=int, default=1, help="alternating pipelined/loop pairs")
+    parser.add_argument("--distinct-batches", type=int, default=8,
+                        help="pre-generated batches, cycled (the loop never repeats one: for a like-for-like "
+                             "loop/step ratio pass at least steps + warmup)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 20 small, 50 full)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=None)
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile contender")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--profile", action="store_true", help="only profile the whole loop's steady state")
     args = parser.parse_args(argv)
     from anyrec.backends import get_backend
 
     backend = get_backend("auto")
     device = backend.device(0)
     cfg, batch_size = shapes(args.small)
+    if args.model:
+        cfg = named_model(args.model)
     batch_size = args.batch_size or batch_size
     steps = args.steps or (20 if args.small else 50)
+    if args.profile:
+        return profile_loop(cfg, batch_size, steps, args.warmup)
     src = SyntheticCriteo(cfg, DataConfig(batch_size=batch_size), seed=0)
-    batches = [src.batch(i) for i in range(min(8, steps + args.warmup))]
+    batches = [src.batch(i) for i in range(min(args.distinct_batches, steps + args.warmup))]
 
     results: dict[str, float] = {}
     sync = backend.synchronize
@@ -160,11 +236,21 @@ def main(argv: list[str] | None = None) -> dict:
         ("torch compile", None if args.no_compile else
          lambda: bench_plain(cfg, batches, device, steps, args.warmup, True, sync)),
         ("anyrec eager", lambda: bench_anyrec(cfg, batch_size, batches, steps, args.warmup, False)),
-        ("anyrec pipelined", lambda: bench_anyrec(cfg, batch_size, batches, steps, args.warmup, True)),
     ]:
-        if fn is None:
-            continue
-        results[name] = steps * batch_size / fn()
+        if fn is not None:
+            results[name] = steps * batch_size / fn()
+    pairs = []
+    for _ in range(max(1, args.repeats)):
+        step_rate = steps * batch_size / bench_anyrec(cfg, batch_size, batches, steps, args.warmup, True)
+        loop_rate = steps * batch_size / bench_loop(cfg, batch_size, steps, args.warmup)
+        pairs.append({"anyrec pipelined": step_rate, "anyrec loop": loop_rate,
+                      "loop/step": loop_rate / step_rate,
+                      # CPU seconds per step: robust to other processes sharing the machine
+                      "loop/step cpu": CPU_SECONDS["anyrec pipelined"] / CPU_SECONDS["anyrec loop"]})
+    for name in ("anyrec pipelined", "anyrec loop"):
+        results[name] = statistics.median(p[name] for p in pairs)
+    loop_vs_step = statistics.median(p["loop/step"] for p in pairs)
+    loop_vs_step_cpu = statistics.median(p["loop/step cpu"] for p in pairs)
 
     base = results["torch eager"]
     print(f"train step, {cfg.name}: {len(cfg.table_rows)} tables x {cfg.table_rows[0]} rows x "
@@ -172,8 +258,14 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{'contender':<18}{'samples/s':>14}{'vs torch eager':>16}")
     for name, rate in results.items():
         print(f"{name:<18}{rate:>14,.0f}{rate / base:>15.2f}x")
+    print(f"loop/step (anyrec loop / anyrec pipelined, median of {len(pairs)}): {loop_vs_step:.3f}  "
+          f"[{', '.join(format(p['loop/step'], '.3f') for p in pairs)}]")
+    print(f"loop/step by process CPU time (median of {len(pairs)}): {loop_vs_step_cpu:.3f}  "
+          f"[{', '.join(format(p['loop/step cpu'], '.3f') for p in pairs)}]")
     out = {"model": cfg.name, "batch_size": batch_size, "steps": steps, "device": backend.describe(),
-           "samples_per_s": results, "ratio_vs_torch_eager": {k: v / base for k, v in results.items()}}
+           "samples_per_s": results, "ratio_vs_torch_eager": {k: v / base for k, v in results.items()},
+           "loop_vs_step": loop_vs_step, "loop_vs_step_cpu": loop_vs_step_cpu, "pairs": pairs,
+           "load_average": os.getloadavg()[0]}
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return out

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +14,27 @@ from pathlib import Path
 import pytest
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from anyrec.backends import get_backend
+
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "cpu_only: expects a host without an accelerator (skipped where anyrec detects one)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip `cpu_only` tests where the auto-detected backend is an accelerator."""
+    marked = [item for item in items if item.get_closest_marker("cpu_only")]
+    if not marked:
+        return
+    backend = get_backend("auto")
+    if backend.device_type == "cpu":
+        return
+    skip = pytest.mark.skip(reason=f"expects a CPU-only host; this one has {backend.describe()}")
+    for item in marked:
+        item.add_marker(skip)
 
 
 def compose_config(overrides: list[str] | None = None):
@@ -34,7 +56,19 @@ def torchrun(args: list[str], nproc: int = 2, timeout: float = 240, cwd: Path | 
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     full_env["PYTHONPATH"] = os.pathsep.join([str(ROOT), full_env.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd or ROOT, env=full_env)
+    # Its own session, so a timeout kills torchrun's workers too, not only torchrun.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=cwd or ROOT, env=full_env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # workers left behind by a torchrun that exited
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def last_json_line(stdout: str) -> dict:

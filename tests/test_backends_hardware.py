@@ -22,7 +22,11 @@ def test_auto_asks_the_backend():
     mi300x = DeviceFacts(cuda_available=True, hip_version="6.4", device_count=8,
                          device_name="AMD Instinct MI300X", arch="gfx942", memory_bytes=192 * 2**30)
     assert resolve_hardware("auto", backend=get_backend("auto", facts=mi300x)).name == "MI300X"
-    assert resolve_hardware("auto").vendor == "cpu"  # this machine
+
+
+@pytest.mark.cpu_only
+def test_auto_on_a_cpu_host_is_the_cpu():
+    assert resolve_hardware("auto").vendor == "cpu"
 
 
 def test_overrides_and_their_errors():

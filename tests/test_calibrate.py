@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from anyrec import calibrate
-from anyrec.backends import load_hardware_file, resolve_hardware
+from anyrec.backends import get_backend, load_hardware_file, resolve_hardware
 
 from .conftest import torchrun
 
@@ -19,9 +19,9 @@ def _check_file(path, world_size: int) -> dict:
     assert m["gemm_flops"]["fp32"] > 1e8 and m["gemm_flops"]["bf16"] > 1e7
     lookups = m["embedding_lookup_bw_bytes_per_s"]
     assert lookups["torch"]["fp32"] > 1e7 and lookups["fbgemm"]["fp32"] > 1e7
-    assert "skipped" in lookups["triton"]  # no Triton target on CPU
+    assert "skipped" in lookups["triton"]  # measured by the kernel benchmarks, not here
     spec = resolve_hardware(str(path))
-    assert spec.name.endswith("(calibrated)") and spec.vendor == "cpu"
+    assert spec.name.endswith("(calibrated)") and spec.vendor == get_backend("auto").device_spec().vendor
     assert spec.memory_bw_bytes_per_s == m["copy_bw_bytes_per_s"]
     assert spec.peak_fp32_flops == m["gemm_flops"]["fp32"]
     assert load_hardware_file(path).measurements["lookup_shape"]["dim"] == 64
@@ -36,12 +36,13 @@ def test_calibrate_writes_a_hardware_yaml(tmp_path, capsys):
     out = tmp_path / "sub" / "cal.yaml"
     assert calibrate.main([f"output={out}", "budget_s=0.05"]) == 0
     m = _check_file(out, world_size=1)
-    assert m["seconds"] < 60
     table = capsys.readouterr().out
-    assert "lookup fbgemm" in table and "gemm" in table and f"wrote {out}" in table
+    assert "lookup fbgemm" in table and "gemm" in table
+    assert f"wrote {out} in {m['seconds']:.1f} s" in table  # the time it reports is the one it stored
     assert not list(out.parent.glob(".*tmp*"))  # the atomic write left no temporary behind
 
 
+@pytest.mark.cpu_only  # two ranks on one host: one device each only without an accelerator
 def test_calibrate_under_torchrun_measures_collectives(tmp_path):
     out = tmp_path / "cal2.yaml"
     proc = torchrun(["-m", "anyrec.calibrate", f"output={out}", "budget_s=0.05"], nproc=2, cwd=tmp_path)

@@ -1,4 +1,4 @@
-"""Data sources: synthetic one-/multi-hot, Criteo TSV and npy (with torchrec's reader), preprocessing."""
+"""Data sources: Criteo TSV and npy (with torchrec's reader), preprocessing."""
 
 from __future__ import annotations
 
@@ -9,45 +9,13 @@ import pytest
 import torch
 
 from anyrec.config import DataConfig, ModelConfig
-from anyrec.data import build_source, resolve_batch_size
+from anyrec.data import build_source
 from anyrec.data.criteo import CriteoSource, read_tsv
 from anyrec.data.preprocess import main as preprocess_main
-from anyrec.data.synthetic import SyntheticCriteo
 
 ROWS = [50, 7, 300, 1, 64, 129]
 TINY = ModelConfig(name="t", embedding_dim=8, table_rows=ROWS, multi_hot=[1, 3, 2, 1, 5, 2],
                    bottom_mlp=[16, 8], top_mlp=[16, 1])
-
-
-def _per_feature(kjt):
-    return dict(zip(kjt.keys(), torch.split(kjt.values(), kjt.length_per_key()), strict=True))
-
-
-def test_synthetic_multi_hot_deterministic_and_in_range():
-    src = SyntheticCriteo(TINY, DataConfig(batch_size=16), seed=1, rank=0, world_size=2)
-    b = src.batch(3)
-    assert b.dense_features.shape == (16, 13) and b.labels.shape == (16,)
-    lengths = b.sparse_features.lengths().view(len(ROWS), 16)
-    assert lengths[:, 0].tolist() == [1, 3, 2, 1, 5, 2]
-    for rows, ids in zip(ROWS, _per_feature(b.sparse_features).values(), strict=True):
-        assert 0 <= int(ids.min()) and int(ids.max()) < rows
-    again = SyntheticCriteo(TINY, DataConfig(batch_size=16), seed=1, rank=0, world_size=2).batch(3)
-    assert torch.equal(again.sparse_features.values(), b.sparse_features.values())
-    other_rank = SyntheticCriteo(TINY, DataConfig(batch_size=16), seed=1, rank=1, world_size=2).batch(3)
-    assert not torch.equal(other_rank.dense_features, b.dense_features)
-
-
-def test_synthetic_id_range_scale_makes_out_of_range_ids():
-    src = SyntheticCriteo(TINY, DataConfig(batch_size=256, id_range_scale=2.0), seed=0)
-    ids = _per_feature(src.batch(0).sparse_features)
-    assert any(int(v.max()) >= rows for rows, v in zip(ROWS, ids.values(), strict=True))
-    assert all(int(v.max()) < 2 * rows for rows, v in zip(ROWS, ids.values(), strict=True))
-
-
-def test_global_batch_size():
-    assert resolve_batch_size(DataConfig(global_batch_size=512), 2).batch_size == 256
-    with pytest.raises(ValueError, match="multiple of the world size"):
-        resolve_batch_size(DataConfig(global_batch_size=513), 2)
 
 
 def _row(label, dense, sparse):

@@ -41,7 +41,7 @@ def test_cpu_auto_choices_are_logged_once(caplog):
     b = get_backend("cpu")
     kernels = b.select_kernels(BackendConfig())
     assert kernels == {"embedding": "fbgemm", "interaction": "torch", "dcn_cross": "torch",
-                       "collectives": "gloo"}
+                       "collectives": "gloo", "sparse_ops": "fbgemm"}
     b.select_kernels(BackendConfig())
     get_backend("cpu").select_kernels(BackendConfig())
     assert caplog.text.count("op embedding -> fbgemm (fallback chain: fbgemm > torch > triton)") == 1

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = ROOT / "benchmarks" / "gpu_suite.py"
 
@@ -29,22 +31,29 @@ def _run(tmp_path: Path, args: list[str], block: bool = False) -> tuple[subproce
     return proc, report
 
 
+@pytest.mark.cpu_only  # expects "GPU: not run"
 def test_gpu_suite_small_on_cpu(tmp_path):
     proc, rep = _run(tmp_path, ["--small", "--execution", "torch"])
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     s = rep["sections"]
     assert {k: v["status"] for k, v in s.items()} == {k: "ok" for k in
-                                                      ("env", "correctness", "tbe", "dlrm_tbe", "dlrm_ebc")}
+                                                      ("env", "correctness", "tbe", "dlrm_tbe", "dlrm_ebc",
+                                                       "dlrm_sharded")}
     assert all(c["ok"] for k, c in s["correctness"].items() if isinstance(c, dict))
     assert s["dlrm_tbe"]["samples_per_s"] > 0 and s["dlrm_ebc"]["fbgemm_ops_called"] == []
+    # The sharded world-size-1 path: its fbgemm:: calls (KJT permute, offsets) all on portable kernels.
+    assert s["dlrm_sharded"]["served_by_portable"] and s["dlrm_sharded"]["samples_per_s"] > 0
+    assert "fbgemm::permute_2D_sparse_data" in s["dlrm_sharded"]["fbgemm_ops_called"]
     assert (tmp_path / "tbe.json").exists() and "GPU: not run" in proc.stdout
 
 
 def test_gpu_suite_without_torchrec_or_fbgemm(tmp_path):
-    proc, rep = _run(tmp_path, ["--small", "--only", "correctness,dlrm_tbe,dlrm_ebc"], block=True)
+    only = "correctness,dlrm_tbe,dlrm_ebc,dlrm_sharded"
+    proc, rep = _run(tmp_path, ["--small", "--only", only], block=True)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     s = rep["sections"]
     assert s["correctness"]["status"] == "ok" and s["dlrm_tbe"]["status"] == "ok"
-    assert s["dlrm_ebc"]["status"] == "skipped" and "torchrec does not import" in s["dlrm_ebc"]["skipped"]
+    for name in ("dlrm_ebc", "dlrm_sharded"):
+        assert s[name]["status"] == "skipped" and "torchrec does not import" in s[name]["skipped"]
     assert "does not import" in s["env"]["torchrec"]
     assert "dlrm_ebc: SKIPPED" in proc.stdout

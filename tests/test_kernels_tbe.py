@@ -18,6 +18,9 @@ from anyrec.kernels.torch_tbe import stochastic_round_torch
 # dims 4/36/100/260, a one-row table, and a table read by two features
 SPECS = [(6, 4), (1, 36), (9, 100), (5, 260), (7, 4)]
 FTM = [0, 1, 2, 3, 4, 0]
+# every dim within one 128-wide tile (the Triton kernel's one-pass row-wise Adagrad)
+SPECS_ONE_TILE = [(6, 4), (1, 36), (9, 100), (7, 4)]
+FTM_ONE_TILE = [0, 1, 2, 3, 0]
 ALL_OPTS = [
     OptimizerConfig("sgd", lr=0.1),
     OptimizerConfig("rowwise_adagrad", lr=0.1, eps=1e-6),
@@ -87,16 +90,16 @@ def test_forward_low_precision_weights(weights_dtype, output_dtype):
                                atol=1e-2 if output_dtype == torch.bfloat16 else 1e-6)
 
 
-def check_fused_update(execution, opt, pooling, batch):
+def check_fused_update(execution, opt, pooling, batch, specs=SPECS, ftm=FTM):
     """Three fused steps (one with per-sample weights) match the reference weights and state."""
-    m = TritonTableBatchedEmbedding(SPECS, FTM, optimizer=opt, pooling=pooling, execution=execution)
+    m = TritonTableBatchedEmbedding(specs, ftm, optimizer=opt, pooling=pooling, execution=execution)
     tables0 = [w.clone() for w in m.split_embedding_weights()]
     batches = []
     for s in range(3):
-        ids, off, psw = make_batch(SPECS, FTM, batch, seed=10 + s, psw=s == 1)
+        ids, off, psw = make_batch(specs, ftm, batch, seed=10 + s, psw=s == 1)
         batches.append((ids, off, psw, torch.randn(batch, m.layout.output_dim)))
     train(m, batches)
-    want_w, want_s = reference_steps(tables0, FTM, batches, opt, pooling)
+    want_w, want_s = reference_steps(tables0, ftm, batches, opt, pooling)
     for t, (w, s) in enumerate(zip(m.split_embedding_weights(), m.get_optimizer_state(), strict=True)):
         torch.testing.assert_close(w, want_w[t], rtol=1e-5, atol=1e-6, msg=f"table {t} weights")
         for k, v in s.items():
@@ -109,6 +112,47 @@ def check_fused_update(execution, opt, pooling, batch):
 def test_fused_update_matches_reference(opt, pooling):
     m = check_fused_update("torch", opt, pooling, batch=4)
     assert float(m.step) == 3
+
+
+# Every rule with L2 weight decay large enough to move each row well past the tolerance.
+WD_OPTS = [OptimizerConfig(o.kind, lr=o.lr, eps=o.eps, beta1=o.beta1, beta2=o.beta2, weight_decay=0.5)
+           for o in ALL_OPTS]
+
+
+@pytest.mark.parametrize("opt", WD_OPTS, ids=lambda o: o.kind.value)
+def test_fused_update_with_weight_decay(opt):
+    check_fused_update("torch", opt, "sum", batch=4)
+
+
+def check_pooling_by_hand(execution, pooling, with_psw):
+    """Pooled outputs and one SGD step worked out by hand for three bags ([0, 1, 1], [], [2]).
+
+    Independent of `reference`, whose bag scaling the torch path shares: dropping the mean's
+    division or the per-sample weights in either fails here.
+    """
+    w0_RD = torch.arange(1.0, 13.0).view(3, 4)
+    m = TritonTableBatchedEmbedding([(3, 4)], optimizer=OptimizerConfig("sgd", lr=1.0), pooling=pooling,
+                                    execution=execution)
+    with torch.no_grad():
+        m.weight.copy_(w0_RD.reshape(-1))
+    ids, off = torch.tensor([0, 1, 1, 2]), torch.tensor([0, 3, 3, 4])
+    psw = torch.tensor([2.0, 3.0, 0.5, 4.0]) if with_psw else None
+    s0, s1, s2 = (2.0, 3.5, 4.0) if with_psw else (1.0, 2.0, 1.0)  # each row's factor in its bag
+    n0, n2 = (3.0, 1.0) if pooling == "mean" else (1.0, 1.0)  # ids per bag divide under mean
+    want = torch.stack([(s0 * w0_RD[0] + s1 * w0_RD[1]) / n0, torch.zeros(4), s2 * w0_RD[2] / n2])
+    out = m(ids, off, psw)
+    torch.testing.assert_close(out, want)
+    g_BD = torch.tensor([[1.0, -1.0, 2.0, 0.5], [9.0, 9.0, 9.0, 9.0], [-2.0, 1.0, 0.25, 3.0]])
+    out.backward(g_BD)
+    want_w = torch.stack([w0_RD[0] - s0 / n0 * g_BD[0], w0_RD[1] - s1 / n0 * g_BD[0],
+                          w0_RD[2] - s2 / n2 * g_BD[2]])
+    torch.testing.assert_close(m.split_embedding_weights()[0], want_w)
+
+
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+@pytest.mark.parametrize("with_psw", [False, True], ids=["no_psw", "psw"])
+def test_pooling_and_per_sample_weights_by_hand(pooling, with_psw):
+    check_pooling_by_hand("torch", pooling, with_psw)
 
 
 def test_weight_decay_and_lr_change():
@@ -217,6 +261,29 @@ def test_stochastic_rounding_is_unbiased():
         assert bool(((y == lo) | (y == hi)).all())
         frac_up = float((y == hi).float().mean())
         assert abs(frac_up - 0.3) < 0.02, (dtype, frac_up)
+
+
+def check_stochastic_rounding_in_update(execution, weights_dtype):
+    """An SGD step of 0.3 ulp on weights of 1.0: stochastic rounding moves about 30% of the elements
+    up one ulp and leaves the rest (round-to-nearest would move none)."""
+    torch.manual_seed(0)
+    rows, dim = 128, 16
+    m = TritonTableBatchedEmbedding([(rows, dim)], optimizer=OptimizerConfig("sgd", lr=1.0),
+                                    weights_dtype=weights_dtype, execution=execution)
+    with torch.no_grad():
+        m.weight.fill_(1.0)
+    ulp = torch.finfo(weights_dtype).eps  # the spacing just above 1.0
+    ids, off = torch.arange(rows), torch.arange(rows + 1)  # each row alone in its bag
+    train(m, [(ids, off, None, torch.full((rows, dim), -0.3 * ulp))])
+    w = m.weight.float()
+    up = w == 1.0 + ulp
+    assert bool((up | (w == 1.0)).all())
+    assert 0.2 < float(up.float().mean()) < 0.4, float(up.float().mean())
+
+
+@pytest.mark.parametrize("weights_dtype", [torch.float16, torch.bfloat16])
+def test_stochastic_rounding_in_update(weights_dtype):
+    check_stochastic_rounding_in_update("torch", weights_dtype)
 
 
 def test_fp16_training_with_stochastic_rounding_tracks_fp32():

@@ -24,6 +24,9 @@ STEPS = 3
 TABLES = {"t0": (8, 8, ["f0", "f2"]), "t1": (10, 8, ["f1"])}  # rows, dim, features
 FEATURES = ["f0", "f1", "f2"]
 FEATURE_TABLE = {"f0": "t0", "f1": "t1", "f2": "t0"}
+# shards of weights (and as many of optimizer state) each rank holds: one table each under table-wise,
+# a piece of both tables otherwise
+SHARDS_PER_RANK = {"table_wise": 1, "row_wise": 2, "column_wise": 2}
 
 
 def _free_port() -> int:
@@ -171,9 +174,12 @@ def _worker(sharding: str, optimizer: str) -> None:
                  for w, s, gr, tc in zip(ref_w, ref_state, row_g, touched, strict=True)]
 
     sd = model.state_dict()
+    weight_shards = 0
     for i, n in enumerate(names):
         for t, sl in local_shards(sd[f"embedding_bags.{n}.weight"]):
             torch.testing.assert_close(t, ref_w[i][sl], rtol=1e-5, atol=1e-6, msg=f"{n} weights {sl}")
+            weight_shards += 1
+    assert weight_shards == SHARDS_PER_RANK[sharding], weight_shards
     osd = model.fused_optimizer.state_dict()["state"]
     checked = 0
     for i, n in enumerate(names):
@@ -187,6 +193,7 @@ def _worker(sharding: str, optimizer: str) -> None:
                 continue
             torch.testing.assert_close(t, want[sl[: want.dim()]], rtol=1e-5, atol=1e-7, msg=f"{n} state")
             checked += 1
+    assert checked == SHARDS_PER_RANK[sharding], f"{checked} state shards checked"
     print(f"rank {rank}: {sharding} ok, {checked} state shards checked", flush=True)
     print("RANK OK", flush=True)
     del model, out, loss, sd, osd

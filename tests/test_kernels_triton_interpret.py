@@ -30,8 +30,13 @@ else:
     from tests.test_kernels_tbe import (
         ALL_OPTS,
         FTM,
+        FTM_ONE_TILE,
         SPECS,
+        SPECS_ONE_TILE,
+        WD_OPTS,
         check_fused_update,
+        check_pooling_by_hand,
+        check_stochastic_rounding_in_update,
         make_batch,
         reference_steps,
         train,
@@ -73,6 +78,24 @@ else:
         monkeypatch.setattr(triton_tbe_backward, "LONG_SEGMENT", long_segment)
         pooling = "mean" if opt.kind.value == "adagrad" else "sum"
         check_fused_update("triton", opt, pooling, batch=3)
+
+    @pytest.mark.parametrize("opt", WD_OPTS, ids=lambda o: o.kind.value)
+    def test_fused_update_with_weight_decay(opt):
+        check_fused_update("triton", opt, "sum", batch=3)
+
+    @pytest.mark.parametrize("opt", ALL_OPTS, ids=lambda o: o.kind.value)
+    def test_fused_update_one_tile(opt):
+        """Dims that fit one tile: row-wise Adagrad's one-pass path (SPECS' 260 needs two tiles)."""
+        check_fused_update("triton", opt, "sum", batch=3, specs=SPECS_ONE_TILE, ftm=FTM_ONE_TILE)
+
+    @pytest.mark.parametrize("pooling", ["sum", "mean"])
+    @pytest.mark.parametrize("with_psw", [False, True], ids=["no_psw", "psw"])
+    def test_pooling_and_per_sample_weights_by_hand(pooling, with_psw):
+        check_pooling_by_hand("triton", pooling, with_psw)
+
+    @pytest.mark.parametrize("weights_dtype", [torch.float16, torch.bfloat16])
+    def test_stochastic_rounding_in_update(weights_dtype):
+        check_stochastic_rounding_in_update("triton", weights_dtype)
 
     def test_skip_mode_masks_out_of_range_ids():
         t, p = both(bounds_check="skip", optimizer=OptimizerConfig("rowwise_adagrad", lr=0.1))

@@ -20,8 +20,10 @@ def _errors(proc):
 
 
 def test_nan_loss_stops_at_that_step(tmp_path):
-    # The NaN is injected on rank 0 only: rank 1 must stop at the same step (all-reduced check).
-    proc = torchrun([*BASE, "trainer.steps=8", "data.inject_nan_at_step=3", f"hydra.run.dir={tmp_path}"],
+    # The NaN is injected on rank 0 only: rank 1 must stop too, naming the same step (the deferred
+    # check is all-reduced at the chunk's end). Input validation off: it would name the NaN input first.
+    proc = torchrun([*BASE, "trainer.steps=8", "data.inject_nan_at_step=3", "trainer.validate_inputs=false",
+                     f"hydra.run.dir={tmp_path}"],
                     cwd=tmp_path, timeout=180)
     assert proc.returncode != 0
     lines = _errors(proc)
@@ -31,12 +33,21 @@ def test_nan_loss_stops_at_that_step(tmp_path):
 
 def test_nan_batch_skipped_when_asked(tmp_path):
     proc = torchrun([*BASE, "trainer.steps=8", "data.inject_nan_at_step=3", "trainer.skip_nonfinite=true",
-                     f"hydra.run.dir={tmp_path}"], cwd=tmp_path, timeout=180)
+                     "trainer.validate_inputs=false", f"hydra.run.dir={tmp_path}"], cwd=tmp_path, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = last_json_line(proc.stdout)
     assert s["steps"] == 8 and s["skipped_batches"] == 1
     # finite: the NaN never reached the weights
     assert s["final_loss"] is not None and math.isfinite(s["final_loss"])
+
+
+def test_nan_input_is_named_by_the_validator(tmp_path):
+    proc = torchrun([*BASE, "trainer.steps=8", "data.inject_nan_at_step=3", f"hydra.run.dir={tmp_path}"],
+                    cwd=tmp_path, timeout=180)
+    assert proc.returncode != 0
+    lines = _errors(proc)
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert "bad input at step 4 (rank 0): 1 dense values are NaN or infinite" in lines[0]
 
 
 def test_out_of_range_ids_fail_on_every_rank(tmp_path):

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from anyrec.config import OptimConfig
+from anyrec.trainer.errors import NonFiniteLossError
 from anyrec.trainer.schedule import WarmupPolyDecay
-from anyrec.trainer.validate import InputValidator, check_batch
+from anyrec.trainer.validate import InputValidator, NonFiniteGuard, check_batch
+
+from .conftest import OpRecorder
 
 NAMES, ROWS = ["cat_0", "cat_1"], [10, 5]
 
@@ -21,6 +26,12 @@ def _batch(ids0, ids1, keys=NAMES, dense=13):
     return Batch(dense_features=torch.zeros(B, dense), sparse_features=kjt, labels=torch.zeros(B))
 
 
+def _labelled(batch, labels=None, dense=None):
+    return Batch(dense_features=batch.dense_features if dense is None else dense,
+                 sparse_features=batch.sparse_features,
+                 labels=batch.labels if labels is None else labels)
+
+
 def test_check_batch():
     assert check_batch(_batch([0, 9], [4, 0]), NAMES, ROWS, 13) is None
     assert check_batch(_batch([0, 10], [4, 0]), NAMES, ROWS, 13) == (
@@ -29,14 +40,56 @@ def test_check_batch():
     assert "the data has 2 sparse features, the model has 3 tables" in check_batch(
         _batch([0, 1], [0, 0]), [*NAMES, "cat_2"], [*ROWS, 3], 13)
     assert "12 dense features" in check_batch(_batch([0, 1], [0, 0], dense=12), NAMES, ROWS, 13)
+    good = _batch([0, 1], [0, 0])
+    assert check_batch(_labelled(good, labels=torch.tensor([1.0, 7.0])), NAMES, ROWS, 13) == (
+        "1 labels are not 0 or 1")
+    nan = torch.zeros(2, 13)
+    nan[1, 4], nan[0, 0] = math.nan, math.inf
+    assert check_batch(_labelled(good, dense=nan), NAMES, ROWS, 13) == "2 dense values are NaN or infinite"
+    wrong_shape = _labelled(good, labels=torch.zeros(2, 1))
+    assert "labels have shape (2, 1)" in check_batch(wrong_shape, NAMES, ROWS, 13)
+    assert "dense features must be floating point" in check_batch(
+        _labelled(good, dense=torch.zeros(2, 13, dtype=torch.int64)), NAMES, ROWS, 13)
 
 
-def test_validator_raises_value_error_naming_step():
+def test_validator_reports_the_first_bad_step_at_flush_without_syncing():
     v = InputValidator(NAMES, ROWS, 13, torch.device("cpu"))
-    batches = v.wrap([_batch([0], [0]), _batch([0], [7])], first_step=4)
+    good, bad_ids = _batch([0, 1], [0, 0]), _batch([0, 1], [0, 7])
+    bad_labels = _labelled(good, labels=torch.tensor([0.0, 2.0]))
+    with OpRecorder() as rec:
+        drawn = list(v.wrap([good, bad_labels, bad_ids, good], first_step=4))
+    assert len(drawn) == 4 and len(rec.ops) > 10  # nothing raised while drawing: found later
+    assert not any("_local_scalar_dense" in op for op in rec.ops)  # no value read back to the host
+    with pytest.raises(ValueError, match=r"^bad input at step 6: 1 labels are not 0 or 1$"):
+        v.flush()
+    v.flush()  # the findings were consumed: nothing pending, nothing raised
+    list(v.wrap([good, good, bad_ids], first_step=0, what="eval batch"))
+    with pytest.raises(ValueError, match=r"at eval batch 3: feature cat_1: id 7 out of range"):
+        v.flush()
+
+
+def test_validator_raises_metadata_problems_at_once():
+    v = InputValidator(NAMES, ROWS, 13, torch.device("cpu"))
+    batches = v.wrap([_batch([0], [0]), _batch([0], [0], dense=5)], first_step=0)
     next(batches)
-    with pytest.raises(ValueError, match=r"bad input at step 6: feature cat_1: id 7 out of range"):
+    with pytest.raises(ValueError, match=r"bad input at step 2: the data has 5 dense features"):
         next(batches)
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_nonfinite_guard(skip):
+    g = NonFiniteGuard(skip=skip, device=torch.device("cpu"))
+    losses = [torch.tensor(0.5), torch.tensor(math.nan), torch.tensor(0.4), torch.tensor(math.inf)]
+    with OpRecorder() as rec:
+        run_backward = [g.observe(loss, step) for step, loss in enumerate(losses, start=10)]
+    host_reads = sum("_local_scalar_dense" in op for op in rec.ops)
+    if skip:  # the decision is needed before the backward: one read per step, and NaN/inf skipped
+        assert run_backward == [True, False, True, False] and host_reads == 4
+        g.flush()
+        return
+    assert run_backward == [True] * 4 and host_reads == 0
+    with pytest.raises(NonFiniteLossError, match=r"non-finite loss at step 12;"):
+        g.flush()
 
 
 def test_warmup_poly_decay():

@@ -85,6 +85,7 @@ class GPUBackend(Backend):
         "interaction": ("triton", "torch"),
         "dcn_cross": ("triton", "torch"),
         "collectives": ("nccl", "gloo"),
+        "sparse_ops": ("fbgemm", "portable"),
     }
 
     @classmethod

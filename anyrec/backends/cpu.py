@@ -30,6 +30,7 @@ class CPUBackend(Backend):
         "interaction": ("torch", "triton"),
         "dcn_cross": ("torch", "triton"),
         "collectives": ("gloo",),
+        "sparse_ops": ("fbgemm", "portable"),
     }
 
     @classmethod

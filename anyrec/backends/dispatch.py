@@ -1,7 +1,8 @@
 """Op dispatch: one `Impl` record per (op, implementation), and the backend's choice among them.
 
-An op (`embedding`, `interaction`, `dcn_cross`, `collectives`) has implementations named after the
-library that provides them (`fbgemm`, `triton`, `torch`, `nccl`, `gloo`, or a plugin's own). Each is
+An op (`embedding`, `interaction`, `dcn_cross`, `collectives`, `sparse_ops`) has implementations named
+after the library that provides them (`fbgemm`, `triton`, `torch`, `nccl`, `gloo`, `portable`, or a
+plugin's own). Each is
 one `Impl` record, registered here or by a plugin (`register_impl`, or the `anyrec.impls` entry-point
 group): its probe, the builder of its module or sharder, and for `embedding` the torchrec compute
 kernel per placement, data-parallel support, optimizer-state layout and performance profile. The
@@ -48,6 +49,7 @@ class Op:
     name: str
     config_key: str | None
     description: str
+    default_order: tuple[str, ...] = ()  # for backends whose kernel_order does not list the op
 
 
 OPS: dict[str, Op] = {
@@ -56,6 +58,9 @@ OPS: dict[str, Op] = {
     "interaction": Op("interaction", "interaction_kernel", "DLRM pairwise dot interaction"),
     "dcn_cross": Op("dcn_cross", "dcn_kernel", "DCNv2 low-rank cross layers"),
     "collectives": Op("collectives", None, "torch.distributed process-group backend"),
+    # torchrec's KJT permutes, offsets and bucketisation, pooled-embedding permutes (sparse_ops.py).
+    "sparse_ops": Op("sparse_ops", "sparse_ops", "FBGEMM sparse ops of torchrec's input/output distribution",
+                     default_order=("fbgemm", "portable")),
 }
 
 
@@ -166,6 +171,16 @@ class Impl:
 
 # torch dispatch keys per device type (ROCm registers its kernels under CUDA).
 _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA", "xpu": "XPU", "mtia": "MTIA", "mps": "MPS"}
+
+
+def dispatch_key(device_type: str) -> str:
+    """torch's dispatch key for a device type; a renamed PrivateUse1 device maps to PrivateUse1."""
+    if device_type in _DISPATCH_KEYS:
+        return _DISPATCH_KEYS[device_type]
+    if device_type == torch._C._get_privateuse1_backend_name():
+        return "PrivateUse1"
+    return device_type.upper()
+
 # Any one of these with a kernel for the device means FBGEMM's training TBE runs there.
 _FBGEMM_TBE_OPS = (
     "fbgemm::split_embedding_codegen_forward_unweighted_cuda",
@@ -174,20 +189,42 @@ _FBGEMM_TBE_OPS = (
 )
 
 
-def probe_fbgemm(backend: Backend) -> str | None:
-    """FBGEMM's TBE ops are importable and have kernels for this backend's device type."""
+def _fbgemm_load_error() -> str | None:
     if importlib.util.find_spec("fbgemm_gpu") is None:
         return "fbgemm_gpu is not installed"
     try:
         importlib.import_module("fbgemm_gpu")
     except Exception as e:  # a mismatched wheel fails with OSError/RuntimeError on load
         return f"fbgemm_gpu failed to load ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
-    key = _DISPATCH_KEYS.get(backend.device_type, backend.device_type.upper())
+    return None
+
+
+def probe_fbgemm(backend: Backend) -> str | None:
+    """FBGEMM's TBE ops are importable and have kernels for this backend's device type."""
+    reason = _fbgemm_load_error()
+    if reason is not None:
+        return reason
+    key = dispatch_key(backend.device_type)
     names = set(torch._C._dispatch_get_all_op_names())
     for op in _FBGEMM_TBE_OPS:
         if op in names and torch._C._dispatch_has_kernel_for_dispatch_key(op, key):
             return None
     return f"fbgemm_gpu has no TBE kernels for {backend.device_type} (wrong fbgemm_gpu build?)"
+
+
+def probe_fbgemm_sparse_ops(backend: Backend) -> str | None:
+    """fbgemm_gpu loads and has a kernel for the device for every sparse op (anyrec.backends.sparse_ops)."""
+    reason = _fbgemm_load_error()
+    if reason is not None:
+        return reason
+    from anyrec.backends.sparse_ops import SPARSE_OPS, missing_kernels  # it imports this module
+
+    key = dispatch_key(backend.device_type)
+    missing = missing_kernels(key)
+    if missing:
+        return (f"fbgemm_gpu has no {key} kernel for {len(missing)} of {len(SPARSE_OPS)} sparse ops "
+                f"({', '.join(missing)})")
+    return None
 
 
 def probe_triton(backend: Backend) -> str | None:
@@ -298,6 +335,10 @@ BUILTIN_IMPLS: tuple[Impl, ...] = (
     Impl("dcn_cross", "torch", "anyrec.models.interaction:LowRankCrossNet"),
     Impl("collectives", "nccl", probe=probe_nccl),
     Impl("collectives", "gloo", probe=probe_gloo),
+    Impl("sparse_ops", "fbgemm", probe=probe_fbgemm_sparse_ops,
+         description="FBGEMM's kernels for torchrec's KJT permutes, offsets, bucketisation, pooled permutes"),
+    Impl("sparse_ops", "portable",
+         description="anyrec's pure-torch kernels for them, registered with torch.library (sparse_ops.py)"),
 )
 
 _impls: dict[tuple[str, str], Impl] = {(i.op, i.name): i for i in BUILTIN_IMPLS}
@@ -432,7 +473,7 @@ def select(backend: Backend, op: str, requested: str = "auto") -> str:
     """
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; known: {', '.join(OPS)}")
-    order = backend.kernel_order.get(op, ())
+    order = backend.kernel_order.get(op) or OPS[op].default_order
     if not order:
         raise ValueError(f"backend {backend.name} lists no implementation for op {op}")
     setting = f"backend.{OPS[op].config_key}" if OPS[op].config_key else f"op {op}"
@@ -472,5 +513,6 @@ def _log_once(backend: Backend, op: str, impl: str, why: str) -> None:
 def select_all(backend: Backend, requested: dict[str, str] | None = None) -> dict[str, str]:
     """Every op's implementation; `requested` maps op name to a forced implementation or 'auto'."""
     requested = requested or {}
-    return {op: select(backend, op, requested.get(op, "auto")) for op in OPS if op in backend.kernel_order}
+    return {op: select(backend, op, requested.get(op, "auto")) for op in OPS
+            if op in backend.kernel_order or OPS[op].default_order}
 

@@ -42,6 +42,7 @@ class Backend(abc.ABC):
         "interaction": ("triton", "torch"),
         "dcn_cross": ("triton", "torch"),
         "collectives": ("gloo",),
+        "sparse_ops": ("fbgemm", "portable"),
     }
 
     def __init__(self, facts: DeviceFacts | None = None) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
+import torch
 from torchrec.datasets.utils import Batch
 
 from anyrec.config import DataConfig, ModelConfig
@@ -40,13 +41,14 @@ def resolve_batch_size(data: DataConfig, world_size: int) -> DataConfig:
 
 
 def build_source(model: ModelConfig, data: DataConfig, seed: int, rank: int, world_size: int,
-                 split: str, pin_memory: bool = False) -> DataSource:
+                 split: str, pin_memory: bool = False, device: torch.device | None = None) -> DataSource:
     """The source named by `data.name` for one rank and split ("train" or "eval"); file sources make
-    `data.prefetch` batches ahead in background threads (into pinned memory with `pin_memory`)."""
+    `data.prefetch` batches ahead in background threads (into pinned memory with `pin_memory`);
+    synthetic batches are made on `device` (the training device)."""
     if data.name == "synthetic":
         from anyrec.data.synthetic import SyntheticCriteo  # a source loads only when chosen
 
-        return SyntheticCriteo(model, data, seed, rank, world_size, split=split)
+        return SyntheticCriteo(model, data, seed, rank, world_size, split=split, device=device)
     if data.name in ("criteo_tsv", "criteo_npy", "criteo_multihot"):
         from anyrec.data.criteo import CriteoSource  # a source loads only when chosen (numpy, iopath)
 

@@ -1,9 +1,35 @@
-"""Deterministic synthetic Criteo-shaped data: power-law ids and a hidden, learnable click model.
+"""Deterministic synthetic Criteo-shaped data, generated on the device that consumes it.
 
-Every batch is a pure function of (seed, split, step, rank): ranks read disjoint slices, reruns and
-resumes see the same samples. Labels come from a fixed logistic "teacher": a hashed weight per
-(feature, id) plus a linear term on the dense features, so a model can learn it and reach a real AUC.
-Legend: B batch per rank, I dense features, F sparse features, L ids per sample of one feature.
+Sample `n` of a split is a pure function of (seed, split, n, feature, slot), where n is the sample's
+global position: global step s is one global batch of G = batch x world size samples, rank r takes
+samples s*G + r*B .. s*G + r*B + B - 1. So 1 rank x 512 and 2 ranks x 256 train on the same samples,
+and resumes and reruns see the same data.
+
+How a batch is made (a fixed number of vectorised ops, whatever the number of features):
+  - each sample's index is hashed to 32 bits (murmur3 finaliser, int64 tensors holding 32-bit values);
+  - every (sample, slot) gets h = sample_hash * slot_multiplier (a 63-bit product: exact in int64);
+    bits 18..31 of h pick one of 2^14 popularity buckets of the feature, bits 32..49 a uniform offset
+    inside the bucket's block of ids;
+  - the buckets come from the power law's inverse CDF, P(rank k) ~ 1/(k+1)^zipf_exponent, computed
+    once on the host in float64: bucket b covers the quantiles [b/2^14, (b+1)/2^14), so the law holds to
+    1/2^14 of probability mass per bucket, and uniformly within a bucket's block of ranks (at most 2^18
+    distinct offsets in a block). Blocks of ranks are scattered over the id range by a seeded shuffle,
+    so popular ids are not the small ones;
+  - labels come from a hidden logistic teacher: a fixed-point weight per (feature, block of ids) (each
+    id's weight is its block's) plus a linear term on the dense features; the fixed-point logit indexes a
+    table of click probabilities, compared with a 32-bit hash of the sample. A model can learn it;
+    `signal_scale` is the logit's standard deviation.
+  - dense features are a normal quantile table of 2^12 levels (float32, built on the host), indexed by
+    hashed bits; the teacher's dense term uses the same levels in fixed point.
+
+Exactness across devices: ids, lengths, labels and dense values are bit-identical on every device
+(CPU, CUDA, ROCm) for the same seed: the per-batch maths is int64 arithmetic on values below 2^63
+(multiply, shift, mask, add, gather, integer sums) and dense values are gathered from a float32 table.
+The host-side tables (inverse CDF, normal quantiles, sigmoid) are computed in float64 with the host's
+libm and rounded; they are statistically identical everywhere and bit-identical across hosts whose libm
+agrees on those values (floor/round boundaries would have to fall within 1 ulp to differ).
+Legend: B batch per rank, S id slots per sample (sum of multi_hot), F sparse features, I dense features,
+K buckets per feature.
 """
 
 from __future__ import annotations
@@ -20,10 +46,19 @@ from anyrec.schema import feature_names, ids_per_sample
 
 _SPLITS = {"train": 0, "eval": 1}
 _MASK32 = 0xFFFFFFFF
+_BUCKET_BITS = 14  # popularity buckets per feature
+_OFFSET_BITS = 18  # uniform offset of an id inside its bucket's block
+_DENSE_BITS = 12  # levels of the dense features' normal quantile table
+_Z_FRAC_BITS = 16  # fixed-point fraction bits of the hidden logit
+_P_FRAC_BITS = 10  # logit resolution of the click-probability table
+_Z_MAX = 8  # the probability table spans logits in [-8, 8) (|z| has unit variance)
+# At most this many ids per batch are made in one [B, S] pass (fewest ops: small batches, and any
+# accelerator); larger CPU batches go group by group, where each group's tables stay in cache.
+_FLAT_MAX_IDS = 1 << 18
 
 
-def _mix32(h: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (murmur3 finaliser) on int64 tensors holding values < 2^32."""
+def _mix32(h):
+    """A 32-bit integer hash (murmur3 finaliser) on ints or int64 tensors holding values < 2^32."""
     h = h & _MASK32
     h = h ^ (h >> 16)
     h = (h * 0x45D9F3B) & _MASK32  # constants < 2^31 keep the product inside int64
@@ -32,12 +67,57 @@ def _mix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def _coprime_multiplier(n: int, start: int = 1_000_003) -> int:
-    """A multiplier coprime to n: `rank * m mod n` is then a permutation of [0, n)."""
-    m = start
-    while math.gcd(m, n) != 1:
-        m += 2
-    return m % n if n > 1 else 1
+def _key(*parts: int) -> int:
+    """A 32-bit key from any number of integers (each folded in 32 bits at a time)."""
+    h = 0x2545F491
+    for p in parts:
+        p &= (1 << 64) - 1
+        h = _mix32(h ^ (p & _MASK32))
+        h = _mix32(h ^ (p >> 32))
+    return h
+
+
+def _multiplier(key: int) -> int:
+    """An odd multiplier in [2^30, 2^31): its product with a 32-bit hash stays below 2^63."""
+    return (key & 0x3FFFFFFF) | 0x40000001
+
+
+def _unit(key: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes as float64 quantiles in (0, 1)."""
+    return (key.double() + 0.5) / 2.0**32
+
+
+def _power_law_blocks(n: int, zipf: float, key: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per bucket: first id of its block, block width, block number (host, int64, K entries each).
+
+    Bucket b holds the ranks whose inverse-CDF quantile lies in [b/K, (b+1)/K). Non-empty buckets are
+    disjoint blocks tiling [0, n); an empty bucket (a rank more popular than 1/K) shares the block of
+    the next non-empty bucket, which starts at that rank.
+    """
+    K = 1 << _BUCKET_BITS
+    u = torch.arange(K + 1, dtype=torch.float64) / K
+    if zipf == 0:
+        x = u * n + 1
+    elif abs(zipf - 1.0) < 1e-9:
+        x = torch.exp(u * math.log(n + 1))
+    else:
+        a = 1.0 - zipf
+        x = ((math.pow(n + 1, a) - 1.0) * u + 1.0).pow(1.0 / a)
+    edge = (x.floor().long() - 1).clamp_(0, n)
+    edge[0], edge[K] = 0, n
+    edge = torch.cummax(edge, 0).values
+    nonempty = edge[1:] > edge[:-1]
+    block_of_nonempty = torch.cumsum(nonempty.long(), 0) - 1
+    first = torch.where(nonempty, torch.arange(K), torch.full((K,), K))
+    owner = torch.flip(torch.cummin(torch.flip(first, [0]), 0).values, [0])  # next non-empty bucket
+    starts = torch.nonzero(nonempty).squeeze(1)
+    sizes = edge[starts + 1] - edge[starts]
+    # Scatter whole blocks over the id range: a seeded shuffle of their order.
+    order = torch.argsort(_mix32(torch.arange(len(starts)) ^ key), stable=True)
+    first_id = torch.empty_like(sizes)
+    first_id[order] = torch.cumsum(sizes[order], 0) - sizes[order]
+    block = block_of_nonempty[owner]
+    return first_id[block], sizes[block], block
 
 
 class SyntheticCriteo:
@@ -45,79 +125,145 @@ class SyntheticCriteo:
 
     One-hot or multi-hot following `model.multi_hot`; each feature draws ids from its own range,
     `data.id_range_scale` x its table's rows (above 1.0 some ids are out of range, on purpose).
+    Batches are made on `device` (default CPU).
     """
 
     def __init__(self, model: ModelConfig, data: DataConfig, seed: int, rank: int = 0,
-                 world_size: int = 1, split: str = "train") -> None:
+                 world_size: int = 1, split: str = "train", device: torch.device | str | None = None) -> None:
         if split not in _SPLITS:
             raise ValueError(f"unknown split {split!r}; choose one of {list(_SPLITS)}")
         if data.batch_size < 1:
             raise ValueError(f"data.batch_size must be >= 1, got {data.batch_size}")
         if data.id_range_scale <= 0:
             raise ValueError(f"data.id_range_scale must be > 0, got {data.id_range_scale}")
-        self.rows = list(model.table_rows)
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside the world of {world_size} ranks")
+        rows = list(model.table_rows)
         self.multi_hot = ids_per_sample(model)
-        self.keys = feature_names(len(self.rows))
+        self.keys = feature_names(len(rows))
         self.num_dense = model.num_dense_features
         self.batch_size = data.batch_size
-        self.zipf = data.zipf_exponent
-        self.signal = data.signal_scale
+        self.global_batch_size = data.batch_size * world_size
         self.seed, self.rank, self.world_size, self.split = seed, rank, world_size, split
-        # Ids are drawn from [0, ranges) then scattered by a per-feature permutation.
-        self.ranges = [max(1, math.ceil(r * data.id_range_scale)) for r in self.rows]
-        self.mults = [_coprime_multiplier(n) for n in self.ranges]
-        g = torch.Generator().manual_seed(seed * 7919 + 17)
-        self.offsets = [int(torch.randint(0, n, (1,), generator=g)) for n in self.ranges]
-        self.dense_w_I = torch.randn(self.num_dense, generator=g) / math.sqrt(self.num_dense)
-        self.feature_salt = [int(x) for x in torch.randint(0, 2**31 - 1, (len(self.rows),), generator=g)]
+        self.device = torch.device(device or "cpu")
+        self.ranges = [max(1, math.ceil(r * data.id_range_scale)) for r in rows]
+        if max(self.ranges) >= 1 << 40:
+            raise ValueError(f"id range {max(self.ranges)} is too large (at most 2^40 ids per feature)")
         # Test-only: one rank's dense features go NaN at this step (the others stay finite).
         self.nan_step = data.inject_nan_at_step if split == "train" and rank == 0 else None
+        self._split_key = _key(seed, 0xDA7A, _SPLITS[split])
+        self._build_tables(seed, data)
 
-    def _generator(self, step: int) -> torch.Generator:
-        key = ((self.seed * 1_000_003 + _SPLITS[self.split]) * 1_000_033 + step) * 4099 + self.rank
-        return torch.Generator().manual_seed(key & ((1 << 63) - 1))
+    def _build_tables(self, seed: int, data: DataConfig) -> None:
+        """Host-side constants (computed once, in float64), then moved to the device."""
+        num_f, K, num_i, dev = len(self.ranges), 1 << _BUCKET_BITS, self.num_dense, self.device
+        zscale = 2.0**_Z_FRAC_BITS / math.sqrt(2.0)  # sparse and dense parts each have unit variance
+        first_id, width, teacher = [], [], []
+        for f, (n, L) in enumerate(zip(self.ranges, self.multi_hot, strict=True)):
+            fid, w, block = _power_law_blocks(n, data.zipf_exponent, _key(seed, 1, f))
+            first_id.append(fid)
+            width.append(w)
+            # The teacher's weight per block, uniform in [-sqrt 3, sqrt 3] (unit variance); a sample's
+            # sparse logit is the mean over its slots, summed over features / sqrt(F).
+            t = (_unit(_mix32(block ^ _key(seed, 2, f))) * 2.0 - 1.0) * math.sqrt(3.0)
+            teacher.append(torch.round(t * zscale / (L * math.sqrt(num_f))).long())
+        self._first_id = torch.cat(first_id).to(dev)
+        # Width and teacher weight share one entry (one lookup): width << 16 | (teacher + 2^15).
+        teacher_all = torch.cat(teacher)
+        assert int(teacher_all.abs().max()) < 1 << 15, "teacher weights must fit 16 bits"
+        self._width_teacher = ((torch.cat(width) << 16) | (teacher_all + (1 << 15))).to(dev)
+        # Features with the same number of slots are generated together: [k, B, L] per group.
+        self._groups = []
+        for L in sorted(set(self.multi_hot)):
+            feats = [f for f, h in enumerate(self.multi_hot) if h == L]
+            mult = [[_multiplier(_key(seed, 3, f, j)) for j in range(L)] for f in feats]
+            self._groups.append((L, feats, torch.tensor(mult, device=dev).view(len(feats), 1, L),
+                                 torch.tensor([f * K for f in feats], device=dev).view(-1, 1, 1)))
+        levels = 1 << _DENSE_BITS
+        q = torch.special.ndtri((torch.arange(levels, dtype=torch.float64) + 0.5) / levels)
+        w_I = torch.special.ndtri(_unit(torch.tensor([_key(seed, 4, i) for i in range(num_i)])))
+        w_I /= math.sqrt(max(num_i, 1))
+        self._dense_levels = q.float().to(dev)
+        self._dense_teacher = torch.round(w_I[:, None] * q[None, :] * zscale).long().reshape(-1).to(dev)
+        self._dense_mult_I = torch.tensor([_multiplier(_key(seed, 5, i)) for i in range(num_i)],
+                                          dtype=torch.int64, device=dev)
+        self._dense_base_I = torch.arange(num_i, dtype=torch.int64, device=dev) * levels
+        z = (torch.arange(2 * _Z_MAX << _P_FRAC_BITS, dtype=torch.float64) + 0.5) / (1 << _P_FRAC_BITS)
+        p = torch.sigmoid(data.signal_scale * (z - _Z_MAX) - 1.0)
+        self._click_threshold = torch.floor(p * 2.0**32).long().to(dev)
+        B = self.batch_size
+        self._length_per_key = [B * L for L in self.multi_hot]
+        self._offset_per_key = [0, *torch.cumsum(torch.tensor(self._length_per_key), 0).tolist()]
+        self._lengths = torch.cat([torch.full((B,), L, dtype=torch.int32) for L in self.multi_hot]).to(dev)
+        self._arange_B = torch.arange(B, dtype=torch.int64, device=dev)
+        # The same multipliers and table offsets as one row of all slots, feature after feature.
+        self._mult_S = torch.tensor([_multiplier(_key(seed, 3, f, j)) for f, L in enumerate(self.multi_hot)
+                                     for j in range(L)], device=dev)
+        self._base_S = torch.tensor([f * K for f, L in enumerate(self.multi_hot) for _ in range(L)],
+                                    device=dev)
+        self.flat = dev.type != "cpu" or B * len(self._mult_S) <= _FLAT_MAX_IDS
+        self._scratch: list[torch.Tensor] = []  # sized by the first pass that needs them
 
-    def _power_law_ranks(self, n: int, count: int, g: torch.Generator) -> torch.Tensor:
-        """Popularity ranks in [0, n) with P(k) ~ 1/(k+1)^s (continuous inverse CDF)."""
-        u = torch.rand(count, generator=g, dtype=torch.float64)
-        s = self.zipf
-        if s == 0:
-            x = u * n + 1
-        elif abs(s - 1.0) < 1e-9:
-            x = torch.exp(u * math.log(n + 1))
-        else:
-            a = 1.0 - s
-            x = ((math.pow(n + 1, a) - 1.0) * u + 1.0).pow(1.0 / a)
-        return (x.floor().long() - 1).clamp_(0, n - 1)
+    def _sample_hashes(self, first: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Three independent 32-bit hashes of samples first .. first + B - 1: sparse, dense, click."""
+        n_B = self._arange_B + first
+        h_B = _mix32(_mix32((n_B & _MASK32) ^ self._split_key) ^ (n_B >> 32))
+        return h_B, _mix32(h_B ^ 0x68E31DA4), _mix32(h_B ^ 0x1B56C4E9)
 
-    def _teacher(self, f: int, ids: torch.Tensor) -> torch.Tensor:
-        """The hidden per-(feature, id) weight, uniform in [-sqrt 3, sqrt 3] (unit variance)."""
-        h = _mix32(ids * 0x9E3779B1 + self.feature_salt[f])
-        return (h.double() / float(_MASK32) * 2.0 - 1.0) * math.sqrt(3.0)
+    def _ids(self, h_B: torch.Tensor, mult: torch.Tensor, base: torch.Tensor):
+        """(first id of the block, offset in it, teacher weight) of every slot in h_B * mult.
+
+        Scratch buffers are reused across batches: fresh large tensors cost more (page faults) than
+        the maths.
+        """
+        shape = torch.broadcast_shapes(h_B.shape, mult.shape)
+        n = math.prod(shape)
+        if not self._scratch or self._scratch[0].numel() < n:
+            self._scratch = [torch.empty(n, dtype=torch.int64, device=self.device) for _ in range(4)]
+        h, bucket, looked_up, teacher = (t[:n] for t in self._scratch)
+        h = torch.mul(h_B, mult, out=h.view(shape))  # < 2^63
+        torch.bitwise_right_shift(h.view(-1), 32 - _BUCKET_BITS, out=bucket)
+        bucket.view(shape).bitwise_and_((1 << _BUCKET_BITS) - 1).add_(base)
+        offset = h.bitwise_right_shift_(32).bitwise_and_((1 << _OFFSET_BITS) - 1)
+        torch.gather(self._width_teacher, 0, bucket, out=looked_up)
+        torch.bitwise_and(looked_up, 0xFFFF, out=teacher).sub_(1 << 15)
+        offset.mul_(looked_up.bitwise_right_shift_(16).view(shape)).bitwise_right_shift_(_OFFSET_BITS)
+        torch.gather(self._first_id, 0, bucket, out=looked_up)
+        return looked_up.view(shape), offset, teacher.view(shape)
 
     def batch(self, step: int) -> Batch:
-        """Batch number `step` of this rank's slice."""
-        g = self._generator(step)
+        """Batch number `step` of this rank's slice of the global batch."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
         B = self.batch_size
-        dense_BI = torch.randn(B, self.num_dense, generator=g)
-        values, lengths = [], []
-        sparse_logit_B = torch.zeros(B, dtype=torch.float64)
-        for f, (n, L) in enumerate(zip(self.ranges, self.multi_hot, strict=True)):
-            ranks_BL = self._power_law_ranks(n, B * L, g)
-            ids_BL = (ranks_BL * self.mults[f] + self.offsets[f]) % n
-            sparse_logit_B += self._teacher(f, ids_BL).view(B, L).mean(dim=1)
-            values.append(ids_BL)
-            lengths.append(torch.full((B,), L, dtype=torch.int32))
-        # Both parts have unit variance; their mean keeps the logit's scale at `signal`.
-        dense_logit_B = dense_BI.double() @ self.dense_w_I.double()
-        z_B = (sparse_logit_B / math.sqrt(len(self.ranges)) + dense_logit_B) / math.sqrt(2.0)
-        p_B = torch.sigmoid(self.signal * z_B - 1.0)
-        labels_B = torch.bernoulli(p_B, generator=g).float()
+        h_B, hd_B, hc_B = self._sample_hashes(step * self.global_batch_size + self.rank * B)
+        values = torch.empty(self._offset_per_key[-1], dtype=torch.int64, device=self.device)
+        z_B = torch.zeros(B, dtype=torch.int64, device=self.device)
+        if self.flat:  # one [B, S] pass; feature f's ids are columns c .. c + L_f
+            first_id_BS, offset_BS, teacher_BS = self._ids(h_B.view(B, 1), self._mult_S, self._base_S)
+            col = 0
+            for L, start in zip(self.multi_hot, self._offset_per_key, strict=False):
+                torch.add(first_id_BS[:, col:col + L], offset_BS[:, col:col + L],
+                          out=values[start:start + B * L].view(B, L))
+                col += L
+            z_B += teacher_BS.sum(1)
+        for L, feats, mult_k1L, base_k11 in [] if self.flat else self._groups:  # [k, B, L] per group
+            first_id_kBL, offset_kBL, teacher_kBL = self._ids(h_B.view(1, B, 1), mult_k1L, base_k11)
+            for i, f in enumerate(feats):
+                start = self._offset_per_key[f]
+                torch.add(first_id_kBL[i], offset_kBL[i], out=values[start:start + B * L].view(B, L))
+            z_B += teacher_kBL.sum(2).sum(0)
+        level_BI = ((hd_B[:, None] * self._dense_mult_I) >> (32 - _DENSE_BITS)) & ((1 << _DENSE_BITS) - 1)
+        dense_BI = torch.take(self._dense_levels, level_BI)
+        z_B += torch.take(self._dense_teacher, level_BI + self._dense_base_I).sum(1)
+        zi_B = ((z_B >> (_Z_FRAC_BITS - _P_FRAC_BITS)) + (_Z_MAX << _P_FRAC_BITS)).clamp_(
+            0, self._click_threshold.numel() - 1)
+        labels_B = (hc_B < torch.take(self._click_threshold, zi_B)).float()
         if step == self.nan_step:
             dense_BI[0, 0] = math.nan
-        sparse = KeyedJaggedTensor.from_lengths_sync(
-            keys=self.keys, values=torch.cat(values), lengths=torch.cat(lengths)
-        )
+        sparse = KeyedJaggedTensor(keys=self.keys, values=values, lengths=self._lengths.clone(), stride=B,
+                                   length_per_key=self._length_per_key,
+                                   offset_per_key=self._offset_per_key)
         return Batch(dense_features=dense_BI, sparse_features=sparse, labels=labels_B)
 
     def iter_from(self, step: int = 0, num_steps: int | None = None) -> Iterator[Batch]:

@@ -8,12 +8,33 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 logger = logging.getLogger(__name__)
+
+
+class LossWindow:
+    """The last `size` losses, kept on the device: adding one never waits for the device; `mean()`
+    (the finite ones' mean, NaN when none is finite) reads it back once."""
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        self._buf = torch.full((size,), math.nan, dtype=torch.float32, device=device)
+        self._next = 0
+
+    def add(self, loss: torch.Tensor) -> None:
+        self._buf[self._next % len(self._buf)] = loss.detach().float()
+        self._next += 1
+
+    def mean(self) -> float:
+        finite = torch.isfinite(self._buf)
+        total, count = torch.stack([torch.where(finite, self._buf, 0.0).sum(), finite.sum()]).tolist()
+        return total / count if count else math.nan
 
 
 class MetricWriter:

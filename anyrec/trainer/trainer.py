@@ -14,13 +14,11 @@ import os
 import resource
 import signal
 import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -31,6 +29,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from anyrec.backends import Backend, get_backend
 from anyrec.backends.dispatch import embedding_impl
+from anyrec.backends.sparse_ops import install as install_sparse_ops
 from anyrec.config import AnyrecConfig
 from anyrec.data import build_source, resolve_batch_size
 from anyrec.kernels.ebc import TritonEBCOptimizer
@@ -39,7 +38,6 @@ from anyrec.models.dlrm import DLRM, build_model, feature_names, table_configs
 from anyrec.models.init import init_model
 from anyrec.trainer.checkpoint import CheckpointManager
 from anyrec.trainer.distributed import DistInfo, all_reduce_mean, destroy_distributed, init_distributed
-from anyrec.trainer.errors import NonFiniteLossError
 from anyrec.trainer.fingerprint import weights_fingerprint
 from anyrec.trainer.metrics import EvalMetrics
 from anyrec.trainer.optim import (
@@ -50,9 +48,9 @@ from anyrec.trainer.optim import (
 )
 from anyrec.trainer.pipeline import EagerLoop, SparseDistPipeline, StepFunctions
 from anyrec.trainer.planning import sharders, shared_plan
-from anyrec.trainer.reporting import MetricWriter, progress_bar
+from anyrec.trainer.reporting import LossWindow, MetricWriter, progress_bar
 from anyrec.trainer.schedule import WarmupPolyDecay, set_lr
-from anyrec.trainer.validate import InputValidator
+from anyrec.trainer.validate import InputValidator, NonFiniteGuard
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +78,7 @@ class _Run:
     """What one `train()` call accumulates between its steps."""
 
     start_step: int
-    window: deque[float]  # the last `log_every` finite losses
+    window: LossWindow  # the last `log_every` losses, on the device
     bar: Any  # a tqdm bar or None
     train_time_s: float = 0.0  # in finished chunks
     chunk_start: float = 0.0  # perf_counter() at the start of the running chunk
@@ -127,9 +125,11 @@ class Trainer:
         torch.manual_seed(tc.seed)
         check_embedding_weight_decay(self.cfg.optim, self.embedding_kernel)
         # One device with anyrec's own TBE: no sharding, so no input distribution (whose KJT
-        # permutes need FBGEMM ops) and no FBGEMM kernel anywhere in the step.
+        # permutes need FBGEMM ops) and no FBGEMM kernel anywhere in the step. Naming the sparse ops'
+        # implementation (backend.sparse_ops=portable|fbgemm) asks for the sharded path instead.
         self.unsharded = (self.dist.world_size == 1
-                          and embedding_impl(self.embedding_kernel).unsharded_builder is not None)
+                          and embedding_impl(self.embedding_kernel).unsharded_builder is not None
+                          and self.cfg.backend.sparse_ops == "auto")
         if self.unsharded:
             self._build_unsharded()
         else:
@@ -152,6 +152,7 @@ class Trainer:
 
     def _build_sharded(self) -> None:
         """Tables on the meta device, placed by the plan and allocated by DistributedModelParallel."""
+        install_sparse_ops(self.backend, self.cfg.backend.sparse_ops)  # torchrec's input/output dist ops
         model = build_model(self.cfg.model, self.device, ebc_device=torch.device("meta"),
                             kernels=self.backend.select_kernels(self.cfg.backend))
         # Embedding optimizer fused into the backward pass (TBE updates rows in place).
@@ -202,10 +203,12 @@ class Trainer:
         self.batch_size = data_cfg.batch_size
         # Prefetched file batches land in page-locked memory where there is a device to copy them to.
         pin = self.backend.device_type != "cpu"
-        self.train_data = build_source(cfg.model, data_cfg, tc.seed, self.dist.rank,
-                                       self.dist.world_size, split="train", pin_memory=pin)
+        self.train_data = build_source(cfg.model, data_cfg, tc.seed, self.dist.rank, self.dist.world_size,
+                                       split="train", pin_memory=pin, device=self.device)
         self.eval_data = (build_source(cfg.model, data_cfg, tc.seed, self.dist.rank, self.dist.world_size,
-                                       split="eval", pin_memory=pin) if tc.eval_steps > 0 else None)
+                                       split="eval", pin_memory=pin, device=self.device)
+                          if tc.eval_steps > 0 else None)
+        self.loss_guard = NonFiniteGuard(tc.skip_nonfinite, self.device)
         self.validator = (InputValidator(feature_names(len(cfg.model.table_rows)), list(cfg.model.table_rows),
                                          cfg.model.num_dense_features, self.device)
                           if tc.validate_inputs else None)
@@ -234,24 +237,13 @@ class Trainer:
             return self.model(batch)
 
     def _backward(self, loss: torch.Tensor) -> None:
-        """Backward (the fused embedding update happens inside it) unless the loss is not finite.
-
-        The finiteness check is all-reduced so every rank stops, or skips, at the same step.
-        """
+        """Backward (the fused embedding update happens inside it), skipped for a non-finite loss
+        when `trainer.skip_nonfinite` (every rank skips the same step); see validate.NonFiniteGuard."""
         loss = loss if loss.dim() == 0 else loss.sum()
-        value = loss.detach()
-        self._last_loss = value
-        bad = (~torch.isfinite(value)).to(torch.int32).reshape(1)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        if int(bad):
-            step = self.step + 1
-            if not self.cfg.trainer.skip_nonfinite:
-                raise NonFiniteLossError(
-                    f"non-finite loss ({float(value)} on rank {self.dist.rank}) at step {step}; "
-                    "set trainer.skip_nonfinite=true to skip such batches")
+        self._last_loss = loss.detach()
+        if not self.loss_guard.observe(self._last_loss, self.step):
             self.skipped_batches += 1
-            logger.warning("step %d: non-finite loss, batch skipped (no update)", step)
+            logger.warning("step %d: non-finite loss, batch skipped (no update)", self.step + 1)
             return
         loss.backward()
 
@@ -289,7 +281,7 @@ class Trainer:
         a checkpoint holds exactly the state after its step and the data position is that step.
         """
         tc = self.cfg.trainer
-        run = _Run(start_step=self.step, window=deque(maxlen=max(1, tc.log_every)),
+        run = _Run(start_step=self.step, window=LossWindow(max(1, tc.log_every), self.device),
                    bar=progress_bar(self.dist.is_main and tc.progress, tc.steps, self.step))
         self.backend.reset_peak_memory_stats()
         self.model.train()
@@ -327,23 +319,33 @@ class Trainer:
                 break
             self.step += 1
             self._after_step(run, lr_factor)
+        self._flush_checks()  # before any checkpoint or evaluation of this state
         self.backend.synchronize()
         run.train_time_s += time.perf_counter() - run.chunk_start
 
     def _after_step(self, run: _Run, lr_factor: float) -> None:
-        """Loss window, progress bar and, every `trainer.log_every` steps, a train record."""
+        """Loss window and progress bar; every `trainer.log_every` steps the deferred checks and a
+        train record (the only host reads of device values in the steady state)."""
         log_every = self.cfg.trainer.log_every
-        loss = float(self._last_loss)
-        if math.isfinite(loss):
-            run.window.append(loss)
+        run.window.add(self._last_loss)
         if run.bar is not None:
             run.bar.update(1)
-            run.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
-        if log_every and self.step % log_every == 0 and run.window:
+        if log_every and self.step % log_every == 0:
+            self._flush_checks()
             self._log_train(run, lr_factor)
 
+    def _flush_checks(self) -> None:
+        """Raise what the deferred input and loss checks found (a collective: all ranks call it)."""
+        if self.validator is not None:
+            self.validator.flush()
+        self.loss_guard.flush()
+
     def _log_train(self, run: _Run, lr_factor: float) -> None:
-        mean = sum(run.window) / len(run.window)
+        mean = run.window.mean()
+        if math.isnan(mean):
+            return
+        if run.bar is not None:
+            run.bar.set_postfix(loss=f"{mean:.4f}", refresh=False)
         elapsed_s = run.train_time_s + time.perf_counter() - run.chunk_start
         rate = self.batch_size * self.dist.world_size * (self.step - run.start_step) / max(elapsed_s, 1e-9)
         if self.dist.is_main:
@@ -371,7 +373,7 @@ class Trainer:
         final_loss = train_loss = None  # no step ran in this process (resumed at the end)
         if self.step > run.start_step:
             final_loss, train_loss = all_reduce_mean(
-                [float(self._last_loss), sum(run.window) / len(run.window) if run.window else math.nan],
+                [float(self._last_loss), run.window.mean()],
                 self.device)
         eval_result = None
         if self.eval_data is not None:
@@ -435,6 +437,8 @@ class Trainer:
             except StopIteration:
                 break
             metrics.update(logits_B, labels_B)
+        if self.validator is not None:
+            self.validator.flush()
         self.model.train()
         return metrics.compute()
 

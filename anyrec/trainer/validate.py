@@ -1,10 +1,19 @@
-"""Input validation: every batch is checked on every rank before it reaches the model.
+"""Step checks without host stalls: input contracts of every batch and the finiteness of every loss.
 
-Out-of-range or negative ids would index outside a table (garbage or a crash deep inside a kernel),
-and a wrong number of features would fail far from its cause. The check is collective: each rank
-checks its own batch, one all-reduce says whether any rank found a problem, and then every rank
-raises the same ValueError at the same step, so no rank is left waiting in a collective.
-Legend: B batch, I dense features.
+Out-of-range or negative ids would index outside a table, labels outside {0, 1} or non-finite dense
+values would train to garbage, a wrong number of features would fail far from its cause. Shapes, keys
+and dtypes are host metadata: checked as each batch is drawn, raised at once. Values (ids, labels,
+dense) are checked on the device with O(ids) vectorised ops and no host read; the per-batch findings
+wait on the device until `flush()`, which the trainer calls at log, eval and checkpoint boundaries:
+there one small all-reduce tells every rank the first bad step, and every rank raises the same
+one-line error naming the step, rank and feature. A bad batch is therefore reported up to one log
+interval late, never lost, and never after a checkpoint that contains its update.
+
+Non-finite losses: by default a device flag keeps the first bad step, checked at the same flushes
+(NonFiniteLossError). `trainer.skip_nonfinite=true` must decide before the backward whether to skip
+it (the fused embedding update runs inside the backward, and every rank must skip the same step),
+so that mode alone keeps one host sync (and all-reduce) per step.
+Legend: B batch, I dense features, F sparse features, P pending steps.
 """
 
 from __future__ import annotations
@@ -15,14 +24,19 @@ import torch
 import torch.distributed as dist
 from torchrec.datasets.utils import Batch
 
+from anyrec.trainer.errors import NonFiniteLossError
 
-def check_batch(batch: Batch, feature_names: list[str], table_rows: list[int],
-                num_dense: int) -> str | None:
-    """What is wrong with this batch for this model, or None."""
+_NONE = 2**62  # "no bad step" in the min-reduced step codes
+
+
+def check_metadata(batch: Batch, feature_names: list[str], num_dense: int) -> str | None:
+    """What is wrong with the batch's shapes, keys or dtypes (host metadata only, no sync), or None."""
     dense_BI = batch.dense_features
     if dense_BI.dim() != 2 or dense_BI.shape[1] != num_dense:
         return (f"the data has {dense_BI.shape[-1] if dense_BI.dim() else 0} dense features per "
                 f"sample, the model expects {num_dense}")
+    if not dense_BI.is_floating_point():
+        return f"dense features must be floating point, got {dense_BI.dtype}"
     kjt = batch.sparse_features
     keys = list(kjt.keys())
     if keys != feature_names:
@@ -30,45 +44,160 @@ def check_batch(batch: Batch, feature_names: list[str], table_rows: list[int],
             return (f"the data has {len(keys)} sparse features, the model has {len(feature_names)} "
                     f"tables (model.table_rows)")
         return f"the data's sparse features {keys} do not match the model's {feature_names}"
-    values = kjt.values()
-    if values.numel() == 0:
-        return None
-    for name, rows, ids in zip(keys, table_rows, torch.split(values, kjt.length_per_key()), strict=True):
-        if ids.numel() == 0:
-            continue
-        lo, hi = torch.aminmax(ids)
-        if int(lo) < 0:
-            return f"feature {name}: negative id {int(lo)} (ids must be in [0, {rows}))"
-        if int(hi) >= rows:
-            return (f"feature {name}: id {int(hi)} out of range for its table of {rows} rows "
-                    f"(ids must be in [0, {rows}))")
+    if kjt.values().is_floating_point() or kjt.values().dtype == torch.bool:
+        return f"ids must be integers, got {kjt.values().dtype}"
+    B = dense_BI.shape[0]
+    if tuple(batch.labels.shape) != (B,):
+        return f"labels have shape {tuple(batch.labels.shape)}, expected ({B},) for a batch of {B}"
+    if kjt.stride() != B:
+        return f"the sparse features hold {kjt.stride()} samples, the dense features {B}"
     return None
 
 
+def value_report(batch: Batch, table_rows: list[int]) -> torch.Tensor:
+    """Per-batch findings on the device, no host read: [min id per feature, max id per feature,
+    labels not in {0, 1}, non-finite dense values] as int64 [2F + 2]."""
+    kjt = batch.sparse_features
+    values = kjt.values()
+    mins, maxs = [], []
+    for ids in torch.split(values, kjt.length_per_key()):
+        if ids.numel():
+            lo, hi = torch.aminmax(ids)
+        else:
+            lo, hi = values.new_zeros(()), values.new_full((), -1)
+        mins.append(lo)
+        maxs.append(hi)
+    labels = batch.labels
+    bad_labels = ((labels != 0) & (labels != 1)).sum()
+    bad_dense = (~torch.isfinite(batch.dense_features)).sum()
+    return torch.stack([*mins, *maxs, bad_labels.to(values.dtype), bad_dense.to(values.dtype)]).long()
+
+
+def describe(report: list[int], feature_names: list[str], table_rows: list[int]) -> str | None:
+    """The first problem in a (host) value report, as one line, or None."""
+    F = len(feature_names)
+    for f, (name, rows) in enumerate(zip(feature_names, table_rows, strict=True)):
+        lo, hi = report[f], report[F + f]
+        if lo < 0:
+            return f"feature {name}: negative id {lo} (ids must be in [0, {rows}))"
+        if hi >= rows:
+            return (f"feature {name}: id {hi} out of range for its table of {rows} rows "
+                    f"(ids must be in [0, {rows}))")
+    if report[2 * F]:
+        return f"{report[2 * F]} labels are not 0 or 1"
+    if report[2 * F + 1]:
+        return f"{report[2 * F + 1]} dense values are NaN or infinite"
+    return None
+
+
+def check_batch(batch: Batch, feature_names: list[str], table_rows: list[int], num_dense: int) -> str | None:
+    """Everything wrong with this batch for this model, checked now (reads the findings: a sync)."""
+    problem = check_metadata(batch, feature_names, num_dense)
+    if problem is not None:
+        return problem
+    return describe(value_report(batch, table_rows).tolist(), feature_names, table_rows)
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _first_bad_everywhere(code: torch.Tensor) -> tuple[int, int] | None:
+    """All ranks' smallest (step * world + rank) code, as (step, rank); None when no rank has one."""
+    world = _world()
+    if world > 1:
+        dist.all_reduce(code, op=dist.ReduceOp.MIN)
+    value = int(code)
+    return None if value >= _NONE else divmod(value, world)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _at(what: str, step: int, rank: int) -> str:
+    """`step 7`, or `step 7 (rank 1)` when the world has ranks."""
+    return f"{what} {step + 1}" + (f" (rank {rank})" if _world() > 1 else "")
+
+
 class InputValidator:
-    """Checks each batch on every rank and raises the same ValueError everywhere on a problem."""
+    """Checks each batch as it is drawn; value findings stay on the device until `flush()`."""
 
     def __init__(self, feature_names: list[str], table_rows: list[int], num_dense: int,
                  device: torch.device) -> None:
         self.feature_names, self.table_rows, self.num_dense = feature_names, table_rows, num_dense
         self.device = device
+        self._rows_F = torch.tensor(table_rows, dtype=torch.int64, device=device)
+        self._pending: list[tuple[int, str, torch.Tensor]] = []
 
     def __call__(self, batch: Batch, step: int, what: str = "step") -> None:
-        problem = check_batch(batch, self.feature_names, self.table_rows, self.num_dense)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            flag = torch.tensor([0 if problem is None else 1], dtype=torch.int32, device=self.device)
-            dist.all_reduce(flag)
-            if int(flag) == 0:
-                return
-            problems: list[str | None] = [None] * dist.get_world_size()
-            dist.all_gather_object(problems, problem)
-            rank, problem = next((r, p) for r, p in enumerate(problems) if p is not None)
-            raise ValueError(f"bad input at {what} {step + 1} (rank {rank}): {problem}")
+        problem = check_metadata(batch, self.feature_names, self.num_dense)
         if problem is not None:
-            raise ValueError(f"bad input at {what} {step + 1}: {problem}")
+            raise ValueError(f"bad input at {_at(what, step, _rank())}: {problem}")
+        self._pending.append((step, what, value_report(batch, self.table_rows)))
 
     def wrap(self, batches: Iterable[Batch], first_step: int, what: str = "step") -> Iterator[Batch]:
-        """The batches, each validated as it is drawn (so before it enters the pipeline)."""
+        """The batches, each checked as it is drawn (so before it enters the pipeline)."""
         for i, batch in enumerate(batches):
             self(batch, first_step + i, what)
             yield batch
+
+    def flush(self) -> None:
+        """Raise the first bad batch any rank saw since the last flush (one all-reduce, one sync).
+
+        Every rank must call it at the same point: it is a collective when the world has ranks.
+        """
+        pending, self._pending = self._pending, []
+        code = torch.full((1,), _NONE, dtype=torch.int64, device=self.device)
+        if pending:
+            reports_PR = torch.stack([r for _, _, r in pending]).to(self.device)
+            F = len(self.table_rows)
+            bad_P = ((reports_PR[:, :F] < 0).any(1) | (reports_PR[:, F:2 * F] >= self._rows_F).any(1)
+                     | (reports_PR[:, 2 * F:] != 0).any(1))
+            order_P = torch.arange(len(pending), device=self.device)
+            local = torch.where(bad_P, order_P, len(pending)).min()
+            # Steps are ranked by their index in `pending` (the same on every rank: same loop).
+            code = torch.where(local < len(pending), local * _world() + _rank(), _NONE).reshape(1)
+        first = _first_bad_everywhere(code)
+        if first is None:
+            return
+        index, rank = first
+        problem: str | None = None
+        if rank == _rank():
+            problem = describe(pending[index][2].tolist(), self.feature_names, self.table_rows)
+        if _world() > 1:
+            box: list[str | None] = [problem]
+            dist.broadcast_object_list(box, src=rank)
+            problem = box[0]
+        step, what = pending[index][0], pending[index][1]
+        raise ValueError(f"bad input at {_at(what, step, rank)}: {problem}")
+
+
+class NonFiniteGuard:
+    """Watches every loss; default: a device flag checked at `flush()`, skip mode: a check per step."""
+
+    def __init__(self, skip: bool, device: torch.device) -> None:
+        self.skip, self.device = skip, device
+        self._first_bad = torch.full((), _NONE, dtype=torch.int64, device=device)
+
+    def observe(self, loss: torch.Tensor, step: int) -> bool:
+        """Whether to run this step's backward. Only skip mode reads the loss (sync + all-reduce)."""
+        bad = ~torch.isfinite(loss.detach())
+        if not self.skip:
+            code = torch.where(bad, step * _world() + _rank(), _NONE)
+            self._first_bad = torch.minimum(self._first_bad, code)
+            return True
+        flag = bad.to(torch.int32).reshape(1)
+        if _world() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return not bool(flag)
+
+    def flush(self) -> None:
+        """Raise NonFiniteLossError for the first non-finite loss any rank saw (default mode)."""
+        if self.skip:
+            return
+        first = _first_bad_everywhere(self._first_bad.reshape(1).clone())
+        if first is not None:
+            step, rank = first
+            raise NonFiniteLossError(f"non-finite loss at {_at('step', step, rank)}; "
+                                     "set trainer.skip_nonfinite=true to skip such batches")

@@ -1,7 +1,8 @@
 """A fake accelerator for anyrec's plugin test: one Backend class that runs on the host.
 
 Everything a real port provides is here in miniature: facts, detection, a torch device, a
-collectives library, a DeviceSpec of its own and the kernel order per op.
+collectives library, a DeviceSpec of its own and the kernel order per op (sparse ops included, so
+it trains sharded with `backend.embedding_kernel=torch backend.sparse_ops=portable`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ class FakeAccelBackend(Backend):
         "interaction": ("torch",),
         "dcn_cross": ("torch",),
         "collectives": ("gloo",),
+        # torchrec's KJT permutes and bucketisation: FBGEMM's kernels if it has them for the device,
+        # else anyrec's portable ones (what a device with no FBGEMM build relies on to shard).
+        "sparse_ops": ("fbgemm", "portable"),
     }
 
     @classmethod
