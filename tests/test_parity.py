@@ -96,11 +96,13 @@ def test_one_rank_kernels_and_plans_agree(capsys):
     assert "FAILED" in rows[3]
 
 
-def test_two_rank_plans_agree(capsys):
-    """Row-wise, table-wise (anyrec's torch TBE) and data-parallel sharding over two loopback ranks."""
+def test_world_sizes_and_two_rank_plans_agree(capsys):
+    """One rank (unsharded torch TBE) against row-wise, table-wise (anyrec's torch TBE) and
+    data-parallel sharding over two loopback ranks, with the same global batch."""
     simple = "planner.name=simple planner.sharding"
-    rc, rows = _run([f"backend.embedding_kernel=fbgemm {simple}=row_wise nproc=2",
+    rc, rows = _run(["backend.embedding_kernel=torch",
+                     f"backend.embedding_kernel=fbgemm {simple}=row_wise nproc=2",
                      f"backend.embedding_kernel=torch {simple}=table_wise nproc=2",
                      f"backend.embedding_kernel=fbgemm {simple}=data_parallel nproc=2"], capsys)
     assert rc == 0, rows
-    assert len(rows) == 3 and all(r.split("|")[-2].strip() == "ok" for r in rows)
+    assert len(rows) == 4 and all(r.split("|")[-2].strip() == "ok" for r in rows)
