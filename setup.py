@@ -30,6 +30,7 @@ setup(
             "anyrec-train=anyrec.train:cli",
             "anyrec-plan=anyrec.plan:cli",
             "anyrec-calibrate=anyrec.calibrate:main",
+            "anyrec-parity=anyrec.parity:cli",
         ],
         "anyrec.backends": [
             "cpu=anyrec.backends.cpu:CPUBackend",

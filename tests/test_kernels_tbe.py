@@ -26,6 +26,7 @@ ALL_OPTS = [
     OptimizerConfig("rowwise_adagrad", lr=0.1, eps=1e-6),
     OptimizerConfig("adagrad", lr=0.1, eps=1e-6),
     OptimizerConfig("adam", lr=0.05, eps=1e-6, beta1=0.8, beta2=0.95),
+    OptimizerConfig("adam", lr=0.05, eps=1e-6, beta1=0.8, beta2=0.95, weight_decay=0.5),
 ]
 
 
@@ -166,6 +167,22 @@ def test_weight_decay_and_lr_change():
         "rowwise_adagrad", lr=0.2, weight_decay=0.01))
     for w, r in zip(m.split_embedding_weights(), want, strict=True):
         torch.testing.assert_close(w, r, rtol=1e-5, atol=1e-6)
+
+
+def test_adam_weight_decay_is_decoupled():
+    """FBGEMM's rule: w -= lr * (m1_hat / (sqrt(m2_hat) + eps) + wd * w); the decay stays out of m1/m2."""
+    lr, wd, eps = 0.1, 0.5, 1e-8
+    m = TritonTableBatchedEmbedding([(5, 4)], [0], optimizer=OptimizerConfig(
+        "adam", lr=lr, eps=eps, weight_decay=wd), execution="torch")
+    w0 = m.split_embedding_weights()[0].clone()
+    g = torch.tensor([[0.5, -2.0, 1e-3, 3.0], [-1.0, 0.25, 4.0, -0.5]])
+    train(m, [(torch.tensor([1, 3]), torch.tensor([0, 1, 2]), None, g)])
+    want = w0.clone()
+    # first step: both bias-corrected moments are exactly g and g^2
+    want[[1, 3]] = w0[[1, 3]] - lr * (g / (g.abs() + eps) + wd * w0[[1, 3]])
+    torch.testing.assert_close(m.split_embedding_weights()[0], want, rtol=0, atol=1e-6)
+    exp_avg = m.get_optimizer_state()[0]["exp_avg"].view(5, 4)
+    torch.testing.assert_close(exp_avg[[1, 3]], 0.1 * g, rtol=1e-6, atol=0)  # (1 - beta1) g, no decay
 
 
 def test_eval_mode_does_not_update():

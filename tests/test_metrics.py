@@ -19,12 +19,43 @@ def test_eval_metrics_match_formulas():
     m.update(logits[600:], labels[600:])
     out = m.compute()
     logloss = float(F.binary_cross_entropy_with_logits(logits.double(), labels.double()))
-    p = float(labels.mean())
+    p = float(labels.double().mean())
     baseline = -(p * math.log(p) + (1 - p) * math.log(1 - p))
-    assert abs(out["logloss"] - logloss) < 1e-6  # probabilities are fp32
-    assert abs(out["ne"] - logloss / baseline) < 1e-6
-    assert out["accuracy"] == float(((logits > 0).float() == labels).float().mean())
+    assert abs(out["logloss"] - logloss) < 1e-12  # from the logits in fp64
+    assert abs(out["ne"] - logloss / baseline) < 1e-12
+    assert out["accuracy"] == int(((logits > 0).float() == labels).sum()) / 1000
     # AUC by counting correctly ordered (positive, negative) pairs.
     pos, neg = logits[labels == 1], logits[labels == 0]
     pairs = (pos[:, None] > neg[None, :]).double().mean()
     assert abs(out["auc"] - float(pairs)) < 1e-6
+
+
+def _metrics(logits, labels) -> dict[str, float]:
+    m = EvalMetrics(torch.device("cpu"))
+    m.update(torch.as_tensor(logits, dtype=torch.float32), torch.as_tensor(labels, dtype=torch.float32))
+    return m.compute()
+
+
+def test_single_class_auc_is_torchrecs_no_signal_value():
+    assert _metrics([0.3, -1.0, 2.0], [1, 1, 1])["auc"] == 0.5
+    assert _metrics([0.3, -1.0, 2.0], [0, 0, 0])["auc"] == 0.5
+    assert _metrics([0.3, -1.0], [1, 0])["auc"] == 1.0  # two classes: the real AUC
+
+
+def test_probability_one_half_counts_positive():
+    # logit 0 and -1e-9 both give an fp32 probability of exactly 0.5: positive, as torchrec thresholds
+    assert float(torch.sigmoid(torch.tensor(-1e-9))) == 0.5
+    assert _metrics([0.0, -1e-9], [1, 1])["accuracy"] == 1.0
+    assert _metrics([0.0, -1e-9], [0, 0])["accuracy"] == 0.0
+    assert _metrics([-0.01], [0])["accuracy"] == 1.0
+
+
+def test_logloss_is_stable_for_large_logits():
+    # fp32 sigmoid(40) == 1.0: a loss through probabilities would clamp at -ln(1e-12) = 27.6 nats
+    logits, labels = torch.tensor([40.0, -40.0, 0.0]), torch.tensor([0.0, 1.0, 1.0])
+    out = _metrics(logits, labels)
+    want = float(F.binary_cross_entropy_with_logits(logits.double(), labels.double()))
+    assert abs(want - (40 + 40 + math.log(2)) / 3) < 1e-9
+    assert abs(out["logloss"] - want) < 1e-12
+    p = 2 / 3
+    assert abs(out["ne"] - want / -(p * math.log(p) + (1 - p) * math.log(1 - p))) < 1e-12

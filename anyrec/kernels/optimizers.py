@@ -2,16 +2,21 @@
 
 The update is applied inside the embedding backward (no weight gradient is materialised); these
 value objects say which rule runs and how many bytes of state it keeps per embedding row.
-Semantics follow FBGEMM's fused TBE optimizers (L2 weight decay folded into the row gradient):
+Semantics follow FBGEMM's fused TBE optimizers, on every kernel (FBGEMM, anyrec's Triton and torch
+TBE, and the replicated-table optimizer `anyrec.trainer.optim` builds for data-parallel tables):
 
   sgd              w -= lr * g
   rowwise_adagrad  m += mean_d(g^2) (one fp32 per row); w -= lr * g / (sqrt(m) + eps)
   adagrad          m += g^2 (one fp32 per element);     w -= lr * g / (sqrt(m) + eps)
   adam             m1 = b1 m1 + (1-b1) g; m2 = b2 m2 + (1-b2) g^2 (fp32 per element, lazy: only
-                   rows seen this step move); w -= lr * m1_hat / (sqrt(m2_hat) + eps)
+                   rows seen this step move);
+                   w -= lr * (m1_hat / (sqrt(m2_hat) + eps) + weight_decay * w)
 
-where g is the row's gradient summed over every lookup of that row in the batch (plus
-weight_decay * w when weight_decay > 0).
+where g is the row's gradient summed over every lookup of that row in the batch. Weight decay:
+for sgd / adagrad / rowwise_adagrad it is L2, `weight_decay * w` added to g before the update (so
+it also feeds the Adagrad accumulators); for adam it is decoupled (AdamW-style, scaled by lr, not in
+m1 / m2), which is what FBGEMM's fused Adam does. Only rows looked up in the step decay.
+
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ class OptimizerConfig:
     eps: float = 1e-8
     beta1: float = 0.9  # adam only
     beta2: float = 0.999  # adam only
-    weight_decay: float = 0.0  # L2, added to the row gradient
+    weight_decay: float = 0.0  # L2 on the row gradient; decoupled for adam (see the module docstring)
 
     def __post_init__(self) -> None:
         try:

@@ -114,14 +114,14 @@ def apply_optimizer_ref(
     rows = touched_R.nonzero().squeeze(1)
     g = grad_RD[rows]
     wr = w[rows]
-    if opt.weight_decay > 0:
+    if opt.weight_decay > 0 and opt.kind != OptimizerKind.ADAM:  # L2; Adam's is decoupled, below
         g = g + opt.weight_decay * wr
     if opt.kind == OptimizerKind.SGD:
         wr = wr - opt.lr * g
     elif opt.kind == OptimizerKind.ROWWISE_ADAGRAD:
         m = state["sum"][rows] + (g * g).mean(dim=1)
         state["sum"][rows] = m
-        wr = wr - opt.lr * g / (m.sqrt() + opt.eps)[:, None]
+        wr = wr - g * (opt.lr / (m.sqrt() + opt.eps))[:, None]
     elif opt.kind == OptimizerKind.ADAGRAD:
         m = state["sum"][rows] + g * g
         state["sum"][rows] = m
@@ -133,6 +133,6 @@ def apply_optimizer_ref(
         state["exp_avg_sq"][rows] = m2
         bc1 = 1 - opt.beta1**step
         bc2 = 1 - opt.beta2**step
-        wr = wr - opt.lr * (m1 / bc1) / ((m2 / bc2).sqrt() + opt.eps)
+        wr = wr - opt.lr * ((m1 / bc1) / ((m2 / bc2).sqrt() + opt.eps) + opt.weight_decay * wr)
     w[rows] = wr
     return w

@@ -115,14 +115,14 @@ def torch_backward_update(
 
 def _apply_rows(weights, state1, state2, step, rows_U, addr_UD, g_UD, opt: OptimizerConfig, sr: bool) -> None:
     w_UD = weights[addr_UD].float()
-    if opt.weight_decay > 0:
+    if opt.weight_decay > 0 and opt.kind != OptimizerKind.ADAM:  # L2; Adam's is decoupled, below
         g_UD = g_UD + opt.weight_decay * w_UD
     if opt.kind == OptimizerKind.SGD:
         w_UD = w_UD - opt.lr * g_UD
     elif opt.kind == OptimizerKind.ROWWISE_ADAGRAD:
         m_U = state1[rows_U] + (g_UD * g_UD).mean(dim=1)
         state1[rows_U] = m_U
-        w_UD = w_UD - opt.lr * g_UD / (m_U.sqrt() + opt.eps)[:, None]
+        w_UD = w_UD - g_UD * (opt.lr / (m_U.sqrt() + opt.eps))[:, None]  # FBGEMM's order of operations
     elif opt.kind == OptimizerKind.ADAGRAD:
         m_UD = state1[addr_UD] + g_UD * g_UD
         state1[addr_UD] = m_UD
@@ -134,7 +134,7 @@ def _apply_rows(weights, state1, state2, step, rows_U, addr_UD, g_UD, opt: Optim
         state2[addr_UD] = m2_UD
         bc1 = 1 - torch.pow(opt.beta1, step)
         bc2 = 1 - torch.pow(opt.beta2, step)
-        w_UD = w_UD - opt.lr * (m1_UD / bc1) / ((m2_UD / bc2).sqrt() + opt.eps)
+        w_UD = w_UD - opt.lr * ((m1_UD / bc1) / ((m2_UD / bc2).sqrt() + opt.eps) + opt.weight_decay * w_UD)
     if sr and weights.dtype in SR_DROPPED_BITS:
         weights[addr_UD] = stochastic_round_torch(w_UD, weights.dtype)
     else:

@@ -179,8 +179,9 @@ if HAS_TRITON:
                                   col_offsets_F_ptr, offsets_FB1_ptr, psw_N_ptr, grad_out_ptr, grad_stride,
                                   batch, HAS_PSW, MEAN, ALIGN, BLOCK_R, BLOCK_L, BLOCK_D, LONG)
             w_UD = tl.load(weights_ptr + addr_UD, mask=ok_UD, other=0.0).to(tl.float32)
-            if weight_decay > 0:
-                g_UD = g_UD + weight_decay * w_UD
+            if OPTIMIZER != 3:  # L2 on the gradient; Adam's weight decay is decoupled, below
+                if weight_decay > 0:
+                    g_UD = g_UD + weight_decay * w_UD
             if OPTIMIZER == 0:
                 w_UD = w_UD - lr * g_UD
             elif OPTIMIZER == 1:
@@ -188,7 +189,7 @@ if HAS_TRITON:
                     m_U = tl.load(state1_ptr + row_U, mask=lane_U, other=0.0)
                     m_U += tl.sum(g_UD * g_UD, axis=1) / dimf_U
                     tl.store(state1_ptr + row_U, m_U, mask=lane_U)
-                w_UD = w_UD - lr * g_UD / (tl.sqrt(m_U) + eps)[:, None]
+                w_UD = w_UD - g_UD * (lr / (tl.sqrt(m_U) + eps))[:, None]  # FBGEMM's order of operations
             elif OPTIMIZER == 2:
                 m_UD = tl.load(state1_ptr + addr_UD, mask=ok_UD, other=0.0) + g_UD * g_UD
                 tl.store(state1_ptr + addr_UD, m_UD, mask=ok_UD)
@@ -202,7 +203,7 @@ if HAS_TRITON:
                 step = tl.load(step_ptr)
                 bc1 = 1 - tl.exp(step * tl.log(beta1))
                 bc2 = 1 - tl.exp(step * tl.log(beta2))
-                w_UD = w_UD - lr * (m1_UD / bc1) / (tl.sqrt(m2_UD / bc2) + eps)
+                w_UD = w_UD - lr * ((m1_UD / bc1) / (tl.sqrt(m2_UD / bc2) + eps) + weight_decay * w_UD)
             if STOCHASTIC_ROUNDING:
                 offs_UD = row_U[:, None] * (BLOCK_D * NUM_D_TILES) + d_D[None, :]
                 w_UD = stochastic_round(w_UD, seed, offs_UD, DROPPED_BITS)

@@ -28,22 +28,33 @@ def _local_pieces(model: nn.Module, is_main: bool) -> tuple[Pieces, dict[str, li
     return local, sizes
 
 
-def weights_fingerprint(model: nn.Module, is_main: bool) -> str:
-    """SHA-256 of every full weight tensor, independent of the plan and world size.
+def full_state(model: nn.Module, is_main: bool) -> dict[str, torch.Tensor]:
+    """Every state_dict entry whole, in fp64 (exact for fp32 and bf16), by name, on every rank.
 
-    Gathers all shards to every rank (test-sized models; opt-in via trainer.fingerprint_weights).
+    Gathers all shards to every rank (test-sized models only).
     """
     local, sizes = _local_pieces(model, is_main)
     gathered = [local]
     if dist.is_initialized() and dist.get_world_size() > 1:
         gathered = [{} for _ in range(dist.get_world_size())]
         dist.all_gather_object(gathered, local)
-    h = hashlib.sha256()
+    out = {}
     for name in sorted(sizes):
-        full = torch.zeros(sizes[name], dtype=torch.float64)  # exact for fp32 and bf16
+        full = torch.zeros(sizes[name], dtype=torch.float64)
         for part in gathered:
             for offsets, t in part.get(name, []):
                 full[tuple(slice(o, o + n) for o, n in zip(offsets, t.shape, strict=True))] = t.double()
+        out[name] = full
+    return out
+
+
+def weights_fingerprint(model: nn.Module, is_main: bool) -> str:
+    """SHA-256 of every full weight tensor, independent of the plan and world size.
+
+    Gathers all shards to every rank (test-sized models; opt-in via trainer.fingerprint_weights).
+    """
+    h = hashlib.sha256()
+    for name, full in full_state(model, is_main).items():
         h.update(name.encode())
         h.update(full.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()

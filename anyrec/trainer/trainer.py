@@ -33,7 +33,9 @@ from anyrec.backends.sparse_ops import install as install_sparse_ops
 from anyrec.config import AnyrecConfig
 from anyrec.data import build_source, resolve_batch_size
 from anyrec.kernels.ebc import TritonEBCOptimizer
+from anyrec.kernels.replicated import ReplicatedTableOptimizer
 from anyrec.models.dlrm import DLRM, build_model, feature_names, table_configs
+from anyrec.models.init import init_model
 from anyrec.trainer.checkpoint import CheckpointManager
 from anyrec.trainer.distributed import DistInfo, all_reduce_mean, destroy_distributed, init_distributed
 from anyrec.trainer.fingerprint import weights_fingerprint
@@ -136,6 +138,8 @@ class Trainer:
             self._build_unsharded()
         else:
             self._build_sharded()
+        # the same initial weights whatever the kernel, plan, world size or device
+        init_model(self.model, table_configs(self.cfg.model), tc.seed, EBC_PATH)
         self._build_optimizers_and_pipeline()
         self._build_data()
         self.writer = MetricWriter(tc.run_dir, self.dist.is_main, tc.tensorboard)
@@ -179,11 +183,20 @@ class Trainer:
     def _build_optimizers_and_pipeline(self) -> None:
         """The dense optimizer beside the fused one, and the loop that runs a step."""
         dense_params = dict(in_backward_optimizer_filter(self.model.named_parameters()))
+        # replicated (data-parallel) tables train by the embedding rule and lr, like sharded ones
+        tables = {n: p for n, p in dense_params.items() if n.startswith(f"{EBC_PATH}.")}
+        dense_params = {n: p for n, p in dense_params.items() if n not in tables}
         self.dense_params = list(dense_params.values())
         self.dense_optimizer = KeyedOptimizerWrapper(
             dense_params, lambda params: dense_optimizer(self.cfg.optim, params))
-        self.optimizer = CombinedOptimizer([("dense", self.dense_optimizer),
-                                            ("sparse", self.fused_optimizer)])
+        optimizers = [("dense", self.dense_optimizer), ("sparse", self.fused_optimizer)]
+        self.replicated_optimizer = None
+        if tables:
+            rule = embedding_optimizer_config(self.cfg.optim)
+            self.replicated_optimizer = KeyedOptimizerWrapper(
+                tables, lambda params: ReplicatedTableOptimizer(params, rule))
+            optimizers.append(("replicated", self.replicated_optimizer))
+        self.optimizer = CombinedOptimizer(optimizers)
         fns = StepFunctions(self._forward, self._backward, self._optimizer_step)
         loop = SparseDistPipeline if self.cfg.trainer.pipeline and not self.unsharded else EagerLoop
         self.pipeline = loop(self.model, self.optimizer, self.device, fns)
@@ -248,6 +261,8 @@ class Trainer:
         f = self.schedule.factor(step)
         set_lr(self.dense_optimizer, self.cfg.optim.dense_lr * f)
         set_lr(self.fused_optimizer, self.cfg.optim.embedding_lr * f)
+        if self.replicated_optimizer is not None:
+            set_lr(self.replicated_optimizer, self.cfg.optim.embedding_lr * f)
         return f
 
     def train_step(self, batch: Batch) -> torch.Tensor:
@@ -515,5 +530,6 @@ class Trainer:
         # Everything that holds the sharded tables or their process groups goes first, so the
         # gc.collect() in destroy_distributed frees them while the group still exists.
         del self.pipeline, self.optimizer, self.dense_optimizer, self.fused_optimizer, self.dense_params
+        del self.replicated_optimizer
         del self.model, self.train_data, self.eval_data, self.checkpoints
         destroy_distributed(barrier=not failed or peers_met(self.dist.rank, self.dist.world_size))

@@ -1,0 +1,69 @@
+"""The fused embedding update rule for a replicated (data-parallel) table that gets a dense gradient.
+
+A data-parallel table is a plain parameter on every rank; DDP all-reduces its gradient (averaged
+over ranks, as torchrec averages sharded-table gradients) and this optimizer applies to it the same
+rule, state layout and learning rate that a sharded copy of the table would get inside the TBE
+backward (`anyrec.kernels.optimizers` documents the rules). The arithmetic is the torch TBE path's
+own (`torch_tbe._apply_rows`), so there is one implementation of each rule.
+
+"Lazy" as in the fused kernels: only rows with a non-zero gradient row move (their Adagrad/Adam
+state included). A row looked up whose summed gradient is exactly zero counts as not looked up;
+the fused kernels would still decay Adam's moments for it, the one case where the two differ.
+
+Legend: R rows, D dim, U rows updated this step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+import torch
+
+from anyrec.kernels.optimizers import OptimizerConfig, OptimizerKind
+from anyrec.kernels.torch_tbe import _apply_rows
+
+
+class ReplicatedTableOptimizer(torch.optim.Optimizer):
+    """`opt`'s fused rule for dense-gradient tables [R, D]; `lr` lives in the param group (schedules)."""
+
+    def __init__(self, params: Iterable[torch.Tensor], opt: OptimizerConfig) -> None:
+        super().__init__(list(params), {"lr": opt.lr})
+        self.rule = opt
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dim() != 2:
+                    raise ValueError(f"a replicated table must be [rows, dim], got shape {tuple(p.shape)}")
+                self._init_state(p)
+
+    def _init_state(self, p: torch.Tensor) -> None:
+        """State exists from the start (a checkpoint can load into it before the first step)."""
+        state, kind = self.state[p], self.rule.kind
+        z = dict(dtype=torch.float32, device=p.device)
+        state["step"] = torch.zeros((), **z)
+        if kind == OptimizerKind.ROWWISE_ADAGRAD:
+            state["momentum1"] = torch.zeros(p.shape[0], **z)
+        elif kind in (OptimizerKind.ADAGRAD, OptimizerKind.ADAM):
+            state["momentum1"] = torch.zeros(p.numel(), **z)
+        if kind == OptimizerKind.ADAM:
+            state["momentum2"] = torch.zeros(p.numel(), **z)
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:  # noqa: ARG002 - torch.optim signature
+        for group in self.param_groups:
+            rule = dataclasses.replace(self.rule, lr=float(group["lr"]))
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                state["step"] += 1
+                g_RD = p.grad.to_dense() if p.grad.is_sparse else p.grad
+                rows_U = (g_RD != 0).any(dim=1).nonzero().squeeze(1)
+                if rows_U.numel() == 0:
+                    continue
+                dim = p.shape[1]
+                addr_UD = rows_U[:, None] * dim + torch.arange(dim, device=p.device)
+                placeholder = state["step"].new_zeros(0)
+                _apply_rows(p.data.view(-1), state.get("momentum1", placeholder),
+                            state.get("momentum2", placeholder), state["step"], rows_U, addr_UD,
+                            g_RD[rows_U].float(), rule, False)

@@ -1,0 +1,330 @@
+"""`anyrec-parity` / `python -m anyrec.parity`: one training job under several variants, compared.
+
+    anyrec-parity model=dlrm_tiny trainer.steps=20 \\
+        parity.variant="backend.embedding_kernel=fbgemm" \\
+        parity.variant="backend.embedding_kernel=torch nproc=2" \\
+        parity.variant="backend.embedding_kernel=triton TRITON_INTERPRET=1"
+
+Plain arguments are Hydra overrides shared by every variant (the base job). Each
+`parity.variant="..."` is one variant: Hydra overrides, plus `nproc=N` (ranks, launched by their
+own `torchrun --standalone`, loopback only) and `NAME=VALUE` environment variables (upper-case
+names). Every variant records its per-step training loss (mean over ranks) and its final weights
+(every `*weight` / `*bias` tensor, gathered whole). The table compares each variant with the
+first: the largest |loss difference| over the steps (absolute and relative) and the largest
+|weight difference|; the exit status is 1 when any exceeds `parity.loss_rtol` (default 1e-5) or
+`parity.weight_atol` (default 1e-5) or a variant failed, 2 for bad arguments.
+
+`parity.save=FILE` writes every variant's record (JSON); `parity.against=FILE` compares this
+machine's variants with the first record of such a file written elsewhere (e.g. a B200 run checked
+on an MI350X). `parity.timeout_s` bounds each variant (default 900 s); a variant past it is killed
+with its whole process group.
+
+The steps run as `anyrec-train` runs them (same Trainer, pipeline and data) without evaluation
+or checkpoints.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from hydra import compose, initialize_config_dir
+
+from anyrec import _hydra
+from anyrec.config import AnyrecConfig, config_dir, to_object
+from anyrec.trainer.fingerprint import full_state
+from anyrec.trainer.trainer import Trainer
+
+FORMAT = "anyrec-parity/1"
+_WORKER_FLAG = "--parity-worker"
+_DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+             "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass
+class Variant:
+    """One way to run the base job: Hydra overrides, ranks and environment."""
+
+    label: str
+    overrides: list[str] = field(default_factory=list)
+    nproc: int = 1
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class ParityArgs:
+    """The command line: base overrides, variants, tolerances, files."""
+
+    base: list[str]
+    variants: list[Variant]
+    loss_rtol: float = 1e-5
+    weight_atol: float = 1e-5
+    save: Path | None = None
+    against: Path | None = None
+    timeout_s: float = 900.0
+
+
+def parse_variant(text: str) -> Variant:
+    """`"backend.embedding_kernel=torch nproc=2 TRITON_INTERPRET=1"` -> a Variant."""
+    v = Variant(label=text.strip() or "(base)")
+    for token in shlex.split(text):
+        key, sep, value = token.partition("=")
+        if not sep:
+            raise ValueError(f"variant token {token!r} is not KEY=VALUE")
+        if key == "nproc":
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"nproc must be a positive integer, got {value!r}")
+            v.nproc = int(value)
+        elif key.isupper():
+            v.env[key] = value
+        else:
+            v.overrides.append(token)
+    return v
+
+
+def parse_args(argv: list[str]) -> ParityArgs:
+    """Split `parity.*` options from the base Hydra overrides."""
+    base, variants, opts = [], [], {}
+    for arg in argv:
+        if not arg.startswith("parity."):
+            base.append(arg)
+            continue
+        key, sep, value = arg[len("parity."):].partition("=")
+        if not sep:
+            raise ValueError(f"{arg!r}: parity options are parity.KEY=VALUE")
+        if key == "variant":
+            variants.append(parse_variant(value))
+        elif key in ("loss_rtol", "weight_atol", "timeout_s"):
+            try:
+                opts[key] = float(value)
+            except ValueError:
+                raise ValueError(f"parity.{key} must be a number, got {value!r}") from None
+            if not opts[key] > 0:
+                raise ValueError(f"parity.{key} must be > 0, got {value}")
+        elif key in ("save", "against"):
+            opts[key] = Path(value)
+        else:
+            raise ValueError(f"unknown option parity.{key}; use variant, loss_rtol, weight_atol, save, "
+                             "against or timeout_s")
+    if "against" in opts and not opts["against"].is_file():
+        raise ValueError(f"parity.against: no such file {opts['against']}")
+    return ParityArgs(base=base, variants=variants or [Variant(label="(base)")], **opts)
+
+
+# ---- one variant, inside its own process(es) ----------------------------------------------------
+
+
+def run_steps(trainer, steps: int) -> list[float]:
+    """Train `steps` steps the way `Trainer.train` does; each step's loss, averaged over ranks."""
+    losses: list[float] = []
+    batches = trainer._batches(trainer.train_data, trainer.step, steps)
+    trainer.model.train()
+    while True:
+        trainer._set_lr(trainer.step)
+        try:
+            trainer.pipeline.progress(batches)
+        except StopIteration:
+            break
+        trainer.step += 1
+        losses.append(float(trainer._last_loss))
+    values = torch.tensor(losses, dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(values)  # gloo and nccl: sum, then divide (no AVG on gloo)
+        values /= dist.get_world_size()
+    return values.tolist()
+
+
+def full_weights(model, is_main: bool) -> dict[str, Any]:
+    """Every `*weight` / `*bias` entry of the state_dict, whole (fp32, shards gathered), on rank 0; else {}.
+
+    Other entries (optimizer state, counters) are in the state_dict of some kernels only.
+    """
+    state = full_state(model, is_main)
+    if not is_main:
+        return {}
+    return {name: t.float() for name, t in state.items() if name.endswith(("weight", "bias"))}
+
+
+def compose_job(overrides: list[str]) -> AnyrecConfig:
+    """The typed config of `overrides`, composed as `anyrec-train` composes it."""
+
+    _hydra.setup()
+    with initialize_config_dir(str(config_dir()), version_base="1.3"):
+        return to_object(compose("config", overrides=overrides))
+
+
+def train_losses(overrides: list[str]) -> list[float]:
+    """Per-step training losses of `overrides` run in this process (one rank)."""
+    cfg = compose_job(overrides)
+    trainer = Trainer(cfg)
+    try:
+        return run_steps(trainer, cfg.trainer.steps - trainer.step)
+    finally:
+        trainer.close()
+
+
+def worker(out_path: str, overrides: list[str]) -> None:
+    """Train one variant; rank 0 writes its record to `out_path`."""
+    cfg = compose_job(overrides)
+    trainer = Trainer(cfg)
+    try:
+        losses = run_steps(trainer, cfg.trainer.steps - trainer.step)
+        weights = full_weights(trainer.model, trainer.dist.is_main)
+        meta = {"embedding_kernel": trainer.embedding_kernel, "world_size": trainer.dist.world_size,
+                "backend": trainer.backend.describe(), "torch": torch.__version__,
+                "batch_size_per_rank": trainer.batch_size}
+        is_main = trainer.dist.is_main
+    finally:
+        trainer.close()
+    if not is_main:
+        return
+    h = hashlib.sha256()
+    for name, t in weights.items():
+        h.update(name.encode())
+        h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    record = {"losses": losses, "weights_sha256": h.hexdigest(), "meta": meta,
+              "weights": {n: {"shape": list(t.shape), "values": t.reshape(-1).tolist()}
+                          for n, t in weights.items()}}
+    tmp = Path(out_path + ".tmp")
+    tmp.write_text(json.dumps(record))
+    tmp.replace(out_path)
+
+
+# ---- the driver ---------------------------------------------------------------------------------
+
+
+def run_variant(base: list[str], variant: Variant, timeout_s: float) -> dict[str, Any]:
+    """Launch one variant (torchrun when nproc > 1) and return its record, or {"error": ...}."""
+    with tempfile.TemporaryDirectory(prefix="anyrec-parity-") as tmp:
+        out = str(Path(tmp) / "record.json")
+        worker_args = ["-m", "anyrec.parity", _WORKER_FLAG, out, *base, *variant.overrides]
+        if variant.nproc > 1:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc_per_node={variant.nproc}", *worker_args]
+        else:
+            cmd = [sys.executable, *worker_args]
+        # a fresh job: no rendezvous settings inherited from a surrounding (or finished) one
+        env = {k: v for k, v in os.environ.items()
+               if k not in _DIST_ENV and not k.startswith("TORCHELASTIC_")}
+        env.update({"PYTHONUNBUFFERED": "1", **variant.env})
+        # own process group: a timeout takes torchrun's workers down with it
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                start_new_session=True)
+        try:
+            output, _ = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            return {"error": f"timed out after {timeout_s:.0f} s"}
+        if proc.returncode != 0 or not Path(out).is_file():
+            lines = [ln for ln in output.strip().splitlines() if ln.strip()]
+            errors = [ln for ln in lines if "Error" in ln or "error:" in ln]
+            last = (errors or lines or ["no output"])[-1].strip()[:300]
+            return {"error": f"exit {proc.returncode}: {last}"}
+        return json.loads(Path(out).read_text())
+
+
+def compare(ref: dict[str, Any], rec: dict[str, Any]) -> dict[str, float]:
+    """Largest loss differences over the steps and largest weight difference, `rec` against `ref`."""
+    a, b = ref["losses"], rec["losses"]
+    if len(a) != len(b):
+        return {"loss_abs": math.inf, "loss_rel": math.inf, "weight_abs": math.inf}
+    loss_abs = max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
+    loss_rel = max((abs(x - y) / max(abs(x), 1e-30) for x, y in zip(a, b, strict=True)), default=0.0)
+    weight_abs = 0.0
+    if set(ref["weights"]) != set(rec["weights"]):
+        weight_abs = math.inf
+    for name, w in ref["weights"].items():
+        other = rec["weights"].get(name)
+        if other is None or other["shape"] != w["shape"]:
+            weight_abs = math.inf
+            continue
+        diff = (torch.tensor(w["values"]) - torch.tensor(other["values"])).abs()
+        weight_abs = max(weight_abs, float(diff.max()) if diff.numel() else 0.0)
+    return {"loss_abs": loss_abs, "loss_rel": loss_rel, "weight_abs": weight_abs}
+
+
+def report(labels: list[str], records: list[dict[str, Any]], ref: dict[str, Any], ref_label: str,
+           args: ParityArgs) -> tuple[str, bool]:
+    """The table (markdown) and whether every variant is within tolerance."""
+    rows = [f"reference: {ref_label}",
+            "| variant | steps | final loss | max abs loss diff | max rel loss diff | max abs weight diff "
+            "| weights sha256 | result |",
+            "|---|---|---|---|---|---|---|---|"]
+    ok_all = True
+    for label, rec in zip(labels, records, strict=True):
+        if "error" in rec:
+            ok_all = False
+            rows.append(f"| {label} | - | - | - | - | - | - | FAILED: {rec['error']} |")
+            continue
+        d = compare(ref, rec)
+        ok = d["loss_rel"] <= args.loss_rtol and d["weight_abs"] <= args.weight_atol
+        ok_all &= ok
+        final = rec["losses"][-1] if rec["losses"] else math.nan
+        rows.append(f"| {label} | {len(rec['losses'])} | {final:.7f} | {d['loss_abs']:.2e} "
+                    f"| {d['loss_rel']:.2e} "
+                    f"| {d['weight_abs']:.2e} | {rec['weights_sha256'][:12]} | {'ok' if ok else 'DIFFERS'} |")
+    return "\n".join(rows), ok_all
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every variant, print the table; 0 when all agree within tolerance, 1 if not, 2 on bad input."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == _WORKER_FLAG:
+        worker(argv[1], argv[2:])
+        return 0
+    try:
+        args = parse_args(argv)
+    except ValueError as e:
+        print(f"anyrec-parity: error: {e}", file=sys.stderr)
+        return 2
+    labels, records = [], []
+    for v in args.variants:
+        print(f"anyrec-parity: running {v.label} ...", file=sys.stderr, flush=True)
+        labels.append(v.label)
+        records.append(run_variant(args.base, v, args.timeout_s))
+    if args.save is not None:
+        runs = [{"label": lb, "base": args.base, **rec} for lb, rec in zip(labels, records, strict=True)
+                if "error" not in rec]
+        tmp = args.save.with_name(args.save.name + ".tmp")
+        tmp.write_text(json.dumps({"format": FORMAT, "runs": runs}))
+        tmp.replace(args.save)
+    if args.against is not None:
+        saved = json.loads(args.against.read_text())
+        if saved.get("format") != FORMAT or not saved.get("runs"):
+            print(f"anyrec-parity: error: {args.against} is not an {FORMAT} file with runs", file=sys.stderr)
+            return 2
+        ref, ref_label = saved["runs"][0], f"{saved['runs'][0]['label']} from {args.against}"
+    else:
+        if "error" in records[0]:
+            for lb, rec in zip(labels, records, strict=True):
+                print(f"{lb}: {rec.get('error', 'ran')}")
+            print("anyrec-parity: the reference (first) variant failed", file=sys.stderr)
+            return 1
+        ref, ref_label = records[0], labels[0]
+    table, ok = report(labels, records, ref, ref_label, args)
+    print(table)
+    print(f"tolerance: per-step loss {args.loss_rtol:g} relative, weights {args.weight_atol:g} absolute: "
+          f"{'all variants agree' if ok else 'VARIANTS DIFFER'}")
+    return 0 if ok else 1
+
+
+def cli() -> None:
+    """Console entry point."""
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,108 @@
+"""anyrec-parity: argument parsing, the comparison, and real runs across kernels, plans and ranks."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from anyrec import parity
+from anyrec.parity import compare, main, parse_args, parse_variant
+
+
+def test_variant_tokens_split_into_overrides_ranks_and_environment():
+    v = parse_variant("backend.embedding_kernel=triton nproc=2 TRITON_INTERPRET=1 "
+                      "'planner.sharding=row_wise'")
+    assert v.overrides == ["backend.embedding_kernel=triton", "planner.sharding=row_wise"]
+    assert v.nproc == 2 and v.env == {"TRITON_INTERPRET": "1"}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["parity.variant=nproc=0"], "nproc must be a positive integer"),
+    (["parity.variant=oops"], "is not KEY=VALUE"),
+    (["parity.tolerance=1"], "unknown option parity.tolerance"),
+    (["parity.loss_rtol=abc"], "must be a number"),
+    (["parity.weight_atol=0"], "must be > 0"),
+    (["parity.against=/nonexistent/run.json"], "no such file"),
+])
+def test_bad_arguments_are_one_line_errors(argv, message, capsys):
+    with pytest.raises(ValueError, match=message):
+        parse_args(argv)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("anyrec-parity: error:") and message in err[0]
+
+
+def test_base_overrides_and_defaults():
+    args = parse_args(["model=dlrm_tiny", "trainer.steps=3"])
+    assert args.base == ["model=dlrm_tiny", "trainer.steps=3"]
+    assert [v.label for v in args.variants] == ["(base)"]
+    assert (args.loss_rtol, args.weight_atol) == (1e-5, 1e-5)
+
+
+def _record(losses, w):
+    return {"losses": losses, "weights_sha256": "0" * 64,
+            "weights": {"t.weight": {"shape": [2], "values": w}}}
+
+
+def test_compare_reports_the_largest_differences():
+    ref = _record([1.0, 0.5], [0.0, 1.0])
+    d = compare(ref, _record([1.0, 0.5001], [0.0, 1.25]))
+    assert d["loss_abs"] == pytest.approx(1e-4) and d["loss_rel"] == pytest.approx(2e-4)
+    assert d["weight_abs"] == 0.25
+    assert compare(ref, ref) == {"loss_abs": 0.0, "loss_rel": 0.0, "weight_abs": 0.0}
+    assert compare(ref, _record([1.0], [0.0, 1.0]))["loss_rel"] == math.inf  # fewer steps
+    other = _record([1.0, 0.5], [0.0, 1.0])
+    other["weights"] = {"u.weight": other["weights"]["t.weight"]}
+    assert compare(ref, other)["weight_abs"] == math.inf  # a tensor missing
+
+
+def test_against_a_saved_file(tmp_path, monkeypatch, capsys):
+    """save writes every run; against compares with the first one, and a perturbed file fails."""
+    runs = iter([_record([0.7, 0.6], [0.1, 0.2]), _record([0.7, 0.6], [0.1, 0.2])])
+    monkeypatch.setattr(parity, "run_variant", lambda base, v, timeout_s: next(runs))
+    saved = tmp_path / "b200.json"
+    assert main(["model=dlrm_tiny", f"parity.save={saved}"]) == 0
+    data = json.loads(saved.read_text())
+    assert data["format"] == parity.FORMAT and data["runs"][0]["losses"] == [0.7, 0.6]
+    assert main(["model=dlrm_tiny", f"parity.against={saved}"]) == 0
+    data["runs"][0]["losses"][1] = 0.6 * (1 + 1e-4)
+    saved.write_text(json.dumps(data))
+    runs = iter([_record([0.7, 0.6], [0.1, 0.2])])
+    assert main(["model=dlrm_tiny", f"parity.against={saved}"]) == 1
+    assert "DIFFERS" in capsys.readouterr().out
+
+
+BASE = ["model=dlrm_tiny", "backend=cpu", "trainer.steps=8", "trainer.eval_steps=0",
+        "trainer.progress=false", "optim=rowwise_adagrad", "data.global_batch_size=64"]
+
+
+def _run(variants: list[str], capsys) -> tuple[int, list[str]]:
+    rc = main([*BASE, *(f"parity.variant={v}" for v in variants), "parity.timeout_s=400"])
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| ") and "---" not in ln]
+    return rc, rows[1:]
+
+
+def test_one_rank_kernels_and_plans_agree(capsys):
+    """Unsharded torch TBE, FBGEMM under the co-design plan and FBGEMM with every table replicated
+    (trained by the replicated-table optimizer): the same losses and weights."""
+    rc, rows = _run(["backend.embedding_kernel=torch",
+                     "backend.embedding_kernel=fbgemm",
+                     "backend.embedding_kernel=fbgemm planner.name=simple planner.sharding=data_parallel",
+                     "backend.embedding_kernel=no_such_kernel"], capsys)
+    assert rc == 1  # the last variant fails, and says so in its row
+    assert [r.split("|")[-2].strip() for r in rows[:3]] == ["ok", "ok", "ok"], rows
+    assert "FAILED" in rows[3]
+
+
+def test_world_sizes_and_two_rank_plans_agree(capsys):
+    """One rank (unsharded torch TBE) against row-wise, table-wise (anyrec's torch TBE) and
+    data-parallel sharding over two loopback ranks, with the same global batch."""
+    simple = "planner.name=simple planner.sharding"
+    rc, rows = _run(["backend.embedding_kernel=torch",
+                     f"backend.embedding_kernel=fbgemm {simple}=row_wise nproc=2",
+                     f"backend.embedding_kernel=torch {simple}=table_wise nproc=2",
+                     f"backend.embedding_kernel=fbgemm {simple}=data_parallel nproc=2"], capsys)
+    assert rc == 0, rows
+    assert len(rows) == 4 and all(r.split("|")[-2].strip() == "ok" for r in rows)
