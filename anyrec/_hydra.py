@@ -8,9 +8,12 @@ import difflib
 import logging
 import os
 
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ValidationError
 
-from anyrec.config import register_configs
+from anyrec.config import config_dir, register_configs
 
 
 def _rank0_only(value: str) -> str | None:
@@ -99,3 +102,25 @@ def per_job_dir(path: str | None) -> str | None:
     if path is None or not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
         return path
     return os.path.join(path, str(HydraConfig.get().job.num))
+
+
+def bad_override_value(overrides: list[str]) -> str | None:
+    """One line naming an override whose value the schema refuses (e.g. `trainer.steps=many`), else
+    None. Hydra says the same in several lines after composing; this composes first to say it in one.
+
+    Only plain overrides are checked: Hydra's own flags and `hydra.*` settings are left to Hydra.
+    """
+    if any(o.startswith("-") or o.lstrip("+~").startswith("hydra") for o in overrides):
+        return None
+    setup()  # the schema must be registered for the values to be checked
+    try:
+        with initialize_config_dir(str(config_dir()), version_base="1.3"):
+            compose("config", overrides)
+    except ConfigCompositionException as e:
+        cause = e.__cause__
+        if isinstance(cause, ValidationError):
+            return f"{cause.full_key}: {str(cause.msg).splitlines()[0]}"
+        return None
+    except ValidationError as e:
+        return f"{e.full_key}: {str(e.msg).splitlines()[0]}"
+    return None

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError
 
+from anyrec._hydra import bad_override_value
 from anyrec.config import AnyrecConfig, check_values, config_dir
 
-from .conftest import compose_config
+from .conftest import ROOT, compose_config
 
 GROUPS = ["model", "data", "backend", "hardware", "planner", "optim", "trainer"]
 
@@ -89,3 +94,22 @@ def test_counts_must_be_positive(override, message):
     _, cfg = compose_config([override])
     with pytest.raises(ValueError, match=message):
         check_values(cfg)
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("trainer.steps=many", "trainer.steps: Value 'many' of type 'str' could not be converted to Integer"),
+    ("optim.dense_lr=fast", "optim.dense_lr: Value 'fast' of type 'str' could not be converted to Float"),
+])
+def test_bad_override_value_is_one_line(override, message):
+    assert bad_override_value(["model=dlrm_tiny", override]) == message
+    assert bad_override_value(["model=dlrm_tiny", "trainer.steps=3"]) is None
+
+
+def test_bad_override_value_exits_2_with_one_line(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "anyrec.train", "trainer.steps=many"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "anyrec-train: error: trainer.steps: Value 'many' of type 'str' could not be converted to Integer"]
+    assert not (tmp_path / "outputs").exists()  # refused before any run directory is made
