@@ -37,7 +37,8 @@ def test_fbgemm_refuses_weight_decay_it_would_ignore():
     from anyrec.config import OptimConfig
     from anyrec.trainer.optim import check_embedding_weight_decay
 
-    with pytest.raises(ValueError, match="not applied by FBGEMM"):
+    with pytest.raises(ValueError, match="not applied by the fbgemm embedding implementation's fused "
+                                         "update; use backend.embedding_kernel= one of triton, torch"):
         check_embedding_weight_decay(OptimConfig(weight_decay=0.1), "fbgemm")
     check_embedding_weight_decay(OptimConfig(weight_decay=0.0), "fbgemm")
     check_embedding_weight_decay(OptimConfig(weight_decay=0.1), "torch")

@@ -135,6 +135,8 @@ class Impl:
     # embedding: builds the whole EmbeddingBagCollection on one device without torchrec sharding
     # (called with the table configs, optimizer= and device=, plus `options`); None: always shard.
     unsharded_builder: str | Callable | None = None
+    # embedding: its fused update applies `optim.weight_decay` (False: the trainer refuses a decay)
+    fused_weight_decay: bool = False
 
     def __post_init__(self) -> None:
         if self.op not in OPS:
@@ -317,6 +319,7 @@ _ANYREC_TBE = dict(
     compute_kernels={"hbm": "fused_triton"},  # anyrec's own TBE under torchrec's reserved kernel name
     state_bytes_per_row="anyrec.kernels.optimizers:state_bytes_per_row",
     unsharded_builder="anyrec.kernels.ebc:TritonEmbeddingBagCollection",
+    fused_weight_decay=True,
 )
 
 BUILTIN_IMPLS: tuple[Impl, ...] = (

@@ -9,6 +9,7 @@ import torch
 from torchrec import optim as trec_optim
 from torchrec.optim import RowWiseAdagrad
 
+from anyrec.backends.dispatch import embedding_impl, implementations
 from anyrec.config import OptimConfig
 from anyrec.kernels.optimizers import OptimizerConfig, OptimizerKind
 
@@ -68,8 +69,10 @@ def dense_optimizer(cfg: OptimConfig, params: Iterable[torch.nn.Parameter]) -> t
 
 
 def check_embedding_weight_decay(cfg: OptimConfig, embedding_kernel: str) -> None:
-    """FBGEMM's fused embedding updates do not apply weight decay: say so rather than ignore it."""
-    if cfg.weight_decay > 0 and embedding_kernel == "fbgemm":
-        raise ValueError(f"optim.weight_decay={cfg.weight_decay} is not applied by FBGEMM's fused embedding "
-                         "update; use backend.embedding_kernel=torch or triton (L2 on the rows), or "
-                         "optim.weight_decay=0")
+    """An embedding implementation whose fused update ignores weight decay (FBGEMM's): say so rather
+    than ignore the setting."""
+    if cfg.weight_decay > 0 and not embedding_impl(embedding_kernel).fused_weight_decay:
+        able = ", ".join(i.name for i in implementations("embedding") if i.fused_weight_decay)
+        raise ValueError(f"optim.weight_decay={cfg.weight_decay} is not applied by the {embedding_kernel} "
+                         f"embedding implementation's fused update; use backend.embedding_kernel= one "
+                         f"of {able}, or optim.weight_decay=0")
