@@ -34,6 +34,7 @@ from anyrec.backends import Backend, get_backend
 from anyrec.backends.dispatch import Impl, KernelProfile, availability, implementations
 from anyrec.backends.specs import DeviceSpec
 from anyrec.io_checks import writable_file
+from anyrec.kernels.optimizers import OptimizerConfig
 from anyrec.planner.estimators import lookup_time_s
 from anyrec.planner.types import Placement, TableSpec, Topology
 
@@ -169,8 +170,6 @@ def _embedding_step(impl: Impl, device: torch.device, point: tuple) -> Callable[
     ids_N = torch.randint(0, rows, (t * batch * pooling,), generator=g).to(device)
     grad = torch.ones(batch, t * dim, device=device)
     if impl.unsharded_builder is not None:
-        from anyrec.kernels.optimizers import OptimizerConfig
-
         configs = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=rows,
                                       feature_names=[f"f{i}"]) for i in range(t)]
         ebc = impl.build_unsharded(configs, optimizer=OptimizerConfig(kind=OPTIMIZER), device=device)

@@ -219,7 +219,7 @@ def to_object(cfg: Any) -> AnyrecConfig:
     """A typed `AnyrecConfig` from a composed DictConfig (validated by the schema)."""
     from omegaconf import OmegaConf
 
-    from anyrec._hydra import check_known_keys
+    from anyrec._hydra import check_known_keys  # anyrec._hydra imports this module
 
     check_known_keys(cfg)
     obj = OmegaConf.to_object(cfg)

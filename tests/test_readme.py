@@ -9,6 +9,8 @@ import re
 import pytest
 from omegaconf import OmegaConf
 
+from anyrec.backends.hardware import rewrite_hardware_argv
+
 from .conftest import ROOT, compose_config
 
 README = (ROOT / "README.md").read_text()
@@ -85,6 +87,7 @@ def test_the_readme_documents_commands_and_keys():
 @pytest.mark.parametrize("command", COMMANDS, ids=[" ".join(c) for c in COMMANDS])
 def test_documented_overrides_compose(command):
     concrete, alternatives, keys = _split(command)
+    concrete = rewrite_hardware_argv(concrete)  # as the entry points do: `hardware=FILE.yaml` is a file
     cfg, _ = compose_config(concrete)
     for key in keys:
         assert OmegaConf.select(cfg, key, default=_MISSING) is not _MISSING, f"{key} is not a config key"

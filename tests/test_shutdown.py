@@ -130,7 +130,10 @@ def test_workers_of_a_killed_launcher_stop(tmp_path):
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert not left, output(tmp_path)[-3000:]
-    assert "the launcher" in output(tmp_path) or "is gone" in output(tmp_path)
+    # The first rank to see the launcher gone says so; a rank still inside a collective with it
+    # may instead see that peer leave first.
+    assert any(m in output(tmp_path) for m in ("the launcher", "is gone", "a peer rank failed")), \
+        output(tmp_path)[-3000:]
 
 
 @pytest.mark.parametrize("what", ["file", "bogus"])
