@@ -9,8 +9,10 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from anyrec.backends.specs import DeviceSpec
 
@@ -354,21 +356,21 @@ class PlanResult:
     reasons: dict[str, str] = field(default_factory=dict)
     options_by_table: dict[str, list[ShardingOption]] = field(default_factory=dict, repr=False)
 
-    @property
-    def rank_storage(self) -> list[Storage]:
-        out = [self.base.storage] * self.topology.world_size
+    def _per_rank(self, base, of: Callable[[Shard], Any]) -> list:
+        """`base` plus `of(shard)` summed over the shards each rank holds."""
+        out = [base] * self.topology.world_size
         for opt in self.tables.values():
             for s in opt.shards:
-                out[s.rank] = out[s.rank] + s.storage
+                out[s.rank] = out[s.rank] + of(s)
         return out
 
     @property
+    def rank_storage(self) -> list[Storage]:
+        return self._per_rank(self.base.storage, lambda s: s.storage)
+
+    @property
     def rank_perf(self) -> list[Perf]:
-        out = [self.base.perf] * self.topology.world_size
-        for opt in self.tables.values():
-            for s in opt.shards:
-                out[s.rank] = out[s.rank] + s.perf
-        return out
+        return self._per_rank(self.base.perf, lambda s: s.perf)
 
     @property
     def predicted_step_s(self) -> float:
