@@ -109,6 +109,16 @@ def run_under_triton_interpreter(test_file: str) -> None:
     assert " passed" in proc.stdout
 
 
+def single_process_env(*paths: Path) -> dict:
+    """The environment of a one-process `python -m anyrec.train` child with anyrec and `paths`
+    importable and no torchrun variables inherited from this process."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), *map(str, paths), os.environ.get("PYTHONPATH", "")])}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    return env
+
+
 def pip_install_target(package: Path, tmp: Path) -> Path:
     """Install the package folder `package` with pip into a fresh target directory under `tmp` (not the
     venv) and return that directory, to be put on sys.path / PYTHONPATH."""

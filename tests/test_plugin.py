@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import pytest
 
-from .conftest import ROOT, last_json_line, pip_install_target
+from .conftest import ROOT, last_json_line, pip_install_target, single_process_env
 
 PKG = ROOT / "tests" / "plugin_pkg"
 
@@ -35,10 +34,7 @@ def test_plugin_is_discovered_detected_and_resolves_its_hardware(plugin_path, mo
 
 
 def test_train_one_process_through_the_plugin(plugin_path, tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(plugin_path), os.environ.get("PYTHONPATH", "")])}
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
+    env = single_process_env(plugin_path)
     proc = subprocess.run(
         [sys.executable, "-m", "anyrec.train", "backend.name=fakeaccel", "model=dlrm_tiny",
          "trainer.steps=2", "trainer.eval_steps=0", "trainer.progress=false", f"hydra.run.dir={tmp_path}/r"],

@@ -4,7 +4,6 @@ rules, and 2-rank sharded training bit-identical to FBGEMM's with every FBGEMM c
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections import Counter
@@ -18,7 +17,7 @@ from anyrec.backends.cpu import CPUBackend
 from anyrec.backends.sparse_ops import CALLS, SPARSE_OPS
 from anyrec.trainer.distributed import _free_port
 
-from .conftest import ROOT, compose_config, last_json_line, torchrun
+from .conftest import ROOT, compose_config, last_json_line, single_process_env, torchrun
 from .test_plugin import plugin_path  # noqa: F401 - the fake accelerator, pip-installed once
 
 fbgemm = pytest.importorskip("fbgemm_gpu")
@@ -339,10 +338,7 @@ def test_world_size_one_takes_the_sharded_path_when_sparse_ops_are_named(tmp_pat
 
 def test_plugin_backend_trains_sharded_on_portable_sparse_ops(request, tmp_path):
     plugin = request.getfixturevalue("plugin_path")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(plugin), os.environ.get("PYTHONPATH", "")])}
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
+    env = single_process_env(plugin)
     proc = subprocess.run(
         [sys.executable, "-m", "anyrec.train", "backend.name=fakeaccel", "backend.embedding_kernel=torch",
          "backend.sparse_ops=portable", "model=dlrm_tiny", "trainer.steps=2", "trainer.eval_steps=0",
