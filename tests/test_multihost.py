@@ -191,7 +191,9 @@ def test_sigkilled_worker_on_host_1_restarts_both_hosts_from_checkpoint(two_host
     assert "SIGKILL rank 3 after step 6" in run.out
     assert "exitcode: -9" in run.out.replace("  ", " ")  # host 1's agent saw its worker killed
     # Both agents stopped their surviving workers and started new ones, which resumed from step 4.
-    assert all("closing signal SIGTERM" in err for err in run.stderr), run.out[-4000:]
+    # (or, where a surviving worker saw the lost peer first, it stopped itself and said so)
+    assert all("closing signal SIGTERM" in err or "a peer rank failed" in err for err in run.stderr), \
+        run.out[-4000:]
     s = run.summary()
     assert s["steps"] == 8 and s["world_size"] == 4 and s["hosts"] == 2 and s["resumed_from_step"] == 4
     assert s["final_loss"] == pytest.approx(ref["final_loss"], rel=0, abs=LOSS_ATOL)
