@@ -10,9 +10,9 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from anyrec.config import OptimConfig
+from anyrec.trainer import validate
 from anyrec.trainer.errors import NonFiniteLossError
 from anyrec.trainer.schedule import WarmupPolyDecay
-from anyrec.trainer import validate
 from anyrec.trainer.validate import InputValidator, NonFiniteGuard, check_batch, flush_checks
 
 from .conftest import OpRecorder
