@@ -18,6 +18,11 @@ Sections (each runs on its own; a failure is recorded and the rest still run):
                tables table-wise) with torchrec's sparse ops on anyrec's portable kernels
                (backend.sparse_ops=portable), checked by profiler to serve every fbgemm:: call;
                skipped like dlrm_ebc without torchrec
+  data         synthetic batches made on the device at DLRMv2 shape, batch 16384: samples/s (goal
+               >= 20 M on an H200) and whether they equal the CPU's batches bit for bit
+  parity       anyrec-parity: the one-device trainer on the CPU (torch TBE) vs here (Triton TBE),
+               20 steps of dlrm_tiny per optimizer; records saved as $OUT/parity_<optimizer>.json
+  calibrate    python -m anyrec.calibrate size=large on this device -> $OUT/calibration.yaml
 Writes $OUT/gpu_suite.json (default ./gpu_out) and $OUT/tbe.json. Sized for < 8 minutes on an
 H200 (most of it Triton compiles and nn.EmbeddingBag's sparse SGD); --small shrinks everything to
 toy sizes and, on CPU, uses the torch execution path (what its test runs).
@@ -30,6 +35,8 @@ import importlib.util
 import json
 import os
 import platform
+import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -61,11 +68,39 @@ def sync(device: torch.device) -> None:
         torch.accelerator.synchronize()
 
 
-def load_tbe_benchmark():
-    spec = importlib.util.spec_from_file_location("anyrec_bench_tbe", ROOT / "benchmarks" / "tbe.py")
+def load_benchmark(name: str):
+    """benchmarks/<name>.py as a module (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"anyrec_bench_{name}", ROOT / "benchmarks" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def torchrec_missing(section: str) -> dict | None:
+    """{"skipped": why} when torchrec does not import here (a GPU image with torch and triton only)."""
+    try:
+        import torchrec  # noqa: F401
+    except Exception as ex:  # noqa: BLE001 - torchrec needs fbgemm_gpu at import
+        reason = f"torchrec does not import here ({type(ex).__name__}: {str(ex)[:160]})"
+        print(f"  {section}: SKIPPED: {reason}", flush=True)
+        return {"skipped": reason}
+    return None
+
+
+def run_logged(cmd: list[str], timeout_s: float) -> tuple[int, str]:
+    """Run a child (anyrec on its path, its own session: a timeout kills its whole group); exit code
+    and the tail of its output (124 on timeout)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return 124, (out or "")[-4000:]
+    return proc.returncode, out[-4000:]
 
 
 # ---- sections ------------------------------------------------------------------------------------
@@ -160,7 +195,7 @@ def reference_steps(tables, ftm, batches, opt, pooling):
 def section_tbe(out_dir: Path, execution: str, small: bool) -> dict:
     args = ["--out-dir", str(out_dir), "--json", "tbe.json", "--execution", execution,
             "--dtypes", "fp32,fp16"]
-    res = load_tbe_benchmark().main(args + (["--small"] if small else []))
+    res = load_benchmark("tbe").main(args + (["--small"] if small else []))
     return {"json": str(out_dir / "tbe.json"), "copy_GBps": res["copy_GBps"],
             "ratios": [r for r in res["results"] if r["name"].startswith("ratios")]}
 
@@ -385,6 +420,87 @@ def section_dlrm_sharded(device, execution: str, small: bool, steps: int) -> dic
 # ---- driver --------------------------------------------------------------------------------------
 
 
+
+def section_data(device: torch.device, small: bool) -> dict:
+    """Synthetic batches made on the device at DLRMv2 shape (goal: >= 20 M samples/s on an H200),
+    and the check that they are the CPU's batches bit for bit (ids, lengths, labels, dense)."""
+    skipped = torchrec_missing("data")
+    if skipped:
+        return skipped
+    from anyrec.config import DataConfig
+    from anyrec.data.synthetic import SyntheticCriteo
+
+    bench = load_benchmark("data")
+    batch = 512 if small else 16384
+    model = bench.dlrmv2([1000] * 26 if small else bench.DLRMV2_ROWS)
+    make = {d: SyntheticCriteo(model, DataConfig(batch_size=batch), seed=0, rank=1, world_size=2, device=d)
+            for d in (device, torch.device("cpu"))}
+    wall, _ = bench.time_source(make[device], 3 if small else 50, 2, lambda: sync(device))
+    mismatched = []
+    for step in (0, 7):
+        here, cpu = make[device].batch(step), make[torch.device("cpu")].batch(step)
+        for name, a, b in [("ids", here.sparse_features.values(), cpu.sparse_features.values()),
+                           ("lengths", here.sparse_features.lengths(), cpu.sparse_features.lengths()),
+                           ("labels", here.labels, cpu.labels),
+                           ("dense", here.dense_features, cpu.dense_features)]:
+            if not torch.equal(a.cpu(), b):
+                mismatched.append(f"step {step} {name}")
+    rate = (3 if small else 50) * batch / wall
+    print(f"  synthetic on {device}: {rate:,.0f} samples/s at batch {batch}; same bits as the CPU: "
+          f"{not mismatched} {mismatched}", flush=True)
+    return {"batch_size": batch, "samples_per_s": rate, "goal_samples_per_s": 20e6,
+            "identical_to_cpu": not mismatched, "mismatched": mismatched}
+
+
+PARITY_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
+
+
+def section_parity(device: torch.device, small: bool, out_dir: Path) -> dict:
+    """The one-device trainer on the CPU (anyrec's torch TBE) and here (the Triton TBE; the torch TBE
+    on a CPU-only machine), 20 steps of dlrm_tiny per optimizer, compared by anyrec-parity; each
+    optimizer's records are saved as parity_<optimizer>.json (`parity.against` input elsewhere)."""
+    skipped = torchrec_missing("parity")
+    if skipped:
+        return skipped
+    from anyrec.parity import compare
+
+    kernel = "triton" if device.type != "cpu" else "torch"
+    result = {}
+    for opt in PARITY_OPTIMIZERS[-2:-1] if small else PARITY_OPTIMIZERS:
+        saved = out_dir / f"parity_{opt}.json"
+        code, tail = run_logged([
+            sys.executable, "-m", "anyrec.parity", "model=dlrm_tiny", f"optim={opt}",
+            f"trainer.steps={3 if small else 20}",
+            "parity.variant=backend=cpu backend.embedding_kernel=torch",
+            f"parity.variant=backend.embedding_kernel={kernel}", f"parity.save={saved}"], 900)
+        runs = json.loads(saved.read_text())["runs"] if saved.is_file() else []
+        row = {"exit": code, "table": [ln for ln in tail.splitlines() if ln.startswith("|")][-2:]}
+        if len(runs) == 2:
+            row.update(compare(runs[0], runs[1]), final_loss=[r["losses"][-1] for r in runs])
+        else:
+            row["error"] = tail[-1500:]
+        print(f"  parity {opt}: cpu vs {device} ({kernel}): {row.get('loss_rel', 'failed')} rel loss, "
+              f"{row.get('weight_abs', '-')} abs weight", flush=True)
+        result[opt] = row
+    return result
+
+
+def section_calibrate(small: bool, out_dir: Path) -> dict:
+    """`python -m anyrec.calibrate` on this device (one process: embedding steps per available
+    implementation, GEMM, copies, host-to-device), written to calibration.yaml."""
+    skipped = torchrec_missing("calibrate")
+    if skipped:
+        return skipped
+    out = out_dir / "calibration.yaml"
+    size = "small" if small else "large"
+    code, tail = run_logged([sys.executable, "-m", "anyrec.calibrate", f"output={out}",
+                             f"budget_s={0.05 if small else 0.5}", f"size={size}"], 900)
+    print(f"  calibrate: exit {code}, {'written' if out.is_file() else 'not written'}", flush=True)
+    if code != 0:
+        raise RuntimeError(f"anyrec.calibrate exited {code}: {tail[-1500:]}")
+    return {"file": str(out), "yaml": out.read_text()}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="toy sizes (for CPU tests)")
@@ -407,6 +523,9 @@ def main(argv: list[str] | None = None) -> dict:
         "dlrm_tbe": lambda: section_dlrm_tbe(device, a.execution, small, steps),
         "dlrm_ebc": lambda: section_dlrm_ebc(device, a.execution, small, steps),
         "dlrm_sharded": lambda: section_dlrm_sharded(device, a.execution, small, steps),
+        "data": lambda: section_data(device, small),
+        "parity": lambda: section_parity(device, small, out_dir),
+        "calibrate": lambda: section_calibrate(small, out_dir),
     }
     only = [s for s in a.only.split(",") if s]
     report: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "small": small, "sections": {}}

@@ -38,22 +38,29 @@ def test_gpu_suite_small_on_cpu(tmp_path):
     s = rep["sections"]
     assert {k: v["status"] for k, v in s.items()} == {k: "ok" for k in
                                                       ("env", "correctness", "tbe", "dlrm_tbe", "dlrm_ebc",
-                                                       "dlrm_sharded")}
+                                                       "dlrm_sharded", "data", "parity", "calibrate")}
     assert all(c["ok"] for k, c in s["correctness"].items() if isinstance(c, dict))
     assert s["dlrm_tbe"]["samples_per_s"] > 0 and s["dlrm_ebc"]["fbgemm_ops_called"] == []
     # The sharded world-size-1 path: its fbgemm:: calls (KJT permute, offsets) all on portable kernels.
     assert s["dlrm_sharded"]["served_by_portable"] and s["dlrm_sharded"]["samples_per_s"] > 0
     assert "fbgemm::permute_2D_sparse_data" in s["dlrm_sharded"]["fbgemm_ops_called"]
     assert (tmp_path / "tbe.json").exists() and "GPU: not run" in proc.stdout
+    # Issue checks a GPU run answers: device-made synthetic batches, CPU-vs-device parity, calibration.
+    assert s["data"]["identical_to_cpu"] and s["data"]["samples_per_s"] > 0
+    # One optimizer at --small; CPU against CPU: the same bits.
+    (opt, row), = ((k, v) for k, v in s["parity"].items() if isinstance(v, dict))
+    assert row["exit"] == 0 and row["loss_rel"] == 0.0 and row["weight_abs"] == 0.0, row
+    assert len(json.loads((tmp_path / f"parity_{opt}.json").read_text())["runs"]) == 2
+    assert "measured_fields" in (tmp_path / "calibration.yaml").read_text()
 
 
 def test_gpu_suite_without_torchrec_or_fbgemm(tmp_path):
-    only = "correctness,dlrm_tbe,dlrm_ebc,dlrm_sharded"
+    only = "correctness,dlrm_tbe,dlrm_ebc,dlrm_sharded,data,parity,calibrate"
     proc, rep = _run(tmp_path, ["--small", "--only", only], block=True)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     s = rep["sections"]
     assert s["correctness"]["status"] == "ok" and s["dlrm_tbe"]["status"] == "ok"
-    for name in ("dlrm_ebc", "dlrm_sharded"):
+    for name in ("dlrm_ebc", "dlrm_sharded", "data", "parity", "calibrate"):
         assert s[name]["status"] == "skipped" and "torchrec does not import" in s[name]["skipped"]
     assert "does not import" in s["env"]["torchrec"]
     assert "dlrm_ebc: SKIPPED" in proc.stdout
