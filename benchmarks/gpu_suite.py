@@ -22,6 +22,8 @@ Sections (each runs on its own; a failure is recorded and the rest still run):
                >= 20 M on an H200) and whether they equal the CPU's batches bit for bit
   parity       anyrec-parity: the one-device trainer on the CPU (torch TBE) vs here (Triton TBE),
                20 steps of dlrm_tiny per optimizer; records saved as $OUT/parity_<optimizer>.json
+  loop         benchmarks/train_step.py on the one-device Triton TBE: the whole training loop (data made
+               on the device) against the step on pre-made batches, and plain PyTorch
   calibrate    python -m anyrec.calibrate size=large on this device -> $OUT/calibration.yaml
 Writes $OUT/gpu_suite.json (default ./gpu_out) and $OUT/tbe.json. Sized for < 8 minutes on an
 H200 (most of it Triton compiles and nn.EmbeddingBag's sparse SGD); --small shrinks everything to
@@ -485,6 +487,21 @@ def section_parity(device: torch.device, small: bool, out_dir: Path) -> dict:
     return result
 
 
+def section_loop(device: torch.device, small: bool, out_dir: Path) -> dict:
+    """benchmarks/train_step.py through the one-device Triton TBE (the torch TBE on a CPU-only
+    machine): the trainer's whole loop with device-made data against its step on pre-made batches
+    (goal: loop/step >= 0.95 at DLRMv2 shape), next to plain PyTorch; JSON in train_step.json."""
+    skipped = torchrec_missing("loop")
+    if skipped:
+        return skipped
+    kernel = "triton" if device.type != "cpu" else "torch"
+    args = ["--embedding-kernel", kernel, "--no-compile", "--json", str(out_dir / "train_step.json")]
+    args += (["--small", "--steps", "3", "--warmup", "1"] if small
+             else ["--repeats", "3", "--distinct-batches", "53"])
+    res = load_benchmark("train_step").main(args)
+    return {k: res[k] for k in ("model", "batch_size", "embedding_kernel", "samples_per_s", "loop_vs_step")}
+
+
 def section_calibrate(small: bool, out_dir: Path) -> dict:
     """`python -m anyrec.calibrate` on this device (one process: embedding steps per available
     implementation, GEMM, copies, host-to-device), written to calibration.yaml."""
@@ -525,6 +542,7 @@ def main(argv: list[str] | None = None) -> dict:
         "dlrm_sharded": lambda: section_dlrm_sharded(device, a.execution, small, steps),
         "data": lambda: section_data(device, small),
         "parity": lambda: section_parity(device, small, out_dir),
+        "loop": lambda: section_loop(device, small, out_dir),
         "calibrate": lambda: section_calibrate(small, out_dir),
     }
     only = [s for s in a.only.split(",") if s]

@@ -4,6 +4,7 @@
     python benchmarks/train_step.py                      # DLRMv2 shape: 26 x 1M x 128, batch 16384 (GPU)
     python benchmarks/train_step.py --small --no-compile --json out.json
     python benchmarks/train_step.py --model dlrmv2_small --batch-size 1024 --no-compile --repeats 3
+    python benchmarks/train_step.py --embedding-kernel triton   # one device, anyrec's Triton TBE (no FBGEMM)
 
 Same batches (pre-generated, multi-hot, already on the device) for every contender, same MLPs,
 DCNv2 interaction, Adagrad and fp32 everywhere:
@@ -35,7 +36,14 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from anyrec.config import AnyrecConfig, DataConfig, ModelConfig, OptimConfig, TrainerConfig  # noqa: E402
+from anyrec.config import (  # noqa: E402
+    AnyrecConfig,
+    BackendConfig,
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    TrainerConfig,
+)
 from anyrec.data.synthetic import SyntheticCriteo  # noqa: E402
 from anyrec.models.interaction import CrossInteraction  # noqa: E402
 from anyrec.models.mlp import MLP  # noqa: E402
@@ -137,19 +145,20 @@ def bench_plain(cfg: ModelConfig, batches, device, steps, warmup, compile_: bool
     return time_steps(step, steps, warmup, sync)
 
 
-def anyrec_trainer(cfg: ModelConfig, batch_size: int, steps: int, pipelined: bool = True):
+def anyrec_trainer(cfg: ModelConfig, batch_size: int, steps: int, pipelined: bool = True,
+                   kernel: str = "auto"):
     from anyrec.trainer.trainer import Trainer
 
     return Trainer(AnyrecConfig(
-        model=cfg, data=DataConfig(batch_size=batch_size),
+        model=cfg, data=DataConfig(batch_size=batch_size), backend=BackendConfig(embedding_kernel=kernel),
         optim=OptimConfig(name="adagrad", embedding_lr=0.01, dense_lr=0.01),
         trainer=TrainerConfig(steps=steps, eval_steps=0, progress=False, tensorboard=False,
                               pipeline=pipelined, mixed_precision="fp32")))
 
 
-def bench_loop(cfg: ModelConfig, batch_size: int, steps: int, warmup: int) -> float:
+def bench_loop(cfg: ModelConfig, batch_size: int, steps: int, warmup: int, kernel: str) -> float:
     """Seconds of `steps` steps of Trainer.train() after `warmup` steps of it (its own timer)."""
-    trainer = anyrec_trainer(cfg, batch_size, warmup)
+    trainer = anyrec_trainer(cfg, batch_size, warmup, kernel=kernel)
     try:
         trainer.train()
         trainer.cfg.trainer.steps = warmup + steps
@@ -165,10 +174,11 @@ def bench_loop(cfg: ModelConfig, batch_size: int, steps: int, warmup: int) -> fl
 HOST_SYNC_OPS = ("aten::_local_scalar_dense", "c10d::allreduce_", "c10d::broadcast_", "c10d::allgather_")
 
 
-def profile_loop(cfg: ModelConfig, batch_size: int, steps: int, warmup: int, rows: int = 12) -> dict:
+def profile_loop(cfg: ModelConfig, batch_size: int, steps: int, warmup: int, kernel: str,
+                 rows: int = 12) -> dict:
     """torch.profiler (CPU) over `steps` steady-state steps of Trainer.train(): the top ops by self
     time and how often anything reads a device value on the host or runs a collective."""
-    trainer = anyrec_trainer(cfg, batch_size, warmup)
+    trainer = anyrec_trainer(cfg, batch_size, warmup, kernel=kernel)
     try:
         trainer.train()
         trainer.cfg.trainer.steps = warmup + steps
@@ -184,8 +194,9 @@ def profile_loop(cfg: ModelConfig, batch_size: int, steps: int, warmup: int, row
     return {"steps": steps, "host_sync_ops": counts}
 
 
-def bench_anyrec(cfg: ModelConfig, batch_size: int, batches, steps, warmup, pipelined: bool) -> float:
-    trainer = anyrec_trainer(cfg, batch_size, steps, pipelined)
+def bench_anyrec(cfg: ModelConfig, batch_size: int, batches, steps, warmup, pipelined: bool,
+                 kernel: str) -> float:
+    trainer = anyrec_trainer(cfg, batch_size, steps, pipelined, kernel)
     try:
         sync = trainer.backend.synchronize
         # On the device already, like the plain contenders' inputs (no host-to-device copy timed).
@@ -214,6 +225,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile contender")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--profile", action="store_true", help="only profile the whole loop's steady state")
+    parser.add_argument("--embedding-kernel", default="auto",
+                        help="anyrec's embedding kernel (backend.embedding_kernel): auto | fbgemm | triton | "
+                             "torch; triton/torch run the one-device unsharded path")
     args = parser.parse_args(argv)
     from anyrec.backends import get_backend
 
@@ -225,7 +239,7 @@ def main(argv: list[str] | None = None) -> dict:
     batch_size = args.batch_size or batch_size
     steps = args.steps or (20 if args.small else 50)
     if args.profile:
-        return profile_loop(cfg, batch_size, steps, args.warmup)
+        return profile_loop(cfg, batch_size, steps, args.warmup, args.embedding_kernel)
     src = SyntheticCriteo(cfg, DataConfig(batch_size=batch_size), seed=0)
     batches = [src.batch(i) for i in range(min(args.distinct_batches, steps + args.warmup))]
 
@@ -235,14 +249,17 @@ def main(argv: list[str] | None = None) -> dict:
         ("torch eager", lambda: bench_plain(cfg, batches, device, steps, args.warmup, False, sync)),
         ("torch compile", None if args.no_compile else
          lambda: bench_plain(cfg, batches, device, steps, args.warmup, True, sync)),
-        ("anyrec eager", lambda: bench_anyrec(cfg, batch_size, batches, steps, args.warmup, False)),
+        ("anyrec eager", lambda: bench_anyrec(cfg, batch_size, batches, steps, args.warmup, False,
+                                                args.embedding_kernel)),
     ]:
         if fn is not None:
             results[name] = steps * batch_size / fn()
     pairs = []
     for _ in range(max(1, args.repeats)):
-        step_rate = steps * batch_size / bench_anyrec(cfg, batch_size, batches, steps, args.warmup, True)
-        loop_rate = steps * batch_size / bench_loop(cfg, batch_size, steps, args.warmup)
+        step_rate = steps * batch_size / bench_anyrec(cfg, batch_size, batches, steps, args.warmup, True,
+                                                      args.embedding_kernel)
+        loop_s = bench_loop(cfg, batch_size, steps, args.warmup, args.embedding_kernel)
+        loop_rate = steps * batch_size / loop_s
         pairs.append({"anyrec pipelined": step_rate, "anyrec loop": loop_rate,
                       "loop/step": loop_rate / step_rate,
                       # CPU seconds per step: robust to other processes sharing the machine
@@ -263,6 +280,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"loop/step by process CPU time (median of {len(pairs)}): {loop_vs_step_cpu:.3f}  "
           f"[{', '.join(format(p['loop/step cpu'], '.3f') for p in pairs)}]")
     out = {"model": cfg.name, "batch_size": batch_size, "steps": steps, "device": backend.describe(),
+           "embedding_kernel": args.embedding_kernel,
            "samples_per_s": results, "ratio_vs_torch_eager": {k: v / base for k, v in results.items()},
            "loop_vs_step": loop_vs_step, "loop_vs_step_cpu": loop_vs_step_cpu, "pairs": pairs,
            "load_average": os.getloadavg()[0]}

@@ -38,7 +38,8 @@ def test_gpu_suite_small_on_cpu(tmp_path):
     s = rep["sections"]
     assert {k: v["status"] for k, v in s.items()} == {k: "ok" for k in
                                                       ("env", "correctness", "tbe", "dlrm_tbe", "dlrm_ebc",
-                                                       "dlrm_sharded", "data", "parity", "calibrate")}
+                                                       "dlrm_sharded", "data", "parity", "loop",
+                                                       "calibrate")}
     assert all(c["ok"] for k, c in s["correctness"].items() if isinstance(c, dict))
     assert s["dlrm_tbe"]["samples_per_s"] > 0 and s["dlrm_ebc"]["fbgemm_ops_called"] == []
     # The sharded world-size-1 path: its fbgemm:: calls (KJT permute, offsets) all on portable kernels.
@@ -52,15 +53,17 @@ def test_gpu_suite_small_on_cpu(tmp_path):
     assert row["exit"] == 0 and row["loss_rel"] == 0.0 and row["weight_abs"] == 0.0, row
     assert len(json.loads((tmp_path / f"parity_{opt}.json").read_text())["runs"]) == 2
     assert "measured_fields" in (tmp_path / "calibration.yaml").read_text()
+    assert s["loop"]["embedding_kernel"] == "torch" and s["loop"]["loop_vs_step"] > 0
+    assert json.loads((tmp_path / "train_step.json").read_text())["samples_per_s"]["anyrec loop"] > 0
 
 
 def test_gpu_suite_without_torchrec_or_fbgemm(tmp_path):
-    only = "correctness,dlrm_tbe,dlrm_ebc,dlrm_sharded,data,parity,calibrate"
+    only = "correctness,dlrm_tbe,dlrm_ebc,dlrm_sharded,data,parity,loop,calibrate"
     proc, rep = _run(tmp_path, ["--small", "--only", only], block=True)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     s = rep["sections"]
     assert s["correctness"]["status"] == "ok" and s["dlrm_tbe"]["status"] == "ok"
-    for name in ("dlrm_ebc", "dlrm_sharded", "data", "parity", "calibrate"):
+    for name in ("dlrm_ebc", "dlrm_sharded", "data", "parity", "loop", "calibrate"):
         assert s[name]["status"] == "skipped" and "torchrec does not import" in s[name]["skipped"]
     assert "does not import" in s["env"]["torchrec"]
     assert "dlrm_ebc: SKIPPED" in proc.stdout
