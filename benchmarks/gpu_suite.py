@@ -25,9 +25,11 @@ Sections (each runs on its own; a failure is recorded and the rest still run):
   loop         benchmarks/train_step.py on the one-device Triton TBE: the whole training loop (data made
                on the device) against the step on pre-made batches, and plain PyTorch
   calibrate    python -m anyrec.calibrate size=large on this device -> $OUT/calibration.yaml
-Writes $OUT/gpu_suite.json (default ./gpu_out) and $OUT/tbe.json. Sized for < 8 minutes on an
-H200 (most of it Triton compiles and nn.EmbeddingBag's sparse SGD); --small shrinks everything to
-toy sizes and, on CPU, uses the torch execution path (what its test runs).
+Writes $OUT/gpu_suite.json (default ./gpu_out), $OUT/tbe.json and the files named above. The first
+six sections were sized for < 8 minutes on an H200 (most of it Triton compiles and nn.EmbeddingBag's
+sparse SGD); data, parity, loop and calibrate add a few minutes more (never timed on a GPU): where
+one command may run 10 minutes at most, run them as a second call with `--only data,parity,loop,calibrate`.
+--small shrinks everything to toy sizes and, on CPU, uses the torch execution path (what its test runs).
 """
 
 from __future__ import annotations
