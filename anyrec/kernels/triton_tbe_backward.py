@@ -40,6 +40,11 @@ OPTIMIZER_CODES: dict[OptimizerKind, int] = {
     OptimizerKind.ADAM: 3,
 }
 
+# Compile options of the backward kernel (launcher and AOT gate alike): no implicit multiply-add
+# fusion, so a product and a sum round separately, as in the torch path and FBGEMM's CPU kernels;
+# where FBGEMM fuses (SGD's step, Adagrad's m += g * g) the kernel says tl.fma.
+BACKWARD_COMPILE_OPTIONS: dict[str, bool] = {"enable_fp_fusion": False}
+
 # fp32 mantissa bits dropped when rounding to the low-precision type (stochastic rounding noise)
 SR_DROPPED_BITS: dict[torch.dtype, int] = {torch.bfloat16: 16, torch.float16: 13}
 
@@ -346,4 +351,5 @@ def triton_backward_update(
         MEAN=pooling == "mean", STOCHASTIC_ROUNDING=sr, DROPPED_BITS=SR_DROPPED_BITS.get(weights.dtype, 16),
         ALIGN=layout.dim_alignment, LONG_SEGMENT=LONG_SEGMENT,
         BLOCK_U=block_u, BLOCK_L=block_l, BLOCK_D=block_d, NUM_D_TILES=d_tiles, num_warps=num_warps,
+        **BACKWARD_COMPILE_OPTIONS,
     )
