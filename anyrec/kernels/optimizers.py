@@ -25,10 +25,15 @@ them), so anyrec's TBE and FBGEMM give the same bits from the same summed gradie
            division, sqrt and eps sum in fp64 (FBGEMM's CPU kernel promotes there; its CUDA kernel
            stays in fp32, so FBGEMM itself differs from CPU to GPU by a rounding)
 
-`fma_f32`, `sgd_update` and `adagrad_update` are that arithmetic on torch tensors; the Triton kernel
-spells the same steps with `tl.fma` and fp64. Row-wise Adagrad keeps its torch form: FBGEMM's CPU
-kernel sums g^2 in eight SIMD lanes, and its update matches that form to one rounding of the step
-on some rows, not bit for bit.
+  rowwise  mean_d(g^2) summed in eight lanes as FBGEMM's AVX2 kernel does (`rowwise_mean_sq`);
+           m += that; w -= g * (lr / (sqrt(m) + eps)) in fp32. The state m then matches FBGEMM's
+           bit for bit; the weights differ from FBGEMM's CPU kernel by one rounding on a few rows
+           (its step lr / (sqrt(m) + eps) differs by 1-3 units in the last place there; cause not found)
+
+`fma_f32`, `sgd_update`, `adagrad_update` and `rowwise_mean_sq` are that arithmetic on torch tensors;
+the Triton kernel spells the SGD and Adagrad steps with `tl.fma` and fp64, and sums row-wise g^2 with
+`tl.sum` (a tree: the same as the lanes under TRITON_INTERPRET for dims that are multiples of 8 up to
+128, a rounding apart on GPUs).
 
 """
 
@@ -131,3 +136,19 @@ def adagrad_update(w: torch.Tensor, g: torch.Tensor, m: torch.Tensor, lr: float,
     m = fma_f32(g, g, m)
     q = g * f32(lr)  # fp32 * fp32 (torch rounds a Python scalar to the tensor's dtype)
     return (w.double() - q.double() / (m.double().sqrt() + f32(eps))).float(), m
+
+
+def rowwise_mean_sq(g_UD: torch.Tensor) -> torch.Tensor:
+    """mean_d(g^2) of each row [U], summed as FBGEMM's CPU row-wise Adagrad sums it.
+
+    Eight lanes (AVX2 width): lane j accumulates g_d^2 for d = j (mod 8) in order of d, each square
+    rounded before the add; then ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), then / D.
+    """
+    u, d = g_UD.shape
+    sq_UCL = torch.nn.functional.pad(g_UD * g_UD, (0, -d % 8)).view(u, -1, 8)
+    lanes_UL = sq_UCL[:, 0]
+    for c in range(1, sq_UCL.shape[1]):
+        lanes_UL = lanes_UL + sq_UCL[:, c]
+    l = lanes_UL
+    total_U = ((l[:, 0] + l[:, 1]) + (l[:, 2] + l[:, 3])) + ((l[:, 4] + l[:, 5]) + (l[:, 6] + l[:, 7]))
+    return total_U / d

@@ -13,7 +13,13 @@ from __future__ import annotations
 
 import torch
 
-from anyrec.kernels.optimizers import OptimizerConfig, OptimizerKind, adagrad_update, sgd_update
+from anyrec.kernels.optimizers import (
+    OptimizerConfig,
+    OptimizerKind,
+    adagrad_update,
+    rowwise_mean_sq,
+    sgd_update,
+)
 
 POOLING_MODES = ("sum", "mean")
 
@@ -119,7 +125,7 @@ def apply_optimizer_ref(
     if opt.kind == OptimizerKind.SGD:
         wr = sgd_update(wr, g, opt.lr)
     elif opt.kind == OptimizerKind.ROWWISE_ADAGRAD:
-        m = state["sum"][rows] + (g * g).mean(dim=1)
+        m = state["sum"][rows] + rowwise_mean_sq(g)
         state["sum"][rows] = m
         wr = wr - g * (opt.lr / (m.sqrt() + opt.eps))[:, None]
     elif opt.kind == OptimizerKind.ADAGRAD:

@@ -12,7 +12,13 @@ from __future__ import annotations
 import torch
 
 from anyrec.kernels.layout import LayoutTensors, TBELayout, lookup_tables_N
-from anyrec.kernels.optimizers import OptimizerConfig, OptimizerKind, adagrad_update, sgd_update
+from anyrec.kernels.optimizers import (
+    OptimizerConfig,
+    OptimizerKind,
+    adagrad_update,
+    rowwise_mean_sq,
+    sgd_update,
+)
 from anyrec.kernels.reference import bag_scales_N
 from anyrec.kernels.triton_tbe_backward import SR_DROPPED_BITS
 
@@ -120,7 +126,7 @@ def _apply_rows(weights, state1, state2, step, rows_U, addr_UD, g_UD, opt: Optim
     if opt.kind == OptimizerKind.SGD:
         w_UD = sgd_update(w_UD, g_UD, opt.lr)
     elif opt.kind == OptimizerKind.ROWWISE_ADAGRAD:
-        m_U = state1[rows_U] + (g_UD * g_UD).mean(dim=1)
+        m_U = state1[rows_U] + rowwise_mean_sq(g_UD)
         state1[rows_U] = m_U
         w_UD = w_UD - g_UD * (opt.lr / (m_U.sqrt() + opt.eps))[:, None]  # FBGEMM's order of operations
     elif opt.kind == OptimizerKind.ADAGRAD:
