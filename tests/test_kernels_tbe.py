@@ -405,6 +405,18 @@ def test_rowwise_adagrad_state_is_fbgemm_cpu_bit_for_bit():
         torch.testing.assert_close(b, a, rtol=0, atol=2e-7)
 
 
+def test_rowwise_step_is_one_rounded_division():
+    """lr / (sqrt(m) + eps) rounded once, as FBGEMM divides (torch's number / tensor rounds twice)."""
+    from anyrec.kernels.optimizers import f32, rowwise_step
+
+    gen = torch.Generator().manual_seed(1)
+    m = torch.rand(4000, generator=gen) * 10.0 ** torch.randint(-12, 0, (4000,), generator=gen).float()
+    den = m.sqrt() + f32(1e-8)
+    want = (f32(0.05) / den.double()).float()  # fp64 quotient of fp32 values, rounded: correctly rounded
+    assert torch.equal(rowwise_step(m, 0.05, 1e-8), want)
+    assert not torch.equal(0.05 / den, want)  # the case this guards against does occur
+
+
 def test_fma_f32_rounds_once():
     """a * b + c with one rounding; the first case is one where fp64 then fp32 rounds twice, wrongly."""
     from fractions import Fraction

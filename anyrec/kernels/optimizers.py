@@ -26,11 +26,13 @@ them), so anyrec's TBE and FBGEMM give the same bits from the same summed gradie
            stays in fp32, so FBGEMM itself differs from CPU to GPU by a rounding)
 
   rowwise  mean_d(g^2) summed in eight lanes as FBGEMM's AVX2 kernel does (`rowwise_mean_sq`);
-           m += that; w -= g * (lr / (sqrt(m) + eps)) in fp32. The state m then matches FBGEMM's
-           bit for bit; the weights differ from FBGEMM's CPU kernel by one rounding on a few rows
-           (its step lr / (sqrt(m) + eps) differs by 1-3 units in the last place there; cause not found)
+           m += that; w -= g * (lr / (sqrt(m) + eps)) in fp32, one rounded division (`rowwise_step`).
+           The state m then matches FBGEMM's bit for bit; the weights differ from FBGEMM's CPU kernel
+           by one rounding on a few rows (the effective step differs by 1-3 units in the last place
+           there; cause not found)
 
-`fma_f32`, `sgd_update`, `adagrad_update` and `rowwise_mean_sq` are that arithmetic on torch tensors;
+`fma_f32`, `sgd_update`, `adagrad_update`, `rowwise_mean_sq` and `rowwise_step` are that arithmetic
+on torch tensors;
 the Triton kernel spells the SGD and Adagrad steps with `tl.fma` and fp64, and sums row-wise g^2 with
 `tl.sum` (a tree: the same as the lanes under TRITON_INTERPRET for dims that are multiples of 8 up to
 128, a rounding apart on GPUs).
@@ -152,3 +154,9 @@ def rowwise_mean_sq(g_UD: torch.Tensor) -> torch.Tensor:
     l = lanes_UL
     total_U = ((l[:, 0] + l[:, 1]) + (l[:, 2] + l[:, 3])) + ((l[:, 4] + l[:, 5]) + (l[:, 6] + l[:, 7]))
     return total_U / d
+
+
+def rowwise_step(m_U: torch.Tensor, lr: float, eps: float) -> torch.Tensor:
+    """lr / (sqrt(m) + eps) per row in fp32, one rounded division (a Python number divided by a tensor
+    is reciprocal-then-multiply in torch: two roundings)."""
+    return torch.full_like(m_U, f32(lr)) / (m_U.sqrt() + f32(eps))

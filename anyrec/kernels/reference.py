@@ -18,6 +18,7 @@ from anyrec.kernels.optimizers import (
     OptimizerKind,
     adagrad_update,
     rowwise_mean_sq,
+    rowwise_step,
     sgd_update,
 )
 
@@ -127,7 +128,7 @@ def apply_optimizer_ref(
     elif opt.kind == OptimizerKind.ROWWISE_ADAGRAD:
         m = state["sum"][rows] + rowwise_mean_sq(g)
         state["sum"][rows] = m
-        wr = wr - g * (opt.lr / (m.sqrt() + opt.eps))[:, None]
+        wr = wr - g * rowwise_step(m, opt.lr, opt.eps)[:, None]
     elif opt.kind == OptimizerKind.ADAGRAD:
         wr, m = adagrad_update(wr, g, state["sum"][rows], opt.lr, opt.eps)
         state["sum"][rows] = m

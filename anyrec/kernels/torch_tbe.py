@@ -17,6 +17,7 @@ from anyrec.kernels.optimizers import (
     OptimizerKind,
     adagrad_update,
     rowwise_mean_sq,
+    rowwise_step,
     sgd_update,
 )
 from anyrec.kernels.reference import bag_scales_N
@@ -128,7 +129,7 @@ def _apply_rows(weights, state1, state2, step, rows_U, addr_UD, g_UD, opt: Optim
     elif opt.kind == OptimizerKind.ROWWISE_ADAGRAD:
         m_U = state1[rows_U] + rowwise_mean_sq(g_UD)
         state1[rows_U] = m_U
-        w_UD = w_UD - g_UD * (opt.lr / (m_U.sqrt() + opt.eps))[:, None]  # FBGEMM's order of operations
+        w_UD = w_UD - g_UD * rowwise_step(m_U, opt.lr, opt.eps)[:, None]  # FBGEMM's order of operations
     elif opt.kind == OptimizerKind.ADAGRAD:
         w_UD, m_UD = adagrad_update(w_UD, g_UD, state1[addr_UD], opt.lr, opt.eps)
         state1[addr_UD] = m_UD
