@@ -4,12 +4,13 @@
     python scripts/parity_matrix.py [--optimizers sgd,adam] [--steps 20] [--nproc 1,2] [--no-triton]
 
 Reference variant: anyrec's torch TBE on one rank (unsharded), or with --nproc 2 alone the first
-two-rank variant. Then FBGEMM under the co-design plan
-and each forced sharding type, anyrec's torch TBE sharded over two ranks, and the Triton TBE under
-TRITON_INTERPRET=1. Left out, because they do not exist on CPU or are refused by design: FBGEMM's
-fused Adam (CPU FBGEMM has none; its replicated tables run anyway), data-parallel tables on anyrec's
-TBE (torchrec's dense kernel only), column-wise shards under row-wise Adagrad (one accumulator per
-column shard is another update rule). Prints one table per optimizer; exits 1 if any differs.
+two-rank variant. Then FBGEMM under the co-design plan and each forced sharding type, and anyrec's
+torch TBE and Triton TBE (under TRITON_INTERPRET=1): unsharded on one rank, under the co-design plan
+and each forced sharding type on two. Left out, because they do not exist on CPU or are refused by
+design: FBGEMM's fused Adam (CPU FBGEMM has none; its replicated tables run anyway), data-parallel
+tables on anyrec's TBE (torchrec's dense kernel only), column-wise shards under row-wise Adagrad
+(one accumulator per column shard is another update rule). Prints one table per optimizer; exits 1
+if any differs.
 """
 
 from __future__ import annotations
@@ -41,8 +42,11 @@ def variants(optimizer: str, nprocs: list[int], triton: bool) -> list[str]:
                     continue
                 out.append(f"backend.embedding_kernel=torch {plan}{ranks}")
         if triton:
-            plan = "" if n == 1 else " planner.name=simple planner.sharding=table_wise"
-            out.append(f"backend.embedding_kernel=triton{plan}{ranks} TRITON_INTERPRET=1")
+            for plan in anyrec_plans if n > 1 else [""]:
+                if optimizer == "rowwise_adagrad" and "column_wise" in plan:
+                    continue
+                plan = f" {plan}" if plan else ""
+                out.append(f"backend.embedding_kernel=triton{plan}{ranks} TRITON_INTERPRET=1")
     return out
 
 

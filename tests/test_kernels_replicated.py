@@ -52,6 +52,27 @@ def test_dense_gradient_table_matches_the_fused_update(opt):
     assert float(state["step"]) == float(fused.step) == 3
 
 
+@pytest.mark.parametrize("kind", ["sgd", "adagrad"])
+def test_sgd_and_adagrad_bit_for_bit_with_the_fused_update(kind):
+    """FBGEMM's rounding (`anyrec.kernels.optimizers`) in both: same bits, gradients over eight decades."""
+    opt = OptimizerConfig(kind, lr=0.05, eps=1e-8)
+    fused = TritonTableBatchedEmbedding([(ROWS, DIM)], [0], optimizer=opt, execution="torch")
+    table = torch.nn.Parameter(fused.split_embedding_weights()[0].clone())
+    w0 = table.detach().clone()
+    replicated = ReplicatedTableOptimizer([table], opt)
+    gen = torch.Generator().manual_seed(9)
+    for ids, offsets, g_BD in _batches(3):
+        g_BD = g_BD * 10.0 ** torch.randint(-8, 0, (BATCH, 1), generator=gen).float()
+        fused(ids, offsets).backward(g_BD)
+        replicated.zero_grad()
+        F.embedding_bag(ids, table, offsets[:-1], mode="sum").backward(g_BD)
+        replicated.step()
+    assert int((table.detach() != w0).sum()) >= 4 * DIM
+    assert torch.equal(table.detach(), fused.split_embedding_weights()[0])
+    if kind == "adagrad":
+        assert torch.equal(replicated.state[table]["momentum1"], fused.momentum1)
+
+
 def test_rejects_a_non_table_parameter():
     with pytest.raises(ValueError, match="rows, dim"):
         ReplicatedTableOptimizer([torch.nn.Parameter(torch.zeros(3))], OptimizerConfig("sgd"))

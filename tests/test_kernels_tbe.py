@@ -340,6 +340,112 @@ def test_matches_fbgemm_cpu_tbe(kind):
             torch.testing.assert_close(b[k], a[k].view(b[k].shape), rtol=1e-5, atol=1e-7, msg=k)
 
 
+def _fbgemm_pair(kind, specs, ftm, opt):
+    """anyrec's torch TBE and FBGEMM's CPU TBE with the same tables and hyperparameters."""
+    fb = pytest.importorskip("fbgemm_gpu.split_table_batched_embeddings_ops_training")
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+
+    ours = TritonTableBatchedEmbedding(specs, ftm, optimizer=opt, execution="torch")
+    theirs = fb.SplitTableBatchedEmbeddingBagsCodegen(
+        [(r, d, EmbeddingLocation.HOST, fb.ComputeDevice.CPU) for r, d in specs],
+        feature_table_map=ftm, optimizer=getattr(EmbOptimType, FBGEMM_OPTS[kind]), learning_rate=opt.lr,
+        eps=opt.eps, pooling_mode=PoolingMode.SUM,
+    )
+    with torch.no_grad():
+        for a, b in zip(theirs.split_embedding_weights(), ours.split_embedding_weights(), strict=True):
+            a.copy_(b)
+    return ours, theirs
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adagrad"])
+@pytest.mark.parametrize("eps", [1e-8, 1e-4])
+def test_sgd_and_adagrad_are_fbgemm_cpu_bit_for_bit(kind, eps):
+    """Same summed gradient, same rounding (fma; Adagrad's step in fp64): identical weights and state.
+
+    Gradients span eight decades, where Adagrad's g / (sqrt(g^2) + eps) is most sensitive to rounding.
+    """
+    specs, ftm = [(6, 4), (1, 36), (9, 100), (5, 260)], [0, 1, 2, 3]
+    ours, theirs = _fbgemm_pair(kind, specs, ftm, OptimizerConfig(kind, lr=0.05, eps=eps))
+    gen = torch.Generator().manual_seed(3)
+    for s in range(4):
+        ids, off, _ = make_batch(specs, ftm, 6, seed=40 + s)
+        scale = 10.0 ** torch.randint(-8, 0, (6, 1), generator=gen).float()
+        g = torch.randn(6, ours.layout.output_dim, generator=gen) * scale
+        ours(ids, off).backward(g)
+        theirs(ids, off).backward(g)
+    moved = 0
+    for a, b, w0 in zip(theirs.split_embedding_weights(), ours.split_embedding_weights(),
+                        TritonTableBatchedEmbedding(specs, ftm).split_embedding_weights(), strict=True):
+        assert torch.equal(b, a), f"{int((a != b).sum())} of {a.numel()} weights differ"
+        moved += int((b != w0).sum())
+    assert moved > 100, moved  # the batches did update many elements
+    for a, b in zip(theirs.get_optimizer_state(), ours.get_optimizer_state(), strict=False):
+        for k in b:
+            assert torch.equal(b[k], a[k].view(b[k].shape)), k
+
+
+def test_rowwise_adagrad_state_is_fbgemm_cpu_bit_for_bit():
+    """mean_d(g^2) summed in FBGEMM's eight AVX2 lanes (dims 4, 36, 100, 260: masked and several
+    chunks): the accumulators are identical; the weights are within one rounding of the step (FBGEMM's
+    step differs by a unit in the last place on a few rows, cause not found)."""
+    specs, ftm = [(6, 4), (1, 36), (9, 100), (5, 260)], [0, 1, 2, 3]
+    ours, theirs = _fbgemm_pair("rowwise_adagrad", specs, ftm, OptimizerConfig("rowwise_adagrad", lr=0.05))
+    gen = torch.Generator().manual_seed(5)
+    for s in range(4):
+        ids, off, _ = make_batch(specs, ftm, 6, seed=60 + s)
+        g = torch.randn(6, ours.layout.output_dim, generator=gen)
+        g = g * 10.0 ** torch.randint(-6, 0, (6, 1), generator=gen).float()
+        ours(ids, off).backward(g)
+        theirs(ids, off).backward(g)
+    for a, b in zip(theirs.get_optimizer_state(), ours.get_optimizer_state(), strict=True):
+        assert int((b["sum"] > 0).sum()) > 0
+        assert torch.equal(b["sum"], a["sum"].view(b["sum"].shape))
+    for a, b in zip(theirs.split_embedding_weights(), ours.split_embedding_weights(), strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=2e-7)
+
+
+def test_rowwise_step_is_one_rounded_division():
+    """lr / (sqrt(m) + eps) rounded once, as FBGEMM divides (torch's number / tensor rounds twice)."""
+    from anyrec.kernels.optimizers import f32, rowwise_step
+
+    gen = torch.Generator().manual_seed(1)
+    m = torch.rand(4000, generator=gen) * 10.0 ** torch.randint(-12, 0, (4000,), generator=gen).float()
+    den = m.sqrt() + f32(1e-8)
+    want = (f32(0.05) / den.double()).float()  # fp64 quotient of fp32 values, rounded: correctly rounded
+    assert torch.equal(rowwise_step(m, 0.05, 1e-8), want)
+    assert not torch.equal(0.05 / den, want)  # the case this guards against does occur
+
+
+def test_fma_f32_rounds_once():
+    """a * b + c with one rounding; the first case is one where fp64 then fp32 rounds twice, wrongly."""
+    from fractions import Fraction
+
+    from anyrec.kernels.optimizers import fma_f32
+
+    def exact_f32(a: float, b: float, c: float) -> float:
+        x = Fraction(a) * Fraction(b) + Fraction(c)
+        near = torch.tensor(float(x), dtype=torch.float32)
+        cands = [near, *(torch.nextafter(near, torch.tensor(x)) for x in (-torch.inf, torch.inf))]
+        best = min(abs(Fraction(float(v)) - x) for v in cands)
+        ties = [v for v in cands if abs(Fraction(float(v)) - x) == best]
+        return float(min(ties, key=lambda v: int(v.view(torch.int32)) & 1))  # ties to even
+
+    a = [8392705 * 2.0**-47, 9010893 * 2.0**-47]  # a * b = 2^-24 + 2j * 2^-71: 1 + that is just past a tie
+    b = [16769026 * 2.0**-24, 15618595 * 2.0**-24]
+    c = [1.0, 1.0]
+    gen = torch.Generator().manual_seed(0)
+    r = torch.randn(3, 300, generator=gen) * 10.0 ** torch.randint(-6, 6, (3, 300), generator=gen)
+    a += r[0].tolist()
+    b += r[1].tolist()
+    c += (r[2] * 1e-3).tolist()
+    ta, tb, tc = (torch.tensor(v, dtype=torch.float32) for v in (a, b, c))
+    got = fma_f32(ta, tb, tc)
+    want = torch.tensor([exact_f32(*v) for v in zip(ta.tolist(), tb.tolist(), tc.tolist(), strict=True)])
+    assert torch.equal(got, want), int((got != want).sum())
+    assert float(got[0]) == 1.0 + 2.0**-23 != float((ta[0].double() * tb[0] + tc[0]).float())
+
+
 def test_dedupe_rows_segments_without_host_sync():
     """Segment starts sized by N (no unique count on the host); bad ids sort into a trailing sentinel."""
     from anyrec.kernels.triton_tbe_backward import dedupe_rows

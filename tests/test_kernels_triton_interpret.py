@@ -79,6 +79,27 @@ else:
         pooling = "mean" if opt.kind.value == "adagrad" else "sum"
         check_fused_update("triton", opt, pooling, batch=3)
 
+    @pytest.mark.parametrize("kind", ["sgd", "adagrad"])
+    def test_sgd_and_adagrad_bit_for_bit_with_torch_execution(kind):
+        """FBGEMM's rounding on both paths (fma; Adagrad's step in fp64): identical weights and state.
+
+        Short segments (summed one lookup at a time, in the torch path's order); gradients span eight
+        decades, where Adagrad is most sensitive to rounding.
+        """
+        t, p = both(optimizer=OptimizerConfig(kind, lr=0.05, eps=1e-8))
+        w0 = t.weight.detach().clone()
+        gen = torch.Generator().manual_seed(4)
+        for s in range(3):
+            ids, off, _ = make_batch(SPECS, FTM, 4, seed=30 + s)
+            g = torch.randn(4, t.layout.output_dim, generator=gen)
+            g = g * 10.0 ** torch.randint(-8, 0, (4, 1), generator=gen).float()
+            train(t, [(ids, off, None, g)])
+            train(p, [(ids, off, None, g)])
+        assert int((t.weight != w0).sum()) > 100
+        assert torch.equal(t.weight, p.weight), int((t.weight != p.weight).sum())
+        if kind == "adagrad":
+            assert torch.equal(t.momentum1, p.momentum1)
+
     @pytest.mark.parametrize("opt", WD_OPTS, ids=lambda o: o.kind.value)
     def test_fused_update_with_weight_decay(opt):
         check_fused_update("triton", opt, "sum", batch=3)

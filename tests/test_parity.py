@@ -106,3 +106,18 @@ def test_world_sizes_and_two_rank_plans_agree(capsys):
                      f"backend.embedding_kernel=fbgemm {simple}=data_parallel nproc=2"], capsys)
     assert rc == 0, rows
     assert len(rows) == 4 and all(r.split("|")[-2].strip() == "ok" for r in rows)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_one_rank_kernels_give_the_same_bits(optimizer, capsys):
+    """SGD and exact Adagrad round as FBGEMM's CPU kernels do on anyrec's TBE too: FBGEMM and the
+    torch TBE on one rank end with the same weights (same SHA-256), not merely within tolerance.
+    (An embedding lr that is not a power of two, so that SGD's lr * g rounds.)"""
+    base = [a for a in BASE if not a.startswith("optim=")] + [f"optim={optimizer}", "optim.embedding_lr=0.3"]
+    rc = main([*base, "parity.variant=backend.embedding_kernel=torch",
+               "parity.variant=backend.embedding_kernel=fbgemm", "parity.timeout_s=400"])
+    out = capsys.readouterr().out.splitlines()
+    rows = [ln.split("|") for ln in out if ln.startswith("| ") and "---" not in ln]
+    assert rc == 0 and len(rows) == 3, rows
+    sha = [r[-3].strip() for r in rows[1:]]
+    assert len(sha[0]) == 12 and sha[0] == sha[1], rows

@@ -59,3 +59,44 @@ def test_embedding_weight_decay_is_l2(kernel, tmp_path, monkeypatch):
     assert touched.any()
     torch.testing.assert_close(decayed[touched], plain[touched] - LR * WD * w0[touched], rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(decayed[~touched], w0[~touched])
+
+
+def test_fbgemm_on_the_cpu_refuses_adam_unless_every_table_is_replicated():
+    """FBGEMM's CPU TBE has no Adam: one line naming the way out, not its assertion inside sharding."""
+    from types import SimpleNamespace
+
+    from anyrec.config import OptimConfig
+    from anyrec.trainer.optim import check_embedding_optimizer
+
+    def plan(*types):
+        return SimpleNamespace(plan={"model.ebc": {f"t{i}": SimpleNamespace(sharding_type=t)
+                                                   for i, t in enumerate(types)}})
+
+    adam = OptimConfig(name="adam")
+    want = (r"^optim=adam: the fbgemm embedding implementation has no fused adam on the CPU \(the plan "
+            r"shards tables as row_wise, table_wise\); use backend.embedding_kernel= one of triton, torch")
+    with pytest.raises(ValueError, match=want):
+        check_embedding_optimizer(adam, "fbgemm", "cpu", plan("table_wise", "data_parallel", "row_wise"))
+    check_embedding_optimizer(adam, "fbgemm", "cpu", plan("data_parallel", "data_parallel"))
+    check_embedding_optimizer(adam, "fbgemm", "cuda", plan("table_wise"))
+    check_embedding_optimizer(adam, "torch", "cpu", plan("table_wise"))
+    check_embedding_optimizer(OptimConfig(name="adagrad"), "fbgemm", "cpu", plan("table_wise"))
+
+
+def test_adam_betas_reach_the_sharded_tbe_by_their_fbgemm_names():
+    """torchrec passes the in-backward optimizer's kwargs to the TBE as fused params: `betas` was a
+    TypeError in FBGEMM and silently replaced by the defaults in anyrec's TBE."""
+    from anyrec.config import OptimConfig
+    from anyrec.kernels.torchrec_kernel import optimizer_from_fused_params
+    from anyrec.trainer.optim import apply_embedding_optimizer
+
+    tables = [torch.nn.Parameter(torch.zeros(4, 2)) for _ in range(2)]
+    apply_embedding_optimizer(tables, OptimConfig(name="adam", embedding_lr=0.02, betas=[0.5, 0.6]))
+    for p in tables:
+        (stored,) = p._optimizer_kwargs
+        assert "betas" not in stored and (stored["beta1"], stored["beta2"]) == (0.5, 0.6)
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    opt = optimizer_from_fused_params({**tables[0]._optimizer_kwargs[0], "optimizer": EmbOptimType.ADAM,
+                                       "learning_rate": 0.02})
+    assert (opt.beta1, opt.beta2) == (0.5, 0.6)

@@ -137,6 +137,8 @@ class Impl:
     unsharded_builder: str | Callable | None = None
     # embedding: its fused update applies `optim.weight_decay` (False: the trainer refuses a decay)
     fused_weight_decay: bool = False
+    # embedding: the fused update rules it has on CPU devices (None: every one)
+    cpu_optimizers: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.op not in OPS:
@@ -329,7 +331,8 @@ BUILTIN_IMPLS: tuple[Impl, ...] = (
          data_parallel=True, state_bytes_per_row=fbgemm_state_bytes_per_row,
          profile=KernelProfile(0.55, 32, source="empirical: FBGEMM TBE forward+backward reaches roughly "
                                                  "55% of HBM bandwidth on dim-128 fp32 rows"),
-         description="FBGEMM's TBE (torchrec's fused kernels), tables in HBM, UVM cache or host DDR"),
+         description="FBGEMM's TBE (torchrec's fused kernels), tables in HBM, UVM cache or host DDR",
+         cpu_optimizers=("sgd", "rowwise_adagrad", "adagrad")),  # no CPU Adam in FBGEMM
     Impl("embedding", "triton", probe=all_of(probe_triton, _ANYREC_TBE_PROBE),
          options={"execution": "triton"},
          profile=KernelProfile(0.69, 32, source="measured on an H200 (2026-11-30): naive Triton forward "

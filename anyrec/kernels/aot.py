@@ -143,6 +143,15 @@ def _amd_counts(amdgcn: str) -> tuple[int | None, int | None]:
     return field("vgpr_count"), field("vgpr_spill_count")
 
 
+def _compile_options(kernel: str) -> dict:
+    """Options a kernel's launcher passes besides num_warps (compiled here as they ship)."""
+    if kernel == "tbe_backward":
+        from anyrec.kernels.triton_tbe_backward import BACKWARD_COMPILE_OPTIONS  # needs triton
+
+        return BACKWARD_COMPILE_OPTIONS
+    return {}
+
+
 def compile_one(name, label, fn, types, constexprs, num_warps, target: str) -> CompileResult:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -161,7 +170,7 @@ def compile_one(name, label, fn, types, constexprs, num_warps, target: str) -> C
         backend, arch, warp = TARGETS[target]
         src = ASTSource(fn, sig, constexprs=constexprs, attrs=attrs)
         k = triton.compile(src, target=GPUTarget(backend, arch, warp),
-                           options={"num_warps": num_warps})
+                           options={"num_warps": num_warps, **_compile_options(name)})
         res.shared_bytes = int(k.metadata.shared)
         if backend == "cuda":
             res.registers, res.spills = _nvidia_counts(k.asm["ptx"], arch)

@@ -6,7 +6,7 @@ Semantics follow FBGEMM's fused TBE optimizers, on every kernel (FBGEMM, anyrec'
 TBE, and the replicated-table optimizer `anyrec.trainer.optim` builds for data-parallel tables):
 
   sgd              w -= lr * g
-  rowwise_adagrad  m += mean_d(g^2) (one fp32 per row); w -= lr * g / (sqrt(m) + eps)
+  rowwise_adagrad  m += mean_d(g^2) (one fp32 per row); w -= g * (lr / (sqrt(m) + eps))
   adagrad          m += g^2 (one fp32 per element);     w -= lr * g / (sqrt(m) + eps)
   adam             m1 = b1 m1 + (1-b1) g; m2 = b2 m2 + (1-b2) g^2 (fp32 per element, lazy: only
                    rows seen this step move);
@@ -16,6 +16,26 @@ where g is the row's gradient summed over every lookup of that row in the batch.
 for sgd / adagrad / rowwise_adagrad it is L2, `weight_decay * w` added to g before the update (so
 it also feeds the Adagrad accumulators); for adam it is decoupled (AdamW-style, scaled by lr, not in
 m1 / m2), which is what FBGEMM's fused Adam does. Only rows looked up in the step decay.
+
+Rounding follows FBGEMM's CPU kernels operation for operation (lr and eps are fp32, as FBGEMM takes
+them), so anyrec's TBE and FBGEMM give the same bits from the same summed gradient:
+
+  sgd      w = fma(g, -lr, w)                       (one rounding; FBGEMM's CUDA kernel fuses too)
+  adagrad  m = fma(g, g, m);  w = fp32(w - fp32(lr * g) / (sqrt(m) + eps)), the subtraction,
+           division, sqrt and eps sum in fp64 (FBGEMM's CPU kernel promotes there; its CUDA kernel
+           stays in fp32, so FBGEMM itself differs from CPU to GPU by a rounding)
+
+  rowwise  mean_d(g^2) summed in eight lanes as FBGEMM's AVX2 kernel does (`rowwise_mean_sq`);
+           m += that; w -= g * (lr / (sqrt(m) + eps)) in fp32, one rounded division (`rowwise_step`).
+           The state m then matches FBGEMM's bit for bit; the weights differ from FBGEMM's CPU kernel
+           by one rounding on a few rows (the effective step differs by 1-3 units in the last place
+           there; cause not found)
+
+`fma_f32`, `sgd_update`, `adagrad_update`, `rowwise_mean_sq` and `rowwise_step` are that arithmetic
+on torch tensors;
+the Triton kernel spells the SGD and Adagrad steps with `tl.fma` and fp64, and sums row-wise g^2 with
+`tl.sum` (a tree: the same as the lanes under TRITON_INTERPRET for dims that are multiples of 8 up to
+128, a rounding apart on GPUs).
 
 """
 
@@ -82,3 +102,61 @@ def state_bytes_per_row(kind: OptimizerKind | str, dim: int, dtype: torch.dtype 
 def weight_bytes_per_row(dim: int, dtype: torch.dtype) -> int:
     """Bytes of weights one embedding row takes."""
     return dim * torch.empty((), dtype=dtype).element_size()
+
+
+
+def f32(x: float) -> float:
+    """`x` rounded to fp32 (how FBGEMM and the Triton kernels receive lr and eps)."""
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
+def fma_f32(a: torch.Tensor, b: torch.Tensor | float, c: torch.Tensor) -> torch.Tensor:
+    """fp32 a * b + c rounded once, as a fused multiply-add: exact in fp64, then round-to-odd.
+
+    The fp64 product of two fp32 values is exact; the fp64 sum is nudged to an odd last bit when it
+    was inexact (its error comes from TwoSum), so the final rounding to fp32 is correct (53 >= 24 + 2
+    bits: no double-rounding error).
+    """
+    p = a.double() * (b.double() if isinstance(b, torch.Tensor) else f32(b))
+    cd = c.double()
+    s = p + cd
+    bv = s - p
+    err = (p - (s - bv)) + (cd - bv)
+    even = (s.view(torch.int64) & 1) == 0
+    toward = torch.where(err > 0, torch.inf, -torch.inf).to(s.dtype)
+    s = torch.where((err != 0) & even, torch.nextafter(s, toward), s)
+    return s.float()
+
+
+def sgd_update(w: torch.Tensor, g: torch.Tensor, lr: float) -> torch.Tensor:
+    """FBGEMM's SGD step on fp32 rows: fma(g, -lr, w)."""
+    return fma_f32(g, -f32(lr), w)
+
+
+def adagrad_update(w: torch.Tensor, g: torch.Tensor, m: torch.Tensor, lr: float, eps: float):
+    """FBGEMM's CPU exact Adagrad step on fp32 elements: (new w, new m); see the module docstring."""
+    m = fma_f32(g, g, m)
+    q = g * f32(lr)  # fp32 * fp32 (torch rounds a Python scalar to the tensor's dtype)
+    return (w.double() - q.double() / (m.double().sqrt() + f32(eps))).float(), m
+
+
+def rowwise_mean_sq(g_UD: torch.Tensor) -> torch.Tensor:
+    """mean_d(g^2) of each row [U], summed as FBGEMM's CPU row-wise Adagrad sums it.
+
+    Eight lanes (AVX2 width): lane j accumulates g_d^2 for d = j (mod 8) in order of d, each square
+    rounded before the add; then ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), then / D.
+    """
+    u, d = g_UD.shape
+    sq_UCL = torch.nn.functional.pad(g_UD * g_UD, (0, -d % 8)).view(u, -1, 8)
+    lanes_UL = sq_UCL[:, 0]
+    for c in range(1, sq_UCL.shape[1]):
+        lanes_UL = lanes_UL + sq_UCL[:, c]
+    l = lanes_UL
+    total_U = ((l[:, 0] + l[:, 1]) + (l[:, 2] + l[:, 3])) + ((l[:, 4] + l[:, 5]) + (l[:, 6] + l[:, 7]))
+    return total_U / d
+
+
+def rowwise_step(m_U: torch.Tensor, lr: float, eps: float) -> torch.Tensor:
+    """lr / (sqrt(m) + eps) per row in fp32, one rounded division (a Python number divided by a tensor
+    is reciprocal-then-multiply in torch: two roundings)."""
+    return torch.full_like(m_U, f32(lr)) / (m_U.sqrt() + f32(eps))

@@ -13,7 +13,14 @@ from __future__ import annotations
 
 import torch
 
-from anyrec.kernels.optimizers import OptimizerConfig, OptimizerKind
+from anyrec.kernels.optimizers import (
+    OptimizerConfig,
+    OptimizerKind,
+    adagrad_update,
+    rowwise_mean_sq,
+    rowwise_step,
+    sgd_update,
+)
 
 POOLING_MODES = ("sum", "mean")
 
@@ -117,15 +124,14 @@ def apply_optimizer_ref(
     if opt.weight_decay > 0 and opt.kind != OptimizerKind.ADAM:  # L2; Adam's is decoupled, below
         g = g + opt.weight_decay * wr
     if opt.kind == OptimizerKind.SGD:
-        wr = wr - opt.lr * g
+        wr = sgd_update(wr, g, opt.lr)
     elif opt.kind == OptimizerKind.ROWWISE_ADAGRAD:
-        m = state["sum"][rows] + (g * g).mean(dim=1)
+        m = state["sum"][rows] + rowwise_mean_sq(g)
         state["sum"][rows] = m
-        wr = wr - g * (opt.lr / (m.sqrt() + opt.eps))[:, None]
+        wr = wr - g * rowwise_step(m, opt.lr, opt.eps)[:, None]
     elif opt.kind == OptimizerKind.ADAGRAD:
-        m = state["sum"][rows] + g * g
+        wr, m = adagrad_update(wr, g, state["sum"][rows], opt.lr, opt.eps)
         state["sum"][rows] = m
-        wr = wr - opt.lr * g / (m.sqrt() + opt.eps)
     elif opt.kind == OptimizerKind.ADAM:
         m1 = opt.beta1 * state["exp_avg"][rows] + (1 - opt.beta1) * g
         m2 = opt.beta2 * state["exp_avg_sq"][rows] + (1 - opt.beta2) * g * g

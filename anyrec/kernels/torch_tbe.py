@@ -12,7 +12,14 @@ from __future__ import annotations
 import torch
 
 from anyrec.kernels.layout import LayoutTensors, TBELayout, lookup_tables_N
-from anyrec.kernels.optimizers import OptimizerConfig, OptimizerKind
+from anyrec.kernels.optimizers import (
+    OptimizerConfig,
+    OptimizerKind,
+    adagrad_update,
+    rowwise_mean_sq,
+    rowwise_step,
+    sgd_update,
+)
 from anyrec.kernels.reference import bag_scales_N
 from anyrec.kernels.triton_tbe_backward import SR_DROPPED_BITS
 
@@ -118,15 +125,14 @@ def _apply_rows(weights, state1, state2, step, rows_U, addr_UD, g_UD, opt: Optim
     if opt.weight_decay > 0 and opt.kind != OptimizerKind.ADAM:  # L2; Adam's is decoupled, below
         g_UD = g_UD + opt.weight_decay * w_UD
     if opt.kind == OptimizerKind.SGD:
-        w_UD = w_UD - opt.lr * g_UD
+        w_UD = sgd_update(w_UD, g_UD, opt.lr)
     elif opt.kind == OptimizerKind.ROWWISE_ADAGRAD:
-        m_U = state1[rows_U] + (g_UD * g_UD).mean(dim=1)
+        m_U = state1[rows_U] + rowwise_mean_sq(g_UD)
         state1[rows_U] = m_U
-        w_UD = w_UD - g_UD * (opt.lr / (m_U.sqrt() + opt.eps))[:, None]  # FBGEMM's order of operations
+        w_UD = w_UD - g_UD * rowwise_step(m_U, opt.lr, opt.eps)[:, None]  # FBGEMM's order of operations
     elif opt.kind == OptimizerKind.ADAGRAD:
-        m_UD = state1[addr_UD] + g_UD * g_UD
+        w_UD, m_UD = adagrad_update(w_UD, g_UD, state1[addr_UD], opt.lr, opt.eps)
         state1[addr_UD] = m_UD
-        w_UD = w_UD - opt.lr * g_UD / (m_UD.sqrt() + opt.eps)
     else:
         m1_UD = opt.beta1 * state1[addr_UD] + (1 - opt.beta1) * g_UD
         m2_UD = opt.beta2 * state2[addr_UD] + (1 - opt.beta2) * g_UD * g_UD

@@ -40,6 +40,11 @@ OPTIMIZER_CODES: dict[OptimizerKind, int] = {
     OptimizerKind.ADAM: 3,
 }
 
+# Compile options of the backward kernel (launcher and AOT gate alike): no implicit multiply-add
+# fusion, so a product and a sum round separately, as in the torch path and FBGEMM's CPU kernels;
+# where FBGEMM fuses (SGD's step, Adagrad's m += g * g) the kernel says tl.fma.
+BACKWARD_COMPILE_OPTIONS: dict[str, bool] = {"enable_fp_fusion": False}
+
 # fp32 mantissa bits dropped when rounding to the low-precision type (stochastic rounding noise)
 SR_DROPPED_BITS: dict[torch.dtype, int] = {torch.bfloat16: 16, torch.float16: 13}
 
@@ -101,7 +106,7 @@ if HAS_TRITON:
         if MEAN:
             lo_X = tl.load(offsets_FB1_ptr + bag_X, mask=ok_X, other=0)
             hi_X = tl.load(offsets_FB1_ptr + bag_X + 1, mask=ok_X, other=1)
-            scale_X = scale_X / tl.maximum(hi_X - lo_X, 1).to(tl.float32)
+            scale_X = tl.div_rn(scale_X, tl.maximum(hi_X - lo_X, 1).to(tl.float32))
         start_X = tl.multiple_of(b_X * grad_stride + col_X, ALIGN)
         ok_XD = ok_X[:, None] & (d_D[None, :] < tl.multiple_of(dim_X, ALIGN)[:, None])
         go_XD = tl.load(grad_out_ptr + start_X[:, None] + d_D[None, :], mask=ok_XD, other=0.0)
@@ -169,7 +174,7 @@ if HAS_TRITON:
                     w_UD = tl.load(weights_ptr + base_U[:, None] + d_D[None, :], mask=ok_UD, other=0.0)
                     g_UD = g_UD + weight_decay * w_UD.to(tl.float32)
                 ss_U += tl.sum(g_UD * g_UD, axis=1)
-            m_U = tl.load(state1_ptr + row_U, mask=lane_U, other=0.0) + ss_U / dimf_U
+            m_U = tl.load(state1_ptr + row_U, mask=lane_U, other=0.0) + tl.div_rn(ss_U, dimf_U)
             tl.store(state1_ptr + row_U, m_U, mask=lane_U)
         for dt in tl.static_range(NUM_D_TILES):
             d_D = dt * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -182,18 +187,22 @@ if HAS_TRITON:
             if OPTIMIZER != 3:  # L2 on the gradient; Adam's weight decay is decoupled, below
                 if weight_decay > 0:
                     g_UD = g_UD + weight_decay * w_UD
-            if OPTIMIZER == 0:
-                w_UD = w_UD - lr * g_UD
+            if OPTIMIZER == 0:  # FBGEMM's rounding (`anyrec.kernels.optimizers`): one fma
+                w_UD = tl.fma(g_UD, -lr, w_UD)
             elif OPTIMIZER == 1:
                 if not TWO_PASS:
                     m_U = tl.load(state1_ptr + row_U, mask=lane_U, other=0.0)
-                    m_U += tl.sum(g_UD * g_UD, axis=1) / dimf_U
+                    m_U += tl.div_rn(tl.sum(g_UD * g_UD, axis=1), dimf_U)
                     tl.store(state1_ptr + row_U, m_U, mask=lane_U)
-                w_UD = w_UD - g_UD * (lr / (tl.sqrt(m_U) + eps))[:, None]  # FBGEMM's order of operations
+                # FBGEMM's order of operations; IEEE sqrt and division (tl.sqrt and / are approximate
+                # on GPUs), as FBGEMM's sqrtf and / are
+                w_UD = w_UD - g_UD * tl.div_rn(lr + tl.zeros_like(m_U), tl.sqrt_rn(m_U) + eps)[:, None]
             elif OPTIMIZER == 2:
-                m_UD = tl.load(state1_ptr + addr_UD, mask=ok_UD, other=0.0) + g_UD * g_UD
+                # FBGEMM's CPU rounding (`anyrec.kernels.optimizers`): fma for m, the step in fp64
+                m_UD = tl.fma(g_UD, g_UD, tl.load(state1_ptr + addr_UD, mask=ok_UD, other=0.0))
                 tl.store(state1_ptr + addr_UD, m_UD, mask=ok_UD)
-                w_UD = w_UD - lr * g_UD / (tl.sqrt(m_UD) + eps)
+                den_UD = tl.sqrt(m_UD.to(tl.float64)) + (eps + tl.zeros_like(m_UD)).to(tl.float64)
+                w_UD = (w_UD.to(tl.float64) - (lr * g_UD).to(tl.float64) / den_UD).to(tl.float32)
             else:
                 m1_UD = beta1 * tl.load(state1_ptr + addr_UD, mask=ok_UD, other=0.0) + (1 - beta1) * g_UD
                 m2_UD = tl.load(state2_ptr + addr_UD, mask=ok_UD, other=0.0)
@@ -203,7 +212,9 @@ if HAS_TRITON:
                 step = tl.load(step_ptr)
                 bc1 = 1 - tl.exp(step * tl.log(beta1))
                 bc2 = 1 - tl.exp(step * tl.log(beta2))
-                w_UD = w_UD - lr * ((m1_UD / bc1) / (tl.sqrt(m2_UD / bc2) + eps) + weight_decay * w_UD)
+                step_UD = tl.div_rn(tl.div_rn(m1_UD, bc1 + tl.zeros_like(m1_UD)),
+                                    tl.sqrt_rn(tl.div_rn(m2_UD, bc2 + tl.zeros_like(m2_UD))) + eps)
+                w_UD = w_UD - lr * (step_UD + weight_decay * w_UD)
             if STOCHASTIC_ROUNDING:
                 offs_UD = row_U[:, None] * (BLOCK_D * NUM_D_TILES) + d_D[None, :]
                 w_UD = stochastic_round(w_UD, seed, offs_UD, DROPPED_BITS)
@@ -340,4 +351,5 @@ def triton_backward_update(
         MEAN=pooling == "mean", STOCHASTIC_ROUNDING=sr, DROPPED_BITS=SR_DROPPED_BITS.get(weights.dtype, 16),
         ALIGN=layout.dim_alignment, LONG_SEGMENT=LONG_SEGMENT,
         BLOCK_U=block_u, BLOCK_L=block_l, BLOCK_D=block_d, NUM_D_TILES=d_tiles, num_warps=num_warps,
+        **BACKWARD_COMPILE_OPTIONS,
     )

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torchrec import optim as trec_optim
 from torchrec.optim import RowWiseAdagrad
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
 from anyrec.backends.dispatch import embedding_impl, implementations
 from anyrec.config import OptimConfig
@@ -53,6 +54,40 @@ def embedding_optimizer(cfg: OptimConfig) -> tuple[type[torch.optim.Optimizer], 
     if opt.kind == OptimizerKind.ROWWISE_ADAGRAD:
         return RowWiseAdagrad, kwargs
     return trec_optim.Adam, {**kwargs, "betas": (opt.beta1, opt.beta2)}
+
+
+def check_embedding_optimizer(cfg: OptimConfig, embedding_kernel: str, device_type: str, plan: Any) -> None:
+    """An embedding implementation without a fused kernel for `cfg.name` on this device (FBGEMM's CPU
+    TBE has no Adam): one line, unless the plan replicates every table (those train with anyrec's
+    replicated-table optimizer). `plan` is torchrec's ShardingPlan."""
+    supported = embedding_impl(embedding_kernel).cpu_optimizers
+    if device_type != "cpu" or supported is None or cfg.name in supported:
+        return
+    fused = sorted({ps.sharding_type for module in plan.plan.values() for ps in module.values()}
+                   - {"data_parallel"})
+    if fused:
+        able = ", ".join(i.name for i in implementations("embedding")
+                         if i.cpu_optimizers is None or cfg.name in i.cpu_optimizers)
+        raise ValueError(f"optim={cfg.name}: the {embedding_kernel} embedding implementation has no fused "
+                         f"{cfg.name} on the CPU (the plan shards tables as {', '.join(fused)}); use "
+                         f"backend.embedding_kernel= one of {able}, planner.sharding=data_parallel, or "
+                         f"optim= one of {', '.join(supported)}")
+
+
+def apply_embedding_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> None:
+    """`apply_optimizer_in_backward` with `embedding_optimizer(cfg)`, its kwargs named as the TBEs read them.
+
+    torchrec hands the stored kwargs to the sharded TBE as fused params unchanged, and both FBGEMM and
+    anyrec's TBE name Adam's betas `beta1` / `beta2`: torch's `betas` is a TypeError in FBGEMM's
+    constructor and was ignored by anyrec's (which then used its default betas on sharded tables).
+    """
+    params = list(params)
+    opt_cls, kwargs = embedding_optimizer(cfg)
+    apply_optimizer_in_backward(opt_cls, params, kwargs)  # builds each optimizer with `betas`
+    for p in params:
+        for stored in p._optimizer_kwargs:  # what torchrec's sharders read as fused params
+            if "betas" in stored:
+                stored["beta1"], stored["beta2"] = stored.pop("betas")
 
 
 def dense_optimizer(cfg: OptimConfig, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:

@@ -23,7 +23,6 @@ from torch import nn
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import ShardingPlan
-from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
@@ -42,9 +41,10 @@ from anyrec.trainer.fingerprint import weights_fingerprint
 from anyrec.trainer.lineage import identity_config
 from anyrec.trainer.metrics import EvalMetrics
 from anyrec.trainer.optim import (
+    apply_embedding_optimizer,
+    check_embedding_optimizer,
     check_embedding_weight_decay,
     dense_optimizer,
-    embedding_optimizer,
     embedding_optimizer_config,
 )
 from anyrec.trainer.perfcheck import StepTimer, gather_step_s, prediction_check
@@ -160,10 +160,10 @@ class Trainer:
         model = build_model(self.cfg.model, self.device, ebc_device=torch.device("meta"),
                             kernels=self.backend.select_kernels(self.cfg.backend))
         # Embedding optimizer fused into the backward pass (TBE updates rows in place).
-        opt_cls, opt_kwargs = embedding_optimizer(self.cfg.optim)
-        apply_optimizer_in_backward(opt_cls, model.sparse_arch.parameters(), opt_kwargs)
+        apply_embedding_optimizer(model.sparse_arch.parameters(), self.cfg.optim)
         self.sharding_plan, self.predicted_step_s = (self.plan_override, None) if self.plan_override else \
             shared_plan(self.cfg, self.backend, self.dist, model, EBC_PATH, self.embedding_kernel)
+        check_embedding_optimizer(self.cfg.optim, self.embedding_kernel, self.device.type, self.sharding_plan)
         self.model = DistributedModelParallel(
             DLRMTrain(model), device=self.device, plan=self.sharding_plan,
             sharders=sharders(self.embedding_kernel),
