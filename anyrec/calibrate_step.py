@@ -134,8 +134,9 @@ def measure_step_costs(backend: Backend, spec: DeviceSpec, budget_s: float,
                        fit: Any) -> dict[str, Any]:
     """Train every point (the process group must be up), fit the framework terms with `fit`
     (anyrec.calibrate.fit_nonnegative) on what the planner's figures in `spec` leave unexplained."""
-    steps, passes = (40, 3) if budget_s >= 0.1 else (12, 1)
-    _train_point(POINTS[0], backend, spec, steps)  # the first trainer in a process pays lazy set-up
+    steps, passes = (40, 3) if budget_s >= 0.1 else (10, 1)
+    if passes > 1:
+        _train_point(POINTS[0], backend, spec, steps)  # the first trainer in a process pays lazy set-up
     times: list[list[float]] = [[] for _ in POINTS]
     model = [0.0] * len(POINTS)
     for k in range(passes):  # alternate the order: a shared host's load drifts
