@@ -5,12 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from anyrec.config import DataConfig
+from anyrec.data.synthetic import SyntheticCriteo
 from anyrec.models.dlrm import build_model
 from anyrec.planner.job import dense_param_count
 from anyrec.planner.workloads import DLRMV2_DENSE_PARAMS, dlrmv2_tables
 from anyrec.schema import load_model_config
 
-from .conftest import compose_config
+from .conftest import OpRecorder, compose_config
 
 
 def test_dlrmv2_is_the_mlperf_model():
@@ -78,3 +80,19 @@ def test_model_builds_the_dispatched_dense_modules():
         k: v.shape for k, v in torch_dcn.state_dict().items()}
     with pytest.raises(ValueError, match="unknown dcn_cross implementation 'cutlass'; known: triton, torch"):
         build_model(cfg.model, meta, kernels={"dcn_cross": "cutlass"})
+
+
+def test_pooled_embeddings_reach_the_interaction_without_a_gradient_per_feature():
+    """The backward of the per-feature view of the pooled embeddings is one op, not a zero-filled
+    [B, F*D] gradient per feature (which costs F times the output's size in the backward)."""
+    _, cfg = compose_config(["model=dlrm_tiny"])
+    cfg = cfg.model
+    model = build_model(cfg, torch.device("cpu"))
+    B, F = 8, len(cfg.table_rows)
+    batch = SyntheticCriteo(cfg, DataConfig(batch_size=B), seed=0).batch(0)
+    loss = model(batch.dense_features, batch.sparse_features).sum()
+    with OpRecorder() as rec:
+        loss.backward()
+    assert not [op for op in rec.ops if "slice_backward" in op or "narrow" in op]
+    full = [op for op in rec.ops if op.startswith(("aten.zeros", "aten.new_zeros", "aten.fill_"))]
+    assert len(full) < F, full

@@ -17,8 +17,10 @@ def test_single_device_torch_kernel_trains_without_fbgemm_ops(tmp_path, monkeypa
 
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
-    monkeypatch.delenv("MASTER_ADDR", raising=False)
-    monkeypatch.delenv("MASTER_PORT", raising=False)
+    # The Trainer sets these for its group of one; set-then-delete makes monkeypatch remove them after.
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     _, cfg = compose_config([*TINY, "backend.embedding_kernel=torch", "trainer.steps=40",
                              "trainer.eval_steps=2",
                              f"trainer.run_dir={tmp_path}", "trainer.validate_inputs=false"])

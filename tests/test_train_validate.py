@@ -10,9 +10,10 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from anyrec.config import OptimConfig
+from anyrec.trainer import validate
 from anyrec.trainer.errors import NonFiniteLossError
 from anyrec.trainer.schedule import WarmupPolyDecay
-from anyrec.trainer.validate import InputValidator, NonFiniteGuard, check_batch
+from anyrec.trainer.validate import InputValidator, NonFiniteGuard, check_batch, flush_checks
 
 from .conftest import OpRecorder
 
@@ -90,6 +91,34 @@ def test_nonfinite_guard(skip):
     assert run_backward == [True] * 4 and host_reads == 0
     with pytest.raises(NonFiniteLossError, match=r"non-finite loss at step 12;"):
         g.flush()
+
+
+def test_both_checks_share_one_all_reduce(monkeypatch):
+    """A flush is one all-reduce for the input and loss checks together; the input's finding wins."""
+    monkeypatch.setattr(validate, "_world", lambda: 2)
+    monkeypatch.setattr(validate, "_rank", lambda: 1)
+    reduced = []
+
+    def all_reduce(t, op):  # rank 0 found nothing: the minimum is this rank's code
+        reduced.append(t.tolist())
+
+    monkeypatch.setattr(validate.dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(validate.dist, "broadcast_object_list", lambda box, src: None)
+    v = InputValidator(NAMES, ROWS, 13, torch.device("cpu"))
+    g = NonFiniteGuard(skip=False, device=torch.device("cpu"))
+    list(v.wrap([_batch([0, 1], [0, 0])] * 2, first_step=0))
+    g.observe(torch.tensor(0.3), 0)
+    flush_checks(v, g)  # nothing found
+    assert len(reduced) == 1
+    g.observe(torch.tensor(math.nan), 3)
+    list(v.wrap([_batch([0, 1], [0, 0])], first_step=4))
+    with pytest.raises(NonFiniteLossError, match=r"non-finite loss at step 4 \(rank 1\);"):
+        flush_checks(v, g)
+    assert len(reduced) == 2 and reduced[1][1] == 3 * 2 + 1
+    list(v.wrap([_batch([0, 1], [0, 9])], first_step=5))  # id 9 >= 5 rows of cat_1
+    with pytest.raises(ValueError, match=r"^bad input at step 6 \(rank 1\): feature cat_1: id 9"):
+        flush_checks(v, g)
+    assert len(reduced) == 3
 
 
 def test_warmup_poly_decay():

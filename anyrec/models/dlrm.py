@@ -68,8 +68,10 @@ class DLRM(nn.Module):
 
     def forward(self, dense_BI: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
         dense_BD = self.dense_arch(dense_BI)
-        pooled = self.sparse_arch(sparse)
-        sparse_BFD = torch.stack([pooled[f] for f in self.feature_names], dim=1)
+        # One split of the pooled [B, F*D] output (its backward is one cat); indexing it by key
+        # would narrow it F times, and each narrow's backward zero-fills a whole [B, F*D] gradient.
+        by_key = self.sparse_arch(sparse).to_dict()
+        sparse_BFD = torch.stack([by_key[f] for f in self.feature_names], dim=1)
         return self.over_arch(self.interaction(dense_BD, sparse_BFD)).squeeze(-1)
 
 

@@ -53,7 +53,7 @@ from anyrec.trainer.planning import sharders, shared_plan
 from anyrec.trainer.reporting import LossWindow, MetricWriter, progress_bar
 from anyrec.trainer.schedule import WarmupPolyDecay, set_lr
 from anyrec.trainer.shutdown import StopRequest, peers_met
-from anyrec.trainer.validate import InputValidator, NonFiniteGuard
+from anyrec.trainer.validate import InputValidator, NonFiniteGuard, flush_checks
 
 logger = logging.getLogger(__name__)
 
@@ -352,10 +352,8 @@ class Trainer:
             self._log_train(run, lr_factor)
 
     def _flush_checks(self) -> None:
-        """Raise what the deferred input and loss checks found (a collective: all ranks call it)."""
-        if self.validator is not None:
-            self.validator.flush()
-        self.loss_guard.flush()
+        """Raise what the deferred input and loss checks found (one all-reduce: all ranks call it)."""
+        flush_checks(self.validator, self.loss_guard)
 
     def _log_train(self, run: _Run, lr_factor: float) -> None:
         mean = run.window.mean()

@@ -102,15 +102,6 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def _first_bad_everywhere(code: torch.Tensor) -> tuple[int, int] | None:
-    """All ranks' smallest (step * world + rank) code, as (step, rank); None when no rank has one."""
-    world = _world()
-    if world > 1:
-        dist.all_reduce(code, op=dist.ReduceOp.MIN)
-    value = int(code)
-    return None if value >= _NONE else divmod(value, world)
-
-
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -142,26 +133,28 @@ class InputValidator:
             self(batch, first_step + i, what)
             yield batch
 
-    def flush(self) -> None:
-        """Raise the first bad batch any rank saw since the last flush (one all-reduce, one sync).
+    def pending_code(self) -> torch.Tensor:
+        """[1] int64: (index of the first bad pending batch) * world + rank, or _NONE (no sync)."""
+        if not self._pending:
+            return torch.full((1,), _NONE, dtype=torch.int64, device=self.device)
+        reports_PR = torch.stack([r for _, _, r in self._pending]).to(self.device)
+        F = len(self.table_rows)
+        bad_P = ((reports_PR[:, :F] < 0).any(1) | (reports_PR[:, F:2 * F] >= self._rows_F).any(1)
+                 | (reports_PR[:, 2 * F:] != 0).any(1))
+        order_P = torch.arange(len(self._pending), device=self.device)
+        local = torch.where(bad_P, order_P, len(self._pending)).min()
+        # Steps are ranked by their index in `pending` (the same on every rank: same loop).
+        return torch.where(local < len(self._pending), local * _world() + _rank(), _NONE).reshape(1)
 
-        Every rank must call it at the same point: it is a collective when the world has ranks.
+    def raise_found(self, code: int) -> None:
+        """Consume the pending findings; raise the bad batch `code` (all ranks' minimum) names.
+
+        Every rank calls it with the same code: naming the problem is a broadcast from its rank.
         """
         pending, self._pending = self._pending, []
-        code = torch.full((1,), _NONE, dtype=torch.int64, device=self.device)
-        if pending:
-            reports_PR = torch.stack([r for _, _, r in pending]).to(self.device)
-            F = len(self.table_rows)
-            bad_P = ((reports_PR[:, :F] < 0).any(1) | (reports_PR[:, F:2 * F] >= self._rows_F).any(1)
-                     | (reports_PR[:, 2 * F:] != 0).any(1))
-            order_P = torch.arange(len(pending), device=self.device)
-            local = torch.where(bad_P, order_P, len(pending)).min()
-            # Steps are ranked by their index in `pending` (the same on every rank: same loop).
-            code = torch.where(local < len(pending), local * _world() + _rank(), _NONE).reshape(1)
-        first = _first_bad_everywhere(code)
-        if first is None:
+        if code >= _NONE:
             return
-        index, rank = first
+        index, rank = divmod(code, _world())
         problem: str | None = None
         if rank == _rank():
             problem = describe(pending[index][2].tolist(), self.feature_names, self.table_rows)
@@ -171,6 +164,10 @@ class InputValidator:
             problem = box[0]
         step, what = pending[index][0], pending[index][1]
         raise ValueError(f"bad input at {_at(what, step, rank)}: {problem}")
+
+    def flush(self) -> None:
+        """Raise the first bad batch any rank saw since the last flush (a collective)."""
+        flush_checks(self, None)
 
 
 class NonFiniteGuard:
@@ -192,12 +189,36 @@ class NonFiniteGuard:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return not bool(flag)
 
-    def flush(self) -> None:
-        """Raise NonFiniteLossError for the first non-finite loss any rank saw (default mode)."""
+    def pending_code(self) -> torch.Tensor:
+        """[1] int64: the first non-finite step * world + rank seen here, or _NONE (no sync)."""
         if self.skip:
-            return
-        first = _first_bad_everywhere(self._first_bad.reshape(1).clone())
-        if first is not None:
-            step, rank = first
+            return torch.full((1,), _NONE, dtype=torch.int64, device=self.device)
+        return self._first_bad.reshape(1).clone()
+
+    def raise_found(self, code: int) -> None:
+        """Raise NonFiniteLossError for `code` (all ranks' minimum), unless it is _NONE."""
+        if code < _NONE:
+            step, rank = divmod(code, _world())
             raise NonFiniteLossError(f"non-finite loss at {_at('step', step, rank)}; "
                                      "set trainer.skip_nonfinite=true to skip such batches")
+
+    def flush(self) -> None:
+        """Raise NonFiniteLossError for the first non-finite loss any rank saw (a collective)."""
+        flush_checks(None, self)
+
+
+def flush_checks(validator: InputValidator | None, guard: NonFiniteGuard | None) -> None:
+    """Raise what the deferred checks found since the last flush: a bad input first (it may be
+    what made a loss non-finite), then a non-finite loss.
+
+    Both checks' codes travel in one all-reduce and come back in one host read. A collective:
+    every rank calls it at the same point.
+    """
+    checks = [c for c in (validator, guard) if c is not None]
+    if not checks:
+        return
+    codes = torch.cat([c.pending_code() for c in checks])
+    if _world() > 1:
+        dist.all_reduce(codes, op=dist.ReduceOp.MIN)
+    for check, code in zip(checks, codes.tolist(), strict=True):
+        check.raise_found(code)
