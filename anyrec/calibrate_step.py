@@ -120,13 +120,19 @@ def _train_point(p: StepPoint, backend: Backend, spec: DeviceSpec, steps: int) -
     topology = Topology(spec, world, world, backend.device_type)
     predicted = evaluate_assignment(_assignment(p, world), topology, workload)
     plan = to_sharding_plan(predicted, EBC_PATH, ebc, backend.device_type)
-    trainer = Trainer(cfg, plan=plan)
+    quiet = logging.getLogger("anyrec.trainer")
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)  # one set-up log per point would bury the calibration's table
     try:
-        summary = trainer.train()
+        trainer = Trainer(cfg, plan=plan)
+        try:
+            summary = trainer.train()
+        finally:
+            trainer.writer.close()
+            del trainer
+            gc.collect()
     finally:
-        trainer.writer.close()
-        del trainer
-        gc.collect()
+        quiet.setLevel(level)
     return summary["measured_step_ms"] / 1e3, predicted.predicted_step_s
 
 
