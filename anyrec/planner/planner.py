@@ -22,7 +22,7 @@ from anyrec.planner.estimators import (
     sharding_group_time_s,
     usable_caps,
 )
-from anyrec.planner.partitioners import ExhaustivePartitioner, GreedyPerfPartitioner
+from anyrec.planner.partitioners import MAKESPAN_TOLERANCE, ExhaustivePartitioner, GreedyPerfPartitioner
 from anyrec.planner.proposers import EscalatingPlacementProposer
 from anyrec.planner.types import (
     Enumerator,
@@ -183,18 +183,21 @@ class CoDesignPlanner:
         raise InfeasiblePlanError(explain_infeasible(wl, topology, caps, base, options))
 
     def _partition(self, options, topology, wl, base, caps):
-        """The search's plan; when it uses several sharding types, also the best plan with one sharding
-        type (and data-parallel) where one fits: each type used costs every rank its own all-to-all
-        rounds (`sharding_group_time_s`), which per-shard costs cannot express."""
+        """The search's plan; when it uses several sharding types, also the best plan with one of them
+        (and data-parallel) where one fits: each type used costs every rank its own all-to-all rounds
+        (`sharding_group_time_s`), which per-shard costs cannot express."""
         best = self._search(options, topology, wl, base, caps)
         group_s = sharding_group_time_s(topology)
-        if best is None or group_s <= 0 or sharding_groups(best[0].values()) <= 1:
+        groups = sharding_groups(best[0].values()) if best is not None else 0
+        if groups <= 1:
             return best
         best_s = _step_s(best[0], topology, base, group_s)
+        # A one-type plan saves at most the other types' rounds: not worth a search when that is
+        # within the partitioner's own tolerance (e.g. 20 us collectives beside an 80 ms step).
+        if (groups - 1) * group_s <= MAKESPAN_TOLERANCE * best_s:
+            return best
         dp = ShardingType.DATA_PARALLEL
-        for st in wl.options.allowed_shardings:
-            if st == dp:
-                continue
+        for st in sorted({o.sharding for o in best[0].values()} - {dp}):
             restricted = {n: [o for o in opts if o.sharding in (st, dp)] for n, opts in options.items()}
             if not all(restricted.values()):
                 continue
