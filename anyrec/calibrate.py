@@ -6,7 +6,9 @@ backward with the fused optimizer) at several (tables, rows, dim, batch, pooling
 least squares into the implementation's KernelProfile (bandwidth efficiency, per-row and per-launch
 seconds) in the planner's own cost terms; GEMM FLOP/s (square, and a DLRM MLP forward + backward);
 and under torchrun all-to-all, all-reduce and reduce-scatter at several sizes, fitted into
-latency + bytes / bus bandwidth. The YAML it writes is accepted by `hardware=FILE.yaml`.
+latency + bytes / bus bandwidth, and the trainer's framework costs (anyrec.calibrate_step: the real
+Trainer at ten tiny points, what bytes and FLOPs leave unexplained fitted into DeviceSpec `step_*`
+fields). The YAML it writes is accepted by `hardware=FILE.yaml`.
 
     python -m anyrec.calibrate output=cal.yaml [backend=auto] [budget_s=0.5] [size=small|large]
     torchrun --nproc_per_node=2 -m anyrec.calibrate output=cal.yaml
@@ -31,8 +33,9 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from anyrec.backends import Backend, get_backend
-from anyrec.backends.dispatch import Impl, KernelProfile, availability, implementations
+from anyrec.backends.dispatch import Impl, KernelProfile, availability, implementations, set_profile
 from anyrec.backends.specs import DeviceSpec
+from anyrec.calibrate_step import measure_step_costs
 from anyrec.io_checks import writable_file
 from anyrec.kernels.optimizers import OptimizerConfig
 from anyrec.planner.estimators import lookup_time_s
@@ -95,14 +98,14 @@ def timeit(fn: Callable[[], Any], backend: Backend, budget_s: float, min_reps: i
     return times[len(times) // 2]
 
 
-def fit_nonnegative(rows: list[list[float]], y: list[float]) -> list[float]:
-    """Least squares of `y ~ rows @ c` with c >= 0, minimising relative error (the points span orders
-    of magnitude): the best unconstrained fit over every subset of the columns whose coefficients all
-    come out non-negative (exact for the 2-3 columns used here)."""
+def fit_nonnegative(rows: list[list[float]], y: list[float], scale: list[float] | None = None) -> list[float]:
+    """Least squares of `y ~ rows @ c` with c >= 0, minimising error relative to `scale` (default `y`:
+    the points span orders of magnitude): the best unconstrained fit over every subset of the columns
+    whose coefficients all come out non-negative (exact; 2^columns small solves)."""
     n = len(rows[0])
     X = torch.tensor(rows, dtype=torch.float64)
     Y = torch.tensor(y, dtype=torch.float64)
-    w = 1.0 / Y
+    w = 1.0 / torch.tensor(scale if scale is not None else y, dtype=torch.float64)
     best, best_err = [0.0] * n, float("inf")
     for k in range(1, n + 1):
         for cols in itertools.combinations(range(n), k):
@@ -311,6 +314,13 @@ def calibrate(backend: Backend, device: torch.device, size: str = "small", budge
     if dist.is_initialized() and dist.get_world_size() > 1:
         m["collectives"] = measure_collectives(device, s["comm_bytes"], backend, budget_s)
         fields.update(link_fields(m["collectives"]))
+        # The trainer's framework costs: what the figures measured so far leave unexplained in real steps.
+        for name, e in m["embedding"].items():
+            if "profile" in e:
+                set_profile("embedding", name, KernelProfile(**e["profile"]))
+        spec = backend.device_spec().replace(**{k: v for k, v in fields.items() if k != "name"})
+        m["step"] = measure_step_costs(backend, spec, budget_s, fit_nonnegative)
+        fields.update(m["step"]["fields"])
     m["threads"] = torch.get_num_threads()
     m["measured_fields"] = [k for k in fields if k != "name"]
     m["spec_fields"] = fields
@@ -401,6 +411,10 @@ def format_table(m: dict) -> str:
         variant = f"{m['collectives']['world_size']} ranks"
         rows += [(op, variant, c["bus_bw_bytes_per_s"] / 1e9, "GB/s (bus)"),
                  (op, "latency", c["latency_s"] * 1e6, "us")]
+    step = m.get("step", {}).get("fields", {})
+    rows += [("trainer step", k.removesuffix("_s"), v * 1e6, "us") for k, v in step.items()]
+    if step:
+        rows.append(("trainer step", "fit_err", m["step"]["fit_max_rel_error"] * 100, "% (max)"))
     lines = [f"{'measurement':<16} {'variant':<10} {'value':>12}  unit"]
     lines += [f"{a:<16} {b:<10} {v:>12.3f}  {u}" for a, b, v, u in rows]
     return "\n".join(lines + [f"(skipped) {s}" for s in skipped])

@@ -6,7 +6,8 @@ same per-rank memory, same sharders), and compare the measured seconds per step.
 
 Each run is `torchrun benchmarks/plan_vs_torchrec.py --worker ...`, which trains through anyrec's
 Trainer with the given plan and prints the trainer's JSON summary (`measured_step_ms`: slowest rank,
-after warm-up). Timing on a shared host is noisy: the two plans of one workload run back to back.
+after warm-up). Timing on a shared host is noisy: the two plans of one workload run back to back,
+`--repeats` times in alternating order (a t t a a t), and the median run of each is reported.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from planner_accuracy import SMALL, WORKLOADS, _expand  # noqa: E402
+from planner_accuracy import SMALL, WORKLOADS, _expand, alternating, median_run  # noqa: E402
 
 
 def torchrec_plan(cfg):
@@ -102,6 +103,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--hardware", default="cpu", help="what anyrec plans for: a SKU or a calibration file")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--only", nargs="+", choices=tuple(WORKLOADS), help="run only these workloads")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="runs per workload and planner, alternating; the median run is reported")
     ap.add_argument("--output", type=Path, default=Path("plan_vs_torchrec.json"))
     ap.add_argument("--worker", choices=("anyrec", "torchrec"), help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help=argparse.SUPPRESS)
@@ -110,16 +113,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
         worker(args.worker, args.overrides)
         return []
     steps = args.steps or (8 if args.small else 60)
+    repeats = args.repeats or (1 if args.small else 3)
     batch = 64 if args.small else 256
     timeout_s = 300.0 if args.small else 900.0
     rows = []
     with tempfile.TemporaryDirectory(prefix="anyrec_pvt_") as tmp:
         for name in args.only or (SMALL if args.small else WORKLOADS):
             row: dict = {"workload": name}
-            for planner in ("anyrec", "torchrec"):
-                s = train(name, planner, args.hardware, steps, batch, Path(tmp), timeout_s)
+            runs: dict[str, list[dict]] = {"anyrec": [], "torchrec": []}
+            for planner in alternating(("anyrec", "torchrec"), repeats):
+                runs[planner].append(train(name, planner, args.hardware, steps, batch, Path(tmp), timeout_s))
+            for planner, got in runs.items():
+                s = median_run(got)
                 row[f"{planner}_measured_ms"] = s.get("measured_step_ms")
                 row[f"{planner}_error_msg"] = s.get("error")
+                row[f"{planner}_measured_ms_runs"] = [r.get("measured_step_ms") for r in got]
                 row[f"{planner}_summary"] = s
             a, t = row["anyrec_measured_ms"], row["torchrec_measured_ms"]
             row["ratio"] = a / t if a and t else None
@@ -130,7 +138,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
               f"{_fmt(r['torchrec_measured_ms']):>12} "
               f"{_fmt(r['ratio'], '.3f'):>16}  {r['anyrec_error_msg'] or r['torchrec_error_msg'] or ''}")
     args.output.write_text(json.dumps({"rows": rows, "steps": steps, "batch_size_per_rank": batch,
-                                       "hardware": args.hardware}, indent=1))
+                                       "repeats": repeats, "hardware": args.hardware}, indent=1))
     print(f"wrote {args.output}")
     return rows
 

@@ -6,7 +6,9 @@ predicted step time with the measured one per rank.
 
 Each training run is `torchrun -m anyrec.train`; its JSON summary carries `predicted_step_ms`,
 `measured_step_ms_per_rank` (after warm-up) and `prediction_error` (predicted / measured - 1).
-Timing on a shared host is noisy: compare the two columns of one run, not runs on different days.
+Timing on a shared host is noisy: each workload runs `--repeats` times per hardware file, alternating,
+and the median run is reported (all runs' measured times are in the JSON); compare the two columns of
+one run, not runs on different days.
 """
 
 from __future__ import annotations
@@ -33,8 +35,10 @@ WORKLOADS: dict[str, list[str]] = {
                    "model.bottom_mlp=[256,128]"],
     "multihot_8x32_p20": ["model=dlrm_small", "model.embedding_dim=32", "model.table_rows=[20000]*8",
                           "model.multi_hot=[20]*8", "model.bottom_mlp=[64,32]"],
+    # 8 tables: the synthetic click model needs at least 6 one-hot features.
     "big_table_split": ["model=dlrm_small", "model.embedding_dim=64",
-                        "model.table_rows=[400000,1000,1000,1000]", "model.bottom_mlp=[64,64]",
+                        "model.table_rows=[400000,1000,1000,1000,1000,1000,1000,1000]",
+                        "model.bottom_mlp=[64,64]",
                         # 2.4 GB less the planner's 10% and 2 GB reserve: ~160 MB per rank, under the
                         # big table's 205 MB of weights + Adagrad state.
                         "+hardware.spec.memory_bytes=2400000000"],
@@ -84,17 +88,36 @@ def train(name: str, hardware: str, steps: int, batch: int, workdir: Path, timeo
     return json.loads(lines[-1])
 
 
-def run_workloads(names, cal: Path, steps: int, batch: int, workdir: Path, timeout_s: float) -> list[dict]:
+def median_run(runs: list[dict], key: str = "measured_step_ms") -> dict:
+    """The run whose `key` is the median of the runs that have one (the lower middle of an even count),
+    else the first run: one run's summary, so its fields stay consistent."""
+    ok = sorted((r for r in runs if r.get(key) is not None), key=lambda r: r[key])
+    return ok[(len(ok) - 1) // 2] if ok else runs[0]
+
+
+def alternating(labels: tuple[str, ...], repeats: int) -> list[str]:
+    """`labels` `repeats` times, every other round reversed (a b b a a b ...): a shared host's load
+    drifts, and alternating spreads the drift over both sides."""
+    return [lab for k in range(repeats) for lab in (labels if k % 2 == 0 else labels[::-1])]
+
+
+def run_workloads(names, cal: Path, steps: int, batch: int, workdir: Path, timeout_s: float,
+                  repeats: int = 1) -> list[dict]:
     rows = []
+    hardware = {"uncal": "cpu", "cal": str(cal)}
     for name in names:
         row: dict = {"workload": name}
-        for label, hw in (("uncal", "cpu"), ("cal", str(cal))):
-            s = train(name, hw, steps, batch, workdir, timeout_s)
+        runs: dict[str, list[dict]] = {"uncal": [], "cal": []}
+        for label in alternating(("uncal", "cal"), repeats):
+            runs[label].append(train(name, hardware[label], steps, batch, workdir, timeout_s))
+        for label, got in runs.items():
+            s = median_run(got)
             row[f"{label}_error_msg"] = s.get("error")
             row[f"{label}_predicted_ms"] = s.get("predicted_step_ms")
             row[f"{label}_measured_ms"] = s.get("measured_step_ms")
             row[f"{label}_measured_ms_per_rank"] = s.get("measured_step_ms_per_rank")
             row[f"{label}_error"] = s.get("prediction_error")
+            row[f"{label}_measured_ms_runs"] = [r.get("measured_step_ms") for r in got]
         rows.append(row)
     return rows
 
@@ -128,8 +151,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--calibration", type=Path, help="use this file instead of calibrating")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--only", nargs="+", choices=tuple(WORKLOADS), help="run only these workloads")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="runs per workload and hardware, alternating; the median run is reported")
     ap.add_argument("--output", type=Path, default=Path("planner_accuracy.json"))
     args = ap.parse_args(argv)
+    repeats = args.repeats or (1 if args.small else 3)
     steps = args.steps or (8 if args.small else 60)
     batch = 64 if args.small else 256
     timeout_s = 300.0 if args.small else 900.0
@@ -138,10 +164,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         work = Path(tmp)
         start = time.perf_counter()
         cal = args.calibration or calibrate(work / "cal.yaml", args.small, timeout_s)
-        rows = run_workloads(names, cal.resolve(), steps, batch, work, timeout_s)
+        rows = run_workloads(names, cal.resolve(), steps, batch, work, timeout_s, repeats)
         calibration = cal.read_text()
     print(table(rows))
     args.output.write_text(json.dumps({"rows": rows, "steps": steps, "batch_size_per_rank": batch,
+                                       "repeats": repeats,
                                        "seconds": time.perf_counter() - start,
                                        "calibration": calibration}, indent=1))
     print(f"wrote {args.output}")

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 import yaml
 
-from anyrec import calibrate
+from anyrec import calibrate, calibrate_step
 from anyrec.backends import get_backend, load_hardware_file, resolve_hardware
 from anyrec.backends.dispatch import KernelProfile, availability, embedding_impl, reset_impls
 from anyrec.backends.specs import get_sku
@@ -55,7 +56,22 @@ def _check_file(path, world_size: int) -> dict:
         assert len(c["all_to_all"]["seconds"]) == len(calibrate.SIZES["small"]["comm_bytes"])
         assert spec.scale_up_bw_bytes_per_s == c["all_to_all"]["bus_bw_bytes_per_s"]
         assert spec.scale_up_latency_s > 0 and "scale_up_latency_s" in m["measured_fields"]
+        # The trainer's framework costs, from real training steps: a step costs something beyond the
+        # bytes and FLOPs of these tiny tables, and the spec carries what the fit found.
+        step = m["step"]
+        assert len(step["points"]) == len(calibrate_step.POINTS)
+        assert all(p["measured_s"] > p["model_s"] > 0 for p in step["points"])
+        assert sum(step["fields"].values()) > 0
+        for name, value in step["fields"].items():
+            assert getattr(spec, name) == value and name in m["measured_fields"]
     return m
+
+
+def test_step_points_tell_every_framework_term_apart():
+    # Each fitted term needs a point that moves it alone: the points' columns are independent.
+    X = torch.tensor([p.terms() for p in calibrate_step.POINTS], dtype=torch.float64)
+    assert X.shape[1] == len(calibrate_step.FIELDS)
+    assert int(torch.linalg.matrix_rank(X / X.abs().amax(dim=0))) == len(calibrate_step.FIELDS)
 
 
 def test_calibrate_writes_a_hardware_yaml(tmp_path, capsys):

@@ -12,7 +12,7 @@ from anyrec.planner.estimators import DenseEstimator, usable_caps
 from anyrec.planner.partitioners import ExhaustivePartitioner, GreedyPerfPartitioner
 from anyrec.planner.planner import CoDesignPlanner, make_workload
 from anyrec.planner.report import plan_json
-from anyrec.planner.types import Placement, Storage, TableSpec, Topology
+from anyrec.planner.types import Placement, ShardingType, Storage, TableSpec, Topology, sharding_groups
 from anyrec.planner.workloads import synthetic_tables
 
 # Greedy + local search must be within this factor of the exact optimum on small random cases
@@ -78,7 +78,11 @@ def test_planner_uses_exact_search_on_small_cases():
     res = CoDesignPlanner().plan(tables, topo, 4096, "adagrad", 1_000_000, allowed_placements=("hbm",))
     assert res.solver == "exhaustive"
     exact = ExhaustivePartitioner().partition(options, topo, base, caps)
-    assert res.predicted_step_s == pytest.approx(_makespan(exact, base, 2), rel=1e-9)
+    # The exact search's plan, with its sharding groups' all-to-all rounds, or one with fewer groups.
+    exact_step = _makespan(exact, base, 2) + sharding_groups(exact.values()) * res.group_s
+    assert res.group_s > 0 and res.predicted_step_s <= exact_step * (1 + 1e-9)
+    if sharding_groups(res.tables.values()) == sharding_groups(exact.values()):
+        assert res.predicted_step_s == pytest.approx(exact_step, rel=1e-9)
     assert res.predicted_step_s >= res.lower_bound_s * (1 - 1e-9)
 
 
@@ -145,3 +149,36 @@ def test_same_inputs_give_the_same_plan_under_any_load():
     used_local = sum(v for k, v in part.stats.items() if k.startswith("local_search_"))
     assert used_local <= local and part.stats["work_search"] <= work
     assert part.stats["rebalance"] <= rebalance + work - part.stats["work_search"]
+
+
+def _split_instance(**spec):
+    """A table that fits no single rank (so it is split) beside three small ones, on 2 CPU ranks."""
+    tables = [TableSpec("big", 400_000, 64, 1.0, ["f0"])] + [
+        TableSpec(f"small{i}", 1_000, 64, 1.0, [f"f{i + 1}"]) for i in range(3)]
+    topo = Topology(get_sku("cpu").replace(**spec), 2, hbm_cap_bytes=2_400_000_000)
+    return CoDesignPlanner().plan(tables, topo, 256, "adagrad", 10_000, allowed_placements=("hbm",),
+                                  reserve_fraction=0.1)
+
+
+def test_each_sharding_type_used_costs_its_all_to_all_rounds():
+    # With next to no cost per sharding type, the search splits the big table and keeps the small
+    # ones whole: two sharding types, each with its own input and output all-to-alls.
+    free = _split_instance(scale_up_latency_s=1e-12)
+    assert free.sharding_groups == 2 and free.tables["big"].sharding != ShardingType.TABLE_WISE
+    # Measured: 5 ms per sharding type per step. One type for all tables is cheaper, and the
+    # prediction charges every rank for each type used.
+    res = _split_instance(scale_up_latency_s=1e-12, sharding_group_s=5e-3)
+    assert res.sharding_groups == 1 and res.group_s == pytest.approx(5e-3, rel=1e-6)
+    slowest = max(p.total_s for p in res._per_rank(res.base.perf, lambda s: s.perf))
+    assert res.predicted_step_s == pytest.approx(slowest + 5e-3, rel=1e-9)
+
+
+def test_framework_costs_are_charged_per_step_feature_sample_id_and_value():
+    tables = [TableSpec("a", 1000, 16, 2.0, ["f0", "f1"]), TableSpec("b", 1000, 32, 5.0, ["f2"])]
+    wl = make_workload(tables, 100, "adagrad", 1_000)
+    costs = dict(step_fixed_s=1e-3, step_per_feature_s=1e-4, step_per_sample_s=1e-6, step_per_id_s=1e-7,
+                 step_per_value_s=1e-9)
+    before = DenseEstimator().estimate(Topology(get_sku("cpu"), 2), wl).perf.total_s
+    after = DenseEstimator().estimate(Topology(get_sku("cpu").replace(**costs), 2), wl).perf.total_s
+    # 3 features, 100 samples, 100 x 7 ids, 100 x (2 x 16 + 32) pooled values
+    assert after - before == pytest.approx(1e-3 + 3e-4 + 1e-4 + 700e-7 + 6400e-9, rel=1e-9)

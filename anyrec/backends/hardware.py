@@ -36,7 +36,9 @@ _FILE_KEYS = ("sku", "base", "spec", "measurements")
 # every other number is a capacity, a rate or a width the planner divides by.
 # 0 means unknown / unmeasured: the planner uses its defaults (see DeviceSpec).
 _MAY_BE_ZERO = ("h2d_bw_bytes_per_s", "host_memory_bytes", "host_memory_bw_bytes_per_s",
-                "scale_up_latency_s", "scale_out_latency_s", "dense_efficiency", "comms_efficiency")
+                "scale_up_latency_s", "scale_out_latency_s", "dense_efficiency", "comms_efficiency",
+                "step_fixed_s", "step_per_feature_s", "step_per_sample_s", "step_per_id_s",
+                "step_per_value_s", "sharding_group_s", "replicated_table_s")
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,18 @@ class DeviceSpec:
     # Achieved / peak, where measured (anyrec.calibrate); 0: the planner's empirical defaults.
     dense_efficiency: float = 0.0  # DLRM-shape MLP GEMMs (forward + backward) vs peak_*_flops
     comms_efficiency: float = 0.0  # all-to-all bus bandwidth vs the link bandwidth
+    # Framework costs of the trainer's step on this device (Python, torchrec's awaitables and KJT
+    # handling, DDP, optimizers, synthetic data, loss), seconds; measured by anyrec.calibrate's trainer
+    # step points, 0: unmeasured (not modelled). Per step, per sparse feature, per local sample, per
+    # local id, per pooled value (local batch x sum of feature dims), per group of sharded tables of
+    # one sharding type (its own input and output all-to-alls), per data-parallel table.
+    step_fixed_s: float = 0.0
+    step_per_feature_s: float = 0.0
+    step_per_sample_s: float = 0.0
+    step_per_id_s: float = 0.0
+    step_per_value_s: float = 0.0
+    sharding_group_s: float = 0.0
+    replicated_table_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

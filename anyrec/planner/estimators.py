@@ -42,9 +42,10 @@ DENSE_LOOKUP_IMPL = "torch"
 # DDP all-reduces gradients in buckets of this many bytes (torch's default bucket_cap_mb=25): one
 # collective latency per bucket.
 DDP_BUCKET_BYTES = 25 * 2**20
-# Embedding all-to-alls per step when any table is sharded (ids + lengths in, pooled out forward,
-# their gradients back): torchrec batches every table of one sharding type into these.
-EMBEDDING_A2A_PER_STEP = 3
+# Embedding all-to-alls per step of each sharding type used (splits, lengths and ids in; pooled out
+# forward; their gradients back): torchrec batches every table of one sharding type into these; a
+# torch.profiler trace of a 2-rank table-wise step counts 5 gloo all-to-alls per step (2026-12-01).
+EMBEDDING_A2A_PER_STEP = 5
 
 CPU_ACCESS_BYTES = 64  # one cache line
 # Dense-model optimizer state bytes per parameter; its keys are the optimizers the planner knows.
@@ -215,6 +216,31 @@ def all_reduce_time_s(total_bytes: float, topology: Topology, latency: bool = Tr
                                      latency)
 
 
+def framework_time_s(workload: Workload, topology: Topology) -> float:
+    """Seconds per step every plan pays on each rank beyond the bytes and FLOPs: the device's measured
+    framework costs (DeviceSpec.step_*, 0 where unmeasured) for this workload's features, local batch,
+    local ids and pooled values."""
+    dev = topology.device
+    b = workload.batch_size_per_rank
+    features = sum(t.num_features for t in workload.tables)
+    ids = b * sum(t.pooling_factor for t in workload.tables)
+    values = b * sum(t.num_features * t.embedding_dim for t in workload.tables)
+    return (dev.step_fixed_s + features * dev.step_per_feature_s + b * dev.step_per_sample_s
+            + ids * dev.step_per_id_s + values * dev.step_per_value_s)
+
+
+def sharding_group_time_s(topology: Topology) -> float:
+    """Seconds per step of one group of sharded tables (one sharding type): the latency of its
+    embedding all-to-alls, plus its measured framework cost (DeviceSpec.sharding_group_s)."""
+    return EMBEDDING_A2A_PER_STEP * all_to_all_time_s(0.0, topology) + topology.device.sharding_group_s
+
+
+def split_fwd_bwd(seconds: float) -> Perf:
+    """Compute `seconds` as a Perf, a third in the forward pass and two thirds in the backward (as
+    FLOPs split)."""
+    return Perf(seconds / 3, 2 * seconds / 3, 0.0, 0.0)
+
+
 class EmbeddingPerfEstimator(PerfEstimator):
     """Per-shard step time: lookup bytes over the placement's bandwidth, plus the comms each sharding
     type needs (all-to-all for table/column-wise, reduce-scatter for row-wise, all-reduce for
@@ -243,6 +269,9 @@ class EmbeddingPerfEstimator(PerfEstimator):
                 fused_optimizer=False,
             )
             bwd += dense_update_time_s(t.weight_bytes, t.num_rows, t.embedding_dim, opt, topology)
+            # Each replica's bookkeeping (its lookup module, gradient and optimizer pass), measured.
+            fwd += topology.device.replicated_table_s / 3
+            bwd += 2 * topology.device.replicated_table_s / 3
             # DistributedModelParallel puts replicas' gradients in DDP's buckets with the dense model's:
             # their bytes count here, the buckets' latencies in DenseEstimator.
             perf = Perf(fwd, bwd, 0.0, all_reduce_time_s(t.weight_bytes, topology, latency=False))
@@ -316,7 +345,8 @@ class DenseEstimator:
     """Per-rank cost that every plan pays: the data-parallel dense model (weights, gradients,
     optimizer state, FLOPs, gradient all-reduce in DDP buckets) and the pooled embeddings of the local
     batch, plus the fixed per-step costs batched over tables: the embedding implementation's launch
-    cost and the latency of the embedding all-to-alls."""
+    cost and the measured framework costs (`framework_time_s`). The embedding all-to-alls' latency
+    depends on the plan's sharding groups (`sharding_group_time_s`)."""
 
     def estimate(self, topology: Topology, workload: Workload) -> RankCost:
         n = workload.dense_param_count
@@ -335,10 +365,9 @@ class DenseEstimator:
         buckets = max(1, math.ceil(4 * n / DDP_BUCKET_BYTES))
         comms = all_reduce_time_s(4 * n, topology, latency=False)
         comms += buckets * all_reduce_time_s(0.0, topology)  # each bucket's latency
-        a2a_latency = EMBEDDING_A2A_PER_STEP * all_to_all_time_s(0.0, topology)
         launch = embedding_impl_profile(opts.kernel).per_launch_s
-        perf = Perf(compute / 3 + launch / 3, 2 * compute / 3 + 2 * launch / 3,
-                    a2a_latency / 3, comms + 2 * a2a_latency / 3)
+        perf = Perf(compute / 3 + launch / 3, 2 * compute / 3 + 2 * launch / 3, 0.0, comms)
+        perf = perf + split_fwd_bwd(framework_time_s(workload, topology))
         return RankCost(Storage(int(hbm), 0), perf)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from anyrec.planner.enumerators import EmbeddingEnumerator
-from anyrec.planner.estimators import DenseEstimator, usable_caps
+from anyrec.planner.estimators import DenseEstimator, sharding_group_time_s, usable_caps
 from anyrec.planner.types import (
     ALL_SHARDINGS,
     Enumerator,
@@ -50,7 +50,8 @@ def evaluate_assignment(
         chosen[t.name] = dataclasses.replace(opt, shards=shards)
     base = DenseEstimator().estimate(topology, wl)
     return PlanResult(
-        chosen, topology, wl, base, usable_caps(topology, wl), "given", options_by_table=options
+        chosen, topology, wl, base, usable_caps(topology, wl), "given", options_by_table=options,
+        group_s=sharding_group_time_s(topology),
     )
 
 

@@ -15,8 +15,14 @@ import time
 from anyrec.backends.dispatch import embedding_impl
 from anyrec.planner.advice import explain_infeasible, explain_tables
 from anyrec.planner.enumerators import MIN_COLUMN_SHARD_DIM, EmbeddingEnumerator
-from anyrec.planner.estimators import DenseEstimator, check_optimizer, inexact_update_reason, usable_caps
-from anyrec.planner.partitioners import ExhaustivePartitioner, GreedyPerfPartitioner
+from anyrec.planner.estimators import (
+    DenseEstimator,
+    check_optimizer,
+    inexact_update_reason,
+    sharding_group_time_s,
+    usable_caps,
+)
+from anyrec.planner.partitioners import MAKESPAN_TOLERANCE, ExhaustivePartitioner, GreedyPerfPartitioner
 from anyrec.planner.proposers import EscalatingPlacementProposer
 from anyrec.planner.types import (
     Enumerator,
@@ -26,10 +32,14 @@ from anyrec.planner.types import (
     PlanOptions,
     PlanResult,
     Proposer,
+    RankCost,
+    ShardingOption,
+    ShardingType,
     Storage,
     TableSpec,
     Topology,
     Workload,
+    sharding_groups,
 )
 
 logger = logging.getLogger(__name__)
@@ -79,6 +89,15 @@ def _gc_paused():
     finally:
         if enabled:
             gc.enable()
+
+
+def _step_s(chosen: dict[str, ShardingOption], topology: Topology, base: RankCost, group_s: float) -> float:
+    """The slowest rank's seconds per step of `chosen`, its sharding groups included."""
+    loads = [base.perf.total_s] * topology.world_size
+    for opt in chosen.values():
+        for shard in opt.shards:
+            loads[shard.rank] += shard.perf.total_s
+    return max(loads) + sharding_groups(chosen.values()) * group_s
 
 
 class CoDesignPlanner:
@@ -164,6 +183,30 @@ class CoDesignPlanner:
         raise InfeasiblePlanError(explain_infeasible(wl, topology, caps, base, options))
 
     def _partition(self, options, topology, wl, base, caps):
+        """The search's plan; when it uses several sharding types, also the best plan with one of them
+        (and data-parallel) where one fits: each type used costs every rank its own all-to-all rounds
+        (`sharding_group_time_s`), which per-shard costs cannot express."""
+        best = self._search(options, topology, wl, base, caps)
+        group_s = sharding_group_time_s(topology)
+        groups = sharding_groups(best[0].values()) if best is not None else 0
+        if groups <= 1:
+            return best
+        best_s = _step_s(best[0], topology, base, group_s)
+        # A one-type plan saves at most the other types' rounds: not worth a search when that is
+        # within the partitioner's own tolerance (e.g. 20 us collectives beside an 80 ms step).
+        if (groups - 1) * group_s <= MAKESPAN_TOLERANCE * best_s:
+            return best
+        dp = ShardingType.DATA_PARALLEL
+        for st in sorted({o.sharding for o in best[0].values()} - {dp}):
+            restricted = {n: [o for o in opts if o.sharding in (st, dp)] for n, opts in options.items()}
+            if not all(restricted.values()):
+                continue
+            found = self._search(restricted, topology, wl, base, caps)
+            if found is not None and (step := _step_s(found[0], topology, base, group_s)) < best_s:
+                best, best_s = found, step
+        return best
+
+    def _search(self, options, topology, wl, base, caps):
         exact = (
             ExhaustivePartitioner.search_space(options, topology.world_size) <= wl.options.exhaustive_limit
         )
@@ -176,7 +219,8 @@ class CoDesignPlanner:
     def _finish(self, result, options, topology, wl, base, caps, start, notes) -> PlanResult:
         chosen, solver = result
         ordered = {t.name: chosen[t.name] for t in wl.tables}
-        plan = PlanResult(ordered, topology, wl, base, caps, solver, notes=notes, options_by_table=options)
+        plan = PlanResult(ordered, topology, wl, base, caps, solver, notes=notes, options_by_table=options,
+                          group_s=sharding_group_time_s(topology))
         plan.reasons = explain_tables(plan)
         plan.plan_time_s = time.perf_counter() - start
         logger.info(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -325,6 +325,11 @@ class Proposer(abc.ABC):
         """Placement restrictions to try, in order; the planner stops at the first that partitions."""
 
 
+def sharding_groups(options: Iterable[ShardingOption]) -> int:
+    """How many sharding types the sharded (not data-parallel) `options` use."""
+    return len({o.sharding for o in options if o.sharding != ShardingType.DATA_PARALLEL})
+
+
 @dataclass(frozen=True)
 class RankCost:
     """Per-rank cost that does not depend on the embedding plan: dense model, buffers, reserve."""
@@ -355,6 +360,9 @@ class PlanResult:
     notes: list[str] = field(default_factory=list)
     reasons: dict[str, str] = field(default_factory=dict)
     options_by_table: dict[str, list[ShardingOption]] = field(default_factory=dict, repr=False)
+    # Seconds per step of each group of sharded tables (one per sharding type used: torchrec gives each
+    # its own input and output all-to-alls); every rank takes part in every group's collectives.
+    group_s: float = 0.0
 
     def _per_rank(self, base, of: Callable[[Shard], Any]) -> list:
         """`base` plus `of(shard)` summed over the shards each rank holds."""
@@ -369,8 +377,19 @@ class PlanResult:
         return self._per_rank(self.base.storage, lambda s: s.storage)
 
     @property
+    def sharding_groups(self) -> int:
+        """Sharding types used by sharded (not data-parallel) tables."""
+        return sharding_groups(self.tables.values())
+
+    @property
+    def group_perf(self) -> Perf:
+        """Every rank's per-step cost of the plan's sharding groups (in the comms columns)."""
+        s = self.sharding_groups * self.group_s
+        return Perf(0.0, 0.0, s / 3, 2 * s / 3)
+
+    @property
     def rank_perf(self) -> list[Perf]:
-        return self._per_rank(self.base.perf, lambda s: s.perf)
+        return self._per_rank(self.base.perf + self.group_perf, lambda s: s.perf)
 
     @property
     def predicted_step_s(self) -> float:

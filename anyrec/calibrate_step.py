@@ -1,0 +1,169 @@
+"""The trainer's framework costs, measured: what a real training step spends beyond the bytes and FLOPs
+the planner costs (Python, torchrec's awaitables and KJT handling, DDP, optimizers, synthetic data,
+loss), fitted into the DeviceSpec `step_*`, `sharding_group_s` and `replicated_table_s` fields.
+
+`anyrec.calibrate` (under torchrun) trains anyrec's Trainer at a few tiny points of its own, each with a
+plan given table by table: the tables have 1,000 rows, so lookups and comms bytes are small and what is
+left is framework time. The planner's prediction for each point (with the figures measured before) is
+subtracted, and the rest is fitted by non-negative least squares to per-step, per-feature, per-sample,
+per-id, per-pooled-value, per-sharding-group and per-replicated-table seconds. The points are not the
+benchmarks' workloads: calibration measures primitives, `benchmarks/planner_accuracy.py` validates.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from hydra import compose, initialize_config_dir
+
+from anyrec import _hydra
+from anyrec.backends import Backend
+from anyrec.backends.specs import DeviceSpec
+from anyrec.config import config_dir, to_object
+from anyrec.models.dlrm import build_model
+from anyrec.planner.evaluate import evaluate_assignment
+from anyrec.planner.job import dense_param_count, model_tables, plan_options
+from anyrec.planner.planner import make_workload
+from anyrec.planner.torchrec_plan import to_sharding_plan
+from anyrec.planner.types import Topology
+from anyrec.trainer.trainer import EBC_PATH, Trainer
+
+logger = logging.getLogger("anyrec.calibrate")
+
+ROWS = 1_000  # rows per table: lookups stay cheap, framework time dominates
+# DeviceSpec fields the fit determines, in the order of `StepPoint.terms`.
+FIELDS = ("step_fixed_s", "step_per_feature_s", "step_per_sample_s", "step_per_id_s", "step_per_value_s",
+          "sharding_group_s", "replicated_table_s")
+
+
+@dataclass(frozen=True)
+class StepPoint:
+    """One calibration training job: `tables` tables of `dim` columns, `batch` samples per rank,
+    `pooling` ids per sample per table, the tables split into equal blocks, one per sharding type."""
+
+    tables: int
+    dim: int
+    batch: int
+    pooling: int
+    shardings: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        kinds = "+".join(s.replace("_wise", "").replace("data_parallel", "dp") for s in self.shardings)
+        return f"{kinds} T{self.tables} D{self.dim} B{self.batch} P{self.pooling}"
+
+    def sharding_of(self, i: int) -> str:
+        return self.shardings[i * len(self.shardings) // self.tables]
+
+    def terms(self) -> list[float]:
+        """The fit's columns: step, features, samples, ids, pooled values, sharding groups, replicas."""
+        groups = len({s for s in self.shardings if s != "data_parallel"})
+        replicas = sum(self.sharding_of(i) == "data_parallel" for i in range(self.tables))
+        return [1.0, self.tables, self.batch, self.batch * self.tables * self.pooling,
+                self.batch * self.tables * self.dim, groups, replicas]
+
+
+# Each term varies alone against the first point: features (24 tables), samples (batch 512), ids
+# (pooling 16), pooled values (dim 64), sharding groups (1, 2 and 3 types at dim 32), replicated tables.
+# The synthetic data's click model needs at least 8 features.
+POINTS = [
+    StepPoint(8, 16, 32, 1, ("table_wise",)),
+    StepPoint(24, 16, 32, 1, ("table_wise",)),
+    StepPoint(8, 16, 512, 1, ("table_wise",)),
+    StepPoint(8, 16, 128, 16, ("table_wise",)),
+    StepPoint(8, 64, 256, 1, ("table_wise",)),
+    StepPoint(8, 32, 32, 1, ("table_wise",)),
+    StepPoint(8, 32, 32, 1, ("table_wise", "column_wise")),
+    StepPoint(8, 32, 32, 1, ("table_wise", "column_wise", "row_wise")),
+    StepPoint(8, 16, 32, 1, ("data_parallel",)),
+    StepPoint(24, 16, 32, 1, ("data_parallel",)),
+]
+
+
+def _overrides(p: StepPoint, backend: str, steps: int) -> list[str]:
+    rows = ",".join([str(ROWS)] * p.tables)
+    hot = ",".join([str(p.pooling)] * p.tables) if p.pooling > 1 else ""
+    return ["model=dlrm_small", f"model.table_rows=[{rows}]", f"model.multi_hot=[{hot}]",
+            f"model.embedding_dim={p.dim}", f"model.bottom_mlp=[{p.dim}]", "model.top_mlp=[16,1]",
+            f"data.batch_size={p.batch}", f"backend.name={backend}", f"trainer.steps={steps}",
+            "trainer.eval_steps=0", "trainer.progress=false", "trainer.tensorboard=false",
+            "trainer.checkpoint.dir=null", "trainer.run_dir=null"]
+
+
+def _assignment(p: StepPoint, world: int) -> dict[str, tuple[str, str, list[int]]]:
+    """Table -> (sharding, placement, ranks); table-wise tables go round-robin over the ranks."""
+    out = {}
+    for i in range(p.tables):
+        st = p.sharding_of(i)
+        ranks = [i % world] if st == "table_wise" else list(range(world))
+        out[f"t_cat_{i}"] = (st, "hbm", ranks)
+    return out
+
+
+def _train_point(p: StepPoint, backend: Backend, spec: DeviceSpec, steps: int) -> tuple[float, float]:
+    """(measured seconds per step of the slowest rank, the planner's seconds for the same plan)."""
+    _hydra.setup()
+    with initialize_config_dir(str(config_dir()), version_base="1.3"):
+        cfg = to_object(compose("config", _overrides(p, backend.name, steps)))
+    world = torch.distributed.get_world_size()
+    kernel = backend.select_kernels(cfg.backend)["embedding"]
+    meta = torch.device("meta")
+    model = build_model(cfg.model, meta, ebc_device=meta)
+    ebc = model.sparse_arch
+    opt = cfg.optim.name
+    workload = make_workload(model_tables(ebc.embedding_bag_configs(), cfg.model), p.batch, opt,
+                             dense_param_count(model, ebc), **plan_options(cfg.planner, kernel, opt))
+    topology = Topology(spec, world, world, backend.device_type)
+    predicted = evaluate_assignment(_assignment(p, world), topology, workload)
+    plan = to_sharding_plan(predicted, EBC_PATH, ebc, backend.device_type)
+    quiet = logging.getLogger("anyrec.trainer")
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)  # one set-up log per point would bury the calibration's table
+    try:
+        trainer = Trainer(cfg, plan=plan)
+        try:
+            summary = trainer.train()
+        finally:
+            trainer.writer.close()
+            del trainer
+            gc.collect()
+    finally:
+        quiet.setLevel(level)
+    return summary["measured_step_ms"] / 1e3, predicted.predicted_step_s
+
+
+def measure_step_costs(backend: Backend, spec: DeviceSpec, budget_s: float,
+                       fit: Any) -> dict[str, Any]:
+    """Train every point (the process group must be up), fit the framework terms with `fit`
+    (anyrec.calibrate.fit_nonnegative) on what the planner's figures in `spec` leave unexplained."""
+    steps, passes = (40, 3) if budget_s >= 0.1 else (10, 1)
+    if passes > 1:
+        _train_point(POINTS[0], backend, spec, steps)  # the first trainer in a process pays lazy set-up
+    times: list[list[float]] = [[] for _ in POINTS]
+    model = [0.0] * len(POINTS)
+    for k in range(passes):  # alternate the order: a shared host's load drifts
+        for i in (range(len(POINTS)) if k % 2 == 0 else reversed(range(len(POINTS)))):
+            m, model[i] = _train_point(POINTS[i], backend, spec, steps)
+            times[i].append(m)
+    measured = [sorted(t)[len(t) // 2] for t in times]
+    for p, m, pred in zip(POINTS, measured, model, strict=True):
+        logger.info("step point %s: %.2f ms measured (median of %d), %.2f ms from bytes and FLOPs",
+                    p.name, m * 1e3, passes, pred * 1e3)
+    rows = [p.terms() for p in POINTS]
+    coeffs = fit(rows, [m - pred for m, pred in zip(measured, model, strict=True)], scale=measured)
+    fields = dict(zip(FIELDS, coeffs, strict=True))
+    fitted = [pred + sum(c * x for c, x in zip(coeffs, r, strict=True))
+              for pred, r in zip(model, rows, strict=True)]
+    return {
+        "fields": fields,
+        "steps_per_point": steps,
+        "passes": passes,
+        "points": [{"name": p.name, "tables": p.tables, "dim": p.dim, "batch": p.batch, "pooling": p.pooling,
+                    "shardings": list(p.shardings), "measured_s": m, "model_s": pred, "fit_s": f}
+                   for p, m, pred, f in zip(POINTS, measured, model, fitted, strict=True)],
+        "fit_max_rel_error": max(abs(f - m) / m for m, f in zip(measured, fitted, strict=True)),
+    }
