@@ -52,6 +52,9 @@ _DENSE_BITS = 12  # levels of the dense features' normal quantile table
 _Z_FRAC_BITS = 16  # fixed-point fraction bits of the hidden logit
 _P_FRAC_BITS = 10  # logit resolution of the click-probability table
 _Z_MAX = 8  # the probability table spans logits in [-8, 8) (|z| has unit variance)
+# A teacher weight is at most sqrt(3) * 2^16 / sqrt(2) (one feature, one slot) < 2^17 in magnitude;
+# it shares a lookup entry with its block's width (< 2^40): width << 20 | (teacher + 2^19).
+_TEACHER_BITS = 20
 # At most this many ids per batch are made in one [B, S] pass (fewest ops: small batches, and any
 # accelerator); larger CPU batches go group by group, where each group's tables stay in cache.
 _FLAT_MAX_IDS = 1 << 18
@@ -168,10 +171,11 @@ class SyntheticCriteo:
             t = (_unit(_mix32(block ^ _key(seed, 2, f))) * 2.0 - 1.0) * math.sqrt(3.0)
             teacher.append(torch.round(t * zscale / (L * math.sqrt(num_f))).long())
         self._first_id = torch.cat(first_id).to(dev)
-        # Width and teacher weight share one entry (one lookup): width << 16 | (teacher + 2^15).
+        # Width and teacher weight share one entry (one lookup).
         teacher_all = torch.cat(teacher)
-        assert int(teacher_all.abs().max()) < 1 << 15, "teacher weights must fit 16 bits"
-        self._width_teacher = ((torch.cat(width) << 16) | (teacher_all + (1 << 15))).to(dev)
+        assert int(teacher_all.abs().max()) < 1 << (_TEACHER_BITS - 1), "teacher weights must fit"
+        self._width_teacher = ((torch.cat(width) << _TEACHER_BITS)
+                               | (teacher_all + (1 << (_TEACHER_BITS - 1)))).to(dev)
         # Features with the same number of slots are generated together: [k, B, L] per group.
         self._groups = []
         for L in sorted(set(self.multi_hot)):
@@ -226,8 +230,8 @@ class SyntheticCriteo:
         bucket.view(shape).bitwise_and_((1 << _BUCKET_BITS) - 1).add_(base)
         offset = h.bitwise_right_shift_(32).bitwise_and_((1 << _OFFSET_BITS) - 1)
         torch.gather(self._width_teacher, 0, bucket, out=looked_up)
-        torch.bitwise_and(looked_up, 0xFFFF, out=teacher).sub_(1 << 15)
-        offset.mul_(looked_up.bitwise_right_shift_(16).view(shape)).bitwise_right_shift_(_OFFSET_BITS)
+        torch.bitwise_and(looked_up, (1 << _TEACHER_BITS) - 1, out=teacher).sub_(1 << (_TEACHER_BITS - 1))
+        offset.mul_(looked_up.bitwise_right_shift_(_TEACHER_BITS).view(shape)).bitwise_right_shift_(_OFFSET_BITS)
         torch.gather(self._first_id, 0, bucket, out=looked_up)
         return looked_up.view(shape), offset, teacher.view(shape)
 
