@@ -405,6 +405,14 @@ def test_rowwise_adagrad_state_is_fbgemm_cpu_bit_for_bit():
         torch.testing.assert_close(b, a, rtol=0, atol=2e-7)
 
 
+def test_rowwise_mean_sq_of_no_rows():
+    """A rank whose shard saw no id this step updates no row (row-wise sharding does this)."""
+    from anyrec.kernels.optimizers import rowwise_mean_sq
+
+    assert rowwise_mean_sq(torch.zeros(0, 36)).shape == (0,)
+    assert torch.equal(rowwise_mean_sq(torch.full((2, 12), 2.0)), torch.full((2,), 4.0))
+
+
 def test_rowwise_step_is_one_rounded_division():
     """lr / (sqrt(m) + eps) rounded once, as FBGEMM divides (torch's number / tensor rounds twice)."""
     from anyrec.kernels.optimizers import f32, rowwise_step

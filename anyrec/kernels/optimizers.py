@@ -147,7 +147,7 @@ def rowwise_mean_sq(g_UD: torch.Tensor) -> torch.Tensor:
     rounded before the add; then ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), then / D.
     """
     u, d = g_UD.shape
-    sq_UCL = torch.nn.functional.pad(g_UD * g_UD, (0, -d % 8)).view(u, -1, 8)
+    sq_UCL = torch.nn.functional.pad(g_UD * g_UD, (0, -d % 8)).view(u, (d + 7) // 8, 8)
     lanes_UL = sq_UCL[:, 0]
     for c in range(1, sq_UCL.shape[1]):
         lanes_UL = lanes_UL + sq_UCL[:, c]
