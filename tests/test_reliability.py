@@ -19,15 +19,21 @@ def _errors(proc):
     return [ln for ln in proc.stderr.splitlines() if ln.startswith("anyrec-train: error:")]
 
 
+def _failed_run(tmp_path, *overrides):
+    """A 2-rank job of 8 steps with `overrides` that must fail: the process and its one error line."""
+    proc = torchrun([*BASE, "trainer.steps=8", *overrides, f"hydra.run.dir={tmp_path}"], cwd=tmp_path,
+                    timeout=180)
+    assert proc.returncode != 0
+    lines = _errors(proc)
+    assert len(lines) == 1, proc.stderr[-3000:]
+    return proc, lines[0]
+
+
 def test_nan_loss_stops_at_that_step(tmp_path):
     # The NaN is injected on rank 0 only: rank 1 must stop too, naming the same step (the deferred
     # check is all-reduced at the chunk's end). Input validation off: it would name the NaN input first.
-    proc = torchrun([*BASE, "trainer.steps=8", "data.inject_nan_at_step=3", "trainer.validate_inputs=false",
-                     f"hydra.run.dir={tmp_path}"],
-                    cwd=tmp_path, timeout=180)
-    assert proc.returncode != 0
-    lines = _errors(proc)
-    assert len(lines) == 1 and "non-finite loss" in lines[0] and "at step 4" in lines[0], proc.stderr[-3000:]
+    proc, line = _failed_run(tmp_path, "data.inject_nan_at_step=3", "trainer.validate_inputs=false")
+    assert "non-finite loss" in line and "at step 4" in line, proc.stderr[-3000:]
     assert "exitcode  : 3" in proc.stderr or "exitcode: 3" in proc.stderr.replace("  ", " ")
 
 
@@ -42,22 +48,14 @@ def test_nan_batch_skipped_when_asked(tmp_path):
 
 
 def test_nan_input_is_named_by_the_validator(tmp_path):
-    proc = torchrun([*BASE, "trainer.steps=8", "data.inject_nan_at_step=3", f"hydra.run.dir={tmp_path}"],
-                    cwd=tmp_path, timeout=180)
-    assert proc.returncode != 0
-    lines = _errors(proc)
-    assert len(lines) == 1, proc.stderr[-3000:]
-    assert "bad input at step 4 (rank 0): 1 dense values are NaN or infinite" in lines[0]
+    _, line = _failed_run(tmp_path, "data.inject_nan_at_step=3")
+    assert "bad input at step 4 (rank 0): 1 dense values are NaN or infinite" in line
 
 
 def test_out_of_range_ids_fail_on_every_rank(tmp_path):
-    proc = torchrun([*BASE, "trainer.steps=8", "data.id_range_scale=2.0", f"hydra.run.dir={tmp_path}"],
-                    cwd=tmp_path, timeout=180)
-    assert proc.returncode != 0
-    lines = _errors(proc)
-    assert len(lines) == 1, proc.stderr[-3000:]
-    assert "bad input at step 1" in lines[0] and "out of range for its table of" in lines[0]
-    assert "feature cat_" in lines[0]
+    _, line = _failed_run(tmp_path, "data.id_range_scale=2.0")
+    assert "bad input at step 1" in line and "out of range for its table of" in line
+    assert "feature cat_" in line
 
 
 def test_wrong_number_of_features_fails_clearly(tmp_path):
