@@ -32,10 +32,9 @@ them), so anyrec's TBE and FBGEMM give the same bits from the same summed gradie
            there; cause not found)
 
 `fma_f32`, `sgd_update`, `adagrad_update`, `rowwise_mean_sq` and `rowwise_step` are that arithmetic
-on torch tensors;
-the Triton kernel spells the SGD and Adagrad steps with `tl.fma` and fp64, and sums row-wise g^2 with
-`tl.sum` (a tree: the same as the lanes under TRITON_INTERPRET for dims that are multiples of 8 up to
-128, a rounding apart on GPUs).
+on torch tensors; the Triton kernel spells the SGD and Adagrad steps with `tl.fma` and fp64, and sums
+row-wise g^2 with `tl.sum` (a tree: the same as the lanes under TRITON_INTERPRET for dims that are
+multiples of 8 up to 128, a rounding apart on GPUs).
 
 """
 
@@ -104,7 +103,6 @@ def weight_bytes_per_row(dim: int, dtype: torch.dtype) -> int:
     return dim * torch.empty((), dtype=dtype).element_size()
 
 
-
 def f32(x: float) -> float:
     """`x` rounded to fp32 (how FBGEMM and the Triton kernels receive lr and eps)."""
     return float(torch.tensor(x, dtype=torch.float32))
@@ -148,11 +146,11 @@ def rowwise_mean_sq(g_UD: torch.Tensor) -> torch.Tensor:
     """
     u, d = g_UD.shape
     sq_UCL = torch.nn.functional.pad(g_UD * g_UD, (0, -d % 8)).view(u, (d + 7) // 8, 8)
-    lanes_UL = sq_UCL[:, 0]
+    l_UL = sq_UCL[:, 0]  # the eight lanes
     for c in range(1, sq_UCL.shape[1]):
-        lanes_UL = lanes_UL + sq_UCL[:, c]
-    l = lanes_UL
-    total_U = ((l[:, 0] + l[:, 1]) + (l[:, 2] + l[:, 3])) + ((l[:, 4] + l[:, 5]) + (l[:, 6] + l[:, 7]))
+        l_UL = l_UL + sq_UCL[:, c]
+    total_U = ((l_UL[:, 0] + l_UL[:, 1]) + (l_UL[:, 2] + l_UL[:, 3])) + (
+        (l_UL[:, 4] + l_UL[:, 5]) + (l_UL[:, 6] + l_UL[:, 7]))
     return total_U / d
 
 
