@@ -80,14 +80,19 @@ def load_benchmark(name: str):
     return mod
 
 
+def skipped_without_torchrec(section: str, ex: Exception) -> dict:
+    """The section's {"skipped": why} (printed) when its torchrec imports failed."""
+    reason = f"torchrec does not import here ({type(ex).__name__}: {str(ex)[:160]})"
+    print(f"  {section}: SKIPPED: {reason}", flush=True)
+    return {"skipped": reason}
+
+
 def torchrec_missing(section: str) -> dict | None:
     """{"skipped": why} when torchrec does not import here (a GPU image with torch and triton only)."""
     try:
         import torchrec  # noqa: F401
     except Exception as ex:  # noqa: BLE001 - torchrec needs fbgemm_gpu at import
-        reason = f"torchrec does not import here ({type(ex).__name__}: {str(ex)[:160]})"
-        print(f"  {section}: SKIPPED: {reason}", flush=True)
-        return {"skipped": reason}
+        return skipped_without_torchrec(section, ex)
     return None
 
 
@@ -279,9 +284,7 @@ def section_dlrm_ebc(device, execution: str, small: bool, steps: int) -> dict:
 
         from anyrec.kernels.ebc import TritonEmbeddingBagCollection, dense_named_parameters
     except Exception as ex:  # noqa: BLE001 - torchrec needs fbgemm_gpu at import
-        reason = f"torchrec does not import here ({type(ex).__name__}: {str(ex)[:160]})"
-        print(f"  dlrm_ebc: SKIPPED: {reason}", flush=True)
-        return {"skipped": reason}
+        return skipped_without_torchrec("dlrm_ebc", ex)
 
     class OpNames(TorchDispatchMode):
         def __init__(self):
@@ -347,9 +350,7 @@ def section_dlrm_sharded(device, execution: str, small: bool, steps: int) -> dic
         from anyrec.trainer.distributed import destroy_distributed
         from anyrec.trainer.optim import embedding_optimizer
     except Exception as ex:  # noqa: BLE001 - torchrec needs fbgemm_gpu at import
-        reason = f"torchrec does not import here ({type(ex).__name__}: {str(ex)[:160]})"
-        print(f"  dlrm_sharded: SKIPPED: {reason}", flush=True)
-        return {"skipped": reason}
+        return skipped_without_torchrec("dlrm_sharded", ex)
 
     backend = get_backend("auto")
     # A group of one of its own (an in-memory store): the suite never joins a job whose launcher
