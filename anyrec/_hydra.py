@@ -13,7 +13,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ValidationError
 
-from anyrec.config import config_dir, register_configs
+from anyrec.config import AnyrecConfig, config_dir, register_configs, to_object
 
 
 def _rank0_only(value: str) -> str | None:
@@ -124,3 +124,11 @@ def bad_override_value(overrides: list[str]) -> str | None:
     except ValidationError as e:
         return f"{e.full_key}: {str(e.msg).splitlines()[0]}"
     return None
+
+
+def compose_job(overrides: list[str]) -> AnyrecConfig:
+    """The typed config of `overrides`, composed as `anyrec-train` composes it (outside a Hydra app:
+    in-process jobs such as parity workers and calibration points)."""
+    setup()
+    with initialize_config_dir(str(config_dir()), version_base="1.3"):
+        return to_object(compose("config", overrides=overrides))

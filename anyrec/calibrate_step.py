@@ -18,12 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from hydra import compose, initialize_config_dir
 
 from anyrec import _hydra
 from anyrec.backends import Backend
 from anyrec.backends.specs import DeviceSpec
-from anyrec.config import config_dir, to_object
 from anyrec.models.dlrm import build_model
 from anyrec.planner.evaluate import evaluate_assignment
 from anyrec.planner.job import dense_param_count, model_tables, plan_options
@@ -69,7 +67,6 @@ class StepPoint:
 
 # Each term varies alone against the first point: features (24 tables), samples (batch 512), ids
 # (pooling 16), pooled values (dim 64), sharding groups (1, 2 and 3 types at dim 32), replicated tables.
-# The synthetic data's click model needs at least 8 features.
 POINTS = [
     StepPoint(8, 16, 32, 1, ("table_wise",)),
     StepPoint(24, 16, 32, 1, ("table_wise",)),
@@ -106,9 +103,7 @@ def _assignment(p: StepPoint, world: int) -> dict[str, tuple[str, str, list[int]
 
 def _train_point(p: StepPoint, backend: Backend, spec: DeviceSpec, steps: int) -> tuple[float, float]:
     """(measured seconds per step of the slowest rank, the planner's seconds for the same plan)."""
-    _hydra.setup()
-    with initialize_config_dir(str(config_dir()), version_base="1.3"):
-        cfg = to_object(compose("config", _overrides(p, backend.name, steps)))
+    cfg = _hydra.compose_job(_overrides(p, backend.name, steps))
     world = torch.distributed.get_world_size()
     kernel = backend.select_kernels(cfg.backend)["embedding"]
     meta = torch.device("meta")

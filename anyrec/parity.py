@@ -40,10 +40,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from hydra import compose, initialize_config_dir
 
 from anyrec import _hydra
-from anyrec.config import AnyrecConfig, config_dir, to_object
 from anyrec.trainer.fingerprint import full_state
 from anyrec.trainer.trainer import Trainer
 
@@ -157,17 +155,9 @@ def full_weights(model, is_main: bool) -> dict[str, Any]:
     return {name: t.float() for name, t in state.items() if name.endswith(("weight", "bias"))}
 
 
-def compose_job(overrides: list[str]) -> AnyrecConfig:
-    """The typed config of `overrides`, composed as `anyrec-train` composes it."""
-
-    _hydra.setup()
-    with initialize_config_dir(str(config_dir()), version_base="1.3"):
-        return to_object(compose("config", overrides=overrides))
-
-
 def train_losses(overrides: list[str]) -> list[float]:
     """Per-step training losses of `overrides` run in this process (one rank)."""
-    cfg = compose_job(overrides)
+    cfg = _hydra.compose_job(overrides)
     trainer = Trainer(cfg)
     try:
         return run_steps(trainer, cfg.trainer.steps - trainer.step)
@@ -177,7 +167,7 @@ def train_losses(overrides: list[str]) -> list[float]:
 
 def worker(out_path: str, overrides: list[str]) -> None:
     """Train one variant; rank 0 writes its record to `out_path`."""
-    cfg = compose_job(overrides)
+    cfg = _hydra.compose_job(overrides)
     trainer = Trainer(cfg)
     try:
         losses = run_steps(trainer, cfg.trainer.steps - trainer.step)

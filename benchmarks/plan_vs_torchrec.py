@@ -58,15 +58,10 @@ def torchrec_plan(cfg):
 
 def worker(planner: str, overrides: list[str]) -> None:
     """One rank: compose the config, take the chosen planner's plan, train, print the summary."""
-    from hydra import compose, initialize_config_dir
-
     from anyrec import _hydra
-    from anyrec.config import config_dir, to_object
     from anyrec.trainer.trainer import Trainer
 
-    _hydra.setup()
-    with initialize_config_dir(str(config_dir()), version_base="1.3"):
-        cfg = to_object(compose("config", overrides))
+    cfg = _hydra.compose_job(overrides)
     plan = torchrec_plan(cfg) if planner == "torchrec" else None
     trainer = Trainer(cfg, plan=plan)
     try:
