@@ -58,7 +58,7 @@ class DataConfig:
     on_malformed: str = "error"  # error | skip (count them and report the count)
     hash_ids: bool = True  # ids modulo the table size (Criteo ids are 32-bit hashes)
     dense_transform: str = "torchrec"  # TSV: torchrec (log(x - min + 2), as tsv_to_npys) | log1p
-    prefetch: int = 2  # file sources: batches made ahead by background threads; 0 = in the step
+    prefetch: int = 2  # batches made ahead by background threads (files; synthetic on a CPU); 0 = in the step
     prefetch_workers: int = 1  # threads making them (order is kept either way)
     # Test-only fault injection: the dense features of this training step are NaN.
     inject_nan_at_step: int | None = None

@@ -23,7 +23,6 @@ Prints a table (samples/s and the ratio to plain eager) and writes JSON with `--
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -53,17 +52,14 @@ DLRMV2_HOT = load_model_config("dlrmv2").multi_hot  # MLPerf DLRMv2's ids per sa
 
 
 def named_model(name: str) -> ModelConfig:
-    """A model from configs/model/NAME.yaml."""
-    from omegaconf import OmegaConf
-
+    """`model=NAME` as the trainer composes it (configs/model/NAME.yaml with its defaults: dlrmv2_small
+    takes DLRMv2's multi-hot sizes and dense features from dlrmv2.yaml)."""
+    from anyrec._hydra import compose_job
     from anyrec.config import config_dir
 
-    path = config_dir() / "model" / f"{name}.yaml"
-    if not path.is_file():
-        raise SystemExit(f"train_step.py: error: no model config {path}")
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    raw = OmegaConf.to_container(OmegaConf.load(path))
-    return ModelConfig(**{k: v for k, v in raw.items() if k in fields})
+    if not (config_dir() / "model" / f"{name}.yaml").is_file():
+        raise SystemExit(f"train_step.py: error: no model config {config_dir() / 'model' / f'{name}.yaml'}")
+    return compose_job([f"model={name}"]).model
 
 
 def shapes(small: bool) -> tuple[ModelConfig, int]:

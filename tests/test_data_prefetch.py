@@ -155,3 +155,47 @@ def test_prefetch_settings_are_checked():
         data = DataConfig(name="criteo_npy", path="/nonexistent", train_files=["day_0"], **bad)
         with pytest.raises(ValueError, match="data.prefetch must be >= 0 and data.prefetch_workers >= 1"):
             build_source(ModelConfig(name="m", table_rows=[5]), data, 0, 0, 1, "train")
+
+
+def test_idle_workers_take_one_thread_at_idle_priority_and_leave_the_defaults():
+    """Training on a CPU, a worker competes with the step for the same cores: it runs its torch ops
+    on one thread at idle scheduling priority; the consumer's threads and the default for new
+    threads are unchanged."""
+    before = torch.get_num_threads()
+
+    def probe(step):
+        policy = os.sched_getscheduler(0) if hasattr(os, "sched_getscheduler") else None
+        return step, torch.get_num_threads(), policy
+
+    got = list(PrefetchIterator(probe, 0, 3, depth=2, idle=True))
+    assert [s for s, _, _ in got] == [0, 1, 2] and all(n == 1 for _, n, _ in got)
+    if hasattr(os, "SCHED_IDLE"):
+        assert all(p == os.SCHED_IDLE for _, _, p in got)
+    normal = list(PrefetchIterator(probe, 0, 2, depth=2))
+    assert all(n == before for _, n, _ in normal)
+    if hasattr(os, "SCHED_IDLE"):
+        assert all(p != os.SCHED_IDLE for _, _, p in normal)
+    fresh = []
+    t = threading.Thread(target=lambda: fresh.append(torch.get_num_threads()))
+    t.start()
+    t.join()
+    assert torch.get_num_threads() == before and fresh == [before]
+
+
+def test_synthetic_batches_on_a_cpu_are_made_ahead_at_idle_priority():
+    """Synthetic data on a CPU: `data.prefetch` batches ahead by idle workers, the same batches in
+    the same order; prefetch=0 and accelerators (kernels queued in the step) make them in the step."""
+    from anyrec.data.synthetic import SyntheticCriteo
+
+    model = ModelConfig(name="m", table_rows=[50, 7, 300, 1, 64, 129], multi_hot=[1, 3, 2, 1, 5, 2])
+    data = DataConfig(batch_size=8)
+    ahead = build_source(model, data, 3, 1, 2, "train", device=torch.device("cpu"))
+    assert isinstance(ahead, Prefetched) and ahead.idle and ahead.depth == data.prefetch
+    plain = build_source(model, DataConfig(batch_size=8, prefetch=0), 3, 1, 2, "train")
+    assert isinstance(plain, SyntheticCriteo)
+    on_device = build_source(model, data, 3, 1, 2, "train", device=torch.device("meta"))
+    assert isinstance(on_device, SyntheticCriteo) and on_device.device.type == "meta"
+    for step, b in enumerate(ahead.iter_from(0, 4)):
+        ref = plain.batch(step)
+        assert torch.equal(b.sparse_features.values(), ref.sparse_features.values())
+        assert torch.equal(b.dense_features, ref.dense_features) and torch.equal(b.labels, ref.labels)

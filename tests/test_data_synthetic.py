@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from anyrec.config import DataConfig, ModelConfig
-from anyrec.data import build_source, resolve_batch_size
+from anyrec.data import build_source, resolve_batch_size, synthetic
 from anyrec.data.synthetic import SyntheticCriteo
 
 from .conftest import OpRecorder
@@ -53,15 +53,29 @@ def test_multi_hot_deterministic_and_in_range():
         assert not torch.equal(other.sparse_features.values(), b.sparse_features.values())
 
 
-def test_one_pass_and_per_group_paths_agree():
-    """Small batches (and accelerators) take one [B, S] pass, large CPU batches go per group."""
-    data = DataConfig(batch_size=20_000)
-    grouped = SyntheticCriteo(TINY, data, seed=3)
-    flat = SyntheticCriteo(TINY, data, seed=3)
-    flat.flat = True
-    assert not grouped.flat and SyntheticCriteo(TINY, DataConfig(batch_size=64), seed=3).flat
+@pytest.mark.parametrize("pass_ids", [1, 8, 24, 10**9])
+def test_any_split_of_the_slot_columns_makes_the_same_batch(monkeypatch, pass_ids):
+    """CPU batches go through the [B, S] pass a few columns at a time (a feature's slots may straddle
+    two passes; runs of whole features are written by one op): the ids are those of one pass."""
+    data = DataConfig(batch_size=8)
+    one_pass = SyntheticCriteo(TINY, data, seed=3)
+    monkeypatch.setattr(synthetic, "_CPU_PASS_IDS", pass_ids)
+    split = SyntheticCriteo(TINY, data, seed=3)
+    assert len(one_pass._passes) == 1
+    assert len(split._passes) == {1: 14, 8: 14, 24: 6, 10**9: 1}[pass_ids]
     for step in (0, 5):
-        assert _digest(flat.batch(step)) == _digest(grouped.batch(step))
+        assert _digest(split.batch(step)) == _digest(one_pass.batch(step))
+
+
+def test_packed_lookup_table_makes_the_same_batch(monkeypatch):
+    """Small id ranges pack (first id, width, teacher weight) into one lookup; the two-table layout
+    (ranges above 2^21) gives the same batch."""
+    packed = SyntheticCriteo(TINY, DataConfig(batch_size=300), seed=3)
+    monkeypatch.setattr(synthetic, "_PACKED_BITS", 0)
+    two_tables = SyntheticCriteo(TINY, DataConfig(batch_size=300), seed=3)
+    assert packed._id_bits is not None and two_tables._id_bits is None
+    for step in (0, 5):
+        assert _digest(packed.batch(step)) == _digest(two_tables.batch(step))
 
 
 def test_pinned_batch_digest():

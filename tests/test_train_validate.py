@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from anyrec.config import OptimConfig
+from anyrec.data.prefetch import Prefetched
 from anyrec.trainer import validate
 from anyrec.trainer.errors import NonFiniteLossError
 from anyrec.trainer.schedule import WarmupPolyDecay
@@ -75,6 +77,38 @@ def test_validator_raises_metadata_problems_at_once():
     next(batches)
     with pytest.raises(ValueError, match=r"bad input at step 2: the data has 5 dense features"):
         next(batches)
+
+
+def test_prefetch_workers_compute_the_value_findings(monkeypatch):
+    """With a prefetched source the findings are computed in the worker as it makes each batch
+    (the step's thread only queues them) and are reported as before; a batch with wrong metadata
+    reaches the validator unprepared and raises there."""
+    batches = [_batch([0, 1], [0, 0]), _batch([0, 1], [0, 7]), _batch([0], [0], dense=5)]
+
+    class Source:
+        batch_size = 2
+
+        def batch(self, step):
+            return batches[step]
+
+    v = InputValidator(NAMES, ROWS, 13, torch.device("cpu"))
+    made_in = []
+    real = validate.value_report
+
+    def recording(batch, rows):
+        made_in.append(threading.current_thread().name)
+        return real(batch, rows)
+
+    monkeypatch.setattr(validate, "value_report", recording)
+    source = Prefetched(Source(), depth=2)
+    source.prepare = v.prepare
+    drawn = v.wrap(source.iter_from(0, 3), first_step=0)
+    next(drawn), next(drawn)
+    assert made_in == ["anyrec-prefetch-0"] * 2
+    with pytest.raises(ValueError, match=r"bad input at step 3: the data has 5 dense features"):
+        next(drawn)
+    with pytest.raises(ValueError, match=r"^bad input at step 2: feature cat_1: id 7 out of range"):
+        v.flush()
 
 
 @pytest.mark.parametrize("skip", [False, True])

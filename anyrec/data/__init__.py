@@ -42,21 +42,30 @@ def resolve_batch_size(data: DataConfig, world_size: int) -> DataConfig:
 
 def build_source(model: ModelConfig, data: DataConfig, seed: int, rank: int, world_size: int,
                  split: str, pin_memory: bool = False, device: torch.device | None = None) -> DataSource:
-    """The source named by `data.name` for one rank and split ("train" or "eval"); file sources make
-    `data.prefetch` batches ahead in background threads (into pinned memory with `pin_memory`);
-    synthetic batches are made on `device` (the training device)."""
+    """The source named by `data.name` for one rank and split ("train" or "eval").
+
+    Synthetic batches are made on `device` (the training device; default CPU): on an accelerator in
+    the step (asynchronous kernels), on a CPU `data.prefetch` batches ahead by background threads at
+    idle priority (they use the cores the step leaves free). File sources always make
+    `data.prefetch` batches ahead (into pinned memory with `pin_memory`), at idle priority when the
+    training device is a CPU.
+    """
+    if data.prefetch < 0 or data.prefetch_workers < 1:
+        raise ValueError(f"data.prefetch must be >= 0 and data.prefetch_workers >= 1, got "
+                         f"{data.prefetch} and {data.prefetch_workers}")
+    on_cpu = device is None or torch.device(device).type == "cpu"
     if data.name == "synthetic":
         from anyrec.data.synthetic import SyntheticCriteo  # a source loads only when chosen
 
-        return SyntheticCriteo(model, data, seed, rank, world_size, split=split, device=device)
+        source = SyntheticCriteo(model, data, seed, rank, world_size, split=split, device=device)
+        if not on_cpu or not data.prefetch:
+            return source
+        return Prefetched(source, data.prefetch, data.prefetch_workers, idle=True)
     if data.name in ("criteo_tsv", "criteo_npy", "criteo_multihot"):
         from anyrec.data.criteo import CriteoSource  # a source loads only when chosen (numpy, iopath)
 
-        if data.prefetch < 0 or data.prefetch_workers < 1:
-            raise ValueError(f"data.prefetch must be >= 0 and data.prefetch_workers >= 1, got "
-                             f"{data.prefetch} and {data.prefetch_workers}")
         source = CriteoSource(model, data, rank, world_size, split=split)
         if not data.prefetch:
             return source
-        return Prefetched(source, data.prefetch, data.prefetch_workers, pin_memory)
+        return Prefetched(source, data.prefetch, data.prefetch_workers, pin_memory, idle=on_cpu)
     raise ValueError(f"unknown data source {data.name!r}; choose one of {', '.join(SOURCES)}")

@@ -1,11 +1,18 @@
 """Batches made ahead of the step by background threads, in order, optionally in pinned memory.
 
-`Prefetched(source, depth, workers, pin_memory)` wraps any source: `batch(step)` is the source's,
-`iter_from(step, n)` yields the same batches in the same order while `workers` threads make up to
-`depth` of them ahead (worker w makes steps step + w, step + w + workers, ...). Reading files,
-slicing memory maps and hashing ids are numpy work that releases the GIL, so it overlaps the step.
+`Prefetched(source, depth, workers, pin_memory, idle)` wraps any source: `batch(step)` is the
+source's, `iter_from(step, n)` yields the same batches in the same order while `workers` threads make
+up to `depth` of them ahead (worker w makes steps step + w, step + w + workers, ...). Reading files,
+slicing memory maps, hashing ids and torch ops release the GIL, so the work overlaps the step.
 With `pin_memory` (only where an accelerator is present) batches land in page-locked memory, so
 the copy torchrec's TrainPipelineSparseDist issues on its own stream is asynchronous.
+
+`idle` is for a step that computes on the same CPU cores (training on the CPU): each worker runs its
+torch ops on one intra-op thread and, on Linux, at idle scheduling priority (SCHED_IDLE), so it only
+takes a core the step leaves free. At normal priority a worker preempts the step's OpenMP threads
+and the step's parallel regions wait for the slowest one: measured on 2 cores (DLRMv2-shaped batches,
+`benchmarks/train_step.py`), a normal-priority worker made the loop slower than generating in the
+step, an idle one faster.
 
 A worker's exception is raised in the consumer, unchanged (so the file and row it names reach the
 trainer), when the consumer reaches the batch that failed. Threads are daemons that stop when the
@@ -14,12 +21,14 @@ iterator is exhausted, closed or garbage-collected; nothing outlives the process
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from torchrec.datasets.utils import Batch
 
 _POLL_S = 0.1  # how often a blocked thread looks for a stop request
@@ -35,9 +44,33 @@ class _Failure:
 _END = object()
 
 
+def _yield_to_the_step() -> None:
+    """This thread: one intra-op thread and idle scheduling priority where the OS has it (best
+    effort: elsewhere it runs at normal priority)."""
+    torch.set_num_threads(1)  # this thread's OpenMP/MKL threads; also ATen's default for new threads
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: the calling thread
+    except (AttributeError, OSError):
+        pass
+
+
 def _work(make: Callable[[int], Batch], steps: range, pin: bool, out: queue.Queue,
-          stop: threading.Event) -> None:
-    """Make the batches of `steps` into `out` until done, failed or asked to stop."""
+          stop: threading.Event, idle_default: int | None = None) -> None:
+    """Make the batches of `steps` into `out` until done, failed or asked to stop. An idle worker
+    (`idle_default`: the consumer's thread count) yields to the step, and on its way out puts back
+    ATen's default for new threads, which its set_num_threads(1) changed (setting it from the
+    consumer instead, while the step runs, slowed the step: measured)."""
+    if idle_default is not None:
+        _yield_to_the_step()
+    try:
+        _make_all(make, steps, pin, out, stop)
+    finally:
+        if idle_default is not None:
+            torch.set_num_threads(idle_default)
+
+
+def _make_all(make: Callable[[int], Batch], steps: range, pin: bool, out: queue.Queue,
+              stop: threading.Event) -> None:
     for step in steps:
         if stop.is_set():
             return
@@ -68,7 +101,7 @@ class PrefetchIterator(Iterator[Batch]):
     """Batches `first`, `first + 1`, ... (`count` of them, or forever when None) made ahead."""
 
     def __init__(self, make: Callable[[int], Batch], first: int, count: int | None, depth: int,
-                 workers: int = 1, pin_memory: bool = False) -> None:
+                 workers: int = 1, pin_memory: bool = False, idle: bool = False) -> None:
         if depth < 1 or workers < 1:
             raise ValueError(f"data.prefetch and data.prefetch_workers must be >= 1, got {depth}, {workers}")
         workers = min(workers, depth)
@@ -78,9 +111,10 @@ class PrefetchIterator(Iterator[Batch]):
         per_worker = -(-depth // workers)
         self._queues = [queue.Queue(maxsize=per_worker) for _ in range(workers)]
         self._threads = []
+        idle_default = torch.get_num_threads() if idle else None
         for w, q in enumerate(self._queues):
             steps = range(first + w, end if end is not None else 2**62, workers)
-            t = threading.Thread(target=_work, args=(make, steps, pin_memory, q, self._stop),
+            t = threading.Thread(target=_work, args=(make, steps, pin_memory, q, self._stop, idle_default),
                                  name=f"anyrec-prefetch-{w}", daemon=True)
             self._threads.append(t)
         self._finalizer = weakref.finalize(self, _stop, self._stop, self._threads)
@@ -115,8 +149,18 @@ class PrefetchIterator(Iterator[Batch]):
 class Prefetched:
     """A source whose `iter_from` makes batches ahead in background threads (see the module doc)."""
 
-    def __init__(self, source: Any, depth: int, workers: int = 1, pin_memory: bool = False) -> None:
+    def __init__(self, source: Any, depth: int, workers: int = 1, pin_memory: bool = False,
+                 idle: bool = False) -> None:
         self.source, self.depth, self.workers, self.pin_memory = source, depth, workers, pin_memory
+        self.idle = idle
+        # Work on each made batch that belongs with it, done in the worker (the trainer's input value
+        # checks: O(ids) tensor ops off the step's thread). Set by the consumer; None = nothing.
+        self.prepare: Callable[[Batch], None] | None = None
+
+    def _make_prepared(self, step: int) -> Batch:
+        batch = self.source.batch(step)
+        self.prepare(batch)
+        return batch
 
     def __getattr__(self, name: str) -> Any:
         # batch_size, batches_per_epoch, malformed_rows, ...: the wrapped source's.
@@ -128,4 +172,5 @@ class Prefetched:
 
     def iter_from(self, step: int = 0, num_steps: int | None = None) -> PrefetchIterator:
         """Batches `step`, `step + 1`, ... made ahead by the workers."""
-        return PrefetchIterator(self.source.batch, step, num_steps, self.depth, self.workers, self.pin_memory)
+        make = self.source.batch if self.prepare is None else self._make_prepared
+        return PrefetchIterator(make, step, num_steps, self.depth, self.workers, self.pin_memory, self.idle)

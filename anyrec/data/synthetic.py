@@ -55,9 +55,11 @@ _Z_MAX = 8  # the probability table spans logits in [-8, 8) (|z| has unit varian
 # A teacher weight is at most sqrt(3) * 2^16 / sqrt(2) (one feature, one slot) < 2^17 in magnitude;
 # it shares a lookup entry with its block's width (< 2^40): width << 20 | (teacher + 2^19).
 _TEACHER_BITS = 20
-# At most this many ids per batch are made in one [B, S] pass (fewest ops: small batches, and any
-# accelerator); larger CPU batches go group by group, where each group's tables stay in cache.
-_FLAT_MAX_IDS = 1 << 18
+# On a CPU the [B, S] pass goes through slot columns about this many ids at a time, so each piece's
+# scratch stays in the core's cache (a whole batch's scratch is many MB; a piece is a few hundred KB);
+# accelerators take every column in one pass.
+_CPU_PASS_IDS = 1 << 18
+_PACKED_BITS = 63  # first id, width and teacher weight share one int64 entry when they fit these bits
 
 
 def _mix32(h):
@@ -170,19 +172,21 @@ class SyntheticCriteo:
             # sparse logit is the mean over its slots, summed over features / sqrt(F).
             t = (_unit(_mix32(block ^ _key(seed, 2, f))) * 2.0 - 1.0) * math.sqrt(3.0)
             teacher.append(torch.round(t * zscale / (L * math.sqrt(num_f))).long())
-        self._first_id = torch.cat(first_id).to(dev)
-        # Width and teacher weight share one entry (one lookup).
         teacher_all = torch.cat(teacher)
         assert int(teacher_all.abs().max()) < 1 << (_TEACHER_BITS - 1), "teacher weights must fit"
-        self._width_teacher = ((torch.cat(width) << _TEACHER_BITS)
-                               | (teacher_all + (1 << (_TEACHER_BITS - 1)))).to(dev)
-        # Features with the same number of slots are generated together: [k, B, L] per group.
-        self._groups = []
-        for L in sorted(set(self.multi_hot)):
-            feats = [f for f, h in enumerate(self.multi_hot) if h == L]
-            mult = [[_multiplier(_key(seed, 3, f, j)) for j in range(L)] for f in feats]
-            self._groups.append((L, feats, torch.tensor(mult, device=dev).view(len(feats), 1, L),
-                                 torch.tensor([f * K for f in feats], device=dev).view(-1, 1, 1)))
+        # Width and teacher weight share one entry: width << 20 | (teacher + 2^19). Where every id and
+        # width fits `_id_bits` bits with 2 * _id_bits + 20 <= 63 (ranges up to 2^21 ids), the block's
+        # first id joins them above and a slot takes one table lookup instead of two: the lookups'
+        # random reads of tables larger than the caches are most of a batch's cost. Same values.
+        width_teacher = (torch.cat(width) << _TEACHER_BITS) | (teacher_all + (1 << (_TEACHER_BITS - 1)))
+        id_bits = max(self.ranges).bit_length()
+        self._id_bits = id_bits if 2 * id_bits + _TEACHER_BITS <= _PACKED_BITS else None
+        if self._id_bits is None:
+            self._first_id = torch.cat(first_id).to(dev)
+            self._width_teacher = width_teacher.to(dev)
+        else:
+            self._first_id = None
+            self._width_teacher = ((torch.cat(first_id) << (_TEACHER_BITS + id_bits)) | width_teacher).to(dev)
         levels = 1 << _DENSE_BITS
         q = torch.special.ndtri((torch.arange(levels, dtype=torch.float64) + 0.5) / levels)
         w_I = torch.special.ndtri(_unit(torch.tensor([_key(seed, 4, i) for i in range(num_i)])))
@@ -200,19 +204,45 @@ class SyntheticCriteo:
         self._offset_per_key = [0, *torch.cumsum(torch.tensor(self._length_per_key), 0).tolist()]
         self._lengths = torch.cat([torch.full((B,), L, dtype=torch.int32) for L in self.multi_hot]).to(dev)
         self._arange_B = torch.arange(B, dtype=torch.int64, device=dev)
+        self._salt_21 = torch.tensor([[0x68E31DA4], [0x1B56C4E9]], dtype=torch.int64, device=dev)
         # The same multipliers and table offsets as one row of all slots, feature after feature.
         self._mult_S = torch.tensor([_multiplier(_key(seed, 3, f, j)) for f, L in enumerate(self.multi_hot)
                                      for j in range(L)], device=dev)
         self._base_S = torch.tensor([f * K for f, L in enumerate(self.multi_hot) for _ in range(L)],
                                     device=dev)
-        self.flat = dev.type != "cpu" or B * len(self._mult_S) <= _FLAT_MAX_IDS
+        self._passes = self._plan_passes(B * len(self._mult_S) if dev.type != "cpu" else _CPU_PASS_IDS)
         self._scratch: list[torch.Tensor] = []  # sized by the first pass that needs them
+
+    def _plan_passes(self, max_ids: int) -> list[tuple[int, int, list[tuple[int, int, int, int, int, int]]]]:
+        """Column ranges [c0, c1) of the [B, S] pass, each about `max_ids` ids (at least one column),
+        with the pieces of features they hold: (first column in the range, first value of the
+        feature's ids, k features in a row with L slots each, slots j0 .. j1 of each). Consecutive
+        whole features with the same L form one piece: one op writes them all."""
+        B, passes, col = self.batch_size, [], 0
+        cols = max(1, max_ids // B)
+        c0, pieces = 0, []
+        for f, L in enumerate(self.multi_hot):
+            for j0 in range(0, L, cols):
+                j1 = min(L, j0 + cols)
+                if col + j0 - c0 + (j1 - j0) > cols and pieces:  # this range is full: start the next
+                    passes.append((c0, col + j0, pieces))
+                    c0, pieces = col + j0, []
+                last = pieces[-1] if pieces else None
+                if (last is not None and j0 == 0 and j1 == L and last[3] == L and last[4] == 0
+                        and last[5] == L and last[0] + last[2] * L == col - c0):
+                    pieces[-1] = (last[0], last[1], last[2] + 1, L, 0, L)
+                else:
+                    pieces.append((col + j0 - c0, self._offset_per_key[f], 1, L, j0, j1))
+            col += L
+        passes.append((c0, col, pieces))
+        return passes
 
     def _sample_hashes(self, first: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Three independent 32-bit hashes of samples first .. first + B - 1: sparse, dense, click."""
         n_B = self._arange_B + first
         h_B = _mix32(_mix32((n_B & _MASK32) ^ self._split_key) ^ (n_B >> 32))
-        return h_B, _mix32(h_B ^ 0x68E31DA4), _mix32(h_B ^ 0x1B56C4E9)
+        hd_B, hc_B = _mix32(h_B ^ self._salt_21).unbind(0)  # both in one pass
+        return h_B, hd_B, hc_B
 
     def _ids(self, h_B: torch.Tensor, mult: torch.Tensor, base: torch.Tensor):
         """(first id of the block, offset in it, teacher weight) of every slot in h_B * mult.
@@ -231,8 +261,14 @@ class SyntheticCriteo:
         offset = h.bitwise_right_shift_(32).bitwise_and_((1 << _OFFSET_BITS) - 1)
         torch.gather(self._width_teacher, 0, bucket, out=looked_up)
         torch.bitwise_and(looked_up, (1 << _TEACHER_BITS) - 1, out=teacher).sub_(1 << (_TEACHER_BITS - 1))
-        offset.mul_(looked_up.bitwise_right_shift_(_TEACHER_BITS).view(shape)).bitwise_right_shift_(_OFFSET_BITS)
-        torch.gather(self._first_id, 0, bucket, out=looked_up)
+        if self._id_bits is None:  # first id in a table of its own
+            offset.mul_(looked_up.bitwise_right_shift_(_TEACHER_BITS).view(shape)).bitwise_right_shift_(_OFFSET_BITS)
+            torch.gather(self._first_id, 0, bucket, out=looked_up)
+        else:  # first id << (20 + id_bits) | width << 20 | teacher
+            width = torch.bitwise_right_shift(looked_up, _TEACHER_BITS, out=bucket).bitwise_and_(
+                (1 << self._id_bits) - 1)
+            offset.mul_(width.view(shape)).bitwise_right_shift_(_OFFSET_BITS)
+            looked_up.bitwise_right_shift_(_TEACHER_BITS + self._id_bits)
         return looked_up.view(shape), offset, teacher.view(shape)
 
     def batch(self, step: int) -> Batch:
@@ -243,20 +279,15 @@ class SyntheticCriteo:
         h_B, hd_B, hc_B = self._sample_hashes(step * self.global_batch_size + self.rank * B)
         values = torch.empty(self._offset_per_key[-1], dtype=torch.int64, device=self.device)
         z_B = torch.zeros(B, dtype=torch.int64, device=self.device)
-        if self.flat:  # one [B, S] pass; feature f's ids are columns c .. c + L_f
-            first_id_BS, offset_BS, teacher_BS = self._ids(h_B.view(B, 1), self._mult_S, self._base_S)
-            col = 0
-            for L, start in zip(self.multi_hot, self._offset_per_key, strict=False):
-                torch.add(first_id_BS[:, col:col + L], offset_BS[:, col:col + L],
-                          out=values[start:start + B * L].view(B, L))
-                col += L
-            z_B += teacher_BS.sum(1)
-        for L, feats, mult_k1L, base_k11 in [] if self.flat else self._groups:  # [k, B, L] per group
-            first_id_kBL, offset_kBL, teacher_kBL = self._ids(h_B.view(1, B, 1), mult_k1L, base_k11)
-            for i, f in enumerate(feats):
-                start = self._offset_per_key[f]
-                torch.add(first_id_kBL[i], offset_kBL[i], out=values[start:start + B * L].view(B, L))
-            z_B += teacher_kBL.sum(2).sum(0)
+        for c0, c1, pieces in self._passes:  # [B, c1 - c0] slot columns at a time
+            first_id_BC, offset_BC, teacher_BC = self._ids(h_B.view(B, 1), self._mult_S[c0:c1],
+                                                           self._base_S[c0:c1])
+            for c, start, k, L, j0, j1 in pieces:  # k features' slots j0 .. j1: [B, k, w] -> [k, B, w]
+                w = j1 - j0
+                torch.add(first_id_BC[:, c:c + k * w].view(B, k, w).transpose(0, 1),
+                          offset_BC[:, c:c + k * w].view(B, k, w).transpose(0, 1),
+                          out=values[start:start + k * B * L].view(k, B, L)[:, :, j0:j1])
+            z_B += teacher_BC.sum(1)
         level_BI = ((hd_B[:, None] * self._dense_mult_I) >> (32 - _DENSE_BITS)) & ((1 << _DENSE_BITS) - 1)
         dense_BI = torch.take(self._dense_levels, level_BI)
         z_B += torch.take(self._dense_teacher, level_BI + self._dense_base_I).sum(1)

@@ -31,6 +31,7 @@ from anyrec.backends.dispatch import embedding_impl
 from anyrec.backends.sparse_ops import install as install_sparse_ops
 from anyrec.config import AnyrecConfig
 from anyrec.data import build_source, resolve_batch_size
+from anyrec.data.prefetch import Prefetched
 from anyrec.kernels.ebc import TritonEBCOptimizer
 from anyrec.kernels.replicated import ReplicatedTableOptimizer
 from anyrec.models.dlrm import DLRM, build_model, feature_names, table_configs
@@ -216,6 +217,9 @@ class Trainer:
         self.validator = (InputValidator(feature_names(len(cfg.model.table_rows)), list(cfg.model.table_rows),
                                          cfg.model.num_dense_features, self.device)
                           if tc.validate_inputs else None)
+        for source in (self.train_data, self.eval_data):
+            if isinstance(source, Prefetched) and self.validator is not None:
+                source.prepare = self.validator.prepare  # value checks in the prefetch worker
 
     def _log_setup(self) -> None:
         logger.info("backend: %s", self.backend.describe())

@@ -27,6 +27,7 @@ from torchrec.datasets.utils import Batch
 from anyrec.trainer.errors import NonFiniteLossError
 
 _NONE = 2**62  # "no bad step" in the min-reduced step codes
+_REPORT = "_anyrec_value_report"  # a batch's precomputed value findings (InputValidator.prepare)
 
 
 def check_metadata(batch: Batch, feature_names: list[str], num_dense: int) -> str | None:
@@ -121,11 +122,19 @@ class InputValidator:
         self._rows_F = torch.tensor(table_rows, dtype=torch.int64, device=device)
         self._pending: list[tuple[int, str, torch.Tensor]] = []
 
+    def prepare(self, batch: Batch) -> None:
+        """The batch's value findings, computed now and kept with it (a prefetch worker calls this
+        as it makes the batch, so the step's thread only queues them). A batch whose metadata is
+        wrong is left for `__call__`, which names the problem."""
+        if check_metadata(batch, self.feature_names, self.num_dense) is None:
+            batch.__dict__[_REPORT] = value_report(batch, self.table_rows)
+
     def __call__(self, batch: Batch, step: int, what: str = "step") -> None:
         problem = check_metadata(batch, self.feature_names, self.num_dense)
         if problem is not None:
             raise ValueError(f"bad input at {_at(what, step, _rank())}: {problem}")
-        self._pending.append((step, what, value_report(batch, self.table_rows)))
+        report = batch.__dict__.pop(_REPORT, None)
+        self._pending.append((step, what, value_report(batch, self.table_rows) if report is None else report))
 
     def wrap(self, batches: Iterable[Batch], first_step: int, what: str = "step") -> Iterator[Batch]:
         """The batches, each checked as it is drawn (so before it enters the pipeline)."""
