@@ -24,7 +24,7 @@ from anyrec.backends import Backend
 from anyrec.backends.specs import DeviceSpec
 from anyrec.models.dlrm import build_model
 from anyrec.planner.evaluate import evaluate_assignment
-from anyrec.planner.job import dense_param_count, model_tables, plan_options
+from anyrec.planner.job import dense_param_count, interaction_pairs, model_tables, plan_options
 from anyrec.planner.planner import make_workload
 from anyrec.planner.torchrec_plan import to_sharding_plan
 from anyrec.planner.types import Topology
@@ -35,7 +35,7 @@ logger = logging.getLogger("anyrec.calibrate")
 ROWS = 1_000  # rows per table: lookups stay cheap, framework time dominates
 # DeviceSpec fields the fit determines, in the order of `StepPoint.terms`.
 FIELDS = ("step_fixed_s", "step_per_feature_s", "step_per_sample_s", "step_per_id_s", "step_per_value_s",
-          "sharding_group_s", "replicated_table_s")
+          "step_per_pair_s", "sharding_group_s", "replicated_table_s")
 
 
 @dataclass(frozen=True)
@@ -58,19 +58,22 @@ class StepPoint:
         return self.shardings[i * len(self.shardings) // self.tables]
 
     def terms(self) -> list[float]:
-        """The fit's columns: step, features, samples, ids, pooled values, sharding groups, replicas."""
+        """The fit's columns: step, features, samples, ids, pooled values, interaction entries (the
+        points train the dot interaction: (tables + 1)^2 per sample), sharding groups, replicas."""
         groups = len({s for s in self.shardings if s != "data_parallel"})
         replicas = sum(self.sharding_of(i) == "data_parallel" for i in range(self.tables))
         return [1.0, self.tables, self.batch, self.batch * self.tables * self.pooling,
-                self.batch * self.tables * self.dim, groups, replicas]
+                self.batch * self.tables * self.dim, self.batch * (self.tables + 1) ** 2, groups, replicas]
 
 
 # Each term varies alone against the first point: features (24 tables), samples (batch 512), ids
-# (pooling 16), pooled values (dim 64), sharding groups (1, 2 and 3 types at dim 32), replicated tables.
+# (pooling 16), pooled values (dim 64), sharding groups (1, 2 and 3 types at dim 32), replicated tables;
+# interaction entries (features^2 x samples) by many features at a large batch.
 POINTS = [
     StepPoint(8, 16, 32, 1, ("table_wise",)),
     StepPoint(24, 16, 32, 1, ("table_wise",)),
     StepPoint(8, 16, 512, 1, ("table_wise",)),
+    StepPoint(24, 16, 512, 1, ("table_wise",)),
     StepPoint(8, 16, 128, 16, ("table_wise",)),
     StepPoint(8, 64, 256, 1, ("table_wise",)),
     StepPoint(8, 32, 32, 1, ("table_wise",)),
@@ -111,7 +114,8 @@ def _train_point(p: StepPoint, backend: Backend, spec: DeviceSpec, steps: int) -
     ebc = model.sparse_arch
     opt = cfg.optim.name
     workload = make_workload(model_tables(ebc.embedding_bag_configs(), cfg.model), p.batch, opt,
-                             dense_param_count(model, ebc), **plan_options(cfg.planner, kernel, opt))
+                             dense_param_count(model, ebc), **plan_options(cfg.planner, kernel, opt),
+                             interaction_pairs=interaction_pairs(cfg.model))
     topology = Topology(spec, world, world, backend.device_type)
     predicted = evaluate_assignment(_assignment(p, world), topology, workload)
     plan = to_sharding_plan(predicted, EBC_PATH, ebc, backend.device_type)

@@ -31,11 +31,14 @@ def torchrec_plan(cfg):
     """torchrec's EmbeddingShardingPlanner plan for the trainer's model (module paths as the trainer's)."""
     import torch
     from torchrec.distributed.planner import EmbeddingShardingPlanner
+    from torchrec.distributed.planner.storage_reservations import HeuristicalStorageReservation
     from torchrec.distributed.planner.types import Topology as TrTopology
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
     from anyrec.backends import get_backend, resolve_hardware
     from anyrec.models.dlrm import build_model
+    from anyrec.planner.estimators import usable_caps
+    from anyrec.planner.types import PlanOptions, Topology, Workload
     from anyrec.trainer.optim import embedding_optimizer
     from anyrec.trainer.planning import sharders
     from anyrec.trainer.trainer import DLRMTrain
@@ -49,9 +52,20 @@ def torchrec_plan(cfg):
     opt_cls, opt_kwargs = embedding_optimizer(cfg.optim)
     apply_optimizer_in_backward(opt_cls, model.sparse_arch.parameters(), opt_kwargs)
     compute = "cpu" if backend.device_type == "cpu" else "cuda"
+    # The same per-rank memory as anyrec's planner: the device's memory less anyrec's reserve (its
+    # fraction and fixed bytes), with torchrec's own percentage reservation off (it still subtracts its
+    # dense-model and input estimates, as anyrec subtracts the dense model and buffers). torchrec counts
+    # a CPU job's tables against `ddr_cap` (the device memory is host memory there), so on a CPU both
+    # caps are that budget. Given the whole device (or all of the host's DDR on a CPU) and its default
+    # 15 %, torchrec may place tables that anyrec's budget keeps off a rank.
+    options = PlanOptions(reserve_fraction=cfg.planner.memory_reserve_fraction)
+    usable = usable_caps(Topology(device, world), Workload([], cfg.data.batch_size, cfg.optim.name,
+                                                           options=options)).hbm_bytes
     topo = TrTopology(world_size=world, local_world_size=world, compute_device=compute,
-                      hbm_cap=device.memory_bytes, ddr_cap=device.host_memory_bytes or device.memory_bytes)
-    planner = EmbeddingShardingPlanner(topology=topo, batch_size=cfg.data.batch_size)
+                      hbm_cap=usable,
+                      ddr_cap=usable if compute == "cpu" else device.host_memory_bytes or device.memory_bytes)
+    planner = EmbeddingShardingPlanner(topology=topo, batch_size=cfg.data.batch_size,
+                                       storage_reservation=HeuristicalStorageReservation(percentage=0.0))
     # Deterministic on every rank from the same inputs: no collective needed.
     return planner.plan(DLRMTrain(model), sharders(kernel))
 
@@ -66,11 +80,24 @@ def worker(planner: str, overrides: list[str]) -> None:
     trainer = Trainer(cfg, plan=plan)
     try:
         summary = trainer.train()
+        summary["plan"] = describe_plan(trainer.sharding_plan)
         is_main = trainer.dist.is_main
     finally:
         trainer.close()
     if is_main:
         print(json.dumps(summary), flush=True)
+
+
+def describe_plan(plan) -> str:
+    """`table: sharding_type [ranks]` per table of a torchrec ShardingPlan, sorted by table ("" without
+    a sharded model)."""
+    if plan is None:
+        return ""
+    out = []
+    for module_plan in plan.plan.values():
+        for table, ps in sorted(module_plan.items()):
+            out.append(f"{table}: {ps.sharding_type} {ps.ranks}")
+    return "; ".join(out)
 
 
 def train(name: str, planner: str, hardware: str, steps: int, batch: int, cwd: Path,

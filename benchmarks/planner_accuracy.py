@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# name -> Hydra overrides: table counts, dims 8-128, pooling 1-20, id skew, and one whose big table
+# name -> Hydra overrides: table counts, dims 8-256, pooling 1-100, id skew, and one whose big table
 # cannot fit one rank (a memory cap forces row- or column-wise sharding).
 WORKLOADS: dict[str, list[str]] = {
     "tiny_26x8": ["model=dlrm_tiny"],
@@ -33,12 +33,12 @@ WORKLOADS: dict[str, list[str]] = {
     "small_uniform_ids": ["model=dlrm_small", "data.zipf_exponent=0.0"],
     "wide_8x128": ["model=dlrm_small", "model.embedding_dim=128", "model.table_rows=[50000]*8",
                    "model.bottom_mlp=[256,128]"],
-    "multihot_8x32_p20": ["model=dlrm_small", "model.embedding_dim=32", "model.table_rows=[20000]*8",
-                          "model.multi_hot=[20]*8", "model.bottom_mlp=[64,32]"],
-    # 8 tables: the synthetic click model needs at least 6 one-hot features.
-    "big_table_split": ["model=dlrm_small", "model.embedding_dim=64",
-                        "model.table_rows=[400000,1000,1000,1000,1000,1000,1000,1000]",
-                        "model.bottom_mlp=[64,64]",
+    "multihot_8x32_p1-100": ["model=dlrm_small", "model.embedding_dim=32", "model.table_rows=[20000]*8",
+                             "model.multi_hot=[100,40,20,10,5,3,2,1]", "model.bottom_mlp=[64,32]"],
+    # Dim 256: torchrec splits a table column-wise in 128-wide pieces, so both planners can split it.
+    "big_table_split": ["model=dlrm_small", "model.embedding_dim=256",
+                        "model.table_rows=[100000,1000,1000,1000,1000,1000,1000,1000]",
+                        "model.bottom_mlp=[64,256]",
                         # 2.4 GB less the planner's 10% and 2 GB reserve: ~160 MB per rank, under the
                         # big table's 205 MB of weights + Adagrad state.
                         "+hardware.spec.memory_bytes=2400000000"],

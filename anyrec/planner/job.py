@@ -32,6 +32,12 @@ def model_tables(configs: Sequence[EmbeddingBagConfig], model: ModelConfig) -> l
     ]
 
 
+def interaction_pairs(model: ModelConfig) -> int:
+    """Entries of the pairwise interaction per sample: (features + 1)^2 for the dot interaction (the
+    dense vector and each table's pooled embedding), 0 for DCN (its cost is GEMMs, in the FLOPs)."""
+    return (len(model.table_rows) + 1) ** 2 if model.interaction == "dot" else 0
+
+
 def dense_param_count(model: nn.Module, ebc: nn.Module) -> int:
     """Parameters of `model` outside its EmbeddingBagCollection `ebc` (replicated on every rank)."""
     sparse = {id(p) for p in ebc.parameters()}
@@ -75,5 +81,6 @@ def plan_model(model: nn.Module, ebc: nn.Module, cfg_model: ModelConfig, cfg_pla
     return (planner or CoDesignPlanner()).plan(
         model_tables(ebc.embedding_bag_configs(), cfg_model), topology, batch_size_per_rank, optimizer,
         dense_param_count(model, ebc), **plan_options(cfg_planner, kernel, optimizer),
+        interaction_pairs=interaction_pairs(cfg_model),
     )
 
