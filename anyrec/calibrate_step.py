@@ -24,7 +24,13 @@ from anyrec.backends import Backend
 from anyrec.backends.specs import DeviceSpec
 from anyrec.models.dlrm import build_model
 from anyrec.planner.evaluate import evaluate_assignment
-from anyrec.planner.job import dense_param_count, interaction_pairs, model_tables, plan_options
+from anyrec.planner.job import (
+    dense_param_count,
+    dense_tensor_count,
+    interaction_pairs,
+    model_tables,
+    plan_options,
+)
 from anyrec.planner.planner import make_workload
 from anyrec.planner.torchrec_plan import to_sharding_plan
 from anyrec.planner.types import Topology
@@ -35,47 +41,63 @@ logger = logging.getLogger("anyrec.calibrate")
 ROWS = 1_000  # rows per table: lookups stay cheap, framework time dominates
 # DeviceSpec fields the fit determines, in the order of `StepPoint.terms`.
 FIELDS = ("step_fixed_s", "step_per_feature_s", "step_per_sample_s", "step_per_id_s", "step_per_value_s",
-          "step_per_pair_s", "sharding_group_s", "replicated_table_s")
+          "step_per_pair_s", "step_per_dense_tensor_s", "sharding_group_s", "replicated_table_s")
 
 
 @dataclass(frozen=True)
 class StepPoint:
     """One calibration training job: `tables` tables of `dim` columns, `batch` samples per rank,
-    `pooling` ids per sample per table, the tables split into equal blocks, one per sharding type."""
+    `pooling` ids per sample per table, the tables split into equal blocks, one per sharding type;
+    `hidden` extra 64-wide layers in each of the bottom and top MLPs."""
 
     tables: int
     dim: int
     batch: int
     pooling: int
     shardings: tuple[str, ...]
+    hidden: int = 0
+
+    @property
+    def bottom_mlp(self) -> list[int]:
+        return [64] * self.hidden + [self.dim]
+
+    @property
+    def top_mlp(self) -> list[int]:
+        return [64] * self.hidden + [16, 1]
 
     @property
     def name(self) -> str:
         kinds = "+".join(s.replace("_wise", "").replace("data_parallel", "dp") for s in self.shardings)
-        return f"{kinds} T{self.tables} D{self.dim} B{self.batch} P{self.pooling}"
+        deep = f" H{self.hidden}" if self.hidden else ""
+        return f"{kinds} T{self.tables} D{self.dim} B{self.batch} P{self.pooling}{deep}"
 
     def sharding_of(self, i: int) -> str:
         return self.shardings[i * len(self.shardings) // self.tables]
 
     def terms(self) -> list[float]:
         """The fit's columns: step, features, samples, ids, pooled values, interaction entries (the
-        points train the dot interaction: (tables + 1)^2 per sample), sharding groups, replicas."""
+        points train the dot interaction: (tables + 1)^2 per sample), dense parameter tensors (a
+        weight and a bias per MLP layer), sharding groups, replicas."""
         groups = len({s for s in self.shardings if s != "data_parallel"})
         replicas = sum(self.sharding_of(i) == "data_parallel" for i in range(self.tables))
         return [1.0, self.tables, self.batch, self.batch * self.tables * self.pooling,
-                self.batch * self.tables * self.dim, self.batch * (self.tables + 1) ** 2, groups, replicas]
+                self.batch * self.tables * self.dim, self.batch * (self.tables + 1) ** 2,
+                2 * (len(self.bottom_mlp) + len(self.top_mlp)), groups, replicas]
 
 
 # Each term varies alone against the first point: features (24 tables), samples (batch 512), ids
-# (pooling 16), pooled values (dim 64), sharding groups (1, 2 and 3 types at dim 32), replicated tables;
-# interaction entries (features^2 x samples) by many features at a large batch.
+# (pooling 16), pooled values (dims 128 and 256: the range plans cover), sharding groups (1, 2 and 3
+# types at dim 32), replicated tables; interaction entries (features^2 x samples) by many features at a
+# large batch; dense parameter tensors by three more hidden layers in each MLP.
 POINTS = [
     StepPoint(8, 16, 32, 1, ("table_wise",)),
     StepPoint(24, 16, 32, 1, ("table_wise",)),
     StepPoint(8, 16, 512, 1, ("table_wise",)),
     StepPoint(24, 16, 512, 1, ("table_wise",)),
+    StepPoint(8, 16, 32, 1, ("table_wise",), hidden=3),
     StepPoint(8, 16, 128, 16, ("table_wise",)),
-    StepPoint(8, 64, 256, 1, ("table_wise",)),
+    StepPoint(8, 128, 256, 1, ("table_wise",)),
+    StepPoint(8, 256, 128, 1, ("table_wise",)),
     StepPoint(8, 32, 32, 1, ("table_wise",)),
     StepPoint(8, 32, 32, 1, ("table_wise", "column_wise")),
     StepPoint(8, 32, 32, 1, ("table_wise", "column_wise", "row_wise")),
@@ -88,7 +110,7 @@ def _overrides(p: StepPoint, backend: str, steps: int) -> list[str]:
     rows = ",".join([str(ROWS)] * p.tables)
     hot = ",".join([str(p.pooling)] * p.tables) if p.pooling > 1 else ""
     return ["model=dlrm_small", f"model.table_rows=[{rows}]", f"model.multi_hot=[{hot}]",
-            f"model.embedding_dim={p.dim}", f"model.bottom_mlp=[{p.dim}]", "model.top_mlp=[16,1]",
+            f"model.embedding_dim={p.dim}", f"model.bottom_mlp={p.bottom_mlp}", f"model.top_mlp={p.top_mlp}",
             f"data.batch_size={p.batch}", f"backend.name={backend}", f"trainer.steps={steps}",
             "trainer.eval_steps=0", "trainer.progress=false", "trainer.tensorboard=false",
             "trainer.checkpoint.dir=null", "trainer.run_dir=null"]
@@ -115,7 +137,8 @@ def _train_point(p: StepPoint, backend: Backend, spec: DeviceSpec, steps: int) -
     opt = cfg.optim.name
     workload = make_workload(model_tables(ebc.embedding_bag_configs(), cfg.model), p.batch, opt,
                              dense_param_count(model, ebc), **plan_options(cfg.planner, kernel, opt),
-                             interaction_pairs=interaction_pairs(cfg.model))
+                             interaction_pairs=interaction_pairs(cfg.model),
+                             dense_tensors=dense_tensor_count(model, ebc))
     topology = Topology(spec, world, world, backend.device_type)
     predicted = evaluate_assignment(_assignment(p, world), topology, workload)
     plan = to_sharding_plan(predicted, EBC_PATH, ebc, backend.device_type)

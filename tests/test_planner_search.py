@@ -173,15 +173,15 @@ def test_each_sharding_type_used_costs_its_all_to_all_rounds():
     assert res.predicted_step_s == pytest.approx(slowest + 5e-3, rel=1e-9)
 
 
-def test_framework_costs_are_charged_per_step_feature_sample_id_value_and_interaction_entry():
+def test_framework_costs_are_charged_per_step_feature_sample_id_value_entry_and_dense_tensor():
     tables = [TableSpec("a", 1000, 16, 2.0, ["f0", "f1"]), TableSpec("b", 1000, 32, 5.0, ["f2"])]
-    wl = make_workload(tables, 100, "adagrad", 1_000, interaction_pairs=16)
+    wl = make_workload(tables, 100, "adagrad", 1_000, interaction_pairs=16, dense_tensors=6)
     costs = dict(step_fixed_s=1e-3, step_per_feature_s=1e-4, step_per_sample_s=1e-6, step_per_id_s=1e-7,
-                 step_per_value_s=1e-9, step_per_pair_s=1e-8)
+                 step_per_value_s=1e-9, step_per_pair_s=1e-8, step_per_dense_tensor_s=1e-5)
     before = DenseEstimator().estimate(Topology(get_sku("cpu"), 2), wl).perf.total_s
     after = DenseEstimator().estimate(Topology(get_sku("cpu").replace(**costs), 2), wl).perf.total_s
-    # 3 features, 100 samples, 100 x 7 ids, 100 x (2 x 16 + 32) pooled values, 100 x 16 entries
-    assert after - before == pytest.approx(1e-3 + 3e-4 + 1e-4 + 700e-7 + 6400e-9 + 1600e-8, rel=1e-9)
+    # 3 features, 100 samples, 100 x 7 ids, 100 x (2 x 16 + 32) pooled values, 100 x 16 entries, 6 tensors
+    assert after - before == pytest.approx(1e-3 + 3e-4 + 1e-4 + 700e-7 + 6400e-9 + 1600e-8 + 6e-5, rel=1e-9)
 
 
 def test_interaction_entries_follow_the_model():
@@ -191,3 +191,15 @@ def test_interaction_entries_follow_the_model():
 
     assert interaction_pairs(ModelConfig(name="m", table_rows=[10] * 26, interaction="dot")) == 27**2
     assert interaction_pairs(ModelConfig(name="m", table_rows=[10] * 26, interaction="dcn")) == 0
+
+
+def test_dense_tensors_are_the_parameters_outside_the_embedding_collection():
+    import torch
+
+    from anyrec.config import ModelConfig
+    from anyrec.models.dlrm import build_model
+    from anyrec.planner.job import dense_tensor_count
+
+    cfg = ModelConfig(name="m", table_rows=[10] * 3, bottom_mlp=[32, 16], top_mlp=[8, 4, 1])
+    model = build_model(cfg, torch.device("meta"), ebc_device=torch.device("meta"))
+    assert dense_tensor_count(model, model.sparse_arch) == 2 * (2 + 3)  # a weight and a bias per layer

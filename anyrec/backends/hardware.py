@@ -38,7 +38,8 @@ _FILE_KEYS = ("sku", "base", "spec", "measurements")
 _MAY_BE_ZERO = ("h2d_bw_bytes_per_s", "host_memory_bytes", "host_memory_bw_bytes_per_s",
                 "scale_up_latency_s", "scale_out_latency_s", "dense_efficiency", "comms_efficiency",
                 "step_fixed_s", "step_per_feature_s", "step_per_sample_s", "step_per_id_s",
-                "step_per_value_s", "step_per_pair_s", "sharding_group_s", "replicated_table_s")
+                "step_per_value_s", "step_per_pair_s", "step_per_dense_tensor_s", "sharding_group_s",
+                "replicated_table_s")
 
 
 @dataclass(frozen=True)

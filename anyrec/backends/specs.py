@@ -44,14 +44,16 @@ class DeviceSpec:
     # step points, 0: unmeasured (not modelled). Per step, per sparse feature, per local sample, per
     # local id, per pooled value (local batch x sum of feature dims), per entry of the pairwise
     # interaction (local batch x (features + 1)^2, the dot interaction's matrix: its bmm, triangle
-    # gather and their backward), per group of sharded tables of one sharding type (its own input and
-    # output all-to-alls), per data-parallel table.
+    # gather and their backward), per dense parameter tensor (its gradient, DDP bucket copy and
+    # optimizer update: fixed costs beyond the FLOPs), per group of sharded tables of one sharding
+    # type (its own input and output all-to-alls), per data-parallel table.
     step_fixed_s: float = 0.0
     step_per_feature_s: float = 0.0
     step_per_sample_s: float = 0.0
     step_per_id_s: float = 0.0
     step_per_value_s: float = 0.0
     step_per_pair_s: float = 0.0
+    step_per_dense_tensor_s: float = 0.0
     sharding_group_s: float = 0.0
     replicated_table_s: float = 0.0
 

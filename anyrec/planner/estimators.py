@@ -219,7 +219,7 @@ def all_reduce_time_s(total_bytes: float, topology: Topology, latency: bool = Tr
 def framework_time_s(workload: Workload, topology: Topology) -> float:
     """Seconds per step every plan pays on each rank beyond the bytes and FLOPs: the device's measured
     framework costs (DeviceSpec.step_*, 0 where unmeasured) for this workload's features, local batch,
-    local ids, pooled values and interaction entries."""
+    local ids, pooled values, interaction entries and dense parameter tensors."""
     dev = topology.device
     b = workload.batch_size_per_rank
     features = sum(t.num_features for t in workload.tables)
@@ -227,7 +227,8 @@ def framework_time_s(workload: Workload, topology: Topology) -> float:
     values = b * sum(t.num_features * t.embedding_dim for t in workload.tables)
     return (dev.step_fixed_s + features * dev.step_per_feature_s + b * dev.step_per_sample_s
             + ids * dev.step_per_id_s + values * dev.step_per_value_s
-            + b * workload.options.interaction_pairs * dev.step_per_pair_s)
+            + b * workload.options.interaction_pairs * dev.step_per_pair_s
+            + workload.options.dense_tensors * dev.step_per_dense_tensor_s)
 
 
 def sharding_group_time_s(topology: Topology) -> float:

@@ -44,6 +44,12 @@ def dense_param_count(model: nn.Module, ebc: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if id(p) not in sparse)
 
 
+def dense_tensor_count(model: nn.Module, ebc: nn.Module) -> int:
+    """Parameter tensors of `model` outside `ebc` (each has a per-step gradient and optimizer update)."""
+    sparse = {id(p) for p in ebc.parameters()}
+    return sum(1 for p in model.parameters() if id(p) not in sparse)
+
+
 def plan_options(cfg: PlannerConfig, kernel: str, optimizer: str) -> dict[str, object]:
     """PlanOptions fields from the `planner` config group, for embedding implementation `kernel`.
 
@@ -81,6 +87,6 @@ def plan_model(model: nn.Module, ebc: nn.Module, cfg_model: ModelConfig, cfg_pla
     return (planner or CoDesignPlanner()).plan(
         model_tables(ebc.embedding_bag_configs(), cfg_model), topology, batch_size_per_rank, optimizer,
         dense_param_count(model, ebc), **plan_options(cfg_planner, kernel, optimizer),
-        interaction_pairs=interaction_pairs(cfg_model),
+        interaction_pairs=interaction_pairs(cfg_model), dense_tensors=dense_tensor_count(model, ebc),
     )
 

@@ -251,6 +251,7 @@ class PlanOptions:
     # Entries of the model's pairwise interaction per sample: (features + 1)^2 for the dot interaction
     # (costed by DeviceSpec.step_per_pair_s); 0 for DCN, whose cost is its GEMMs (dense FLOPs).
     interaction_pairs: int = 0
+    dense_tensors: int = 0  # parameter tensors of the dense model (DeviceSpec.step_per_dense_tensor_s each)
 
     def __post_init__(self) -> None:
         self.allowed_shardings = tuple(ShardingType(s) for s in self.allowed_shardings)
