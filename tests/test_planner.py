@@ -1,6 +1,7 @@
 """Planner end to end: the DLRMv2 done-when cases, torchrec plans, JSON, report, plot, CLI, errors."""
 
 import json
+import math
 import os
 
 import pytest
@@ -233,3 +234,25 @@ def test_plan_names_the_compute_kernel_the_trainer_shards_with():
         assert {per_table[n].compute_kernel for n in sharded} == {expected}
         rows = [ln for ln in format_report(res).splitlines() if ln.split(" ")[0] in sharded]
         assert len(rows) == len(sharded) and all(f" {expected} " in ln for ln in rows)
+
+
+def test_fused_backward_updates_each_distinct_row_once():
+    """The TBE sorts a batch's ids and updates each touched row and its optimizer state once: a
+    small table hit a million times costs its rows, not a million row updates; a large table
+    hit a few times costs about one update per id."""
+    from anyrec.planner.estimators import lookup_time_s, touched_rows
+
+    assert touched_rows(1e6, 100) == pytest.approx(100.0)
+    assert touched_rows(10, 1e9) == pytest.approx(10.0, rel=1e-6)
+    assert touched_rows(1000, 1000) == pytest.approx(1000 * (1 - math.exp(-1)))
+    topo = Topology(get_sku("h100"), 1)
+
+    def bwd(n_ids, rows, fused=True):
+        table = TableSpec("t", rows, 128, n_ids / 1000, ["f"])
+        return lookup_time_s(n_ids, 1000, 128, table, Placement.HBM, topo, "adagrad", "fbgemm",
+                             fused_optimizer=fused)[1]
+
+    base = bwd(1000, 10)  # ids and output gradients, 10 rows updated
+    assert bwd(1_000_000, 10) - base < 0.01 * (bwd(1_000_000, 10**9) - bwd(1000, 10**9))
+    # Unfused (data-parallel) lookups scatter every id into a dense gradient: no such saving.
+    assert bwd(1_000_000, 10, fused=False) > 100 * bwd(1_000_000, 10)

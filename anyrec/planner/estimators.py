@@ -113,6 +113,14 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+def touched_rows(n_ids: float, rows: float) -> float:
+    """Expected distinct rows among `n_ids` lookups drawn uniformly from `rows` rows: rows x (1 -
+    e^(-n/rows)). Uniform is the most spread-out case: skewed ids (the usual) touch fewer."""
+    if rows <= 0 or n_ids <= 0:
+        return 0.0
+    return -rows * math.expm1(-n_ids / rows)
+
+
 def lookup_time_s(
     n_ids: float,
     n_bags: float,
@@ -125,13 +133,16 @@ def lookup_time_s(
     cache_ratio: float = 0.0,
     fused_optimizer: bool = True,
     profile: KernelProfile | None = None,
+    rows: float | None = None,
 ) -> tuple[float, float]:
     """Forward and backward seconds for a shard that reads `n_ids` rows of width `dim` into `n_bags` bags.
 
     Both passes read the ids. Forward reads the rows and writes pooled outputs; backward reads output
-    gradients and reads and writes each touched row and, when the optimizer is fused into the backward
-    (TBE), its optimizer state; unfused (data-parallel), it scatter-adds into a dense gradient instead.
-    `kernel` names the embedding implementation; `profile` overrides its Impl's performance profile.
+    gradients and, when the optimizer is fused into the backward (TBE), reads and writes each distinct
+    touched row and its optimizer state once (the kernels sort the ids and update each row once: of
+    `rows` rows, `touched_rows` are expected distinct); unfused (data-parallel), it scatter-adds every
+    id into a dense gradient instead. `kernel` names the embedding implementation; `profile` overrides
+    its Impl's performance profile; `rows` defaults to the table's.
     """
     profile = profile or embedding_impl_profile(kernel)
     dev = topology.device
@@ -141,7 +152,8 @@ def lookup_time_s(
     st = state_bytes_per_row(optimizer, dim, kernel) if fused_optimizer else 0
     state_row_bytes = _round_up(st, access) if st else 0
     fwd_rows = n_ids * row_bytes
-    bwd_rows = 2 * n_ids * (row_bytes + state_row_bytes)
+    updated = touched_rows(n_ids, table.num_rows if rows is None else rows) if fused_optimizer else n_ids
+    bwd_rows = 2 * updated * (row_bytes + state_row_bytes)
     out_bytes = n_bags * dim * OUTPUT_BYTES + n_ids * ID_BYTES
     hbm_bw = dev.memory_bw_bytes_per_s * profile.bw_efficiency * simd_utilisation(dim, dev.simd_width)
     latency = n_ids * profile.per_row_s
@@ -257,9 +269,9 @@ class EmbeddingPerfEstimator(PerfEstimator):
         opt = workload.optimizer
         s0 = option.shards[0]
 
-        def lookup(n_ids: float, n_bags: float, dim: int) -> tuple[float, float]:
+        def lookup(n_ids: float, n_bags: float, dim: int, rows: float) -> tuple[float, float]:
             return lookup_time_s(
-                n_ids, n_bags, dim, t, option.placement, topology, opt, kernel, option.cache_ratio
+                n_ids, n_bags, dim, t, option.placement, topology, opt, kernel, option.cache_ratio, rows=rows
             )
 
         st = option.sharding
@@ -279,12 +291,12 @@ class EmbeddingPerfEstimator(PerfEstimator):
             perf = Perf(fwd, bwd, 0.0, all_reduce_time_s(t.weight_bytes, topology, latency=False))
         elif st in (ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE):
             dim = s0.num_cols
-            fwd, bwd = lookup(g * p, g * f, dim)
+            fwd, bwd = lookup(g * p, g * f, dim, t.num_rows)
             ids = all_to_all_time_s(g * (p + f) * ID_BYTES, topology, latency=False)
             out = all_to_all_time_s(g * f * dim * OUTPUT_BYTES, topology, latency=False)
             perf = Perf(fwd, bwd, ids + out, out)
         elif st == ShardingType.ROW_WISE:
-            fwd, bwd = lookup(g * p / w, g * f, t.embedding_dim)
+            fwd, bwd = lookup(g * p / w, g * f, t.embedding_dim, t.num_rows / w)
             ids = all_to_all_time_s(b * (p + f) * ID_BYTES, topology, latency=False)
             rs = reduce_scatter_time_s(
                 g * f * t.embedding_dim * OUTPUT_BYTES, w, topology.num_hosts, topology, latency=False
@@ -292,7 +304,7 @@ class EmbeddingPerfEstimator(PerfEstimator):
             perf = Perf(fwd, bwd, ids + rs, rs)
         elif st == ShardingType.TABLE_ROW_WISE:
             local = topology.local_world_size
-            fwd, bwd = lookup(g * p / local, g * f, t.embedding_dim)
+            fwd, bwd = lookup(g * p / local, g * f, t.embedding_dim, t.num_rows / local)
             out_bytes = g * f * t.embedding_dim * OUTPUT_BYTES
             ids = all_to_all_time_s(g * (p + f) * ID_BYTES / local, topology, latency=False)
             rs = reduce_scatter_time_s(out_bytes, local, 1, topology, latency=False)
