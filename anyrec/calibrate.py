@@ -7,7 +7,7 @@ least squares into the implementation's KernelProfile (bandwidth efficiency, per
 seconds) in the planner's own cost terms; GEMM FLOP/s (square, and a DLRM MLP forward + backward);
 and under torchrun all-to-all, all-reduce and reduce-scatter at several sizes, fitted into
 latency + bytes / bus bandwidth, and the trainer's framework costs (anyrec.calibrate_step: the real
-Trainer at thirteen tiny points, what bytes and FLOPs leave unexplained fitted into DeviceSpec `step_*`
+Trainer at fourteen tiny points, what bytes and FLOPs leave unexplained fitted into DeviceSpec `step_*`
 fields). The YAML it writes is accepted by `hardware=FILE.yaml`.
 
     python -m anyrec.calibrate output=cal.yaml [backend=auto] [budget_s=0.5] [size=small|large]
