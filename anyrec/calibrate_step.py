@@ -24,13 +24,7 @@ from anyrec.backends import Backend
 from anyrec.backends.specs import DeviceSpec
 from anyrec.models.dlrm import build_model
 from anyrec.planner.evaluate import evaluate_assignment
-from anyrec.planner.job import (
-    dense_param_count,
-    dense_tensor_count,
-    interaction_pairs,
-    model_tables,
-    plan_options,
-)
+from anyrec.planner.job import planner_inputs
 from anyrec.planner.planner import make_workload
 from anyrec.planner.torchrec_plan import to_sharding_plan
 from anyrec.planner.types import Topology
@@ -136,10 +130,8 @@ def _train_point(p: StepPoint, backend: Backend, spec: DeviceSpec, steps: int) -
     model = build_model(cfg.model, meta, ebc_device=meta)
     ebc = model.sparse_arch
     opt = cfg.optim.name
-    workload = make_workload(model_tables(ebc.embedding_bag_configs(), cfg.model), p.batch, opt,
-                             dense_param_count(model, ebc), **plan_options(cfg.planner, kernel, opt),
-                             interaction_pairs=interaction_pairs(cfg.model),
-                             dense_tensors=dense_tensor_count(model, ebc))
+    tables, dense_params, options = planner_inputs(model, ebc, cfg.model, cfg.planner, opt, kernel)
+    workload = make_workload(tables, p.batch, opt, dense_params, **options)
     topology = Topology(spec, world, world, backend.device_type)
     predicted = evaluate_assignment(_assignment(p, world), topology, workload)
     plan = to_sharding_plan(predicted, EBC_PATH, ebc, backend.device_type)

@@ -283,12 +283,11 @@ class EmbeddingPerfEstimator(PerfEstimator):
                 fused_optimizer=False,
             )
             bwd += dense_update_time_s(t.weight_bytes, t.num_rows, t.embedding_dim, opt, topology)
-            # Each replica's bookkeeping (its lookup module, gradient and optimizer pass), measured.
-            fwd += topology.device.replicated_table_s / 3
-            bwd += 2 * topology.device.replicated_table_s / 3
             # DistributedModelParallel puts replicas' gradients in DDP's buckets with the dense model's:
-            # their bytes count here, the buckets' latencies in DenseEstimator.
-            perf = Perf(fwd, bwd, 0.0, all_reduce_time_s(t.weight_bytes, topology, latency=False))
+            # their bytes count here, the buckets' latencies in DenseEstimator. Each replica's
+            # bookkeeping (its lookup module, gradient and optimizer pass) is measured.
+            perf = (Perf(fwd, bwd, 0.0, all_reduce_time_s(t.weight_bytes, topology, latency=False))
+                    + split_fwd_bwd(topology.device.replicated_table_s))
         elif st in (ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE):
             dim = s0.num_cols
             fwd, bwd = lookup(g * p, g * f, dim, t.num_rows)

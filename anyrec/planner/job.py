@@ -38,16 +38,20 @@ def interaction_pairs(model: ModelConfig) -> int:
     return (len(model.table_rows) + 1) ** 2 if model.interaction == "dot" else 0
 
 
-def dense_param_count(model: nn.Module, ebc: nn.Module) -> int:
+def _dense_parameters(model: nn.Module, ebc: nn.Module) -> list[nn.Parameter]:
     """Parameters of `model` outside its EmbeddingBagCollection `ebc` (replicated on every rank)."""
     sparse = {id(p) for p in ebc.parameters()}
-    return sum(p.numel() for p in model.parameters() if id(p) not in sparse)
+    return [p for p in model.parameters() if id(p) not in sparse]
+
+
+def dense_param_count(model: nn.Module, ebc: nn.Module) -> int:
+    """Parameters of `model` outside its EmbeddingBagCollection `ebc` (replicated on every rank)."""
+    return sum(p.numel() for p in _dense_parameters(model, ebc))
 
 
 def dense_tensor_count(model: nn.Module, ebc: nn.Module) -> int:
     """Parameter tensors of `model` outside `ebc` (each has a per-step gradient and optimizer update)."""
-    sparse = {id(p) for p in ebc.parameters()}
-    return sum(1 for p in model.parameters() if id(p) not in sparse)
+    return len(_dense_parameters(model, ebc))
 
 
 def plan_options(cfg: PlannerConfig, kernel: str, optimizer: str) -> dict[str, object]:
@@ -80,13 +84,21 @@ def plan_options(cfg: PlannerConfig, kernel: str, optimizer: str) -> dict[str, o
     return opts
 
 
+def planner_inputs(model: nn.Module, ebc: nn.Module, cfg_model: ModelConfig, cfg_planner: PlannerConfig,
+                   optimizer: str, kernel: str) -> tuple[list[TableSpec], int, dict[str, object]]:
+    """What the planner needs of `model` (EmbeddingBagCollection `ebc`): its tables, its dense
+    parameter count and the PlanOptions fields (the `planner` config group's and the model's)."""
+    options = plan_options(cfg_planner, kernel, optimizer)
+    options.update(interaction_pairs=interaction_pairs(cfg_model),
+                   dense_tensors=dense_tensor_count(model, ebc))
+    return model_tables(ebc.embedding_bag_configs(), cfg_model), dense_param_count(model, ebc), options
+
+
 def plan_model(model: nn.Module, ebc: nn.Module, cfg_model: ModelConfig, cfg_planner: PlannerConfig,
                optimizer: str, topology: Topology, batch_size_per_rank: int, kernel: str,
                planner: CoDesignPlanner | None = None) -> PlanResult:
     """Plan the tables of `model`'s EmbeddingBagCollection `ebc` on `topology` with the co-design planner."""
-    return (planner or CoDesignPlanner()).plan(
-        model_tables(ebc.embedding_bag_configs(), cfg_model), topology, batch_size_per_rank, optimizer,
-        dense_param_count(model, ebc), **plan_options(cfg_planner, kernel, optimizer),
-        interaction_pairs=interaction_pairs(cfg_model), dense_tensors=dense_tensor_count(model, ebc),
-    )
+    tables, dense_params, options = planner_inputs(model, ebc, cfg_model, cfg_planner, optimizer, kernel)
+    return (planner or CoDesignPlanner()).plan(tables, topology, batch_size_per_rank, optimizer, dense_params,
+                                               **options)
 
