@@ -4,17 +4,24 @@ same per-rank memory, same sharders), and compare the measured seconds per step.
 
     python benchmarks/plan_vs_torchrec.py [--small] [--hardware cal.yaml] [--output out.json]
 
-Each run is `torchrun benchmarks/plan_vs_torchrec.py --worker ...`, which trains through anyrec's
-Trainer with the given plan and prints the trainer's JSON summary (`measured_step_ms`: slowest rank,
-after warm-up). Timing on a shared host is noisy: the two plans of one workload run back to back,
-`--repeats` times in alternating order (a t t a a t), and the median run of each is reported.
+Each workload is one job, `torchrun benchmarks/plan_vs_torchrec.py --worker ...`: every rank builds
+two anyrec Trainers (the same seed, data and initial weights), one sharded by each planner's plan, and
+trains them in alternating segments of `--segment-steps` steps (a b, b a, a b, ...); each segment's
+`measured_step_ms` is the trainer's own (slowest rank, after the segment's warm-up steps). A shared
+host's load drifts by +-10-15 % between runs of the same plan, so two plans timed in separate runs
+differ by that much whatever they are; segments run back to back see the same host. The ratio is the
+median over rounds of anyrec's segment / torchrec's segment of the same round, with its quartiles and
+a distribution-free 95 % interval; the verdict is "faster" or "slower" only where that interval
+excludes 1, else "equal" (two runs of one plan measure "equal").
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -24,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from planner_accuracy import SMALL, WORKLOADS, _expand, alternating, median_run  # noqa: E402
+from planner_accuracy import SMALL, WORKLOADS, _expand  # noqa: E402
 
 
 def torchrec_plan(cfg):
@@ -70,22 +77,78 @@ def torchrec_plan(cfg):
     return planner.plan(DLRMTrain(model), sharders(kernel))
 
 
-def worker(planner: str, overrides: list[str]) -> None:
-    """One rank: compose the config, take the chosen planner's plan, train, print the summary."""
+def worker(overrides: list[str], segments: int, segment_steps: int) -> None:
+    """One rank: compose the config, build one Trainer per planner's plan (the same seed, data and
+    initial weights), then train them in alternating segments and print both series."""
+    import copy
+
     from anyrec import _hydra
     from anyrec.trainer.trainer import Trainer
 
     cfg = _hydra.compose_job(overrides)
-    plan = torchrec_plan(cfg) if planner == "torchrec" else None
-    trainer = Trainer(cfg, plan=plan)
+    plans = {"anyrec": None, "torchrec": torchrec_plan(cfg)}
+    trainers = {name: Trainer(copy.deepcopy(cfg), plan=plan) for name, plan in plans.items()}
+    series: dict[str, list[float | None]] = {name: [] for name in trainers}
+    summaries: dict[str, dict] = {}
     try:
-        summary = trainer.train()
-        summary["plan"] = describe_plan(trainer.sharding_plan)
-        is_main = trainer.dist.is_main
+        for labels in segment_order(tuple(trainers), segments):
+            for name in labels:
+                t = trainers[name]
+                t.cfg.trainer.steps = t.step + segment_steps
+                summaries[name] = t.train()
+                series[name].append(summaries[name]["measured_step_ms"])
+        for name, t in trainers.items():
+            summaries[name]["plan"] = describe_plan(t.sharding_plan)
+        is_main = trainers["anyrec"].dist.is_main
     finally:
-        trainer.close()
+        for t in trainers.values():
+            t.close()
     if is_main:
-        print(json.dumps(summary), flush=True)
+        print(json.dumps({"segments_ms": series, "summaries": summaries}), flush=True)
+
+
+def segment_order(labels: tuple[str, str], segments: int) -> list[tuple[str, str]]:
+    """Per round, the order the two trainers run their segment: a b, b a, a b, ... (whoever runs
+    first in a round also runs just after the other's model took the caches)."""
+    return [labels if k % 2 == 0 else labels[::-1] for k in range(segments)]
+
+
+def median_interval(sorted_values: list[float], level: float = 0.95) -> tuple[float, float] | None:
+    """A distribution-free confidence interval for the median of `sorted_values` (order statistics,
+    binomial coverage >= `level`); None when there are too few values for that coverage (n < 6 at 95 %)."""
+    n = len(sorted_values)
+    tail, j = 0.0, 0
+    while j < n and tail + math.comb(n, j) / 2**n <= (1.0 - level) / 2:
+        tail += math.comb(n, j) / 2**n
+        j += 1
+    if j == 0:
+        return None
+    return sorted_values[j - 1], sorted_values[n - j]
+
+
+def verdict(interval: tuple[float, float] | None) -> str:
+    """anyrec's plan "faster" / "slower" than torchrec's when the ratio's interval excludes 1, else
+    "equal" (within the measurement's resolution); "-" without an interval."""
+    if interval is None:
+        return "-"
+    low, high = interval
+    return "faster" if high < 1.0 else "slower" if low > 1.0 else "equal"
+
+
+def paired_ratio(a_ms: list[float | None], t_ms: list[float | None]) -> dict[str, object]:
+    """anyrec / torchrec per round (segments run back to back), their median with quartiles and a 95 %
+    interval, the verdict, and each side's median segment: a shared host's drift moves both sides of
+    a round alike."""
+    pairs = sorted(a / t for a, t in zip(a_ms, t_ms, strict=True) if a and t)
+    if not pairs:
+        return {"ratio": None, "ratio_q1": None, "ratio_q3": None, "ratio_ci95": None, "verdict": "-",
+                "anyrec_ms": None, "torchrec_ms": None}
+    q = statistics.quantiles(pairs, n=4, method="inclusive") if len(pairs) > 1 else [pairs[0]] * 3
+    ci = median_interval(pairs)
+    return {"ratio": statistics.median(pairs), "ratio_q1": q[0], "ratio_q3": q[2],
+            "ratio_ci95": list(ci) if ci else None, "verdict": verdict(ci),
+            "anyrec_ms": statistics.median(a for a in a_ms if a),
+            "torchrec_ms": statistics.median(t for t in t_ms if t)}
 
 
 def describe_plan(plan) -> str:
@@ -100,18 +163,22 @@ def describe_plan(plan) -> str:
     return "; ".join(out)
 
 
-def train(name: str, planner: str, hardware: str, steps: int, batch: int, cwd: Path,
+def train(name: str, hardware: str, segments: int, segment_steps: int, batch: int, cwd: Path,
           timeout_s: float) -> dict:
-    """One 2-rank run of workload `name` under `planner`'s plan; its summary or {"error": ...}."""
-    overrides = [*_expand(WORKLOADS[name]), f"hardware.sku={hardware}", f"trainer.steps={steps}",
+    """One 2-rank job of workload `name`: both plans, `segments` alternating segments each; the
+    worker's output or {"error": ...}."""
+    overrides = [*_expand(WORKLOADS[name]), f"hardware.sku={hardware}", f"trainer.steps={segment_steps}",
                  f"data.batch_size={batch}", "trainer.eval_steps=0", "trainer.progress=false"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(Path(__file__).resolve()), "--worker", planner, "--", *overrides]
+           str(Path(__file__).resolve()), "--worker", f"--segments={segments}",
+           f"--segment-steps={segment_steps}", "--", *overrides]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
-        return {"error": (proc.stderr.strip().splitlines() or ["?"])[-1][:300]}
+        err = proc.stderr.splitlines()
+        said = [ln for ln in err if "error" in ln.lower()] or err or ["?"]
+        return {"error": said[-1].strip()[:300]}
     return json.loads(lines[-1])
 
 
@@ -119,48 +186,61 @@ def _fmt(v, spec=".2f") -> str:
     return "-" if v is None else format(v, spec)
 
 
+def row_of(name: str, got: dict) -> dict:
+    """The table row of workload `name` from its job's output."""
+    row: dict = {"workload": name, "error_msg": got.get("error")}
+    if "error" in got:
+        return {**row, "ratio": None, "anyrec_ms": None, "torchrec_ms": None, "verdict": "-"}
+    seg = got["segments_ms"]
+    row.update(paired_ratio(seg["anyrec"], seg["torchrec"]))
+    row["anyrec_segments_ms"], row["torchrec_segments_ms"] = seg["anyrec"], seg["torchrec"]
+    summaries = got["summaries"]
+    row["same_plan"] = summaries["anyrec"]["plan"] == summaries["torchrec"]["plan"]
+    row["anyrec_predicted_ms"] = summaries["anyrec"]["predicted_step_ms"]
+    for planner, s in summaries.items():
+        row[f"{planner}_plan"] = s["plan"]
+        row[f"{planner}_final_loss"] = s["final_loss"]
+    return row
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="two workloads, a few steps (for tests)")
     ap.add_argument("--hardware", default="cpu", help="what anyrec plans for: a SKU or a calibration file")
-    ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--only", nargs="+", choices=tuple(WORKLOADS), help="run only these workloads")
-    ap.add_argument("--repeats", type=int, default=None,
-                    help="runs per workload and planner, alternating; the median run is reported")
+    ap.add_argument("--segments", type=int, default=None, help="segments per plan, alternating")
+    ap.add_argument("--segment-steps", type=int, default=None,
+                    help="steps per segment (its first fifth, 1 to 10, is warm-up and not timed)")
     ap.add_argument("--output", type=Path, default=Path("plan_vs_torchrec.json"))
-    ap.add_argument("--worker", choices=("anyrec", "torchrec"), help=argparse.SUPPRESS)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    segments = args.segments or (2 if args.small else 12)
+    segment_steps = args.segment_steps or (5 if args.small else 25)
+    if segments < 1 or segment_steps < 2:
+        ap.error("--segments must be >= 1 and --segment-steps >= 2 (one warm-up step, one timed)")
     if args.worker:
-        worker(args.worker, args.overrides)
+        worker(args.overrides, segments, segment_steps)
         return []
-    steps = args.steps or (8 if args.small else 60)
-    repeats = args.repeats or (1 if args.small else 3)
     batch = 64 if args.small else 256
-    timeout_s = 300.0 if args.small else 900.0
+    # The jobs run in a scratch directory: a calibration file named relative to here must still be found.
+    hardware = str(Path(args.hardware).resolve()) if Path(args.hardware).is_file() else args.hardware
+    timeout_s = 300.0 if args.small else 1200.0
     rows = []
     with tempfile.TemporaryDirectory(prefix="anyrec_pvt_") as tmp:
         for name in args.only or (SMALL if args.small else WORKLOADS):
-            row: dict = {"workload": name}
-            runs: dict[str, list[dict]] = {"anyrec": [], "torchrec": []}
-            for planner in alternating(("anyrec", "torchrec"), repeats):
-                runs[planner].append(train(name, planner, args.hardware, steps, batch, Path(tmp), timeout_s))
-            for planner, got in runs.items():
-                s = median_run(got)
-                row[f"{planner}_measured_ms"] = s.get("measured_step_ms")
-                row[f"{planner}_error_msg"] = s.get("error")
-                row[f"{planner}_measured_ms_runs"] = [r.get("measured_step_ms") for r in got]
-                row[f"{planner}_summary"] = s
-            a, t = row["anyrec_measured_ms"], row["torchrec_measured_ms"]
-            row["ratio"] = a / t if a and t else None
-            rows.append(row)
-    print(f"{'workload':<20} {'anyrec ms':>10} {'torchrec ms':>12} {'anyrec/torchrec':>16}")
+            rows.append(row_of(name, train(name, hardware, segments, segment_steps, batch, Path(tmp),
+                                           timeout_s)))
+    print(f"{'workload':<20} {'anyrec ms':>10} {'torchrec ms':>12} {'anyrec/torchrec':>16} "
+          f"{'quartiles':>13} {'95% interval':>13} {'verdict':>8}  plans")
     for r in rows:
-        print(f"{r['workload']:<20} {_fmt(r['anyrec_measured_ms']):>10} "
-              f"{_fmt(r['torchrec_measured_ms']):>12} "
-              f"{_fmt(r['ratio'], '.3f'):>16}  {r['anyrec_error_msg'] or r['torchrec_error_msg'] or ''}")
-    args.output.write_text(json.dumps({"rows": rows, "steps": steps, "batch_size_per_rank": batch,
-                                       "repeats": repeats, "hardware": args.hardware}, indent=1))
+        quart = "-" if r["ratio"] is None else f"{r['ratio_q1']:.3f}-{r['ratio_q3']:.3f}"
+        ci = "-" if not r.get("ratio_ci95") else "{:.3f}-{:.3f}".format(*r["ratio_ci95"])
+        said = r["error_msg"] or ("same" if r.get("same_plan") else "different")
+        print(f"{r['workload']:<20} {_fmt(r['anyrec_ms']):>10} {_fmt(r['torchrec_ms']):>12} "
+              f"{_fmt(r['ratio'], '.3f'):>16} {quart:>13} {ci:>13} {r['verdict']:>8}  {said}")
+    args.output.write_text(json.dumps({"rows": rows, "segments": segments, "segment_steps": segment_steps,
+                                       "batch_size_per_rank": batch, "hardware": args.hardware}, indent=1))
     print(f"wrote {args.output}")
     return rows
 

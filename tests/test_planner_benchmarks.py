@@ -55,10 +55,43 @@ def test_planner_accuracy_small(tmp_path):
 
 def test_plan_vs_torchrec_small(tmp_path):
     out = tmp_path / "pvt.json"
-    rows = _load("plan_vs_torchrec").main(["--small", "--output", str(out)])
+    rows = _load("plan_vs_torchrec").main(["--small", "--segments", "3", "--output", str(out)])
     assert [r["workload"] for r in rows] == ["tiny_26x8", "small_26x16"]
     for r in rows:
-        assert r["anyrec_error_msg"] is None and r["torchrec_error_msg"] is None, r
-        assert r["anyrec_measured_ms"] > 0 and r["torchrec_measured_ms"] > 0, r
-        assert r["ratio"] == r["anyrec_measured_ms"] / r["torchrec_measured_ms"]
+        assert r["error_msg"] is None, r
+        a, t = r["anyrec_segments_ms"], r["torchrec_segments_ms"]
+        assert len(a) == len(t) == 3 and all(v > 0 for v in a + t), r
+        pairs = sorted(x / y for x, y in zip(a, t))
+        assert r["ratio"] == pairs[1] and r["ratio_q1"] <= r["ratio"] <= r["ratio_q3"]
+        assert r["anyrec_ms"] == sorted(a)[1] and r["torchrec_ms"] == sorted(t)[1]
+        assert r["anyrec_predicted_ms"] > 0 and r["verdict"] == "-"  # 3 rounds: too few for 95 %
+        # Two trainers, one per plan, in one job: the same data and initial weights train to the
+        # same loss whatever the plan (fp32 summation order aside).
+        assert r["anyrec_final_loss"] == pytest.approx(r["torchrec_final_loss"], rel=1e-4)
+    # torchrec replicates dlrm_tiny's small tables, anyrec's calibrated-free plan shards them: the two
+    # plans differ, and the row says so.
+    assert rows[0]["same_plan"] is False and "data_parallel" in rows[0]["torchrec_plan"]
     assert json.loads(out.read_text())["rows"][1]["workload"] == "small_26x16"
+
+
+def test_paired_ratio_and_order():
+    mod = _load("plan_vs_torchrec")
+    assert mod.segment_order(("a", "t"), 3) == [("a", "t"), ("t", "a"), ("a", "t")]
+    got = mod.paired_ratio([10.0, 30.0, None, 12.0], [20.0, 15.0, 9.0, 12.0])
+    # rounds with a missing side are dropped; ratios 0.5, 2.0, 1.0 -> median 1.0
+    assert got["ratio"] == 1.0 and got["ratio_q1"] == 0.75 and got["ratio_q3"] == 1.5
+    assert got["anyrec_ms"] == 12.0 and got["torchrec_ms"] == 13.5
+    assert mod.paired_ratio([None], [1.0])["ratio"] is None
+
+
+def test_median_interval_and_verdict():
+    mod = _load("plan_vs_torchrec")
+    # Order statistics with binomial coverage >= 95 %: n = 40 -> the 14th and 27th values (1-based),
+    # n = 6 -> the extremes; below 6 values no interval reaches 95 %.
+    assert mod.median_interval([float(i) for i in range(40)]) == (13.0, 26.0)
+    assert mod.median_interval([float(i) for i in range(6)]) == (0.0, 5.0)
+    assert mod.median_interval([1.0] * 5) is None
+    assert mod.verdict((0.8, 0.95)) == "faster" and mod.verdict((1.01, 1.2)) == "slower"
+    assert mod.verdict((0.97, 1.02)) == "equal" and mod.verdict(None) == "-"
+    got = mod.paired_ratio([9.0] * 10, [10.0] * 9 + [8.0])
+    assert got["ratio_ci95"] == [0.9, 0.9] and got["verdict"] == "faster"
