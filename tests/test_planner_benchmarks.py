@@ -61,7 +61,7 @@ def test_plan_vs_torchrec_small(tmp_path):
         assert r["error_msg"] is None, r
         a, t = r["anyrec_segments_ms"], r["torchrec_segments_ms"]
         assert len(a) == len(t) == 3 and all(v > 0 for v in a + t), r
-        pairs = sorted(x / y for x, y in zip(a, t))
+        pairs = sorted(x / y for x, y in zip(a, t, strict=True))
         assert r["ratio"] == pairs[1] and r["ratio_q1"] <= r["ratio"] <= r["ratio_q3"]
         assert r["anyrec_ms"] == sorted(a)[1] and r["torchrec_ms"] == sorted(t)[1]
         assert r["anyrec_predicted_ms"] > 0 and r["verdict"] == "-"  # 3 rounds: too few for 95 %
