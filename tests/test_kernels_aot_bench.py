@@ -67,3 +67,19 @@ def test_benchmark_small_on_cpu(tmp_path):
         assert ratio["fwd_vs_copy"] > 0 and ratio["fwd_vs_embeddingbag"] > 0
     assert "ratios onehot fp32" in proc.stdout
     assert res["gpu"] == "not run" and "GPU: not run" in proc.stdout
+
+
+def test_interaction_benchmark_small(tmp_path):
+    """benchmarks/interaction.py as its users run it: every contender checked against the anchor,
+    a row per contender and shape, the anchor's ratio exactly 1."""
+    out = tmp_path / "inter.json"
+    proc = subprocess.run([sys.executable, "benchmarks/interaction.py", "--small", "--json", str(out)],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["batch"], r["dim"]) for r in rows} == {(64, 16), (128, 32)}
+    assert {r["contender"] for r in rows} == {"torch gather", "anyrec torch"}  # no GPU: no Triton row
+    for r in rows:
+        assert r["us"] > 0 and len(r["runs_us"]) == 3
+        if r["contender"] == "torch gather":
+            assert r["ratio_to_anchor"] == 1.0

@@ -96,3 +96,29 @@ def test_pooled_embeddings_reach_the_interaction_without_a_gradient_per_feature(
     assert not [op for op in rec.ops if "slice_backward" in op or "narrow" in op]
     full = [op for op in rec.ops if op.startswith(("aten.zeros", "aten.new_zeros", "aten.fill_"))]
     assert len(full) < F, full
+
+
+def test_dot_interaction_is_the_upper_triangle_and_gathers_without_index_put():
+    """DotInteraction (the Triton kernel's oracle) against explicit dot products, pairs (i, j), i < j,
+    in row-major order after the dense vector; its backward scatters with one index_add, not
+    index_put's accumulate path (twice the time on a CPU)."""
+    from anyrec.models.interaction import DotInteraction
+
+    g = torch.Generator().manual_seed(3)
+    B, F, D = 4, 5, 6
+    dense = torch.randn(B, D, generator=g, requires_grad=True)
+    sparse = torch.randn(B, F, D, generator=g, requires_grad=True)
+    out = DotInteraction(F)(dense, sparse)
+    feats = [dense] + [sparse[:, k] for k in range(F)]
+    want = torch.cat([dense] + [(feats[i] * feats[j]).sum(1, keepdim=True)
+                                for i in range(F + 1) for j in range(i + 1, F + 1)], dim=1)
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+    grad = torch.randn(out.shape, generator=g)
+    got = torch.autograd.grad(out, (dense, sparse), grad, retain_graph=True)
+    ref = torch.autograd.grad(want, (dense, sparse), grad)
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    with OpRecorder() as rec:
+        out.backward(grad)
+    assert any("index_add" in op for op in rec.ops), rec.ops
+    assert not [op for op in rec.ops if "index_put" in op]
