@@ -8,6 +8,8 @@ Sections (each runs on its own; a failure is recorded and the rest still run):
                pure-torch reference at a few shapes (mixed dims, hot rows, mean pooling, fp16)
   tbe          benchmarks/tbe.py: DLRMv2 shape (26 x 1M x 128, B=16384), fp32/fp16, forward and
                fwd+bwd+row-wise Adagrad vs nn.EmbeddingBag and the device copy, same run
+  interaction  benchmarks/interaction.py: the dot interaction forward + backward, Triton kernel and
+               torch module vs plain torch's upper-triangle gather, batch 4096-65536, dim 128
   dlrm_tbe     a DLRM-like train loop (bottom MLP, TritonTableBatchedEmbedding, top MLP; dense Adagrad)
                from torch + triton only: samples/s
   dlrm_ebc     the same loop through TritonEmbeddingBagCollection on KeyedJaggedTensors (the
@@ -490,6 +492,14 @@ def section_parity(device: torch.device, small: bool, out_dir: Path) -> dict:
     return result
 
 
+def section_interaction(out_dir: Path, small: bool) -> dict:
+    """benchmarks/interaction.py (every contender checked against the anchor first); JSON in
+    interaction.json."""
+    args = ["--json", str(out_dir / "interaction.json")] + (["--small"] if small else [])
+    rows = load_benchmark("interaction").main(args)
+    return {"rows": [{k: r[k] for k in ("batch", "dim", "contender", "us", "ratio_to_anchor")} for r in rows]}
+
+
 def section_loop(device: torch.device, small: bool, out_dir: Path) -> dict:
     """benchmarks/train_step.py through the one-device Triton TBE (the torch TBE on a CPU-only
     machine): the trainer's whole loop with device-made data against its step on pre-made batches
@@ -540,6 +550,7 @@ def main(argv: list[str] | None = None) -> dict:
         "env": lambda: section_env(device),
         "correctness": lambda: section_correctness(device, a.execution, small),
         "tbe": lambda: section_tbe(out_dir, a.execution, small),
+        "interaction": lambda: section_interaction(out_dir, small),
         "dlrm_tbe": lambda: section_dlrm_tbe(device, a.execution, small, steps),
         "dlrm_ebc": lambda: section_dlrm_ebc(device, a.execution, small, steps),
         "dlrm_sharded": lambda: section_dlrm_sharded(device, a.execution, small, steps),

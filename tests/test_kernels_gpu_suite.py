@@ -37,7 +37,8 @@ def test_gpu_suite_small_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     s = rep["sections"]
     assert {k: v["status"] for k, v in s.items()} == {k: "ok" for k in
-                                                      ("env", "correctness", "tbe", "dlrm_tbe", "dlrm_ebc",
+                                                      ("env", "correctness", "tbe", "interaction",
+                                                       "dlrm_tbe", "dlrm_ebc",
                                                        "dlrm_sharded", "data", "parity", "loop",
                                                        "calibrate")}
     assert all(c["ok"] for k, c in s["correctness"].items() if isinstance(c, dict))
@@ -46,6 +47,8 @@ def test_gpu_suite_small_on_cpu(tmp_path):
     assert s["dlrm_sharded"]["served_by_portable"] and s["dlrm_sharded"]["samples_per_s"] > 0
     assert "fbgemm::permute_2D_sparse_data" in s["dlrm_sharded"]["fbgemm_ops_called"]
     assert (tmp_path / "tbe.json").exists() and "GPU: not run" in proc.stdout
+    assert {r["contender"] for r in s["interaction"]["rows"]} == {"torch gather", "anyrec torch"}
+    assert (tmp_path / "interaction.json").exists()
     # Issue checks a GPU run answers: device-made synthetic batches, CPU-vs-device parity, calibration.
     assert s["data"]["identical_to_cpu"] and s["data"]["samples_per_s"] > 0
     # One optimizer at --small; CPU against CPU: the same bits.
@@ -58,11 +61,12 @@ def test_gpu_suite_small_on_cpu(tmp_path):
 
 
 def test_gpu_suite_without_torchrec_or_fbgemm(tmp_path):
-    only = "correctness,dlrm_tbe,dlrm_ebc,dlrm_sharded,data,parity,loop,calibrate"
+    only = "correctness,interaction,dlrm_tbe,dlrm_ebc,dlrm_sharded,data,parity,loop,calibrate"
     proc, rep = _run(tmp_path, ["--small", "--only", only], block=True)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     s = rep["sections"]
     assert s["correctness"]["status"] == "ok" and s["dlrm_tbe"]["status"] == "ok"
+    assert s["interaction"]["status"] == "ok"  # torch + triton only
     for name in ("dlrm_ebc", "dlrm_sharded", "data", "parity", "loop", "calibrate"):
         assert s[name]["status"] == "skipped" and "torchrec does not import" in s[name]["skipped"]
     assert "does not import" in s["env"]["torchrec"]
