@@ -30,7 +30,6 @@ import json
 import math
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
@@ -42,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from anyrec import _hydra
+from anyrec.proc import run_session
 from anyrec.trainer.fingerprint import full_state
 from anyrec.trainer.trainer import Trainer
 
@@ -209,15 +209,11 @@ def run_variant(base: list[str], variant: Variant, timeout_s: float) -> dict[str
         env = {k: v for k, v in os.environ.items()
                if k not in _DIST_ENV and not k.startswith("TORCHELASTIC_")}
         env.update({"PYTHONUNBUFFERED": "1", **variant.env})
-        # own process group: a timeout takes torchrun's workers down with it
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                start_new_session=True)
-        try:
-            output, _ = proc.communicate(timeout=timeout_s)
+        try:  # own session: a timeout takes torchrun's workers down with it
+            proc = run_session(cmd, timeout_s, env=env, merge_stderr=True)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
             return {"error": f"timed out after {timeout_s:.0f} s"}
+        output = proc.stdout
         if proc.returncode != 0 or not Path(out).is_file():
             lines = [ln for ln in output.strip().splitlines() if ln.strip()]
             errors = [ln for ln in lines if "Error" in ln or "error:" in ln]

@@ -38,18 +38,25 @@ class TorchGather(torch.nn.Module):
     def __init__(self, num_sparse_features: int) -> None:
         super().__init__()
         n = num_sparse_features + 1
-        self.rows, self.cols = torch.triu_indices(n, n, offset=1)
+        rows, cols = torch.triu_indices(n, n, offset=1)
+        self.register_buffer("rows", rows, persistent=False)
+        self.register_buffer("cols", cols, persistent=False)
 
     def forward(self, dense_BD: torch.Tensor, sparse_BFD: torch.Tensor) -> torch.Tensor:
         feats_BfD = torch.cat([dense_BD.unsqueeze(1), sparse_BFD], dim=1)
         gram_Bff = torch.bmm(feats_BfD, feats_BfD.transpose(1, 2))
-        rows, cols = self.rows.to(gram_Bff.device), self.cols.to(gram_Bff.device)
-        return torch.cat([dense_BD, gram_Bff[:, rows, cols]], dim=1)
+        return torch.cat([dense_BD, gram_Bff[:, self.rows, self.cols]], dim=1)
+
+
+def accelerator() -> torch.device:
+    """The current accelerator (CUDA or ROCm alike), else CPU; vendor-neutral torch API."""
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return torch.device(acc.type) if acc is not None else torch.device("cpu")
 
 
 def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    if device.type != "cpu":
+        torch.accelerator.synchronize()
 
 
 def _step(module, dense, sparse, grad) -> tuple[torch.Tensor, ...]:
@@ -58,8 +65,8 @@ def _step(module, dense, sparse, grad) -> tuple[torch.Tensor, ...]:
 
 
 def contenders(device: torch.device) -> dict[str, torch.nn.Module]:
-    out = {"torch gather": TorchGather(F), "anyrec torch": DotInteraction(F).to(device)}
-    if device.type == "cuda":
+    out = {"torch gather": TorchGather(F).to(device), "anyrec torch": DotInteraction(F).to(device)}
+    if device.type != "cpu":
         out["anyrec triton"] = TritonDotInteraction(F).to(device)
     return out
 
@@ -97,10 +104,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--json", type=Path, help="write the rows here")
     args = ap.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = accelerator()
     if args.small:
         shapes, repeats, iters = [(64, 16), (128, 32)], args.repeats or 3, 3
-    elif device.type == "cuda":
+    elif device.type != "cpu":
         shapes, repeats, iters = [(4096, 128), (16384, 128), (65536, 128)], args.repeats or 7, 20
     else:
         shapes, repeats, iters = [(256, 16), (1024, 16), (1024, 128), (4096, 16)], args.repeats or 7, 10

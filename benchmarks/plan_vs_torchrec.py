@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from planner_accuracy import SMALL, WORKLOADS, _expand  # noqa: E402
+from planner_accuracy import SMALL, WORKLOADS, _expand, error_line, run_job  # noqa: E402
 
 
 def torchrec_plan(cfg):
@@ -87,10 +87,13 @@ def worker(overrides: list[str], segments: int, segment_steps: int) -> None:
 
     cfg = _hydra.compose_job(overrides)
     plans = {"anyrec": None, "torchrec": torchrec_plan(cfg)}
-    trainers = {name: Trainer(copy.deepcopy(cfg), plan=plan) for name, plan in plans.items()}
-    series: dict[str, list[float | None]] = {name: [] for name in trainers}
+    trainers: dict[str, Trainer] = {}
+    series: dict[str, list[float | None]] = {name: [] for name in plans}
     summaries: dict[str, dict] = {}
+    failed = True
     try:
+        for name, plan in plans.items():
+            trainers[name] = Trainer(copy.deepcopy(cfg), plan=plan)
         for labels in segment_order(tuple(trainers), segments):
             for name in labels:
                 t = trainers[name]
@@ -100,16 +103,22 @@ def worker(overrides: list[str], segments: int, segment_steps: int) -> None:
         for name, t in trainers.items():
             summaries[name]["plan"] = describe_plan(t.sharding_plan)
         is_main = trainers["anyrec"].dist.is_main
+        failed = False
     finally:
-        for t in trainers.values():
-            t.close()
+        # Both sharded models go before the process group does: the last close tears it down.
+        built = list(trainers.values())
+        for i, t in enumerate(built):
+            t.close(failed=failed, keep_group=i < len(built) - 1)
     if is_main:
         print(json.dumps({"segments_ms": series, "summaries": summaries}), flush=True)
 
 
 def segment_order(labels: tuple[str, str], segments: int) -> list[tuple[str, str]]:
-    """Per round, the order the two trainers run their segment: a b, b a, a b, ... (whoever runs
-    first in a round also runs just after the other's model took the caches)."""
+    """Per round, the order the two trainers run their segment: a b, b a, a b, ... An even count of
+    rounds gives each order to each trainer equally often (the second runner of a round follows the
+    other trainer's segment, the first follows its own: a measurable effect on this host)."""
+    if segments % 2:
+        raise ValueError(f"--segments must be even (each order equally often), got {segments}")
     return [labels if k % 2 == 0 else labels[::-1] for k in range(segments)]
 
 
@@ -137,9 +146,10 @@ def verdict(interval: tuple[float, float] | None) -> str:
 
 def paired_ratio(a_ms: list[float | None], t_ms: list[float | None]) -> dict[str, object]:
     """anyrec / torchrec per round (segments run back to back), their median with quartiles and a 95 %
-    interval, the verdict, and each side's median segment: a shared host's drift moves both sides of
-    a round alike."""
-    pairs = sorted(a / t for a, t in zip(a_ms, t_ms, strict=True) if a and t)
+    interval, the verdict, and each side's median segment over the same rounds: a shared host's drift
+    moves both sides of a round alike. Rounds where either side has no time are left out."""
+    paired = [(a, t) for a, t in zip(a_ms, t_ms, strict=True) if a and t]
+    pairs = sorted(a / t for a, t in paired)
     if not pairs:
         return {"ratio": None, "ratio_q1": None, "ratio_q3": None, "ratio_ci95": None, "verdict": "-",
                 "anyrec_ms": None, "torchrec_ms": None}
@@ -147,8 +157,8 @@ def paired_ratio(a_ms: list[float | None], t_ms: list[float | None]) -> dict[str
     ci = median_interval(pairs)
     return {"ratio": statistics.median(pairs), "ratio_q1": q[0], "ratio_q3": q[2],
             "ratio_ci95": list(ci) if ci else None, "verdict": verdict(ci),
-            "anyrec_ms": statistics.median(a for a in a_ms if a),
-            "torchrec_ms": statistics.median(t for t in t_ms if t)}
+            "anyrec_ms": statistics.median(a for a, _ in paired),
+            "torchrec_ms": statistics.median(t for _, t in paired)}
 
 
 def describe_plan(plan) -> str:
@@ -172,13 +182,13 @@ def train(name: str, hardware: str, segments: int, segment_steps: int, batch: in
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(Path(__file__).resolve()), "--worker", f"--segments={segments}",
            f"--segment-steps={segment_steps}", "--", *overrides]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    try:
+        proc = run_job(cmd, cwd, timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout_s:.0f} s"}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
-        err = proc.stderr.splitlines()
-        said = [ln for ln in err if "error" in ln.lower()] or err or ["?"]
-        return {"error": said[-1].strip()[:300]}
+        return {"error": error_line(proc.stderr)}
     return json.loads(lines[-1])
 
 
@@ -208,24 +218,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--small", action="store_true", help="two workloads, a few steps (for tests)")
     ap.add_argument("--hardware", default="cpu", help="what anyrec plans for: a SKU or a calibration file")
     ap.add_argument("--only", nargs="+", choices=tuple(WORKLOADS), help="run only these workloads")
-    ap.add_argument("--segments", type=int, default=None, help="segments per plan, alternating")
+    ap.add_argument("--segments", type=int, default=None, help="segments per plan, alternating (even)")
     ap.add_argument("--segment-steps", type=int, default=None,
                     help="steps per segment (its first fifth, 1 to 10, is warm-up and not timed)")
     ap.add_argument("--output", type=Path, default=Path("plan_vs_torchrec.json"))
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    segments = args.segments or (2 if args.small else 12)
-    segment_steps = args.segment_steps or (5 if args.small else 25)
-    if segments < 1 or segment_steps < 2:
-        ap.error("--segments must be >= 1 and --segment-steps >= 2 (one warm-up step, one timed)")
+    segments = args.segments if args.segments is not None else (2 if args.small else 12)
+    segment_steps = args.segment_steps if args.segment_steps is not None else (5 if args.small else 25)
+    if segments < 2 or segments % 2 or segment_steps < 2:
+        ap.error("--segments must be even and >= 2 (each order equally often), --segment-steps >= 2 "
+                 "(one warm-up step, one timed)")
     if args.worker:
         worker(args.overrides, segments, segment_steps)
         return []
     batch = 64 if args.small else 256
     # The jobs run in a scratch directory: a calibration file named relative to here must still be found.
     hardware = str(Path(args.hardware).resolve()) if Path(args.hardware).is_file() else args.hardware
-    timeout_s = 300.0 if args.small else 1200.0
+    # Two trainers' set-up, then every segment of both at up to ~0.2 s a step on this class of host.
+    timeout_s = 300.0 + 2 * segments * segment_steps * 0.2
     rows = []
     with tempfile.TemporaryDirectory(prefix="anyrec_pvt_") as tmp:
         for name in args.only or (SMALL if args.small else WORKLOADS):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -24,6 +25,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from anyrec.proc import run_session  # noqa: E402
 
 # name -> Hydra overrides: table counts, dims 8-256, pooling 1-100, id skew, and one whose big table
 # cannot fit one rank (a memory cap forces row- or column-wise sharding).
@@ -44,6 +48,7 @@ WORKLOADS: dict[str, list[str]] = {
                         "+hardware.spec.memory_bytes=2400000000"],
 }
 SMALL = ("tiny_26x8", "small_26x16")
+EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b:?")
 
 
 def _expand(overrides: list[str]) -> list[str]:
@@ -58,10 +63,25 @@ def _expand(overrides: list[str]) -> list[str]:
     return out
 
 
+def run_job(cmd: list[str], cwd: Path, timeout_s: float) -> subprocess.CompletedProcess:
+    """Run a torchrun command in its own session (anyrec.proc.run_session: a timeout kills torchrun and
+    its workers, then raises TimeoutExpired)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return run_session(cmd, timeout_s, env=env, cwd=cwd)
+
+
+def error_line(stderr: str) -> str:
+    """The line of a failed torchrun job's stderr that says why: the last exception line
+    (`SomeError: ...`), else the last line that is not torchrun's failure footer."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    said = [ln for ln in lines if EXCEPTION_LINE.match(ln) and "ChildFailedError" not in ln]
+    rest = [ln for ln in lines if not ln.startswith(("traceback :", "[", "=", "-")) and "elastic" not in ln]
+    return ((said or rest or ["?"])[-1])[:300]
+
+
 def _torchrun(args: list[str], cwd: Path, timeout_s: float) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    return run_job(cmd, cwd, timeout_s)
 
 
 def calibrate(out: Path, small: bool, timeout_s: float) -> Path:
@@ -79,11 +99,12 @@ def train(name: str, hardware: str, steps: int, batch: int, workdir: Path, timeo
     args = ["-m", "anyrec.train", *_expand(WORKLOADS[name]), f"hardware.sku={hardware}",
             f"trainer.steps={steps}", f"data.batch_size={batch}", "trainer.eval_steps=0",
             "trainer.progress=false", f"hydra.run.dir={run_dir}"]
-    proc = _torchrun(args, workdir, timeout_s)
+    try:
+        proc = _torchrun(args, workdir, timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout_s:.0f} s"}
     if proc.returncode != 0:
-        err = proc.stderr.splitlines()
-        said = [ln for ln in err if "error" in ln.lower()] or err or ["?"]
-        return {"error": said[-1][:300]}
+        return {"error": error_line(proc.stderr)}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     return json.loads(lines[-1])
 

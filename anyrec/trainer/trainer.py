@@ -521,10 +521,12 @@ class Trainer:
                 logger.warning("resumed at step %d, past trainer.steps=%d: no step to train", self.step,
                                self.cfg.trainer.steps)
 
-    def close(self, failed: bool = False) -> None:
+    def close(self, failed: bool = False, keep_group: bool = False) -> None:
         """Release the sharded model before the process group goes (see destroy_distributed).
 
         `failed`: after an error, a peer may be gone; wait for the others only briefly.
+        `keep_group`: leave the process group up (another Trainer in this process still uses it and
+        closes last).
         """
         self.writer.close()
         if self.checkpoints is not None:
@@ -534,4 +536,5 @@ class Trainer:
         del self.pipeline, self.optimizer, self.dense_optimizer, self.fused_optimizer, self.dense_params
         del self.replicated_optimizer
         del self.model, self.train_data, self.eval_data, self.checkpoints
-        destroy_distributed(barrier=not failed or peers_met(self.dist.rank, self.dist.world_size))
+        if not keep_group:
+            destroy_distributed(barrier=not failed or peers_met(self.dist.rank, self.dist.world_size))
