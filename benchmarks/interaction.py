@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from anyrec.backends import Backend, get_backend  # noqa: E402
 from anyrec.models.interaction import DotInteraction, TritonDotInteraction  # noqa: E402
 
 F = 26  # Criteo's sparse features
@@ -48,17 +49,6 @@ class TorchGather(torch.nn.Module):
         return torch.cat([dense_BD, gram_Bff[:, self.rows, self.cols]], dim=1)
 
 
-def accelerator() -> torch.device:
-    """The current accelerator (CUDA or ROCm alike), else CPU; vendor-neutral torch API."""
-    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    return torch.device(acc.type) if acc is not None else torch.device("cpu")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type != "cpu":
-        torch.accelerator.synchronize()
-
-
 def _step(module, dense, sparse, grad) -> tuple[torch.Tensor, ...]:
     out = module(dense, sparse)
     return (out, *torch.autograd.grad(out, (dense, sparse), grad))
@@ -71,7 +61,8 @@ def contenders(device: torch.device) -> dict[str, torch.nn.Module]:
     return out
 
 
-def run_shape(batch: int, dim: int, device: torch.device, repeats: int, iters: int) -> list[dict]:
+def run_shape(batch: int, dim: int, backend: Backend, repeats: int, iters: int) -> list[dict]:
+    device = backend.device()
     g = torch.Generator().manual_seed(batch + dim)
     dense = torch.randn(batch, dim, generator=g).to(device).requires_grad_()
     sparse = torch.randn(batch, F, dim, generator=g).to(device).requires_grad_()
@@ -86,11 +77,11 @@ def run_shape(batch: int, dim: int, device: torch.device, repeats: int, iters: i
     order = list(mods)
     for k in range(repeats):
         for name in order if k % 2 == 0 else order[::-1]:
-            _sync(device)
+            backend.synchronize()
             t0 = time.perf_counter()
             for _ in range(iters):
                 _step(mods[name], dense, sparse, grad)
-            _sync(device)
+            backend.synchronize()
             times[name].append((time.perf_counter() - t0) / iters)
     anchor = statistics.median(times["torch gather"])
     return [{"batch": batch, "dim": dim, "contender": name, "us": statistics.median(t) * 1e6,
@@ -104,14 +95,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--json", type=Path, help="write the rows here")
     args = ap.parse_args(argv)
-    device = accelerator()
+    backend = get_backend("auto")  # the device and its sync, as the trainer finds them
+    device = backend.device()
     if args.small:
         shapes, repeats, iters = [(64, 16), (128, 32)], args.repeats or 3, 3
     elif device.type != "cpu":
         shapes, repeats, iters = [(4096, 128), (16384, 128), (65536, 128)], args.repeats or 7, 20
     else:
         shapes, repeats, iters = [(256, 16), (1024, 16), (1024, 128), (4096, 16)], args.repeats or 7, 10
-    rows = [r for b, d in shapes for r in run_shape(b, d, device, repeats, iters)]
+    rows = [r for b, d in shapes for r in run_shape(b, d, backend, repeats, iters)]
     print(f"{'batch':>6} {'dim':>4} {'contender':<14} {'us':>10} {'vs torch gather':>16}")
     for r in rows:
         print(f"{r['batch']:>6} {r['dim']:>4} {r['contender']:<14} {r['us']:>10.1f} "
