@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from planner_accuracy import SMALL, WORKLOADS, _expand, error_line, run_job  # noqa: E402
+from planner_accuracy import SMALL, WORKLOADS, _expand, _torchrun, error_line  # noqa: E402
 
 
 def torchrec_plan(cfg):
@@ -179,11 +179,10 @@ def train(name: str, hardware: str, segments: int, segment_steps: int, batch: in
     worker's output or {"error": ...}."""
     overrides = [*_expand(WORKLOADS[name]), f"hardware.sku={hardware}", f"trainer.steps={segment_steps}",
                  f"data.batch_size={batch}", "trainer.eval_steps=0", "trainer.progress=false"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(Path(__file__).resolve()), "--worker", f"--segments={segments}",
-           f"--segment-steps={segment_steps}", "--", *overrides]
+    args = [str(Path(__file__).resolve()), "--worker", f"--segments={segments}",
+            f"--segment-steps={segment_steps}", "--", *overrides]
     try:
-        proc = run_job(cmd, cwd, timeout_s)
+        proc = _torchrun(args, cwd, timeout_s)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout_s:.0f} s"}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]

@@ -63,13 +63,6 @@ def _expand(overrides: list[str]) -> list[str]:
     return out
 
 
-def run_job(cmd: list[str], cwd: Path, timeout_s: float) -> subprocess.CompletedProcess:
-    """Run a torchrun command in its own session (anyrec.proc.run_session: a timeout kills torchrun and
-    its workers, then raises TimeoutExpired)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return run_session(cmd, timeout_s, env=env, cwd=cwd)
-
-
 def error_line(stderr: str) -> str:
     """The line of a failed torchrun job's stderr that says why: the last exception line
     (`SomeError: ...`), else the last line that is not torchrun's failure footer."""
@@ -80,8 +73,11 @@ def error_line(stderr: str) -> str:
 
 
 def _torchrun(args: list[str], cwd: Path, timeout_s: float) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node=2 ARGS` in its own session (anyrec.proc.run_session: a
+    timeout kills torchrun and its workers, then raises TimeoutExpired)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
-    return run_job(cmd, cwd, timeout_s)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return run_session(cmd, timeout_s, env=env, cwd=cwd)
 
 
 def calibrate(out: Path, small: bool, timeout_s: float) -> Path:
