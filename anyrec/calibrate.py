@@ -43,7 +43,7 @@ from anyrec.planner.types import Placement, TableSpec, Topology
 
 logger = logging.getLogger("anyrec.calibrate")
 
-OPTIONS = {"output": None, "backend": "auto", "budget_s": "0.5", "size": "small"}
+OPTIONS = {"output": None, "backend": "auto", "budget_s": "0.5", "size": "small", "bind_cores": "true"}
 OPTIMIZER = "adagrad"  # the default config's; the profile's bytes term covers any optimizer's state
 # Embedding step points: (tables, rows, dim, batch, pooling). They vary ids (pooling, batch) and bytes
 # per id (dim) independently, and one is tiny, so the fit can tell per-row, per-byte and per-launch
@@ -75,6 +75,8 @@ def parse_args(argv: list[str]) -> dict[str, str]:
         raise ValueError("output=FILE.yaml is required")
     if opts["size"] not in SIZES:
         raise ValueError(f"size={opts['size']}: choose one of {', '.join(SIZES)}")
+    if opts["bind_cores"] not in ("true", "false"):
+        raise ValueError(f"bind_cores={opts['bind_cores']}: choose true or false")
     return opts
 
 
@@ -300,9 +302,11 @@ def measure_collectives(device: torch.device, sizes: list[int], backend: Backend
     return out
 
 
-def calibrate(backend: Backend, device: torch.device, size: str = "small", budget_s: float = 0.5) -> dict:
+def calibrate(backend: Backend, device: torch.device, size: str = "small", budget_s: float = 0.5,
+              bind_cores: bool = True) -> dict:
     """Every measurement on this device, as the `measurements` section of a hardware YAML; its
-    `spec_fields` are the DeviceSpec fields they determine (units in the names)."""
+    `spec_fields` are the DeviceSpec fields they determine (units in the names). `bind_cores` is the
+    trainer's setting the step points train with (backend.bind_cores)."""
     s = SIZES[size]
     m: dict[str, Any] = {}
     m.update(measure_copy(backend, device, s["copy_bytes"], budget_s))
@@ -319,9 +323,10 @@ def calibrate(backend: Backend, device: torch.device, size: str = "small", budge
             if "profile" in e:
                 set_profile("embedding", name, KernelProfile(**e["profile"]))
         spec = backend.device_spec().replace(**{k: v for k, v in fields.items() if k != "name"})
-        m["step"] = measure_step_costs(backend, spec, budget_s, fit_nonnegative)
+        m["step"] = measure_step_costs(backend, spec, budget_s, fit_nonnegative, bind_cores)
         fields.update(m["step"]["fields"])
     m["threads"] = torch.get_num_threads()
+    m["bind_cores"] = bind_cores
     m["measured_fields"] = [k for k in fields if k != "name"]
     m["spec_fields"] = fields
     return m
@@ -440,15 +445,15 @@ def main(argv: list[str] | None = None) -> int:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = backend.device(local_rank)
     backend.set_device(local_rank)
+    bind_cores = opts["bind_cores"] == "true"
     if world > 1 and not dist.is_initialized():
-        if backend.device_type == "cpu":
-            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
         dist.init_process_group(backend=backend.dist_backend)
+    # Ranks take their share of the host's cores as the trainer's do: the figures are the trainer's.
+    backend.bind_local_rank(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world)), bind_cores)
     try:
         start = time.perf_counter()
         kernels = backend.select_kernels()
-        m = calibrate(backend, device, opts["size"], budget_s)
+        m = calibrate(backend, device, opts["size"], budget_s, bind_cores)
         m["seconds"] = time.perf_counter() - start
         if rank == 0:
             out = Path(opts["output"])

@@ -101,13 +101,14 @@ POINTS = [
 ]
 
 
-def _overrides(p: StepPoint, backend: str, steps: int) -> list[str]:
+def _overrides(p: StepPoint, backend: str, steps: int, bind_cores: bool) -> list[str]:
     rows = ",".join([str(ROWS)] * p.tables)
     hot = ",".join([str(p.pooling)] * p.tables) if p.pooling > 1 else ""
     return ["model=dlrm_small", f"model.table_rows=[{rows}]", f"model.multi_hot=[{hot}]",
             f"model.embedding_dim={p.dim}", f"model.bottom_mlp={p.bottom_mlp}", f"model.top_mlp={p.top_mlp}",
-            f"data.batch_size={p.batch}", f"backend.name={backend}", f"trainer.steps={steps}",
-            "trainer.eval_steps=0", "trainer.progress=false", "trainer.tensorboard=false",
+            f"data.batch_size={p.batch}", f"backend.name={backend}",
+            f"backend.bind_cores={str(bind_cores).lower()}", f"trainer.steps={steps}", "trainer.eval_steps=0",
+            "trainer.progress=false", "trainer.tensorboard=false",
             "trainer.checkpoint.dir=null", "trainer.run_dir=null"]
 
 
@@ -121,9 +122,10 @@ def _assignment(p: StepPoint, world: int) -> dict[str, tuple[str, str, list[int]
     return out
 
 
-def _train_point(p: StepPoint, backend: Backend, spec: DeviceSpec, steps: int) -> tuple[float, float]:
+def _train_point(p: StepPoint, backend: Backend, spec: DeviceSpec, steps: int,
+                 bind_cores: bool) -> tuple[float, float]:
     """(measured seconds per step of the slowest rank, the planner's seconds for the same plan)."""
-    cfg = _hydra.compose_job(_overrides(p, backend.name, steps))
+    cfg = _hydra.compose_job(_overrides(p, backend.name, steps, bind_cores))
     world = torch.distributed.get_world_size()
     kernel = backend.select_kernels(cfg.backend)["embedding"]
     meta = torch.device("meta")
@@ -151,20 +153,22 @@ def _train_point(p: StepPoint, backend: Backend, spec: DeviceSpec, steps: int) -
     return summary["measured_step_ms"] / 1e3, predicted.predicted_step_s
 
 
-def measure_step_costs(backend: Backend, spec: DeviceSpec, budget_s: float,
-                       fit: Any) -> dict[str, Any]:
-    """Train every point (the process group must be up), fit the framework terms with `fit`
-    (anyrec.calibrate.fit_nonnegative) on what the planner's figures in `spec` leave unexplained."""
+def measure_step_costs(backend: Backend, spec: DeviceSpec, budget_s: float, fit: Any,
+                       bind_cores: bool = True) -> dict[str, Any]:
+    """Train every point (the process group must be up; the trainers bind cores as `bind_cores`
+    says), fit the framework terms with `fit` (anyrec.calibrate.fit_nonnegative) on what the
+    planner's figures in `spec` leave unexplained."""
     # Five passes (median): with three, one noisy pass of the pooling points swung the per-id term
     # between 0 and 1.8e-7 s between two calibrations of this 2-core host.
     steps, passes = (40, 5) if budget_s >= 0.1 else (10, 1)
     if passes > 1:
-        _train_point(POINTS[0], backend, spec, steps)  # the first trainer in a process pays lazy set-up
+        # The first trainer in a process pays lazy set-up.
+        _train_point(POINTS[0], backend, spec, steps, bind_cores)
     times: list[list[float]] = [[] for _ in POINTS]
     model = [0.0] * len(POINTS)
     for k in range(passes):  # alternate the order: a shared host's load drifts
         for i in (range(len(POINTS)) if k % 2 == 0 else reversed(range(len(POINTS)))):
-            m, model[i] = _train_point(POINTS[i], backend, spec, steps)
+            m, model[i] = _train_point(POINTS[i], backend, spec, steps, bind_cores)
             times[i].append(m)
     measured = [sorted(t)[len(t) // 2] for t in times]
     for p, m, pred in zip(POINTS, measured, model, strict=True):

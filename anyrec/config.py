@@ -75,6 +75,9 @@ class BackendConfig:
     # FBGEMM sparse ops of torchrec's sharded path: auto (FBGEMM where it has a kernel for the device,
     # pure-torch kernels elsewhere) | fbgemm | portable (pure torch everywhere, overriding FBGEMM)
     sparse_ops: str = "auto"
+    # CPU device, several ranks per host: bind each rank's threads to its own share of the cores
+    # (false: threads float over all cores, torch's thread count still split between the ranks)
+    bind_cores: bool = True
 
 
 @dataclass

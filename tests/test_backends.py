@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from anyrec.backends import DeviceFacts, detect, get_backend
-from anyrec.backends.cpu import CPUBackend
+from anyrec.backends.cpu import CPUBackend, core_share
 from anyrec.backends.cuda import CUDABackend
 from anyrec.backends.rocm import ROCmBackend
 from anyrec.backends.specs import SKUS, get_sku
@@ -57,6 +62,60 @@ def test_cpu_backend_on_this_machine():
     assert isinstance(b, CPUBackend)
     assert b.device() == torch.device("cpu") and b.dist_backend == "gloo"
     assert b.device_spec().memory_bytes > 0
+
+
+def test_core_share_splits_the_cores_between_local_ranks():
+    assert [core_share(range(8), r, 2) for r in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [core_share(range(5), r, 2) for r in range(2)] == [[0, 1], [2, 3, 4]]  # all used, disjoint
+    assert [core_share([9, 2, 7, 5], r, 2) for r in range(2)] == [[2, 5], [7, 9]]  # the allowed set, sorted
+    assert core_share([0, 1], 2, 3) is None  # fewer cores than ranks: no share of its own
+
+
+# A child process binds (the test's own process keeps its affinity): a thread started before binding
+# and one started after must both end on the rank's share, with torch's thread count set to its size.
+BIND_CHILD = """
+import json, os, sys, threading, logging
+import torch
+from anyrec.backends.cpu import CPUBackend
+logging.basicConfig(level=logging.INFO)
+rank, world, bind = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+stop = threading.Event()
+before = threading.Thread(target=stop.wait); before.start()
+share = CPUBackend().bind_local_rank(rank, world, bind)
+after = threading.Thread(target=stop.wait); after.start()
+masks = {tid: sorted(os.sched_getaffinity(int(tid))) for tid in os.listdir("/proc/self/task")}
+stop.set(); before.join(); after.join()
+print(json.dumps({"share": share, "masks": list(masks.values()), "threads": torch.get_num_threads()}))
+"""
+
+
+def _bind_child(rank: int, world: int, bind: bool) -> tuple[dict, str]:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", BIND_CHILD, str(rank), str(world), "1" if bind else "0"],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="binding local ranks to cores needs Linux and two cores")
+def test_cpu_backend_binds_every_thread_of_a_local_rank_to_its_cores():
+    allowed = sorted(os.sched_getaffinity(0))
+    got, err = _bind_child(1, 2, True)
+    share = core_share(allowed, 1, 2)
+    assert got["share"] == share and len(got["masks"]) >= 3  # main thread + the two started
+    assert all(mask == share for mask in got["masks"]), got["masks"]
+    assert got["threads"] == len(share)
+    assert f"local rank 1 of 2: threads bound to cores {','.join(map(str, share))}" in err
+    # Switched off: threads keep every core, torch's thread count is still the rank's share.
+    off, _ = _bind_child(1, 2, False)
+    assert off["share"] is None and all(mask == allowed for mask in off["masks"])
+    assert off["threads"] == len(share)
+    # More ranks than cores: nothing bound, one thread each, and a warning says so.
+    crowded, err = _bind_child(0, len(allowed) + 1, True)
+    assert crowded["share"] is None and all(mask == allowed for mask in crowded["masks"])
+    assert crowded["threads"] == 1 and "ranks share cores, threads not bound" in err
 
 
 def test_unknown_gpu_gets_a_derived_spec(caplog):

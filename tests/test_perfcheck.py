@@ -76,4 +76,6 @@ def test_training_summary_holds_prediction_and_measurement(tmp_path):
     assert len(s["measured_step_ms_per_rank"]) == 2 and all(v > 0 for v in s["measured_step_ms_per_rank"])
     assert s["measured_step_ms"] == max(s["measured_step_ms_per_rank"])
     assert s["prediction_error"] == pytest.approx(s["predicted_step_ms"] / s["measured_step_ms"] - 1)
-    assert "step time after warm-up" in (tmp_path / "run" / "train_rank0.log").read_text()
+    log = (tmp_path / "run" / "train_rank0.log").read_text()
+    assert "step time after warm-up" in log
+    assert "local rank 0 of 2: threads bound to cores" in log  # backend.bind_cores, on by default

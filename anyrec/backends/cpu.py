@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
+from collections.abc import Sequence
 
 import torch
 
 from anyrec.backends.interface import Backend, DeviceFacts
 from anyrec.backends.specs import SKUS, DeviceSpec
+
+logger = logging.getLogger(__name__)
 
 
 def _host_memory_bytes() -> int:
@@ -16,6 +20,25 @@ def _host_memory_bytes() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return SKUS["cpu"].memory_bytes
+
+
+def core_share(cpus: Sequence[int], local_rank: int, local_world_size: int) -> list[int] | None:
+    """Local rank `local_rank`'s contiguous share of `cpus` when `local_world_size` ranks split them
+    (the first ranks get one fewer where they do not divide evenly), None with fewer cpus than ranks."""
+    cpus = sorted(cpus)
+    n = len(cpus)
+    if n < local_world_size:
+        return None
+    return cpus[local_rank * n // local_world_size:(local_rank + 1) * n // local_world_size]
+
+
+def bind_threads(cpus: Sequence[int]) -> None:
+    """Bind every thread of this process (and so every thread they start later) to `cpus`."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
 
 
 class CPUBackend(Backend):
@@ -49,6 +72,30 @@ class CPUBackend(Backend):
 
     def device(self, local_rank: int = 0) -> torch.device:
         return torch.device("cpu")
+
+    def bind_local_rank(self, local_rank: int, local_world_size: int,
+                        bind_cores: bool = True) -> list[int] | None:
+        """Ranks on one host share its cores: each runs torch's threads on its own contiguous share
+        and, with `bind_cores`, every thread of the process is bound to that share (threads that
+        migrate between cores lose their caches: a 2-rank step on 2 cores measured ~25% slower unbound)."""
+        if local_world_size <= 1:
+            return None
+        allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        share = core_share(allowed, local_rank, local_world_size) if allowed else None
+        if share is None:
+            cores = len(allowed) or os.cpu_count() or 1
+            if allowed:
+                logger.warning("%d local ranks on %d cores: ranks share cores, threads not bound",
+                               local_world_size, cores)
+            torch.set_num_threads(max(1, cores // local_world_size))
+            return None
+        torch.set_num_threads(len(share))
+        if not bind_cores or not os.path.isdir("/proc/self/task"):
+            return None
+        bind_threads(share)
+        logger.info("local rank %d of %d: threads bound to cores %s", local_rank, local_world_size,
+                    ",".join(map(str, share)))
+        return share
 
     def device_spec(self) -> DeviceSpec:
         mem = self.facts.memory_bytes or SKUS["cpu"].memory_bytes

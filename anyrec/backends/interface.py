@@ -72,6 +72,13 @@ class Backend(abc.ABC):
     def set_device(self, local_rank: int = 0) -> None:  # noqa: B027 - optional hook
         """Bind this process to its device (no-op where devices are not per-process)."""
 
+    def bind_local_rank(self, local_rank: int, local_world_size: int,  # noqa: B027 - optional hook
+                        bind_cores: bool = True) -> list[int] | None:
+        """Give this process (local rank `local_rank` of `local_world_size` on its host) its share of
+        the host's cores; the cores it is bound to, or None where it binds nothing (accelerators:
+        torchrun --numa-binding binds host cores to devices)."""
+        return None
+
     @abc.abstractmethod
     def device_spec(self) -> DeviceSpec:
         """The spec of the device this process runs on (SKU table entry or derived from facts)."""

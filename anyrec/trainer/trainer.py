@@ -113,9 +113,7 @@ class Trainer:
 
     def init_distributed(self) -> DistInfo:
         info = init_distributed(self.backend, self.cfg.trainer.collective_timeout_s)
-        if self.backend.device_type == "cpu" and info.local_world_size > 1:
-            # Share the host's cores between the local ranks instead of oversubscribing.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.local_world_size))
+        self.backend.bind_local_rank(info.local_rank, info.local_world_size, self.cfg.backend.bind_cores)
         return info
 
     # ---- build ------------------------------------------------------------------------------------
