@@ -158,6 +158,10 @@ class TrainerConfig:
     eval_steps: int = 20  # batches per rank per evaluation; 0 = no evaluation
     eval_every: int = 0  # steps between evaluations; 0 = only at the end
     log_every: int = 25
+    # >0: the last N steps run under torch.profiler (after one profiler warm-up step), left out of
+    # measured_step_ms; the summary's step_breakdown_ms splits them into forward, backward, optimizer,
+    # other and collectives per rank, beside the plan's predicted split
+    breakdown_steps: int = 0
     progress: bool = True
     pipeline: bool = True  # torchrec TrainPipelineSparseDist (input dist overlapped with compute)
     mixed_precision: str = "auto"  # auto (bf16 autocast on GPUs, fp32 on CPU) | bf16 | fp32

@@ -67,15 +67,25 @@ def test_prediction_check_reports_and_warns(caplog):
     assert none["measured_step_ms"] == pytest.approx(20.0)
 
 
-def test_training_summary_holds_prediction_and_measurement(tmp_path):
+def test_training_summary_holds_prediction_measurement_and_breakdown(tmp_path):
     proc = torchrun(["-m", "anyrec.train", "model=dlrm_tiny", "trainer.steps=12", "data.batch_size=64",
-                     "trainer.eval_steps=0", f"hydra.run.dir={tmp_path}/run"], nproc=2, cwd=tmp_path)
+                     "trainer.eval_steps=0", "trainer.breakdown_steps=4", f"hydra.run.dir={tmp_path}/run"],
+                    nproc=2, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     s = last_json_line(proc.stdout)
     assert s["predicted_step_ms"] > 0 and s["measured_step_ms"] > 0
     assert len(s["measured_step_ms_per_rank"]) == 2 and all(v > 0 for v in s["measured_step_ms_per_rank"])
     assert s["measured_step_ms"] == max(s["measured_step_ms_per_rank"])
     assert s["prediction_error"] == pytest.approx(s["predicted_step_ms"] / s["measured_step_ms"] - 1)
+    # 12 steps: 2 of warm-up, 5 timed, then the profiler's warm-up step and 4 profiled ones (not timed).
+    assert s["measured_steps"] == 5
+    b = s["step_breakdown_ms"]
+    assert b["steps"] == 4 and len(b["per_rank"]) == 2
+    for r in b["per_rank"]:
+        assert min(r["forward"], r["backward"], r["optimizer"], r["collectives"]) > 0  # gloo waits: > 0
+        assert r["forward"] + r["backward"] + r["optimizer"] + r["other"] == pytest.approx(r["step"])
+    assert b["predicted"]["step"] == pytest.approx(s["predicted_step_ms"])
+    assert b["predicted"]["forward"] + b["predicted"]["backward"] == pytest.approx(s["predicted_step_ms"])
     log = (tmp_path / "run" / "train_rank0.log").read_text()
-    assert "step time after warm-up" in log
+    assert "step time after warm-up" in log and "step breakdown over the last 4 steps" in log
     assert "local rank 0 of 2: threads bound to cores" in log  # backend.bind_cores, on by default

@@ -18,7 +18,7 @@ from anyrec.planner.report import format_report
 from anyrec.planner.simple import simple_table_shardings
 from anyrec.planner.simple import to_sharding_plan as simple_sharding_plan
 from anyrec.planner.torchrec_plan import to_sharding_plan
-from anyrec.planner.types import Topology
+from anyrec.planner.types import Perf, Topology
 from anyrec.trainer.distributed import DistInfo
 
 logger = logging.getLogger(__name__)
@@ -30,9 +30,9 @@ def sharders(embedding_kernel: str) -> list[ModuleSharder]:
 
 
 def shared_plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module, module_path: str,
-                embedding_kernel: str) -> tuple[ShardingPlan, float | None]:
-    """Rank 0 plans and every rank takes its plan and its predicted seconds per step (None from a
-    planner that predicts nothing): ranks must never shard by different plans.
+                embedding_kernel: str) -> tuple[ShardingPlan, Perf | None]:
+    """Rank 0 plans and every rank takes its plan and the predicted per-step cost of the plan's slowest
+    rank (None from a planner that predicts nothing): ranks must never shard by different plans.
 
     A planning error on rank 0 (e.g. nothing fits) is raised on every rank, so none waits.
     """
@@ -59,8 +59,9 @@ def plan_sharding(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn
 
 
 def plan_and_predict(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module,
-                     module_path: str, embedding_kernel: str) -> tuple[ShardingPlan, float | None]:
-    """`plan_sharding`'s plan and the co-design planner's predicted seconds per step (None: simple)."""
+                     module_path: str, embedding_kernel: str) -> tuple[ShardingPlan, Perf | None]:
+    """`plan_sharding`'s plan and the co-design planner's predicted cost of its slowest rank per step
+    (None: simple)."""
     ebc = model.sparse_arch
     if cfg.planner.name == "simple":
         shardings = simple_table_shardings(ebc.embedding_bag_configs(), info.world_size,
@@ -76,4 +77,5 @@ def plan_and_predict(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model:
     result = plan_model(model, ebc, cfg.model, cfg.planner, cfg.optim.name, topology, batch, embedding_kernel)
     if info.is_main:
         logger.info("co-design plan:\n%s", format_report(result, advice=False))
-    return to_sharding_plan(result, module_path, ebc, backend.device_type), result.predicted_step_s
+    slowest = max(result.rank_perf, key=lambda p: p.total_s)  # its total_s is result.predicted_step_s
+    return to_sharding_plan(result, module_path, ebc, backend.device_type), slowest

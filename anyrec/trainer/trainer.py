@@ -36,6 +36,15 @@ from anyrec.kernels.ebc import TritonEBCOptimizer
 from anyrec.kernels.replicated import ReplicatedTableOptimizer
 from anyrec.models.dlrm import DLRM, build_model, feature_names, table_configs
 from anyrec.models.init import init_model
+from anyrec.planner.types import Perf
+from anyrec.trainer.breakdown import (
+    StepProfiler,
+    breakdown_window,
+    format_breakdown,
+    gather_breakdown,
+    phase,
+    predicted_phases,
+)
 from anyrec.trainer.checkpoint import CheckpointManager
 from anyrec.trainer.distributed import DistInfo, all_reduce_mean, destroy_distributed, init_distributed
 from anyrec.trainer.fingerprint import weights_fingerprint
@@ -48,7 +57,7 @@ from anyrec.trainer.optim import (
     dense_optimizer,
     embedding_optimizer_config,
 )
-from anyrec.trainer.perfcheck import StepTimer, gather_step_s, prediction_check
+from anyrec.trainer.perfcheck import StepTimer, gather_step_s, prediction_check, warmup_steps
 from anyrec.trainer.pipeline import EagerLoop, SparseDistPipeline, StepFunctions
 from anyrec.trainer.planning import sharders, shared_plan
 from anyrec.trainer.reporting import LossWindow, MetricWriter, progress_bar
@@ -88,6 +97,8 @@ class _Run:
     chunk_start: float = 0.0  # perf_counter() at the start of the running chunk
     last_checkpoint: Path | None = None
     timer: StepTimer | None = None  # seconds per step after warm-up, for the prediction check
+    profile_at: int | None = None  # the step where the breakdown's profiled window starts
+    profiler: StepProfiler | None = None  # while the window runs
 
 
 class Trainer:
@@ -103,7 +114,7 @@ class Trainer:
         self.skipped_batches = 0
         self.resumed_from: int | None = None
         self._last_loss = torch.tensor(math.nan)
-        self.predicted_step_s: float | None = None  # the plan's, where a planner predicted one
+        self.predicted_perf: Perf | None = None  # the plan's slowest rank, where a planner predicted one
         self.build()
         self.checkpoints = (CheckpointManager(cfg.trainer.checkpoint, self.signature(), self.dist.is_main,
                                               identity_config(cfg)) if cfg.trainer.checkpoint.dir else None)
@@ -150,8 +161,10 @@ class Trainer:
         if tc.mixed_precision not in PRECISIONS:
             raise ValueError(f"trainer.mixed_precision must be one of {PRECISIONS}, "
                              f"got {tc.mixed_precision!r}")
-        if tc.steps < 0 or tc.eval_steps < 0 or tc.eval_every < 0:
-            raise ValueError("trainer.steps, eval_steps and eval_every must be >= 0")
+        if tc.steps < 0 or tc.eval_steps < 0 or tc.eval_every < 0 or tc.breakdown_steps < 0:
+            raise ValueError("trainer.steps, eval_steps, eval_every and breakdown_steps must be >= 0")
+        if tc.breakdown_steps:
+            breakdown_window(tc.steps, warmup_steps(tc.steps), tc.breakdown_steps)  # room for it
 
     def _build_sharded(self) -> None:
         """Tables on the meta device, placed by the plan and allocated by DistributedModelParallel."""
@@ -160,7 +173,7 @@ class Trainer:
                             kernels=self.backend.select_kernels(self.cfg.backend))
         # Embedding optimizer fused into the backward pass (TBE updates rows in place).
         apply_embedding_optimizer(model.sparse_arch.parameters(), self.cfg.optim)
-        self.sharding_plan, self.predicted_step_s = (self.plan_override, None) if self.plan_override else \
+        self.sharding_plan, self.predicted_perf = (self.plan_override, None) if self.plan_override else \
             shared_plan(self.cfg, self.backend, self.dist, model, EBC_PATH, self.embedding_kernel)
         check_embedding_optimizer(self.cfg.optim, self.embedding_kernel, self.device.type, self.sharding_plan)
         self.model = DistributedModelParallel(
@@ -238,8 +251,13 @@ class Trainer:
 
     # ---- one step, in three parts the pipelines call -------------------------------------------
 
+    @property
+    def predicted_step_s(self) -> float | None:
+        """The plan's predicted seconds per step (its slowest rank), None where nothing predicted it."""
+        return self.predicted_perf.total_s if self.predicted_perf is not None else None
+
     def _forward(self, batch: Batch) -> tuple[torch.Tensor, Any]:
-        with self.backend.autocast(self.autocast):
+        with phase("forward"), self.backend.autocast(self.autocast):
             return self.model(batch)
 
     def _backward(self, loss: torch.Tensor) -> None:
@@ -251,12 +269,14 @@ class Trainer:
             self.skipped_batches += 1
             logger.warning("step %d: non-finite loss, batch skipped (no update)", self.step + 1)
             return
-        loss.backward()
+        with phase("backward"):
+            loss.backward()
 
     def _optimizer_step(self) -> None:
-        if self.cfg.optim.grad_clip_norm > 0:
-            torch.nn.utils.clip_grad_norm_(self.dense_params, self.cfg.optim.grad_clip_norm)
-        self.optimizer.step()
+        with phase("optimizer"):
+            if self.cfg.optim.grad_clip_norm > 0:
+                torch.nn.utils.clip_grad_norm_(self.dense_params, self.cfg.optim.grad_clip_norm)
+            self.optimizer.step()
 
     def _set_lr(self, step: int) -> float:
         """Learning rates of both optimizers for the step about to run; returns the factor."""
@@ -290,6 +310,11 @@ class Trainer:
         run = _Run(start_step=self.step, window=LossWindow(max(1, tc.log_every), self.device),
                    bar=progress_bar(self.dist.is_main and tc.progress, tc.steps, self.step),
                    timer=StepTimer(self.step, tc.steps))
+        if tc.breakdown_steps:
+            try:
+                run.profile_at = breakdown_window(tc.steps, run.timer.warm_step, tc.breakdown_steps)
+            except ValueError as e:  # resumed too close to the end (a fresh run was checked in build)
+                logger.warning("no step breakdown: %s", e)
         self.backend.reset_peak_memory_stats()
         self.model.train()
         self.stopper = StopRequest(self.dist.rank, self.dist.world_size, tc.stop_check_every, tc.stop_grace_s,
@@ -297,7 +322,9 @@ class Trainer:
         self.stopper.install()  # SIGINT/SIGTERM: every rank stops after the same step
         try:
             while self.step < tc.steps and not self.stopper.stopped_by:
-                self._train_chunk(self._next_stop(tc.steps), run)
+                if self.step == run.profile_at:
+                    run.profiler = StepProfiler(tc.breakdown_steps, self.backend.device_type).__enter__()
+                self._train_chunk(self._next_stop(tc.steps, run), run)
                 if not self.stopper.stopped_by:
                     self._between_chunks(run)
             if run.bar is not None:
@@ -305,11 +332,15 @@ class Trainer:
             return self._finish(run)
         finally:
             self.stopper.restore()
+            if run.profiler is not None:
+                run.profiler.__exit__(None, None, None)
 
-    def _next_stop(self, steps: int) -> int:
+    def _next_stop(self, steps: int, run: _Run) -> int:
         """The next step after which something happens between steps (eval, checkpoint, fault)."""
         tc = self.cfg.trainer
         stops = [steps]
+        if run.profile_at is not None and run.profile_at > self.step:
+            stops.append(run.profile_at)  # the profiled window is a chunk of its own
         for every in (tc.eval_every, tc.checkpoint.every if self.checkpoints else 0):
             if every > 0:
                 stops.append((self.step // every + 1) * every)
@@ -325,7 +356,9 @@ class Trainer:
         """Steps up to `stop`; the time until the pipeline is drained counts as training time."""
         batches = self._batches(self.train_data, self.step, stop - self.step)
         run.chunk_start = time.perf_counter()
-        run.timer.chunk_start(self.step)
+        timed = run.profiler is None  # profiled steps are slower: not in measured_step_ms
+        if timed:
+            run.timer.chunk_start(self.step)
         while True:
             lr_factor = self._set_lr(self.step)
             try:
@@ -333,6 +366,8 @@ class Trainer:
             except StopIteration:
                 break
             self.step += 1
+            if run.profiler is not None:
+                run.profiler.step()
             run.timer.after_step(self.step)
             self._after_step(run, lr_factor)
             if self.stopper.should_stop(self.step):
@@ -340,7 +375,8 @@ class Trainer:
         self._flush_checks()  # before any checkpoint or evaluation of this state
         self.backend.synchronize()
         run.train_time_s += time.perf_counter() - run.chunk_start
-        run.timer.chunk_end(self.step)
+        if timed:
+            run.timer.chunk_end(self.step)
 
     def _after_step(self, run: _Run, lr_factor: float) -> None:
         """Loss window and progress bar; every `trainer.log_every` steps the deferred checks and a
@@ -401,9 +437,23 @@ class Trainer:
         summary = self._summary(run, final_loss, train_loss, eval_result)
         summary.update(prediction_check(self.predicted_step_s, gather_step_s(run.timer.step_s, self.device),
                                         log=self.dist.is_main))
+        summary["measured_steps"] = run.timer.steps  # this rank's timed steps (the same on every rank)
+        if run.profiler is not None:
+            profiler, run.profiler = run.profiler, None  # stopped here, not again on the way out
+            summary["step_breakdown_ms"] = self._breakdown(profiler)
         if self.cfg.trainer.fingerprint_weights:
             summary["weights_sha256"] = weights_fingerprint(self.model, self.dist.is_main)
         return summary
+
+    def _breakdown(self, profiler: StepProfiler) -> dict[str, Any]:
+        """Stop the profiler; every rank's ms per step by phase beside the plan's (logged on rank 0)."""
+        profiler.__exit__(None, None, None)
+        per_rank = gather_breakdown(profiler.ms_per_step(), self.device)
+        predicted = predicted_phases(self.predicted_perf)
+        if self.dist.is_main:
+            logger.info("step breakdown over the last %d steps (torch.profiler; collectives are part of "
+                        "the phases they ran in):\n%s", profiler.steps, format_breakdown(per_rank, predicted))
+        return {"steps": profiler.steps, "per_rank": per_rank, "predicted": predicted}
 
     def _summary(self, run: _Run, final_loss: float | None, train_loss: float | None,
                  eval_result: dict[str, float] | None) -> dict[str, Any]:
