@@ -6,9 +6,10 @@ predicted step time with the measured one per rank.
 
 Each training run is `torchrun -m anyrec.train`; its JSON summary carries `predicted_step_ms`,
 `measured_step_ms_per_rank` (after warm-up) and `prediction_error` (predicted / measured - 1).
-Timing on a shared host is noisy: each workload runs `--repeats` times per hardware file, alternating,
-and the median run is reported (all runs' measured times are in the JSON); compare the two columns of
-one run, not runs on different days.
+Timing on a shared host is noisy: the workloads run in `--repeats` rounds, each training every workload
+once per hardware file (alternating which goes first), and each row reports its median run (all runs'
+measured times are in the JSON); a row whose runs differ by more than 30 % is flagged as measured on a
+drifting host. Compare the two columns of one run, not runs on different days.
 """
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ WORKLOADS: dict[str, list[str]] = {
                         "+hardware.spec.memory_bytes=2400000000"],
 }
 SMALL = ("tiny_26x8", "small_26x16")
+# Runs of one plan that differ by more than this (slowest / fastest - 1) measured a host that changed
+# speed meanwhile: the row's error says as much about the host as about the model. Quiet runs on the
+# 2-core CPU host spread up to 25 % (2026-12-01: 24 workload x hardware rows of 3 runs); disturbed ones
+# 40-55 %.
+NOISY_SPREAD = 0.30
 EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b:?")
 
 
@@ -112,22 +118,27 @@ def median_run(runs: list[dict], key: str = "measured_step_ms") -> dict:
     return ok[(len(ok) - 1) // 2] if ok else runs[0]
 
 
-def alternating(labels: tuple[str, ...], repeats: int) -> list[str]:
-    """`labels` `repeats` times, every other round reversed (a b b a a b ...): a shared host's load
-    drifts, and alternating spreads the drift over both sides."""
-    return [lab for k in range(repeats) for lab in (labels if k % 2 == 0 else labels[::-1])]
+def spread(times: list[float | None]) -> float | None:
+    """Slowest / fastest - 1 over the runs that measured a time (None with fewer than two)."""
+    ok = [t for t in times if t is not None]
+    return max(ok) / min(ok) - 1 if len(ok) >= 2 else None
 
 
 def run_workloads(names, cal: Path, steps: int, batch: int, workdir: Path, timeout_s: float,
                   repeats: int = 1) -> list[dict]:
-    rows = []
+    """`repeats` rounds, each training every workload once per hardware file (the order of the two
+    alternating): a workload's runs spread over the whole benchmark, so a few minutes of a slower
+    host reach one of its runs, not all of them; each row reports its median run."""
     hardware = {"uncal": "cpu", "cal": str(cal)}
+    runs: dict[str, dict[str, list[dict]]] = {name: {"uncal": [], "cal": []} for name in names}
+    for k in range(repeats):
+        for name in names:
+            for label in ("uncal", "cal") if k % 2 == 0 else ("cal", "uncal"):
+                runs[name][label].append(train(name, hardware[label], steps, batch, workdir, timeout_s))
+    rows = []
     for name in names:
         row: dict = {"workload": name}
-        runs: dict[str, list[dict]] = {"uncal": [], "cal": []}
-        for label in alternating(("uncal", "cal"), repeats):
-            runs[label].append(train(name, hardware[label], steps, batch, workdir, timeout_s))
-        for label, got in runs.items():
+        for label, got in runs[name].items():
             s = median_run(got)
             row[f"{label}_error_msg"] = s.get("error")
             row[f"{label}_predicted_ms"] = s.get("predicted_step_ms")
@@ -135,6 +146,7 @@ def run_workloads(names, cal: Path, steps: int, batch: int, workdir: Path, timeo
             row[f"{label}_measured_ms_per_rank"] = s.get("measured_step_ms_per_rank")
             row[f"{label}_error"] = s.get("prediction_error")
             row[f"{label}_measured_ms_runs"] = [r.get("measured_step_ms") for r in got]
+            row[f"{label}_spread"] = spread(row[f"{label}_measured_ms_runs"])
         rows.append(row)
     return rows
 
@@ -145,20 +157,28 @@ def _fmt(v, spec=".2f") -> str:
 
 def table(rows: list[dict]) -> str:
     head = (f"{'workload':<20} {'uncal pred':>10} {'uncal meas':>10} {'uncal err':>9} "
-            f"{'cal pred':>9} {'cal meas':>9} {'cal err':>8}  per-rank measured (cal, ms)")
+            f"{'cal pred':>9} {'cal meas':>9} {'cal err':>8} {'cal spread':>10}  per-rank measured (cal, ms)")
     lines = [head]
+    noisy = []
     for r in rows:
         ranks = r.get("cal_measured_ms_per_rank") or []
         lines.append(f"{r['workload']:<20} {_fmt(r['uncal_predicted_ms']):>10} "
                      f"{_fmt(r['uncal_measured_ms']):>10} {_fmt(r['uncal_error'], '+.0%'):>9} "
                      f"{_fmt(r['cal_predicted_ms']):>9} "
-                     f"{_fmt(r['cal_measured_ms']):>9} {_fmt(r['cal_error'], '+.0%'):>8}  "
-                     + " ".join(_fmt(v) for v in ranks))
+                     f"{_fmt(r['cal_measured_ms']):>9} {_fmt(r['cal_error'], '+.0%'):>8} "
+                     f"{_fmt(r.get('cal_spread'), '.0%'):>10}  " + " ".join(_fmt(v) for v in ranks))
+        for label in ("uncal", "cal"):
+            if (r.get(f"{label}_spread") or 0.0) > NOISY_SPREAD:
+                runs = [t for t in r[f"{label}_measured_ms_runs"] if t is not None]
+                noisy.append(f"{r['workload']} ({label} runs {min(runs):.2f}-{max(runs):.2f} ms)")
     for label in ("uncal", "cal"):
         errs = [abs(r[f"{label}_error"]) for r in rows if r[f"{label}_error"] is not None]
         if errs:
             lines.append(f"{label}: median |error| {statistics.median(errs):.0%}, worst {max(errs):.0%} "
                          f"over {len(errs)} workloads")
+    if noisy:
+        lines.append(f"noisy host: runs of one plan differ by more than {NOISY_SPREAD:.0%} in "
+                     + ", ".join(noisy) + "; their errors measure the host's drift too: rerun quietly")
     return "\n".join(lines)
 
 

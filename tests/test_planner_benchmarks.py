@@ -108,3 +108,23 @@ def test_failed_job_names_its_error(tmp_path):
     assert "no_such_sku" in got["error"] and "traceback" not in got["error"], got
     with pytest.raises(SystemExit):
         mod.main(["--small", "--segments", "3", "--output", str(tmp_path / "x.json")])
+
+
+def test_accuracy_table_flags_rows_a_drifting_host_measured():
+    mod = _load("planner_accuracy")
+    assert mod.spread([10.0, None, 12.5]) == pytest.approx(0.25) and mod.spread([10.0, None]) is None
+
+    def row(name, cal_runs):
+        cal = sorted(cal_runs)[1]
+        return {"workload": name, "uncal_predicted_ms": 2.0, "uncal_measured_ms": 10.0, "uncal_error": -0.8,
+                "uncal_measured_ms_runs": [10.0, 10.0, 10.0], "uncal_spread": 0.0,
+                "cal_predicted_ms": 10.0, "cal_measured_ms": cal, "cal_error": 10.0 / cal - 1,
+                "cal_measured_ms_runs": cal_runs, "cal_spread": mod.spread(cal_runs),
+                "cal_measured_ms_per_rank": [cal, cal]}
+
+    lines = mod.table([row("quiet", [10.0, 11.0, 12.0]), row("drifted", [10.0, 15.0, 14.0])]).splitlines()
+    assert lines[1].split()[7] == "20%" and lines[2].split()[7] == "50%"  # the cal spread column
+    assert lines[-2] == "cal: median |error| 19%, worst 29% over 2 workloads"  # every row counts
+    assert lines[-1].startswith("noisy host: runs of one plan differ by more than 30% in drifted "
+                                "(cal runs 10.00-15.00 ms);")
+    assert "noisy host" not in mod.table([row("quiet", [10.0, 11.0, 12.0])])
