@@ -542,6 +542,8 @@ def main(argv: list[str] | None = None) -> dict:
     out_dir = Path(os.environ.get("OUT") or "gpu_out")
     out_dir.mkdir(parents=True, exist_ok=True)
     device = accelerator()
+    if a.execution == "auto":  # the kernels take an explicit choice: Triton on an accelerator
+        a.execution = "torch" if device.type == "cpu" else "triton"
     small = a.small
     steps = min(a.steps, 5) if small else a.steps
     print(f"=== anyrec GPU suite on {device} (small={small}, execution={a.execution}); JSON in {out_dir}")

@@ -76,6 +76,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dtypes", default="fp32,fp16")
     a = ap.parse_args(argv)
     device = accelerator()
+    if a.execution == "auto":  # the kernels take an explicit choice: Triton on an accelerator
+        a.execution = "torch" if device.type == "cpu" else "triton"
     small = a.small or device.type == "cpu"
     T, D = 26, (16 if small else 128)
     rows, batch = (200, 8) if small else (1_000_000, 16384)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from anyrec.backends.dispatch import dispatch_key, select
+from anyrec.backends.dispatch import dispatch_key, fbgemm_load_error, select
 
 if TYPE_CHECKING:
     from anyrec.backends.interface import Backend
@@ -365,6 +365,19 @@ def installed(dispatch_key: str) -> tuple[str, ...]:
 
 
 _logged: set[tuple[str, str, tuple[str, ...]]] = set()
+
+
+def probe_fbgemm(backend: Backend) -> str | None:
+    """The `sparse_ops` op's fbgemm probe: fbgemm_gpu loads and has a kernel for the device for every op."""
+    reason = fbgemm_load_error()
+    if reason is not None:
+        return reason
+    key = dispatch_key(backend.device_type)
+    missing = missing_kernels(key)
+    if missing:
+        return (f"fbgemm_gpu has no {key} kernel for {len(missing)} of {len(SPARSE_OPS)} sparse ops "
+                f"({', '.join(missing)})")
+    return None
 
 
 def install(backend: Backend, mode: str = "auto") -> SparseOpsChoice:
