@@ -279,10 +279,10 @@ def _collective(op: str, x: torch.Tensor, world: int) -> Callable[[], Any]:
     return lambda: dist.reduce_scatter_tensor(y, x)
 
 
-def measure_collectives(device: torch.device, sizes: list[int], backend: Backend, budget_s: float) -> dict:
-    """all-to-all, all-reduce and reduce-scatter seconds at each size (slowest rank's median), fitted
-    into latency_s + bus bytes / bus_bw_bytes_per_s."""
-    world = dist.get_world_size()
+def measure_collectives(device: torch.device, sizes: list[int], backend: Backend, budget_s: float,
+                        world: int) -> dict:
+    """all-to-all, all-reduce and reduce-scatter seconds at each size (slowest rank's median) over the
+    `world` ranks of the process group, fitted into latency_s + bus bytes / bus_bw_bytes_per_s."""
     out: dict[str, Any] = {"world_size": world}
     for op, bus in _BUS_FACTOR.items():
         times = []
@@ -303,8 +303,8 @@ def measure_collectives(device: torch.device, sizes: list[int], backend: Backend
     return out
 
 
-def calibrate(backend: Backend, device: torch.device, size: str = "small", budget_s: float = 0.5,
-              bind_cores: bool = True) -> dict:
+def calibrate(backend: Backend, device: torch.device, world: int, size: str = "small",
+              budget_s: float = 0.5, bind_cores: bool = True) -> dict:
     """Every measurement on this device, as the `measurements` section of a hardware YAML; its
     `spec_fields` are the DeviceSpec fields they determine (units in the names). `bind_cores` is the
     trainer's setting the step points train with (backend.bind_cores)."""
@@ -316,13 +316,13 @@ def calibrate(backend: Backend, device: torch.device, size: str = "small", budge
     fields = spec_fields(backend, m)
     spec = backend.device_spec().replace(**{k: v for k, v in fields.items() if k != "name"})
     m["embedding"] = measure_embedding(backend, device, spec, EMB_POINTS[size], budget_s)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        m["collectives"] = measure_collectives(device, s["comm_bytes"], backend, budget_s)
+    if world > 1:
+        m["collectives"] = measure_collectives(device, s["comm_bytes"], backend, budget_s, world)
         fields.update(link_fields(m["collectives"]))
         # The trainer's framework costs: what the figures measured so far leave unexplained in real steps.
         profiles = {n: KernelProfile(**e["profile"]) for n, e in m["embedding"].items() if "profile" in e}
         spec = backend.device_spec().replace(**{k: v for k, v in fields.items() if k != "name"})
-        m["step"] = measure_step_costs(backend, Hardware(spec, profiles), budget_s, fit_nonnegative,
+        m["step"] = measure_step_costs(backend, Hardware(spec, profiles), world, budget_s, fit_nonnegative,
                                        bind_cores)
         fields.update(m["step"]["fields"])
     m["threads"] = torch.get_num_threads()
@@ -453,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         start = time.perf_counter()
         kernels = backend.select_kernels()
-        m = calibrate(backend, device, opts["size"], budget_s, bind_cores)
+        m = calibrate(backend, device, world, opts["size"], budget_s, bind_cores)
         m["seconds"] = time.perf_counter() - start
         if rank == 0:
             out = Path(opts["output"])

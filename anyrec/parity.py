@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from anyrec import _hydra
 from anyrec.proc import run_session
+from anyrec.trainer.distributed import DistInfo
 from anyrec.trainer.fingerprint import full_state
 from anyrec.trainer.trainer import Trainer
 
@@ -138,19 +139,19 @@ def run_steps(trainer, steps: int) -> list[float]:
         trainer.step += 1
         losses.append(float(trainer._last_loss))
     values = torch.tensor(losses, dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if trainer.dist.world_size > 1:
         dist.all_reduce(values)  # gloo and nccl: sum, then divide (no AVG on gloo)
-        values /= dist.get_world_size()
+        values /= trainer.dist.world_size
     return values.tolist()
 
 
-def full_weights(model, is_main: bool) -> dict[str, Any]:
+def full_weights(model, info: DistInfo) -> dict[str, Any]:
     """Every `*weight` / `*bias` entry of the state_dict, whole (fp32, shards gathered), on rank 0; else {}.
 
     Other entries (optimizer state, counters) are in the state_dict of some kernels only.
     """
-    state = full_state(model, is_main)
-    if not is_main:
+    state = full_state(model, info)
+    if not info.is_main:
         return {}
     return {name: t.float() for name, t in state.items() if name.endswith(("weight", "bias"))}
 
@@ -171,7 +172,7 @@ def worker(out_path: str, overrides: list[str]) -> None:
     trainer = Trainer(cfg)
     try:
         losses = run_steps(trainer, cfg.trainer.steps - trainer.step)
-        weights = full_weights(trainer.model, trainer.dist.is_main)
+        weights = full_weights(trainer.model, trainer.dist)
         meta = {"embedding_kernel": trainer.embedding_kernel, "world_size": trainer.dist.world_size,
                 "backend": trainer.backend.describe(), "torch": torch.__version__,
                 "batch_size_per_rank": trainer.batch_size}

@@ -327,7 +327,7 @@ def test_world_size_one_takes_the_sharded_path_when_sparse_ops_are_named(tmp_pat
             summary = trainer.train()
             served = sum((Counter(CALLS) - before).values())
             results[mode] = (trainer.unsharded, type(trainer.pipeline).__name__, summary["final_loss"],
-                             weights_fingerprint(trainer.model, True), served)
+                             weights_fingerprint(trainer.model, trainer.dist), served)
         finally:
             trainer.close()
     assert results["auto"][:2] == (True, "EagerLoop")

@@ -41,6 +41,9 @@ class DistInfo:
         return self.rank == 0
 
 
+ONE_PROCESS = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1)  # a job without torchrun
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -31,9 +31,9 @@ ROLL_CALL_S = 3.0  # how long a failed rank waits for its peers to report before
 CLOSE_WAIT_S = 5.0  # after an error, how long close() waits for the other ranks before leaving alone
 
 
-def _store() -> Any | None:
+def _store(world_size: int) -> Any | None:
     """The default process group's store, prefixed for anyrec's keys; None without a group."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if world_size == 1 or not dist.is_initialized():
         return None
     return dist.PrefixStore("anyrec/", dist.distributed_c10d._get_default_store())
 
@@ -50,7 +50,7 @@ class StopRequest:
         self._count = 0
         self._agreed = threading.Event()
         self._lock = threading.Lock()
-        self._store = _store()
+        self._store = _store(world_size)
         self._installed: dict[int, Any] = {}
         self._old_wakeup = -1
         self._pair: tuple[socket.socket, socket.socket] | None = None
@@ -195,7 +195,7 @@ def peer_failure(e: BaseException, rank: int, world_size: int, timeout_s: float)
 
 def _roll_call(rank: int, world_size: int) -> list[int]:
     try:
-        store = _store()
+        store = _store(world_size)
         if store is None:
             return []
         store.set(f"failed/{rank}", "1")
@@ -214,7 +214,7 @@ def _roll_call(rank: int, world_size: int) -> list[int]:
 def peers_met(rank: int, world_size: int, timeout_s: float = CLOSE_WAIT_S, name: str = "close") -> bool:
     """Whether every rank reaches this point within `timeout_s` (a barrier that gives up)."""
     try:
-        store = _store()
+        store = _store(world_size)
         if store is None:
             return True
         keys = [f"meet/{name}/{r}" for r in range(world_size)]

@@ -118,7 +118,7 @@ class Trainer:
         self._last_loss = torch.tensor(math.nan)
         self.predicted_perf: Perf | None = None  # the plan's slowest rank, where a planner predicted one
         self.build()
-        self.checkpoints = (CheckpointManager(cfg.trainer.checkpoint, self.signature(), self.dist.is_main,
+        self.checkpoints = (CheckpointManager(cfg.trainer.checkpoint, self.signature(), self.dist,
                                               identity_config(cfg)) if cfg.trainer.checkpoint.dir else None)
         start = self.checkpoints.start() if self.checkpoints is not None else None  # locks the dir
         if start is not None:
@@ -226,9 +226,9 @@ class Trainer:
         self.eval_data = (build_source(cfg.model, data_cfg, tc.seed, self.dist.rank, self.dist.world_size,
                                        split="eval", pin_memory=pin, device=self.device)
                           if tc.eval_steps > 0 else None)
-        self.loss_guard = NonFiniteGuard(tc.skip_nonfinite, self.device)
+        self.loss_guard = NonFiniteGuard(tc.skip_nonfinite, self.device, self.dist)
         self.validator = (InputValidator(feature_names(len(cfg.model.table_rows)), list(cfg.model.table_rows),
-                                         cfg.model.num_dense_features, self.device)
+                                         cfg.model.num_dense_features, self.device, self.dist)
                           if tc.validate_inputs else None)
         for source in (self.train_data, self.eval_data):
             if isinstance(source, Prefetched) and self.validator is not None:
@@ -437,20 +437,21 @@ class Trainer:
             eval_result = self.evaluate()
             self._log_eval(eval_result)
         summary = self._summary(run, final_loss, train_loss, eval_result)
-        summary.update(prediction_check(self.predicted_step_s, gather_step_s(run.timer.step_s, self.device),
+        per_rank_s = gather_step_s(run.timer.step_s, self.device, self.dist)
+        summary.update(prediction_check(self.predicted_step_s, per_rank_s,
                                         log=self.dist.is_main))
         summary["measured_steps"] = run.timer.steps  # this rank's timed steps (the same on every rank)
         if run.profiler is not None:
             profiler, run.profiler = run.profiler, None  # stopped here, not again on the way out
             summary["step_breakdown_ms"] = self._breakdown(profiler)
         if self.cfg.trainer.fingerprint_weights:
-            summary["weights_sha256"] = weights_fingerprint(self.model, self.dist.is_main)
+            summary["weights_sha256"] = weights_fingerprint(self.model, self.dist)
         return summary
 
     def _breakdown(self, profiler: StepProfiler) -> dict[str, Any]:
         """Stop the profiler; every rank's ms per step by phase beside the plan's (logged on rank 0)."""
         profiler.__exit__(None, None, None)
-        per_rank = gather_breakdown(profiler.ms_per_step(), self.device)
+        per_rank = gather_breakdown(profiler.ms_per_step(), self.device, self.dist)
         predicted = predicted_phases(self.predicted_perf)
         if self.dist.is_main:
             logger.info("step breakdown over the last %d steps (torch.profiler; collectives are part of "

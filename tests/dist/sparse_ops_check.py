@@ -47,7 +47,7 @@ def run(sharding: str, mode: str, out_dir: Path) -> dict:
         backward(loss)
 
     fns.backward = record_loss
-    initial = weights_fingerprint(trainer.model, trainer.dist.is_main)
+    initial = weights_fingerprint(trainer.model, trainer.dist)
     before = Counter(sparse_ops.CALLS)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         summary = trainer.train()
@@ -56,7 +56,7 @@ def run(sharding: str, mode: str, out_dir: Path) -> dict:
     recorded = Counter(ev.name for ev in prof.events() if ev.name.startswith("fbgemm::"))
     result = {
         "losses": losses, "final_loss": summary["final_loss"], "initial_weights": initial,
-        "weights": weights_fingerprint(trainer.model, trainer.dist.is_main), "recorded": dict(recorded),
+        "weights": weights_fingerprint(trainer.model, trainer.dist), "recorded": dict(recorded),
         "served": {k: v for k, v in served.items() if v},
         "installed": list(sparse_ops.installed("CPU")),
     }
