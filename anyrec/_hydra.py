@@ -9,11 +9,22 @@ import logging
 import os
 
 from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
 from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ValidationError
 
-from anyrec.config import AnyrecConfig, config_dir, register_configs, to_object
+from anyrec.config import (
+    AnyrecConfig,
+    BackendConfig,
+    DataConfig,
+    HardwareConfig,
+    ModelConfig,
+    OptimConfig,
+    PlannerConfig,
+    TrainerConfig,
+    config_dir,
+)
 
 
 def _rank0_only(value: str) -> str | None:
@@ -92,6 +103,27 @@ def check_known_keys(cfg: DictConfig) -> None:
         parts.append(f"{key} (did you mean {guess}?)" if guess else
                      f"{key} (known under {parent or 'the top level'}: {', '.join(siblings)})")
     raise ValueError(f"unknown config key{'s' if len(parts) > 1 else ''}: {'; '.join(parts)}")
+
+
+def register_configs() -> None:
+    """Register the schema so every YAML group is type-checked against it."""
+    cs = ConfigStore.instance()
+    cs.store(name="anyrec_schema", node=AnyrecConfig)
+    for group, node in [
+        ("model", ModelConfig), ("data", DataConfig), ("backend", BackendConfig),
+        ("hardware", HardwareConfig), ("planner", PlannerConfig), ("optim", OptimConfig),
+        ("trainer", TrainerConfig),
+    ]:
+        cs.store(group=group, name=f"{group}_schema", node=node)
+
+
+def to_object(cfg: DictConfig) -> AnyrecConfig:
+    """A typed `AnyrecConfig` from a composed DictConfig (validated by the schema)."""
+    check_known_keys(cfg)
+    obj = OmegaConf.to_object(cfg)
+    if not isinstance(obj, AnyrecConfig):
+        raise TypeError(f"config does not follow the anyrec schema: got {type(obj).__name__}")
+    return obj
 
 
 def per_job_dir(path: str | None) -> str | None:

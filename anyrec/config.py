@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 
@@ -208,31 +207,6 @@ class AnyrecConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
-
-
-def register_configs() -> None:
-    """Register the schema so every YAML group is type-checked against it."""
-    cs = ConfigStore.instance()
-    cs.store(name="anyrec_schema", node=AnyrecConfig)
-    for group, node in [
-        ("model", ModelConfig), ("data", DataConfig), ("backend", BackendConfig),
-        ("hardware", HardwareConfig), ("planner", PlannerConfig), ("optim", OptimConfig),
-        ("trainer", TrainerConfig),
-    ]:
-        cs.store(group=group, name=f"{group}_schema", node=node)
-
-
-def to_object(cfg: Any) -> AnyrecConfig:
-    """A typed `AnyrecConfig` from a composed DictConfig (validated by the schema)."""
-    from omegaconf import OmegaConf
-
-    from anyrec._hydra import check_known_keys  # anyrec._hydra imports this module
-
-    check_known_keys(cfg)
-    obj = OmegaConf.to_object(cfg)
-    if not isinstance(obj, AnyrecConfig):
-        raise TypeError(f"config does not follow the anyrec schema: got {type(obj).__name__}")
-    return obj
 
 
 def check_values(cfg: AnyrecConfig) -> None:

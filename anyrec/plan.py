@@ -20,7 +20,7 @@ from anyrec import _hydra
 from anyrec.backends import get_backend, resolve_hardware, rewrite_hardware_argv
 from anyrec.backends.hardware import figure_sources
 from anyrec.backends.specs import DeviceSpec
-from anyrec.config import AnyrecConfig, check_values, config_dir, to_object
+from anyrec.config import AnyrecConfig, check_values, config_dir
 from anyrec.io_checks import writable_file
 from anyrec.models.dlrm import build_model
 from anyrec.planner.job import plan_model
@@ -89,7 +89,7 @@ _hydra.setup()
 @hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     try:
-        run(to_object(cfg))
+        run(_hydra.to_object(cfg))
     except ValueError as e:  # infeasible plans and user mistakes: one line, non-zero exit
         print(f"anyrec-plan: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)

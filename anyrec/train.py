@@ -15,7 +15,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from anyrec import _hydra
 from anyrec.backends import rewrite_hardware_argv
-from anyrec.config import check_values, config_dir, to_object
+from anyrec.config import check_values, config_dir
 from anyrec.io_checks import writable_dir
 from anyrec.trainer.errors import NonFiniteLossError, PeerLostError, write_error_file
 
@@ -31,7 +31,7 @@ def run(cfg: DictConfig) -> dict:
     from anyrec.trainer.trainer import Trainer  # torchrec loads once Hydra has parsed the command line
 
     _hydra.quiet_non_main_ranks()
-    config = to_object(cfg)
+    config = _hydra.to_object(cfg)
     check_values(config)
     if config.trainer.run_dir is None and HydraConfig.initialized():
         config.trainer.run_dir = HydraConfig.get().runtime.output_dir

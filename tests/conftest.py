@@ -42,7 +42,8 @@ def compose_config(overrides: list[str] | None = None):
     from hydra import compose, initialize_config_dir
 
     from anyrec import _hydra
-    from anyrec.config import config_dir, to_object
+    from anyrec._hydra import to_object
+    from anyrec.config import config_dir
 
     _hydra.setup()
     with initialize_config_dir(str(config_dir()), version_base="1.3"):
