@@ -36,7 +36,7 @@ from anyrec.backends import Backend, get_backend
 from anyrec.backends.dispatch import Impl, KernelProfile, availability, implementations, set_profile
 from anyrec.backends.specs import DeviceSpec
 from anyrec.calibrate_step import measure_step_costs
-from anyrec.io_checks import writable_file
+from anyrec.io_checks import atomic_write, writable_file
 from anyrec.kernels.optimizers import OptimizerConfig
 from anyrec.planner.estimators import lookup_time_s
 from anyrec.planner.types import Placement, TableSpec, Topology
@@ -379,13 +379,11 @@ def hardware_yaml(backend: Backend, m: dict) -> dict:
 
 
 def write_yaml(path: Path, data: dict, header: str) -> None:
-    """Atomic write: a temporary file beside the target, then rename."""
+    """The calibration YAML, written whole or not at all."""
     import yaml
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(header + yaml.safe_dump(data, sort_keys=False, default_flow_style=False))
-    os.replace(tmp, path)
+    with atomic_write(path) as f:
+        f.write(header + yaml.safe_dump(data, sort_keys=False, default_flow_style=False))
 
 
 def format_table(m: dict) -> str:

@@ -6,7 +6,7 @@ import pytest
 
 from anyrec import calibrate
 from anyrec.data import preprocess
-from anyrec.io_checks import writable_dir, writable_file
+from anyrec.io_checks import atomic_write, writable_dir, writable_file
 from anyrec.plan import run as plan_run
 
 from .conftest import compose_config
@@ -68,3 +68,18 @@ def test_preprocess_fails_before_converting(tmp_path, a_file, capsys):
     captured = capsys.readouterr()
     assert captured.out == ""  # no file converted
     assert captured.err.strip() == f"anyrec-preprocess: error: --out-dir {a_file} is a file, not a folder"
+
+
+def test_atomic_write_replaces_whole_or_leaves_the_old_file(tmp_path):
+    target = tmp_path / "sub" / "out.json"
+    with atomic_write(target) as f:
+        f.write("first")
+    assert target.read_text() == "first"
+    with pytest.raises(RuntimeError), atomic_write(target) as f:
+        f.write("half of the second")
+        raise RuntimeError("cut short")
+    assert target.read_text() == "first"  # the failed write left the old file as it was
+    assert sorted(p.name for p in target.parent.iterdir()) == ["out.json"]  # and no temp file behind
+    with atomic_write(target, "wb") as f:
+        f.write(b"\x00bytes")
+    assert target.read_bytes() == b"\x00bytes"

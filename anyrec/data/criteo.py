@@ -36,6 +36,7 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from anyrec.config import DataConfig, ModelConfig
+from anyrec.io_checks import atomic_write
 from anyrec.schema import feature_names
 
 logger = logging.getLogger(__name__)
@@ -261,10 +262,8 @@ def write_npy(arrays: CriteoArrays, directory: str | Path, prefix: str) -> None:
     Path(directory).mkdir(parents=True, exist_ok=True)
     for p, arr in zip(npy_paths(directory, prefix), (arrays.dense_NI, arrays.sparse_NF, arrays.labels_N1),
                       strict=True):
-        tmp = p.with_name(p.name + ".tmp")
-        with tmp.open("wb") as f:
+        with atomic_write(p, "wb") as f:
             np.save(f, arr)
-        tmp.replace(p)
 
 
 def read_npy(directory: str | Path, prefix: str) -> CriteoArrays:
