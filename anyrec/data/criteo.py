@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import gzip
 import logging
-import math
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -368,11 +367,6 @@ class CriteoSource:
         B = self.batch_size
         self._lengths = torch.cat([torch.full((B,), L, dtype=torch.int32) for L in self.hot])
         self._length_per_key = [B * L for L in self.hot]
-
-    @property
-    def batches_per_epoch(self) -> int:
-        """Global steps until every row has been read once (all ranks together)."""
-        return math.ceil(self.num_rows / (self.batch_size * self.world_size))
 
     def _rows(self, start: int, count: int) -> tuple[np.ndarray, list[np.ndarray], np.ndarray]:
         """`count` rows from global row `start` on (mod N), as contiguous slices of the files, each
