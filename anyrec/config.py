@@ -6,6 +6,7 @@ Library code takes these dataclasses (or plain values); `DictConfig` stops at th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +24,62 @@ def config_dir() -> Path:
     raise FileNotFoundError(f"anyrec config groups not found in {installed} or {repo}")
 
 
+# Closed choices are enums: a value outside them fails when the config is composed, before any
+# process group starts. Members are named as their values, so they compare and print as the strings.
+class Interaction(StrEnum):
+    dot = "dot"
+    dcn = "dcn"
+
+
+class OnMalformed(StrEnum):
+    error = "error"
+    skip = "skip"
+
+
+class DenseTransform(StrEnum):
+    torchrec = "torchrec"
+    log1p = "log1p"
+
+
+class SparseOps(StrEnum):
+    auto = "auto"
+    fbgemm = "fbgemm"
+    portable = "portable"
+
+
+class PlannerName(StrEnum):
+    codesign = "codesign"
+    simple = "simple"
+
+
+class Sharding(StrEnum):
+    auto = "auto"
+    table_wise = "table_wise"
+    row_wise = "row_wise"
+    column_wise = "column_wise"
+    table_row_wise = "table_row_wise"
+    data_parallel = "data_parallel"
+
+
+class Optimizer(StrEnum):
+    sgd = "sgd"
+    adagrad = "adagrad"
+    rowwise_adagrad = "rowwise_adagrad"
+    adam = "adam"
+
+
+class Precision(StrEnum):
+    auto = "auto"
+    bf16 = "bf16"
+    fp32 = "fp32"
+
+
 @dataclass
 class ModelConfig:
     """A DLRM-family model: tables, MLPs and the interaction."""
 
     name: str = MISSING
-    interaction: str = "dot"  # dot | dcn
+    interaction: Interaction = Interaction.dot
     embedding_dim: int = 16
     num_dense_features: int = 13
     table_rows: list[int] = field(default_factory=list)  # one table per sparse feature
@@ -54,9 +105,10 @@ class DataConfig:
     path: str | None = None  # directory holding the files below
     train_files: list[str] = field(default_factory=list)  # TSV names, or npy prefixes ("day_0")
     eval_files: list[str] = field(default_factory=list)  # empty: evaluate on the train files
-    on_malformed: str = "error"  # error | skip (count them and report the count)
+    on_malformed: OnMalformed = OnMalformed.error  # skip: count them and report the count
     hash_ids: bool = True  # ids modulo the table size (Criteo ids are 32-bit hashes)
-    dense_transform: str = "torchrec"  # TSV: torchrec (log(x - min + 2), as tsv_to_npys) | log1p
+    # TSV: torchrec is log(x - min + 2), as torchrec's tsv_to_npys
+    dense_transform: DenseTransform = DenseTransform.torchrec
     prefetch: int = 2  # batches made ahead by background threads (files; synthetic on a CPU); 0 = in the step
     prefetch_workers: int = 1  # threads making them (order is kept either way)
     # Test-only fault injection: the dense features of this training step are NaN.
@@ -73,7 +125,7 @@ class BackendConfig:
     dcn_kernel: str = "auto"  # auto | triton | torch
     # FBGEMM sparse ops of torchrec's sharded path: auto (FBGEMM where it has a kernel for the device,
     # pure-torch kernels elsewhere) | fbgemm | portable (pure torch everywhere, overriding FBGEMM)
-    sparse_ops: str = "auto"
+    sparse_ops: SparseOps = SparseOps.auto
     # CPU device, several ranks per host: bind each rank's threads to its own share of the cores
     # (false: threads float over all cores, torch's thread count still split between the ranks)
     bind_cores: bool = True
@@ -96,9 +148,8 @@ class HardwareConfig:
 class PlannerConfig:
     """How embedding tables get their sharding."""
 
-    name: str = "codesign"  # codesign | simple
-    # auto, or force one of table_wise|row_wise|column_wise|table_row_wise|data_parallel
-    sharding: str = "auto"
+    name: PlannerName = PlannerName.codesign
+    sharding: Sharding = Sharding.auto  # auto, or force one sharding type for every table
     allow_uvm: bool = True
     uvm_cache_ratio: float = 0.2
     memory_reserve_fraction: float = 0.1
@@ -108,7 +159,7 @@ class PlannerConfig:
 class OptimConfig:
     """Embedding (fused) and dense optimizers, gradient clipping and the learning-rate schedule."""
 
-    name: str = "adagrad"  # sgd | adagrad | rowwise_adagrad | adam
+    name: Optimizer = Optimizer.adagrad
     embedding_lr: float = 0.05
     dense_lr: float = 0.05
     eps: float = 1e-8
@@ -163,7 +214,7 @@ class TrainerConfig:
     breakdown_steps: int = 0
     progress: bool = True
     pipeline: bool = True  # torchrec TrainPipelineSparseDist (input dist overlapped with compute)
-    mixed_precision: str = "auto"  # auto (bf16 autocast on GPUs, fp32 on CPU) | bf16 | fp32
+    mixed_precision: Precision = Precision.auto  # auto: bf16 autocast on accelerators, fp32 on CPU
     skip_nonfinite: bool = False  # NaN/inf loss: skip the batch instead of stopping
     validate_inputs: bool = True  # check ids and feature counts of every batch before it is used
     run_dir: str | None = None  # JSONL/TensorBoard logs; the entry point sets Hydra's output dir
