@@ -244,7 +244,8 @@ def test_metadata_removed_and_meta_edited_to_match_is_refused_before_loading(tmp
     _edit_meta(ck, drop)
     with pytest.raises(CheckpointError) as e:
         _manager(root).read_meta(ck)
-    assert str(e.value) == f"checkpoint {ck} is corrupt or incomplete: meta.json does not list DCP's .metadata"
+    assert str(e.value) == (f"checkpoint {ck} is corrupt or incomplete: meta.json does not list "
+                            "DCP's .metadata")
 
 
 def test_a_shard_missing_from_meta_is_refused_before_loading(tmp_path):
