@@ -86,6 +86,7 @@ def test_calibrate_writes_a_hardware_yaml(tmp_path, capsys):
     assert not list(out.parent.glob(".*tmp*"))  # the atomic write left no temporary behind
 
 
+@pytest.mark.integration
 @pytest.mark.cpu_only  # two ranks on one host: one device each only without an accelerator
 def test_calibrate_under_torchrun_measures_collectives(tmp_path):
     out = tmp_path / "cal2.yaml"

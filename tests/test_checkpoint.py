@@ -13,6 +13,8 @@ import pytest
 
 from .conftest import ROOT, last_json_line, torchrun
 
+pytestmark = pytest.mark.integration  # every test here starts processes
+
 BASE = ["-m", "anyrec.train", "model=dlrm_tiny", "data.batch_size=64", "trainer.eval_steps=2",
         "trainer.progress=false", "trainer.log_every=5", "trainer.fingerprint_weights=true",
         "planner.sharding=row_wise", "trainer.tensorboard=false"]

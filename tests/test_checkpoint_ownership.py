@@ -163,6 +163,7 @@ def _python(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
                           timeout=timeout, env=env, cwd=ROOT)
 
 
+@pytest.mark.integration
 def test_a_locked_directory_is_refused_and_a_killed_holder_frees_it(tmp_path):
     root = tmp_path / "ck"
     m = _manager(root)
@@ -190,6 +191,7 @@ def test_a_locked_directory_is_refused_and_a_killed_holder_frees_it(tmp_path):
     assert _train(root, [1]) is None
 
 
+@pytest.mark.integration
 def test_a_failed_save_is_one_line_and_leaves_no_temporary(tmp_path):
     # A real write failure: the file size limit (EFBIG) stands in for a full disk.
     root = tmp_path / "ck"

@@ -105,6 +105,7 @@ def test_bad_override_value_is_one_line(override, message):
     assert bad_override_value(["model=dlrm_tiny", "trainer.steps=3"]) is None
 
 
+@pytest.mark.integration
 def test_bad_override_value_exits_2_with_one_line(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "anyrec.train", "trainer.steps=many"], cwd=tmp_path,

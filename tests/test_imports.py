@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import anyrec
 
 from .conftest import ROOT
@@ -108,6 +110,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+@pytest.mark.integration
 def test_every_module_imports_in_a_fresh_interpreter():
     names = module_names()
     assert len(names) > 50 and "anyrec.planner.report" in names and "anyrec.schema" in names

@@ -7,7 +7,11 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from .conftest import ROOT
+
+pytestmark = pytest.mark.integration  # every test here starts processes
 
 
 def test_wheel_ships_configs_and_composes_elsewhere(tmp_path):

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.integration  # every test here starts processes
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -162,6 +162,7 @@ def two_hosts(tmp_path_factory):
     return d, run
 
 
+@pytest.mark.integration
 def test_two_hosts_train_with_host_aware_plan_and_shared_checkpoints(two_hosts):
     d, run = two_hosts
     assert run.returncodes == [0, 0], run.out[-4000:]
@@ -181,6 +182,7 @@ def test_two_hosts_train_with_host_aware_plan_and_shared_checkpoints(two_hosts):
         assert json.loads((ck / "meta.json").read_text())["world_size"] == 4
 
 
+@pytest.mark.integration
 def test_sigkilled_worker_on_host_1_restarts_both_hosts_from_checkpoint(two_hosts, tmp_path):
     ref = two_hosts[1].summary()
     run = launch_hosts([*BASE, TWRW, f"trainer.checkpoint.dir={tmp_path}/ck", f"hydra.run.dir={tmp_path}/h",
@@ -200,6 +202,7 @@ def test_sigkilled_worker_on_host_1_restarts_both_hosts_from_checkpoint(two_host
     assert s["train_loss"] == pytest.approx(ref["train_loss"], rel=0, abs=LOSS_ATOL)
 
 
+@pytest.mark.integration
 def test_two_host_checkpoint_resumes_resharded_on_one_host(two_hosts, tmp_path):
     d, ref_run = two_hosts
     ref = ref_run.summary()
@@ -219,6 +222,7 @@ def test_two_host_checkpoint_resumes_resharded_on_one_host(two_hosts, tmp_path):
     assert s["final_loss"] == pytest.approx(ref["final_loss"], rel=0, abs=LOSS_ATOL)
 
 
+@pytest.mark.integration
 def test_hosts_with_different_rank_counts_fail_on_every_rank(tmp_path):
     run = launch_hosts([*BASE, f"hydra.run.dir={tmp_path}/h"], tmp_path, nproc=(2, 1), timeout=240)
     assert all(rc != 0 for rc in run.returncodes), run.out[-4000:]
@@ -269,6 +273,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.integration
 def test_hosts_with_different_restart_counts_join_one_group():
     """torchrun counts restarts per agent: after host 1's worker failed, its workers start with
     TORCHELASTIC_RESTART_COUNT=1 while host 0's (stopped only for the new round) keep 0. Both must
@@ -343,6 +348,7 @@ def _sbatch(tmp_path: Path, args: list[str], shared: str | None = "/shared/anyre
     return proc, argv
 
 
+@pytest.mark.integration
 def test_sbatch_runs_one_torchrun_agent_per_node_with_c10d_on_the_first(tmp_path):
     assert subprocess.run(["bash", "-n", str(SBATCH)], capture_output=True, timeout=30).returncode == 0
     proc, argv = _sbatch(tmp_path, ["model=dlrmv2", "optim=adagrad", "hardware=mi350x"])
@@ -394,6 +400,7 @@ def _doc_commands() -> list[list[str]]:
     return [shlex.split(line) for block in blocks for line in block.splitlines() if line.strip()]
 
 
+@pytest.mark.integration
 def test_every_command_in_the_multinode_doc_is_one_a_test_runs(tmp_path):
     """torchrun lines are the two-host tests' agents, sbatch and kubectl name the files tested above,
     and the anyrec-plan lines run here, verbatim."""

@@ -67,6 +67,7 @@ def test_prediction_check_reports_and_warns(caplog):
     assert none["measured_step_ms"] == pytest.approx(20.0)
 
 
+@pytest.mark.integration
 def test_training_summary_holds_prediction_measurement_and_breakdown(tmp_path):
     proc = torchrun(["-m", "anyrec.train", "model=dlrm_tiny", "trainer.steps=12", "data.batch_size=64",
                      "trainer.eval_steps=0", "trainer.breakdown_steps=4", f"hydra.run.dir={tmp_path}/run"],

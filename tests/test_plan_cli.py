@@ -100,6 +100,7 @@ def test_forced_sharding_that_changes_the_update_is_one_line(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.integration
 def test_infeasible_exits_2_with_one_stderr_line(tmp_path):
     out = tmp_path / "plan.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

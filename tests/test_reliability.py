@@ -8,8 +8,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from .conftest import ROOT, last_json_line, torchrun
 from .test_data import write_tsv
+
+pytestmark = pytest.mark.integration  # every test here starts processes
 
 BASE = ["-m", "anyrec.train", "model=dlrm_tiny", "data.batch_size=32", "trainer.eval_steps=0",
         "trainer.progress=false", "trainer.tensorboard=false"]

@@ -25,6 +25,7 @@ from interrupt import alive, descendants, launch, output, wait_for, wait_gone  #
 FAST = ["trainer.stop_check_every=5"]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("signal_rank", [0, 1])
 def test_a_signal_on_one_rank_stops_all_at_one_step(tmp_path, signal_rank):
     # tests/dist/stop_check.py: one all-reduce per step, SIGINT on one rank after step 7, checks
@@ -59,6 +60,7 @@ def _summary(text: str) -> dict:
     return json.loads(lines[-1])
 
 
+@pytest.mark.integration
 def test_ctrl_c_stops_every_rank_at_one_step_and_saves(tmp_path):
     ck = tmp_path / "ck"
     proc = launch(tmp_path, [*FAST, f"trainer.checkpoint.dir={ck}"])
@@ -136,6 +138,7 @@ def test_workers_of_a_killed_launcher_stop(tmp_path):
         output(tmp_path)[-3000:]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("what", ["file", "bogus"])
 def test_errors_reach_torchruns_report_in_one_line(tmp_path, what):
     f = tmp_path / "a_file"

@@ -271,6 +271,7 @@ def two_rank_results(tmp_path_factory):
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("sharding", SHARDINGS)
 def test_two_rank_training_is_bit_identical_with_portable_sparse_ops(two_rank_results, sharding):
     for res in two_rank_results:
@@ -294,6 +295,7 @@ EXPECTED = {  # the recorded inventory per sharding type (docs/porting.md)
 EMBEDDING_OPS = {"fbgemm::dense_embedding_codegen_lookup_function"}
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("sharding", SHARDINGS)
 def test_recorded_fbgemm_calls_are_all_served_by_portable_kernels(two_rank_results, sharding):
     for res in two_rank_results:
@@ -336,6 +338,7 @@ def test_world_size_one_takes_the_sharded_path_when_sparse_ops_are_named(tmp_pat
     assert results["portable"][2:4] == results["fbgemm"][2:4]
 
 
+@pytest.mark.integration
 def test_plugin_backend_trains_sharded_on_portable_sparse_ops(request, tmp_path):
     plugin = request.getfixturevalue("plugin_path")
     env = single_process_env(plugin)

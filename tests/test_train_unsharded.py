@@ -3,6 +3,7 @@ unsharded, no FBGEMM op runs in a training step, and checkpoints resume exactly.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from anyrec.kernels.ebc import TritonEmbeddingBagCollection
@@ -49,6 +50,7 @@ def test_single_device_torch_kernel_trains_without_fbgemm_ops(tmp_path, monkeypa
         trainer.close()
 
 
+@pytest.mark.integration
 def test_single_device_resume_is_exact(tmp_path):
     base = ["-m", "anyrec.train", *TINY, "backend.embedding_kernel=torch", "trainer.eval_steps=2",
             "trainer.fingerprint_weights=true", f"hydra.run.dir={tmp_path}/h", "optim=adam"]
