@@ -38,3 +38,42 @@ def test_forced_column_wise_with_rowwise_adagrad_is_refused(planner):
 def test_codesign_plans_the_models_own_tables():
     model, per_table = _plan(["planner=codesign", "optim=rowwise_adagrad"])
     assert set(per_table) == {c.name for c in model.sparse_arch.embedding_bag_configs()}
+
+
+def _trained_dense_weights(tmp_path, monkeypatch, wrapper=None) -> tuple[list[str], dict[str, torch.Tensor]]:
+    """Three steps of a one-rank sharded (fbgemm) trainer; `wrapper` replaces `dense_wrapper` if given.
+    Returns the type names of the model's modules and the dense weights afterwards."""
+    from anyrec.trainer import trainer as trainer_module
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    for name in ("MASTER_ADDR", "MASTER_PORT"):  # set-then-delete: monkeypatch removes what Trainer sets
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    if wrapper is not None:
+        monkeypatch.setattr(trainer_module, "dense_wrapper", wrapper)
+    _, cfg = compose_config(["model=dlrm_tiny", "trainer.progress=false", "trainer.tensorboard=false",
+                             "data.batch_size=64", "trainer.steps=3", "trainer.eval_steps=0",
+                             f"trainer.run_dir={tmp_path}"])
+    trainer = trainer_module.Trainer(cfg)
+    try:
+        assert not trainer.unsharded
+        for i in range(3):
+            trainer.train_step(trainer.train_data.batch(i))
+        types = [type(m).__name__ for m in trainer.model.modules()]
+        return types, {n: p.detach().clone() for n, p in trainer.model.named_parameters()
+                       if "sparse_arch" not in n}
+    finally:
+        trainer.close()
+
+
+def test_world_size_one_trains_without_ddp_and_the_same_weights(tmp_path, monkeypatch):
+    """At world size 1 the dense modules are not wrapped in DDP (its all-reduce averages nothing), and
+    three steps give bit-identical dense weights to the DDP-wrapped model."""
+    types, weights = _trained_dense_weights(tmp_path / "a", monkeypatch)
+    assert "DistributedDataParallel" not in types, types
+    ddp_types, ddp_weights = _trained_dense_weights(tmp_path / "b", monkeypatch, wrapper=lambda world_size: None)
+    assert "DistributedDataParallel" in ddp_types
+    assert len(weights) > 0 and weights.keys() == ddp_weights.keys()
+    for name, w in weights.items():
+        assert torch.equal(w, ddp_weights[name]), name

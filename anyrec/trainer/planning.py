@@ -5,9 +5,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
-from torchrec.distributed.types import ModuleSharder, ShardingPlan
+from torchrec.distributed.model_parallel import DataParallelWrapper, DistributedModelParallel
+from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 
 from anyrec.backends import Backend, resolve_hardware
 from anyrec.backends.sharders import compute_kernel, embedding_sharder
@@ -27,6 +29,19 @@ logger = logging.getLogger(__name__)
 def sharders(embedding_kernel: str) -> list[ModuleSharder]:
     """The sharders DistributedModelParallel uses: one for the selected embedding implementation."""
     return [embedding_sharder(embedding_kernel)]
+
+
+class NoDataParallelWrapper(DataParallelWrapper):
+    """Leaves the dense modules as they are: with one rank DDP's gradient all-reduce averages nothing
+    but still runs every step (buckets, a gloo all-reduce of the whole dense gradient, bookkeeping)."""
+
+    def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
+        pass
+
+
+def dense_wrapper(world_size: int) -> DataParallelWrapper | None:
+    """DistributedModelParallel's data-parallel wrapper: none at world size 1, torchrec's DDP otherwise."""
+    return NoDataParallelWrapper() if world_size == 1 else None
 
 
 def shared_plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module, module_path: str,

@@ -59,7 +59,7 @@ from anyrec.trainer.optim import (
 )
 from anyrec.trainer.perfcheck import StepTimer, gather_step_s, prediction_check, warmup_steps
 from anyrec.trainer.pipeline import EagerLoop, SparseDistPipeline, StepFunctions
-from anyrec.trainer.planning import sharders, shared_plan
+from anyrec.trainer.planning import dense_wrapper, sharders, shared_plan
 from anyrec.trainer.reporting import LossWindow, MetricWriter, progress_bar
 from anyrec.trainer.schedule import WarmupPolyDecay, set_lr
 from anyrec.trainer.shutdown import StopRequest, peers_met
@@ -179,6 +179,7 @@ class Trainer:
         self.model = DistributedModelParallel(
             DLRMTrain(model), device=self.device, plan=self.sharding_plan,
             sharders=sharders(self.embedding_kernel),
+            data_parallel_wrapper=dense_wrapper(self.dist.world_size),
         )
         self.fused_optimizer = self.model.fused_optimizer
 
