@@ -246,11 +246,29 @@ def test_launch_token_ignores_an_earlier_launchs_keys():
         server.set(f"anyrec/join/resp/{r}", f"stale{r}:old")
     server.add("anyrec/join/ack/old", world - 1)
     tokens: dict[int, str] = {}
+    saw_stale = {r: threading.Event() for r in range(1, world)}
+
+    class Watched:
+        """The store as rank r sees it, noting when it reads an earlier launch's answer."""
+
+        def __init__(self, r: int) -> None:
+            self.r, self.store = r, client()
+
+        def get(self, key: str) -> bytes:
+            value = self.store.get(key)
+            if value.startswith(b"stale"):
+                saw_stale[self.r].set()
+            return value
+
+        def __getattr__(self, name: str):
+            return getattr(self.store, name)
 
     def rank(r: int) -> None:
-        if r == 0:
-            time.sleep(0.3)  # rank 0 last: the others first see only the stale answers
-        tokens[r] = launch_token(client(), r, world, timeout_s=30)
+        if r == 0:  # rank 0 last: every other rank has read a stale answer before it starts
+            assert all(e.wait(30) for e in saw_stale.values())
+            tokens[r] = launch_token(client(), r, world, timeout_s=30)
+        else:
+            tokens[r] = launch_token(Watched(r), r, world, timeout_s=30)
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
     for t in threads:

@@ -72,7 +72,8 @@ def test_world_size_one_trains_without_ddp_and_the_same_weights(tmp_path, monkey
     three steps give bit-identical dense weights to the DDP-wrapped model."""
     types, weights = _trained_dense_weights(tmp_path / "a", monkeypatch)
     assert "DistributedDataParallel" not in types, types
-    ddp_types, ddp_weights = _trained_dense_weights(tmp_path / "b", monkeypatch, wrapper=lambda world_size: None)
+    ddp_types, ddp_weights = _trained_dense_weights(tmp_path / "b", monkeypatch,
+                                                    wrapper=lambda world_size: None)
     assert "DistributedDataParallel" in ddp_types
     assert len(weights) > 0 and weights.keys() == ddp_weights.keys()
     for name, w in weights.items():
