@@ -39,14 +39,7 @@ def run(sharding: str, mode: str, out_dir: Path) -> dict:
     ])
     trainer = Trainer(cfg)
     losses: list[float] = []
-    fns = trainer.pipeline._fns
-    backward = fns.backward
-
-    def record_loss(loss):
-        losses.append(float(loss.detach()))
-        backward(loss)
-
-    fns.backward = record_loss
+    trainer.step_hooks.append(lambda t: losses.append(float(t.last_loss)))
     initial = weights_fingerprint(trainer.model, trainer.dist.is_main)
     before = Counter(sparse_ops.CALLS)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
