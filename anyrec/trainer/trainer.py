@@ -30,17 +30,9 @@ from anyrec.kernels.ebc import TritonEBCOptimizer
 from anyrec.models.dlrm import DLRM, build_model, table_configs
 from anyrec.models.init import init_model
 from anyrec.planner.types import Perf
-from anyrec.trainer.breakdown import (
-    StepProfiler,
-    breakdown_window,
-    format_breakdown,
-    gather_breakdown,
-    phase,
-    predicted_phases,
-)
+from anyrec.trainer.breakdown import StepProfiler, breakdown_window, phase
 from anyrec.trainer.checkpoint import CheckpointManager
 from anyrec.trainer.distributed import DistInfo, all_reduce_mean, destroy_distributed, init_distributed
-from anyrec.trainer.fingerprint import weights_fingerprint
 from anyrec.trainer.inputs import build_inputs
 from anyrec.trainer.lineage import identity_config
 from anyrec.trainer.metrics import EvalMetrics
@@ -51,14 +43,14 @@ from anyrec.trainer.optim import (
     check_embedding_weight_decay,
     embedding_optimizer_config,
 )
-from anyrec.trainer.perfcheck import StepTimer, gather_step_s, prediction_check, warmup_steps
+from anyrec.trainer.perfcheck import StepTimer, warmup_steps
 from anyrec.trainer.pipeline import EagerLoop, SparseDistPipeline, StepFunctions
 from anyrec.trainer.planning import sharders, shared_plan
 from anyrec.trainer.reporting import LossWindow, MetricWriter, progress_bar
 from anyrec.trainer.schedule import WarmupPolyDecay
 from anyrec.trainer.shutdown import StopRequest, peers_met
 from anyrec.trainer.state import StepState
-from anyrec.trainer.summary import RunState, run_summary
+from anyrec.trainer.summary import RunState, log_eval, log_train, run_summary
 from anyrec.trainer.validate import flush_checks
 
 logger = logging.getLogger(__name__)
@@ -285,7 +277,7 @@ class Trainer:
             run.bar.update(1)
         if log_every and self.step % log_every == 0:
             self._flush_checks()
-            self._log_train(lr_factor)
+            log_train(self, lr_factor)
         for hook in self.step_hooks:
             hook(self)
 
@@ -295,22 +287,6 @@ class Trainer:
         if self.run.flushed_at != self.step:
             self.run.flushed_at = self.step
             flush_checks(self.validator, self.loss_guard)
-
-    def _log_train(self, lr_factor: float) -> None:
-        run = self.run
-        mean = run.window.mean()
-        if math.isnan(mean):
-            return
-        if run.bar is not None:
-            run.bar.set_postfix(loss=f"{mean:.4f}", refresh=False)
-        rate = (self.batch_size * self.dist.world_size * (self.step - run.start_step)
-                / max(run.timer.elapsed_s(), 1e-9))
-        if self.dist.is_main:
-            logger.info("step %d loss %.5f", self.step, mean)
-        self.writer.write(self.step, "train", {
-            "loss": mean, "samples_per_s": rate, "lr_factor": lr_factor,
-            "dense_lr": self.cfg.optim.dense_lr * lr_factor,
-            "embedding_lr": self.cfg.optim.embedding_lr * lr_factor})
 
     def _new_run(self, progress: bool = False) -> RunState:
         tc = self.cfg.trainer
@@ -368,7 +344,7 @@ class Trainer:
                 self.step % tc.checkpoint.every == 0:
             self.run.last_checkpoint = self.save_checkpoint()
         if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.steps and self.eval_data:
-            self._log_eval(self.evaluate())
+            log_eval(self, self.evaluate())
 
     def _finish(self) -> dict[str, Any]:
         """The final checkpoint (unless the last chunk wrote it), the final evaluation and the summary."""
@@ -384,32 +360,8 @@ class Trainer:
         eval_result = None
         if self.eval_data is not None and not stopped:
             eval_result = self.evaluate()
-            self._log_eval(eval_result)
-        summary = run_summary(self, run, final_loss, train_loss, eval_result)
-        summary.update(prediction_check(self.predicted_step_s, gather_step_s(run.timer.step_s, self.device),
-                                        log=self.dist.is_main))
-        summary["measured_steps"] = run.timer.steps  # this rank's timed steps (the same on every rank)
-        if run.profiler is not None:
-            profiler, run.profiler = run.profiler, None  # stopped here, not again on the way out
-            summary["step_breakdown_ms"] = self._breakdown(profiler)
-        if self.cfg.trainer.fingerprint_weights:
-            summary["weights_sha256"] = weights_fingerprint(self.model, self.dist.is_main)
-        return summary
-
-    def _breakdown(self, profiler: StepProfiler) -> dict[str, Any]:
-        """Stop the profiler; every rank's ms per step by phase beside the plan's (logged on rank 0)."""
-        profiler.__exit__(None, None, None)
-        per_rank = gather_breakdown(profiler.ms_per_step(), self.device)
-        predicted = predicted_phases(self.predicted_perf)
-        if self.dist.is_main:
-            logger.info("step breakdown over the last %d steps (torch.profiler; collectives are part of "
-                        "the phases they ran in):\n%s", profiler.steps, format_breakdown(per_rank, predicted))
-        return {"steps": profiler.steps, "per_rank": per_rank, "predicted": predicted}
-
-    def _log_eval(self, result: dict[str, float]) -> None:
-        self.writer.write(self.step, "eval", result)
-        if self.dist.is_main:
-            logger.info("step %d eval %s", self.step, " ".join(f"{k} {v:.5f}" for k, v in result.items()))
+            log_eval(self, eval_result)
+        return run_summary(self, final_loss, train_loss, eval_result)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
