@@ -111,8 +111,6 @@ class DataConfig:
     dense_transform: DenseTransform = DenseTransform.torchrec
     prefetch: int = 2  # batches made ahead by background threads (files; synthetic on a CPU); 0 = in the step
     prefetch_workers: int = 1  # threads making them (order is kept either way)
-    # Test-only fault injection: the dense features of this training step are NaN.
-    inject_nan_at_step: int | None = None
 
 
 @dataclass
@@ -192,14 +190,6 @@ class CheckpointConfig:
 
 
 @dataclass
-class FaultConfig:
-    """Test-only fault injection (exercises restart and resume); never set in real jobs."""
-
-    kill_at_step: int | None = None  # SIGKILL `kill_rank` after this step, on the first attempt only
-    kill_rank: int = 1
-
-
-@dataclass
 class TrainerConfig:
     """The training loop, evaluation, logging and checkpoints."""
 
@@ -224,7 +214,6 @@ class TrainerConfig:
     stop_check_every: int = 10  # steps between the ranks' checks for a stop request (a signal)
     stop_grace_s: float = 10.0  # a rank not stopped this long after a signal exits without a checkpoint
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    fault: FaultConfig = field(default_factory=FaultConfig)
 
 
 @dataclass

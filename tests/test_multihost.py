@@ -32,6 +32,7 @@ from anyrec.data.criteo import CriteoSource, npy_paths
 from anyrec.trainer.distributed import launch_token
 
 from .conftest import ROOT, last_json_line, torchrun
+from .faults import KILL_AT_STEP, KILL_RANK, faulty
 
 MARK = "ANYREC_TEST_LAUNCH"  # environment marker: finds every process a launch started
 BASE = ["-m", "anyrec.train", "model=dlrm_tiny", "data.batch_size=32", "trainer.steps=8",
@@ -183,11 +184,12 @@ def test_two_hosts_train_with_host_aware_plan_and_shared_checkpoints(two_hosts):
 
 
 @pytest.mark.integration
-def test_sigkilled_worker_on_host_1_restarts_both_hosts_from_checkpoint(two_hosts, tmp_path):
+def test_sigkilled_worker_on_host_1_restarts_both_hosts_from_checkpoint(two_hosts, tmp_path, monkeypatch):
     ref = two_hosts[1].summary()
-    run = launch_hosts([*BASE, TWRW, f"trainer.checkpoint.dir={tmp_path}/ck", f"hydra.run.dir={tmp_path}/h",
-                        "trainer.fault.kill_at_step=6", "trainer.fault.kill_rank=3"], tmp_path,
-                       torchrun_args=("--max-restarts=1",))
+    monkeypatch.setenv(KILL_AT_STEP, "6")
+    monkeypatch.setenv(KILL_RANK, "3")
+    run = launch_hosts([*faulty(BASE), TWRW, f"trainer.checkpoint.dir={tmp_path}/ck",
+                        f"hydra.run.dir={tmp_path}/h"], tmp_path, torchrun_args=("--max-restarts=1",))
     assert run.returncodes == [0, 0], run.out[-4000:]
     assert run.strays == []
     assert "SIGKILL rank 3 after step 6" in run.out
