@@ -10,7 +10,7 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError
 
-from anyrec._hydra import bad_override_value
+from anyrec._hydra import cli_problem
 from anyrec.config import AnyrecConfig, check_values, config_dir
 
 from .conftest import ROOT, compose_config
@@ -101,8 +101,8 @@ def test_counts_must_be_positive(override, message):
     ("optim.dense_lr=fast", "optim.dense_lr: Value 'fast' of type 'str' could not be converted to Float"),
 ])
 def test_bad_override_value_is_one_line(override, message):
-    assert bad_override_value(["model=dlrm_tiny", override]) == message
-    assert bad_override_value(["model=dlrm_tiny", "trainer.steps=3"]) is None
+    assert cli_problem(["model=dlrm_tiny", override]) == message
+    assert cli_problem(["model=dlrm_tiny", "trainer.steps=3"]) is None
 
 
 def test_bad_override_value_exits_2_with_one_line(tmp_path):
