@@ -100,6 +100,10 @@ def main(cfg: DictConfig) -> None:
 def cli() -> None:
     """Console entry: `hardware=FILE.yaml` is accepted as well as `hardware.sku=FILE.yaml`."""
     sys.argv = rewrite_hardware_argv(sys.argv)
+    problem = _hydra.cli_problem(sys.argv[1:])
+    if problem:  # Hydra would say it in several lines or a traceback
+        print(f"anyrec-plan: error: {problem}", file=sys.stderr, flush=True)
+        sys.exit(2)
     main()
 
 

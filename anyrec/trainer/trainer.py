@@ -101,7 +101,8 @@ class Trainer:
             self.load_checkpoint(start)
 
     def init_distributed(self) -> DistInfo:
-        info = init_distributed(self.backend, self.cfg.trainer.collective_timeout_s)
+        info = init_distributed(self.backend, self.cfg.trainer.collective_timeout_s,
+                                self.cfg.trainer.peer_timeout_s)
         self.backend.bind_local_rank(info.local_rank, info.local_world_size, self.cfg.backend.bind_cores)
         return info
 
