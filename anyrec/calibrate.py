@@ -44,7 +44,7 @@ from anyrec.planner.types import Placement, TableSpec, Topology
 
 logger = logging.getLogger("anyrec.calibrate")
 
-OPTIONS = {"output": None, "backend": "auto", "budget_s": "0.5", "size": "small", "bind_cores": "true"}
+OPTIONS = {"output": None, "backend": "auto", "budget_s": "0.5", "size": "small", "bind_cores": "auto"}
 OPTIMIZER = "adagrad"  # the default config's; the profile's bytes term covers any optimizer's state
 # Embedding step points: (tables, rows, dim, batch, pooling). They vary ids (pooling, batch) and bytes
 # per id (dim) independently, and one is tiny, so the fit can tell per-row, per-byte and per-launch
@@ -76,8 +76,8 @@ def parse_args(argv: list[str]) -> dict[str, str]:
         raise ValueError("output=FILE.yaml is required")
     if opts["size"] not in SIZES:
         raise ValueError(f"size={opts['size']}: choose one of {', '.join(SIZES)}")
-    if opts["bind_cores"] not in ("true", "false"):
-        raise ValueError(f"bind_cores={opts['bind_cores']}: choose true or false")
+    if opts["bind_cores"] not in ("auto", "true", "false"):
+        raise ValueError(f"bind_cores={opts['bind_cores']}: choose auto, true or false")
     return opts
 
 
@@ -327,6 +327,9 @@ def calibrate(backend: Backend, device: torch.device, size: str = "small", budge
         fields.update(m["step"]["fields"])
     m["threads"] = torch.get_num_threads()
     m["bind_cores"] = bind_cores
+    choice = getattr(backend, "bind_choice", None)
+    if choice is not None:
+        m["bind_rule"] = choice.describe()
     m["measured_fields"] = [k for k in fields if k != "name"]
     m["spec_fields"] = fields
     return m
@@ -443,11 +446,12 @@ def main(argv: list[str] | None = None) -> int:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = backend.device(local_rank)
     backend.set_device(local_rank)
-    bind_cores = opts["bind_cores"] == "true"
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend=backend.dist_backend)
     # Ranks take their share of the host's cores as the trainer's do: the figures are the trainer's.
-    backend.bind_local_rank(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world)), bind_cores)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    # what the rule chose (auto) or was told: the step points' trainers bind the same way
+    bind_cores = backend.bind_local_rank(local_rank, local_world, opts["bind_cores"]) is not None
     try:
         start = time.perf_counter()
         kernels = backend.select_kernels()

@@ -125,8 +125,9 @@ class BackendConfig:
     # pure-torch kernels elsewhere) | fbgemm | portable (pure torch everywhere, overriding FBGEMM)
     sparse_ops: SparseOps = SparseOps.auto
     # CPU device, several ranks per host: bind each rank's threads to its own share of the cores
-    # (false: threads float over all cores, torch's thread count still split between the ranks)
-    bind_cores: bool = True
+    # (false: threads float over all cores, torch's thread count still split between the ranks;
+    # auto: bind unless other processes were using the cores at start, see backends/core_load.py)
+    bind_cores: str = "auto"  # auto | true | false
 
 
 @dataclass

@@ -111,4 +111,5 @@ def test_training_summary_holds_prediction_measurement_and_breakdown(tmp_path):
     assert b["predicted"]["forward"] + b["predicted"]["backward"] == pytest.approx(s["predicted_step_ms"])
     log = (tmp_path / "run" / "train_rank0.log").read_text()
     assert "step time after warm-up" in log and "step breakdown over the last 4 steps" in log
-    assert "local rank 0 of 2: threads bound to cores" in log  # backend.bind_cores, on by default
+    # backend.bind_cores=auto by default: bound or free by the cores' load, the reason logged either way
+    assert "local rank 0 of 2: threads " in log and "backend.bind_cores=auto: other processes used" in log

@@ -73,7 +73,7 @@ class Backend(abc.ABC):
         """Bind this process to its device (no-op where devices are not per-process)."""
 
     def bind_local_rank(self, local_rank: int, local_world_size: int,  # noqa: B027 - optional hook
-                        bind_cores: bool = True) -> list[int] | None:
+                        bind_cores: bool | str = "auto") -> list[int] | None:
         """Give this process (local rank `local_rank` of `local_world_size` on its host) its share of
         the host's cores; the cores it is bound to, or None where it binds nothing (accelerators:
         torchrun --numa-binding binds host cores to devices)."""
