@@ -375,7 +375,9 @@ def hardware_yaml(backend: Backend, m: dict) -> dict:
               "source": f"anyrec.calibrate on {backend.describe()}, {stamp}: "
                         f"{', '.join(m['measured_fields'])} measured; the rest from "
                         f"{spec.source or spec.name}"}
-    return {"spec": fields, "measurements": measurements}
+    # Measurements first, the spec (ending with measured fields) last: a file cut short anywhere then
+    # lacks a field it claims to have measured, or its spec altogether, and is refused when read.
+    return {"measurements": measurements, "spec": fields}
 
 
 def write_yaml(path: Path, data: dict, header: str) -> None:

@@ -43,11 +43,13 @@ def test_overrides_and_their_errors():
 def test_yaml_with_base_sku_and_measurements(tmp_path):
     f = tmp_path / "h200_cal.yaml"
     f.write_text("sku: h200\nspec:\n  memory_bw_bytes_per_s: 4.18e12\n  name: H200 (calibrated)\n"
-                 "measurements:\n  copy_bw_bytes_per_s: 4.18e12\n")
+                 "measurements:\n  copy_bw_bytes_per_s: 4.18e12\n"
+                 "  measured_fields: [memory_bw_bytes_per_s]\n")
     spec = resolve_hardware(str(f), {"h2d_bw_bytes_per_s": 5.5e10})
     assert spec.name == "H200 (calibrated)" and spec.memory_bw_bytes_per_s == 4.18e12
     assert spec.memory_bytes == SKUS["h200"].memory_bytes and spec.h2d_bw_bytes_per_s == 5.5e10
-    assert load_hardware_file(f).measurements == {"copy_bw_bytes_per_s": 4.18e12}
+    assert load_hardware_file(f).measurements == {"copy_bw_bytes_per_s": 4.18e12,
+                                                  "measured_fields": ["memory_bw_bytes_per_s"]}
 
 
 @pytest.mark.parametrize(
