@@ -33,7 +33,8 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from anyrec.backends import Backend, get_backend
-from anyrec.backends.dispatch import Impl, KernelProfile, availability, implementations, set_profile
+from anyrec.backends.dispatch import Impl, KernelProfile, availability, implementations
+from anyrec.backends.hardware import EmbeddingCost, Hardware
 from anyrec.backends.specs import DeviceSpec
 from anyrec.calibrate_step import measure_step_costs
 from anyrec.io_checks import atomic_write, writable_file
@@ -207,8 +208,8 @@ def _planner_terms(impl: Impl, spec: DeviceSpec, compute: str, point: tuple) -> 
     topo = Topology(spec, 1, 1, compute)
     table = TableSpec("t", rows, dim, float(pooling), ["f"])
     unit = KernelProfile(1.0, impl.profile.access_bytes if impl.profile else 32)
-    fwd, bwd = lookup_time_s(batch * pooling, batch, dim, table, Placement.HBM, topo, OPTIMIZER, impl.name,
-                             profile=unit)
+    fwd, bwd = lookup_time_s(batch * pooling, batch, dim, table, Placement.HBM, topo, OPTIMIZER,
+                             EmbeddingCost.builtin(impl), profile=unit)
     return 3.0 * t * batch * pooling, t * (fwd + bwd)
 
 
@@ -217,8 +218,8 @@ def predict_step_s(profile: KernelProfile, impl: Impl, spec: DeviceSpec, compute
     t, rows, dim, batch, pooling = point
     topo = Topology(spec, 1, 1, compute)
     table = TableSpec("t", rows, dim, float(pooling), ["f"])
-    fwd, bwd = lookup_time_s(batch * pooling, batch, dim, table, Placement.HBM, topo, OPTIMIZER, impl.name,
-                             profile=profile)
+    fwd, bwd = lookup_time_s(batch * pooling, batch, dim, table, Placement.HBM, topo, OPTIMIZER,
+                             EmbeddingCost.builtin(impl), profile=profile)
     return t * (fwd + bwd) + profile.per_launch_s
 
 
@@ -319,11 +320,10 @@ def calibrate(backend: Backend, device: torch.device, size: str = "small", budge
         m["collectives"] = measure_collectives(device, s["comm_bytes"], backend, budget_s)
         fields.update(link_fields(m["collectives"]))
         # The trainer's framework costs: what the figures measured so far leave unexplained in real steps.
-        for name, e in m["embedding"].items():
-            if "profile" in e:
-                set_profile("embedding", name, KernelProfile(**e["profile"]))
+        profiles = {n: KernelProfile(**e["profile"]) for n, e in m["embedding"].items() if "profile" in e}
         spec = backend.device_spec().replace(**{k: v for k, v in fields.items() if k != "name"})
-        m["step"] = measure_step_costs(backend, spec, budget_s, fit_nonnegative, bind_cores)
+        m["step"] = measure_step_costs(backend, Hardware(spec, profiles), budget_s, fit_nonnegative,
+                                       bind_cores)
         fields.update(m["step"]["fields"])
     m["threads"] = torch.get_num_threads()
     m["bind_cores"] = bind_cores

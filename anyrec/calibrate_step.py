@@ -20,9 +20,8 @@ from typing import Any
 import torch
 
 from anyrec import _hydra
-from anyrec.backends import Backend
+from anyrec.backends import Backend, Hardware
 from anyrec.backends.calfile import STEP_FIELDS
-from anyrec.backends.specs import DeviceSpec
 from anyrec.models.dlrm import build_model
 from anyrec.planner.evaluate import evaluate_assignment
 from anyrec.planner.job import planner_inputs
@@ -122,19 +121,19 @@ def _assignment(p: StepPoint, world: int) -> dict[str, tuple[str, str, list[int]
     return out
 
 
-def _train_point(p: StepPoint, backend: Backend, spec: DeviceSpec, steps: int,
+def _train_point(p: StepPoint, backend: Backend, hardware: Hardware, steps: int,
                  bind_cores: bool) -> tuple[float, float]:
     """(measured seconds per step of the slowest rank, the planner's seconds for the same plan)."""
     cfg = _hydra.compose_job(_overrides(p, backend.name, steps, bind_cores))
     world = torch.distributed.get_world_size()
-    kernel = backend.select_kernels(cfg.backend)["embedding"]
+    embedding = hardware.embedding_cost(backend.select_kernels(cfg.backend)["embedding"])
     meta = torch.device("meta")
     model = build_model(cfg.model, meta, ebc_device=meta)
     ebc = model.sparse_arch
     opt = cfg.optim.name
-    tables, dense_params, options = planner_inputs(model, ebc, cfg.model, cfg.planner, opt, kernel)
+    tables, dense_params, options = planner_inputs(model, ebc, cfg.model, cfg.planner, opt, embedding)
     workload = make_workload(tables, p.batch, opt, dense_params, **options)
-    topology = Topology(spec, world, world, backend.device_type)
+    topology = Topology(hardware.spec, world, world, backend.device_type)
     predicted = evaluate_assignment(_assignment(p, world), topology, workload)
     plan = to_sharding_plan(predicted, EBC_PATH, ebc, backend.device_type)
     quiet = logging.getLogger("anyrec.trainer")
@@ -153,22 +152,22 @@ def _train_point(p: StepPoint, backend: Backend, spec: DeviceSpec, steps: int,
     return summary["measured_step_ms"] / 1e3, predicted.predicted_step_s
 
 
-def measure_step_costs(backend: Backend, spec: DeviceSpec, budget_s: float, fit: Any,
+def measure_step_costs(backend: Backend, hardware: Hardware, budget_s: float, fit: Any,
                        bind_cores: bool = True) -> dict[str, Any]:
     """Train every point (the process group must be up; the trainers bind cores as `bind_cores`
     says), fit the framework terms with `fit` (anyrec.calibrate.fit_nonnegative) on what the
-    planner's figures in `spec` leave unexplained."""
+    planner's figures in `hardware` (spec and measured embedding profiles) leave unexplained."""
     # Five passes (median): with three, one noisy pass of the pooling points swung the per-id term
     # between 0 and 1.8e-7 s between two calibrations of this 2-core host.
     steps, passes = (40, 5) if budget_s >= 0.1 else (10, 1)
     if passes > 1:
         # The first trainer in a process pays lazy set-up.
-        _train_point(POINTS[0], backend, spec, steps, bind_cores)
+        _train_point(POINTS[0], backend, hardware, steps, bind_cores)
     times: list[list[float]] = [[] for _ in POINTS]
     model = [0.0] * len(POINTS)
     for k in range(passes):  # alternate the order: a shared host's load drifts
         for i in (range(len(POINTS)) if k % 2 == 0 else reversed(range(len(POINTS)))):
-            m, model[i] = _train_point(POINTS[i], backend, spec, steps, bind_cores)
+            m, model[i] = _train_point(POINTS[i], backend, hardware, steps, bind_cores)
             times[i].append(m)
     measured = [sorted(t)[len(t) // 2] for t in times]
     for p, m, pred in zip(POINTS, measured, model, strict=True):

@@ -17,9 +17,9 @@ import torch
 from omegaconf import DictConfig
 
 from anyrec import _hydra
-from anyrec.backends import get_backend, resolve_hardware, rewrite_hardware_argv
+from anyrec.backends import Hardware, get_backend, resolve_hardware, rewrite_hardware_argv
+from anyrec.backends.dispatch import FBGEMM_EMBEDDING, get_impl
 from anyrec.backends.hardware import figure_sources
-from anyrec.backends.specs import DeviceSpec
 from anyrec.config import AnyrecConfig, check_values, config_dir
 from anyrec.io_checks import writable_file
 from anyrec.models.dlrm import build_model
@@ -28,41 +28,43 @@ from anyrec.planner.planner import CoDesignPlanner
 from anyrec.planner.report import format_compare, format_report, plan_json, plot_plan, write_json_atomic
 from anyrec.planner.types import InfeasiblePlanError, PlanResult, Topology
 
-DEFAULT_EMBEDDING_KERNEL = "fbgemm"  # what `backend.embedding_kernel=auto` plans for offline
+DEFAULT_EMBEDDING_IMPL = FBGEMM_EMBEDDING  # what `backend.embedding_kernel=auto` plans for offline
 
 
 def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print,
         planner: CoDesignPlanner | None = None) -> PlanResult:
     """Plan, print the report (and the comparison), write plan.output (JSON) and plan.plot (PNG).
 
-    With `plan.compare`, the same job is also planned on as many devices of that SKU and shown side by
-    side; an infeasible comparison is reported, not raised. Raises InfeasiblePlanError (a ValueError)
-    with a one-line message when nothing fits, before anything is written.
+    With `plan.compare`, the same job is also planned on as many devices of that SKU (or calibrated
+    file) and shown side by side, each plan costed with its own hardware's figures; an infeasible
+    comparison is reported, not raised. Raises InfeasiblePlanError (a ValueError) with a one-line
+    message when nothing fits, before anything is written.
     """
     check_values(cfg)
     writable_file(cfg.plan.output, "plan.output")
     writable_file(cfg.plan.plot, "plan.plot")
     backend = get_backend(cfg.backend.name) if cfg.hardware.sku == "auto" else None
-    device = resolve_hardware(cfg.hardware.sku, cfg.hardware.spec, backend)
+    hardware = resolve_hardware(cfg.hardware.sku, cfg.hardware.spec, backend, cfg.hardware.measurements)
     compare = resolve_hardware(cfg.plan.compare) if cfg.plan.compare else None
     if cfg.topology.world_size < 1:
         raise ValueError(f"topology.world_size must be >= 1, got {cfg.topology.world_size}")
     kernel = cfg.backend.embedding_kernel
-    kernel = DEFAULT_EMBEDDING_KERNEL if kernel == "auto" else kernel
+    impl = DEFAULT_EMBEDDING_IMPL if kernel == "auto" else get_impl("embedding", kernel)
     meta = torch.device("meta")
     model = build_model(cfg.model, meta, ebc_device=meta)
 
-    def plan_on(dev: DeviceSpec) -> PlanResult:
-        topo = Topology(dev, cfg.topology.world_size, cfg.topology.local_world_size)
+    def plan_on(hw: Hardware) -> PlanResult:
+        topo = Topology(hw.spec, cfg.topology.world_size, cfg.topology.local_world_size)
         return plan_model(model, model.sparse_arch, cfg.model, cfg.planner, cfg.optim.name, topo,
-                          cfg.plan.batch_size or cfg.data.batch_size, kernel, planner)
+                          cfg.plan.batch_size or cfg.data.batch_size, hw.embedding_cost(impl), planner)
 
-    result = plan_on(device)
+    result = plan_on(hardware)
     print_fn(format_report(result))
-    print_fn("figures: " + "\n         ".join(figure_sources(cfg.hardware.sku, device, kernel)))
+    print_fn("figures: " + "\n         ".join(figure_sources(hardware, hardware.embedding_cost(impl))))
     other = _compare(plan_on, compare, print_fn) if compare is not None else None
     if other is not None:
-        print_fn(f"\ncompare: {device.name} vs {compare.name}, {cfg.topology.world_size} device(s) each")
+        print_fn(f"\ncompare: {hardware.spec.name} vs {compare.spec.name}, {cfg.topology.world_size} "
+                 f"device(s) each")
         print_fn(format_compare(result, other))
     if cfg.plan.output:
         data = plan_json(result)
@@ -74,10 +76,10 @@ def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print,
     return result
 
 
-def _compare(plan_on: Callable[[DeviceSpec], PlanResult], device: DeviceSpec,
+def _compare(plan_on: Callable[[Hardware], PlanResult], hardware: Hardware,
              print_fn: Callable[[str], None]) -> PlanResult | None:
     try:
-        return plan_on(device)
+        return plan_on(hardware)
     except InfeasiblePlanError as e:
         print_fn(f"\ncompare: {e}")
         return None

@@ -345,7 +345,7 @@ def section_dlrm_sharded(device, execution: str, small: bool, steps: int) -> dic
         from torchrec.optim.optimizers import in_backward_optimizer_filter
 
         from anyrec.backends import get_backend, sparse_ops
-        from anyrec.backends.sharders import compute_kernel
+        from anyrec.backends.dispatch import get_impl
         from anyrec.config import OptimConfig
         from anyrec.kernels.torchrec_kernel import TritonEmbeddingBagCollectionSharder
         from anyrec.planner.simple import to_sharding_plan
@@ -382,7 +382,8 @@ def section_dlrm_sharded(device, execution: str, small: bool, steps: int) -> dic
         sharder = TritonEmbeddingBagCollectionSharder(execution=execution)
         on_rank0 = {f"t{i}": ("table_wise", [0]) for i in range(T)}
         plan = to_sharding_plan(net.sparse_arch, on_rank0, "sparse_arch", 1, 1, device.type,
-                                compute_kernel=compute_kernel("triton"), sharder=sharder)
+                                compute_kernel=get_impl("embedding", "triton").compute_kernel(),
+                                sharder=sharder)
         model = DistributedModelParallel(net, device=device, plan=plan, sharders=[sharder])
         dense_params = [p for _, p in in_backward_optimizer_filter(model.named_parameters())]
         opt = torch.optim.Adagrad(dense_params, lr=0.005)

@@ -53,7 +53,8 @@ def torchrec_plan(cfg):
     backend = get_backend(cfg.backend.name)
     kernel = backend.select_kernels(cfg.backend)["embedding"]
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    device = resolve_hardware(cfg.hardware.sku, cfg.hardware.spec, backend)
+    hw = cfg.hardware
+    device = resolve_hardware(hw.sku, hw.spec, backend, hw.measurements).spec
     meta = torch.device("meta")
     model = build_model(cfg.model, meta, ebc_device=meta)
     opt_cls, opt_kwargs = embedding_optimizer(cfg.optim)

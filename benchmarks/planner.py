@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from anyrec.backends.dispatch import embedding_impl  # noqa: E402
+from anyrec.backends.dispatch import FBGEMM_EMBEDDING  # noqa: E402
 from anyrec.backends.specs import get_sku  # noqa: E402
 from anyrec.planner.evaluate import evaluate_assignment  # noqa: E402
 from anyrec.planner.planner import CoDesignPlanner, make_workload  # noqa: E402
@@ -33,7 +33,7 @@ from anyrec.planner.torchrec_plan import from_sharding_plan, meta_ebc  # noqa: E
 from anyrec.planner.types import Placement, TableSpec, Topology  # noqa: E402
 from anyrec.planner.workloads import DLRMV2_DENSE_PARAMS, dlrmv2_tables, synthetic_tables  # noqa: E402
 
-TR_KERNEL = dict(embedding_impl("fbgemm").compute_kernels)  # placement -> torchrec compute kernel
+TR_KERNEL = dict(FBGEMM_EMBEDDING.compute_kernels)  # placement -> torchrec compute kernel
 
 
 def _torchrec_setup(tables: list[TableSpec], topo: Topology, batch: int, optimizer: str):

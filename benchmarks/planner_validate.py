@@ -28,7 +28,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from anyrec.backends.dispatch import KernelProfile  # noqa: E402
+from anyrec.backends.dispatch import FBGEMM_EMBEDDING, KernelProfile  # noqa: E402
+from anyrec.backends.hardware import EmbeddingCost  # noqa: E402
 from anyrec.backends.specs import get_sku  # noqa: E402
 from anyrec.planner.estimators import lookup_time_s  # noqa: E402
 from anyrec.planner.report import write_json_atomic  # noqa: E402
@@ -100,7 +101,8 @@ def model_terms(shape: tuple[int, int, int, int]) -> tuple[float, float]:
     topo = Topology(unit, 1, 1, "cpu")
     table = TableSpec("t", rows, dim, float(pooling), ["f"])
     fwd, bwd = lookup_time_s(
-        batch * pooling, batch, dim, table, Placement.HBM, topo, OPTIMIZER, "fbgemm",
+        batch * pooling, batch, dim, table, Placement.HBM, topo, OPTIMIZER,
+        EmbeddingCost.builtin(FBGEMM_EMBEDDING),
         profile=KernelProfile(1.0, 64, source="ideal: full DRAM bandwidth, cache-line reads")
     )
     return fwd + bwd, 3.0 * batch * pooling  # the model charges the per-row cost once forward, twice backward

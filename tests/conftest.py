@@ -134,3 +134,17 @@ def pip_install_target(package: Path, tmp: Path) -> Path:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return target
+
+
+@pytest.fixture
+def fresh_impls(monkeypatch):
+    """A registry of the built-in Impls only, plugins discovered again on first use (a test may change
+    sys.path), probes run again; the process's own registry is back afterwards."""
+    from anyrec.backends import dispatch
+
+    monkeypatch.setattr(dispatch, "_impls", {(i.op, i.name): i for i in dispatch.BUILTIN_IMPLS})
+    monkeypatch.setattr(dispatch, "_plugins_loaded", False)
+    monkeypatch.setattr(dispatch, "_plugin_errors", {})
+    dispatch.reset_probes()
+    yield
+    dispatch.reset_probes()

@@ -65,7 +65,7 @@ def test_measurements_without_measured_fields_are_refused(tmp_path):
 @pytest.mark.parametrize(("where", "value", "match"), [
     (("measurements", "embedding", "fbgemm", "profile", "per_row_s"), float("nan"),
      "embedding.fbgemm.profile.per_row_s is not a finite number"),
-    (("spec", "peak_fp32_flops"), float("inf"), "spec.peak_fp32_flops is not a finite number"),
+    (("spec", "peak_fp32_flops"), float("inf"), "peak_fp32_flops must be a finite number > 0, got inf"),
     (("measurements", "collectives", "all_to_all", "seconds", 1), float("nan"), "all_to_all.seconds.1"),
     (("spec", "memory_bw_bytes_per_s"), 0, "memory_bw_bytes_per_s must be a finite number > 0"),
     (("spec", "step_per_id_s"), -1e-6, "step_per_id_s must be a finite number >= 0"),
@@ -84,7 +84,7 @@ def test_a_nan_written_as_yaml_is_refused(tmp_path):
     assert "  step_per_id_s: " in text
     lines = [("  step_per_id_s: .nan" if line.startswith("  step_per_id_s: ") else line)
              for line in text.splitlines()]
-    _refused(_write(tmp_path, "\n".join(lines) + "\n"), "step_per_id_s is not a finite number")
+    _refused(_write(tmp_path, "\n".join(lines) + "\n"), "step_per_id_s must be a finite number >= 0, got nan")
 
 
 @pytest.mark.parametrize("missing", ["per_launch_s", "bw_efficiency"])

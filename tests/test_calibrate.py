@@ -8,21 +8,13 @@ import yaml
 
 from anyrec import calibrate, calibrate_step
 from anyrec.backends import get_backend, load_hardware_file, resolve_hardware
-from anyrec.backends.dispatch import KernelProfile, availability, embedding_impl, reset_impls
+from anyrec.backends.dispatch import KernelProfile, availability, get_impl
 from anyrec.backends.specs import get_sku
 from anyrec.plan import run
 from anyrec.planner import estimators
 from anyrec.planner.types import Topology
 
 from .conftest import compose_config, torchrun
-
-
-@pytest.fixture(autouse=True)
-def _builtin_profiles():
-    """Resolving a calibration file registers its profiles: every test starts and ends on the built-ins."""
-    reset_impls()
-    yield
-    reset_impls()
 
 
 def _check_file(path, world_size: int) -> dict:
@@ -40,14 +32,16 @@ def _check_file(path, world_size: int) -> dict:
     # Triton is timed wherever it reaches the device (not on CPU without its interpreter).
     triton_runs = availability(get_backend("auto"), "embedding", "triton") is None
     assert ("skipped" in emb["triton"]) != triton_runs
-    spec = resolve_hardware(str(path))
+    hardware = resolve_hardware(str(path))
+    spec = hardware.spec
     assert spec.name.endswith("(calibrated)") and spec.vendor == get_backend("auto").device_spec().vendor
     assert spec.memory_bw_bytes_per_s == m["copy_bw_bytes_per_s"]
     assert spec.peak_fp32_flops == m["gemm_flops"]["fp32"]
     assert 0 < spec.dense_efficiency <= 1
-    # Resolving the file registered its measured profiles: the planner costs lookups with them.
-    assert embedding_impl("fbgemm").profile.per_launch_s == emb["fbgemm"]["profile"]["per_launch_s"]
-    assert "anyrec.calibrate" in embedding_impl("torch").profile.source
+    # The file's measured profiles travel in the value: the planner costs lookups with them.
+    fbgemm = hardware.embedding_cost(get_impl("embedding", "fbgemm"))
+    assert fbgemm.profile.per_launch_s == emb["fbgemm"]["profile"]["per_launch_s"]
+    assert "anyrec.calibrate" in fbgemm.dense_profile.source  # the torch implementation's, measured
     assert "memory_bw_bytes_per_s" in load_hardware_file(path).measured_fields
     if world_size > 1:
         c = m["collectives"]

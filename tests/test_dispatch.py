@@ -22,11 +22,8 @@ MI300X = DeviceFacts(cuda_available=True, hip_version="6.2", device_count=1,
 
 
 @pytest.fixture(autouse=True)
-def _fresh_probes(monkeypatch):
+def _fresh_probes(monkeypatch, fresh_impls):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    dispatch.reset_impls()
-    yield
-    dispatch.reset_impls()
 
 
 def test_registry_has_the_ops_and_every_backend_orders_them():
@@ -40,8 +37,9 @@ def test_cpu_auto_choices_are_logged_once(caplog):
     caplog.set_level(logging.INFO, logger="anyrec.backends.dispatch")
     b = get_backend("cpu")
     kernels = b.select_kernels(BackendConfig())
-    assert kernels == {"embedding": "fbgemm", "interaction": "torch", "dcn_cross": "torch",
-                       "collectives": "gloo", "sparse_ops": "fbgemm"}
+    assert {op: i.name for op, i in kernels.items()} == {
+        "embedding": "fbgemm", "interaction": "torch", "dcn_cross": "torch", "collectives": "gloo",
+        "sparse_ops": "fbgemm"}
     b.select_kernels(BackendConfig())
     get_backend("cpu").select_kernels(BackendConfig())
     assert caplog.text.count("op embedding -> fbgemm (fallback chain: fbgemm > torch > triton)") == 1
@@ -49,8 +47,8 @@ def test_cpu_auto_choices_are_logged_once(caplog):
 
 def test_forced_choices():
     b = get_backend("cpu")
-    assert b.select_kernels(BackendConfig(embedding_kernel="torch"))["embedding"] == "torch"
-    assert b.select_kernels(BackendConfig(embedding_kernel="fbgemm"))["embedding"] == "fbgemm"
+    assert b.select_kernels(BackendConfig(embedding_kernel="torch"))["embedding"].name == "torch"
+    assert b.select_kernels(BackendConfig(embedding_kernel="fbgemm"))["embedding"].name == "fbgemm"
     with pytest.raises(ValueError, match=r"backend.embedding_kernel=triton is not available on cpu: "
                                          r"triton does not compile for CPU"):
         b.select_kernels(BackendConfig(embedding_kernel="triton"))
@@ -71,9 +69,9 @@ def test_triton_on_cpu_is_an_explicit_opt_in(monkeypatch):
     assert dispatch.availability(b, "dcn_cross", "triton") is None
     reason = dispatch.availability(b, "embedding", "triton")
     assert reason is None or "torchrec_kernel" in reason
-    assert b.select_kernels()["interaction"] == b.select_kernels()["dcn_cross"] == "torch"
+    assert b.select_kernels()["interaction"].name == b.select_kernels()["dcn_cross"].name == "torch"
     forced = b.select_kernels(BackendConfig(interaction_kernel="triton", dcn_kernel="triton"))
-    assert forced["interaction"] == forced["dcn_cross"] == "triton"
+    assert forced["interaction"].name == forced["dcn_cross"].name == "triton"
 
 
 def test_dense_op_order_per_backend():
@@ -96,7 +94,7 @@ def test_gpu_without_its_kernels_falls_back_loudly(caplog):
     assert dispatch.probe_fbgemm(b) == "fbgemm_gpu has no TBE kernels for cuda (wrong fbgemm_gpu build?)"
     with caplog.at_level(logging.INFO, logger="anyrec.backends.dispatch"):
         kernels = b.select_kernels()
-    assert kernels["embedding"] == kernels["interaction"] == kernels["dcn_cross"] == "torch"
+    assert {kernels[op].name for op in ("embedding", "interaction", "dcn_cross")} == {"torch"}
     warned = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert any("fbgemm skipped on cuda" in r.getMessage() for r in warned)
     assert any("triton skipped on cuda" in r.getMessage() for r in warned)
@@ -116,25 +114,27 @@ def test_plugin_probe_for_its_own_library():
             return "oneAPI runtime missing" if impl == "sycl_tbe" else super().probe(impl)
 
     b = Xpu()
-    assert b.select_kernels()["embedding"] == "torch"
+    assert b.select_kernels()["embedding"].name == "torch"
     with pytest.raises(ValueError, match="sycl_tbe is not available on xpu_test: oneAPI runtime missing"):
         b.select_kernels(BackendConfig(embedding_kernel="sycl_tbe"))
 
 
 def test_embedding_choice_maps_to_a_torchrec_sharder():
-    from anyrec.backends.sharders import compute_kernel, embedding_sharder
+    from anyrec.backends.sharders import embedding_sharder
 
-    assert compute_kernel("fbgemm") == "fused" and compute_kernel("torch") == "fused_triton"
-    assert compute_kernel("fbgemm", "uvm_caching") == "fused_uvm_caching"
+    fbgemm, triton, torch_ = (dispatch.get_impl("embedding", n) for n in ("fbgemm", "triton", "torch"))
+    assert fbgemm.compute_kernel() == "fused" and torch_.compute_kernel() == "fused_triton"
+    assert fbgemm.compute_kernel("uvm_caching") == "fused_uvm_caching"
     with pytest.raises(ValueError, match="needs backend.embedding_kernel=fbgemm"):
-        compute_kernel("triton", "uvm_caching")
-    with pytest.raises(ValueError, match="unknown embedding kernel 'sycl_tbe'; known: fbgemm, triton, torch"):
-        compute_kernel("sycl_tbe")
-    assert embedding_sharder("torch").compute_kernels("table_wise", "cpu") == ["fused_triton"]
-    assert embedding_sharder("triton").compute_kernels("row_wise", "cuda") == ["fused_triton"]
-    assert "dense" in embedding_sharder("fbgemm").compute_kernels("data_parallel", "cpu")
-    assert embedding_sharder("fbgemm").compute_kernels("table_wise", "cpu") == ["fused"]
-    assert "fused_uvm_caching" in embedding_sharder("fbgemm").compute_kernels("table_wise", "cuda")
+        triton.compute_kernel("uvm_caching")
+    with pytest.raises(ValueError, match="unknown embedding implementation 'sycl_tbe'; known: "
+                                         "fbgemm, triton, torch"):
+        dispatch.get_impl("embedding", "sycl_tbe")
+    assert embedding_sharder(torch_).compute_kernels("table_wise", "cpu") == ["fused_triton"]
+    assert embedding_sharder(triton).compute_kernels("row_wise", "cuda") == ["fused_triton"]
+    assert "dense" in embedding_sharder(fbgemm).compute_kernels("data_parallel", "cpu")
+    assert embedding_sharder(fbgemm).compute_kernels("table_wise", "cpu") == ["fused"]
+    assert "fused_uvm_caching" in embedding_sharder(fbgemm).compute_kernels("table_wise", "cuda")
 
 
 def test_fbgemm_sharder_rejects_a_plan_for_another_kernel():
@@ -144,37 +144,32 @@ def test_fbgemm_sharder_rejects_a_plan_for_another_kernel():
 
     ps = ParameterSharding(sharding_type="table_wise", compute_kernel="fused_triton", ranks=[0])
     with pytest.raises(ValueError, match="t0: the plan uses compute kernel 'fused_triton'"):
-        embedding_sharder("fbgemm").shard(None, {"t0": ps}, None)
+        embedding_sharder(dispatch.FBGEMM_EMBEDDING).shard(None, {"t0": ps}, None)
 
 
 def test_every_reader_takes_the_embedding_impl_record():
-    """One record per implementation: sharder, planner kernels, placements and DP support all follow it."""
-    from anyrec.backends.sharders import embedding_sharder, supported_placements, supports_data_parallel
+    """One record per implementation, handed down as a value: the planner's placements and
+    data-parallel support follow the record it is given; the registry stays read-only."""
+    from anyrec.backends.hardware import EmbeddingCost
 
     fbgemm = dispatch.get_impl("embedding", "fbgemm")
-    assert supported_placements("fbgemm") == ("hbm", "uvm_caching", "ddr")
-    assert supports_data_parallel("fbgemm")
-    assert supported_placements("torch") == ("hbm",) and not supports_data_parallel("torch")
 
-    def plan():  # DLRMv2 + Adagrad on one B200 needs UVM caching; on 8 H100s it replicates small tables
+    def plan(impl):  # DLRMv2 + Adagrad on one B200 needs UVM caching; on 8 H100s it replicates small tables
         one, eight = (CoDesignPlanner().plan(dlrmv2_tables(), Topology(get_sku(sku), w), 8192, "adagrad",
-                                             DLRMV2_DENSE_PARAMS, kernel="fbgemm")
+                                             DLRMV2_DENSE_PARAMS, embedding=EmbeddingCost.builtin(impl))
                       for sku, w in (("b200", 1), ("h100", 8)))
         return ({o.placement.value for o in one.tables.values()},
                 {o.sharding.value for o in eight.tables.values()})
 
-    placements, shardings = plan()
+    placements, shardings = plan(fbgemm)
     assert "uvm_caching" in placements and "data_parallel" in shardings  # the record allows both
     changed = dataclasses.replace(fbgemm, compute_kernels={"hbm": "fused"}, data_parallel=False)
-    dispatch.register_impl(changed, replace=True)
-    assert supported_placements("fbgemm") == ("hbm",) and not supports_data_parallel("fbgemm")
-    assert embedding_sharder("fbgemm").kernels == ["fused"]
     with pytest.raises(InfeasiblePlanError):  # the planner reads the record: no UVM placement left
-        plan()
-    dispatch.register_impl(dataclasses.replace(fbgemm, data_parallel=False), replace=True)
-    assert "data_parallel" not in plan()[1]
-    with pytest.raises(ValueError, match="is already registered"):
-        dispatch.register_impl(dataclasses.replace(changed, description="another"))
+        plan(changed)
+    assert "data_parallel" not in plan(dataclasses.replace(fbgemm, data_parallel=False))[1]
+    assert dispatch.get_impl("embedding", "fbgemm") is fbgemm  # nothing was registered
+    with pytest.raises(RuntimeError, match="read-only once plugins are loaded"):
+        dispatch.register_impl(dataclasses.replace(changed, name="fbgemm2"))
 
 
 def test_impl_records_are_checked():
@@ -206,13 +201,18 @@ def test_plugin_impls_come_from_entry_points_and_can_be_forced():
 
     dispatch._load_plugins([EP()])
     b = get_backend("cpu")
-    assert b.select_kernels()["embedding"] == "fbgemm"  # auto keeps the backend's order
-    assert b.select_kernels(BackendConfig(embedding_kernel="vendor_tbe"))["embedding"] == "vendor_tbe"
-    assert dispatch.embedding_impl("vendor_tbe").build() == "sharder" and built == [{"flavour": "fast"}]
+    assert b.select_kernels()["embedding"].name == "fbgemm"  # auto keeps the backend's order
+    assert b.select_kernels(BackendConfig(embedding_kernel="vendor_tbe"))["embedding"].name == "vendor_tbe"
+    assert dispatch.get_impl("embedding", "vendor_tbe").build() == "sharder"
+    assert built == [{"flavour": "fast"}]
     assert dispatch.torchrec_kernel_placements()["fused_triton"] == "hbm"
     with pytest.raises(ValueError, match="vendor_tbe is not available on cuda: vendor runtime missing"):
         get_backend("cuda", facts=H200).select_kernels(BackendConfig(embedding_kernel="vendor_tbe"))
-    dispatch.reset_impls()
+
+
+
+def test_an_unregistered_plugin_impl_is_not_offered(fresh_impls):
+    dispatch._load_plugins([])
     with pytest.raises(ValueError, match="not offered by backend cpu"):
         get_backend("cpu").select_kernels(BackendConfig(embedding_kernel="vendor_tbe"))
 
@@ -224,4 +224,4 @@ def test_a_kernel_order_entry_without_a_record_says_so():
 
     with pytest.raises(ValueError, match="no interaction implementation 'fbgemm' is registered"):
         Odd().select_kernels(BackendConfig(interaction_kernel="fbgemm"))
-    assert Odd().select_kernels()["interaction"] == "torch"
+    assert Odd().select_kernels()["interaction"].name == "torch"

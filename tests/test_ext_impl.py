@@ -21,15 +21,12 @@ def ext_path(tmp_path_factory):
 
 
 @pytest.fixture
-def ext_registered(ext_path, monkeypatch):
+def ext_registered(ext_path, monkeypatch, fresh_impls):
     monkeypatch.syspath_prepend(str(ext_path))
-    dispatch.reset_impls()
-    yield
-    dispatch.reset_impls()
 
 
 def test_the_planner_costs_it_from_its_own_record(ext_registered):
-    impl = dispatch.embedding_impl("ext_tbe")
+    impl = dispatch.get_impl("embedding", "ext_tbe")
     assert impl.profile.source == "made up for the registry test"
     _, cfg = compose_config(["model=dlrm_tiny", "hardware=h100", "topology.world_size=2",
                              "backend.embedding_kernel=ext_tbe"])

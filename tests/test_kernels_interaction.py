@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 
+from anyrec.backends.dispatch import get_impl
 from anyrec.models.interaction import (
     DotInteraction,
     LowRankCrossNet,
@@ -138,7 +139,7 @@ else:
         op = "interaction" if interaction == "dot" else "dcn_cross"
         torch.manual_seed(0)
         ref_model = build_model(cfg, torch.device("cpu"))
-        model = build_model(cfg, torch.device("cpu"), kernels={op: "triton"})
+        model = build_model(cfg, torch.device("cpu"), kernels={op: get_impl(op, "triton")})
         model.load_state_dict(ref_model.state_dict())
         g = torch.Generator().manual_seed(1)
         lengths = torch.randint(0, 3, (3 * 5,), generator=g)

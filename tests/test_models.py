@@ -59,6 +59,7 @@ def test_cpu_variant_and_kaggle_dlrm():
 def test_model_builds_the_dispatched_dense_modules():
     """`kernels` (Backend.select_kernels' answer) picks each dense op's module; parameters are the same,
     so a checkpoint loads into either. Numerics: tests/test_kernels_interaction.py (Triton interpreter)."""
+    from anyrec.backends.dispatch import FBGEMM_EMBEDDING, get_impl
     from anyrec.models.interaction import (
         DotInteraction,
         LowRankCrossNet,
@@ -69,17 +70,19 @@ def test_model_builds_the_dispatched_dense_modules():
     meta = torch.device("meta")
     _, cfg = compose_config(["model=dlrm"])
     assert type(build_model(cfg.model, meta).interaction) is DotInteraction
-    triton_dot = build_model(cfg.model, meta, kernels={"embedding": "fbgemm", "interaction": "triton"})
+    triton_dot = build_model(cfg.model, meta, kernels={"embedding": FBGEMM_EMBEDDING,
+                                                       "interaction": get_impl("interaction", "triton")})
     assert type(triton_dot.interaction) is TritonDotInteraction
     _, cfg = compose_config(["model=dlrmv2"])
-    torch_dcn = build_model(cfg.model, meta, kernels={"interaction": "triton", "dcn_cross": "torch"})
+    torch_dcn = build_model(cfg.model, meta, kernels={"interaction": get_impl("interaction", "triton"),
+                                                      "dcn_cross": get_impl("dcn_cross", "torch")})
     assert type(torch_dcn.interaction.cross) is LowRankCrossNet
-    triton_dcn = build_model(cfg.model, meta, kernels={"dcn_cross": "triton"})
+    triton_dcn = build_model(cfg.model, meta, kernels={"dcn_cross": get_impl("dcn_cross", "triton")})
     assert type(triton_dcn.interaction.cross) is TritonLowRankCrossNet
     assert {k: v.shape for k, v in triton_dcn.state_dict().items()} == {
         k: v.shape for k, v in torch_dcn.state_dict().items()}
     with pytest.raises(ValueError, match="unknown dcn_cross implementation 'cutlass'; known: triton, torch"):
-        build_model(cfg.model, meta, kernels={"dcn_cross": "cutlass"})
+        get_impl("dcn_cross", "cutlass")
 
 
 def test_pooled_embeddings_reach_the_interaction_without_a_gradient_per_feature():

@@ -121,3 +121,51 @@ def test_user_mistakes_are_value_errors(bad):
     _, cfg = compose_config(DLRMV2 + ["hardware=h100", bad])
     with pytest.raises(ValueError):
         run(cfg, print_fn=lambda s: None)
+
+
+def _calibration(path, bw_efficiency: float, per_launch_s: float) -> str:
+    """A calibrated CPU hardware YAML whose only measured figure is FBGEMM's lookup profile."""
+    import yaml
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof = {"bw_efficiency": bw_efficiency, "per_row_s": 1e-6, "per_launch_s": per_launch_s,
+            "access_bytes": 64}
+    path.write_text(yaml.safe_dump({"sku": "cpu", "spec": {"name": f"CPU ({path.stem}, calibrated)"},
+                                    "measurements": {"embedding": {"fbgemm": {"profile": prof}}}}))
+    return str(path)
+
+
+SMALL = ["model=dlrm_small", "topology.world_size=2", "backend.embedding_kernel=fbgemm"]
+
+
+def _plan(overrides: list[str]):
+    lines: list[str] = []
+    result = run(compose_config(SMALL + overrides)[1], print_fn=lines.append)
+    return result, "\n".join(lines)
+
+
+def test_compare_costs_each_plan_with_its_own_calibration(tmp_path):
+    a = _calibration(tmp_path / "a.yaml", 0.5, 1e-4)
+    b = _calibration(tmp_path / "b.yaml", 0.01, 2e-2)  # 50x slower lookups, 200x the launch cost
+    alone, _ = _plan([f"hardware.sku={a}"])
+    with_compare, text = _plan([f"hardware.sku={a}", f"plan.compare={b}"])
+    other, _ = _plan([f"hardware.sku={b}"])
+    # Resolving b for the comparison must not change how a's plan is costed.
+    assert with_compare.predicted_step_s == alone.predicted_step_s
+    assert other.predicted_step_s > 1.5 * alone.predicted_step_s
+    rows = text[text.index("compare:"):].splitlines()
+    row = next(line for line in rows if line.startswith("predicted step"))
+    ms = [f"{p.predicted_step_s * 1e3:.3f}" for p in (alone, other)]
+    assert row.split()[2:] == [ms[0], "ms", ms[1], "ms"]
+
+
+def test_calibrated_yaml_as_group_option_plans_like_the_path(tmp_path):
+    path = _calibration(tmp_path / "hardware" / "mycal.yaml", 0.01, 2e-2)
+    uncalibrated, _ = _plan(["hardware=cpu"])
+    by_group, group_text = _plan([f"hydra.searchpath=[file://{tmp_path}]", "hardware=mycal"])
+    by_path, _ = _plan([f"hardware.sku={path}"])
+    assert by_group.predicted_step_s == by_path.predicted_step_s != uncalibrated.predicted_step_s
+    # The figures line says what was measured, not "all from the SKU table".
+    figures = group_text[group_text.index("figures:"):]
+    assert "embedding fbgemm profile: measured" in figures, figures
+    assert "all device figures from the SKU table" not in figures

@@ -6,13 +6,14 @@ import os
 
 import pytest
 
-from anyrec.backends import resolve_hardware
+from anyrec.backends import EmbeddingCost, resolve_hardware
+from anyrec.backends.dispatch import get_impl
 from anyrec.backends.specs import get_sku
 from anyrec.config import PlannerConfig
 from anyrec.kernels.optimizers import OptimizerConfig
 from anyrec.kernels.tbe import TritonTableBatchedEmbedding
 from anyrec.planner import CoDesignPlanner, InfeasiblePlanError, Placement, ShardingType, Topology
-from anyrec.planner.estimators import simd_utilisation, state_bytes_per_row
+from anyrec.planner.estimators import simd_utilisation
 from anyrec.planner.evaluate import evaluate_assignment
 from anyrec.planner.job import plan_options
 from anyrec.planner.planner import make_workload
@@ -26,6 +27,11 @@ from anyrec.planner.workloads import DLRMV2_DENSE_PARAMS, dlrmv2_tables
 GB = 1e9
 B = 8192
 
+
+
+def _cost(kernel: str) -> EmbeddingCost:
+    """Embedding implementation `kernel` with its built-in profiles, as the planner takes it."""
+    return EmbeddingCost.builtin(get_impl("embedding", kernel))
 
 def _plan(sku, w, **kw):
     return CoDesignPlanner().plan(
@@ -130,12 +136,12 @@ def test_atomic_write_leaves_no_partial_file(tmp_path):
 def test_user_errors_are_value_errors(tmp_path):
     with pytest.raises(ValueError, match="unknown optimizer"):
         make_workload(dlrmv2_tables(), B, "lion")
-    with pytest.raises(ValueError, match="unknown embedding kernel"):
-        make_workload(dlrmv2_tables(), B, "sgd", kernel="cutlass")
+    with pytest.raises(ValueError, match="unknown embedding implementation 'cutlass'"):
+        get_impl("embedding", "cutlass")
     spec = tmp_path / "hw.json"
     spec.write_text(json.dumps({"base": "h200", "memory_bw_bytes_per_s": 4.18e12}))
-    assert resolve_hardware(str(spec)).memory_bw_bytes_per_s == 4.18e12
-    assert resolve_hardware("mi355x").name == "MI355X"
+    assert resolve_hardware(str(spec)).spec.memory_bw_bytes_per_s == 4.18e12
+    assert resolve_hardware("mi355x").spec.name == "MI355X"
 
 
 def test_simple_planner_shares_the_torchrec_mapping():
@@ -162,10 +168,10 @@ def test_forced_sharding_without_options_says_why():
 
 
 def test_triton_kernel_plan_is_hbm_only_without_data_parallel():
-    opts = plan_options(PlannerConfig(), "triton", "adagrad")
+    opts = plan_options(PlannerConfig(), _cost("triton"), "adagrad")
     assert opts["allowed_placements"] == (Placement.HBM,)
     assert ShardingType.DATA_PARALLEL not in opts["allowed_shardings"]
-    fbgemm = _plan("h100", 8, **plan_options(PlannerConfig(), "fbgemm", "adagrad"))
+    fbgemm = _plan("h100", 8, **plan_options(PlannerConfig(), _cost("fbgemm"), "adagrad"))
     assert any(o.sharding == ShardingType.DATA_PARALLEL for o in fbgemm.tables.values())  # the case bites
     res = _plan("h100", 8, **opts)
     assert all(o.sharding != ShardingType.DATA_PARALLEL for o in res.tables.values())
@@ -187,11 +193,11 @@ def test_optimizer_state_bytes_are_what_the_kernel_allocates():
                                           execution="torch")
         state = {n: b for n, b in tbe.named_buffers() if n.startswith("momentum")}
         allocated = sum(b.numel() * b.element_size() for b in state.values())
-        assert allocated == rows * state_bytes_per_row(opt, dim, "torch"), opt
-        assert state_bytes_per_row(opt, dim, "triton") == state_bytes_per_row(opt, dim, "torch")
+        assert allocated == rows * _cost("torch").state_bytes_per_row(opt, dim), opt
+        assert _cost("triton").state_bytes_per_row(opt, dim) == _cost("torch").state_bytes_per_row(opt, dim)
     assert allocated > 0  # adam: the loop checked a kernel that keeps state
     fbgemm = {"sgd": 0, "rowwise_adagrad": 4, "adagrad": 4 * dim, "adam": 8 * dim}
-    assert {o: state_bytes_per_row(o, dim, "fbgemm") for o in fbgemm} == fbgemm
+    assert {o: _cost("fbgemm").state_bytes_per_row(o, dim) for o in fbgemm} == fbgemm
 
 
 def test_rowwise_adagrad_is_never_split_by_columns():
@@ -211,9 +217,9 @@ def test_rowwise_adagrad_is_never_split_by_columns():
                                allowed_shardings=("column_wise",))
     assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="^planner.sharding=column_wise: column_wise sharding cannot train"):
-        plan_options(PlannerConfig(sharding="column_wise"), "fbgemm", "rowwise_adagrad")
-    assert plan_options(PlannerConfig(sharding="column_wise"), "fbgemm", "adagrad")["allowed_shardings"] == (
-        ShardingType.COLUMN_WISE,)
+        plan_options(PlannerConfig(sharding="column_wise"), _cost("fbgemm"), "rowwise_adagrad")
+    forced = plan_options(PlannerConfig(sharding="column_wise"), _cost("fbgemm"), "adagrad")
+    assert forced["allowed_shardings"] == (ShardingType.COLUMN_WISE,)
     configs = meta_ebc(tables).embedding_bag_configs()
     with pytest.raises(ValueError, match="^planner.sharding=column_wise: column_wise sharding cannot train"):
         simple_table_shardings(configs, 2, force="column_wise", optimizer="rowwise_adagrad")
@@ -226,7 +232,7 @@ def test_rowwise_adagrad_is_never_split_by_columns():
 def test_plan_names_the_compute_kernel_the_trainer_shards_with():
     """The report, the JSON and the torchrec plan all name the embedding implementation's kernel."""
     for kernel, expected in (("fbgemm", "fused"), ("triton", "fused_triton"), ("torch", "fused_triton")):
-        res = _plan("h100", 8, **plan_options(PlannerConfig(), kernel, "adagrad"))
+        res = _plan("h100", 8, **plan_options(PlannerConfig(), _cost(kernel), "adagrad"))
         sharded = {n for n, o in res.tables.items() if o.sharding != ShardingType.DATA_PARALLEL}
         assert sharded
         assert {t["kernel"] for t in plan_json(res)["tables"] if t["name"] in sharded} == {expected}
@@ -249,7 +255,7 @@ def test_fused_backward_updates_each_distinct_row_once():
 
     def bwd(n_ids, rows, fused=True):
         table = TableSpec("t", rows, 128, n_ids / 1000, ["f"])
-        return lookup_time_s(n_ids, 1000, 128, table, Placement.HBM, topo, "adagrad", "fbgemm",
+        return lookup_time_s(n_ids, 1000, 128, table, Placement.HBM, topo, "adagrad", _cost("fbgemm"),
                              fused_optimizer=fused)[1]
 
     base = bwd(1000, 10)  # ids and output gradients, 10 rows updated

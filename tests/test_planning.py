@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from anyrec.backends import get_backend
+from anyrec.backends import get_backend, resolve_hardware
+from anyrec.backends.dispatch import FBGEMM_EMBEDDING
 from anyrec.models.dlrm import build_model
 from anyrec.trainer.distributed import DistInfo
 from anyrec.trainer.planning import plan_sharding
@@ -21,7 +22,9 @@ def _plan(overrides: list[str]):
     _, cfg = compose_config(WIDE + overrides)
     meta = torch.device("meta")
     model = build_model(cfg.model, meta, ebc_device=meta)
-    plan = plan_sharding(cfg, get_backend("cpu"), INFO, model, "model.sparse_arch", "fbgemm")
+    backend = get_backend("cpu")
+    hardware = resolve_hardware(cfg.hardware.sku, cfg.hardware.spec, backend, cfg.hardware.measurements)
+    plan = plan_sharding(cfg, backend, INFO, model, "model.sparse_arch", FBGEMM_EMBEDDING, hardware)
     return model, plan.plan["model.sparse_arch"]
 
 

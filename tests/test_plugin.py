@@ -27,8 +27,8 @@ def test_plugin_is_discovered_detected_and_resolves_its_hardware(plugin_path, mo
         assert list(backends.registry()) == ["fakeaccel", "rocm", "cuda", "cpu"]
         b = backends.get_backend("auto")  # a plugin is probed before the CPU: its device is "present"
         assert b.name == "fakeaccel" and b.dist_backend == "gloo"
-        assert backends.resolve_hardware("auto", backend=b).name == "FakeAccel-1"
-        assert b.select_kernels()["embedding"] == "fbgemm"
+        assert backends.resolve_hardware("auto", backend=b).spec.name == "FakeAccel-1"
+        assert b.select_kernels()["embedding"].name == "fbgemm"
     finally:
         backends.reset_registry()
 

@@ -34,14 +34,15 @@ def _one_step(kernel: str, weight_decay: float, tmp_path) -> tuple[torch.Tensor,
 
 
 def test_fbgemm_refuses_weight_decay_it_would_ignore():
+    from anyrec.backends.dispatch import FBGEMM_EMBEDDING, TORCH_EMBEDDING
     from anyrec.config import OptimConfig
     from anyrec.trainer.optim import check_embedding_weight_decay
 
     with pytest.raises(ValueError, match="not applied by the fbgemm embedding implementation's fused "
                                          "update; use backend.embedding_kernel= one of triton, torch"):
-        check_embedding_weight_decay(OptimConfig(weight_decay=0.1), "fbgemm")
-    check_embedding_weight_decay(OptimConfig(weight_decay=0.0), "fbgemm")
-    check_embedding_weight_decay(OptimConfig(weight_decay=0.1), "torch")
+        check_embedding_weight_decay(OptimConfig(weight_decay=0.1), FBGEMM_EMBEDDING)
+    check_embedding_weight_decay(OptimConfig(weight_decay=0.0), FBGEMM_EMBEDDING)
+    check_embedding_weight_decay(OptimConfig(weight_decay=0.1), TORCH_EMBEDDING)
 
 
 @pytest.mark.parametrize("kernel", ["torch"])
@@ -65,6 +66,8 @@ def test_fbgemm_on_the_cpu_refuses_adam_unless_every_table_is_replicated():
     """FBGEMM's CPU TBE has no Adam: one line naming the way out, not its assertion inside sharding."""
     from types import SimpleNamespace
 
+    from anyrec.backends.dispatch import FBGEMM_EMBEDDING as FBGEMM
+    from anyrec.backends.dispatch import TORCH_EMBEDDING
     from anyrec.config import OptimConfig
     from anyrec.trainer.optim import check_embedding_optimizer
 
@@ -76,11 +79,11 @@ def test_fbgemm_on_the_cpu_refuses_adam_unless_every_table_is_replicated():
     want = (r"^optim=adam: the fbgemm embedding implementation has no fused adam on the CPU \(the plan "
             r"shards tables as row_wise, table_wise\); use backend.embedding_kernel= one of triton, torch")
     with pytest.raises(ValueError, match=want):
-        check_embedding_optimizer(adam, "fbgemm", "cpu", plan("table_wise", "data_parallel", "row_wise"))
-    check_embedding_optimizer(adam, "fbgemm", "cpu", plan("data_parallel", "data_parallel"))
-    check_embedding_optimizer(adam, "fbgemm", "cuda", plan("table_wise"))
-    check_embedding_optimizer(adam, "torch", "cpu", plan("table_wise"))
-    check_embedding_optimizer(OptimConfig(name="adagrad"), "fbgemm", "cpu", plan("table_wise"))
+        check_embedding_optimizer(adam, FBGEMM, "cpu", plan("table_wise", "data_parallel", "row_wise"))
+    check_embedding_optimizer(adam, FBGEMM, "cpu", plan("data_parallel", "data_parallel"))
+    check_embedding_optimizer(adam, FBGEMM, "cuda", plan("table_wise"))
+    check_embedding_optimizer(adam, TORCH_EMBEDDING, "cpu", plan("table_wise"))
+    check_embedding_optimizer(OptimConfig(name="adagrad"), FBGEMM, "cpu", plan("table_wise"))
 
 
 def test_adam_betas_reach_the_sharded_tbe_by_their_fbgemm_names():

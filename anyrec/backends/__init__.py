@@ -14,7 +14,13 @@ from typing import Any
 from anyrec.backends.cpu import CPUBackend
 from anyrec.backends.cuda import CUDABackend
 from anyrec.backends.dispatch import load_entry_points
-from anyrec.backends.hardware import load_hardware_file, resolve_hardware, rewrite_hardware_argv
+from anyrec.backends.hardware import (
+    EmbeddingCost,
+    Hardware,
+    load_hardware_file,
+    resolve_hardware,
+    rewrite_hardware_argv,
+)
 from anyrec.backends.interface import Backend, DeviceFacts
 from anyrec.backends.rocm import ROCmBackend
 from anyrec.backends.specs import SKUS, DeviceSpec, get_sku
@@ -127,6 +133,6 @@ def get_backend(name: str = "auto", facts: DeviceFacts | None = None) -> Backend
 
 __all__ = [
     "Backend", "DeviceFacts", "DeviceSpec", "SKUS", "get_sku", "detect", "get_backend", "BACKENDS",
-    "BUILTINS", "registry", "discover_plugins", "reset_registry", "resolve_hardware",
-    "load_hardware_file", "rewrite_hardware_argv", "ENTRY_POINT_GROUP",
+    "BUILTINS", "registry", "discover_plugins", "reset_registry", "Hardware", "EmbeddingCost",
+    "resolve_hardware", "load_hardware_file", "rewrite_hardware_argv", "ENTRY_POINT_GROUP",
 ]

@@ -93,12 +93,12 @@ def check_profile(name: str, fields: Any, where: str) -> None:
 def check_hardware_data(data: dict[str, Any], spec_fields: dict[str, Any], where: str) -> None:
     """Raise HardwareFileError (one line naming `where`) unless the parsed file `data`, whose DeviceSpec
     fields (from `spec:` and the top level) are `spec_fields`, is whole and every number in it sane."""
-    bad = _non_finite(data, "")
-    if bad:
-        raise HardwareFileError(f"{where}: {bad} is not a finite number")
     for name, value in spec_fields.items():
         if name in SPEC_FIELDS:
             check_spec_value(name, value, where)
+    bad = _non_finite(data, "")
+    if bad:
+        raise HardwareFileError(f"{where}: {bad} is not a finite number")
     if "measurements" not in data:
         return
     m = data["measurements"]

@@ -3,15 +3,16 @@
 An op (`embedding`, `interaction`, `dcn_cross`, `collectives`, `sparse_ops`) has implementations named
 after the library that provides them (`fbgemm`, `triton`, `torch`, `nccl`, `gloo`, `portable`, or a
 plugin's own). Each is
-one `Impl` record, registered here or by a plugin (`register_impl`, or the `anyrec.impls` entry-point
-group): its probe, the builder of its module or sharder, and for `embedding` the torchrec compute
-kernel per placement, data-parallel support, optimizer-state layout and performance profile. The
-planner, the sharder and the model builder all read these records; nothing else lists implementations.
+one `Impl` record, built in here or registered by a plugin (the `anyrec.impls` entry-point group, or
+`register_impl` before first use): its probe, the builder of its module or sharder, and for `embedding`
+the torchrec compute kernel per placement, data-parallel support, optimizer-state layout and built-in
+performance profile. The registry is read-only once plugins are loaded.
 
-A backend lists implementations in preference order (`Backend.kernel_order`); `select` takes the first
-whose probe passes, or the one the config forces (any registered implementation), and fails clearly
-when a forced one cannot run. Probes run once per process (`reset_probes()` lets tests run them
-again); each op's choice is logged once.
+A backend lists implementations in preference order (`Backend.kernel_order`); `select` returns the
+record of the first whose probe passes, or of the one the config forces (any registered
+implementation), and fails clearly when a forced one cannot run. The caller resolves each op once and
+hands the record down: the planner, the sharder and the model builder take it, never a name. Probes
+run once per process (`reset_probes()` lets tests run them again); each op's choice is logged once.
 """
 
 from __future__ import annotations
@@ -69,8 +70,8 @@ OPS: dict[str, Op] = {
 class KernelProfile:
     """How well an embedding implementation uses the memory system: the planner's cost inputs.
 
-    Calibration (measured lookup bandwidth on the machine at hand) replaces the profile of a
-    registered Impl; `source` says where the numbers come from.
+    An Impl carries its built-in profile; a calibration's measured one travels in the `Hardware`
+    value (anyrec.backends.hardware) instead. `source` says where the numbers come from.
     """
 
     bw_efficiency: float  # achieved lookup bandwidth / device memory bandwidth
@@ -325,24 +326,30 @@ _ANYREC_TBE = dict(
     fused_weight_decay=True,
 )
 
+_FBGEMM_KERNELS = {"hbm": "fused", "uvm_caching": "fused_uvm_caching", "ddr": "fused_uvm"}
+FBGEMM_EMBEDDING = Impl(
+    "embedding", "fbgemm", "anyrec.backends.sharders:KernelFamilySharder", probe_fbgemm,
+    options={"impl": "fbgemm", "kernels": list(_FBGEMM_KERNELS.values())},  # the sharder's kernels
+    compute_kernels=_FBGEMM_KERNELS, data_parallel=True, state_bytes_per_row=fbgemm_state_bytes_per_row,
+    profile=KernelProfile(0.55, 32, source="empirical: FBGEMM TBE forward+backward reaches roughly "
+                                            "55% of HBM bandwidth on dim-128 fp32 rows"),
+    description="FBGEMM's TBE (torchrec's fused kernels), tables in HBM, UVM cache or host DDR",
+    cpu_optimizers=("sgd", "rowwise_adagrad", "adagrad"))  # no CPU Adam in FBGEMM
+# anyrec's TBE run by plain torch ops; its profile also costs data-parallel tables' plain embedding bags
+TORCH_EMBEDDING = Impl(
+    "embedding", "torch", probe=_ANYREC_TBE_PROBE, options={"execution": "torch"},
+    profile=KernelProfile(0.28, 32, source="measured on an H200 (2026-11-30): nn.EmbeddingBag forward "
+                                            "1,345 GB/s of 4.8 TB/s peak"),
+    description="anyrec's TBE run by plain torch ops", **_ANYREC_TBE)
+
 BUILTIN_IMPLS: tuple[Impl, ...] = (
-    Impl("embedding", "fbgemm", "anyrec.backends.sharders:KernelFamilySharder", probe_fbgemm,
-         options={"impl": "fbgemm"},
-         compute_kernels={"hbm": "fused", "uvm_caching": "fused_uvm_caching", "ddr": "fused_uvm"},
-         data_parallel=True, state_bytes_per_row=fbgemm_state_bytes_per_row,
-         profile=KernelProfile(0.55, 32, source="empirical: FBGEMM TBE forward+backward reaches roughly "
-                                                 "55% of HBM bandwidth on dim-128 fp32 rows"),
-         description="FBGEMM's TBE (torchrec's fused kernels), tables in HBM, UVM cache or host DDR",
-         cpu_optimizers=("sgd", "rowwise_adagrad", "adagrad")),  # no CPU Adam in FBGEMM
+    FBGEMM_EMBEDDING,
     Impl("embedding", "triton", probe=all_of(probe_triton, _ANYREC_TBE_PROBE),
          options={"execution": "triton"},
          profile=KernelProfile(0.69, 32, source="measured on an H200 (2026-11-30): naive Triton forward "
                                                  "3,311 GB/s of 4.8 TB/s peak"),
          description="anyrec's TBE run by Triton kernels (anyrec.kernels)", **_ANYREC_TBE),
-    Impl("embedding", "torch", probe=_ANYREC_TBE_PROBE, options={"execution": "torch"},
-         profile=KernelProfile(0.28, 32, source="measured on an H200 (2026-11-30): nn.EmbeddingBag forward "
-                                                 "1,345 GB/s of 4.8 TB/s peak"),
-         description="anyrec's TBE run by plain torch ops", **_ANYREC_TBE),
+    TORCH_EMBEDDING,
     Impl("interaction", "triton", "anyrec.models.interaction:TritonDotInteraction",
          all_of(probe_triton, _kernel_module("anyrec.kernels.interaction"))),
     Impl("interaction", "torch", "anyrec.models.interaction:DotInteraction"),
@@ -362,22 +369,21 @@ _plugins_loaded = False
 _plugin_errors: dict[str, str] = {}
 
 
-def register_impl(impl: Impl, replace: bool = False) -> None:
-    """Make `impl` known (a plugin's own kernel, or a calibrated profile with `replace=True`)."""
+def register_impl(impl: Impl) -> None:
+    """Make a plugin's `impl` known; only before the registry is first read (plugins loaded), after
+    which it is read-only: whoever resolved a record keeps the one it was given."""
+    if _plugins_loaded:
+        raise RuntimeError(f"cannot register {impl.op} implementation {impl.name!r}: the registry is "
+                           f"read-only once plugins are loaded (use the {IMPL_ENTRY_POINT_GROUP} entry "
+                           f"points)")
+    _add(impl)
+
+
+def _add(impl: Impl) -> None:
     key = (impl.op, impl.name)
-    if key in _impls and not replace and _impls[key] != impl:
+    if key in _impls and _impls[key] != impl:
         raise ValueError(f"{impl.op} implementation {impl.name!r} is already registered")
     _impls[key] = impl
-    _probe_cache.clear()
-
-
-def set_profile(op: str, name: str, profile: KernelProfile) -> KernelProfile:
-    """Give the registered Impl `name` of `op` a new performance profile (a calibration's); returns the
-    one it replaces, so a caller can put it back."""
-    impl = get_impl(op, name)
-    assert impl.profile is not None or op != "embedding"
-    register_impl(dataclasses.replace(impl, profile=profile), replace=True)
-    return impl.profile
 
 
 def load_entry_points(
@@ -396,9 +402,10 @@ def load_entry_points(
 
 
 def _load_plugins(entry_points: Iterable[Any] | None = None) -> None:
-    """Register the Impls of the `anyrec.impls` entry-point group (an Impl, or an iterable of them)."""
+    """Register the Impls of the `anyrec.impls` entry-point group (an Impl, or an iterable of them),
+    once per process; `entry_points` replaces the installed ones (tests)."""
     global _plugins_loaded
-    if _plugins_loaded and entry_points is None:
+    if _plugins_loaded:
         return
     _plugins_loaded = True
     if entry_points is None:
@@ -407,17 +414,7 @@ def _load_plugins(entry_points: Iterable[Any] | None = None) -> None:
         for impl in (obj,) if isinstance(obj, Impl) else tuple(obj):
             if not isinstance(impl, Impl):
                 raise TypeError(f"implementation plugin {ep.name} ({ep.value}) gives {impl!r}, not an Impl")
-            register_impl(impl)
-
-
-def reset_impls() -> None:
-    """Back to the built-in Impls; plugins are discovered again on next use (tests change sys.path)."""
-    global _plugins_loaded
-    _impls.clear()
-    _impls.update({(i.op, i.name): i for i in BUILTIN_IMPLS})
-    _plugins_loaded = False
-    _plugin_errors.clear()
-    reset_probes()
+            _add(impl)
 
 
 def implementations(op: str) -> list[Impl]:
@@ -439,15 +436,6 @@ def get_impl(op: str, name: str) -> Impl:
         known = ", ".join(i.name for i in implementations(op))
         hint = f" (plugin failed to load: {_plugin_errors[name]})" if name in _plugin_errors else ""
         raise ValueError(f"unknown {op} implementation {name!r}{hint}; known: {known}")
-    return impl
-
-
-def embedding_impl(name: str) -> Impl:
-    """The registered `embedding` Impl called `name` (ValueError "unknown embedding kernel" if none)."""
-    impl = find_impl("embedding", name)
-    if impl is None:
-        known = ", ".join(i.name for i in implementations("embedding"))
-        raise ValueError(f"unknown embedding kernel {name!r}; known: {known}")
     return impl
 
 
@@ -490,8 +478,8 @@ def availability(backend: Backend, op: str, impl: str) -> str | None:
     return _probe_cache[key]
 
 
-def select(backend: Backend, op: str, requested: str = "auto") -> str:
-    """The implementation of `op` on `backend`: the first available in its order, or the forced one.
+def select(backend: Backend, op: str, requested: str = "auto") -> Impl:
+    """The Impl record of `op` on `backend`: the first available in its order, or the forced one.
 
     Any registered implementation can be forced; one that cannot run raises ValueError with the
     probe's reason.
@@ -511,7 +499,7 @@ def select(backend: Backend, op: str, requested: str = "auto") -> str:
         if reason is not None:
             raise ValueError(f"{setting}={requested} is not available on {backend.name}: {reason}")
         _log_once(backend, op, requested, f"forced by {setting}")
-        return requested
+        return get_impl(op, requested)
     skipped = []
     for impl in order:
         reason = availability(backend, op, impl)
@@ -523,7 +511,7 @@ def select(backend: Backend, op: str, requested: str = "auto") -> str:
                     _logged.add((backend.name, op, f"skip {name}"))
                     logger.log(level, "op %s: %s skipped on %s: %s", op, name, backend.name, why)
             _log_once(backend, op, impl, f"fallback chain: {chain}")
-            return impl
+            return get_impl(op, impl)
         skipped.append((impl, reason))
     reasons = "; ".join(f"{n}: {r}" for n, r in skipped)
     raise ValueError(f"no implementation of op {op} is available on {backend.name} ({reasons})")
@@ -535,8 +523,8 @@ def _log_once(backend: Backend, op: str, impl: str, why: str) -> None:
         logger.info("op %s -> %s (%s)", op, impl, why)
 
 
-def select_all(backend: Backend, requested: dict[str, str] | None = None) -> dict[str, str]:
-    """Every op's implementation; `requested` maps op name to a forced implementation or 'auto'."""
+def select_all(backend: Backend, requested: dict[str, str] | None = None) -> dict[str, Impl]:
+    """Every op's Impl record; `requested` maps op name to a forced implementation or 'auto'."""
     requested = requested or {}
     return {op: select(backend, op, requested.get(op, "auto")) for op in OPS
             if op in backend.kernel_order or OPS[op].default_order}

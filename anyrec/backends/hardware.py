@@ -1,4 +1,4 @@
-"""Resolving the `hardware` setting to a DeviceSpec: `auto`, a SKU name, or a hardware YAML file.
+"""Resolving the `hardware` setting to one `Hardware` value: `auto`, a SKU name, or a hardware YAML file.
 
 A hardware YAML (what `anyrec.calibrate` writes, and what `hardware.sku=FILE.yaml` reads) has the
 shape of the `hardware` config group, so the same file also works as a group option:
@@ -9,8 +9,9 @@ shape of the `hardware` config group, so the same file also works as a group opt
     measurements: {...}      # optional: what anyrec.calibrate measured (units in the key names)
 
 Two parts of `measurements` feed the planner: `embedding.<impl>.profile` (a KernelProfile per
-embedding implementation, registered over the built-in one when the file is resolved) and
-`measured_fields` (which spec fields were measured rather than taken from the base SKU).
+embedding implementation, costed instead of the Impl's built-in one) and `measured_fields` (which spec
+fields were measured rather than taken from the base SKU). Both travel in the `Hardware` value that
+`resolve_hardware` returns; whoever plans passes that value down, nothing is registered.
 
 JSON is YAML too, and the flat form is accepted as well: DeviceSpec fields at the top level with
 `base: <sku>` for the rest (`{"base": "h200", "memory_bw_bytes_per_s": 4.18e12}`).
@@ -25,28 +26,59 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from anyrec.backends.calfile import MAY_BE_ZERO, check_hardware_data
-from anyrec.backends.dispatch import KernelProfile, find_impl, set_profile
+from anyrec.backends.dispatch import TORCH_EMBEDDING, Impl, KernelProfile
 from anyrec.backends.specs import SKUS, DeviceSpec, sku_key
 
 if TYPE_CHECKING:
     from anyrec.backends.interface import Backend
 
 _FIELDS = {f.name: f for f in dataclasses.fields(DeviceSpec)}
-_FILE_KEYS = ("sku", "base", "spec", "measurements", "cache")  # cache: what keys a cached calibration
+_FILE_KEYS = ("sku", "base", "spec", "measurements", "cache")  # cache: what a cached calibration is for
 
 
 @dataclass(frozen=True)
-class HardwareFile:
-    """A parsed hardware YAML: the resolved spec and the free-form measurements that came with it."""
+class EmbeddingCost:
+    """The planner's view of one embedding implementation on one `Hardware`: the Impl record (its
+    placements, data-parallel support and state layout) and the profiles its lookups are costed with."""
 
-    spec: DeviceSpec
-    measurements: dict[str, Any] = field(default_factory=dict)
-    profiles: dict[str, KernelProfile] = field(default_factory=dict)  # embedding impl -> measured
+    impl: Impl
+    profile: KernelProfile  # the implementation's lookups: measured on the hardware, else built in
+    dense_profile: KernelProfile  # data-parallel tables' plain embedding bags (the torch implementation's)
+
+    @classmethod
+    def builtin(cls, impl: Impl) -> EmbeddingCost:
+        """`impl` costed with the built-in profiles (uncalibrated hardware)."""
+        assert impl.profile is not None and TORCH_EMBEDDING.profile is not None  # embedding Impls carry one
+        return cls(impl, impl.profile, TORCH_EMBEDDING.profile)
 
     @property
-    def measured_fields(self) -> list[str]:
-        """Spec fields the file's calibration measured (the rest come from its base SKU)."""
-        return [f for f in self.measurements.get("measured_fields", []) if f in _FIELDS]
+    def name(self) -> str:
+        return self.impl.name
+
+    def state_bytes_per_row(self, optimizer: str, dim: int) -> int:
+        """Bytes of fused optimizer state one row of width `dim` keeps (as the Impl lays it out)."""
+        return self.impl.optimizer_state_bytes_per_row(optimizer, dim)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The device the planner reasons about, as one value: its spec (memory, compute and link figures),
+    the embedding profiles a calibration measured, and which of the spec's figures were measured."""
+
+    spec: DeviceSpec
+    profiles: dict[str, KernelProfile] = field(default_factory=dict)  # embedding impl -> measured
+    measured_fields: tuple[str, ...] = ()  # spec fields measured (the rest from the base SKU)
+    measured_by: str = ""  # where the measurements come from (a file, the hardware config); "" = none
+
+    def embedding_cost(self, impl: Impl) -> EmbeddingCost:
+        """What the planner costs `impl` with on this hardware: measured profiles where there are."""
+        builtin = EmbeddingCost.builtin(impl)
+        return EmbeddingCost(impl, self.profiles.get(impl.name, builtin.profile),
+                             self.profiles.get(TORCH_EMBEDDING.name, builtin.dense_profile))
+
+    def with_overrides(self, overrides: dict[str, Any] | None, where: str = "hardware.spec") -> Hardware:
+        """This hardware with some spec fields replaced (the config's `hardware.spec`)."""
+        return dataclasses.replace(self, spec=apply_overrides(self.spec, overrides, where))
 
 
 def _profiles(measurements: dict[str, Any], where: str) -> dict[str, KernelProfile]:
@@ -73,15 +105,16 @@ def _profiles(measurements: dict[str, Any], where: str) -> dict[str, KernelProfi
     return out
 
 
-def apply_profiles(hw: HardwareFile) -> list[str]:
-    """Register the file's measured embedding profiles over the registered ones; returns the
-    implementations changed (ones not registered in this process are skipped)."""
-    done = []
-    for name, profile in hw.profiles.items():
-        if find_impl("embedding", name) is not None:
-            set_profile("embedding", name, profile)
-            done.append(name)
-    return done
+def measured(hardware: Hardware, measurements: dict[str, Any] | None, where: str) -> Hardware:
+    """`hardware` with a calibration's `measurements` (embedding profiles, measured spec fields) on top."""
+    if not measurements:
+        return hardware
+    if not isinstance(measurements, dict):
+        raise ValueError(f"{where}: `measurements` must be a mapping")
+    fields = tuple(f for f in measurements.get("measured_fields", []) if f in _FIELDS)
+    return dataclasses.replace(hardware, profiles={**hardware.profiles, **_profiles(measurements, where)},
+                               measured_fields=tuple(dict.fromkeys(hardware.measured_fields + fields)),
+                               measured_by=where)
 
 
 def is_hardware_path(sku: str) -> bool:
@@ -153,8 +186,9 @@ def _yaml_loader():
     return Loader
 
 
-def load_hardware_file(path: str | os.PathLike, backend: Backend | None = None) -> HardwareFile:
-    """Parse a hardware YAML into a spec (base SKU + overrides, or a complete spec)."""
+def load_hardware_file(path: str | os.PathLike, backend: Backend | None = None) -> Hardware:
+    """Parse a hardware YAML into a Hardware value (base SKU + overrides, or a complete spec, and the
+    calibration's measurements)."""
     import yaml
 
     p = Path(path).expanduser()
@@ -190,39 +224,37 @@ def load_hardware_file(path: str | os.PathLike, backend: Backend | None = None) 
     else:
         if is_hardware_path(str(base)):
             raise ValueError(f"hardware file {p}: `sku: {base}` must be a SKU name or auto, not a file")
-        spec = apply_overrides(resolve_hardware(str(base), backend=backend), fields, f"hardware file {p}")
-    measurements = data.get("measurements") or {}
-    if not isinstance(measurements, dict):
-        raise ValueError(f"hardware file {p}: `measurements` must be a mapping")
-    return HardwareFile(spec, measurements, _profiles(measurements, f"hardware file {p}"))
+        spec = apply_overrides(resolve_hardware(str(base), backend=backend).spec, fields,
+                               f"hardware file {p}")
+    return measured(Hardware(spec), data.get("measurements"), str(p))
 
 
-def resolve_hardware(sku: str, overrides: dict[str, Any] | None = None,
-                     backend: Backend | None = None) -> DeviceSpec:
-    """The DeviceSpec for a `hardware` setting: 'auto', a SKU name, or a path to a hardware YAML.
+def resolve_hardware(sku: str, overrides: dict[str, Any] | None = None, backend: Backend | None = None,
+                     measurements: dict[str, Any] | None = None) -> Hardware:
+    """The Hardware for a `hardware` setting: 'auto', a SKU name, or a path to a hardware YAML.
 
-    `overrides` (the config's `hardware.spec`) replace fields last. 'auto' asks `backend` (or the
-    detected one) for its device. A file's measured embedding profiles are registered (they are what
-    the planner costs lookups with). Unknown names, missing files and bad fields raise ValueError.
+    `overrides` (the config's `hardware.spec`) replace spec fields last; `measurements` (the config's
+    `hardware.measurements`, set where a calibrated YAML is a group option) add their profiles and
+    measured fields as the file's would. 'auto' asks `backend` for its device. Unknown names, missing
+    files and bad fields raise ValueError.
     """
     sku = str(sku).strip()
     if sku == "auto":
         if backend is None:
-            from anyrec.backends import get_backend  # the package imports this module first
-
-            backend = get_backend("auto")
-        spec = check_spec(backend.device_spec(), f"the {backend.name} backend's device spec")
+            raise ValueError("hardware.sku=auto needs the backend whose device it describes")
+        hardware = Hardware(check_spec(backend.device_spec(), f"the {backend.name} backend's device spec"))
     elif is_hardware_path(sku):
-        hw = load_hardware_file(sku, backend)
-        apply_profiles(hw)
-        spec = hw.spec
+        hardware = load_hardware_file(sku, backend)
     else:
         key = sku_key(sku)
         if key is None:
             raise ValueError(f"unknown hardware {sku!r}: use auto, a SKU ({', '.join(sorted(SKUS))}) "
                              "or a path to a hardware .yaml")
-        spec = SKUS[key]
-    return apply_overrides(spec, overrides)
+        hardware = Hardware(SKUS[key])
+    if measurements:  # a calibrated YAML used as a group option: checked as the file would be
+        check_hardware_data({"spec": overrides or {}, "measurements": measurements}, overrides or {},
+                            "hardware.measurements")
+    return measured(hardware.with_overrides(overrides), measurements, "hardware.measurements")
 
 
 def rewrite_hardware_argv(argv: list[str]) -> list[str]:
@@ -237,19 +269,24 @@ def rewrite_hardware_argv(argv: list[str]) -> list[str]:
     return out
 
 
-def figure_sources(sku: str, spec: DeviceSpec, kernel: str) -> list[str]:
-    """Where the planner's figures for `spec` (from the `hardware` setting `sku`) and embedding
-    implementation `kernel` come from: measured by a calibration file, or the SKU table's source."""
-    profile = find_impl("embedding", kernel)
+def figure_sources(hardware: Hardware, cost: EmbeddingCost) -> list[str]:
+    """Where the planner's figures come from: which spec fields and embedding profiles `hardware`'s
+    calibration measured, and the source of the rest (the SKU table or the base spec)."""
     lines = []
-    if is_hardware_path(str(sku)):
-        hw = load_hardware_file(sku)
-        measured = hw.measured_fields
-        rest = [f for f in _FIELDS if f not in measured and f not in ("name", "vendor", "arch", "source")]
-        lines.append(f"measured ({sku}): {', '.join(measured) or 'none'}")
-        lines.append(f"from the base spec: {', '.join(rest)}")
+    if hardware.measured_by:
+        done = hardware.measured_fields
+        rest = [f for f in _FIELDS if f not in done and f not in ("name", "vendor", "arch", "source")]
+        lines.append(f"measured ({hardware.measured_by}): {', '.join(done) or 'no device figure'}")
+        lines.append(f"from the base spec ({hardware.spec.source or hardware.spec.name}): {', '.join(rest)}")
     else:
-        lines.append(f"all device figures from the SKU table: {spec.source or spec.name}")
-    if profile is not None and profile.profile is not None:
-        lines.append(f"embedding {kernel} profile: {profile.profile.source or 'no source given'}")
+        lines.append(f"all device figures from the SKU table: {hardware.spec.source or hardware.spec.name}")
+    profiles = [("embedding", cost.name, cost.profile)]
+    if cost.name != TORCH_EMBEDDING.name:
+        profiles.append(("data-parallel tables'", TORCH_EMBEDDING.name, cost.dense_profile))
+    for what, name, profile in profiles:
+        if name in hardware.profiles:
+            how = f"measured ({hardware.measured_by}{', ' + profile.source if profile.source else ''})"
+        else:
+            how = f"built in ({profile.source or 'no source given'})"
+        lines.append(f"{what} {name} profile: {how}")
     return lines

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from anyrec.backends.dispatch import OPS, select_all
+from anyrec.backends.dispatch import OPS, Impl, select_all
 from anyrec.backends.specs import DeviceSpec
 
 
@@ -47,7 +47,7 @@ class Backend(abc.ABC):
 
     def __init__(self, facts: DeviceFacts | None = None) -> None:
         self._facts = facts
-        self._kernels: dict[tuple, dict[str, str]] = {}
+        self._kernels: dict[tuple, dict[str, Impl]] = {}
 
     @property
     def facts(self) -> DeviceFacts:
@@ -106,8 +106,8 @@ class Backend(abc.ABC):
         """
         return None
 
-    def select_kernels(self, cfg: Any = None) -> dict[str, str]:
-        """Op name -> implementation, honouring `cfg` (a BackendConfig: `embedding_kernel`, ...).
+    def select_kernels(self, cfg: Any = None) -> dict[str, Impl]:
+        """Op name -> its Impl record, honouring `cfg` (a BackendConfig: `embedding_kernel`, ...).
 
         Probes once, logs each choice once, raises ValueError for a forced choice that cannot run.
         """

@@ -11,22 +11,7 @@ from __future__ import annotations
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.types import ShardingType
 
-from anyrec.backends.dispatch import embedding_impl
-
-
-def compute_kernel(impl: str, placement: str = "hbm") -> str:
-    """The torchrec compute kernel that runs implementation `impl` with tables in `placement`."""
-    return embedding_impl(impl).compute_kernel(placement)
-
-
-def supported_placements(impl: str) -> tuple[str, ...]:
-    """Placements (hbm, uvm_caching, ddr) the implementation can serve."""
-    return tuple(embedding_impl(impl).compute_kernels)
-
-
-def supports_data_parallel(impl: str) -> bool:
-    """Whether replicated (data-parallel) tables can run with this implementation."""
-    return embedding_impl(impl).data_parallel
+from anyrec.backends.dispatch import Impl
 
 
 class KernelFamilySharder(EmbeddingBagCollectionSharder):
@@ -36,10 +21,10 @@ class KernelFamilySharder(EmbeddingBagCollectionSharder):
     never rewritten, so what runs is what the backend selected and the planner costed.
     """
 
-    def __init__(self, impl: str, **kwargs) -> None:
+    def __init__(self, impl: str, kernels: list[str], **kwargs) -> None:
         super().__init__(**kwargs)
         self.impl = impl
-        self.kernels = list(embedding_impl(impl).compute_kernels.values())
+        self.kernels = kernels
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
         if sharding_type == ShardingType.DATA_PARALLEL.value:
@@ -55,10 +40,9 @@ class KernelFamilySharder(EmbeddingBagCollectionSharder):
         return super().shard(module, params, env, device, module_fqn)
 
 
-def embedding_sharder(impl: str) -> EmbeddingBagCollectionSharder:
+def embedding_sharder(impl: Impl) -> EmbeddingBagCollectionSharder:
     """The EBC sharder for the selected `embedding` implementation (its Impl's builder)."""
-    record = embedding_impl(impl)
     try:
-        return record.build()
+        return impl.build()
     except ImportError as e:  # e.g. a build without anyrec.kernels, or a plugin's missing library
-        raise ValueError(f"backend.embedding_kernel={impl} is not available: {e}") from None
+        raise ValueError(f"backend.embedding_kernel={impl.name} is not available: {e}") from None

@@ -377,7 +377,7 @@ def install(backend: Backend, mode: str = "auto") -> SparseOpsChoice:
     if mode not in MODES:
         raise ValueError(f"backend.sparse_ops must be one of {', '.join(MODES)}, got {mode!r}")
     key = dispatch_key(backend.device_type)
-    impl = select(backend, "sparse_ops", mode)
+    impl = select(backend, "sparse_ops", mode).name
     if impl == "fbgemm":
         ops: list[str] = []
     elif mode == "portable":

@@ -13,6 +13,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from anyrec.backends.dispatch import Impl
 from anyrec.config import ModelConfig
 from anyrec.models.interaction import CrossInteraction, dot_interaction_module
 from anyrec.models.mlp import MLP
@@ -35,12 +36,12 @@ def table_configs(cfg: ModelConfig) -> list[EmbeddingBagConfig]:
 class DLRM(nn.Module):
     """Bottom MLP on dense features, pooled embeddings, an interaction, and a top MLP to one logit.
 
-    `kernels` is the backend's choice per op (`Backend.select_kernels`): its `interaction` entry
-    picks the dot interaction's module, `dcn_cross` the cross net's (torch | triton; torch if absent).
+    `kernels` is the backend's Impl record per op (`Backend.select_kernels`): its `interaction` entry
+    builds the dot interaction's module, `dcn_cross` the cross net's (torch's where absent).
     """
 
     def __init__(self, cfg: ModelConfig, ebc: EmbeddingBagCollection, device: torch.device | None = None,
-                 kernels: Mapping[str, str] | None = None):
+                 kernels: Mapping[str, Impl] | None = None):
         super().__init__()
         kernels = kernels or {}
         num_sparse = len(ebc.embedding_bag_configs())
@@ -56,11 +57,11 @@ class DLRM(nn.Module):
             self.dense_arch = MLP(cfg.num_dense_features, cfg.bottom_mlp)
             if cfg.interaction == "dot":
                 self.interaction: nn.Module = dot_interaction_module(num_sparse,
-                                                                     kernels.get("interaction", "torch"))
+                                                                     kernels.get("interaction"))
                 top_in = dim + self.interaction.out_features_extra
             elif cfg.interaction == "dcn":
                 self.interaction = CrossInteraction(num_sparse, dim, cfg.dcn_num_layers, cfg.dcn_low_rank,
-                                                    impl=kernels.get("dcn_cross", "torch"))
+                                                    impl=kernels.get("dcn_cross"))
                 top_in = self.interaction.out_features
             else:
                 raise ValueError(f"model {cfg.name}: unknown interaction {cfg.interaction!r} (dot|dcn)")
@@ -76,7 +77,7 @@ class DLRM(nn.Module):
 
 
 def build_model(cfg: ModelConfig, device: torch.device, ebc_device: torch.device | None = None,
-                kernels: Mapping[str, str] | None = None) -> DLRM:
+                kernels: Mapping[str, Impl] | None = None) -> DLRM:
     """The DLRM for `cfg`; tables on `ebc_device` (meta: let DistributedModelParallel allocate shards).
 
     `kernels`: the backend's implementation per op (see `DLRM`).

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from anyrec.backends.dispatch import get_impl
+from anyrec.backends.dispatch import Impl
 from anyrec.kernels.dcn import cross_epilogue
 from anyrec.kernels.interaction import dot_interaction
 
@@ -129,16 +129,17 @@ class CrossInteraction(nn.Module):
     """DLRMv2's interaction: concatenate dense and pooled embeddings, then a low-rank cross net."""
 
     def __init__(self, num_sparse_features: int, embedding_dim: int, num_layers: int, low_rank: int,
-                 impl: str = "torch"):
+                 impl: Impl | None = None):
         super().__init__()
         self.out_features = (num_sparse_features + 1) * embedding_dim
-        self.cross = get_impl("dcn_cross", impl).build(self.out_features, num_layers, low_rank)
+        cross = impl.build if impl is not None else LowRankCrossNet  # the `dcn_cross` op's record, or torch
+        self.cross = cross(self.out_features, num_layers, low_rank)
 
     def forward(self, dense_BD: torch.Tensor, sparse_BFD: torch.Tensor) -> torch.Tensor:
         x_BN = torch.cat([dense_BD, sparse_BFD.flatten(1)], dim=1)
         return self.cross(x_BN)
 
 
-def dot_interaction_module(num_sparse_features: int, impl: str = "torch") -> DotInteraction:
-    """The dot interaction for the dispatch choice `impl` (its Impl's builder: torch | triton | ...)."""
-    return get_impl("interaction", impl).build(num_sparse_features)
+def dot_interaction_module(num_sparse_features: int, impl: Impl | None = None) -> DotInteraction:
+    """The dot interaction for the dispatch choice `impl` (its Impl's builder), torch's without one."""
+    return impl.build(num_sparse_features) if impl is not None else DotInteraction(num_sparse_features)

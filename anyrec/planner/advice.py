@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from anyrec.backends.dispatch import FBGEMM_EMBEDDING, Impl
 from anyrec.backends.specs import SKUS, DeviceSpec
 from anyrec.planner.estimators import (
     ID_BYTES,
@@ -37,9 +38,9 @@ def _gb(x: float) -> str:
     return f"{x / GB:.1f} GB"
 
 
-def table_bytes(t: TableSpec, optimizer: str, kernel: str = "fbgemm") -> int:
-    """Weights plus optimizer state of a whole table (state as embedding kernel `kernel` lays it out)."""
-    return t.weight_bytes + state_bytes(optimizer, t.num_rows, t.embedding_dim, kernel)
+def table_bytes(t: TableSpec, optimizer: str, impl: Impl = FBGEMM_EMBEDDING) -> int:
+    """Weights plus optimizer state of a whole table (state as embedding `impl` lays it out)."""
+    return t.weight_bytes + state_bytes(optimizer, t.num_rows, t.embedding_dim, impl)
 
 
 def _buffers_per_rank(wl: Workload) -> float:
@@ -67,7 +68,7 @@ def fits_in_hbm(wl: Workload, device: DeviceSpec, world_size: int, like: Topolog
     free = usable_caps(topo, wl).hbm_bytes - base.storage.hbm_bytes - _buffers_per_rank(wl)
     if free <= 0:
         return False
-    sizes = [table_bytes(t, wl.optimizer, wl.options.kernel) for t in wl.tables]
+    sizes = [table_bytes(t, wl.optimizer, wl.options.embedding.impl) for t in wl.tables]
     return sum(sizes) <= free * world_size and max(sizes) / world_size <= free
 
 
@@ -112,7 +113,7 @@ def explain_infeasible(
             f"but a rank has {_gb(caps.hbm_bytes)} usable ({reserve})"
         )
     else:
-        sizes = {t.name: table_bytes(t, wl.optimizer, wl.options.kernel) for t in wl.tables}
+        sizes = {t.name: table_bytes(t, wl.optimizer, wl.options.embedding.impl) for t in wl.tables}
         biggest = max(sizes, key=sizes.get)
         need_rank = sizes[biggest] / w
         if need_rank > free and Placement.HBM in allowed and allowed == (Placement.HBM,):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from anyrec.backends.dispatch import DATA_PARALLEL_KERNEL, embedding_impl
+from anyrec.backends.dispatch import DATA_PARALLEL_KERNEL
 from anyrec.planner.estimators import EmbeddingPerfEstimator, EmbeddingStorageEstimator
 from anyrec.planner.types import (
     Enumerator,
@@ -31,7 +31,7 @@ def row_shard_sizes(num_rows: int, parts: int) -> list[int]:
 class EmbeddingEnumerator(Enumerator):
     """All sharding types the topology allows, for each allowed placement of each table.
 
-    What the embedding implementation (`workload.options.kernel`, an Impl record) runs sets the
+    What the embedding implementation (the Impl record in `workload.options.embedding`) runs sets the
     compute kernel per placement, and which placements and whether data-parallel are offered at all.
     Data-parallel only in HBM; row-wise needs at least as many rows as ranks;
     table-row-wise needs more than one host; column-wise splits into 2, 4, ... pieces that divide the
@@ -61,7 +61,7 @@ class EmbeddingEnumerator(Enumerator):
         self, t: TableSpec, placement: Placement, topology: Topology, workload: Workload
     ) -> list[ShardingOption]:
         w, local = topology.world_size, topology.local_world_size
-        impl = embedding_impl(workload.options.kernel)
+        impl = workload.options.embedding.impl
         if placement.value not in impl.compute_kernels:
             return []
         allowed = [s for s in workload.options.allowed_shardings

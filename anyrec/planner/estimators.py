@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 
-from anyrec.backends.dispatch import KernelProfile, embedding_impl
+from anyrec.backends.dispatch import FBGEMM_EMBEDDING, Impl, KernelProfile
+from anyrec.backends.hardware import EmbeddingCost
 from anyrec.backends.specs import DEFAULT_SCALE_OUT_LATENCY_S, DEFAULT_SCALE_UP_LATENCY_S
 from anyrec.planner.types import (
     Perf,
@@ -35,8 +36,7 @@ DENSE_EFFICIENCY = 0.5  # empirical: DLRM-size GEMMs reach about half of dense p
 # so hit rate = ratio ** (ln 0.8 / ln 0.2) gives 0.8 at torchrec's default 0.2 cache ratio.
 _CACHE_HIT_EXPONENT = math.log(0.8) / math.log(0.2)
 # Data-parallel tables run torchrec's "dense" kernel: plain embedding bags, costed with the profile of
-# the embedding implementation that is plain torch ops.
-DENSE_LOOKUP_IMPL = "torch"
+# the embedding implementation that is plain torch ops (EmbeddingCost.dense_profile).
 
 
 # DDP all-reduces gradients in buckets of this many bytes (torch's default bucket_cap_mb=25): one
@@ -73,22 +73,10 @@ def inexact_update_reason(optimizer: str, sharding: str) -> str | None:
     return None
 
 
-def embedding_impl_profile(kernel: str) -> KernelProfile:
-    """The performance profile of embedding implementation `kernel` (its Impl record's)."""
-    profile = embedding_impl(kernel).profile
-    assert profile is not None  # Impl validates that embedding implementations carry one
-    return profile
-
-
-def state_bytes_per_row(optimizer: str, dim: int, kernel: str = "fbgemm") -> int:
-    """Optimizer state bytes one row of width `dim` carries with embedding implementation `kernel`
-    (as its Impl record lays the state out)."""
-    return embedding_impl(kernel).optimizer_state_bytes_per_row(optimizer, dim)
-
-
-def state_bytes(optimizer: str, rows: int, dim: int, kernel: str = "fbgemm") -> int:
-    """Optimizer state bytes for a shard of `rows` x `dim` with embedding implementation `kernel`."""
-    return rows * state_bytes_per_row(optimizer, dim, kernel)
+def state_bytes(optimizer: str, rows: int, dim: int, impl: Impl = FBGEMM_EMBEDDING) -> int:
+    """Optimizer state bytes for a shard of `rows` x `dim` as embedding implementation `impl` lays the
+    state out (FBGEMM's layout by default: also the dense optimizer's for data-parallel tables)."""
+    return rows * impl.optimizer_state_bytes_per_row(optimizer, dim)
 
 
 def simd_utilisation(dim: int, simd_width: int) -> float:
@@ -129,7 +117,7 @@ def lookup_time_s(
     placement: Placement,
     topology: Topology,
     optimizer: str,
-    kernel: str,
+    embedding: EmbeddingCost,
     cache_ratio: float = 0.0,
     fused_optimizer: bool = True,
     profile: KernelProfile | None = None,
@@ -141,15 +129,15 @@ def lookup_time_s(
     gradients and, when the optimizer is fused into the backward (TBE), reads and writes each distinct
     touched row and its optimizer state once (the kernels sort the ids and update each row once: of
     `rows` rows, `touched_rows` are expected distinct); unfused (data-parallel), it scatter-adds every
-    id into a dense gradient instead. `kernel` names the embedding implementation; `profile` overrides
-    its Impl's performance profile; `rows` defaults to the table's.
+    id into a dense gradient instead. `embedding` is the implementation and its profile on this
+    hardware; `profile` overrides that profile; `rows` defaults to the table's.
     """
-    profile = profile or embedding_impl_profile(kernel)
+    profile = profile or embedding.profile
     dev = topology.device
     cpu = topology.compute_device == "cpu"
     access = CPU_ACCESS_BYTES if cpu else profile.access_bytes
     row_bytes = _round_up(dim * table.element_bytes, access)
-    st = state_bytes_per_row(optimizer, dim, kernel) if fused_optimizer else 0
+    st = embedding.state_bytes_per_row(optimizer, dim) if fused_optimizer else 0
     state_row_bytes = _round_up(st, access) if st else 0
     fwd_rows = n_ids * row_bytes
     updated = touched_rows(n_ids, table.num_rows if rows is None else rows) if fused_optimizer else n_ids
@@ -265,13 +253,13 @@ class EmbeddingPerfEstimator(PerfEstimator):
         b, w = workload.batch_size_per_rank, topology.world_size
         g = b * w  # global batch
         p, f = t.pooling_factor, t.num_features
-        kernel = workload.options.kernel
+        emb = workload.options.embedding
         opt = workload.optimizer
         s0 = option.shards[0]
 
         def lookup(n_ids: float, n_bags: float, dim: int, rows: float) -> tuple[float, float]:
             return lookup_time_s(
-                n_ids, n_bags, dim, t, option.placement, topology, opt, kernel, option.cache_ratio, rows=rows
+                n_ids, n_bags, dim, t, option.placement, topology, opt, emb, option.cache_ratio, rows=rows
             )
 
         st = option.sharding
@@ -279,8 +267,8 @@ class EmbeddingPerfEstimator(PerfEstimator):
             # The "dense" kernel (plain embedding bags) scatters into a dense gradient of the whole
             # table, which is zeroed, all-reduced and stepped by the dense optimizer every step.
             fwd, bwd = lookup_time_s(
-                b * p, b * f, t.embedding_dim, t, option.placement, topology, opt, DENSE_LOOKUP_IMPL,
-                fused_optimizer=False,
+                b * p, b * f, t.embedding_dim, t, option.placement, topology, opt, emb,
+                fused_optimizer=False, profile=emb.dense_profile,
             )
             bwd += dense_update_time_s(t.weight_bytes, t.num_rows, t.embedding_dim, opt, topology)
             # DistributedModelParallel puts replicas' gradients in DDP's buckets with the dense model's:
@@ -339,7 +327,8 @@ class EmbeddingStorageEstimator(StorageEstimator):
             key = (s.num_rows, s.num_cols)
             if key not in cache:
                 weights = s.num_rows * s.num_cols * t.element_bytes
-                state = state_bytes(workload.optimizer, s.num_rows, s.num_cols, workload.options.kernel)
+                state = state_bytes(workload.optimizer, s.num_rows, s.num_cols,
+                                    workload.options.embedding.impl)
                 out = bags * s.num_cols * OUTPUT_BYTES
                 buffers = int(depth * ((ids + bags) * ID_BYTES + out) + out)  # + output gradient
                 if st == ShardingType.DATA_PARALLEL:
@@ -378,7 +367,7 @@ class DenseEstimator:
         buckets = max(1, math.ceil(4 * n / DDP_BUCKET_BYTES))
         comms = all_reduce_time_s(4 * n, topology, latency=False)
         comms += buckets * all_reduce_time_s(0.0, topology)  # each bucket's latency
-        launch = embedding_impl_profile(opts.kernel).per_launch_s
+        launch = opts.embedding.profile.per_launch_s
         perf = Perf(compute / 3 + launch / 3, 2 * compute / 3 + 2 * launch / 3, 0.0, comms)
         perf = perf + split_fwd_bwd(framework_time_s(workload, topology))
         return RankCost(Storage(int(hbm), 0), perf)

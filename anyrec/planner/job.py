@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from torch import nn
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
 
-from anyrec.backends.dispatch import embedding_impl
+from anyrec.backends.hardware import EmbeddingCost
 from anyrec.config import ModelConfig, PlannerConfig
 from anyrec.planner.estimators import inexact_update_reason
 from anyrec.planner.planner import CoDesignPlanner
@@ -54,17 +54,18 @@ def dense_tensor_count(model: nn.Module, ebc: nn.Module) -> int:
     return len(_dense_parameters(model, ebc))
 
 
-def plan_options(cfg: PlannerConfig, kernel: str, optimizer: str) -> dict[str, object]:
-    """PlanOptions fields from the `planner` config group, for embedding implementation `kernel`.
+def plan_options(cfg: PlannerConfig, embedding: EmbeddingCost, optimizer: str) -> dict[str, object]:
+    """PlanOptions fields from the `planner` config group, for the embedding implementation (and its
+    profiles on the hardware) `embedding`.
 
     Only what the implementation can run (its Impl record) is offered to the search; a forced
     `planner.sharding` it cannot run, or that would change `optimizer`'s update, is a ValueError.
     """
-    impl = embedding_impl(kernel)
+    impl = embedding.impl
     placements = tuple(p for p in Placement if p.value in impl.compute_kernels)
     shardings = tuple(s for s in ShardingType if s != ShardingType.DATA_PARALLEL or impl.data_parallel)
     opts: dict[str, object] = {
-        "kernel": kernel,
+        "embedding": embedding,
         "uvm_cache_ratio": cfg.uvm_cache_ratio,
         "reserve_fraction": cfg.memory_reserve_fraction,
         "allowed_placements": placements if cfg.allow_uvm else (Placement.HBM,),
@@ -76,7 +77,7 @@ def plan_options(cfg: PlannerConfig, kernel: str, optimizer: str) -> dict[str, o
             raise ValueError(f"planner.sharding={cfg.sharding!r} is not one of auto, {', '.join(valid)}")
         if ShardingType(cfg.sharding) not in shardings:
             raise ValueError(f"planner.sharding={cfg.sharding} cannot run with "
-                             f"backend.embedding_kernel={kernel}")
+                             f"backend.embedding_kernel={impl.name}")
         reason = inexact_update_reason(optimizer, cfg.sharding)
         if reason is not None:
             raise ValueError(f"planner.sharding={cfg.sharding}: {reason}")
@@ -85,20 +86,21 @@ def plan_options(cfg: PlannerConfig, kernel: str, optimizer: str) -> dict[str, o
 
 
 def planner_inputs(model: nn.Module, ebc: nn.Module, cfg_model: ModelConfig, cfg_planner: PlannerConfig,
-                   optimizer: str, kernel: str) -> tuple[list[TableSpec], int, dict[str, object]]:
+                   optimizer: str, embedding: EmbeddingCost
+                   ) -> tuple[list[TableSpec], int, dict[str, object]]:
     """What the planner needs of `model` (EmbeddingBagCollection `ebc`): its tables, its dense
     parameter count and the PlanOptions fields (the `planner` config group's and the model's)."""
-    options = plan_options(cfg_planner, kernel, optimizer)
+    options = plan_options(cfg_planner, embedding, optimizer)
     options.update(interaction_pairs=interaction_pairs(cfg_model),
                    dense_tensors=dense_tensor_count(model, ebc))
     return model_tables(ebc.embedding_bag_configs(), cfg_model), dense_param_count(model, ebc), options
 
 
 def plan_model(model: nn.Module, ebc: nn.Module, cfg_model: ModelConfig, cfg_planner: PlannerConfig,
-               optimizer: str, topology: Topology, batch_size_per_rank: int, kernel: str,
+               optimizer: str, topology: Topology, batch_size_per_rank: int, embedding: EmbeddingCost,
                planner: CoDesignPlanner | None = None) -> PlanResult:
     """Plan the tables of `model`'s EmbeddingBagCollection `ebc` on `topology` with the co-design planner."""
-    tables, dense_params, options = planner_inputs(model, ebc, cfg_model, cfg_planner, optimizer, kernel)
+    tables, dense_params, options = planner_inputs(model, ebc, cfg_model, cfg_planner, optimizer, embedding)
     return (planner or CoDesignPlanner()).plan(tables, topology, batch_size_per_rank, optimizer, dense_params,
                                                **options)
 

@@ -12,7 +12,6 @@ import gc
 import logging
 import time
 
-from anyrec.backends.dispatch import embedding_impl
 from anyrec.planner.advice import explain_infeasible, explain_tables
 from anyrec.planner.enumerators import MIN_COLUMN_SHARD_DIM, EmbeddingEnumerator
 from anyrec.planner.estimators import (
@@ -69,7 +68,6 @@ def make_workload(
         raise ValueError(f"dense_param_count must be >= 0, got {dense_param_count}")
     check_optimizer(optimizer)
     opts = dataclasses.replace(options or PlanOptions(), **overrides)
-    embedding_impl(opts.kernel)
     exact = tuple(s for s in opts.allowed_shardings if inexact_update_reason(optimizer, s) is None)
     if not exact:
         raise ValueError(inexact_update_reason(optimizer, opts.allowed_shardings[0]))

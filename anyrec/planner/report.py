@@ -180,7 +180,8 @@ def memory_breakdown(plan: PlanResult) -> dict[str, list[float]]:
         t = opt.table
         for s in opt.shards:
             wt = s.num_rows * s.num_cols * t.element_bytes
-            stb = state_bytes(plan.workload.optimizer, s.num_rows, s.num_cols, plan.workload.options.kernel)
+            stb = state_bytes(plan.workload.optimizer, s.num_rows, s.num_cols,
+                              plan.workload.options.embedding.impl)
             if opt.sharding == ShardingType.DATA_PARALLEL:
                 wt *= 2  # replica + its dense gradient
             if opt.placement == Placement.HBM or plan.topology.compute_device == "cpu":

@@ -9,7 +9,7 @@ from torch import nn
 from torchrec.distributed.types import ModuleSharder, ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
-from anyrec.backends.dispatch import DATA_PARALLEL_KERNEL, embedding_impl
+from anyrec.backends.dispatch import DATA_PARALLEL_KERNEL, FBGEMM_EMBEDDING
 from anyrec.planner.estimators import inexact_update_reason
 from anyrec.planner.torchrec_plan import build_sharding_plan
 from anyrec.planner.types import ShardingType
@@ -52,7 +52,7 @@ def to_sharding_plan(ebc: nn.Module, shardings: dict[str, tuple[str, list[int]]]
                      compute_kernel: str | None = None, sharder: ModuleSharder | None = None) -> ShardingPlan:
     """A torchrec ShardingPlan placing the tables of `ebc` (at `module_path` in the model), in device
     memory with torchrec compute kernel `compute_kernel` (default: FBGEMM's, from its Impl record)."""
-    kernel = compute_kernel or embedding_impl("fbgemm").compute_kernel("hbm")
+    kernel = compute_kernel or FBGEMM_EMBEDDING.compute_kernel("hbm")
     per_table = {name: (kind, ranks, DATA_PARALLEL_KERNEL if kind == "data_parallel" else kernel)
                  for name, (kind, ranks) in shardings.items()}
     return build_sharding_plan(ebc, per_table, module_path, world_size, local_world_size, device_type,

@@ -20,7 +20,7 @@ from torchrec.distributed.types import ModuleSharder, ShardingPlan
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from anyrec.backends.dispatch import embedding_impl, torchrec_kernel_placements
+from anyrec.backends.dispatch import torchrec_kernel_placements
 from anyrec.planner.types import Placement, PlanResult, ShardingType, TableSpec
 
 DEFAULT_EBC_FQN = "sparse_arch.embedding_bag_collection"  # torchrec DLRM's EmbeddingBagCollection
@@ -102,7 +102,7 @@ def to_sharding_plan(
     topo = plan.topology
     device = compute_device or topo.compute_device
     module = module if module is not None else meta_ebc(plan.workload.tables)
-    hbm_kernel = embedding_impl(plan.workload.options.kernel).compute_kernel(Placement.HBM.value)
+    hbm_kernel = plan.workload.options.embedding.impl.compute_kernel(Placement.HBM.value)
     per_table = {}
     for name, opt in plan.tables.items():
         ranks = [s.rank for s in opt.shards]

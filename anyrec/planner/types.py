@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from anyrec.backends.dispatch import FBGEMM_EMBEDDING
+from anyrec.backends.hardware import EmbeddingCost
 from anyrec.backends.specs import DeviceSpec
 
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "fp8": 1}
@@ -239,7 +241,9 @@ class PlanOptions:
 
     allowed_shardings: tuple[ShardingType, ...] = ALL_SHARDINGS
     allowed_placements: tuple[Placement, ...] = ALL_PLACEMENTS
-    kernel: str = "fbgemm"  # embedding implementation (anyrec.backends.dispatch Impl): kernels, profile
+    # The embedding implementation's record and the profiles it is costed with on the hardware at hand
+    # (Hardware.embedding_cost); FBGEMM's with its built-in profiles by default.
+    embedding: EmbeddingCost = field(default_factory=lambda: EmbeddingCost.builtin(FBGEMM_EMBEDDING))
     uvm_cache_ratio: float = 0.2  # HBM cache rows / table rows for uvm_caching (torchrec's default)
     reserve_fraction: float = 0.05  # of HBM kept free (fragmentation, allocator slack)
     reserve_bytes: int = 2 * 10**9  # HBM kept free for the runtime context and workspaces
@@ -252,6 +256,11 @@ class PlanOptions:
     # (costed by DeviceSpec.step_per_pair_s); 0 for DCN, whose cost is its GEMMs (dense FLOPs).
     interaction_pairs: int = 0
     dense_tensors: int = 0  # parameter tensors of the dense model (DeviceSpec.step_per_dense_tensor_s each)
+
+    @property
+    def kernel(self) -> str:
+        """The embedding implementation's name (for reports)."""
+        return self.embedding.name
 
     def __post_init__(self) -> None:
         self.allowed_shardings = tuple(ShardingType(s) for s in self.allowed_shardings)

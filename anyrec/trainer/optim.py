@@ -10,7 +10,7 @@ from torchrec import optim as trec_optim
 from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-from anyrec.backends.dispatch import embedding_impl, implementations
+from anyrec.backends.dispatch import Impl, implementations
 from anyrec.config import OptimConfig
 from anyrec.kernels.optimizers import OptimizerConfig, OptimizerKind
 
@@ -56,11 +56,11 @@ def embedding_optimizer(cfg: OptimConfig) -> tuple[type[torch.optim.Optimizer], 
     return trec_optim.Adam, {**kwargs, "betas": (opt.beta1, opt.beta2)}
 
 
-def check_embedding_optimizer(cfg: OptimConfig, embedding_kernel: str, device_type: str, plan: Any) -> None:
+def check_embedding_optimizer(cfg: OptimConfig, embedding: Impl, device_type: str, plan: Any) -> None:
     """An embedding implementation without a fused kernel for `cfg.name` on this device (FBGEMM's CPU
     TBE has no Adam): one line, unless the plan replicates every table (those train with anyrec's
     replicated-table optimizer). `plan` is torchrec's ShardingPlan."""
-    supported = embedding_impl(embedding_kernel).cpu_optimizers
+    supported = embedding.cpu_optimizers
     if device_type != "cpu" or supported is None or cfg.name in supported:
         return
     fused = sorted({ps.sharding_type for module in plan.plan.values() for ps in module.values()}
@@ -68,7 +68,7 @@ def check_embedding_optimizer(cfg: OptimConfig, embedding_kernel: str, device_ty
     if fused:
         able = ", ".join(i.name for i in implementations("embedding")
                          if i.cpu_optimizers is None or cfg.name in i.cpu_optimizers)
-        raise ValueError(f"optim={cfg.name}: the {embedding_kernel} embedding implementation has no fused "
+        raise ValueError(f"optim={cfg.name}: the {embedding.name} embedding implementation has no fused "
                          f"{cfg.name} on the CPU (the plan shards tables as {', '.join(fused)}); use "
                          f"backend.embedding_kernel= one of {able}, planner.sharding=data_parallel, or "
                          f"optim= one of {', '.join(supported)}")
@@ -103,11 +103,11 @@ def dense_optimizer(cfg: OptimConfig, params: Iterable[torch.nn.Parameter]) -> t
                             weight_decay=cfg.weight_decay)
 
 
-def check_embedding_weight_decay(cfg: OptimConfig, embedding_kernel: str) -> None:
+def check_embedding_weight_decay(cfg: OptimConfig, embedding: Impl) -> None:
     """An embedding implementation whose fused update ignores weight decay (FBGEMM's): say so rather
     than ignore the setting."""
-    if cfg.weight_decay > 0 and not embedding_impl(embedding_kernel).fused_weight_decay:
+    if cfg.weight_decay > 0 and not embedding.fused_weight_decay:
         able = ", ".join(i.name for i in implementations("embedding") if i.fused_weight_decay)
-        raise ValueError(f"optim.weight_decay={cfg.weight_decay} is not applied by the {embedding_kernel} "
+        raise ValueError(f"optim.weight_decay={cfg.weight_decay} is not applied by the {embedding.name} "
                          f"embedding implementation's fused update; use backend.embedding_kernel= one "
                          f"of {able}, or optim.weight_decay=0")

@@ -11,8 +11,9 @@ from torch import nn
 from torchrec.distributed.model_parallel import DataParallelWrapper, DistributedModelParallel
 from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 
-from anyrec.backends import Backend, resolve_hardware
-from anyrec.backends.sharders import compute_kernel, embedding_sharder
+from anyrec.backends import Backend, Hardware
+from anyrec.backends.dispatch import Impl
+from anyrec.backends.sharders import embedding_sharder
 from anyrec.config import AnyrecConfig
 from anyrec.data import resolve_batch_size
 from anyrec.planner.job import plan_model
@@ -26,9 +27,9 @@ from anyrec.trainer.distributed import DistInfo
 logger = logging.getLogger(__name__)
 
 
-def sharders(embedding_kernel: str) -> list[ModuleSharder]:
+def sharders(embedding: Impl) -> list[ModuleSharder]:
     """The sharders DistributedModelParallel uses: one for the selected embedding implementation."""
-    return [embedding_sharder(embedding_kernel)]
+    return [embedding_sharder(embedding)]
 
 
 class NoDataParallelWrapper(DataParallelWrapper):
@@ -45,14 +46,14 @@ def dense_wrapper(world_size: int) -> DataParallelWrapper | None:
 
 
 def shared_plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module, module_path: str,
-                embedding_kernel: str) -> tuple[ShardingPlan, Perf | None]:
+                embedding: Impl, hardware: Hardware) -> tuple[ShardingPlan, Perf | None]:
     """Rank 0 plans and every rank takes its plan and the predicted per-step cost of the plan's slowest
     rank (None from a planner that predicts nothing): ranks must never shard by different plans.
 
     A planning error on rank 0 (e.g. nothing fits) is raised on every rank, so none waits.
     """
-    args = (cfg, backend, info, model, module_path, embedding_kernel)
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    args = (cfg, backend, info, model, module_path, embedding, hardware)
+    if info.world_size == 1:
         return plan_and_predict(*args)
     box: list[Any] = [None]
     if info.is_main:
@@ -67,29 +68,31 @@ def shared_plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.M
 
 
 def plan_sharding(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module, module_path: str,
-                  embedding_kernel: str) -> ShardingPlan:
+                  embedding: Impl, hardware: Hardware) -> ShardingPlan:
     """The plan for the EmbeddingBagCollection `model.sparse_arch` (at `module_path`) from the configured
     planner (co-design by default); tables and the dense parameter count are read from `model`."""
-    return plan_and_predict(cfg, backend, info, model, module_path, embedding_kernel)[0]
+    return plan_and_predict(cfg, backend, info, model, module_path, embedding, hardware)[0]
 
 
 def plan_and_predict(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module,
-                     module_path: str, embedding_kernel: str) -> tuple[ShardingPlan, Perf | None]:
+                     module_path: str, embedding: Impl, hardware: Hardware
+                     ) -> tuple[ShardingPlan, Perf | None]:
     """`plan_sharding`'s plan and the co-design planner's predicted cost of its slowest rank per step
-    (None: simple)."""
+    (None: simple), for the selected embedding implementation on `hardware` (the resolved
+    `hardware` config: its spec and measured profiles)."""
     ebc = model.sparse_arch
     if cfg.planner.name == "simple":
         shardings = simple_table_shardings(ebc.embedding_bag_configs(), info.world_size,
                                            force=cfg.planner.sharding, optimizer=cfg.optim.name)
         return simple_sharding_plan(ebc, shardings, module_path, info.world_size, info.local_world_size,
-                                    backend.device_type, sharder=sharders(embedding_kernel)[0],
-                                    compute_kernel=compute_kernel(embedding_kernel)), None
+                                    backend.device_type, sharder=sharders(embedding)[0],
+                                    compute_kernel=embedding.compute_kernel()), None
     if cfg.planner.name != "codesign":
         raise ValueError(f"unknown planner {cfg.planner.name!r}; choose codesign or simple")
-    device = resolve_hardware(cfg.hardware.sku, cfg.hardware.spec, backend)
-    topology = Topology(device, info.world_size, info.local_world_size, backend.device_type)
+    topology = Topology(hardware.spec, info.world_size, info.local_world_size, backend.device_type)
     batch = resolve_batch_size(cfg.data, info.world_size).batch_size
-    result = plan_model(model, ebc, cfg.model, cfg.planner, cfg.optim.name, topology, batch, embedding_kernel)
+    result = plan_model(model, ebc, cfg.model, cfg.planner, cfg.optim.name, topology, batch,
+                        hardware.embedding_cost(embedding))
     if info.is_main:
         logger.info("co-design plan:\n%s", format_report(result, advice=False))
     slowest = max(result.rank_perf, key=lambda p: p.total_s)  # its total_s is result.predicted_step_s

@@ -27,7 +27,8 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from anyrec.backends import Backend, get_backend
-from anyrec.backends.dispatch import embedding_impl
+from anyrec.backends.dispatch import Impl
+from anyrec.backends.hardware import resolve_hardware
 from anyrec.backends.sparse_ops import install as install_sparse_ops
 from anyrec.config import AnyrecConfig
 from anyrec.data import build_source, resolve_batch_size
@@ -109,6 +110,7 @@ class Trainer:
         self.backend: Backend = get_backend(cfg.backend.name)
         self.dist: DistInfo = self.init_distributed()
         self.device = self.backend.device(self.dist.local_rank)
+        self.kernels: dict[str, Impl] = self.backend.select_kernels(cfg.backend)  # each op's, resolved once
         self.plan_override = plan
         self.step = 0
         self.skipped_batches = 0
@@ -137,12 +139,12 @@ class Trainer:
             tc.mixed_precision == "auto" and self.backend.device_type != "cpu")
         self.schedule = WarmupPolyDecay.from_config(self.cfg.optim)
         torch.manual_seed(tc.seed)
-        check_embedding_weight_decay(self.cfg.optim, self.embedding_kernel)
+        check_embedding_weight_decay(self.cfg.optim, self.kernels["embedding"])
         # One device with anyrec's own TBE: no sharding, so no input distribution (whose KJT
         # permutes need FBGEMM ops) and no FBGEMM kernel anywhere in the step. Naming the sparse ops'
         # implementation (backend.sparse_ops=portable|fbgemm) asks for the sharded path instead.
         self.unsharded = (self.dist.world_size == 1
-                          and embedding_impl(self.embedding_kernel).unsharded_builder is not None
+                          and self.kernels["embedding"].unsharded_builder is not None
                           and self.cfg.backend.sparse_ops == "auto")
         if self.unsharded:
             self._build_unsharded()
@@ -170,27 +172,27 @@ class Trainer:
         """Tables on the meta device, placed by the plan and allocated by DistributedModelParallel."""
         install_sparse_ops(self.backend, self.cfg.backend.sparse_ops)  # torchrec's input/output dist ops
         model = build_model(self.cfg.model, self.device, ebc_device=torch.device("meta"),
-                            kernels=self.backend.select_kernels(self.cfg.backend))
+                            kernels=self.kernels)
         # Embedding optimizer fused into the backward pass (TBE updates rows in place).
         apply_embedding_optimizer(model.sparse_arch.parameters(), self.cfg.optim)
+        embedding, hw = self.kernels["embedding"], self.cfg.hardware
+        hardware = resolve_hardware(hw.sku, hw.spec, self.backend, hw.measurements)
         self.sharding_plan, self.predicted_perf = (self.plan_override, None) if self.plan_override else \
-            shared_plan(self.cfg, self.backend, self.dist, model, EBC_PATH, self.embedding_kernel)
-        check_embedding_optimizer(self.cfg.optim, self.embedding_kernel, self.device.type, self.sharding_plan)
+            shared_plan(self.cfg, self.backend, self.dist, model, EBC_PATH, embedding, hardware)
+        check_embedding_optimizer(self.cfg.optim, embedding, self.device.type, self.sharding_plan)
         self.model = DistributedModelParallel(
-            DLRMTrain(model), device=self.device, plan=self.sharding_plan,
-            sharders=sharders(self.embedding_kernel),
+            DLRMTrain(model), device=self.device, plan=self.sharding_plan, sharders=sharders(embedding),
             data_parallel_wrapper=dense_wrapper(self.dist.world_size),
         )
         self.fused_optimizer = self.model.fused_optimizer
 
     def _build_unsharded(self) -> None:
         """All tables on this device in anyrec's TritonEmbeddingBagCollection (Triton or torch ops)."""
-        ebc = embedding_impl(self.embedding_kernel).build_unsharded(
+        ebc = self.kernels["embedding"].build_unsharded(
             table_configs(self.cfg.model), optimizer=embedding_optimizer_config(self.cfg.optim),
             device=self.device)
         self.sharding_plan = None
-        self.model = DLRMTrain(DLRM(self.cfg.model, ebc, device=self.device,
-                                    kernels=self.backend.select_kernels(self.cfg.backend)))
+        self.model = DLRMTrain(DLRM(self.cfg.model, ebc, device=self.device, kernels=self.kernels))
         self.fused_optimizer = TritonEBCOptimizer(ebc, prefix=f"{EBC_PATH}.")
 
     def _build_optimizers_and_pipeline(self) -> None:
@@ -236,7 +238,7 @@ class Trainer:
     def _log_setup(self) -> None:
         logger.info("backend: %s", self.backend.describe())
         logger.info("kernels: %s", ", ".join(
-            f"{op}={impl}" for op, impl in self.backend.select_kernels(self.cfg.backend).items()))
+            f"{op}={impl.name}" for op, impl in self.kernels.items()))
         if self.unsharded:
             logger.info("one device, %s embedding kernel: tables unsharded (no input distribution)",
                         self.embedding_kernel)
@@ -248,7 +250,7 @@ class Trainer:
     @property
     def embedding_kernel(self) -> str:
         """The `embedding` op's implementation the backend selected (fbgemm | triton | torch)."""
-        return self.backend.select_kernels(self.cfg.backend)["embedding"]
+        return self.kernels["embedding"].name
 
     # ---- one step, in three parts the pipelines call -------------------------------------------
 
