@@ -86,7 +86,8 @@ def test_a_nan_entry_is_not_used(tmp_path):
 
 def test_a_foreign_version_entry_is_not_used(tmp_path):
     """A file at this key's name made with another torch (copied, or renamed by hand) is named as such."""
-    other = _key(versions=(("anyrec", "0.1.0"), ("fbgemm", "1.8.0"), ("torch", "2.12.0"), ("torchrec", "1.8.0")))
+    old = (("anyrec", "0.1.0"), ("fbgemm", "1.8.0"), ("torch", "2.12.0"), ("torchrec", "1.8.0"))
+    other = _key(versions=old)
     calcache.write_entry(tmp_path / _key().file_name(), other, yaml.safe_load(CAL.read_text()))
     problem = calcache.lookup(_key(), tmp_path).problem
     assert "another machine or software" in problem and "torch 2.12.0 (this is" in problem
