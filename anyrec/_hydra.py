@@ -10,6 +10,7 @@ import os
 
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ValidationError
@@ -194,6 +195,8 @@ def compose_job(overrides: list[str]) -> AnyrecConfig:
     """The typed config of `overrides`, composed as `anyrec-train` composes it (outside a Hydra app:
     in-process jobs such as parity workers and calibration points)."""
     setup()
+    if GlobalHydra.instance().is_initialized():  # inside an entry point's app (its config dir is ours)
+        return to_object(compose("config", overrides=overrides))
     with initialize_config_dir(str(config_dir()), version_base="1.3"):
         cfg = compose("config", overrides=overrides)
     problem = _missing(cfg)

@@ -55,10 +55,13 @@ EMB_POINTS = {
     "large": [(1, 10_000, 16, 256, 1), (8, 1_000_000, 16, 16384, 8), (8, 1_000_000, 128, 16384, 8),
               (8, 1_000_000, 64, 16384, 32), (16, 1_000_000, 64, 8192, 4), (8, 1_000_000, 256, 8192, 2)],
 }
+EMB_POINTS["quick"] = EMB_POINTS["small"]  # tiny already: what takes time is the trainer's step points
 # DLRM MLP shapes: bottom (13 dense features) and top (interaction output) stacks, batch per rank.
 DLRM_MLP = {"small": dict(batch=256, layers=[13, 512, 256, 64, 512, 256, 1]),
+            "quick": dict(batch=256, layers=[13, 512, 256, 64, 512, 256, 1]),
             "large": dict(batch=8192, layers=[13, 512, 256, 128, 1024, 1024, 512, 256, 1])}
-SIZES = {
+SIZES = {  # "quick": the calibration a training job runs on first contact (anyrec.autocal)
+    "quick": dict(gemm=256, comm_bytes=[1 << 10, 64 << 10, 1 << 20], copy_bytes=4 << 20),
     "small": dict(gemm=512, comm_bytes=[1 << 10, 16 << 10, 256 << 10, 2 << 20], copy_bytes=16 << 20),
     "large": dict(gemm=8192, comm_bytes=[64 << 10, 1 << 20, 16 << 20, 128 << 20], copy_bytes=1 << 30),
 }
@@ -378,7 +381,9 @@ def hardware_yaml(backend: Backend, m: dict) -> dict:
               "source": f"anyrec.calibrate on {backend.describe()}, {stamp}: "
                         f"{', '.join(m['measured_fields'])} measured; the rest from "
                         f"{spec.source or spec.name}"}
-    return {"spec": fields, "measurements": measurements}
+    # Measurements first, the spec (ending with measured fields) last: a file cut short anywhere then
+    # lacks a field it claims to have measured, or its spec altogether, and is refused when read.
+    return {"measurements": measurements, "spec": fields}
 
 
 def write_yaml(path: Path, data: dict, header: str) -> None:

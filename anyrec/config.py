@@ -68,6 +68,12 @@ class Optimizer(StrEnum):
     adam = "adam"
 
 
+class Calibrate(StrEnum):
+    auto = "auto"
+    always = "always"
+    never = "never"
+
+
 class Precision(StrEnum):
     auto = "auto"
     bf16 = "bf16"
@@ -213,6 +219,10 @@ class TrainerConfig:
     fingerprint_weights: bool = False  # put a SHA-256 of all weights in the summary (slow if huge)
     collective_timeout_s: float = 600.0  # a rank waiting this long on a peer fails the job
     peer_timeout_s: float = 60.0  # a rank whose heartbeat stands still this long is named, the job fails
+    # hardware=auto: plan with this machine's cached calibration, measured on first contact (auto),
+    # measured again (always), or the backend's datasheet figures (never); anyrec.calcache
+    calibrate: Calibrate = Calibrate.auto
+    calibrate_budget_s: float = 0.01  # seconds each timed measurement of that quick calibration repeats
     stop_check_every: int = 10  # steps between the ranks' checks for a stop request (a signal)
     stop_grace_s: float = 10.0  # a rank not stopped this long after a signal exits without a checkpoint
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -267,7 +277,7 @@ def check_values(cfg: AnyrecConfig) -> None:
     for key, value in positive.items():
         if value is not None and value < 1:
             raise ValueError(f"{key} must be >= 1, got {value}")
-    for key in ("collective_timeout_s", "peer_timeout_s", "stop_grace_s"):
+    for key in ("collective_timeout_s", "peer_timeout_s", "stop_grace_s", "calibrate_budget_s"):
         seconds = getattr(cfg.trainer, key)
         if not (math.isfinite(seconds) and seconds > 0):
             raise ValueError(f"trainer.{key} must be a positive number of seconds, got {seconds}")

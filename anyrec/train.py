@@ -27,6 +27,7 @@ EXIT_CODES = {NonFiniteLossError: 3, PeerLostError: 4}
 
 def run(cfg: DictConfig) -> dict:
     """Train with a composed config; rank 0 prints the JSON summary as its last stdout line."""
+    from anyrec.autocal import calibrated_hardware, wants_calibration
     from anyrec.trainer.shutdown import peer_failure  # with the trainer, after Hydra parsed argv
     from anyrec.trainer.trainer import Trainer  # torchrec loads once Hydra has parsed the command line
 
@@ -38,6 +39,8 @@ def run(cfg: DictConfig) -> dict:
     config.trainer.checkpoint.dir = _hydra.per_job_dir(config.trainer.checkpoint.dir)
     writable_dir(config.trainer.checkpoint.dir, "trainer.checkpoint.dir")
     writable_dir(config.trainer.run_dir, "trainer.run_dir")
+    if wants_calibration(config):  # hardware=auto: this machine's cached figures, measured on a miss
+        config.hardware.sku = calibrated_hardware(config)
     trainer = Trainer(config)
     try:
         summary = trainer.train()

@@ -137,11 +137,11 @@ def test_anyrec_imports_form_a_dag():
 LAYERS: list[tuple[str, ...]] = [
     ("anyrec", "anyrec.kernels"),
     ("anyrec.backends",),
-    ("anyrec.config", "anyrec.schema", "anyrec.io_checks", "anyrec.proc"),
+    ("anyrec.config", "anyrec.schema", "anyrec.io_checks", "anyrec.proc", "anyrec.calcache"),
     ("anyrec.planner", "anyrec.models", "anyrec.data"),
     ("anyrec.trainer",),
     ("anyrec._hydra", "anyrec.train", "anyrec.plan", "anyrec.calibrate", "anyrec.calibrate_step",
-     "anyrec.parity"),
+     "anyrec.autocal", "anyrec.parity"),
 ]
 SIDE_BY_SIDE = {"anyrec.planner", "anyrec.models", "anyrec.data"}
 

@@ -131,7 +131,8 @@ def _calibration(path, bw_efficiency: float, per_launch_s: float) -> str:
     prof = {"bw_efficiency": bw_efficiency, "per_row_s": 1e-6, "per_launch_s": per_launch_s,
             "access_bytes": 64}
     path.write_text(yaml.safe_dump({"sku": "cpu", "spec": {"name": f"CPU ({path.stem}, calibrated)"},
-                                    "measurements": {"embedding": {"fbgemm": {"profile": prof}}}}))
+                                    "measurements": {"embedding": {"fbgemm": {"profile": prof}},
+                                                     "measured_fields": []}}))
     return str(path)
 
 

@@ -33,6 +33,18 @@ def core_share(cpus: Sequence[int], local_rank: int, local_world_size: int) -> l
     return cpus[local_rank * n // local_world_size:(local_rank + 1) * n // local_world_size]
 
 
+_HOST_CORES: list[int] | None = None
+
+
+def _host_cores() -> list[int]:
+    """The cores the process could use before any binding: binding twice (a calibration before the
+    trainer, or several trainers in one process) shares the same cores again, not the bound share."""
+    global _HOST_CORES
+    if _HOST_CORES is None:
+        _HOST_CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    return _HOST_CORES
+
+
 def bind_threads(cpus: Sequence[int]) -> None:
     """Bind every thread of this process (and so every thread they start later) to `cpus`."""
     for tid in os.listdir("/proc/self/task"):
@@ -84,7 +96,7 @@ class CPUBackend(Backend):
         bind_setting(bind_cores)  # a bad value fails on every host, not only where it would be read
         if local_world_size <= 1:
             return None
-        allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        allowed = _host_cores()
         share = core_share(allowed, local_rank, local_world_size) if allowed else None
         if share is None:
             cores = len(allowed) or os.cpu_count() or 1
