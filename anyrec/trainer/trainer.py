@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 from torchrec.datasets.utils import Batch
-from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.model_parallel import DefaultDataParallelWrapper, DistributedModelParallel
 from torchrec.distributed.types import ShardingPlan
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
@@ -176,9 +176,13 @@ class Trainer:
         self.sharding_plan, self.predicted_perf = (self.plan_override, None) if self.plan_override else \
             shared_plan(self.cfg, self.backend, self.dist, model, EBC_PATH, self.embedding_kernel)
         check_embedding_optimizer(self.cfg.optim, self.embedding_kernel, self.device.type, self.sharding_plan)
+        # DDP's static graph page-locks host memory for a device's used-parameter map: off where
+        # the device cannot (its copies are then plain ones; the numbers do not change).
+        static_graph = self.device.type == "cpu" or self.backend.pins_host_memory()
         self.model = DistributedModelParallel(
             DLRMTrain(model), device=self.device, plan=self.sharding_plan,
             sharders=sharders(self.embedding_kernel),
+            data_parallel_wrapper=DefaultDataParallelWrapper(static_graph=static_graph),
         )
         self.fused_optimizer = self.model.fused_optimizer
 
@@ -194,7 +198,11 @@ class Trainer:
 
     def _build_optimizers_and_pipeline(self) -> None:
         """The dense optimizer beside the fused one, and the loop that runs a step."""
-        dense_params = dict(in_backward_optimizer_filter(self.model.named_parameters()))
+        # torchrec marks the empty placeholders of tables on other ranks as optimised in the backward,
+        # but moving a module to a device torch cannot shallow-copy CPU tensors into (any PrivateUse1
+        # device) gives it new Parameters without the mark: skip the placeholders by size too.
+        dense_params = {n: p for n, p in in_backward_optimizer_filter(self.model.named_parameters())
+                        if not (n.startswith(f"{EBC_PATH}.") and p.numel() == 0)}
         # replicated (data-parallel) tables train by the embedding rule and lr, like sharded ones
         tables = {n: p for n, p in dense_params.items() if n.startswith(f"{EBC_PATH}.")}
         dense_params = {n: p for n, p in dense_params.items() if n not in tables}
@@ -218,7 +226,7 @@ class Trainer:
         data_cfg = resolve_batch_size(cfg.data, self.dist.world_size)
         self.batch_size = data_cfg.batch_size
         # Prefetched file batches land in page-locked memory where there is a device to copy them to.
-        pin = self.backend.device_type != "cpu"
+        pin = self.backend.pins_host_memory()
         self.train_data = build_source(cfg.model, data_cfg, tc.seed, self.dist.rank, self.dist.world_size,
                                        split="train", pin_memory=pin, device=self.device)
         self.eval_data = (build_source(cfg.model, data_cfg, tc.seed, self.dist.rank, self.dist.world_size,

@@ -12,7 +12,9 @@ they must register their own for PrivateUse1, as on any new device.
 
 from __future__ import annotations
 
+import functools
 import threading
+import weakref
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -56,8 +58,6 @@ def device_storage(host: torch.UntypedStorage, index: int) -> torch.UntypedStora
         host.data_ptr(), torch.device(NAME, index), host.nbytes())
     storage._simdev_host = host
     MEMORY.alloc(index, host.nbytes())
-    import weakref
-
     weakref.finalize(storage, MEMORY.free, index, host.nbytes())
     return storage
 
@@ -183,11 +183,15 @@ def _copy_from(name: str, src: torch.Tensor, dst: torch.Tensor, non_blocking: bo
 
 
 _LIB: torch.library.Library | None = None
+_ATEN: torch.library.Library | None = None
+# Ops with a CompositeExplicitAutograd kernel, which would run before a fallback, that cannot serve
+# simdev: `_to_copy` to the host with non_blocking=True asks the device for pinned host memory.
+OWN_KERNELS = ("_to_copy",)
 
 
 def register() -> None:
     """Rename PrivateUse1 to simdev and install its hooks, device module and the ATen fallback (once)."""
-    global _LIB
+    global _LIB, _ATEN
     if _LIB is not None:
         return
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
@@ -197,3 +201,7 @@ def register() -> None:
     _setup_privateuseone_for_python_backend(NAME, backend_module=module)
     _LIB = torch.library.Library("_", "IMPL")
     _LIB.fallback(_kernel, "PrivateUse1")
+    _ATEN = torch.library.Library("aten", "IMPL")
+    for name in OWN_KERNELS:
+        op = getattr(torch.ops.aten, name).default
+        _ATEN.impl(name, functools.partial(_kernel, op), "PrivateUse1")
