@@ -86,6 +86,17 @@ class Backend(abc.ABC):
     def synchronize(self) -> None:  # noqa: B027 - optional hook
         """Wait for queued device work (used by timers)."""
 
+    def pins_host_memory(self) -> bool:
+        """Whether torch can page-lock host memory for copies to and from this device (False on the
+        host itself, and where the device's runtime gives torch no pinned-memory allocator)."""
+        if self.device_type == "cpu":
+            return False
+        try:
+            torch.empty(1, pin_memory=True)
+        except (RuntimeError, NotImplementedError):
+            return False
+        return True
+
     def max_memory_allocated(self) -> int | None:
         """Peak bytes allocated on the device by this process (None where it is not measured)."""
         return None

@@ -125,7 +125,11 @@ class Optimizers:
 
     def __init__(self, model: nn.Module, fused: KeyedOptimizer, cfg: OptimConfig, ebc_path: str) -> None:
         self.cfg = cfg
-        params = dict(in_backward_optimizer_filter(model.named_parameters()))
+        # torchrec marks the empty placeholders of tables on other ranks as optimised in the backward,
+        # but moving a module to a device torch cannot shallow-copy CPU tensors into (any PrivateUse1
+        # device) gives it new Parameters without the mark: skip the placeholders by size too.
+        params = {n: p for n, p in in_backward_optimizer_filter(model.named_parameters())
+                  if not (n.startswith(f"{ebc_path}.") and p.numel() == 0)}
         # replicated (data-parallel) tables train by the embedding rule and lr, like sharded ones
         tables = {n: p for n, p in params.items() if n.startswith(f"{ebc_path}.")}
         dense = {n: p for n, p in params.items() if n not in tables}

@@ -157,9 +157,12 @@ class Trainer:
         self.sharding_plan, self.predicted_perf = (self.plan_override, None) if self.plan_override else \
             shared_plan(self.cfg, self.backend, self.dist, model, EBC_PATH, embedding, hardware)
         check_embedding_optimizer(self.cfg.optim, embedding, self.device.type, self.sharding_plan)
+        # DDP's static graph page-locks host memory for a device's used-parameter map: off where
+        # the device cannot (its copies are then plain ones; the numbers do not change).
+        static_graph = self.device.type == "cpu" or self.backend.pins_host_memory()
         self.model = DistributedModelParallel(
             DLRMTrain(model), device=self.device, plan=self.sharding_plan, sharders=sharders(embedding),
-            data_parallel_wrapper=dense_wrapper(self.dist.world_size),
+            data_parallel_wrapper=dense_wrapper(self.dist.world_size, static_graph),
         )
         self.fused_optimizer = self.model.fused_optimizer
 
@@ -180,7 +183,8 @@ class Trainer:
         self.pipeline = loop(self.model, self.optimizers.combined, self.device, fns)
 
     def _build_data(self) -> None:
-        inputs = build_inputs(self.cfg, self.dist, self.device, pin_memory=self.backend.device_type != "cpu")
+        # Prefetched file batches land in page-locked memory where there is a device to copy them to.
+        inputs = build_inputs(self.cfg, self.dist, self.device, pin_memory=self.backend.pins_host_memory())
         self.batch_size, self.train_data, self.eval_data = inputs.batch_size, inputs.train, inputs.eval
         self.validator, self.loss_guard = inputs.validator, inputs.loss_guard
 
