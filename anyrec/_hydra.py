@@ -9,11 +9,24 @@ import logging
 import os
 
 from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ValidationError
 
-from anyrec.config import AnyrecConfig, config_dir, register_configs, to_object
+from anyrec.config import (
+    AnyrecConfig,
+    BackendConfig,
+    DataConfig,
+    HardwareConfig,
+    ModelConfig,
+    OptimConfig,
+    PlannerConfig,
+    TrainerConfig,
+    config_dir,
+)
+from anyrec.io_checks import writable_dir
 
 
 def _rank0_only(value: str) -> str | None:
@@ -94,6 +107,27 @@ def check_known_keys(cfg: DictConfig) -> None:
     raise ValueError(f"unknown config key{'s' if len(parts) > 1 else ''}: {'; '.join(parts)}")
 
 
+def register_configs() -> None:
+    """Register the schema so every YAML group is type-checked against it."""
+    cs = ConfigStore.instance()
+    cs.store(name="anyrec_schema", node=AnyrecConfig)
+    for group, node in [
+        ("model", ModelConfig), ("data", DataConfig), ("backend", BackendConfig),
+        ("hardware", HardwareConfig), ("planner", PlannerConfig), ("optim", OptimConfig),
+        ("trainer", TrainerConfig),
+    ]:
+        cs.store(group=group, name=f"{group}_schema", node=node)
+
+
+def to_object(cfg: DictConfig) -> AnyrecConfig:
+    """A typed `AnyrecConfig` from a composed DictConfig (validated by the schema)."""
+    check_known_keys(cfg)
+    obj = OmegaConf.to_object(cfg)
+    if not isinstance(obj, AnyrecConfig):
+        raise TypeError(f"config does not follow the anyrec schema: got {type(obj).__name__}")
+    return obj
+
+
 def per_job_dir(path: str | None) -> str | None:
     """Under a Hydra multirun, `path/<job number>`: jobs of one sweep never share a checkpoint dir."""
     from hydra.core.hydra_config import HydraConfig
@@ -104,18 +138,47 @@ def per_job_dir(path: str | None) -> str | None:
     return os.path.join(path, str(HydraConfig.get().job.num))
 
 
-def bad_override_value(overrides: list[str]) -> str | None:
-    """One line naming an override whose value the schema refuses (e.g. `trainer.steps=many`), else
-    None. Hydra says the same in several lines after composing; this composes first to say it in one.
-
-    Only plain overrides are checked: Hydra's own flags and `hydra.*` settings are left to Hydra.
-    """
-    if any(o.startswith("-") or o.lstrip("+~").startswith("hydra") for o in overrides):
+def _missing(cfg: DictConfig) -> str | None:
+    """One line for the first mandatory value (`???`) a composed config leaves unset, else None."""
+    job = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])  # Hydra's own leaves some unset
+    missing = sorted(OmegaConf.missing_keys(job))
+    if not missing:
         return None
+    more = f" (and {', '.join(missing[1:4])})" if len(missing) > 1 else ""
+    return f"{missing[0]}: a value is required{more}; set it on the command line, e.g. {missing[0]}=..."
+
+
+def _output_dir(cfg: DictConfig, multirun: bool) -> str | None:
+    """One line when the folder Hydra will write its outputs to (hydra.run.dir, or hydra.sweep.dir
+    under --multirun) cannot be written, e.g. a read-only working directory; else None."""
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    try:
+        path = OmegaConf.select(cfg, key, throw_on_resolution_failure=True)
+    except Exception:  # noqa: BLE001 - an interpolation only a running app resolves: Hydra checks it
+        return None
+    try:
+        writable_dir(path, f"{key}: Hydra's output folder")
+    except ValueError as e:
+        return f"{e}; run from a writable folder or set {key}=<a writable folder>"
+    return None
+
+
+def cli_problem(overrides: list[str]) -> str | None:
+    """One line naming what stops an entry point before it starts, else None: an override whose value
+    the schema refuses (e.g. `trainer.steps=many`), a mandatory value left unset (`model.name=???`) or
+    an output folder Hydra cannot create (a read-only working directory). Hydra and omegaconf say
+    these in several lines or a traceback, after composing; this composes first to say them in one.
+
+    Hydra's informational flags (--help, --cfg, ...) are left to Hydra.
+    """
+    multirun = any(o in ("-m", "--multirun") for o in overrides)
+    if any(o.startswith("-") and o not in ("-m", "--multirun") for o in overrides):
+        return None
+    overrides = [o for o in overrides if not o.startswith("-")]
     setup()  # the schema must be registered for the values to be checked
     try:
         with initialize_config_dir(str(config_dir()), version_base="1.3"):
-            compose("config", overrides)
+            cfg = compose("config", overrides, return_hydra_config=True)
     except ConfigCompositionException as e:
         cause = e.__cause__
         if isinstance(cause, ValidationError):
@@ -123,12 +186,20 @@ def bad_override_value(overrides: list[str]) -> str | None:
         return None
     except ValidationError as e:
         return f"{e.full_key}: {str(e.msg).splitlines()[0]}"
-    return None
+    except Exception:  # noqa: BLE001 - anything else (a sweep's syntax, a launcher plugin): Hydra says it
+        return None
+    return _missing(cfg) or _output_dir(cfg, multirun)
 
 
 def compose_job(overrides: list[str]) -> AnyrecConfig:
     """The typed config of `overrides`, composed as `anyrec-train` composes it (outside a Hydra app:
     in-process jobs such as parity workers and calibration points)."""
     setup()
-    with initialize_config_dir(str(config_dir()), version_base="1.3"):
+    if GlobalHydra.instance().is_initialized():  # inside an entry point's app (its config dir is ours)
         return to_object(compose("config", overrides=overrides))
+    with initialize_config_dir(str(config_dir()), version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    problem = _missing(cfg)
+    if problem:
+        raise ValueError(problem)
+    return to_object(cfg)

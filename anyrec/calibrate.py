@@ -37,14 +37,14 @@ from anyrec.backends.dispatch import Impl, KernelProfile, availability, implemen
 from anyrec.backends.hardware import EmbeddingCost, Hardware
 from anyrec.backends.specs import DeviceSpec
 from anyrec.calibrate_step import measure_step_costs
-from anyrec.io_checks import writable_file
+from anyrec.io_checks import atomic_write, writable_file
 from anyrec.kernels.optimizers import OptimizerConfig
 from anyrec.planner.estimators import lookup_time_s
 from anyrec.planner.types import Placement, TableSpec, Topology
 
 logger = logging.getLogger("anyrec.calibrate")
 
-OPTIONS = {"output": None, "backend": "auto", "budget_s": "0.5", "size": "small", "bind_cores": "true"}
+OPTIONS = {"output": None, "backend": "auto", "budget_s": "0.5", "size": "small", "bind_cores": "auto"}
 OPTIMIZER = "adagrad"  # the default config's; the profile's bytes term covers any optimizer's state
 # Embedding step points: (tables, rows, dim, batch, pooling). They vary ids (pooling, batch) and bytes
 # per id (dim) independently, and one is tiny, so the fit can tell per-row, per-byte and per-launch
@@ -55,10 +55,13 @@ EMB_POINTS = {
     "large": [(1, 10_000, 16, 256, 1), (8, 1_000_000, 16, 16384, 8), (8, 1_000_000, 128, 16384, 8),
               (8, 1_000_000, 64, 16384, 32), (16, 1_000_000, 64, 8192, 4), (8, 1_000_000, 256, 8192, 2)],
 }
+EMB_POINTS["quick"] = EMB_POINTS["small"]  # tiny already: what takes time is the trainer's step points
 # DLRM MLP shapes: bottom (13 dense features) and top (interaction output) stacks, batch per rank.
 DLRM_MLP = {"small": dict(batch=256, layers=[13, 512, 256, 64, 512, 256, 1]),
+            "quick": dict(batch=256, layers=[13, 512, 256, 64, 512, 256, 1]),
             "large": dict(batch=8192, layers=[13, 512, 256, 128, 1024, 1024, 512, 256, 1])}
-SIZES = {
+SIZES = {  # "quick": the calibration a training job runs on first contact (anyrec.autocal)
+    "quick": dict(gemm=256, comm_bytes=[1 << 10, 64 << 10, 1 << 20], copy_bytes=4 << 20),
     "small": dict(gemm=512, comm_bytes=[1 << 10, 16 << 10, 256 << 10, 2 << 20], copy_bytes=16 << 20),
     "large": dict(gemm=8192, comm_bytes=[64 << 10, 1 << 20, 16 << 20, 128 << 20], copy_bytes=1 << 30),
 }
@@ -76,8 +79,8 @@ def parse_args(argv: list[str]) -> dict[str, str]:
         raise ValueError("output=FILE.yaml is required")
     if opts["size"] not in SIZES:
         raise ValueError(f"size={opts['size']}: choose one of {', '.join(SIZES)}")
-    if opts["bind_cores"] not in ("true", "false"):
-        raise ValueError(f"bind_cores={opts['bind_cores']}: choose true or false")
+    if opts["bind_cores"] not in ("auto", "true", "false"):
+        raise ValueError(f"bind_cores={opts['bind_cores']}: choose auto, true or false")
     return opts
 
 
@@ -327,6 +330,9 @@ def calibrate(backend: Backend, device: torch.device, world: int, size: str = "s
         fields.update(m["step"]["fields"])
     m["threads"] = torch.get_num_threads()
     m["bind_cores"] = bind_cores
+    choice = getattr(backend, "bind_choice", None)
+    if choice is not None:
+        m["bind_rule"] = choice.describe()
     m["measured_fields"] = [k for k in fields if k != "name"]
     m["spec_fields"] = fields
     return m
@@ -375,17 +381,17 @@ def hardware_yaml(backend: Backend, m: dict) -> dict:
               "source": f"anyrec.calibrate on {backend.describe()}, {stamp}: "
                         f"{', '.join(m['measured_fields'])} measured; the rest from "
                         f"{spec.source or spec.name}"}
-    return {"spec": fields, "measurements": measurements}
+    # Measurements first, the spec (ending with measured fields) last: a file cut short anywhere then
+    # lacks a field it claims to have measured, or its spec altogether, and is refused when read.
+    return {"measurements": measurements, "spec": fields}
 
 
 def write_yaml(path: Path, data: dict, header: str) -> None:
-    """Atomic write: a temporary file beside the target, then rename."""
+    """The calibration YAML, written whole or not at all."""
     import yaml
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(header + yaml.safe_dump(data, sort_keys=False, default_flow_style=False))
-    os.replace(tmp, path)
+    with atomic_write(path) as f:
+        f.write(header + yaml.safe_dump(data, sort_keys=False, default_flow_style=False))
 
 
 def format_table(m: dict) -> str:
@@ -445,11 +451,12 @@ def main(argv: list[str] | None = None) -> int:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = backend.device(local_rank)
     backend.set_device(local_rank)
-    bind_cores = opts["bind_cores"] == "true"
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend=backend.dist_backend)
     # Ranks take their share of the host's cores as the trainer's do: the figures are the trainer's.
-    backend.bind_local_rank(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world)), bind_cores)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    # what the rule chose (auto) or was told: the step points' trainers bind the same way
+    bind_cores = backend.bind_local_rank(local_rank, local_world, opts["bind_cores"]) is not None
     try:
         start = time.perf_counter()
         kernels = backend.select_kernels()

@@ -21,6 +21,7 @@ import torch
 
 from anyrec import _hydra
 from anyrec.backends import Backend, Hardware
+from anyrec.backends.calfile import STEP_FIELDS
 from anyrec.models.dlrm import build_model
 from anyrec.planner.evaluate import evaluate_assignment
 from anyrec.planner.job import planner_inputs
@@ -33,8 +34,7 @@ logger = logging.getLogger("anyrec.calibrate")
 
 ROWS = 1_000  # rows per table: lookups stay cheap, framework time dominates
 # DeviceSpec fields the fit determines, in the order of `StepPoint.terms`.
-FIELDS = ("step_fixed_s", "step_per_feature_s", "step_per_sample_s", "step_per_id_s", "step_per_value_s",
-          "step_per_pair_s", "step_per_dense_tensor_s", "sharding_group_s", "replicated_table_s")
+FIELDS = STEP_FIELDS
 
 
 @dataclass(frozen=True)

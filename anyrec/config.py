@@ -6,10 +6,10 @@ Library code takes these dataclasses (or plain values); `DictConfig` stops at th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 
@@ -24,12 +24,68 @@ def config_dir() -> Path:
     raise FileNotFoundError(f"anyrec config groups not found in {installed} or {repo}")
 
 
+# Closed choices are enums: a value outside them fails when the config is composed, before any
+# process group starts. Members are named as their values, so they compare and print as the strings.
+class Interaction(StrEnum):
+    dot = "dot"
+    dcn = "dcn"
+
+
+class OnMalformed(StrEnum):
+    error = "error"
+    skip = "skip"
+
+
+class DenseTransform(StrEnum):
+    torchrec = "torchrec"
+    log1p = "log1p"
+
+
+class SparseOps(StrEnum):
+    auto = "auto"
+    fbgemm = "fbgemm"
+    portable = "portable"
+
+
+class PlannerName(StrEnum):
+    codesign = "codesign"
+    simple = "simple"
+
+
+class Sharding(StrEnum):
+    auto = "auto"
+    table_wise = "table_wise"
+    row_wise = "row_wise"
+    column_wise = "column_wise"
+    table_row_wise = "table_row_wise"
+    data_parallel = "data_parallel"
+
+
+class Optimizer(StrEnum):
+    sgd = "sgd"
+    adagrad = "adagrad"
+    rowwise_adagrad = "rowwise_adagrad"
+    adam = "adam"
+
+
+class Calibrate(StrEnum):
+    auto = "auto"
+    always = "always"
+    never = "never"
+
+
+class Precision(StrEnum):
+    auto = "auto"
+    bf16 = "bf16"
+    fp32 = "fp32"
+
+
 @dataclass
 class ModelConfig:
     """A DLRM-family model: tables, MLPs and the interaction."""
 
     name: str = MISSING
-    interaction: str = "dot"  # dot | dcn
+    interaction: Interaction = Interaction.dot
     embedding_dim: int = 16
     num_dense_features: int = 13
     table_rows: list[int] = field(default_factory=list)  # one table per sparse feature
@@ -55,13 +111,12 @@ class DataConfig:
     path: str | None = None  # directory holding the files below
     train_files: list[str] = field(default_factory=list)  # TSV names, or npy prefixes ("day_0")
     eval_files: list[str] = field(default_factory=list)  # empty: evaluate on the train files
-    on_malformed: str = "error"  # error | skip (count them and report the count)
+    on_malformed: OnMalformed = OnMalformed.error  # skip: count them and report the count
     hash_ids: bool = True  # ids modulo the table size (Criteo ids are 32-bit hashes)
-    dense_transform: str = "torchrec"  # TSV: torchrec (log(x - min + 2), as tsv_to_npys) | log1p
+    # TSV: torchrec is log(x - min + 2), as torchrec's tsv_to_npys
+    dense_transform: DenseTransform = DenseTransform.torchrec
     prefetch: int = 2  # batches made ahead by background threads (files; synthetic on a CPU); 0 = in the step
     prefetch_workers: int = 1  # threads making them (order is kept either way)
-    # Test-only fault injection: the dense features of this training step are NaN.
-    inject_nan_at_step: int | None = None
 
 
 @dataclass
@@ -74,10 +129,11 @@ class BackendConfig:
     dcn_kernel: str = "auto"  # auto | triton | torch
     # FBGEMM sparse ops of torchrec's sharded path: auto (FBGEMM where it has a kernel for the device,
     # pure-torch kernels elsewhere) | fbgemm | portable (pure torch everywhere, overriding FBGEMM)
-    sparse_ops: str = "auto"
+    sparse_ops: SparseOps = SparseOps.auto
     # CPU device, several ranks per host: bind each rank's threads to its own share of the cores
-    # (false: threads float over all cores, torch's thread count still split between the ranks)
-    bind_cores: bool = True
+    # (false: threads float over all cores, torch's thread count still split between the ranks;
+    # auto: bind unless other processes were using the cores at start, see backends/core_load.py)
+    bind_cores: str = "auto"  # auto | true | false
 
 
 @dataclass
@@ -97,9 +153,8 @@ class HardwareConfig:
 class PlannerConfig:
     """How embedding tables get their sharding."""
 
-    name: str = "codesign"  # codesign | simple
-    # auto, or force one of table_wise|row_wise|column_wise|table_row_wise|data_parallel
-    sharding: str = "auto"
+    name: PlannerName = PlannerName.codesign
+    sharding: Sharding = Sharding.auto  # auto, or force one sharding type for every table
     allow_uvm: bool = True
     uvm_cache_ratio: float = 0.2
     memory_reserve_fraction: float = 0.1
@@ -109,7 +164,7 @@ class PlannerConfig:
 class OptimConfig:
     """Embedding (fused) and dense optimizers, gradient clipping and the learning-rate schedule."""
 
-    name: str = "adagrad"  # sgd | adagrad | rowwise_adagrad | adam
+    name: Optimizer = Optimizer.adagrad
     embedding_lr: float = 0.05
     dense_lr: float = 0.05
     eps: float = 1e-8
@@ -142,14 +197,6 @@ class CheckpointConfig:
 
 
 @dataclass
-class FaultConfig:
-    """Test-only fault injection (exercises restart and resume); never set in real jobs."""
-
-    kill_at_step: int | None = None  # SIGKILL `kill_rank` after this step, on the first attempt only
-    kill_rank: int = 1
-
-
-@dataclass
 class TrainerConfig:
     """The training loop, evaluation, logging and checkpoints."""
 
@@ -164,17 +211,21 @@ class TrainerConfig:
     breakdown_steps: int = 0
     progress: bool = True
     pipeline: bool = True  # torchrec TrainPipelineSparseDist (input dist overlapped with compute)
-    mixed_precision: str = "auto"  # auto (bf16 autocast on GPUs, fp32 on CPU) | bf16 | fp32
+    mixed_precision: Precision = Precision.auto  # auto: bf16 autocast on accelerators, fp32 on CPU
     skip_nonfinite: bool = False  # NaN/inf loss: skip the batch instead of stopping
     validate_inputs: bool = True  # check ids and feature counts of every batch before it is used
     run_dir: str | None = None  # JSONL/TensorBoard logs; the entry point sets Hydra's output dir
     tensorboard: bool = True
     fingerprint_weights: bool = False  # put a SHA-256 of all weights in the summary (slow if huge)
     collective_timeout_s: float = 600.0  # a rank waiting this long on a peer fails the job
+    peer_timeout_s: float = 60.0  # a rank whose heartbeat stands still this long is named, the job fails
+    # hardware=auto: plan with this machine's cached calibration, measured on first contact (auto),
+    # measured again (always), or the backend's datasheet figures (never); anyrec.calcache
+    calibrate: Calibrate = Calibrate.auto
+    calibrate_budget_s: float = 0.01  # seconds each timed measurement of that quick calibration repeats
     stop_check_every: int = 10  # steps between the ranks' checks for a stop request (a signal)
     stop_grace_s: float = 10.0  # a rank not stopped this long after a signal exits without a checkpoint
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    fault: FaultConfig = field(default_factory=FaultConfig)
 
 
 @dataclass
@@ -210,31 +261,6 @@ class AnyrecConfig:
     plan: PlanConfig = field(default_factory=PlanConfig)
 
 
-def register_configs() -> None:
-    """Register the schema so every YAML group is type-checked against it."""
-    cs = ConfigStore.instance()
-    cs.store(name="anyrec_schema", node=AnyrecConfig)
-    for group, node in [
-        ("model", ModelConfig), ("data", DataConfig), ("backend", BackendConfig),
-        ("hardware", HardwareConfig), ("planner", PlannerConfig), ("optim", OptimConfig),
-        ("trainer", TrainerConfig),
-    ]:
-        cs.store(group=group, name=f"{group}_schema", node=node)
-
-
-def to_object(cfg: Any) -> AnyrecConfig:
-    """A typed `AnyrecConfig` from a composed DictConfig (validated by the schema)."""
-    from omegaconf import OmegaConf
-
-    from anyrec._hydra import check_known_keys  # anyrec._hydra imports this module
-
-    check_known_keys(cfg)
-    obj = OmegaConf.to_object(cfg)
-    if not isinstance(obj, AnyrecConfig):
-        raise TypeError(f"config does not follow the anyrec schema: got {type(obj).__name__}")
-    return obj
-
-
 def check_values(cfg: AnyrecConfig) -> None:
     """Counts and sizes that must be positive (a 0 would otherwise mean "unset" or divide by zero).
 
@@ -251,7 +277,7 @@ def check_values(cfg: AnyrecConfig) -> None:
     for key, value in positive.items():
         if value is not None and value < 1:
             raise ValueError(f"{key} must be >= 1, got {value}")
-    for key in ("collective_timeout_s", "stop_grace_s"):
+    for key in ("collective_timeout_s", "peer_timeout_s", "stop_grace_s", "calibrate_budget_s"):
         seconds = getattr(cfg.trainer, key)
         if not (math.isfinite(seconds) and seconds > 0):
             raise ValueError(f"trainer.{key} must be a positive number of seconds, got {seconds}")

@@ -1,4 +1,5 @@
-"""Output paths checked before any work starts: a job whose results cannot be written fails in seconds.
+"""Output paths checked before any work starts (a job whose results cannot be written fails in seconds),
+and the one way anyrec writes a file: atomically.
 
 Each check creates nothing that stays: it probes the path itself or its nearest existing folder by
 creating and removing a temporary file, so permissions, read-only mounts, a file where a folder
@@ -7,9 +8,12 @@ should be (and the reverse) are all found the way the real write would find them
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 
 def _reason(e: OSError) -> str:
@@ -59,3 +63,26 @@ def writable_file(path: str | os.PathLike | None, what: str) -> None:
     if p.exists() and not os.access(p, os.W_OK):
         raise ValueError(f"{what} {p}: the file is not writable")
     _probe(_existing_ancestor(p, what), what, p)
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
+    """Open a file that appears at `path` whole or not at all.
+
+    Writes go to a temporary file beside `path` (same filesystem, so the rename is atomic), which
+    replaces `path` when the block ends without an exception and is removed when it raises.
+    """
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    try:
+        # mkstemp creates the file 0600; give it the mode open() would (0666 less the umask).
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
+        with os.fdopen(fd, mode) as f:
+            yield f
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -20,7 +20,7 @@ from anyrec import _hydra
 from anyrec.backends import Hardware, get_backend, resolve_hardware, rewrite_hardware_argv
 from anyrec.backends.dispatch import FBGEMM_EMBEDDING, get_impl
 from anyrec.backends.hardware import figure_sources
-from anyrec.config import AnyrecConfig, check_values, config_dir, to_object
+from anyrec.config import AnyrecConfig, check_values, config_dir
 from anyrec.io_checks import writable_file
 from anyrec.models.dlrm import build_model
 from anyrec.planner.job import plan_model
@@ -91,7 +91,7 @@ _hydra.setup()
 @hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     try:
-        run(to_object(cfg))
+        run(_hydra.to_object(cfg))
     except ValueError as e:  # infeasible plans and user mistakes: one line, non-zero exit
         print(f"anyrec-plan: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
@@ -100,6 +100,10 @@ def main(cfg: DictConfig) -> None:
 def cli() -> None:
     """Console entry: `hardware=FILE.yaml` is accepted as well as `hardware.sku=FILE.yaml`."""
     sys.argv = rewrite_hardware_argv(sys.argv)
+    problem = _hydra.cli_problem(sys.argv[1:])
+    if problem:  # Hydra would say it in several lines or a traceback
+        print(f"anyrec-plan: error: {problem}", file=sys.stderr, flush=True)
+        sys.exit(2)
     main()
 
 

@@ -15,7 +15,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from anyrec import _hydra
 from anyrec.backends import rewrite_hardware_argv
-from anyrec.config import check_values, config_dir, to_object
+from anyrec.config import check_values, config_dir
 from anyrec.io_checks import writable_dir
 from anyrec.trainer.errors import NonFiniteLossError, PeerLostError, write_error_file
 
@@ -27,17 +27,20 @@ EXIT_CODES = {NonFiniteLossError: 3, PeerLostError: 4}
 
 def run(cfg: DictConfig) -> dict:
     """Train with a composed config; rank 0 prints the JSON summary as its last stdout line."""
+    from anyrec.autocal import calibrated_hardware, wants_calibration
     from anyrec.trainer.shutdown import peer_failure  # with the trainer, after Hydra parsed argv
     from anyrec.trainer.trainer import Trainer  # torchrec loads once Hydra has parsed the command line
 
     _hydra.quiet_non_main_ranks()
-    config = to_object(cfg)
+    config = _hydra.to_object(cfg)
     check_values(config)
     if config.trainer.run_dir is None and HydraConfig.initialized():
         config.trainer.run_dir = HydraConfig.get().runtime.output_dir
     config.trainer.checkpoint.dir = _hydra.per_job_dir(config.trainer.checkpoint.dir)
     writable_dir(config.trainer.checkpoint.dir, "trainer.checkpoint.dir")
     writable_dir(config.trainer.run_dir, "trainer.run_dir")
+    if wants_calibration(config):  # hardware=auto: this machine's cached figures, measured on a miss
+        config.hardware.sku = calibrated_hardware(config)
     trainer = Trainer(config)
     try:
         summary = trainer.train()
@@ -95,7 +98,7 @@ def main(cfg: DictConfig) -> None:
 def cli() -> None:
     """Console entry: `hardware=FILE.yaml` is accepted as well as `hardware.sku=FILE.yaml`."""
     sys.argv = rewrite_hardware_argv(sys.argv)
-    problem = _hydra.bad_override_value(sys.argv[1:])
+    problem = _hydra.cli_problem(sys.argv[1:])
     if problem:  # Hydra would say it in several lines; every rank refuses, rank 0 says it once
         line = f"anyrec-train: error: {problem}"
         if os.environ.get("RANK", "0") == "0":

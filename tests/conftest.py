@@ -21,7 +21,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def pytest_configure(config):
     config.addinivalue_line(
+        "markers", "integration: starts processes or runs long; the fast tier is -m 'not integration'")
+    config.addinivalue_line(
         "markers", "cpu_only: expects a host without an accelerator (skipped where anyrec detects one)")
+    config.addinivalue_line(
+        "markers", "integration: starts processes or runs long; the fast tier is -m 'not integration'")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -42,7 +46,8 @@ def compose_config(overrides: list[str] | None = None):
     from hydra import compose, initialize_config_dir
 
     from anyrec import _hydra
-    from anyrec.config import config_dir, to_object
+    from anyrec._hydra import to_object
+    from anyrec.config import config_dir
 
     _hydra.setup()
     with initialize_config_dir(str(config_dir()), version_base="1.3"):

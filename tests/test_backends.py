@@ -98,6 +98,7 @@ def _bind_child(rank: int, world: int, bind: bool) -> tuple[dict, str]:
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="binding local ranks to cores needs Linux and two cores")
 def test_cpu_backend_binds_every_thread_of_a_local_rank_to_its_cores():

@@ -121,7 +121,8 @@ def test_measurements_travel_in_the_value_not_a_registry(tmp_path):
     def cal(name: str, eff: float):
         f = tmp_path / f"{name}.yaml"
         f.write_text(f"sku: cpu\nmeasurements:\n  embedding:\n    fbgemm:\n      profile:\n"
-                     f"        bw_efficiency: {eff}\n")
+                     f"        bw_efficiency: {eff}\n        access_bytes: 32\n        per_row_s: 0.0\n"
+                     f"        per_launch_s: 0.0\n  measured_fields: []\n")
         return resolve_hardware(str(f))
 
     a, b = cal("a", 0.5), cal("b", 0.01)
@@ -129,7 +130,8 @@ def test_measurements_travel_in_the_value_not_a_registry(tmp_path):
     assert b.embedding_cost(FBGEMM_EMBEDDING).profile.bw_efficiency == 0.01
     assert get_impl("embedding", "fbgemm") is FBGEMM_EMBEDDING
     # The group-option spelling: the same measurements in the config's `hardware.measurements`.
-    measured = {"embedding": {"fbgemm": {"profile": {"bw_efficiency": 0.01}}}}
+    profile = {"bw_efficiency": 0.01, "access_bytes": 32, "per_row_s": 0.0, "per_launch_s": 0.0}
+    measured = {"embedding": {"fbgemm": {"profile": profile}}, "measured_fields": []}
     group = resolve_hardware("cpu", measurements=measured)
     assert group.embedding_cost(FBGEMM_EMBEDDING).profile == b.embedding_cost(FBGEMM_EMBEDDING).profile
     assert group.measured_by == "hardware.measurements"

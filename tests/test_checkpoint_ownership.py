@@ -165,6 +165,7 @@ def _python(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
                           timeout=timeout, env=env, cwd=ROOT)
 
 
+@pytest.mark.integration
 def test_a_locked_directory_is_refused_and_a_killed_holder_frees_it(tmp_path):
     root = tmp_path / "ck"
     m = _manager(root)
@@ -192,6 +193,7 @@ def test_a_locked_directory_is_refused_and_a_killed_holder_frees_it(tmp_path):
     assert _train(root, [1]) is None
 
 
+@pytest.mark.integration
 def test_a_failed_save_is_one_line_and_leaves_no_temporary(tmp_path):
     # A real write failure: the file size limit (EFBIG) stands in for a full disk.
     root = tmp_path / "ck"
@@ -225,3 +227,77 @@ def test_a_corrupt_checkpoint_load_is_one_line(tmp_path):
     with pytest.raises(CheckpointError) as e:
         m.load(root / "step_1", _state(0.0))
     assert "is corrupt or unreadable: rank 0:" in str(e.value) and "\n" not in str(e.value)
+
+
+def _edit_meta(path, edit):
+    meta = _meta(path)
+    edit(meta)
+    (path / "meta.json").write_text(json.dumps(meta))
+
+
+def test_metadata_removed_and_meta_edited_to_match_is_refused_before_loading(tmp_path):
+    root = tmp_path / "ck"
+    _train(root, [1])
+    ck = root / "step_1"
+    (ck / ".metadata").unlink()
+
+    def drop(meta):
+        meta["files"].pop(".metadata")
+        meta["sha256"].pop(".metadata")
+
+    _edit_meta(ck, drop)
+    with pytest.raises(CheckpointError) as e:
+        _manager(root).read_meta(ck)
+    assert str(e.value) == (f"checkpoint {ck} is corrupt or incomplete: meta.json does not list "
+                            "DCP's .metadata")
+
+
+def test_a_shard_missing_from_meta_is_refused_before_loading(tmp_path):
+    root = tmp_path / "ck"
+    _train(root, [1])
+    ck = root / "step_1"
+    shard = sorted(ck.glob("*.distcp"))[0]
+    shard.unlink()
+
+    def drop(meta):
+        meta["files"].pop(shard.name)
+        meta["sha256"].pop(shard.name)
+
+    _edit_meta(ck, drop)
+    with pytest.raises(CheckpointError, match=f"names {shard.name}, which meta.json does not list"):
+        _manager(root, verify=False).read_meta(ck)
+
+
+def test_checksums_must_cover_every_listed_file(tmp_path):
+    root = tmp_path / "ck"
+    _train(root, [1])
+    ck = root / "step_1"
+    shard = sorted(ck.glob("*.distcp"))[0]
+    _edit_meta(ck, lambda meta: meta["sha256"].pop(shard.name))
+    with pytest.raises(CheckpointError, match="checksums do not cover the files it lists"):
+        _manager(root).read_meta(ck)
+
+
+def test_an_unverified_resume_says_so_in_one_line(tmp_path, caplog):
+    root = tmp_path / "ck"
+    _train(root, [1])
+    ck = root / "step_1"
+    with caplog.at_level("WARNING", logger="anyrec.trainer.checkpoint"):
+        _manager(root, verify=False).read_meta(ck)
+        _manager(root).read_meta(ck)
+    lines = [r.getMessage() for r in caplog.records if r.name == "anyrec.trainer.checkpoint"]
+    assert lines == [f"checkpoint {ck} is loaded unverified: its checksums are not checked "
+                     "(trainer.checkpoint.verify=false)"]
+
+
+def test_unreadable_dcp_metadata_is_one_line_everywhere_it_is_read(tmp_path):
+    root = tmp_path / "ck"
+    _train(root, [1])
+    ck = root / "step_1"
+    (ck / ".metadata").write_bytes(b"garbage")
+    m = _manager(root, verify=False)
+    _edit_meta(ck, lambda meta: meta["files"].update({".metadata": 7}))
+    for read in (m.read_meta, m.saved_keys):
+        with pytest.raises(CheckpointError, match=r"is corrupt or unreadable: \.metadata: ") as e:
+            read(ck)
+        assert "\n" not in str(e.value)

@@ -10,7 +10,7 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError
 
-from anyrec._hydra import bad_override_value
+from anyrec._hydra import cli_problem
 from anyrec.config import AnyrecConfig, check_values, config_dir
 
 from .conftest import ROOT, compose_config
@@ -101,10 +101,11 @@ def test_counts_must_be_positive(override, message):
     ("optim.dense_lr=fast", "optim.dense_lr: Value 'fast' of type 'str' could not be converted to Float"),
 ])
 def test_bad_override_value_is_one_line(override, message):
-    assert bad_override_value(["model=dlrm_tiny", override]) == message
-    assert bad_override_value(["model=dlrm_tiny", "trainer.steps=3"]) is None
+    assert cli_problem(["model=dlrm_tiny", override]) == message
+    assert cli_problem(["model=dlrm_tiny", "trainer.steps=3"]) is None
 
 
+@pytest.mark.integration
 def test_bad_override_value_exits_2_with_one_line(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "anyrec.train", "trainer.steps=many"], cwd=tmp_path,
@@ -113,3 +114,20 @@ def test_bad_override_value_exits_2_with_one_line(tmp_path):
     assert proc.stderr.strip().splitlines() == [
         "anyrec-train: error: trainer.steps: Value 'many' of type 'str' could not be converted to Integer"]
     assert not (tmp_path / "outputs").exists()  # refused before any run directory is made
+
+
+@pytest.mark.parametrize("key", ["model.interaction", "data.on_malformed", "data.dense_transform",
+                                 "backend.sparse_ops", "planner.name", "planner.sharding", "optim.name",
+                                 "trainer.mixed_precision"])
+def test_closed_choices_fail_at_compose_time(key):
+    """An enum field refuses a value outside its choices while composing, naming the choices."""
+    with pytest.raises(ConfigCompositionException):
+        compose_config([f"{key}=bf61"])
+    assert cli_problem([f"{key}=bf61"]).startswith(f"{key}: Invalid value 'bf61', expected one of [")
+
+
+def test_closed_choices_compare_as_their_strings():
+    _, cfg = compose_config(["trainer.mixed_precision=bf16", "optim=rowwise_adagrad",
+                             "planner.sharding=row_wise"])
+    assert cfg.trainer.mixed_precision == "bf16" and f"{cfg.optim.name}" == "rowwise_adagrad"
+    assert str(cfg.planner.sharding) == "row_wise"

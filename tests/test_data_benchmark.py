@@ -7,9 +7,13 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from anyrec.data import SOURCES
 
 from .conftest import ROOT
+
+pytestmark = pytest.mark.integration  # every test here starts processes
 
 
 def test_data_benchmark_small(tmp_path):

@@ -160,6 +160,7 @@ def test_unreadable_npy_is_named(tmp_path, damage):
         _npy_source(d)
 
 
+@pytest.mark.integration
 def test_training_on_labels_of_7_fails_with_one_line(tmp_path):
     d = _write_npy_day(tmp_path / "npy", n=64, labels=np.full((64, 1), 7, dtype=np.int32))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -174,6 +175,7 @@ def test_training_on_labels_of_7_fails_with_one_line(tmp_path):
         proc.stderr[-3000:]
 
 
+@pytest.mark.integration
 def test_a_bad_row_only_one_rank_reads_stops_the_job(tmp_path):
     labels = (np.arange(256, dtype=np.int32) % 2).reshape(-1, 1)
     labels[84] = 7  # global batch 5 of 16 rows: rank 1's step 2; rank 0 never reads it

@@ -130,6 +130,7 @@ def test_npz_member_truncated_inside_the_zip_is_named(tmp_path):
                      DataConfig(name="criteo_multihot", path=str(out), train_files=["day_0"]))
 
 
+@pytest.mark.integration
 def test_two_ranks_train_on_materialised_multi_hot(tmp_path):
     prefix = _npy_day(tmp_path, n=300)
     out = tmp_path / "mh"

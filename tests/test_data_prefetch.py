@@ -125,6 +125,7 @@ def _train(tmp_path, name, extra):
     return last_json_line(proc.stdout)
 
 
+@pytest.mark.integration
 def test_training_with_prefetch_is_bit_identical(tmp_path):
     write_tsv(tmp_path / "day_0", 150)
     assert preprocess_main([str(tmp_path / "day_0"), "--out-dir", str(tmp_path / "npy")]) == 0

@@ -43,6 +43,7 @@ def test_the_planner_costs_it_from_its_own_record(ext_registered):
     assert lookups[0] != pytest.approx(lookups[1], rel=1e-3)
 
 
+@pytest.mark.integration
 def test_two_ranks_train_through_it(ext_path, tmp_path):
     run_dir = tmp_path / "run"
     proc = torchrun(

@@ -1,7 +1,9 @@
-"""anyrec's modules import on their own, in a fresh interpreter, and their imports form a DAG.
+"""anyrec's modules import on their own, in a fresh interpreter; their imports form a DAG and respect
+the layers.
 
-The graph is read from the source (module-level `import`/`from` statements of anyrec modules, not
-those under `if TYPE_CHECKING:`); a cycle is reported with its path.
+The graph is read from the source: every `import`/`from` of an anyrec module, at module level or inside
+a function (a function-level import hides a cycle, it does not remove it), except those under
+`if TYPE_CHECKING:`; a cycle is reported with its path.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import ast
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import anyrec
 
@@ -34,29 +38,27 @@ def _module_path(root: Path, name: str) -> Path | None:
     return None
 
 
-def _runtime_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
-    """Import statements that run when the module is imported (module level, not TYPE_CHECKING)."""
+def _imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement of the module, at any depth, except those under `if TYPE_CHECKING:`."""
     out: list[ast.Import | ast.ImportFrom] = []
 
-    def visit(stmts: list[ast.stmt]) -> None:
-        for node in stmts:
-            if isinstance(node, ast.Import | ast.ImportFrom):
-                out.append(node)
-            elif isinstance(node, ast.If):
-                test = ast.unparse(node.test)
-                if test not in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
-                    visit(node.body)
-                visit(node.orelse)
-            elif isinstance(node, ast.Try):
-                for block in (node.body, node.orelse, node.finalbody, *(h.body for h in node.handlers)):
-                    visit(block)
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Import | ast.ImportFrom):
+                out.append(child)
+            elif isinstance(child, ast.If) and ast.unparse(child.test) in ("TYPE_CHECKING",
+                                                                           "typing.TYPE_CHECKING"):
+                for stmt in child.orelse:
+                    visit(ast.Module(body=[stmt], type_ignores=[]))
+                continue
+            visit(child)
 
-    visit(tree.body)
+    visit(tree)
     return out
 
 
 def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
-    """anyrec module -> the anyrec modules it imports at import time (submodules resolved)."""
+    """anyrec module -> the anyrec modules it imports anywhere in its source (submodules resolved)."""
     graph: dict[str, set[str]] = {}
     for name in module_names(root):
         path = _module_path(root, name)
@@ -64,7 +66,7 @@ def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
             continue
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         deps: set[str] = set()
-        for node in _runtime_imports(ast.parse(path.read_text())):
+        for node in _imports(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             else:
@@ -108,6 +110,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+@pytest.mark.integration
 def test_every_module_imports_in_a_fresh_interpreter():
     names = module_names()
     assert len(names) > 50 and "anyrec.planner.report" in names and "anyrec.schema" in names
@@ -129,13 +132,57 @@ def test_anyrec_imports_form_a_dag():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
-def test_lower_layers_do_not_import_upper_ones():
-    """data/ and planner/ name features and tables through anyrec.schema, never through models/."""
-    graph = import_graph()
+# The layers, lowest first: a module may import its own layer's modules (within its own package for
+# the side-by-side packages) and any lower layer, never a higher one.
+LAYERS: list[tuple[str, ...]] = [
+    ("anyrec", "anyrec.kernels"),
+    ("anyrec.backends",),
+    ("anyrec.config", "anyrec.schema", "anyrec.io_checks", "anyrec.proc", "anyrec.calcache"),
+    ("anyrec.planner", "anyrec.models", "anyrec.data"),
+    ("anyrec.trainer",),
+    ("anyrec._hydra", "anyrec.train", "anyrec.plan", "anyrec.calibrate", "anyrec.calibrate_step",
+     "anyrec.autocal", "anyrec.parity"),
+]
+SIDE_BY_SIDE = {"anyrec.planner", "anyrec.models", "anyrec.data"}
+
+
+def _unit(name: str) -> str:
+    """The layer unit a module belongs to: its top-level package or module under anyrec."""
+    return ".".join(name.split(".")[:2])
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """`a imports b` for every import that goes up a layer, across side-by-side packages, or out of
+    kernels into the rest of anyrec."""
+    rank = {unit: i for i, units in enumerate(LAYERS) for unit in units}
+    found = []
     for name, deps in graph.items():
-        if name.startswith(("anyrec.data", "anyrec.planner", "anyrec.backends", "anyrec.kernels")):
-            upper = {d for d in deps if d.startswith(("anyrec.models", "anyrec.trainer"))}
-            assert not upper, f"{name} imports {sorted(upper)}"
+        for dep in deps:
+            a, b = _unit(name), _unit(dep)
+            if a == b:
+                continue
+            assert a in rank and b in rank, f"{name} or {dep} is in no layer: add it to LAYERS"
+            upward = rank[b] > rank[a]
+            sideways = a in SIDE_BY_SIDE and b in SIDE_BY_SIDE
+            kernels_out = a == "anyrec.kernels" and b != "anyrec.kernels"
+            if upward or sideways or kernels_out:
+                found.append(f"{name} imports {dep}")
+    return sorted(found)
+
+
+def test_imports_respect_the_layers():
+    """entry points > trainer > {planner, models, data} > schema/config > {backends, kernels}."""
+    assert layer_violations(import_graph()) == []
+
+
+def test_the_layer_check_finds_violations():
+    graph = {"anyrec.kernels.tbe": {"anyrec.backends.dispatch"},
+             "anyrec.planner.types": {"anyrec.models.dlrm"},
+             "anyrec.backends.cpu": {"anyrec.trainer.trainer", "anyrec.kernels.tbe"},
+             "anyrec.trainer.trainer": {"anyrec.planner.types", "anyrec.backends"}}
+    assert layer_violations(graph) == ["anyrec.backends.cpu imports anyrec.trainer.trainer",
+                                       "anyrec.kernels.tbe imports anyrec.backends.dispatch",
+                                       "anyrec.planner.types imports anyrec.models.dlrm"]
 
 
 def test_the_cycle_check_finds_a_cycle(tmp_path):
@@ -149,6 +196,7 @@ def test_the_cycle_check_finds_a_cycle(tmp_path):
     (pkg / "sub" / "c.py").write_text("import os\n\ndef f():\n    from anyrec import a\n")
     graph = import_graph(tmp_path)
     assert graph["anyrec.a"] == {"anyrec.sub.b"} and graph["anyrec.sub.b"] == {"anyrec.sub.c"}
-    assert find_cycle(graph) is None  # TYPE_CHECKING and function-level imports do not count
-    (pkg / "sub" / "c.py").write_text("import anyrec.a\n")
-    assert find_cycle(import_graph(tmp_path)) == ["anyrec.a", "anyrec.sub.b", "anyrec.sub.c", "anyrec.a"]
+    assert graph["anyrec.sub.c"] == {"anyrec.a"}  # a function-level import counts
+    assert find_cycle(graph) == ["anyrec.a", "anyrec.sub.b", "anyrec.sub.c", "anyrec.a"]
+    (pkg / "sub" / "c.py").write_text("import os\n")
+    assert find_cycle(import_graph(tmp_path)) is None  # TYPE_CHECKING imports do not count

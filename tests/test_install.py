@@ -7,7 +7,11 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from .conftest import ROOT
+
+pytestmark = pytest.mark.integration  # every test here starts processes
 
 
 def test_wheel_ships_configs_and_composes_elsewhere(tmp_path):
@@ -32,7 +36,7 @@ def test_wheel_ships_configs_and_composes_elsewhere(tmp_path):
         "from hydra import compose, initialize_config_dir;"
         "from anyrec import _hydra; _hydra.setup();"
         "ctx = initialize_config_dir(str(c.config_dir()), version_base='1.3'); ctx.__enter__();"
-        "cfg = c.to_object(compose('config', overrides=['model=dlrm_tiny']));"
+        "cfg = _hydra.to_object(compose('config', overrides=['model=dlrm_tiny']));"
         "print(anyrec.__file__); print(c.config_dir()); print(cfg.model.name)"
     )
     env = {**os.environ, "PYTHONPATH": str(target)}

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration  # every test here starts processes
+
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = ROOT / "benchmarks" / "gpu_suite.py"
 

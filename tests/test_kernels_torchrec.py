@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration  # every test here starts processes
+
 WORLD = 2
 B_LOCAL = 2
 STEPS = 3

@@ -32,6 +32,7 @@ from anyrec.data.criteo import CriteoSource, npy_paths
 from anyrec.trainer.distributed import launch_token
 
 from .conftest import ROOT, last_json_line, torchrun
+from .faults import KILL_AT_STEP, KILL_RANK, faulty
 
 MARK = "ANYREC_TEST_LAUNCH"  # environment marker: finds every process a launch started
 BASE = ["-m", "anyrec.train", "model=dlrm_tiny", "data.batch_size=32", "trainer.steps=8",
@@ -162,6 +163,7 @@ def two_hosts(tmp_path_factory):
     return d, run
 
 
+@pytest.mark.integration
 def test_two_hosts_train_with_host_aware_plan_and_shared_checkpoints(two_hosts):
     d, run = two_hosts
     assert run.returncodes == [0, 0], run.out[-4000:]
@@ -181,11 +183,13 @@ def test_two_hosts_train_with_host_aware_plan_and_shared_checkpoints(two_hosts):
         assert json.loads((ck / "meta.json").read_text())["world_size"] == 4
 
 
-def test_sigkilled_worker_on_host_1_restarts_both_hosts_from_checkpoint(two_hosts, tmp_path):
+@pytest.mark.integration
+def test_sigkilled_worker_on_host_1_restarts_both_hosts_from_checkpoint(two_hosts, tmp_path, monkeypatch):
     ref = two_hosts[1].summary()
-    run = launch_hosts([*BASE, TWRW, f"trainer.checkpoint.dir={tmp_path}/ck", f"hydra.run.dir={tmp_path}/h",
-                        "trainer.fault.kill_at_step=6", "trainer.fault.kill_rank=3"], tmp_path,
-                       torchrun_args=("--max-restarts=1",))
+    monkeypatch.setenv(KILL_AT_STEP, "6")
+    monkeypatch.setenv(KILL_RANK, "3")
+    run = launch_hosts([*faulty(BASE), TWRW, f"trainer.checkpoint.dir={tmp_path}/ck",
+                        f"hydra.run.dir={tmp_path}/h"], tmp_path, torchrun_args=("--max-restarts=1",))
     assert run.returncodes == [0, 0], run.out[-4000:]
     assert run.strays == []
     assert "SIGKILL rank 3 after step 6" in run.out
@@ -200,6 +204,7 @@ def test_sigkilled_worker_on_host_1_restarts_both_hosts_from_checkpoint(two_host
     assert s["train_loss"] == pytest.approx(ref["train_loss"], rel=0, abs=LOSS_ATOL)
 
 
+@pytest.mark.integration
 def test_two_host_checkpoint_resumes_resharded_on_one_host(two_hosts, tmp_path):
     d, ref_run = two_hosts
     ref = ref_run.summary()
@@ -219,6 +224,7 @@ def test_two_host_checkpoint_resumes_resharded_on_one_host(two_hosts, tmp_path):
     assert s["final_loss"] == pytest.approx(ref["final_loss"], rel=0, abs=LOSS_ATOL)
 
 
+@pytest.mark.integration
 def test_hosts_with_different_rank_counts_fail_on_every_rank(tmp_path):
     run = launch_hosts([*BASE, f"hydra.run.dir={tmp_path}/h"], tmp_path, nproc=(2, 1), timeout=240)
     assert all(rc != 0 for rc in run.returncodes), run.out[-4000:]
@@ -242,11 +248,29 @@ def test_launch_token_ignores_an_earlier_launchs_keys():
         server.set(f"anyrec/join/resp/{r}", f"stale{r}:old")
     server.add("anyrec/join/ack/old", world - 1)
     tokens: dict[int, str] = {}
+    saw_stale = {r: threading.Event() for r in range(1, world)}
+
+    class Watched:
+        """The store as rank r sees it, noting when it reads an earlier launch's answer."""
+
+        def __init__(self, r: int) -> None:
+            self.r, self.store = r, client()
+
+        def get(self, key: str) -> bytes:
+            value = self.store.get(key)
+            if value.startswith(b"stale"):
+                saw_stale[self.r].set()
+            return value
+
+        def __getattr__(self, name: str):
+            return getattr(self.store, name)
 
     def rank(r: int) -> None:
-        if r == 0:
-            time.sleep(0.3)  # rank 0 last: the others first see only the stale answers
-        tokens[r] = launch_token(client(), r, world, timeout_s=30)
+        if r == 0:  # rank 0 last: every other rank has read a stale answer before it starts
+            assert all(e.wait(30) for e in saw_stale.values())
+            tokens[r] = launch_token(client(), r, world, timeout_s=30)
+        else:
+            tokens[r] = launch_token(Watched(r), r, world, timeout_s=30)
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
     for t in threads:
@@ -269,6 +293,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.integration
 def test_hosts_with_different_restart_counts_join_one_group():
     """torchrun counts restarts per agent: after host 1's worker failed, its workers start with
     TORCHELASTIC_RESTART_COUNT=1 while host 0's (stopped only for the new round) keep 0. Both must
@@ -343,6 +368,7 @@ def _sbatch(tmp_path: Path, args: list[str], shared: str | None = "/shared/anyre
     return proc, argv
 
 
+@pytest.mark.integration
 def test_sbatch_runs_one_torchrun_agent_per_node_with_c10d_on_the_first(tmp_path):
     assert subprocess.run(["bash", "-n", str(SBATCH)], capture_output=True, timeout=30).returncode == 0
     proc, argv = _sbatch(tmp_path, ["model=dlrmv2", "optim=adagrad", "hardware=mi350x"])
@@ -394,6 +420,7 @@ def _doc_commands() -> list[list[str]]:
     return [shlex.split(line) for block in blocks for line in block.splitlines() if line.strip()]
 
 
+@pytest.mark.integration
 def test_every_command_in_the_multinode_doc_is_one_a_test_runs(tmp_path):
     """torchrun lines are the two-host tests' agents, sbatch and kubectl name the files tested above,
     and the anyrec-plan lines run here, verbatim."""

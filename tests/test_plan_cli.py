@@ -100,6 +100,7 @@ def test_forced_sharding_that_changes_the_update_is_one_line(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.integration
 def test_infeasible_exits_2_with_one_stderr_line(tmp_path):
     out = tmp_path / "plan.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -130,7 +131,8 @@ def _calibration(path, bw_efficiency: float, per_launch_s: float) -> str:
     prof = {"bw_efficiency": bw_efficiency, "per_row_s": 1e-6, "per_launch_s": per_launch_s,
             "access_bytes": 64}
     path.write_text(yaml.safe_dump({"sku": "cpu", "spec": {"name": f"CPU ({path.stem}, calibrated)"},
-                                    "measurements": {"embedding": {"fbgemm": {"profile": prof}}}}))
+                                    "measurements": {"embedding": {"fbgemm": {"profile": prof}},
+                                                     "measured_fields": []}}))
     return str(path)
 
 

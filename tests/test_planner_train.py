@@ -8,6 +8,8 @@ import pytest
 
 from .conftest import last_json_line, torchrun
 
+pytestmark = pytest.mark.integration  # every test here starts processes
+
 SHARDINGS = ["table_wise", "row_wise", "column_wise", "data_parallel"]
 # dlrm_tiny's dim 8 cannot split into column shards of at least 16 columns: widen it for that case.
 EXTRA = {"column_wise": ["model.embedding_dim=32", "model.bottom_mlp=[16,32]"]}

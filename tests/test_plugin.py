@@ -33,6 +33,7 @@ def test_plugin_is_discovered_detected_and_resolves_its_hardware(plugin_path, mo
         backends.reset_registry()
 
 
+@pytest.mark.integration
 def test_train_one_process_through_the_plugin(plugin_path, tmp_path):
     env = single_process_env(plugin_path)
     proc = subprocess.run(

@@ -11,6 +11,8 @@ import pytest
 
 from anyrec.proc import run_session
 
+pytestmark = pytest.mark.integration  # every test here starts processes
+
 
 def _alive(pid: int) -> bool:
     """Running (not gone, not a zombie waiting for its reaper)."""

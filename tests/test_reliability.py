@@ -8,8 +8,13 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from .conftest import ROOT, last_json_line, torchrun
+from .faults import NAN_AT_STEP, faulty
 from .test_data import write_tsv
+
+pytestmark = pytest.mark.integration  # every test here starts processes
 
 BASE = ["-m", "anyrec.train", "model=dlrm_tiny", "data.batch_size=32", "trainer.eval_steps=0",
         "trainer.progress=false", "trainer.tensorboard=false"]
@@ -19,10 +24,12 @@ def _errors(proc):
     return [ln for ln in proc.stderr.splitlines() if ln.startswith("anyrec-train: error:")]
 
 
-def _failed_run(tmp_path, *overrides):
-    """A 2-rank job of 8 steps with `overrides` that must fail: the process and its one error line."""
-    proc = torchrun([*BASE, "trainer.steps=8", *overrides, f"hydra.run.dir={tmp_path}"], cwd=tmp_path,
-                    timeout=180)
+def _failed_run(tmp_path, *overrides, nan_at: int | None = None):
+    """A 2-rank job of 8 steps with `overrides` (and rank 0's training batch `nan_at` given a NaN)
+    that must fail: the process and its one error line."""
+    args, env = (BASE, None) if nan_at is None else (faulty(BASE), {NAN_AT_STEP: str(nan_at)})
+    proc = torchrun([*args, "trainer.steps=8", *overrides, f"hydra.run.dir={tmp_path}"], cwd=tmp_path,
+                    timeout=180, env=env)
     assert proc.returncode != 0
     lines = _errors(proc)
     assert len(lines) == 1, proc.stderr[-3000:]
@@ -32,14 +39,15 @@ def _failed_run(tmp_path, *overrides):
 def test_nan_loss_stops_at_that_step(tmp_path):
     # The NaN is injected on rank 0 only: rank 1 must stop too, naming the same step (the deferred
     # check is all-reduced at the chunk's end). Input validation off: it would name the NaN input first.
-    proc, line = _failed_run(tmp_path, "data.inject_nan_at_step=3", "trainer.validate_inputs=false")
+    proc, line = _failed_run(tmp_path, "trainer.validate_inputs=false", nan_at=3)
     assert "non-finite loss" in line and "at step 4" in line, proc.stderr[-3000:]
     assert "exitcode  : 3" in proc.stderr or "exitcode: 3" in proc.stderr.replace("  ", " ")
 
 
 def test_nan_batch_skipped_when_asked(tmp_path):
-    proc = torchrun([*BASE, "trainer.steps=8", "data.inject_nan_at_step=3", "trainer.skip_nonfinite=true",
-                     "trainer.validate_inputs=false", f"hydra.run.dir={tmp_path}"], cwd=tmp_path, timeout=180)
+    proc = torchrun([*faulty(BASE), "trainer.steps=8", "trainer.skip_nonfinite=true",
+                     "trainer.validate_inputs=false", f"hydra.run.dir={tmp_path}"], cwd=tmp_path, timeout=180,
+                    env={NAN_AT_STEP: "3"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = last_json_line(proc.stdout)
     assert s["steps"] == 8 and s["skipped_batches"] == 1
@@ -48,7 +56,7 @@ def test_nan_batch_skipped_when_asked(tmp_path):
 
 
 def test_nan_input_is_named_by_the_validator(tmp_path):
-    _, line = _failed_run(tmp_path, "data.inject_nan_at_step=3")
+    _, line = _failed_run(tmp_path, nan_at=3)
     assert "bad input at step 4 (rank 0): 1 dense values are NaN or infinite" in line
 
 

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from .conftest import ROOT, torchrun
+
+pytestmark = pytest.mark.integration  # every test here starts processes
 
 
 def test_sharded_dlrm_matches_unsharded(tmp_path):

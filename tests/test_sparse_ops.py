@@ -14,15 +14,26 @@ from torch.profiler import ProfilerActivity, profile
 
 from anyrec.backends import dispatch, sparse_ops
 from anyrec.backends.cpu import CPUBackend
-from anyrec.backends.sparse_ops import CALLS, SPARSE_OPS
+from anyrec.backends.sparse_ops import SPARSE_OPS
 from anyrec.trainer.distributed import _free_port
 
 from .conftest import ROOT, compose_config, last_json_line, single_process_env, torchrun
+from .portable_calls import counted_ops
 from .test_plugin import plugin_path  # noqa: F401 - the fake accelerator, pip-installed once
 
 fbgemm = pytest.importorskip("fbgemm_gpu")
 OPS = torch.ops.fbgemm
 SHARDINGS = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
+
+
+CALLS: Counter[str] = Counter()  # calls served by the portable kernels, by op name
+
+
+@pytest.fixture(autouse=True)
+def count_portable_calls(monkeypatch):
+    """Every portable kernel registered during a test counts its calls in CALLS."""
+    for name, op in counted_ops(CALLS).items():
+        monkeypatch.setitem(SPARSE_OPS, name, op)
 
 
 @pytest.fixture
@@ -271,6 +282,7 @@ def two_rank_results(tmp_path_factory):
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("sharding", SHARDINGS)
 def test_two_rank_training_is_bit_identical_with_portable_sparse_ops(two_rank_results, sharding):
     for res in two_rank_results:
@@ -294,6 +306,7 @@ EXPECTED = {  # the recorded inventory per sharding type (docs/porting.md)
 EMBEDDING_OPS = {"fbgemm::dense_embedding_codegen_lookup_function"}
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("sharding", SHARDINGS)
 def test_recorded_fbgemm_calls_are_all_served_by_portable_kernels(two_rank_results, sharding):
     for res in two_rank_results:
@@ -336,6 +349,7 @@ def test_world_size_one_takes_the_sharded_path_when_sparse_ops_are_named(tmp_pat
     assert results["portable"][2:4] == results["fbgemm"][2:4]
 
 
+@pytest.mark.integration
 def test_plugin_backend_trains_sharded_on_portable_sparse_ops(request, tmp_path):
     plugin = request.getfixturevalue("plugin_path")
     env = single_process_env(plugin)

@@ -11,6 +11,8 @@ import pytest
 from .conftest import ROOT, last_json_line, torchrun
 from .test_readme import summary_example
 
+pytestmark = pytest.mark.integration  # every test here starts processes
+
 
 @pytest.mark.cpu_only  # expects backend "cpu" and two ranks on one host
 def test_torchrun_trains_and_prints_summary(tmp_path):

@@ -11,6 +11,8 @@ import pytest
 
 from .conftest import ROOT
 
+pytestmark = pytest.mark.integration  # every test here starts processes
+
 
 def test_train_step_benchmark_small(tmp_path):
     out = tmp_path / "bench.json"

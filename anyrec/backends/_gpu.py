@@ -32,11 +32,6 @@ def probe_torch_cuda_facts() -> DeviceFacts:
     )
 
 
-def sku_from_facts(facts: DeviceFacts) -> str | None:
-    """Map a device's reported name, arch and memory to a SKU key, or None for an unknown device."""
-    return match_sku(facts.device_name, facts.arch, facts.memory_bytes)[0]
-
-
 # Compute units of the base SKUs an unknown device is scaled from (datasheets: MI300X 304 CUs,
 # H100 SXM 132 SMs, B200 148 SMs).
 _BASE_COMPUTE_UNITS = {"mi300x": 304, "h100": 132, "b200": 148}

@@ -82,10 +82,11 @@ class KernelProfile:
     per_launch_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.bw_efficiency <= 1.0 or self.access_bytes <= 0 or self.per_row_s < 0 \
-                or not 0.0 <= self.per_launch_s < 1.0:
+        # written so that a NaN fails every comparison and is refused
+        if not (0.0 < self.bw_efficiency <= 1.0 and self.access_bytes > 0 and 0.0 <= self.per_row_s < 1.0
+                and 0.0 <= self.per_launch_s < 1.0):
             raise ValueError(f"kernel profile needs 0 < bw_efficiency <= 1, access_bytes > 0, "
-                             f"per_row_s >= 0 and 0 <= per_launch_s < 1 s; got {self}")
+                             f"0 <= per_row_s < 1 s and 0 <= per_launch_s < 1 s; got {self}")
 
     def replace(self, **changes: Any) -> KernelProfile:
         """A copy with some figures changed (a calibration's)."""

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from anyrec.backends.calfile import MAY_BE_ZERO, check_hardware_data
 from anyrec.backends.dispatch import TORCH_EMBEDDING, Impl, KernelProfile
 from anyrec.backends.specs import SKUS, DeviceSpec, sku_key
 
@@ -32,15 +33,7 @@ if TYPE_CHECKING:
     from anyrec.backends.interface import Backend
 
 _FIELDS = {f.name: f for f in dataclasses.fields(DeviceSpec)}
-_FILE_KEYS = ("sku", "base", "spec", "measurements")
-# Fields that may be 0 meaning "unknown" (the planner then falls back or refuses host placement);
-# every other number is a capacity, a rate or a width the planner divides by.
-# 0 means unknown / unmeasured: the planner uses its defaults (see DeviceSpec).
-_MAY_BE_ZERO = ("h2d_bw_bytes_per_s", "host_memory_bytes", "host_memory_bw_bytes_per_s",
-                "scale_up_latency_s", "scale_out_latency_s", "dense_efficiency", "comms_efficiency",
-                "step_fixed_s", "step_per_feature_s", "step_per_sample_s", "step_per_id_s",
-                "step_per_value_s", "step_per_pair_s", "step_per_dense_tensor_s", "sharding_group_s",
-                "replicated_table_s")
+_FILE_KEYS = ("sku", "base", "spec", "measurements", "cache")  # cache: what a cached calibration is for
 
 
 @dataclass(frozen=True)
@@ -150,8 +143,8 @@ def check_spec(spec: DeviceSpec, where: str) -> DeviceSpec:
         value = getattr(spec, name)
         if f.type not in ("int", "float"):
             continue
-        if not math.isfinite(value) or value < 0 or (value == 0 and name not in _MAY_BE_ZERO):
-            need = ">= 0" if name in _MAY_BE_ZERO else "> 0"
+        if not math.isfinite(value) or value < 0 or (value == 0 and name not in MAY_BE_ZERO):
+            need = ">= 0" if name in MAY_BE_ZERO else "> 0"
             raise ValueError(f"{where}: {name} must be a finite number {need}, got {value}")
     return spec
 
@@ -219,6 +212,7 @@ def load_hardware_file(path: str | os.PathLike, backend: Backend | None = None) 
     if set(flat) & set(fields):
         raise ValueError(f"hardware file {p}: {', '.join(sorted(set(flat) & set(fields)))} given twice")
     fields = {**fields, **flat}
+    check_hardware_data(data, fields, f"hardware file {p}")  # whole, before any of it is used
     if "sku" in data and "base" in data:
         raise ValueError(f"hardware file {p}: give the base SKU once (`sku:` or `base:`)")
     base = data.get("sku", data.get("base"))
@@ -257,6 +251,9 @@ def resolve_hardware(sku: str, overrides: dict[str, Any] | None = None, backend:
             raise ValueError(f"unknown hardware {sku!r}: use auto, a SKU ({', '.join(sorted(SKUS))}) "
                              "or a path to a hardware .yaml")
         hardware = Hardware(SKUS[key])
+    if measurements:  # a calibrated YAML used as a group option: checked as the file would be
+        check_hardware_data({"spec": overrides or {}, "measurements": measurements}, overrides or {},
+                            "hardware.measurements")
     return measured(hardware.with_overrides(overrides), measurements, "hardware.measurements")
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import gzip
 import logging
-import math
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from anyrec.config import DataConfig, ModelConfig
+from anyrec.io_checks import atomic_write
 from anyrec.schema import feature_names
 
 logger = logging.getLogger(__name__)
@@ -261,10 +261,8 @@ def write_npy(arrays: CriteoArrays, directory: str | Path, prefix: str) -> None:
     Path(directory).mkdir(parents=True, exist_ok=True)
     for p, arr in zip(npy_paths(directory, prefix), (arrays.dense_NI, arrays.sparse_NF, arrays.labels_N1),
                       strict=True):
-        tmp = p.with_name(p.name + ".tmp")
-        with tmp.open("wb") as f:
+        with atomic_write(p, "wb") as f:
             np.save(f, arr)
-        tmp.replace(p)
 
 
 def read_npy(directory: str | Path, prefix: str) -> CriteoArrays:
@@ -369,11 +367,6 @@ class CriteoSource:
         B = self.batch_size
         self._lengths = torch.cat([torch.full((B,), L, dtype=torch.int32) for L in self.hot])
         self._length_per_key = [B * L for L in self.hot]
-
-    @property
-    def batches_per_epoch(self) -> int:
-        """Global steps until every row has been read once (all ranks together)."""
-        return math.ceil(self.num_rows / (self.batch_size * self.world_size))
 
     def _rows(self, start: int, count: int) -> tuple[np.ndarray, list[np.ndarray], np.ndarray]:
         """`count` rows from global row `start` on (mod N), as contiguous slices of the files, each

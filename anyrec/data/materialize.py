@@ -43,6 +43,7 @@ from anyrec.config import config_dir
 from anyrec.data.criteo import check_ids_dtype, load_npy, npy_paths
 from anyrec.data.multihot import multihot_paths, write_npz_members
 from anyrec.data.preprocess import print_reports
+from anyrec.io_checks import atomic_write
 
 DISTRIBUTIONS = ("uniform",)
 SEED = 0  # the reference's np.random.seed(0)
@@ -97,9 +98,8 @@ def materialize_day(prefix: Path, out_dir: Path, tables: list[np.ndarray], table
     write_npz_members(out_sparse, (((N, t.shape[1]), np.int32, member(f)) for f, t in enumerate(tables)))
     for src, dst in ((dense_p, out_dense), (labels_p, out_labels)):
         if src.resolve() != dst.resolve():
-            tmp = dst.with_name(dst.name + ".tmp")
-            shutil.copyfile(src, tmp)
-            tmp.replace(dst)
+            with src.open("rb") as f_in, atomic_write(dst, "wb") as f_out:
+                shutil.copyfileobj(f_in, f_out)
     return {"prefix": prefix.name, "rows": N, "out": str(out_sparse),
             "ids_per_sample": int(sum(t.shape[1] for t in tables))}
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from anyrec.data.criteo import check_ids_dtype, check_layout, load_npy
+from anyrec.io_checks import atomic_write
 
 _LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # a zip local file header's fixed 30 bytes
 
@@ -116,20 +117,16 @@ def write_npz_members(path: Path, members: Iterable[tuple[tuple[int, ...], np.dt
     """Write an uncompressed npz whose member f (`f.npy`) has the given shape and dtype and the rows
     the chunks iterator yields, without holding a whole member in memory. The container is what
     np.savez writes (zip64 .npy members); it appears only when complete."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
-            for f, (shape, dtype, chunks) in enumerate(members):
-                with zf.open(f"{f}.npy", "w", force_zip64=True) as out:
-                    header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
-                              "fortran_order": False, "shape": tuple(shape)}
-                    np.lib.format.write_array_header_1_0(out, header)
-                    rows = 0
-                    for chunk in chunks:
-                        chunk = np.ascontiguousarray(chunk, dtype=dtype)
-                        out.write(memoryview(chunk).cast("B"))
-                        rows += len(chunk)
-                    assert rows == shape[0], f"member {f}: wrote {rows} rows, header says {shape[0]}"
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_write(path, "wb") as out_file, zipfile.ZipFile(
+            out_file, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+        for f, (shape, dtype, chunks) in enumerate(members):
+            with zf.open(f"{f}.npy", "w", force_zip64=True) as out:
+                header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
+                          "fortran_order": False, "shape": tuple(shape)}
+                np.lib.format.write_array_header_1_0(out, header)
+                rows = 0
+                for chunk in chunks:
+                    chunk = np.ascontiguousarray(chunk, dtype=dtype)
+                    out.write(memoryview(chunk).cast("B"))
+                    rows += len(chunk)
+                assert rows == shape[0], f"member {f}: wrote {rows} rows, header says {shape[0]}"

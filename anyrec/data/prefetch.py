@@ -41,9 +41,6 @@ class _Failure:
         self.exc = exc
 
 
-_END = object()
-
-
 def _yield_to_the_step() -> None:
     """This thread: one intra-op thread and idle scheduling priority where the OS has it (best
     effort: elsewhere it runs at normal priority)."""
@@ -163,7 +160,7 @@ class Prefetched:
         return batch
 
     def __getattr__(self, name: str) -> Any:
-        # batch_size, batches_per_epoch, malformed_rows, ...: the wrapped source's.
+        # batch_size, malformed_rows, ...: the wrapped source's.
         return getattr(self.__dict__["source"], name)
 
     def batch(self, step: int) -> Batch:

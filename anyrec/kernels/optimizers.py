@@ -87,20 +87,11 @@ class OptimizerConfig:
             raise ValueError(f"adam betas must lie in [0, 1); got {self.beta1}, {self.beta2}")
 
 
-def state_bytes_per_row(kind: OptimizerKind | str, dim: int, dtype: torch.dtype = torch.float32) -> int:
-    """Bytes of optimizer state one embedding row of `dim` elements carries (state is always fp32).
-
-    `dtype` is the weight dtype; it does not change the state size today and is accepted so the
-    planner's memory model does not have to know that.
-    """
-    del dtype
+def state_bytes_per_row(kind: OptimizerKind | str, dim: int) -> int:
+    """Bytes of optimizer state one embedding row of `dim` elements carries (state is always fp32,
+    whatever the weights' dtype)."""
     per_row, per_elem = _STATE_ELEMENTS[OptimizerKind(kind)]
     return 4 * (per_row + per_elem * dim)
-
-
-def weight_bytes_per_row(dim: int, dtype: torch.dtype) -> int:
-    """Bytes of weights one embedding row takes."""
-    return dim * torch.empty((), dtype=dtype).element_size()
 
 
 def f32(x: float) -> float:

@@ -29,6 +29,38 @@ def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return dtype
 
 
+class _TrianglePairs(torch.autograd.Function):
+    """The upper triangle of feats feats^T, flat: forward one bmm and one index_select, backward
+    without the dense zero-fill of [B, f, f] that index_select's backward makes every step.
+
+    The backward scatters the pair gradients into a [B, f, f] buffer kept by the module, whose
+    other entries were zeroed once and are never written, then runs the two products autograd runs
+    for bmm(x, x^T), G @ x and (x^T @ G)^T, the second as G^T @ x: the same products summed in the
+    same order, written contiguously (the transposed one made the sum a slow strided add). The
+    gradient is bit-identical to the plain autograd graph's (tests/test_models.py checks it).
+    """
+
+    @staticmethod
+    def forward(ctx, feats_BfD: torch.Tensor, pairs_P: torch.Tensor, owner: DotInteraction) -> torch.Tensor:
+        x_BfD = feats_BfD.to(_compute_dtype(feats_BfD))  # what autocast's bmm would multiply
+        gram_Bff = torch.bmm(x_BfD, x_BfD.transpose(1, 2))
+        ctx.save_for_backward(x_BfD)
+        ctx.pairs_P, ctx.owner, ctx.in_dtype = pairs_P, owner, feats_BfD.dtype
+        return gram_Bff.flatten(1).index_select(1, pairs_P)
+
+    @staticmethod
+    def backward(ctx, grad_BP: torch.Tensor):
+        (x_BfD,) = ctx.saved_tensors
+        batch, n = x_BfD.shape[:2]
+        grad_BP = grad_BP.to(x_BfD.dtype)
+        grad_Bff = ctx.owner._grad_buffer(grad_BP, n)
+        grad_Bff.view(batch, n * n).scatter_(1, ctx.pairs_P.expand(batch, -1), grad_BP)
+        # autograd's bmm backward: d(x) = G @ x and d(x^T) = x^T @ G, each cast back, then summed
+        first_BfD = torch.bmm(grad_Bff, x_BfD).to(ctx.in_dtype)
+        second_BfD = torch.bmm(grad_Bff.transpose(1, 2), x_BfD).to(ctx.in_dtype)
+        return first_BfD + second_BfD, None, None
+
+
 class DotInteraction(nn.Module):
     """Pairwise dot products of the dense vector and every pooled embedding (upper triangle)."""
 
@@ -36,16 +68,24 @@ class DotInteraction(nn.Module):
         super().__init__()
         n = num_sparse_features + 1
         rows, cols = torch.triu_indices(n, n, offset=1)
-        # Flat positions of the upper triangle in a row-major f x f gram: one index_select, whose
-        # backward is one index_add (gram[:, rows, cols] took twice as long forward + backward on a
-        # CPU, through index_put's accumulate path; the same values either way).
+        # Flat positions of the upper triangle in a row-major f x f gram: one index_select forward
+        # (gram[:, rows, cols] took twice as long forward + backward on a CPU, through index_put's
+        # accumulate path; the same values either way); the backward is `_TrianglePairs`'.
         self.register_buffer("_pairs", rows * n + cols, persistent=False)
         self.out_features_extra = n * (n - 1) // 2
+        self._grad_Bff: torch.Tensor | None = None  # zero off the triangle, reused by every backward
+
+    def _grad_buffer(self, like_BP: torch.Tensor, n: int) -> torch.Tensor:
+        """The [B, n, n] pair-gradient buffer for `like_BP`'s batch, dtype and device (zeroed when made)."""
+        buf = self._grad_Bff
+        shape = (like_BP.shape[0], n, n)
+        if buf is None or buf.shape != shape or buf.dtype != like_BP.dtype or buf.device != like_BP.device:
+            buf = self._grad_Bff = like_BP.new_zeros(shape)
+        return buf
 
     def forward(self, dense_BD: torch.Tensor, sparse_BFD: torch.Tensor) -> torch.Tensor:
         feats_BfD = torch.cat([dense_BD.unsqueeze(1), sparse_BFD], dim=1)
-        gram_Bff = torch.bmm(feats_BfD, feats_BfD.transpose(1, 2))
-        pairs_BP = gram_Bff.flatten(1).index_select(1, self._pairs)
+        pairs_BP = _TrianglePairs.apply(feats_BfD, self._pairs, self)
         return torch.cat([dense_BD, pairs_BP], dim=1)
 
 

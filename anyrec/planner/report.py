@@ -4,9 +4,8 @@ SKU comparison, the `plan.output` JSON (written atomically) and the plan picture
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 
+from anyrec.io_checks import atomic_write
 from anyrec.planner.advice import co_design_advice
 from anyrec.planner.estimators import state_bytes
 from anyrec.planner.hosts import host_summary, table_row_wise_count
@@ -115,23 +114,10 @@ def plan_json(plan: PlanResult) -> dict:
 
 
 def write_json_atomic(path: str, data: dict) -> None:
-    """Write JSON through a temp file in the same folder and rename it: never a half-written file."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".plan-", suffix=".json", dir=folder)
-    try:
-        # mkstemp creates the file 0600; give it the mode open() would (0666 less the umask).
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    """Write JSON whole or not at all (never a half-written file)."""
+    with atomic_write(path) as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
 
 
 def format_compare(a: PlanResult, b: PlanResult) -> str:

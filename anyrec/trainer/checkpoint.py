@@ -41,6 +41,7 @@ from anyrec.trainer.lineage import DirLock, Found, RunIdentity, Start, decide_st
 logger = logging.getLogger(__name__)
 
 META = "meta.json"
+DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of the shard files
 _FINAL = re.compile(r"^step_(\d+)$")
 
 
@@ -93,6 +94,20 @@ def _gather_dicts(local: dict[str, str], info: DistInfo) -> dict[str, str]:
     parts: list[dict[str, str]] = [{} for _ in range(info.world_size)]
     dist.all_gather_object(parts, local)
     return {k: v for part in parts for k, v in part.items()}
+
+
+def _dcp_metadata(path: Path) -> Any:
+    """DCP's metadata of checkpoint `path` (CheckpointError in one line if missing or unreadable)."""
+    try:
+        return dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - a damaged pickle raises anything
+        raise CheckpointError(f"checkpoint {path} is corrupt or unreadable: {DCP_METADATA}: "
+                              f"{describe_error(e)}") from None
+
+
+def _shard_files(path: Path) -> set[str]:
+    """The files DCP's metadata of checkpoint `path` says hold its tensors."""
+    return {info.relative_path for info in (_dcp_metadata(path).storage_data or {}).values()}
 
 
 def signature_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
@@ -282,25 +297,42 @@ class CheckpointManager:
             self._replace = ()
 
     def read_meta(self, path: Path) -> dict[str, Any]:
-        """meta.json of a checkpoint, checked against this model and the files on disk."""
+        """meta.json of a checkpoint, checked whole against this model and the files on disk before
+        anything is loaded: every file it names (DCP's `.metadata` among them) exists with its size,
+        every shard file DCP's metadata names is one of them, and (verify) their SHA-256 match."""
         meta = read_meta_file(path)
         why = signature_mismatch(meta["signature"], self.signature)
         if why:
             raise CheckpointError(f"checkpoint {path} is from an incompatible model: {why}")
-        for name, size in meta.get("files", {}).items():
+        files = meta.get("files")
+        if not isinstance(files, dict) or DCP_METADATA not in files:
+            raise CheckpointError(f"checkpoint {path} is corrupt or incomplete: meta.json does not list "
+                                  f"DCP's {DCP_METADATA}")
+        for name, size in files.items():
             f = path / name
             if not f.is_file() or f.stat().st_size != size:
                 have = f.stat().st_size if f.is_file() else "missing"
                 raise CheckpointError(f"checkpoint {path} is corrupt: {name} is {have} bytes, "
                                       f"{size} were written")
+        unlisted = sorted(_shard_files(path) - set(files))
+        if unlisted:
+            raise CheckpointError(f"checkpoint {path} is corrupt or incomplete: DCP's {DCP_METADATA} names "
+                                  f"{', '.join(unlisted[:3])}, which meta.json does not list")
         if self.cfg.verify:
+            sums = meta.get("sha256")
+            if not isinstance(sums, dict) or set(sums) != set(files):
+                raise CheckpointError(f"checkpoint {path} is corrupt or incomplete: meta.json's checksums "
+                                      f"do not cover the files it lists")
             rank, world = self.info.rank, self.info.world_size
-            names = sorted(meta.get("sha256", {}))
-            bad = {n: "bad" for n in names[rank::world] if _sha256(path / n) != meta["sha256"][n]}
+            names = sorted(sums)
+            bad = {n: "bad" for n in names[rank::world] if _sha256(path / n) != sums[n]}
             bad = _gather_dicts(bad, self.info)
             if bad:
                 raise CheckpointError(f"checkpoint {path} is corrupt: checksum mismatch in "
                                       f"{', '.join(sorted(bad))}")
+        elif self.is_main:
+            logger.warning("checkpoint %s is loaded unverified: its checksums are not checked "
+                           "(trainer.checkpoint.verify=false)", path)
         return meta
 
     def load(self, path: Path, state: dict[str, Any]) -> None:
@@ -315,5 +347,4 @@ class CheckpointManager:
 
     def saved_keys(self, path: Path) -> set[str]:
         """Flattened keys stored in a checkpoint (to load only what it has, e.g. per-rank RNG)."""
-        reader = dcp.FileSystemReader(str(path))
-        return set(reader.read_metadata().state_dict_metadata)
+        return set(_dcp_metadata(path).state_dict_metadata)

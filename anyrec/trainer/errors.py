@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 
@@ -36,3 +37,14 @@ def write_error_file(message: str) -> None:
             json.dump({"message": message, "timestamp": int(time.time())}, f)
     except OSError:
         pass  # the report then says "error_file: <N/A>"; the message is on stderr anyway
+
+
+def exit_now(line: str, code: int) -> None:
+    """Leave at once from any thread (a peer or the launcher is gone, so nothing is left to wait for):
+    `line` as the one error line on stderr and in torchrun's report, no teardown, no stack dump."""
+    message = f"anyrec-train: error: {line}"
+    try:
+        print(message, file=sys.stderr, flush=True)
+        write_error_file(message)
+    finally:
+        os._exit(code)

@@ -1,0 +1,90 @@
+"""Calibration on first contact: a training job with `hardware=auto` plans with this machine's own
+measured figures, not the datasheet's.
+
+Before planning, every rank joins the process group and binds its cores as the trainer will, and the
+ranks agree on the cache key (anyrec.calcache). Rank 0 looks the key up: on a hit nothing is measured;
+on a miss (or `trainer.calibrate=always`, or a cache file that must not be used) all ranks run
+anyrec.calibrate's quick calibration together, so the collective and step terms are measured with
+the job's own ranks, and rank 0 writes the entry. One line says which it was and names the file; the
+job then plans with `hardware.sku` set to that file. `trainer.calibrate=never`, a `hardware=NAME|FILE`
+setting or a planner that predicts nothing (`planner=simple`) skip all of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from anyrec.backends import get_backend
+from anyrec.calcache import Lookup, cache_dir, local_key, lookup, write_entry
+from anyrec.calibrate import calibrate, hardware_yaml
+from anyrec.config import AnyrecConfig
+from anyrec.io_checks import atomic_write
+from anyrec.trainer.distributed import DistInfo, init_distributed
+
+logger = logging.getLogger("anyrec.autocal")
+
+
+def wants_calibration(cfg: AnyrecConfig) -> bool:
+    """Whether the job plans for this machine's device with the co-design planner and may calibrate."""
+    return (cfg.hardware.sku == "auto" and not cfg.hardware.measurements and cfg.planner.name == "codesign"
+            and cfg.trainer.calibrate != "never")
+
+
+def _broadcast(value: object, info: DistInfo) -> object:
+    if info.world_size == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def calibrated_hardware(cfg: AnyrecConfig) -> str:
+    """The cached calibration file for this machine, measured now if the cache has none usable.
+
+    Collective: every rank calls it (it joins the process group and binds cores as the trainer does).
+    """
+    backend = get_backend(cfg.backend.name)
+    info = init_distributed(backend, cfg.trainer.collective_timeout_s)
+    backend.bind_local_rank(info.local_rank, info.local_world_size, cfg.backend.bind_cores)
+    key = local_key(backend, info)
+    found = None
+    if info.is_main:
+        found = Lookup(cache_dir() / key.file_name()) if cfg.trainer.calibrate == "always" else lookup(key)
+    path, hit, problem = _broadcast((str(found.path), found.hit, found.problem) if found else None, info)
+    if hit:
+        if info.is_main:
+            logger.info("calibration: cache hit, planning with %s", path)
+        return path
+    if problem and info.is_main:
+        logger.warning("calibration cache file %s not used: %s; measuring again", path, problem)
+    start = time.perf_counter()
+    quiet = logging.getLogger("anyrec.calibrate")
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)  # the point-by-point log is the thorough calibration's
+    try:
+        m = calibrate(backend, backend.device(info.local_rank), info.world_size, "quick",
+                      cfg.trainer.calibrate_budget_s, cfg.backend.bind_cores)
+    finally:
+        quiet.setLevel(level)
+    text = None
+    if info.is_main:
+        header = (f"# Quick calibration measured by anyrec.autocal ({backend.describe()}, "
+                  f"{info.world_size} ranks) on {time.strftime('%Y-%m-%d', time.gmtime())}; a cache entry,\n"
+                  f"# used by hardware=auto on this machine and software (`cache:` below).\n")
+        write_entry(Path(path), key, hardware_yaml(backend, m), header)
+        text = Path(path).read_text()
+    text = _broadcast(text, info)
+    if info.host != 0 and info.local_rank == 0:  # the other hosts' ranks read the same file
+        with atomic_write(path) as f:
+            f.write(text)
+    if dist.is_initialized():
+        dist.barrier()
+    if info.is_main:
+        logger.info("calibration: %s, measured in %.1f s, wrote %s",
+                    "re-measured (trainer.calibrate=always)" if cfg.trainer.calibrate == "always"
+                    else "cache miss", time.perf_counter() - start, path)
+    return path

@@ -1,0 +1,194 @@
+"""The calibration cache: a measured hardware file per machine and software stack, found again by key.
+
+A calibration holds for what changes its figures: the device (name, devices per host), how the ranks of
+one host share it (local world size, the cores each rank is bound to and its thread count), and the
+software that runs the step (torch, FBGEMM, torchrec, anyrec versions). Those make the `CacheKey`; its
+digest names the file, `$ANYREC_CACHE_DIR` (default `~/.cache/anyrec/`) holds it.
+
+An entry is a hardware YAML (what `anyrec.calibrate` writes, accepted by `hardware=FILE.yaml`) with a
+last `cache:` section: the key it was measured for and a SHA-256 of everything above it. A file that is
+cut short, edited by hand, holds a NaN or was made for another key is never used: `lookup` names the
+problem in one line and the caller measures again. Entries are written whole by a rename
+(`io_checks.atomic_write`): two jobs that measure at once each write a whole file, the last one stays.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import re
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import anyrec
+from anyrec.backends import Backend, Hardware, load_hardware_file
+from anyrec.io_checks import atomic_write
+
+if TYPE_CHECKING:
+    from anyrec.trainer.distributed import DistInfo
+
+CACHE_DIR_ENV = "ANYREC_CACHE_DIR"
+# Distribution names per package (the first installed one counts): FBGEMM ships CPU and GPU wheels.
+PACKAGES = {"torch": ("torch",), "fbgemm": ("fbgemm-gpu", "fbgemm-gpu-cpu", "fbgemm-gpu-nightly"),
+            "torchrec": ("torchrec",)}
+
+
+def cache_dir() -> Path:
+    """Where calibrations are cached: `$ANYREC_CACHE_DIR`, else `~/.cache/anyrec`."""
+    return Path(os.environ.get(CACHE_DIR_ENV) or "~/.cache/anyrec").expanduser()
+
+
+def package_versions() -> dict[str, str]:
+    """The versions of the software a step runs on ("none" where a package is not installed)."""
+    out = {}
+    for name, dists in PACKAGES.items():
+        out[name] = "none"
+        for dist in dists:
+            try:
+                out[name] = importlib.metadata.version(dist)
+                break
+            except importlib.metadata.PackageNotFoundError:
+                continue
+    out["anyrec"] = anyrec.__version__
+    return out
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    """What a calibration's figures depend on; equal keys may share one measurement."""
+
+    backend: str
+    device_name: str
+    devices_per_host: int
+    local_world_size: int
+    cores_per_rank: tuple[tuple[int, ...], ...]  # each local rank's bound cores (() = not bound)
+    threads_per_rank: int
+    versions: tuple[tuple[str, str], ...]  # (package, version), sorted
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["cores_per_rank"] = [list(c) for c in self.cores_per_rank]
+        d["versions"] = dict(self.versions)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CacheKey:
+        """The key a cache file says it was measured for (ValueError if it is not one)."""
+        try:
+            cores = tuple(tuple(int(c) for c in r) for r in d["cores_per_rank"])
+            versions = tuple(sorted((str(k), str(v)) for k, v in d["versions"].items()))
+            return cls(str(d["backend"]), str(d["device_name"]), int(d["devices_per_host"]),
+                       int(d["local_world_size"]), cores, int(d["threads_per_rank"]), versions)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"its cache key is malformed ({type(e).__name__}: {e})") from None
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+    def file_name(self) -> str:
+        device = re.sub(r"[^A-Za-z0-9]+", "-", self.device_name).strip("-").lower() or "device"
+        return f"calibration-{self.backend}-{device}-{self.local_world_size}r-{self.digest()}.yaml"
+
+    def differences(self, other: CacheKey) -> list[str]:
+        """`field: theirs != ours` for each field in which `other` differs from this key."""
+        a, b = self.to_dict(), other.to_dict()
+        out = []
+        for k in a:
+            if k == "versions":
+                for pkg in sorted(set(a[k]) | set(b[k])):
+                    if a[k].get(pkg) != b[k].get(pkg):
+                        out.append(f"{pkg} {b[k].get(pkg)} (this is {a[k].get(pkg)})")
+            elif a[k] != b[k]:
+                out.append(f"{k} {b[k]} (this is {a[k]})")
+        return out
+
+
+def make_key(backend: str, device_name: str, devices_per_host: int, cores_per_rank: list[list[int]],
+             threads_per_rank: int) -> CacheKey:
+    """The key for this process's software and the given machine facts."""
+    return CacheKey(backend, device_name, devices_per_host, len(cores_per_rank),
+                    tuple(tuple(sorted(c)) for c in cores_per_rank), threads_per_rank,
+                    tuple(sorted(package_versions().items())))
+
+
+def _content_digest(data: dict[str, Any]) -> str:
+    body = {k: v for k, v in data.items() if k != "cache"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """What the cache holds for a key: the file's path, its Hardware when usable, or why it is not."""
+
+    path: Path
+    hardware: Hardware | None = None
+    problem: str | None = None  # set when a file is there but must not be used
+
+    @property
+    def hit(self) -> bool:
+        return self.hardware is not None
+
+
+def read_entry(path: Path, key: CacheKey) -> Hardware:
+    """The Hardware in cache file `path`, checked whole and against `key`; ValueError in one line."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise ValueError(f"unreadable ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("cache"), dict):
+        raise ValueError("no `cache:` section (cut short, or not a cache entry)")
+    cache = data["cache"]
+    theirs = CacheKey.from_dict(cache.get("key") or {})
+    if theirs != key:
+        raise ValueError(f"measured for another machine or software: {'; '.join(key.differences(theirs))}")
+    if cache.get("sha256") != _content_digest(data):
+        raise ValueError("its content does not match its checksum (edited or damaged)")
+    return load_hardware_file(path)  # the whole-file checks every hardware file passes
+
+
+def lookup(key: CacheKey, directory: Path | None = None) -> Lookup:
+    """The cached calibration for `key`: a hit, nothing there, or a file that must not be used."""
+    path = (directory or cache_dir()) / key.file_name()
+    if not path.exists():
+        return Lookup(path)
+    try:
+        return Lookup(path, hardware=read_entry(path, key))
+    except ValueError as e:
+        return Lookup(path, problem=str(e))
+
+
+def write_entry(path: Path, key: CacheKey, data: dict[str, Any], header: str = "") -> Path:
+    """Write hardware-file `data` as the cache entry for `key` at `path`, whole or not at all."""
+    import yaml
+
+    entry = {k: v for k, v in data.items() if k != "cache"}
+    entry = yaml.safe_load(yaml.safe_dump(entry, sort_keys=False))  # the digest of what is read back
+    entry["cache"] = {"key": key.to_dict(), "sha256": _content_digest(entry),
+                      "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    with atomic_write(path) as f:
+        f.write(header + yaml.safe_dump(entry, sort_keys=False, default_flow_style=False))
+    return path
+
+
+def local_key(backend: Backend, info: DistInfo) -> CacheKey:
+    """This host's key, agreed by its ranks: each rank's bound cores and threads are gathered (a
+    collective over `info`'s ranks: every rank calls it). Call after the ranks are bound."""
+    import torch
+    import torch.distributed as dist
+
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    mine = (info.host, info.local_rank, cores, torch.get_num_threads())
+    everyone = [mine]
+    if info.world_size > 1:
+        everyone = [None] * info.world_size
+        dist.all_gather_object(everyone, mine)
+    local = sorted((r for r in everyone if r[0] == mine[0]), key=lambda r: r[1])
+    facts, spec = backend.facts, backend.device_spec()
+    name = " ".join(dict.fromkeys(x for x in (spec.name, facts.device_name, spec.arch) if x))
+    return make_key(backend.name, name, facts.device_count, [r[2] for r in local], max(r[3] for r in local))

@@ -1,0 +1,132 @@
+"""The calibration cache (anyrec.calcache): found again by key, never used when damaged or foreign."""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+from pathlib import Path
+
+import pytest
+import yaml
+
+from anyrec import calcache
+from anyrec.backends import get_backend
+from anyrec.trainer.distributed import ONE_PROCESS
+
+CAL = Path(__file__).parent / "data" / "calibration_cpu_2rank.yaml"
+
+
+def _key(**changes) -> calcache.CacheKey:
+    key = calcache.make_key("cpu", "CPU x86_64", 1, [[0], [1]], 1)
+    return dataclasses.replace(key, **changes)
+
+
+def _entry(tmp_path, key=None) -> Path:
+    key = key or _key()
+    return calcache.write_entry(tmp_path / key.file_name(), key, yaml.safe_load(CAL.read_text()))
+
+
+def test_an_entry_is_found_again(tmp_path):
+    path = _entry(tmp_path)
+    found = calcache.lookup(_key(), tmp_path)
+    assert found.hit and found.path == path and found.problem is None
+    assert found.hardware.spec.step_fixed_s > 0 and "fbgemm" in found.hardware.profiles
+    assert calcache.lookup(_key(), tmp_path / "empty").problem is None  # nothing there: a plain miss
+
+
+@pytest.mark.parametrize("change", [
+    {"local_world_size": 4, "cores_per_rank": ((0,), (1,), (2,), (3,))},
+    {"versions": (("anyrec", "0.1.0"), ("fbgemm", "1.9.0"), ("torch", "2.14.0"), ("torchrec", "1.9.2"))},
+    {"cores_per_rank": ((0, 1), ())},
+    {"device_name": "another CPU"},
+])
+def test_what_changes_the_figures_changes_the_file(tmp_path, change):
+    _entry(tmp_path)
+    other = _key(**change)
+    assert other.file_name() != _key().file_name()
+    assert not calcache.lookup(other, tmp_path).hit
+
+
+def test_the_key_holds_the_installed_versions():
+    versions = dict(_key().versions)
+    import torch
+    import torchrec  # noqa: F401
+
+    assert versions["torch"] == torch.__version__.split("+")[0] or versions["torch"] == torch.__version__
+    assert versions["fbgemm"] != "none" and versions["torchrec"] != "none" and versions["anyrec"]
+
+
+def _problem(tmp_path, edit) -> str:
+    path = _entry(tmp_path)
+    path.write_text(edit(path.read_text()))
+    found = calcache.lookup(_key(), tmp_path)
+    assert not found.hit and found.problem and "\n" not in found.problem
+    return found.problem
+
+
+def test_a_truncated_entry_is_not_used(tmp_path):
+    for keep in (0.3, 0.9, 0.999):
+        problem = _problem(tmp_path, lambda t, keep=keep: t[:int(len(t) * keep)])
+        assert "cut short" in problem or "unreadable" in problem or "checksum" in problem
+
+
+def test_a_hand_edited_entry_is_not_used(tmp_path):
+    problem = _problem(tmp_path, lambda t: t.replace("step_fixed_s: ", "step_fixed_s: 1", 1))
+    assert "checksum" in problem
+
+
+def test_a_nan_entry_is_not_used(tmp_path):
+    """A NaN written with a checksum to match (as a buggy measurement would): the whole-file check."""
+    key = _key()
+    data = yaml.safe_load(CAL.read_text())
+    data["measurements"]["embedding"]["fbgemm"]["profile"]["per_row_s"] = float("nan")
+    calcache.write_entry(tmp_path / key.file_name(), key, data)
+    found = calcache.lookup(key, tmp_path)
+    assert not found.hit and "per_row_s is not a finite number" in found.problem
+
+
+def test_a_foreign_version_entry_is_not_used(tmp_path):
+    """A file at this key's name made with another torch (copied, or renamed by hand) is named as such."""
+    old = (("anyrec", "0.1.0"), ("fbgemm", "1.8.0"), ("torch", "2.12.0"), ("torchrec", "1.8.0"))
+    other = _key(versions=old)
+    calcache.write_entry(tmp_path / _key().file_name(), other, yaml.safe_load(CAL.read_text()))
+    problem = calcache.lookup(_key(), tmp_path).problem
+    assert "another machine or software" in problem and "torch 2.12.0 (this is" in problem
+
+
+def _writer(directory: str, rounds: int) -> None:
+    for _ in range(rounds):
+        _entry(Path(directory))
+
+
+@pytest.mark.integration
+def test_concurrent_writers_leave_one_whole_file(tmp_path):
+    """Two jobs measuring at once on a cold cache: each write is a rename, so a reader between and after
+    them finds a whole, valid file, and no temporary file is left."""
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_writer, args=(str(tmp_path), 15)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    seen = 0
+    while any(p.is_alive() for p in procs):
+        found = calcache.lookup(_key(), tmp_path)
+        assert found.problem is None, found.problem
+        seen += found.hit
+    for p in procs:
+        p.join(timeout=120)
+        assert p.exitcode == 0
+    assert calcache.lookup(_key(), tmp_path).hit
+    assert [f.name for f in tmp_path.iterdir()] == [_key().file_name()]
+
+
+def test_local_key_without_a_process_group():
+    key = calcache.local_key(get_backend("cpu"), ONE_PROCESS)
+    assert key.backend == "cpu" and key.local_world_size == 1 and key.threads_per_rank >= 1
+    assert key.file_name().startswith("calibration-cpu-") and key.file_name().endswith(".yaml")
+
+
+def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv(calcache.CACHE_DIR_ENV, str(tmp_path))
+    assert calcache.cache_dir() == tmp_path
+    monkeypatch.delenv(calcache.CACHE_DIR_ENV)
+    assert calcache.cache_dir() == Path("~/.cache/anyrec").expanduser()

@@ -1,0 +1,111 @@
+"""Hardware / calibration files are checked whole before use (anyrec.backends.calfile)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from anyrec.backends import load_hardware_file
+from anyrec.backends.dispatch import KernelProfile
+
+CAL = Path(__file__).parent / "data" / "calibration_cpu_2rank.yaml"  # what anyrec.calibrate writes
+
+
+def _write(tmp_path, data) -> Path:
+    f = tmp_path / "cal.yaml"
+    f.write_text(data if isinstance(data, str) else yaml.safe_dump(data, sort_keys=False))
+    return f
+
+
+def _refused(path: Path, match: str) -> str:
+    with pytest.raises(ValueError, match=match) as e:
+        load_hardware_file(path)
+    assert "\n" not in str(e.value) and path.name in str(e.value)
+    return str(e.value)
+
+
+def test_the_whole_calibration_file_loads():
+    hw = load_hardware_file(CAL)
+    assert "step_fixed_s" in hw.measured_fields and hw.spec.step_fixed_s > 0
+    assert hw.profiles["fbgemm"].per_row_s > 0
+
+
+def test_every_truncation_of_a_calibration_file_is_refused(tmp_path):
+    """Cut after any line (a disk full, a killed writer without the atomic rename), the file lacks a
+    field it claims to have measured, or its spec: never a plan with the base SKU's figures."""
+    lines = CAL.read_text().splitlines(keepends=True)
+    body = [i for i, line in enumerate(lines) if not line.startswith("#")]
+    accepted = []
+    for cut in body[:-1]:
+        f = _write(tmp_path, "".join(lines[:cut + 1]))
+        try:
+            load_hardware_file(f)
+            accepted.append(cut + 1)
+        except ValueError as e:
+            assert "\n" not in str(e)
+    assert accepted == [], f"truncated after line(s) {accepted[:10]} accepted"
+    assert len(body) > 300
+
+
+@pytest.mark.parametrize("field", ["step_fixed_s", "memory_bw_bytes_per_s", "scale_up_latency_s"])
+def test_a_deleted_measured_field_is_refused(tmp_path, field):
+    data = yaml.safe_load(CAL.read_text())
+    del data["spec"][field]
+    _refused(_write(tmp_path, data), f"claims to have measured {field}")
+
+
+def test_measurements_without_measured_fields_are_refused(tmp_path):
+    data = yaml.safe_load(CAL.read_text())
+    del data["measurements"]["measured_fields"]
+    _refused(_write(tmp_path, data), "lacks measurements.measured_fields")
+
+
+@pytest.mark.parametrize(("where", "value", "match"), [
+    (("measurements", "embedding", "fbgemm", "profile", "per_row_s"), float("nan"),
+     "embedding.fbgemm.profile.per_row_s is not a finite number"),
+    (("spec", "peak_fp32_flops"), float("inf"), "peak_fp32_flops must be a finite number > 0, got inf"),
+    (("measurements", "collectives", "all_to_all", "seconds", 1), float("nan"), "all_to_all.seconds.1"),
+    (("spec", "memory_bw_bytes_per_s"), 0, "memory_bw_bytes_per_s must be a finite number > 0"),
+    (("spec", "step_per_id_s"), -1e-6, "step_per_id_s must be a finite number >= 0"),
+])
+def test_a_number_that_cannot_be_right_is_refused(tmp_path, where, value, match):
+    data = yaml.safe_load(CAL.read_text())
+    node = data
+    for k in where[:-1]:
+        node = node[k]
+    node[where[-1]] = value
+    _refused(_write(tmp_path, data), match)
+
+
+def test_a_nan_written_as_yaml_is_refused(tmp_path):
+    text = CAL.read_text()
+    assert "  step_per_id_s: " in text
+    lines = [("  step_per_id_s: .nan" if line.startswith("  step_per_id_s: ") else line)
+             for line in text.splitlines()]
+    _refused(_write(tmp_path, "\n".join(lines) + "\n"), "step_per_id_s must be a finite number >= 0, got nan")
+
+
+@pytest.mark.parametrize("missing", ["per_launch_s", "bw_efficiency"])
+def test_a_profile_lacking_a_figure_is_refused(tmp_path, missing):
+    data = yaml.safe_load(CAL.read_text())
+    del data["measurements"]["embedding"]["fbgemm"]["profile"][missing]
+    _refused(_write(tmp_path, data), f"fbgemm.profile lacks {missing}")
+
+
+def test_a_measured_section_without_its_fields_is_refused(tmp_path):
+    data = yaml.safe_load(CAL.read_text())
+    data["measurements"]["measured_fields"].remove("sharding_group_s")
+    del data["spec"]["sharding_group_s"]
+    _refused(_write(tmp_path, data), "measured step but measured_fields lacks sharding_group_s")
+
+
+def test_a_spec_only_file_needs_no_measurements(tmp_path):
+    f = _write(tmp_path, {"sku": "cpu", "spec": {"memory_bw_bytes_per_s": 2e10}})
+    assert load_hardware_file(f).spec.memory_bw_bytes_per_s == 2e10
+
+
+def test_kernel_profile_refuses_nan():
+    with pytest.raises(ValueError, match="per_row_s"):
+        KernelProfile(0.5, per_row_s=float("nan"))
