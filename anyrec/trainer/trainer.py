@@ -45,7 +45,7 @@ from anyrec.trainer.optim import (
     embedding_optimizer_config,
 )
 from anyrec.trainer.perfcheck import StepTimer, warmup_steps
-from anyrec.trainer.pipeline import EagerLoop, SparseDistPipeline, StepFunctions
+from anyrec.trainer.pipeline import EagerLoop, SparseDistPipeline, StepFunctions, predictions
 from anyrec.trainer.planning import dense_wrapper, sharders, shared_plan
 from anyrec.trainer.reporting import LossWindow, MetricWriter, progress_bar
 from anyrec.trainer.schedule import WarmupPolyDecay
@@ -380,11 +380,7 @@ class Trainer:
         batches = self.eval_data.iter_from(0, self.cfg.trainer.eval_steps)
         if self.validator is not None:
             batches = self.validator.wrap(batches, 0, "eval batch")
-        while True:
-            try:
-                logits_B, labels_B = self.pipeline.progress(batches)
-            except StopIteration:
-                break
+        for logits_B, labels_B in predictions(self.pipeline, batches):
             metrics.update(logits_B, labels_B)
         if self.validator is not None:
             self.validator.flush()
