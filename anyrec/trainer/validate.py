@@ -113,11 +113,16 @@ def _at(what: str, step: int, rank: int) -> str:
 
 
 class InputValidator:
-    """Checks each batch as it is drawn; value findings stay on the device until `flush()`."""
+    """Checks each batch as it is drawn; value findings stay on the device until `flush()`.
+
+    `skip_nonfinite` (trainer.skip_nonfinite): non-finite dense values of training batches are left to
+    the loss guard, which skips their step (its loss is non-finite); evaluation batches stay strict.
+    """
 
     def __init__(self, feature_names: list[str], table_rows: list[int], num_dense: int,
-                 device: torch.device) -> None:
+                 device: torch.device, skip_nonfinite: bool = False) -> None:
         self.feature_names, self.table_rows, self.num_dense = feature_names, table_rows, num_dense
+        self.skip_nonfinite = skip_nonfinite
         self.device = device
         self._rows_F = torch.tensor(table_rows, dtype=torch.int64, device=device)
         self._pending: list[tuple[int, str, torch.Tensor]] = []
@@ -134,7 +139,11 @@ class InputValidator:
         if problem is not None:
             raise ValueError(f"bad input at {_at(what, step, _rank())}: {problem}")
         report = batch.__dict__.pop(_REPORT, None)
-        self._pending.append((step, what, value_report(batch, self.table_rows) if report is None else report))
+        if report is None:
+            report = value_report(batch, self.table_rows)
+        if self.skip_nonfinite and what == "step":
+            report = torch.cat([report[:-1], report.new_zeros(1)])  # the loss guard skips the step
+        self._pending.append((step, what, report))
 
     def wrap(self, batches: Iterable[Batch], first_step: int, what: str = "step") -> Iterator[Batch]:
         """The batches, each checked as it is drawn (so before it enters the pipeline)."""
@@ -209,7 +218,8 @@ class NonFiniteGuard:
         if code < _NONE:
             step, rank = divmod(code, _world())
             raise NonFiniteLossError(f"non-finite loss at {_at('step', step, rank)}; "
-                                     "set trainer.skip_nonfinite=true to skip such batches")
+                                     "set trainer.skip_nonfinite=true to skip such batches (and batches "
+                                     "with non-finite dense inputs, from any source)")
 
     def flush(self) -> None:
         """Raise NonFiniteLossError for the first non-finite loss any rank saw (a collective)."""
