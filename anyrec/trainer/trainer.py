@@ -221,13 +221,14 @@ class Trainer:
         # Prefetched file batches land in page-locked memory where there is a device to copy them to.
         pin = self.backend.device_type != "cpu"
         self.train_data = build_source(cfg.model, data_cfg, tc.seed, self.dist.rank, self.dist.world_size,
-                                       split="train", pin_memory=pin, device=self.device)
+                                       split="train", pin_memory=pin, device=self.device,
+                                       skip_nonfinite=tc.skip_nonfinite)
         self.eval_data = (build_source(cfg.model, data_cfg, tc.seed, self.dist.rank, self.dist.world_size,
                                        split="eval", pin_memory=pin, device=self.device)
                           if tc.eval_steps > 0 else None)
         self.loss_guard = NonFiniteGuard(tc.skip_nonfinite, self.device)
         self.validator = (InputValidator(feature_names(len(cfg.model.table_rows)), list(cfg.model.table_rows),
-                                         cfg.model.num_dense_features, self.device)
+                                         cfg.model.num_dense_features, self.device, tc.skip_nonfinite)
                           if tc.validate_inputs else None)
         for source in (self.train_data, self.eval_data):
             if isinstance(source, Prefetched) and self.validator is not None:
