@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from .conftest import ROOT, last_json_line, torchrun
 from .test_data import write_tsv
 
@@ -79,3 +81,17 @@ def test_nan_input_batch_skipped_when_asked_with_validation_on(tmp_path):
     s = last_json_line(proc.stdout)
     assert s["steps"] == 8 and s["skipped_batches"] == 1
     assert s["final_loss"] is not None and math.isfinite(s["final_loss"])
+
+
+@pytest.mark.integration
+def test_a_short_soak_recovers_bit_identically_from_random_kills():
+    # benchmarks/soak.py in short: 3 SIGKILLs (a rank or torchrun) at seeded-random instants.
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import soak
+
+    result = soak.soak(kills=3, seed=3, steps=12, every=3, eval_every=6, limit_s=400, log=lambda *a: None)
+    killed = [r for r in result["tries"] if r["killed"]]
+    assert result["kills"] == 3 and result["identical"] == 3, killed
+    assert result["incomplete_used"] == 0 and result["incomplete_left"] == 0, killed
+    assert result["left_behind"] == 0
+    assert all(s < 5 for s in result["launcher_workers_exit_s"]), killed
