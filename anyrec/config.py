@@ -212,7 +212,8 @@ class TrainerConfig:
     progress: bool = True
     pipeline: bool = True  # torchrec TrainPipelineSparseDist (input dist overlapped with compute)
     mixed_precision: Precision = Precision.auto  # auto: bf16 autocast on accelerators, fp32 on CPU
-    skip_nonfinite: bool = False  # NaN/inf loss: skip the batch instead of stopping
+    # NaN/inf loss, or NaN/inf dense inputs of a training batch (any source): skip the batch, not stop
+    skip_nonfinite: bool = False
     validate_inputs: bool = True  # check ids and feature counts of every batch before it is used
     run_dir: str | None = None  # JSONL/TensorBoard logs; the entry point sets Hydra's output dir
     tensorboard: bool = True

@@ -1,6 +1,11 @@
 """`anyrec-train` / `torchrun ... -m anyrec.train`: train a model from Hydra config groups."""
+# ruff: noqa: E402  (the launcher watch starts before the imports, which take seconds)
 
 from __future__ import annotations
+
+from anyrec.trainer.errors import watch_launcher
+
+watch_launcher()  # a worker whose torchrun dies while it imports or starts up leaves too
 
 import json
 import logging

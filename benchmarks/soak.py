@@ -138,7 +138,8 @@ def events(workdir: Path) -> list[tuple[float, str]]:
     return sorted(found, key=lambda e: e[0])
 
 
-def phase(log: list[tuple[float, str]], at: float, saving: bool, every: int, eval_every: int) -> str:
+def phase(log: list[tuple[float, str]], at: float, saving: bool, steps: int, every: int,
+          eval_every: int) -> str:
     """What the job was doing at unix time `at` (see the module doc)."""
     if saving:
         return "save"
@@ -151,11 +152,15 @@ def phase(log: list[tuple[float, str]], at: float, saving: bool, every: int, eva
     m = re.match(r"step (\d+) loss", last)
     if m:
         step = int(m.group(1))
+        if step == steps:
+            return "save"  # the final checkpoint comes first
         if step % every == 0:  # logged just before the save starts (the tmp directory comes a moment later)
             return "save"
         return "eval" if step % eval_every == 0 else "step"
     if last.startswith("checkpoint:"):
         n = int(last.rsplit("step_", 1)[1])
+        if n == steps:
+            return "final eval and teardown"
         return "eval" if n % eval_every == 0 else "step"
     if re.match(r"step \d+ eval", last):
         return "step"
@@ -202,7 +207,7 @@ def run_try(i: int, rng: random.Random, ref: dict, steps: int, every: int, eval_
         s = summary(workdir, "b" if (target == "torchrun" and row["killed"]) else "a")
         if row.get("killed"):
             saving = bool(row["tmp_at_kill"])
-            row["phase"] = phase(events(workdir), row["kill_time"], saving, every, eval_every)
+            row["phase"] = phase(events(workdir), row["kill_time"], saving, steps, every, eval_every)
         row["resumed_from_step"] = s and s.get("resumed_from_step")
         row["identical"] = bool(s) and s.get("weights_sha256") == ref["weights_sha256"]
         row["incomplete_after"] = incomplete(ck)

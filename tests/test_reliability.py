@@ -77,3 +77,27 @@ def test_wrong_number_of_features_fails_clearly(tmp_path):
     lines = _errors(proc)
     assert lines == ["anyrec-train: error: bad input at step 1: the data has 26 sparse features, "
                      "the model has 3 tables (model.table_rows)"], proc.stderr[-3000:]
+
+
+def test_nan_input_batch_skipped_when_asked_with_validation_on(tmp_path):
+    # trainer.skip_nonfinite means what it says with the input checks on (the default) too.
+    proc = torchrun([*BASE, "trainer.steps=8", "data.inject_nan_at_step=3", "trainer.skip_nonfinite=true",
+                     f"hydra.run.dir={tmp_path}"], cwd=tmp_path, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = last_json_line(proc.stdout)
+    assert s["steps"] == 8 and s["skipped_batches"] == 1
+    assert s["final_loss"] is not None and math.isfinite(s["final_loss"])
+
+
+@pytest.mark.integration
+def test_a_short_soak_recovers_bit_identically_from_random_kills():
+    # benchmarks/soak.py in short: 3 SIGKILLs (a rank or torchrun) at seeded-random instants.
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import soak
+
+    result = soak.soak(kills=3, seed=3, steps=12, every=3, eval_every=6, limit_s=400, log=lambda *a: None)
+    killed = [r for r in result["tries"] if r["killed"]]
+    assert result["kills"] == 3 and result["identical"] == 3, killed
+    assert result["incomplete_used"] == 0 and result["incomplete_left"] == 0, killed
+    assert result["left_behind"] == 0
+    assert all(s < 5 for s in result["launcher_workers_exit_s"]), killed

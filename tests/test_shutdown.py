@@ -6,6 +6,7 @@ Every job is 2 ranks on loopback, bounded in time, and the test checks that no p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -144,15 +145,41 @@ def test_workers_of_a_killed_launcher_leave_at_once_in_one_line(tmp_path):
                                                if ".tmp-" not in p.name)
 
 
+def test_workers_of_a_launcher_killed_while_they_start_leave_at_once(tmp_path):
+    proc = launch(tmp_path, FAST)
+    deadline = time.monotonic() + 120
+    while len(pids := {p for p in descendants(proc.pid) if b"anyrec.train" in _cmdline(p)}) < 2:
+        assert time.monotonic() < deadline and proc.poll() is None, output(tmp_path)[-3000:]
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)  # the workers are still importing torch
+    start = time.monotonic()
+    proc.wait(timeout=10)
+    while alive(pids) and time.monotonic() - start < 60:
+        time.sleep(0.05)
+    seconds = time.monotonic() - start
+    for pid in alive(pids):
+        os.kill(pid, signal.SIGKILL)
+    text = output(tmp_path)
+    lines = [ln for ln in text.splitlines() if ln.startswith("anyrec-train: error:")]
+    assert seconds < 5 and len(lines) == 2 and all("is gone: exiting" in ln for ln in lines), (seconds, text)
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+    except OSError:
+        return b""
+
+
 def test_a_stopped_rank_is_named_by_the_heartbeat_before_the_collective_timeout(tmp_path):
     # The collective timeout stays long (healthy long collectives keep it); the heartbeat names the
     # stopped rank after trainer.peer_timeout_s.
     proc = launch(tmp_path, ["trainer.peer_timeout_s=5", "trainer.stop_check_every=1000"])
-    pids = wait_for(proc, tmp_path, "step 10 loss", timeout=240)
-    stuck = _worker(pids, 1)
-    os.kill(stuck, signal.SIGSTOP)
-    start = time.monotonic()
     try:
+        pids = wait_for(proc, tmp_path, "step 10 loss", timeout=240)
+        stuck = _worker(pids, 1)
+        os.kill(stuck, signal.SIGSTOP)
+        start = time.monotonic()
         while "anyrec-train: error:" not in output(tmp_path) and time.monotonic() - start < 60:
             time.sleep(0.1)
         seconds = time.monotonic() - start
@@ -160,10 +187,13 @@ def test_a_stopped_rank_is_named_by_the_heartbeat_before_the_collective_timeout(
         assert ("anyrec-train: error: rank 0: rank(s) 1 stopped responding (no heartbeat for 5 s; "
                 "trainer.peer_timeout_s=5)") in text, text[-3000:]
         assert seconds < 30, seconds  # 5 s and a beat, on a loaded host; the collective waits 600 s
-    finally:
-        if alive({stuck}):
-            os.kill(stuck, signal.SIGCONT)
-    assert wait_gone(proc, pids, limit=60) is not None
+        os.kill(stuck, signal.SIGCONT)
+        assert wait_gone(proc, pids, limit=60) is not None
+    finally:  # the job is gone whatever failed (a stopped rank never leaves on its own)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        for pid in alive(descendants(proc.pid)):
+            os.kill(pid, signal.SIGKILL)
     text = output(tmp_path)
     assert re.search(r"exitcode\s*: 4", text) and "frame #" not in text, text[-3000:]
 

@@ -163,3 +163,39 @@ def test_warmup_poly_decay():
     assert WarmupPolyDecay.from_config(OptimConfig()).factor(123) == 1.0
     with pytest.raises(ValueError, match="decay_start_step"):
         WarmupPolyDecay.from_config(OptimConfig(warmup_steps=5, decay_start_step=2, decay_steps=3))
+
+
+def test_skip_nonfinite_leaves_nan_dense_training_batches_to_the_loss_guard():
+    nan = torch.zeros(2, 13)
+    nan[1, 4] = math.nan
+    batch = _labelled(_batch([0, 1], [0, 0]), dense=nan)
+    skipping = InputValidator(NAMES, ROWS, 13, torch.device("cpu"), skip_nonfinite=True)
+    skipping(batch, 3)
+    skipping.flush()  # a training step: the loss guard skips it
+    skipping(batch, 0, "eval batch")
+    with pytest.raises(ValueError, match="bad input at eval batch 1: 1 dense values are NaN or infinite"):
+        skipping.flush()  # evaluation stays strict
+    strict = InputValidator(NAMES, ROWS, 13, torch.device("cpu"))
+    strict(batch, 3)
+    with pytest.raises(ValueError, match="bad input at step 4: 1 dense values are NaN or infinite"):
+        strict.flush()
+
+
+def test_skip_nonfinite_lets_nan_npy_rows_reach_the_loss_guard(tmp_path):
+    import numpy as np
+
+    from anyrec.config import DataConfig
+    from anyrec.data.criteo import CriteoSource
+
+    from .test_data_criteo import MODEL, _write_npy_day
+
+    dense = np.ones((32, 13), dtype=np.float32)
+    dense[5, 3] = np.nan
+    d = _write_npy_day(tmp_path, dense=dense)
+    data = DataConfig(name="criteo_npy", path=str(d), train_files=["day_0"], batch_size=8)
+    batch = CriteoSource(MODEL, data, skip_nonfinite=True).batch(0)
+    assert int(torch.isnan(batch.dense_features).sum()) == 1
+    with pytest.raises(ValueError, match=r"day_0_dense.npy row 5: dense feature 3 is nan"):
+        CriteoSource(MODEL, data).batch(0)
+    with pytest.raises(ValueError, match=r"day_0_dense.npy row 5: dense feature 3 is nan"):
+        CriteoSource(MODEL, data, split="eval", skip_nonfinite=True).batch(0)  # evaluation stays strict

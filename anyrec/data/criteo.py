@@ -283,14 +283,17 @@ def read_npy(directory: str | Path, prefix: str) -> CriteoArrays:
 
 
 def check_rows(files: tuple[str, str, str], lo: int, dense_nI: np.ndarray, labels_n: np.ndarray,
-               ids: list[np.ndarray], table_rows: list[int] | None) -> None:
-    """Raise BadRowError naming the (dense, sparse, labels) file and row (lo + i) of the first bad value."""
+               ids: list[np.ndarray], table_rows: list[int] | None, finite_dense: bool = True) -> None:
+    """Raise BadRowError naming the (dense, sparse, labels) file and row (lo + i) of the first bad value.
+
+    `finite_dense=False` (trainer.skip_nonfinite on the training split) lets NaN/inf dense values
+    through: the trainer skips the step whose loss they make non-finite."""
     bad = np.flatnonzero((labels_n != 0) & (labels_n != 1))
     if bad.size:
         i = int(bad[0])
         raise BadRowError(f"criteo: {files[2]} row {lo + i}: label {labels_n[i].item()} is not 0 or 1")
-    finite = np.isfinite(dense_nI)
-    if not finite.all():
+    finite = np.isfinite(dense_nI) if finite_dense else True
+    if not np.all(finite):
         i, j = (int(x) for x in np.argwhere(~finite)[0])
         raise BadRowError(f"criteo: {files[0]} row {lo + i}: dense feature {j} is {dense_nI[i, j]}")
     if table_rows is None:
@@ -317,7 +320,7 @@ class CriteoSource:
     """Batches of Criteo rows for one rank; `batch(step)` is a pure function of (step, rank)."""
 
     def __init__(self, model: ModelConfig, data: DataConfig, rank: int = 0, world_size: int = 1,
-                 split: str = "train") -> None:
+                 split: str = "train", skip_nonfinite: bool = False) -> None:
         if data.name not in FILE_SOURCES:
             raise ValueError(f"CriteoSource reads {', '.join(FILE_SOURCES)}, not {data.name!r}")
         if not data.path:
@@ -364,6 +367,7 @@ class CriteoSource:
         self.checked_rows = rows if not data.hash_ids and matches else None
         self.batch_size = data.batch_size
         self.rank, self.world_size = rank, world_size
+        self.skip_nonfinite = skip_nonfinite and split == "train"  # see check_rows
         B = self.batch_size
         self._lengths = torch.cat([torch.full((B,), L, dtype=torch.int32) for L in self.hot])
         self._length_per_key = [B * L for L in self.hot]
@@ -380,7 +384,7 @@ class CriteoSource:
             dense = np.asarray(part.dense_NI[lo:lo + n])
             labels = np.asarray(part.labels_N1[lo:lo + n]).reshape(-1)
             ids = part.sparse_rows(lo, n)
-            check_rows(part.files, lo, dense, labels, ids, self.checked_rows)
+            check_rows(part.files, lo, dense, labels, ids, self.checked_rows, not self.skip_nonfinite)
             dense_p.append(dense)
             labels_p.append(labels)
             sparse_p.append(ids)

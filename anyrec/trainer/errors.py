@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 
 
@@ -48,3 +49,20 @@ def exit_now(line: str, code: int) -> None:
         write_error_file(message)
     finally:
         os._exit(code)
+
+
+def watch_launcher(poll_s: float = 0.25) -> None:
+    """Under torchrun, from the worker's first moment: a thread that ends the worker in one line when
+    its launcher dies (the worker is orphaned), also while it imports or waits for its peers, before
+    the heartbeat (shutdown.Heartbeat) watches. A no-op without torchrun."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    parent = os.getppid()
+
+    def watch() -> None:
+        while parent != 1 and os.getppid() == parent:
+            time.sleep(poll_s)
+        who = f"the launcher (pid {parent})" if parent != 1 else "the launcher"
+        exit_now(f"rank {os.environ.get('RANK', '?')}: {who} is gone: exiting", 4)
+
+    threading.Thread(target=watch, name="anyrec-launcher-watch", daemon=True).start()

@@ -33,11 +33,14 @@ def build_inputs(cfg: AnyrecConfig, dist: DistInfo, device: torch.device, pin_me
     data_cfg = resolve_batch_size(cfg.data, dist.world_size)
 
     def source(split: str) -> Any:
+        # skip_nonfinite: a training batch's non-finite dense rows are left to the loss guard
         return build_source(cfg.model, data_cfg, tc.seed, dist.rank, dist.world_size, split=split,
-                            pin_memory=pin_memory, device=device)
+                            pin_memory=pin_memory, device=device,
+                            skip_nonfinite=tc.skip_nonfinite and split == "train")
 
     validator = (InputValidator(feature_names(len(cfg.model.table_rows)), list(cfg.model.table_rows),
-                                cfg.model.num_dense_features, device, dist) if tc.validate_inputs else None)
+                                cfg.model.num_dense_features, device, dist, tc.skip_nonfinite)
+                 if tc.validate_inputs else None)
     inputs = Inputs(data_cfg.batch_size, source("train"), source("eval") if tc.eval_steps > 0 else None,
                     validator, NonFiniteGuard(tc.skip_nonfinite, device, dist))
     for src in (inputs.train, inputs.eval):

@@ -106,12 +106,17 @@ def _at(what: str, step: int, rank: int, info: DistInfo) -> str:
 
 
 class InputValidator:
-    """Checks each batch as it is drawn; value findings stay on the device until `flush()`."""
+    """Checks each batch as it is drawn; value findings stay on the device until `flush()`.
+
+    `skip_nonfinite` (trainer.skip_nonfinite): non-finite dense values of training batches are left to
+    the loss guard, which skips their step (its loss is non-finite); evaluation batches stay strict.
+    """
 
     def __init__(self, feature_names: list[str], table_rows: list[int], num_dense: int,
-                 device: torch.device, info: DistInfo) -> None:
+                 device: torch.device, info: DistInfo, skip_nonfinite: bool = False) -> None:
         self.feature_names, self.table_rows, self.num_dense = feature_names, table_rows, num_dense
         self.device, self.info = device, info
+        self.skip_nonfinite = skip_nonfinite
         self._rows_F = torch.tensor(table_rows, dtype=torch.int64, device=device)
         self._pending: list[tuple[int, str, torch.Tensor]] = []
 
@@ -127,7 +132,11 @@ class InputValidator:
         if problem is not None:
             raise ValueError(f"bad input at {_at(what, step, self.info.rank, self.info)}: {problem}")
         report = batch.__dict__.pop(_REPORT, None)
-        self._pending.append((step, what, value_report(batch, self.table_rows) if report is None else report))
+        if report is None:
+            report = value_report(batch, self.table_rows)
+        if self.skip_nonfinite and what == "step":
+            report = torch.cat([report[:-1], report.new_zeros(1)])  # the loss guard skips the step
+        self._pending.append((step, what, report))
 
     def wrap(self, batches: Iterable[Batch], first_step: int, what: str = "step") -> Iterator[Batch]:
         """The batches, each checked as it is drawn (so before it enters the pipeline)."""
@@ -203,7 +212,8 @@ class NonFiniteGuard:
         if code < _NONE:
             step, rank = divmod(code, self.info.world_size)
             raise NonFiniteLossError(f"non-finite loss at {_at('step', step, rank, self.info)}; "
-                                     "set trainer.skip_nonfinite=true to skip such batches")
+                                     "set trainer.skip_nonfinite=true to skip such batches (and batches "
+                                     "with non-finite dense inputs, from any source)")
 
     def flush(self) -> None:
         """Raise NonFiniteLossError for the first non-finite loss any rank saw (a collective)."""
