@@ -86,8 +86,11 @@ def test_calibrate_under_torchrun_measures_collectives(tmp_path):
     out = tmp_path / "cal2.yaml"
     proc = torchrun(["-m", "anyrec.calibrate", f"output={out}", "budget_s=0.02"], nproc=2, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    _check_file(out, world_size=2)
+    m = _check_file(out, world_size=2)
     assert proc.stdout.count("wrote ") == 1  # rank 0 only
+    # bind_cores=auto by default: what the rule chose, and from what, is recorded with the figures
+    assert m["bind_rule"].startswith("backend.bind_cores=auto: other processes used")
+    assert m["bind_cores"] == m["bind_rule"].endswith("bound")
 
 
 def test_fit_recovers_known_costs():
