@@ -131,7 +131,8 @@ def _train_point(p: StepPoint, backend: Backend, hardware: Hardware, steps: int,
     model = build_model(cfg.model, meta, ebc_device=meta)
     ebc = model.sparse_arch
     opt = cfg.optim.name
-    tables, dense_params, options = planner_inputs(model, ebc, cfg.model, cfg.planner, opt, embedding)
+    tables, dense_params, options = planner_inputs(model, ebc, cfg.model, cfg.planner, opt, embedding,
+                                                   backend.device_type)
     workload = make_workload(tables, p.batch, opt, dense_params, **options)
     topology = Topology(hardware.spec, world, world, backend.device_type)
     predicted = evaluate_assignment(_assignment(p, world), topology, workload)

@@ -170,3 +170,27 @@ def test_calibrated_yaml_as_group_option_plans_like_the_path(tmp_path):
     figures = group_text[group_text.index("figures:"):]
     assert "embedding fbgemm profile: measured" in figures, figures
     assert "all device figures from the SKU table" not in figures
+
+
+def test_the_planner_never_proposes_what_the_trainer_refuses():
+    """FBGEMM's CPU TBE has no fused Adam: on a CPU the planner replicates every table (which the
+    trainer accepts), on a GPU it shards as usual; both read the Impl record's answer."""
+    from types import SimpleNamespace
+
+    from anyrec.backends.dispatch import FBGEMM_EMBEDDING
+    from anyrec.config import OptimConfig
+    from anyrec.trainer.optim import check_embedding_optimizer
+
+    cpu, _ = _plan(["hardware=cpu", "optim=adam"])
+    kinds = {o.sharding.value for o in cpu.tables.values()}
+    assert kinds == {"data_parallel"}
+    plan = SimpleNamespace(plan={"ebc": {n: SimpleNamespace(sharding_type=o.sharding.value)
+                                         for n, o in cpu.tables.items()}})
+    check_embedding_optimizer(OptimConfig(name="adam"), FBGEMM_EMBEDDING, "cpu", plan)  # accepted
+    gpu, _ = _plan(["hardware=h100", "optim=adam"])
+    assert {o.sharding.value for o in gpu.tables.values()} - {"data_parallel"}
+    adagrad, _ = _plan(["hardware=cpu", "optim=adagrad"])
+    assert {o.sharding.value for o in adagrad.tables.values()} - {"data_parallel"}
+    with pytest.raises(ValueError, match="planner.sharding=table_wise with optim=adam: the fbgemm embedding "
+                                         "implementation has no fused adam on the CPU"):
+        _plan(["hardware=cpu", "optim=adam", "planner.sharding=table_wise"])
