@@ -14,6 +14,7 @@ problem in one line and the caller measures again. Entries are written whole by 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.metadata
 import json
@@ -89,9 +90,13 @@ class CacheKey:
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
 
-    def file_name(self) -> str:
+    def file_prefix(self) -> str:
+        """The file name up to the digest: backend, device and local world size."""
         device = re.sub(r"[^A-Za-z0-9]+", "-", self.device_name).strip("-").lower() or "device"
-        return f"calibration-{self.backend}-{device}-{self.local_world_size}r-{self.digest()}.yaml"
+        return f"calibration-{self.backend}-{device}-{self.local_world_size}r-"
+
+    def file_name(self) -> str:
+        return f"{self.file_prefix()}{self.digest()}.yaml"
 
     def differences(self, other: CacheKey) -> list[str]:
         """`field: theirs != ours` for each field in which `other` differs from this key."""
@@ -192,3 +197,23 @@ def local_key(backend: Backend, info: DistInfo) -> CacheKey:
     facts, spec = backend.facts, backend.device_spec()
     name = " ".join(dict.fromkeys(x for x in (spec.name, facts.device_name, spec.arch) if x))
     return make_key(backend.name, name, facts.device_count, [r[2] for r in local], max(r[3] for r in local))
+
+
+def find_for_device(backend: Backend, local_world_size: int, directory: Path | None = None) -> Lookup | None:
+    """The newest usable entry for this device and software at `local_world_size` ranks per host,
+    whatever cores its ranks were bound to (for `anyrec-plan`, which runs no ranks); None if none."""
+    import yaml
+
+    want = dataclasses.replace(local_key(backend), local_world_size=local_world_size)
+    same = ("backend", "device_name", "devices_per_host", "local_world_size", "versions")
+    paths = sorted((directory or cache_dir()).glob(f"{want.file_prefix()}*.yaml"),
+                   key=lambda p: p.stat().st_mtime, reverse=True)
+    for path in paths:
+        try:
+            key = CacheKey.from_dict(yaml.safe_load(path.read_text())["cache"]["key"])
+            if any(getattr(key, f) != getattr(want, f) for f in same):
+                continue
+            return Lookup(path, hardware=read_entry(path, key))
+        except (OSError, ValueError, TypeError, KeyError, yaml.YAMLError):
+            continue  # not usable: a training job on this machine names and replaces it
+    return None

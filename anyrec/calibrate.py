@@ -10,8 +10,9 @@ latency + bytes / bus bandwidth, and the trainer's framework costs (anyrec.calib
 Trainer at fourteen tiny points, what bytes and FLOPs leave unexplained fitted into DeviceSpec `step_*`
 fields). The YAML it writes is accepted by `hardware=FILE.yaml`.
 
-    python -m anyrec.calibrate output=cal.yaml [backend=auto] [budget_s=0.5] [size=small|large]
+    python -m anyrec.calibrate output=cal.yaml [backend=auto] [budget_s=0.5] [size=small|large|quick]
     torchrun --nproc_per_node=2 -m anyrec.calibrate output=cal.yaml
+    torchrun --nproc_per_node=2 -m anyrec.calibrate cache=true   # this machine's cache entry (hardware=auto)
 
 Legend: T tables, R rows, D dim, B bags per table, L ids per bag.
 """
@@ -36,7 +37,8 @@ from anyrec.backends import Backend, get_backend
 from anyrec.backends.dispatch import Impl, KernelProfile, availability, implementations
 from anyrec.backends.hardware import EmbeddingCost, Hardware
 from anyrec.backends.specs import DeviceSpec
-from anyrec.calibrate_step import measure_step_costs
+from anyrec.calcache import cache_dir, local_key, write_entry
+from anyrec.calibrate_step import QUICK_POINTS, measure_step_costs
 from anyrec.io_checks import atomic_write, writable_file
 from anyrec.kernels.optimizers import OptimizerConfig
 from anyrec.planner.estimators import lookup_time_s
@@ -44,7 +46,8 @@ from anyrec.planner.types import Placement, TableSpec, Topology
 
 logger = logging.getLogger("anyrec.calibrate")
 
-OPTIONS = {"output": None, "backend": "auto", "budget_s": "0.5", "size": "small", "bind_cores": "auto"}
+OPTIONS = {"output": None, "backend": "auto", "budget_s": "0.5", "size": "small", "bind_cores": "auto",
+           "cache": "false"}
 OPTIMIZER = "adagrad"  # the default config's; the profile's bytes term covers any optimizer's state
 # Embedding step points: (tables, rows, dim, batch, pooling). They vary ids (pooling, batch) and bytes
 # per id (dim) independently, and one is tiny, so the fit can tell per-row, per-byte and per-launch
@@ -75,8 +78,10 @@ def parse_args(argv: list[str]) -> dict[str, str]:
         if not sep or key not in OPTIONS:
             raise ValueError(f"unknown argument {arg!r}; expected key=value with key in {', '.join(OPTIONS)}")
         opts[key] = value
-    if not opts["output"]:
-        raise ValueError("output=FILE.yaml is required")
+    if opts["cache"] not in ("true", "false"):
+        raise ValueError(f"cache={opts['cache']}: choose true or false")
+    if not opts["output"] and opts["cache"] == "false":
+        raise ValueError("output=FILE.yaml is required (or cache=true)")
     if opts["size"] not in SIZES:
         raise ValueError(f"size={opts['size']}: choose one of {', '.join(SIZES)}")
     if opts["bind_cores"] not in ("auto", "true", "false"):
@@ -313,21 +318,33 @@ def calibrate(backend: Backend, device: torch.device, world: int, size: str = "s
     trainer's setting the step points train with (backend.bind_cores)."""
     s = SIZES[size]
     m: dict[str, Any] = {}
+    took: dict[str, float] = {}  # seconds per phase: what a calibration's time went to
+    clock = time.perf_counter()
+
+    def lap(phase: str) -> None:
+        nonlocal clock
+        took[phase], clock = time.perf_counter() - clock, time.perf_counter()
+
     m.update(measure_copy(backend, device, s["copy_bytes"], budget_s))
     m["gemm_flops"] = measure_gemm(backend, device, s["gemm"], budget_s)
     m["dlrm_mlp"] = measure_dlrm_mlp(backend, device, budget_s=budget_s, **DLRM_MLP[size])
+    lap("device")
     fields = spec_fields(backend, m)
     spec = backend.device_spec().replace(**{k: v for k, v in fields.items() if k != "name"})
     m["embedding"] = measure_embedding(backend, device, spec, EMB_POINTS[size], budget_s)
+    lap("embedding")
     if world > 1:
         m["collectives"] = measure_collectives(device, s["comm_bytes"], backend, budget_s, world)
+        lap("collectives")
         fields.update(link_fields(m["collectives"]))
         # The trainer's framework costs: what the figures measured so far leave unexplained in real steps.
         profiles = {n: KernelProfile(**e["profile"]) for n, e in m["embedding"].items() if "profile" in e}
         spec = backend.device_spec().replace(**{k: v for k, v in fields.items() if k != "name"})
         m["step"] = measure_step_costs(backend, Hardware(spec, profiles), world, budget_s, fit_nonnegative,
-                                       bind_cores)
+                                       bind_cores, QUICK_POINTS if size == "quick" else None)
         fields.update(m["step"]["fields"])
+        lap("step")
+    m["phase_s"] = took
     m["threads"] = torch.get_num_threads()
     m["bind_cores"] = bind_cores
     choice = getattr(backend, "bind_choice", None)
@@ -462,7 +479,13 @@ def main(argv: list[str] | None = None) -> int:
         kernels = backend.select_kernels()
         m = calibrate(backend, device, world, opts["size"], budget_s, bind_cores)
         m["seconds"] = time.perf_counter() - start
-        if rank == 0:
+        key = local_key(backend) if opts["cache"] == "true" else None  # collective: every rank
+        if rank == 0 and key is not None:
+            entry = write_entry(cache_dir() / key.file_name(), key, hardware_yaml(backend, m),
+                                f"# Calibration measured by anyrec.calibrate ({backend.describe()}, {world} "
+                                f"ranks, size={opts['size']}); a cache entry used by hardware=auto.\n")
+            print(f"wrote the cache entry for this machine: {entry}", flush=True)
+        if rank == 0 and opts["output"]:
             out = Path(opts["output"])
             header = (f"# Hardware spec measured by anyrec.calibrate ({backend.describe()}, kernels "
                       f"{kernels}) on {time.strftime('%Y-%m-%d', time.gmtime())}.\n"

@@ -99,6 +99,11 @@ POINTS = [
     StepPoint(24, 16, 32, 1, ("data_parallel",)),
 ]
 
+# The quick calibration's subset: each term still varies against the first point (features and
+# interaction entries by 24 tables at two batches, samples, dense tensors, ids, pooled values,
+# sharding groups, replicas), one point each; trainers dominate its time.
+QUICK_POINTS = [POINTS[i] for i in (0, 1, 2, 3, 4, 5, 7, 10, 11, 12)]
+
 
 def _overrides(p: StepPoint, backend: str, steps: int, bind_cores: bool) -> list[str]:
     rows = ",".join([str(ROWS)] * p.tables)
@@ -130,7 +135,8 @@ def _train_point(p: StepPoint, backend: Backend, hardware: Hardware, world: int,
     model = build_model(cfg.model, meta, ebc_device=meta)
     ebc = model.sparse_arch
     opt = cfg.optim.name
-    tables, dense_params, options = planner_inputs(model, ebc, cfg.model, cfg.planner, opt, embedding)
+    tables, dense_params, options = planner_inputs(model, ebc, cfg.model, cfg.planner, opt, embedding,
+                                                   backend.device_type)
     workload = make_workload(tables, p.batch, opt, dense_params, **options)
     topology = Topology(hardware.spec, world, world, backend.device_type)
     predicted = evaluate_assignment(_assignment(p, world), topology, workload)
@@ -152,27 +158,29 @@ def _train_point(p: StepPoint, backend: Backend, hardware: Hardware, world: int,
 
 
 def measure_step_costs(backend: Backend, hardware: Hardware, world: int, budget_s: float, fit: Any,
-                       bind_cores: bool = True) -> dict[str, Any]:
+                       bind_cores: bool = True, points: list[StepPoint] | None = None) -> dict[str, Any]:
     """Train every point on the `world` ranks (the process group must be up; the trainers bind cores
-    as `bind_cores` says), fit the framework terms with `fit` (anyrec.calibrate.fit_nonnegative) on what the
-    planner's figures in `hardware` (spec and measured embedding profiles) leave unexplained."""
+    as `bind_cores` says), fit the framework terms with `fit` (anyrec.calibrate.fit_nonnegative) on what
+    the planner's figures in `hardware` (spec and measured embedding profiles) leave unexplained.
+    `points` defaults to POINTS (QUICK_POINTS: the calibration on first contact)."""
+    points = points or POINTS
     # Five passes (median): with three, one noisy pass of the pooling points swung the per-id term
     # between 0 and 1.8e-7 s between two calibrations of this 2-core host.
     steps, passes = (40, 5) if budget_s >= 0.1 else (10, 1)
     if passes > 1:
         # The first trainer in a process pays lazy set-up.
-        _train_point(POINTS[0], backend, hardware, world, steps, bind_cores)
-    times: list[list[float]] = [[] for _ in POINTS]
-    model = [0.0] * len(POINTS)
+        _train_point(points[0], backend, hardware, world, steps, bind_cores)
+    times: list[list[float]] = [[] for _ in points]
+    model = [0.0] * len(points)
     for k in range(passes):  # alternate the order: a shared host's load drifts
-        for i in (range(len(POINTS)) if k % 2 == 0 else reversed(range(len(POINTS)))):
-            m, model[i] = _train_point(POINTS[i], backend, hardware, world, steps, bind_cores)
+        for i in (range(len(points)) if k % 2 == 0 else reversed(range(len(points)))):
+            m, model[i] = _train_point(points[i], backend, hardware, world, steps, bind_cores)
             times[i].append(m)
     measured = [sorted(t)[len(t) // 2] for t in times]
-    for p, m, pred in zip(POINTS, measured, model, strict=True):
+    for p, m, pred in zip(points, measured, model, strict=True):
         logger.info("step point %s: %.2f ms measured (median of %d), %.2f ms from bytes and FLOPs",
                     p.name, m * 1e3, passes, pred * 1e3)
-    rows = [p.terms() for p in POINTS]
+    rows = [p.terms() for p in points]
     coeffs = fit(rows, [m - pred for m, pred in zip(measured, model, strict=True)], scale=measured)
     fields = dict(zip(FIELDS, coeffs, strict=True))
     fitted = [pred + sum(c * x for c, x in zip(coeffs, r, strict=True))
@@ -183,6 +191,6 @@ def measure_step_costs(backend: Backend, hardware: Hardware, world: int, budget_
         "passes": passes,
         "points": [{"name": p.name, "tables": p.tables, "dim": p.dim, "batch": p.batch, "pooling": p.pooling,
                     "shardings": list(p.shardings), "measured_s": m, "model_s": pred, "fit_s": f}
-                   for p, m, pred, f in zip(POINTS, measured, model, fitted, strict=True)],
+                   for p, m, pred, f in zip(points, measured, model, fitted, strict=True)],
         "fit_max_rel_error": max(abs(f - m) / m for m, f in zip(measured, fitted, strict=True)),
     }

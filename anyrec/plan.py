@@ -20,6 +20,7 @@ from anyrec import _hydra
 from anyrec.backends import Hardware, get_backend, resolve_hardware, rewrite_hardware_argv
 from anyrec.backends.dispatch import FBGEMM_EMBEDDING, get_impl
 from anyrec.backends.hardware import figure_sources
+from anyrec.calcache import find_for_device
 from anyrec.config import AnyrecConfig, check_values, config_dir
 from anyrec.io_checks import writable_file
 from anyrec.models.dlrm import build_model
@@ -44,7 +45,11 @@ def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print,
     writable_file(cfg.plan.output, "plan.output")
     writable_file(cfg.plan.plot, "plan.plot")
     backend = get_backend(cfg.backend.name) if cfg.hardware.sku == "auto" else None
-    hardware = resolve_hardware(cfg.hardware.sku, cfg.hardware.spec, backend, cfg.hardware.measurements)
+    local_ranks = cfg.topology.local_world_size or cfg.topology.world_size
+    cached = find_for_device(backend, local_ranks) if backend is not None and not cfg.hardware.measurements \
+        and cfg.trainer.calibrate != "never" else None
+    sku = str(cached.path) if cached is not None else cfg.hardware.sku
+    hardware = resolve_hardware(sku, cfg.hardware.spec, backend, cfg.hardware.measurements)
     compare = resolve_hardware(cfg.plan.compare) if cfg.plan.compare else None
     if cfg.topology.world_size < 1:
         raise ValueError(f"topology.world_size must be >= 1, got {cfg.topology.world_size}")
@@ -61,11 +66,17 @@ def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print,
     result = plan_on(hardware)
     print_fn(format_report(result))
     print_fn("figures: " + "\n         ".join(figure_sources(hardware, hardware.embedding_cost(impl))))
+    if cached is not None:
+        print_fn(f"         this machine's cached calibration ({local_ranks} local rank(s)): {cached.path}")
+    elif backend is not None:
+        print_fn(f"         no calibration cached for this machine at {local_ranks} local rank(s): the "
+                 f"{backend.name} backend's datasheet figures (a hardware=auto training job measures one)")
     other = _compare(plan_on, compare, print_fn) if compare is not None else None
     if other is not None:
         print_fn(f"\ncompare: {hardware.spec.name} vs {compare.spec.name}, {cfg.topology.world_size} "
                  f"device(s) each")
         print_fn(format_compare(result, other))
+        print_fn(f"compare figures: {figure_sources(compare, compare.embedding_cost(impl))[0]}")
     if cfg.plan.output:
         data = plan_json(result)
         if other is not None:

@@ -17,6 +17,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from anyrec.backends import get_backend
 
 ROOT = Path(__file__).resolve().parent.parent
+# Jobs the tests launch plan with the datasheet figures and never write into the user's cache; the
+# tests of calibration on first contact ask for it (trainer.calibrate=auto) with a cache of their own.
+os.environ.setdefault("ANYREC_CALIBRATE", "never")
+os.environ.setdefault("ANYREC_CACHE_DIR",
+                      str(Path(os.environ.get("TMPDIR", "/tmp")) / f"anyrec-test-cache-{os.getpid()}"))
 
 
 def pytest_configure(config):

@@ -6,6 +6,7 @@ import os
 import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -169,4 +170,57 @@ def test_calibrated_yaml_as_group_option_plans_like_the_path(tmp_path):
     # The figures line says what was measured, not "all from the SKU table".
     figures = group_text[group_text.index("figures:"):]
     assert "embedding fbgemm profile: measured" in figures, figures
-    assert "all device figures from the SKU table" not in figures
+    assert "all device figures from the SKU table (datasheet)" not in figures
+
+
+def test_the_planner_never_proposes_what_the_trainer_refuses():
+    """FBGEMM's CPU TBE has no fused Adam: on a CPU the planner replicates every table (which the
+    trainer accepts), on a GPU it shards as usual; both read the Impl record's answer."""
+    from types import SimpleNamespace
+
+    from anyrec.backends.dispatch import FBGEMM_EMBEDDING
+    from anyrec.config import OptimConfig
+    from anyrec.trainer.optim import check_embedding_optimizer
+
+    cpu, _ = _plan(["hardware=cpu", "optim=adam"])
+    kinds = {o.sharding.value for o in cpu.tables.values()}
+    assert kinds == {"data_parallel"}
+    plan = SimpleNamespace(plan={"ebc": {n: SimpleNamespace(sharding_type=o.sharding.value)
+                                         for n, o in cpu.tables.items()}})
+    check_embedding_optimizer(OptimConfig(name="adam"), FBGEMM_EMBEDDING, "cpu", plan)  # accepted
+    gpu, _ = _plan(["hardware=h100", "optim=adam"])
+    assert {o.sharding.value for o in gpu.tables.values()} - {"data_parallel"}
+    adagrad, _ = _plan(["hardware=cpu", "optim=adagrad"])
+    assert {o.sharding.value for o in adagrad.tables.values()} - {"data_parallel"}
+    with pytest.raises(ValueError, match="planner.sharding=table_wise with optim=adam: the fbgemm embedding "
+                                         "implementation has no fused adam on the CPU"):
+        _plan(["hardware=cpu", "optim=adam", "planner.sharding=table_wise"])
+
+
+def test_plan_uses_this_machines_cached_calibration_and_says_so(tmp_path, monkeypatch):
+    """hardware=auto: the cached calibration for the local device at the planned local ranks, named;
+    without one (or for another SKU) the figures are said to be the datasheet's."""
+    import dataclasses
+
+    import yaml
+
+    from anyrec import calcache
+    from anyrec.backends import get_backend
+
+    monkeypatch.setenv(calcache.CACHE_DIR_ENV, str(tmp_path))
+    args = ["hardware=auto", "backend=cpu", "topology.world_size=2", "plan.compare=h100"]
+    datasheet, text = _plan(args)
+    assert "no calibration cached for this machine at 2 local rank(s)" in text and "datasheet" in text
+    assert "compare figures: all device figures from the SKU table (datasheet)" in text
+    key = dataclasses.replace(calcache.local_key(get_backend("cpu")), local_world_size=2,
+                              cores_per_rank=((0,), (1,)))
+    data = yaml.safe_load((Path(__file__).parent / "data" / "calibration_cpu_2rank.yaml").read_text())
+    path = calcache.write_entry(tmp_path / key.file_name(), key, data)
+    cached, text = _plan(args)
+    assert f"this machine's cached calibration (2 local rank(s)): {path}" in text
+    assert f"measured ({path})" in text
+    assert cached.predicted_step_s > 2 * datasheet.predicted_step_s  # the measured framework costs
+    _, text = _plan(args + ["topology.local_world_size=1"])  # another shape: not this calibration
+    assert "no calibration cached for this machine at 1 local rank(s)" in text
+    _, text = _plan(args + ["trainer.calibrate=never"])
+    assert "cached calibration" not in text

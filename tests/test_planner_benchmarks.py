@@ -130,3 +130,22 @@ def test_accuracy_table_flags_rows_a_drifting_host_measured():
     assert lines[-1].startswith("noisy host: runs of one plan differ by more than 30% in drifted "
                                 "(cal runs 10.00-15.00 ms);")
     assert "noisy host" not in mod.table([row("quiet", [10.0, 11.0, 12.0])])
+
+
+def test_held_out_workloads_are_valid_jobs_unlike_the_six():
+    """The held-out set composes as training jobs and spans what the six do not: other table counts,
+    DCN and dot, one-hot and multi-hot, 1 and 2 ranks, batches of their own."""
+    from .conftest import compose_config
+
+    mod = _load("planner_accuracy")
+    assert len(mod.HELD_OUT) >= 6 and not set(mod.HELD_OUT) & set(mod.WORKLOADS)
+    seen = {"interaction": set(), "ranks": set(), "multi_hot": set(), "tables": set(), "batch": set()}
+    for overrides in mod.HELD_OUT.values():
+        cfg = compose_config(mod._expand([o for o in overrides if not o.startswith("ranks=")]))[1]
+        seen["interaction"].add(str(cfg.model.interaction))
+        seen["ranks"].add(next((o for o in overrides if o.startswith("ranks=")), "ranks=2"))
+        seen["multi_hot"].add(bool(cfg.model.multi_hot))
+        seen["tables"].add(len(cfg.model.table_rows))
+        seen["batch"].add(cfg.data.batch_size)
+    assert seen["interaction"] == {"dot", "dcn"} and seen["ranks"] == {"ranks=1", "ranks=2"}
+    assert seen["multi_hot"] == {True, False} and len(seen["tables"]) >= 5 and len(seen["batch"]) >= 4

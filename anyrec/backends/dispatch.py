@@ -170,6 +170,14 @@ class Impl:
             raise ValueError(f"{self.op} implementation {self.name!r} keeps no embedding optimizer state")
         return _state_bytes_per_row(self.state_bytes_per_row, optimizer, dim)
 
+    def fused_update_reason(self, optimizer: str, device_type: str) -> str | None:
+        """Why this embedding implementation cannot shard tables trained by `optimizer` on a
+        `device_type` device (its fused update has no such rule there), or None. The planner offers
+        such tables only replication, and the trainer refuses a plan that shards them, by this answer."""
+        if device_type == "cpu" and self.cpu_optimizers is not None and optimizer not in self.cpu_optimizers:
+            return f"the {self.name} embedding implementation has no fused {optimizer} on the CPU"
+        return None
+
     def compute_kernel(self, placement: str = "hbm") -> str:
         """The torchrec compute kernel that runs this implementation with tables in `placement`."""
         if placement not in self.compute_kernels:

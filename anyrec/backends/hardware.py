@@ -279,7 +279,8 @@ def figure_sources(hardware: Hardware, cost: EmbeddingCost) -> list[str]:
         lines.append(f"measured ({hardware.measured_by}): {', '.join(done) or 'no device figure'}")
         lines.append(f"from the base spec ({hardware.spec.source or hardware.spec.name}): {', '.join(rest)}")
     else:
-        lines.append(f"all device figures from the SKU table: {hardware.spec.source or hardware.spec.name}")
+        lines.append(f"all device figures from the SKU table (datasheet): "
+                     f"{hardware.spec.source or hardware.spec.name}")
     profiles = [("embedding", cost.name, cost.profile)]
     if cost.name != TORCH_EMBEDDING.name:
         profiles.append(("data-parallel tables'", TORCH_EMBEDDING.name, cost.dense_profile))

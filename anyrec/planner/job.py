@@ -54,16 +54,24 @@ def dense_tensor_count(model: nn.Module, ebc: nn.Module) -> int:
     return len(_dense_parameters(model, ebc))
 
 
-def plan_options(cfg: PlannerConfig, embedding: EmbeddingCost, optimizer: str) -> dict[str, object]:
+def plan_options(cfg: PlannerConfig, embedding: EmbeddingCost, optimizer: str,
+                 device_type: str | None = None) -> dict[str, object]:
     """PlanOptions fields from the `planner` config group, for the embedding implementation (and its
-    profiles on the hardware) `embedding`.
+    profiles on the hardware) `embedding` on a `device_type` device ("cpu", "cuda"; None: any).
 
-    Only what the implementation can run (its Impl record) is offered to the search; a forced
-    `planner.sharding` it cannot run, or that would change `optimizer`'s update, is a ValueError.
+    Only what the implementation can run (its Impl record) is offered to the search: no sharded
+    tables where its fused update lacks `optimizer` on the device (the trainer refuses those by the
+    same record). A forced `planner.sharding` it cannot run, or that would change `optimizer`'s
+    update, is a ValueError.
     """
     impl = embedding.impl
     placements = tuple(p for p in Placement if p.value in impl.compute_kernels)
     shardings = tuple(s for s in ShardingType if s != ShardingType.DATA_PARALLEL or impl.data_parallel)
+    no_fused = impl.fused_update_reason(optimizer, device_type) if device_type else None
+    if no_fused is not None:
+        shardings = tuple(s for s in shardings if s == ShardingType.DATA_PARALLEL)
+        if not shardings:
+            raise ValueError(f"optim={optimizer}: {no_fused} and cannot replicate tables")
     opts: dict[str, object] = {
         "embedding": embedding,
         "uvm_cache_ratio": cfg.uvm_cache_ratio,
@@ -75,6 +83,8 @@ def plan_options(cfg: PlannerConfig, embedding: EmbeddingCost, optimizer: str) -
         valid = [s.value for s in ShardingType]
         if cfg.sharding not in valid:
             raise ValueError(f"planner.sharding={cfg.sharding!r} is not one of auto, {', '.join(valid)}")
+        if no_fused is not None and cfg.sharding != ShardingType.DATA_PARALLEL:
+            raise ValueError(f"planner.sharding={cfg.sharding} with optim={optimizer}: {no_fused}")
         if ShardingType(cfg.sharding) not in shardings:
             raise ValueError(f"planner.sharding={cfg.sharding} cannot run with "
                              f"backend.embedding_kernel={impl.name}")
@@ -86,11 +96,12 @@ def plan_options(cfg: PlannerConfig, embedding: EmbeddingCost, optimizer: str) -
 
 
 def planner_inputs(model: nn.Module, ebc: nn.Module, cfg_model: ModelConfig, cfg_planner: PlannerConfig,
-                   optimizer: str, embedding: EmbeddingCost
+                   optimizer: str, embedding: EmbeddingCost, device_type: str | None = None
                    ) -> tuple[list[TableSpec], int, dict[str, object]]:
     """What the planner needs of `model` (EmbeddingBagCollection `ebc`): its tables, its dense
-    parameter count and the PlanOptions fields (the `planner` config group's and the model's)."""
-    options = plan_options(cfg_planner, embedding, optimizer)
+    parameter count and the PlanOptions fields (the `planner` config group's and the model's) for a
+    `device_type` device."""
+    options = plan_options(cfg_planner, embedding, optimizer, device_type)
     options.update(interaction_pairs=interaction_pairs(cfg_model),
                    dense_tensors=dense_tensor_count(model, ebc))
     return model_tables(ebc.embedding_bag_configs(), cfg_model), dense_param_count(model, ebc), options
@@ -100,7 +111,8 @@ def plan_model(model: nn.Module, ebc: nn.Module, cfg_model: ModelConfig, cfg_pla
                optimizer: str, topology: Topology, batch_size_per_rank: int, embedding: EmbeddingCost,
                planner: CoDesignPlanner | None = None) -> PlanResult:
     """Plan the tables of `model`'s EmbeddingBagCollection `ebc` on `topology` with the co-design planner."""
-    tables, dense_params, options = planner_inputs(model, ebc, cfg_model, cfg_planner, optimizer, embedding)
+    tables, dense_params, options = planner_inputs(model, ebc, cfg_model, cfg_planner, optimizer, embedding,
+                                                   topology.compute_device)
     return (planner or CoDesignPlanner()).plan(tables, topology, batch_size_per_rank, optimizer, dense_params,
                                                **options)
 

@@ -65,18 +65,17 @@ def check_embedding_optimizer(cfg: OptimConfig, embedding: Impl, device_type: st
     """An embedding implementation without a fused kernel for `cfg.name` on this device (FBGEMM's CPU
     TBE has no Adam): one line, unless the plan replicates every table (those train with anyrec's
     replicated-table optimizer). `plan` is torchrec's ShardingPlan."""
-    supported = embedding.cpu_optimizers
-    if device_type != "cpu" or supported is None or cfg.name in supported:
+    reason = embedding.fused_update_reason(cfg.name, device_type)
+    if reason is None:
         return
     fused = sorted({ps.sharding_type for module in plan.plan.values() for ps in module.values()}
                    - {"data_parallel"})
     if fused:
         able = ", ".join(i.name for i in implementations("embedding")
-                         if i.cpu_optimizers is None or cfg.name in i.cpu_optimizers)
-        raise ValueError(f"optim={cfg.name}: the {embedding.name} embedding implementation has no fused "
-                         f"{cfg.name} on the CPU (the plan shards tables as {', '.join(fused)}); use "
+                         if i.fused_update_reason(cfg.name, device_type) is None)
+        raise ValueError(f"optim={cfg.name}: {reason} (the plan shards tables as {', '.join(fused)}); use "
                          f"backend.embedding_kernel= one of {able}, planner.sharding=data_parallel, or "
-                         f"optim= one of {', '.join(supported)}")
+                         f"optim= one of {', '.join(embedding.cpu_optimizers or ())}")
 
 
 def apply_embedding_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> None:

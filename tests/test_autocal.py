@@ -1,0 +1,73 @@
+"""Calibration on first contact (anyrec.autocal): a hardware=auto training job measures this machine
+once, caches it, plans with it, and reuses it; a damaged cache file is named and measured again."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from anyrec import calcache
+from anyrec.config import AnyrecConfig, Calibrate
+
+from .conftest import compose_config, last_json_line, torchrun
+
+
+def _lines(proc, text: str) -> list[str]:
+    return [line for line in (proc.stdout + proc.stderr).splitlines() if text in line]
+
+
+def _train(tmp_path, run: str):
+    env = {"ANYREC_CACHE_DIR": str(tmp_path / "cache"), "ANYREC_CALIBRATE": "auto"}
+    args = ["-m", "anyrec.train", "model=dlrm_tiny", "trainer.steps=30", "trainer.eval_steps=0",
+            "trainer.progress=false", "trainer.tensorboard=false", f"hydra.run.dir={tmp_path / run}"]
+    proc = torchrun(args, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def _entry(tmp_path):
+    (path,) = (tmp_path / "cache").glob("*.yaml")
+    key = calcache.CacheKey.from_dict(yaml.safe_load(path.read_text())["cache"]["key"])
+    return path, calcache.read_entry(path, key)
+
+
+@pytest.mark.integration
+def test_first_contact_measures_caches_and_then_reuses(tmp_path):
+    first = _train(tmp_path, "a")
+    (line,) = _lines(first, "calibration:")
+    assert "cache miss, measured in" in line
+    path, hardware = _entry(tmp_path)
+    assert str(path) in line and hardware.spec.step_fixed_s > 0 and "fbgemm" in hardware.profiles
+    assert key_world(path) == 2
+    # the plan was costed with the measured figures: the framework cost alone exceeds the datasheet's
+    assert last_json_line(first.stdout)["predicted_step_ms"] > hardware.spec.step_fixed_s * 1e3
+    stamp = path.stat().st_mtime_ns
+    second = _train(tmp_path, "b")
+    (line,) = _lines(second, "calibration:")
+    assert f"cache hit, planning with {path}" in line and path.stat().st_mtime_ns == stamp
+    # Cut short: named in one warning line, measured again, replaced by a whole file.
+    path.write_text(path.read_text()[:2000])
+    third = _train(tmp_path, "c")
+    (warning,) = _lines(third, "not used")
+    assert str(path) in warning and "measuring again" in warning
+    assert "cache miss" in _lines(third, "calibration:")[0]
+    assert _entry(tmp_path)[1].spec.step_fixed_s > 0
+
+
+def key_world(path) -> int:
+    return yaml.safe_load(path.read_text())["cache"]["key"]["local_world_size"]
+
+
+def test_which_jobs_calibrate():
+    from anyrec.autocal import wants_calibration
+
+    def cfg(*overrides: str) -> AnyrecConfig:
+        return compose_config(["trainer.calibrate=auto", *overrides])[1]
+
+    assert wants_calibration(cfg())
+    assert cfg().trainer.calibrate == Calibrate.auto
+    assert not wants_calibration(cfg("hardware=h200"))
+    assert not wants_calibration(cfg("hardware.sku=/some/cal.yaml"))
+    assert not wants_calibration(cfg("planner=simple"))
+    assert not wants_calibration(cfg("trainer.calibrate=never"))
+    assert wants_calibration(cfg("trainer.calibrate=always"))
