@@ -90,7 +90,7 @@ class Topology:
     device: DeviceSpec
     world_size: int
     local_world_size: int | None = None
-    compute_device: str | None = None  # torch device type ("cuda", "cpu", a plugin's); default from the vendor
+    compute_device: str | None = None  # a torch device type ("cuda", "cpu", ...); default from vendor
     hbm_cap_bytes: int | None = None
     ddr_cap_bytes: int | None = None
 
@@ -104,7 +104,7 @@ class Topology:
         compute = self.compute_device or ("cpu" if self.device.vendor == "cpu" else "cuda")
         # Any torch device type: "cpu" keeps tables in host memory, every other is an accelerator.
         if not (compute.isidentifier() and compute.islower()):
-            raise ValueError(f"compute_device must be a torch device type ('cuda', 'cpu', ...), got {compute!r}")
+            raise ValueError(f"compute_device must be a torch device type (cuda, cpu, ...), got {compute!r}")
         object.__setattr__(self, "compute_device", compute)
 
     @property

@@ -6,8 +6,8 @@ import logging
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed import _remote_device
 from torch import nn
+from torch.distributed import _remote_device
 from torchrec.distributed.types import ModuleSharder, ShardingPlan
 
 from anyrec.backends import Backend, resolve_hardware
