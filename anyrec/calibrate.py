@@ -234,7 +234,7 @@ def predict_step_s(profile: KernelProfile, impl: Impl, spec: DeviceSpec, compute
 def measure_embedding(backend: Backend, device: torch.device, spec: DeviceSpec, points: list[tuple],
                       budget_s: float) -> dict[str, Any]:
     """Per registered embedding implementation: step seconds per point and the fitted profile."""
-    compute = "cpu" if device.type == "cpu" else "cuda"
+    compute = device.type  # the planner's compute device: cpu, or any accelerator's device type
     stamp = time.strftime("%Y-%m-%d", time.gmtime())
     out: dict[str, Any] = {}
     for impl in implementations("embedding"):

@@ -82,7 +82,8 @@ def host_view(t: torch.Tensor) -> torch.Tensor:
     if host is None:
         if storage.nbytes() == 0:
             return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype)
-        raise RuntimeError(f"simdev: tensor of shape {tuple(t.shape)} has device memory simdev did not allocate")
+        raise RuntimeError(f"simdev: a tensor of shape {tuple(t.shape)} has device memory simdev did "
+                           f"not allocate")
     return torch.empty(0, dtype=t.dtype).set_(host, t.storage_offset(), t.size(), t.stride())
 
 
@@ -131,18 +132,19 @@ def _kernel(op: torch._ops.OpOverload, *args, **kwargs):
         raise RuntimeError(f"simdev: no device simdev:{index} (each process has {DEVICE_COUNT})")
     cargs, ckwargs = tree_unflatten(cargs, spec)
     out = op(*cargs, **ckwargs)
-    for d, h in zip(devs, hosts):  # an op that resized or re-pointed a device tensor in place
-        if h.size() != d.size() or h.stride() != d.stride() or h.storage_offset() != d.storage_offset() \
-                or h.untyped_storage().data_ptr() != d.untyped_storage().data_ptr():
+    for d, h in zip(devs, hosts, strict=True):  # an op that resized or re-pointed a device tensor
+        if (h.size(), h.stride(), h.storage_offset(), h.untyped_storage().data_ptr()) != \
+                (d.size(), d.stride(), d.storage_offset(), d.untyped_storage().data_ptr()):
             st = by_ptr.get(h.untyped_storage().data_ptr()) if h.untyped_storage().nbytes() else None
             _set(d, st if st is not None else device_storage(h.untyped_storage(), index), h)
-    if name == "aten::_to_copy" and kwargs.get("device") is not None and torch.device(kwargs["device"]).type != NAME:
+    to = kwargs.get("device")
+    if name == "aten::_to_copy" and to is not None and torch.device(to).type != NAME:
         return out  # the copy's destination is another device
     oflat, ospec = tree_flatten(out)
     res = []
     for o in oflat:
         if isinstance(o, torch.Tensor) and o.device.type == "cpu":
-            same = next((d for d, h in zip(devs, hosts) if o is h), None)
+            same = next((d for d, h in zip(devs, hosts, strict=True) if o is h), None)
             if same is not None:
                 o = same
             else:
@@ -164,7 +166,7 @@ def _numbers_as_tensors(op: torch._ops.OpOverload, args: tuple, kwargs: dict) ->
             return torch.tensor(value)  # 0-dim: promotes like the number it was
         return value
 
-    args = tuple(fix(a, v) for a, v in zip(schema, args))
+    args = tuple(fix(a, v) for a, v in zip(schema[:len(args)], args, strict=True))
     by_name = {a.name: a for a in schema}
     return args, {k: fix(by_name[k], v) if k in by_name else v for k, v in kwargs.items()}
 

@@ -89,7 +89,8 @@ def get_device_name(device: int | str | torch.device | None = None) -> str:
 class Event:
     """A point in a stream; records the host clock when reached (work is synchronous)."""
 
-    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
+    def __init__(self, enable_timing: bool = False, blocking: bool = False,
+                 interprocess: bool = False) -> None:
         self.enable_timing = enable_timing
         self.t: float | None = None
 
@@ -108,14 +109,15 @@ class Event:
     def elapsed_time(self, end: Event) -> float:
         """Milliseconds between this event and `end` (both recorded, timing enabled)."""
         if not (self.enable_timing and end.enable_timing) or self.t is None or end.t is None:
-            raise RuntimeError("simdev: elapsed_time needs two recorded events created with enable_timing=True")
+            raise RuntimeError("simdev: elapsed_time needs two recorded events made with enable_timing=True")
         return (end.t - self.t) * 1e3
 
 
 class Stream:
     """An ordering token for device work (simdev runs work in issue order on the host)."""
 
-    def __init__(self, device: int | str | torch.device | None = None, priority: int = 0, **kwargs) -> None:
+    def __init__(self, device: int | str | torch.device | None = None, priority: int = 0,
+                 **kwargs) -> None:
         self.device = torch.device(NAME, _index(device))
         self.priority = priority
 
