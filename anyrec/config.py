@@ -140,8 +140,9 @@ class BackendConfig:
 class HardwareConfig:
     """The device the planner reasons about: `auto` (this one), a SKU name, or a YAML file.
 
-    Resolve with `anyrec.backends.resolve_hardware(sku, spec)`. A calibrated YAML has this same
-    shape, so it can also be a group option (`hardware=NAME` with its folder on Hydra's searchpath).
+    Resolve with `anyrec.backends.resolve_hardware(sku, spec, backend, measurements)`. A calibrated
+    YAML has this same shape, so it can also be a group option (`hardware=NAME` with its folder on
+    Hydra's searchpath); its measurements then arrive in `measurements`.
     """
 
     sku: str = "auto"  # auto | a SKU name | /path/to/hardware.yaml
