@@ -83,10 +83,9 @@ def _trained_dense_weights(tmp_path, monkeypatch, wrapper=None) -> tuple[list, d
     try:
         assert not trainer.unsharded
         batches = [trainer.train_data.batch(i) for i in range(3)]
-        for b in batches[:2]:
-            trainer.train_step(b)
+        trainer.run_steps(2, iter(batches[:2]))
         with HostReads() as reads:
-            trainer.train_step(batches[2])
+            trainer.run_steps(1, iter(batches[2:]))
         types = [type(m).__name__ for m in trainer.model.modules()]
         return types, {n: p.detach().clone() for n, p in trainer.model.named_parameters()
                        if "sparse_arch" not in n}, reads.reads
@@ -102,7 +101,7 @@ def test_world_size_one_trains_without_ddp_and_the_same_weights(tmp_path, monkey
     assert "DistributedDataParallel" not in types, types
     assert reads == ["_single_tensor_adagrad"] * len(weights), reads
     ddp_types, ddp_weights, ddp_reads = _trained_dense_weights(tmp_path / "b", monkeypatch,
-                                                               wrapper=lambda _: None)
+                                                               wrapper=lambda *_: None)
     assert "DistributedDataParallel" in ddp_types
     assert len(ddp_reads) == 2 * len(weights), ddp_reads
     assert len(weights) > 0 and weights.keys() == ddp_weights.keys()

@@ -81,8 +81,8 @@ def test_wrong_number_of_features_fails_clearly(tmp_path):
 
 def test_nan_input_batch_skipped_when_asked_with_validation_on(tmp_path):
     # trainer.skip_nonfinite means what it says with the input checks on (the default) too.
-    proc = torchrun([*BASE, "trainer.steps=8", "data.inject_nan_at_step=3", "trainer.skip_nonfinite=true",
-                     f"hydra.run.dir={tmp_path}"], cwd=tmp_path, timeout=180)
+    proc = torchrun([*faulty(BASE), "trainer.steps=8", "trainer.skip_nonfinite=true",
+                     f"hydra.run.dir={tmp_path}"], cwd=tmp_path, timeout=180, env={NAN_AT_STEP: "3"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = last_json_line(proc.stdout)
     assert s["steps"] == 8 and s["skipped_batches"] == 1
