@@ -65,8 +65,8 @@ class HostReads(TorchDispatchMode):
 
 def _trained_dense_weights(tmp_path, monkeypatch, wrapper=None) -> tuple[list, dict[str, torch.Tensor], list]:
     """Three steps of a one-rank sharded (fbgemm) trainer; `wrapper` replaces `dense_wrapper` if given.
-    Returns the type names of the model's modules, the dense weights afterwards and the host reads
-    of the third step."""
+    Returns the type names of the model's modules and its state_dict keys, the dense weights
+    afterwards and the host reads of the third step."""
     from anyrec.trainer import trainer as trainer_module
 
     monkeypatch.setenv("RANK", "0")
@@ -86,7 +86,7 @@ def _trained_dense_weights(tmp_path, monkeypatch, wrapper=None) -> tuple[list, d
         trainer.run_steps(2, iter(batches[:2]))
         with HostReads() as reads:
             trainer.run_steps(1, iter(batches[2:]))
-        types = [type(m).__name__ for m in trainer.model.modules()]
+        types = [type(m).__name__ for m in trainer.model.modules()] + list(trainer.model.state_dict())
         return types, {n: p.detach().clone() for n, p in trainer.model.named_parameters()
                        if "sparse_arch" not in n}, reads.reads
     finally:
@@ -103,6 +103,8 @@ def test_world_size_one_trains_without_ddp_and_the_same_weights(tmp_path, monkey
     ddp_types, ddp_weights, ddp_reads = _trained_dense_weights(tmp_path / "b", monkeypatch,
                                                                wrapper=lambda *_: None)
     assert "DistributedDataParallel" in ddp_types
+    # checkpoints keep their keys: DistributedModelParallel's state_dict drops DDP's wrapper either way
+    assert [k for k in types if "." in k] == [k for k in ddp_types if "." in k]
     assert len(ddp_reads) == 2 * len(weights), ddp_reads
     assert len(weights) > 0 and weights.keys() == ddp_weights.keys()
     for name, w in weights.items():
