@@ -26,6 +26,7 @@ from anyrec.config import (
     TrainerConfig,
     config_dir,
 )
+from anyrec.io_checks import writable_dir
 
 
 def _rank0_only(value: str) -> str | None:
@@ -137,18 +138,47 @@ def per_job_dir(path: str | None) -> str | None:
     return os.path.join(path, str(HydraConfig.get().job.num))
 
 
-def bad_override_value(overrides: list[str]) -> str | None:
-    """One line naming an override whose value the schema refuses (e.g. `trainer.steps=many`), else
-    None. Hydra says the same in several lines after composing; this composes first to say it in one.
-
-    Only plain overrides are checked: Hydra's own flags and `hydra.*` settings are left to Hydra.
-    """
-    if any(o.startswith("-") or o.lstrip("+~").startswith("hydra") for o in overrides):
+def _missing(cfg: DictConfig) -> str | None:
+    """One line for the first mandatory value (`???`) a composed config leaves unset, else None."""
+    job = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])  # Hydra's own leaves some unset
+    missing = sorted(OmegaConf.missing_keys(job))
+    if not missing:
         return None
+    more = f" (and {', '.join(missing[1:4])})" if len(missing) > 1 else ""
+    return f"{missing[0]}: a value is required{more}; set it on the command line, e.g. {missing[0]}=..."
+
+
+def _output_dir(cfg: DictConfig, multirun: bool) -> str | None:
+    """One line when the folder Hydra will write its outputs to (hydra.run.dir, or hydra.sweep.dir
+    under --multirun) cannot be written, e.g. a read-only working directory; else None."""
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    try:
+        path = OmegaConf.select(cfg, key, throw_on_resolution_failure=True)
+    except Exception:  # noqa: BLE001 - an interpolation only a running app resolves: Hydra checks it
+        return None
+    try:
+        writable_dir(path, f"{key}: Hydra's output folder")
+    except ValueError as e:
+        return f"{e}; run from a writable folder or set {key}=<a writable folder>"
+    return None
+
+
+def cli_problem(overrides: list[str]) -> str | None:
+    """One line naming what stops an entry point before it starts, else None: an override whose value
+    the schema refuses (e.g. `trainer.steps=many`), a mandatory value left unset (`model.name=???`) or
+    an output folder Hydra cannot create (a read-only working directory). Hydra and omegaconf say
+    these in several lines or a traceback, after composing; this composes first to say them in one.
+
+    Hydra's informational flags (--help, --cfg, ...) are left to Hydra.
+    """
+    multirun = any(o in ("-m", "--multirun") for o in overrides)
+    if any(o.startswith("-") and o not in ("-m", "--multirun") for o in overrides):
+        return None
+    overrides = [o for o in overrides if not o.startswith("-")]
     setup()  # the schema must be registered for the values to be checked
     try:
         with initialize_config_dir(str(config_dir()), version_base="1.3"):
-            compose("config", overrides)
+            cfg = compose("config", overrides, return_hydra_config=True)
     except ConfigCompositionException as e:
         cause = e.__cause__
         if isinstance(cause, ValidationError):
@@ -156,7 +186,9 @@ def bad_override_value(overrides: list[str]) -> str | None:
         return None
     except ValidationError as e:
         return f"{e.full_key}: {str(e.msg).splitlines()[0]}"
-    return None
+    except Exception:  # noqa: BLE001 - anything else (a sweep's syntax, a launcher plugin): Hydra says it
+        return None
+    return _missing(cfg) or _output_dir(cfg, multirun)
 
 
 def compose_job(overrides: list[str]) -> AnyrecConfig:
@@ -166,4 +198,8 @@ def compose_job(overrides: list[str]) -> AnyrecConfig:
     if GlobalHydra.instance().is_initialized():  # inside an entry point's app (its config dir is ours)
         return to_object(compose("config", overrides=overrides))
     with initialize_config_dir(str(config_dir()), version_base="1.3"):
-        return to_object(compose("config", overrides=overrides))
+        cfg = compose("config", overrides=overrides)
+    problem = _missing(cfg)
+    if problem:
+        raise ValueError(problem)
+    return to_object(cfg)

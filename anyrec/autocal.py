@@ -23,7 +23,7 @@ from anyrec.calcache import Lookup, cache_dir, local_key, lookup, write_entry
 from anyrec.calibrate import calibrate, hardware_yaml
 from anyrec.config import AnyrecConfig
 from anyrec.io_checks import atomic_write
-from anyrec.trainer.distributed import init_distributed
+from anyrec.trainer.distributed import DistInfo, init_distributed
 
 logger = logging.getLogger("anyrec.autocal")
 
@@ -34,8 +34,8 @@ def wants_calibration(cfg: AnyrecConfig) -> bool:
             and cfg.trainer.calibrate != "never")
 
 
-def _broadcast(value: object) -> object:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def _broadcast(value: object, info: DistInfo) -> object:
+    if info.world_size == 1:
         return value
     box = [value]
     dist.broadcast_object_list(box, src=0)
@@ -48,13 +48,15 @@ def calibrated_hardware(cfg: AnyrecConfig) -> str:
     Collective: every rank calls it (it joins the process group and binds cores as the trainer does).
     """
     backend = get_backend(cfg.backend.name)
-    info = init_distributed(backend, cfg.trainer.collective_timeout_s)
-    backend.bind_local_rank(info.local_rank, info.local_world_size, cfg.backend.bind_cores)
-    key = local_key(backend)
+    info = init_distributed(backend, cfg.trainer.collective_timeout_s, cfg.trainer.peer_timeout_s)
+    # what the binding rule chose (backend.bind_cores=auto looks at the cores' load): the step points'
+    # trainers and the cache key follow it
+    bound = backend.bind_local_rank(info.local_rank, info.local_world_size, cfg.backend.bind_cores)
+    key = local_key(backend, info)
     found = None
     if info.is_main:
         found = Lookup(cache_dir() / key.file_name()) if cfg.trainer.calibrate == "always" else lookup(key)
-    path, hit, problem = _broadcast((str(found.path), found.hit, found.problem) if found else None)
+    path, hit, problem = _broadcast((str(found.path), found.hit, found.problem) if found else None, info)
     if hit:
         if info.is_main:
             logger.info("calibration: cache hit, planning with %s", path)
@@ -66,8 +68,8 @@ def calibrated_hardware(cfg: AnyrecConfig) -> str:
     level = quiet.level
     quiet.setLevel(logging.WARNING)  # the point-by-point log is the thorough calibration's
     try:
-        m = calibrate(backend, backend.device(info.local_rank), "quick", cfg.trainer.calibrate_budget_s,
-                      cfg.backend.bind_cores)
+        m = calibrate(backend, backend.device(info.local_rank), info.world_size, "quick",
+                      cfg.trainer.calibrate_budget_s, bound is not None)
     finally:
         quiet.setLevel(level)
     text = None
@@ -77,7 +79,7 @@ def calibrated_hardware(cfg: AnyrecConfig) -> str:
                   f"# used by hardware=auto on this machine and software (`cache:` below).\n")
         write_entry(Path(path), key, hardware_yaml(backend, m), header)
         text = Path(path).read_text()
-    text = _broadcast(text)
+    text = _broadcast(text, info)
     if info.host != 0 and info.local_rank == 0:  # the other hosts' ranks read the same file
         with atomic_write(path) as f:
             f.write(text)

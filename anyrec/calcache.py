@@ -23,11 +23,14 @@ import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyrec
 from anyrec.backends import Backend, Hardware, load_hardware_file
 from anyrec.io_checks import atomic_write
+
+if TYPE_CHECKING:
+    from anyrec.trainer.distributed import DistInfo
 
 CACHE_DIR_ENV = "ANYREC_CACHE_DIR"
 # Distribution names per package (the first installed one counts): FBGEMM ships CPU and GPU wheels.
@@ -178,18 +181,17 @@ def write_entry(path: Path, key: CacheKey, data: dict[str, Any], header: str = "
     return path
 
 
-def local_key(backend: Backend) -> CacheKey:
+def local_key(backend: Backend, info: DistInfo) -> CacheKey:
     """This host's key, agreed by its ranks: each rank's bound cores and threads are gathered (a
-    collective when a process group is up: every rank calls it). Call after the ranks are bound."""
+    collective over `info`'s ranks: every rank calls it). Call after the ranks are bound."""
     import torch
     import torch.distributed as dist
 
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    mine = (int(os.environ.get("GROUP_RANK", "0")), int(os.environ.get("LOCAL_RANK", "0")), cores,
-            torch.get_num_threads())
+    mine = (info.host, info.local_rank, cores, torch.get_num_threads())
     everyone = [mine]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        everyone = [None] * dist.get_world_size()
+    if info.world_size > 1:
+        everyone = [None] * info.world_size
         dist.all_gather_object(everyone, mine)
     local = sorted((r for r in everyone if r[0] == mine[0]), key=lambda r: r[1])
     facts, spec = backend.facts, backend.device_spec()
@@ -197,12 +199,14 @@ def local_key(backend: Backend) -> CacheKey:
     return make_key(backend.name, name, facts.device_count, [r[2] for r in local], max(r[3] for r in local))
 
 
-def find_for_device(backend: Backend, local_world_size: int, directory: Path | None = None) -> Lookup | None:
+def find_for_device(backend: Backend, one_process: DistInfo, local_world_size: int,
+                    directory: Path | None = None) -> Lookup | None:
     """The newest usable entry for this device and software at `local_world_size` ranks per host,
-    whatever cores its ranks were bound to (for `anyrec-plan`, which runs no ranks); None if none."""
+    whatever cores its ranks were bound to (for `anyrec-plan`, which runs no ranks: `one_process`
+    describes it); None if none."""
     import yaml
 
-    want = dataclasses.replace(local_key(backend), local_world_size=local_world_size)
+    want = dataclasses.replace(local_key(backend, one_process), local_world_size=local_world_size)
     same = ("backend", "device_name", "devices_per_host", "local_world_size", "versions")
     paths = sorted((directory or cache_dir()).glob(f"{want.file_prefix()}*.yaml"),
                    key=lambda p: p.stat().st_mtime, reverse=True)

@@ -43,10 +43,11 @@ from anyrec.io_checks import atomic_write, writable_file
 from anyrec.kernels.optimizers import OptimizerConfig
 from anyrec.planner.estimators import lookup_time_s
 from anyrec.planner.types import Placement, TableSpec, Topology
+from anyrec.trainer.distributed import env_dist_info
 
 logger = logging.getLogger("anyrec.calibrate")
 
-OPTIONS = {"output": None, "backend": "auto", "budget_s": "0.5", "size": "small", "bind_cores": "true",
+OPTIONS = {"output": None, "backend": "auto", "budget_s": "0.5", "size": "small", "bind_cores": "auto",
            "cache": "false"}
 OPTIMIZER = "adagrad"  # the default config's; the profile's bytes term covers any optimizer's state
 # Embedding step points: (tables, rows, dim, batch, pooling). They vary ids (pooling, batch) and bytes
@@ -84,8 +85,8 @@ def parse_args(argv: list[str]) -> dict[str, str]:
         raise ValueError("output=FILE.yaml is required (or cache=true)")
     if opts["size"] not in SIZES:
         raise ValueError(f"size={opts['size']}: choose one of {', '.join(SIZES)}")
-    if opts["bind_cores"] not in ("true", "false"):
-        raise ValueError(f"bind_cores={opts['bind_cores']}: choose true or false")
+    if opts["bind_cores"] not in ("auto", "true", "false"):
+        raise ValueError(f"bind_cores={opts['bind_cores']}: choose auto, true or false")
     return opts
 
 
@@ -234,7 +235,7 @@ def predict_step_s(profile: KernelProfile, impl: Impl, spec: DeviceSpec, compute
 def measure_embedding(backend: Backend, device: torch.device, spec: DeviceSpec, points: list[tuple],
                       budget_s: float) -> dict[str, Any]:
     """Per registered embedding implementation: step seconds per point and the fitted profile."""
-    compute = "cpu" if device.type == "cpu" else "cuda"
+    compute = device.type  # the planner's compute device: cpu, or any accelerator's device type
     stamp = time.strftime("%Y-%m-%d", time.gmtime())
     out: dict[str, Any] = {}
     for impl in implementations("embedding"):
@@ -287,10 +288,10 @@ def _collective(op: str, x: torch.Tensor, world: int) -> Callable[[], Any]:
     return lambda: dist.reduce_scatter_tensor(y, x)
 
 
-def measure_collectives(device: torch.device, sizes: list[int], backend: Backend, budget_s: float) -> dict:
-    """all-to-all, all-reduce and reduce-scatter seconds at each size (slowest rank's median), fitted
-    into latency_s + bus bytes / bus_bw_bytes_per_s."""
-    world = dist.get_world_size()
+def measure_collectives(device: torch.device, sizes: list[int], backend: Backend, budget_s: float,
+                        world: int) -> dict:
+    """all-to-all, all-reduce and reduce-scatter seconds at each size (slowest rank's median) over the
+    `world` ranks of the process group, fitted into latency_s + bus bytes / bus_bw_bytes_per_s."""
     out: dict[str, Any] = {"world_size": world}
     for op, bus in _BUS_FACTOR.items():
         times = []
@@ -311,8 +312,8 @@ def measure_collectives(device: torch.device, sizes: list[int], backend: Backend
     return out
 
 
-def calibrate(backend: Backend, device: torch.device, size: str = "small", budget_s: float = 0.5,
-              bind_cores: bool = True) -> dict:
+def calibrate(backend: Backend, device: torch.device, world: int, size: str = "small",
+              budget_s: float = 0.5, bind_cores: bool = True) -> dict:
     """Every measurement on this device, as the `measurements` section of a hardware YAML; its
     `spec_fields` are the DeviceSpec fields they determine (units in the names). `bind_cores` is the
     trainer's setting the step points train with (backend.bind_cores)."""
@@ -333,20 +334,23 @@ def calibrate(backend: Backend, device: torch.device, size: str = "small", budge
     spec = backend.device_spec().replace(**{k: v for k, v in fields.items() if k != "name"})
     m["embedding"] = measure_embedding(backend, device, spec, EMB_POINTS[size], budget_s)
     lap("embedding")
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        m["collectives"] = measure_collectives(device, s["comm_bytes"], backend, budget_s)
+    if world > 1:
+        m["collectives"] = measure_collectives(device, s["comm_bytes"], backend, budget_s, world)
         lap("collectives")
         fields.update(link_fields(m["collectives"]))
         # The trainer's framework costs: what the figures measured so far leave unexplained in real steps.
         profiles = {n: KernelProfile(**e["profile"]) for n, e in m["embedding"].items() if "profile" in e}
         spec = backend.device_spec().replace(**{k: v for k, v in fields.items() if k != "name"})
-        m["step"] = measure_step_costs(backend, Hardware(spec, profiles), budget_s, fit_nonnegative,
+        m["step"] = measure_step_costs(backend, Hardware(spec, profiles), world, budget_s, fit_nonnegative,
                                        bind_cores, QUICK_POINTS if size == "quick" else None)
         fields.update(m["step"]["fields"])
         lap("step")
     m["phase_s"] = took
     m["threads"] = torch.get_num_threads()
     m["bind_cores"] = bind_cores
+    choice = getattr(backend, "bind_choice", None)
+    if choice is not None:
+        m["bind_rule"] = choice.describe()
     m["measured_fields"] = [k for k in fields if k != "name"]
     m["spec_fields"] = fields
     return m
@@ -465,17 +469,18 @@ def main(argv: list[str] | None = None) -> int:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = backend.device(local_rank)
     backend.set_device(local_rank)
-    bind_cores = opts["bind_cores"] == "true"
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend=backend.dist_backend)
     # Ranks take their share of the host's cores as the trainer's do: the figures are the trainer's.
-    backend.bind_local_rank(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world)), bind_cores)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    # what the rule chose (auto) or was told: the step points' trainers bind the same way
+    bind_cores = backend.bind_local_rank(local_rank, local_world, opts["bind_cores"]) is not None
     try:
         start = time.perf_counter()
         kernels = backend.select_kernels()
-        m = calibrate(backend, device, opts["size"], budget_s, bind_cores)
+        m = calibrate(backend, device, world, opts["size"], budget_s, bind_cores)
         m["seconds"] = time.perf_counter() - start
-        key = local_key(backend) if opts["cache"] == "true" else None  # collective: every rank
+        key = local_key(backend, env_dist_info()) if opts["cache"] == "true" else None  # collective
         if rank == 0 and key is not None:
             entry = write_entry(cache_dir() / key.file_name(), key, hardware_yaml(backend, m),
                                 f"# Calibration measured by anyrec.calibrate ({backend.describe()}, {world} "

@@ -126,11 +126,10 @@ def _assignment(p: StepPoint, world: int) -> dict[str, tuple[str, str, list[int]
     return out
 
 
-def _train_point(p: StepPoint, backend: Backend, hardware: Hardware, steps: int,
+def _train_point(p: StepPoint, backend: Backend, hardware: Hardware, world: int, steps: int,
                  bind_cores: bool) -> tuple[float, float]:
     """(measured seconds per step of the slowest rank, the planner's seconds for the same plan)."""
     cfg = _hydra.compose_job(_overrides(p, backend.name, steps, bind_cores))
-    world = torch.distributed.get_world_size()
     embedding = hardware.embedding_cost(backend.select_kernels(cfg.backend)["embedding"])
     meta = torch.device("meta")
     model = build_model(cfg.model, meta, ebc_device=meta)
@@ -158,11 +157,11 @@ def _train_point(p: StepPoint, backend: Backend, hardware: Hardware, steps: int,
     return summary["measured_step_ms"] / 1e3, predicted.predicted_step_s
 
 
-def measure_step_costs(backend: Backend, hardware: Hardware, budget_s: float, fit: Any,
+def measure_step_costs(backend: Backend, hardware: Hardware, world: int, budget_s: float, fit: Any,
                        bind_cores: bool = True, points: list[StepPoint] | None = None) -> dict[str, Any]:
-    """Train every point (the process group must be up; the trainers bind cores as `bind_cores`
-    says), fit the framework terms with `fit` (anyrec.calibrate.fit_nonnegative) on what the
-    planner's figures in `hardware` (spec and measured embedding profiles) leave unexplained.
+    """Train every point on the `world` ranks (the process group must be up; the trainers bind cores
+    as `bind_cores` says), fit the framework terms with `fit` (anyrec.calibrate.fit_nonnegative) on what
+    the planner's figures in `hardware` (spec and measured embedding profiles) leave unexplained.
     `points` defaults to POINTS (QUICK_POINTS: the calibration on first contact)."""
     points = points or POINTS
     # Five passes (median): with three, one noisy pass of the pooling points swung the per-id term
@@ -170,12 +169,12 @@ def measure_step_costs(backend: Backend, hardware: Hardware, budget_s: float, fi
     steps, passes = (40, 5) if budget_s >= 0.1 else (10, 1)
     if passes > 1:
         # The first trainer in a process pays lazy set-up.
-        _train_point(points[0], backend, hardware, steps, bind_cores)
+        _train_point(points[0], backend, hardware, world, steps, bind_cores)
     times: list[list[float]] = [[] for _ in points]
     model = [0.0] * len(points)
     for k in range(passes):  # alternate the order: a shared host's load drifts
         for i in (range(len(points)) if k % 2 == 0 else reversed(range(len(points)))):
-            m, model[i] = _train_point(points[i], backend, hardware, steps, bind_cores)
+            m, model[i] = _train_point(points[i], backend, hardware, world, steps, bind_cores)
             times[i].append(m)
     measured = [sorted(t)[len(t) // 2] for t in times]
     for p, m, pred in zip(points, measured, model, strict=True):

@@ -117,8 +117,6 @@ class DataConfig:
     dense_transform: DenseTransform = DenseTransform.torchrec
     prefetch: int = 2  # batches made ahead by background threads (files; synthetic on a CPU); 0 = in the step
     prefetch_workers: int = 1  # threads making them (order is kept either way)
-    # Test-only fault injection: the dense features of this training step are NaN.
-    inject_nan_at_step: int | None = None
 
 
 @dataclass
@@ -133,8 +131,9 @@ class BackendConfig:
     # pure-torch kernels elsewhere) | fbgemm | portable (pure torch everywhere, overriding FBGEMM)
     sparse_ops: SparseOps = SparseOps.auto
     # CPU device, several ranks per host: bind each rank's threads to its own share of the cores
-    # (false: threads float over all cores, torch's thread count still split between the ranks)
-    bind_cores: bool = True
+    # (false: threads float over all cores, torch's thread count still split between the ranks;
+    # auto: bind unless other processes were using the cores at start, see backends/core_load.py)
+    bind_cores: str = "auto"  # auto | true | false
 
 
 @dataclass
@@ -198,14 +197,6 @@ class CheckpointConfig:
 
 
 @dataclass
-class FaultConfig:
-    """Test-only fault injection (exercises restart and resume); never set in real jobs."""
-
-    kill_at_step: int | None = None  # SIGKILL `kill_rank` after this step, on the first attempt only
-    kill_rank: int = 1
-
-
-@dataclass
 class TrainerConfig:
     """The training loop, evaluation, logging and checkpoints."""
 
@@ -221,12 +212,14 @@ class TrainerConfig:
     progress: bool = True
     pipeline: bool = True  # torchrec TrainPipelineSparseDist (input dist overlapped with compute)
     mixed_precision: Precision = Precision.auto  # auto: bf16 autocast on accelerators, fp32 on CPU
-    skip_nonfinite: bool = False  # NaN/inf loss: skip the batch instead of stopping
+    # NaN/inf loss, or NaN/inf dense inputs of a training batch (any source): skip the batch, not stop
+    skip_nonfinite: bool = False
     validate_inputs: bool = True  # check ids and feature counts of every batch before it is used
     run_dir: str | None = None  # JSONL/TensorBoard logs; the entry point sets Hydra's output dir
     tensorboard: bool = True
     fingerprint_weights: bool = False  # put a SHA-256 of all weights in the summary (slow if huge)
     collective_timeout_s: float = 600.0  # a rank waiting this long on a peer fails the job
+    peer_timeout_s: float = 60.0  # a rank whose heartbeat stands still this long is named, the job fails
     # hardware=auto: plan with this machine's cached calibration, measured on first contact (auto),
     # measured again (always), or the backend's datasheet figures (never); anyrec.calcache
     calibrate: Calibrate = Calibrate.auto
@@ -234,7 +227,6 @@ class TrainerConfig:
     stop_check_every: int = 10  # steps between the ranks' checks for a stop request (a signal)
     stop_grace_s: float = 10.0  # a rank not stopped this long after a signal exits without a checkpoint
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    fault: FaultConfig = field(default_factory=FaultConfig)
 
 
 @dataclass
@@ -286,7 +278,7 @@ def check_values(cfg: AnyrecConfig) -> None:
     for key, value in positive.items():
         if value is not None and value < 1:
             raise ValueError(f"{key} must be >= 1, got {value}")
-    for key in ("collective_timeout_s", "stop_grace_s", "calibrate_budget_s"):
+    for key in ("collective_timeout_s", "peer_timeout_s", "stop_grace_s", "calibrate_budget_s"):
         seconds = getattr(cfg.trainer, key)
         if not (math.isfinite(seconds) and seconds > 0):
             raise ValueError(f"trainer.{key} must be a positive number of seconds, got {seconds}")

@@ -19,8 +19,10 @@ machine's variants with the first record of such a file written elsewhere (e.g. 
 on an MI350X). `parity.timeout_s` bounds each variant (default 900 s); a variant past it is killed
 with its whole process group.
 
-The steps run as `anyrec-train` runs them (same Trainer, pipeline and data) without evaluation
-or checkpoints.
+The steps run through `anyrec-train`'s own loop (`Trainer.train()`) without evaluation or
+checkpoints. Both files are checked before any variant runs: the `parity.against` file whole
+(valid JSON, every run's losses and weights present, finite, of their shapes and matching their
+hash) and the `parity.save` path writable.
 """
 
 from __future__ import annotations
@@ -38,10 +40,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from anyrec import _hydra
+from anyrec.io_checks import writable_file
 from anyrec.proc import run_session
+from anyrec.trainer.distributed import DistInfo, all_reduce_mean
 from anyrec.trainer.fingerprint import full_state
 from anyrec.trainer.trainer import Trainer
 
@@ -72,6 +75,7 @@ class ParityArgs:
     save: Path | None = None
     against: Path | None = None
     timeout_s: float = 900.0
+    reference: dict[str, Any] | None = None  # the `against` file, read and checked
 
 
 def parse_variant(text: str) -> Variant:
@@ -116,62 +120,64 @@ def parse_args(argv: list[str]) -> ParityArgs:
         else:
             raise ValueError(f"unknown option parity.{key}; use variant, loss_rtol, weight_atol, save, "
                              "against or timeout_s")
-    if "against" in opts and not opts["against"].is_file():
-        raise ValueError(f"parity.against: no such file {opts['against']}")
+    if "against" in opts:
+        if not opts["against"].is_file():
+            raise ValueError(f"parity.against: no such file {opts['against']}")
+        opts["reference"] = read_records(opts["against"])
+    writable_file(opts.get("save"), "parity.save")
     return ParityArgs(base=base, variants=variants or [Variant(label="(base)")], **opts)
 
 
 # ---- one variant, inside its own process(es) ----------------------------------------------------
 
 
-def run_steps(trainer, steps: int) -> list[float]:
-    """Train `steps` steps the way `Trainer.train` does; each step's loss, averaged over ranks."""
-    losses: list[float] = []
-    batches = trainer._batches(trainer.train_data, trainer.step, steps)
-    trainer.model.train()
-    while True:
-        trainer._set_lr(trainer.step)
-        try:
-            trainer.pipeline.progress(batches)
-        except StopIteration:
-            break
-        trainer.step += 1
-        losses.append(float(trainer._last_loss))
-    values = torch.tensor(losses, dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(values)  # gloo and nccl: sum, then divide (no AVG on gloo)
-        values /= dist.get_world_size()
-    return values.tolist()
+# What the worker adds to the base job: the steps only (no evaluation, checkpoints or progress bar).
+_STEPS_ONLY = ["trainer.eval_steps=0", "trainer.checkpoint.dir=null", "trainer.progress=false"]
 
 
-def full_weights(model, is_main: bool) -> dict[str, Any]:
+def full_weights(model, info: DistInfo) -> dict[str, Any]:
     """Every `*weight` / `*bias` entry of the state_dict, whole (fp32, shards gathered), on rank 0; else {}.
 
     Other entries (optimizer state, counters) are in the state_dict of some kernels only.
     """
-    state = full_state(model, is_main)
-    if not is_main:
+    state = full_state(model, info)
+    if not info.is_main:
         return {}
     return {name: t.float() for name, t in state.items() if name.endswith(("weight", "bias"))}
 
 
-def train_losses(overrides: list[str]) -> list[float]:
-    """Per-step training losses of `overrides` run in this process (one rank)."""
-    cfg = _hydra.compose_job(overrides)
-    trainer = Trainer(cfg)
+def weights_sha256(weights: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over the names and fp32 bytes of `weights`, in order (a record's `weights_sha256`)."""
+    h = hashlib.sha256()
+    for name, t in weights.items():
+        h.update(name.encode())
+        h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def train_losses(trainer: Trainer) -> list[float]:
+    """Run `trainer.train()` (anyrec-train's loop) and return every step's loss, averaged over ranks."""
+    losses: list[torch.Tensor] = []
+    trainer.step_hooks.append(lambda t: losses.append(t.last_loss))
+    trainer.train()
+    return all_reduce_mean([float(x) for x in losses], trainer.device)
+
+
+def local_losses(overrides: list[str]) -> list[float]:
+    """Per-step training losses of the job `overrides` run in this process (one rank)."""
+    trainer = Trainer(_hydra.compose_job([*overrides, *_STEPS_ONLY]))
     try:
-        return run_steps(trainer, cfg.trainer.steps - trainer.step)
+        return train_losses(trainer)
     finally:
         trainer.close()
 
 
 def worker(out_path: str, overrides: list[str]) -> None:
     """Train one variant; rank 0 writes its record to `out_path`."""
-    cfg = _hydra.compose_job(overrides)
-    trainer = Trainer(cfg)
+    trainer = Trainer(_hydra.compose_job([*overrides, *_STEPS_ONLY]))
     try:
-        losses = run_steps(trainer, cfg.trainer.steps - trainer.step)
-        weights = full_weights(trainer.model, trainer.dist.is_main)
+        losses = train_losses(trainer)
+        weights = full_weights(trainer.model, trainer.dist)
         meta = {"embedding_kernel": trainer.embedding_kernel, "world_size": trainer.dist.world_size,
                 "backend": trainer.backend.describe(), "torch": torch.__version__,
                 "batch_size_per_rank": trainer.batch_size}
@@ -180,16 +186,67 @@ def worker(out_path: str, overrides: list[str]) -> None:
         trainer.close()
     if not is_main:
         return
-    h = hashlib.sha256()
-    for name, t in weights.items():
-        h.update(name.encode())
-        h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
-    record = {"losses": losses, "weights_sha256": h.hexdigest(), "meta": meta,
+    record = {"losses": losses, "weights_sha256": weights_sha256(weights), "meta": meta,
               "weights": {n: {"shape": list(t.shape), "values": t.reshape(-1).tolist()}
                           for n, t in weights.items()}}
     tmp = Path(out_path + ".tmp")
     tmp.write_text(json.dumps(record))
     tmp.replace(out_path)
+
+
+# ---- records read back ---------------------------------------------------------------------------
+
+
+def _finite_numbers(values: Any, what: str) -> None:
+    if not isinstance(values, list) or not all(
+            isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+        raise ValueError(f"{what} is not a list of finite numbers")
+
+
+def check_record(run: Any, what: str) -> None:
+    """One run of a records file, whole: label, losses, and weights that match their shapes and hash."""
+    if not isinstance(run, dict):
+        raise ValueError(f"{what} is not an object")
+    for key in ("label", "losses", "weights", "weights_sha256"):
+        if key not in run:
+            raise ValueError(f"{what} has no {key!r}")
+    _finite_numbers(run["losses"], f"{what} losses")
+    if not run["losses"]:
+        raise ValueError(f"{what} has no steps")
+    if not isinstance(run["weights"], dict) or not run["weights"]:
+        raise ValueError(f"{what} has no weights")
+    tensors = {}
+    for name, w in run["weights"].items():
+        shape = w.get("shape") if isinstance(w, dict) else None
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise ValueError(f"{what} weight {name} has no valid shape")
+        _finite_numbers(w.get("values"), f"{what} weight {name} values")
+        if len(w["values"]) != math.prod(shape):
+            raise ValueError(f"{what} weight {name} has {len(w['values'])} values for shape {shape}")
+        tensors[name] = torch.tensor(w["values"], dtype=torch.float32).reshape(shape)
+    if weights_sha256(tensors) != run["weights_sha256"]:
+        raise ValueError(f"{what} weights do not match their weights_sha256 (the file was altered)")
+
+
+def read_records(path: Path) -> dict[str, Any]:
+    """A `parity.save` file, checked whole before any variant runs; ValueError names what is wrong."""
+    what = f"parity.against {path}"
+    try:
+        data = json.loads(path.read_text())
+    except OSError as e:
+        raise ValueError(f"{what}: cannot read it ({e.strerror or type(e).__name__})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{what}: not a text file") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno}; "
+                         "cut short?)") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ValueError(f"{what}: not an {FORMAT} file")
+    if not isinstance(data.get("runs"), list) or not data["runs"]:
+        raise ValueError(f"{what}: holds no runs")
+    for i, run in enumerate(data["runs"]):
+        check_record(run, f"{what}: run {i}")
+    return data
 
 
 # ---- the driver ---------------------------------------------------------------------------------
@@ -287,11 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         tmp = args.save.with_name(args.save.name + ".tmp")
         tmp.write_text(json.dumps({"format": FORMAT, "runs": runs}))
         tmp.replace(args.save)
-    if args.against is not None:
-        saved = json.loads(args.against.read_text())
-        if saved.get("format") != FORMAT or not saved.get("runs"):
-            print(f"anyrec-parity: error: {args.against} is not an {FORMAT} file with runs", file=sys.stderr)
-            return 2
+    if args.reference is not None:
+        saved = args.reference
         ref, ref_label = saved["runs"][0], f"{saved['runs'][0]['label']} from {args.against}"
     else:
         if "error" in records[0]:

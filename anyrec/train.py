@@ -1,6 +1,11 @@
 """`anyrec-train` / `torchrun ... -m anyrec.train`: train a model from Hydra config groups."""
+# ruff: noqa: E402  (the launcher watch starts before the imports, which take seconds)
 
 from __future__ import annotations
+
+from anyrec.trainer.errors import watch_launcher
+
+watch_launcher()  # a worker whose torchrun dies while it imports or starts up leaves too
 
 import json
 import logging
@@ -98,7 +103,7 @@ def main(cfg: DictConfig) -> None:
 def cli() -> None:
     """Console entry: `hardware=FILE.yaml` is accepted as well as `hardware.sku=FILE.yaml`."""
     sys.argv = rewrite_hardware_argv(sys.argv)
-    problem = _hydra.bad_override_value(sys.argv[1:])
+    problem = _hydra.cli_problem(sys.argv[1:])
     if problem:  # Hydra would say it in several lines; every rank refuses, rank 0 says it once
         line = f"anyrec-train: error: {problem}"
         if os.environ.get("RANK", "0") == "0":

@@ -8,8 +8,8 @@
 
 Same batches (pre-generated, multi-hot, already on the device) for every contender, same MLPs,
 DCNv2 interaction, Adagrad and fp32 everywhere:
-  anyrec eager      Trainer.train_step: DMP (world size 1), fused TBE Adagrad in backward
-  anyrec pipelined  the Trainer's TrainPipelineSparseDist loop
+  anyrec eager      Trainer.run_steps, eager: DMP (world size 1), fused TBE Adagrad in backward
+  anyrec pipelined  Trainer.run_steps through torchrec's TrainPipelineSparseDist
   torch eager       nn.EmbeddingBag tables (sparse grads) + Adagrad, the same dense modules
   torch compile     the same with torch.compile on everything after the lookups (inductor
                     cannot trace sparse-gradient EmbeddingBags)
@@ -192,16 +192,19 @@ def profile_loop(cfg: ModelConfig, batch_size: int, steps: int, warmup: int, ker
 
 def bench_anyrec(cfg: ModelConfig, batch_size: int, batches, steps, warmup, pipelined: bool,
                  kernel: str) -> float:
-    trainer = anyrec_trainer(cfg, batch_size, steps, pipelined, kernel)
+    """Seconds of `steps` steps of Trainer.run_steps (the training loop) over the pre-made batches,
+    after `warmup` steps of it; eager or through torchrec's pipeline."""
+    name = "anyrec pipelined" if pipelined else "anyrec eager"
+    trainer = anyrec_trainer(cfg, batch_size, warmup + steps, pipelined, kernel)
     try:
-        sync = trainer.backend.synchronize
         # On the device already, like the plain contenders' inputs (no host-to-device copy timed).
         batches = [b.to(trainer.device) for b in batches]
-        if not pipelined:
-            return time_steps(lambda i: trainer.train_step(batches[i % len(batches)]), steps, warmup, sync)
-        trainer.model.train()
-        it = iter([batches[i % len(batches)] for i in range(warmup + steps)])
-        return time_steps(lambda i: trainer.pipeline.progress(it), steps, warmup, sync, "anyrec pipelined")
+        cycled = (batches[i % len(batches)] for i in range(warmup + steps))
+        trainer.run_steps(warmup, cycled)  # ends with the device drained
+        t0, c0 = time.perf_counter(), time.process_time()
+        trainer.run_steps(steps, cycled)
+        CPU_SECONDS[name] = time.process_time() - c0
+        return time.perf_counter() - t0
     finally:
         trainer.close()
 

@@ -1,14 +1,14 @@
 #!/usr/bin/env python
-"""Regenerate tests/golden/: the per-step training loss of model=dlrm_tiny, 20 steps, one file per optimizer.
+"""Regenerate tests/golden/: the per-step training loss of every golden job (20 steps, fixed seed).
 
-    python scripts/update_golden_losses.py            # rewrite every file
-    python scripts/update_golden_losses.py adam sgd   # only these optimizers
+    python scripts/update_golden_losses.py                          # rewrite every file
+    python scripts/update_golden_losses.py dlrm_tiny_adam dlrm_tiny_sgd   # only these jobs
 
 The files are the project's loss baseline (tests/test_golden.py compares every run with them).
 Rewriting them is an explicit act: do it only for a change meant to move the numerics (a new
 initialisation, data keying, an optimizer fix), say in the commit message why the losses moved,
-and commit the files with that change. Runs on the CPU with anyrec's torch embedding kernel (no
-FBGEMM, no sharding), in this process.
+and commit the files with that change. Every job runs on the CPU through anyrec-train's loop
+(`Trainer.train()`): one-rank jobs in this process, the two-rank job under torchrun.
 """
 
 from __future__ import annotations
@@ -20,22 +20,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from anyrec.parity import train_losses  # noqa: E402
-from anyrec.trainer.optim import OPTIMIZERS  # noqa: E402
-from tests.golden import GOLDEN_DIR, golden_overrides  # noqa: E402
+from tests.golden import JOBS, job_losses  # noqa: E402
 
 
 def main(names: list[str]) -> None:
-    unknown = sorted(set(names) - set(OPTIMIZERS))
+    if any(n in ("-h", "--help") for n in names):
+        print(__doc__.strip())
+        print(f"\njobs: {', '.join(JOBS)}")
+        return
+    unknown = sorted(set(names) - set(JOBS))
     if unknown:
-        sys.exit(f"update_golden_losses: error: unknown optimizer(s) {unknown}; "
-                 f"choose from {list(OPTIMIZERS)}")
-    for name in names or OPTIMIZERS:
-        overrides = golden_overrides(name)
-        losses = train_losses(overrides)
-        path = GOLDEN_DIR / f"dlrm_tiny_{name}.json"
-        path.write_text(json.dumps({"overrides": overrides, "losses": losses}, indent=1) + "\n")
-        print(f"{path.relative_to(ROOT)}: {len(losses)} steps, final loss {losses[-1]:.7f}")
+        sys.exit(f"update_golden_losses: error: unknown job(s) {unknown}; choose from {list(JOBS)}")
+    for name in names or JOBS:
+        job = JOBS[name]
+        losses = job_losses(job)
+        record = {"overrides": job.overrides, **({"nproc": job.nproc} if job.nproc > 1 else {}),
+                  "losses": losses}
+        job.path.write_text(json.dumps(record, indent=1) + "\n")
+        print(f"{job.path.relative_to(ROOT)}: {len(losses)} steps, final loss {losses[-1]:.7f}")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ os.environ.setdefault("ANYREC_CACHE_DIR",
 
 def pytest_configure(config):
     config.addinivalue_line(
+        "markers", "integration: starts processes or runs long; the fast tier is -m 'not integration'")
+    config.addinivalue_line(
         "markers", "cpu_only: expects a host without an accelerator (skipped where anyrec detects one)")
     config.addinivalue_line(
         "markers", "integration: starts processes or runs long; the fast tier is -m 'not integration'")

@@ -11,6 +11,7 @@ import yaml
 
 from anyrec import calcache
 from anyrec.backends import get_backend
+from anyrec.trainer.distributed import ONE_PROCESS
 
 CAL = Path(__file__).parent / "data" / "calibration_cpu_2rank.yaml"
 
@@ -119,7 +120,7 @@ def test_concurrent_writers_leave_one_whole_file(tmp_path):
 
 
 def test_local_key_without_a_process_group():
-    key = calcache.local_key(get_backend("cpu"))
+    key = calcache.local_key(get_backend("cpu"), ONE_PROCESS)
     assert key.backend == "cpu" and key.local_world_size == 1 and key.threads_per_rank >= 1
     assert key.file_name().startswith("calibration-cpu-") and key.file_name().endswith(".yaml")
 

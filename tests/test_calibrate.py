@@ -72,7 +72,7 @@ def test_calibrate_writes_a_hardware_yaml(tmp_path, capsys):
     out = tmp_path / "sub" / "cal.yaml"
     assert calibrate.main([f"output={out}", "budget_s=0.02"]) == 0
     m = _check_file(out, world_size=1)
-    assert m["seconds"] < 120  # a loaded 2-core host; a few seconds when idle
+    assert m["seconds"] > 0  # how long it took is the report's, not a bound a busy host could break
     table = capsys.readouterr().out
     assert "emb fbgemm" in table and "per_launch" in table
     assert f"wrote {out} in {m['seconds']:.1f} s" in table  # the time it reports is the one it stored
@@ -88,8 +88,11 @@ def test_calibrate_under_torchrun_measures_collectives(tmp_path):
     proc = torchrun(["-m", "anyrec.calibrate", f"output={out}", "budget_s=0.02", "cache=true"], nproc=2,
                     cwd=tmp_path, env={"ANYREC_CACHE_DIR": str(cache)})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    _check_file(out, world_size=2)
+    m = _check_file(out, world_size=2)
     assert proc.stdout.count("wrote ") == 2  # rank 0 only: the file and this machine's cache entry
+    # bind_cores=auto by default: what the rule chose, and from what, is recorded with the figures
+    assert m["bind_rule"].startswith("backend.bind_cores=auto: other processes used")
+    assert m["bind_cores"] == m["bind_rule"].endswith("bound")
     # cache=true: the thorough calibration is this machine's entry, as hardware=auto jobs look it up
     (entry,) = cache.glob("*.yaml")
     assert f"wrote the cache entry for this machine: {entry}" in proc.stdout

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from .conftest import ROOT, last_json_line, torchrun
+from .faults import KILL_AT_STEP, faulty
 
 pytestmark = pytest.mark.integration  # every test here starts processes
 
@@ -111,9 +112,9 @@ def test_incompatible_checkpoint_fails_clearly(runs, tmp_path):
 
 def test_sigkilled_rank_restarts_from_last_checkpoint(runs, tmp_path):
     a = runs[1]
-    proc = _run(tmp_path, ["trainer.steps=20", f"trainer.checkpoint.dir={tmp_path}/ck",
-                           "trainer.checkpoint.every=5", "trainer.fault.kill_at_step=12"],
-                torchrun_args=["--max-restarts=1"])
+    proc = torchrun(["--max-restarts=1", *faulty(BASE), f"hydra.run.dir={tmp_path}/hydra", "trainer.steps=20",
+                     f"trainer.checkpoint.dir={tmp_path}/ck", "trainer.checkpoint.every=5"], cwd=tmp_path,
+                    env={KILL_AT_STEP: "12"})
     s = _ok(proc)
     assert "SIGKILL rank 1 after step 12" in proc.stdout + proc.stderr
     assert s["steps"] == 20 and s["resumed_from_step"] == 10

@@ -19,6 +19,7 @@ import torch
 
 from anyrec.config import CheckpointConfig
 from anyrec.trainer.checkpoint import CheckpointManager
+from anyrec.trainer.distributed import ONE_PROCESS
 from anyrec.trainer.errors import CheckpointError
 
 from .conftest import ROOT
@@ -29,7 +30,7 @@ RUN_B = {**RUN_A, "optim.dense_lr": 0.1}
 
 
 def _manager(root, identity=RUN_A, **cfg):
-    return CheckpointManager(CheckpointConfig(dir=str(root), **cfg), SIG, True, identity)
+    return CheckpointManager(CheckpointConfig(dir=str(root), **cfg), SIG, ONE_PROCESS, identity)
 
 
 def _state(value: float) -> dict:
@@ -152,7 +153,8 @@ def test_checkpoints_without_identity_are_not_resumed_silently(tmp_path):
 def test_incompatible_model_is_named(tmp_path):
     root = tmp_path / "ck"
     _train(root, [5])
-    m = CheckpointManager(CheckpointConfig(dir=str(root)), {**SIG, "tables": {"t0": [10, 8]}}, True, RUN_B)
+    m = CheckpointManager(CheckpointConfig(dir=str(root)), {**SIG, "tables": {"t0": [10, 8]}}, ONE_PROCESS,
+                          RUN_B)
     with pytest.raises(CheckpointError, match="incompatible model: table t0 is 10 rows x dim 4 there"):
         m.start()
 

@@ -10,7 +10,7 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError
 
-from anyrec._hydra import bad_override_value
+from anyrec._hydra import cli_problem
 from anyrec.config import AnyrecConfig, check_values, config_dir
 
 from .conftest import ROOT, compose_config
@@ -101,8 +101,8 @@ def test_counts_must_be_positive(override, message):
     ("optim.dense_lr=fast", "optim.dense_lr: Value 'fast' of type 'str' could not be converted to Float"),
 ])
 def test_bad_override_value_is_one_line(override, message):
-    assert bad_override_value(["model=dlrm_tiny", override]) == message
-    assert bad_override_value(["model=dlrm_tiny", "trainer.steps=3"]) is None
+    assert cli_problem(["model=dlrm_tiny", override]) == message
+    assert cli_problem(["model=dlrm_tiny", "trainer.steps=3"]) is None
 
 
 @pytest.mark.integration
@@ -123,7 +123,7 @@ def test_closed_choices_fail_at_compose_time(key):
     """An enum field refuses a value outside its choices while composing, naming the choices."""
     with pytest.raises(ConfigCompositionException):
         compose_config([f"{key}=bf61"])
-    assert bad_override_value([f"{key}=bf61"]).startswith(f"{key}: Invalid value 'bf61', expected one of [")
+    assert cli_problem([f"{key}=bf61"]).startswith(f"{key}: Invalid value 'bf61', expected one of [")
 
 
 def test_closed_choices_compare_as_their_strings():

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from anyrec import calibrate
@@ -9,7 +14,7 @@ from anyrec.data import preprocess
 from anyrec.io_checks import atomic_write, writable_dir, writable_file
 from anyrec.plan import run as plan_run
 
-from .conftest import compose_config
+from .conftest import ROOT, compose_config
 from .test_data import write_tsv
 
 # /sys refuses new files even to root, so the check bites whoever runs the tests.
@@ -83,3 +88,39 @@ def test_atomic_write_replaces_whole_or_leaves_the_old_file(tmp_path):
     with atomic_write(target, "wb") as f:
         f.write(b"\x00bytes")
     assert target.read_bytes() == b"\x00bytes"
+
+
+def _entry(module: str, args: list[str], cwd) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120, env=env)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("module", "prog"), [("anyrec.train", "anyrec-train"),
+                                              ("anyrec.plan", "anyrec-plan")])
+def test_a_missing_mandatory_value_is_one_line(tmp_path, module, prog):
+    proc = _entry(module, ["model=dlrm_tiny", "model.name=???"], tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"{prog}: error: model.name: a value is required; set it on the command line, e.g. model.name=..."]
+    assert not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("where", ["read-only", "file"])
+def test_an_unwritable_working_directory_is_one_line(tmp_path, where):
+    if where == "read-only":  # /sys: read-only even to root
+        cwd, cause = Path("/sys"), "cannot write in /sys"
+    else:  # a file where Hydra's outputs/ folder would go
+        cwd, cause = tmp_path, f"{tmp_path}/outputs is a file, not a folder"
+        (tmp_path / "outputs").write_text("x")
+    proc = _entry("anyrec.train", ["model=dlrm_tiny", "trainer.steps=1"], cwd)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("anyrec-train: error: hydra.run.dir: Hydra's output folder ")
+    assert cause in lines[0] and lines[0].endswith(
+        "run from a writable folder or set hydra.run.dir=<a writable folder>"), lines

@@ -129,7 +129,7 @@ def test_trainer_starts_from_the_same_weights_on_every_kernel_and_plan(monkeypat
                                  "trainer.progress=false", "trainer.seed=7", *variant])
         trainer = Trainer(cfg)
         try:
-            weights.append(full_weights(trainer.model, True))
+            weights.append(full_weights(trainer.model, trainer.dist))
         finally:
             trainer.close()
     assert len(weights[0]) == 26 + 8  # tables, and the weight and bias of 4 linear layers

@@ -32,6 +32,7 @@ from anyrec.data.criteo import CriteoSource, npy_paths
 from anyrec.trainer.distributed import launch_token
 
 from .conftest import ROOT, last_json_line, torchrun
+from .faults import KILL_AT_STEP, KILL_RANK, faulty
 
 MARK = "ANYREC_TEST_LAUNCH"  # environment marker: finds every process a launch started
 BASE = ["-m", "anyrec.train", "model=dlrm_tiny", "data.batch_size=32", "trainer.steps=8",
@@ -183,11 +184,12 @@ def test_two_hosts_train_with_host_aware_plan_and_shared_checkpoints(two_hosts):
 
 
 @pytest.mark.integration
-def test_sigkilled_worker_on_host_1_restarts_both_hosts_from_checkpoint(two_hosts, tmp_path):
+def test_sigkilled_worker_on_host_1_restarts_both_hosts_from_checkpoint(two_hosts, tmp_path, monkeypatch):
     ref = two_hosts[1].summary()
-    run = launch_hosts([*BASE, TWRW, f"trainer.checkpoint.dir={tmp_path}/ck", f"hydra.run.dir={tmp_path}/h",
-                        "trainer.fault.kill_at_step=6", "trainer.fault.kill_rank=3"], tmp_path,
-                       torchrun_args=("--max-restarts=1",))
+    monkeypatch.setenv(KILL_AT_STEP, "6")
+    monkeypatch.setenv(KILL_RANK, "3")
+    run = launch_hosts([*faulty(BASE), TWRW, f"trainer.checkpoint.dir={tmp_path}/ck",
+                        f"hydra.run.dir={tmp_path}/h"], tmp_path, torchrun_args=("--max-restarts=1",))
     assert run.returncodes == [0, 0], run.out[-4000:]
     assert run.strays == []
     assert "SIGKILL rank 3 after step 6" in run.out
@@ -246,11 +248,29 @@ def test_launch_token_ignores_an_earlier_launchs_keys():
         server.set(f"anyrec/join/resp/{r}", f"stale{r}:old")
     server.add("anyrec/join/ack/old", world - 1)
     tokens: dict[int, str] = {}
+    saw_stale = {r: threading.Event() for r in range(1, world)}
+
+    class Watched:
+        """The store as rank r sees it, noting when it reads an earlier launch's answer."""
+
+        def __init__(self, r: int) -> None:
+            self.r, self.store = r, client()
+
+        def get(self, key: str) -> bytes:
+            value = self.store.get(key)
+            if value.startswith(b"stale"):
+                saw_stale[self.r].set()
+            return value
+
+        def __getattr__(self, name: str):
+            return getattr(self.store, name)
 
     def rank(r: int) -> None:
-        if r == 0:
-            time.sleep(0.3)  # rank 0 last: the others first see only the stale answers
-        tokens[r] = launch_token(client(), r, world, timeout_s=30)
+        if r == 0:  # rank 0 last: every other rank has read a stale answer before it starts
+            assert all(e.wait(30) for e in saw_stale.values())
+            tokens[r] = launch_token(client(), r, world, timeout_s=30)
+        else:
+            tokens[r] = launch_token(Watched(r), r, world, timeout_s=30)
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
     for t in threads:

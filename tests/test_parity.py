@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from anyrec import parity
 from anyrec.parity import compare, main, parse_args, parse_variant
@@ -42,7 +43,7 @@ def test_base_overrides_and_defaults():
 
 
 def _record(losses, w):
-    return {"losses": losses, "weights_sha256": "0" * 64,
+    return {"losses": losses, "weights_sha256": parity.weights_sha256({"t.weight": torch.tensor(w)}),
             "weights": {"t.weight": {"shape": [2], "values": w}}}
 
 
@@ -72,6 +73,80 @@ def test_against_a_saved_file(tmp_path, monkeypatch, capsys):
     runs = iter([_record([0.7, 0.6], [0.1, 0.2])])
     assert main(["model=dlrm_tiny", f"parity.against={saved}"]) == 1
     assert "DIFFERS" in capsys.readouterr().out
+
+
+def _no_variant_runs(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a variant ran although an input or output was bad")
+    monkeypatch.setattr(parity, "run_variant", refuse)
+
+
+def _saved(tmp_path) -> tuple:
+    """A valid records file and its data."""
+    data = {"format": parity.FORMAT, "runs": [{"label": "(base)", **_record([0.7, 0.6], [0.1, 0.2])}]}
+    path = tmp_path / "ref.json"
+    path.write_text(json.dumps(data))
+    return path, data
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("anyrec-parity: error:"), err
+    return err[0]
+
+
+def _nan_loss(data):
+    data["runs"][0]["losses"][1] = math.nan
+
+
+def _value_changed(data):
+    data["runs"][0]["weights"]["t.weight"]["values"][0] = 0.5
+
+
+def _value_dropped(data):
+    data["runs"][0]["weights"]["t.weight"]["values"].pop()
+
+
+def _no_weights(data):
+    del data["runs"][0]["weights"]
+
+
+def _no_runs(data):
+    data["runs"] = []
+
+
+@pytest.mark.parametrize(("spoil", "message"), [
+    (lambda text: text[:len(text) // 2], "not valid JSON (Unterminated string"),  # cut short
+    (lambda text: "", "not valid JSON (Expecting value at line 1 column 1"),
+    (_nan_loss, "run 0 losses is not a list of finite numbers"),
+    (_value_changed, "run 0 weights do not match their weights_sha256"),
+    (_value_dropped, "run 0 weight t.weight has 1 values for shape [2]"),
+    (_no_weights, "run 0 has no 'weights'"),
+    (_no_runs, "holds no runs"),
+])
+def test_against_file_is_checked_whole_before_any_variant_runs(tmp_path, monkeypatch, capsys, spoil, message):
+    path, data = _saved(tmp_path)
+    if spoil.__name__ == "<lambda>":
+        path.write_text(spoil(path.read_text()))
+    else:
+        spoil(data)
+        path.write_text(json.dumps(data))
+    _no_variant_runs(monkeypatch)
+    assert main(["model=dlrm_tiny", f"parity.against={path}"]) == 2
+    line = _one_error_line(capsys)
+    assert f"parity.against {path}" in line and message in line, line
+
+
+def test_unwritable_save_path_is_refused_before_any_variant_runs(tmp_path, monkeypatch, capsys):
+    _no_variant_runs(monkeypatch)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    assert main(["model=dlrm_tiny", f"parity.save={blocker}/out.json"]) == 2
+    line = _one_error_line(capsys)
+    assert line.startswith("anyrec-parity: error: parity.save") and "is a file, not a folder" in line, line
+    assert main(["model=dlrm_tiny", f"parity.save={tmp_path}"]) == 2
+    assert "is a folder, not a file" in _one_error_line(capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # nothing written
 
 
 BASE = ["model=dlrm_tiny", "backend=cpu", "trainer.steps=8", "trainer.eval_steps=0",

@@ -39,6 +39,28 @@ def test_timer_leaves_out_warmup_and_time_between_chunks(monkeypatch):
     assert timer.steps == 16 and timer.step_s == pytest.approx(0.01)
 
 
+def test_one_clock_gives_training_time_and_timed_steps(monkeypatch):
+    """total_s: every chunk (warm-up and profiled ones included), never the time between chunks;
+    the timed steps leave out warm-up and the profiled chunk."""
+    clock = _Clock()
+    monkeypatch.setattr(perfcheck.time, "perf_counter", clock)
+    timer = StepTimer(first_step=0, steps=20)  # warm-up: 4 steps
+    timer.chunk_start(0)
+    for step in range(1, 11):
+        clock.now += 0.1
+        timer.after_step(step)
+    assert timer.elapsed_s() == pytest.approx(1.0)  # the running chunk counts
+    timer.chunk_end(10)
+    clock.now += 5.0  # an evaluation between chunks
+    timer.chunk_start(10, timed=False)  # a profiled chunk
+    for step in range(11, 21):
+        clock.now += 0.2
+        timer.after_step(step)
+    timer.chunk_end(20)
+    assert timer.total_s == pytest.approx(3.0) and timer.elapsed_s() == pytest.approx(3.0)
+    assert timer.steps == 6 and timer.step_s == pytest.approx(0.1)
+
+
 def test_no_step_after_warmup_measures_nothing():
     timer = StepTimer(first_step=0, steps=1)
     timer.chunk_start(0)
@@ -89,4 +111,5 @@ def test_training_summary_holds_prediction_measurement_and_breakdown(tmp_path):
     assert b["predicted"]["forward"] + b["predicted"]["backward"] == pytest.approx(s["predicted_step_ms"])
     log = (tmp_path / "run" / "train_rank0.log").read_text()
     assert "step time after warm-up" in log and "step breakdown over the last 4 steps" in log
-    assert "local rank 0 of 2: threads bound to cores" in log  # backend.bind_cores, on by default
+    # backend.bind_cores=auto by default: bound or free by the cores' load, the reason logged either way
+    assert "local rank 0 of 2: threads " in log and "backend.bind_cores=auto: other processes used" in log

@@ -23,7 +23,8 @@ def test_planner_benchmark_small(tmp_path):
     for r in rows:
         assert r["anyrec_plan_s"] > 0  # speed is the benchmark's to report, not a test's to time
         assert r["anyrec_step_ms_anyrec_model"] > 0 and r["anyrec_step_ms_torchrec_model"] > 0
-        assert r["torchrec_error"] or r["torchrec_step_ms_anyrec_model"] > 0
+        # torchrec's planner plans both small workloads: an error here is a broken comparison
+        assert r["torchrec_error"] is None and r["torchrec_step_ms_anyrec_model"] > 0, r["torchrec_error"]
     assert json.loads(out.read_text())["rows"][0]["workload"] == "dlrmv2"
 
 
@@ -36,6 +37,7 @@ def test_planner_validate_quick(tmp_path):
     assert all(r["measured_ms"] > 0 and r["predicted_ms"] > 0 for r in data["shapes"])
 
 
+@pytest.mark.integration  # a 2-rank calibration and four torchrun jobs
 def test_planner_accuracy_small(tmp_path):
     out = tmp_path / "acc.json"
     rows = _load("planner_accuracy").main(["--small", "--output", str(out)])

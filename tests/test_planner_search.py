@@ -2,7 +2,6 @@
 
 import random
 import threading
-import time
 
 import pytest
 
@@ -86,17 +85,14 @@ def test_planner_uses_exact_search_on_small_cases():
     assert res.predicted_step_s >= res.lower_bound_s * (1 - 1e-9)
 
 
-def test_thousand_tables_plan_in_about_a_second():
+def test_thousand_tables_plan_within_every_ranks_caps():
+    """1,000 tables get a plan that fits every rank (the speed is benchmarks/planner.py's to measure)."""
     tables = synthetic_tables(1000, seed=1)
     topo = Topology(get_sku("h200"), 8)
-    planner = CoDesignPlanner()
-    best = float("inf")
-    for _ in range(2):  # best of two: the machine is shared
-        start = time.perf_counter()
-        res = planner.plan(tables, topo, 8192, "adagrad")
-        best = min(best, time.perf_counter() - start)
-    assert len(res.tables) == 1000
+    res = CoDesignPlanner().plan(tables, topo, 8192, "adagrad")
+    assert sorted(res.tables) == sorted(t.name for t in tables)
     assert all(s.hbm_bytes <= res.caps.hbm_bytes for s in res.rank_storage)
+    assert {s.rank for o in res.tables.values() for s in o.shards} == set(range(8))  # the work is spread
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -3,8 +3,11 @@ tables, and a forced sharding that would change the embedding optimizer's update
 
 from __future__ import annotations
 
+import traceback
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from anyrec.backends import get_backend, resolve_hardware
 from anyrec.backends.dispatch import FBGEMM_EMBEDDING
@@ -43,9 +46,27 @@ def test_codesign_plans_the_models_own_tables():
     assert set(per_table) == {c.name for c in model.sparse_arch.embedding_bag_configs()}
 
 
-def _trained_dense_weights(tmp_path, monkeypatch, wrapper=None) -> tuple[list[str], dict[str, torch.Tensor]]:
+class HostReads(TorchDispatchMode):
+    """Host reads of tensor values (`.item()`, `bool(t)`, ...) while active, each as the innermost
+    Python function that asked (C++ callers, e.g. DDP's reducer, show as `backward`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(n in str(func) for n in ("_local_scalar_dense", "is_nonzero", "aten.nonzero", "aten.equal")):
+            frames = [f.name for f in traceback.extract_stack()
+                      if not any(k in f.filename for k in ("torch/utils", "torch/_dynamo", "torch/_compile",
+                                                            "torch/_tensor.py", "torch/autograd"))]
+            self.reads.append(frames[-3] if frames[-2] == "_get_value" else frames[-2])
+        return func(*args, **(kwargs or {}))
+
+
+def _trained_dense_weights(tmp_path, monkeypatch, wrapper=None) -> tuple[list, dict[str, torch.Tensor], list]:
     """Three steps of a one-rank sharded (fbgemm) trainer; `wrapper` replaces `dense_wrapper` if given.
-    Returns the type names of the model's modules and the dense weights afterwards."""
+    Returns the type names of the model's modules, the dense weights afterwards and the host reads
+    of the third step."""
     from anyrec.trainer import trainer as trainer_module
 
     monkeypatch.setenv("RANK", "0")
@@ -61,22 +82,29 @@ def _trained_dense_weights(tmp_path, monkeypatch, wrapper=None) -> tuple[list[st
     trainer = trainer_module.Trainer(cfg)
     try:
         assert not trainer.unsharded
-        for i in range(3):
-            trainer.train_step(trainer.train_data.batch(i))
+        batches = [trainer.train_data.batch(i) for i in range(3)]
+        for b in batches[:2]:
+            trainer.train_step(b)
+        with HostReads() as reads:
+            trainer.train_step(batches[2])
         types = [type(m).__name__ for m in trainer.model.modules()]
         return types, {n: p.detach().clone() for n, p in trainer.model.named_parameters()
-                       if "sparse_arch" not in n}
+                       if "sparse_arch" not in n}, reads.reads
     finally:
         trainer.close()
 
 
 def test_world_size_one_trains_without_ddp_and_the_same_weights(tmp_path, monkeypatch):
     """At world size 1 the dense modules are not wrapped in DDP (its all-reduce averages nothing), and
-    three steps give bit-identical dense weights to the DDP-wrapped model."""
-    types, weights = _trained_dense_weights(tmp_path / "a", monkeypatch)
+    three steps give bit-identical dense weights to the DDP-wrapped model. The step's only host reads
+    are then torch Adagrad's step counters, one per dense parameter (DDP's reducer adds as many)."""
+    types, weights, reads = _trained_dense_weights(tmp_path / "a", monkeypatch)
     assert "DistributedDataParallel" not in types, types
-    ddp_types, ddp_weights = _trained_dense_weights(tmp_path / "b", monkeypatch, wrapper=lambda world_size: None)
+    assert reads == ["_single_tensor_adagrad"] * len(weights), reads
+    ddp_types, ddp_weights, ddp_reads = _trained_dense_weights(tmp_path / "b", monkeypatch,
+                                                               wrapper=lambda _: None)
     assert "DistributedDataParallel" in ddp_types
+    assert len(ddp_reads) == 2 * len(weights), ddp_reads
     assert len(weights) > 0 and weights.keys() == ddp_weights.keys()
     for name, w in weights.items():
         assert torch.equal(w, ddp_weights[name]), name

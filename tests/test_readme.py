@@ -1,5 +1,5 @@
-"""Every config key and override the README names exists: each documented command's Hydra overrides
-compose, and each key named in the prose is in the composed config."""
+"""Every config key and override the README and the guides it links name exists: each documented
+command's Hydra overrides compose, and each key named in the prose is in the composed config."""
 
 from __future__ import annotations
 
@@ -14,6 +14,10 @@ from anyrec.backends.hardware import rewrite_hardware_argv
 from .conftest import ROOT, compose_config
 
 README = (ROOT / "README.md").read_text()
+# The guides the README sends a user to, read with it (the config-group table and summary are the README's).
+GUIDES = "\n".join((ROOT / "docs" / f"{name}.md").read_text()
+                   for name in ("training", "planning", "numerics"))
+DOCS = README + "\n" + GUIDES
 _FENCE = re.compile(r"```[a-z]*\n(.*?)```", re.S)
 # a Hydra entry point in a command line: its `key=value` words are overrides
 _HYDRA_COMMAND = re.compile(r"-m anyrec\.(train|plan)\b|anyrec-(train|plan)\b|dev\.sh train\b")
@@ -24,9 +28,9 @@ _MISSING = object()
 
 def _commands() -> list[list[str]]:
     """Override words of every README command line (code blocks) and inline override span."""
-    lines = [ln for block in _FENCE.findall(README) for ln in block.replace("\\\n", " ").splitlines()]
+    lines = [ln for block in _FENCE.findall(DOCS) for ln in block.replace("\\\n", " ").splitlines()]
     lines = [ln.split(" #")[0] for ln in lines if _HYDRA_COMMAND.search(ln)]
-    spans = re.findall(r"`([^`\n]+)`", _FENCE.sub("", README))
+    spans = re.findall(r"`([^`\n]+)`", _FENCE.sub("", DOCS))
     lines += [s for s in spans if _HYDRA_COMMAND.search(s) or _OVERRIDE.match(s.split()[0])]
     commands = [[w for w in ln.split() if _OVERRIDE.match(w)] for ln in lines]
     return [c for c in commands if c]
@@ -34,7 +38,7 @@ def _commands() -> list[list[str]]:
 
 def _prose_keys(top_level: set[str]) -> list[str]:
     """Dotted config keys named alone in inline code (`data.zipf_exponent`)."""
-    spans = re.findall(r"`([^`\n]+)`", _FENCE.sub("", README))
+    spans = re.findall(r"`([^`\n]+)`", _FENCE.sub("", DOCS))
     return sorted({s for s in spans if _KEY.match(s) and s.split(".")[0] in top_level})
 
 
@@ -59,7 +63,7 @@ def _split(command: list[str]) -> tuple[list[str], list[tuple[str, list[str]]], 
 
 def _group_options() -> list[str]:
     """`group=option` for every option of the README's "Config groups" table."""
-    section = README.split("### Config groups", 1)[1].split("\n\n", 2)[1]
+    section = README.split("## Config groups", 1)[1].split("\n\n", 2)[1]
     out = []
     for row in section.splitlines()[2:]:
         group, options = (re.findall(r"`([^`]+)`", cell) for cell in row.split("|")[1:3])

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from .conftest import ROOT, last_json_line, torchrun
+from .faults import NAN_AT_STEP, faulty
 from .test_data import write_tsv
 
 pytestmark = pytest.mark.integration  # every test here starts processes
@@ -23,10 +24,12 @@ def _errors(proc):
     return [ln for ln in proc.stderr.splitlines() if ln.startswith("anyrec-train: error:")]
 
 
-def _failed_run(tmp_path, *overrides):
-    """A 2-rank job of 8 steps with `overrides` that must fail: the process and its one error line."""
-    proc = torchrun([*BASE, "trainer.steps=8", *overrides, f"hydra.run.dir={tmp_path}"], cwd=tmp_path,
-                    timeout=180)
+def _failed_run(tmp_path, *overrides, nan_at: int | None = None):
+    """A 2-rank job of 8 steps with `overrides` (and rank 0's training batch `nan_at` given a NaN)
+    that must fail: the process and its one error line."""
+    args, env = (BASE, None) if nan_at is None else (faulty(BASE), {NAN_AT_STEP: str(nan_at)})
+    proc = torchrun([*args, "trainer.steps=8", *overrides, f"hydra.run.dir={tmp_path}"], cwd=tmp_path,
+                    timeout=180, env=env)
     assert proc.returncode != 0
     lines = _errors(proc)
     assert len(lines) == 1, proc.stderr[-3000:]
@@ -36,14 +39,15 @@ def _failed_run(tmp_path, *overrides):
 def test_nan_loss_stops_at_that_step(tmp_path):
     # The NaN is injected on rank 0 only: rank 1 must stop too, naming the same step (the deferred
     # check is all-reduced at the chunk's end). Input validation off: it would name the NaN input first.
-    proc, line = _failed_run(tmp_path, "data.inject_nan_at_step=3", "trainer.validate_inputs=false")
+    proc, line = _failed_run(tmp_path, "trainer.validate_inputs=false", nan_at=3)
     assert "non-finite loss" in line and "at step 4" in line, proc.stderr[-3000:]
     assert "exitcode  : 3" in proc.stderr or "exitcode: 3" in proc.stderr.replace("  ", " ")
 
 
 def test_nan_batch_skipped_when_asked(tmp_path):
-    proc = torchrun([*BASE, "trainer.steps=8", "data.inject_nan_at_step=3", "trainer.skip_nonfinite=true",
-                     "trainer.validate_inputs=false", f"hydra.run.dir={tmp_path}"], cwd=tmp_path, timeout=180)
+    proc = torchrun([*faulty(BASE), "trainer.steps=8", "trainer.skip_nonfinite=true",
+                     "trainer.validate_inputs=false", f"hydra.run.dir={tmp_path}"], cwd=tmp_path, timeout=180,
+                    env={NAN_AT_STEP: "3"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = last_json_line(proc.stdout)
     assert s["steps"] == 8 and s["skipped_batches"] == 1
@@ -52,7 +56,7 @@ def test_nan_batch_skipped_when_asked(tmp_path):
 
 
 def test_nan_input_is_named_by_the_validator(tmp_path):
-    _, line = _failed_run(tmp_path, "data.inject_nan_at_step=3")
+    _, line = _failed_run(tmp_path, nan_at=3)
     assert "bad input at step 4 (rank 0): 1 dense values are NaN or infinite" in line
 
 
@@ -73,3 +77,27 @@ def test_wrong_number_of_features_fails_clearly(tmp_path):
     lines = _errors(proc)
     assert lines == ["anyrec-train: error: bad input at step 1: the data has 26 sparse features, "
                      "the model has 3 tables (model.table_rows)"], proc.stderr[-3000:]
+
+
+def test_nan_input_batch_skipped_when_asked_with_validation_on(tmp_path):
+    # trainer.skip_nonfinite means what it says with the input checks on (the default) too.
+    proc = torchrun([*BASE, "trainer.steps=8", "data.inject_nan_at_step=3", "trainer.skip_nonfinite=true",
+                     f"hydra.run.dir={tmp_path}"], cwd=tmp_path, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = last_json_line(proc.stdout)
+    assert s["steps"] == 8 and s["skipped_batches"] == 1
+    assert s["final_loss"] is not None and math.isfinite(s["final_loss"])
+
+
+@pytest.mark.integration
+def test_a_short_soak_recovers_bit_identically_from_random_kills():
+    # benchmarks/soak.py in short: 3 SIGKILLs (a rank or torchrun) at seeded-random instants.
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import soak
+
+    result = soak.soak(kills=3, seed=3, steps=12, every=3, eval_every=6, limit_s=400, log=lambda *a: None)
+    killed = [r for r in result["tries"] if r["killed"]]
+    assert result["kills"] == 3 and result["identical"] == 3, killed
+    assert result["incomplete_used"] == 0 and result["incomplete_left"] == 0, killed
+    assert result["left_behind"] == 0
+    assert all(s < 5 for s in result["launcher_workers_exit_s"]), killed

@@ -14,15 +14,26 @@ from torch.profiler import ProfilerActivity, profile
 
 from anyrec.backends import dispatch, sparse_ops
 from anyrec.backends.cpu import CPUBackend
-from anyrec.backends.sparse_ops import CALLS, SPARSE_OPS
+from anyrec.backends.sparse_ops import SPARSE_OPS
 from anyrec.trainer.distributed import _free_port
 
 from .conftest import ROOT, compose_config, last_json_line, single_process_env, torchrun
+from .portable_calls import counted_ops
 from .test_plugin import plugin_path  # noqa: F401 - the fake accelerator, pip-installed once
 
 fbgemm = pytest.importorskip("fbgemm_gpu")
 OPS = torch.ops.fbgemm
 SHARDINGS = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
+
+
+CALLS: Counter[str] = Counter()  # calls served by the portable kernels, by op name
+
+
+@pytest.fixture(autouse=True)
+def count_portable_calls(monkeypatch):
+    """Every portable kernel registered during a test counts its calls in CALLS."""
+    for name, op in counted_ops(CALLS).items():
+        monkeypatch.setitem(SPARSE_OPS, name, op)
 
 
 @pytest.fixture
@@ -329,7 +340,7 @@ def test_world_size_one_takes_the_sharded_path_when_sparse_ops_are_named(tmp_pat
             summary = trainer.train()
             served = sum((Counter(CALLS) - before).values())
             results[mode] = (trainer.unsharded, type(trainer.pipeline).__name__, summary["final_loss"],
-                             weights_fingerprint(trainer.model, True), served)
+                             weights_fingerprint(trainer.model, trainer.dist), served)
         finally:
             trainer.close()
     assert results["auto"][:2] == (True, "EagerLoop")

@@ -27,7 +27,7 @@ def _one_step(kernel: str, weight_decay: float, tmp_path) -> tuple[torch.Tensor,
 
     try:
         before = table()
-        trainer.train_step(trainer.train_data.batch(0))
+        trainer.run_steps(1)
         return before, table()
     finally:
         trainer.close()

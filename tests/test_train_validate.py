@@ -13,6 +13,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from anyrec.config import OptimConfig
 from anyrec.data.prefetch import Prefetched
 from anyrec.trainer import validate
+from anyrec.trainer.distributed import ONE_PROCESS, DistInfo
 from anyrec.trainer.errors import NonFiniteLossError
 from anyrec.trainer.schedule import WarmupPolyDecay
 from anyrec.trainer.validate import InputValidator, NonFiniteGuard, check_batch, flush_checks
@@ -56,7 +57,7 @@ def test_check_batch():
 
 
 def test_validator_reports_the_first_bad_step_at_flush_without_syncing():
-    v = InputValidator(NAMES, ROWS, 13, torch.device("cpu"))
+    v = InputValidator(NAMES, ROWS, 13, torch.device("cpu"), ONE_PROCESS)
     good, bad_ids = _batch([0, 1], [0, 0]), _batch([0, 1], [0, 7])
     bad_labels = _labelled(good, labels=torch.tensor([0.0, 2.0]))
     with OpRecorder() as rec:
@@ -72,7 +73,7 @@ def test_validator_reports_the_first_bad_step_at_flush_without_syncing():
 
 
 def test_validator_raises_metadata_problems_at_once():
-    v = InputValidator(NAMES, ROWS, 13, torch.device("cpu"))
+    v = InputValidator(NAMES, ROWS, 13, torch.device("cpu"), ONE_PROCESS)
     batches = v.wrap([_batch([0], [0]), _batch([0], [0], dense=5)], first_step=0)
     next(batches)
     with pytest.raises(ValueError, match=r"bad input at step 2: the data has 5 dense features"):
@@ -91,7 +92,7 @@ def test_prefetch_workers_compute_the_value_findings(monkeypatch):
         def batch(self, step):
             return batches[step]
 
-    v = InputValidator(NAMES, ROWS, 13, torch.device("cpu"))
+    v = InputValidator(NAMES, ROWS, 13, torch.device("cpu"), ONE_PROCESS)
     made_in = []
     real = validate.value_report
 
@@ -113,7 +114,7 @@ def test_prefetch_workers_compute_the_value_findings(monkeypatch):
 
 @pytest.mark.parametrize("skip", [False, True])
 def test_nonfinite_guard(skip):
-    g = NonFiniteGuard(skip=skip, device=torch.device("cpu"))
+    g = NonFiniteGuard(skip=skip, device=torch.device("cpu"), info=ONE_PROCESS)
     losses = [torch.tensor(0.5), torch.tensor(math.nan), torch.tensor(0.4), torch.tensor(math.inf)]
     with OpRecorder() as rec:
         run_backward = [g.observe(loss, step) for step, loss in enumerate(losses, start=10)]
@@ -129,8 +130,7 @@ def test_nonfinite_guard(skip):
 
 def test_both_checks_share_one_all_reduce(monkeypatch):
     """A flush is one all-reduce for the input and loss checks together; the input's finding wins."""
-    monkeypatch.setattr(validate, "_world", lambda: 2)
-    monkeypatch.setattr(validate, "_rank", lambda: 1)
+    rank1 = DistInfo(rank=1, world_size=2, local_rank=1, local_world_size=2)
     reduced = []
 
     def all_reduce(t, op):  # rank 0 found nothing: the minimum is this rank's code
@@ -138,8 +138,8 @@ def test_both_checks_share_one_all_reduce(monkeypatch):
 
     monkeypatch.setattr(validate.dist, "all_reduce", all_reduce)
     monkeypatch.setattr(validate.dist, "broadcast_object_list", lambda box, src: None)
-    v = InputValidator(NAMES, ROWS, 13, torch.device("cpu"))
-    g = NonFiniteGuard(skip=False, device=torch.device("cpu"))
+    v = InputValidator(NAMES, ROWS, 13, torch.device("cpu"), rank1)
+    g = NonFiniteGuard(skip=False, device=torch.device("cpu"), info=rank1)
     list(v.wrap([_batch([0, 1], [0, 0])] * 2, first_step=0))
     g.observe(torch.tensor(0.3), 0)
     flush_checks(v, g)  # nothing found
@@ -163,3 +163,39 @@ def test_warmup_poly_decay():
     assert WarmupPolyDecay.from_config(OptimConfig()).factor(123) == 1.0
     with pytest.raises(ValueError, match="decay_start_step"):
         WarmupPolyDecay.from_config(OptimConfig(warmup_steps=5, decay_start_step=2, decay_steps=3))
+
+
+def test_skip_nonfinite_leaves_nan_dense_training_batches_to_the_loss_guard():
+    nan = torch.zeros(2, 13)
+    nan[1, 4] = math.nan
+    batch = _labelled(_batch([0, 1], [0, 0]), dense=nan)
+    skipping = InputValidator(NAMES, ROWS, 13, torch.device("cpu"), skip_nonfinite=True)
+    skipping(batch, 3)
+    skipping.flush()  # a training step: the loss guard skips it
+    skipping(batch, 0, "eval batch")
+    with pytest.raises(ValueError, match="bad input at eval batch 1: 1 dense values are NaN or infinite"):
+        skipping.flush()  # evaluation stays strict
+    strict = InputValidator(NAMES, ROWS, 13, torch.device("cpu"))
+    strict(batch, 3)
+    with pytest.raises(ValueError, match="bad input at step 4: 1 dense values are NaN or infinite"):
+        strict.flush()
+
+
+def test_skip_nonfinite_lets_nan_npy_rows_reach_the_loss_guard(tmp_path):
+    import numpy as np
+
+    from anyrec.config import DataConfig
+    from anyrec.data.criteo import CriteoSource
+
+    from .test_data_criteo import MODEL, _write_npy_day
+
+    dense = np.ones((32, 13), dtype=np.float32)
+    dense[5, 3] = np.nan
+    d = _write_npy_day(tmp_path, dense=dense)
+    data = DataConfig(name="criteo_npy", path=str(d), train_files=["day_0"], batch_size=8)
+    batch = CriteoSource(MODEL, data, skip_nonfinite=True).batch(0)
+    assert int(torch.isnan(batch.dense_features).sum()) == 1
+    with pytest.raises(ValueError, match=r"day_0_dense.npy row 5: dense feature 3 is nan"):
+        CriteoSource(MODEL, data).batch(0)
+    with pytest.raises(ValueError, match=r"day_0_dense.npy row 5: dense feature 3 is nan"):
+        CriteoSource(MODEL, data, split="eval", skip_nonfinite=True).batch(0)  # evaluation stays strict

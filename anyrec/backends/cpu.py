@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
+from anyrec.backends.core_load import BindChoice, bind_setting, choose_binding, measure_core_load
 from anyrec.backends.interface import Backend, DeviceFacts
 from anyrec.backends.specs import SKUS, DeviceSpec
 
@@ -86,10 +87,13 @@ class CPUBackend(Backend):
         return torch.device("cpu")
 
     def bind_local_rank(self, local_rank: int, local_world_size: int,
-                        bind_cores: bool = True) -> list[int] | None:
+                        bind_cores: bool | str = "auto") -> list[int] | None:
         """Ranks on one host share its cores: each runs torch's threads on its own contiguous share
-        and, with `bind_cores`, every thread of the process is bound to that share (threads that
-        migrate between cores lose their caches: a 2-rank step on 2 cores measured ~25% slower unbound)."""
+        and, where `bind_cores` says so (true; auto: where other processes leave the cores free, see
+        `anyrec.backends.core_load`), every thread of the process is bound to that share. The
+        decision is kept in `self.bind_choice` (None where nothing was to decide)."""
+        self.bind_choice: BindChoice | None = None
+        bind_setting(bind_cores)  # a bad value fails on every host, not only where it would be read
         if local_world_size <= 1:
             return None
         allowed = _host_cores()
@@ -102,11 +106,16 @@ class CPUBackend(Backend):
             torch.set_num_threads(max(1, cores // local_world_size))
             return None
         torch.set_num_threads(len(share))
-        if not bind_cores or not os.path.isdir("/proc/self/task"):
+        if not os.path.isdir("/proc/self/task"):
+            return None
+        self.bind_choice = choose_binding(bind_cores, lambda: measure_core_load(allowed))
+        if not self.bind_choice.bind:
+            logger.info("local rank %d of %d: threads free on cores %s (%s)", local_rank, local_world_size,
+                        ",".join(map(str, allowed)), self.bind_choice.describe())
             return None
         bind_threads(share)
-        logger.info("local rank %d of %d: threads bound to cores %s", local_rank, local_world_size,
-                    ",".join(map(str, share)))
+        logger.info("local rank %d of %d: threads bound to cores %s (%s)", local_rank, local_world_size,
+                    ",".join(map(str, share)), self.bind_choice.describe())
         return share
 
     def device_spec(self) -> DeviceSpec:

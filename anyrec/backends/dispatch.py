@@ -23,7 +23,6 @@ import importlib
 import importlib.metadata
 import importlib.util
 import logging
-import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -127,7 +126,7 @@ class Impl:
     op: str
     name: str
     builder: str | Callable | None = None
-    probe: Probe | None = None  # None: runs wherever `Backend.probe(name)` allows
+    probe: Probe | str | None = None  # or "module:attr"; None: runs wherever `Backend.probe(name)` allows
     options: Mapping[str, Any] = field(default_factory=dict)
     compute_kernels: Mapping[str, str] = field(default_factory=dict)
     data_parallel: bool = False
@@ -212,7 +211,8 @@ _FBGEMM_TBE_OPS = (
 )
 
 
-def _fbgemm_load_error() -> str | None:
+def fbgemm_load_error() -> str | None:
+    """None when fbgemm_gpu imports, else why not (not installed, or a wheel that fails to load)."""
     if importlib.util.find_spec("fbgemm_gpu") is None:
         return "fbgemm_gpu is not installed"
     try:
@@ -224,7 +224,7 @@ def _fbgemm_load_error() -> str | None:
 
 def probe_fbgemm(backend: Backend) -> str | None:
     """FBGEMM's TBE ops are importable and have kernels for this backend's device type."""
-    reason = _fbgemm_load_error()
+    reason = fbgemm_load_error()
     if reason is not None:
         return reason
     key = dispatch_key(backend.device_type)
@@ -235,27 +235,14 @@ def probe_fbgemm(backend: Backend) -> str | None:
     return f"fbgemm_gpu has no TBE kernels for {backend.device_type} (wrong fbgemm_gpu build?)"
 
 
-def probe_fbgemm_sparse_ops(backend: Backend) -> str | None:
-    """fbgemm_gpu loads and has a kernel for the device for every sparse op (anyrec.backends.sparse_ops)."""
-    reason = _fbgemm_load_error()
-    if reason is not None:
-        return reason
-    from anyrec.backends.sparse_ops import SPARSE_OPS, missing_kernels  # it imports this module
-
-    key = dispatch_key(backend.device_type)
-    missing = missing_kernels(key)
-    if missing:
-        return (f"fbgemm_gpu has no {key} kernel for {len(missing)} of {len(SPARSE_OPS)} sparse ops "
-                f"({', '.join(missing)})")
-    return None
-
-
 def probe_triton(backend: Backend) -> str | None:
     """Triton is importable and can target this backend's device (CPU only through its interpreter)."""
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed"
     if backend.device_type == "cpu":
-        if os.environ.get("TRITON_INTERPRET") != "1":
+        from anyrec.kernels._triton import interpreter_enabled  # imports triton: only once it is installed
+
+        if not interpreter_enabled():
             return ("triton does not compile for CPU "
                     "(set TRITON_INTERPRET=1 to opt in to its slow interpreter)")
         return None
@@ -366,7 +353,7 @@ BUILTIN_IMPLS: tuple[Impl, ...] = (
     Impl("dcn_cross", "torch", "anyrec.models.interaction:LowRankCrossNet"),
     Impl("collectives", "nccl", probe=probe_nccl),
     Impl("collectives", "gloo", probe=probe_gloo),
-    Impl("sparse_ops", "fbgemm", probe=probe_fbgemm_sparse_ops,
+    Impl("sparse_ops", "fbgemm", probe="anyrec.backends.sparse_ops:probe_fbgemm",
          description="FBGEMM's kernels for torchrec's KJT permutes, offsets, bucketisation, pooled permutes"),
     Impl("sparse_ops", "portable",
          description="anyrec's pure-torch kernels for them, registered with torch.library (sparse_ops.py)"),
@@ -481,7 +468,7 @@ def availability(backend: Backend, op: str, impl: str) -> str | None:
                           f"(anyrec.backends.dispatch.register_impl or the {IMPL_ENTRY_POINT_GROUP} "
                           f"entry points)")
             elif record.probe is not None:
-                reason = record.probe(backend)
+                reason = _resolve(record.probe)(backend)
         _probe_cache[key] = reason
     return _probe_cache[key]
 

@@ -73,7 +73,7 @@ class Backend(abc.ABC):
         """Bind this process to its device (no-op where devices are not per-process)."""
 
     def bind_local_rank(self, local_rank: int, local_world_size: int,  # noqa: B027 - optional hook
-                        bind_cores: bool = True) -> list[int] | None:
+                        bind_cores: bool | str = "auto") -> list[int] | None:
         """Give this process (local rank `local_rank` of `local_world_size` on its host) its share of
         the host's cores; the cores it is bound to, or None where it binds nothing (accelerators:
         torchrun --numa-binding binds host cores to devices)."""
@@ -85,6 +85,17 @@ class Backend(abc.ABC):
 
     def synchronize(self) -> None:  # noqa: B027 - optional hook
         """Wait for queued device work (used by timers)."""
+
+    def pins_host_memory(self) -> bool:
+        """Whether torch can page-lock host memory for copies to and from this device (False on the
+        host itself, and where the device's runtime gives torch no pinned-memory allocator)."""
+        if self.device_type == "cpu":
+            return False
+        try:
+            torch.empty(1, pin_memory=True)
+        except (RuntimeError, NotImplementedError):
+            return False
+        return True
 
     def max_memory_allocated(self) -> int | None:
         """Peak bytes allocated on the device by this process (None where it is not measured)."""

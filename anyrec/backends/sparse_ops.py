@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from anyrec.backends.dispatch import dispatch_key, select
+from anyrec.backends.dispatch import dispatch_key, fbgemm_load_error, select
 
 if TYPE_CHECKING:
     from anyrec.backends.interface import Backend
@@ -35,10 +34,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MODES = ("auto", "fbgemm", "portable")
-
-# Calls served by a portable kernel, by op name (tests compare it with a recording of the step).
-CALLS: Counter[str] = Counter()
-
 
 # ---- the kernels ---------------------------------------------------------------------------------
 
@@ -50,7 +45,6 @@ def _complete_cumsum(x: torch.Tensor) -> torch.Tensor:
 
 def asynchronous_complete_cumsum(t_in: torch.Tensor) -> torch.Tensor:
     """Offsets from lengths: 1-D [N] -> [N+1], 2-D [R, N] -> [R, N+1] (each row on its own)."""
-    CALLS["fbgemm::asynchronous_complete_cumsum"] += 1
     if t_in.dim() not in (1, 2):
         raise RuntimeError(f"asynchronous_complete_cumsum: expected a 1-D or 2-D tensor, got {t_in.dim()}-D")
     return _complete_cumsum(t_in.contiguous())
@@ -78,7 +72,6 @@ def _permute_segments(permute: torch.Tensor, seg_lens_S: torch.Tensor, values: t
 def permute_2D_sparse_data(permute: torch.Tensor, lengths: torch.Tensor, values: torch.Tensor,
                            weights: torch.Tensor | None = None, permuted_lengths_sum: int | None = None):
     """Reorder the rows (features) of a [T, B] jagged batch: lengths, values and weights."""
-    CALLS["fbgemm::permute_2D_sparse_data"] += 1
     if lengths.dim() != 2:
         raise RuntimeError(f"permute_2D_sparse_data: lengths must be 2-D, got {lengths.dim()}-D")
     perm = permute.to(torch.int64)
@@ -90,7 +83,6 @@ def permute_2D_sparse_data(permute: torch.Tensor, lengths: torch.Tensor, values:
 def permute_1D_sparse_data(permute: torch.Tensor, lengths: torch.Tensor, values: torch.Tensor,
                            weights: torch.Tensor | None = None, permuted_lengths_sum: int | None = None):
     """Reorder the bags of a 1-D jagged batch (each length its own segment)."""
-    CALLS["fbgemm::permute_1D_sparse_data"] += 1
     perm = permute.to(torch.int64)
     flat = lengths.reshape(-1)
     permuted_lengths = flat.index_select(0, perm)
@@ -136,7 +128,6 @@ def block_bucketize_sparse_features(
     Returns (lengths [my_size * T*B], ids, weights?, positions?, unbucketize permute?) laid out bucket
     by bucket; ids keep their order inside a bag, as in FBGEMM's sequential CPU kernel.
     """
-    CALLS["fbgemm::block_bucketize_sparse_features"] += 1
     if block_bucketize_pos:
         raise NotImplementedError("block_bucketize_sparse_features: the portable kernel does not "
                                   "implement block_bucketize_pos (uneven/ZCH buckets)")
@@ -212,7 +203,6 @@ def _permute_pooled(pooled_embs: torch.Tensor, offset_dim_list: torch.Tensor,
 def permute_pooled_embs(pooled_embs: torch.Tensor, offset_dim_list: torch.Tensor, permute_list: torch.Tensor,
                         inv_offset_dim_list: torch.Tensor, inv_permute_list: torch.Tensor) -> torch.Tensor:
     """Reorder the per-feature column blocks of pooled embeddings."""
-    CALLS["fbgemm::permute_pooled_embs"] += 1
     return _permute_pooled(pooled_embs, offset_dim_list, permute_list)
 
 
@@ -220,7 +210,6 @@ def permute_pooled_embs_split(pooled_embs: torch.Tensor, offset_dim_list: torch.
                               permute_list: torch.Tensor, inv_offset_dim_list: torch.Tensor,
                               inv_permute_list: torch.Tensor) -> torch.Tensor:
     """`permute_pooled_embs` as the column-wise output dist calls it (same result)."""
-    CALLS["fbgemm::permute_pooled_embs_split"] += 1
     return _permute_pooled(pooled_embs, offset_dim_list, permute_list)
 
 
@@ -240,7 +229,6 @@ class _PermutePooled(torch.autograd.Function):
 
 def _auto_grad(name: str) -> Callable[..., torch.Tensor]:
     def kernel(pooled_embs, offset_dim_list, permute_list, inv_offset_dim_list, inv_permute_list):
-        CALLS[name] += 1
         return _PermutePooled.apply(pooled_embs, offset_dim_list, permute_list, inv_offset_dim_list,
                                     inv_permute_list)
 
@@ -365,6 +353,19 @@ def installed(dispatch_key: str) -> tuple[str, ...]:
 
 
 _logged: set[tuple[str, str, tuple[str, ...]]] = set()
+
+
+def probe_fbgemm(backend: Backend) -> str | None:
+    """The `sparse_ops` op's fbgemm probe: fbgemm_gpu loads and has a kernel for the device for every op."""
+    reason = fbgemm_load_error()
+    if reason is not None:
+        return reason
+    key = dispatch_key(backend.device_type)
+    missing = missing_kernels(key)
+    if missing:
+        return (f"fbgemm_gpu has no {key} kernel for {len(missing)} of {len(SPARSE_OPS)} sparse ops "
+                f"({', '.join(missing)})")
+    return None
 
 
 def install(backend: Backend, mode: str = "auto") -> SparseOpsChoice:

@@ -35,6 +35,7 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from anyrec.config import DataConfig, ModelConfig
+from anyrec.data.arrays import check_ids_dtype, check_layout, load_npy
 from anyrec.io_checks import atomic_write
 from anyrec.schema import feature_names
 
@@ -215,40 +216,6 @@ def tsv_path(directory: str | Path, name: str) -> Path:
 # ---- npy ---------------------------------------------------------------------------------------------
 
 
-def load_npy(path: Path) -> np.ndarray:
-    """Memory-map one .npy file; a missing, truncated or foreign file is a ValueError naming it."""
-    if not path.is_file():
-        raise ValueError(f"criteo: missing {path} (make it with `python -m anyrec.data.preprocess`)")
-    try:
-        arr = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (ValueError, OSError, EOFError) as e:
-        raise ValueError(f"criteo: {path} is not a readable .npy file ({e})") from None
-    if not isinstance(arr, np.ndarray):
-        raise ValueError(f"criteo: {path} is not an .npy file (it holds {type(arr).__name__})")
-    return arr
-
-
-def check_layout(dense_path, dense: np.ndarray, labels_path, labels: np.ndarray) -> np.ndarray:
-    """Check the dense and label arrays' dtypes and shapes; return labels as [N, 1]."""
-    if dense.ndim != 2:
-        raise ValueError(f"criteo: {dense_path} must be 2-D (rows x dense features), has shape {dense.shape}")
-    if dense.dtype.kind != "f":
-        raise ValueError(f"criteo: {dense_path} holds {dense.dtype}, expected float32 dense features")
-    if labels.dtype.kind not in "iubf":
-        raise ValueError(f"criteo: {labels_path} holds {labels.dtype}, expected int32 labels")
-    if labels.ndim not in (1, 2) or (labels.ndim == 2 and labels.shape[1] != 1):
-        raise ValueError(f"criteo: {labels_path} must have one label per row, has shape {labels.shape}")
-    if len(labels) != len(dense):
-        raise ValueError(f"criteo: {labels_path} has {len(labels)} rows, {dense_path} has {len(dense)}")
-    return labels.reshape(len(labels), 1)
-
-
-def check_ids_dtype(path, arr: np.ndarray) -> None:
-    """Ids must be integers (any width up to 64 bits)."""
-    if arr.dtype.kind not in "iu" or arr.dtype.itemsize > 8 or arr.dtype == np.uint64:
-        raise ValueError(f"criteo: {path} holds {arr.dtype}, expected integer ids (int32 or int64)")
-
-
 def npy_paths(directory: str | Path, prefix: str) -> tuple[Path, Path, Path]:
     """The (dense, sparse, labels) files of one preprocessed day."""
     d = Path(directory)
@@ -283,14 +250,17 @@ def read_npy(directory: str | Path, prefix: str) -> CriteoArrays:
 
 
 def check_rows(files: tuple[str, str, str], lo: int, dense_nI: np.ndarray, labels_n: np.ndarray,
-               ids: list[np.ndarray], table_rows: list[int] | None) -> None:
-    """Raise BadRowError naming the (dense, sparse, labels) file and row (lo + i) of the first bad value."""
+               ids: list[np.ndarray], table_rows: list[int] | None, finite_dense: bool = True) -> None:
+    """Raise BadRowError naming the (dense, sparse, labels) file and row (lo + i) of the first bad value.
+
+    `finite_dense=False` (trainer.skip_nonfinite on the training split) lets NaN/inf dense values
+    through: the trainer skips the step whose loss they make non-finite."""
     bad = np.flatnonzero((labels_n != 0) & (labels_n != 1))
     if bad.size:
         i = int(bad[0])
         raise BadRowError(f"criteo: {files[2]} row {lo + i}: label {labels_n[i].item()} is not 0 or 1")
-    finite = np.isfinite(dense_nI)
-    if not finite.all():
+    finite = np.isfinite(dense_nI) if finite_dense else True
+    if not np.all(finite):
         i, j = (int(x) for x in np.argwhere(~finite)[0])
         raise BadRowError(f"criteo: {files[0]} row {lo + i}: dense feature {j} is {dense_nI[i, j]}")
     if table_rows is None:
@@ -317,7 +287,7 @@ class CriteoSource:
     """Batches of Criteo rows for one rank; `batch(step)` is a pure function of (step, rank)."""
 
     def __init__(self, model: ModelConfig, data: DataConfig, rank: int = 0, world_size: int = 1,
-                 split: str = "train") -> None:
+                 split: str = "train", skip_nonfinite: bool = False) -> None:
         if data.name not in FILE_SOURCES:
             raise ValueError(f"CriteoSource reads {', '.join(FILE_SOURCES)}, not {data.name!r}")
         if not data.path:
@@ -364,6 +334,7 @@ class CriteoSource:
         self.checked_rows = rows if not data.hash_ids and matches else None
         self.batch_size = data.batch_size
         self.rank, self.world_size = rank, world_size
+        self.skip_nonfinite = skip_nonfinite and split == "train"  # see check_rows
         B = self.batch_size
         self._lengths = torch.cat([torch.full((B,), L, dtype=torch.int32) for L in self.hot])
         self._length_per_key = [B * L for L in self.hot]
@@ -380,7 +351,7 @@ class CriteoSource:
             dense = np.asarray(part.dense_NI[lo:lo + n])
             labels = np.asarray(part.labels_N1[lo:lo + n]).reshape(-1)
             ids = part.sparse_rows(lo, n)
-            check_rows(part.files, lo, dense, labels, ids, self.checked_rows)
+            check_rows(part.files, lo, dense, labels, ids, self.checked_rows, not self.skip_nonfinite)
             dense_p.append(dense)
             labels_p.append(labels)
             sparse_p.append(ids)

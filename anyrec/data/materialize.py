@@ -40,7 +40,8 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from anyrec.config import config_dir
-from anyrec.data.criteo import check_ids_dtype, load_npy, npy_paths
+from anyrec.data.arrays import check_ids_dtype, load_npy
+from anyrec.data.criteo import npy_paths
 from anyrec.data.multihot import multihot_paths, write_npz_members
 from anyrec.data.preprocess import print_reports
 from anyrec.io_checks import atomic_write

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from anyrec.data.criteo import check_ids_dtype, check_layout, load_npy
+from anyrec.data.arrays import check_ids_dtype, check_layout, load_npy
 from anyrec.io_checks import atomic_write
 
 _LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # a zip local file header's fixed 30 bytes

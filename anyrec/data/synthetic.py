@@ -155,8 +155,6 @@ class SyntheticCriteo:
         self.ranges = [max(1, math.ceil(r * data.id_range_scale)) for r in rows]
         if max(self.ranges) >= 1 << 40:
             raise ValueError(f"id range {max(self.ranges)} is too large (at most 2^40 ids per feature)")
-        # Test-only: one rank's dense features go NaN at this step (the others stay finite).
-        self.nan_step = data.inject_nan_at_step if split == "train" and rank == 0 else None
         self._split_key = _key(seed, 0xDA7A, _SPLITS[split])
         self._build_tables(seed, data)
 
@@ -295,8 +293,6 @@ class SyntheticCriteo:
         zi_B = ((z_B >> (_Z_FRAC_BITS - _P_FRAC_BITS)) + (_Z_MAX << _P_FRAC_BITS)).clamp_(
             0, self._click_threshold.numel() - 1)
         labels_B = (hc_B < torch.take(self._click_threshold, zi_B)).float()
-        if step == self.nan_step:
-            dense_BI[0, 0] = math.nan
         sparse = KeyedJaggedTensor(keys=self.keys, values=values, lengths=self._lengths.clone(), stride=B,
                                    length_per_key=self._length_per_key,
                                    offset_per_key=self._offset_per_key)

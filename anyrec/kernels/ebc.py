@@ -77,7 +77,7 @@ class TritonEmbeddingBagCollection(nn.Module):
         tables: Sequence[EmbeddingBagConfig],
         optimizer: OptimizerConfig | None = None,
         device: torch.device | str | None = None,
-        execution: str = "auto",
+        execution: str = "torch",
         weights_dtype: torch.dtype | None = None,
         bounds_check: BoundsCheckMode | str = BoundsCheckMode.ERROR,
         is_weighted: bool = False,

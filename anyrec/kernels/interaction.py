@@ -18,11 +18,9 @@ result is the same, as products of bf16 values are exact in fp32.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from anyrec.kernels._triton import HAS_TRITON, tl, triton
+from anyrec.kernels._triton import HAS_TRITON, interpreter_enabled, tl, triton
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -158,7 +156,7 @@ def _launch_args(dense_BD: torch.Tensor, sparse_BFD: torch.Tensor):
     num_rows = num_sparse + 1
     block_b, block_n, block_d, num_warps = interaction_blocks(num_rows)
     grid = (triton.cdiv(batch, block_b),)
-    dot_fp32 = dense_BD.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+    dot_fp32 = dense_BD.dtype == torch.float32 or interpreter_enabled()
     meta = {"DOT_FP32": dot_fp32, "BLOCK_B": block_b, "BLOCK_N": block_n,
             "BLOCK_D": block_d, "num_warps": num_warps}
     return batch, num_rows, dim, grid, meta

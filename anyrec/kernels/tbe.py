@@ -7,21 +7,21 @@ the optimizer update in place and returns no weight gradient; training code ther
 an optimizer for these weights (`learning_rate` can be changed between steps).
 
 Execution is "triton" (the Triton kernels: CUDA, ROCm, or CPU under TRITON_INTERPRET=1) or "torch"
-(vectorised torch ops, any device). "auto" picks triton for GPU tensors when triton imports and
-torch otherwise, and logs the choice once; asking for "triton" where it cannot run raises.
+(vectorised torch ops, any device; the default). The caller chooses (anyrec's op dispatch does, per
+backend); asking for "triton" where it cannot run raises. The execution is logged once per device.
 Legend (shape suffixes): N lookups, F features, B batch size, Dt output dim, T tables.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from anyrec.kernels import triton_tbe, triton_tbe_backward
+from anyrec.kernels._triton import interpreter_enabled
 from anyrec.kernels.layout import BoundsCheckMode, TBELayout, batch_size, check_ids
 from anyrec.kernels.optimizers import OptimizerConfig, OptimizerKind
 from anyrec.kernels.reference import POOLING_MODES
@@ -29,33 +29,25 @@ from anyrec.kernels.torch_tbe import torch_backward_update, torch_forward
 
 logger = logging.getLogger(__name__)
 
-EXECUTIONS = ("auto", "triton", "torch")
-# Module-level default for `execution=None`; tests and launchers may flip it.
-DEFAULT_EXECUTION = "auto"
+EXECUTIONS = ("triton", "torch")
 
 _LOGGED: set[tuple[str, str]] = set()
 
 
-def triton_interpreter_enabled() -> bool:
-    """Whether triton kernels run on CPU tensors (TRITON_INTERPRET=1, read before importing triton)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def resolve_execution(execution: str, device: torch.device) -> str:
-    """'triton' or 'torch' for tensors on `device`; raises ValueError when triton cannot run there."""
+def check_execution(execution: str, device: torch.device) -> str:
+    """`execution` if it runs on tensors on `device` (logged once per device type); ValueError when it
+    is unknown or triton cannot run there."""
     if execution not in EXECUTIONS:
         raise ValueError(f"execution must be one of {EXECUTIONS}, got {execution!r}")
-    triton_runs_here = triton_tbe.HAS_TRITON and (device.type != "cpu" or triton_interpreter_enabled())
-    if execution == "triton" and not triton_runs_here:
+    runs_here = triton_tbe.HAS_TRITON and (device.type != "cpu" or interpreter_enabled())
+    if execution == "triton" and not runs_here:
         why = ("triton is not installed" if not triton_tbe.HAS_TRITON
                else "CPU tensors need TRITON_INTERPRET=1")
         raise ValueError(f"triton execution requested on {device} but {why}; use execution='torch'")
-    chosen = execution if execution != "auto" else ("triton" if triton_runs_here and device.type != "cpu"
-                                                      else "torch")
-    if (chosen, device.type) not in _LOGGED:
-        _LOGGED.add((chosen, device.type))
-        logger.info("table-batched embedding: %s execution on %s", chosen, device.type)
-    return chosen
+    if (execution, device.type) not in _LOGGED:
+        _LOGGED.add((execution, device.type))
+        logger.info("table-batched embedding: %s execution on %s", execution, device.type)
+    return execution
 
 
 class _TBELookup(torch.autograd.Function):
@@ -96,7 +88,7 @@ class TritonTableBatchedEmbedding(nn.Module):
         bounds_check: BoundsCheckMode | str = BoundsCheckMode.ERROR,
         feature_names: Sequence[str] | None = None,
         device: torch.device | str | None = None,
-        execution: str | None = None,
+        execution: str = "torch",
     ) -> None:
         super().__init__()
         if pooling not in POOLING_MODES:
@@ -116,12 +108,8 @@ class TritonTableBatchedEmbedding(nn.Module):
         self.output_dtype = output_dtype
         self.stochastic_rounding = stochastic_rounding
         self.bounds_check = BoundsCheckMode(bounds_check)
-        self.execution = execution or DEFAULT_EXECUTION
-        if self.execution not in EXECUTIONS:
-            raise ValueError(f"execution must be one of {EXECUTIONS}, got {self.execution!r}")
         device = torch.device(device) if device is not None else torch.device("cpu")
-        if self.execution == "triton":
-            resolve_execution("triton", device)  # fail at construction, not at the first batch
+        self.execution = check_execution(execution, device)  # fail at construction, not at the first batch
         lay = self.layout
         self.register_buffer("weight", torch.empty(lay.total_elements, dtype=weights_dtype, device=device))
         kind = self.optimizer.kind
@@ -242,7 +230,7 @@ class TritonTableBatchedEmbedding(nn.Module):
                    self.output_dtype)
 
     def _execution(self) -> str:
-        return resolve_execution(self.execution, self.weight.device)
+        return check_execution(self.execution, self.weight.device)
 
     @torch.no_grad()
     def _fused_update(self, layouts, indices_N, offsets_FB1, psw_N, grad_out_BDt, batch: int) -> None:

@@ -106,7 +106,7 @@ class TritonFusedEmbeddingBag(TritonBatchedFusedEmbeddingBag):
     """torchrec compute kernel for one group of local shards, backed by `TritonTableBatchedEmbedding`.
 
     Extra fused params it reads: "stochastic_rounding" (bool), "output_dtype" (SparseType),
-    "bounds_check" ("error" | "skip") and "execution" ("auto" | "triton" | "torch").
+    "bounds_check" ("error" | "skip") and "execution" ("triton" | "torch"; torch if absent).
     """
 
     def __init__(
@@ -135,7 +135,7 @@ class TritonFusedEmbeddingBag(TritonBatchedFusedEmbeddingBag):
             bounds_check=fp.get("bounds_check", "error"),
             feature_names=names,
             device=device,
-            execution=fp.get("execution"),
+            execution=fp.get("execution", "torch"),
         )
         self._optim = TritonEmbeddingFusedOptimizer(config, self._emb_module, pg)
         self.init_parameters()
@@ -230,7 +230,7 @@ class TritonEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     """EmbeddingBagCollection sharder whose model-parallel shards use the Triton TBE kernel.
 
     `optimizer` sets the fused update (it overrides the optimizer keys of `fused_params`);
-    `execution` is passed to the kernel ("auto": Triton on GPUs, torch ops on CPU).
+    `execution` is passed to the kernel ("triton" | "torch"; the kernel's default, torch, if None).
     """
 
     def __init__(

@@ -35,9 +35,9 @@ class _TrianglePairs(torch.autograd.Function):
 
     The backward scatters the pair gradients into a [B, f, f] buffer kept by the module, whose
     other entries were zeroed once and are never written, then runs the two products autograd runs
-    for bmm(x, x^T), G @ x and (x^T @ G)^T, the second as G^T @ x: the same products summed in the
-    same order, written contiguously (the transposed one made the sum a slow strided add). The
-    gradient is bit-identical to the plain autograd graph's (tests/test_models.py checks it).
+    for bmm(x, x^T), G @ x and (x^T @ G)^T, the second as G^T @ x: the same products over the same
+    index, written contiguously (the transposed one made the sum a slow strided add). The gradient
+    is bit-identical to the plain autograd graph's with torch's CPU BLAS (tests/test_models.py).
     """
 
     @staticmethod

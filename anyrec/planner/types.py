@@ -92,7 +92,8 @@ class Topology:
     device: DeviceSpec
     world_size: int
     local_world_size: int | None = None
-    compute_device: str | None = None  # "cuda" | "cpu"; default from the device vendor
+    # torch device type ("cuda", "cpu", a plugin's); default from the vendor
+    compute_device: str | None = None
     hbm_cap_bytes: int | None = None
     ddr_cap_bytes: int | None = None
 
@@ -104,8 +105,10 @@ class Topology:
             raise ValueError(f"world_size {self.world_size} must be a multiple of local_world_size {local}")
         object.__setattr__(self, "local_world_size", local)
         compute = self.compute_device or ("cpu" if self.device.vendor == "cpu" else "cuda")
-        if compute not in ("cuda", "cpu"):
-            raise ValueError(f"compute_device must be 'cuda' or 'cpu', got {compute!r}")
+        # Any torch device type: "cpu" keeps tables in host memory, every other is an accelerator.
+        if not (compute.isidentifier() and compute.islower()):
+            raise ValueError(f"compute_device must be a torch device type ('cuda', 'cpu', ...), "
+                             f"got {compute!r}")
         object.__setattr__(self, "compute_device", compute)
 
     @property

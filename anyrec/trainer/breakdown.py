@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
 from anyrec.planner.types import Perf
+from anyrec.trainer.distributed import DistInfo
 
 logger = logging.getLogger(__name__)
 
@@ -128,12 +129,12 @@ def predicted_phases(perf: Perf | None) -> dict[str, float] | None:
             "backward": (perf.bwd_compute_s + perf.bwd_comms_s) * 1e3, "collectives": perf.comms_s * 1e3}
 
 
-def gather_breakdown(mine: dict[str, float], device: torch.device) -> list[dict[str, float]]:
+def gather_breakdown(mine: dict[str, float], device: torch.device, info: DistInfo) -> list[dict[str, float]]:
     """Every rank's breakdown (one collective)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if info.world_size == 1:
         return [mine]
     t = torch.tensor([mine[k] for k in KEYS], dtype=torch.float64, device=device)
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    out = [torch.empty_like(t) for _ in range(info.world_size)]
     dist.all_gather(out, t)
     return [dict(zip(KEYS, (float(v) for v in o.tolist()), strict=True)) for o in out]
 

@@ -34,6 +34,7 @@ import torch.distributed.checkpoint as dcp
 
 import anyrec
 from anyrec.config import CheckpointConfig
+from anyrec.trainer.distributed import DistInfo
 from anyrec.trainer.errors import CheckpointError
 from anyrec.trainer.lineage import DirLock, Found, RunIdentity, Start, decide_start, launch_id, read_meta_file
 
@@ -44,19 +45,19 @@ DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of the shard 
 _FINAL = re.compile(r"^step_(\d+)$")
 
 
-def _broadcast(value: Any) -> Any:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def _broadcast(value: Any, info: DistInfo) -> Any:
+    if info.world_size == 1:
         return value
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
-def _agree(error: str | None) -> None:
+def _agree(error: str | None, info: DistInfo) -> None:
     """Collective: if any rank had an error, every rank raises the first one (nobody waits alone)."""
     errors = [error]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        errors = [None] * dist.get_world_size()
+    if info.world_size > 1:
+        errors = [None] * info.world_size
         dist.all_gather_object(errors, error)
     first = next((e for e in errors if e), None)
     if first:
@@ -87,17 +88,10 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _world() -> tuple[int, int]:
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _gather_dicts(local: dict[str, str]) -> dict[str, str]:
-    rank, world = _world()
-    if world == 1:
+def _gather_dicts(local: dict[str, str], info: DistInfo) -> dict[str, str]:
+    if info.world_size == 1:
         return local
-    parts: list[dict[str, str]] = [{} for _ in range(world)]
+    parts: list[dict[str, str]] = [{} for _ in range(info.world_size)]
     dist.all_gather_object(parts, local)
     return {k: v for part in parts for k, v in part.items()}
 
@@ -141,14 +135,15 @@ class CheckpointManager:
     this run and says which checkpoint to load.
     """
 
-    def __init__(self, cfg: CheckpointConfig, signature: dict[str, Any], is_main: bool,
+    def __init__(self, cfg: CheckpointConfig, signature: dict[str, Any], info: DistInfo,
                  identity: dict[str, Any] | None = None) -> None:
         if not cfg.dir:
             raise ValueError("CheckpointManager needs trainer.checkpoint.dir")
         if cfg.every < 0 or cfg.keep < 1:
             raise ValueError(f"trainer.checkpoint.every must be >= 0 and keep >= 1, got "
                              f"every={cfg.every}, keep={cfg.keep}")
-        self.cfg, self.root, self.signature, self.is_main = cfg, Path(cfg.dir), signature, is_main
+        self.cfg, self.root, self.signature, self.info = cfg, Path(cfg.dir), signature, info
+        self.is_main = info.is_main
         self.identity = identity or {}
         self.run: RunIdentity | None = None  # set by start()
         self._replace: tuple[str, ...] = ()
@@ -172,7 +167,7 @@ class CheckpointManager:
                 decision = str(e)
             except OSError as e:
                 decision = f"trainer.checkpoint.dir {self.root}: {describe_error(e)}"
-        decision = _broadcast(decision)
+        decision = _broadcast(decision, self.info)
         if isinstance(decision, str):
             self.close()
             raise CheckpointError(decision)
@@ -227,7 +222,7 @@ class CheckpointManager:
         CheckpointError, and the temporary directory is removed: nothing half-written stays.
         """
         tag = self.run.lineage[:8] if self.run else "x"
-        token = _broadcast(uuid.uuid4().hex[:12] if self.is_main else "")
+        token = _broadcast(uuid.uuid4().hex[:12] if self.is_main else "", self.info)
         tmp = self.root / f"step_{step}.tmp-{tag}-{token}"
         final = self.root / f"step_{step}"
         try:
@@ -246,7 +241,7 @@ class CheckpointManager:
             tmp.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             error = f"{where}: {describe_error(e)}"
-        _agree(error)
+        _agree(error, self.info)
         try:
             dcp.save(state, checkpoint_id=str(tmp))
         except BaseException as e:  # DCP's CheckpointException is a BaseException, raised on every rank
@@ -254,16 +249,16 @@ class CheckpointManager:
                 raise
             raise CheckpointError(f"{where}: {describe_error(e)}") from None
         # Checksums are spread over the ranks: each hashes a share of the files.
-        rank, world = _world()
+        rank, world = self.info.rank, self.info.world_size
         names = sorted(_file_sizes(tmp))
-        digests = _gather_dicts({n: _sha256(tmp / n) for n in names[rank::world]})
+        digests = _gather_dicts({n: _sha256(tmp / n) for n in names[rank::world]}, self.info)
         error = None
         if self.is_main:
             try:
                 self._publish(step, extra_meta, tmp, final, digests)
             except (OSError, CheckpointError) as e:
                 error = f"{where}: {describe_error(e) if isinstance(e, OSError) else e}"
-        error = _broadcast(error)
+        error = _broadcast(error, self.info)
         if error:
             raise CheckpointError(error)
 
@@ -328,10 +323,10 @@ class CheckpointManager:
             if not isinstance(sums, dict) or set(sums) != set(files):
                 raise CheckpointError(f"checkpoint {path} is corrupt or incomplete: meta.json's checksums "
                                       f"do not cover the files it lists")
-            rank, world = _world()
+            rank, world = self.info.rank, self.info.world_size
             names = sorted(sums)
             bad = {n: "bad" for n in names[rank::world] if _sha256(path / n) != sums[n]}
-            bad = _gather_dicts(bad)
+            bad = _gather_dicts(bad, self.info)
             if bad:
                 raise CheckpointError(f"checkpoint {path} is corrupt: checksum mismatch in "
                                       f"{', '.join(sorted(bad))}")

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from anyrec.backends import Backend
+from anyrec.trainer.shutdown import start_heartbeat, stop_heartbeat
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,9 @@ class DistInfo:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+
+ONE_PROCESS = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1)  # a job without torchrun
 
 
 def _free_port() -> int:
@@ -135,11 +139,14 @@ def check_hosts(info: DistInfo, device: torch.device | None) -> None:
                          f"host(s) x {info.local_world_size}); launch with torchrun, one agent per host")
 
 
-def init_distributed(backend: Backend, timeout_s: float | None = None) -> DistInfo:
+def init_distributed(backend: Backend, timeout_s: float | None = None,
+                     peer_timeout_s: float | None = None) -> DistInfo:
     """Join (or create) the default process group with the backend's collectives library.
 
     `timeout_s` bounds every collective (trainer.collective_timeout_s): a rank waiting longer on a
     stopped or stuck peer fails instead of hanging for torch's default (10 to 30 minutes).
+    `peer_timeout_s` (trainer.peer_timeout_s) starts the heartbeat that names a peer silent that
+    long, and ends this worker soon after its launcher dies (shutdown.Heartbeat).
     """
     info = env_dist_info()
     backend.set_device(info.local_rank)
@@ -153,6 +160,8 @@ def init_distributed(backend: Backend, timeout_s: float | None = None) -> DistIn
         dist.init_process_group(backend=backend.dist_backend, rank=info.rank, store=_elastic_store(info),
                                 world_size=info.world_size, device_id=device_id,
                                 timeout=timedelta(seconds=timeout_s) if timeout_s else None)
+    if peer_timeout_s:
+        start_heartbeat(info.rank, info.world_size, peer_timeout_s)
     check_hosts(info, backend.device(info.local_rank))
     if info.is_main:
         logger.info("%d host(s) x %d ranks (world size %d)", info.hosts, info.local_world_size,
@@ -169,6 +178,7 @@ def destroy_distributed(barrier: bool = True) -> None:
     if dist.is_initialized():
         if barrier:
             dist.barrier()
+        stop_heartbeat()
         dist.destroy_process_group()
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import threading
 import time
 
 
@@ -36,3 +38,31 @@ def write_error_file(message: str) -> None:
             json.dump({"message": message, "timestamp": int(time.time())}, f)
     except OSError:
         pass  # the report then says "error_file: <N/A>"; the message is on stderr anyway
+
+
+def exit_now(line: str, code: int) -> None:
+    """Leave at once from any thread (a peer or the launcher is gone, so nothing is left to wait for):
+    `line` as the one error line on stderr and in torchrun's report, no teardown, no stack dump."""
+    message = f"anyrec-train: error: {line}"
+    try:
+        print(message, file=sys.stderr, flush=True)
+        write_error_file(message)
+    finally:
+        os._exit(code)
+
+
+def watch_launcher(poll_s: float = 0.25) -> None:
+    """Under torchrun, from the worker's first moment: a thread that ends the worker in one line when
+    its launcher dies (the worker is orphaned), also while it imports or waits for its peers, before
+    the heartbeat (shutdown.Heartbeat) watches. A no-op without torchrun."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    parent = os.getppid()
+
+    def watch() -> None:
+        while parent != 1 and os.getppid() == parent:
+            time.sleep(poll_s)
+        who = f"the launcher (pid {parent})" if parent != 1 else "the launcher"
+        exit_now(f"rank {os.environ.get('RANK', '?')}: {who} is gone: exiting", 4)
+
+    threading.Thread(target=watch, name="anyrec-launcher-watch", daemon=True).start()

@@ -9,6 +9,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
+from anyrec.trainer.distributed import DistInfo
+
 # name -> [(offsets of a piece in the full tensor, the piece)]
 Pieces = dict[str, list[tuple[list[int], torch.Tensor]]]
 
@@ -28,15 +30,15 @@ def _local_pieces(model: nn.Module, is_main: bool) -> tuple[Pieces, dict[str, li
     return local, sizes
 
 
-def full_state(model: nn.Module, is_main: bool) -> dict[str, torch.Tensor]:
+def full_state(model: nn.Module, info: DistInfo) -> dict[str, torch.Tensor]:
     """Every state_dict entry whole, in fp64 (exact for fp32 and bf16), by name, on every rank.
 
     Gathers all shards to every rank (test-sized models only).
     """
-    local, sizes = _local_pieces(model, is_main)
+    local, sizes = _local_pieces(model, info.is_main)
     gathered = [local]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        gathered = [{} for _ in range(dist.get_world_size())]
+    if info.world_size > 1:
+        gathered = [{} for _ in range(info.world_size)]
         dist.all_gather_object(gathered, local)
     out = {}
     for name in sorted(sizes):
@@ -48,13 +50,13 @@ def full_state(model: nn.Module, is_main: bool) -> dict[str, torch.Tensor]:
     return out
 
 
-def weights_fingerprint(model: nn.Module, is_main: bool) -> str:
+def weights_fingerprint(model: nn.Module, info: DistInfo) -> str:
     """SHA-256 of every full weight tensor, independent of the plan and world size.
 
     Gathers all shards to every rank (test-sized models; opt-in via trainer.fingerprint_weights).
     """
     h = hashlib.sha256()
-    for name, full in full_state(model, is_main).items():
+    for name, full in full_state(model, info).items():
         h.update(name.encode())
         h.update(full.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()

@@ -6,13 +6,18 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch import nn
 from torchrec import optim as trec_optim
 from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from anyrec.backends.dispatch import Impl, implementations
 from anyrec.config import OptimConfig
 from anyrec.kernels.optimizers import OptimizerConfig, OptimizerKind
+from anyrec.kernels.replicated import ReplicatedTableOptimizer
+from anyrec.trainer.schedule import set_lr
 
 OPTIMIZERS = tuple(k.value for k in OptimizerKind)  # the fused update rules name the optimizers
 
@@ -110,3 +115,43 @@ def check_embedding_weight_decay(cfg: OptimConfig, embedding: Impl) -> None:
         raise ValueError(f"optim.weight_decay={cfg.weight_decay} is not applied by the {embedding.name} "
                          f"embedding implementation's fused update; use backend.embedding_kernel= one "
                          f"of {able}, or optim.weight_decay=0")
+
+
+class Optimizers:
+    """A model's three optimizers: the dense one (MLPs, interaction), the fused embedding one (rows
+    update inside the backward) and, where the plan replicates tables, the replicated-table one;
+    `combined` is what torchrec's pipeline and the checkpoint see."""
+
+    def __init__(self, model: nn.Module, fused: KeyedOptimizer, cfg: OptimConfig, ebc_path: str) -> None:
+        self.cfg = cfg
+        # torchrec marks the empty placeholders of tables on other ranks as optimised in the backward,
+        # but moving a module to a device torch cannot shallow-copy CPU tensors into (any PrivateUse1
+        # device) gives it new Parameters without the mark: skip the placeholders by size too.
+        params = {n: p for n, p in in_backward_optimizer_filter(model.named_parameters())
+                  if not (n.startswith(f"{ebc_path}.") and p.numel() == 0)}
+        # replicated (data-parallel) tables train by the embedding rule and lr, like sharded ones
+        tables = {n: p for n, p in params.items() if n.startswith(f"{ebc_path}.")}
+        dense = {n: p for n, p in params.items() if n not in tables}
+        self.dense_params = list(dense.values())
+        self.dense = KeyedOptimizerWrapper(dense, lambda ps: dense_optimizer(cfg, ps))
+        self.fused = fused
+        named: list[tuple[str, KeyedOptimizer]] = [("dense", self.dense), ("sparse", fused)]
+        self.replicated = None
+        if tables:
+            rule = embedding_optimizer_config(cfg)
+            self.replicated = KeyedOptimizerWrapper(tables, lambda ps: ReplicatedTableOptimizer(ps, rule))
+            named.append(("replicated", self.replicated))
+        self.combined = CombinedOptimizer(named)
+
+    def set_lr(self, factor: float) -> None:
+        """Every optimizer's learning rate: its base rate times the schedule's `factor`."""
+        set_lr(self.dense, self.cfg.dense_lr * factor)
+        set_lr(self.fused, self.cfg.embedding_lr * factor)
+        if self.replicated is not None:
+            set_lr(self.replicated, self.cfg.embedding_lr * factor)
+
+    def step(self) -> None:
+        """The dense update (gradient clipped to `optim.grad_clip_norm` when set), then the others'."""
+        if self.cfg.grad_clip_norm > 0:
+            torch.nn.utils.clip_grad_norm_(self.dense_params, self.cfg.grad_clip_norm)
+        self.combined.step()

@@ -14,6 +14,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from anyrec.trainer.distributed import DistInfo
+
 logger = logging.getLogger(__name__)
 
 MISS_WARN_FRACTION = 0.30  # a prediction off by more than this is worth calibrating for
@@ -26,30 +28,45 @@ def warmup_steps(steps: int) -> int:
 
 
 class StepTimer:
-    """Seconds and steps after warm-up, accumulated over chunks that end at a sync point."""
+    """The one clock of the training loop, read at chunk boundaries (after the pipeline is drained):
+    all training time (the summary's samples_per_s and elapsed_s) and, apart, the seconds and steps
+    after warm-up outside profiled chunks (the prediction check)."""
 
     def __init__(self, first_step: int, steps: int) -> None:
         self.warm_step = first_step + warmup_steps(steps - first_step)
-        self.seconds = 0.0
+        self.total_s = 0.0  # every finished chunk
+        self.seconds = 0.0  # after warm-up, timed chunks only
         self.steps = 0
+        self._start: float | None = None  # the running chunk's start
+        self._timed = False
         self._t0: float | None = None
         self._s0 = 0
 
-    def chunk_start(self, step: int) -> None:
-        """A chunk begins at `step` (just after a sync point)."""
-        self._t0, self._s0 = (time.perf_counter(), step) if step >= self.warm_step else (None, step)
+    def chunk_start(self, step: int, timed: bool = True) -> None:
+        """A chunk begins at `step` (just after a sync point); `timed=False`: not in the measured steps."""
+        self._start = time.perf_counter()
+        self._timed = timed
+        self._t0, self._s0 = (self._start, step) if timed and step >= self.warm_step else (None, step)
 
     def after_step(self, step: int) -> None:
         """`step` steps are done; at the warm-up boundary the clock starts (a host read, no sync)."""
-        if step == self.warm_step:
+        if self._timed and step == self.warm_step:
             self._t0, self._s0 = time.perf_counter(), step
 
     def chunk_end(self, step: int) -> None:
-        """The chunk ended at `step` and the device is drained: count its post-warm-up time."""
+        """The chunk ended at `step` and the device is drained: count its time."""
+        now = time.perf_counter()
+        if self._start is not None:
+            self.total_s += now - self._start
         if self._t0 is not None and step > self._s0:
-            self.seconds += time.perf_counter() - self._t0
+            self.seconds += now - self._t0
             self.steps += step - self._s0
-        self._t0 = None
+        self._start = self._t0 = None
+
+    def elapsed_s(self) -> float:
+        """Training time so far, the running chunk included."""
+        running = time.perf_counter() - self._start if self._start is not None else 0.0
+        return self.total_s + running
 
     @property
     def step_s(self) -> float | None:
@@ -57,12 +74,12 @@ class StepTimer:
         return self.seconds / self.steps if self.steps else None
 
 
-def gather_step_s(step_s: float | None, device: torch.device) -> list[float | None]:
+def gather_step_s(step_s: float | None, device: torch.device, info: DistInfo) -> list[float | None]:
     """Every rank's measured seconds per step (one collective, at the end of training)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if info.world_size == 1:
         return [step_s]
     mine = torch.tensor([-1.0 if step_s is None else step_s], dtype=torch.float64, device=device)
-    out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    out = [torch.empty_like(mine) for _ in range(info.world_size)]
     dist.all_gather(out, mine)
     return [None if v < 0 else v for v in (float(t.item()) for t in out)]
 

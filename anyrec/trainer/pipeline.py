@@ -5,6 +5,7 @@ autocast are the same either way: `forward(batch) -> (loss, output)`, `backward(
 the backward, which also skips the fused embedding update) and `optimizer_step()`.
 `progress(batches)` runs one step (training mode) or one forward (eval mode) and raises
 StopIteration when `batches` is exhausted; afterwards the pipeline is empty and takes a new iterator.
+Training steps call it from `Trainer.run_steps` only; evaluation goes through `predictions`.
 On CPU the sparse-dist pipeline gives bit-identical weights to the eager loop.
 """
 
@@ -46,6 +47,15 @@ class SparseDistPipeline(TrainPipelineSparseDist):
 
     def _optimizer_step(self) -> None:
         self._fns.optimizer_step()
+
+
+def predictions(pipeline: SparseDistPipeline | EagerLoop, batches: Iterator[Batch]) -> Iterator[Any]:
+    """In eval mode: the model's output for every batch of `batches`, through the pipeline (forward only)."""
+    while True:
+        try:
+            yield pipeline.progress(batches)
+        except StopIteration:
+            return
 
 
 class EagerLoop:

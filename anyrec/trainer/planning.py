@@ -8,7 +8,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torchrec.distributed.model_parallel import DataParallelWrapper, DistributedModelParallel
+from torch.distributed import _remote_device
+from torchrec.distributed.model_parallel import (
+    DataParallelWrapper,
+    DefaultDataParallelWrapper,
+    DistributedModelParallel,
+)
 from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 
 from anyrec.backends import Backend, Hardware
@@ -40,9 +45,12 @@ class NoDataParallelWrapper(DataParallelWrapper):
         pass
 
 
-def dense_wrapper(world_size: int) -> DataParallelWrapper | None:
-    """DistributedModelParallel's data-parallel wrapper: none at world size 1, torchrec's DDP otherwise."""
-    return NoDataParallelWrapper() if world_size == 1 else None
+def dense_wrapper(world_size: int, static_graph: bool = True) -> DataParallelWrapper:
+    """DistributedModelParallel's data-parallel wrapper: none at world size 1, torchrec's DDP otherwise
+    (`static_graph` off where the device cannot page-lock the host memory DDP's static graph uses)."""
+    if world_size == 1:
+        return NoDataParallelWrapper()
+    return DefaultDataParallelWrapper(static_graph=static_graph)
 
 
 def shared_plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module, module_path: str,
@@ -84,9 +92,10 @@ def plan_and_predict(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model:
     if cfg.planner.name == "simple":
         shardings = simple_table_shardings(ebc.embedding_bag_configs(), info.world_size,
                                            force=cfg.planner.sharding, optimizer=cfg.optim.name)
-        return simple_sharding_plan(ebc, shardings, module_path, info.world_size, info.local_world_size,
+        plan = simple_sharding_plan(ebc, shardings, module_path, info.world_size, info.local_world_size,
                                     backend.device_type, sharder=sharders(embedding)[0],
-                                    compute_kernel=embedding.compute_kernel()), None
+                                    compute_kernel=embedding.compute_kernel())
+        return place_shards(plan, backend, info.local_world_size), None
     if cfg.planner.name != "codesign":
         raise ValueError(f"unknown planner {cfg.planner.name!r}; choose codesign or simple")
     topology = Topology(hardware.spec, info.world_size, info.local_world_size, backend.device_type)
@@ -96,4 +105,17 @@ def plan_and_predict(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model:
     if info.is_main:
         logger.info("co-design plan:\n%s", format_report(result, advice=False))
     slowest = max(result.rank_perf, key=lambda p: p.total_s)  # its total_s is result.predicted_step_s
-    return to_sharding_plan(result, module_path, ebc, backend.device_type), slowest
+    plan = to_sharding_plan(result, module_path, ebc, backend.device_type)
+    return place_shards(plan, backend, info.local_world_size), slowest
+
+
+def place_shards(plan: ShardingPlan, backend: Backend, local_world_size: int) -> ShardingPlan:
+    """Name in each shard's placement the device its rank trains on (`backend.device`). torchrec's
+    `sharding_plan.placement` adds a device index for cuda, mtia and tpu only, so on any other
+    accelerator a shard's placement (`rank:1/simdev`) would not match its tensor's device."""
+    for module_plan in plan.plan.values():
+        for ps in module_plan.values():
+            for shard in getattr(ps.sharding_spec, "shards", None) or []:
+                rank = shard.placement.rank()
+                shard.placement = _remote_device(f"rank:{rank}/{backend.device(rank % local_world_size)}")
+    return plan

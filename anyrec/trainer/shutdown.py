@@ -1,5 +1,5 @@
-"""Clean shutdown and bounded waits: every rank stops at the same step on SIGINT/SIGTERM, a lost peer
-is named, and nothing waits forever.
+"""Clean shutdown and bounded waits: every rank stops at the same step on SIGINT/SIGTERM/SIGHUP, a lost
+or stuck peer is named, an orphaned worker leaves, and nothing waits forever.
 
 Ranks agree through the process group's store (the TCPStore torchrun or init_process_group made),
 every `trainer.stop_check_every` steps: each rank posts whether it saw a signal and reads the others'
@@ -7,12 +7,20 @@ posts, host-side only (no device sync, no collective on the accelerator). A sign
 watcher thread through `signal.set_wakeup_fd`, so even a main thread blocked inside a collective with
 a stopped peer cannot delay it: if the ranks have not agreed to stop within `trainer.stop_grace_s`,
 the process exits anyway (128 + signal number) and its peers see the connection close.
+
+A `Heartbeat` thread per rank beats through its own connection to the store every BEAT_S seconds and
+watches the next rank's beat: a rank whose beat stands still for `trainer.peer_timeout_s` (stopped,
+or stuck with the GIL held) is named in one line and the watcher's process exits (4), without
+shortening the collective timeout of healthy long collectives (their threads keep beating). The same
+thread ends a worker whose launcher is gone (torchrun killed: the worker is orphaned and the store
+stops answering) within seconds, in one line and without a stack dump.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import select
 import signal
 import socket
 import threading
@@ -22,24 +30,43 @@ from typing import Any
 
 import torch.distributed as dist
 
-from anyrec.trainer.errors import NonFiniteLossError, PeerLostError
+from anyrec.trainer.errors import NonFiniteLossError, PeerLostError, exit_now
 
 logger = logging.getLogger(__name__)
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# SIGHUP: a closed terminal or SSH session; treated as SIGTERM (stop at a step boundary, save first).
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+BEAT_S = 1.0  # seconds between a rank's heartbeats (and its checks of its neighbour's and the launcher)
+DONE = b"done"  # the beat of a rank that left on purpose
+PEER_LOST_EXIT = 4  # the entry point's exit status for a lost peer (train.EXIT_CODES)
 ROLL_CALL_S = 3.0  # how long a failed rank waits for its peers to report before naming the silent ones
 CLOSE_WAIT_S = 5.0  # after an error, how long close() waits for the other ranks before leaving alone
 
 
-def _store() -> Any | None:
+def _store(world_size: int) -> Any | None:
     """The default process group's store, prefixed for anyrec's keys; None without a group."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if world_size == 1 or not dist.is_initialized():
         return None
     return dist.PrefixStore("anyrec/", dist.distributed_c10d._get_default_store())
 
 
+def _alive(conn: socket.socket) -> bool:
+    """Whether a connection that reads as ready is still open (end-of-file or an error: closed)."""
+    try:
+        return conn.recv(1, socket.MSG_DONTWAIT) != b""
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+
+
+def _launcher_gone(parent: int) -> bool:
+    """Under torchrun, a worker whose agent died (e.g. SIGKILL) is orphaned: its parent changed."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and os.getppid() != parent
+
+
 class StopRequest:
-    """SIGINT/SIGTERM turned into a stop at a step boundary that every rank agrees on."""
+    """SIGINT/SIGTERM/SIGHUP turned into a stop at a step boundary that every rank agrees on."""
 
     def __init__(self, rank: int, world_size: int, check_every: int, grace_s: float,
                  timeout_s: float) -> None:
@@ -50,7 +77,7 @@ class StopRequest:
         self._count = 0
         self._agreed = threading.Event()
         self._lock = threading.Lock()
-        self._store = _store()
+        self._store = _store(world_size)
         self._installed: dict[int, Any] = {}
         self._old_wakeup = -1
         self._pair: tuple[socket.socket, socket.socket] | None = None
@@ -59,7 +86,7 @@ class StopRequest:
     # ---- signals --------------------------------------------------------------------------------
 
     def install(self) -> None:
-        """Catch SIGINT/SIGTERM (main thread only; a no-op elsewhere, e.g. under a test runner thread)."""
+        """Catch SIGINT/SIGTERM/SIGHUP (main thread only; a no-op elsewhere, e.g. in a test runner thread)."""
         if threading.current_thread() is not threading.main_thread() or self._installed:
             return
         reader, writer = socket.socketpair()
@@ -121,10 +148,6 @@ class StopRequest:
 
     # ---- agreement ------------------------------------------------------------------------------
 
-    def _launcher_gone(self) -> bool:
-        """Under torchrun, a worker whose agent died (e.g. SIGKILL) is orphaned: stop rather than run on."""
-        return "TORCHELASTIC_RUN_ID" in os.environ and os.getppid() != self._parent
-
     def should_stop(self, step: int) -> bool:
         """At step boundaries: True on every rank at the same step once any rank got a signal.
 
@@ -132,7 +155,7 @@ class StopRequest:
         """
         if step % self.check_every:
             return False
-        if self.signum is None and self._launcher_gone():
+        if self.signum is None and _launcher_gone(self._parent):
             logger.error("rank %d: the launcher (pid %d) is gone: stopping", self.rank, self._parent)
             self.signum = signal.SIGTERM
         local = self.signum or 0
@@ -165,6 +188,97 @@ class StopRequest:
         return values
 
 
+class Heartbeat:
+    """A daemon thread that beats for this rank and watches the next rank's beat (see the module doc).
+
+    It uses a connection of its own to the store at MASTER_ADDR:MASTER_PORT (torchrun's agent store, or
+    the one rank 0 hosts), so a main thread blocked in a store wait or a collective cannot delay it.
+    A beat is `pid:count`; the neighbour is stuck when its beat has not changed for `timeout_s` since
+    this rank started watching (a key left by an earlier attempt changes as soon as the new one beats).
+    """
+
+    def __init__(self, rank: int, world_size: int, timeout_s: float) -> None:
+        self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+        self.peer = (rank + 1) % world_size
+        self._stop = threading.Event()
+        self._parent = os.getppid()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> Heartbeat:
+        """Connect and start beating; a no-op for one rank or without a store address."""
+        if self.world_size == 1 or "MASTER_ADDR" not in os.environ:
+            return self
+        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        store = dist.PrefixStore("anyrec/heartbeat/", dist.TCPStore(
+            addr, port, is_master=False, timeout=timedelta(seconds=max(BEAT_S, 2.0))))
+        # A bare connection to the store that never sends: it reads end-of-file the instant the store's
+        # process dies, so the launcher's death is seen before a store call fails (and c10d logs a
+        # C++ stack dump for it).
+        probe = socket.create_connection((addr, port), timeout=10)
+        self._thread = threading.Thread(target=self._run, args=(store, probe), name="anyrec-heartbeat",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop beating and tell the watcher this rank left on purpose (it is not stuck)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * BEAT_S)
+
+    def _run(self, store: dist.Store, probe: socket.socket) -> None:
+        pid, count = os.getpid(), 0
+        seen, since = None, time.monotonic()
+        gone = f"rank {self.rank}: the launcher (pid {self._parent}) is gone: exiting"
+        while not self._stop.is_set():
+            if select.select([probe], [], [], BEAT_S if count else 0)[0] and not _alive(probe):
+                self._leave(gone)
+            if _launcher_gone(self._parent):
+                self._leave(gone)
+            count += 1
+            try:
+                store.set(str(self.rank), f"{pid}:{count}")
+                beat = store.get(str(self.peer)) if store.check([str(self.peer)]) else None
+            except Exception:  # noqa: BLE001 - the store is unreachable
+                self._leave(f"rank {self.rank}: the job's store (MASTER_ADDR:MASTER_PORT) stopped "
+                            "answering: the launcher is gone; exiting")
+                return
+            if beat == DONE:
+                since = time.monotonic()  # the peer left on purpose: nothing to wait for
+            elif beat != seen:
+                seen, since = beat, time.monotonic()
+            elif time.monotonic() - since > self.timeout_s:
+                self._leave(f"rank {self.rank}: rank(s) {self.peer} stopped responding (no heartbeat for "
+                            f"{self.timeout_s:.0f} s; trainer.peer_timeout_s={self.timeout_s:.0f})")
+        try:
+            store.set(str(self.rank), DONE)
+        except Exception:  # noqa: BLE001 - the store may be gone already
+            pass
+        probe.close()
+
+    def _leave(self, line: str) -> None:
+        if not self._stop.is_set():
+            exit_now(line, PEER_LOST_EXIT)
+
+
+_heartbeat: Heartbeat | None = None
+
+
+def start_heartbeat(rank: int, world_size: int, timeout_s: float) -> None:
+    """Start this process's heartbeat (once the process group is up); see Heartbeat."""
+    global _heartbeat
+    stop_heartbeat()
+    _heartbeat = Heartbeat(rank, world_size, timeout_s).start()
+
+
+def stop_heartbeat() -> None:
+    """Stop watching (before the group goes down: the peers leave at their own pace)."""
+    global _heartbeat
+    if _heartbeat is not None:
+        _heartbeat.stop()
+        _heartbeat = None
+
+
 # gloo's words for a peer that is gone or silent (it raises plain RuntimeErrors), and the libraries'.
 _PEER_MARKERS = ("Timed out waiting", "Application timeout caused pair closure", "Connection closed by peer",
                  "Connection reset by peer", "watchdog", "NCCL", "RCCL", "gloo")
@@ -195,7 +309,7 @@ def peer_failure(e: BaseException, rank: int, world_size: int, timeout_s: float)
 
 def _roll_call(rank: int, world_size: int) -> list[int]:
     try:
-        store = _store()
+        store = _store(world_size)
         if store is None:
             return []
         store.set(f"failed/{rank}", "1")
@@ -214,7 +328,7 @@ def _roll_call(rank: int, world_size: int) -> list[int]:
 def peers_met(rank: int, world_size: int, timeout_s: float = CLOSE_WAIT_S, name: str = "close") -> bool:
     """Whether every rank reaches this point within `timeout_s` (a barrier that gives up)."""
     try:
-        store = _store()
+        store = _store(world_size)
         if store is None:
             return True
         keys = [f"meet/{name}/{r}" for r in range(world_size)]

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torchrec.datasets.utils import Batch
 
+from anyrec.trainer.distributed import DistInfo
 from anyrec.trainer.errors import NonFiniteLossError
 
 _NONE = 2**62  # "no bad step" in the min-reduced step codes
@@ -99,26 +100,23 @@ def check_batch(batch: Batch, feature_names: list[str], table_rows: list[int], n
     return describe(value_report(batch, table_rows).tolist(), feature_names, table_rows)
 
 
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _at(what: str, step: int, rank: int) -> str:
+def _at(what: str, step: int, rank: int, info: DistInfo) -> str:
     """`step 7`, or `step 7 (rank 1)` when the world has ranks."""
-    return f"{what} {step + 1}" + (f" (rank {rank})" if _world() > 1 else "")
+    return f"{what} {step + 1}" + (f" (rank {rank})" if info.world_size > 1 else "")
 
 
 class InputValidator:
-    """Checks each batch as it is drawn; value findings stay on the device until `flush()`."""
+    """Checks each batch as it is drawn; value findings stay on the device until `flush()`.
+
+    `skip_nonfinite` (trainer.skip_nonfinite): non-finite dense values of training batches are left to
+    the loss guard, which skips their step (its loss is non-finite); evaluation batches stay strict.
+    """
 
     def __init__(self, feature_names: list[str], table_rows: list[int], num_dense: int,
-                 device: torch.device) -> None:
+                 device: torch.device, info: DistInfo, skip_nonfinite: bool = False) -> None:
         self.feature_names, self.table_rows, self.num_dense = feature_names, table_rows, num_dense
-        self.device = device
+        self.device, self.info = device, info
+        self.skip_nonfinite = skip_nonfinite
         self._rows_F = torch.tensor(table_rows, dtype=torch.int64, device=device)
         self._pending: list[tuple[int, str, torch.Tensor]] = []
 
@@ -132,9 +130,13 @@ class InputValidator:
     def __call__(self, batch: Batch, step: int, what: str = "step") -> None:
         problem = check_metadata(batch, self.feature_names, self.num_dense)
         if problem is not None:
-            raise ValueError(f"bad input at {_at(what, step, _rank())}: {problem}")
+            raise ValueError(f"bad input at {_at(what, step, self.info.rank, self.info)}: {problem}")
         report = batch.__dict__.pop(_REPORT, None)
-        self._pending.append((step, what, value_report(batch, self.table_rows) if report is None else report))
+        if report is None:
+            report = value_report(batch, self.table_rows)
+        if self.skip_nonfinite and what == "step":
+            report = torch.cat([report[:-1], report.new_zeros(1)])  # the loss guard skips the step
+        self._pending.append((step, what, report))
 
     def wrap(self, batches: Iterable[Batch], first_step: int, what: str = "step") -> Iterator[Batch]:
         """The batches, each checked as it is drawn (so before it enters the pipeline)."""
@@ -153,7 +155,8 @@ class InputValidator:
         order_P = torch.arange(len(self._pending), device=self.device)
         local = torch.where(bad_P, order_P, len(self._pending)).min()
         # Steps are ranked by their index in `pending` (the same on every rank: same loop).
-        return torch.where(local < len(self._pending), local * _world() + _rank(), _NONE).reshape(1)
+        code = local * self.info.world_size + self.info.rank
+        return torch.where(local < len(self._pending), code, _NONE).reshape(1)
 
     def raise_found(self, code: int) -> None:
         """Consume the pending findings; raise the bad batch `code` (all ranks' minimum) names.
@@ -163,16 +166,16 @@ class InputValidator:
         pending, self._pending = self._pending, []
         if code >= _NONE:
             return
-        index, rank = divmod(code, _world())
+        index, rank = divmod(code, self.info.world_size)
         problem: str | None = None
-        if rank == _rank():
+        if rank == self.info.rank:
             problem = describe(pending[index][2].tolist(), self.feature_names, self.table_rows)
-        if _world() > 1:
+        if self.info.world_size > 1:
             box: list[str | None] = [problem]
             dist.broadcast_object_list(box, src=rank)
             problem = box[0]
         step, what = pending[index][0], pending[index][1]
-        raise ValueError(f"bad input at {_at(what, step, rank)}: {problem}")
+        raise ValueError(f"bad input at {_at(what, step, rank, self.info)}: {problem}")
 
     def flush(self) -> None:
         """Raise the first bad batch any rank saw since the last flush (a collective)."""
@@ -182,19 +185,19 @@ class InputValidator:
 class NonFiniteGuard:
     """Watches every loss; default: a device flag checked at `flush()`, skip mode: a check per step."""
 
-    def __init__(self, skip: bool, device: torch.device) -> None:
-        self.skip, self.device = skip, device
+    def __init__(self, skip: bool, device: torch.device, info: DistInfo) -> None:
+        self.skip, self.device, self.info = skip, device, info
         self._first_bad = torch.full((), _NONE, dtype=torch.int64, device=device)
 
     def observe(self, loss: torch.Tensor, step: int) -> bool:
         """Whether to run this step's backward. Only skip mode reads the loss (sync + all-reduce)."""
         bad = ~torch.isfinite(loss.detach())
         if not self.skip:
-            code = torch.where(bad, step * _world() + _rank(), _NONE)
+            code = torch.where(bad, step * self.info.world_size + self.info.rank, _NONE)
             self._first_bad = torch.minimum(self._first_bad, code)
             return True
         flag = bad.to(torch.int32).reshape(1)
-        if _world() > 1:
+        if self.info.world_size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return not bool(flag)
 
@@ -207,9 +210,10 @@ class NonFiniteGuard:
     def raise_found(self, code: int) -> None:
         """Raise NonFiniteLossError for `code` (all ranks' minimum), unless it is _NONE."""
         if code < _NONE:
-            step, rank = divmod(code, _world())
-            raise NonFiniteLossError(f"non-finite loss at {_at('step', step, rank)}; "
-                                     "set trainer.skip_nonfinite=true to skip such batches")
+            step, rank = divmod(code, self.info.world_size)
+            raise NonFiniteLossError(f"non-finite loss at {_at('step', step, rank, self.info)}; "
+                                     "set trainer.skip_nonfinite=true to skip such batches (and batches "
+                                     "with non-finite dense inputs, from any source)")
 
     def flush(self) -> None:
         """Raise NonFiniteLossError for the first non-finite loss any rank saw (a collective)."""
@@ -227,7 +231,7 @@ def flush_checks(validator: InputValidator | None, guard: NonFiniteGuard | None)
     if not checks:
         return
     codes = torch.cat([c.pending_code() for c in checks])
-    if _world() > 1:
+    if checks[0].info.world_size > 1:
         dist.all_reduce(codes, op=dist.ReduceOp.MIN)
     for check, code in zip(checks, codes.tolist(), strict=True):
         check.raise_found(code)

@@ -24,6 +24,10 @@ from anyrec.trainer.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from conftest import compose_config  # noqa: E402
+from portable_calls import counted_ops  # noqa: E402
+
+CALLS: Counter[str] = Counter()  # calls served by the portable kernels, by op name
+sparse_ops.SPARSE_OPS.update(counted_ops(CALLS))  # before any trainer registers them
 
 STEPS = 3
 MULTI_HOT = "[3,1,2,1,1,4,1,1,1,2,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,5]"  # dlrm_tiny has 26 features
@@ -39,29 +43,22 @@ def run(sharding: str, mode: str, out_dir: Path) -> dict:
     ])
     trainer = Trainer(cfg)
     losses: list[float] = []
-    fns = trainer.pipeline._fns
-    backward = fns.backward
-
-    def record_loss(loss):
-        losses.append(float(loss.detach()))
-        backward(loss)
-
-    fns.backward = record_loss
-    initial = weights_fingerprint(trainer.model, trainer.dist.is_main)
-    before = Counter(sparse_ops.CALLS)
+    trainer.step_hooks.append(lambda t: losses.append(float(t.last_loss)))
+    initial = weights_fingerprint(trainer.model, trainer.dist)
+    before = Counter(CALLS)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         summary = trainer.train()
-    served = Counter(sparse_ops.CALLS)
+    served = Counter(CALLS)
     served.subtract(before)
     recorded = Counter(ev.name for ev in prof.events() if ev.name.startswith("fbgemm::"))
     result = {
         "losses": losses, "final_loss": summary["final_loss"], "initial_weights": initial,
-        "weights": weights_fingerprint(trainer.model, trainer.dist.is_main), "recorded": dict(recorded),
+        "weights": weights_fingerprint(trainer.model, trainer.dist), "recorded": dict(recorded),
         "served": {k: v for k, v in served.items() if v},
         "installed": list(sparse_ops.installed("CPU")),
     }
     trainer.writer.close()
-    del trainer, fns, prof
+    del trainer, prof
     gc.collect()
     return result
 

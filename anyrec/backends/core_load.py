@@ -1,0 +1,137 @@
+"""Whether a CPU rank should pin its threads, decided from what the host's cores are doing at start.
+
+Pinning each local rank to its own share of the cores (`anyrec.backends.cpu`) keeps caches warm when
+the ranks have the cores to themselves: a 2-rank step on a quiet 2-core host measured ~25 % faster
+bound. When other processes use those cores, a pinned rank cannot leave a core it shares with them
+while its peer waits for it in the next collective: on the same host loaded by another 2-rank job
+the bound ranks ran ~25 % slower than free ones. So `backend.bind_cores=auto` samples the cores the
+process may use for `SAMPLE_S` (`/proc/stat`), subtracts what this job's own processes (this rank,
+its launcher and the launcher's other children) used meanwhile, and binds only where the rest, the
+other processes' load, stays under `OTHER_BUSY_MAX_CORES`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+SAMPLE_S = 0.25  # long enough for the kernel's tick accounting (10 ms) to average over 25 ticks per core
+# Empirical: a pinned rank sharing its core with a process that needs a quarter of it already waits
+# that long per step, and so does its peer in the collective; idle desktops and editors stay far below.
+OTHER_BUSY_MAX_CORES = 0.25
+BIND_SETTINGS = ("auto", "true", "false")
+
+
+@dataclass(frozen=True)
+class CoreLoad:
+    """Cores' worth of busy time over a sample: everything on the sampled cores and this job's part."""
+
+    busy_cores: float
+    own_cores: float
+    sample_s: float
+
+    @property
+    def other_cores(self) -> float:
+        """What processes outside this job used (never below zero: own time may run on other cores)."""
+        return max(0.0, self.busy_cores - self.own_cores)
+
+
+@dataclass(frozen=True)
+class BindChoice:
+    """The binding decision and what it was made from (`load` is None unless measured)."""
+
+    bind: bool
+    setting: str
+    load: CoreLoad | None = None
+
+    def describe(self) -> str:
+        if self.setting != "auto":
+            return f"backend.bind_cores={self.setting}"
+        if self.load is None:
+            return "backend.bind_cores=auto, core load unreadable: bound as on a quiet host"
+        verdict = "bound" if self.bind else "free"
+        return (f"backend.bind_cores=auto: other processes used {self.load.other_cores:.2f} cores over "
+                f"{self.load.sample_s:.2f} s (this job {self.load.own_cores:.2f}), limit "
+                f"{OTHER_BUSY_MAX_CORES}: {verdict}")
+
+
+def bind_setting(value: bool | str) -> str:
+    """`backend.bind_cores` as one of auto | true | false (a bool, or its string in any case)."""
+    s = str(value).strip().lower()
+    if s not in BIND_SETTINGS:
+        raise ValueError(f"backend.bind_cores={value!r}: choose auto, true or false")
+    return s
+
+
+def choose_binding(setting: bool | str, measure: Callable[[], CoreLoad | None]) -> BindChoice:
+    """true/false force it; auto binds where other processes leave the cores (nearly) free."""
+    s = bind_setting(setting)
+    if s != "auto":
+        return BindChoice(s == "true", s)
+    load = measure()
+    return BindChoice(load is None or load.other_cores <= OTHER_BUSY_MAX_CORES, s, load)
+
+
+def _cpu_jiffies(cpus: set[int]) -> tuple[int, int]:
+    """(busy, total) clock ticks of `cpus` since boot; busy counts steal (another VM's use) too."""
+    busy = total = 0
+    with open("/proc/stat") as f:
+        for line in f:
+            name, *vals = line.split()
+            if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
+                continue
+            ticks = [int(v) for v in vals[:8]]  # user nice system idle iowait irq softirq steal
+            total += sum(ticks)
+            busy += sum(ticks) - ticks[3] - ticks[4]
+    return busy, total
+
+
+def job_pids() -> list[int]:
+    """This process, its launcher (torchrun's agent) and the launcher's other children (local ranks)."""
+    me, parent = os.getpid(), os.getppid()
+    pids = {me, parent}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:  # ended meanwhile
+                continue
+            if int(fields[1]) == parent:
+                pids.add(int(entry))
+    return sorted(pids)
+
+
+def _process_ticks(pids: Iterable[int]) -> int:
+    """User + system clock ticks of every thread of `pids` (ended ones count nothing)."""
+    ticks = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
+    return ticks
+
+
+def measure_core_load(cpus: Iterable[int], sample_s: float = SAMPLE_S,
+                      pids: Callable[[], list[int]] = job_pids) -> CoreLoad | None:
+    """Busy cores on `cpus` over `sample_s`, and this job's share; None where /proc is unreadable."""
+    cpu_set = set(cpus)
+    try:
+        own = pids()
+        busy0, total0 = _cpu_jiffies(cpu_set)
+        own0 = _process_ticks(own)
+        time.sleep(sample_s)
+        busy1, total1 = _cpu_jiffies(cpu_set)
+        own1 = _process_ticks(own)
+    except (OSError, ValueError, IndexError):
+        return None
+    per_core = (total1 - total0) / max(1, len(cpu_set))  # ticks one core had during the sample
+    if per_core <= 0:
+        return None
+    return CoreLoad(busy_cores=(busy1 - busy0) / per_core, own_cores=(own1 - own0) / per_core,
+                    sample_s=sample_s)

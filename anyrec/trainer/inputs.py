@@ -1,0 +1,49 @@
+"""What a trainer reads: its train and eval sources, their batch size per rank, and the checks every
+batch (input validation) and every loss (non-finite guard) go through."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from anyrec.config import AnyrecConfig
+from anyrec.data import build_source, resolve_batch_size
+from anyrec.data.prefetch import Prefetched
+from anyrec.models.dlrm import feature_names
+from anyrec.trainer.distributed import DistInfo
+from anyrec.trainer.validate import InputValidator, NonFiniteGuard
+
+
+@dataclass
+class Inputs:
+    """The sources and checks of one trainer."""
+
+    batch_size: int  # per rank
+    train: Any  # a data source: `iter_from(step, n)`, `batch(step)`
+    eval: Any | None  # None without evaluation (trainer.eval_steps=0)
+    validator: InputValidator | None  # None with trainer.validate_inputs=false
+    loss_guard: NonFiniteGuard
+
+
+def build_inputs(cfg: AnyrecConfig, dist: DistInfo, device: torch.device, pin_memory: bool) -> Inputs:
+    """Sources for this rank (prefetched file batches land in page-locked memory when `pin_memory`)."""
+    tc = cfg.trainer
+    data_cfg = resolve_batch_size(cfg.data, dist.world_size)
+
+    def source(split: str) -> Any:
+        # skip_nonfinite: a training batch's non-finite dense rows are left to the loss guard
+        return build_source(cfg.model, data_cfg, tc.seed, dist.rank, dist.world_size, split=split,
+                            pin_memory=pin_memory, device=device,
+                            skip_nonfinite=tc.skip_nonfinite and split == "train")
+
+    validator = (InputValidator(feature_names(len(cfg.model.table_rows)), list(cfg.model.table_rows),
+                                cfg.model.num_dense_features, device, dist, tc.skip_nonfinite)
+                 if tc.validate_inputs else None)
+    inputs = Inputs(data_cfg.batch_size, source("train"), source("eval") if tc.eval_steps > 0 else None,
+                    validator, NonFiniteGuard(tc.skip_nonfinite, device, dist))
+    for src in (inputs.train, inputs.eval):
+        if isinstance(src, Prefetched) and validator is not None:
+            src.prepare = validator.prepare  # value checks in the prefetch worker
+    return inputs

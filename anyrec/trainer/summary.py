@@ -1,0 +1,115 @@
+"""What one `Trainer.train()` call accumulates between its steps, what it logs (train and eval
+records), and the JSON summary it returns (README documents the summary's keys)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import resource
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from anyrec.trainer.breakdown import StepProfiler, format_breakdown, gather_breakdown, predicted_phases
+from anyrec.trainer.fingerprint import weights_fingerprint
+from anyrec.trainer.perfcheck import StepTimer, gather_step_s, prediction_check
+from anyrec.trainer.reporting import LossWindow
+
+if TYPE_CHECKING:
+    from anyrec.trainer.trainer import Trainer
+
+logger = logging.getLogger("anyrec.trainer.trainer")  # the trainer's own log lines
+
+@dataclass
+class RunState:
+    """The loop's companions: loss window, progress bar, the one clock, the profiled window."""
+
+    start_step: int
+    window: LossWindow  # the last `log_every` losses, on the device
+    timer: StepTimer
+    bar: Any = None  # a tqdm bar or None
+    last_checkpoint: Path | None = None
+    profile_at: int | None = None  # the step where the breakdown's profiled window starts
+    profiler: StepProfiler | None = None  # while the window runs
+    flushed_at: int | None = None  # the step of the last deferred-check flush
+
+
+def log_train(trainer: Trainer, lr_factor: float) -> None:
+    """A train record: the window's mean loss (one host read), the rate so far and the learning rates."""
+    run = trainer.run
+    mean = run.window.mean()
+    if math.isnan(mean):
+        return
+    if run.bar is not None:
+        run.bar.set_postfix(loss=f"{mean:.4f}", refresh=False)
+    rate = (trainer.batch_size * trainer.dist.world_size * (trainer.step - run.start_step)
+            / max(run.timer.elapsed_s(), 1e-9))
+    if trainer.dist.is_main:
+        logger.info("step %d loss %.5f", trainer.step, mean)
+    optim = trainer.cfg.optim
+    trainer.writer.write(trainer.step, "train", {
+        "loss": mean, "samples_per_s": rate, "lr_factor": lr_factor,
+        "dense_lr": optim.dense_lr * lr_factor, "embedding_lr": optim.embedding_lr * lr_factor})
+
+
+def log_eval(trainer: Trainer, result: dict[str, float]) -> None:
+    """An eval record (and a log line on rank 0)."""
+    trainer.writer.write(trainer.step, "eval", result)
+    if trainer.dist.is_main:
+        logger.info("step %d eval %s", trainer.step, " ".join(f"{k} {v:.5f}" for k, v in result.items()))
+
+
+def _breakdown(trainer: Trainer, profiler: StepProfiler) -> dict[str, Any]:
+    """Stop the profiler; every rank's ms per step by phase beside the plan's (logged on rank 0)."""
+    profiler.__exit__(None, None, None)
+    per_rank = gather_breakdown(profiler.ms_per_step(), trainer.device, trainer.dist)
+    predicted = predicted_phases(trainer.predicted_perf)
+    if trainer.dist.is_main:
+        logger.info("step breakdown over the last %d steps (torch.profiler; collectives are part of "
+                    "the phases they ran in):\n%s", profiler.steps, format_breakdown(per_rank, predicted))
+    return {"steps": profiler.steps, "per_rank": per_rank, "predicted": predicted}
+
+
+def run_summary(trainer: Trainer, final_loss: float | None, train_loss: float | None,
+                eval_result: dict[str, float] | None) -> dict[str, Any]:
+    """The run's JSON summary: its figures, the prediction check, the step breakdown where one was
+    profiled, the weights' fingerprint where asked (collectives: every rank calls it)."""
+    run = trainer.run
+    summary = _figures(trainer, run, final_loss, train_loss, eval_result)
+    per_rank_s = gather_step_s(run.timer.step_s, trainer.device, trainer.dist)
+    summary.update(prediction_check(trainer.predicted_step_s, per_rank_s, log=trainer.dist.is_main))
+    summary["measured_steps"] = run.timer.steps  # this rank's timed steps (the same on every rank)
+    if run.profiler is not None:
+        profiler, run.profiler = run.profiler, None  # stopped here, not again on the way out
+        summary["step_breakdown_ms"] = _breakdown(trainer, profiler)
+    if trainer.cfg.trainer.fingerprint_weights:
+        summary["weights_sha256"] = weights_fingerprint(trainer.model, trainer.dist)
+    return summary
+
+
+def _figures(trainer: Trainer, run: RunState, final_loss: float | None, train_loss: float | None,
+             eval_result: dict[str, float] | None) -> dict[str, Any]:
+    samples = (trainer.step - run.start_step) * trainer.batch_size * trainer.dist.world_size
+    elapsed_s = run.timer.total_s
+    return {
+        "steps": trainer.step,
+        "samples_per_s": samples / elapsed_s if elapsed_s > 0 else None,
+        "train_loss": train_loss,
+        "final_loss": final_loss,
+        **{f"eval_{k}": eval_result[k] if eval_result else None
+           for k in ("auc", "ne", "logloss", "accuracy")},
+        "backend": trainer.backend.name,
+        "embedding_kernel": trainer.embedding_kernel,
+        "world_size": trainer.dist.world_size,
+        "hosts": trainer.dist.hosts,
+        "local_world_size": trainer.dist.local_world_size,
+        "batch_size_per_rank": trainer.batch_size,
+        "elapsed_s": elapsed_s,
+        "peak_memory_bytes": trainer.backend.max_memory_allocated(),  # null where not measured
+        "peak_host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "skipped_batches": trainer.state.skipped_batches,
+        "data_malformed_rows": getattr(trainer.train_data, "malformed_rows", 0),
+        "resumed_from_step": trainer.resumed_from,
+        "checkpoint": str(run.last_checkpoint) if run.last_checkpoint else None,
+        "stopped_by": trainer.stopper.stopped_by if trainer.stopper else None,  # SIGINT/SIGTERM, or null
+    }

@@ -1,0 +1,67 @@
+"""anyrec's backend for simdev: the device, its collectives, its figures and its kernels.
+
+Found through the `anyrec.backends` entry point (pyproject.toml); importing it registers the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import anyrec_simdev  # noqa: F401 - registers the device, its kernels and its process-group backend
+from anyrec.backends.interface import Backend, DeviceFacts
+from anyrec.backends.specs import DeviceSpec
+from anyrec_simdev import module
+from anyrec_simdev.device import NAME
+
+# Made-up but plausible figures (a mid-range accelerator); the planner costs plans with them.
+SPEC = DeviceSpec(
+    name="SimDev-1", vendor="simulated", arch="sim1", memory_bytes=32 * 2**30,
+    memory_bw_bytes_per_s=1.2e12, peak_bf16_flops=200e12, peak_fp32_flops=25e12, simd_width=32,
+    scale_up_bw_bytes_per_s=100e9, scale_out_bw_bytes_per_s=12.5e9, h2d_bw_bytes_per_s=25e9,
+    host_memory_bytes=128 * 2**30, host_memory_bw_bytes_per_s=50e9,
+    source="simulated device: made-up figures, not a measurement of any hardware",
+)
+
+
+class SimdevBackend(Backend):
+    """The simulated accelerator: device `simdev`, collectives by the `simdev` process-group backend."""
+
+    name = NAME
+    device_type = NAME
+    dist_backend = NAME  # the simdev process group (gloo underneath)
+    # No FBGEMM or Triton for this device: anyrec's torch TBE and portable sparse ops.
+    kernel_order = {
+        "embedding": ("torch",),
+        "interaction": ("torch",),
+        "dcn_cross": ("torch",),
+        "collectives": ("gloo",),
+        "sparse_ops": ("portable",),
+    }
+
+    @classmethod
+    def probe_facts(cls) -> DeviceFacts:
+        return DeviceFacts(device_count=module.device_count(), device_name=module.get_device_name(),
+                           arch=SPEC.arch, memory_bytes=SPEC.memory_bytes, multiprocessors=1)
+
+    @classmethod
+    def matches(cls, facts: DeviceFacts) -> bool:
+        # Never detected: a simulation is chosen by name (backend=simdev), not found on a machine.
+        return facts.device_name == module.get_device_name()
+
+    def device(self, local_rank: int = 0) -> torch.device:
+        return torch.device(NAME, 0)  # one simulated device per process
+
+    def set_device(self, local_rank: int = 0) -> None:
+        module.set_device(0)
+
+    def synchronize(self) -> None:
+        module.synchronize()
+
+    def max_memory_allocated(self) -> int:
+        return module.max_memory_allocated()
+
+    def reset_peak_memory_stats(self) -> None:
+        module.reset_peak_memory_stats()
+
+    def device_spec(self) -> DeviceSpec:
+        return SPEC
