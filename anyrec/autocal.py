@@ -48,8 +48,10 @@ def calibrated_hardware(cfg: AnyrecConfig) -> str:
     Collective: every rank calls it (it joins the process group and binds cores as the trainer does).
     """
     backend = get_backend(cfg.backend.name)
-    info = init_distributed(backend, cfg.trainer.collective_timeout_s)
-    backend.bind_local_rank(info.local_rank, info.local_world_size, cfg.backend.bind_cores)
+    info = init_distributed(backend, cfg.trainer.collective_timeout_s, cfg.trainer.peer_timeout_s)
+    # what the binding rule chose (backend.bind_cores=auto looks at the cores' load): the step points'
+    # trainers and the cache key follow it
+    bound = backend.bind_local_rank(info.local_rank, info.local_world_size, cfg.backend.bind_cores)
     key = local_key(backend, info)
     found = None
     if info.is_main:
@@ -67,7 +69,7 @@ def calibrated_hardware(cfg: AnyrecConfig) -> str:
     quiet.setLevel(logging.WARNING)  # the point-by-point log is the thorough calibration's
     try:
         m = calibrate(backend, backend.device(info.local_rank), info.world_size, "quick",
-                      cfg.trainer.calibrate_budget_s, cfg.backend.bind_cores)
+                      cfg.trainer.calibrate_budget_s, bound is not None)
     finally:
         quiet.setLevel(level)
     text = None

@@ -199,12 +199,14 @@ def local_key(backend: Backend, info: DistInfo) -> CacheKey:
     return make_key(backend.name, name, facts.device_count, [r[2] for r in local], max(r[3] for r in local))
 
 
-def find_for_device(backend: Backend, local_world_size: int, directory: Path | None = None) -> Lookup | None:
+def find_for_device(backend: Backend, one_process: DistInfo, local_world_size: int,
+                    directory: Path | None = None) -> Lookup | None:
     """The newest usable entry for this device and software at `local_world_size` ranks per host,
-    whatever cores its ranks were bound to (for `anyrec-plan`, which runs no ranks); None if none."""
+    whatever cores its ranks were bound to (for `anyrec-plan`, which runs no ranks: `one_process`
+    describes it); None if none."""
     import yaml
 
-    want = dataclasses.replace(local_key(backend), local_world_size=local_world_size)
+    want = dataclasses.replace(local_key(backend, one_process), local_world_size=local_world_size)
     same = ("backend", "device_name", "devices_per_host", "local_world_size", "versions")
     paths = sorted((directory or cache_dir()).glob(f"{want.file_prefix()}*.yaml"),
                    key=lambda p: p.stat().st_mtime, reverse=True)

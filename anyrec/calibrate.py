@@ -43,6 +43,7 @@ from anyrec.io_checks import atomic_write, writable_file
 from anyrec.kernels.optimizers import OptimizerConfig
 from anyrec.planner.estimators import lookup_time_s
 from anyrec.planner.types import Placement, TableSpec, Topology
+from anyrec.trainer.distributed import env_dist_info
 
 logger = logging.getLogger("anyrec.calibrate")
 
@@ -479,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
         kernels = backend.select_kernels()
         m = calibrate(backend, device, world, opts["size"], budget_s, bind_cores)
         m["seconds"] = time.perf_counter() - start
-        key = local_key(backend) if opts["cache"] == "true" else None  # collective: every rank
+        key = local_key(backend, env_dist_info()) if opts["cache"] == "true" else None  # collective
         if rank == 0 and key is not None:
             entry = write_entry(cache_dir() / key.file_name(), key, hardware_yaml(backend, m),
                                 f"# Calibration measured by anyrec.calibrate ({backend.describe()}, {world} "

@@ -6,7 +6,7 @@ import pytest
 import torch
 import yaml
 
-from anyrec import calibrate, calibrate_step
+from anyrec import calcache, calibrate, calibrate_step
 from anyrec.backends import get_backend, load_hardware_file, resolve_hardware
 from anyrec.backends.dispatch import KernelProfile, availability, get_impl
 from anyrec.backends.specs import get_sku
@@ -84,13 +84,20 @@ def test_calibrate_writes_a_hardware_yaml(tmp_path, capsys):
 @pytest.mark.cpu_only  # two ranks on one host: one device each only without an accelerator
 def test_calibrate_under_torchrun_measures_collectives(tmp_path):
     out = tmp_path / "cal2.yaml"
-    proc = torchrun(["-m", "anyrec.calibrate", f"output={out}", "budget_s=0.02"], nproc=2, cwd=tmp_path)
+    cache = tmp_path / "cache"
+    proc = torchrun(["-m", "anyrec.calibrate", f"output={out}", "budget_s=0.02", "cache=true"], nproc=2,
+                    cwd=tmp_path, env={"ANYREC_CACHE_DIR": str(cache)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = _check_file(out, world_size=2)
-    assert proc.stdout.count("wrote ") == 1  # rank 0 only
+    assert proc.stdout.count("wrote ") == 2  # rank 0 only: the file and this machine's cache entry
     # bind_cores=auto by default: what the rule chose, and from what, is recorded with the figures
     assert m["bind_rule"].startswith("backend.bind_cores=auto: other processes used")
     assert m["bind_cores"] == m["bind_rule"].endswith("bound")
+    # cache=true: the thorough calibration is this machine's entry, as hardware=auto jobs look it up
+    (entry,) = cache.glob("*.yaml")
+    assert f"wrote the cache entry for this machine: {entry}" in proc.stdout
+    key = calcache.CacheKey.from_dict(yaml.safe_load(entry.read_text())["cache"]["key"])
+    assert key.local_world_size == 2 and calcache.read_entry(entry, key).spec.step_fixed_s > 0
 
 
 def test_fit_recovers_known_costs():
@@ -155,7 +162,8 @@ def test_profile_rejects_a_launch_cost_out_of_range():
         KernelProfile(0.5, per_launch_s=-1.0)
 
 
-@pytest.mark.parametrize(("argv", "error"), [([], "output=FILE.yaml is required"),
+@pytest.mark.parametrize(("argv", "error"), [([], "output=FILE.yaml is required (or cache=true)"),
+                                             (["cache=maybe"], "cache=maybe: choose true or false"),
                                              (["out=x.yaml"], "unknown argument"),
                                              (["output=x.yaml", "size=huge"], "size=huge")])
 def test_bad_arguments(argv, error, capsys):

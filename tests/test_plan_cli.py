@@ -208,11 +208,14 @@ def test_plan_uses_this_machines_cached_calibration_and_says_so(tmp_path, monkey
     from anyrec.backends import get_backend
 
     monkeypatch.setenv(calcache.CACHE_DIR_ENV, str(tmp_path))
-    args = ["hardware=auto", "backend=cpu", "topology.world_size=2", "plan.compare=h100"]
+    args = ["hardware=auto", "backend=cpu", "topology.world_size=2", "plan.compare=h100",
+            "trainer.calibrate=auto"]
     datasheet, text = _plan(args)
     assert "no calibration cached for this machine at 2 local rank(s)" in text and "datasheet" in text
     assert "compare figures: all device figures from the SKU table (datasheet)" in text
-    key = dataclasses.replace(calcache.local_key(get_backend("cpu")), local_world_size=2,
+    from anyrec.trainer.distributed import ONE_PROCESS
+
+    key = dataclasses.replace(calcache.local_key(get_backend("cpu"), ONE_PROCESS), local_world_size=2,
                               cores_per_rank=((0,), (1,)))
     data = yaml.safe_load((Path(__file__).parent / "data" / "calibration_cpu_2rank.yaml").read_text())
     path = calcache.write_entry(tmp_path / key.file_name(), key, data)
