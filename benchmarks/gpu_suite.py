@@ -53,8 +53,6 @@ import torch.distributed
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 from anyrec.kernels import reference as R  # noqa: E402
 from anyrec.kernels.optimizers import OptimizerConfig  # noqa: E402
@@ -93,7 +91,7 @@ def torchrec_missing(section: str) -> dict | None:
     """{"skipped": why} when torchrec does not import here (a GPU image with torch and triton only)."""
     try:
         import torchrec  # noqa: F401
-    except Exception as ex:  # noqa: BLE001 - torchrec needs fbgemm_gpu at import
+    except Exception as ex:
         return skipped_without_torchrec(section, ex)
     return None
 
@@ -135,7 +133,7 @@ def section_env(device: torch.device) -> dict:
         try:
             __import__(mod)
             info[mod] = "imports"
-        except Exception as ex:  # noqa: BLE001 - any failure means "not usable here"
+        except Exception as ex:
             info[mod] = f"does not import: {type(ex).__name__}: {str(ex)[:120]}"
     return info
 
@@ -285,7 +283,7 @@ def section_dlrm_ebc(device, execution: str, small: bool, steps: int) -> dict:
         from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
         from anyrec.kernels.ebc import TritonEmbeddingBagCollection, dense_named_parameters
-    except Exception as ex:  # noqa: BLE001 - torchrec needs fbgemm_gpu at import
+    except Exception as ex:
         return skipped_without_torchrec("dlrm_ebc", ex)
 
     class OpNames(TorchDispatchMode):
@@ -351,7 +349,7 @@ def section_dlrm_sharded(device, execution: str, small: bool, steps: int) -> dic
         from anyrec.planner.simple import to_sharding_plan
         from anyrec.trainer.distributed import destroy_distributed
         from anyrec.trainer.optim import embedding_optimizer
-    except Exception as ex:  # noqa: BLE001 - torchrec needs fbgemm_gpu at import
+    except Exception as ex:
         return skipped_without_torchrec("dlrm_sharded", ex)
 
     backend = get_backend("auto")
@@ -573,7 +571,7 @@ def main(argv: list[str] | None = None) -> dict:
             result, status = fn(), "ok"
             if isinstance(result, dict) and "skipped" in result:
                 status = "skipped"
-        except Exception as ex:  # noqa: BLE001 - record and go on to the next section
+        except Exception as ex:
             traceback.print_exc()
             result, status = {"error": f"{type(ex).__name__}: {ex}"[:2000]}, "failed"
         report["sections"][name] = {"status": status, "seconds": time.perf_counter() - t0, **result}

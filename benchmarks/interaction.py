@@ -19,16 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from anyrec.backends import Backend, get_backend  # noqa: E402
-from anyrec.models.interaction import DotInteraction, TritonDotInteraction  # noqa: E402
+from anyrec.backends import Backend, get_backend
+from anyrec.models.interaction import DotInteraction, TritonDotInteraction
 
 F = 26  # Criteo's sparse features
 

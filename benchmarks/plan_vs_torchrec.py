@@ -23,15 +23,15 @@ import math
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from planner_accuracy import SMALL, WORKLOADS, _expand, _torchrun, error_line  # noqa: E402
+try:  # python -m benchmarks.plan_vs_torchrec, or imported by a test
+    from benchmarks.planner_accuracy import SMALL, WORKLOADS, _expand, _torchrun, error_line
+except ImportError:  # python benchmarks/plan_vs_torchrec.py: this folder is first on sys.path
+    from planner_accuracy import SMALL, WORKLOADS, _expand, _torchrun, error_line
 
 
 def torchrec_plan(cfg):

@@ -14,24 +14,20 @@ with its UniformProposer only unless --torchrec-proposers default is given.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 import warnings
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from anyrec.backends.dispatch import FBGEMM_EMBEDDING  # noqa: E402
-from anyrec.backends.specs import get_sku  # noqa: E402
-from anyrec.planner.evaluate import evaluate_assignment  # noqa: E402
-from anyrec.planner.planner import CoDesignPlanner, make_workload  # noqa: E402
-from anyrec.planner.report import write_json_atomic  # noqa: E402
-from anyrec.planner.torchrec_plan import from_sharding_plan, meta_ebc  # noqa: E402
-from anyrec.planner.types import Placement, TableSpec, Topology  # noqa: E402
-from anyrec.planner.workloads import DLRMV2_DENSE_PARAMS, dlrmv2_tables, synthetic_tables  # noqa: E402
+from anyrec.backends.dispatch import FBGEMM_EMBEDDING
+from anyrec.backends.specs import get_sku
+from anyrec.planner.evaluate import evaluate_assignment
+from anyrec.planner.planner import CoDesignPlanner, make_workload
+from anyrec.planner.report import write_json_atomic
+from anyrec.planner.torchrec_plan import from_sharding_plan, meta_ebc
+from anyrec.planner.types import Placement, TableSpec, Topology
+from anyrec.planner.workloads import DLRMV2_DENSE_PARAMS, dlrmv2_tables, synthetic_tables
 
 TR_KERNEL = dict(FBGEMM_EMBEDDING.compute_kernels)  # placement -> torchrec compute kernel
 

@@ -19,21 +19,17 @@ one thread, so a shared machine's noise spreads over all shapes alike. Goal: wit
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from anyrec.backends.dispatch import FBGEMM_EMBEDDING, KernelProfile  # noqa: E402
-from anyrec.backends.hardware import EmbeddingCost  # noqa: E402
-from anyrec.backends.specs import get_sku  # noqa: E402
-from anyrec.planner.estimators import lookup_time_s  # noqa: E402
-from anyrec.planner.report import write_json_atomic  # noqa: E402
-from anyrec.planner.types import Placement, TableSpec, Topology  # noqa: E402
+from anyrec.backends.dispatch import FBGEMM_EMBEDDING, KernelProfile
+from anyrec.backends.hardware import EmbeddingCost
+from anyrec.backends.specs import get_sku
+from anyrec.planner.estimators import lookup_time_s
+from anyrec.planner.report import write_json_atomic
+from anyrec.planner.types import Placement, TableSpec, Topology
 
 OPTIMIZER = "adagrad"  # full Adagrad: TBE's EXACT_ADAGRAD, fp32 state as wide as the row
 # (rows, dim, pooling factor, batch): every table is larger than the last-level cache, so lookups go

@@ -37,8 +37,10 @@ from datetime import datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from interrupt import alive, descendants  # noqa: E402
+try:  # python -m benchmarks.soak, or imported by a test
+    from benchmarks.interrupt import alive, descendants
+except ImportError:  # python benchmarks/soak.py: this folder is first on sys.path
+    from interrupt import alive, descendants
 
 TRAIN = ["-m", "anyrec.train", "model=dlrm_tiny", "data.batch_size=32", "trainer.progress=false",
          "trainer.tensorboard=false", "trainer.log_every=1", "trainer.fingerprint_weights=true",

@@ -26,16 +26,13 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from anyrec.config import (  # noqa: E402
+from anyrec.config import (
     AnyrecConfig,
     BackendConfig,
     DataConfig,
@@ -43,10 +40,10 @@ from anyrec.config import (  # noqa: E402
     OptimConfig,
     TrainerConfig,
 )
-from anyrec.data.synthetic import SyntheticCriteo  # noqa: E402
-from anyrec.models.interaction import CrossInteraction  # noqa: E402
-from anyrec.models.mlp import MLP  # noqa: E402
-from anyrec.schema import load_model_config  # noqa: E402
+from anyrec.data.synthetic import SyntheticCriteo
+from anyrec.models.interaction import CrossInteraction
+from anyrec.models.mlp import MLP
+from anyrec.schema import load_model_config
 
 DLRMV2_HOT = load_model_config("dlrmv2").multi_hot  # MLPerf DLRMv2's ids per sample per feature
 

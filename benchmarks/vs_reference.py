@@ -47,7 +47,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 REFERENCE_REPO = "https://github.com/facebookresearch/dlrm"
 REFERENCE_COMMIT = "090956ee2319ddd349a42232958aefccfe3f7b0a"  # 2025-10-02, "unused import [4/n] (#406)"
@@ -93,7 +92,7 @@ def reference_args(name: str, batch: int, steps: int) -> list[str]:
                              f"the model {m.num_dense_features} and {len(m.table_rows)}")
     if o.name != "adagrad" or o.embedding_lr != o.dense_lr:
         raise BenchmarkError("the reference takes one Adagrad learning rate for tables and MLPs")
-    csv = lambda xs: ",".join(map(str, xs))  # noqa: E731
+    csv = lambda xs: ",".join(map(str, xs))
     args = ["--batch_size", str(batch), "--epochs", "1", "--limit_train_batches", str(steps),
             "--limit_val_batches", "1", "--limit_test_batches", "1",
             "--num_embeddings_per_feature", csv(m.table_rows), "--embedding_dim", str(m.embedding_dim),

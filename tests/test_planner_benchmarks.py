@@ -1,6 +1,6 @@
 """The planner benchmark scripts run end to end on small inputs."""
 
-import importlib.util
+import importlib
 import json
 import os
 
@@ -10,10 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _load(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module(f"benchmarks.{name}")
 
 
 def test_planner_benchmark_small(tmp_path):

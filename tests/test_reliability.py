@@ -92,8 +92,7 @@ def test_nan_input_batch_skipped_when_asked_with_validation_on(tmp_path):
 @pytest.mark.integration
 def test_a_short_soak_recovers_bit_identically_from_random_kills():
     # benchmarks/soak.py in short: 3 SIGKILLs (a rank or torchrun) at seeded-random instants.
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import soak
+    from benchmarks import soak
 
     result = soak.soak(kills=3, seed=3, steps=12, every=3, eval_every=6, limit_s=400, log=lambda *a: None)
     killed = [r for r in result["tries"] if r["killed"]]

@@ -18,10 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT, torchrun
+from benchmarks.interrupt import alive, descendants, launch, output, wait_for, wait_gone
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from interrupt import alive, descendants, launch, output, wait_for, wait_gone  # noqa: E402
+from .conftest import ROOT, torchrun
 
 FAST = ["trainer.stop_check_every=5"]
 
