@@ -169,13 +169,13 @@ def test_skip_nonfinite_leaves_nan_dense_training_batches_to_the_loss_guard():
     nan = torch.zeros(2, 13)
     nan[1, 4] = math.nan
     batch = _labelled(_batch([0, 1], [0, 0]), dense=nan)
-    skipping = InputValidator(NAMES, ROWS, 13, torch.device("cpu"), skip_nonfinite=True)
+    skipping = InputValidator(NAMES, ROWS, 13, torch.device("cpu"), ONE_PROCESS, skip_nonfinite=True)
     skipping(batch, 3)
     skipping.flush()  # a training step: the loss guard skips it
     skipping(batch, 0, "eval batch")
     with pytest.raises(ValueError, match="bad input at eval batch 1: 1 dense values are NaN or infinite"):
         skipping.flush()  # evaluation stays strict
-    strict = InputValidator(NAMES, ROWS, 13, torch.device("cpu"))
+    strict = InputValidator(NAMES, ROWS, 13, torch.device("cpu"), ONE_PROCESS)
     strict(batch, 3)
     with pytest.raises(ValueError, match="bad input at step 4: 1 dense values are NaN or infinite"):
         strict.flush()
