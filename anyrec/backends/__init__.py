@@ -74,13 +74,6 @@ def reset_registry() -> None:
     _plugin_errors.clear()
 
 
-def __getattr__(name: str) -> Any:
-    # `BACKENDS` is the registry, discovered on first access rather than at import.
-    if name == "BACKENDS":
-        return registry()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def detect(facts: DeviceFacts, backends: dict[str, type[Backend]] | None = None) -> str:
     """Name of the backend that drives a machine with these facts (pure; no torch calls)."""
     backends = registry() if backends is None else backends
@@ -132,7 +125,7 @@ def get_backend(name: str = "auto", facts: DeviceFacts | None = None) -> Backend
 
 
 __all__ = [
-    "Backend", "DeviceFacts", "DeviceSpec", "SKUS", "get_sku", "detect", "get_backend", "BACKENDS",
+    "Backend", "DeviceFacts", "DeviceSpec", "SKUS", "get_sku", "detect", "get_backend",
     "BUILTINS", "registry", "discover_plugins", "reset_registry", "Hardware", "EmbeddingCost",
     "resolve_hardware", "load_hardware_file", "rewrite_hardware_argv", "ENTRY_POINT_GROUP",
 ]
