@@ -57,7 +57,6 @@ from anyrec.trainer.validate import flush_checks
 logger = logging.getLogger(__name__)
 
 EBC_PATH = "model.sparse_arch"  # where the EmbeddingBagCollection sits inside DLRMTrain
-PRECISIONS = ("auto", "bf16", "fp32")
 
 
 class DLRMTrain(nn.Module):
@@ -137,9 +136,6 @@ class Trainer:
 
     def _check_trainer_config(self) -> None:
         tc = self.cfg.trainer
-        if tc.mixed_precision not in PRECISIONS:
-            raise ValueError(f"trainer.mixed_precision must be one of {PRECISIONS}, "
-                             f"got {tc.mixed_precision!r}")
         if tc.steps < 0 or tc.eval_steps < 0 or tc.eval_every < 0 or tc.breakdown_steps < 0:
             raise ValueError("trainer.steps, eval_steps, eval_every and breakdown_steps must be >= 0")
         if tc.breakdown_steps:
