@@ -32,7 +32,7 @@ EXIT_CODES = {NonFiniteLossError: 3, PeerLostError: 4}
 
 def run(cfg: DictConfig) -> dict:
     """Train with a composed config; rank 0 prints the JSON summary as its last stdout line."""
-    from anyrec.autocal import calibrated_hardware, wants_calibration
+    from anyrec.autocal import calibrated_hardware, wants_calibration  # measures with the trainer: as it
     from anyrec.trainer.shutdown import peer_failure  # with the trainer, after Hydra parsed argv
     from anyrec.trainer.trainer import Trainer  # torchrec loads once Hydra has parsed the command line
 

@@ -13,7 +13,7 @@ from anyrec.backends import get_backend, resolve_hardware
 from anyrec.backends.dispatch import FBGEMM_EMBEDDING
 from anyrec.models.dlrm import build_model
 from anyrec.trainer.distributed import DistInfo
-from anyrec.trainer.planning import plan_sharding
+from anyrec.trainer.planning import plan_and_predict
 
 from .conftest import compose_config
 
@@ -27,7 +27,7 @@ def _plan(overrides: list[str]):
     model = build_model(cfg.model, meta, ebc_device=meta)
     backend = get_backend("cpu")
     hardware = resolve_hardware(cfg.hardware.sku, cfg.hardware.spec, backend, cfg.hardware.measurements)
-    plan = plan_sharding(cfg, backend, INFO, model, "model.sparse_arch", FBGEMM_EMBEDDING, hardware)
+    plan, _ = plan_and_predict(cfg, backend, INFO, model, "model.sparse_arch", FBGEMM_EMBEDDING, hardware)
     return model, plan.plan["model.sparse_arch"]
 
 

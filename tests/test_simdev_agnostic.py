@@ -6,13 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from anyrec.backends import get_backend
+from anyrec.backends import get_backend, resolve_hardware
 from anyrec.backends.cpu import CPUBackend
+from anyrec.backends.dispatch import TORCH_EMBEDDING
 from anyrec.backends.specs import SKUS
 from anyrec.models.dlrm import build_model
 from anyrec.planner.types import Topology
 from anyrec.trainer.distributed import DistInfo
-from anyrec.trainer.planning import place_shards, plan_sharding
+from anyrec.trainer.planning import place_shards, plan_and_predict
 
 from .conftest import compose_config
 
@@ -35,8 +36,10 @@ def _placements(plan) -> dict[str, list[str]]:
 def test_shard_placements_name_the_device_each_rank_trains_on(sharding):
     _, cfg = compose_config(["model=dlrm_tiny", "planner=simple", f"planner.sharding={sharding}"])
     meta = torch.device("meta")
-    plan = plan_sharding(cfg, get_backend("cpu"), INFO, build_model(cfg.model, meta, ebc_device=meta),
-                         "model.sparse_arch", "torch")
+    cpu = get_backend("cpu")
+    model = build_model(cfg.model, meta, ebc_device=meta)
+    plan, _ = plan_and_predict(cfg, cpu, INFO, model, "model.sparse_arch", TORCH_EMBEDDING,
+                               resolve_hardware("cpu", {}, cpu))
     before = _placements(plan)
     assert before and all(p.endswith("/cpu") for ps in before.values() for p in ps)  # unchanged on cpu
     after = _placements(place_shards(plan, IndexedDevice(), local_world_size=2))

@@ -75,19 +75,13 @@ def shared_plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.M
     return box[0]
 
 
-def plan_sharding(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module, module_path: str,
-                  embedding: Impl, hardware: Hardware) -> ShardingPlan:
-    """The plan for the EmbeddingBagCollection `model.sparse_arch` (at `module_path`) from the configured
-    planner (co-design by default); tables and the dense parameter count are read from `model`."""
-    return plan_and_predict(cfg, backend, info, model, module_path, embedding, hardware)[0]
-
-
 def plan_and_predict(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module,
                      module_path: str, embedding: Impl, hardware: Hardware
                      ) -> tuple[ShardingPlan, Perf | None]:
-    """`plan_sharding`'s plan and the co-design planner's predicted cost of its slowest rank per step
-    (None: simple), for the selected embedding implementation on `hardware` (the resolved
-    `hardware` config: its spec and measured profiles)."""
+    """The plan for the EmbeddingBagCollection at `module_path` from the configured planner (co-design
+    by default; tables and the dense parameter count are read from `model`) and the co-design
+    planner's predicted cost of its slowest rank per step (None: simple), for the selected embedding
+    implementation on `hardware` (its spec and measured profiles)."""
     ebc = model.sparse_arch
     if cfg.planner.name == "simple":
         shardings = simple_table_shardings(ebc.embedding_bag_configs(), info.world_size,
