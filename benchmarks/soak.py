@@ -164,8 +164,9 @@ def phase(log: list[tuple[float, str]], at: float, saving: bool, steps: int, eve
         if n == steps:
             return "final eval and teardown"
         return "eval" if n % eval_every == 0 else "step"
-    if re.match(r"step \d+ eval", last):
-        return "step"
+    m = re.match(r"step (\d+) eval", last)
+    if m:
+        return "final eval and teardown" if int(m.group(1)) == steps else "step"
     if "summary" in last or "prediction" in last or "step breakdown" in last:
         return "teardown"
     return "startup" if not any(mm.startswith("step ") for mm in before) else "step"

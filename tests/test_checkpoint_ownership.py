@@ -301,3 +301,27 @@ def test_unreadable_dcp_metadata_is_one_line_everywhere_it_is_read(tmp_path):
         with pytest.raises(CheckpointError, match=r"is corrupt or unreadable: \.metadata: ") as e:
             read(ck)
         assert "\n" not in str(e.value)
+
+
+def test_a_kill_while_pruning_leaves_no_half_deleted_checkpoint(tmp_path, monkeypatch):
+    from anyrec.trainer import checkpoint
+
+    root = tmp_path / "ck"
+    m = _manager(root, keep=1)
+    m.start()
+    m.save(1, _state(1.0), {})
+
+    def killed_midway(path, ignore_errors=False):  # the process dies after deleting one file
+        first = sorted(p.path for p in os.scandir(path) if p.is_file())[0]
+        os.unlink(first)
+        raise SystemExit(137)
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed_midway)
+    with pytest.raises(SystemExit):
+        m.save(2, _state(2.0), {})  # pruning step_1 dies half-way
+    monkeypatch.undo()
+    finals = sorted(p.name for p in root.glob("step_*") if ".tmp-" not in p.name)
+    assert finals == ["step_2"]  # no final-named remains of step_1
+    m.save(3, _state(3.0), {})  # the lineage's next save removes the temporary
+    assert sorted(p.name for p in root.iterdir() if p.name != ".anyrec.lock") == ["step_3"]
+    m.close()

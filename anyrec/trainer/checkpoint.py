@@ -277,15 +277,26 @@ class CheckpointManager:
             owner = next((f.lineage for f in self._scan() if f.path == final), None)
             if self.run is not None and owner != self.run.lineage and str(final) not in self._replace:
                 raise CheckpointError(f"{final} belongs to another run")
-            shutil.rmtree(final)
+            self._discard(final)
         os.replace(tmp, final)
         self._prune(keep_tmp=tmp.name)
+
+    def _discard(self, path: Path) -> None:
+        """Delete a checkpoint so that no final-named half of it can outlive a kill: renamed to a
+        temporary name of this lineage first (atomic), which its next save removes if this one dies."""
+        tag = self.run.lineage[:8] if self.run else "x"
+        doomed = path.with_name(f"{path.name}.tmp-{tag}-deleting-{uuid.uuid4().hex[:6]}")
+        try:
+            os.replace(path, doomed)
+        except FileNotFoundError:
+            return
+        shutil.rmtree(doomed, ignore_errors=True)
 
     def _prune(self, keep_tmp: str) -> None:
         """Older checkpoints of this lineage beyond `keep`, its stale temporaries, and what it replaces."""
         mine = self._mine(self._scan()) if self.run else self._scan()
         for f in mine[:-self.cfg.keep]:
-            shutil.rmtree(f.path, ignore_errors=True)
+            self._discard(f.path)
         tag = f".tmp-{self.run.lineage[:8]}-" if self.run else ".tmp-"
         for p in self.root.glob("step_*.tmp-*"):
             if p.name != keep_tmp and (tag in p.name or self._replace):
@@ -293,7 +304,7 @@ class CheckpointManager:
         if self._replace:  # overwrite: the replaced run's checkpoints go once this one has saved
             for f in self._scan():
                 if str(f.path) in self._replace and f.lineage != (self.run.lineage if self.run else None):
-                    shutil.rmtree(f.path, ignore_errors=True)
+                    self._discard(f.path)
             self._replace = ()
 
     def read_meta(self, path: Path) -> dict[str, Any]:
