@@ -58,6 +58,7 @@ def key_world(path) -> int:
     return yaml.safe_load(path.read_text())["cache"]["key"]["local_world_size"]
 
 
+@pytest.mark.integration
 def test_which_jobs_calibrate():
     from anyrec.autocal import wants_calibration
 

@@ -47,6 +47,7 @@ def test_rule_binds_on_free_cores_and_not_on_busy_ones():
         bind_setting("sometimes")
 
 
+@pytest.mark.integration
 @LINUX_2_CORES
 def test_measurement_counts_other_processes_and_subtracts_the_jobs_own():
     cpus = sorted(os.sched_getaffinity(0))
@@ -89,6 +90,7 @@ def _auto_child(load: CoreLoad) -> tuple[dict, str]:
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
 
 
+@pytest.mark.integration
 @LINUX_2_CORES
 def test_cpu_backend_binds_by_the_rule_and_logs_why():
     allowed = sorted(os.sched_getaffinity(0))

@@ -32,6 +32,7 @@ def test_the_whole_calibration_file_loads():
     assert hw.profiles["fbgemm"].per_row_s > 0
 
 
+@pytest.mark.integration
 def test_every_truncation_of_a_calibration_file_is_refused(tmp_path):
     """Cut after any line (a disk full, a killed writer without the atomic rename), the file lacks a
     field it claims to have measured, or its spec: never a plan with the base SKU's figures."""

@@ -68,6 +68,7 @@ def test_step_points_tell_every_framework_term_apart():
     assert int(torch.linalg.matrix_rank(X / X.abs().amax(dim=0))) == len(calibrate_step.FIELDS)
 
 
+@pytest.mark.integration
 def test_calibrate_writes_a_hardware_yaml(tmp_path, capsys):
     out = tmp_path / "sub" / "cal.yaml"
     assert calibrate.main([f"output={out}", "budget_s=0.02"]) == 0

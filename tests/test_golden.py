@@ -30,6 +30,7 @@ def _check(name: str) -> None:
     assert losses[-1] < losses[0]  # the job learns: a baseline of a broken run would be worthless
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("name", [n for n, j in JOBS.items() if j.nproc == 1])
 def test_losses_match_the_golden_trajectory(name):
     _check(name)

@@ -45,6 +45,7 @@ def test_input_checks():
 
 if not IN_INTERPRETER:
 
+    @pytest.mark.integration  # a child pytest
     def test_dense_kernels_under_interpreter():
         """Run this module's kernel tests in a child process with TRITON_INTERPRET=1."""
         run_under_triton_interpreter(__file__)

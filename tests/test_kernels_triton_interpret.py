@@ -19,6 +19,7 @@ triton = pytest.importorskip("triton")
 
 if not IN_INTERPRETER:
 
+    @pytest.mark.integration  # a child pytest
     def test_triton_kernels_under_interpreter():
         """Run this module's kernel tests in a child process with TRITON_INTERPRET=1."""
         run_under_triton_interpreter(__file__)

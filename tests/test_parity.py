@@ -159,6 +159,7 @@ def _run(variants: list[str], capsys) -> tuple[int, list[str]]:
     return rc, rows[1:]
 
 
+@pytest.mark.integration
 def test_one_rank_kernels_and_plans_agree(capsys):
     """Unsharded torch TBE, FBGEMM under the co-design plan and FBGEMM with every table replicated
     (trained by the replicated-table optimizer): the same losses and weights."""
@@ -171,6 +172,7 @@ def test_one_rank_kernels_and_plans_agree(capsys):
     assert "FAILED" in rows[3]
 
 
+@pytest.mark.integration
 def test_world_sizes_and_two_rank_plans_agree(capsys):
     """One rank (unsharded torch TBE) against row-wise, table-wise (anyrec's torch TBE) and
     data-parallel sharding over two loopback ranks, with the same global batch."""
@@ -183,6 +185,7 @@ def test_world_sizes_and_two_rank_plans_agree(capsys):
     assert len(rows) == 4 and all(r.split("|")[-2].strip() == "ok" for r in rows)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
 def test_one_rank_kernels_give_the_same_bits(optimizer, capsys):
     """SGD and exact Adagrad round as FBGEMM's CPU kernels do on anyrec's TBE too: FBGEMM and the

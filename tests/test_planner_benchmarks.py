@@ -13,6 +13,7 @@ def _load(name):
     return importlib.import_module(f"benchmarks.{name}")
 
 
+@pytest.mark.integration
 def test_planner_benchmark_small(tmp_path):
     out = tmp_path / "bench.json"
     rows = _load("planner").main(["--small", "--output", str(out)])
@@ -25,6 +26,7 @@ def test_planner_benchmark_small(tmp_path):
     assert json.loads(out.read_text())["rows"][0]["workload"] == "dlrmv2"
 
 
+@pytest.mark.integration
 def test_planner_validate_quick(tmp_path):
     out = tmp_path / "val.json"
     rows = _load("planner_validate").main(["--quick", "--output", str(out)])
@@ -52,6 +54,7 @@ def test_planner_accuracy_small(tmp_path):
     assert "embedding:" in data["calibration"] and data["rows"][0]["workload"] == "tiny_26x8"
 
 
+@pytest.mark.integration
 def test_plan_vs_torchrec_small(tmp_path):
     out = tmp_path / "pvt.json"
     rows = _load("plan_vs_torchrec").main(["--small", "--segments", "4", "--output", str(out)])
@@ -99,6 +102,7 @@ def test_median_interval_and_verdict():
     assert got["ratio_ci95"] == [0.9, 0.9] and got["verdict"] == "faster"
 
 
+@pytest.mark.integration
 def test_failed_job_names_its_error(tmp_path):
     """A job that fails says why in one line (the exception, not torchrun's footer); an odd segment
     count is refused before any job starts."""

@@ -85,6 +85,7 @@ def test_ctrl_c_stops_every_rank_at_one_step_and_saves(tmp_path):
     assert proc.returncode == 1 and "SignalException" in text  # torchrun's own status on a signal
 
 
+@pytest.mark.integration
 def test_sigterm_to_one_rank_stops_both(tmp_path):
     ck = tmp_path / "ck"
     proc = launch(tmp_path, [*FAST, f"trainer.checkpoint.dir={ck}"])
@@ -99,6 +100,7 @@ def test_sigterm_to_one_rank_stops_both(tmp_path):
     assert proc.returncode == 1 and re.search(r"exitcode\s*: 143", text), text[-3000:]
 
 
+@pytest.mark.integration
 def test_a_stopped_rank_fails_the_job_naming_it(tmp_path):
     proc = launch(tmp_path, ["trainer.collective_timeout_s=5", "trainer.stop_check_every=1000"])
     pids = wait_for(proc, tmp_path, "step 10 loss", timeout=240)
@@ -119,6 +121,7 @@ def test_a_stopped_rank_fails_the_job_naming_it(tmp_path):
     assert "trainer.collective_timeout_s=5)" in text and re.search(r"exitcode\s*: 4", text), text[-3000:]
 
 
+@pytest.mark.integration
 def test_workers_of_a_killed_launcher_leave_at_once_in_one_line(tmp_path):
     ck = tmp_path / "ck"
     proc = launch(tmp_path, [*FAST, f"trainer.checkpoint.dir={ck}"])
@@ -170,6 +173,7 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
+@pytest.mark.integration
 def test_a_stopped_rank_is_named_by_the_heartbeat_before_the_collective_timeout(tmp_path):
     # The collective timeout stays long (healthy long collectives keep it); the heartbeat names the
     # stopped rank after trainer.peer_timeout_s.
@@ -197,6 +201,7 @@ def test_a_stopped_rank_is_named_by_the_heartbeat_before_the_collective_timeout(
     assert re.search(r"exitcode\s*: 4", text) and "frame #" not in text, text[-3000:]
 
 
+@pytest.mark.integration
 def test_sighup_stops_every_rank_at_one_step_and_saves(tmp_path):
     # A closed terminal: SIGHUP to the launcher's process group, as the kernel sends it.
     ck = tmp_path / "ck"
