@@ -19,7 +19,9 @@ def _lines(proc, text: str) -> list[str]:
 
 def _train(tmp_path, run: str):
     env = {"ANYREC_CACHE_DIR": str(tmp_path / "cache"), "ANYREC_CALIBRATE": "auto"}
-    args = ["-m", "anyrec.train", "model=dlrm_tiny", "trainer.steps=30", "trainer.eval_steps=0",
+    # bound ranks: backend.bind_cores=auto decides by the cores' load, and bound or free is in the key
+    args = ["-m", "anyrec.train", "model=dlrm_tiny", "backend.bind_cores=true", "trainer.steps=30",
+            "trainer.eval_steps=0",
             "trainer.progress=false", "trainer.tensorboard=false", f"hydra.run.dir={tmp_path / run}"]
     proc = torchrun(args, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
