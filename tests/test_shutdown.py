@@ -224,6 +224,7 @@ def test_errors_reach_torchruns_report_in_one_line(tmp_path, what):
     f = tmp_path / "a_file"
     f.write_text("x")
     bad = f"trainer.checkpoint.dir={f}" if what == "file" else "+trainer.checkpoint.dirr=D"
+    before = alive(descendants(os.getpid()))  # e.g. multiprocessing's resource tracker, from other tests
     proc = torchrun(["-m", "anyrec.train", "model=dlrm_tiny", bad, f"hydra.run.dir={tmp_path}/run"],
                     cwd=tmp_path, timeout=180)
     assert proc.returncode != 0
@@ -231,4 +232,4 @@ def test_errors_reach_torchruns_report_in_one_line(tmp_path, what):
     assert len(lines) == 1, proc.stderr[-3000:]
     reported = [ln.split("traceback : ", 1)[1] for ln in proc.stderr.splitlines() if "traceback : " in ln]
     assert reported and all(r == lines[0] for r in reported), proc.stderr[-3000:]
-    assert not alive(descendants(os.getpid()))  # torchrun and its workers are all gone
+    assert alive(descendants(os.getpid())) <= before  # torchrun and its workers are all gone
