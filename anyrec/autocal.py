@@ -23,7 +23,7 @@ from anyrec.calcache import Lookup, cache_dir, local_key, lookup, write_entry
 from anyrec.calibrate import calibrate, hardware_yaml
 from anyrec.config import AnyrecConfig
 from anyrec.io_checks import atomic_write
-from anyrec.trainer.distributed import DistInfo, init_distributed
+from anyrec.trainer.distributed import broadcast_from_main, init_distributed
 
 logger = logging.getLogger("anyrec.autocal")
 
@@ -32,14 +32,6 @@ def wants_calibration(cfg: AnyrecConfig) -> bool:
     """Whether the job plans for this machine's device with the co-design planner and may calibrate."""
     return (cfg.hardware.sku == "auto" and not cfg.hardware.measurements and cfg.planner.name == "codesign"
             and cfg.trainer.calibrate != "never")
-
-
-def _broadcast(value: object, info: DistInfo) -> object:
-    if info.world_size == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def calibrated_hardware(cfg: AnyrecConfig) -> str:
@@ -56,7 +48,8 @@ def calibrated_hardware(cfg: AnyrecConfig) -> str:
     found = None
     if info.is_main:
         found = Lookup(cache_dir() / key.file_name()) if cfg.trainer.calibrate == "always" else lookup(key)
-    path, hit, problem = _broadcast((str(found.path), found.hit, found.problem) if found else None, info)
+    found_here = (str(found.path), found.hit, found.problem) if found else None
+    path, hit, problem = broadcast_from_main(found_here, info)
     if hit:
         if info.is_main:
             logger.info("calibration: cache hit, planning with %s", path)
@@ -79,7 +72,7 @@ def calibrated_hardware(cfg: AnyrecConfig) -> str:
                   f"# used by hardware=auto on this machine and software (`cache:` below).\n")
         write_entry(Path(path), key, hardware_yaml(backend, m), header)
         text = Path(path).read_text()
-    text = _broadcast(text, info)
+    text = broadcast_from_main(text, info)
     if info.host != 0 and info.local_rank == 0:  # the other hosts' ranks read the same file
         with atomic_write(path) as f:
             f.write(text)

@@ -34,7 +34,7 @@ import torch.distributed.checkpoint as dcp
 
 import anyrec
 from anyrec.config import CheckpointConfig
-from anyrec.trainer.distributed import DistInfo
+from anyrec.trainer.distributed import DistInfo, broadcast_from_main
 from anyrec.trainer.errors import CheckpointError
 from anyrec.trainer.lineage import DirLock, Found, RunIdentity, Start, decide_start, launch_id, read_meta_file
 
@@ -43,14 +43,6 @@ logger = logging.getLogger(__name__)
 META = "meta.json"
 DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of the shard files
 _FINAL = re.compile(r"^step_(\d+)$")
-
-
-def _broadcast(value: Any, info: DistInfo) -> Any:
-    if info.world_size == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def _agree(error: str | None, info: DistInfo) -> None:
@@ -167,7 +159,7 @@ class CheckpointManager:
                 decision = str(e)
             except OSError as e:
                 decision = f"trainer.checkpoint.dir {self.root}: {describe_error(e)}"
-        decision = _broadcast(decision, self.info)
+        decision = broadcast_from_main(decision, self.info)
         if isinstance(decision, str):
             self.close()
             raise CheckpointError(decision)
@@ -222,7 +214,7 @@ class CheckpointManager:
         CheckpointError, and the temporary directory is removed: nothing half-written stays.
         """
         tag = self.run.lineage[:8] if self.run else "x"
-        token = _broadcast(uuid.uuid4().hex[:12] if self.is_main else "", self.info)
+        token = broadcast_from_main(uuid.uuid4().hex[:12] if self.is_main else "", self.info)
         tmp = self.root / f"step_{step}.tmp-{tag}-{token}"
         final = self.root / f"step_{step}"
         try:
@@ -258,7 +250,7 @@ class CheckpointManager:
                 self._publish(step, extra_meta, tmp, final, digests)
             except (OSError, CheckpointError) as e:
                 error = f"{where}: {describe_error(e) if isinstance(e, OSError) else e}"
-        error = _broadcast(error, self.info)
+        error = broadcast_from_main(error, self.info)
         if error:
             raise CheckpointError(error)
 

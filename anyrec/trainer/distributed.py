@@ -45,6 +45,15 @@ class DistInfo:
 ONE_PROCESS = DistInfo(rank=0, world_size=1, local_rank=0, local_world_size=1)  # a job without torchrun
 
 
+def broadcast_from_main(value: object, info: DistInfo) -> object:
+    """Rank 0's `value` on every rank (any picklable object; a collective on every rank)."""
+    if info.world_size == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
