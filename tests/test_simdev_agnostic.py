@@ -59,3 +59,9 @@ def test_topology_takes_any_device_type_as_compute_device():
 
 def test_the_host_pins_no_memory_for_itself():
     assert CPUBackend().pins_host_memory() is False
+
+
+def test_a_skus_offline_plan_assumes_its_own_device_type():
+    """Without a backend to name it, a plan's compute device comes from the spec: host or accelerator."""
+    assert Topology(SKUS["cpu"], 2).compute_device == "cpu"
+    assert Topology(SKUS["h200"], 2).compute_device == Topology(SKUS["mi350x"], 2).compute_device == "cuda"

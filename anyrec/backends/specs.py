@@ -70,6 +70,12 @@ class DeviceSpec:
             if getattr(self, f) > 1.0:
                 raise ValueError(f"DeviceSpec {self.name}: {f} is a fraction of peak, got {getattr(self, f)}")
 
+    @property
+    def torch_device_type(self) -> str:
+        """The torch device type that plans for this spec assume when no backend names one (offline
+        planning of a SKU): "cpu" for the host, else "cuda" (ROCm keeps torch's "cuda")."""
+        return "cpu" if self.vendor == "cpu" else "cuda"
+
     def replace(self, **changes: object) -> DeviceSpec:
         """A copy with some fields changed (e.g. calibrated bandwidths)."""
         return dataclasses.replace(self, **changes)

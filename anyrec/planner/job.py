@@ -57,7 +57,7 @@ def dense_tensor_count(model: nn.Module, ebc: nn.Module) -> int:
 def plan_options(cfg: PlannerConfig, embedding: EmbeddingCost, optimizer: str,
                  device_type: str | None = None) -> dict[str, object]:
     """PlanOptions fields from the `planner` config group, for the embedding implementation (and its
-    profiles on the hardware) `embedding` on a `device_type` device ("cpu", "cuda"; None: any).
+    profiles on the hardware) `embedding` on a `device_type` device (a torch device type; None: any).
 
     Only what the implementation can run (its Impl record) is offered to the search: no sharded
     tables where its fused update lacks `optimizer` on the device (the trainer refuses those by the

@@ -92,7 +92,7 @@ class Topology:
     device: DeviceSpec
     world_size: int
     local_world_size: int | None = None
-    # torch device type ("cuda", "cpu", a plugin's); default from the vendor
+    # a torch device type (the backend's); default: DeviceSpec.torch_device_type
     compute_device: str | None = None
     hbm_cap_bytes: int | None = None
     ddr_cap_bytes: int | None = None
@@ -104,11 +104,10 @@ class Topology:
         if local <= 0 or self.world_size % local != 0:
             raise ValueError(f"world_size {self.world_size} must be a multiple of local_world_size {local}")
         object.__setattr__(self, "local_world_size", local)
-        compute = self.compute_device or ("cpu" if self.device.vendor == "cpu" else "cuda")
+        compute = self.compute_device or self.device.torch_device_type
         # Any torch device type: "cpu" keeps tables in host memory, every other is an accelerator.
         if not (compute.isidentifier() and compute.islower()):
-            raise ValueError(f"compute_device must be a torch device type ('cuda', 'cpu', ...), "
-                             f"got {compute!r}")
+            raise ValueError(f"compute_device must be a torch device type, got {compute!r}")
         object.__setattr__(self, "compute_device", compute)
 
     @property
