@@ -302,14 +302,15 @@ class TritonShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     ):
         sharding_type = sharding_infos[0].param_sharding.sharding_type
         kernel = sharding_infos[0].param_sharding.compute_kernel
-        ours = TRITON_COMPUTE_KERNEL if sharding_type != ShardingType.DATA_PARALLEL.value else "dense"
-        if kernel != ours or sharding_type not in _SHARDINGS:
+        dp = sharding_type == ShardingType.DATA_PARALLEL.value
+        if kernel != (EmbeddingComputeKernel.DENSE.value if dp else TRITON_COMPUTE_KERNEL) or \
+                sharding_type not in _SHARDINGS:
             return super().create_embedding_bag_sharding(
                 sharding_infos, env, device, permute_embeddings=permute_embeddings,
                 qcomm_codecs_registry=qcomm_codecs_registry,
             )
-        if sharding_type == ShardingType.DATA_PARALLEL.value:
-            return _SHARDINGS[sharding_type](sharding_infos, env, device)
+        if dp:
+            return TorchDpPooledEmbeddingSharding(sharding_infos, env, device)
         kwargs: dict[str, Any] = {"qcomm_codecs_registry": qcomm_codecs_registry}
         if sharding_type in (ShardingType.COLUMN_WISE.value, ShardingType.TABLE_COLUMN_WISE.value):
             kwargs["permute_embeddings"] = permute_embeddings

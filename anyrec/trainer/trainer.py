@@ -169,8 +169,9 @@ class Trainer:
         self.sharding_plan, self.predicted_perf = (self.plan_override, None) if self.plan_override else \
             shared_plan(self.cfg, self.backend, self.dist, model, EBC_PATH, embedding, hardware)
         check_embedding_optimizer(self.cfg.optim, embedding, self.device.type, self.sharding_plan)
-        # DDP's static graph page-locks host memory for a device's used-parameter map: off where
-        # the device cannot (its copies are then plain ones; the numbers do not change).
+        # DDP's static graph page-locks host memory for a device's used-parameter map: off where the
+        # device cannot (its copies are then plain ones; the numbers do not change), for the dense
+        # modules and for the data-parallel tables of a sharder that takes the setting.
         static_graph = self.device.type == "cpu" or self.backend.pins_host_memory()
         self.model = DistributedModelParallel(
             DLRMTrain(model), device=self.device, plan=self.sharding_plan,
