@@ -23,7 +23,7 @@ pytestmark = pytest.mark.integration
 
 PKG = ROOT / "examples" / "simdev"
 DOC = ROOT / "docs" / "porting.md"
-PARITY = ["model=dlrm_tiny", "trainer.steps=4", "backend.embedding_kernel=torch"]
+CHECK = ROOT / "tests" / "dist" / "simdev_check.py"
 
 
 @pytest.fixture(scope="module")
@@ -75,37 +75,52 @@ def test_porting_walkthrough_runs_as_written(simdev_path, tmp_path):
     assert second["resumed_from_step"] == 3 and second["steps"] == 5
     log = (tmp_path / "run1" / "train_rank0.log").read_text()
     assert "backend: simdev" in log and "sparse ops on PrivateUse1: portable kernels" in log
+    assert "precision: fp32" in log  # what runs: simdev has no autocast dtypes
     cpu = json.loads((tmp_path / "cpu.json").read_text())["runs"][0]
     assert cpu["weights_sha256"][:12] in against and "all variants agree" in against
 
 
-@pytest.mark.parametrize("planner", ["planner=simple planner.sharding=table_wise",
-                                     "planner=simple planner.sharding=column_wise",
-                                     "planner=simple planner.sharding=table_row_wise",
-                                     "planner=codesign"])
-def test_two_ranks_train_evaluate_and_checkpoint(simdev_path, tmp_path, planner):
-    cmd = ("torchrun --standalone --nproc_per_node=2 -m anyrec.train backend=simdev model=dlrm_tiny "
-           f"{planner} trainer.steps=3 trainer.eval_steps=2 trainer.checkpoint.dir=ckpt hydra.run.dir=run")
-    proc = _sh(cmd, tmp_path, simdev_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = last_json_line(proc.stdout)
-    assert summary["backend"] == "simdev" and summary["world_size"] == 2 and summary["steps"] == 3
-    assert summary["eval_auc"] is not None and summary["checkpoint"]
-    log = (tmp_path / "run" / "train_rank0.log").read_text()
-    if "codesign" in planner:
-        assert "2 x SimDev-1" in log  # planned with the plugin's simulated DeviceSpec
+OPTIMS = ("sgd", "adagrad", "rowwise_adagrad")
+SHARDINGS = {"table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"}
 
 
-@pytest.mark.parametrize("optim,nproc", [("sgd", 1), ("adagrad", 1), ("adagrad", 2),
-                                         ("rowwise_adagrad", 1), ("rowwise_adagrad", 2)])
-def test_parity_with_the_cpu_is_bit_exact(simdev_path, tmp_path, optim, nproc):
-    """(sgd, 2 ranks) is the walk-through's own parity pair."""
-    base = " ".join([*PARITY, f"optim={optim}"])
-    runs = (("cpu", "parity.save=cpu.json"), ("simdev", "parity.against=cpu.json parity.save=sim.json"))
-    for backend, flag in runs:
-        variant = shlex.quote(f"backend={backend} nproc={nproc}")
-        proc = _sh(f"anyrec-parity {base} parity.variant={variant} {flag}", tmp_path, simdev_path)
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    cpu, sim = (json.loads((tmp_path / f).read_text())["runs"][0] for f in ("cpu.json", "sim.json"))
-    assert len(cpu["losses"]) == 4 and sim["losses"] == cpu["losses"]
-    assert sim["weights_sha256"] == cpu["weights_sha256"]
+def _jobs(path: Path, tmp: Path, jobs: list[str], nproc: int) -> dict:
+    """tests/dist/simdev_check.py's records of `jobs`, run one after another in one process per rank."""
+    launch = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+                                 if nproc > 1 else [])
+    tmp.mkdir()
+    proc = _sh(shlex.join([*launch, str(CHECK), str(tmp / "out.json"), *jobs]), tmp, path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads((tmp / "out.json").read_text())
+
+
+def test_two_ranks_train_every_sharding_type_with_the_cpus_numbers(simdev_path, tmp_path):
+    """One 2-rank job per device trains dlrm_tiny under a plan mixing every sharding type with
+    data-parallel tables (column-wise ones except under rowwise_adagrad), for each optimizer, with
+    evaluation and a checkpoint: simdev's records are the CPU's bit for bit, and the torch
+    implementation's data-parallel tables train as FBGEMM's dense ones do, bit for bit."""
+    cpu = _jobs(simdev_path, tmp_path / "cpu", [f"cpu torch {o}" for o in OPTIMS] + ["cpu fbgemm sgd"], 2)
+    sim = _jobs(simdev_path, tmp_path / "sim", [f"simdev torch {o}" for o in OPTIMS], 2)
+    for o in OPTIMS:
+        c, s = cpu[f"cpu torch {o}"], sim[f"simdev torch {o}"]
+        summary = s["summary"]
+        assert summary["backend"] == "simdev" and summary["world_size"] == 2 and summary["steps"] == 3
+        assert summary["eval_auc"] is not None and summary["checkpoint"]
+        exact = SHARDINGS - ({"column_wise"} if o == "rowwise_adagrad" else set())
+        assert set(s["shardings"].values()) == exact, o
+        assert len(s["losses"]) == 3 and s["losses"] == c["losses"], o
+        assert s["weights_sha256"] == c["weights_sha256"], o
+    assert cpu["cpu fbgemm sgd"]["weights_sha256"] == cpu["cpu torch sgd"]["weights_sha256"]
+
+
+def test_one_rank_parity_and_precision(simdev_path, tmp_path):
+    """One rank (the unsharded torch TBE): the CPU's numbers bit for bit; `mixed_precision=auto` runs
+    fp32 on simdev (no autocast dtypes) and a forced bf16 is refused in one line."""
+    bf16 = "simdev torch sgd trainer.mixed_precision=bf16"
+    rec = _jobs(simdev_path, tmp_path / "one", [f"{b} torch {o}" for o in OPTIMS for b in ("cpu", "simdev")]
+                + [bf16], 1)
+    for o in OPTIMS:
+        c, s = rec[f"cpu torch {o}"], rec[f"simdev torch {o}"]
+        assert s["summary"]["backend"] == "simdev" and len(s["losses"]) == 3 and s["losses"] == c["losses"], o
+        assert s["weights_sha256"] == c["weights_sha256"] and s["autocast"] is False, o
+    assert rec[bf16]["error"] == "trainer.mixed_precision=bf16: simdev has no bf16 autocast; use auto or fp32"

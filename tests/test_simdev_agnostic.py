@@ -3,13 +3,18 @@ the simdev bring-up, tests/test_simdev.py), checked in process without the plugi
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import DenseTableBatchedEmbeddingBagsCodegen
 
 from anyrec.backends import get_backend, resolve_hardware
 from anyrec.backends.cpu import CPUBackend
 from anyrec.backends.dispatch import TORCH_EMBEDDING
 from anyrec.backends.specs import SKUS
+from anyrec.kernels.torchrec_kernel import TorchDenseTBE
 from anyrec.models.dlrm import build_model
 from anyrec.planner.types import Topology
 from anyrec.trainer.distributed import DistInfo
@@ -65,3 +70,39 @@ def test_a_skus_offline_plan_assumes_its_own_device_type():
     """Without a backend to name it, a plan's compute device comes from the spec: host or accelerator."""
     assert Topology(SKUS["cpu"], 2).compute_device == "cpu"
     assert Topology(SKUS["h200"], 2).compute_device == Topology(SKUS["mi350x"], 2).compute_device == "cuda"
+
+
+@pytest.mark.parametrize("planner", ["simple", "codesign"])
+def test_forcing_data_parallel_on_an_implementation_without_it_is_refused_at_planning(planner):
+    _, cfg = compose_config(["model=dlrm_tiny", f"planner={planner}", "planner.sharding=data_parallel"])
+    meta, cpu = torch.device("meta"), get_backend("cpu")
+    no_dp = dataclasses.replace(TORCH_EMBEDDING, data_parallel=False)
+    with pytest.raises(ValueError) as e:
+        plan_and_predict(cfg, cpu, INFO, build_model(cfg.model, meta, ebc_device=meta), "model.sparse_arch",
+                         no_dp, resolve_hardware("cpu", {}, cpu))
+    assert str(e.value) == "planner.sharding=data_parallel cannot run with backend.embedding_kernel=torch"
+
+
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+def test_data_parallel_tables_get_fbgemms_dense_outputs_and_gradients_from_the_torch_tbe(pooling):
+    """The `dense` kernel without FBGEMM (TorchDenseTBE) against FBGEMM's dense TBE: bit for bit with
+    sum pooling (DLRM's); mean scales each row before summing, as the torch TBE's sharded tables do."""
+    specs, ftm, batch = [(50, 8), (7, 4), (30, 8)], [0, 1, 2, 0], 5
+    mode = PoolingMode.SUM if pooling == "sum" else PoolingMode.MEAN
+    ref = DenseTableBatchedEmbeddingBagsCodegen(specs, feature_table_map=ftm, pooling_mode=mode, use_cpu=True)
+    ours = TorchDenseTBE(specs, ftm, pooling, torch.float32, torch.float32, "error", torch.device("cpu"))
+    with torch.no_grad():
+        ours.weights.copy_(ref.weights)
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(0, 5, (len(ftm) * batch,), generator=g)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    rows = torch.tensor([specs[ftm[i // batch]][0] for i in range(len(ftm) * batch)])
+    rows = rows.repeat_interleave(lengths)
+    indices = (torch.rand(len(rows), generator=g) * rows).long()
+    out_ref, out = ref(indices, offsets), ours(indices, offsets)
+    same = torch.equal if pooling == "sum" else lambda a, b: torch.allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert int(lengths.min()) == 0 and same(out, out_ref)  # empty bags included
+    grad = torch.randn(out.shape, generator=g)
+    out_ref.backward(grad)
+    out.backward(grad)
+    assert ours.weights.grad.count_nonzero() > 0 and same(ours.weights.grad, ref.weights.grad)

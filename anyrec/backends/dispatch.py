@@ -332,7 +332,7 @@ FBGEMM_EMBEDDING = Impl(
     cpu_optimizers=("sgd", "rowwise_adagrad", "adagrad"))  # no CPU Adam in FBGEMM
 # anyrec's TBE run by plain torch ops; its profile also costs data-parallel tables' plain embedding bags
 TORCH_EMBEDDING = Impl(
-    "embedding", "torch", probe=_ANYREC_TBE_PROBE, options={"execution": "torch"},
+    "embedding", "torch", probe=_ANYREC_TBE_PROBE, options={"execution": "torch"}, data_parallel=True,
     profile=KernelProfile(0.28, 32, source="measured on an H200 (2026-11-30): nn.EmbeddingBag forward "
                                             "1,345 GB/s of 4.8 TB/s peak"),
     description="anyrec's TBE run by plain torch ops", **_ANYREC_TBE)

@@ -13,6 +13,12 @@ not ship). `TritonFusedEmbeddingBag` reuses torchrec's `TritonBatchedFusedEmbedd
 weights and optimizer state ("<table>.momentum1", ...) appear in `DistributedModelParallel`'s
 state_dict and `fused_optimizer.state_dict()` like FBGEMM's.
 
+Data-parallel (replicated) tables take torchrec's `dense` kernel name, as FBGEMM's do: the lookup
+builds `TorchDenseEmbeddingBag`, the torch TBE's forward over one plain flat parameter, so autograd
+gives the weights a dense gradient that DDP all-reduces and the trainer's replicated-table optimizer
+applies (no FBGEMM kernel anywhere). `init_data_parallel` wraps those lookups in DDP as torchrec does,
+with DDP's static graph only where the trainer says the device can page-lock host memory.
+
 Usage:
     sharder = TritonEmbeddingBagCollectionSharder(OptimizerConfig("rowwise_adagrad", lr=0.01))
     plan = construct_module_sharding_plan(
@@ -28,10 +34,14 @@ import torch
 import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.batched_embedding_kernel import (
     BaseBatchedEmbeddingBag,
+    BatchedDenseEmbeddingBag,
     TritonBatchedFusedEmbeddingBag,
     TritonEmbeddingFusedOptimizer,
+    _gen_named_parameters_by_table_dense,
 )
 from torchrec.distributed.embedding_lookup import GroupedPooledEmbeddingsLookup
 from torchrec.distributed.embedding_types import (
@@ -41,6 +51,7 @@ from torchrec.distributed.embedding_types import (
 )
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder, ShardedEmbeddingBagCollection
 from torchrec.distributed.sharding.cw_sharding import CwPooledEmbeddingSharding
+from torchrec.distributed.sharding.dp_sharding import DpPooledEmbeddingSharding
 from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingSharding
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
 from torchrec.distributed.sharding.twcw_sharding import TwCwPooledEmbeddingSharding
@@ -48,12 +59,15 @@ from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingShard
 from torchrec.distributed.types import ShardingEnv, ShardingType
 from torchrec.modules.embedding_configs import data_type_to_dtype
 
+from anyrec.kernels.layout import BoundsCheckMode, TBELayout, batch_size, check_ids
 from anyrec.kernels.optimizers import OptimizerConfig, OptimizerKind
 from anyrec.kernels.tbe import TritonTableBatchedEmbedding
+from anyrec.kernels.torch_tbe import torch_forward
 
 TRITON_COMPUTE_KERNEL = EmbeddingComputeKernel.FUSED_TRITON.value
 
 SUPPORTED_SHARDING_TYPES = (
+    ShardingType.DATA_PARALLEL.value,  # the `dense` kernel: TorchDenseEmbeddingBag
     ShardingType.TABLE_WISE.value,
     ShardingType.ROW_WISE.value,
     ShardingType.COLUMN_WISE.value,
@@ -141,13 +155,69 @@ class TritonFusedEmbeddingBag(TritonBatchedFusedEmbeddingBag):
         self.init_parameters()
 
 
+class TorchDenseTBE(nn.Module):
+    """The torch TBE's pooled lookups over one flat parameter `weights` (autograd: a dense gradient);
+    the attributes torchrec reads of FBGEMM's `DenseTableBatchedEmbeddingBagsCodegen`."""
+
+    def __init__(self, specs: list[tuple[int, int]], feature_table_map: list[int], pooling: str,
+                 weights_dtype: torch.dtype, output_dtype: torch.dtype, bounds_check: str,
+                 device: torch.device | None) -> None:
+        super().__init__()
+        self.embedding_specs = specs
+        lay = self.layout = TBELayout(tuple(r for r, _ in specs), tuple(d for _, d in specs),
+                                      tuple(feature_table_map))
+        self.weights_physical_offsets = list(lay.weight_offsets[:-1])
+        self.weights = nn.Parameter(torch.empty(lay.total_elements, dtype=weights_dtype, device=device))
+        self.pooling, self.output_dtype = pooling, output_dtype
+        self.bounds_check = BoundsCheckMode(bounds_check)
+        self._lt = None
+
+    def split_embedding_weights(self) -> list[torch.Tensor]:
+        w = self.weights.detach()
+        return [w[o: o + r * d].view(r, d)
+                for o, (r, d) in zip(self.weights_physical_offsets, self.embedding_specs, strict=True)]
+
+    def forward(self, indices: torch.Tensor, offsets: torch.Tensor,
+                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        if self._lt is None or self._lt.dims_T.device != self.weights.device:
+            self._lt = self.layout.tensors(self.weights.device)
+        B = batch_size(self.layout, offsets)
+        if self.bounds_check == BoundsCheckMode.ERROR:
+            check_ids(self.layout, self._lt, indices, offsets, B)
+        return torch_forward(self.layout, self._lt, self.weights, indices, offsets, per_sample_weights, B,
+                             self.pooling, self.output_dtype)
+
+
+class TorchDenseEmbeddingBag(BatchedDenseEmbeddingBag):
+    """torchrec's `dense` compute kernel (data-parallel tables) by the torch TBE's forward: FBGEMM's
+    dense kernel for every device, with the same parameters, table slices and state_dict."""
+
+    def __init__(self, config: GroupedEmbeddingConfig, pg: dist.ProcessGroup | None = None,
+                 device: torch.device | None = None, sharding_type: ShardingType | None = None) -> None:
+        # skip BatchedDenseEmbeddingBag.__init__: it builds FBGEMM's dense TBE
+        BaseBatchedEmbeddingBag.__init__(self, config, pg, device, sharding_type)
+        fp = dict(config.fused_params or {})
+        output_dtype = fp.get("output_dtype", SparseType.FP32)
+        self._emb_module = TorchDenseTBE(
+            list(zip(self._local_rows, self._local_cols, strict=True)), self._feature_table_map,
+            "mean" if self._pooling == PoolingMode.MEAN else "sum", data_type_to_dtype(config.data_type),
+            output_dtype.as_dtype() if isinstance(output_dtype, SparseType) else output_dtype,
+            fp.get("bounds_check", "error"), device)
+        self._param_per_table = dict(_gen_named_parameters_by_table_dense(
+            self._emb_module, self.table_name_to_count.copy(), self._config))
+        self.init_parameters()
+
+
 class TritonGroupedPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
-    """Grouped pooled lookup that builds `TritonFusedEmbeddingBag` for `fused_triton` groups."""
+    """Grouped pooled lookup that builds `TritonFusedEmbeddingBag` for `fused_triton` groups and
+    `TorchDenseEmbeddingBag` for `dense` (data-parallel) ones."""
 
     def _create_embedding_kernel(self, config, device, pg, sharding_type, env):
         if config.compute_kernel == EmbeddingComputeKernel.FUSED_TRITON:
             return TritonFusedEmbeddingBag(config=config, pg=pg, device=device, sharding_type=sharding_type,
                                            env=env)
+        if config.compute_kernel == EmbeddingComputeKernel.DENSE:
+            return TorchDenseEmbeddingBag(config, pg, device, sharding_type)
         return super()._create_embedding_kernel(config, device, pg, sharding_type, env)
 
 
@@ -197,7 +267,18 @@ class TritonTwRwPooledEmbeddingSharding(_TritonLookupMixin, TwRwPooledEmbeddingS
         return self._grouped_embedding_configs_per_rank[self._rank]
 
 
+class TorchDpPooledEmbeddingSharding(DpPooledEmbeddingSharding):
+    """Data-parallel sharding whose lookup builds `TorchDenseEmbeddingBag`."""
+
+    def create_lookup(self, device=None, fused_params=None, feature_processor=None) -> BaseEmbeddingLookup:
+        return TritonGroupedPooledEmbeddingsLookup(
+            grouped_configs=self._grouped_embedding_configs, pg=self._env.process_group,
+            device=device if device is not None else self._device, feature_processor=feature_processor,
+            scale_weight_gradients=False, env=self._env)  # as torchrec's: DP gradients are not scaled
+
+
 _SHARDINGS = {
+    ShardingType.DATA_PARALLEL.value: TorchDpPooledEmbeddingSharding,
     ShardingType.TABLE_WISE.value: TritonTwPooledEmbeddingSharding,
     ShardingType.ROW_WISE.value: TritonRwPooledEmbeddingSharding,
     ShardingType.COLUMN_WISE.value: TritonCwPooledEmbeddingSharding,
@@ -207,7 +288,13 @@ _SHARDINGS = {
 
 
 class TritonShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
-    """ShardedEmbeddingBagCollection whose shardings build Triton-aware lookups."""
+    """ShardedEmbeddingBagCollection whose shardings build Triton-aware lookups; `static_graph` is DDP's
+    for the data-parallel lookups (torchrec's True; False where the device cannot page-lock host memory,
+    which DDP's static graph copies its used-parameter map through on every accelerator)."""
+
+    def __init__(self, *args: Any, static_graph: bool = True, **kwargs: Any) -> None:
+        self.static_graph = static_graph  # read by init_data_parallel, which torchrec's __init__ calls
+        super().__init__(*args, **kwargs)
 
     @classmethod
     def create_embedding_bag_sharding(
@@ -215,22 +302,40 @@ class TritonShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
     ):
         sharding_type = sharding_infos[0].param_sharding.sharding_type
         kernel = sharding_infos[0].param_sharding.compute_kernel
-        if kernel != TRITON_COMPUTE_KERNEL or sharding_type not in _SHARDINGS:
+        dp = sharding_type == ShardingType.DATA_PARALLEL.value
+        if kernel != (EmbeddingComputeKernel.DENSE.value if dp else TRITON_COMPUTE_KERNEL) or \
+                sharding_type not in _SHARDINGS:
             return super().create_embedding_bag_sharding(
                 sharding_infos, env, device, permute_embeddings=permute_embeddings,
                 qcomm_codecs_registry=qcomm_codecs_registry,
             )
+        if dp:
+            return TorchDpPooledEmbeddingSharding(sharding_infos, env, device)
         kwargs: dict[str, Any] = {"qcomm_codecs_registry": qcomm_codecs_registry}
         if sharding_type in (ShardingType.COLUMN_WISE.value, ShardingType.TABLE_COLUMN_WISE.value):
             kwargs["permute_embeddings"] = permute_embeddings
         return _SHARDINGS[sharding_type](sharding_infos, env, device, **kwargs)
+
+    def init_data_parallel(self) -> None:
+        """torchrec's DDP wrap of the data-parallel lookups, with `static_graph` (the numbers do not
+        change without it)."""
+        if self._skip_data_parallel_grad_sync:
+            return
+        dev = self._device
+        ids = [dev] if dev is not None and dev.type in ("cuda", "mtia", "tpu") else None  # as torchrec's
+        for i, (sharding, lookup) in enumerate(zip(self._embedding_shardings, self._lookups, strict=True)):
+            if isinstance(sharding, DpPooledEmbeddingSharding):
+                self._lookups[i] = DistributedDataParallel(
+                    module=lookup, device_ids=ids, process_group=self._env.process_group,
+                    gradient_as_bucket_view=True, broadcast_buffers=True, static_graph=self.static_graph)
 
 
 class TritonEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     """EmbeddingBagCollection sharder whose model-parallel shards use the Triton TBE kernel.
 
     `optimizer` sets the fused update (it overrides the optimizer keys of `fused_params`);
-    `execution` is passed to the kernel ("triton" | "torch"; the kernel's default, torch, if None).
+    `execution` is passed to the kernel ("triton" | "torch"; the kernel's default, torch, if None);
+    `static_graph` to the sharded module's DDP of data-parallel lookups (a settable attribute).
     """
 
     def __init__(
@@ -239,7 +344,9 @@ class TritonEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         fused_params: dict[str, Any] | None = None,
         execution: str | None = None,
         qcomm_codecs_registry: dict | None = None,
+        static_graph: bool = True,
     ) -> None:
+        self.static_graph = static_graph
         params = dict(fused_params or {})
         if optimizer is not None:
             params.update(fused_params_from_optimizer(optimizer))
@@ -251,6 +358,8 @@ class TritonEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         return list(SUPPORTED_SHARDING_TYPES)
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
+        if sharding_type == ShardingType.DATA_PARALLEL.value:
+            return [EmbeddingComputeKernel.DENSE.value]
         return [TRITON_COMPUTE_KERNEL] if sharding_type in SUPPORTED_SHARDING_TYPES else []
 
     def shard(self, module, params, env, device=None, module_fqn=None) -> TritonShardedEmbeddingBagCollection:
@@ -263,6 +372,7 @@ class TritonEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
             qcomm_codecs_registry=self.qcomm_codecs_registry,
             module_fqn=module_fqn,
             sharded_module_order_overwrite=self._sharded_module_order_overwrite,
+            static_graph=self.static_graph,
         )
 
     @property

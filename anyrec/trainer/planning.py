@@ -32,9 +32,14 @@ from anyrec.trainer.distributed import DistInfo
 logger = logging.getLogger(__name__)
 
 
-def sharders(embedding: Impl) -> list[ModuleSharder]:
-    """The sharders DistributedModelParallel uses: one for the selected embedding implementation."""
-    return [embedding_sharder(embedding)]
+def sharders(embedding: Impl, static_graph: bool = True) -> list[ModuleSharder]:
+    """The sharders DistributedModelParallel uses: one for the selected embedding implementation.
+    `static_graph=False` (the device cannot page-lock host memory) goes to a sharder that has the
+    setting (anyrec's TBE: DDP of its data-parallel lookups; FBGEMM's never runs on such a device)."""
+    sharder = embedding_sharder(embedding)
+    if hasattr(sharder, "static_graph"):
+        sharder.static_graph = static_graph
+    return [sharder]
 
 
 class NoDataParallelWrapper(DataParallelWrapper):
@@ -84,6 +89,9 @@ def plan_and_predict(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model:
     implementation on `hardware` (its spec and measured profiles)."""
     ebc = model.sparse_arch
     if cfg.planner.name == "simple":
+        if cfg.planner.sharding == "data_parallel" and not embedding.data_parallel:
+            raise ValueError(f"planner.sharding=data_parallel cannot run with "
+                             f"backend.embedding_kernel={embedding.name}")
         shardings = simple_table_shardings(ebc.embedding_bag_configs(), info.world_size,
                                            force=cfg.planner.sharding, optimizer=cfg.optim.name)
         plan = simple_sharding_plan(ebc, shardings, module_path, info.world_size, info.local_world_size,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from collections.abc import Callable, Iterator
 from itertools import islice
 from pathlib import Path
@@ -111,8 +112,7 @@ class Trainer:
         """Model (tables on meta, then sharded by DMP), plan, optimizers, step pipeline and data."""
         tc = self.cfg.trainer
         self._check_trainer_config()
-        self.autocast = tc.mixed_precision == "bf16" or (
-            tc.mixed_precision == "auto" and self.backend.device_type != "cpu")
+        self.autocast = self._bf16_autocast()
         self.schedule = WarmupPolyDecay.from_config(self.cfg.optim)
         torch.manual_seed(tc.seed)
         check_embedding_weight_decay(self.cfg.optim, self.kernels["embedding"])
@@ -141,6 +141,22 @@ class Trainer:
         if tc.breakdown_steps:
             breakdown_window(tc.steps, warmup_steps(tc.steps), tc.breakdown_steps)  # room for it
 
+    def _bf16_autocast(self) -> bool:
+        """trainer.mixed_precision resolved once: auto is bf16 autocast on an accelerator that has it
+        (torch would warn and compute in fp32 on one without), fp32 elsewhere; bf16 where there is
+        none is an error."""
+        mp, device_type = self.cfg.trainer.mixed_precision, self.backend.device_type
+        if mp == "fp32" or (mp == "auto" and device_type == "cpu"):
+            return False
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with torch.autocast(device_type, dtype=torch.bfloat16):
+                runs = torch.is_autocast_enabled(device_type)
+        if mp == "bf16" and not runs:
+            raise ValueError(f"trainer.mixed_precision=bf16: {device_type} has no bf16 autocast; "
+                             f"use auto or fp32")
+        return runs
+
     def _build_sharded(self) -> None:
         """Tables on the meta device, placed by the plan and allocated by DistributedModelParallel."""
         install_sparse_ops(self.backend, self.cfg.backend.sparse_ops)  # torchrec's input/output dist ops
@@ -153,11 +169,13 @@ class Trainer:
         self.sharding_plan, self.predicted_perf = (self.plan_override, None) if self.plan_override else \
             shared_plan(self.cfg, self.backend, self.dist, model, EBC_PATH, embedding, hardware)
         check_embedding_optimizer(self.cfg.optim, embedding, self.device.type, self.sharding_plan)
-        # DDP's static graph page-locks host memory for a device's used-parameter map: off where
-        # the device cannot (its copies are then plain ones; the numbers do not change).
+        # DDP's static graph page-locks host memory for a device's used-parameter map: off where the
+        # device cannot (its copies are then plain ones; the numbers do not change), for the dense
+        # modules and for the data-parallel tables of a sharder that takes the setting.
         static_graph = self.device.type == "cpu" or self.backend.pins_host_memory()
         self.model = DistributedModelParallel(
-            DLRMTrain(model), device=self.device, plan=self.sharding_plan, sharders=sharders(embedding),
+            DLRMTrain(model), device=self.device, plan=self.sharding_plan,
+            sharders=sharders(embedding, static_graph),
             data_parallel_wrapper=dense_wrapper(self.dist.world_size, static_graph),
         )
         self.fused_optimizer = self.model.fused_optimizer
