@@ -25,59 +25,17 @@ def config_dir() -> Path:
 
 
 # Closed choices are enums: a value outside them fails when the config is composed, before any
-# process group starts. Members are named as their values, so they compare and print as the strings.
-class Interaction(StrEnum):
-    dot = "dot"
-    dcn = "dcn"
-
-
-class OnMalformed(StrEnum):
-    error = "error"
-    skip = "skip"
-
-
-class DenseTransform(StrEnum):
-    torchrec = "torchrec"
-    log1p = "log1p"
-
-
-class SparseOps(StrEnum):
-    auto = "auto"
-    fbgemm = "fbgemm"
-    portable = "portable"
-
-
-class PlannerName(StrEnum):
-    codesign = "codesign"
-    simple = "simple"
-
-
-class Sharding(StrEnum):
-    auto = "auto"
-    table_wise = "table_wise"
-    row_wise = "row_wise"
-    column_wise = "column_wise"
-    table_row_wise = "table_row_wise"
-    data_parallel = "data_parallel"
-
-
-class Optimizer(StrEnum):
-    sgd = "sgd"
-    adagrad = "adagrad"
-    rowwise_adagrad = "rowwise_adagrad"
-    adam = "adam"
-
-
-class Calibrate(StrEnum):
-    auto = "auto"
-    always = "always"
-    never = "never"
-
-
-class Precision(StrEnum):
-    auto = "auto"
-    bf16 = "bf16"
-    fp32 = "fp32"
+# process group starts. StrEnum's functional form gives each member its own name as value, so they
+# compare and print as the strings.
+Interaction = StrEnum("Interaction", "dot dcn")
+OnMalformed = StrEnum("OnMalformed", "error skip")
+DenseTransform = StrEnum("DenseTransform", "torchrec log1p")
+SparseOps = StrEnum("SparseOps", "auto fbgemm portable")
+PlannerName = StrEnum("PlannerName", "codesign simple")
+Sharding = StrEnum("Sharding", "auto table_wise row_wise column_wise table_row_wise data_parallel")
+Optimizer = StrEnum("Optimizer", "sgd adagrad rowwise_adagrad adam")
+Calibrate = StrEnum("Calibrate", "auto always never")
+Precision = StrEnum("Precision", "auto bf16 fp32")
 
 
 @dataclass
