@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from anyrec import _hydra
-from anyrec.io_checks import writable_file
+from anyrec.io_checks import atomic_write, writable_file
 from anyrec.proc import run_session
 from anyrec.trainer.distributed import DistInfo, all_reduce_mean
 from anyrec.trainer.fingerprint import full_state
@@ -189,9 +189,8 @@ def worker(out_path: str, overrides: list[str]) -> None:
     record = {"losses": losses, "weights_sha256": weights_sha256(weights), "meta": meta,
               "weights": {n: {"shape": list(t.shape), "values": t.reshape(-1).tolist()}
                           for n, t in weights.items()}}
-    tmp = Path(out_path + ".tmp")
-    tmp.write_text(json.dumps(record))
-    tmp.replace(out_path)
+    with atomic_write(out_path) as f:
+        json.dump(record, f)
 
 
 # ---- records read back ---------------------------------------------------------------------------
@@ -341,9 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.save is not None:
         runs = [{"label": lb, "base": args.base, **rec} for lb, rec in zip(labels, records, strict=True)
                 if "error" not in rec]
-        tmp = args.save.with_name(args.save.name + ".tmp")
-        tmp.write_text(json.dumps({"format": FORMAT, "runs": runs}))
-        tmp.replace(args.save)
+        with atomic_write(args.save) as f:
+            json.dump({"format": FORMAT, "runs": runs}, f)
     if args.reference is not None:
         saved = args.reference
         ref, ref_label = saved["runs"][0], f"{saved['runs'][0]['label']} from {args.against}"

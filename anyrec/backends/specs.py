@@ -99,60 +99,73 @@ DEFAULT_SCALE_UP_LATENCY_S = 20e-6
 DEFAULT_SCALE_OUT_LATENCY_S = 40e-6
 DEFAULT_CPU_LATENCY_S = 200e-6
 
+# AMD Instinct MI300X datasheet: 192 GB HBM3, 5.3 TB/s, 1307.4 TF bf16, 163.4 TF fp32,
+# 7 Infinity Fabric links x 128 GB/s = 896 GB/s aggregate bidirectional.
+_MI300X = DeviceSpec(
+    "MI300X",
+    "amd",
+    "gfx942",
+    int(192 * GB),
+    5.3 * TB,
+    1307.4 * TB,
+    163.4 * TB,
+    64,
+    896 * GB / 2,
+    _NIC_400G,
+    _PCIE5_X16,
+    _HOST_DDR_PER_DEVICE,
+    _HOST_DDR_BW_PER_DEVICE,
+    "AMD MI300X datasheet",
+)
+# AMD Instinct MI350X (CDNA4): 288 GB HBM3E, 8 TB/s, ~2.3 PF bf16 dense, ~144 TF fp32,
+# Infinity Fabric 4, ~1075 GB/s aggregate bidirectional.
+_MI350X = DeviceSpec(
+    "MI350X",
+    "amd",
+    "gfx950",
+    int(288 * GB),
+    8.0 * TB,
+    2300 * TB,
+    144.2 * TB,
+    64,
+    1075 * GB / 2,
+    _NIC_400G,
+    _PCIE5_X16,
+    _HOST_DDR_PER_DEVICE,
+    _HOST_DDR_BW_PER_DEVICE,
+    "AMD MI350X datasheet (compute figures approximate)",
+)
+# NVIDIA H100 SXM5: 80 GB HBM3, 3.35 TB/s, 989 TF bf16, 67 TF fp32, NVLink4 900 GB/s bidir.
+_H100 = DeviceSpec(
+    "H100",
+    "nvidia",
+    "sm_90",
+    int(80 * GB),
+    3.35 * TB,
+    989 * TB,
+    67 * TB,
+    32,
+    900 * GB / 2,
+    _NIC_400G,
+    _PCIE5_X16,
+    _HOST_DDR_PER_DEVICE,
+    _HOST_DDR_BW_PER_DEVICE,
+    "NVIDIA H100 SXM datasheet",
+)
+
 SKUS: dict[str, DeviceSpec] = {
-    # AMD Instinct MI300X datasheet: 192 GB HBM3, 5.3 TB/s, 1307.4 TF bf16, 163.4 TF fp32,
-    # 7 Infinity Fabric links x 128 GB/s = 896 GB/s aggregate bidirectional.
-    "mi300x": DeviceSpec(
-        "MI300X",
-        "amd",
-        "gfx942",
-        int(192 * GB),
-        5.3 * TB,
-        1307.4 * TB,
-        163.4 * TB,
-        64,
-        896 * GB / 2,
-        _NIC_400G,
-        _PCIE5_X16,
-        _HOST_DDR_PER_DEVICE,
-        _HOST_DDR_BW_PER_DEVICE,
-        "AMD MI300X datasheet",
-    ),
-    # AMD Instinct MI350X (CDNA4): 288 GB HBM3E, 8 TB/s, ~2.3 PF bf16 dense, ~144 TF fp32,
-    # Infinity Fabric 4, ~1075 GB/s aggregate bidirectional.
-    "mi350x": DeviceSpec(
-        "MI350X",
-        "amd",
-        "gfx950",
-        int(288 * GB),
-        8.0 * TB,
-        2300 * TB,
-        144.2 * TB,
-        64,
-        1075 * GB / 2,
-        _NIC_400G,
-        _PCIE5_X16,
-        _HOST_DDR_PER_DEVICE,
-        _HOST_DDR_BW_PER_DEVICE,
-        "AMD MI350X datasheet (compute figures approximate)",
-    ),
-    # NVIDIA H100 SXM5: 80 GB HBM3, 3.35 TB/s, 989 TF bf16, 67 TF fp32, NVLink4 900 GB/s bidir.
-    "h100": DeviceSpec(
-        "H100",
-        "nvidia",
-        "sm_90",
-        int(80 * GB),
-        3.35 * TB,
-        989 * TB,
-        67 * TB,
-        32,
-        900 * GB / 2,
-        _NIC_400G,
-        _PCIE5_X16,
-        _HOST_DDR_PER_DEVICE,
-        _HOST_DDR_BW_PER_DEVICE,
-        "NVIDIA H100 SXM datasheet",
-    ),
+    "mi300x": _MI300X,
+    # AMD Instinct MI325X datasheet: 256 GB HBM3E, 6.0 TB/s; compute and links as MI300X.
+    "mi325x": _MI300X.replace(name="MI325X", memory_bytes=int(256 * GB), memory_bw_bytes_per_s=6.0 * TB,
+                              source="AMD MI325X datasheet"),
+    "mi350x": _MI350X,
+    # AMD Instinct MI355X: as MI350X at higher clocks: ~2.5 PF bf16, ~157 TF fp32.
+    "mi355x": _MI350X.replace(name="MI355X", peak_bf16_flops=2500 * TB, peak_fp32_flops=157.3 * TB,
+                              source="AMD MI355X datasheet (compute figures approximate)"),
+    "h100": _H100,
+    # NVIDIA H200 SXM: 141 GB HBM3E, 4.8 TB/s; compute and NVLink as H100.
+    "h200": _H100.replace(name="H200", memory_bytes=int(141 * GB), memory_bw_bytes_per_s=4.8 * TB,
+                          source="NVIDIA H200 datasheet"),
     # NVIDIA B200 (HGX): 180 GB HBM3E, ~8 TB/s, 2.25 PF bf16 dense, 80 TF fp32, NVLink5 1.8 TB/s bidir.
     "b200": DeviceSpec(
         "B200",
@@ -208,16 +221,6 @@ SKUS: dict[str, DeviceSpec] = {
         scale_out_latency_s=DEFAULT_CPU_LATENCY_S,
     ),
 }
-# Parts that differ from a sibling in memory or clocks only.
-# AMD Instinct MI325X datasheet: 256 GB HBM3E, 6.0 TB/s; compute and links as MI300X.
-SKUS["mi325x"] = SKUS["mi300x"].replace(name="MI325X", memory_bytes=int(256 * GB),
-                                        memory_bw_bytes_per_s=6.0 * TB, source="AMD MI325X datasheet")
-# AMD Instinct MI355X: as MI350X at higher clocks: ~2.5 PF bf16, ~157 TF fp32.
-SKUS["mi355x"] = SKUS["mi350x"].replace(name="MI355X", peak_bf16_flops=2500 * TB, peak_fp32_flops=157.3 * TB,
-                                        source="AMD MI355X datasheet (compute figures approximate)")
-# NVIDIA H200 SXM: 141 GB HBM3E, 4.8 TB/s; compute and NVLink as H100.
-SKUS["h200"] = SKUS["h100"].replace(name="H200", memory_bytes=int(141 * GB), memory_bw_bytes_per_s=4.8 * TB,
-                                    source="NVIDIA H200 datasheet")
 
 
 def sku_key(name: str) -> str | None:
