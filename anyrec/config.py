@@ -36,6 +36,7 @@ Sharding = StrEnum("Sharding", "auto table_wise row_wise column_wise table_row_w
 Optimizer = StrEnum("Optimizer", "sgd adagrad rowwise_adagrad adam")
 Calibrate = StrEnum("Calibrate", "auto always never")
 Precision = StrEnum("Precision", "auto bf16 fp32")
+CalibrationSize = StrEnum("CalibrationSize", "small large quick")
 
 
 @dataclass
@@ -207,6 +208,16 @@ class PlanConfig:
 
 
 @dataclass
+class CalibrationConfig:
+    """Options of `anyrec.calibrate`; it measures on `backend.name`, ranks bound as `backend.bind_cores`."""
+
+    output: str | None = None  # the hardware YAML to write (hardware.sku=FILE takes it)
+    cache: bool = False  # also write this machine's cache entry, the one hardware=auto reads
+    budget_s: float = 0.5  # seconds each timed measurement repeats
+    size: CalibrationSize = CalibrationSize.small  # quick: what a training job measures on first contact
+
+
+@dataclass
 class AnyrecConfig:
     """The whole job."""
 
@@ -219,6 +230,7 @@ class AnyrecConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    calibrate: CalibrationConfig = field(default_factory=CalibrationConfig)
 
 
 def check_values(cfg: AnyrecConfig) -> None:
