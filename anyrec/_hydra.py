@@ -215,6 +215,16 @@ def _refuse(prog: str, problem: str) -> NoReturn:
     sys.exit(2)
 
 
+def run_typed(prog: str, run: Callable[[AnyrecConfig], Any], cfg: DictConfig) -> None:
+    """`run` on the typed config; a ValueError (a user mistake, an infeasible plan) is one line on
+    stderr and exit status 2."""
+    try:
+        run(to_object(cfg))
+    except ValueError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
 def _reraise(e: BaseException) -> NoReturn:
     raise e
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -485,11 +484,7 @@ def run(cfg: AnyrecConfig) -> None:
 
 def main(cfg: DictConfig) -> None:
     """The calibration of a composed config; a user mistake is one line and exit status 2."""
-    try:
-        run(_hydra.to_object(cfg))
-    except ValueError as e:
-        print(f"anyrec.calibrate: error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+    _hydra.run_typed("anyrec.calibrate", run, cfg)
 
 
 def cli(argv: list[str] | None = None) -> None:

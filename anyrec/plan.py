@@ -9,7 +9,6 @@ the dense parameter count are read from it as the trainer reads them from its re
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 
 import hydra
@@ -99,11 +98,7 @@ def _compare(plan_on: Callable[[Hardware], PlanResult], hardware: Hardware,
 
 def main(cfg: DictConfig) -> None:
     """Plan a composed config; infeasible plans and user mistakes: one line, exit status 2."""
-    try:
-        run(_hydra.to_object(cfg))
-    except ValueError as e:
-        print(f"anyrec-plan: error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+    _hydra.run_typed("anyrec-plan", run, cfg)
 
 
 def cli() -> None:
