@@ -218,6 +218,18 @@ class CalibrationConfig:
 
 
 @dataclass
+class ParityConfig:
+    """Options of `anyrec-parity`: the variants of the base job, the tolerances, the record files."""
+
+    variants: list[str] = field(default_factory=list)  # each: Hydra overrides, nproc=N, NAME=VALUE (env)
+    loss_rtol: float = 1e-5  # largest relative per-step loss difference from the first variant
+    weight_atol: float = 1e-5  # largest absolute weight difference
+    save: str | None = None  # write every variant's record here (JSON)
+    against: str | None = None  # compare with the first record of such a file (written elsewhere)
+    timeout_s: float = 900.0  # per variant; past it the variant is killed with its process group
+
+
+@dataclass
 class AnyrecConfig:
     """The whole job."""
 
@@ -231,6 +243,7 @@ class AnyrecConfig:
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     calibrate: CalibrationConfig = field(default_factory=CalibrationConfig)
+    parity: ParityConfig = field(default_factory=ParityConfig)
 
 
 def check_values(cfg: AnyrecConfig) -> None:

@@ -477,8 +477,8 @@ def section_parity(device: torch.device, small: bool, out_dir: Path) -> dict:
         code, tail = run_logged([
             sys.executable, "-m", "anyrec.parity", "model=dlrm_tiny", f"optim={opt}",
             f"trainer.steps={3 if small else 20}",
-            "parity.variant=backend=cpu backend.embedding_kernel=torch",
-            f"parity.variant=backend.embedding_kernel={kernel}", f"parity.save={saved}"], 900)
+            f'parity.variants=["backend=cpu backend.embedding_kernel=torch", '
+            f'"backend.embedding_kernel={kernel}"]', f"parity.save={saved}"], 900)
         runs = json.loads(saved.read_text())["runs"] if saved.is_file() else []
         row = {"exit": code, "table": [ln for ln in tail.splitlines() if ln.startswith("|")][-2:]}
         if len(runs) == 2:

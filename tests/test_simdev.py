@@ -103,8 +103,8 @@ def test_parity_with_the_cpu_is_bit_exact(simdev_path, tmp_path, optim, nproc):
     base = " ".join([*PARITY, f"optim={optim}"])
     runs = (("cpu", "parity.save=cpu.json"), ("simdev", "parity.against=cpu.json parity.save=sim.json"))
     for backend, flag in runs:
-        variant = shlex.quote(f"backend={backend} nproc={nproc}")
-        proc = _sh(f"anyrec-parity {base} parity.variant={variant} {flag}", tmp_path, simdev_path)
+        variants = shlex.quote(f'parity.variants=["backend={backend} nproc={nproc}"]')
+        proc = _sh(f"anyrec-parity {base} {variants} {flag}", tmp_path, simdev_path)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     cpu, sim = (json.loads((tmp_path / f).read_text())["runs"][0] for f in ("cpu.json", "sim.json"))
     assert len(cpu["losses"]) == 4 and sim["losses"] == cpu["losses"]
