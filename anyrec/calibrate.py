@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -443,25 +442,24 @@ def run(cfg: AnyrecConfig) -> None:
         raise ValueError(f"calibrate.budget_s must be a positive number of seconds, got {opts.budget_s}")
     writable_file(opts.output, "calibrate.output")
     backend = get_backend(cfg.backend.name)
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    info = env_dist_info()
+    rank, world = info.rank, info.world_size
     if rank != 0:
         logging.getLogger("anyrec").setLevel(logging.WARNING)
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = backend.device(local_rank)
-    backend.set_device(local_rank)
+    device = backend.device(info.local_rank)
+    backend.set_device(info.local_rank)
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend=backend.dist_backend)
-    # Ranks take their share of the host's cores as the trainer's do: the figures are the trainer's.
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    # what the rule chose (auto) or was told: the step points' trainers bind the same way
-    bind_cores = backend.bind_local_rank(local_rank, local_world, cfg.backend.bind_cores) is not None
+    # Ranks take their share of the host's cores as the trainer's do: the figures are the trainer's;
+    # what the rule chose (auto) or was told, the step points' trainers bind the same way.
+    bind_cores = backend.bind_local_rank(info.local_rank, info.local_world_size,
+                                         cfg.backend.bind_cores) is not None
     try:
         start = time.perf_counter()
         kernels = backend.select_kernels()
         m = calibrate(backend, device, world, opts.size, opts.budget_s, bind_cores)
         m["seconds"] = time.perf_counter() - start
-        key = local_key(backend, env_dist_info()) if opts.cache else None  # collective
+        key = local_key(backend, info) if opts.cache else None  # collective
         if rank == 0 and key is not None:
             entry = write_entry(cache_dir() / key.file_name(), key, hardware_yaml(backend, m),
                                 f"# Calibration measured by anyrec.calibrate ({backend.describe()}, {world} "
