@@ -29,7 +29,7 @@ setup(
         "console_scripts": [
             "anyrec-train=anyrec.train:cli",
             "anyrec-plan=anyrec.plan:cli",
-            "anyrec-calibrate=anyrec.calibrate:main",
+            "anyrec-calibrate=anyrec.calibrate:cli",
             "anyrec-parity=anyrec.parity:cli",
         ],
         "anyrec.backends": [

@@ -5,16 +5,27 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import logging
 import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn
 
 from hydra import compose, initialize_config_dir
+from hydra._internal.callbacks import Callbacks
+from hydra._internal.hydra import Hydra
+from hydra._internal.utils import create_config_search_path, run_and_report
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
+from hydra.core.utils import run_job
 from hydra.errors import ConfigCompositionException
+from hydra.types import HydraContext, RunMode
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ValidationError
+from omegaconf.errors import OmegaConfBaseException, ValidationError
 
+from anyrec.backends.hardware import rewrite_hardware_argv
 from anyrec.config import (
     AnyrecConfig,
     BackendConfig,
@@ -27,6 +38,7 @@ from anyrec.config import (
     config_dir,
 )
 from anyrec.io_checks import writable_dir
+from anyrec.trainer.errors import write_error_file
 
 
 def _rank0_only(value: str) -> str | None:
@@ -131,7 +143,6 @@ def to_object(cfg: DictConfig) -> AnyrecConfig:
 def per_job_dir(path: str | None) -> str | None:
     """Under a Hydra multirun, `path/<job number>`: jobs of one sweep never share a checkpoint dir."""
     from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
 
     if path is None or not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
         return path
@@ -163,13 +174,21 @@ def _output_dir(cfg: DictConfig, multirun: bool) -> str | None:
     return None
 
 
+def _composition_problem(e: Exception) -> str | None:
+    """One line for an override the schema refuses at composition: a value of the wrong type or outside
+    a closed choice (`trainer.steps=many`), or a key it does not have (`trainer.stepz=3`); else None."""
+    cause = e.__cause__ if isinstance(e, ConfigCompositionException) else e
+    if isinstance(cause, OmegaConfBaseException) and cause.full_key:
+        return f"{cause.full_key}: {str(cause.msg).splitlines()[0]}"
+    return None
+
+
 def cli_problem(overrides: list[str]) -> str | None:
     """One line naming what stops an entry point before it starts, else None: an override whose value
     the schema refuses (e.g. `trainer.steps=many`), a mandatory value left unset (`model.name=???`) or
     an output folder Hydra cannot create (a read-only working directory). Hydra and omegaconf say
-    these in several lines or a traceback, after composing; this composes first to say them in one.
-
-    Hydra's informational flags (--help, --cfg, ...) are left to Hydra.
+    these in several lines or a traceback; `launch` says them in one. Hydra's informational flags
+    (--help, --cfg, ...) are left to Hydra.
     """
     multirun = any(o in ("-m", "--multirun") for o in overrides)
     if any(o.startswith("-") and o not in ("-m", "--multirun") for o in overrides):
@@ -179,16 +198,81 @@ def cli_problem(overrides: list[str]) -> str | None:
     try:
         with initialize_config_dir(str(config_dir()), version_base="1.3"):
             cfg = compose("config", overrides, return_hydra_config=True)
-    except ConfigCompositionException as e:
-        cause = e.__cause__
-        if isinstance(cause, ValidationError):
-            return f"{cause.full_key}: {str(cause.msg).splitlines()[0]}"
-        return None
-    except ValidationError as e:
-        return f"{e.full_key}: {str(e.msg).splitlines()[0]}"
+    except (ConfigCompositionException, ValidationError) as e:
+        return _composition_problem(e)
     except Exception:  # noqa: BLE001 - anything else (a sweep's syntax, a launcher plugin): Hydra says it
         return None
     return _missing(cfg) or _output_dir(cfg, multirun)
+
+
+def _refuse(prog: str, problem: str) -> NoReturn:
+    """Exit 2 with `problem` in one line: printed by rank 0 (every rank refuses alike), and in each
+    rank's torchrun error file."""
+    line = f"{prog}: error: {problem}"
+    if os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr, flush=True)
+    write_error_file(line)
+    sys.exit(2)
+
+
+def run_typed(prog: str, run: Callable[[AnyrecConfig], Any], cfg: DictConfig) -> None:
+    """`run` on the typed config; a ValueError (a user mistake, an infeasible plan) is one line on
+    stderr and exit status 2."""
+    try:
+        run(to_object(cfg))
+    except ValueError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def _reraise(e: BaseException) -> NoReturn:
+    raise e
+
+
+def launch(prog: str, task: Callable[[DictConfig], Any], hydra_app: Callable[[], Any],
+           argv: list[str] | None = None) -> None:
+    """Run an entry point's `task` on the config of the command line, composed once.
+
+    `hardware=FILE.yaml` is read as `hardware.sku=FILE.yaml`. What stops the job before it starts
+    (see `cli_problem`) is said in one line with exit status 2; then `task` runs as Hydra's app runs
+    it (output folder, logging, `.hydra/`). Hydra's flags (--help, --cfg, --multirun, ...) go to the
+    Hydra app `hydra_app`, which composes for itself. `argv` replaces the command line's arguments.
+    """
+    setup()
+    argv = sys.argv[1:] = rewrite_hardware_argv(sys.argv[1:] if argv is None else argv)
+    if any(a.startswith("-") for a in argv):
+        problem = cli_problem(argv)
+        if problem:
+            _refuse(prog, problem)
+        hydra_app()
+        return
+    task_name = Path(sys.modules[task.__module__].__file__ or prog).stem  # as Hydra names the job
+    hydra = Hydra.create_main_hydra2(task_name, create_config_search_path(f"file://{config_dir()}"))
+    try:
+        try:
+            cfg = hydra.compose_config("config", argv, run_mode=RunMode.RUN, with_log_configuration=True)
+        except Exception as e:  # noqa: BLE001 - what cannot be said in one line, Hydra says as its app does
+            problem = _composition_problem(e)
+            if problem is None:
+                run_and_report(functools.partial(_reraise, e))
+            _refuse(prog, problem)
+        problem = _missing(cfg) or _output_dir(cfg, multirun=False)
+        if problem:
+            _refuse(prog, problem)
+        run_and_report(functools.partial(_run_job, hydra, task, cfg))
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def _run_job(hydra: Hydra, task: Callable[[DictConfig], Any], cfg: DictConfig) -> None:
+    """`Hydra.run` after its composition: the job in its output folder, callbacks around it."""
+    cfg.hydra.mode = RunMode.RUN
+    callbacks = Callbacks(cfg)
+    callbacks.on_run_start(config=cfg, config_name="config")
+    ret = run_job(hydra_context=HydraContext(config_loader=hydra.config_loader, callbacks=callbacks),
+                  task_function=task, config=cfg, job_dir_key="hydra.run.dir", job_subdir_key=None)
+    callbacks.on_run_end(config=cfg, config_name="config", job_return=ret)
+    _ = ret.return_value  # raises the job's exception
 
 
 def compose_job(overrides: list[str]) -> AnyrecConfig:

@@ -1,4 +1,5 @@
-"""`python -m anyrec.calibrate output=FILE.yaml`: measure what the planner costs, write a hardware YAML.
+"""`python -m anyrec.calibrate calibrate.output=FILE.yaml`: measure what the planner costs, write a
+hardware YAML.
 
 Measures, on this device: copy bandwidth; host->device bandwidth from pinned and pageable memory
 (accelerators); per registered embedding implementation that can run here, a training step (forward,
@@ -8,11 +9,13 @@ seconds) in the planner's own cost terms; GEMM FLOP/s (square, and a DLRM MLP fo
 and under torchrun all-to-all, all-reduce and reduce-scatter at several sizes, fitted into
 latency + bytes / bus bandwidth, and the trainer's framework costs (anyrec.calibrate_step: the real
 Trainer at fourteen tiny points, what bytes and FLOPs leave unexplained fitted into DeviceSpec `step_*`
-fields). The YAML it writes is accepted by `hardware=FILE.yaml`.
+fields). The YAML it writes is accepted by `hardware.sku=FILE.yaml`. Options are the `calibrate`
+section of the config (anyrec.config.CalibrationConfig), composed as `anyrec-train` composes its own.
 
-    python -m anyrec.calibrate output=cal.yaml [backend=auto] [budget_s=0.5] [size=small|large|quick]
-    torchrun --nproc_per_node=2 -m anyrec.calibrate output=cal.yaml
-    torchrun --nproc_per_node=2 -m anyrec.calibrate cache=true   # this machine's cache entry (hardware=auto)
+    python -m anyrec.calibrate calibrate.output=cal.yaml [backend=auto] [calibrate.budget_s=0.5] \
+        [calibrate.size=small|large|quick]
+    torchrun --nproc_per_node=2 -m anyrec.calibrate calibrate.output=cal.yaml
+    torchrun --nproc_per_node=2 -m anyrec.calibrate calibrate.cache=true  # the entry hardware=auto reads
 
 Legend: T tables, R rows, D dim, B bags per table, L ids per bag.
 """
@@ -21,24 +24,26 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import hydra
 import torch
 import torch.distributed as dist
+from omegaconf import DictConfig
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from anyrec import _hydra
 from anyrec.backends import Backend, get_backend
 from anyrec.backends.dispatch import Impl, KernelProfile, availability, implementations
 from anyrec.backends.hardware import EmbeddingCost, Hardware
 from anyrec.backends.specs import DeviceSpec
 from anyrec.calcache import cache_dir, local_key, write_entry
 from anyrec.calibrate_step import QUICK_POINTS, measure_step_costs
+from anyrec.config import AnyrecConfig, config_dir
 from anyrec.io_checks import atomic_write, writable_file
 from anyrec.kernels.optimizers import OptimizerConfig
 from anyrec.planner.estimators import lookup_time_s
@@ -47,8 +52,6 @@ from anyrec.trainer.distributed import env_dist_info
 
 logger = logging.getLogger("anyrec.calibrate")
 
-OPTIONS = {"output": None, "backend": "auto", "budget_s": "0.5", "size": "small", "bind_cores": "auto",
-           "cache": "false"}
 OPTIMIZER = "adagrad"  # the default config's; the profile's bytes term covers any optimizer's state
 # Embedding step points: (tables, rows, dim, batch, pooling). They vary ids (pooling, batch) and bytes
 # per id (dim) independently, and one is tiny, so the fit can tell per-row, per-byte and per-launch
@@ -69,25 +72,6 @@ SIZES = {  # "quick": the calibration a training job runs on first contact (anyr
     "small": dict(gemm=512, comm_bytes=[1 << 10, 16 << 10, 256 << 10, 2 << 20], copy_bytes=16 << 20),
     "large": dict(gemm=8192, comm_bytes=[64 << 10, 1 << 20, 16 << 20, 128 << 20], copy_bytes=1 << 30),
 }
-
-
-def parse_args(argv: list[str]) -> dict[str, str]:
-    """`key=value` arguments, Hydra-style; unknown keys and a missing output are ValueErrors."""
-    opts = dict(OPTIONS)
-    for arg in argv:
-        key, sep, value = arg.partition("=")
-        if not sep or key not in OPTIONS:
-            raise ValueError(f"unknown argument {arg!r}; expected key=value with key in {', '.join(OPTIONS)}")
-        opts[key] = value
-    if opts["cache"] not in ("true", "false"):
-        raise ValueError(f"cache={opts['cache']}: choose true or false")
-    if not opts["output"] and opts["cache"] == "false":
-        raise ValueError("output=FILE.yaml is required (or cache=true)")
-    if opts["size"] not in SIZES:
-        raise ValueError(f"size={opts['size']}: choose one of {', '.join(SIZES)}")
-    if opts["bind_cores"] not in ("auto", "true", "false"):
-        raise ValueError(f"bind_cores={opts['bind_cores']}: choose auto, true or false")
-    return opts
 
 
 def timeit(fn: Callable[[], Any], backend: Backend, budget_s: float, min_reps: int = 3,
@@ -449,49 +433,44 @@ def format_table(m: dict) -> str:
     return "\n".join(lines + [f"(skipped) {s}" for s in skipped])
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the exit status (2 for a usage error)."""
-    # FBGEMM logs every TBE's arguments at INFO on the root logger: keep those out, ours in.
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("anyrec").setLevel(logging.INFO)
-    try:
-        opts = parse_args(sys.argv[1:] if argv is None else argv)
-        writable_file(opts["output"], "output")
-        budget_s = float(opts["budget_s"])
-        backend = get_backend(opts["backend"])
-    except ValueError as e:
-        print(f"anyrec.calibrate: error: {e}", file=sys.stderr)
-        return 2
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+def run(cfg: AnyrecConfig) -> None:
+    """Calibrate with a composed config: the `calibrate` section, `backend.name`, `backend.bind_cores`."""
+    opts = cfg.calibrate
+    if not opts.output and not opts.cache:
+        raise ValueError("calibrate.output=FILE.yaml is required (or calibrate.cache=true)")
+    if not opts.budget_s > 0:
+        raise ValueError(f"calibrate.budget_s must be a positive number of seconds, got {opts.budget_s}")
+    writable_file(opts.output, "calibrate.output")
+    backend = get_backend(cfg.backend.name)
+    info = env_dist_info()
+    rank, world = info.rank, info.world_size
     if rank != 0:
         logging.getLogger("anyrec").setLevel(logging.WARNING)
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = backend.device(local_rank)
-    backend.set_device(local_rank)
+    device = backend.device(info.local_rank)
+    backend.set_device(info.local_rank)
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend=backend.dist_backend)
-    # Ranks take their share of the host's cores as the trainer's do: the figures are the trainer's.
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    # what the rule chose (auto) or was told: the step points' trainers bind the same way
-    bind_cores = backend.bind_local_rank(local_rank, local_world, opts["bind_cores"]) is not None
+    # Ranks take their share of the host's cores as the trainer's do: the figures are the trainer's;
+    # what the rule chose (auto) or was told, the step points' trainers bind the same way.
+    bind_cores = backend.bind_local_rank(info.local_rank, info.local_world_size,
+                                         cfg.backend.bind_cores) is not None
     try:
         start = time.perf_counter()
         kernels = backend.select_kernels()
-        m = calibrate(backend, device, world, opts["size"], budget_s, bind_cores)
+        m = calibrate(backend, device, world, opts.size, opts.budget_s, bind_cores)
         m["seconds"] = time.perf_counter() - start
-        key = local_key(backend, env_dist_info()) if opts["cache"] == "true" else None  # collective
+        key = local_key(backend, info) if opts.cache else None  # collective
         if rank == 0 and key is not None:
             entry = write_entry(cache_dir() / key.file_name(), key, hardware_yaml(backend, m),
                                 f"# Calibration measured by anyrec.calibrate ({backend.describe()}, {world} "
-                                f"ranks, size={opts['size']}); a cache entry used by hardware=auto.\n")
+                                f"ranks, size={opts.size}); a cache entry used by hardware=auto.\n")
             print(f"wrote the cache entry for this machine: {entry}", flush=True)
-        if rank == 0 and opts["output"]:
-            out = Path(opts["output"])
+        if rank == 0 and opts.output:
+            out = Path(opts.output)
             header = (f"# Hardware spec measured by anyrec.calibrate ({backend.describe()}, kernels "
                       f"{kernels}) on {time.strftime('%Y-%m-%d', time.gmtime())}.\n"
                       f"# Units are in the key names (_s seconds, _bytes_per_s bytes/s, _flops FLOP/s).\n"
-                      f"# Use with: hardware={out.resolve()}\n")
+                      f"# Use with: hardware.sku={out.resolve()}\n")
             write_yaml(out, hardware_yaml(backend, m), header)
             print(format_table(m))
             print(f"wrote {out} in {m['seconds']:.1f} s", flush=True)
@@ -499,8 +478,18 @@ def main(argv: list[str] | None = None) -> int:
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
-    return 0
+
+
+def main(cfg: DictConfig) -> None:
+    """The calibration of a composed config; a user mistake is one line and exit status 2."""
+    _hydra.run_typed("anyrec.calibrate", run, cfg)
+
+
+def cli(argv: list[str] | None = None) -> None:
+    """Console entry: the command line (or `argv`) composed once, as `anyrec-train` composes its own."""
+    _hydra.launch("anyrec.calibrate", main, hydra.main(str(config_dir()), "config", version_base="1.3")(main),
+                  argv)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

@@ -25,59 +25,18 @@ def config_dir() -> Path:
 
 
 # Closed choices are enums: a value outside them fails when the config is composed, before any
-# process group starts. Members are named as their values, so they compare and print as the strings.
-class Interaction(StrEnum):
-    dot = "dot"
-    dcn = "dcn"
-
-
-class OnMalformed(StrEnum):
-    error = "error"
-    skip = "skip"
-
-
-class DenseTransform(StrEnum):
-    torchrec = "torchrec"
-    log1p = "log1p"
-
-
-class SparseOps(StrEnum):
-    auto = "auto"
-    fbgemm = "fbgemm"
-    portable = "portable"
-
-
-class PlannerName(StrEnum):
-    codesign = "codesign"
-    simple = "simple"
-
-
-class Sharding(StrEnum):
-    auto = "auto"
-    table_wise = "table_wise"
-    row_wise = "row_wise"
-    column_wise = "column_wise"
-    table_row_wise = "table_row_wise"
-    data_parallel = "data_parallel"
-
-
-class Optimizer(StrEnum):
-    sgd = "sgd"
-    adagrad = "adagrad"
-    rowwise_adagrad = "rowwise_adagrad"
-    adam = "adam"
-
-
-class Calibrate(StrEnum):
-    auto = "auto"
-    always = "always"
-    never = "never"
-
-
-class Precision(StrEnum):
-    auto = "auto"
-    bf16 = "bf16"
-    fp32 = "fp32"
+# process group starts. StrEnum's functional form gives each member its own name as value, so they
+# compare and print as the strings.
+Interaction = StrEnum("Interaction", "dot dcn")
+OnMalformed = StrEnum("OnMalformed", "error skip")
+DenseTransform = StrEnum("DenseTransform", "torchrec log1p")
+SparseOps = StrEnum("SparseOps", "auto fbgemm portable")
+PlannerName = StrEnum("PlannerName", "codesign simple")
+Sharding = StrEnum("Sharding", "auto table_wise row_wise column_wise table_row_wise data_parallel")
+Optimizer = StrEnum("Optimizer", "sgd adagrad rowwise_adagrad adam")
+Calibrate = StrEnum("Calibrate", "auto always never")
+Precision = StrEnum("Precision", "auto bf16 fp32")
+CalibrationSize = StrEnum("CalibrationSize", "small large quick")
 
 
 @dataclass
@@ -249,6 +208,28 @@ class PlanConfig:
 
 
 @dataclass
+class CalibrationConfig:
+    """Options of `anyrec.calibrate`; it measures on `backend.name`, ranks bound as `backend.bind_cores`."""
+
+    output: str | None = None  # the hardware YAML to write (hardware.sku=FILE takes it)
+    cache: bool = False  # also write this machine's cache entry, the one hardware=auto reads
+    budget_s: float = 0.5  # seconds each timed measurement repeats
+    size: CalibrationSize = CalibrationSize.small  # quick: what a training job measures on first contact
+
+
+@dataclass
+class ParityConfig:
+    """Options of `anyrec-parity`: the variants of the base job, the tolerances, the record files."""
+
+    variants: list[str] = field(default_factory=list)  # each: Hydra overrides, nproc=N, NAME=VALUE (env)
+    loss_rtol: float = 1e-5  # largest relative per-step loss difference from the first variant
+    weight_atol: float = 1e-5  # largest absolute weight difference
+    save: str | None = None  # write every variant's record here (JSON)
+    against: str | None = None  # compare with the first record of such a file (written elsewhere)
+    timeout_s: float = 900.0  # per variant; past it the variant is killed with its process group
+
+
+@dataclass
 class AnyrecConfig:
     """The whole job."""
 
@@ -261,6 +242,8 @@ class AnyrecConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    calibrate: CalibrationConfig = field(default_factory=CalibrationConfig)
+    parity: ParityConfig = field(default_factory=ParityConfig)
 
 
 def check_values(cfg: AnyrecConfig) -> None:

@@ -1,23 +1,21 @@
 """`anyrec-parity` / `python -m anyrec.parity`: one training job under several variants, compared.
 
-    anyrec-parity model=dlrm_tiny trainer.steps=20 \\
-        parity.variant="backend.embedding_kernel=fbgemm" \\
-        parity.variant="backend.embedding_kernel=torch nproc=2" \\
-        parity.variant="backend.embedding_kernel=triton TRITON_INTERPRET=1"
+    anyrec-parity model=dlrm_tiny trainer.steps=20 parity.variants='["backend.embedding_kernel=fbgemm",
+        "backend.embedding_kernel=torch nproc=2", "backend.embedding_kernel=triton TRITON_INTERPRET=1"]'
 
-Plain arguments are Hydra overrides shared by every variant (the base job). Each
-`parity.variant="..."` is one variant: Hydra overrides, plus `nproc=N` (ranks, launched by their
-own `torchrun --standalone`, loopback only) and `NAME=VALUE` environment variables (upper-case
-names). Every variant records its per-step training loss (mean over ranks) and its final weights
-(every `*weight` / `*bias` tensor, gathered whole). The table compares each variant with the
-first: the largest |loss difference| over the steps (absolute and relative) and the largest
-|weight difference|; the exit status is 1 when any exceeds `parity.loss_rtol` (default 1e-5) or
-`parity.weight_atol` (default 1e-5) or a variant failed, 2 for bad arguments.
+The command line is composed as `anyrec-train` composes its own; its overrides other than `parity.*`
+are the base job every variant shares. Each of `parity.variants` is one variant: Hydra overrides,
+plus `nproc=N` (ranks, launched by their own `torchrun --standalone`, loopback only) and
+`NAME=VALUE` environment variables (upper-case names). Every variant records its per-step training
+loss (mean over ranks) and its final weights (every `*weight` / `*bias` tensor, gathered whole). The
+table compares each variant with the first: the largest |loss difference| over the steps (absolute
+and relative) and the largest |weight difference|; the exit status is 1 when any exceeds
+`parity.loss_rtol` or `parity.weight_atol` or a variant failed, 2 for bad arguments.
 
 `parity.save=FILE` writes every variant's record (JSON); `parity.against=FILE` compares this
 machine's variants with the first record of such a file written elsewhere (e.g. a B200 run checked
-on an MI350X). `parity.timeout_s` bounds each variant (default 900 s); a variant past it is killed
-with its whole process group.
+on an MI350X). `parity.timeout_s` bounds each variant; a variant past it is killed with its whole
+process group (anyrec.config.ParityConfig has the defaults).
 
 The steps run through `anyrec-train`'s own loop (`Trainer.train()`) without evaluation or
 checkpoints. Both files are checked before any variant runs: the `parity.against` file whole
@@ -39,10 +37,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import hydra
 import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
 
 from anyrec import _hydra
-from anyrec.io_checks import writable_file
+from anyrec.config import AnyrecConfig, ParityConfig, config_dir
+from anyrec.io_checks import atomic_write, writable_file
 from anyrec.proc import run_session
 from anyrec.trainer.distributed import DistInfo, all_reduce_mean
 from anyrec.trainer.fingerprint import full_state
@@ -64,20 +66,6 @@ class Variant:
     env: dict[str, str] = field(default_factory=dict)
 
 
-@dataclass
-class ParityArgs:
-    """The command line: base overrides, variants, tolerances, files."""
-
-    base: list[str]
-    variants: list[Variant]
-    loss_rtol: float = 1e-5
-    weight_atol: float = 1e-5
-    save: Path | None = None
-    against: Path | None = None
-    timeout_s: float = 900.0
-    reference: dict[str, Any] | None = None  # the `against` file, read and checked
-
-
 def parse_variant(text: str) -> Variant:
     """`"backend.embedding_kernel=torch nproc=2 TRITON_INTERPRET=1"` -> a Variant."""
     v = Variant(label=text.strip() or "(base)")
@@ -96,36 +84,17 @@ def parse_variant(text: str) -> Variant:
     return v
 
 
-def parse_args(argv: list[str]) -> ParityArgs:
-    """Split `parity.*` options from the base Hydra overrides."""
-    base, variants, opts = [], [], {}
-    for arg in argv:
-        if not arg.startswith("parity."):
-            base.append(arg)
-            continue
-        key, sep, value = arg[len("parity."):].partition("=")
-        if not sep:
-            raise ValueError(f"{arg!r}: parity options are parity.KEY=VALUE")
-        if key == "variant":
-            variants.append(parse_variant(value))
-        elif key in ("loss_rtol", "weight_atol", "timeout_s"):
-            try:
-                opts[key] = float(value)
-            except ValueError:
-                raise ValueError(f"parity.{key} must be a number, got {value!r}") from None
-            if not opts[key] > 0:
-                raise ValueError(f"parity.{key} must be > 0, got {value}")
-        elif key in ("save", "against"):
-            opts[key] = Path(value)
-        else:
-            raise ValueError(f"unknown option parity.{key}; use variant, loss_rtol, weight_atol, save, "
-                             "against or timeout_s")
-    if "against" in opts:
-        if not opts["against"].is_file():
-            raise ValueError(f"parity.against: no such file {opts['against']}")
-        opts["reference"] = read_records(opts["against"])
-    writable_file(opts.get("save"), "parity.save")
-    return ParityArgs(base=base, variants=variants or [Variant(label="(base)")], **opts)
+def check_options(opts: ParityConfig) -> dict[str, Any] | None:
+    """The tolerances and files of `opts` checked before any variant runs; the `against` records."""
+    for key in ("loss_rtol", "weight_atol", "timeout_s"):
+        if not getattr(opts, key) > 0:
+            raise ValueError(f"parity.{key} must be > 0, got {getattr(opts, key)}")
+    writable_file(opts.save, "parity.save")
+    if opts.against is None:
+        return None
+    if not Path(opts.against).is_file():
+        raise ValueError(f"parity.against: no such file {opts.against}")
+    return read_records(Path(opts.against))
 
 
 # ---- one variant, inside its own process(es) ----------------------------------------------------
@@ -189,9 +158,8 @@ def worker(out_path: str, overrides: list[str]) -> None:
     record = {"losses": losses, "weights_sha256": weights_sha256(weights), "meta": meta,
               "weights": {n: {"shape": list(t.shape), "values": t.reshape(-1).tolist()}
                           for n, t in weights.items()}}
-    tmp = Path(out_path + ".tmp")
-    tmp.write_text(json.dumps(record))
-    tmp.replace(out_path)
+    with atomic_write(out_path) as f:
+        json.dump(record, f)
 
 
 # ---- records read back ---------------------------------------------------------------------------
@@ -300,7 +268,7 @@ def compare(ref: dict[str, Any], rec: dict[str, Any]) -> dict[str, float]:
 
 
 def report(labels: list[str], records: list[dict[str, Any]], ref: dict[str, Any], ref_label: str,
-           args: ParityArgs) -> tuple[str, bool]:
+           opts: ParityConfig) -> tuple[str, bool]:
     """The table (markdown) and whether every variant is within tolerance."""
     rows = [f"reference: {ref_label}",
             "| variant | steps | final loss | max abs loss diff | max rel loss diff | max abs weight diff "
@@ -313,7 +281,7 @@ def report(labels: list[str], records: list[dict[str, Any]], ref: dict[str, Any]
             rows.append(f"| {label} | - | - | - | - | - | - | FAILED: {rec['error']} |")
             continue
         d = compare(ref, rec)
-        ok = d["loss_rel"] <= args.loss_rtol and d["weight_abs"] <= args.weight_atol
+        ok = d["loss_rel"] <= opts.loss_rtol and d["weight_abs"] <= opts.weight_atol
         ok_all &= ok
         final = rec["losses"][-1] if rec["losses"] else math.nan
         rows.append(f"| {label} | {len(rec['losses'])} | {final:.7f} | {d['loss_abs']:.2e} "
@@ -322,31 +290,24 @@ def report(labels: list[str], records: list[dict[str, Any]], ref: dict[str, Any]
     return "\n".join(rows), ok_all
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run every variant, print the table; 0 when all agree within tolerance, 1 if not, 2 on bad input."""
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == _WORKER_FLAG:
-        worker(argv[1], argv[2:])
-        return 0
-    try:
-        args = parse_args(argv)
-    except ValueError as e:
-        print(f"anyrec-parity: error: {e}", file=sys.stderr)
-        return 2
+def run(cfg: AnyrecConfig) -> int:
+    """Run every variant, print the table; 0 when all agree within tolerance, 1 if not."""
+    opts = cfg.parity
+    reference = check_options(opts)
+    base = [o for o in HydraConfig.get().overrides.task if not o.startswith("parity.")]
+    variants = [parse_variant(v) for v in opts.variants] or [Variant(label="(base)")]
     labels, records = [], []
-    for v in args.variants:
+    for v in variants:
         print(f"anyrec-parity: running {v.label} ...", file=sys.stderr, flush=True)
         labels.append(v.label)
-        records.append(run_variant(args.base, v, args.timeout_s))
-    if args.save is not None:
-        runs = [{"label": lb, "base": args.base, **rec} for lb, rec in zip(labels, records, strict=True)
+        records.append(run_variant(base, v, opts.timeout_s))
+    if opts.save is not None:
+        runs = [{"label": lb, "base": base, **rec} for lb, rec in zip(labels, records, strict=True)
                 if "error" not in rec]
-        tmp = args.save.with_name(args.save.name + ".tmp")
-        tmp.write_text(json.dumps({"format": FORMAT, "runs": runs}))
-        tmp.replace(args.save)
-    if args.reference is not None:
-        saved = args.reference
-        ref, ref_label = saved["runs"][0], f"{saved['runs'][0]['label']} from {args.against}"
+        with atomic_write(opts.save) as f:
+            json.dump({"format": FORMAT, "runs": runs}, f)
+    if reference is not None:
+        ref, ref_label = reference["runs"][0], f"{reference['runs'][0]['label']} from {opts.against}"
     else:
         if "error" in records[0]:
             for lb, rec in zip(labels, records, strict=True):
@@ -354,11 +315,30 @@ def main(argv: list[str] | None = None) -> int:
             print("anyrec-parity: the reference (first) variant failed", file=sys.stderr)
             return 1
         ref, ref_label = records[0], labels[0]
-    table, ok = report(labels, records, ref, ref_label, args)
+    table, ok = report(labels, records, ref, ref_label, opts)
     print(table)
-    print(f"tolerance: per-step loss {args.loss_rtol:g} relative, weights {args.weight_atol:g} absolute: "
+    print(f"tolerance: per-step loss {opts.loss_rtol:g} relative, weights {opts.weight_atol:g} absolute: "
           f"{'all variants agree' if ok else 'VARIANTS DIFFER'}")
     return 0 if ok else 1
+
+
+def _task(cfg: DictConfig) -> None:
+    _hydra.run_typed("anyrec-parity", lambda c: sys.exit(run(c)), cfg)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line (or `argv`) composed once, as `anyrec-train` composes its own; the exit status:
+    0 when all variants agree within tolerance, 1 if not, 2 on bad input."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == _WORKER_FLAG:
+        worker(argv[1], argv[2:])
+        return 0
+    app = hydra.main(str(config_dir()), "config", version_base="1.3")(_task)  # Hydra's flags: --help, ...
+    try:
+        _hydra.launch("anyrec-parity", _task, app, argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 1
+    return 0
 
 
 def cli() -> None:

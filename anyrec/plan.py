@@ -9,7 +9,6 @@ the dense parameter count are read from it as the trainer reads them from its re
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 
 import hydra
@@ -17,7 +16,7 @@ import torch
 from omegaconf import DictConfig
 
 from anyrec import _hydra
-from anyrec.backends import Hardware, get_backend, resolve_hardware, rewrite_hardware_argv
+from anyrec.backends import Hardware, get_backend, resolve_hardware
 from anyrec.backends.dispatch import FBGEMM_EMBEDDING, get_impl
 from anyrec.backends.hardware import figure_sources
 from anyrec.calcache import find_for_device
@@ -97,26 +96,14 @@ def _compare(plan_on: Callable[[Hardware], PlanResult], hardware: Hardware,
         return None
 
 
-_hydra.setup()
-
-
-@hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    try:
-        run(_hydra.to_object(cfg))
-    except ValueError as e:  # infeasible plans and user mistakes: one line, non-zero exit
-        print(f"anyrec-plan: error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+    """Plan a composed config; infeasible plans and user mistakes: one line, exit status 2."""
+    _hydra.run_typed("anyrec-plan", run, cfg)
 
 
 def cli() -> None:
-    """Console entry: `hardware=FILE.yaml` is accepted as well as `hardware.sku=FILE.yaml`."""
-    sys.argv = rewrite_hardware_argv(sys.argv)
-    problem = _hydra.cli_problem(sys.argv[1:])
-    if problem:  # Hydra would say it in several lines or a traceback
-        print(f"anyrec-plan: error: {problem}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    main()
+    """Console entry: the command line composed once (`_hydra.launch`), Hydra's flags to its app."""
+    _hydra.launch("anyrec-plan", main, hydra.main(str(config_dir()), "config", version_base="1.3")(main))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from anyrec import _hydra
-from anyrec.backends import rewrite_hardware_argv
 from anyrec.config import check_values, config_dir
 from anyrec.io_checks import writable_dir
 from anyrec.trainer.errors import NonFiniteLossError, PeerLostError, write_error_file
@@ -68,12 +67,9 @@ def run(cfg: DictConfig) -> dict:
     return summary
 
 
-_hydra.setup()
-
-
-@hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")
 @record  # under torchrun: an unexpected exception's traceback goes to torchrun's error report
 def main(cfg: DictConfig) -> None:
+    """The job of a composed config; exits with the statuses `EXIT_CODES` names."""
     try:
         summary = run(cfg)
     except (ValueError, NonFiniteLossError, PeerLostError) as e:
@@ -101,16 +97,8 @@ def main(cfg: DictConfig) -> None:
 
 
 def cli() -> None:
-    """Console entry: `hardware=FILE.yaml` is accepted as well as `hardware.sku=FILE.yaml`."""
-    sys.argv = rewrite_hardware_argv(sys.argv)
-    problem = _hydra.cli_problem(sys.argv[1:])
-    if problem:  # Hydra would say it in several lines; every rank refuses, rank 0 says it once
-        line = f"anyrec-train: error: {problem}"
-        if os.environ.get("RANK", "0") == "0":
-            print(line, file=sys.stderr, flush=True)
-        write_error_file(line)
-        sys.exit(2)
-    main()
+    """Console entry: the command line composed once (`_hydra.launch`), Hydra's flags to its app."""
+    _hydra.launch("anyrec-train", main, hydra.main(str(config_dir()), "config", version_base="1.3")(main))
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ Sections (each runs on its own; a failure is recorded and the rest still run):
                20 steps of dlrm_tiny per optimizer; records saved as $OUT/parity_<optimizer>.json
   loop         benchmarks/train_step.py on the one-device Triton TBE: the whole training loop (data made
                on the device) against the step on pre-made batches, and plain PyTorch
-  calibrate    python -m anyrec.calibrate size=large on this device -> $OUT/calibration.yaml
+  calibrate    python -m anyrec.calibrate calibrate.size=large on this device -> $OUT/calibration.yaml
 Writes $OUT/gpu_suite.json (default ./gpu_out), $OUT/tbe.json and the files named above. The first
 six sections were sized for < 8 minutes on an H200 (most of it Triton compiles and nn.EmbeddingBag's
 sparse SGD); data, parity, loop and calibrate add a few minutes more (never timed on a GPU): where
@@ -477,8 +477,8 @@ def section_parity(device: torch.device, small: bool, out_dir: Path) -> dict:
         code, tail = run_logged([
             sys.executable, "-m", "anyrec.parity", "model=dlrm_tiny", f"optim={opt}",
             f"trainer.steps={3 if small else 20}",
-            "parity.variant=backend=cpu backend.embedding_kernel=torch",
-            f"parity.variant=backend.embedding_kernel={kernel}", f"parity.save={saved}"], 900)
+            f'parity.variants=["backend=cpu backend.embedding_kernel=torch", '
+            f'"backend.embedding_kernel={kernel}"]', f"parity.save={saved}"], 900)
         runs = json.loads(saved.read_text())["runs"] if saved.is_file() else []
         row = {"exit": code, "table": [ln for ln in tail.splitlines() if ln.startswith("|")][-2:]}
         if len(runs) == 2:
@@ -522,8 +522,8 @@ def section_calibrate(small: bool, out_dir: Path) -> dict:
         return skipped
     out = out_dir / "calibration.yaml"
     size = "small" if small else "large"
-    code, tail = run_logged([sys.executable, "-m", "anyrec.calibrate", f"output={out}",
-                             f"budget_s={0.05 if small else 0.5}", f"size={size}"], 900)
+    code, tail = run_logged([sys.executable, "-m", "anyrec.calibrate", f"calibrate.output={out}",
+                             f"calibrate.budget_s={0.05 if small else 0.5}", f"calibrate.size={size}"], 900)
     print(f"  calibrate: exit {code}, {'written' if out.is_file() else 'not written'}", flush=True)
     if code != 0:
         raise RuntimeError(f"anyrec.calibrate exited {code}: {tail[-1500:]}")

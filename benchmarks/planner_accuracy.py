@@ -112,7 +112,8 @@ def _torchrun(args: list[str], cwd: Path, timeout_s: float, nproc: int = 2,
 def calibrate(out: Path, small: bool, timeout_s: float) -> Path:
     """A 2-rank calibration file (collectives included)."""
     budget = "0.02" if small else "0.3"
-    proc = _torchrun(["-m", "anyrec.calibrate", f"output={out}", f"budget_s={budget}"], out.parent, timeout_s)
+    proc = _torchrun(["-m", "anyrec.calibrate", f"calibrate.output={out}", f"calibrate.budget_s={budget}"],
+                     out.parent, timeout_s)
     if proc.returncode != 0:
         raise RuntimeError(f"calibration failed: {proc.stderr[-2000:]}")
     return out

@@ -16,6 +16,7 @@ if any differs.
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 
@@ -65,7 +66,7 @@ def main() -> int:
         vs = variants(opt, [int(n) for n in a.nproc.split(",")], not a.no_triton)
         print(f"\n### optim={opt}", flush=True)
         rc = subprocess.call([sys.executable, "-m", "anyrec.parity", *base,
-                              *(f"parity.variant={v}" for v in vs)])
+                              "parity.variants=[" + ",".join(json.dumps(v) for v in vs) + "]"])
         worst = max(worst, rc)
     return worst
 

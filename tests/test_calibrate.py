@@ -69,9 +69,10 @@ def test_step_points_tell_every_framework_term_apart():
 
 
 @pytest.mark.integration
-def test_calibrate_writes_a_hardware_yaml(tmp_path, capsys):
+def test_calibrate_writes_a_hardware_yaml(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # Hydra's run folder, as for anyrec-train
     out = tmp_path / "sub" / "cal.yaml"
-    assert calibrate.main([f"output={out}", "budget_s=0.02"]) == 0
+    calibrate.cli([f"calibrate.output={out}", "calibrate.budget_s=0.02"])
     m = _check_file(out, world_size=1)
     assert m["seconds"] > 0  # how long it took is the report's, not a bound a busy host could break
     table = capsys.readouterr().out
@@ -86,7 +87,8 @@ def test_calibrate_writes_a_hardware_yaml(tmp_path, capsys):
 def test_calibrate_under_torchrun_measures_collectives(tmp_path):
     out = tmp_path / "cal2.yaml"
     cache = tmp_path / "cache"
-    proc = torchrun(["-m", "anyrec.calibrate", f"output={out}", "budget_s=0.02", "cache=true"], nproc=2,
+    proc = torchrun(["-m", "anyrec.calibrate", f"calibrate.output={out}", "calibrate.budget_s=0.02",
+                     "calibrate.cache=true"], nproc=2,
                     cwd=tmp_path, env={"ANYREC_CACHE_DIR": str(cache)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = _check_file(out, world_size=2)
@@ -164,10 +166,16 @@ def test_profile_rejects_a_launch_cost_out_of_range():
         KernelProfile(0.5, per_launch_s=-1.0)
 
 
-@pytest.mark.parametrize(("argv", "error"), [([], "output=FILE.yaml is required (or cache=true)"),
-                                             (["cache=maybe"], "cache=maybe: choose true or false"),
-                                             (["out=x.yaml"], "unknown argument"),
-                                             (["output=x.yaml", "size=huge"], "size=huge")])
-def test_bad_arguments(argv, error, capsys):
-    assert calibrate.main(argv) == 2
-    assert error in capsys.readouterr().err
+@pytest.mark.parametrize(("argv", "error"), [
+    ([], "calibrate.output=FILE.yaml is required (or calibrate.cache=true)"),
+    (["calibrate.cache=maybe"], "calibrate.cache: Value 'maybe' is not a valid bool"),
+    (["calibrate.out=x.yaml"], "calibrate.out: Key 'out' not in 'CalibrationConfig'"),
+    (["calibrate.output=x.yaml", "calibrate.size=huge"], "calibrate.size: Invalid value 'huge'"),
+    (["calibrate.output=x.yaml", "calibrate.budget_s=0"], "calibrate.budget_s must be a positive number")])
+def test_bad_arguments(argv, error, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        calibrate.cli(argv)
+    assert e.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("anyrec.calibrate: error: ") and error in line

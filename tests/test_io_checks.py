@@ -61,10 +61,14 @@ def test_plan_refuses_zero_counts(bad):
         plan_run(cfg, print_fn=lambda s: None)
 
 
-def test_calibrate_fails_before_measuring(capsys):
-    assert calibrate.main([f"output={UNWRITABLE}/cal.yaml", "budget_s=30"]) == 2
+def test_calibrate_fails_before_measuring(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # Hydra's run folder
+    with pytest.raises(SystemExit) as e:
+        calibrate.cli([f"calibrate.output={UNWRITABLE}/cal.yaml", "calibrate.budget_s=30"])
+    assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("anyrec.calibrate: error: output /sys/anyrec-test/cal.yaml")
+    assert len(err) == 1 and err[0].startswith(
+        "anyrec.calibrate: error: calibrate.output /sys/anyrec-test/cal.yaml")
 
 
 def test_preprocess_fails_before_converting(tmp_path, a_file, capsys):

@@ -20,7 +20,8 @@ GUIDES = "\n".join((ROOT / "docs" / f"{name}.md").read_text()
 DOCS = README + "\n" + GUIDES
 _FENCE = re.compile(r"```[a-z]*\n(.*?)```", re.S)
 # a Hydra entry point in a command line: its `key=value` words are overrides
-_HYDRA_COMMAND = re.compile(r"-m anyrec\.(train|plan)\b|anyrec-(train|plan)\b|dev\.sh train\b")
+_HYDRA_COMMAND = re.compile(r"-m anyrec\.(train|plan|calibrate)\b|anyrec-(train|plan|calibrate)\b|"
+                            r"dev\.sh train\b")
 _OVERRIDE = re.compile(r"^\+?[a-z_][a-z0-9_]*(\.[a-z0-9_]+)*=(?!=)")
 _KEY = re.compile(r"^[a-z_][a-z0-9_]*(\.[a-z0-9_]+)+$")
 _MISSING = object()

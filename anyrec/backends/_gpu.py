@@ -59,8 +59,8 @@ def derived_spec(facts: DeviceFacts, vendor: str) -> DeviceSpec:
         _warned_unknown.add(key)
         logger.warning(
             "unknown device %r (%s, %.0f GB): spec derived from its properties and %s's figures; "
-            "run `python -m anyrec.calibrate output=FILE.yaml` and pass hardware.sku=FILE.yaml for "
-            "accurate planning", facts.device_name, facts.arch, facts.memory_bytes / 1e9, spec.name,
+            "run `python -m anyrec.calibrate calibrate.output=FILE.yaml` and pass hardware.sku=FILE.yaml "
+            "for accurate planning", facts.device_name, facts.arch, facts.memory_bytes / 1e9, spec.name,
         )
     return spec.replace(
         name=facts.device_name or vendor, vendor=vendor, arch=facts.arch,

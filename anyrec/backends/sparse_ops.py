@@ -202,14 +202,8 @@ def _permute_pooled(pooled_embs: torch.Tensor, offset_dim_list: torch.Tensor,
 
 def permute_pooled_embs(pooled_embs: torch.Tensor, offset_dim_list: torch.Tensor, permute_list: torch.Tensor,
                         inv_offset_dim_list: torch.Tensor, inv_permute_list: torch.Tensor) -> torch.Tensor:
-    """Reorder the per-feature column blocks of pooled embeddings."""
-    return _permute_pooled(pooled_embs, offset_dim_list, permute_list)
-
-
-def permute_pooled_embs_split(pooled_embs: torch.Tensor, offset_dim_list: torch.Tensor,
-                              permute_list: torch.Tensor, inv_offset_dim_list: torch.Tensor,
-                              inv_permute_list: torch.Tensor) -> torch.Tensor:
-    """`permute_pooled_embs` as the column-wise output dist calls it (same result)."""
+    """Reorder the per-feature column blocks of pooled embeddings (also serves the `_split` variant the
+    column-wise output dist calls: same schema, same result)."""
     return _permute_pooled(pooled_embs, offset_dim_list, permute_list)
 
 
@@ -260,7 +254,7 @@ SPARSE_OPS: dict[str, SparseOp] = {op.name: op for op in (
              "tr/sparse/jagged_tensor.py KJTAllToAllTensorsAwaitable (variable batch per rank)"),
     SparseOp("fbgemm::block_bucketize_sparse_features", block_bucketize_sparse_features,
              "tr/distributed/embedding_sharding.py bucketize_kjt_before_all2all (row-wise)"),
-    SparseOp("fbgemm::permute_pooled_embs_split", permute_pooled_embs_split,
+    SparseOp("fbgemm::permute_pooled_embs_split", permute_pooled_embs,
              "fb/permute_pooled_embedding_modules_split.py (FBGEMM's autograd glue for the next op)"),
     SparseOp(_AG_SPLIT, _auto_grad(_AG_SPLIT),
              "fb PermutePooledEmbeddingsSplit.forward (tr cw_sharding output dist)", autograd=True),
@@ -287,11 +281,6 @@ _installed: dict[str, tuple[str, ...]] = {}  # dispatch key -> ops our kernels s
 _native: dict[tuple[str, str], bool] = {}  # (op, key) -> a kernel was there before ours
 
 
-def autograd_key(dispatch_key: str) -> str:
-    """The autograd dispatch key paired with a backend key (CPU -> AutogradCPU, ...)."""
-    return f"Autograd{dispatch_key}"
-
-
 def fbgemm_has_kernel(op: str, dispatch_key: str) -> bool:
     """Whether FBGEMM has a kernel for `op` at `dispatch_key` (ours, if installed, do not count)."""
     if op in _installed.get(dispatch_key, ()):
@@ -305,13 +294,10 @@ def missing_kernels(dispatch_key: str) -> list[str]:
     return [name for name in SPARSE_OPS if not fbgemm_has_kernel(name, dispatch_key)]
 
 
-def _load_fbgemm() -> None:
-    import fbgemm_gpu  # noqa: F401 - defines the fbgemm:: schemas (and its CPU kernels)
-
-
 def register(dispatch_key: str, ops: list[str] | tuple[str, ...]) -> None:
     """Serve exactly `ops` with the portable kernels on `dispatch_key` (others revert to FBGEMM)."""
-    _load_fbgemm()
+    import fbgemm_gpu  # noqa: F401 - defines the fbgemm:: schemas (and its CPU kernels)
+
     unregister(dispatch_key)
     if not ops:
         return
@@ -334,7 +320,7 @@ def register(dispatch_key: str, ops: list[str] | tuple[str, ...]) -> None:
             short = op.split("::")[1]
             lib.impl(short, spec.kernel, dispatch_key)
             if spec.autograd:
-                lib.impl(short, spec.kernel, autograd_key(dispatch_key))
+                lib.impl(short, spec.kernel, f"Autograd{dispatch_key}")  # CPU -> AutogradCPU
     _libs[dispatch_key] = lib
     _installed[dispatch_key] = tuple(ops)
 

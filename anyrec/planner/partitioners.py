@@ -1,11 +1,9 @@
 """Choose one option per table and ranks for its shards: minimise the slowest rank's predicted time
 subject to every rank's HBM and DDR caps.
 
-`GreedyPerfPartitioner` is LPT-style list scheduling with a lower-bound lookahead, then local search
-(remove a table and re-insert it at its best option and ranks) under a budget of moves (not of time), so
-the plan depends only on the inputs, never on machine load.
-`ExhaustivePartitioner` is branch-and-bound over every option and rank assignment, for small cases
-(the planner uses it when the search space is small; tests use it as the oracle).
+`GreedyPerfPartitioner`: list scheduling, then local search under a budget of moves (not of time, so
+the plan depends only on the inputs). `ExhaustivePartitioner`: branch-and-bound, for small cases and
+as the tests' oracle.
 
 Both rank plans lexicographically: the slowest rank's time first; then, among plans within
 `makespan_tolerance` of the best makespan found, the least total work summed over ranks, then the least
@@ -15,13 +13,14 @@ plan that does less is less exposed to errors in the cost model.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from anyrec.planner.types import Partitioner, RankCost, Shard, ShardingOption, Storage, Topology
+from anyrec.planner.types import Partitioner, RankCost, ShardingOption, Storage, Topology
 
 _REL_EPS = 1e-9
 MAKESPAN_TOLERANCE = 0.005  # plans within 0.5% of the best makespan compete on total work and comms
@@ -95,17 +94,9 @@ class _Table:
 
 def _materialise(c: _Cand, ranks: list[int] | None) -> ShardingOption:
     """A copy of the option with ranks written into its shards."""
-    opt = c.option
-    if c.fixed:
-        shards = [Shard(s.num_rows, s.num_cols, s.storage, s.perf, s.rank) for s in opt.shards]
-    else:
-        shards = [
-            Shard(s.num_rows, s.num_cols, s.storage, s.perf, r)
-            for s, r in zip(opt.shards, ranks, strict=True)
-        ]
-    return ShardingOption(
-        opt.table, opt.sharding, opt.placement, opt.compute_kernel, shards, opt.host, opt.cache_ratio
-    )
+    ranks = [s.rank for s in c.option.shards] if c.fixed else ranks
+    shards = [dataclasses.replace(s, rank=r) for s, r in zip(c.option.shards, ranks, strict=True)]
+    return dataclasses.replace(c.option, shards=shards)
 
 
 class _State:
@@ -120,9 +111,7 @@ class _State:
     def fit(self, c: _Cand, by_memory: bool = False) -> tuple[float, list[int] | None] | None:
         """(makespan after adding c, ranks for placed shards), or None if c does not fit."""
         if c.fixed:
-            if np.any(self.H + c.h_vec > self.hcap) or np.any(self.D + c.d_vec > self.dcap):
-                return None
-            return float((self.T + c.t_vec).max()), None
+            return (float((self.T + c.t_vec).max()), None) if self.fits(c, None) else None
         ok = self.H <= self.hcap - c.h
         if c.d:
             ok &= self.D <= self.dcap - c.d
@@ -136,6 +125,12 @@ class _State:
             return None
         ranks = np.argsort(key, kind="stable")[: c.k]
         return float(max(self.T.max(), (self.T[ranks] + c.t).max())), [int(r) for r in ranks]
+
+    def fits(self, c: _Cand, ranks: list[int] | None) -> bool:
+        """Whether c (its placed shards on `ranks`) stays within every rank's HBM and DDR caps."""
+        if c.fixed:
+            return not (np.any(self.H + c.h_vec > self.hcap) or np.any(self.D + c.d_vec > self.dcap))
+        return not any(self.H[r] + c.h > self.hcap or self.D[r] + c.d > self.dcap for r in ranks)
 
     def fit_all(self, tab: _Table, by_memory: bool = False) -> np.ndarray:
         """Makespan after adding each candidate of `tab` (inf where it does not fit): `fit` for all at
@@ -176,8 +171,7 @@ def _better(a: tuple[float, float], b: tuple[float, float]) -> bool:
 
 
 class _Budget:
-    """A count of moves left: one move re-places one table (all its options scored against the current
-    rank loads) or tries one swap of two tables. Deterministic, unlike a deadline."""
+    """A count of moves left (deterministic, unlike a deadline)."""
 
     def __init__(self, moves: int) -> None:
         self.left = int(moves)
@@ -198,13 +192,12 @@ class _Budget:
 
 
 class GreedyPerfPartitioner(Partitioner):
-    """Greedy list scheduling in descending cost with a lower-bound lookahead, then local search for the
+    """Greedy list scheduling in descending cost with a lower-bound lookahead, local search for the
     makespan, then moves that lower total work and comms while the makespan stays within tolerance.
 
-    Each search stops when no move improves or its budget of moves is spent (a move: re-placing one
-    table, all its options scored, or trying one swap of two tables). Budgets are `*_moves_per_table`
-    times the table count, at least `min_moves`, so the plan depends on the inputs alone, never on
-    wall-clock time or machine load.
+    Each search stops when no move improves or its budget is spent; a move re-places one table (all
+    its options scored) or tries one swap of two tables. Budgets: `*_moves_per_table` x tables, at
+    least `min_moves`.
     """
 
     def __init__(
@@ -468,14 +461,7 @@ class ExhaustivePartitioner(Partitioner):
                 for c in cands[names[i]]:
                     combos = [None] if c.fixed else [list(r) for r in itertools.combinations(range(w), c.k)]
                     for ranks in combos:
-                        if c.fixed:
-                            if np.any(state.H + c.h_vec > state.hcap) or np.any(
-                                state.D + c.d_vec > state.dcap
-                            ):
-                                continue
-                        elif any(
-                            state.H[r] + c.h > state.hcap or state.D[r] + c.d > state.dcap for r in ranks
-                        ):
+                        if not state.fits(c, ranks):
                             continue
                         state.apply(c, ranks)
                         stack.append((c, ranks))

@@ -201,12 +201,6 @@ class CheckpointManager:
         lineage = self.run.lineage if self.run else None
         return [f for f in found if f.lineage == lineage]
 
-    def latest(self) -> Path | None:
-        """The newest final-named checkpoint of this run's lineage (any, before start()), or None."""
-        found = self._scan()
-        found = self._mine(found) if self.run else found
-        return found[-1].path if found else None
-
     def save(self, step: int, state: dict[str, Any], extra_meta: dict[str, Any]) -> Path:
         """Write `state` as checkpoint `step_<step>` atomically (collective: every rank calls it).
 

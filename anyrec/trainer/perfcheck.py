@@ -98,9 +98,9 @@ def prediction_check(predicted_s: float | None, per_rank_s: list[float | None],
                     measured_s * 1e3, ranks, pred)
         if error is not None and abs(error) > MISS_WARN_FRACTION:
             logger.warning("the plan predicted %.2f ms per step but the slowest rank measured %.2f ms "
-                           "(%+.0f%%): the cost model does not fit this machine; calibrate it "
-                           "(torchrun --nproc_per_node=N -m anyrec.calibrate output=cal.yaml) and plan "
-                           "with hardware=cal.yaml", predicted_s * 1e3, measured_s * 1e3, error * 100)
+                           "(%+.0f%%): the cost model does not fit this machine; calibrate it (torchrun "
+                           "--nproc_per_node=N -m anyrec.calibrate calibrate.output=cal.yaml) and plan with "
+                           "hardware.sku=cal.yaml", predicted_s * 1e3, measured_s * 1e3, error * 100)
     return {
         "predicted_step_ms": predicted_s * 1e3 if predicted_s else None,
         "measured_step_ms": measured_s * 1e3 if measured_s is not None else None,
