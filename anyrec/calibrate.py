@@ -37,7 +37,7 @@ from anyrec.backends import Backend, get_backend
 from anyrec.backends.dispatch import Impl, KernelProfile, availability, implementations
 from anyrec.backends.hardware import EmbeddingCost, Hardware
 from anyrec.backends.specs import DeviceSpec
-from anyrec.calcache import cache_dir, local_key, write_entry
+from anyrec.calcache import allowed_cores, cache_dir, local_key, write_entry
 from anyrec.calibrate_step import QUICK_POINTS, measure_step_costs
 from anyrec.io_checks import atomic_write, writable_file
 from anyrec.kernels.optimizers import OptimizerConfig
@@ -473,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group(backend=backend.dist_backend)
     # Ranks take their share of the host's cores as the trainer's do: the figures are the trainer's.
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    cores = allowed_cores()  # the cache key's: before binding
     # what the rule chose (auto) or was told: the step points' trainers bind the same way
     bind_cores = backend.bind_local_rank(local_rank, local_world, opts["bind_cores"]) is not None
     try:
@@ -480,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
         kernels = backend.select_kernels()
         m = calibrate(backend, device, world, opts["size"], budget_s, bind_cores)
         m["seconds"] = time.perf_counter() - start
-        key = local_key(backend, env_dist_info()) if opts["cache"] == "true" else None  # collective
+        key = local_key(backend, env_dist_info(), cores) if opts["cache"] == "true" else None  # collective
         if rank == 0 and key is not None:
             entry = write_entry(cache_dir() / key.file_name(), key, hardware_yaml(backend, m),
                                 f"# Calibration measured by anyrec.calibrate ({backend.describe()}, {world} "

@@ -17,10 +17,9 @@ def _lines(proc, text: str) -> list[str]:
     return [line for line in (proc.stdout + proc.stderr).splitlines() if text in line]
 
 
-def _train(tmp_path, run: str):
+def _train(tmp_path, run: str, bind: str = "true"):
     env = {"ANYREC_CACHE_DIR": str(tmp_path / "cache"), "ANYREC_CALIBRATE": "auto"}
-    # bound ranks: backend.bind_cores=auto decides by the cores' load, and bound or free is in the key
-    args = ["-m", "anyrec.train", "model=dlrm_tiny", "backend.bind_cores=true", "trainer.steps=30",
+    args = ["-m", "anyrec.train", "model=dlrm_tiny", f"backend.bind_cores={bind}", "trainer.steps=30",
             "trainer.eval_steps=0",
             "trainer.progress=false", "trainer.tensorboard=false", f"hydra.run.dir={tmp_path / run}"]
     proc = torchrun(args, env=env, timeout=900)
@@ -38,14 +37,17 @@ def _entry(tmp_path):
 def test_first_contact_measures_caches_and_then_reuses(tmp_path):
     first = _train(tmp_path, "a")
     (line,) = _lines(first, "calibration:")
-    assert "cache miss, measured in" in line
+    assert "cache miss, measured in" in line and "with threads bound" in line
     path, hardware = _entry(tmp_path)
     assert str(path) in line and _step_costs(hardware) > 0 and "fbgemm" in hardware.profiles
     assert key_world(path) == 2 and last_json_line(first.stdout)["predicted_step_ms"] > 0
     stamp = path.stat().st_mtime_ns
-    second = _train(tmp_path, "b")
+    # Free threads (as backend.bind_cores=auto leaves them on a loaded host): the same entry, and the
+    # line says the binding differs from the calibration's.
+    second = _train(tmp_path, "b", bind="false")
     (line,) = _lines(second, "calibration:")
     assert f"cache hit, planning with {path}" in line and path.stat().st_mtime_ns == stamp
+    assert "measured with threads bound, this run's are free" in line
     # Cut short: named in one warning line, measured again, replaced by a whole file.
     path.write_text(path.read_text()[:2000])
     third = _train(tmp_path, "c")
