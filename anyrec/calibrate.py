@@ -5,10 +5,10 @@ Measures, on this device: copy bandwidth; host->device bandwidth from pinned and
 backward with the fused optimizer) at several (tables, rows, dim, batch, pooling) points, fitted by
 least squares into the implementation's KernelProfile (bandwidth efficiency, per-row and per-launch
 seconds) in the planner's own cost terms; GEMM FLOP/s (square, and a DLRM MLP forward + backward);
-and under torchrun all-to-all, all-reduce and reduce-scatter at several sizes, fitted into
-latency + bytes / bus bandwidth, and the trainer's framework costs (anyrec.calibrate_step: the real
-Trainer at fourteen tiny points, what bytes and FLOPs leave unexplained fitted into DeviceSpec `step_*`
-fields). The YAML it writes is accepted by `hardware=FILE.yaml`.
+under torchrun all-to-all, all-reduce and reduce-scatter at several sizes, fitted into
+latency + bytes / bus bandwidth; and the trainer's framework costs at this world size
+(anyrec.calibrate_step: the real Trainer at fourteen tiny points, what bytes and FLOPs leave
+unexplained fitted into DeviceSpec `step_*` fields). The YAML it writes is accepted by `hardware=FILE.yaml`.
 
     python -m anyrec.calibrate output=cal.yaml [backend=auto] [budget_s=0.5] [size=small|large|quick]
     torchrun --nproc_per_node=2 -m anyrec.calibrate output=cal.yaml
@@ -38,7 +38,7 @@ from anyrec.backends.dispatch import Impl, KernelProfile, availability, implemen
 from anyrec.backends.hardware import EmbeddingCost, Hardware
 from anyrec.backends.specs import DeviceSpec
 from anyrec.calcache import allowed_cores, cache_dir, local_key, write_entry
-from anyrec.calibrate_step import QUICK_POINTS, measure_step_costs
+from anyrec.calibrate_step import measure_step_costs
 from anyrec.io_checks import atomic_write, writable_file
 from anyrec.kernels.optimizers import OptimizerConfig
 from anyrec.planner.estimators import lookup_time_s
@@ -338,13 +338,14 @@ def calibrate(backend: Backend, device: torch.device, world: int, size: str = "s
         m["collectives"] = measure_collectives(device, s["comm_bytes"], backend, budget_s, world)
         lap("collectives")
         fields.update(link_fields(m["collectives"]))
-        # The trainer's framework costs: what the figures measured so far leave unexplained in real steps.
-        profiles = {n: KernelProfile(**e["profile"]) for n, e in m["embedding"].items() if "profile" in e}
-        spec = backend.device_spec().replace(**{k: v for k, v in fields.items() if k != "name"})
-        m["step"] = measure_step_costs(backend, Hardware(spec, profiles), world, budget_s, fit_nonnegative,
-                                       bind_cores, QUICK_POINTS if size == "quick" else None)
-        fields.update(m["step"]["fields"])
-        lap("step")
+    # The trainer's framework costs: what the figures measured so far leave unexplained in real steps,
+    # at this world size (one rank's step has no collectives, no DDP and may skip sharding altogether).
+    profiles = {n: KernelProfile(**e["profile"]) for n, e in m["embedding"].items() if "profile" in e}
+    spec = backend.device_spec().replace(**{k: v for k, v in fields.items() if k != "name"})
+    m["step"] = measure_step_costs(backend, Hardware(spec, profiles), world, budget_s, fit_nonnegative,
+                                   bind_cores, size == "quick")
+    fields.update(m["step"]["fields"])
+    lap("step")
     m["phase_s"] = took
     m["threads"] = torch.get_num_threads()
     m["bind_cores"] = bind_cores

@@ -3,6 +3,8 @@ once, caches it, plans with it, and reuses it; a damaged cache file is named and
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import yaml
 
@@ -17,12 +19,12 @@ def _lines(proc, text: str) -> list[str]:
     return [line for line in (proc.stdout + proc.stderr).splitlines() if text in line]
 
 
-def _train(tmp_path, run: str, bind: str = "true"):
+def _train(tmp_path, run: str, bind: str = "true", steps: int = 30, nproc: int = 2):
     env = {"ANYREC_CACHE_DIR": str(tmp_path / "cache"), "ANYREC_CALIBRATE": "auto"}
-    args = ["-m", "anyrec.train", "model=dlrm_tiny", f"backend.bind_cores={bind}", "trainer.steps=30",
+    args = ["-m", "anyrec.train", "model=dlrm_tiny", f"backend.bind_cores={bind}", f"trainer.steps={steps}",
             "trainer.eval_steps=0",
             "trainer.progress=false", "trainer.tensorboard=false", f"hydra.run.dir={tmp_path / run}"]
-    proc = torchrun(args, env=env, timeout=900)
+    proc = torchrun(args, nproc=nproc, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -55,6 +57,20 @@ def test_first_contact_measures_caches_and_then_reuses(tmp_path):
     assert str(path) in warning and "measuring again" in warning
     assert "cache miss" in _lines(third, "calibration:")[0]
     assert _step_costs(_entry(tmp_path)[1]) > 0
+
+
+@pytest.mark.integration
+def test_two_jobs_started_together_on_an_empty_cache(tmp_path):
+    """Two real jobs (one rank each) calibrate at once on a cold cache: both finish and plan, and the
+    cache holds exactly one whole, valid entry (each write is a rename; the last one stays)."""
+    with ThreadPoolExecutor(2) as pool:  # each torchrun in its own session, killed whole on a timeout
+        procs = list(pool.map(lambda run: _train(tmp_path, run, steps=5, nproc=1), ("a", "b")))
+    for proc in procs:
+        (line,) = _lines(proc, "calibration:")
+        assert "cache " in line and last_json_line(proc.stdout)["predicted_step_ms"] > 0
+    path, hardware = _entry(tmp_path)
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [path.name]  # no temporary left
+    assert key_world(path) == 1 and _step_costs(hardware) > 0
 
 
 def _step_costs(hardware) -> float:
