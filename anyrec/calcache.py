@@ -142,12 +142,8 @@ class Lookup:
         return self.hardware is not None
 
 
-def read_entry(path: Path, key: CacheKey) -> Hardware:
-    """The Hardware in cache file `path`, checked whole and against `key`; ValueError in one line."""
-    return _read(path, key).hardware
-
-
-def _read(path: Path, key: CacheKey) -> Lookup:
+def read_entry(path: Path, key: CacheKey) -> Lookup:
+    """Cache file `path` as a hit, checked whole and against `key`; ValueError in one line."""
     import yaml
 
     try:
@@ -162,8 +158,7 @@ def _read(path: Path, key: CacheKey) -> Lookup:
         raise ValueError(f"measured for another machine or software: {'; '.join(key.differences(theirs))}")
     if cache.get("sha256") != _content_digest(data):
         raise ValueError("its content does not match its checksum (edited or damaged)")
-    bound = (data.get("measurements") or {}).get("bind_cores")
-    # the whole-file checks every hardware file passes
+    bound = (data.get("measurements") or {}).get("bind_cores")  # below: every hardware file's checks
     return Lookup(path, load_hardware_file(path), bound=bound if isinstance(bound, bool) else None)
 
 
@@ -173,7 +168,7 @@ def lookup(key: CacheKey, directory: Path | None = None) -> Lookup:
     if not path.exists():
         return Lookup(path)
     try:
-        return _read(path, key)
+        return read_entry(path, key)
     except ValueError as e:
         return Lookup(path, problem=str(e))
 
@@ -217,7 +212,7 @@ def local_key(backend: Backend, info: DistInfo, cores: list[int] | None = None) 
 def find_for_device(backend: Backend, one_process: DistInfo, local_world_size: int,
                     directory: Path | None = None) -> Lookup | None:
     """The newest usable entry for this device and software at `local_world_size` ranks per host,
-    whatever cores its ranks were bound to (for `anyrec-plan`, which runs no ranks: `one_process`
+    whatever cores its ranks had (for `anyrec-plan`, which runs no ranks: `one_process`
     describes it); None if none."""
     import yaml
 
@@ -230,7 +225,7 @@ def find_for_device(backend: Backend, one_process: DistInfo, local_world_size: i
             key = CacheKey.from_dict(yaml.safe_load(path.read_text())["cache"]["key"])
             if any(getattr(key, f) != getattr(want, f) for f in same):
                 continue
-            return _read(path, key)
+            return read_entry(path, key)
         except (OSError, ValueError, TypeError, KeyError, yaml.YAMLError):
             continue  # not usable: a training job on this machine names and replaces it
     return None

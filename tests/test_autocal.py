@@ -32,7 +32,7 @@ def _train(tmp_path, run: str, bind: str = "true", steps: int = 30, nproc: int =
 def _entry(tmp_path):
     (path,) = (tmp_path / "cache").glob("*.yaml")
     key = calcache.CacheKey.from_dict(yaml.safe_load(path.read_text())["cache"]["key"])
-    return path, calcache.read_entry(path, key)
+    return path, calcache.read_entry(path, key).hardware
 
 
 @pytest.mark.integration

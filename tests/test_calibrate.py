@@ -104,7 +104,7 @@ def test_calibrate_under_torchrun_measures_collectives(tmp_path):
     (entry,) = cache.glob("*.yaml")
     assert f"wrote the cache entry for this machine: {entry}" in proc.stdout
     key = calcache.CacheKey.from_dict(yaml.safe_load(entry.read_text())["cache"]["key"])
-    spec = calcache.read_entry(entry, key).spec
+    spec = calcache.read_entry(entry, key).hardware.spec
     assert key.local_world_size == 2 and spec.step_fixed_s == m["step"]["fields"]["step_fixed_s"]
 
 
