@@ -177,9 +177,9 @@ def measure_step_costs(backend: Backend, hardware: Hardware, world: int, budget_
     # Five passes (median): with three, one noisy pass of the pooling points swung the per-id term
     # between 0 and 1.8e-7 s between two calibrations of this 2-core host.
     steps, passes = (40, 5) if budget_s >= 0.1 else (10, 1)
-    if passes > 1:
-        # The first trainer in a process pays lazy set-up.
-        _train_point(points[0], backend, hardware, world, steps, bind_cores)
+    # The first trainer in a process pays lazy set-up beyond its warm-up steps: the quick calibration's
+    # first point measured 31 ms against 12 ms for the same point with six more layers (2 ranks).
+    _train_point(points[0], backend, hardware, world, steps, bind_cores)
     times: list[list[float]] = [[] for _ in points]
     model = [0.0] * len(points)
     for k in range(passes):  # alternate the order: a shared host's load drifts
