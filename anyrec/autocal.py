@@ -2,7 +2,9 @@
 measured figures, not the datasheet's.
 
 Before planning, every rank joins the process group and binds its cores as the trainer will, and the
-ranks agree on the cache key (anyrec.calcache). Rank 0 looks the key up: on a hit nothing is measured;
+ranks agree on the cache key (anyrec.calcache: the cores each rank had before binding, so a run that
+`backend.bind_cores=auto` binds and one it leaves free share the entry; the line says when this run's
+binding is not the one the entry was measured with). Rank 0 looks the key up: on a hit nothing is measured;
 on a miss (or `trainer.calibrate=always`, or a cache file that must not be used) all ranks run
 anyrec.calibrate's quick calibration together, so the collective and step terms are measured with
 the job's own ranks, and rank 0 writes the entry. One line says which it was and names the file; the
@@ -19,7 +21,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from anyrec.backends import get_backend
-from anyrec.calcache import Lookup, cache_dir, local_key, lookup, write_entry
+from anyrec.calcache import Lookup, allowed_cores, cache_dir, local_key, lookup, write_entry
 from anyrec.calibrate import calibrate, hardware_yaml
 from anyrec.config import AnyrecConfig
 from anyrec.io_checks import atomic_write
@@ -41,18 +43,24 @@ def calibrated_hardware(cfg: AnyrecConfig) -> str:
     """
     backend = get_backend(cfg.backend.name)
     info = init_distributed(backend, cfg.trainer.collective_timeout_s, cfg.trainer.peer_timeout_s)
-    # what the binding rule chose (backend.bind_cores=auto looks at the cores' load): the step points'
-    # trainers and the cache key follow it
-    bound = backend.bind_local_rank(info.local_rank, info.local_world_size, cfg.backend.bind_cores)
-    key = local_key(backend, info)
+    cores = allowed_cores()
+    # what the binding rule chose (backend.bind_cores=auto looks at the cores' load); the step points'
+    # trainers and this job's trainer bind the same way
+    bound = backend.bind_local_rank(info.local_rank, info.local_world_size, cfg.backend.bind_cores) \
+        is not None
+    cfg.backend.bind_cores = str(bound).lower()
+    key = local_key(backend, info, cores)
     found = None
     if info.is_main:
         found = Lookup(cache_dir() / key.file_name()) if cfg.trainer.calibrate == "always" else lookup(key)
-    found_here = (str(found.path), found.hit, found.problem) if found else None
-    path, hit, problem = broadcast_from_main(found_here, info)
+    found_here = (str(found.path), found.hit, found.problem, found.bound) if found else None
+    path, hit, problem, measured_bound = broadcast_from_main(found_here, info)
+    threads = {True: "bound", False: "free"}
     if hit:
         if info.is_main:
-            logger.info("calibration: cache hit, planning with %s", path)
+            differs = (f" (measured with threads {threads[measured_bound]}, this run's are {threads[bound]}: "
+                       f"its step costs may differ)" if measured_bound not in (None, bound) else "")
+            logger.info("calibration: cache hit, planning with %s%s", path, differs)
         return path
     if problem and info.is_main:
         logger.warning("calibration cache file %s not used: %s; measuring again", path, problem)
@@ -62,7 +70,7 @@ def calibrated_hardware(cfg: AnyrecConfig) -> str:
     quiet.setLevel(logging.WARNING)  # the point-by-point log is the thorough calibration's
     try:
         m = calibrate(backend, backend.device(info.local_rank), info.world_size, "quick",
-                      cfg.trainer.calibrate_budget_s, bound is not None)
+                      cfg.trainer.calibrate_budget_s, bound)
     finally:
         quiet.setLevel(level)
     text = None
@@ -79,7 +87,7 @@ def calibrated_hardware(cfg: AnyrecConfig) -> str:
     if dist.is_initialized():
         dist.barrier()
     if info.is_main:
-        logger.info("calibration: %s, measured in %.1f s, wrote %s",
+        logger.info("calibration: %s, measured in %.1f s with threads %s, wrote %s",
                     "re-measured (trainer.calibrate=always)" if cfg.trainer.calibrate == "always"
-                    else "cache miss", time.perf_counter() - start, path)
+                    else "cache miss", time.perf_counter() - start, threads[bound], path)
     return path

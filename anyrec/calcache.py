@@ -1,9 +1,11 @@
 """The calibration cache: a measured hardware file per machine and software stack, found again by key.
 
 A calibration holds for what changes its figures: the device (name, devices per host), how the ranks of
-one host share it (local world size, the cores each rank is bound to and its thread count), and the
-software that runs the step (torch, FBGEMM, torchrec, anyrec versions). Those make the `CacheKey`; its
-digest names the file, `$ANYREC_CACHE_DIR` (default `~/.cache/anyrec/`) holds it.
+one host share it (local world size, the cores each rank may run on before any binding and its thread
+count), and the software that runs the step (torch, FBGEMM, torchrec, anyrec versions). Those make the
+`CacheKey`; its digest names the file, `$ANYREC_CACHE_DIR` (default `~/.cache/anyrec/`) holds it.
+Whether the ranks bound their threads is not in the key (`backend.bind_cores=auto` decides it from the
+host's load at start, which changes between runs): the entry records it, `Lookup.bound`.
 
 An entry is a hardware YAML (what `anyrec.calibrate` writes, accepted by `hardware=FILE.yaml`) with a
 last `cache:` section: the key it was measured for and a SHA-256 of everything above it. A file that is
@@ -66,7 +68,7 @@ class CacheKey:
     device_name: str
     devices_per_host: int
     local_world_size: int
-    cores_per_rank: tuple[tuple[int, ...], ...]  # each local rank's bound cores (() = not bound)
+    cores_per_rank: tuple[tuple[int, ...], ...]  # each local rank's cores before binding
     threads_per_rank: int
     versions: tuple[tuple[str, str], ...]  # (package, version), sorted
 
@@ -127,19 +129,21 @@ def _content_digest(data: dict[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class Lookup:
-    """What the cache holds for a key: the file's path, its Hardware when usable, or why it is not."""
+    """What the cache holds for a key: the file's path, its Hardware when usable (and whether its ranks
+    measured with bound threads), or why it is not."""
 
     path: Path
     hardware: Hardware | None = None
     problem: str | None = None  # set when a file is there but must not be used
+    bound: bool | None = None
 
     @property
     def hit(self) -> bool:
         return self.hardware is not None
 
 
-def read_entry(path: Path, key: CacheKey) -> Hardware:
-    """The Hardware in cache file `path`, checked whole and against `key`; ValueError in one line."""
+def read_entry(path: Path, key: CacheKey) -> Lookup:
+    """Cache file `path` as a hit, checked whole and against `key`; ValueError in one line."""
     import yaml
 
     try:
@@ -154,7 +158,8 @@ def read_entry(path: Path, key: CacheKey) -> Hardware:
         raise ValueError(f"measured for another machine or software: {'; '.join(key.differences(theirs))}")
     if cache.get("sha256") != _content_digest(data):
         raise ValueError("its content does not match its checksum (edited or damaged)")
-    return load_hardware_file(path)  # the whole-file checks every hardware file passes
+    bound = (data.get("measurements") or {}).get("bind_cores")  # below: every hardware file's checks
+    return Lookup(path, load_hardware_file(path), bound=bound if isinstance(bound, bool) else None)
 
 
 def lookup(key: CacheKey, directory: Path | None = None) -> Lookup:
@@ -163,7 +168,7 @@ def lookup(key: CacheKey, directory: Path | None = None) -> Lookup:
     if not path.exists():
         return Lookup(path)
     try:
-        return Lookup(path, hardware=read_entry(path, key))
+        return read_entry(path, key)
     except ValueError as e:
         return Lookup(path, problem=str(e))
 
@@ -181,14 +186,19 @@ def write_entry(path: Path, key: CacheKey, data: dict[str, Any], header: str = "
     return path
 
 
-def local_key(backend: Backend, info: DistInfo) -> CacheKey:
-    """This host's key, agreed by its ranks: each rank's bound cores and threads are gathered (a
-    collective over `info`'s ranks: every rank calls it). Call after the ranks are bound."""
+def allowed_cores() -> list[int]:
+    """The cores this process may run on now (before binding: what the launcher gave the rank)."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
+def local_key(backend: Backend, info: DistInfo, cores: list[int] | None = None) -> CacheKey:
+    """This host's key, agreed by its ranks: each rank's `cores` (`allowed_cores()` taken before
+    binding; default: now) and thread count are gathered (a collective over `info`'s ranks: every rank
+    calls it). Call after the ranks set their threads."""
     import torch
     import torch.distributed as dist
 
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    mine = (info.host, info.local_rank, cores, torch.get_num_threads())
+    mine = (info.host, info.local_rank, allowed_cores() if cores is None else cores, torch.get_num_threads())
     everyone = [mine]
     if info.world_size > 1:
         everyone = [None] * info.world_size
@@ -202,7 +212,7 @@ def local_key(backend: Backend, info: DistInfo) -> CacheKey:
 def find_for_device(backend: Backend, one_process: DistInfo, local_world_size: int,
                     directory: Path | None = None) -> Lookup | None:
     """The newest usable entry for this device and software at `local_world_size` ranks per host,
-    whatever cores its ranks were bound to (for `anyrec-plan`, which runs no ranks: `one_process`
+    whatever cores its ranks had (for `anyrec-plan`, which runs no ranks: `one_process`
     describes it); None if none."""
     import yaml
 
@@ -215,7 +225,7 @@ def find_for_device(backend: Backend, one_process: DistInfo, local_world_size: i
             key = CacheKey.from_dict(yaml.safe_load(path.read_text())["cache"]["key"])
             if any(getattr(key, f) != getattr(want, f) for f in same):
                 continue
-            return Lookup(path, hardware=read_entry(path, key))
+            return read_entry(path, key)
         except (OSError, ValueError, TypeError, KeyError, yaml.YAMLError):
             continue  # not usable: a training job on this machine names and replaces it
     return None

@@ -7,10 +7,11 @@ backward with the fused optimizer) at several (tables, rows, dim, batch, pooling
 least squares into the implementation's KernelProfile (bandwidth efficiency, per-row and per-launch
 seconds) in the planner's own cost terms; GEMM FLOP/s (square, and a DLRM MLP forward + backward);
 and under torchrun all-to-all, all-reduce and reduce-scatter at several sizes, fitted into
-latency + bytes / bus bandwidth, and the trainer's framework costs (anyrec.calibrate_step: the real
-Trainer at fourteen tiny points, what bytes and FLOPs leave unexplained fitted into DeviceSpec `step_*`
-fields). The YAML it writes is accepted by `hardware.sku=FILE.yaml`. Options are the `calibrate`
-section of the config (anyrec.config.CalibrationConfig), composed as `anyrec-train` composes its own.
+latency + bytes / bus bandwidth, and the trainer's framework costs at this world size
+(anyrec.calibrate_step: the real Trainer at fourteen tiny points, what bytes and FLOPs leave
+unexplained fitted into DeviceSpec `step_*` fields). The YAML it writes is accepted by
+`hardware.sku=FILE.yaml`. Options are the `calibrate` section of the config
+(anyrec.config.CalibrationConfig), composed as `anyrec-train` composes its own.
 
     python -m anyrec.calibrate calibrate.output=cal.yaml [backend=auto] [calibrate.budget_s=0.5] \
         [calibrate.size=small|large|quick]
@@ -41,8 +42,8 @@ from anyrec.backends import Backend, get_backend
 from anyrec.backends.dispatch import Impl, KernelProfile, availability, implementations
 from anyrec.backends.hardware import EmbeddingCost, Hardware
 from anyrec.backends.specs import DeviceSpec
-from anyrec.calcache import cache_dir, local_key, write_entry
-from anyrec.calibrate_step import QUICK_POINTS, measure_step_costs
+from anyrec.calcache import allowed_cores, cache_dir, local_key, write_entry
+from anyrec.calibrate_step import measure_step_costs
 from anyrec.config import AnyrecConfig, config_dir
 from anyrec.io_checks import atomic_write, writable_file
 from anyrec.kernels.optimizers import OptimizerConfig
@@ -322,13 +323,14 @@ def calibrate(backend: Backend, device: torch.device, world: int, size: str = "s
         m["collectives"] = measure_collectives(device, s["comm_bytes"], backend, budget_s, world)
         lap("collectives")
         fields.update(link_fields(m["collectives"]))
-        # The trainer's framework costs: what the figures measured so far leave unexplained in real steps.
-        profiles = {n: KernelProfile(**e["profile"]) for n, e in m["embedding"].items() if "profile" in e}
-        spec = backend.device_spec().replace(**{k: v for k, v in fields.items() if k != "name"})
-        m["step"] = measure_step_costs(backend, Hardware(spec, profiles), world, budget_s, fit_nonnegative,
-                                       bind_cores, QUICK_POINTS if size == "quick" else None)
-        fields.update(m["step"]["fields"])
-        lap("step")
+    # The trainer's framework costs: what the figures measured so far leave unexplained in real steps,
+    # at this world size (one rank's step has no collectives, no DDP and may skip sharding altogether).
+    profiles = {n: KernelProfile(**e["profile"]) for n, e in m["embedding"].items() if "profile" in e}
+    spec = backend.device_spec().replace(**{k: v for k, v in fields.items() if k != "name"})
+    m["step"] = measure_step_costs(backend, Hardware(spec, profiles), world, budget_s, fit_nonnegative,
+                                   bind_cores, size == "quick")
+    fields.update(m["step"]["fields"])
+    lap("step")
     m["phase_s"] = took
     m["threads"] = torch.get_num_threads()
     m["bind_cores"] = bind_cores
@@ -452,6 +454,7 @@ def run(cfg: AnyrecConfig) -> None:
         dist.init_process_group(backend=backend.dist_backend)
     # Ranks take their share of the host's cores as the trainer's do: the figures are the trainer's;
     # what the rule chose (auto) or was told, the step points' trainers bind the same way.
+    cores = allowed_cores()  # the cache key's: before binding
     bind_cores = backend.bind_local_rank(info.local_rank, info.local_world_size,
                                          cfg.backend.bind_cores) is not None
     try:
@@ -459,7 +462,7 @@ def run(cfg: AnyrecConfig) -> None:
         kernels = backend.select_kernels()
         m = calibrate(backend, device, world, opts.size, opts.budget_s, bind_cores)
         m["seconds"] = time.perf_counter() - start
-        key = local_key(backend, info) if opts.cache else None  # collective
+        key = local_key(backend, info, cores) if opts.cache else None  # collective
         if rank == 0 and key is not None:
             entry = write_entry(cache_dir() / key.file_name(), key, hardware_yaml(backend, m),
                                 f"# Calibration measured by anyrec.calibrate ({backend.describe()}, {world} "

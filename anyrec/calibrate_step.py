@@ -67,12 +67,13 @@ class StepPoint:
     def sharding_of(self, i: int) -> str:
         return self.shardings[i * len(self.shardings) // self.tables]
 
-    def terms(self) -> list[float]:
-        """The fit's columns: step, features, samples, ids, pooled values, interaction entries (the
-        points train the dot interaction: (tables + 1)^2 per sample), dense parameter tensors (a
-        weight and a bias per MLP layer), sharding groups, replicas."""
-        groups = len({s for s in self.shardings if s != "data_parallel"})
-        replicas = sum(self.sharding_of(i) == "data_parallel" for i in range(self.tables))
+    def terms(self, world: int = 2) -> list[float]:
+        """The fit's columns at `world` ranks: step, features, samples, ids, pooled values, interaction
+        entries (the points train the dot interaction: (tables + 1)^2 per sample), dense parameter
+        tensors (a weight and a bias per MLP layer), sharding groups, replicas (both 0 at one rank: its
+        one group's cost is the step's, and it has no replicas)."""
+        groups = len({s for s in self.shardings if s != "data_parallel"}) if world > 1 else 0
+        replicas = sum(self.sharding_of(i) == "data_parallel" for i in range(self.tables)) if world > 1 else 0
         return [1.0, self.tables, self.batch, self.batch * self.tables * self.pooling,
                 self.batch * self.tables * self.dim, self.batch * (self.tables + 1) ** 2,
                 2 * (len(self.bottom_mlp) + len(self.top_mlp)), groups, replicas]
@@ -103,6 +104,15 @@ POINTS = [
 # interaction entries by 24 tables at two batches, samples, dense tensors, ids, pooled values,
 # sharding groups, replicas), one point each; trainers dominate its time.
 QUICK_POINTS = [POINTS[i] for i in (0, 1, 2, 3, 4, 5, 7, 10, 11, 12)]
+
+
+def points_at(world: int, quick: bool = False) -> list[StepPoint]:
+    """The points `world` ranks train (`quick`: the calibration on first contact's). One rank trains every
+    table table-wise (the planner offers nothing else there): its points are the table-wise ones."""
+    if world > 1:
+        return QUICK_POINTS if quick else POINTS
+    table_wise = [p for p in POINTS if p.shardings == ("table_wise",)]
+    return table_wise[:9] if quick else table_wise
 
 
 def _overrides(p: StepPoint, backend: str, steps: int, bind_cores: bool) -> list[str]:
@@ -158,18 +168,18 @@ def _train_point(p: StepPoint, backend: Backend, hardware: Hardware, world: int,
 
 
 def measure_step_costs(backend: Backend, hardware: Hardware, world: int, budget_s: float, fit: Any,
-                       bind_cores: bool = True, points: list[StepPoint] | None = None) -> dict[str, Any]:
+                       bind_cores: bool = True, quick: bool = False) -> dict[str, Any]:
     """Train every point on the `world` ranks (the process group must be up; the trainers bind cores
     as `bind_cores` says), fit the framework terms with `fit` (anyrec.calibrate.fit_nonnegative) on what
     the planner's figures in `hardware` (spec and measured embedding profiles) leave unexplained.
-    `points` defaults to POINTS (QUICK_POINTS: the calibration on first contact)."""
-    points = points or POINTS
+    `quick`: the points of the calibration on first contact (`points_at`)."""
+    points = points_at(world, quick)
     # Five passes (median): with three, one noisy pass of the pooling points swung the per-id term
     # between 0 and 1.8e-7 s between two calibrations of this 2-core host.
     steps, passes = (40, 5) if budget_s >= 0.1 else (10, 1)
-    if passes > 1:
-        # The first trainer in a process pays lazy set-up.
-        _train_point(points[0], backend, hardware, world, steps, bind_cores)
+    # The first trainer in a process pays lazy set-up beyond its warm-up steps: the quick calibration's
+    # first point measured 31 ms against 12 ms for the same point with six more layers (2 ranks).
+    _train_point(points[0], backend, hardware, world, steps, bind_cores)
     times: list[list[float]] = [[] for _ in points]
     model = [0.0] * len(points)
     for k in range(passes):  # alternate the order: a shared host's load drifts
@@ -180,7 +190,7 @@ def measure_step_costs(backend: Backend, hardware: Hardware, world: int, budget_
     for p, m, pred in zip(points, measured, model, strict=True):
         logger.info("step point %s: %.2f ms measured (median of %d), %.2f ms from bytes and FLOPs",
                     p.name, m * 1e3, passes, pred * 1e3)
-    rows = [p.terms() for p in points]
+    rows = [p.terms(world) for p in points]
     coeffs = fit(rows, [m - pred for m, pred in zip(measured, model, strict=True)], scale=measured)
     fields = dict(zip(FIELDS, coeffs, strict=True))
     fitted = [pred + sum(c * x for c, x in zip(coeffs, r, strict=True))

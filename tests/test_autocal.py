@@ -3,6 +3,8 @@ once, caches it, plans with it, and reuses it; a damaged cache file is named and
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import yaml
 
@@ -17,13 +19,12 @@ def _lines(proc, text: str) -> list[str]:
     return [line for line in (proc.stdout + proc.stderr).splitlines() if text in line]
 
 
-def _train(tmp_path, run: str):
+def _train(tmp_path, run: str, bind: str = "true", steps: int = 30, nproc: int = 2):
     env = {"ANYREC_CACHE_DIR": str(tmp_path / "cache"), "ANYREC_CALIBRATE": "auto"}
-    # bound ranks: backend.bind_cores=auto decides by the cores' load, and bound or free is in the key
-    args = ["-m", "anyrec.train", "model=dlrm_tiny", "backend.bind_cores=true", "trainer.steps=30",
+    args = ["-m", "anyrec.train", "model=dlrm_tiny", f"backend.bind_cores={bind}", f"trainer.steps={steps}",
             "trainer.eval_steps=0",
             "trainer.progress=false", "trainer.tensorboard=false", f"hydra.run.dir={tmp_path / run}"]
-    proc = torchrun(args, env=env, timeout=900)
+    proc = torchrun(args, nproc=nproc, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -31,21 +32,24 @@ def _train(tmp_path, run: str):
 def _entry(tmp_path):
     (path,) = (tmp_path / "cache").glob("*.yaml")
     key = calcache.CacheKey.from_dict(yaml.safe_load(path.read_text())["cache"]["key"])
-    return path, calcache.read_entry(path, key)
+    return path, calcache.read_entry(path, key).hardware
 
 
 @pytest.mark.integration
 def test_first_contact_measures_caches_and_then_reuses(tmp_path):
     first = _train(tmp_path, "a")
     (line,) = _lines(first, "calibration:")
-    assert "cache miss, measured in" in line
+    assert "cache miss, measured in" in line and "with threads bound" in line
     path, hardware = _entry(tmp_path)
     assert str(path) in line and _step_costs(hardware) > 0 and "fbgemm" in hardware.profiles
     assert key_world(path) == 2 and last_json_line(first.stdout)["predicted_step_ms"] > 0
     stamp = path.stat().st_mtime_ns
-    second = _train(tmp_path, "b")
+    # Free threads (as backend.bind_cores=auto leaves them on a loaded host): the same entry, and the
+    # line says the binding differs from the calibration's.
+    second = _train(tmp_path, "b", bind="false")
     (line,) = _lines(second, "calibration:")
     assert f"cache hit, planning with {path}" in line and path.stat().st_mtime_ns == stamp
+    assert "measured with threads bound, this run's are free" in line
     # Cut short: named in one warning line, measured again, replaced by a whole file.
     path.write_text(path.read_text()[:2000])
     third = _train(tmp_path, "c")
@@ -53,6 +57,20 @@ def test_first_contact_measures_caches_and_then_reuses(tmp_path):
     assert str(path) in warning and "measuring again" in warning
     assert "cache miss" in _lines(third, "calibration:")[0]
     assert _step_costs(_entry(tmp_path)[1]) > 0
+
+
+@pytest.mark.integration
+def test_two_jobs_started_together_on_an_empty_cache(tmp_path):
+    """Two real jobs (one rank each) calibrate at once on a cold cache: both finish and plan, and the
+    cache holds exactly one whole, valid entry (each write is a rename; the last one stays)."""
+    with ThreadPoolExecutor(2) as pool:  # each torchrun in its own session, killed whole on a timeout
+        procs = list(pool.map(lambda run: _train(tmp_path, run, steps=5, nproc=1), ("a", "b")))
+    for proc in procs:
+        (line,) = _lines(proc, "calibration:")
+        assert "cache " in line and last_json_line(proc.stdout)["predicted_step_ms"] > 0
+    path, hardware = _entry(tmp_path)
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [path.name]  # no temporary left
+    assert key_world(path) == 1 and _step_costs(hardware) > 0
 
 
 def _step_costs(hardware) -> float:

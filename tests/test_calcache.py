@@ -47,6 +47,15 @@ def test_what_changes_the_figures_changes_the_file(tmp_path, change):
     assert not calcache.lookup(other, tmp_path).hit
 
 
+def test_an_entry_says_how_its_ranks_were_bound(tmp_path):
+    """Bound or free is not in the key (auto decides it by the load at start): the entry records it."""
+    data = yaml.safe_load(CAL.read_text())
+    for bound in (True, False):
+        data["measurements"]["bind_cores"] = bound
+        calcache.write_entry(tmp_path / _key().file_name(), _key(), data)
+        assert calcache.lookup(_key(), tmp_path).bound is bound
+
+
 def test_the_key_holds_the_installed_versions():
     versions = dict(_key().versions)
     import torch

@@ -50,22 +50,28 @@ def _check_file(path, world_size: int) -> dict:
         assert len(c["all_to_all"]["seconds"]) == len(calibrate.SIZES["small"]["comm_bytes"])
         assert spec.scale_up_bw_bytes_per_s == c["all_to_all"]["bus_bw_bytes_per_s"]
         assert spec.scale_up_latency_s > 0 and "scale_up_latency_s" in m["measured_fields"]
-        # The trainer's framework costs, from real training steps: a step costs something beyond the
-        # bytes and FLOPs of these tiny tables, and the spec carries what the fit found.
-        step = m["step"]
-        assert len(step["points"]) == len(calibrate_step.POINTS)
-        assert all(p["measured_s"] > p["model_s"] > 0 for p in step["points"])
-        assert sum(step["fields"].values()) > 0
-        for name, value in step["fields"].items():
-            assert getattr(spec, name) == value and name in m["measured_fields"]
+    # The trainer's framework costs, from real training steps at this world size (one rank's too): a
+    # step costs something beyond the bytes and FLOPs of these tiny tables, and the spec carries the fit.
+    step = m["step"]
+    assert len(step["points"]) == len(calibrate_step.points_at(world_size))
+    assert all(p["measured_s"] > p["model_s"] > 0 for p in step["points"])
+    assert sum(step["fields"].values()) > 0
+    for name, value in step["fields"].items():
+        assert getattr(spec, name) == value and name in m["measured_fields"]
     return m
 
 
-def test_step_points_tell_every_framework_term_apart():
-    # Each fitted term needs a point that moves it alone: the points' columns are independent.
-    X = torch.tensor([p.terms() for p in calibrate_step.POINTS], dtype=torch.float64)
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("quick", [False, True])
+def test_step_points_tell_every_framework_term_apart(quick, world):
+    # Each fitted term needs a point that moves it alone: the points' columns are independent. One rank
+    # trains table-wise tables only (sharding groups and replicas are then no terms of their own).
+    points = calibrate_step.points_at(world, quick)
+    assert world > 1 or all(p.shardings == ("table_wise",) for p in points)
+    X = torch.tensor([p.terms(world) for p in points], dtype=torch.float64)
     assert X.shape[1] == len(calibrate_step.FIELDS)
-    assert int(torch.linalg.matrix_rank(X / X.abs().amax(dim=0))) == len(calibrate_step.FIELDS)
+    terms = len(calibrate_step.FIELDS) - (2 if world == 1 else 0)
+    assert int(torch.linalg.matrix_rank(X / X.abs().amax(dim=0).clamp(min=1))) == terms
 
 
 @pytest.mark.integration
@@ -100,7 +106,7 @@ def test_calibrate_under_torchrun_measures_collectives(tmp_path):
     (entry,) = cache.glob("*.yaml")
     assert f"wrote the cache entry for this machine: {entry}" in proc.stdout
     key = calcache.CacheKey.from_dict(yaml.safe_load(entry.read_text())["cache"]["key"])
-    spec = calcache.read_entry(entry, key).spec
+    spec = calcache.read_entry(entry, key).hardware.spec
     assert key.local_world_size == 2 and spec.step_fixed_s == m["step"]["fields"]["step_fixed_s"]
 
 
