@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 from anyrec.config import DataConfig, ModelConfig
 from anyrec.data.criteo import CriteoSource, npy_paths
-from anyrec.trainer.distributed import launch_token
+from anyrec.backends import get_backend
+from anyrec.trainer.distributed import destroy_distributed, init_distributed, launch_token
 
 from .conftest import ROOT, last_json_line, torchrun
 from .faults import KILL_AT_STEP, KILL_RANK, faulty
@@ -161,6 +162,24 @@ def two_hosts(tmp_path_factory):
     d = tmp_path_factory.mktemp("two_hosts")
     run = launch_hosts([*BASE, TWRW, f"trainer.checkpoint.dir={d}/ck", f"hydra.run.dir={d}/h"], d)
     return d, run
+
+
+def test_a_group_of_one_leaves_the_environment_alone(monkeypatch):
+    """Without torchrun's variables the group of one lives on an in-memory store: nothing is written
+    into os.environ, where a port would be inherited (and found in use) by every process started later."""
+    for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                "TORCHELASTIC_USE_AGENT_STORE"):
+        monkeypatch.delenv(var, raising=False)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    before = dict(os.environ)
+    info = init_distributed(get_backend("cpu"))
+    try:
+        assert info.world_size == 1 and dist.get_world_size() == 1 and dist.get_rank() == 0
+        assert dict(os.environ) == before
+    finally:
+        destroy_distributed(barrier=False)
+    assert not dist.is_initialized()
 
 
 @pytest.mark.integration

@@ -11,7 +11,6 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -52,12 +51,6 @@ def broadcast_from_main(value: object, info: DistInfo) -> object:
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def env_dist_info() -> DistInfo:
@@ -160,13 +153,12 @@ def init_distributed(backend: Backend, timeout_s: float | None = None,
     info = env_dist_info()
     backend.set_device(info.local_rank)
     if not dist.is_initialized():
-        if "MASTER_ADDR" not in os.environ:  # launched without torchrun: a group of one
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
-            os.environ.setdefault("RANK", "0")
-            os.environ.setdefault("WORLD_SIZE", "1")
+        # Launched without torchrun: a group of one on an in-memory store. The process's environment
+        # is left alone: a port written there would be inherited by every process it starts later.
+        alone = "MASTER_ADDR" not in os.environ and info.world_size == 1
         device_id = backend.device(info.local_rank) if backend.device_type != "cpu" else None
-        dist.init_process_group(backend=backend.dist_backend, rank=info.rank, store=_elastic_store(info),
+        dist.init_process_group(backend=backend.dist_backend, rank=info.rank,
+                                store=dist.HashStore() if alone else _elastic_store(info),
                                 world_size=info.world_size, device_id=device_id,
                                 timeout=timedelta(seconds=timeout_s) if timeout_s else None)
     if peer_timeout_s:
