@@ -14,7 +14,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,12 +26,12 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
+from anyrec.backends import get_backend
 from anyrec.config import DataConfig, ModelConfig
 from anyrec.data.criteo import CriteoSource, npy_paths
-from anyrec.backends import get_backend
 from anyrec.trainer.distributed import destroy_distributed, init_distributed, launch_token
 
-from .conftest import ROOT, last_json_line, torchrun
+from .conftest import ROOT, free_port, last_json_line, torchrun
 from .faults import KILL_AT_STEP, KILL_RANK, faulty
 
 MARK = "ANYREC_TEST_LAUNCH"  # environment marker: finds every process a launch started
@@ -44,12 +43,6 @@ TWRW = "planner.sharding=table_row_wise"
 # another order than an uninterrupted one (not bit-exact even on one host); a lost optimizer state or
 # a wrong data position moves the loss by orders of magnitude more.
 LOSS_ATOL = 1e-6
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _marked(marker: str) -> list[int]:
@@ -116,7 +109,7 @@ def launch_hosts(args: list[str], cwd: Path, nproc: tuple[int, ...] = (2, 2), to
                  timeout: float = 300) -> Launch:
     """One torchrun agent per 'host' (its own session), all at a c10d rendezvous on 127.0.0.1."""
     marker = uuid.uuid4().hex
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
            MARK: marker}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])

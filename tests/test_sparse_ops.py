@@ -15,9 +15,8 @@ from torch.profiler import ProfilerActivity, profile
 from anyrec.backends import dispatch, sparse_ops
 from anyrec.backends.cpu import CPUBackend
 from anyrec.backends.sparse_ops import SPARSE_OPS
-from anyrec.trainer.distributed import _free_port
 
-from .conftest import ROOT, compose_config, last_json_line, single_process_env, torchrun
+from .conftest import ROOT, compose_config, free_port, last_json_line, single_process_env, torchrun
 from .portable_calls import counted_ops
 from .test_plugin import plugin_path  # noqa: F401 - the fake accelerator, pip-installed once
 
@@ -327,7 +326,7 @@ def test_world_size_one_takes_the_sharded_path_when_sparse_ops_are_named(tmp_pat
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     results = {}
     for mode in ("auto", "fbgemm", "portable"):
         _, cfg = compose_config(["model=dlrm_tiny", "backend.name=cpu", "backend.embedding_kernel=torch",

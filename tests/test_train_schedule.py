@@ -7,7 +7,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from anyrec.trainer.schedule import WarmupPolyDecay
 
-from .conftest import compose_config
+from .conftest import compose_config, free_port
 
 
 def _tables(trainer):
@@ -20,13 +20,12 @@ def _tables(trainer):
 
 
 def test_fused_embedding_lr_changes_at_run_time(monkeypatch):
-    from anyrec.trainer.distributed import _free_port
     from anyrec.trainer.trainer import Trainer
 
     # A process group of one inside pytest; monkeypatch restores the environment afterwards.
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     for var, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1"),
-                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(_free_port()))):
+                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port()))):
         monkeypatch.setenv(var, value)
     _, cfg = compose_config(["model=dlrm_tiny", "backend=cpu", "trainer.progress=false",
                              "trainer.eval_steps=0", "trainer.tensorboard=false", "data.batch_size=32"])
