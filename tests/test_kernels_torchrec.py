@@ -11,13 +11,12 @@ sharded-embedding gradients over ranks, so the reference uses grad_out / world_s
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
-from .conftest import free_port
 
 pytestmark = pytest.mark.integration  # every test here starts processes
 
@@ -32,9 +31,15 @@ FEATURE_TABLE = {"f0": "t0", "f1": "t1", "f2": "t0"}
 SHARDS_PER_RANK = {"table_wise": 1, "row_wise": 2, "column_wise": 2}
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _run_ranks(sharding: str, optimizer: str) -> None:
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
            "WORLD_SIZE": str(WORLD), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
     env.pop("TRITON_INTERPRET", None)
