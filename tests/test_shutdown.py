@@ -141,7 +141,8 @@ def test_workers_of_a_killed_launcher_leave_at_once_in_one_line(tmp_path):
     # Each worker says it in one line; no C++ stack frames, no traceback.
     lines = [ln for ln in after.splitlines() if ln.startswith("anyrec-train: error:")]
     assert len(lines) == 2, after[-3000:]
-    assert all("the launcher (pid" in ln and "is gone" in ln for ln in lines), after[-3000:]
+    # the launcher watch (its pid) or the heartbeat (its store) may notice first: either names the launcher
+    assert all("the launcher" in ln and "gone" in ln for ln in lines), after[-3000:]
     assert "frame #" not in after and "Traceback" not in after, after[-3000:]
     assert not list(ck.glob("step_*")) or all((p / "meta.json").is_file() for p in ck.glob("step_[0-9]*")
                                                if ".tmp-" not in p.name)
