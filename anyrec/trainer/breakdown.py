@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.profiler import ProfilerActivity, profile, record_function, schedule
+from torch.profiler import ProfilerActivity, profile, record_function, schedule, supported_activities
 
 from anyrec.planner.types import Perf
 from anyrec.trainer.distributed import DistInfo
@@ -61,9 +61,10 @@ class StepProfiler:
 
     def __init__(self, steps: int, device_type: str) -> None:
         self.steps = steps
-        activities = [ProfilerActivity.CPU]
-        if device_type == "cuda":  # ROCm included: torch's device type stays "cuda"
-            activities.append(ProfilerActivity.CUDA)
+        # the device's own activity where torch's profiler has one for its type and can record it here
+        # (CUDA and ROCm, XPU, MTIA, HPU); other devices: host activity only
+        device = getattr(ProfilerActivity, device_type.upper(), None)
+        activities = list({ProfilerActivity.CPU} | ({device} & supported_activities()))
         self._device = device_type != "cpu"
         self._prof = profile(activities=activities,
                              schedule=schedule(wait=0, warmup=PROFILER_WARMUP_STEPS, active=steps, repeat=1))
