@@ -13,6 +13,7 @@ from anyrec.planner.estimators import (
     OUTPUT_BYTES,
     DenseEstimator,
     cache_hit_rate,
+    simd_lanes,
     simd_utilisation,
     state_bytes,
     usable_caps,
@@ -235,9 +236,7 @@ def co_design_advice(plan: PlanResult) -> list[str]:
     for d, names in sorted(dims.items()):
         u = simd_utilisation(d, dev.simd_width)
         if u < 1.0:
-            up = (
-                -(-d // dev.simd_width) * dev.simd_width if d >= dev.simd_width else 1 << (d - 1).bit_length()
-            )
+            up = simd_lanes(d, dev.simd_width)
             ok = sorted(
                 {s.name for k, s in SKUS.items() if k != "cpu" and simd_utilisation(d, s.simd_width) == 1.0}
             )

@@ -1,7 +1,5 @@
-"""Analytical cost model: bytes moved over the bandwidth that carries them, FLOPs over FLOP/s.
-
-Every function is pure and takes explicit units. Constants marked "empirical" are fitted or taken from
-measurements and are the ones to recalibrate (benchmarks/planner_validate.py) on new hardware.
+"""Analytical cost model: bytes moved over the bandwidth that carries them, FLOPs over FLOP/s. Constants
+marked "empirical" are fitted or measured: recalibrate them (benchmarks/planner_validate.py) on new hardware.
 """
 
 from __future__ import annotations
@@ -35,10 +33,6 @@ DENSE_EFFICIENCY = 0.5  # empirical: DLRM-size GEMMs reach about half of dense p
 # empirical: recommendation ids follow a power law; 20% of rows take about 80% of lookups (Pareto),
 # so hit rate = ratio ** (ln 0.8 / ln 0.2) gives 0.8 at torchrec's default 0.2 cache ratio.
 _CACHE_HIT_EXPONENT = math.log(0.8) / math.log(0.2)
-# Data-parallel tables run torchrec's "dense" kernel: plain embedding bags, costed with the profile of
-# the embedding implementation that is plain torch ops (EmbeddingCost.dense_profile).
-
-
 # DDP all-reduces gradients in buckets of this many bytes (torch's default bucket_cap_mb=25): one
 # collective latency per bucket.
 DDP_BUCKET_BYTES = 25 * 2**20
@@ -46,7 +40,6 @@ DDP_BUCKET_BYTES = 25 * 2**20
 # forward; their gradients back): torchrec batches every table of one sharding type into these; a
 # torch.profiler trace of a 2-rank table-wise step counts 5 gloo all-to-alls per step (2026-12-01).
 EMBEDDING_A2A_PER_STEP = 5
-
 CPU_ACCESS_BYTES = 64  # one cache line
 # Dense-model optimizer state bytes per parameter; its keys are the optimizers the planner knows.
 OPTIMIZER_DENSE_STATE_BYTES = {"sgd": 0, "adagrad": 4, "rowwise_adagrad": 4, "adam": 8}
@@ -54,13 +47,6 @@ OPTIMIZER_DENSE_STATE_BYTES = {"sgd": 0, "adagrad": 4, "rowwise_adagrad": 4, "ad
 # shards gives each piece its own value, so the update would change with the plan.
 ROW_STATE_OPTIMIZERS = ("rowwise_adagrad",)
 COLUMN_SPLIT_SHARDINGS = ("column_wise", "table_column_wise")  # torchrec's types that split rows' columns
-
-
-def check_optimizer(optimizer: str) -> None:
-    """ValueError unless the planner knows the optimizer's state size."""
-    if optimizer not in OPTIMIZER_DENSE_STATE_BYTES:
-        known = ", ".join(sorted(OPTIMIZER_DENSE_STATE_BYTES))
-        raise ValueError(f"unknown optimizer {optimizer!r}; known: {known}")
 
 
 def inexact_update_reason(optimizer: str, sharding: str) -> str | None:
@@ -80,16 +66,14 @@ def state_bytes(optimizer: str, rows: int, dim: int, impl: Impl = FBGEMM_EMBEDDI
 
 
 def simd_utilisation(dim: int, simd_width: int) -> float:
-    """Fraction of SIMD lanes doing work when one wavefront/warp walks an embedding row.
+    """Fraction of SIMD lanes doing work when one wavefront/warp walks an embedding row."""
+    return dim / simd_lanes(dim, simd_width)
 
-    Rows at least as wide as the SIMD width are padded up to a multiple of it; narrower rows are
-    packed (several rows per wavefront), padded to a power of two.
-    """
-    if dim >= simd_width:
-        lanes = math.ceil(dim / simd_width) * simd_width
-    else:
-        lanes = 1 << (dim - 1).bit_length()
-    return dim / lanes
+
+def simd_lanes(dim: int, simd_width: int) -> int:
+    """SIMD lanes one row of `dim` occupies: rows at least as wide as the SIMD width pad up to a multiple
+    of it; narrower rows are packed (several per wavefront), padded to a power of two."""
+    return math.ceil(dim / simd_width) * simd_width if dim >= simd_width else 1 << (dim - 1).bit_length()
 
 
 def cache_hit_rate(cache_ratio: float) -> float:
@@ -109,28 +93,16 @@ def touched_rows(n_ids: float, rows: float) -> float:
     return -rows * math.expm1(-n_ids / rows)
 
 
-def lookup_time_s(
-    n_ids: float,
-    n_bags: float,
-    dim: int,
-    table: TableSpec,
-    placement: Placement,
-    topology: Topology,
-    optimizer: str,
-    embedding: EmbeddingCost,
-    cache_ratio: float = 0.0,
-    fused_optimizer: bool = True,
-    profile: KernelProfile | None = None,
-    rows: float | None = None,
-) -> tuple[float, float]:
+def lookup_time_s(n_ids: float, n_bags: float, dim: int, table: TableSpec, placement: Placement,
+                  topology: Topology, optimizer: str, embedding: EmbeddingCost, cache_ratio: float = 0.0,
+                  fused_optimizer: bool = True, profile: KernelProfile | None = None,
+                  rows: float | None = None) -> tuple[float, float]:
     """Forward and backward seconds for a shard that reads `n_ids` rows of width `dim` into `n_bags` bags.
 
     Both passes read the ids. Forward reads the rows and writes pooled outputs; backward reads output
-    gradients and, when the optimizer is fused into the backward (TBE), reads and writes each distinct
-    touched row and its optimizer state once (the kernels sort the ids and update each row once: of
-    `rows` rows, `touched_rows` are expected distinct); unfused (data-parallel), it scatter-adds every
-    id into a dense gradient instead. `embedding` is the implementation and its profile on this
-    hardware; `profile` overrides that profile; `rows` defaults to the table's.
+    gradients and, with the optimizer fused (TBE: ids sorted, each row updated once), reads and writes
+    each of the `touched_rows` of `rows` (default: the table's) and its optimizer state once; unfused
+    (data-parallel), it scatter-adds every id into a dense gradient. `profile` overrides `embedding`'s.
     """
     profile = profile or embedding.profile
     dev = topology.device
@@ -258,18 +230,16 @@ class EmbeddingPerfEstimator(PerfEstimator):
         s0 = option.shards[0]
 
         def lookup(n_ids: float, n_bags: float, dim: int, rows: float) -> tuple[float, float]:
-            return lookup_time_s(
-                n_ids, n_bags, dim, t, option.placement, topology, opt, emb, option.cache_ratio, rows=rows
-            )
+            return lookup_time_s(n_ids, n_bags, dim, t, option.placement, topology, opt, emb,
+                                 option.cache_ratio, rows=rows)
 
         st = option.sharding
         if st == ShardingType.DATA_PARALLEL:
-            # The "dense" kernel (plain embedding bags) scatters into a dense gradient of the whole
-            # table, which is zeroed, all-reduced and stepped by the dense optimizer every step.
-            fwd, bwd = lookup_time_s(
-                b * p, b * f, t.embedding_dim, t, option.placement, topology, opt, emb,
-                fused_optimizer=False, profile=emb.dense_profile,
-            )
+            # torchrec's "dense" kernel (plain embedding bags, costed with the plain-torch Impl's profile)
+            # scatters into a dense gradient of the whole table, zeroed, all-reduced and stepped by the
+            # dense optimizer every step.
+            fwd, bwd = lookup_time_s(b * p, b * f, t.embedding_dim, t, option.placement, topology, opt, emb,
+                                     fused_optimizer=False, profile=emb.dense_profile)
             bwd += dense_update_time_s(t.weight_bytes, t.num_rows, t.embedding_dim, opt, topology)
             # DistributedModelParallel puts replicas' gradients in DDP's buckets with the dense model's:
             # their bytes count here, the buckets' latencies in DenseEstimator. Each replica's
@@ -285,11 +255,10 @@ class EmbeddingPerfEstimator(PerfEstimator):
         elif st == ShardingType.ROW_WISE:
             fwd, bwd = lookup(g * p / w, g * f, t.embedding_dim, t.num_rows / w)
             ids = all_to_all_time_s(b * (p + f) * ID_BYTES, topology, latency=False)
-            rs = reduce_scatter_time_s(
-                g * f * t.embedding_dim * OUTPUT_BYTES, w, topology.num_hosts, topology, latency=False
-            )
+            rs = reduce_scatter_time_s(g * f * t.embedding_dim * OUTPUT_BYTES, w, topology.num_hosts,
+                                       topology, latency=False)
             perf = Perf(fwd, bwd, ids + rs, rs)
-        elif st == ShardingType.TABLE_ROW_WISE:
+        else:  # table-row-wise
             local = topology.local_world_size
             fwd, bwd = lookup(g * p / local, g * f, t.embedding_dim, t.num_rows / local)
             out_bytes = g * f * t.embedding_dim * OUTPUT_BYTES
@@ -297,8 +266,6 @@ class EmbeddingPerfEstimator(PerfEstimator):
             rs = reduce_scatter_time_s(out_bytes, local, 1, topology, latency=False)
             a2a = all_to_all_time_s(out_bytes / local, topology, latency=False)
             perf = Perf(fwd, bwd, ids + rs + a2a, rs + a2a)
-        else:  # pragma: no cover - enum is closed
-            raise AssertionError(st)
         for s in option.shards:
             s.perf = perf
 
@@ -344,11 +311,10 @@ class EmbeddingStorageEstimator(StorageEstimator):
 
 
 class DenseEstimator:
-    """Per-rank cost that every plan pays: the data-parallel dense model (weights, gradients,
-    optimizer state, FLOPs, gradient all-reduce in DDP buckets) and the pooled embeddings of the local
-    batch, plus the fixed per-step costs batched over tables: the embedding implementation's launch
-    cost and the measured framework costs (`framework_time_s`). The embedding all-to-alls' latency
-    depends on the plan's sharding groups (`sharding_group_time_s`)."""
+    """Per-rank cost every plan pays: the data-parallel dense model (weights, gradients, optimizer state,
+    FLOPs, gradient all-reduce in DDP buckets), the local batch's pooled embeddings, and the fixed per-step
+    costs batched over tables (the embedding implementation's launch cost, `framework_time_s`); the
+    all-to-alls' latency depends on the plan (`sharding_group_time_s`)."""
 
     def estimate(self, topology: Topology, workload: Workload) -> RankCost:
         n = workload.dense_param_count

@@ -164,7 +164,7 @@ class _State:
 
 
 def _better(a: tuple[float, float], b: tuple[float, float]) -> bool:
-    """Lexicographic (makespan, work) with a relative tolerance."""
+    """Lexicographic order of (makespan, work) (or (work, comms)) with a relative tolerance."""
     if a[0] < b[0] * (1 - _REL_EPS):
         return True
     return a[0] <= b[0] * (1 + _REL_EPS) and a[1] < b[1] * (1 - _REL_EPS)
@@ -208,34 +208,20 @@ class GreedyPerfPartitioner(Partitioner):
         min_moves: int = MIN_SEARCH_MOVES,
         makespan_tolerance: float = MAKESPAN_TOLERANCE,
     ) -> None:
-        # Makespan passes after the greedy starts, shared over the starts.
-        self.local_search_moves_per_table = local_search_moves_per_table
-        # Total-work passes on the best start.
-        self.work_search_moves_per_table = work_search_moves_per_table
-        # Makespan passes that add no work, after the work passes, plus whatever the work passes left.
-        self.rebalance_moves_per_table = rebalance_moves_per_table
+        # Per table: makespan moves after the greedy starts (shared over the starts), total-work moves on
+        # the best start, then makespan moves that add no work (plus whatever the work moves left).
+        self.moves_per_table = (local_search_moves_per_table, work_search_moves_per_table,
+                                rebalance_moves_per_table)
         self.min_moves = min_moves  # floor for each budget, for small cases
         self.makespan_tolerance = makespan_tolerance
         self.stats: dict[str, int] = {}  # moves used per phase by the last call (for reports)
 
     def budgets(self, n_tables: int) -> tuple[int, int, int]:
         """(local search, work search, rebalance) budgets in moves for `n_tables` tables."""
-        return tuple(
-            max(self.min_moves, per * n_tables)
-            for per in (
-                self.local_search_moves_per_table,
-                self.work_search_moves_per_table,
-                self.rebalance_moves_per_table,
-            )
-        )
+        return tuple(max(self.min_moves, per * n_tables) for per in self.moves_per_table)
 
-    def partition(
-        self,
-        options: dict[str, list[ShardingOption]],
-        topology: Topology,
-        base_per_rank: RankCost,
-        caps: Storage,
-    ) -> dict[str, ShardingOption] | None:
+    def partition(self, options: dict[str, list[ShardingOption]], topology: Topology, base_per_rank: RankCost,
+                  caps: Storage) -> dict[str, ShardingOption] | None:
         w = topology.world_size
         cands = {name: [_flatten(o, w) for o in opts] for name, opts in options.items()}
         if any(not cs for cs in cands.values()):
@@ -324,12 +310,8 @@ class GreedyPerfPartitioner(Partitioner):
                 state.apply(*old, sign=-1.0)
                 ms = state.fit_all(tab)
                 ok = ms <= bound
-                i = int(np.lexsort((tab.comms, tab.work, ~ok))[0]) if ok.any() else -1
-                c = tab.cands[i] if i >= 0 else None
-                if c is not None and (
-                    c.work < old[0].work * (1 - _REL_EPS)
-                    or (c.work <= old[0].work * (1 + _REL_EPS) and c.comms < old[0].comms * (1 - _REL_EPS))
-                ):
+                c = tab.cands[int(np.lexsort((tab.comms, tab.work, ~ok))[0])] if ok.any() else None
+                if c is not None and _better((c.work, c.comms), (old[0].work, old[0].comms)):
                     new = (c, state.fit(c)[1])
                     state.apply(*new)
                     chosen[name] = new
@@ -345,15 +327,9 @@ class GreedyPerfPartitioner(Partitioner):
             improved = False
             bottleneck = int(np.argmax(state.T))
             cur = (float(state.T.max()), float(state.T.sum()))
-
-            def load_on_bottleneck(name: str, bottleneck: int = bottleneck) -> float:
-                c, ranks = chosen[name]
-                if c.fixed:
-                    return float(c.t_vec[bottleneck])
-                return c.t if bottleneck in ranks else 0.0
-
-            names = [n for n in chosen if load_on_bottleneck(n) > 0]
-            names.sort(key=lambda n: -load_on_bottleneck(n))
+            load = {n: float(c.t_vec[bottleneck]) if c.fixed else c.t if bottleneck in ranks else 0.0
+                    for n, (c, ranks) in chosen.items()}
+            names = sorted((n for n in chosen if load[n] > 0), key=lambda n: -load[n])
             for name in names:
                 if not budget.spend():
                     break
@@ -427,13 +403,8 @@ class ExhaustivePartitioner(Partitioner):
     def __init__(self, makespan_tolerance: float = MAKESPAN_TOLERANCE) -> None:
         self.makespan_tolerance = makespan_tolerance
 
-    def partition(
-        self,
-        options: dict[str, list[ShardingOption]],
-        topology: Topology,
-        base_per_rank: RankCost,
-        caps: Storage,
-    ) -> dict[str, ShardingOption] | None:
+    def partition(self, options: dict[str, list[ShardingOption]], topology: Topology, base_per_rank: RankCost,
+                  caps: Storage) -> dict[str, ShardingOption] | None:
         w = topology.world_size
         cands = {name: [_flatten(o, w) for o in opts] for name, opts in options.items()}
         names = sorted(cands, key=lambda n: -min(c.work for c in cands[n]))

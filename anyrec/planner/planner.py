@@ -15,8 +15,8 @@ import time
 from anyrec.planner.advice import explain_infeasible, explain_tables
 from anyrec.planner.enumerators import MIN_COLUMN_SHARD_DIM, EmbeddingEnumerator
 from anyrec.planner.estimators import (
+    OPTIMIZER_DENSE_STATE_BYTES,
     DenseEstimator,
-    check_optimizer,
     inexact_update_reason,
     sharding_group_time_s,
     usable_caps,
@@ -66,7 +66,9 @@ def make_workload(
         raise ValueError(f"batch_size_per_rank must be > 0, got {batch_size_per_rank}")
     if dense_param_count < 0:
         raise ValueError(f"dense_param_count must be >= 0, got {dense_param_count}")
-    check_optimizer(optimizer)
+    if optimizer not in OPTIMIZER_DENSE_STATE_BYTES:
+        known = ", ".join(sorted(OPTIMIZER_DENSE_STATE_BYTES))
+        raise ValueError(f"unknown optimizer {optimizer!r}; known: {known}")
     opts = dataclasses.replace(options or PlanOptions(), **overrides)
     exact = tuple(s for s in opts.allowed_shardings if inexact_update_reason(optimizer, s) is None)
     if not exact:

@@ -24,40 +24,32 @@ def _ranks(ranks: list[int]) -> str:
 def format_report(plan: PlanResult, advice: bool = True, max_tables: int = 60) -> str:
     """Per rank: memory used/cap, predicted compute and comms; per table: sharding, placement, ranks, why."""
     topo, wl = plan.topology, plan.workload
-    lines = []
-    lb = plan.lower_bound_s
-    step = plan.predicted_step_s
+    lb, step = plan.lower_bound_s, plan.predicted_step_s
     gap = (step / lb - 1) if lb > 0 else 0.0
-    lines.append(
+    lines = [
         f"anyrec plan: {len(wl.tables)} tables on {topo.world_size} x {topo.device.name} "
         f"({topo.num_hosts} host(s) x {topo.local_world_size}), batch {wl.batch_size_per_rank}/rank, "
-        f"{wl.optimizer}, kernel {wl.options.kernel}, compute device {topo.compute_device}"
-    )
-    lines.append(
+        f"{wl.optimizer}, kernel {wl.options.embedding.name}, compute device {topo.compute_device}",
         f"predicted step {step * 1e3:.3f} ms (slowest rank); lower bound {lb * 1e3:.3f} ms, gap {gap:.1%}; "
-        f"solver {plan.solver}, planned in {plan.plan_time_s:.3f} s"
-    )
-    lines.append(host_summary(plan))
-    lines.append("")
-    lines.append(
+        f"solver {plan.solver}, planned in {plan.plan_time_s:.3f} s",
+        host_summary(plan),
+        "",
         f"{'rank':>4}  {'HBM used / cap GB':>19}  {'DDR GB':>7}  {'compute ms':>10}  {'comms ms':>9}  "
-        f"{'total ms':>9}"
-    )
+        f"{'total ms':>9}",
+    ]
     for r, (st, pf) in enumerate(zip(plan.rank_storage, plan.rank_perf, strict=False)):
         lines.append(
             f"{r:>4}  {st.hbm_bytes / GB:>8.1f} / {topo.hbm_bytes_per_rank / GB:>8.1f}  "
             f"{st.ddr_bytes / GB:>7.1f}  "
             f"{pf.compute_s * 1e3:>10.3f}  {pf.comms_s * 1e3:>9.3f}  {pf.total_s * 1e3:>9.3f}"
         )
-    lines.append(
+    lines += [
         f"(HBM cap less reserve: {plan.caps.hbm_bytes / GB:.1f} GB usable; dense model and local buffers "
-        f"{plan.base.storage.hbm_bytes / GB:.2f} GB and {plan.base.perf.total_s * 1e3:.3f} ms per rank)"
-    )
-    lines.append("")
-    lines.append(
+        f"{plan.base.storage.hbm_bytes / GB:.2f} GB and {plan.base.perf.total_s * 1e3:.3f} ms per rank)",
+        "",
         f"{'table':<14} {'rows':>10} {'dim':>4} {'pool':>5} {'sharding':<16} {'placement':<11} "
-        f"{'kernel':<17} {'ranks':<9} why"
-    )
+        f"{'kernel':<17} {'ranks':<9} why",
+    ]
     items = list(plan.tables.items())
     if len(items) > max_tables:
         items = sorted(items, key=lambda kv: -kv[1].total_perf_s)[:max_tables]
@@ -71,46 +63,27 @@ def format_report(plan: PlanResult, advice: bool = True, max_tables: int = 60) -
         )
     if len(plan.tables) > max_tables:
         lines.append(f"... {len(plan.tables) - max_tables} cheaper tables not shown")
-    for note in plan.notes:
-        lines.append(f"note: {note}")
+    lines += [f"note: {note}" for note in plan.notes]
     if advice:
-        lines.append("")
-        lines.append("co-design advice:")
-        lines.extend(f"  - {a}" for a in co_design_advice(plan))
+        lines += ["", "co-design advice:", *(f"  - {a}" for a in co_design_advice(plan))]
     return "\n".join(lines)
 
 
 def plan_json(plan: PlanResult) -> dict:
     """The plan as the JSON schema of `plan.output`: per rank memory and time, per table sharding,
     placement, torchrec compute kernel and ranks."""
-    ranks = []
-    for r, (st, pf) in enumerate(zip(plan.rank_storage, plan.rank_perf, strict=True)):
-        ranks.append(
-            {
-                "rank": r,
-                "hbm_bytes": int(st.hbm_bytes),
-                "hbm_cap_bytes": int(plan.topology.hbm_bytes_per_rank),
-                "ddr_bytes": int(st.ddr_bytes),
-                "predicted_ms": pf.total_s * 1e3,
-            }
-        )
+    ranks = [
+        {"rank": r, "hbm_bytes": int(st.hbm_bytes), "hbm_cap_bytes": int(plan.topology.hbm_bytes_per_rank),
+         "ddr_bytes": int(st.ddr_bytes), "predicted_ms": pf.total_s * 1e3}
+        for r, (st, pf) in enumerate(zip(plan.rank_storage, plan.rank_perf, strict=True))
+    ]
     tables = [
-        {
-            "name": name,
-            "sharding": opt.sharding.value,
-            "placement": opt.placement.value,
-            "kernel": opt.compute_kernel,
-            "ranks": sorted(set(opt.ranks)),
-        }
+        {"name": name, "sharding": opt.sharding.value, "placement": opt.placement.value,
+         "kernel": opt.compute_kernel, "ranks": sorted(set(opt.ranks))}
         for name, opt in plan.tables.items()
     ]
-    return {
-        "hardware": plan.topology.device.name,
-        "world_size": plan.topology.world_size,
-        "predicted_step_ms": plan.predicted_step_s * 1e3,
-        "ranks": ranks,
-        "tables": tables,
-    }
+    return {"hardware": plan.topology.device.name, "world_size": plan.topology.world_size,
+            "predicted_step_ms": plan.predicted_step_s * 1e3, "ranks": ranks, "tables": tables}
 
 
 def write_json_atomic(path: str, data: dict) -> None:
@@ -120,46 +93,38 @@ def write_json_atomic(path: str, data: dict) -> None:
         f.write("\n")
 
 
+def _compare_summary(p: PlanResult) -> dict[str, str]:
+    slowest = max(p.rank_perf, key=lambda x: x.total_s)
+    pl = p.placements()
+    return {
+        "hardware": f"{p.topology.world_size} x {p.topology.device.name}",
+        "HBM per device": f"{p.topology.hbm_bytes_per_rank / GB:.0f} GB",
+        "HBM bandwidth": f"{p.topology.device.memory_bw_bytes_per_s / 1e12:.2f} TB/s",
+        "max HBM used": f"{max(s.hbm_bytes for s in p.rank_storage) / GB:.1f} GB",
+        "tables in HBM / UVM / DDR": " / ".join(str(len(pl[k])) for k in Placement),
+        "table_row_wise tables": table_row_wise_count(p),
+        "predicted step": f"{p.predicted_step_s * 1e3:.3f} ms",
+        "slowest rank compute": f"{slowest.compute_s * 1e3:.3f} ms",
+        "slowest rank comms": f"{slowest.comms_s * 1e3:.3f} ms",
+    }
+
+
 def format_compare(a: PlanResult, b: PlanResult) -> str:
     """Two plans of the same workload on two SKUs side by side, and what memory density changes."""
-    rows = []
-
-    def summary(p: PlanResult) -> dict[str, str]:
-        st, pf = p.rank_storage, p.rank_perf
-        pl = p.placements()
-        return {
-            "hardware": f"{p.topology.world_size} x {p.topology.device.name}",
-            "HBM per device": f"{p.topology.hbm_bytes_per_rank / GB:.0f} GB",
-            "HBM bandwidth": f"{p.topology.device.memory_bw_bytes_per_s / 1e12:.2f} TB/s",
-            "max HBM used": f"{max(s.hbm_bytes for s in st) / GB:.1f} GB",
-            "tables in HBM / UVM / DDR": (
-                f"{len(pl[Placement.HBM])} / {len(pl[Placement.UVM_CACHING])} / {len(pl[Placement.DDR])}"
-            ),
-            "table_row_wise tables": table_row_wise_count(p),
-            "predicted step": f"{p.predicted_step_s * 1e3:.3f} ms",
-            "slowest rank compute": f"{max(pf, key=lambda x: x.total_s).compute_s * 1e3:.3f} ms",
-            "slowest rank comms": f"{max(pf, key=lambda x: x.total_s).comms_s * 1e3:.3f} ms",
-        }
-
-    sa, sb = summary(a), summary(b)
+    sa, sb = _compare_summary(a), _compare_summary(b)
     w = max(len(k) for k in sa) + 2
-    for k in sa:
-        rows.append(f"{k:<{w}} {sa[k]:>22} {sb[k]:>22}")
+    rows = [f"{k:<{w}} {sa[k]:>22} {sb[k]:>22}" for k in sa]
     da, db = a.topology.device, b.topology.device
-    ratio = da.memory_bytes / db.memory_bytes
-    rows.append("")
-    rows.append(
+    rows += [
+        "",
         f"memory density: {da.name} {da.memory_bytes / GB:.0f} GB vs {db.name} {db.memory_bytes / GB:.0f} GB "
-        f"= {ratio:.2f}x; predicted step ratio {a.predicted_step_s / b.predicted_step_s:.2f}x"
-    )
-    changed = [
-        n
-        for n in a.tables
-        if (a.tables[n].sharding, a.tables[n].placement) != (b.tables[n].sharding, b.tables[n].placement)
+        f"= {da.memory_bytes / db.memory_bytes:.2f}x; predicted step ratio "
+        f"{a.predicted_step_s / b.predicted_step_s:.2f}x",
     ]
-    for n in changed[:20]:
-        oa, ob = a.tables[n], b.tables[n]
-        rows.append(f"  {n}: {oa.label()} on {da.name} -> {ob.label()} on {db.name}")
+    changed = [n for n, o in a.tables.items() if (o.sharding, o.placement) != (b.tables[n].sharding,
+                                                                                b.tables[n].placement)]
+    rows += [f"  {n}: {a.tables[n].label()} on {da.name} -> {b.tables[n].label()} on {db.name}"
+             for n in changed[:20]]
     if len(changed) > 20:
         rows.append(f"  ... {len(changed) - 20} more tables change")
     if not changed:
@@ -170,18 +135,14 @@ def format_compare(a: PlanResult, b: PlanResult) -> str:
 def memory_breakdown(plan: PlanResult) -> dict[str, list[float]]:
     """Per-rank HBM bytes by kind: weights, optimizer state, caches, buffers, dense + local buffers."""
     w = plan.topology.world_size
-    kinds = {
-        k: [0.0] * w
-        for k in ("dense + local buffers", "weights", "optimizer state", "uvm cache", "sharded buffers")
-    }
-    for r in range(w):
-        kinds["dense + local buffers"][r] = plan.base.storage.hbm_bytes
+    names = ("dense + local buffers", "weights", "optimizer state", "uvm cache", "sharded buffers")
+    kinds = {k: [0.0] * w for k in names}
+    kinds["dense + local buffers"] = [plan.base.storage.hbm_bytes] * w
+    wl_impl = plan.workload.options.embedding.impl
     for opt in plan.tables.values():
-        t = opt.table
         for s in opt.shards:
-            wt = s.num_rows * s.num_cols * t.element_bytes
-            stb = state_bytes(plan.workload.optimizer, s.num_rows, s.num_cols,
-                              plan.workload.options.embedding.impl)
+            wt = s.num_rows * s.num_cols * opt.table.element_bytes
+            stb = state_bytes(plan.workload.optimizer, s.num_rows, s.num_cols, wl_impl)
             if opt.sharding == ShardingType.DATA_PARALLEL:
                 wt *= 2  # replica + its dense gradient
             if opt.placement == Placement.HBM or plan.topology.compute_device == "cpu":

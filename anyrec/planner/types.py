@@ -1,13 +1,9 @@
-"""Planner value types and role interfaces (torchrec planner split: types, estimators, enumerators,
-proposers, partitioners, planner, report).
-
-Units: bytes for memory, seconds for time inside the planner (reports print ms), bytes/s for bandwidth.
-"""
+"""Planner value types and role interfaces. Units: bytes for memory, seconds for time inside the planner
+(reports print ms), bytes/s for bandwidth."""
 
 from __future__ import annotations
 
 import abc
-import dataclasses
 import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -41,14 +37,13 @@ class Placement(StrEnum):
 
 ALL_SHARDINGS: tuple[ShardingType, ...] = tuple(ShardingType)
 ALL_PLACEMENTS: tuple[Placement, ...] = tuple(Placement)
+# Sharding types whose shards get their ranks at enumeration; the partitioner places the others' shards.
+FIXED_RANK_SHARDINGS = {ShardingType.DATA_PARALLEL, ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE}
 
 
 @dataclass(frozen=True)
 class TableSpec:
-    """One embedding table as the planner sees it.
-
-    `pooling_factor` is the mean number of ids per sample, summed over the table's features.
-    """
+    """One embedding table as the planner sees it; `pooling_factor`: mean ids per sample, all its features."""
 
     name: str
     num_rows: int
@@ -84,10 +79,8 @@ class TableSpec:
 
 @dataclass(frozen=True)
 class Topology:
-    """The job's machines: one DeviceSpec per rank, `world_size` ranks, `local_world_size` per host.
-
-    `hbm_cap_bytes` / `ddr_cap_bytes` override the DeviceSpec capacities (e.g. a shared node).
-    """
+    """The job's machines: `world_size` ranks of one DeviceSpec, `local_world_size` per host;
+    `hbm_cap_bytes` / `ddr_cap_bytes` override the DeviceSpec capacities (e.g. a shared node)."""
 
     device: DeviceSpec
     world_size: int
@@ -128,10 +121,6 @@ class Topology:
     def host_of(self, rank: int) -> int:
         return rank // self.local_world_size
 
-    def replace(self, **changes: object) -> Topology:
-        """A copy with some fields changed (e.g. another DeviceSpec for what-if planning)."""
-        return dataclasses.replace(self, **changes)
-
 
 @dataclass(frozen=True)
 class Storage:
@@ -157,12 +146,8 @@ class Perf:
     bwd_comms_s: float = 0.0
 
     def __add__(self, other: Perf) -> Perf:
-        return Perf(
-            self.fwd_compute_s + other.fwd_compute_s,
-            self.bwd_compute_s + other.bwd_compute_s,
-            self.fwd_comms_s + other.fwd_comms_s,
-            self.bwd_comms_s + other.bwd_comms_s,
-        )
+        return Perf(self.fwd_compute_s + other.fwd_compute_s, self.bwd_compute_s + other.bwd_compute_s,
+                    self.fwd_comms_s + other.fwd_comms_s, self.bwd_comms_s + other.bwd_comms_s)
 
     @property
     def compute_s(self) -> float:
@@ -191,11 +176,7 @@ class Shard:
 
 @dataclass
 class ShardingOption:
-    """One way to shard and place a table: sharding type, placement, compute kernel and its shards.
-
-    Data-parallel, row-wise and table-row-wise options have their ranks fixed at enumeration; the
-    partitioner assigns ranks to table-wise and column-wise shards.
-    """
+    """One way to shard and place a table: sharding type, placement, compute kernel and its shards."""
 
     table: TableSpec
     sharding: ShardingType
@@ -207,11 +188,7 @@ class ShardingOption:
 
     @property
     def ranks_fixed(self) -> bool:
-        return self.sharding in (
-            ShardingType.DATA_PARALLEL,
-            ShardingType.ROW_WISE,
-            ShardingType.TABLE_ROW_WISE,
-        )
+        return self.sharding in FIXED_RANK_SHARDINGS
 
     @property
     def num_shards(self) -> int:
@@ -258,11 +235,6 @@ class PlanOptions:
     # (costed by DeviceSpec.step_per_pair_s); 0 for DCN, whose cost is its GEMMs (dense FLOPs).
     interaction_pairs: int = 0
     dense_tensors: int = 0  # parameter tensors of the dense model (DeviceSpec.step_per_dense_tensor_s each)
-
-    @property
-    def kernel(self) -> str:
-        """The embedding implementation's name (for reports)."""
-        return self.embedding.name
 
     def __post_init__(self) -> None:
         self.allowed_shardings = tuple(ShardingType(s) for s in self.allowed_shardings)
@@ -320,13 +292,8 @@ class Partitioner(abc.ABC):
     """Picks one option per table and assigns ranks to its shards, minimising the slowest rank."""
 
     @abc.abstractmethod
-    def partition(
-        self,
-        options: dict[str, list[ShardingOption]],
-        topology: Topology,
-        base_per_rank: RankCost,
-        caps: Storage,
-    ) -> dict[str, ShardingOption] | None:
+    def partition(self, options: dict[str, list[ShardingOption]], topology: Topology, base_per_rank: RankCost,
+                  caps: Storage) -> dict[str, ShardingOption] | None:
         """The chosen option per table with ranks set, or None when nothing fits `caps`."""
 
 
@@ -359,11 +326,8 @@ class InfeasiblePlanError(ValueError):
 
 @dataclass
 class PlanResult:
-    """A plan: the chosen option (with ranks) per table, and the predicted per-rank cost.
-
-    Presentation lives beside it as free functions: `report.format_report`, `report.plan_json`,
-    `report.plot_plan`; `torchrec_plan.to_sharding_plan` turns it into a torchrec ShardingPlan.
-    """
+    """A plan: the chosen option (with ranks) per table, and the predicted per-rank cost (presentation is
+    in `report`; `torchrec_plan.to_sharding_plan` makes a torchrec ShardingPlan of it)."""
 
     tables: dict[str, ShardingOption]
     topology: Topology
