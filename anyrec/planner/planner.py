@@ -146,7 +146,7 @@ class CoDesignPlanner:
         free = Storage(caps.hbm_bytes - base.storage.hbm_bytes, caps.ddr_bytes - base.storage.ddr_bytes)
         notes: list[str] = []
         if free.hbm_bytes <= 0:
-            raise InfeasiblePlanError(explain_infeasible(wl, topology, caps, base, None))
+            raise InfeasiblePlanError(explain_infeasible(wl, topology, caps, base))
 
         options = None
         if Placement.HBM in allowed:
@@ -180,7 +180,7 @@ class CoDesignPlanner:
                         f"{topology.world_size} x {topology.device.name}"
                     )
                 return self._finish(result, restricted, topology, wl, base, caps, start, notes)
-        raise InfeasiblePlanError(explain_infeasible(wl, topology, caps, base, options))
+        raise InfeasiblePlanError(explain_infeasible(wl, topology, caps, base))
 
     def _partition(self, options, topology, wl, base, caps):
         """The search's plan; when it uses several sharding types, also the best plan with one of them
