@@ -44,14 +44,9 @@ from anyrec.planner.types import (
 logger = logging.getLogger(__name__)
 
 
-def make_workload(
-    tables: list[TableSpec],
-    batch_size_per_rank: int,
-    optimizer: str,
-    dense_param_count: int = 0,
-    options: PlanOptions | None = None,
-    **overrides: object,
-) -> Workload:
+def make_workload(tables: list[TableSpec], batch_size_per_rank: int, optimizer: str,
+                  dense_param_count: int = 0, options: PlanOptions | None = None,
+                  **overrides: object) -> Workload:
     """Validated Workload; `overrides` replace fields of `options` (e.g. allowed_placements=("hbm",)).
 
     Sharding types that would change the optimizer's update are dropped from `allowed_shardings`;
@@ -103,37 +98,20 @@ def _step_s(chosen: dict[str, ShardingOption], topology: Topology, base: RankCos
 class CoDesignPlanner:
     """Orchestrates enumerator -> proposer -> partitioner; collaborators are injectable."""
 
-    def __init__(
-        self,
-        enumerator: Enumerator | None = None,
-        proposer: Proposer | None = None,
-        partitioner: Partitioner | None = None,
-        exact_partitioner: Partitioner | None = None,
-        dense_estimator: DenseEstimator | None = None,
-    ) -> None:
+    def __init__(self, enumerator: Enumerator | None = None, proposer: Proposer | None = None,
+                 partitioner: Partitioner | None = None, exact_partitioner: Partitioner | None = None,
+                 dense_estimator: DenseEstimator | None = None) -> None:
         self.enumerator = enumerator or EmbeddingEnumerator()
         self.proposer = proposer or EscalatingPlacementProposer()
         self.partitioner = partitioner or GreedyPerfPartitioner()
         self.exact_partitioner = exact_partitioner or ExhaustivePartitioner()
         self.dense_estimator = dense_estimator or DenseEstimator()
 
-    def plan(
-        self,
-        tables: list[TableSpec],
-        topology: Topology,
-        batch_size_per_rank: int,
-        optimizer: str,
-        dense_param_count: int = 0,
-        options: PlanOptions | None = None,
-        **overrides: object,
-    ) -> PlanResult:
+    @_gc_paused()
+    def plan(self, tables: list[TableSpec], topology: Topology, batch_size_per_rank: int, optimizer: str,
+             dense_param_count: int = 0, options: PlanOptions | None = None,
+             **overrides: object) -> PlanResult:
         """Plan `tables` on `topology`; raises InfeasiblePlanError when nothing fits."""
-        with _gc_paused():
-            return self._plan(tables, topology, batch_size_per_rank, optimizer, dense_param_count, options,
-                              **overrides)
-
-    def _plan(self, tables, topology, batch_size_per_rank, optimizer, dense_param_count, options,
-              **overrides):
         start = time.perf_counter()
         wl = make_workload(tables, batch_size_per_rank, optimizer, dense_param_count, options, **overrides)
         allowed = wl.options.allowed_placements
@@ -207,14 +185,11 @@ class CoDesignPlanner:
         return best
 
     def _search(self, options, topology, wl, base, caps):
-        exact = (
-            ExhaustivePartitioner.search_space(options, topology.world_size) <= wl.options.exhaustive_limit
-        )
+        space = ExhaustivePartitioner.search_space(options, topology.world_size)
+        exact = space <= wl.options.exhaustive_limit
         part = self.exact_partitioner if exact else self.partitioner
         chosen = part.partition(options, topology, base, caps)
-        if chosen is None:
-            return None
-        return chosen, ("exhaustive" if exact else "greedy")
+        return None if chosen is None else (chosen, "exhaustive" if exact else "greedy")
 
     def _finish(self, result, options, topology, wl, base, caps, start, notes) -> PlanResult:
         chosen, solver = result
@@ -223,13 +198,7 @@ class CoDesignPlanner:
                           group_s=sharding_group_time_s(topology))
         plan.reasons = explain_tables(plan)
         plan.plan_time_s = time.perf_counter() - start
-        logger.info(
-            "planned %d tables on %d x %s in %.3f s (%s): predicted step %.3f ms",
-            len(wl.tables),
-            topology.world_size,
-            topology.device.name,
-            plan.plan_time_s,
-            solver,
-            plan.predicted_step_s * 1e3,
-        )
+        logger.info("planned %d tables on %d x %s in %.3f s (%s): predicted step %.3f ms", len(wl.tables),
+                    topology.world_size, topology.device.name, plan.plan_time_s, solver,
+                    plan.predicted_step_s * 1e3)
         return plan
