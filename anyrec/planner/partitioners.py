@@ -108,23 +108,18 @@ class _State:
         self.D = np.full(w, float(base.storage.ddr_bytes))
         self.hcap, self.dcap = float(caps.hbm_bytes), float(caps.ddr_bytes)
 
-    def fit(self, c: _Cand, by_memory: bool = False) -> tuple[float, list[int] | None] | None:
-        """(makespan after adding c, ranks for placed shards), or None if c does not fit."""
+    def ranks(self, c: _Cand, by_memory: bool = False) -> list[int] | None:
+        """Ranks for the placed shards of a candidate `fit_all` found to fit, as it places them: the least
+        loaded (`by_memory`: least filled) ranks with room; None for an option with fixed ranks."""
         if c.fixed:
-            return (float((self.T + c.t_vec).max()), None) if self.fits(c, None) else None
+            return None
         ok = self.H <= self.hcap - c.h
         if c.d:
             ok &= self.D <= self.dcap - c.d
         key = np.where(ok, self.H if by_memory else self.T, np.inf)
         if c.k == 1:  # table-wise, the common case: one argmin instead of a sort
-            r = int(key.argmin())
-            if not ok[r]:
-                return None
-            return max(float(self.T.max()), float(self.T[r]) + c.t), [r]
-        if np.count_nonzero(ok) < c.k:
-            return None
-        ranks = np.argsort(key, kind="stable")[: c.k]
-        return float(max(self.T.max(), (self.T[ranks] + c.t).max())), [int(r) for r in ranks]
+            return [int(key.argmin())]
+        return [int(r) for r in np.argsort(key, kind="stable")[: c.k]]
 
     def fits(self, c: _Cand, ranks: list[int] | None) -> bool:
         """Whether c (its placed shards on `ranks`) stays within every rank's HBM and DDR caps."""
@@ -133,8 +128,8 @@ class _State:
         return not any(self.H[r] + c.h > self.hcap or self.D[r] + c.d > self.dcap for r in ranks)
 
     def fit_all(self, tab: _Table, by_memory: bool = False) -> np.ndarray:
-        """Makespan after adding each candidate of `tab` (inf where it does not fit): `fit` for all at
-        once, placing shards exactly as `fit` does."""
+        """Makespan after adding each candidate of `tab` (inf where it does not fit), all at once, with
+        placed shards where `ranks` puts them."""
         out = np.full(len(tab.cands), np.inf)
         tmax = float(self.T.max())
         if len(tab.p_idx):
@@ -200,14 +195,10 @@ class GreedyPerfPartitioner(Partitioner):
     least `min_moves`.
     """
 
-    def __init__(
-        self,
-        local_search_moves_per_table: int = LOCAL_SEARCH_MOVES_PER_TABLE,
-        work_search_moves_per_table: int = WORK_SEARCH_MOVES_PER_TABLE,
-        rebalance_moves_per_table: int = REBALANCE_MOVES_PER_TABLE,
-        min_moves: int = MIN_SEARCH_MOVES,
-        makespan_tolerance: float = MAKESPAN_TOLERANCE,
-    ) -> None:
+    def __init__(self, local_search_moves_per_table: int = LOCAL_SEARCH_MOVES_PER_TABLE,
+                 work_search_moves_per_table: int = WORK_SEARCH_MOVES_PER_TABLE,
+                 rebalance_moves_per_table: int = REBALANCE_MOVES_PER_TABLE,
+                 min_moves: int = MIN_SEARCH_MOVES, makespan_tolerance: float = MAKESPAN_TOLERANCE) -> None:
         # Per table: makespan moves after the greedy starts (shared over the starts), total-work moves on
         # the best start, then makespan moves that add no work (plus whatever the work moves left).
         self.moves_per_table = (local_search_moves_per_table, work_search_moves_per_table,
@@ -230,20 +221,18 @@ class GreedyPerfPartitioner(Partitioner):
         local_moves, work_moves, rebalance_moves = self.budgets(len(tabs))
         self.stats = {}
         # Multi-start: three scorings of the greedy step, each polished by local search; keep the best.
-        starts = [(False, "lookahead"), (False, "makespan"), (False, "work")]
+        starts = ("lookahead", "makespan", "work")
         best, best_key, best_state = None, None, None
         budget = _Budget(local_moves)
-        for i, (by_memory, scoring) in enumerate(starts):
+        for i, scoring in enumerate(starts):
             if best is not None and budget.spent:
                 break  # large cases: the later starts only run while the budget lasts
-            chosen = self._greedy(tabs, base_per_rank, w, caps, by_memory, scoring)
-            if chosen is None and i == 0:
-                chosen = self._greedy(tabs, base_per_rank, w, caps, True, scoring)
-            if chosen is None:
+            found = self._greedy(tabs, base_per_rank, w, caps, False, scoring)
+            if found is None and i == 0:  # placing by free memory may fit where placing by load did not
+                found = self._greedy(tabs, base_per_rank, w, caps, True, scoring)
+            if found is None:
                 continue
-            state = _State(base_per_rank, w, caps)
-            for c, ranks in chosen.values():
-                state.apply(c, ranks)
+            chosen, state = found
             # Each start gets an equal share of what is left; what it does not use passes on.
             share = _Budget(budget.left // (len(starts) - i))
             self._local_search(tabs, chosen, state, share)
@@ -288,10 +277,10 @@ class GreedyPerfPartitioner(Partitioner):
             # lexsort sorts by the last key first and is stable, so ties keep the option order.
             i = int(np.lexsort((*keys, ~fits))[0])
             c = tab.cands[i]
-            best = (c, state.fit(c, by_memory)[1])
+            best = (c, state.ranks(c, by_memory))
             state.apply(*best)
             chosen[name] = best
-        return chosen
+        return chosen, state
 
     def _reduce_work(self, tabs, chosen, state: _State, bound: float, budget: _Budget) -> None:
         """Re-place single tables at the option with the least (work, comms) whose makespan stays within
@@ -312,7 +301,7 @@ class GreedyPerfPartitioner(Partitioner):
                 ok = ms <= bound
                 c = tab.cands[int(np.lexsort((tab.comms, tab.work, ~ok))[0])] if ok.any() else None
                 if c is not None and _better((c.work, c.comms), (old[0].work, old[0].comms)):
-                    new = (c, state.fit(c)[1])
+                    new = (c, state.ranks(c))
                     state.apply(*new)
                     chosen[name] = new
                     improved = True
@@ -335,7 +324,7 @@ class GreedyPerfPartitioner(Partitioner):
                     break
                 tab, old = tabs[name], chosen[name]
                 state.apply(*old, sign=-1.0)
-                # Every candidate's makespan at once, shards placed as `fit` places them.
+                # Every candidate's makespan at once, shards placed as `ranks` places them.
                 makespans = state.fit_all(tab).tolist()
                 rest = float(state.T.sum())
                 best, best_key = None, cur
@@ -350,7 +339,7 @@ class GreedyPerfPartitioner(Partitioner):
                 if best is None:
                     state.apply(*old)
                 else:
-                    chosen[name] = (best, state.fit(best)[1])
+                    chosen[name] = (best, state.ranks(best))
                     state.apply(*chosen[name])
                     improved = True
                     break
