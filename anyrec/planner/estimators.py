@@ -14,6 +14,7 @@ from anyrec.planner.types import (
     PerfEstimator,
     Placement,
     RankCost,
+    Shard,
     ShardingOption,
     ShardingType,
     Storage,
@@ -270,6 +271,21 @@ class EmbeddingPerfEstimator(PerfEstimator):
             s.perf = perf
 
 
+def shard_data_bytes(option: ShardingOption, shard: Shard, topology: Topology,
+                     workload: Workload) -> tuple[int, int, int, int]:
+    """A shard's weight bytes (a data-parallel replica's with its dense gradient) and optimizer state
+    bytes, and how many bytes of them its placement keeps in HBM and in host DDR."""
+    weights = shard.num_rows * shard.num_cols * option.table.element_bytes
+    if option.sharding == ShardingType.DATA_PARALLEL:
+        weights *= 2
+    state = state_bytes(workload.optimizer, shard.num_rows, shard.num_cols, workload.options.embedding.impl)
+    if option.placement == Placement.HBM or topology.compute_device == "cpu":
+        return weights, state, weights + state, 0
+    if option.placement == Placement.UVM_CACHING:
+        return weights, state, int(option.cache_ratio * (weights + state)), weights + state
+    return weights, state, 0, weights + state
+
+
 class EmbeddingStorageEstimator(StorageEstimator):
     """Per-shard bytes: weights and optimizer state where the placement puts them, plus input ids and
     output/gradient buffers in HBM for every batch in flight (pipeline depth)."""
@@ -293,19 +309,9 @@ class EmbeddingStorageEstimator(StorageEstimator):
         for s in option.shards:
             key = (s.num_rows, s.num_cols)
             if key not in cache:
-                weights = s.num_rows * s.num_cols * t.element_bytes
-                state = state_bytes(workload.optimizer, s.num_rows, s.num_cols,
-                                    workload.options.embedding.impl)
+                _, _, hbm, ddr = shard_data_bytes(option, s, topology, workload)
                 out = bags * s.num_cols * OUTPUT_BYTES
                 buffers = int(depth * ((ids + bags) * ID_BYTES + out) + out)  # + output gradient
-                if st == ShardingType.DATA_PARALLEL:
-                    hbm, ddr = weights + state + weights, 0  # dense gradient of the replica
-                elif option.placement == Placement.HBM or topology.compute_device == "cpu":
-                    hbm, ddr = weights + state, 0
-                elif option.placement == Placement.UVM_CACHING:
-                    hbm, ddr = int(option.cache_ratio * (weights + state)), weights + state
-                else:
-                    hbm, ddr = 0, weights + state
                 cache[key] = Storage(hbm + buffers, ddr)
             s.storage = cache[key]
 

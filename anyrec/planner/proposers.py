@@ -17,14 +17,10 @@ def _tier_costs(opts: list[ShardingOption]) -> dict[Placement, tuple[float, floa
     """Per placement: (min total HBM bytes, min per-rank HBM bytes, min total seconds) over options."""
     out: dict[Placement, tuple[float, float, float]] = {}
     for o in opts:
-        total = float(sum(s.storage.hbm_bytes for s in o.shards))
-        per_rank = float(max(s.storage.hbm_bytes for s in o.shards))
-        work = o.total_perf_s
-        if o.placement in out:
-            a, b, c = out[o.placement]
-            out[o.placement] = (min(a, total), min(b, per_rank), min(c, work))
-        else:
-            out[o.placement] = (total, per_rank, work)
+        hbm = [s.storage.hbm_bytes for s in o.shards]
+        cost = (float(sum(hbm)), float(max(hbm)), o.total_perf_s)
+        prev = out.get(o.placement)
+        out[o.placement] = cost if prev is None else tuple(map(min, prev, cost))
     return out
 
 

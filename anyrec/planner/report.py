@@ -7,7 +7,7 @@ import json
 
 from anyrec.io_checks import atomic_write
 from anyrec.planner.advice import alternatives_s, co_design_advice
-from anyrec.planner.estimators import state_bytes
+from anyrec.planner.estimators import shard_data_bytes
 from anyrec.planner.types import Placement, PlanResult, ShardingType
 
 GB = 1e9
@@ -192,22 +192,14 @@ def memory_breakdown(plan: PlanResult) -> dict[str, list[float]]:
     names = ("dense + local buffers", "weights", "optimizer state", "uvm cache", "sharded buffers")
     kinds = {k: [0.0] * w for k in names}
     kinds["dense + local buffers"] = [plan.base.storage.hbm_bytes] * w
-    wl_impl = plan.workload.options.embedding.impl
     for opt in plan.tables.values():
         for s in opt.shards:
-            wt = s.num_rows * s.num_cols * opt.table.element_bytes
-            stb = state_bytes(plan.workload.optimizer, s.num_rows, s.num_cols, wl_impl)
-            if opt.sharding == ShardingType.DATA_PARALLEL:
-                wt *= 2  # replica + its dense gradient
+            wt, stb, held, _ = shard_data_bytes(opt, s, plan.topology, plan.workload)
             if opt.placement == Placement.HBM or plan.topology.compute_device == "cpu":
-                held = wt + stb
                 kinds["weights"][s.rank] += wt
                 kinds["optimizer state"][s.rank] += stb
             elif opt.placement == Placement.UVM_CACHING:
-                held = int(opt.cache_ratio * (wt + stb))
                 kinds["uvm cache"][s.rank] += held
-            else:
-                held = 0
             kinds["sharded buffers"][s.rank] += s.storage.hbm_bytes - held
     return kinds
 
