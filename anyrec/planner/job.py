@@ -58,13 +58,10 @@ def plan_options(cfg: PlannerConfig, embedding: EmbeddingCost, optimizer: str,
         shardings = tuple(s for s in shardings if s == ShardingType.DATA_PARALLEL)
         if not shardings:
             raise ValueError(f"optim={optimizer}: {no_fused} and cannot replicate tables")
-    opts: dict[str, object] = {
-        "embedding": embedding,
-        "uvm_cache_ratio": cfg.uvm_cache_ratio,
-        "reserve_fraction": cfg.memory_reserve_fraction,
-        "allowed_placements": placements if cfg.allow_uvm else (Placement.HBM,),
-        "allowed_shardings": shardings,
-    }
+    opts: dict[str, object] = {"embedding": embedding, "uvm_cache_ratio": cfg.uvm_cache_ratio,
+                               "reserve_fraction": cfg.memory_reserve_fraction,
+                               "allowed_placements": placements if cfg.allow_uvm else (Placement.HBM,),
+                               "allowed_shardings": shardings}
     if cfg.sharding != "auto":
         valid = [s.value for s in ShardingType]
         if cfg.sharding not in valid:

@@ -4,6 +4,7 @@ SKU comparison, the `plan.output` JSON (written atomically) and the plan picture
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 from anyrec.io_checks import atomic_write
 from anyrec.planner.advice import alternatives_s, co_design_advice
@@ -149,13 +150,13 @@ def write_json_atomic(path: str, data: dict) -> None:
 
 def _compare_summary(p: PlanResult) -> dict[str, str]:
     slowest = max(p.rank_perf, key=lambda x: x.total_s)
-    pl = p.placements()
+    placed = Counter(o.placement for o in p.tables.values())
     return {
         "hardware": f"{p.topology.world_size} x {p.topology.device.name}",
         "HBM per device": f"{p.topology.hbm_bytes_per_rank / GB:.0f} GB",
         "HBM bandwidth": f"{p.topology.device.memory_bw_bytes_per_s / 1e12:.2f} TB/s",
         "max HBM used": f"{max(s.hbm_bytes for s in p.rank_storage) / GB:.1f} GB",
-        "tables in HBM / UVM / DDR": " / ".join(str(len(pl[k])) for k in Placement),
+        "tables in HBM / UVM / DDR": " / ".join(str(placed[k]) for k in Placement),
         "table_row_wise tables": table_row_wise_count(p),
         "predicted step": f"{p.predicted_step_s * 1e3:.3f} ms",
         "slowest rank compute": f"{slowest.compute_s * 1e3:.3f} ms",
@@ -212,7 +213,7 @@ def plot_plan(plan: PlanResult, path: str, compare: PlanResult | None = None) ->
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    plans = [plan] + ([compare] if compare is not None else [])
+    plans = [plan] if compare is None else [plan, compare]
     fig, axes = plt.subplots(2, len(plans), figsize=(6 * len(plans) + 2, 7), squeeze=False)
     colors = ["#8c8c8c", "#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd"]
     for col, p in enumerate(plans):
@@ -225,18 +226,14 @@ def plot_plan(plan: PlanResult, path: str, compare: PlanResult | None = None) ->
             bottom = [b + v / GB for b, v in zip(bottom, vals, strict=False)]
         ax_m.axhline(p.topology.hbm_bytes_per_rank / GB, color="red", linestyle="--", label="HBM cap")
         ax_m.axhline(p.caps.hbm_bytes / GB, color="red", linestyle=":", label="cap less reserve")
-        ax_m.set_title(f"{p.topology.world_size} x {p.topology.device.name}: HBM per rank")
-        ax_m.set_ylabel("GB")
-        ax_m.set_ylim(0, max(max(bottom), p.topology.hbm_bytes_per_rank / GB) * 1.08)
-        perf = p.rank_perf
-        comp = [x.compute_s * 1e3 for x in perf]
-        comm = [x.comms_s * 1e3 for x in perf]
+        ax_m.set(title=f"{p.topology.world_size} x {p.topology.device.name}: HBM per rank", ylabel="GB",
+                 ylim=(0, max(max(bottom), p.topology.hbm_bytes_per_rank / GB) * 1.08))
+        comp = [x.compute_s * 1e3 for x in p.rank_perf]
+        comm = [x.comms_s * 1e3 for x in p.rank_perf]
         ax_t.bar(ranks, comp, label="compute", color="#1f77b4")
         ax_t.bar(ranks, comm, bottom=comp, label="comms", color="#d62728")
-        ax_t.set_title(f"predicted step {p.predicted_step_s * 1e3:.3f} ms (slowest rank)")
-        ax_t.set_xlabel("rank")
-        ax_t.set_ylabel("ms")
-        ax_t.set_ylim(0, max(c + m for c, m in zip(comp, comm, strict=True)) * 1.08)
+        ax_t.set(title=f"predicted step {p.predicted_step_s * 1e3:.3f} ms (slowest rank)", xlabel="rank",
+                 ylabel="ms", ylim=(0, max(c + m for c, m in zip(comp, comm, strict=True)) * 1.08))
     # One legend per row, outside the plot area to the right, so it never covers a bar.
     for ax in (axes[0][-1], axes[1][-1]):
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, frameon=False)

@@ -385,10 +385,3 @@ class PlanResult:
         mean = sum(min(o.total_perf_s for o in os) for os in opts) / w
         one_shard = max((min(max(s.perf.total_s for s in o.shards) for o in os) for os in opts), default=0.0)
         return self.base.perf.total_s + max(mean, one_shard)
-
-    def placements(self) -> dict[Placement, list[str]]:
-        """Table names per placement."""
-        out: dict[Placement, list[str]] = {p: [] for p in Placement}
-        for name, opt in self.tables.items():
-            out[opt.placement].append(name)
-        return out
