@@ -28,12 +28,11 @@ def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
 
 
 class _TrianglePairs(torch.autograd.Function):
-    """The upper triangle of feats feats^T, flat: forward one bmm and one index_select; backward without
-    the [B, f, f] zero-fill index_select's backward makes every step. It scatters the pair gradients into
-    the module's [B, f, f] buffer (zeroed once, off-triangle entries never written), then runs autograd's
-    two products for bmm(x, x^T), G @ x and (x^T @ G)^T, the second as G^T @ x: contiguous (the transposed
-    one made the sum a slow strided add) and bit-identical with torch's CPU BLAS (tests/test_models.py).
-    """
+    """The upper triangle of feats feats^T, flat: forward one bmm and one index_select; backward without the
+    [B, f, f] zero-fill index_select's backward makes every step. It scatters the pair gradients into the
+    module's [B, f, f] buffer (zeroed once, off-triangle entries never written), then runs autograd's two
+    products for bmm(x, x^T), G @ x and (x^T @ G)^T, the second as G^T @ x: contiguous (the transposed one
+    made the sum a slow strided add) and bit-identical with torch's CPU BLAS (tests/test_models.py)."""
 
     @staticmethod
     def forward(ctx, feats_BfD: torch.Tensor, pairs_P: torch.Tensor, owner: DotInteraction) -> torch.Tensor:

@@ -29,13 +29,11 @@ def row_shard_sizes(num_rows: int, parts: int) -> list[int]:
 
 
 class EmbeddingEnumerator(Enumerator):
-    """All sharding types the topology allows, for each allowed placement of each table.
-
-    The embedding implementation's Impl record (`workload.options.embedding`) sets the compute kernel per
-    placement, which placements are offered and whether data-parallel is. Data-parallel only in HBM;
-    row-wise needs at least as many rows as ranks; table-row-wise more than one host; column-wise splits
-    into 2, 4, ... pieces that divide the dim and stay at least MIN_COLUMN_SHARD_DIM wide.
-    """
+    """All sharding types the topology allows, for each allowed placement of each table. The embedding
+    implementation's Impl record (`workload.options.embedding`) sets the compute kernel per placement, which
+    placements are offered and whether data-parallel is. Data-parallel only in HBM; row-wise needs at least as
+    many rows as ranks; table-row-wise more than one host; column-wise splits into 2, 4, ... pieces that
+    divide the dim and stay at least MIN_COLUMN_SHARD_DIM wide."""
 
     def __init__(self, perf_estimator: PerfEstimator | None = None,
                  storage_estimator: StorageEstimator | None = None) -> None:

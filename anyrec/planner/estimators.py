@@ -217,9 +217,8 @@ def split_fwd_bwd(seconds: float) -> Perf:
 
 
 class EmbeddingPerfEstimator(PerfEstimator):
-    """Per-shard step time: lookup bytes over the placement's bandwidth, plus the comms each sharding
-    type needs (all-to-all for table/column-wise, reduce-scatter for row-wise, all-reduce for
-    data-parallel)."""
+    """Per-shard step time: lookup bytes over the placement's bandwidth, plus the comms each sharding type
+    needs (all-to-all for table/column-wise, reduce-scatter for row-wise, all-reduce for data-parallel)."""
 
     def estimate(self, option: ShardingOption, topology: Topology, workload: Workload) -> None:
         t = option.table

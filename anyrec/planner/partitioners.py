@@ -1,9 +1,6 @@
-"""Choose one option per table and ranks for its shards: minimise the slowest rank's predicted time
-subject to every rank's HBM and DDR caps.
-
-`GreedyPerfPartitioner`: list scheduling, then local search under a budget of moves (not of time, so
-the plan depends only on the inputs). `ExhaustivePartitioner`: branch-and-bound, for small cases and
-as the tests' oracle.
+"""Choose one option per table and ranks for its shards: minimise the slowest rank's predicted time subject
+to every rank's HBM and DDR caps. `GreedyPerfPartitioner` searches under budgets of moves (not of time, so
+the plan depends only on the inputs); `ExhaustivePartitioner` is exact, for small cases and the tests.
 
 Both rank plans lexicographically: the slowest rank's time first; then, among plans within
 `makespan_tolerance` of the best makespan found, the least total work summed over ranks, then the least
@@ -188,12 +185,9 @@ class _Budget:
 
 class GreedyPerfPartitioner(Partitioner):
     """Greedy list scheduling in descending cost with a lower-bound lookahead, local search for the
-    makespan, then moves that lower total work and comms while the makespan stays within tolerance.
-
-    Each search stops when no move improves or its budget is spent; a move re-places one table (all
-    its options scored) or tries one swap of two tables. Budgets: `*_moves_per_table` x tables, at
-    least `min_moves`.
-    """
+    makespan, then moves that lower total work and comms while the makespan stays within tolerance. Each
+    search stops when no move improves or its budget (`*_moves_per_table` x tables, at least `min_moves`)
+    is spent; a move re-places one table (all its options scored) or tries one swap of two tables."""
 
     def __init__(self, local_search_moves_per_table: int = LOCAL_SEARCH_MOVES_PER_TABLE,
                  work_search_moves_per_table: int = WORK_SEARCH_MOVES_PER_TABLE,

@@ -1,8 +1,5 @@
-"""The co-design planner: enumerate options, propose placements, partition, and explain the plan.
-
-Reads top to bottom: `make_workload` checks the inputs, `CoDesignPlanner.plan` tries HBM first, then
-the proposer's placements, and `_finish` wraps the chosen options in a PlanResult.
-"""
+"""The co-design planner: `make_workload` checks the inputs; `CoDesignPlanner.plan` enumerates options,
+tries HBM first, then the proposer's placements, partitions, and explains the plan it returns."""
 
 from __future__ import annotations
 
@@ -48,10 +45,8 @@ def make_workload(tables: list[TableSpec], batch_size_per_rank: int, optimizer: 
                   dense_param_count: int = 0, options: PlanOptions | None = None,
                   **overrides: object) -> Workload:
     """Validated Workload; `overrides` replace fields of `options` (e.g. allowed_placements=("hbm",)).
-
-    Sharding types that would change the optimizer's update are dropped from `allowed_shardings`;
-    when that leaves none, ValueError says why in one line.
-    """
+    Sharding types that would change the optimizer's update are dropped from `allowed_shardings`; when
+    that leaves none, ValueError says why in one line."""
     if not tables:
         raise ValueError("no tables to plan")
     names = [t.name for t in tables]
