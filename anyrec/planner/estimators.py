@@ -29,7 +29,8 @@ OUTPUT_BYTES = 4  # pooled embeddings and their gradients travel as fp32
 # empirical: streaming elementwise kernels (zero-fill, dense optimizer) vs peak; an H200 (2026-11-30) copied
 # at 4.18 of 4.8 TB/s.
 ELEMENTWISE_EFFICIENCY = 0.87
-COMMS_EFFICIENCY = 0.75  # empirical: NCCL/RCCL all-to-all and ring bus bandwidth / link bandwidth
+# empirical: NCCL/RCCL all-to-all and ring bus bandwidth / link bandwidth, where the spec measured none
+COMMS_EFFICIENCY = 0.75
 DENSE_EFFICIENCY = 0.5  # empirical: DLRM-size GEMMs reach about half of dense peak FLOP/s
 # empirical: recommendation ids follow a power law; 20% of rows take about 80% of lookups (Pareto),
 # so hit rate = ratio ** (ln 0.8 / ln 0.2) gives 0.8 at torchrec's default 0.2 cache ratio.
@@ -131,14 +132,6 @@ def lookup_time_s(n_ids: float, n_bags: float, dim: int, table: TableSpec, place
     return fwd_rows * per_byte + out_bytes / hbm_bw, bwd_rows * per_byte + out_bytes / hbm_bw
 
 
-def dense_update_time_s(weight_bytes: int, rows: int, dim: int, optimizer: str, topology: Topology) -> float:
-    """Seconds for the elementwise passes over a data-parallel table's dense gradient: zero-fill, then
-    the optimizer reads weights, gradient and state and writes weights and state."""
-    state = state_bytes(optimizer, rows, dim)
-    bw = topology.device.memory_bw_bytes_per_s * ELEMENTWISE_EFFICIENCY
-    return (4 * weight_bytes + 2 * state) / bw
-
-
 def link_latency_s(topology: Topology, inter_host: bool) -> float:
     """Fixed seconds of one collective over the scale-up (or scale-out) link: the spec's figure, else
     the default for SKUs that give none (anyrec.backends.specs)."""
@@ -146,11 +139,6 @@ def link_latency_s(topology: Topology, inter_host: bool) -> float:
     if inter_host:
         return dev.scale_out_latency_s or DEFAULT_SCALE_OUT_LATENCY_S
     return dev.scale_up_latency_s or DEFAULT_SCALE_UP_LATENCY_S
-
-
-def comms_efficiency(topology: Topology) -> float:
-    """Achieved bus bandwidth / link bandwidth: the spec's measured figure, else the empirical default."""
-    return topology.device.comms_efficiency or COMMS_EFFICIENCY
 
 
 def all_to_all_time_s(bytes_to_all: float, topology: Topology, latency: bool = True) -> float:
@@ -163,7 +151,7 @@ def all_to_all_time_s(bytes_to_all: float, topology: Topology, latency: bool = T
     intra = bytes_to_all * (local - 1) / w / dev.scale_up_bw_bytes_per_s if local > 1 else 0.0
     inter = bytes_to_all * (w - local) / w / dev.scale_out_bw_bytes_per_s if w > local else 0.0
     alpha = link_latency_s(topology, w > local) if latency else 0.0
-    return alpha + max(intra, inter) / comms_efficiency(topology)
+    return alpha + max(intra, inter) / (dev.comms_efficiency or COMMS_EFFICIENCY)
 
 
 def reduce_scatter_time_s(total_bytes: float, ranks: int, hosts: int, topology: Topology,
@@ -180,7 +168,7 @@ def reduce_scatter_time_s(total_bytes: float, ranks: int, hosts: int, topology: 
     if hosts > 1:
         t += total_bytes / per_host * (hosts - 1) / hosts / dev.scale_out_bw_bytes_per_s
         alpha += link_latency_s(topology, True) if latency else 0.0
-    return alpha + t / comms_efficiency(topology)
+    return alpha + t / (dev.comms_efficiency or COMMS_EFFICIENCY)
 
 
 def all_reduce_time_s(total_bytes: float, topology: Topology, latency: bool = True) -> float:
@@ -240,7 +228,11 @@ class EmbeddingPerfEstimator(PerfEstimator):
             # dense optimizer every step.
             fwd, bwd = lookup_time_s(b * p, b * f, t.embedding_dim, t, option.placement, topology, opt, emb,
                                      fused_optimizer=False, profile=emb.dense_profile)
-            bwd += dense_update_time_s(t.weight_bytes, t.num_rows, t.embedding_dim, opt, topology)
+            # Its elementwise passes: zero-fill, then the optimizer reads weights, gradient and state and
+            # writes weights and state.
+            state = state_bytes(opt, t.num_rows, t.embedding_dim)
+            bw = topology.device.memory_bw_bytes_per_s * ELEMENTWISE_EFFICIENCY
+            bwd += (4 * t.weight_bytes + 2 * state) / bw
             # DistributedModelParallel puts replicas' gradients in DDP's buckets with the dense model's:
             # their bytes count here, the buckets' latencies in DenseEstimator. Each replica's
             # bookkeeping (its lookup module, gradient and optimizer pass) is measured.
@@ -330,9 +322,8 @@ class DenseEstimator:
         hbm = n * (4 + 4 + dense_state) + opts.pipeline_depth * pooled + pooled
         hbm += b * opts.dense_activation_bytes_per_sample
         dev = topology.device
-        peak = dev.peak_bf16_flops if opts.dense_dtype in ("bf16", "fp16") else dev.peak_fp32_flops
-        if topology.compute_device == "cpu":
-            peak = dev.peak_fp32_flops
+        half = opts.dense_dtype in ("bf16", "fp16") and topology.compute_device != "cpu"
+        peak = dev.peak_bf16_flops if half else dev.peak_fp32_flops
         flops = 6.0 * n * b  # forward 2 FLOPs per parameter per sample, backward 4
         compute = flops / (peak * (dev.dense_efficiency or DENSE_EFFICIENCY)) if peak > 0 else 0.0
         buckets = max(1, math.ceil(4 * n / DDP_BUCKET_BYTES))
