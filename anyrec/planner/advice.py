@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from anyrec.backends.dispatch import FBGEMM_EMBEDDING, Impl
 from anyrec.backends.specs import SKUS, DeviceSpec
 from anyrec.planner.estimators import (
     ID_BYTES,
@@ -42,9 +41,9 @@ def _accelerators() -> list[DeviceSpec]:
     return [s for k, s in SKUS.items() if k != "cpu"]
 
 
-def table_bytes(t: TableSpec, optimizer: str, impl: Impl = FBGEMM_EMBEDDING) -> int:
-    """Weights plus optimizer state of a whole table (state as embedding `impl` lays it out)."""
-    return t.weight_bytes + state_bytes(optimizer, t.num_rows, t.embedding_dim, impl)
+def table_bytes(t: TableSpec, wl: Workload) -> int:
+    """Weights plus optimizer state of a whole table (state as the workload's embedding Impl lays it out)."""
+    return t.weight_bytes + state_bytes(wl.optimizer, t.num_rows, t.embedding_dim, wl.options.embedding.impl)
 
 
 def _buffers_per_rank(wl: Workload) -> float:
@@ -72,22 +71,19 @@ def fits_in_hbm(wl: Workload, device: DeviceSpec, world_size: int, like: Topolog
     free = usable_caps(topo, wl).hbm_bytes - base.storage.hbm_bytes - _buffers_per_rank(wl)
     if free <= 0:
         return False
-    sizes = [table_bytes(t, wl.optimizer, wl.options.embedding.impl) for t in wl.tables]
+    sizes = [table_bytes(t, wl) for t in wl.tables]
     return sum(sizes) <= free * world_size and max(sizes) / world_size <= free
 
 
 def min_devices_in_hbm(wl: Workload, device: DeviceSpec, like: Topology) -> int | None:
     """Fewest devices (1 to 8, then whole 8-device hosts) that hold every table in HBM; None if none do."""
-    for w in list(range(1, 9)) + list(range(16, MAX_DEVICES + 1, 8)):
-        if fits_in_hbm(wl, device, w, like):
-            return w
-    return None
+    counts = [*range(1, 9), *range(16, MAX_DEVICES + 1, 8)]
+    return next((w for w in counts if fits_in_hbm(wl, device, w, like)), None)
 
 
 def _max_dim_in_hbm(wl: Workload, topo: Topology) -> int | None:
     """Largest embedding dim (multiple of 8, all tables) at which every table fits in HBM here."""
-    dims = sorted({t.embedding_dim for t in wl.tables})
-    for d in range(max(dims) - 8, 7, -8):
+    for d in range(max(t.embedding_dim for t in wl.tables) - 8, 7, -8):
         tables = [dataclasses.replace(t, embedding_dim=min(t.embedding_dim, d)) for t in wl.tables]
         if fits_in_hbm(dataclasses.replace(wl, tables=tables), topo.device, topo.world_size, topo):
             return d
@@ -103,7 +99,7 @@ def explain_infeasible(wl: Workload, topo: Topology, caps: Storage, base: RankCo
                f"{_gb(wl.options.reserve_bytes)} reserve")
     allowed = wl.options.allowed_placements
     hbm_only = allowed == (Placement.HBM,)
-    sizes = {t.name: table_bytes(t, wl.optimizer, wl.options.embedding.impl) for t in wl.tables}
+    sizes = {t.name: table_bytes(t, wl) for t in wl.tables}
     biggest = max(sizes, key=sizes.get)
     if free <= 0:
         what = (f"the dense model, its optimizer and the batch buffers need {_gb(base.storage.hbm_bytes)} "
