@@ -7,6 +7,8 @@ Legend: B batch, F sparse features, f = F + 1, D embedding dim, N = f * D, P pai
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -21,10 +23,7 @@ def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     device_type = tensors[0].device.type
     if torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
-    dtype = tensors[0].dtype
-    for t in tensors[1:]:
-        dtype = torch.promote_types(dtype, t.dtype)
-    return dtype
+    return functools.reduce(torch.promote_types, (t.dtype for t in tensors))
 
 
 class _TrianglePairs(torch.autograd.Function):

@@ -7,13 +7,12 @@ from anyrec.planner.estimators import EmbeddingPerfEstimator, EmbeddingStorageEs
 from anyrec.planner.types import (
     Enumerator,
     Perf,
-    PerfEstimator,
     Placement,
     Shard,
+    ShardEstimator,
     ShardingOption,
     ShardingType,
     Storage,
-    StorageEstimator,
     TableSpec,
     Topology,
     Workload,
@@ -35,8 +34,8 @@ class EmbeddingEnumerator(Enumerator):
     many rows as ranks; table-row-wise more than one host; column-wise splits into 2, 4, ... pieces that
     divide the dim and stay at least MIN_COLUMN_SHARD_DIM wide."""
 
-    def __init__(self, perf_estimator: PerfEstimator | None = None,
-                 storage_estimator: StorageEstimator | None = None) -> None:
+    def __init__(self, perf_estimator: ShardEstimator | None = None,
+                 storage_estimator: ShardEstimator | None = None) -> None:
         self.perf_estimator = perf_estimator or EmbeddingPerfEstimator()
         self.storage_estimator = storage_estimator or EmbeddingStorageEstimator()
 

@@ -11,14 +11,13 @@ from anyrec.backends.hardware import EmbeddingCost
 from anyrec.backends.specs import DEFAULT_SCALE_OUT_LATENCY_S, DEFAULT_SCALE_UP_LATENCY_S
 from anyrec.planner.types import (
     Perf,
-    PerfEstimator,
     Placement,
     RankCost,
     Shard,
+    ShardEstimator,
     ShardingOption,
     ShardingType,
     Storage,
-    StorageEstimator,
     TableSpec,
     Topology,
     Workload,
@@ -204,7 +203,7 @@ def split_fwd_bwd(seconds: float) -> Perf:
     return Perf(seconds / 3, 2 * seconds / 3, 0.0, 0.0)
 
 
-class EmbeddingPerfEstimator(PerfEstimator):
+class EmbeddingPerfEstimator(ShardEstimator):
     """Per-shard step time: lookup bytes over the placement's bandwidth, plus the comms each sharding type
     needs (all-to-all for table/column-wise, reduce-scatter for row-wise, all-reduce for data-parallel)."""
 
@@ -277,7 +276,7 @@ def shard_data_bytes(option: ShardingOption, shard: Shard, topology: Topology,
     return weights, state, 0, weights + state
 
 
-class EmbeddingStorageEstimator(StorageEstimator):
+class EmbeddingStorageEstimator(ShardEstimator):
     """Per-shard bytes: weights and optimizer state where the placement puts them, plus input ids and
     output/gradient buffers in HBM for every batch in flight (pipeline depth)."""
 

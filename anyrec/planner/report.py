@@ -47,9 +47,7 @@ def host_summary(plan: PlanResult) -> str:
         return f"{head}; table_row_wise: {len(twrw)} of {n} tables, forced (planner.sharding=table_row_wise)"
     if not twrw:
         return f"{head}; table_row_wise: 0 of {n} tables (another sharding is cheaper for every table)"
-    per_host = [0] * topo.num_hosts
-    for name in twrw:
-        per_host[plan.tables[name].host] += 1
+    per_host = Counter(plan.tables[name].host for name in twrw)
     balanced = plan.lower_bound_s - plan.base.perf.total_s  # the mean rank load the search aims at
     work = rw_work = 0.0
     beats_rw = too_big = too_slow = 0
@@ -72,7 +70,8 @@ def host_summary(plan: PlanResult) -> str:
     if too_slow or too_big:
         why.append(f"as a whole copy on one rank {too_slow} would exceed the balanced rank load "
                    f"({balanced * 1e3:.3f} ms) and {too_big} would not fit")
-    return (f"{head}; table_row_wise: {len(twrw)} of {n} tables (per host {'/'.join(map(str, per_host))}): "
+    hosts = "/".join(str(per_host[h]) for h in range(topo.num_hosts))
+    return (f"{head}; table_row_wise: {len(twrw)} of {n} tables (per host {hosts}): "
             + ("; ".join(why) or "the least predicted step time"))
 
 

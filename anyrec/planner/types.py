@@ -58,9 +58,8 @@ class TableSpec:
         if self.pooling_factor < 0:
             raise ValueError(f"table {self.name}: pooling_factor must be >= 0")
         if self.weight_dtype not in DTYPE_BYTES:
-            raise ValueError(
-                f"table {self.name}: unknown weight_dtype {self.weight_dtype!r}; known: {sorted(DTYPE_BYTES)}"
-            )
+            known = sorted(DTYPE_BYTES)
+            raise ValueError(f"table {self.name}: unknown weight_dtype {self.weight_dtype!r}; known: {known}")
         if not self.feature_names:
             raise ValueError(f"table {self.name}: needs at least one feature name")
 
@@ -262,20 +261,13 @@ class Workload:
     options: PlanOptions = field(default_factory=PlanOptions)
 
 
-class PerfEstimator(abc.ABC):
-    """Predicts per-shard step time for a sharding option."""
+class ShardEstimator(abc.ABC):
+    """Predicts one cost of every shard of a sharding option (torchrec's split: a perf estimator fills
+    `perf`, a storage estimator `storage`)."""
 
     @abc.abstractmethod
     def estimate(self, option: ShardingOption, topology: Topology, workload: Workload) -> None:
-        """Fill `perf` of every shard of `option`."""
-
-
-class StorageEstimator(abc.ABC):
-    """Predicts per-shard HBM and DDR bytes for a sharding option."""
-
-    @abc.abstractmethod
-    def estimate(self, option: ShardingOption, topology: Topology, workload: Workload) -> None:
-        """Fill `storage` of every shard of `option`."""
+        """Fill this estimator's field of every shard of `option`."""
 
 
 class Enumerator(abc.ABC):
