@@ -39,15 +39,13 @@ class EmbeddingEnumerator(Enumerator):
         self.perf_estimator = perf_estimator or EmbeddingPerfEstimator()
         self.storage_estimator = storage_estimator or EmbeddingStorageEstimator()
 
-    def enumerate(
-        self, topology: Topology, workload: Workload, placements: dict[str, tuple[Placement, ...]]
-    ) -> dict[str, list[ShardingOption]]:
+    def enumerate(self, topology: Topology, workload: Workload,
+                  placements: dict[str, tuple[Placement, ...]]) -> dict[str, list[ShardingOption]]:
         return {t.name: [o for p in placements[t.name] for o in self._table_options(t, p, topology, workload)]
                 for t in workload.tables}
 
-    def _table_options(
-        self, t: TableSpec, placement: Placement, topology: Topology, workload: Workload
-    ) -> list[ShardingOption]:
+    def _table_options(self, t: TableSpec, placement: Placement, topology: Topology,
+                       workload: Workload) -> list[ShardingOption]:
         w, local = topology.world_size, topology.local_world_size
         impl = workload.options.embedding.impl
         if placement.value not in impl.compute_kernels:

@@ -15,10 +15,9 @@ from anyrec.planner.types import ShardingType
 SHARDINGS = tuple(s.value for s in ShardingType)
 
 
-def simple_table_shardings(
-    tables: list[EmbeddingBagConfig], world_size: int,
-    row_wise_min_rows: int = 10_000, force: str = "auto", optimizer: str | None = None,
-) -> dict[str, tuple[str, list[int]]]:
+def simple_table_shardings(tables: list[EmbeddingBagConfig], world_size: int, row_wise_min_rows: int = 10_000,
+                           force: str = "auto",
+                           optimizer: str | None = None) -> dict[str, tuple[str, list[int]]]:
     """Per table: (sharding type, ranks); table-wise ones by largest-first greedy balance of bytes. A forced
     sharding type that would change `optimizer`'s update raises ValueError; auto never picks one."""
     if force not in ("auto", *SHARDINGS):

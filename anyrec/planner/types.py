@@ -36,7 +36,6 @@ class Placement(StrEnum):
 
 
 ALL_SHARDINGS: tuple[ShardingType, ...] = tuple(ShardingType)
-ALL_PLACEMENTS: tuple[Placement, ...] = tuple(Placement)
 # Sharding types whose shards get their ranks at enumeration; the partitioner places the others' shards.
 FIXED_RANK_SHARDINGS = {ShardingType.DATA_PARALLEL, ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE}
 
@@ -218,7 +217,7 @@ class PlanOptions:
     """Knobs the caller (trainer, CLI) sets; defaults suit a GPU training job."""
 
     allowed_shardings: tuple[ShardingType, ...] = ALL_SHARDINGS
-    allowed_placements: tuple[Placement, ...] = ALL_PLACEMENTS
+    allowed_placements: tuple[Placement, ...] = tuple(Placement)
     # The embedding implementation's record and the profiles it is costed with on the hardware at hand
     # (Hardware.embedding_cost); FBGEMM's with its built-in profiles by default.
     embedding: EmbeddingCost = field(default_factory=lambda: EmbeddingCost.builtin(FBGEMM_EMBEDDING))
@@ -274,9 +273,8 @@ class Enumerator(abc.ABC):
     """Lists the candidate sharding options for each table."""
 
     @abc.abstractmethod
-    def enumerate(
-        self, topology: Topology, workload: Workload, placements: dict[str, tuple[Placement, ...]]
-    ) -> dict[str, list[ShardingOption]]:
+    def enumerate(self, topology: Topology, workload: Workload,
+                  placements: dict[str, tuple[Placement, ...]]) -> dict[str, list[ShardingOption]]:
         """Options per table name, restricted to each table's allowed placements."""
 
 
@@ -293,9 +291,8 @@ class Proposer(abc.ABC):
     """Decides which placements each table may use, escalating HBM -> UVM caching -> DDR."""
 
     @abc.abstractmethod
-    def proposals(
-        self, options: dict[str, list[ShardingOption]], topology: Topology, free: Storage, workload: Workload
-    ) -> list[dict[str, tuple[Placement, ...]]]:
+    def proposals(self, options: dict[str, list[ShardingOption]], topology: Topology, free: Storage,
+                  workload: Workload) -> list[dict[str, tuple[Placement, ...]]]:
         """Placement restrictions to try, in order; the planner stops at the first that partitions."""
 
 
