@@ -157,9 +157,7 @@ class _State:
 
 def _better(a: tuple[float, float], b: tuple[float, float]) -> bool:
     """Lexicographic order of (makespan, work) (or (work, comms)) with a relative tolerance."""
-    if a[0] < b[0] * (1 - _REL_EPS):
-        return True
-    return a[0] <= b[0] * (1 + _REL_EPS) and a[1] < b[1] * (1 - _REL_EPS)
+    return a[0] < b[0] * (1 - _REL_EPS) or (a[0] <= b[0] * (1 + _REL_EPS) and a[1] < b[1] * (1 - _REL_EPS))
 
 
 class _Budget:
@@ -378,10 +376,8 @@ class ExhaustivePartitioner(Partitioner):
     @staticmethod
     def search_space(options: dict[str, list[ShardingOption]], world_size: int) -> int:
         """Number of complete assignments the exhaustive search would visit without pruning."""
-        size = 1
-        for opts in options.values():
-            size *= sum(1 if o.ranks_fixed else math.comb(world_size, len(o.shards)) for o in opts)
-        return size
+        return math.prod(sum(1 if o.ranks_fixed else math.comb(world_size, len(o.shards)) for o in opts)
+                         for opts in options.values())
 
     def __init__(self, makespan_tolerance: float = MAKESPAN_TOLERANCE) -> None:
         self.makespan_tolerance = makespan_tolerance

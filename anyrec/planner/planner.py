@@ -147,11 +147,9 @@ class CoDesignPlanner:
             if result is not None:
                 moved = [n for n, p in proposal.items() if p != (Placement.HBM,)]
                 if moved:
-                    notes.append(
-                        f"{len(moved)} of {len(wl.tables)} tables leave HBM: all tables in HBM need more "
-                        f"than the {free.hbm_bytes * topology.world_size / 1e9:.1f} GB free over "
-                        f"{topology.world_size} x {topology.device.name}"
-                    )
+                    notes.append(f"{len(moved)} of {len(wl.tables)} tables leave HBM: all tables in HBM need "
+                                 f"more than the {free.hbm_bytes * topology.world_size / 1e9:.1f} GB free "
+                                 f"over {topology.world_size} x {topology.device.name}")
                 return self._finish(result, restricted, topology, wl, base, caps, start, notes)
         raise InfeasiblePlanError(explain_infeasible(wl, topology, caps, base))
 

@@ -7,11 +7,10 @@ import json
 from collections import Counter
 
 from anyrec.io_checks import atomic_write
-from anyrec.planner.advice import alternatives_s, co_design_advice
+from anyrec.planner.advice import GB, alternatives_s, co_design_advice
 from anyrec.planner.estimators import shard_data_bytes
 from anyrec.planner.types import Placement, PlanResult, ShardingType
 
-GB = 1e9
 TWRW = ShardingType.TABLE_ROW_WISE
 
 

@@ -229,9 +229,7 @@ class PlanOptions:
     exhaustive_limit: int = 20_000  # search spaces at most this large are solved exactly
     dense_dtype: str = "bf16"  # dense (MLP) compute dtype: picks peak FLOP/s
     dense_activation_bytes_per_sample: int = 0  # extra per-sample activation memory for the dense part
-    # Entries of the model's pairwise interaction per sample: (features + 1)^2 for the dot interaction
-    # (costed by DeviceSpec.step_per_pair_s); 0 for DCN, whose cost is its GEMMs (dense FLOPs).
-    interaction_pairs: int = 0
+    interaction_pairs: int = 0  # per sample (DeviceSpec.step_per_pair_s each): see job.interaction_pairs
     dense_tensors: int = 0  # parameter tensors of the dense model (DeviceSpec.step_per_dense_tensor_s each)
 
     def __post_init__(self) -> None:
