@@ -214,7 +214,6 @@ class EmbeddingPerfEstimator(ShardEstimator):
         p, f = t.pooling_factor, t.num_features
         emb = workload.options.embedding
         opt = workload.optimizer
-        s0 = option.shards[0]
 
         def lookup(n_ids: float, n_bags: float, dim: int, rows: float) -> tuple[float, float]:
             return lookup_time_s(n_ids, n_bags, dim, t, option.placement, topology, opt, emb,
@@ -238,7 +237,7 @@ class EmbeddingPerfEstimator(ShardEstimator):
             perf = (Perf(fwd, bwd, 0.0, all_reduce_time_s(t.weight_bytes, topology, latency=False))
                     + split_fwd_bwd(topology.device.replicated_table_s))
         elif st in (ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE):
-            dim = s0.num_cols
+            dim = option.shards[0].num_cols
             fwd, bwd = lookup(g * p, g * f, dim, t.num_rows)
             ids = all_to_all_time_s(g * (p + f) * ID_BYTES, topology, latency=False)
             out = all_to_all_time_s(g * f * dim * OUTPUT_BYTES, topology, latency=False)

@@ -267,11 +267,9 @@ class GreedyPerfPartitioner(Partitioner):
             else:
                 keys = (ms, tab.work)
             # lexsort sorts by the last key first and is stable, so ties keep the option order.
-            i = int(np.lexsort((*keys, ~fits))[0])
-            c = tab.cands[i]
-            best = (c, state.ranks(c, by_memory))
-            state.apply(*best)
-            chosen[name] = best
+            c = tab.cands[int(np.lexsort((*keys, ~fits))[0])]
+            chosen[name] = (c, state.ranks(c, by_memory))
+            state.apply(*chosen[name])
         return chosen, state
 
     def _reduce_work(self, tabs, chosen, state: _State, bound: float, budget: _Budget) -> None:
@@ -280,22 +278,19 @@ class GreedyPerfPartitioner(Partitioner):
         improved = True
         while improved and not budget.spent:
             improved = False
-            excess = {n: chosen[n][0].work - tabs[n].min_work for n in chosen}
             # Tables already at their least (work, comms) option cannot help.
             names = sorted((n for n in chosen if (chosen[n][0].work, chosen[n][0].comms) > tabs[n].ideal),
-                           key=lambda n: -excess[n])
+                           key=lambda n: -(chosen[n][0].work - tabs[n].min_work))
             for name in names:
                 tab, old = tabs[name], chosen[name]
                 if not budget.spend():
                     break
                 state.apply(*old, sign=-1.0)
-                ms = state.fit_all(tab)
-                ok = ms <= bound
+                ok = state.fit_all(tab) <= bound
                 c = tab.cands[int(np.lexsort((tab.comms, tab.work, ~ok))[0])] if ok.any() else None
                 if c is not None and _better((c.work, c.comms), (old[0].work, old[0].comms)):
-                    new = (c, state.ranks(c))
-                    state.apply(*new)
-                    chosen[name] = new
+                    chosen[name] = (c, state.ranks(c))
+                    state.apply(*chosen[name])
                     improved = True
                 else:
                     state.apply(*old)
