@@ -217,11 +217,9 @@ def co_design_advice(plan: PlanResult) -> list[str]:
             up = simd_lanes(d, dev.simd_width)
             ok = sorted({s.name for s in _accelerators() if simd_utilisation(d, s.simd_width) == 1.0})
             ex = ", ".join(names[:3]) + (f" +{len(names) - 3}" if len(names) > 3 else "")
-            out.append(
-                f"dim {d} ({ex}) fills {u:.0%} of the {dev.simd_width}-wide SIMD on {dev.name}: lookups cost "
-                f"as much as dim {up}; use dim {up} for free capacity or a multiple of {dev.simd_width}"
-                + (f" (no waste on {', '.join(ok)})" if ok else "")
-            )
+            out.append(f"dim {d} ({ex}) fills {u:.0%} of the {dev.simd_width}-wide SIMD on {dev.name}: "
+                       f"lookups cost as much as dim {up}; use dim {up} for free capacity or a multiple of "
+                       f"{dev.simd_width}" + (f" (no waste on {', '.join(ok)})" if ok else ""))
     off = [n for n, o in plan.tables.items() if o.placement != Placement.HBM]
     if off:
         w = topo.world_size

@@ -90,12 +90,10 @@ def format_report(plan: PlanResult, advice: bool = True, max_tables: int = 60) -
         f"{'rank':>4}  {'HBM used / cap GB':>19}  {'DDR GB':>7}  {'compute ms':>10}  {'comms ms':>9}  "
         f"{'total ms':>9}",
     ]
-    for r, (st, pf) in enumerate(zip(plan.rank_storage, plan.rank_perf, strict=False)):
-        lines.append(
-            f"{r:>4}  {st.hbm_bytes / GB:>8.1f} / {topo.hbm_bytes_per_rank / GB:>8.1f}  "
-            f"{st.ddr_bytes / GB:>7.1f}  "
-            f"{pf.compute_s * 1e3:>10.3f}  {pf.comms_s * 1e3:>9.3f}  {pf.total_s * 1e3:>9.3f}"
-        )
+    lines += [f"{r:>4}  {st.hbm_bytes / GB:>8.1f} / {topo.hbm_bytes_per_rank / GB:>8.1f}  "
+              f"{st.ddr_bytes / GB:>7.1f}  {pf.compute_s * 1e3:>10.3f}  {pf.comms_s * 1e3:>9.3f}  "
+              f"{pf.total_s * 1e3:>9.3f}"
+              for r, (st, pf) in enumerate(zip(plan.rank_storage, plan.rank_perf, strict=False))]
     lines += [
         f"(HBM cap less reserve: {plan.caps.hbm_bytes / GB:.1f} GB usable; dense model and local buffers "
         f"{plan.base.storage.hbm_bytes / GB:.2f} GB and {plan.base.perf.total_s * 1e3:.3f} ms per rank)",
@@ -109,11 +107,9 @@ def format_report(plan: PlanResult, advice: bool = True, max_tables: int = 60) -
     for name, opt in items:
         sh = opt.sharding.value + (f"x{opt.num_shards}" if opt.sharding == ShardingType.COLUMN_WISE else "")
         t = opt.table
-        lines.append(
-            f"{name:<14} {t.num_rows:>10} {t.embedding_dim:>4} {t.pooling_factor:>5.0f} {sh:<16} "
-            f"{opt.placement.value:<11} {opt.compute_kernel:<17} {_ranks(opt.ranks):<9} "
-            f"{plan.reasons.get(name, '')}"
-        )
+        lines.append(f"{name:<14} {t.num_rows:>10} {t.embedding_dim:>4} {t.pooling_factor:>5.0f} "
+                     f"{sh:<16} {opt.placement.value:<11} {opt.compute_kernel:<17} {_ranks(opt.ranks):<9} "
+                     f"{plan.reasons.get(name, '')}")
     if len(plan.tables) > max_tables:
         lines.append(f"... {len(plan.tables) - max_tables} cheaper tables not shown")
     lines += [f"note: {note}" for note in plan.notes]
