@@ -8,7 +8,7 @@ import torch
 from anyrec.config import DataConfig
 from anyrec.data.synthetic import SyntheticCriteo
 from anyrec.models.dlrm import build_model
-from anyrec.planner.job import dense_param_count
+from anyrec.planner.job import dense_parameters
 from anyrec.planner.workloads import DLRMV2_DENSE_PARAMS, dlrmv2_tables
 from anyrec.schema import load_model_config
 
@@ -32,7 +32,8 @@ def test_dlrmv2_is_the_mlperf_model():
     x = model.interaction.cross
     assert len(x.V) == 3 and x.V[0].weight.shape == (512, 27 * 128) and x.U[0].weight.shape == (27 * 128, 512)
     assert model.over_arch.layers[0].in_features == 27 * 128
-    assert dense_param_count(model, model.sparse_arch) == DLRMV2_DENSE_PARAMS > 10_000_000
+    dense = dense_parameters(model, model.sparse_arch)
+    assert sum(p.numel() for p in dense) == DLRMV2_DENSE_PARAMS > 10_000_000
 
 
 def test_mlperf_experiment_hyperparameters():

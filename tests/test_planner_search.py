@@ -194,8 +194,8 @@ def test_dense_tensors_are_the_parameters_outside_the_embedding_collection():
 
     from anyrec.config import ModelConfig
     from anyrec.models.dlrm import build_model
-    from anyrec.planner.job import dense_tensor_count
+    from anyrec.planner.job import dense_parameters
 
     cfg = ModelConfig(name="m", table_rows=[10] * 3, bottom_mlp=[32, 16], top_mlp=[8, 4, 1])
     model = build_model(cfg, torch.device("meta"), ebc_device=torch.device("meta"))
-    assert dense_tensor_count(model, model.sparse_arch) == 2 * (2 + 3)  # a weight and a bias per layer
+    assert len(dense_parameters(model, model.sparse_arch)) == 2 * (2 + 3)  # a weight and a bias per layer

@@ -24,21 +24,15 @@ __all__ = ["DLRM", "build_model", "feature_names", "table_configs"]
 
 def table_configs(cfg: ModelConfig) -> list[EmbeddingBagConfig]:
     """One sum-pooled table per sparse feature, named as the schema names them (`t_cat_<i>`)."""
-    return [
-        EmbeddingBagConfig(
-            name=f.table, embedding_dim=cfg.embedding_dim, num_embeddings=f.num_rows,
-            feature_names=[f.name], pooling=PoolingType.SUM,
-        )
-        for f in sparse_features(cfg)
-    ]
+    return [EmbeddingBagConfig(name=f.table, embedding_dim=cfg.embedding_dim, num_embeddings=f.num_rows,
+                               feature_names=[f.name], pooling=PoolingType.SUM)
+            for f in sparse_features(cfg)]
 
 
 class DLRM(nn.Module):
     """Bottom MLP on dense features, pooled embeddings, an interaction, and a top MLP to one logit.
-
-    `kernels` is the backend's Impl record per op (`Backend.select_kernels`): its `interaction` entry
-    builds the dot interaction's module, `dcn_cross` the cross net's (torch's where absent).
-    """
+    `kernels`: the backend's Impl record per op (`Backend.select_kernels`); its `interaction` entry builds
+    the dot interaction's module, `dcn_cross` the cross net's (torch's where absent)."""
 
     def __init__(self, cfg: ModelConfig, ebc: EmbeddingBagCollection, device: torch.device | None = None,
                  kernels: Mapping[str, Impl] | None = None):
@@ -56,8 +50,7 @@ class DLRM(nn.Module):
         with torch.device(device or torch.device("cpu")):
             self.dense_arch = MLP(cfg.num_dense_features, cfg.bottom_mlp)
             if cfg.interaction == "dot":
-                self.interaction: nn.Module = dot_interaction_module(num_sparse,
-                                                                     kernels.get("interaction"))
+                self.interaction: nn.Module = dot_interaction_module(num_sparse, kernels.get("interaction"))
                 top_in = dim + self.interaction.out_features_extra
             elif cfg.interaction == "dcn":
                 self.interaction = CrossInteraction(num_sparse, dim, cfg.dcn_num_layers, cfg.dcn_low_rank,
@@ -78,9 +71,7 @@ class DLRM(nn.Module):
 
 def build_model(cfg: ModelConfig, device: torch.device, ebc_device: torch.device | None = None,
                 kernels: Mapping[str, Impl] | None = None) -> DLRM:
-    """The DLRM for `cfg`; tables on `ebc_device` (meta: let DistributedModelParallel allocate shards).
-
-    `kernels`: the backend's implementation per op (see `DLRM`).
-    """
+    """The DLRM for `cfg`; tables on `ebc_device` (meta: let DistributedModelParallel allocate shards);
+    `kernels`: the backend's implementation per op (see `DLRM`)."""
     ebc = EmbeddingBagCollection(table_configs(cfg), device=ebc_device or device)
     return DLRM(cfg, ebc, device=device, kernels=kernels)

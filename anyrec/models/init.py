@@ -1,27 +1,21 @@
 """Plan-invariant initialisation: the same initial weights whatever the kernel, plan, world size or device.
 
-Embedding tables: element (row r, column c) of table T is a pure function of (seed, T's name, r, c):
-a counter-based hash (a 32-bit integer mixer applied to the table key, the row's two 32-bit halves
-and the column, in int64 torch ops with no overflow) gives 24 random bits u, and the value is
-`(2 u / 2^24 - 1) * bound` in fp32 -- two exactly rounded operations, so every device computes the
-same bits. The default distribution is torchrec's: uniform(-1/sqrt(rows), +1/sqrt(rows)), rows being
-the table's global row count (or [weight_init_min, weight_init_max] when the config sets them). A
-table config with its own `init_fn` keeps it: the full table is drawn on the CPU under a generator
-seeded from (seed, table name) and each shard takes its slice (memory: one full table on the host,
-for those tables only).
+Embedding tables: element (r, c) of table T is a pure function of (seed, T's name, r, c): a 32-bit integer
+mixer over the table key, the row's two 32-bit halves and the column (int64 torch ops, no overflow) gives
+24 random bits u, and the value is `(2 u / 2^24 - 1) * bound` in fp32 -- two exactly rounded operations,
+so every device computes the same bits. The range is torchrec's default, +-1/sqrt(global rows) (or the
+config's weight_init_min/max). A table with its own `init_fn` keeps it: the full table is drawn on the
+CPU under a generator seeded from (seed, table name) and each shard takes its slice (one full table in
+host memory, for those tables only).
 
-Dense layers: every submodule with its own parameters (e.g. `nn.Linear`) runs its `reset_parameters`
-on a CPU copy under torch's generator seeded from (seed, module path), and the result is copied in:
-each layer keeps its usual distribution, and neither the order in which the model was built nor the
-device changes the draw.
-
-`init_tables` fills the rows a process holds: whole tables, row/column shards of a `ShardedTensor`
-(its shard offsets give the global row and column), or replicated (data-parallel) copies.
-Loading a checkpoint afterwards replaces all of it, as before.
+Dense layers: each parameter-owning submodule runs its `reset_parameters` on a CPU copy under torch's
+generator seeded from (seed, module path): each layer keeps its usual distribution, and neither the build
+order nor the device changes the draw. A checkpoint loaded afterwards replaces all of it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import hashlib
@@ -40,6 +34,17 @@ def _seed32(*parts: object) -> int:
     """A 32-bit key from `parts` (stable across processes and Python versions, unlike `hash`)."""
     digest = hashlib.sha256(":".join(str(p) for p in parts).encode()).digest()
     return int.from_bytes(digest[:4], "little")
+
+
+@contextlib.contextmanager
+def _seeded(*key: object):
+    """torch's global generator seeded from `key` inside the block; its CPU state restored after."""
+    gen_state = torch.get_rng_state()
+    try:
+        torch.manual_seed(_seed32(*key))
+        yield
+    finally:
+        torch.set_rng_state(gen_state)
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -75,11 +80,8 @@ def uniform_hash(key: int, rows_R: torch.Tensor, cols_C: torch.Tensor, low: floa
 
 
 def uniform_range(init_fn: Callable | None, num_rows: int) -> tuple[float, float] | None:
-    """(low, high) when `init_fn` is torchrec's default (a `uniform_` partial) or None; else None.
-
-    torchrec's EmbeddingBagConfig turns a missing `init_fn` into `partial(uniform_, a=min, b=max)`
-    (+-1/sqrt(rows) unless `weight_init_min/max` are set): that one is drawn by the hash.
-    """
+    """(low, high) when `init_fn` is None or torchrec's default, `partial(uniform_, a=min, b=max)` (drawn by
+    the hash); None for any other `init_fn`."""
     if init_fn is None:
         bound = math.sqrt(1 / num_rows)  # torchrec's formula, to the last bit
         return -bound, bound
@@ -93,23 +95,16 @@ def uniform_range(init_fn: Callable | None, num_rows: int) -> tuple[float, float
 def fill_table_block(out_RC: torch.Tensor, seed: int, table: str, num_rows: int, row0: int = 0,
                      col0: int = 0, init_fn: Callable[[torch.Tensor], object] | None = None,
                      num_cols: int | None = None) -> None:
-    """Write the initial values of global rows row0.. and columns col0.. of `table` into `out_RC`.
-
-    `num_rows` is the table's global row count (the default range). An `init_fn` other than
-    torchrec's default uniform draws the full table [num_rows, num_cols] on the CPU, then slices it.
-    """
+    """Write the initial values of global rows row0.. and columns col0.. of `table` (`num_rows` rows in all)
+    into `out_RC`; another `init_fn` than torchrec's uniform draws the full table on the CPU, then slices."""
     rows, cols = out_RC.shape
     bounds = uniform_range(init_fn, num_rows)
     if bounds is None:
         if num_cols is None:
             raise ValueError(f"table {table}: init_fn needs the table's full width")
         full = torch.empty(num_rows, num_cols, dtype=torch.float32)
-        gen_state = torch.get_rng_state()
-        try:
-            torch.manual_seed(_seed32(seed, "init_fn", table))
+        with _seeded(seed, "init_fn", table):
             init_fn(full)
-        finally:
-            torch.set_rng_state(gen_state)
         out_RC.copy_(full[row0:row0 + rows, col0:col0 + cols])
         return
     device = out_RC.device
@@ -124,12 +119,10 @@ def fill_table_block(out_RC: torch.Tensor, seed: int, table: str, num_rows: int,
 
 @torch.no_grad()
 def init_tables(state: Mapping[str, object], tables: Iterable, seed: int, prefix: str) -> int:
-    """Fill every table in a module's `state_dict()` (plain tensors or ShardedTensors); returns a count.
-
-    `tables` are the EmbeddingBagConfigs; a table's weight is `state[f"{prefix}{name}.weight"]`,
-    which must be a view of the live weights (torchrec's and anyrec's EBCs give views). Returns the
-    number of blocks written, so a caller can check that the keys matched.
-    """
+    """Fill the rows this process holds of every table (EmbeddingBagConfigs `tables`) in a module's
+    `state_dict()`: whole tensors, ShardedTensor shards at their offsets, or replicas. A weight is
+    `state[f"{prefix}{name}.weight"]`, a view of the live weights (torchrec's and anyrec's EBCs give
+    views). Returns the number of blocks written, so a caller can check that the keys matched."""
     written = 0
     for cfg in tables:
         key = f"{prefix}{cfg.name}.weight"
@@ -150,10 +143,8 @@ def init_tables(state: Mapping[str, object], tables: Iterable, seed: int, prefix
 @torch.no_grad()
 def init_dense(model: nn.Module, seed: int, skip: Callable[[str], bool] = lambda name: False) -> int:
     """Re-draw every parameter-owning submodule with `reset_parameters`, keyed by its path; returns a count.
-
-    `skip(path)` leaves a submodule and its children alone (the embedding tables). A submodule that
-    owns parameters but has no `reset_parameters` is an error: its values would follow the plan.
-    """
+    `skip(path)` leaves a submodule and its children alone (the embedding tables). One without
+    `reset_parameters` is an error: its values would follow the plan."""
     done = 0
     skipped: list[str] = []
     for name, module in model.named_modules():
@@ -168,12 +159,8 @@ def init_dense(model: nn.Module, seed: int, skip: Callable[[str], bool] = lambda
             raise ValueError(f"{name} ({type(module).__name__}) has parameters but no reset_parameters(); "
                              "it cannot be initialised independently of the plan")
         cpu = copy.deepcopy(module).to("cpu")
-        gen_state = torch.get_rng_state()
-        try:
-            torch.manual_seed(_seed32(seed, "dense", _strip_wrappers(name)))
+        with _seeded(seed, "dense", _strip_wrappers(name)):
             cpu.reset_parameters()
-        finally:
-            torch.set_rng_state(gen_state)
         for p, q in zip(own, [q for q in cpu._parameters.values() if q is not None], strict=True):
             p.copy_(q)
         done += 1
@@ -186,11 +173,8 @@ def _strip_wrappers(name: str) -> str:
 
 
 def init_model(model: nn.Module, tables: Iterable, seed: int, ebc_path: str) -> None:
-    """Plan-invariant initial weights for a built (and, if sharded, materialised) model, in place.
-
-    `ebc_path` is where the embedding collection sits (`<ebc_path>.embedding_bags.<table>.weight`
-    in the state_dict, DistributedModelParallel or not); everything else is dense.
-    """
-    tables = list(tables)
+    """Plan-invariant initial weights for a built (and, if sharded, materialised) model, in place. The
+    embedding collection sits at `ebc_path` (`<ebc_path>.embedding_bags.<table>.weight` in the state_dict,
+    DistributedModelParallel or not); everything else is dense."""
     init_tables(model.state_dict(), tables, seed, f"{ebc_path}.embedding_bags.")
     init_dense(model, seed, skip=lambda name: _strip_wrappers(name) == ebc_path)

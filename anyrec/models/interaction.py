@@ -1,13 +1,13 @@
-"""Feature interactions: DLRM's pairwise dot products and DCNv2's low-rank cross network.
+"""Feature interactions: DLRM's pairwise dot products and DCNv2's low-rank cross network. Each op has a
+torch module (the oracle) and a Triton-backed subclass with the same parameters, so checkpoints move
+between them; each is the builder of its op's `Impl` record (`anyrec.backends.dispatch`).
 
-Legend: B batch, F sparse features, D embedding dim, N = (F + 1) * D, R low rank.
-
-Each op has a torch module (the oracle) and a Triton-backed subclass with the same parameters, so
-checkpoints move between them; each is the builder of its op's `Impl` record
-(`anyrec.backends.dispatch`), which maps the dispatch choice to the module.
+Legend: B batch, F sparse features, f = F + 1, D embedding dim, N = f * D, P pairs.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -23,22 +23,15 @@ def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     device_type = tensors[0].device.type
     if torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
-    dtype = tensors[0].dtype
-    for t in tensors[1:]:
-        dtype = torch.promote_types(dtype, t.dtype)
-    return dtype
+    return functools.reduce(torch.promote_types, (t.dtype for t in tensors))
 
 
 class _TrianglePairs(torch.autograd.Function):
-    """The upper triangle of feats feats^T, flat: forward one bmm and one index_select, backward
-    without the dense zero-fill of [B, f, f] that index_select's backward makes every step.
-
-    The backward scatters the pair gradients into a [B, f, f] buffer kept by the module, whose
-    other entries were zeroed once and are never written, then runs the two products autograd runs
-    for bmm(x, x^T), G @ x and (x^T @ G)^T, the second as G^T @ x: the same products over the same
-    index, written contiguously (the transposed one made the sum a slow strided add). The gradient
-    is bit-identical to the plain autograd graph's with torch's CPU BLAS (tests/test_models.py).
-    """
+    """The upper triangle of feats feats^T, flat: forward one bmm and one index_select; backward without the
+    [B, f, f] zero-fill index_select's backward makes every step. It scatters the pair gradients into the
+    module's [B, f, f] buffer (zeroed once, off-triangle entries never written), then runs autograd's two
+    products for bmm(x, x^T), G @ x and (x^T @ G)^T, the second as G^T @ x: contiguous (the transposed one
+    made the sum a slow strided add) and bit-identical with torch's CPU BLAS (tests/test_models.py)."""
 
     @staticmethod
     def forward(ctx, feats_BfD: torch.Tensor, pairs_P: torch.Tensor, owner: DotInteraction) -> torch.Tensor:

@@ -6,13 +6,13 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from anyrec.backends.dispatch import FBGEMM_EMBEDDING, Impl
 from anyrec.backends.specs import SKUS, DeviceSpec
 from anyrec.planner.estimators import (
     ID_BYTES,
     OUTPUT_BYTES,
     DenseEstimator,
     cache_hit_rate,
+    simd_lanes,
     simd_utilisation,
     state_bytes,
     usable_caps,
@@ -22,7 +22,6 @@ from anyrec.planner.types import (
     Placement,
     PlanResult,
     RankCost,
-    ShardingOption,
     ShardingType,
     Storage,
     TableSpec,
@@ -38,9 +37,13 @@ def _gb(x: float) -> str:
     return f"{x / GB:.1f} GB"
 
 
-def table_bytes(t: TableSpec, optimizer: str, impl: Impl = FBGEMM_EMBEDDING) -> int:
-    """Weights plus optimizer state of a whole table (state as embedding `impl` lays it out)."""
-    return t.weight_bytes + state_bytes(optimizer, t.num_rows, t.embedding_dim, impl)
+def _accelerators() -> list[DeviceSpec]:
+    return [s for k, s in SKUS.items() if k != "cpu"]
+
+
+def table_bytes(t: TableSpec, wl: Workload) -> int:
+    """Weights plus optimizer state of a whole table (state as the workload's embedding Impl lays it out)."""
+    return t.weight_bytes + state_bytes(wl.optimizer, t.num_rows, t.embedding_dim, wl.options.embedding.impl)
 
 
 def _buffers_per_rank(wl: Workload) -> float:
@@ -68,81 +71,58 @@ def fits_in_hbm(wl: Workload, device: DeviceSpec, world_size: int, like: Topolog
     free = usable_caps(topo, wl).hbm_bytes - base.storage.hbm_bytes - _buffers_per_rank(wl)
     if free <= 0:
         return False
-    sizes = [table_bytes(t, wl.optimizer, wl.options.embedding.impl) for t in wl.tables]
+    sizes = [table_bytes(t, wl) for t in wl.tables]
     return sum(sizes) <= free * world_size and max(sizes) / world_size <= free
 
 
 def min_devices_in_hbm(wl: Workload, device: DeviceSpec, like: Topology) -> int | None:
     """Fewest devices (1 to 8, then whole 8-device hosts) that hold every table in HBM; None if none do."""
-    for w in list(range(1, 9)) + list(range(16, MAX_DEVICES + 1, 8)):
-        if fits_in_hbm(wl, device, w, like):
-            return w
-    return None
+    counts = [*range(1, 9), *range(16, MAX_DEVICES + 1, 8)]
+    return next((w for w in counts if fits_in_hbm(wl, device, w, like)), None)
 
 
 def _max_dim_in_hbm(wl: Workload, topo: Topology) -> int | None:
     """Largest embedding dim (multiple of 8, all tables) at which every table fits in HBM here."""
-    dims = sorted({t.embedding_dim for t in wl.tables})
-    for d in range(max(dims) - 8, 7, -8):
+    for d in range(max(t.embedding_dim for t in wl.tables) - 8, 7, -8):
         tables = [dataclasses.replace(t, embedding_dim=min(t.embedding_dim, d)) for t in wl.tables]
         if fits_in_hbm(dataclasses.replace(wl, tables=tables), topo.device, topo.world_size, topo):
             return d
     return None
 
 
-def explain_infeasible(
-    wl: Workload,
-    topo: Topology,
-    caps: Storage,
-    base: RankCost,
-    options: dict[str, list[ShardingOption]] | None,
-) -> str:
+def explain_infeasible(wl: Workload, topo: Topology, caps: Storage, base: RankCost) -> str:
     """One line: what does not fit, bytes needed and available, and what would fit."""
     w, dev = topo.world_size, topo.device
     where = f"{w} x {dev.name}"
     free = caps.hbm_bytes - base.storage.hbm_bytes
-    reserve = (
-        f"{_gb(topo.hbm_bytes_per_rank)} less {wl.options.reserve_fraction:.0%} and "
-        f"{_gb(wl.options.reserve_bytes)} reserve"
-    )
+    reserve = (f"{_gb(topo.hbm_bytes_per_rank)} less {wl.options.reserve_fraction:.0%} and "
+               f"{_gb(wl.options.reserve_bytes)} reserve")
     allowed = wl.options.allowed_placements
+    hbm_only = allowed == (Placement.HBM,)
+    sizes = {t.name: table_bytes(t, wl) for t in wl.tables}
+    biggest = max(sizes, key=sizes.get)
     if free <= 0:
-        what = (
-            f"the dense model, its optimizer and the batch buffers need {_gb(base.storage.hbm_bytes)} "
-            "per rank "
-            f"but a rank has {_gb(caps.hbm_bytes)} usable ({reserve})"
-        )
+        what = (f"the dense model, its optimizer and the batch buffers need {_gb(base.storage.hbm_bytes)} "
+                f"per rank but a rank has {_gb(caps.hbm_bytes)} usable ({reserve})")
+    elif sizes[biggest] / w > free and hbm_only:
+        what = (f"table {biggest} needs {_gb(sizes[biggest] / w)} per rank even split row-wise over {w} "
+                f"rank(s); a rank has {_gb(free)} free ({reserve}, less {_gb(base.storage.hbm_bytes)} dense "
+                "and buffers)")
     else:
-        sizes = {t.name: table_bytes(t, wl.optimizer, wl.options.embedding.impl) for t in wl.tables}
-        biggest = max(sizes, key=sizes.get)
-        need_rank = sizes[biggest] / w
-        if need_rank > free and Placement.HBM in allowed and allowed == (Placement.HBM,):
-            what = (
-                f"table {biggest} needs {_gb(need_rank)} per rank even split row-wise over {w} rank(s); "
-                f"a rank has {_gb(free)} free ({reserve}, less "
-                f"{_gb(base.storage.hbm_bytes)} dense and buffers)"
-            )
-        else:
-            total = sum(sizes.values())
-            host = (
-                f"; in host memory they need {_gb(total / w)} per rank, {_gb(caps.ddr_bytes)} DDR available"
-                if allowed != (Placement.HBM,)
-                else ""
-            )
-            what = (
-                f"the {len(wl.tables)} tables ({wl.optimizer}) need {_gb(total)} for weights and "
-                "optimizer state; "
-                f"{w} rank(s) have {_gb(free * w)} of HBM free ({_gb(free)} each: {reserve}, less "
-                f"{_gb(base.storage.hbm_bytes)} dense and buffers){host}"
-            )
+        total = sum(sizes.values())
+        host = "" if hbm_only else (f"; in host memory they need {_gb(total / w)} per rank, "
+                                    f"{_gb(caps.ddr_bytes)} DDR available")
+        what = (f"the {len(wl.tables)} tables ({wl.optimizer}) need {_gb(total)} for weights and optimizer "
+                f"state; {w} rank(s) have {_gb(free * w)} of HBM free ({_gb(free)} each: {reserve}, less "
+                f"{_gb(base.storage.hbm_bytes)} dense and buffers){host}")
     fixes = []
     n_same = min_devices_in_hbm(wl, dev, topo)
     if n_same is not None and n_same > w:
         fixes.append(f"{n_same} x {dev.name} in HBM")
     if Placement.UVM_CACHING not in allowed and topo.compute_device != "cpu":
         fixes.append("allowing uvm_caching placement (allowed_placements)")
-    for key, other in SKUS.items():
-        if key == "cpu" or other.name == dev.name or other.memory_bytes <= dev.memory_bytes:
+    for other in _accelerators():
+        if other.name == dev.name or other.memory_bytes <= dev.memory_bytes:
             continue
         n = min_devices_in_hbm(wl, other, topo)
         if n is not None and n <= max(w, 1) * 2:
@@ -154,6 +134,16 @@ def explain_infeasible(
     return f"cannot plan {len(wl.tables)} tables on {where}: {what}{tail}"
 
 
+def alternatives_s(plan: PlanResult, name: str) -> dict[ShardingType, float]:
+    """Least predicted seconds (summed over shards) per sharding type for table `name` at its placement."""
+    placement = plan.tables[name].placement
+    alts: dict[ShardingType, float] = {}
+    for o in plan.options_by_table.get(name, []):
+        if o.placement == placement:
+            alts[o.sharding] = min(alts.get(o.sharding, math.inf), o.total_perf_s)
+    return alts
+
+
 def explain_tables(plan: PlanResult) -> dict[str, str]:
     """Why each table got its sharding and placement, from the alternatives the search had."""
     topo = plan.topology
@@ -161,29 +151,23 @@ def explain_tables(plan: PlanResult) -> dict[str, str]:
     balanced = plan.lower_bound_s - plan.base.perf.total_s
     out = {}
     for name, opt in plan.tables.items():
-        alts: dict[str, float] = {}
-        for o in plan.options_by_table.get(name, []):
-            if o.placement == opt.placement:
-                key = o.sharding.value
-                alts[key] = min(alts.get(key, float("inf")), o.total_perf_s)
+        alts = alternatives_s(plan, name)
         work = opt.total_perf_s
-        tw = alts.get(ShardingType.TABLE_WISE.value)
-        whole = opt.table.weight_bytes
+        tw = alts.get(ShardingType.TABLE_WISE)
         st = opt.sharding
         if st == ShardingType.DATA_PARALLEL:
-            why = f"replicated: local lookups + all-reduce of {whole / 1e6:.2f} MB gradient is cheapest"
+            mb = opt.table.weight_bytes / 1e6
+            why = f"replicated: local lookups + all-reduce of {mb:.2f} MB gradient is cheapest"
         elif st == ShardingType.TABLE_WISE:
-            rw = alts.get(ShardingType.ROW_WISE.value)
+            rw = alts.get(ShardingType.ROW_WISE)
             cmp = f" (row_wise {rw * 1e3:.3f} ms)" if rw is not None else ""
             why = f"whole table on one rank: least total time {work * 1e3:.3f} ms{cmp}"
         else:
             if tw is None:
                 reason = f"a whole copy does not fit one rank's {free / GB:.1f} GB free HBM"
             elif tw > balanced:
-                reason = (
-                    f"a whole copy ({tw * 1e3:.3f} ms) exceeds the balanced rank load "
-                    f"({balanced * 1e3:.3f} ms)"
-                )
+                reason = (f"a whole copy ({tw * 1e3:.3f} ms) exceeds the balanced rank load "
+                          f"({balanced * 1e3:.3f} ms)")
             else:
                 reason = f"balances ranks ({work * 1e3:.3f} ms total vs table_wise {tw * 1e3:.3f} ms)"
             if st == ShardingType.COLUMN_WISE:
@@ -193,10 +177,8 @@ def explain_tables(plan: PlanResult) -> dict[str, str]:
             else:
                 why = f"rows over host {opt.host}'s {topo.local_world_size} ranks (scale-up reduce): {reason}"
         if opt.placement == Placement.UVM_CACHING:
-            why += (
-                f"; UVM caching ({opt.cache_ratio:.0%} rows cached, predicted hit rate "
-                f"{cache_hit_rate(opt.cache_ratio):.0%}): HBM cannot hold every table"
-            )
+            why += (f"; UVM caching ({opt.cache_ratio:.0%} rows cached, predicted hit rate "
+                    f"{cache_hit_rate(opt.cache_ratio):.0%}): HBM cannot hold every table")
         elif opt.placement == Placement.DDR:
             why += "; host DDR over the host link: HBM cannot hold it even cached"
         out[name] = why
@@ -206,17 +188,14 @@ def explain_tables(plan: PlanResult) -> dict[str, str]:
 def comms_crossover_batch(plan: PlanResult) -> tuple[int | None, str]:
     """Batch size per rank at which predicted comms overtake compute on the slowest rank, with the
     direction ("above" or "below"), using the costs' linearity in batch size."""
-    b1 = plan.workload.batch_size_per_rank
-    b2 = 2 * b1
+    b1, b2 = plan.workload.batch_size_per_rank, 2 * plan.workload.batch_size_per_rank
     p1, p2 = plan.rank_perf, evaluate_at_batch(plan, b2).rank_perf
     r = max(range(len(p1)), key=lambda i: p1[i].total_s)
     a_c = (p2[r].compute_s - p1[r].compute_s) / (b2 - b1)
     a_m = (p2[r].comms_s - p1[r].comms_s) / (b2 - b1)
-    c0 = p1[r].compute_s - a_c * b1
-    m0 = p1[r].comms_s - a_m * b1
     if math.isclose(a_m, a_c, rel_tol=1e-9):
         return None, ""
-    cross = (c0 - m0) / (a_m - a_c)
+    cross = ((p1[r].compute_s - a_c * b1) - (p1[r].comms_s - a_m * b1)) / (a_m - a_c)
     if cross <= 0:
         return None, "always" if a_m > a_c else "never"
     return int(cross), ("above" if a_m > a_c else "below")
@@ -235,30 +214,20 @@ def co_design_advice(plan: PlanResult) -> list[str]:
     for d, names in sorted(dims.items()):
         u = simd_utilisation(d, dev.simd_width)
         if u < 1.0:
-            up = (
-                -(-d // dev.simd_width) * dev.simd_width if d >= dev.simd_width else 1 << (d - 1).bit_length()
-            )
-            ok = sorted(
-                {s.name for k, s in SKUS.items() if k != "cpu" and simd_utilisation(d, s.simd_width) == 1.0}
-            )
+            up = simd_lanes(d, dev.simd_width)
+            ok = sorted({s.name for s in _accelerators() if simd_utilisation(d, s.simd_width) == 1.0})
             ex = ", ".join(names[:3]) + (f" +{len(names) - 3}" if len(names) > 3 else "")
-            out.append(
-                f"dim {d} ({ex}) fills {u:.0%} of the {dev.simd_width}-wide SIMD on {dev.name}: lookups cost "
-                f"as much as dim {up}; use dim {up} for free capacity or a multiple of {dev.simd_width}"
-                + (f" (no waste on {', '.join(ok)})" if ok else "")
-            )
+            out.append(f"dim {d} ({ex}) fills {u:.0%} of the {dev.simd_width}-wide SIMD on {dev.name}: "
+                       f"lookups cost as much as dim {up}; use dim {up} for free capacity or a multiple of "
+                       f"{dev.simd_width}" + (f" (no waste on {', '.join(ok)})" if ok else ""))
     off = [n for n, o in plan.tables.items() if o.placement != Placement.HBM]
     if off:
         w = topo.world_size
-        better = []
-        for key, other in SKUS.items():
-            if key != "cpu" and other.name != dev.name and fits_in_hbm(wl, other, w, topo):
-                better.append(f"{other.name} ({_gb(other.memory_bytes)})")
-        msg = f"{len(off)} table(s) leave HBM on {w} x {dev.name} ({_gb(dev.memory_bytes)}): "
-        msg += ", ".join(off[:5])
-        fits = f"; all fit in HBM on {w} x " + " or ".join(better)
-        msg += fits if better else "; no other SKU holds them"
-        out.append(msg)
+        better = [f"{other.name} ({_gb(other.memory_bytes)})" for other in _accelerators()
+                  if other.name != dev.name and fits_in_hbm(wl, other, w, topo)]
+        fits = f"; all fit in HBM on {w} x " + " or ".join(better) if better else "; no other SKU holds them"
+        out.append(f"{len(off)} table(s) leave HBM on {w} x {dev.name} ({_gb(dev.memory_bytes)}): "
+                   + ", ".join(off[:5]) + fits)
     try:
         cross, direction = comms_crossover_batch(plan)
     except ValueError:
@@ -267,19 +236,11 @@ def co_design_advice(plan: PlanResult) -> list[str]:
     if direction == "always":
         out.append(f"comms dominate compute on the slowest rank at every batch size (now {b}/rank)")
     elif cross is not None:
-        now = (
-            "now"
-            if (direction == "above" and b > cross) or (direction == "below" and b < cross)
-            else "not yet"
-        )
-        out.append(
-            f"comms overtake compute on the slowest rank {direction} batch {cross}/rank "
-            f"({now}: batch {b}/rank)"
-        )
+        now = "now" if (b > cross if direction == "above" else b < cross) else "not yet"
+        out.append(f"comms overtake compute on the slowest rank {direction} batch {cross}/rank "
+                   f"({now}: batch {b}/rank)")
     counts = []
-    for key, other in SKUS.items():
-        if key == "cpu":
-            continue
+    for other in _accelerators():
         n = min_devices_in_hbm(wl, other, topo)
         counts.append(f"{other.name} {n if n is not None else '>' + str(MAX_DEVICES)}")
     out.append("fewest devices holding every table in HBM: " + ", ".join(counts))

@@ -7,13 +7,12 @@ from anyrec.planner.estimators import EmbeddingPerfEstimator, EmbeddingStorageEs
 from anyrec.planner.types import (
     Enumerator,
     Perf,
-    PerfEstimator,
     Placement,
     Shard,
+    ShardEstimator,
     ShardingOption,
     ShardingType,
     Storage,
-    StorageEstimator,
     TableSpec,
     Topology,
     Workload,
@@ -29,37 +28,24 @@ def row_shard_sizes(num_rows: int, parts: int) -> list[int]:
 
 
 class EmbeddingEnumerator(Enumerator):
-    """All sharding types the topology allows, for each allowed placement of each table.
+    """All sharding types the topology allows, for each allowed placement of each table. The embedding
+    implementation's Impl record (`workload.options.embedding`) sets the compute kernel per placement, which
+    placements are offered and whether data-parallel is. Data-parallel only in HBM; row-wise needs at least as
+    many rows as ranks; table-row-wise more than one host; column-wise splits into 2, 4, ... pieces that
+    divide the dim and stay at least MIN_COLUMN_SHARD_DIM wide."""
 
-    What the embedding implementation (the Impl record in `workload.options.embedding`) runs sets the
-    compute kernel per placement, and which placements and whether data-parallel are offered at all.
-    Data-parallel only in HBM; row-wise needs at least as many rows as ranks;
-    table-row-wise needs more than one host; column-wise splits into 2, 4, ... pieces that divide the
-    dim and stay at least MIN_COLUMN_SHARD_DIM wide.
-    """
-
-    def __init__(
-        self,
-        perf_estimator: PerfEstimator | None = None,
-        storage_estimator: StorageEstimator | None = None,
-    ) -> None:
+    def __init__(self, perf_estimator: ShardEstimator | None = None,
+                 storage_estimator: ShardEstimator | None = None) -> None:
         self.perf_estimator = perf_estimator or EmbeddingPerfEstimator()
         self.storage_estimator = storage_estimator or EmbeddingStorageEstimator()
 
-    def enumerate(
-        self, topology: Topology, workload: Workload, placements: dict[str, tuple[Placement, ...]]
-    ) -> dict[str, list[ShardingOption]]:
-        out: dict[str, list[ShardingOption]] = {}
-        for t in workload.tables:
-            opts = []
-            for placement in placements[t.name]:
-                opts.extend(self._table_options(t, placement, topology, workload))
-            out[t.name] = opts
-        return out
+    def enumerate(self, topology: Topology, workload: Workload,
+                  placements: dict[str, tuple[Placement, ...]]) -> dict[str, list[ShardingOption]]:
+        return {t.name: [o for p in placements[t.name] for o in self._table_options(t, p, topology, workload)]
+                for t in workload.tables}
 
-    def _table_options(
-        self, t: TableSpec, placement: Placement, topology: Topology, workload: Workload
-    ) -> list[ShardingOption]:
+    def _table_options(self, t: TableSpec, placement: Placement, topology: Topology,
+                       workload: Workload) -> list[ShardingOption]:
         w, local = topology.world_size, topology.local_world_size
         impl = workload.options.embedding.impl
         if placement.value not in impl.compute_kernels:
@@ -71,9 +57,7 @@ class EmbeddingEnumerator(Enumerator):
         zero_s, zero_p = Storage(), Perf()
         opts: list[ShardingOption] = []
 
-        def add(
-            sharding: ShardingType, shards: list[Shard], host: int | None = None, k: str = kernel
-        ) -> None:
+        def add(sharding: ShardingType, shards: list[Shard], host: int | None = None, k: str = kernel):
             opt = ShardingOption(t, sharding, placement, k, shards, host, ratio)
             self.storage_estimator.estimate(opt, topology, workload)
             self.perf_estimator.estimate(opt, topology, workload)

@@ -1,7 +1,5 @@
-"""Analytical cost model: bytes moved over the bandwidth that carries them, FLOPs over FLOP/s.
-
-Every function is pure and takes explicit units. Constants marked "empirical" are fitted or taken from
-measurements and are the ones to recalibrate (benchmarks/planner_validate.py) on new hardware.
+"""Analytical cost model: bytes moved over the bandwidth that carries them, FLOPs over FLOP/s. Constants
+marked "empirical" are fitted or measured: recalibrate them (benchmarks/planner_validate.py) on new hardware.
 """
 
 from __future__ import annotations
@@ -13,13 +11,13 @@ from anyrec.backends.hardware import EmbeddingCost
 from anyrec.backends.specs import DEFAULT_SCALE_OUT_LATENCY_S, DEFAULT_SCALE_UP_LATENCY_S
 from anyrec.planner.types import (
     Perf,
-    PerfEstimator,
     Placement,
     RankCost,
+    Shard,
+    ShardEstimator,
     ShardingOption,
     ShardingType,
     Storage,
-    StorageEstimator,
     TableSpec,
     Topology,
     Workload,
@@ -30,15 +28,12 @@ OUTPUT_BYTES = 4  # pooled embeddings and their gradients travel as fp32
 # empirical: streaming elementwise kernels (zero-fill, dense optimizer) vs peak; an H200 (2026-11-30) copied
 # at 4.18 of 4.8 TB/s.
 ELEMENTWISE_EFFICIENCY = 0.87
-COMMS_EFFICIENCY = 0.75  # empirical: NCCL/RCCL all-to-all and ring bus bandwidth / link bandwidth
+# empirical: NCCL/RCCL all-to-all and ring bus bandwidth / link bandwidth, where the spec measured none
+COMMS_EFFICIENCY = 0.75
 DENSE_EFFICIENCY = 0.5  # empirical: DLRM-size GEMMs reach about half of dense peak FLOP/s
 # empirical: recommendation ids follow a power law; 20% of rows take about 80% of lookups (Pareto),
 # so hit rate = ratio ** (ln 0.8 / ln 0.2) gives 0.8 at torchrec's default 0.2 cache ratio.
 _CACHE_HIT_EXPONENT = math.log(0.8) / math.log(0.2)
-# Data-parallel tables run torchrec's "dense" kernel: plain embedding bags, costed with the profile of
-# the embedding implementation that is plain torch ops (EmbeddingCost.dense_profile).
-
-
 # DDP all-reduces gradients in buckets of this many bytes (torch's default bucket_cap_mb=25): one
 # collective latency per bucket.
 DDP_BUCKET_BYTES = 25 * 2**20
@@ -46,7 +41,6 @@ DDP_BUCKET_BYTES = 25 * 2**20
 # forward; their gradients back): torchrec batches every table of one sharding type into these; a
 # torch.profiler trace of a 2-rank table-wise step counts 5 gloo all-to-alls per step (2026-12-01).
 EMBEDDING_A2A_PER_STEP = 5
-
 CPU_ACCESS_BYTES = 64  # one cache line
 # Dense-model optimizer state bytes per parameter; its keys are the optimizers the planner knows.
 OPTIMIZER_DENSE_STATE_BYTES = {"sgd": 0, "adagrad": 4, "rowwise_adagrad": 4, "adam": 8}
@@ -54,13 +48,6 @@ OPTIMIZER_DENSE_STATE_BYTES = {"sgd": 0, "adagrad": 4, "rowwise_adagrad": 4, "ad
 # shards gives each piece its own value, so the update would change with the plan.
 ROW_STATE_OPTIMIZERS = ("rowwise_adagrad",)
 COLUMN_SPLIT_SHARDINGS = ("column_wise", "table_column_wise")  # torchrec's types that split rows' columns
-
-
-def check_optimizer(optimizer: str) -> None:
-    """ValueError unless the planner knows the optimizer's state size."""
-    if optimizer not in OPTIMIZER_DENSE_STATE_BYTES:
-        known = ", ".join(sorted(OPTIMIZER_DENSE_STATE_BYTES))
-        raise ValueError(f"unknown optimizer {optimizer!r}; known: {known}")
 
 
 def inexact_update_reason(optimizer: str, sharding: str) -> str | None:
@@ -80,16 +67,14 @@ def state_bytes(optimizer: str, rows: int, dim: int, impl: Impl = FBGEMM_EMBEDDI
 
 
 def simd_utilisation(dim: int, simd_width: int) -> float:
-    """Fraction of SIMD lanes doing work when one wavefront/warp walks an embedding row.
+    """Fraction of SIMD lanes doing work when one wavefront/warp walks an embedding row."""
+    return dim / simd_lanes(dim, simd_width)
 
-    Rows at least as wide as the SIMD width are padded up to a multiple of it; narrower rows are
-    packed (several rows per wavefront), padded to a power of two.
-    """
-    if dim >= simd_width:
-        lanes = math.ceil(dim / simd_width) * simd_width
-    else:
-        lanes = 1 << (dim - 1).bit_length()
-    return dim / lanes
+
+def simd_lanes(dim: int, simd_width: int) -> int:
+    """SIMD lanes one row of `dim` occupies: rows at least as wide as the SIMD width pad up to a multiple
+    of it; narrower rows are packed (several per wavefront), padded to a power of two."""
+    return math.ceil(dim / simd_width) * simd_width if dim >= simd_width else 1 << (dim - 1).bit_length()
 
 
 def cache_hit_rate(cache_ratio: float) -> float:
@@ -109,28 +94,16 @@ def touched_rows(n_ids: float, rows: float) -> float:
     return -rows * math.expm1(-n_ids / rows)
 
 
-def lookup_time_s(
-    n_ids: float,
-    n_bags: float,
-    dim: int,
-    table: TableSpec,
-    placement: Placement,
-    topology: Topology,
-    optimizer: str,
-    embedding: EmbeddingCost,
-    cache_ratio: float = 0.0,
-    fused_optimizer: bool = True,
-    profile: KernelProfile | None = None,
-    rows: float | None = None,
-) -> tuple[float, float]:
+def lookup_time_s(n_ids: float, n_bags: float, dim: int, table: TableSpec, placement: Placement,
+                  topology: Topology, optimizer: str, embedding: EmbeddingCost, cache_ratio: float = 0.0,
+                  fused_optimizer: bool = True, profile: KernelProfile | None = None,
+                  rows: float | None = None) -> tuple[float, float]:
     """Forward and backward seconds for a shard that reads `n_ids` rows of width `dim` into `n_bags` bags.
 
     Both passes read the ids. Forward reads the rows and writes pooled outputs; backward reads output
-    gradients and, when the optimizer is fused into the backward (TBE), reads and writes each distinct
-    touched row and its optimizer state once (the kernels sort the ids and update each row once: of
-    `rows` rows, `touched_rows` are expected distinct); unfused (data-parallel), it scatter-adds every
-    id into a dense gradient instead. `embedding` is the implementation and its profile on this
-    hardware; `profile` overrides that profile; `rows` defaults to the table's.
+    gradients and, with the optimizer fused (TBE: ids sorted, each row updated once), reads and writes
+    each of the `touched_rows` of `rows` (default: the table's) and its optimizer state once; unfused
+    (data-parallel), it scatter-adds every id into a dense gradient. `profile` overrides `embedding`'s.
     """
     profile = profile or embedding.profile
     dev = topology.device
@@ -158,14 +131,6 @@ def lookup_time_s(
     return fwd_rows * per_byte + out_bytes / hbm_bw, bwd_rows * per_byte + out_bytes / hbm_bw
 
 
-def dense_update_time_s(weight_bytes: int, rows: int, dim: int, optimizer: str, topology: Topology) -> float:
-    """Seconds for the elementwise passes over a data-parallel table's dense gradient: zero-fill, then
-    the optimizer reads weights, gradient and state and writes weights and state."""
-    state = state_bytes(optimizer, rows, dim)
-    bw = topology.device.memory_bw_bytes_per_s * ELEMENTWISE_EFFICIENCY
-    return (4 * weight_bytes + 2 * state) / bw
-
-
 def link_latency_s(topology: Topology, inter_host: bool) -> float:
     """Fixed seconds of one collective over the scale-up (or scale-out) link: the spec's figure, else
     the default for SKUs that give none (anyrec.backends.specs)."""
@@ -173,11 +138,6 @@ def link_latency_s(topology: Topology, inter_host: bool) -> float:
     if inter_host:
         return dev.scale_out_latency_s or DEFAULT_SCALE_OUT_LATENCY_S
     return dev.scale_up_latency_s or DEFAULT_SCALE_UP_LATENCY_S
-
-
-def comms_efficiency(topology: Topology) -> float:
-    """Achieved bus bandwidth / link bandwidth: the spec's measured figure, else the empirical default."""
-    return topology.device.comms_efficiency or COMMS_EFFICIENCY
 
 
 def all_to_all_time_s(bytes_to_all: float, topology: Topology, latency: bool = True) -> float:
@@ -190,7 +150,7 @@ def all_to_all_time_s(bytes_to_all: float, topology: Topology, latency: bool = T
     intra = bytes_to_all * (local - 1) / w / dev.scale_up_bw_bytes_per_s if local > 1 else 0.0
     inter = bytes_to_all * (w - local) / w / dev.scale_out_bw_bytes_per_s if w > local else 0.0
     alpha = link_latency_s(topology, w > local) if latency else 0.0
-    return alpha + max(intra, inter) / comms_efficiency(topology)
+    return alpha + max(intra, inter) / (dev.comms_efficiency or COMMS_EFFICIENCY)
 
 
 def reduce_scatter_time_s(total_bytes: float, ranks: int, hosts: int, topology: Topology,
@@ -207,7 +167,7 @@ def reduce_scatter_time_s(total_bytes: float, ranks: int, hosts: int, topology: 
     if hosts > 1:
         t += total_bytes / per_host * (hosts - 1) / hosts / dev.scale_out_bw_bytes_per_s
         alpha += link_latency_s(topology, True) if latency else 0.0
-    return alpha + t / comms_efficiency(topology)
+    return alpha + t / (dev.comms_efficiency or COMMS_EFFICIENCY)
 
 
 def all_reduce_time_s(total_bytes: float, topology: Topology, latency: bool = True) -> float:
@@ -243,10 +203,9 @@ def split_fwd_bwd(seconds: float) -> Perf:
     return Perf(seconds / 3, 2 * seconds / 3, 0.0, 0.0)
 
 
-class EmbeddingPerfEstimator(PerfEstimator):
-    """Per-shard step time: lookup bytes over the placement's bandwidth, plus the comms each sharding
-    type needs (all-to-all for table/column-wise, reduce-scatter for row-wise, all-reduce for
-    data-parallel)."""
+class EmbeddingPerfEstimator(ShardEstimator):
+    """Per-shard step time: lookup bytes over the placement's bandwidth, plus the comms each sharding type
+    needs (all-to-all for table/column-wise, reduce-scatter for row-wise, all-reduce for data-parallel)."""
 
     def estimate(self, option: ShardingOption, topology: Topology, workload: Workload) -> None:
         t = option.table
@@ -255,29 +214,30 @@ class EmbeddingPerfEstimator(PerfEstimator):
         p, f = t.pooling_factor, t.num_features
         emb = workload.options.embedding
         opt = workload.optimizer
-        s0 = option.shards[0]
 
         def lookup(n_ids: float, n_bags: float, dim: int, rows: float) -> tuple[float, float]:
-            return lookup_time_s(
-                n_ids, n_bags, dim, t, option.placement, topology, opt, emb, option.cache_ratio, rows=rows
-            )
+            return lookup_time_s(n_ids, n_bags, dim, t, option.placement, topology, opt, emb,
+                                 option.cache_ratio, rows=rows)
 
         st = option.sharding
         if st == ShardingType.DATA_PARALLEL:
-            # The "dense" kernel (plain embedding bags) scatters into a dense gradient of the whole
-            # table, which is zeroed, all-reduced and stepped by the dense optimizer every step.
-            fwd, bwd = lookup_time_s(
-                b * p, b * f, t.embedding_dim, t, option.placement, topology, opt, emb,
-                fused_optimizer=False, profile=emb.dense_profile,
-            )
-            bwd += dense_update_time_s(t.weight_bytes, t.num_rows, t.embedding_dim, opt, topology)
+            # torchrec's "dense" kernel (plain embedding bags, costed with the plain-torch Impl's profile)
+            # scatters into a dense gradient of the whole table, zeroed, all-reduced and stepped by the
+            # dense optimizer every step.
+            fwd, bwd = lookup_time_s(b * p, b * f, t.embedding_dim, t, option.placement, topology, opt, emb,
+                                     fused_optimizer=False, profile=emb.dense_profile)
+            # Its elementwise passes: zero-fill, then the optimizer reads weights, gradient and state and
+            # writes weights and state.
+            state = state_bytes(opt, t.num_rows, t.embedding_dim)
+            bw = topology.device.memory_bw_bytes_per_s * ELEMENTWISE_EFFICIENCY
+            bwd += (4 * t.weight_bytes + 2 * state) / bw
             # DistributedModelParallel puts replicas' gradients in DDP's buckets with the dense model's:
             # their bytes count here, the buckets' latencies in DenseEstimator. Each replica's
             # bookkeeping (its lookup module, gradient and optimizer pass) is measured.
             perf = (Perf(fwd, bwd, 0.0, all_reduce_time_s(t.weight_bytes, topology, latency=False))
                     + split_fwd_bwd(topology.device.replicated_table_s))
         elif st in (ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE):
-            dim = s0.num_cols
+            dim = option.shards[0].num_cols
             fwd, bwd = lookup(g * p, g * f, dim, t.num_rows)
             ids = all_to_all_time_s(g * (p + f) * ID_BYTES, topology, latency=False)
             out = all_to_all_time_s(g * f * dim * OUTPUT_BYTES, topology, latency=False)
@@ -285,11 +245,10 @@ class EmbeddingPerfEstimator(PerfEstimator):
         elif st == ShardingType.ROW_WISE:
             fwd, bwd = lookup(g * p / w, g * f, t.embedding_dim, t.num_rows / w)
             ids = all_to_all_time_s(b * (p + f) * ID_BYTES, topology, latency=False)
-            rs = reduce_scatter_time_s(
-                g * f * t.embedding_dim * OUTPUT_BYTES, w, topology.num_hosts, topology, latency=False
-            )
+            rs = reduce_scatter_time_s(g * f * t.embedding_dim * OUTPUT_BYTES, w, topology.num_hosts,
+                                       topology, latency=False)
             perf = Perf(fwd, bwd, ids + rs, rs)
-        elif st == ShardingType.TABLE_ROW_WISE:
+        else:  # table-row-wise
             local = topology.local_world_size
             fwd, bwd = lookup(g * p / local, g * f, t.embedding_dim, t.num_rows / local)
             out_bytes = g * f * t.embedding_dim * OUTPUT_BYTES
@@ -297,13 +256,26 @@ class EmbeddingPerfEstimator(PerfEstimator):
             rs = reduce_scatter_time_s(out_bytes, local, 1, topology, latency=False)
             a2a = all_to_all_time_s(out_bytes / local, topology, latency=False)
             perf = Perf(fwd, bwd, ids + rs + a2a, rs + a2a)
-        else:  # pragma: no cover - enum is closed
-            raise AssertionError(st)
         for s in option.shards:
             s.perf = perf
 
 
-class EmbeddingStorageEstimator(StorageEstimator):
+def shard_data_bytes(option: ShardingOption, shard: Shard, topology: Topology,
+                     workload: Workload) -> tuple[int, int, int, int]:
+    """A shard's weight bytes (a data-parallel replica's with its dense gradient) and optimizer state
+    bytes, and how many bytes of them its placement keeps in HBM and in host DDR."""
+    weights = shard.num_rows * shard.num_cols * option.table.element_bytes
+    if option.sharding == ShardingType.DATA_PARALLEL:
+        weights *= 2
+    state = state_bytes(workload.optimizer, shard.num_rows, shard.num_cols, workload.options.embedding.impl)
+    if option.placement == Placement.HBM or topology.compute_device == "cpu":
+        return weights, state, weights + state, 0
+    if option.placement == Placement.UVM_CACHING:
+        return weights, state, int(option.cache_ratio * (weights + state)), weights + state
+    return weights, state, 0, weights + state
+
+
+class EmbeddingStorageEstimator(ShardEstimator):
     """Per-shard bytes: weights and optimizer state where the placement puts them, plus input ids and
     output/gradient buffers in HBM for every batch in flight (pipeline depth)."""
 
@@ -326,29 +298,18 @@ class EmbeddingStorageEstimator(StorageEstimator):
         for s in option.shards:
             key = (s.num_rows, s.num_cols)
             if key not in cache:
-                weights = s.num_rows * s.num_cols * t.element_bytes
-                state = state_bytes(workload.optimizer, s.num_rows, s.num_cols,
-                                    workload.options.embedding.impl)
+                _, _, hbm, ddr = shard_data_bytes(option, s, topology, workload)
                 out = bags * s.num_cols * OUTPUT_BYTES
                 buffers = int(depth * ((ids + bags) * ID_BYTES + out) + out)  # + output gradient
-                if st == ShardingType.DATA_PARALLEL:
-                    hbm, ddr = weights + state + weights, 0  # dense gradient of the replica
-                elif option.placement == Placement.HBM or topology.compute_device == "cpu":
-                    hbm, ddr = weights + state, 0
-                elif option.placement == Placement.UVM_CACHING:
-                    hbm, ddr = int(option.cache_ratio * (weights + state)), weights + state
-                else:
-                    hbm, ddr = 0, weights + state
                 cache[key] = Storage(hbm + buffers, ddr)
             s.storage = cache[key]
 
 
 class DenseEstimator:
-    """Per-rank cost that every plan pays: the data-parallel dense model (weights, gradients,
-    optimizer state, FLOPs, gradient all-reduce in DDP buckets) and the pooled embeddings of the local
-    batch, plus the fixed per-step costs batched over tables: the embedding implementation's launch
-    cost and the measured framework costs (`framework_time_s`). The embedding all-to-alls' latency
-    depends on the plan's sharding groups (`sharding_group_time_s`)."""
+    """Per-rank cost every plan pays: the data-parallel dense model (weights, gradients, optimizer state,
+    FLOPs, gradient all-reduce in DDP buckets), the local batch's pooled embeddings, and the fixed per-step
+    costs batched over tables (the embedding implementation's launch cost, `framework_time_s`); the
+    all-to-alls' latency depends on the plan (`sharding_group_time_s`)."""
 
     def estimate(self, topology: Topology, workload: Workload) -> RankCost:
         n = workload.dense_param_count
@@ -359,9 +320,8 @@ class DenseEstimator:
         hbm = n * (4 + 4 + dense_state) + opts.pipeline_depth * pooled + pooled
         hbm += b * opts.dense_activation_bytes_per_sample
         dev = topology.device
-        peak = dev.peak_bf16_flops if opts.dense_dtype in ("bf16", "fp16") else dev.peak_fp32_flops
-        if topology.compute_device == "cpu":
-            peak = dev.peak_fp32_flops
+        half = opts.dense_dtype in ("bf16", "fp16") and topology.compute_device != "cpu"
+        peak = dev.peak_bf16_flops if half else dev.peak_fp32_flops
         flops = 6.0 * n * b  # forward 2 FLOPs per parameter per sample, backward 4
         compute = flops / (peak * (dev.dense_efficiency or DENSE_EFFICIENCY)) if peak > 0 else 0.0
         buckets = max(1, math.ceil(4 * n / DDP_BUCKET_BYTES))

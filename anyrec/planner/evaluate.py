@@ -6,23 +6,11 @@ import dataclasses
 
 from anyrec.planner.enumerators import EmbeddingEnumerator
 from anyrec.planner.estimators import DenseEstimator, sharding_group_time_s, usable_caps
-from anyrec.planner.types import (
-    ALL_SHARDINGS,
-    Enumerator,
-    Placement,
-    PlanResult,
-    ShardingOption,
-    Topology,
-    Workload,
-)
+from anyrec.planner.types import ALL_SHARDINGS, Enumerator, Placement, PlanResult, Topology, Workload
 
 
-def evaluate_assignment(
-    assignment: dict[str, tuple[str, str, list[int]]],
-    topology: Topology,
-    workload: Workload,
-    enumerator: Enumerator | None = None,
-) -> PlanResult:
+def evaluate_assignment(assignment: dict[str, tuple[str, str, list[int]]], topology: Topology,
+                        workload: Workload, enumerator: Enumerator | None = None) -> PlanResult:
     """Cost a given plan (table -> (sharding, placement, ranks)) under anyrec's model, e.g. a torchrec
     plan. Column-wise takes as many shards as ranks listed; ranks are ignored for fixed-rank types."""
     enumerator = enumerator or EmbeddingEnumerator()
@@ -30,7 +18,7 @@ def evaluate_assignment(
     placements = {t.name: (Placement(assignment[t.name][1]),) for t in wl.tables}
     full = dataclasses.replace(wl.options, allowed_shardings=ALL_SHARDINGS, max_column_shards=1 << 30)
     options = enumerator.enumerate(topology, dataclasses.replace(wl, options=full), placements)
-    chosen: dict[str, ShardingOption] = {}
+    chosen = {}
     for t in wl.tables:
         sharding, _, ranks = assignment[t.name]
         match = [o for o in options[t.name] if o.sharding.value == sharding]
@@ -49,10 +37,8 @@ def evaluate_assignment(
                 s.rank = r
         chosen[t.name] = dataclasses.replace(opt, shards=shards)
     base = DenseEstimator().estimate(topology, wl)
-    return PlanResult(
-        chosen, topology, wl, base, usable_caps(topology, wl), "given", options_by_table=options,
-        group_s=sharding_group_time_s(topology),
-    )
+    return PlanResult(chosen, topology, wl, base, usable_caps(topology, wl), "given",
+                      options_by_table=options, group_s=sharding_group_time_s(topology))
 
 
 def evaluate_at_batch(plan: PlanResult, batch_size_per_rank: int) -> PlanResult:

@@ -1,8 +1,6 @@
-"""From a job's model and config to planner inputs: the one place the trainer and `anyrec-plan` share.
-
-Tables and the dense parameter count come from the model itself (the trainer's real one, or the
-meta-device one `anyrec-plan` builds), pooling factors from the data schema.
-"""
+"""From a job's model and config to planner inputs, as the trainer and `anyrec-plan` share them: tables and
+dense parameters from the model itself (the trainer's, or `anyrec-plan`'s on the meta device), pooling
+factors from the data schema."""
 
 from __future__ import annotations
 
@@ -38,32 +36,20 @@ def interaction_pairs(model: ModelConfig) -> int:
     return (len(model.table_rows) + 1) ** 2 if model.interaction == "dot" else 0
 
 
-def _dense_parameters(model: nn.Module, ebc: nn.Module) -> list[nn.Parameter]:
-    """Parameters of `model` outside its EmbeddingBagCollection `ebc` (replicated on every rank)."""
+def dense_parameters(model: nn.Module, ebc: nn.Module) -> list[nn.Parameter]:
+    """Parameters of `model` outside its EmbeddingBagCollection `ebc` (replicated on every rank; each
+    tensor has a per-step gradient and optimizer update)."""
     sparse = {id(p) for p in ebc.parameters()}
     return [p for p in model.parameters() if id(p) not in sparse]
 
 
-def dense_param_count(model: nn.Module, ebc: nn.Module) -> int:
-    """Parameters of `model` outside its EmbeddingBagCollection `ebc` (replicated on every rank)."""
-    return sum(p.numel() for p in _dense_parameters(model, ebc))
-
-
-def dense_tensor_count(model: nn.Module, ebc: nn.Module) -> int:
-    """Parameter tensors of `model` outside `ebc` (each has a per-step gradient and optimizer update)."""
-    return len(_dense_parameters(model, ebc))
-
-
 def plan_options(cfg: PlannerConfig, embedding: EmbeddingCost, optimizer: str,
                  device_type: str | None = None) -> dict[str, object]:
-    """PlanOptions fields from the `planner` config group, for the embedding implementation (and its
-    profiles on the hardware) `embedding` on a `device_type` device (a torch device type; None: any).
-
-    Only what the implementation can run (its Impl record) is offered to the search: no sharded
-    tables where its fused update lacks `optimizer` on the device (the trainer refuses those by the
-    same record). A forced `planner.sharding` it cannot run, or that would change `optimizer`'s
-    update, is a ValueError.
-    """
+    """PlanOptions fields from the `planner` config group for `embedding` (the implementation and its
+    profiles) on a `device_type` device (None: any). Only what the implementation runs is offered: no
+    sharded tables where its fused update lacks `optimizer` on the device (the trainer refuses those by
+    the same record); a forced `planner.sharding` it cannot run, or that would change `optimizer`'s
+    update, is a ValueError."""
     impl = embedding.impl
     placements = tuple(p for p in Placement if p.value in impl.compute_kernels)
     shardings = tuple(s for s in ShardingType if s != ShardingType.DATA_PARALLEL or impl.data_parallel)
@@ -72,13 +58,10 @@ def plan_options(cfg: PlannerConfig, embedding: EmbeddingCost, optimizer: str,
         shardings = tuple(s for s in shardings if s == ShardingType.DATA_PARALLEL)
         if not shardings:
             raise ValueError(f"optim={optimizer}: {no_fused} and cannot replicate tables")
-    opts: dict[str, object] = {
-        "embedding": embedding,
-        "uvm_cache_ratio": cfg.uvm_cache_ratio,
-        "reserve_fraction": cfg.memory_reserve_fraction,
-        "allowed_placements": placements if cfg.allow_uvm else (Placement.HBM,),
-        "allowed_shardings": shardings,
-    }
+    opts: dict[str, object] = {"embedding": embedding, "uvm_cache_ratio": cfg.uvm_cache_ratio,
+                               "reserve_fraction": cfg.memory_reserve_fraction,
+                               "allowed_placements": placements if cfg.allow_uvm else (Placement.HBM,),
+                               "allowed_shardings": shardings}
     if cfg.sharding != "auto":
         valid = [s.value for s in ShardingType]
         if cfg.sharding not in valid:
@@ -98,13 +81,12 @@ def plan_options(cfg: PlannerConfig, embedding: EmbeddingCost, optimizer: str,
 def planner_inputs(model: nn.Module, ebc: nn.Module, cfg_model: ModelConfig, cfg_planner: PlannerConfig,
                    optimizer: str, embedding: EmbeddingCost, device_type: str | None = None
                    ) -> tuple[list[TableSpec], int, dict[str, object]]:
-    """What the planner needs of `model` (EmbeddingBagCollection `ebc`): its tables, its dense
-    parameter count and the PlanOptions fields (the `planner` config group's and the model's) for a
-    `device_type` device."""
+    """What the planner needs of `model` (EmbeddingBagCollection `ebc`): its tables, its dense parameter
+    count and the PlanOptions fields (the `planner` config group's and the model's)."""
+    dense = dense_parameters(model, ebc)
     options = plan_options(cfg_planner, embedding, optimizer, device_type)
-    options.update(interaction_pairs=interaction_pairs(cfg_model),
-                   dense_tensors=dense_tensor_count(model, ebc))
-    return model_tables(ebc.embedding_bag_configs(), cfg_model), dense_param_count(model, ebc), options
+    options.update(interaction_pairs=interaction_pairs(cfg_model), dense_tensors=len(dense))
+    return model_tables(ebc.embedding_bag_configs(), cfg_model), sum(p.numel() for p in dense), options
 
 
 def plan_model(model: nn.Module, ebc: nn.Module, cfg_model: ModelConfig, cfg_planner: PlannerConfig,

@@ -1,9 +1,6 @@
-"""Choose one option per table and ranks for its shards: minimise the slowest rank's predicted time
-subject to every rank's HBM and DDR caps.
-
-`GreedyPerfPartitioner`: list scheduling, then local search under a budget of moves (not of time, so
-the plan depends only on the inputs). `ExhaustivePartitioner`: branch-and-bound, for small cases and
-as the tests' oracle.
+"""Choose one option per table and ranks for its shards: minimise the slowest rank's predicted time subject
+to every rank's HBM and DDR caps. `GreedyPerfPartitioner` searches under budgets of moves (not of time, so
+the plan depends only on the inputs); `ExhaustivePartitioner` is exact, for small cases and the tests.
 
 Both rank plans lexicographically: the slowest rank's time first; then, among plans within
 `makespan_tolerance` of the best makespan found, the least total work summed over ranks, then the least
@@ -108,23 +105,18 @@ class _State:
         self.D = np.full(w, float(base.storage.ddr_bytes))
         self.hcap, self.dcap = float(caps.hbm_bytes), float(caps.ddr_bytes)
 
-    def fit(self, c: _Cand, by_memory: bool = False) -> tuple[float, list[int] | None] | None:
-        """(makespan after adding c, ranks for placed shards), or None if c does not fit."""
+    def ranks(self, c: _Cand, by_memory: bool = False) -> list[int] | None:
+        """Ranks for the placed shards of a candidate `fit_all` found to fit, as it places them: the least
+        loaded (`by_memory`: least filled) ranks with room; None for an option with fixed ranks."""
         if c.fixed:
-            return (float((self.T + c.t_vec).max()), None) if self.fits(c, None) else None
+            return None
         ok = self.H <= self.hcap - c.h
         if c.d:
             ok &= self.D <= self.dcap - c.d
         key = np.where(ok, self.H if by_memory else self.T, np.inf)
         if c.k == 1:  # table-wise, the common case: one argmin instead of a sort
-            r = int(key.argmin())
-            if not ok[r]:
-                return None
-            return max(float(self.T.max()), float(self.T[r]) + c.t), [r]
-        if np.count_nonzero(ok) < c.k:
-            return None
-        ranks = np.argsort(key, kind="stable")[: c.k]
-        return float(max(self.T.max(), (self.T[ranks] + c.t).max())), [int(r) for r in ranks]
+            return [int(key.argmin())]
+        return [int(r) for r in np.argsort(key, kind="stable")[: c.k]]
 
     def fits(self, c: _Cand, ranks: list[int] | None) -> bool:
         """Whether c (its placed shards on `ranks`) stays within every rank's HBM and DDR caps."""
@@ -133,8 +125,8 @@ class _State:
         return not any(self.H[r] + c.h > self.hcap or self.D[r] + c.d > self.dcap for r in ranks)
 
     def fit_all(self, tab: _Table, by_memory: bool = False) -> np.ndarray:
-        """Makespan after adding each candidate of `tab` (inf where it does not fit): `fit` for all at
-        once, placing shards exactly as `fit` does."""
+        """Makespan after adding each candidate of `tab` (inf where it does not fit), all at once, with
+        placed shards where `ranks` puts them."""
         out = np.full(len(tab.cands), np.inf)
         tmax = float(self.T.max())
         if len(tab.p_idx):
@@ -164,10 +156,8 @@ class _State:
 
 
 def _better(a: tuple[float, float], b: tuple[float, float]) -> bool:
-    """Lexicographic (makespan, work) with a relative tolerance."""
-    if a[0] < b[0] * (1 - _REL_EPS):
-        return True
-    return a[0] <= b[0] * (1 + _REL_EPS) and a[1] < b[1] * (1 - _REL_EPS)
+    """Lexicographic order of (makespan, work) (or (work, comms)) with a relative tolerance."""
+    return a[0] < b[0] * (1 - _REL_EPS) or (a[0] <= b[0] * (1 + _REL_EPS) and a[1] < b[1] * (1 - _REL_EPS))
 
 
 class _Budget:
@@ -193,49 +183,28 @@ class _Budget:
 
 class GreedyPerfPartitioner(Partitioner):
     """Greedy list scheduling in descending cost with a lower-bound lookahead, local search for the
-    makespan, then moves that lower total work and comms while the makespan stays within tolerance.
+    makespan, then moves that lower total work and comms while the makespan stays within tolerance. Each
+    search stops when no move improves or its budget (`*_moves_per_table` x tables, at least `min_moves`)
+    is spent; a move re-places one table (all its options scored) or tries one swap of two tables."""
 
-    Each search stops when no move improves or its budget is spent; a move re-places one table (all
-    its options scored) or tries one swap of two tables. Budgets: `*_moves_per_table` x tables, at
-    least `min_moves`.
-    """
-
-    def __init__(
-        self,
-        local_search_moves_per_table: int = LOCAL_SEARCH_MOVES_PER_TABLE,
-        work_search_moves_per_table: int = WORK_SEARCH_MOVES_PER_TABLE,
-        rebalance_moves_per_table: int = REBALANCE_MOVES_PER_TABLE,
-        min_moves: int = MIN_SEARCH_MOVES,
-        makespan_tolerance: float = MAKESPAN_TOLERANCE,
-    ) -> None:
-        # Makespan passes after the greedy starts, shared over the starts.
-        self.local_search_moves_per_table = local_search_moves_per_table
-        # Total-work passes on the best start.
-        self.work_search_moves_per_table = work_search_moves_per_table
-        # Makespan passes that add no work, after the work passes, plus whatever the work passes left.
-        self.rebalance_moves_per_table = rebalance_moves_per_table
+    def __init__(self, local_search_moves_per_table: int = LOCAL_SEARCH_MOVES_PER_TABLE,
+                 work_search_moves_per_table: int = WORK_SEARCH_MOVES_PER_TABLE,
+                 rebalance_moves_per_table: int = REBALANCE_MOVES_PER_TABLE,
+                 min_moves: int = MIN_SEARCH_MOVES, makespan_tolerance: float = MAKESPAN_TOLERANCE) -> None:
+        # Per table: makespan moves after the greedy starts (shared over the starts), total-work moves on
+        # the best start, then makespan moves that add no work (plus whatever the work moves left).
+        self.moves_per_table = (local_search_moves_per_table, work_search_moves_per_table,
+                                rebalance_moves_per_table)
         self.min_moves = min_moves  # floor for each budget, for small cases
         self.makespan_tolerance = makespan_tolerance
         self.stats: dict[str, int] = {}  # moves used per phase by the last call (for reports)
 
     def budgets(self, n_tables: int) -> tuple[int, int, int]:
         """(local search, work search, rebalance) budgets in moves for `n_tables` tables."""
-        return tuple(
-            max(self.min_moves, per * n_tables)
-            for per in (
-                self.local_search_moves_per_table,
-                self.work_search_moves_per_table,
-                self.rebalance_moves_per_table,
-            )
-        )
+        return tuple(max(self.min_moves, per * n_tables) for per in self.moves_per_table)
 
-    def partition(
-        self,
-        options: dict[str, list[ShardingOption]],
-        topology: Topology,
-        base_per_rank: RankCost,
-        caps: Storage,
-    ) -> dict[str, ShardingOption] | None:
+    def partition(self, options: dict[str, list[ShardingOption]], topology: Topology, base_per_rank: RankCost,
+                  caps: Storage) -> dict[str, ShardingOption] | None:
         w = topology.world_size
         cands = {name: [_flatten(o, w) for o in opts] for name, opts in options.items()}
         if any(not cs for cs in cands.values()):
@@ -244,20 +213,18 @@ class GreedyPerfPartitioner(Partitioner):
         local_moves, work_moves, rebalance_moves = self.budgets(len(tabs))
         self.stats = {}
         # Multi-start: three scorings of the greedy step, each polished by local search; keep the best.
-        starts = [(False, "lookahead"), (False, "makespan"), (False, "work")]
+        starts = ("lookahead", "makespan", "work")
         best, best_key, best_state = None, None, None
         budget = _Budget(local_moves)
-        for i, (by_memory, scoring) in enumerate(starts):
+        for i, scoring in enumerate(starts):
             if best is not None and budget.spent:
                 break  # large cases: the later starts only run while the budget lasts
-            chosen = self._greedy(tabs, base_per_rank, w, caps, by_memory, scoring)
-            if chosen is None and i == 0:
-                chosen = self._greedy(tabs, base_per_rank, w, caps, True, scoring)
-            if chosen is None:
+            found = self._greedy(tabs, base_per_rank, w, caps, False, scoring)
+            if found is None and i == 0:  # placing by free memory may fit where placing by load did not
+                found = self._greedy(tabs, base_per_rank, w, caps, True, scoring)
+            if found is None:
                 continue
-            state = _State(base_per_rank, w, caps)
-            for c, ranks in chosen.values():
-                state.apply(c, ranks)
+            chosen, state = found
             # Each start gets an equal share of what is left; what it does not use passes on.
             share = _Budget(budget.left // (len(starts) - i))
             self._local_search(tabs, chosen, state, share)
@@ -300,12 +267,10 @@ class GreedyPerfPartitioner(Partitioner):
             else:
                 keys = (ms, tab.work)
             # lexsort sorts by the last key first and is stable, so ties keep the option order.
-            i = int(np.lexsort((*keys, ~fits))[0])
-            c = tab.cands[i]
-            best = (c, state.fit(c, by_memory)[1])
-            state.apply(*best)
-            chosen[name] = best
-        return chosen
+            c = tab.cands[int(np.lexsort((*keys, ~fits))[0])]
+            chosen[name] = (c, state.ranks(c, by_memory))
+            state.apply(*chosen[name])
+        return chosen, state
 
     def _reduce_work(self, tabs, chosen, state: _State, bound: float, budget: _Budget) -> None:
         """Re-place single tables at the option with the least (work, comms) whose makespan stays within
@@ -313,26 +278,19 @@ class GreedyPerfPartitioner(Partitioner):
         improved = True
         while improved and not budget.spent:
             improved = False
-            excess = {n: chosen[n][0].work - tabs[n].min_work for n in chosen}
             # Tables already at their least (work, comms) option cannot help.
             names = sorted((n for n in chosen if (chosen[n][0].work, chosen[n][0].comms) > tabs[n].ideal),
-                           key=lambda n: -excess[n])
+                           key=lambda n: -(chosen[n][0].work - tabs[n].min_work))
             for name in names:
                 tab, old = tabs[name], chosen[name]
                 if not budget.spend():
                     break
                 state.apply(*old, sign=-1.0)
-                ms = state.fit_all(tab)
-                ok = ms <= bound
-                i = int(np.lexsort((tab.comms, tab.work, ~ok))[0]) if ok.any() else -1
-                c = tab.cands[i] if i >= 0 else None
-                if c is not None and (
-                    c.work < old[0].work * (1 - _REL_EPS)
-                    or (c.work <= old[0].work * (1 + _REL_EPS) and c.comms < old[0].comms * (1 - _REL_EPS))
-                ):
-                    new = (c, state.fit(c)[1])
-                    state.apply(*new)
-                    chosen[name] = new
+                ok = state.fit_all(tab) <= bound
+                c = tab.cands[int(np.lexsort((tab.comms, tab.work, ~ok))[0])] if ok.any() else None
+                if c is not None and _better((c.work, c.comms), (old[0].work, old[0].comms)):
+                    chosen[name] = (c, state.ranks(c))
+                    state.apply(*chosen[name])
                     improved = True
                 else:
                     state.apply(*old)
@@ -345,21 +303,15 @@ class GreedyPerfPartitioner(Partitioner):
             improved = False
             bottleneck = int(np.argmax(state.T))
             cur = (float(state.T.max()), float(state.T.sum()))
-
-            def load_on_bottleneck(name: str, bottleneck: int = bottleneck) -> float:
-                c, ranks = chosen[name]
-                if c.fixed:
-                    return float(c.t_vec[bottleneck])
-                return c.t if bottleneck in ranks else 0.0
-
-            names = [n for n in chosen if load_on_bottleneck(n) > 0]
-            names.sort(key=lambda n: -load_on_bottleneck(n))
+            load = {n: float(c.t_vec[bottleneck]) if c.fixed else c.t if bottleneck in ranks else 0.0
+                    for n, (c, ranks) in chosen.items()}
+            names = sorted((n for n in chosen if load[n] > 0), key=lambda n: -load[n])
             for name in names:
                 if not budget.spend():
                     break
                 tab, old = tabs[name], chosen[name]
                 state.apply(*old, sign=-1.0)
-                # Every candidate's makespan at once, shards placed as `fit` places them.
+                # Every candidate's makespan at once, shards placed as `ranks` places them.
                 makespans = state.fit_all(tab).tolist()
                 rest = float(state.T.sum())
                 best, best_key = None, cur
@@ -374,7 +326,7 @@ class GreedyPerfPartitioner(Partitioner):
                 if best is None:
                     state.apply(*old)
                 else:
-                    chosen[name] = (best, state.fit(best)[1])
+                    chosen[name] = (best, state.ranks(best))
                     state.apply(*chosen[name])
                     improved = True
                     break
@@ -419,21 +371,14 @@ class ExhaustivePartitioner(Partitioner):
     @staticmethod
     def search_space(options: dict[str, list[ShardingOption]], world_size: int) -> int:
         """Number of complete assignments the exhaustive search would visit without pruning."""
-        size = 1
-        for opts in options.values():
-            size *= sum(1 if o.ranks_fixed else math.comb(world_size, len(o.shards)) for o in opts)
-        return size
+        return math.prod(sum(1 if o.ranks_fixed else math.comb(world_size, len(o.shards)) for o in opts)
+                         for opts in options.values())
 
     def __init__(self, makespan_tolerance: float = MAKESPAN_TOLERANCE) -> None:
         self.makespan_tolerance = makespan_tolerance
 
-    def partition(
-        self,
-        options: dict[str, list[ShardingOption]],
-        topology: Topology,
-        base_per_rank: RankCost,
-        caps: Storage,
-    ) -> dict[str, ShardingOption] | None:
+    def partition(self, options: dict[str, list[ShardingOption]], topology: Topology, base_per_rank: RankCost,
+                  caps: Storage) -> dict[str, ShardingOption] | None:
         w = topology.world_size
         cands = {name: [_flatten(o, w) for o in opts] for name, opts in options.items()}
         names = sorted(cands, key=lambda n: -min(c.work for c in cands[n]))

@@ -1,8 +1,5 @@
-"""The co-design planner: enumerate options, propose placements, partition, and explain the plan.
-
-Reads top to bottom: `make_workload` checks the inputs, `CoDesignPlanner.plan` tries HBM first, then
-the proposer's placements, and `_finish` wraps the chosen options in a PlanResult.
-"""
+"""The co-design planner: `make_workload` checks the inputs; `CoDesignPlanner.plan` enumerates options,
+tries HBM first, then the proposer's placements, partitions, and explains the plan it returns."""
 
 from __future__ import annotations
 
@@ -15,8 +12,8 @@ import time
 from anyrec.planner.advice import explain_infeasible, explain_tables
 from anyrec.planner.enumerators import MIN_COLUMN_SHARD_DIM, EmbeddingEnumerator
 from anyrec.planner.estimators import (
+    OPTIMIZER_DENSE_STATE_BYTES,
     DenseEstimator,
-    check_optimizer,
     inexact_update_reason,
     sharding_group_time_s,
     usable_caps,
@@ -44,19 +41,12 @@ from anyrec.planner.types import (
 logger = logging.getLogger(__name__)
 
 
-def make_workload(
-    tables: list[TableSpec],
-    batch_size_per_rank: int,
-    optimizer: str,
-    dense_param_count: int = 0,
-    options: PlanOptions | None = None,
-    **overrides: object,
-) -> Workload:
+def make_workload(tables: list[TableSpec], batch_size_per_rank: int, optimizer: str,
+                  dense_param_count: int = 0, options: PlanOptions | None = None,
+                  **overrides: object) -> Workload:
     """Validated Workload; `overrides` replace fields of `options` (e.g. allowed_placements=("hbm",)).
-
-    Sharding types that would change the optimizer's update are dropped from `allowed_shardings`;
-    when that leaves none, ValueError says why in one line.
-    """
+    Sharding types that would change the optimizer's update are dropped from `allowed_shardings`; when
+    that leaves none, ValueError says why in one line."""
     if not tables:
         raise ValueError("no tables to plan")
     names = [t.name for t in tables]
@@ -66,7 +56,9 @@ def make_workload(
         raise ValueError(f"batch_size_per_rank must be > 0, got {batch_size_per_rank}")
     if dense_param_count < 0:
         raise ValueError(f"dense_param_count must be >= 0, got {dense_param_count}")
-    check_optimizer(optimizer)
+    if optimizer not in OPTIMIZER_DENSE_STATE_BYTES:
+        known = ", ".join(sorted(OPTIMIZER_DENSE_STATE_BYTES))
+        raise ValueError(f"unknown optimizer {optimizer!r}; known: {known}")
     opts = dataclasses.replace(options or PlanOptions(), **overrides)
     exact = tuple(s for s in opts.allowed_shardings if inexact_update_reason(optimizer, s) is None)
     if not exact:
@@ -101,37 +93,20 @@ def _step_s(chosen: dict[str, ShardingOption], topology: Topology, base: RankCos
 class CoDesignPlanner:
     """Orchestrates enumerator -> proposer -> partitioner; collaborators are injectable."""
 
-    def __init__(
-        self,
-        enumerator: Enumerator | None = None,
-        proposer: Proposer | None = None,
-        partitioner: Partitioner | None = None,
-        exact_partitioner: Partitioner | None = None,
-        dense_estimator: DenseEstimator | None = None,
-    ) -> None:
+    def __init__(self, enumerator: Enumerator | None = None, proposer: Proposer | None = None,
+                 partitioner: Partitioner | None = None, exact_partitioner: Partitioner | None = None,
+                 dense_estimator: DenseEstimator | None = None) -> None:
         self.enumerator = enumerator or EmbeddingEnumerator()
         self.proposer = proposer or EscalatingPlacementProposer()
         self.partitioner = partitioner or GreedyPerfPartitioner()
         self.exact_partitioner = exact_partitioner or ExhaustivePartitioner()
         self.dense_estimator = dense_estimator or DenseEstimator()
 
-    def plan(
-        self,
-        tables: list[TableSpec],
-        topology: Topology,
-        batch_size_per_rank: int,
-        optimizer: str,
-        dense_param_count: int = 0,
-        options: PlanOptions | None = None,
-        **overrides: object,
-    ) -> PlanResult:
+    @_gc_paused()
+    def plan(self, tables: list[TableSpec], topology: Topology, batch_size_per_rank: int, optimizer: str,
+             dense_param_count: int = 0, options: PlanOptions | None = None,
+             **overrides: object) -> PlanResult:
         """Plan `tables` on `topology`; raises InfeasiblePlanError when nothing fits."""
-        with _gc_paused():
-            return self._plan(tables, topology, batch_size_per_rank, optimizer, dense_param_count, options,
-                              **overrides)
-
-    def _plan(self, tables, topology, batch_size_per_rank, optimizer, dense_param_count, options,
-              **overrides):
         start = time.perf_counter()
         wl = make_workload(tables, batch_size_per_rank, optimizer, dense_param_count, options, **overrides)
         allowed = wl.options.allowed_placements
@@ -144,7 +119,7 @@ class CoDesignPlanner:
         free = Storage(caps.hbm_bytes - base.storage.hbm_bytes, caps.ddr_bytes - base.storage.ddr_bytes)
         notes: list[str] = []
         if free.hbm_bytes <= 0:
-            raise InfeasiblePlanError(explain_infeasible(wl, topology, caps, base, None))
+            raise InfeasiblePlanError(explain_infeasible(wl, topology, caps, base))
 
         options = None
         if Placement.HBM in allowed:
@@ -172,13 +147,11 @@ class CoDesignPlanner:
             if result is not None:
                 moved = [n for n, p in proposal.items() if p != (Placement.HBM,)]
                 if moved:
-                    notes.append(
-                        f"{len(moved)} of {len(wl.tables)} tables leave HBM: all tables in HBM need more "
-                        f"than the {free.hbm_bytes * topology.world_size / 1e9:.1f} GB free over "
-                        f"{topology.world_size} x {topology.device.name}"
-                    )
+                    notes.append(f"{len(moved)} of {len(wl.tables)} tables leave HBM: all tables in HBM need "
+                                 f"more than the {free.hbm_bytes * topology.world_size / 1e9:.1f} GB free "
+                                 f"over {topology.world_size} x {topology.device.name}")
                 return self._finish(result, restricted, topology, wl, base, caps, start, notes)
-        raise InfeasiblePlanError(explain_infeasible(wl, topology, caps, base, options))
+        raise InfeasiblePlanError(explain_infeasible(wl, topology, caps, base))
 
     def _partition(self, options, topology, wl, base, caps):
         """The search's plan; when it uses several sharding types, also the best plan with one of them
@@ -205,14 +178,11 @@ class CoDesignPlanner:
         return best
 
     def _search(self, options, topology, wl, base, caps):
-        exact = (
-            ExhaustivePartitioner.search_space(options, topology.world_size) <= wl.options.exhaustive_limit
-        )
+        space = ExhaustivePartitioner.search_space(options, topology.world_size)
+        exact = space <= wl.options.exhaustive_limit
         part = self.exact_partitioner if exact else self.partitioner
         chosen = part.partition(options, topology, base, caps)
-        if chosen is None:
-            return None
-        return chosen, ("exhaustive" if exact else "greedy")
+        return None if chosen is None else (chosen, "exhaustive" if exact else "greedy")
 
     def _finish(self, result, options, topology, wl, base, caps, start, notes) -> PlanResult:
         chosen, solver = result
@@ -221,13 +191,7 @@ class CoDesignPlanner:
                           group_s=sharding_group_time_s(topology))
         plan.reasons = explain_tables(plan)
         plan.plan_time_s = time.perf_counter() - start
-        logger.info(
-            "planned %d tables on %d x %s in %.3f s (%s): predicted step %.3f ms",
-            len(wl.tables),
-            topology.world_size,
-            topology.device.name,
-            plan.plan_time_s,
-            solver,
-            plan.predicted_step_s * 1e3,
-        )
+        logger.info("planned %d tables on %d x %s in %.3f s (%s): predicted step %.3f ms", len(wl.tables),
+                    topology.world_size, topology.device.name, plan.plan_time_s, solver,
+                    plan.predicted_step_s * 1e3)
         return plan

@@ -17,27 +17,18 @@ def _tier_costs(opts: list[ShardingOption]) -> dict[Placement, tuple[float, floa
     """Per placement: (min total HBM bytes, min per-rank HBM bytes, min total seconds) over options."""
     out: dict[Placement, tuple[float, float, float]] = {}
     for o in opts:
-        total = float(sum(s.storage.hbm_bytes for s in o.shards))
-        per_rank = float(max(s.storage.hbm_bytes for s in o.shards))
-        work = o.total_perf_s
-        if o.placement in out:
-            a, b, c = out[o.placement]
-            out[o.placement] = (min(a, total), min(b, per_rank), min(c, work))
-        else:
-            out[o.placement] = (total, per_rank, work)
+        hbm = [s.storage.hbm_bytes for s in o.shards]
+        cost = (float(sum(hbm)), float(max(hbm)), o.total_perf_s)
+        prev = out.get(o.placement)
+        out[o.placement] = cost if prev is None else tuple(map(min, prev, cost))
     return out
 
 
 class EscalatingPlacementProposer(Proposer):
     """HBM -> UVM caching -> DDR, one table at a time in order of least time lost per byte freed."""
 
-    def proposals(
-        self,
-        options: dict[str, list[ShardingOption]],
-        topology: Topology,
-        free: Storage,
-        workload: Workload,
-    ) -> list[dict[str, tuple[Placement, ...]]]:
+    def proposals(self, options: dict[str, list[ShardingOption]], topology: Topology, free: Storage,
+                  workload: Workload) -> list[dict[str, tuple[Placement, ...]]]:
         costs = {name: _tier_costs(opts) for name, opts in options.items()}
         tiers = {name: [p for p in TIERS if p in c] for name, c in costs.items()}
         level = dict.fromkeys(options, 0)
@@ -45,9 +36,6 @@ class EscalatingPlacementProposer(Proposer):
         for name, c in costs.items():
             while level[name] < len(tiers[name]) - 1 and c[tiers[name][level[name]]][1] > free.hbm_bytes:
                 level[name] += 1
-
-        def demand() -> float:
-            return sum(costs[n][tiers[n][level[n]]][0] for n in options)
 
         def penalty(name: str) -> tuple[float, str] | None:
             i = level[name]
@@ -62,7 +50,7 @@ class EscalatingPlacementProposer(Proposer):
         heap = [p for p in (penalty(n) for n in options) if p is not None]
         heapq.heapify(heap)
         total_free = float(free.hbm_bytes) * topology.world_size
-        current = demand()
+        current = sum(costs[n][tiers[n][level[n]]][0] for n in options)  # HBM bytes the placements need
         out: list[dict[str, tuple[Placement, ...]]] = []
         for fill in FILL_TARGETS:
             while current > fill * total_free and heap:

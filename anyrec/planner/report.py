@@ -4,14 +4,14 @@ SKU comparison, the `plan.output` JSON (written atomically) and the plan picture
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 from anyrec.io_checks import atomic_write
-from anyrec.planner.advice import co_design_advice
-from anyrec.planner.estimators import state_bytes
-from anyrec.planner.hosts import host_summary, table_row_wise_count
+from anyrec.planner.advice import GB, alternatives_s, co_design_advice
+from anyrec.planner.estimators import shard_data_bytes
 from anyrec.planner.types import Placement, PlanResult, ShardingType
 
-GB = 1e9
+TWRW = ShardingType.TABLE_ROW_WISE
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -21,96 +21,118 @@ def _ranks(ranks: list[int]) -> str:
     return ",".join(map(str, rs))
 
 
+def table_row_wise_count(plan: PlanResult) -> str:
+    """'k of n': the plan's tables that are table-row-wise."""
+    return f"{sum(o.sharding == TWRW for o in plan.tables.values())} of {len(plan.tables)}"
+
+
+def host_summary(plan: PlanResult) -> str:
+    """One paragraph: the hosts, the links between them, and the table-row-wise count with its reason.
+
+    Table-row-wise keeps a table's rows on one host: the lookups split over its ranks, the pooled outputs
+    are reduced over scale-up, and only that host's share of the output crosses hosts over scale-out
+    (row-wise spreads the rows over every rank and reduces across hosts).
+    """
+    topo = plan.topology
+    dev = topo.device
+    head = (f"hosts: {topo.num_hosts} x {topo.local_world_size} ranks; scale-up "
+            f"{dev.scale_up_bw_bytes_per_s / GB:.0f} GB/s, scale-out "
+            f"{dev.scale_out_bw_bytes_per_s / GB:.0f} GB/s per device (one way)")
+    twrw = [n for n, o in plan.tables.items() if o.sharding == TWRW]
+    n = len(plan.tables)
+    if topo.num_hosts == 1:
+        return f"{head}; table_row_wise: 0 of {n} tables (it needs more than one host)"
+    if plan.workload.options.allowed_shardings == (TWRW,):
+        return f"{head}; table_row_wise: {len(twrw)} of {n} tables, forced (planner.sharding=table_row_wise)"
+    if not twrw:
+        return f"{head}; table_row_wise: 0 of {n} tables (another sharding is cheaper for every table)"
+    per_host = Counter(plan.tables[name].host for name in twrw)
+    balanced = plan.lower_bound_s - plan.base.perf.total_s  # the mean rank load the search aims at
+    work = rw_work = 0.0
+    beats_rw = too_big = too_slow = 0
+    for name in twrw:
+        own = plan.tables[name].total_perf_s
+        alts = alternatives_s(plan, name)
+        rw, tw = alts.get(ShardingType.ROW_WISE), alts.get(ShardingType.TABLE_WISE)
+        if rw is not None and own < rw:
+            beats_rw += 1
+            work, rw_work = work + own, rw_work + rw
+        if tw is None:
+            too_big += 1
+        elif tw > balanced:
+            too_slow += 1
+    why = []
+    if beats_rw:
+        why.append(f"{beats_rw} do less work than row_wise over all {topo.world_size} ranks "
+                   f"({work * 1e3:.3f} vs {rw_work * 1e3:.3f} ms: the reduce stays on scale-up, only "
+                   f"1/{topo.local_world_size} of the pooled output crosses hosts)")
+    if too_slow or too_big:
+        why.append(f"as a whole copy on one rank {too_slow} would exceed the balanced rank load "
+                   f"({balanced * 1e3:.3f} ms) and {too_big} would not fit")
+    hosts = "/".join(str(per_host[h]) for h in range(topo.num_hosts))
+    return (f"{head}; table_row_wise: {len(twrw)} of {n} tables (per host {hosts}): "
+            + ("; ".join(why) or "the least predicted step time"))
+
+
 def format_report(plan: PlanResult, advice: bool = True, max_tables: int = 60) -> str:
     """Per rank: memory used/cap, predicted compute and comms; per table: sharding, placement, ranks, why."""
     topo, wl = plan.topology, plan.workload
-    lines = []
-    lb = plan.lower_bound_s
-    step = plan.predicted_step_s
+    lb, step = plan.lower_bound_s, plan.predicted_step_s
     gap = (step / lb - 1) if lb > 0 else 0.0
-    lines.append(
+    lines = [
         f"anyrec plan: {len(wl.tables)} tables on {topo.world_size} x {topo.device.name} "
         f"({topo.num_hosts} host(s) x {topo.local_world_size}), batch {wl.batch_size_per_rank}/rank, "
-        f"{wl.optimizer}, kernel {wl.options.kernel}, compute device {topo.compute_device}"
-    )
-    lines.append(
+        f"{wl.optimizer}, kernel {wl.options.embedding.name}, compute device {topo.compute_device}",
         f"predicted step {step * 1e3:.3f} ms (slowest rank); lower bound {lb * 1e3:.3f} ms, gap {gap:.1%}; "
-        f"solver {plan.solver}, planned in {plan.plan_time_s:.3f} s"
-    )
-    lines.append(host_summary(plan))
-    lines.append("")
-    lines.append(
+        f"solver {plan.solver}, planned in {plan.plan_time_s:.3f} s",
+        host_summary(plan),
+        "",
         f"{'rank':>4}  {'HBM used / cap GB':>19}  {'DDR GB':>7}  {'compute ms':>10}  {'comms ms':>9}  "
-        f"{'total ms':>9}"
-    )
-    for r, (st, pf) in enumerate(zip(plan.rank_storage, plan.rank_perf, strict=False)):
-        lines.append(
-            f"{r:>4}  {st.hbm_bytes / GB:>8.1f} / {topo.hbm_bytes_per_rank / GB:>8.1f}  "
-            f"{st.ddr_bytes / GB:>7.1f}  "
-            f"{pf.compute_s * 1e3:>10.3f}  {pf.comms_s * 1e3:>9.3f}  {pf.total_s * 1e3:>9.3f}"
-        )
-    lines.append(
+        f"{'total ms':>9}",
+    ]
+    lines += [f"{r:>4}  {st.hbm_bytes / GB:>8.1f} / {topo.hbm_bytes_per_rank / GB:>8.1f}  "
+              f"{st.ddr_bytes / GB:>7.1f}  {pf.compute_s * 1e3:>10.3f}  {pf.comms_s * 1e3:>9.3f}  "
+              f"{pf.total_s * 1e3:>9.3f}"
+              for r, (st, pf) in enumerate(zip(plan.rank_storage, plan.rank_perf, strict=False))]
+    lines += [
         f"(HBM cap less reserve: {plan.caps.hbm_bytes / GB:.1f} GB usable; dense model and local buffers "
-        f"{plan.base.storage.hbm_bytes / GB:.2f} GB and {plan.base.perf.total_s * 1e3:.3f} ms per rank)"
-    )
-    lines.append("")
-    lines.append(
+        f"{plan.base.storage.hbm_bytes / GB:.2f} GB and {plan.base.perf.total_s * 1e3:.3f} ms per rank)",
+        "",
         f"{'table':<14} {'rows':>10} {'dim':>4} {'pool':>5} {'sharding':<16} {'placement':<11} "
-        f"{'kernel':<17} {'ranks':<9} why"
-    )
+        f"{'kernel':<17} {'ranks':<9} why",
+    ]
     items = list(plan.tables.items())
     if len(items) > max_tables:
         items = sorted(items, key=lambda kv: -kv[1].total_perf_s)[:max_tables]
     for name, opt in items:
         sh = opt.sharding.value + (f"x{opt.num_shards}" if opt.sharding == ShardingType.COLUMN_WISE else "")
         t = opt.table
-        lines.append(
-            f"{name:<14} {t.num_rows:>10} {t.embedding_dim:>4} {t.pooling_factor:>5.0f} {sh:<16} "
-            f"{opt.placement.value:<11} {opt.compute_kernel:<17} {_ranks(opt.ranks):<9} "
-            f"{plan.reasons.get(name, '')}"
-        )
+        lines.append(f"{name:<14} {t.num_rows:>10} {t.embedding_dim:>4} {t.pooling_factor:>5.0f} "
+                     f"{sh:<16} {opt.placement.value:<11} {opt.compute_kernel:<17} {_ranks(opt.ranks):<9} "
+                     f"{plan.reasons.get(name, '')}")
     if len(plan.tables) > max_tables:
         lines.append(f"... {len(plan.tables) - max_tables} cheaper tables not shown")
-    for note in plan.notes:
-        lines.append(f"note: {note}")
+    lines += [f"note: {note}" for note in plan.notes]
     if advice:
-        lines.append("")
-        lines.append("co-design advice:")
-        lines.extend(f"  - {a}" for a in co_design_advice(plan))
+        lines += ["", "co-design advice:", *(f"  - {a}" for a in co_design_advice(plan))]
     return "\n".join(lines)
 
 
 def plan_json(plan: PlanResult) -> dict:
     """The plan as the JSON schema of `plan.output`: per rank memory and time, per table sharding,
     placement, torchrec compute kernel and ranks."""
-    ranks = []
-    for r, (st, pf) in enumerate(zip(plan.rank_storage, plan.rank_perf, strict=True)):
-        ranks.append(
-            {
-                "rank": r,
-                "hbm_bytes": int(st.hbm_bytes),
-                "hbm_cap_bytes": int(plan.topology.hbm_bytes_per_rank),
-                "ddr_bytes": int(st.ddr_bytes),
-                "predicted_ms": pf.total_s * 1e3,
-            }
-        )
+    ranks = [
+        {"rank": r, "hbm_bytes": int(st.hbm_bytes), "hbm_cap_bytes": int(plan.topology.hbm_bytes_per_rank),
+         "ddr_bytes": int(st.ddr_bytes), "predicted_ms": pf.total_s * 1e3}
+        for r, (st, pf) in enumerate(zip(plan.rank_storage, plan.rank_perf, strict=True))
+    ]
     tables = [
-        {
-            "name": name,
-            "sharding": opt.sharding.value,
-            "placement": opt.placement.value,
-            "kernel": opt.compute_kernel,
-            "ranks": sorted(set(opt.ranks)),
-        }
+        {"name": name, "sharding": opt.sharding.value, "placement": opt.placement.value,
+         "kernel": opt.compute_kernel, "ranks": sorted(set(opt.ranks))}
         for name, opt in plan.tables.items()
     ]
-    return {
-        "hardware": plan.topology.device.name,
-        "world_size": plan.topology.world_size,
-        "predicted_step_ms": plan.predicted_step_s * 1e3,
-        "ranks": ranks,
-        "tables": tables,
-    }
+    return {"hardware": plan.topology.device.name, "world_size": plan.topology.world_size,
+            "predicted_step_ms": plan.predicted_step_s * 1e3, "ranks": ranks, "tables": tables}
 
 
 def write_json_atomic(path: str, data: dict) -> None:
@@ -120,46 +142,38 @@ def write_json_atomic(path: str, data: dict) -> None:
         f.write("\n")
 
 
+def _compare_summary(p: PlanResult) -> dict[str, str]:
+    slowest = max(p.rank_perf, key=lambda x: x.total_s)
+    placed = Counter(o.placement for o in p.tables.values())
+    return {
+        "hardware": f"{p.topology.world_size} x {p.topology.device.name}",
+        "HBM per device": f"{p.topology.hbm_bytes_per_rank / GB:.0f} GB",
+        "HBM bandwidth": f"{p.topology.device.memory_bw_bytes_per_s / 1e12:.2f} TB/s",
+        "max HBM used": f"{max(s.hbm_bytes for s in p.rank_storage) / GB:.1f} GB",
+        "tables in HBM / UVM / DDR": " / ".join(str(placed[k]) for k in Placement),
+        "table_row_wise tables": table_row_wise_count(p),
+        "predicted step": f"{p.predicted_step_s * 1e3:.3f} ms",
+        "slowest rank compute": f"{slowest.compute_s * 1e3:.3f} ms",
+        "slowest rank comms": f"{slowest.comms_s * 1e3:.3f} ms",
+    }
+
+
 def format_compare(a: PlanResult, b: PlanResult) -> str:
     """Two plans of the same workload on two SKUs side by side, and what memory density changes."""
-    rows = []
-
-    def summary(p: PlanResult) -> dict[str, str]:
-        st, pf = p.rank_storage, p.rank_perf
-        pl = p.placements()
-        return {
-            "hardware": f"{p.topology.world_size} x {p.topology.device.name}",
-            "HBM per device": f"{p.topology.hbm_bytes_per_rank / GB:.0f} GB",
-            "HBM bandwidth": f"{p.topology.device.memory_bw_bytes_per_s / 1e12:.2f} TB/s",
-            "max HBM used": f"{max(s.hbm_bytes for s in st) / GB:.1f} GB",
-            "tables in HBM / UVM / DDR": (
-                f"{len(pl[Placement.HBM])} / {len(pl[Placement.UVM_CACHING])} / {len(pl[Placement.DDR])}"
-            ),
-            "table_row_wise tables": table_row_wise_count(p),
-            "predicted step": f"{p.predicted_step_s * 1e3:.3f} ms",
-            "slowest rank compute": f"{max(pf, key=lambda x: x.total_s).compute_s * 1e3:.3f} ms",
-            "slowest rank comms": f"{max(pf, key=lambda x: x.total_s).comms_s * 1e3:.3f} ms",
-        }
-
-    sa, sb = summary(a), summary(b)
+    sa, sb = _compare_summary(a), _compare_summary(b)
     w = max(len(k) for k in sa) + 2
-    for k in sa:
-        rows.append(f"{k:<{w}} {sa[k]:>22} {sb[k]:>22}")
+    rows = [f"{k:<{w}} {sa[k]:>22} {sb[k]:>22}" for k in sa]
     da, db = a.topology.device, b.topology.device
-    ratio = da.memory_bytes / db.memory_bytes
-    rows.append("")
-    rows.append(
+    rows += [
+        "",
         f"memory density: {da.name} {da.memory_bytes / GB:.0f} GB vs {db.name} {db.memory_bytes / GB:.0f} GB "
-        f"= {ratio:.2f}x; predicted step ratio {a.predicted_step_s / b.predicted_step_s:.2f}x"
-    )
-    changed = [
-        n
-        for n in a.tables
-        if (a.tables[n].sharding, a.tables[n].placement) != (b.tables[n].sharding, b.tables[n].placement)
+        f"= {da.memory_bytes / db.memory_bytes:.2f}x; predicted step ratio "
+        f"{a.predicted_step_s / b.predicted_step_s:.2f}x",
     ]
-    for n in changed[:20]:
-        oa, ob = a.tables[n], b.tables[n]
-        rows.append(f"  {n}: {oa.label()} on {da.name} -> {ob.label()} on {db.name}")
+    changed = [n for n, o in a.tables.items() if (o.sharding, o.placement) != (b.tables[n].sharding,
+                                                                                b.tables[n].placement)]
+    rows += [f"  {n}: {a.tables[n].label()} on {da.name} -> {b.tables[n].label()} on {db.name}"
+             for n in changed[:20]]
     if len(changed) > 20:
         rows.append(f"  ... {len(changed) - 20} more tables change")
     if not changed:
@@ -170,29 +184,17 @@ def format_compare(a: PlanResult, b: PlanResult) -> str:
 def memory_breakdown(plan: PlanResult) -> dict[str, list[float]]:
     """Per-rank HBM bytes by kind: weights, optimizer state, caches, buffers, dense + local buffers."""
     w = plan.topology.world_size
-    kinds = {
-        k: [0.0] * w
-        for k in ("dense + local buffers", "weights", "optimizer state", "uvm cache", "sharded buffers")
-    }
-    for r in range(w):
-        kinds["dense + local buffers"][r] = plan.base.storage.hbm_bytes
+    names = ("dense + local buffers", "weights", "optimizer state", "uvm cache", "sharded buffers")
+    kinds = {k: [0.0] * w for k in names}
+    kinds["dense + local buffers"] = [plan.base.storage.hbm_bytes] * w
     for opt in plan.tables.values():
-        t = opt.table
         for s in opt.shards:
-            wt = s.num_rows * s.num_cols * t.element_bytes
-            stb = state_bytes(plan.workload.optimizer, s.num_rows, s.num_cols,
-                              plan.workload.options.embedding.impl)
-            if opt.sharding == ShardingType.DATA_PARALLEL:
-                wt *= 2  # replica + its dense gradient
+            wt, stb, held, _ = shard_data_bytes(opt, s, plan.topology, plan.workload)
             if opt.placement == Placement.HBM or plan.topology.compute_device == "cpu":
-                held = wt + stb
                 kinds["weights"][s.rank] += wt
                 kinds["optimizer state"][s.rank] += stb
             elif opt.placement == Placement.UVM_CACHING:
-                held = int(opt.cache_ratio * (wt + stb))
                 kinds["uvm cache"][s.rank] += held
-            else:
-                held = 0
             kinds["sharded buffers"][s.rank] += s.storage.hbm_bytes - held
     return kinds
 
@@ -205,7 +207,7 @@ def plot_plan(plan: PlanResult, path: str, compare: PlanResult | None = None) ->
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    plans = [plan] + ([compare] if compare is not None else [])
+    plans = [plan] if compare is None else [plan, compare]
     fig, axes = plt.subplots(2, len(plans), figsize=(6 * len(plans) + 2, 7), squeeze=False)
     colors = ["#8c8c8c", "#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd"]
     for col, p in enumerate(plans):
@@ -218,18 +220,14 @@ def plot_plan(plan: PlanResult, path: str, compare: PlanResult | None = None) ->
             bottom = [b + v / GB for b, v in zip(bottom, vals, strict=False)]
         ax_m.axhline(p.topology.hbm_bytes_per_rank / GB, color="red", linestyle="--", label="HBM cap")
         ax_m.axhline(p.caps.hbm_bytes / GB, color="red", linestyle=":", label="cap less reserve")
-        ax_m.set_title(f"{p.topology.world_size} x {p.topology.device.name}: HBM per rank")
-        ax_m.set_ylabel("GB")
-        ax_m.set_ylim(0, max(max(bottom), p.topology.hbm_bytes_per_rank / GB) * 1.08)
-        perf = p.rank_perf
-        comp = [x.compute_s * 1e3 for x in perf]
-        comm = [x.comms_s * 1e3 for x in perf]
+        ax_m.set(title=f"{p.topology.world_size} x {p.topology.device.name}: HBM per rank", ylabel="GB",
+                 ylim=(0, max(max(bottom), p.topology.hbm_bytes_per_rank / GB) * 1.08))
+        comp = [x.compute_s * 1e3 for x in p.rank_perf]
+        comm = [x.comms_s * 1e3 for x in p.rank_perf]
         ax_t.bar(ranks, comp, label="compute", color="#1f77b4")
         ax_t.bar(ranks, comm, bottom=comp, label="comms", color="#d62728")
-        ax_t.set_title(f"predicted step {p.predicted_step_s * 1e3:.3f} ms (slowest rank)")
-        ax_t.set_xlabel("rank")
-        ax_t.set_ylabel("ms")
-        ax_t.set_ylim(0, max(c + m for c, m in zip(comp, comm, strict=True)) * 1.08)
+        ax_t.set(title=f"predicted step {p.predicted_step_s * 1e3:.3f} ms (slowest rank)", xlabel="rank",
+                 ylabel="ms", ylim=(0, max(c + m for c, m in zip(comp, comm, strict=True)) * 1.08))
     # One legend per row, outside the plot area to the right, so it never covers a bar.
     for ax in (axes[0][-1], axes[1][-1]):
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, frameon=False)

@@ -1,7 +1,5 @@
-"""A simple balanced planner: big tables row-wise, the rest table-wise by greedy size balance.
-
-The fallback next to the co-design planner, and the way tests force a sharding type.
-"""
+"""A simple balanced planner: big tables row-wise, the rest table-wise by greedy size balance (the fallback
+next to the co-design planner, and the way tests force a sharding type)."""
 
 from __future__ import annotations
 
@@ -17,27 +15,20 @@ from anyrec.planner.types import ShardingType
 SHARDINGS = tuple(s.value for s in ShardingType)
 
 
-def simple_table_shardings(
-    tables: list[EmbeddingBagConfig], world_size: int,
-    row_wise_min_rows: int = 10_000, force: str = "auto", optimizer: str | None = None,
-) -> dict[str, tuple[str, list[int]]]:
-    """Per table: (sharding type, ranks). Largest-first greedy balance of bytes for table-wise.
-
-    A forced sharding type that would change `optimizer`'s update (see
-    `estimators.inexact_update_reason`) raises ValueError; auto never picks one.
-    """
+def simple_table_shardings(tables: list[EmbeddingBagConfig], world_size: int, row_wise_min_rows: int = 10_000,
+                           force: str = "auto",
+                           optimizer: str | None = None) -> dict[str, tuple[str, list[int]]]:
+    """Per table: (sharding type, ranks); table-wise ones by largest-first greedy balance of bytes. A forced
+    sharding type that would change `optimizer`'s update raises ValueError; auto never picks one."""
     if force not in ("auto", *SHARDINGS):
         raise ValueError(f"unknown sharding {force!r}; choose auto or one of {', '.join(SHARDINGS)}")
-    if force != "auto" and optimizer is not None:
-        reason = inexact_update_reason(optimizer, force)
-        if reason is not None:
-            raise ValueError(f"planner.sharding={force}: {reason}")
+    if force != "auto" and optimizer is not None and (reason := inexact_update_reason(optimizer, force)):
+        raise ValueError(f"planner.sharding={force}: {reason}")
     load = [0] * world_size
     out: dict[str, tuple[str, list[int]]] = {}
     for t in sorted(tables, key=lambda t: t.num_embeddings * t.embedding_dim, reverse=True):
-        kind = force
-        if kind == "auto":
-            kind = "row_wise" if world_size > 1 and t.num_embeddings >= row_wise_min_rows else "table_wise"
+        kind = force if force != "auto" else (
+            "row_wise" if world_size > 1 and t.num_embeddings >= row_wise_min_rows else "table_wise")
         if kind == "table_wise":
             r = min(range(world_size), key=lambda i: load[i])
             load[r] += t.num_embeddings * t.embedding_dim

@@ -1,13 +1,9 @@
-"""Planner value types and role interfaces (torchrec planner split: types, estimators, enumerators,
-proposers, partitioners, planner, report).
-
-Units: bytes for memory, seconds for time inside the planner (reports print ms), bytes/s for bandwidth.
-"""
+"""Planner value types and role interfaces. Units: bytes for memory, seconds for time inside the planner
+(reports print ms), bytes/s for bandwidth."""
 
 from __future__ import annotations
 
 import abc
-import dataclasses
 import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -40,15 +36,13 @@ class Placement(StrEnum):
 
 
 ALL_SHARDINGS: tuple[ShardingType, ...] = tuple(ShardingType)
-ALL_PLACEMENTS: tuple[Placement, ...] = tuple(Placement)
+# Sharding types whose shards get their ranks at enumeration; the partitioner places the others' shards.
+FIXED_RANK_SHARDINGS = {ShardingType.DATA_PARALLEL, ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE}
 
 
 @dataclass(frozen=True)
 class TableSpec:
-    """One embedding table as the planner sees it.
-
-    `pooling_factor` is the mean number of ids per sample, summed over the table's features.
-    """
+    """One embedding table as the planner sees it; `pooling_factor`: mean ids per sample, all its features."""
 
     name: str
     num_rows: int
@@ -63,9 +57,8 @@ class TableSpec:
         if self.pooling_factor < 0:
             raise ValueError(f"table {self.name}: pooling_factor must be >= 0")
         if self.weight_dtype not in DTYPE_BYTES:
-            raise ValueError(
-                f"table {self.name}: unknown weight_dtype {self.weight_dtype!r}; known: {sorted(DTYPE_BYTES)}"
-            )
+            known = sorted(DTYPE_BYTES)
+            raise ValueError(f"table {self.name}: unknown weight_dtype {self.weight_dtype!r}; known: {known}")
         if not self.feature_names:
             raise ValueError(f"table {self.name}: needs at least one feature name")
 
@@ -84,10 +77,8 @@ class TableSpec:
 
 @dataclass(frozen=True)
 class Topology:
-    """The job's machines: one DeviceSpec per rank, `world_size` ranks, `local_world_size` per host.
-
-    `hbm_cap_bytes` / `ddr_cap_bytes` override the DeviceSpec capacities (e.g. a shared node).
-    """
+    """The job's machines: `world_size` ranks of one DeviceSpec, `local_world_size` per host;
+    `hbm_cap_bytes` / `ddr_cap_bytes` override the DeviceSpec capacities (e.g. a shared node)."""
 
     device: DeviceSpec
     world_size: int
@@ -128,10 +119,6 @@ class Topology:
     def host_of(self, rank: int) -> int:
         return rank // self.local_world_size
 
-    def replace(self, **changes: object) -> Topology:
-        """A copy with some fields changed (e.g. another DeviceSpec for what-if planning)."""
-        return dataclasses.replace(self, **changes)
-
 
 @dataclass(frozen=True)
 class Storage:
@@ -157,12 +144,8 @@ class Perf:
     bwd_comms_s: float = 0.0
 
     def __add__(self, other: Perf) -> Perf:
-        return Perf(
-            self.fwd_compute_s + other.fwd_compute_s,
-            self.bwd_compute_s + other.bwd_compute_s,
-            self.fwd_comms_s + other.fwd_comms_s,
-            self.bwd_comms_s + other.bwd_comms_s,
-        )
+        return Perf(self.fwd_compute_s + other.fwd_compute_s, self.bwd_compute_s + other.bwd_compute_s,
+                    self.fwd_comms_s + other.fwd_comms_s, self.bwd_comms_s + other.bwd_comms_s)
 
     @property
     def compute_s(self) -> float:
@@ -191,11 +174,7 @@ class Shard:
 
 @dataclass
 class ShardingOption:
-    """One way to shard and place a table: sharding type, placement, compute kernel and its shards.
-
-    Data-parallel, row-wise and table-row-wise options have their ranks fixed at enumeration; the
-    partitioner assigns ranks to table-wise and column-wise shards.
-    """
+    """One way to shard and place a table: sharding type, placement, compute kernel and its shards."""
 
     table: TableSpec
     sharding: ShardingType
@@ -207,11 +186,7 @@ class ShardingOption:
 
     @property
     def ranks_fixed(self) -> bool:
-        return self.sharding in (
-            ShardingType.DATA_PARALLEL,
-            ShardingType.ROW_WISE,
-            ShardingType.TABLE_ROW_WISE,
-        )
+        return self.sharding in FIXED_RANK_SHARDINGS
 
     @property
     def num_shards(self) -> int:
@@ -242,7 +217,7 @@ class PlanOptions:
     """Knobs the caller (trainer, CLI) sets; defaults suit a GPU training job."""
 
     allowed_shardings: tuple[ShardingType, ...] = ALL_SHARDINGS
-    allowed_placements: tuple[Placement, ...] = ALL_PLACEMENTS
+    allowed_placements: tuple[Placement, ...] = tuple(Placement)
     # The embedding implementation's record and the profiles it is costed with on the hardware at hand
     # (Hardware.embedding_cost); FBGEMM's with its built-in profiles by default.
     embedding: EmbeddingCost = field(default_factory=lambda: EmbeddingCost.builtin(FBGEMM_EMBEDDING))
@@ -254,15 +229,8 @@ class PlanOptions:
     exhaustive_limit: int = 20_000  # search spaces at most this large are solved exactly
     dense_dtype: str = "bf16"  # dense (MLP) compute dtype: picks peak FLOP/s
     dense_activation_bytes_per_sample: int = 0  # extra per-sample activation memory for the dense part
-    # Entries of the model's pairwise interaction per sample: (features + 1)^2 for the dot interaction
-    # (costed by DeviceSpec.step_per_pair_s); 0 for DCN, whose cost is its GEMMs (dense FLOPs).
-    interaction_pairs: int = 0
+    interaction_pairs: int = 0  # per sample (DeviceSpec.step_per_pair_s each): see job.interaction_pairs
     dense_tensors: int = 0  # parameter tensors of the dense model (DeviceSpec.step_per_dense_tensor_s each)
-
-    @property
-    def kernel(self) -> str:
-        """The embedding implementation's name (for reports)."""
-        return self.embedding.name
 
     def __post_init__(self) -> None:
         self.allowed_shardings = tuple(ShardingType(s) for s in self.allowed_shardings)
@@ -290,29 +258,21 @@ class Workload:
     options: PlanOptions = field(default_factory=PlanOptions)
 
 
-class PerfEstimator(abc.ABC):
-    """Predicts per-shard step time for a sharding option."""
+class ShardEstimator(abc.ABC):
+    """Predicts one cost of every shard of a sharding option (torchrec's split: a perf estimator fills
+    `perf`, a storage estimator `storage`)."""
 
     @abc.abstractmethod
     def estimate(self, option: ShardingOption, topology: Topology, workload: Workload) -> None:
-        """Fill `perf` of every shard of `option`."""
-
-
-class StorageEstimator(abc.ABC):
-    """Predicts per-shard HBM and DDR bytes for a sharding option."""
-
-    @abc.abstractmethod
-    def estimate(self, option: ShardingOption, topology: Topology, workload: Workload) -> None:
-        """Fill `storage` of every shard of `option`."""
+        """Fill this estimator's field of every shard of `option`."""
 
 
 class Enumerator(abc.ABC):
     """Lists the candidate sharding options for each table."""
 
     @abc.abstractmethod
-    def enumerate(
-        self, topology: Topology, workload: Workload, placements: dict[str, tuple[Placement, ...]]
-    ) -> dict[str, list[ShardingOption]]:
+    def enumerate(self, topology: Topology, workload: Workload,
+                  placements: dict[str, tuple[Placement, ...]]) -> dict[str, list[ShardingOption]]:
         """Options per table name, restricted to each table's allowed placements."""
 
 
@@ -320,13 +280,8 @@ class Partitioner(abc.ABC):
     """Picks one option per table and assigns ranks to its shards, minimising the slowest rank."""
 
     @abc.abstractmethod
-    def partition(
-        self,
-        options: dict[str, list[ShardingOption]],
-        topology: Topology,
-        base_per_rank: RankCost,
-        caps: Storage,
-    ) -> dict[str, ShardingOption] | None:
+    def partition(self, options: dict[str, list[ShardingOption]], topology: Topology, base_per_rank: RankCost,
+                  caps: Storage) -> dict[str, ShardingOption] | None:
         """The chosen option per table with ranks set, or None when nothing fits `caps`."""
 
 
@@ -334,9 +289,8 @@ class Proposer(abc.ABC):
     """Decides which placements each table may use, escalating HBM -> UVM caching -> DDR."""
 
     @abc.abstractmethod
-    def proposals(
-        self, options: dict[str, list[ShardingOption]], topology: Topology, free: Storage, workload: Workload
-    ) -> list[dict[str, tuple[Placement, ...]]]:
+    def proposals(self, options: dict[str, list[ShardingOption]], topology: Topology, free: Storage,
+                  workload: Workload) -> list[dict[str, tuple[Placement, ...]]]:
         """Placement restrictions to try, in order; the planner stops at the first that partitions."""
 
 
@@ -359,11 +313,8 @@ class InfeasiblePlanError(ValueError):
 
 @dataclass
 class PlanResult:
-    """A plan: the chosen option (with ranks) per table, and the predicted per-rank cost.
-
-    Presentation lives beside it as free functions: `report.format_report`, `report.plan_json`,
-    `report.plot_plan`; `torchrec_plan.to_sharding_plan` turns it into a torchrec ShardingPlan.
-    """
+    """A plan: the chosen option (with ranks) per table, and the predicted per-rank cost (presentation is
+    in `report`; `torchrec_plan.to_sharding_plan` makes a torchrec ShardingPlan of it)."""
 
     tables: dict[str, ShardingOption]
     topology: Topology
@@ -421,10 +372,3 @@ class PlanResult:
         mean = sum(min(o.total_perf_s for o in os) for os in opts) / w
         one_shard = max((min(max(s.perf.total_s for s in o.shards) for o in os) for os in opts), default=0.0)
         return self.base.perf.total_s + max(mean, one_shard)
-
-    def placements(self) -> dict[Placement, list[str]]:
-        """Table names per placement."""
-        out: dict[Placement, list[str]] = {p: [] for p in Placement}
-        for name, opt in self.tables.items():
-            out[opt.placement].append(name)
-        return out
