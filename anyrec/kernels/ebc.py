@@ -189,7 +189,7 @@ class TritonEmbeddingBagCollection(nn.Module):
 
     def set_learning_rate(self, lr: float) -> None:
         """Learning rate of the fused embedding update from the next backward on."""
-        self.tbe.set_learning_rate(lr)
+        self.tbe.learning_rate = lr
 
     # ---- views into the flat buffers ------------------------------------------------------------
 

@@ -1,19 +1,18 @@
-"""`TritonTableBatchedEmbedding`: pooled embedding bags over many tables with the optimizer fused
-into the backward, like FBGEMM's `SplitTableBatchedEmbeddingBagsCodegen` but portable.
+"""`TritonTableBatchedEmbedding`: pooled embedding bags over many tables with the optimizer fused into
+the backward, like FBGEMM's `SplitTableBatchedEmbeddingBagsCodegen` but portable.
 
-All tables share one flat weight buffer and flat optimizer-state buffers, registered as buffers so
-`state_dict()` carries them. The forward runs through an autograd Function whose backward applies
-the optimizer update in place and returns no weight gradient; training code therefore never calls
-an optimizer for these weights (`learning_rate` can be changed between steps).
-
-Execution is "triton" (the Triton kernels: CUDA, ROCm, or CPU under TRITON_INTERPRET=1) or "torch"
-(vectorised torch ops, any device; the default). The caller chooses (anyrec's op dispatch does, per
-backend); asking for "triton" where it cannot run raises. The execution is logged once per device.
+All tables share one flat weight buffer and flat optimizer-state buffers (buffers, so `state_dict()`
+carries them). The backward applies the optimizer update in place and returns no weight gradient, so
+training code never calls an optimizer for these weights (`learning_rate` can change between steps).
+Execution is "triton" (CUDA, ROCm, or CPU under TRITON_INTERPRET=1) or "torch" (vectorised torch ops,
+any device; the default); the caller chooses, asking for triton where it cannot run raises, and the
+choice is logged once per device type.
 Legend (shape suffixes): N lookups, F features, B batch size, Dt output dim, T tables.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 
@@ -22,8 +21,8 @@ from torch import nn
 
 from anyrec.kernels import triton_tbe, triton_tbe_backward
 from anyrec.kernels._triton import interpreter_enabled
-from anyrec.kernels.layout import BoundsCheckMode, TBELayout, batch_size, check_ids
-from anyrec.kernels.optimizers import OptimizerConfig, OptimizerKind
+from anyrec.kernels.layout import BoundsCheckMode, LayoutTensors, TBELayout, batch_size, check_ids
+from anyrec.kernels.optimizers import OptimizerConfig, OptimizerKind, zero_state
 from anyrec.kernels.reference import POOLING_MODES
 from anyrec.kernels.torch_tbe import torch_backward_update, torch_forward
 
@@ -35,8 +34,7 @@ _LOGGED: set[tuple[str, str]] = set()
 
 
 def check_execution(execution: str, device: torch.device) -> str:
-    """`execution` if it runs on tensors on `device` (logged once per device type); ValueError when it
-    is unknown or triton cannot run there."""
+    """`execution` if it runs on tensors on `device`; ValueError when it is unknown or cannot run there."""
     if execution not in EXECUTIONS:
         raise ValueError(f"execution must be one of {EXECUTIONS}, got {execution!r}")
     runs_here = triton_tbe.HAS_TRITON and (device.type != "cpu" or interpreter_enabled())
@@ -112,18 +110,12 @@ class TritonTableBatchedEmbedding(nn.Module):
         self.execution = check_execution(execution, device)  # fail at construction, not at the first batch
         lay = self.layout
         self.register_buffer("weight", torch.empty(lay.total_elements, dtype=weights_dtype, device=device))
-        kind = self.optimizer.kind
-        if kind == OptimizerKind.ROWWISE_ADAGRAD:
-            self.register_buffer("momentum1", torch.zeros(lay.total_rows, device=device))
-        elif kind in (OptimizerKind.ADAGRAD, OptimizerKind.ADAM):
-            self.register_buffer("momentum1", torch.zeros(lay.total_elements, device=device))
-        if kind == OptimizerKind.ADAM:
-            self.register_buffer("momentum2", torch.zeros(lay.total_elements, device=device))
+        for name, buf in zero_state(self.optimizer.kind, lay.total_rows, lay.total_elements, device).items():
+            self.register_buffer(name, buf)
         self.register_buffer("step", torch.zeros((), device=device))  # fp32 count of fused updates
         self.register_buffer("table_offsets", torch.tensor(lay.weight_offsets[:-1], device=device),
                              persistent=False)
-        self._layout_tensors = None
-        self._permuted: dict[tuple[int, ...], tuple[TBELayout, object]] = {}
+        self._layouts_by_order: dict[tuple[int, ...] | None, tuple[TBELayout, LayoutTensors]] = {}
         self._placeholder = torch.zeros(0, requires_grad=True)
         self.reset_parameters()
 
@@ -168,11 +160,7 @@ class TritonTableBatchedEmbedding(nn.Module):
 
     @learning_rate.setter
     def learning_rate(self, lr: float) -> None:
-        self.set_learning_rate(lr)
-
-    def set_learning_rate(self, lr: float) -> None:
-        """Change the fused optimizer's learning rate for the next updates."""
-        self.optimizer = OptimizerConfig(**{**self.optimizer.__dict__, "lr": float(lr)})
+        self.optimizer = dataclasses.replace(self.optimizer, lr=float(lr))
 
     def flush(self) -> None:
         """No cache to flush (present for torchrec's kernel interface)."""
@@ -181,26 +169,18 @@ class TritonTableBatchedEmbedding(nn.Module):
         """No cache to reset (present for torchrec's kernel interface)."""
 
     def _apply(self, fn, recurse=True):
-        self._layout_tensors = None
-        self._permuted.clear()
+        self._layouts_by_order.clear()
         return super()._apply(fn, recurse)
 
     # ---- compute --------------------------------------------------------------------------------
 
-    def _lt(self):
-        if self._layout_tensors is None or self._layout_tensors.dims_T.device != self.weight.device:
-            self._layout_tensors = self.layout.tensors(self.weight.device)
-        return self._layout_tensors
-
-    def _layouts(self, feature_order: Sequence[int] | None):
+    def _layouts(self, feature_order: Sequence[int] | None = None) -> tuple[TBELayout, LayoutTensors]:
         """(layout, device tensors) for features arriving in `feature_order` (None: layout order)."""
-        if feature_order is None:
-            return self.layout, self._lt()
-        key = tuple(feature_order)
-        if key not in self._permuted:
-            lay = self.layout.permuted(key)
-            self._permuted[key] = (lay, lay.tensors(self.weight.device))
-        return self._permuted[key]
+        key = None if feature_order is None else tuple(feature_order)
+        if key not in self._layouts_by_order:
+            lay = self.layout if key is None else self.layout.permuted(key)
+            self._layouts_by_order[key] = (lay, lay.tensors(self.weight.device))
+        return self._layouts_by_order[key]
 
     def forward(
         self,
