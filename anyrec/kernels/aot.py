@@ -2,33 +2,32 @@
 
     python -m anyrec.kernels.aot [--targets sm_90,gfx942] [--json out.json]
 
-Compiles each kernel variant (the constexpr combinations the launchers use) for sm_90, sm_100,
-gfx942 and gfx950 with `triton.compile(ASTSource(...), target=GPUTarget(...))`, prints registers,
-spills and shared memory per kernel and target, and exits 1 if any compile fails. NVIDIA register
-and spill counts come from `ptxas -v` on the generated PTX (Triton reads them from the driver only
-when a kernel is loaded); AMD ones from the metadata in the generated AMDGCN (VGPRs, VGPR spills
-to scratch; SGPR spills into VGPR lanes are not counted). '-' where unknown.
+Compiles each kernel variant (the constexpr combinations the launchers use) for sm_90, sm_100, gfx942 and
+gfx950 with `triton.compile(ASTSource(...), target=GPUTarget(...))`, prints registers, spills and shared
+memory per kernel and target, and exits 1 if any compile fails. NVIDIA register and spill counts come
+from `ptxas -v` on the generated PTX (Triton reads them from the driver only when a kernel is loaded);
+AMD ones from the metadata in the generated AMDGCN (VGPRs, VGPR spills to scratch; SGPR spills into
+VGPR lanes are not counted). '-' where unknown.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
-
-# Triton 3.9 warns when this is unset (its default changes in 3.10); fusion on is what we ship.
-# Read at compile time, so setting it here covers an already-imported triton too.
-os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-
-import argparse  # noqa: E402
-import json  # noqa: E402
 import re
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from dataclasses import asdict, dataclass  # noqa: E402
-from pathlib import Path  # noqa: E402
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
-from anyrec.kernels.optimizers import OptimizerKind  # noqa: E402
+from anyrec.kernels.optimizers import OptimizerKind
+
+# Triton 3.9 warns when this is unset (its default changes in 3.10); fusion on is what we ship. Read at
+# compile time, so setting it here covers an already-imported triton too.
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 TARGETS = {
     "sm_90": ("cuda", 90, 32),
@@ -54,9 +53,9 @@ class CompileResult:
 
 
 def _variants():
-    """(kernel name, variant label, jit fn, signature types, constexprs, num_warps)."""
-    from anyrec.kernels.triton_tbe import forward_blocks, tbe_forward_kernel  # needs triton
-    from anyrec.kernels.triton_tbe_backward import (  # needs triton
+    """(kernel name, variant label, jit fn, signature types, constexprs, num_warps); needs triton."""
+    from anyrec.kernels.triton_tbe import forward_blocks, tbe_forward_kernel
+    from anyrec.kernels.triton_tbe_backward import (
         LONG_SEGMENT,
         OPTIMIZER_CODES,
         backward_blocks,
@@ -87,13 +86,10 @@ def _variants():
 
 def _dense_variants():
     """The dense ops at the production shapes: DLRM's dot interaction (27 rows of D=128) and DLRMv2's
-    cross-layer epilogue (N = 27 * 128), fp32 and bf16 (autocast: bf16 GEMM output, fp32 x0 and x)."""
-    from anyrec.kernels.dcn import (  # needs triton
-        cross_epilogue_bwd_kernel,
-        cross_epilogue_fwd_kernel,
-        epilogue_blocks,
-    )
-    from anyrec.kernels.interaction import (  # needs triton
+    cross-layer epilogue (N = 27 * 128), fp32 and bf16 (autocast: bf16 GEMM output, fp32 x0 and x); needs
+    triton."""
+    from anyrec.kernels.dcn import cross_epilogue_bwd_kernel, cross_epilogue_fwd_kernel, epilogue_blocks
+    from anyrec.kernels.interaction import (
         dot_interaction_bwd_kernel,
         dot_interaction_fwd_kernel,
         interaction_blocks,
@@ -143,19 +139,12 @@ def _amd_counts(amdgcn: str) -> tuple[int | None, int | None]:
     return field("vgpr_count"), field("vgpr_spill_count")
 
 
-def _compile_options(kernel: str) -> dict:
-    """Options a kernel's launcher passes besides num_warps (compiled here as they ship)."""
-    if kernel == "tbe_backward":
-        from anyrec.kernels.triton_tbe_backward import BACKWARD_COMPILE_OPTIONS  # needs triton
-
-        return BACKWARD_COMPILE_OPTIONS
-    return {}
-
-
 def compile_one(name, label, fn, types, constexprs, num_warps, target: str) -> CompileResult:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
+    from anyrec.kernels.triton_tbe_backward import BACKWARD_COMPILE_OPTIONS
 
     t0 = time.perf_counter()
     res = CompileResult(kernel=name, variant=label, target=target, ok=False)
@@ -169,8 +158,9 @@ def compile_one(name, label, fn, types, constexprs, num_warps, target: str) -> C
                  if t.startswith("*")}
         backend, arch, warp = TARGETS[target]
         src = ASTSource(fn, sig, constexprs=constexprs, attrs=attrs)
-        k = triton.compile(src, target=GPUTarget(backend, arch, warp),
-                           options={"num_warps": num_warps, **_compile_options(name)})
+        # the options each launcher passes besides num_warps, so kernels compile here as they ship
+        options = {"num_warps": num_warps, **(BACKWARD_COMPILE_OPTIONS if name == "tbe_backward" else {})}
+        k = triton.compile(src, target=GPUTarget(backend, arch, warp), options=options)
         res.shared_bytes = int(k.metadata.shared)
         if backend == "cuda":
             res.registers, res.spills = _nvidia_counts(k.asm["ptx"], arch)

@@ -1,13 +1,11 @@
 """Triton DCNv2 cross-layer epilogue: out = x0 * (y + b) + x, with y = U (V x) left to cuBLAS/hipBLASLt.
 
-Legend (shape suffixes): B rows (samples), N features of the cross net, R row splits of the backward.
 The forward is one elementwise pass over [B, N] tiles (fp32 math, each operand in its own dtype, as
-torch's type promotion would combine them). The backward writes dx0 = g (y + b) and dy = g x0 in one
-pass and reduces db = sum_B g x0 deterministically: a program owns a column tile and one of R row
-ranges, writes its fp32 partial sum, and the R partials are summed once (no atomics). dx = g needs no
-kernel. The torch oracle is `anyrec.models.interaction.LowRankCrossNet`.
-
-`HAS_TRITON` says whether triton imported; kernels exist only then.
+torch's type promotion would combine them). The backward writes dx0 = g (y + b) and dy = g x0 in one pass
+and reduces db = sum_B g x0 deterministically: a program owns a column tile and one of R row ranges,
+writes its fp32 partial sum, and the R partials are summed once (no atomics). dx = g needs no kernel.
+The torch oracle is `anyrec.models.interaction.LowRankCrossNet`; kernels exist only where triton imported.
+Legend (shape suffixes): B rows (samples), N features of the cross net, R row splits of the backward.
 """
 
 from __future__ import annotations
@@ -23,10 +21,7 @@ _BWD_PROGRAMS = 1024
 
 def epilogue_blocks(num_features: int) -> tuple[int, int, int]:
     """(BLOCK_B, BLOCK_N, num_warps): 2K-element tiles over 8 warps, 128 columns wide where N allows.
-
-    8 elements a thread: at 32 (4K tiles, 4 warps) the backward spills on sm_90 (see
-    `python -m anyrec.kernels.aot`).
-    """
+    8 elements a thread: at 32 (4K tiles, 4 warps) the backward spills on sm_90 (see aot.py)."""
     block_n = max(16, min(128, 1 << (max(num_features, 1) - 1).bit_length()))
     return 2048 // block_n, block_n, 8
 
