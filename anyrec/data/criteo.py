@@ -1,32 +1,32 @@
 """Criteo click logs: the raw TSV day files and torchrec's preprocessed npy layout.
 
-TSV rows are `label \\t 13 integer dense \\t 26 hex categorical` (empty = missing = 0); `.gz` days
-(as Criteo ships them) are read transparently. The npy layout is the one
+TSV rows are `label \\t 13 integer dense \\t 26 hex categorical` (empty = missing = 0); `.gz` days (as
+Criteo ships them) are read transparently. The npy layout is the one
 `torchrec.datasets.criteo.BinaryCriteoUtils.tsv_to_npys` writes and `InMemoryBinaryCriteoIterDataPipe`
 reads: `<prefix>_dense.npy` (float32, N x 13, already transformed), `<prefix>_sparse.npy` (raw ids,
-int64, N x 26), `<prefix>_labels.npy` (int32, N x 1). Dense values follow torchrec's rule,
-log(x - min + 2) with `min` the smallest dense value of the whole file (see `dense_transform`).
-Ids are hashed modulo each table's size when batches are made (as torchrec does with `hashes`).
+int64, N x 26), `<prefix>_labels.npy` (int32, N x 1). Dense values follow torchrec's rule, log(x - min +
+2) with `min` the smallest dense value of the whole file (see `dense_transform`). Ids are hashed modulo
+each table's size when batches are made (as torchrec does with `hashes`).
 
-Every file is checked where it is read, and errors name the file and the line (TSV, from 1) or row
-(npy, from 0): labels in {0, 1}, finite dense values, integer ids that fit 64 bits (and, without
-hashing, fall in their table), dense integers that fit torchrec's int32, shapes and dtypes.
+Every file is checked where it is read, and errors name the file and the line (TSV, from 1) or row (npy,
+from 0): labels in {0, 1}, finite dense values, integer ids that fit 64 bits (and, without hashing, fall
+in their table), dense integers that fit torchrec's int32, shapes and dtypes.
 
-Batch `step` of rank `r` is global batch `step * world_size + r`: rows `[g * B, (g + 1) * B)`
-modulo the dataset size, so every rank reads its own deterministic slice, a resume at step n sees
-exactly the batches an uninterrupted run would, and a run longer than the data wraps around.
+Batch `step` of rank `r` is global batch `g = step * world_size + r`: rows `[g * B, (g + 1) * B)` modulo
+the dataset size, so every rank reads its own deterministic slice, a resume at step n sees exactly the
+batches an uninterrupted run would, and a run longer than the data wraps around.
 Legend: N rows, B batch per rank, I dense features (13), F sparse features (26), L ids per sample.
 """
 
 from __future__ import annotations
 
 import gzip
+import itertools
 import logging
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -36,6 +36,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from anyrec.config import DataConfig, ModelConfig
 from anyrec.data.arrays import check_ids_dtype, check_layout, load_npy
+from anyrec.data.multihot import MultiHotArrays, read_multihot
 from anyrec.io_checks import atomic_write
 from anyrec.schema import feature_names
 
@@ -58,24 +59,11 @@ class BadRowError(ValueError):
     rank_local = True
 
 
-class Rows(Protocol):
-    """One file's (or one day's) rows, read lazily where they are memory-mapped."""
-
-    source: str  # the day, in messages about the whole of it
-    files: tuple[str, str, str]  # the (dense, sparse, labels) files, named in errors about their rows
-    dense_NI: np.ndarray
-    labels_N1: np.ndarray
-
-    def __len__(self) -> int: ...
-
-    def hot_sizes(self) -> list[int]: ...
-
-    def sparse_rows(self, lo: int, n: int) -> list[np.ndarray]: ...
-
-
 @dataclass
 class CriteoArrays:
-    """One file's rows: dense (transformed, float32), raw sparse ids (int64) and labels (int32)."""
+    """One file's rows: dense (transformed, float32), raw sparse ids (int64) and labels (int32). Like
+    `MultiHotArrays`, it names its day (`source`) and its (dense, sparse, labels) files (`files`) in
+    errors, and reads memory-mapped rows lazily."""
 
     dense_NI: np.ndarray
     sparse_NF: np.ndarray
@@ -299,14 +287,12 @@ class CriteoSource:
             raise ValueError(f"data={data.name} needs data.train_files")
         if split == "eval" and not data.eval_files:
             logger.warning("criteo: data.eval_files is empty: evaluating on the training files")
-        parts: list[Rows]
+        parts: list[CriteoArrays] | list[MultiHotArrays]
         if data.name == "criteo_tsv":
             parts = [read_tsv(tsv_path(data.path, f), data.on_malformed, data.dense_transform) for f in files]
         elif data.name == "criteo_npy":
             parts = [read_npy(data.path, f) for f in files]
         else:
-            from anyrec.data.multihot import read_multihot  # multihot builds on this module's readers
-
             parts = [read_multihot(data.path, f) for f in files]
         self.parts = parts
         self.malformed_rows = sum(getattr(p, "malformed_rows", 0) for p in parts)
@@ -379,7 +365,4 @@ class CriteoSource:
 
     def iter_from(self, step: int = 0, num_steps: int | None = None) -> Iterator[Batch]:
         """Batches `step`, `step + 1`, ... (forever when num_steps is None)."""
-        i = step
-        while num_steps is None or i < step + num_steps:
-            yield self.batch(i)
-            i += 1
+        return map(self.batch, itertools.count(step) if num_steps is None else range(step, step + num_steps))

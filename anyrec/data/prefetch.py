@@ -34,13 +34,6 @@ from torchrec.datasets.utils import Batch
 _POLL_S = 0.1  # how often a blocked thread looks for a stop request
 
 
-class _Failure:
-    """An exception raised while making a batch, carried to the consumer."""
-
-    def __init__(self, exc: BaseException) -> None:
-        self.exc = exc
-
-
 def _yield_to_the_step() -> None:
     """This thread: one intra-op thread and idle scheduling priority where the OS has it (best
     effort: elsewhere it runs at normal priority)."""
@@ -53,38 +46,33 @@ def _yield_to_the_step() -> None:
 
 def _work(make: Callable[[int], Batch], steps: range, pin: bool, out: queue.Queue,
           stop: threading.Event, idle_default: int | None = None) -> None:
-    """Make the batches of `steps` into `out` until done, failed or asked to stop. An idle worker
-    (`idle_default`: the consumer's thread count) yields to the step, and on its way out puts back
-    ATen's default for new threads, which its set_num_threads(1) changed (setting it from the
-    consumer instead, while the step runs, slowed the step: measured)."""
+    """Make the batches of `steps` into `out` until done, failed (the exception goes in their place) or
+    asked to stop. An idle worker (`idle_default`: the consumer's thread count) yields to the step, and
+    on its way out puts back ATen's default for new threads, which its set_num_threads(1) changed
+    (setting it from the consumer instead, while the step runs, slowed the step: measured)."""
     if idle_default is not None:
         _yield_to_the_step()
     try:
-        _make_all(make, steps, pin, out, stop)
+        for step in steps:
+            if stop.is_set():
+                return
+            try:
+                item: Any = make(step)
+                if pin:
+                    item = item.pin_memory()
+            except BaseException as e:  # noqa: BLE001 - every failure goes to the consumer
+                item = e
+            while not stop.is_set():
+                try:
+                    out.put(item, timeout=_POLL_S)
+                    break
+                except queue.Full:
+                    continue
+            if isinstance(item, BaseException):
+                return
     finally:
         if idle_default is not None:
             torch.set_num_threads(idle_default)
-
-
-def _make_all(make: Callable[[int], Batch], steps: range, pin: bool, out: queue.Queue,
-              stop: threading.Event) -> None:
-    for step in steps:
-        if stop.is_set():
-            return
-        try:
-            item: Any = make(step)
-            if pin:
-                item = item.pin_memory()
-        except BaseException as e:  # noqa: BLE001 - every failure goes to the consumer
-            item = _Failure(e)
-        while not stop.is_set():
-            try:
-                out.put(item, timeout=_POLL_S)
-                break
-            except queue.Full:
-                continue
-        if isinstance(item, _Failure):
-            return
 
 
 def _stop(stop: threading.Event, threads: list[threading.Thread]) -> None:
@@ -132,9 +120,9 @@ class PrefetchIterator(Iterator[Batch]):
                 if not t.is_alive() and q.empty():
                     self.close()
                     raise RuntimeError(f"prefetch worker {w} stopped before batch {self._next}") from None
-        if isinstance(item, _Failure):
+        if isinstance(item, BaseException):
             self.close()
-            raise item.exc
+            raise item
         self._next += 1
         return item
 

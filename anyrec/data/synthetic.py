@@ -34,6 +34,7 @@ K buckets per feature.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 
@@ -300,7 +301,4 @@ class SyntheticCriteo:
 
     def iter_from(self, step: int = 0, num_steps: int | None = None) -> Iterator[Batch]:
         """Batches `step`, `step + 1`, ... (forever when num_steps is None)."""
-        i = step
-        while num_steps is None or i < step + num_steps:
-            yield self.batch(i)
-            i += 1
+        return map(self.batch, itertools.count(step) if num_steps is None else range(step, step + num_steps))
