@@ -42,10 +42,7 @@ if HAS_TRITON:
         b_ptr,  # [n] bias of U
         x_ptr,  # [batch, n] this layer's input
         out_ptr,  # [batch, n]
-        batch,
-        n,
-        BLOCK_B: tl.constexpr,
-        BLOCK_N: tl.constexpr,
+        batch, n, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         rows_B = (tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)
         cols_N = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -68,11 +65,9 @@ if HAS_TRITON:
         grad_x0_ptr,  # [batch, n] out: g (y + b)
         grad_y_ptr,  # [batch, n] out: g x0
         grad_b_partial_RN_ptr,  # [R, n] fp32 out: sum of g x0 over this program's rows
-        batch,
-        n,
+        batch, n,
         rows_per_split,  # a multiple of BLOCK_B
-        BLOCK_B: tl.constexpr,
-        BLOCK_N: tl.constexpr,
+        BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         split = tl.program_id(1)
         cols_N = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)

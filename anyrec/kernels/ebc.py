@@ -70,15 +70,10 @@ class TritonEmbeddingBagCollection(nn.Module):
     """
 
     def __init__(
-        self,
-        tables: Sequence[EmbeddingBagConfig],
-        optimizer: OptimizerConfig | None = None,
-        device: torch.device | str | None = None,
-        execution: str = "torch",
-        weights_dtype: torch.dtype | None = None,
-        bounds_check: BoundsCheckMode | str = BoundsCheckMode.ERROR,
-        is_weighted: bool = False,
-        stochastic_rounding: bool = True,
+        self, tables: Sequence[EmbeddingBagConfig], optimizer: OptimizerConfig | None = None,
+        device: torch.device | str | None = None, execution: str = "torch",
+        weights_dtype: torch.dtype | None = None, bounds_check: BoundsCheckMode | str = BoundsCheckMode.ERROR,
+        is_weighted: bool = False, stochastic_rounding: bool = True,
     ) -> None:
         super().__init__()
         tables = list(tables)

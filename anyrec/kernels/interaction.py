@@ -66,11 +66,7 @@ if HAS_TRITON:
         out_ptr,  # [batch, dim + num_pairs] output, same dtype
         batch,
         num_rows,  # n = F + 1
-        dim,
-        out_stride,
-        DOT_FP32: tl.constexpr,
-        BLOCK_B: tl.constexpr,
-        BLOCK_N: tl.constexpr,
+        dim, out_stride, DOT_FP32: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
         pid = tl.program_id(0)
@@ -101,14 +97,8 @@ if HAS_TRITON:
         grad_out_ptr,  # [batch, dim + num_pairs] gradient of the output
         grad_dense_ptr,  # [batch, dim] out
         grad_sparse_ptr,  # [batch, num_rows - 1, dim] out
-        batch,
-        num_rows,
-        dim,
-        grad_stride,
-        DOT_FP32: tl.constexpr,
-        BLOCK_B: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr,
+        batch, num_rows, dim, grad_stride, DOT_FP32: tl.constexpr, BLOCK_B: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
         pid = tl.program_id(0)
         b_B = (pid * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)

@@ -41,12 +41,8 @@ def bag_scales_N(
 
 
 def pooled_forward_ref(
-    tables: list[torch.Tensor],
-    feature_table_map: list[int],
-    indices_N: torch.Tensor,
-    offsets_FB1: torch.Tensor,
-    per_sample_weights_N: torch.Tensor | None = None,
-    pooling: str = "sum",
+    tables: list[torch.Tensor], feature_table_map: list[int], indices_N: torch.Tensor,
+    offsets_FB1: torch.Tensor, per_sample_weights_N: torch.Tensor | None = None, pooling: str = "sum",
 ) -> torch.Tensor:
     """Pooled lookups of every feature, concatenated along columns: an fp32 [B, Dt] tensor."""
     F = len(feature_table_map)
@@ -65,12 +61,8 @@ def pooled_forward_ref(
 
 
 def row_gradients_ref(
-    tables: list[torch.Tensor],
-    feature_table_map: list[int],
-    indices_N: torch.Tensor,
-    offsets_FB1: torch.Tensor,
-    grad_out_BDt: torch.Tensor,
-    per_sample_weights_N: torch.Tensor | None = None,
+    tables: list[torch.Tensor], feature_table_map: list[int], indices_N: torch.Tensor,
+    offsets_FB1: torch.Tensor, grad_out_BDt: torch.Tensor, per_sample_weights_N: torch.Tensor | None = None,
     pooling: str = "sum",
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Dense fp32 gradient of every table, and the mask of rows looked up at least once."""
@@ -106,12 +98,8 @@ def init_state_ref(kind: OptimizerKind | str, rows: int, dim: int, device=None) 
 
 
 def apply_optimizer_ref(
-    weight_RD: torch.Tensor,
-    state: dict[str, torch.Tensor],
-    grad_RD: torch.Tensor,
-    touched_R: torch.Tensor,
-    opt: OptimizerConfig,
-    step: int,
+    weight_RD: torch.Tensor, state: dict[str, torch.Tensor], grad_RD: torch.Tensor, touched_R: torch.Tensor,
+    opt: OptimizerConfig, step: int,
 ) -> torch.Tensor:
     """One update of the touched rows; returns the new fp32 weights and updates `state` in place.
 

@@ -75,17 +75,11 @@ class TritonTableBatchedEmbedding(nn.Module):
     """
 
     def __init__(
-        self,
-        embedding_specs: Sequence[tuple[int, int]],
-        feature_table_map: Sequence[int] | None = None,
-        optimizer: OptimizerConfig | None = None,
-        pooling: str = "sum",
-        weights_dtype: torch.dtype = torch.float32,
-        output_dtype: torch.dtype = torch.float32,
-        stochastic_rounding: bool = True,
-        bounds_check: BoundsCheckMode | str = BoundsCheckMode.ERROR,
-        feature_names: Sequence[str] | None = None,
-        device: torch.device | str | None = None,
+        self, embedding_specs: Sequence[tuple[int, int]], feature_table_map: Sequence[int] | None = None,
+        optimizer: OptimizerConfig | None = None, pooling: str = "sum",
+        weights_dtype: torch.dtype = torch.float32, output_dtype: torch.dtype = torch.float32,
+        stochastic_rounding: bool = True, bounds_check: BoundsCheckMode | str = BoundsCheckMode.ERROR,
+        feature_names: Sequence[str] | None = None, device: torch.device | str | None = None,
         execution: str = "torch",
     ) -> None:
         super().__init__()
@@ -183,10 +177,7 @@ class TritonTableBatchedEmbedding(nn.Module):
         return self._layouts_by_order[key]
 
     def forward(
-        self,
-        indices: torch.Tensor,
-        offsets: torch.Tensor,
-        per_sample_weights: torch.Tensor | None = None,
+        self, indices: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None = None,
         feature_order: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """Pooled lookups: [B, output_dim]; in training, backward applies the fused optimizer.

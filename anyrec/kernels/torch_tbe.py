@@ -41,14 +41,8 @@ def _dim_groups(layout: TBELayout, lt: LayoutTensors, table_N: torch.Tensor):
 
 
 def torch_forward(
-    layout: TBELayout,
-    lt: LayoutTensors,
-    weights: torch.Tensor,
-    indices_N: torch.Tensor,
-    offsets_FB1: torch.Tensor,
-    per_sample_weights_N: torch.Tensor | None,
-    batch: int,
-    pooling: str,
+    layout: TBELayout, lt: LayoutTensors, weights: torch.Tensor, indices_N: torch.Tensor,
+    offsets_FB1: torch.Tensor, per_sample_weights_N: torch.Tensor | None, batch: int, pooling: str,
     output_dtype: torch.dtype,
 ) -> torch.Tensor:
     """Pooled lookups of every feature: [batch, layout.output_dim] in `output_dtype`."""
@@ -77,20 +71,10 @@ def stochastic_round_torch(x: torch.Tensor, dtype: torch.dtype, generator=None) 
 
 
 def torch_backward_update(
-    layout: TBELayout,
-    lt: LayoutTensors,
-    weights: torch.Tensor,
-    state1: torch.Tensor,
-    state2: torch.Tensor,
-    step: torch.Tensor,
-    indices_N: torch.Tensor,
-    offsets_FB1: torch.Tensor,
-    per_sample_weights_N: torch.Tensor | None,
-    grad_out_BDt: torch.Tensor,
-    batch: int,
-    pooling: str,
-    opt: OptimizerConfig,
-    stochastic_rounding: bool,
+    layout: TBELayout, lt: LayoutTensors, weights: torch.Tensor, state1: torch.Tensor, state2: torch.Tensor,
+    step: torch.Tensor, indices_N: torch.Tensor, offsets_FB1: torch.Tensor,
+    per_sample_weights_N: torch.Tensor | None, grad_out_BDt: torch.Tensor, batch: int, pooling: str,
+    opt: OptimizerConfig, stochastic_rounding: bool,
 ) -> None:
     """Sum each looked-up row's gradient once (duplicates merged) and apply `opt` to it, in place."""
     bag_N, table_N, ids_N, scale_N, ok_N = _lookups(lt, indices_N, offsets_FB1, per_sample_weights_N, batch,

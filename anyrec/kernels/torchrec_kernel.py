@@ -118,11 +118,8 @@ class TritonFusedEmbeddingBag(TritonBatchedFusedEmbeddingBag):
     """
 
     def __init__(
-        self,
-        config: GroupedEmbeddingConfig,
-        pg: dist.ProcessGroup | None = None,
-        device: torch.device | None = None,
-        sharding_type: ShardingType | None = None,
+        self, config: GroupedEmbeddingConfig, pg: dist.ProcessGroup | None = None,
+        device: torch.device | None = None, sharding_type: ShardingType | None = None,
         env: ShardingEnv | None = None,
     ) -> None:
         # skip TritonBatchedFusedEmbeddingBag.__init__: it imports torchrec's unshipped Triton TBE
@@ -328,12 +325,8 @@ class TritonEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     """
 
     def __init__(
-        self,
-        optimizer: OptimizerConfig | None = None,
-        fused_params: dict[str, Any] | None = None,
-        execution: str | None = None,
-        qcomm_codecs_registry: dict | None = None,
-        static_graph: bool = True,
+        self, optimizer: OptimizerConfig | None = None, fused_params: dict[str, Any] | None = None,
+        execution: str | None = None, qcomm_codecs_registry: dict | None = None, static_graph: bool = True,
     ) -> None:
         self.static_graph = static_graph
         params = dict(fused_params or {})

@@ -44,15 +44,8 @@ if HAS_TRITON:
         offsets_FB1_ptr,  # int32 / int64 KJT offsets, F*batch+1 entries
         psw_N_ptr,  # per-sample weights (ignored unless HAS_PSW)
         out_ptr,  # [batch, out_stride] output
-        batch,
-        num_bags,
-        out_stride,
-        HAS_PSW: tl.constexpr,
-        MEAN: tl.constexpr,
-        ALIGN: tl.constexpr,
-        UNROLL: tl.constexpr,
-        BLOCK_B: tl.constexpr,
-        BLOCK_D: tl.constexpr,
+        batch, num_bags, out_stride, HAS_PSW: tl.constexpr, MEAN: tl.constexpr, ALIGN: tl.constexpr,
+        UNROLL: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
         pid_b = tl.program_id(0)
         pid_d = tl.program_id(1)
@@ -92,14 +85,8 @@ if HAS_TRITON:
 
 
 def triton_forward(
-    layout: TBELayout,
-    lt: LayoutTensors,
-    weights: torch.Tensor,
-    indices_N: torch.Tensor,
-    offsets_FB1: torch.Tensor,
-    per_sample_weights_N: torch.Tensor | None,
-    batch: int,
-    pooling: str,
+    layout: TBELayout, lt: LayoutTensors, weights: torch.Tensor, indices_N: torch.Tensor,
+    offsets_FB1: torch.Tensor, per_sample_weights_N: torch.Tensor | None, batch: int, pooling: str,
     output_dtype: torch.dtype,
 ) -> torch.Tensor:
     """Launch the pooled forward: returns [batch, layout.output_dim] in `output_dtype`."""

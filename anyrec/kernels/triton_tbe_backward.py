@@ -220,39 +220,13 @@ if HAS_TRITON:
         state1_ptr,  # rowwise: [total_rows] fp32; adagrad/adam: flat like weights (fp32)
         state2_ptr,  # adam second moment, flat like weights (fp32)
         step_ptr,  # fp32 scalar: adam step number after this update
-        weight_offsets_T_ptr,
-        row_starts_T_ptr,
-        dims_T_ptr,
-        feature_table_map_F_ptr,
-        col_offsets_F_ptr,
-        offsets_FB1_ptr,
-        psw_N_ptr,
-        sorted_rows_N_ptr,
-        segment_starts_N1_ptr,
-        order_N_ptr,
-        bag_N_ptr,
+        weight_offsets_T_ptr, row_starts_T_ptr, dims_T_ptr, feature_table_map_F_ptr, col_offsets_F_ptr,
+        offsets_FB1_ptr, psw_N_ptr, sorted_rows_N_ptr, segment_starts_N1_ptr, order_N_ptr, bag_N_ptr,
         grad_out_ptr,  # [batch, grad_stride]
-        grad_stride,
-        batch,
-        num_lookups,
-        total_rows,
-        lr,
-        eps,
-        beta1,
-        beta2,
-        weight_decay,
-        seed,
-        OPTIMIZER: tl.constexpr,
-        HAS_PSW: tl.constexpr,
-        MEAN: tl.constexpr,
-        STOCHASTIC_ROUNDING: tl.constexpr,
-        DROPPED_BITS: tl.constexpr,
-        ALIGN: tl.constexpr,
-        LONG_SEGMENT: tl.constexpr,
-        BLOCK_U: tl.constexpr,
-        BLOCK_L: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        NUM_D_TILES: tl.constexpr,
+        grad_stride, batch, num_lookups, total_rows, lr, eps, beta1, beta2, weight_decay, seed,
+        OPTIMIZER: tl.constexpr, HAS_PSW: tl.constexpr, MEAN: tl.constexpr, STOCHASTIC_ROUNDING: tl.constexpr,
+        DROPPED_BITS: tl.constexpr, ALIGN: tl.constexpr, LONG_SEGMENT: tl.constexpr, BLOCK_U: tl.constexpr,
+        BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, NUM_D_TILES: tl.constexpr,
     ):
         u_U = tl.program_id(0) * BLOCK_U + tl.arange(0, BLOCK_U)
         in_U = u_U < num_lookups
@@ -308,21 +282,10 @@ def backward_blocks(max_dim: int) -> tuple[int, int, int, int, int]:
 
 
 def triton_backward_update(
-    layout: TBELayout,
-    lt: LayoutTensors,
-    weights: torch.Tensor,
-    state1: torch.Tensor,
-    state2: torch.Tensor,
-    step: torch.Tensor,
-    segments: RowSegments,
-    offsets_FB1: torch.Tensor,
-    per_sample_weights_N: torch.Tensor | None,
-    grad_out_BDt: torch.Tensor,
-    batch: int,
-    pooling: str,
-    opt: OptimizerConfig,
-    stochastic_rounding: bool,
-    seed: int,
+    layout: TBELayout, lt: LayoutTensors, weights: torch.Tensor, state1: torch.Tensor, state2: torch.Tensor,
+    step: torch.Tensor, segments: RowSegments, offsets_FB1: torch.Tensor,
+    per_sample_weights_N: torch.Tensor | None, grad_out_BDt: torch.Tensor, batch: int, pooling: str,
+    opt: OptimizerConfig, stochastic_rounding: bool, seed: int,
 ) -> None:
     """Launch the fused backward + optimizer over the segments of `segments` (in place, no sync)."""
     n = segments.order_N.numel()
