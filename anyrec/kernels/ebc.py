@@ -103,15 +103,9 @@ class TritonEmbeddingBagCollection(nn.Module):
         self.tbe = TritonTableBatchedEmbedding(
             [(t.num_embeddings, t.embedding_dim) for t in tables],
             feature_table_map=[i for i, t in enumerate(tables) for _ in (t.feature_names or [t.name])],
-            optimizer=optimizer,
-            pooling=_POOLING[next(iter(poolings))],
-            weights_dtype=weights_dtype,
-            stochastic_rounding=stochastic_rounding,
-            bounds_check=bounds_check,
-            feature_names=features,
-            device=device,
-            execution=execution,
-        )
+            optimizer=optimizer, pooling=_POOLING[next(iter(poolings))], weights_dtype=weights_dtype,
+            stochastic_rounding=stochastic_rounding, bounds_check=bounds_check, feature_names=features,
+            device=device, execution=execution)
         # the flat buffers reach the state_dict through the per-table views only
         for name, buf in list(self.tbe.named_buffers(recurse=False)):
             if name != "step":

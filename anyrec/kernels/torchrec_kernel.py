@@ -61,15 +61,6 @@ from anyrec.kernels.torch_tbe import torch_forward
 
 TRITON_COMPUTE_KERNEL = EmbeddingComputeKernel.FUSED_TRITON.value
 
-SUPPORTED_SHARDING_TYPES = (
-    ShardingType.DATA_PARALLEL.value,  # the `dense` kernel: TorchDenseEmbeddingBag
-    ShardingType.TABLE_WISE.value,
-    ShardingType.ROW_WISE.value,
-    ShardingType.COLUMN_WISE.value,
-    ShardingType.TABLE_ROW_WISE.value,
-    ShardingType.TABLE_COLUMN_WISE.value,
-)
-
 _TO_FBGEMM = {
     OptimizerKind.SGD: EmbOptimType.EXACT_SGD,
     OptimizerKind.ROWWISE_ADAGRAD: EmbOptimType.EXACT_ROWWISE_ADAGRAD,
@@ -128,17 +119,11 @@ class TritonFusedEmbeddingBag(TritonBatchedFusedEmbeddingBag):
         names = [name for t in config.embedding_tables for name in t.feature_names]
         self._emb_module = TritonTableBatchedEmbedding(
             list(zip(self._local_rows, self._local_cols, strict=True)),
-            feature_table_map=self._feature_table_map,
-            optimizer=optimizer_from_fused_params(fp),
-            pooling=_pooling(self),
-            weights_dtype=data_type_to_dtype(config.data_type),
-            output_dtype=_output_dtype(fp),
-            stochastic_rounding=bool(fp.get("stochastic_rounding", True)),
-            bounds_check=fp.get("bounds_check", "error"),
-            feature_names=names,
-            device=device,
-            execution=fp.get("execution", "torch"),
-        )
+            feature_table_map=self._feature_table_map, optimizer=optimizer_from_fused_params(fp),
+            pooling=_pooling(self), weights_dtype=data_type_to_dtype(config.data_type),
+            output_dtype=_output_dtype(fp), stochastic_rounding=bool(fp.get("stochastic_rounding", True)),
+            bounds_check=fp.get("bounds_check", "error"), feature_names=names, device=device,
+            execution=fp.get("execution", "torch"))
         self._optim = TritonEmbeddingFusedOptimizer(config, self._emb_module, pg)
         self.init_parameters()
 
@@ -217,13 +202,9 @@ class _TritonLookupMixin:
 
     def create_lookup(self, device=None, fused_params=None, feature_processor=None) -> BaseEmbeddingLookup:
         return TritonGroupedPooledEmbeddingsLookup(
-            grouped_configs=self._lookup_configs(),
-            pg=self._pg,
-            device=device if device is not None else self._device,
-            feature_processor=feature_processor,
-            sharding_type=self._lookup_sharding_type,
-            env=self._env,
-        )
+            grouped_configs=self._lookup_configs(), pg=self._pg,
+            device=device if device is not None else self._device, feature_processor=feature_processor,
+            sharding_type=self._lookup_sharding_type, env=self._env)
 
 
 class TritonTwPooledEmbeddingSharding(_TritonLookupMixin, TwPooledEmbeddingSharding):
@@ -263,8 +244,9 @@ class TorchDpPooledEmbeddingSharding(DpPooledEmbeddingSharding):
             scale_weight_gradients=False, env=self._env)  # as torchrec's: DP gradients are not scaled
 
 
+# the sharding types the sharder offers, and their shardings
 _SHARDINGS = {
-    ShardingType.DATA_PARALLEL.value: TorchDpPooledEmbeddingSharding,
+    ShardingType.DATA_PARALLEL.value: TorchDpPooledEmbeddingSharding,  # the `dense` kernel
     ShardingType.TABLE_WISE.value: TritonTwPooledEmbeddingSharding,
     ShardingType.ROW_WISE.value: TritonRwPooledEmbeddingSharding,
     ShardingType.COLUMN_WISE.value: TritonCwPooledEmbeddingSharding,
@@ -293,8 +275,7 @@ class TritonShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 sharding_type not in _SHARDINGS:
             return super().create_embedding_bag_sharding(
                 sharding_infos, env, device, permute_embeddings=permute_embeddings,
-                qcomm_codecs_registry=qcomm_codecs_registry,
-            )
+                qcomm_codecs_registry=qcomm_codecs_registry)
         if dp:
             return TorchDpPooledEmbeddingSharding(sharding_infos, env, device)
         kwargs: dict[str, Any] = {"qcomm_codecs_registry": qcomm_codecs_registry}
@@ -337,25 +318,19 @@ class TritonEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         super().__init__(fused_params=params, qcomm_codecs_registry=qcomm_codecs_registry)
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
-        return list(SUPPORTED_SHARDING_TYPES)
+        return list(_SHARDINGS)
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
         if sharding_type == ShardingType.DATA_PARALLEL.value:
             return [EmbeddingComputeKernel.DENSE.value]
-        return [TRITON_COMPUTE_KERNEL] if sharding_type in SUPPORTED_SHARDING_TYPES else []
+        return [TRITON_COMPUTE_KERNEL] if sharding_type in _SHARDINGS else []
 
     def shard(self, module, params, env, device=None, module_fqn=None) -> TritonShardedEmbeddingBagCollection:
         return TritonShardedEmbeddingBagCollection(
-            module=module,
-            table_name_to_parameter_sharding=params,
-            env=env,
-            fused_params=self.fused_params,
-            device=device,
-            qcomm_codecs_registry=self.qcomm_codecs_registry,
-            module_fqn=module_fqn,
+            module=module, table_name_to_parameter_sharding=params, env=env, fused_params=self.fused_params,
+            device=device, qcomm_codecs_registry=self.qcomm_codecs_registry, module_fqn=module_fqn,
             sharded_module_order_overwrite=self._sharded_module_order_overwrite,
-            static_graph=self.static_graph,
-        )
+            static_graph=self.static_graph)
 
     @property
     def sharded_module_type(self) -> type[TritonShardedEmbeddingBagCollection]:
