@@ -50,8 +50,7 @@ def build_source(model: ModelConfig, data: DataConfig, seed: int, rank: int, wor
     idle priority (they use the cores the step leaves free). File sources always make
     `data.prefetch` batches ahead (into pinned memory with `pin_memory`), at idle priority when the
     training device is a CPU. `skip_nonfinite` (trainer.skip_nonfinite): file sources let NaN/inf
-    dense values of training rows through for the trainer to skip their step.
-    """
+    dense values of training rows through for the trainer to skip their step."""
     if data.prefetch < 0 or data.prefetch_workers < 1:
         raise ValueError(f"data.prefetch must be >= 0 and data.prefetch_workers >= 1, got "
                          f"{data.prefetch} and {data.prefetch_workers}")

@@ -117,8 +117,7 @@ def dense_transform(dense_NI: np.ndarray, rule: str = "torchrec") -> np.ndarray:
 
     `torchrec` is `BinaryCriteoUtils.tsv_to_npys`: subtract (min over all of `dense_NI`) - 2 from
     every value, then log in float32, so the smallest value maps to log 2 and a file's transform
-    depends on its own minimum. `log1p` is log(1 + max(x, 0)) per value (the older DLRM rule).
-    """
+    depends on its own minimum. `log1p` is log(1 + max(x, 0)) per value (the older DLRM rule)."""
     if rule == "log1p":
         return np.log1p(np.maximum(dense_NI, 0).astype(np.float64)).astype(np.float32)
     if rule != "torchrec":

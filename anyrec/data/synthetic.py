@@ -99,8 +99,7 @@ def _power_law_blocks(n: int, zipf: float, key: int) -> tuple[torch.Tensor, torc
 
     Bucket b holds the ranks whose inverse-CDF quantile lies in [b/K, (b+1)/K). Non-empty buckets are
     disjoint blocks tiling [0, n); an empty bucket (a rank more popular than 1/K) shares the block of
-    the next non-empty bucket, which starts at that rank.
-    """
+    the next non-empty bucket, which starts at that rank."""
     K = 1 << _BUCKET_BITS
     u = torch.arange(K + 1, dtype=torch.float64) / K
     if zipf == 0:
@@ -132,8 +131,7 @@ class SyntheticCriteo:
 
     One-hot or multi-hot following `model.multi_hot`; each feature draws ids from its own range,
     `data.id_range_scale` x its table's rows (above 1.0 some ids are out of range, on purpose).
-    Batches are made on `device` (default CPU).
-    """
+    Batches are made on `device` (default CPU)."""
 
     def __init__(self, model: ModelConfig, data: DataConfig, seed: int, rank: int = 0,
                  world_size: int = 1, split: str = "train", device: torch.device | str | None = None) -> None:
@@ -248,8 +246,7 @@ class SyntheticCriteo:
         """(first id of the block, offset in it, teacher weight) of every slot in h_B * mult.
 
         Scratch buffers are reused across batches: fresh large tensors cost more (page faults) than
-        the maths.
-        """
+        the maths."""
         shape = torch.broadcast_shapes(h_B.shape, mult.shape)
         n = math.prod(shape)
         if not self._scratch or self._scratch[0].numel() < n:

@@ -66,8 +66,7 @@ class TritonEmbeddingBagCollection(nn.Module):
     Output keys are the feature names in table order, values [B, sum of dims], fp32. All tables share one
     pooling (sum or mean) and one weight dtype (`weights_dtype`, default: the configs' data_type).
     `bounds_check`: "error" raises naming the feature and id (one host sync per batch); "skip"/"off" masks
-    bad ids in the kernels instead (no sync).
-    """
+    bad ids in the kernels instead (no sync)."""
 
     def __init__(
         self, tables: Sequence[EmbeddingBagConfig], optimizer: OptimizerConfig | None = None,

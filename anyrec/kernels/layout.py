@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -48,15 +49,11 @@ class TBELayout:
             raise ValueError(f"feature_table_map {self.feature_table_map} must name tables 0..{tables - 1}")
         if self.feature_names and len(self.feature_names) != len(self.feature_table_map):
             raise ValueError("feature_names must have one name per feature")
-        w_off, r_start, c_off = [0], [0], [0]
-        for r, d in zip(self.rows, self.dims, strict=True):
-            w_off.append(w_off[-1] + r * d)
-            r_start.append(r_start[-1] + r)
-        for t in self.feature_table_map:
-            c_off.append(c_off[-1] + self.dims[t])
-        object.__setattr__(self, "weight_offsets", tuple(w_off))
-        object.__setattr__(self, "row_starts", tuple(r_start))
-        object.__setattr__(self, "col_offsets", tuple(c_off))
+        sizes = (r * d for r, d in zip(self.rows, self.dims, strict=True))
+        feature_dims = (self.dims[t] for t in self.feature_table_map)
+        object.__setattr__(self, "weight_offsets", tuple(accumulate(sizes, initial=0)))
+        object.__setattr__(self, "row_starts", tuple(accumulate(self.rows, initial=0)))
+        object.__setattr__(self, "col_offsets", tuple(accumulate(feature_dims, initial=0)))
 
     @property
     def num_tables(self) -> int:
@@ -109,13 +106,9 @@ class TBELayout:
             return torch.tensor(v, dtype=torch.int64, device=device)
 
         return LayoutTensors(
-            weight_offsets_T=t(self.weight_offsets[:-1]),
-            row_starts_T=t(self.row_starts[:-1]),
-            rows_T=t(self.rows),
-            dims_T=t(self.dims),
-            feature_table_map_F=t(self.feature_table_map),
-            col_offsets_F=t(self.col_offsets[:-1]),
-        )
+            weight_offsets_T=t(self.weight_offsets[:-1]), row_starts_T=t(self.row_starts[:-1]),
+            rows_T=t(self.rows), dims_T=t(self.dims), feature_table_map_F=t(self.feature_table_map),
+            col_offsets_F=t(self.col_offsets[:-1]))
 
 
 @dataclass(frozen=True)

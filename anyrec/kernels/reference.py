@@ -103,8 +103,7 @@ def apply_optimizer_ref(
 ) -> torch.Tensor:
     """One update of the touched rows; returns the new fp32 weights and updates `state` in place.
 
-    `step` is the 1-based step number (Adam's bias correction).
-    """
+    `step` is the 1-based step number (Adam's bias correction)."""
     w = weight_RD.float().clone()
     rows = touched_R.nonzero().squeeze(1)
     g = grad_RD[rows]
