@@ -84,20 +84,15 @@ class TritonTableBatchedEmbedding(nn.Module):
         super().__init__()
         if pooling not in POOLING_MODES:
             raise ValueError(f"pooling must be one of {POOLING_MODES}, got {pooling!r}")
-        if weights_dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise ValueError(f"weights_dtype must be fp32, fp16 or bf16, got {weights_dtype}")
-        if output_dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise ValueError(f"output_dtype must be fp32, fp16 or bf16, got {output_dtype}")
+        for name, dtype in (("weights_dtype", weights_dtype), ("output_dtype", output_dtype)):
+            if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+                raise ValueError(f"{name} must be fp32, fp16 or bf16, got {dtype}")
         specs = [(int(r), int(d)) for r, d in embedding_specs]
         ftm = tuple(feature_table_map) if feature_table_map is not None else tuple(range(len(specs)))
-        self.layout = TBELayout(
-            rows=tuple(r for r, _ in specs), dims=tuple(d for _, d in specs), feature_table_map=ftm,
-            feature_names=tuple(feature_names or ()),
-        )
+        self.layout = TBELayout(tuple(r for r, _ in specs), tuple(d for _, d in specs), ftm,
+                                tuple(feature_names or ()))
         self.optimizer = optimizer or OptimizerConfig()
-        self.pooling = pooling
-        self.output_dtype = output_dtype
-        self.stochastic_rounding = stochastic_rounding
+        self.pooling, self.output_dtype, self.stochastic_rounding = pooling, output_dtype, stochastic_rounding
         self.bounds_check = BoundsCheckMode(bounds_check)
         device = torch.device(device) if device is not None else torch.device("cpu")
         self.execution = check_execution(execution, device)  # fail at construction, not at the first batch
