@@ -152,8 +152,7 @@ def read_tsv(path: str | Path, on_malformed: str = "error", transform: str = "to
     if not path.is_file():
         raise ValueError(f"criteo: no such TSV file {path}")
     dense, sparse, labels = [], [], []
-    bad = 0
-    lineno = 0
+    bad = lineno = 0
     try:
         with _open_text(path) as f:
             for lineno, line in enumerate(f, start=1):
@@ -181,14 +180,9 @@ def read_tsv(path: str | Path, on_malformed: str = "error", transform: str = "to
         dense_NI = dense_transform(np.asarray(dense, dtype=np.int64), transform)
     except ValueError as e:
         raise ValueError(f"criteo: {path}: {e}") from None
-    return CriteoArrays(
-        dense_NI=dense_NI,
-        sparse_NF=np.asarray(sparse, dtype=np.int64),
-        labels_N1=np.asarray(labels, dtype=np.int32).reshape(-1, 1),
-        malformed_rows=bad,
-        source=str(path),
-        files=(str(path),) * 3,
-    )
+    labels_N1 = np.asarray(labels, dtype=np.int32).reshape(-1, 1)
+    return CriteoArrays(dense_NI, np.asarray(sparse, dtype=np.int64), labels_N1, malformed_rows=bad,
+                        source=str(path), files=(str(path),) * 3)
 
 
 def tsv_path(directory: str | Path, name: str) -> Path:
@@ -302,7 +296,6 @@ class CriteoSource:
             if p.hot_sizes() != self.hot:
                 raise ValueError(f"criteo: {p.source} has ids per feature {p.hot_sizes()}, "
                                  f"{parts[0].source} has {self.hot}")
-        for p in parts:
             if p.dense_NI.shape[1] != parts[0].dense_NI.shape[1]:
                 raise ValueError(f"criteo: {p.source} has {p.dense_NI.shape[1]} dense features, "
                                  f"{parts[0].source} has {parts[0].dense_NI.shape[1]}")
