@@ -59,9 +59,8 @@ def build_source(model: ModelConfig, data: DataConfig, seed: int, rank: int, wor
         from anyrec.data.synthetic import SyntheticCriteo  # a source loads only when chosen
 
         source = SyntheticCriteo(model, data, seed, rank, world_size, split=split, device=device)
-        if not on_cpu or not data.prefetch:
-            return source
-        return Prefetched(source, data.prefetch, data.prefetch_workers, idle=True)
+        ahead = on_cpu and data.prefetch  # on an accelerator the batch is made in the step
+        return Prefetched(source, data.prefetch, data.prefetch_workers, idle=True) if ahead else source
     if data.name in ("criteo_tsv", "criteo_npy", "criteo_multihot"):
         from anyrec.data.criteo import CriteoSource  # a source loads only when chosen (numpy, iopath)
 

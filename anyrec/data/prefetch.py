@@ -148,12 +148,8 @@ class Prefetched:
         return batch
 
     def __getattr__(self, name: str) -> Any:
-        # batch_size, malformed_rows, ...: the wrapped source's.
+        # batch (made here, no thread), batch_size, malformed_rows, ...: the wrapped source's.
         return getattr(self.__dict__["source"], name)
-
-    def batch(self, step: int) -> Batch:
-        """Batch number `step`, made here (no thread)."""
-        return self.source.batch(step)
 
     def iter_from(self, step: int = 0, num_steps: int | None = None) -> PrefetchIterator:
         """Batches `step`, `step + 1`, ... made ahead by the workers."""

@@ -173,11 +173,6 @@ def compile_one(name, label, fn, types, constexprs, num_warps, target: str) -> C
     return res
 
 
-def run(targets: list[str]) -> list[CompileResult]:
-    """Compile every variant for every target."""
-    return [compile_one(*v, target=t) for v in _variants() for t in targets]
-
-
 def format_table(results: list[CompileResult]) -> str:
     def c(v):
         return "-" if v is None else str(v)
@@ -206,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("triton is not installed: cannot compile", file=sys.stderr)
         return 1
-    results = run(targets)
+    results = [compile_one(*v, target=t) for v in _variants() for t in targets]
     print(format_table(results))
     if a.json:
         Path(a.json).write_text(json.dumps([asdict(r) for r in results], indent=1))
