@@ -56,10 +56,6 @@ def kjt_offsets(kjt: KeyedJaggedTensor) -> torch.Tensor:
     return out
 
 
-class _TableSlot(nn.Module):
-    """`embedding_bags.<table>`: views of one table's weight and optimizer state (state_dict keys)."""
-
-
 class TritonEmbeddingBagCollection(nn.Module):
     """Unsharded EmbeddingBagCollection on the Triton TBE: forward(KJT) -> KeyedTensor, like torchrec's.
 
@@ -109,7 +105,8 @@ class TritonEmbeddingBagCollection(nn.Module):
         for name, buf in list(self.tbe.named_buffers(recurse=False)):
             if name != "step":
                 self.tbe.register_buffer(name, buf, persistent=False)
-        self.embedding_bags = nn.ModuleDict({t.name: _TableSlot() for t in tables})
+        # `embedding_bags.<table>`: views of one table's weight and optimizer state (its state_dict keys)
+        self.embedding_bags = nn.ModuleDict({t.name: nn.Module() for t in tables})
         self._bind_views()
         self.reset_parameters()
 

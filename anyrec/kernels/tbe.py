@@ -53,9 +53,7 @@ class _TBELookup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, placeholder, module, layouts, indices_N, offsets_FB1, psw_N, batch):
-        ctx.module = module
-        ctx.layouts = layouts
-        ctx.batch = batch
+        ctx.module, ctx.layouts, ctx.batch = module, layouts, batch
         ctx.inputs = (indices_N, offsets_FB1, psw_N)
         return module._pooled_forward(layouts, indices_N, offsets_FB1, psw_N, batch)
 

@@ -30,13 +30,9 @@ from anyrec.kernels.triton_tbe import HAS_TRITON, tl, triton
 # segments with more lookups than this take the one-row-at-a-time path (a switch tests can flip)
 LONG_SEGMENT = 32
 
-# kernel code of each optimizer rule (a constexpr of the kernel)
-OPTIMIZER_CODES: dict[OptimizerKind, int] = {
-    OptimizerKind.SGD: 0,
-    OptimizerKind.ROWWISE_ADAGRAD: 1,
-    OptimizerKind.ADAGRAD: 2,
-    OptimizerKind.ADAM: 3,
-}
+# kernel code of each optimizer rule (a constexpr of the kernel), in OptimizerKind's order: sgd 0,
+# rowwise_adagrad 1, adagrad 2, adam 3
+OPTIMIZER_CODES: dict[OptimizerKind, int] = {kind: code for code, kind in enumerate(OptimizerKind)}
 
 # Compile options of the backward kernel (launcher and AOT gate alike): no implicit multiply-add
 # fusion, so a product and a sum round separately, as in the torch path and FBGEMM's CPU kernels;
