@@ -113,11 +113,10 @@ def _parse_row(fields: list[str]) -> tuple[list[int], list[int], int]:
 
 
 def dense_transform(dense_NI: np.ndarray, rule: str = "torchrec") -> np.ndarray:
-    """Raw dense integers to model inputs, as float32.
-
-    `torchrec` is `BinaryCriteoUtils.tsv_to_npys`: subtract (min over all of `dense_NI`) - 2 from
-    every value, then log in float32, so the smallest value maps to log 2 and a file's transform
-    depends on its own minimum. `log1p` is log(1 + max(x, 0)) per value (the older DLRM rule)."""
+    """Raw dense integers to model inputs, as float32. `torchrec` is `BinaryCriteoUtils.tsv_to_npys`: subtract
+    (min over all of `dense_NI`) - 2 from every value, then log in float32, so the smallest value maps to log
+    2 and a file's transform depends on its own minimum. `log1p` is log(1 + max(x, 0)) per value (the older
+    DLRM rule)."""
     if rule == "log1p":
         return np.log1p(np.maximum(dense_NI, 0).astype(np.float64)).astype(np.float32)
     if rule != "torchrec":
@@ -233,9 +232,8 @@ def read_npy(directory: str | Path, prefix: str) -> CriteoArrays:
 def check_rows(files: tuple[str, str, str], lo: int, dense_nI: np.ndarray, labels_n: np.ndarray,
                ids: list[np.ndarray], table_rows: list[int] | None, finite_dense: bool = True) -> None:
     """Raise BadRowError naming the (dense, sparse, labels) file and row (lo + i) of the first bad value.
-
-    `finite_dense=False` (trainer.skip_nonfinite on the training split) lets NaN/inf dense values
-    through: the trainer skips the step whose loss they make non-finite."""
+    `finite_dense=False` (trainer.skip_nonfinite on the training split) lets NaN/inf dense values through: the
+    trainer skips the step whose loss they make non-finite."""
     bad = np.flatnonzero((labels_n != 0) & (labels_n != 1))
     if bad.size:
         i = int(bad[0])

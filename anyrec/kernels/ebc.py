@@ -58,11 +58,10 @@ def kjt_offsets(kjt: KeyedJaggedTensor) -> torch.Tensor:
 
 class TritonEmbeddingBagCollection(nn.Module):
     """Unsharded EmbeddingBagCollection on the Triton TBE: forward(KJT) -> KeyedTensor, like torchrec's.
-
     Output keys are the feature names in table order, values [B, sum of dims], fp32. All tables share one
     pooling (sum or mean) and one weight dtype (`weights_dtype`, default: the configs' data_type).
-    `bounds_check`: "error" raises naming the feature and id (one host sync per batch); "skip"/"off" masks
-    bad ids in the kernels instead (no sync)."""
+    `bounds_check`: "error" raises naming the feature and id (one host sync per batch); "skip"/"off" masks bad
+    ids in the kernels instead (no sync)."""
 
     def __init__(
         self, tables: Sequence[EmbeddingBagConfig], optimizer: OptimizerConfig | None = None,
@@ -183,11 +182,10 @@ class TritonEmbeddingBagCollection(nn.Module):
 
 
 class TritonEBCOptimizer(KeyedOptimizer):
-    """The fused optimizer of an unsharded TritonEmbeddingBagCollection as a torchrec KeyedOptimizer.
-
-    The update runs inside backward; like torchrec's fused optimizers, `step()` hands the param group's
-    learning rate to the kernel and `zero_grad()` has nothing to clear. The optimizer state (momentum
-    buffers, step) is part of the module's state_dict."""
+    """The fused optimizer of an unsharded TritonEmbeddingBagCollection as a torchrec KeyedOptimizer. The
+    update runs inside backward; like torchrec's fused optimizers, `step()` hands the param group's learning
+    rate to the kernel and `zero_grad()` has nothing to clear. The optimizer state (momentum buffers, step) is
+    part of the module's state_dict."""
 
     def __init__(self, ebc: TritonEmbeddingBagCollection, prefix: str = "") -> None:
         self._ebc = ebc

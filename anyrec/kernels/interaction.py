@@ -24,12 +24,11 @@ _DTYPES = (torch.float32, torch.bfloat16)
 
 
 def interaction_blocks(num_rows: int) -> tuple[int, int, int, int]:
-    """(BLOCK_B, BLOCK_N, BLOCK_D, num_warps): ~2K fp32 Gram accumulators over 8 warps per program.
-
-    tl.dot needs every dot dimension >= 16; 27 rows (DLRM on Criteo) pad to 32, so 2 samples a program; D
-    streams in 16-column tiles. At 4K accumulators or 64-column tiles ptxas spills on sm_90, at 32-column
-    tiles on sm_100 (fp32): the 3D tiles' 64-bit pointers cost as many registers as the data (see `python
-    -m anyrec.kernels.aot`)."""
+    """(BLOCK_B, BLOCK_N, BLOCK_D, num_warps): ~2K fp32 Gram accumulators over 8 warps per program. tl.dot
+    needs every dot dimension >= 16; 27 rows (DLRM on Criteo) pad to 32, so 2 samples a program; D streams in
+    16-column tiles. At 4K accumulators or 64-column tiles ptxas spills on sm_90, at 32-column tiles on sm_100
+    (fp32): the 3D tiles' 64-bit pointers cost as many registers as the data (see `python -m
+    anyrec.kernels.aot`)."""
     block_n = max(16, 1 << (max(num_rows, 1) - 1).bit_length())
     block_b = max(1, min(16, 2048 // (block_n * block_n)))
     return block_b, block_n, 16, 8

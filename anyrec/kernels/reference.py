@@ -101,9 +101,8 @@ def apply_optimizer_ref(
     weight_RD: torch.Tensor, state: dict[str, torch.Tensor], grad_RD: torch.Tensor, touched_R: torch.Tensor,
     opt: OptimizerConfig, step: int,
 ) -> torch.Tensor:
-    """One update of the touched rows; returns the new fp32 weights and updates `state` in place.
-
-    `step` is the 1-based step number (Adam's bias correction)."""
+    """One update of the touched rows; returns the new fp32 weights and updates `state` in place. `step` is
+    the 1-based step number (Adam's bias correction)."""
     w = weight_RD.float().clone()
     rows = touched_R.nonzero().squeeze(1)
     g = grad_RD[rows]

@@ -66,10 +66,9 @@ class _TBELookup(torch.autograd.Function):
 
 class TritonTableBatchedEmbedding(nn.Module):
     """Table-batched pooled embeddings with a fused optimizer (sum/mean; fp32/fp16/bf16 weights).
-
-    `embedding_specs`: (rows, dim) per table. `feature_table_map`: table of each KJT feature (default:
-    feature t reads table t). forward(indices, offsets, per_sample_weights) takes a KJT's values and
-    offsets (F*B+1, feature-major, int32 or int64) and returns [B, sum of the features' dims]."""
+    `embedding_specs`: (rows, dim) per table. `feature_table_map`: table of each KJT feature (default: feature
+    t reads table t). forward(indices, offsets, per_sample_weights) takes a KJT's values and offsets (F*B+1,
+    feature-major, int32 or int64) and returns [B, sum of the features' dims]."""
 
     def __init__(
         self, embedding_specs: Sequence[tuple[int, int]], feature_table_map: Sequence[int] | None = None,
@@ -173,9 +172,8 @@ class TritonTableBatchedEmbedding(nn.Module):
         feature_order: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """Pooled lookups: [B, output_dim]; in training, backward applies the fused optimizer.
-
-        `feature_order`: when the KJT's features come in another order than the layout's, feature i
-        of the input is layout feature feature_order[i]; the output columns keep the layout order."""
+        `feature_order`: when the KJT's features come in another order than the layout's, feature i of the
+        input is layout feature feature_order[i]; the output columns keep the layout order."""
         layouts = self._layouts(feature_order)
         B = batch_size(self.layout, offsets)
         if per_sample_weights is not None and per_sample_weights.numel() != indices.numel():

@@ -102,10 +102,9 @@ def _output_dtype(fused_params: dict[str, Any]) -> torch.dtype:
 
 
 class TritonFusedEmbeddingBag(TritonBatchedFusedEmbeddingBag):
-    """torchrec compute kernel for one group of local shards, backed by `TritonTableBatchedEmbedding`.
-
-    Extra fused params it reads: "stochastic_rounding" (bool), "output_dtype" (SparseType),
-    "bounds_check" ("error" | "skip") and "execution" ("triton" | "torch"; torch if absent)."""
+    """torchrec compute kernel for one group of local shards, backed by `TritonTableBatchedEmbedding`. Extra
+    fused params it reads: "stochastic_rounding" (bool), "output_dtype" (SparseType), "bounds_check" ("error"
+    | "skip") and "execution" ("triton" | "torch"; torch if absent)."""
 
     def __init__(
         self, config: GroupedEmbeddingConfig, pg: dist.ProcessGroup | None = None,
@@ -297,11 +296,10 @@ class TritonShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
 
 
 class TritonEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
-    """EmbeddingBagCollection sharder whose model-parallel shards use the Triton TBE kernel.
-
-    `optimizer` sets the fused update (it overrides the optimizer keys of `fused_params`);
-    `execution` is passed to the kernel ("triton" | "torch"; the kernel's default, torch, if None);
-    `static_graph` to the sharded module's DDP of data-parallel lookups (a settable attribute)."""
+    """EmbeddingBagCollection sharder whose model-parallel shards use the Triton TBE kernel. `optimizer` sets
+    the fused update (it overrides the optimizer keys of `fused_params`); `execution` is passed to the kernel
+    ("triton" | "torch"; the kernel's default, torch, if None); `static_graph` to the sharded module's DDP of
+    data-parallel lookups (a settable attribute)."""
 
     def __init__(
         self, optimizer: OptimizerConfig | None = None, fused_params: dict[str, Any] | None = None,

@@ -20,11 +20,10 @@ from anyrec.kernels.layout import LayoutTensors, TBELayout
 
 
 def forward_blocks(max_dim: int) -> tuple[int, int, int, int]:
-    """(BLOCK_B, BLOCK_D, UNROLL, num_warps) for the forward: ~1K fp32 accumulators per program.
-
-    ptxas (sm_90) spills heavily at 4K (BLOCK_B=32, D=128); at 1K it does not (`python -m
-    anyrec.kernels.aot`). UNROLL row tiles in flight cover the gather latency of multi-hot bags; one-hot
-    bags run a single step, so the unroll costs them only masked lanes."""
+    """(BLOCK_B, BLOCK_D, UNROLL, num_warps) for the forward: ~1K fp32 accumulators per program. ptxas (sm_90)
+    spills heavily at 4K (BLOCK_B=32, D=128); at 1K it does not (`python -m anyrec.kernels.aot`). UNROLL row
+    tiles in flight cover the gather latency of multi-hot bags; one-hot bags run a single step, so the unroll
+    costs them only masked lanes."""
     block_d = min(128, 1 << (max(max_dim, 1) - 1).bit_length())
     block_b = max(1, min(64, 1024 // block_d))
     return block_b, block_d, 4, 4

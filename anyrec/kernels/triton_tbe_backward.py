@@ -265,11 +265,10 @@ if HAS_TRITON:
 
 
 def backward_blocks(max_dim: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_U, BLOCK_L, BLOCK_D, NUM_D_TILES, num_warps): ~1K fp32 gradient accumulators a program.
-
-    sm_90 ptxas, row-wise Adagrad, D=128: 8 rows x 128 with 4 warps takes 168 registers (12 warps an SM);
-    with 8 warps 112 (18 warps an SM); 16 rows with 8 warps 172. D=512 (two 256-wide tiles): 4 rows, 8
-    warps, 110 registers and no spills. See `python -m anyrec.kernels.aot`."""
+    """(BLOCK_U, BLOCK_L, BLOCK_D, NUM_D_TILES, num_warps): ~1K fp32 gradient accumulators a program. sm_90
+    ptxas, row-wise Adagrad, D=128: 8 rows x 128 with 4 warps takes 168 registers (12 warps an SM); with 8
+    warps 112 (18 warps an SM); 16 rows with 8 warps 172. D=512 (two 256-wide tiles): 4 rows, 8 warps, 110
+    registers and no spills. See `python -m anyrec.kernels.aot`."""
     block_d = min(256, 1 << (max(max_dim, 1) - 1).bit_length())
     block_u = max(1, min(32, 1024 // block_d))
     block_l = max(1, min(8, 1024 // block_d))
