@@ -1,22 +1,21 @@
 """Batches made ahead of the step by background threads, in order, optionally in pinned memory.
 
-`Prefetched(source, depth, workers, pin_memory, idle)` wraps any source: `batch(step)` is the
-source's, `iter_from(step, n)` yields the same batches in the same order while `workers` threads make
-up to `depth` of them ahead (worker w makes steps step + w, step + w + workers, ...). Reading files,
-slicing memory maps, hashing ids and torch ops release the GIL, so the work overlaps the step.
-With `pin_memory` (only where an accelerator is present) batches land in page-locked memory, so
-the copy torchrec's TrainPipelineSparseDist issues on its own stream is asynchronous.
+`Prefetched(source, depth, workers, pin_memory, idle)` wraps any source: `batch(step)` is the source's,
+`iter_from(step, n)` yields the same batches in the same order while `workers` threads make up to `depth` of
+them ahead (worker w makes steps step + w, step + w + workers, ...). Reading files, slicing memory maps,
+hashing ids and torch ops release the GIL, so the work overlaps the step. With `pin_memory` (only where an
+accelerator is present) batches land in page-locked memory, so the copy torchrec's TrainPipelineSparseDist
+issues on its own stream is asynchronous.
 
-`idle` is for a step that computes on the same CPU cores (training on the CPU): each worker runs its
-torch ops on one intra-op thread and, on Linux, at idle scheduling priority (SCHED_IDLE), so it only
-takes a core the step leaves free. At normal priority a worker preempts the step's OpenMP threads
-and the step's parallel regions wait for the slowest one: measured on 2 cores (DLRMv2-shaped batches,
-`benchmarks/train_step.py`), a normal-priority worker made the loop slower than generating in the
-step, an idle one faster.
+`idle` is for a step that computes on the same CPU cores (training on the CPU): each worker runs its torch ops
+on one intra-op thread and, on Linux, at idle scheduling priority (SCHED_IDLE), so it only takes a core the
+step leaves free. At normal priority a worker preempts the step's OpenMP threads and the step's parallel
+regions wait for the slowest one: measured on 2 cores (DLRMv2-shaped batches, `benchmarks/train_step.py`), a
+normal-priority worker made the loop slower than generating in the step, an idle one faster.
 
-A worker's exception is raised in the consumer, unchanged (so the file and row it names reach the
-trainer), when the consumer reaches the batch that failed. Threads are daemons that stop when the
-iterator is exhausted, closed or garbage-collected; nothing outlives the process.
+A worker's exception is raised in the consumer, unchanged (so the file and row it names reach the trainer),
+when the consumer reaches the batch that failed. Threads are daemons that stop when the iterator is exhausted,
+closed or garbage-collected; nothing outlives the process.
 """
 
 from __future__ import annotations

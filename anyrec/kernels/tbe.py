@@ -1,12 +1,11 @@
-"""`TritonTableBatchedEmbedding`: pooled embedding bags over many tables with the optimizer fused into
-the backward, like FBGEMM's `SplitTableBatchedEmbeddingBagsCodegen` but portable.
+"""`TritonTableBatchedEmbedding`: pooled embedding bags over many tables with the optimizer fused into the
+backward, like FBGEMM's `SplitTableBatchedEmbeddingBagsCodegen` but portable.
 
-All tables share one flat weight buffer and flat optimizer-state buffers (buffers, so `state_dict()`
-carries them). The backward applies the optimizer update in place and returns no weight gradient, so
-training code never calls an optimizer for these weights (`learning_rate` can change between steps).
-Execution is "triton" (CUDA, ROCm, or CPU under TRITON_INTERPRET=1) or "torch" (vectorised torch ops,
-any device; the default); the caller chooses, asking for triton where it cannot run raises, and the
-choice is logged once per device type.
+All tables share one flat weight buffer and flat optimizer-state buffers (buffers, so `state_dict()` carries
+them). The backward applies the optimizer update in place and returns no weight gradient, so training code
+never calls an optimizer for these weights (`learning_rate` can change between steps). Execution is "triton"
+(CUDA, ROCm, or CPU under TRITON_INTERPRET=1) or "torch" (vectorised torch ops, any device; the default); the
+caller chooses, asking for triton where it cannot run raises, and the choice is logged once per device type.
 Legend (shape suffixes): N lookups, F features, B batch size, Dt output dim, T tables.
 """
 
