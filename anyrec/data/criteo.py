@@ -271,8 +271,6 @@ class CriteoSource:
             raise ValueError(f"CriteoSource reads {', '.join(FILE_SOURCES)}, not {data.name!r}")
         if not data.path:
             raise ValueError(f"data={data.name} needs data.path (the directory holding the files)")
-        if data.batch_size < 1:
-            raise ValueError(f"data.batch_size must be >= 1, got {data.batch_size}")
         files = list(data.eval_files if split == "eval" and data.eval_files else data.train_files)
         if not files:
             raise ValueError(f"data={data.name} needs data.train_files")

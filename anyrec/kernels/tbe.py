@@ -194,8 +194,7 @@ class TritonTableBatchedEmbedding(nn.Module):
     @torch.no_grad()
     def _fused_update(self, layouts, indices_N, offsets_FB1, psw_N, grad_out_BDt, batch: int) -> None:
         self.step += 1
-        dev = self.weight.device
-        dummy = torch.zeros(1, device=dev)
+        dummy = torch.zeros(1, device=self.weight.device)
         state1 = getattr(self, "momentum1", dummy)
         state2 = getattr(self, "momentum2", dummy)
         layout, lt = layouts
