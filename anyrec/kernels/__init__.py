@@ -9,11 +9,5 @@ from anyrec.kernels.optimizers import OptimizerConfig, OptimizerKind, state_byte
 from anyrec.kernels.tbe import TritonTableBatchedEmbedding
 from anyrec.kernels.triton_tbe import HAS_TRITON
 
-__all__ = [
-    "HAS_TRITON",
-    "BoundsCheckMode",
-    "OptimizerConfig",
-    "OptimizerKind",
-    "TritonTableBatchedEmbedding",
-    "state_bytes_per_row",
-]
+__all__ = ["HAS_TRITON", "BoundsCheckMode", "OptimizerConfig", "OptimizerKind", "TritonTableBatchedEmbedding",
+           "state_bytes_per_row"]

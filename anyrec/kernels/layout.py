@@ -56,10 +56,6 @@ class TBELayout:
         object.__setattr__(self, "col_offsets", tuple(accumulate(feature_dims, initial=0)))
 
     @property
-    def num_tables(self) -> int:
-        return len(self.rows)
-
-    @property
     def num_features(self) -> int:
         return len(self.feature_table_map)
 

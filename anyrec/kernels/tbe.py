@@ -118,13 +118,13 @@ class TritonTableBatchedEmbedding(nn.Module):
     def split_embedding_weights(self) -> list[torch.Tensor]:
         """Per-table [rows, dim] views into the flat weight buffer."""
         lay = self.layout
-        return [self.weight[lay.weight_offsets[t]: lay.weight_offsets[t + 1]].view(lay.rows[t], lay.dims[t])
-                for t in range(lay.num_tables)]
+        return [self.weight[o: o + r * d].view(r, d)
+                for o, r, d in zip(lay.weight_offsets[:-1], lay.rows, lay.dims, strict=True)]
 
     def get_optimizer_state(self) -> list[dict[str, torch.Tensor]]:
         """Per-table views of the optimizer state, keyed as FBGEMM keys them ("sum", "exp_avg", ...)."""
         lay, kind, out = self.layout, self.optimizer.kind, []
-        for t in range(lay.num_tables):
+        for t in range(len(lay.rows)):
             e0, e1 = lay.weight_offsets[t], lay.weight_offsets[t + 1]
             shape = (lay.rows[t], lay.dims[t])
             if kind == OptimizerKind.ROWWISE_ADAGRAD:
