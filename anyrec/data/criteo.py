@@ -232,6 +232,7 @@ def read_npy(directory: str | Path, prefix: str) -> CriteoArrays:
 def check_rows(files: tuple[str, str, str], lo: int, dense_nI: np.ndarray, labels_n: np.ndarray,
                ids: list[np.ndarray], table_rows: list[int] | None, finite_dense: bool = True) -> None:
     """Raise BadRowError naming the (dense, sparse, labels) file and row (lo + i) of the first bad value.
+
     `finite_dense=False` (trainer.skip_nonfinite on the training split) lets NaN/inf dense values through: the
     trainer skips the step whose loss they make non-finite."""
     bad = np.flatnonzero((labels_n != 0) & (labels_n != 1))

@@ -58,6 +58,7 @@ def kjt_offsets(kjt: KeyedJaggedTensor) -> torch.Tensor:
 
 class TritonEmbeddingBagCollection(nn.Module):
     """Unsharded EmbeddingBagCollection on the Triton TBE: forward(KJT) -> KeyedTensor, like torchrec's.
+
     Output keys are the feature names in table order, values [B, sum of dims], fp32. All tables share one
     pooling (sum or mean) and one weight dtype (`weights_dtype`, default: the configs' data_type).
     `bounds_check`: "error" raises naming the feature and id (one host sync per batch); "skip"/"off" masks bad
@@ -89,9 +90,7 @@ class TritonEmbeddingBagCollection(nn.Module):
                 raise ValueError(f"tables need one data_type among FP32/FP16/BF16, got {dtypes}; "
                                  "or pass weights_dtype")
             weights_dtype = _DTYPES[next(iter(dtypes))]
-        self._configs = tables
-        self._is_weighted = is_weighted
-        self._feature_names = features
+        self._configs, self._is_weighted, self._feature_names = tables, is_weighted, features
         self._feature_index = {f: i for i, f in enumerate(features)}
         self._dims_per_feature = [t.embedding_dim for t in tables for _ in (t.feature_names or [t.name])]
         self.tbe = TritonTableBatchedEmbedding(
