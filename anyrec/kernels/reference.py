@@ -1,12 +1,11 @@
 """Pure-torch oracle for table-batched embeddings: pooled forward and the fused optimizer updates.
 
-Written for clarity, not speed: per table, a dense fp32 gradient is built with `index_add_` and the
-update is applied to the rows that were looked up. The Triton kernels and the torch execution path
-of `TritonTableBatchedEmbedding` are tested against these functions.
-
-Legend (shape suffixes): N lookups (ids), F features, B batch size, T tables, R rows of one table,
-D embedding dim of one table, Dt total output dim (sum of the features' dims).
-KJT layout: `offsets_FB1` has F*B+1 entries, feature-major (bag f*B+b is feature f, sample b).
+Written for clarity, not speed: per table, a dense fp32 gradient is built with `index_add_` and the update
+is applied to the rows that were looked up. The Triton kernels and the torch execution path of
+`TritonTableBatchedEmbedding` are tested against these functions.
+Legend (shape suffixes): N lookups (ids), F features, B batch size, T tables, R rows of one table, D
+embedding dim of one table, Dt total output dim (sum of the features' dims). KJT layout: `offsets_FB1` has
+F*B+1 entries, feature-major (bag f*B+b is feature f, sample b).
 """
 
 from __future__ import annotations
@@ -25,9 +24,8 @@ from anyrec.kernels.optimizers import (
 POOLING_MODES = ("sum", "mean")
 
 
-def bag_scales_N(
-    offsets_FB1: torch.Tensor, per_sample_weights_N: torch.Tensor | None, pooling: str, n: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def bag_scales_N(offsets_FB1: torch.Tensor, per_sample_weights_N: torch.Tensor | None, pooling: str, n: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per lookup: its bag index and the fp32 factor it enters the pooled sum with."""
     lengths_FB = (offsets_FB1[1:] - offsets_FB1[:-1]).long()
     bag_N = torch.repeat_interleave(torch.arange(lengths_FB.numel(), device=offsets_FB1.device), lengths_FB,
