@@ -348,8 +348,7 @@ class CriteoSource:
         kjt = KeyedJaggedTensor(keys=self.keys, values=torch.from_numpy(values_N),
                                 lengths=self._lengths.clone(), stride=B,
                                 length_per_key=list(self._length_per_key))
-        return Batch(dense_features=torch.from_numpy(np.array(dense, dtype=np.float32)),
-                     sparse_features=kjt,
+        return Batch(dense_features=torch.from_numpy(np.array(dense, dtype=np.float32)), sparse_features=kjt,
                      labels=torch.from_numpy(labels.astype(np.float32)))
 
     def iter_from(self, step: int = 0, num_steps: int | None = None) -> Iterator[Batch]:

@@ -20,6 +20,7 @@ closed or garbage-collected; nothing outlives the process.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -37,10 +38,8 @@ def _yield_to_the_step() -> None:
     """This thread: one intra-op thread and idle scheduling priority where the OS has it (best
     effort: elsewhere it runs at normal priority)."""
     torch.set_num_threads(1)  # this thread's OpenMP/MKL threads; also ATen's default for new threads
-    try:
+    with contextlib.suppress(AttributeError, OSError):
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: the calling thread
-    except (AttributeError, OSError):
-        pass
 
 
 def _work(make: Callable[[int], Batch], steps: range, pin: bool, out: queue.Queue,
