@@ -53,9 +53,9 @@ class CompileResult:
 
 
 def _variants():
-    """(kernel name, variant label, jit fn, signature types, constexprs, num_warps); needs triton."""
-    from anyrec.kernels.triton_tbe import forward_blocks, tbe_forward_kernel
-    from anyrec.kernels.triton_tbe_backward import (
+    """(kernel name, variant label, jit fn, signature types, constexprs, num_warps)."""
+    from anyrec.kernels.triton_tbe import forward_blocks, tbe_forward_kernel  # needs triton
+    from anyrec.kernels.triton_tbe_backward import (  # needs triton
         LONG_SEGMENT,
         OPTIMIZER_CODES,
         backward_blocks,
@@ -86,10 +86,13 @@ def _variants():
 
 def _dense_variants():
     """The dense ops at the production shapes: DLRM's dot interaction (27 rows of D=128) and DLRMv2's
-    cross-layer epilogue (N = 27 * 128), fp32 and bf16 (autocast: bf16 GEMM output, fp32 x0 and x); needs
-    triton."""
-    from anyrec.kernels.dcn import cross_epilogue_bwd_kernel, cross_epilogue_fwd_kernel, epilogue_blocks
-    from anyrec.kernels.interaction import (
+    cross-layer epilogue (N = 27 * 128), fp32 and bf16 (autocast: bf16 GEMM output, fp32 x0 and x)."""
+    from anyrec.kernels.dcn import (  # needs triton
+        cross_epilogue_bwd_kernel,
+        cross_epilogue_fwd_kernel,
+        epilogue_blocks,
+    )
+    from anyrec.kernels.interaction import (  # needs triton
         dot_interaction_bwd_kernel,
         dot_interaction_fwd_kernel,
         interaction_blocks,
@@ -144,7 +147,7 @@ def compile_one(name, label, fn, types, constexprs, num_warps, target: str) -> C
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from anyrec.kernels.triton_tbe_backward import BACKWARD_COMPILE_OPTIONS
+    from anyrec.kernels.triton_tbe_backward import BACKWARD_COMPILE_OPTIONS  # needs triton
 
     t0 = time.perf_counter()
     res = CompileResult(kernel=name, variant=label, target=target, ok=False)

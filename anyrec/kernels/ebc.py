@@ -120,6 +120,10 @@ class TritonEmbeddingBagCollection(nn.Module):
     def device(self) -> torch.device:
         return self.tbe.weight.device
 
+    @property
+    def optimizer(self) -> OptimizerConfig:
+        return self.tbe.optimizer
+
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Each table's `init_fn` if it has one, else uniform(+-1/sqrt(rows)); zero optimizer state."""
@@ -191,7 +195,7 @@ class TritonEBCOptimizer(KeyedOptimizer):
         params = {f"{prefix}embedding_bags.{name}.weight": slot.weight
                   for name, slot in ebc.embedding_bags.items()}
         super().__init__(params, state={}, param_groups=[{"params": list(params.values()),
-                                                          "lr": ebc.tbe.learning_rate}])
+                                                          "lr": ebc.optimizer.lr}])
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         pass
