@@ -103,10 +103,8 @@ def _dense_variants():
     for dt in ("fp32", "bf16"):
         cx = {"DOT_FP32": dt == "fp32", "BLOCK_B": bb, "BLOCK_N": bn, "BLOCK_D": bd}
         label = f"x={dt} n<={bn} D<=128"
-        out.append(("dot_fwd", label, dot_interaction_fwd_kernel,
-                    ["*" + dt] * 3 + ["i32"] * 4, cx, nw))
-        out.append(("dot_bwd", label, dot_interaction_bwd_kernel,
-                    ["*" + dt] * 5 + ["i32"] * 4, cx, nw))
+        out.append(("dot_fwd", label, dot_interaction_fwd_kernel, ["*" + dt] * 3 + ["i32"] * 4, cx, nw))
+        out.append(("dot_bwd", label, dot_interaction_bwd_kernel, ["*" + dt] * 5 + ["i32"] * 4, cx, nw))
     bb, bn, nw = epilogue_blocks(27 * 128)
     cx = {"BLOCK_B": bb, "BLOCK_N": bn}
     for dt, ydt in (("fp32", "fp32"), ("fp32", "bf16")):
