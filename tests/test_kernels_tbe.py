@@ -462,7 +462,7 @@ def test_dedupe_rows_segments_without_host_sync():
     ids, off, _ = make_batch(SPECS, FTM, 3, seed=4)
     ids = ids.clone()
     ids[0] = -1
-    seg = dedupe_rows(m.layout, m._lt(), ids, off, 3)
+    seg = dedupe_rows(m.layout, m._layouts()[1], ids, off, 3)
     n = ids.numel()
     uniq, counts = torch.unique_consecutive(seg.sorted_rows_N, return_counts=True)
     u = uniq.numel()

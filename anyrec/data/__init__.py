@@ -43,15 +43,13 @@ def resolve_batch_size(data: DataConfig, world_size: int) -> DataConfig:
 def build_source(model: ModelConfig, data: DataConfig, seed: int, rank: int, world_size: int,
                  split: str, pin_memory: bool = False, device: torch.device | None = None,
                  skip_nonfinite: bool = False) -> DataSource:
-    """The source named by `data.name` for one rank and split ("train" or "eval").
-
-    Synthetic batches are made on `device` (the training device; default CPU): on an accelerator in
-    the step (asynchronous kernels), on a CPU `data.prefetch` batches ahead by background threads at
-    idle priority (they use the cores the step leaves free). File sources always make
-    `data.prefetch` batches ahead (into pinned memory with `pin_memory`), at idle priority when the
-    training device is a CPU. `skip_nonfinite` (trainer.skip_nonfinite): file sources let NaN/inf
-    dense values of training rows through for the trainer to skip their step.
-    """
+    """The source named by `data.name` for one rank and split ("train" or "eval"). Synthetic batches are made
+    on `device` (the training device; default CPU): on an accelerator in the step (asynchronous kernels), on a
+    CPU `data.prefetch` batches ahead by background threads at idle priority (they use the cores the step
+    leaves free). File sources always make `data.prefetch` batches ahead (into pinned memory with
+    `pin_memory`), at idle priority when the training device is a CPU. `skip_nonfinite`
+    (trainer.skip_nonfinite): file sources let NaN/inf dense values of training rows through for the trainer
+    to skip their step."""
     if data.prefetch < 0 or data.prefetch_workers < 1:
         raise ValueError(f"data.prefetch must be >= 0 and data.prefetch_workers >= 1, got "
                          f"{data.prefetch} and {data.prefetch_workers}")
@@ -60,9 +58,8 @@ def build_source(model: ModelConfig, data: DataConfig, seed: int, rank: int, wor
         from anyrec.data.synthetic import SyntheticCriteo  # a source loads only when chosen
 
         source = SyntheticCriteo(model, data, seed, rank, world_size, split=split, device=device)
-        if not on_cpu or not data.prefetch:
-            return source
-        return Prefetched(source, data.prefetch, data.prefetch_workers, idle=True)
+        ahead = on_cpu and data.prefetch  # on an accelerator the batch is made in the step
+        return Prefetched(source, data.prefetch, data.prefetch_workers, idle=True) if ahead else source
     if data.name in ("criteo_tsv", "criteo_npy", "criteo_multihot"):
         from anyrec.data.criteo import CriteoSource  # a source loads only when chosen (numpy, iopath)
 

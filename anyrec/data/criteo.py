@@ -1,32 +1,32 @@
 """Criteo click logs: the raw TSV day files and torchrec's preprocessed npy layout.
 
-TSV rows are `label \\t 13 integer dense \\t 26 hex categorical` (empty = missing = 0); `.gz` days
-(as Criteo ships them) are read transparently. The npy layout is the one
+TSV rows are `label \\t 13 integer dense \\t 26 hex categorical` (empty = missing = 0); `.gz` days (as
+Criteo ships them) are read transparently. The npy layout is the one
 `torchrec.datasets.criteo.BinaryCriteoUtils.tsv_to_npys` writes and `InMemoryBinaryCriteoIterDataPipe`
 reads: `<prefix>_dense.npy` (float32, N x 13, already transformed), `<prefix>_sparse.npy` (raw ids,
-int64, N x 26), `<prefix>_labels.npy` (int32, N x 1). Dense values follow torchrec's rule,
-log(x - min + 2) with `min` the smallest dense value of the whole file (see `dense_transform`).
-Ids are hashed modulo each table's size when batches are made (as torchrec does with `hashes`).
+int64, N x 26), `<prefix>_labels.npy` (int32, N x 1). Dense values follow torchrec's rule, log(x - min +
+2) with `min` the smallest dense value of the whole file (see `dense_transform`). Ids are hashed modulo
+each table's size when batches are made (as torchrec does with `hashes`).
 
-Every file is checked where it is read, and errors name the file and the line (TSV, from 1) or row
-(npy, from 0): labels in {0, 1}, finite dense values, integer ids that fit 64 bits (and, without
-hashing, fall in their table), dense integers that fit torchrec's int32, shapes and dtypes.
+Every file is checked where it is read, and errors name the file and the line (TSV, from 1) or row (npy,
+from 0): labels in {0, 1}, finite dense values, integer ids that fit 64 bits (and, without hashing, fall
+in their table), dense integers that fit torchrec's int32, shapes and dtypes.
 
-Batch `step` of rank `r` is global batch `step * world_size + r`: rows `[g * B, (g + 1) * B)`
-modulo the dataset size, so every rank reads its own deterministic slice, a resume at step n sees
-exactly the batches an uninterrupted run would, and a run longer than the data wraps around.
+Batch `step` of rank `r` is global batch `g = step * world_size + r`: rows `[g * B, (g + 1) * B)` modulo
+the dataset size, so every rank reads its own deterministic slice, a resume at step n sees exactly the
+batches an uninterrupted run would, and a run longer than the data wraps around.
 Legend: N rows, B batch per rank, I dense features (13), F sparse features (26), L ids per sample.
 """
 
 from __future__ import annotations
 
 import gzip
+import itertools
 import logging
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -36,6 +36,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from anyrec.config import DataConfig, ModelConfig
 from anyrec.data.arrays import check_ids_dtype, check_layout, load_npy
+from anyrec.data.multihot import MultiHotArrays, read_multihot
 from anyrec.io_checks import atomic_write
 from anyrec.schema import feature_names
 
@@ -58,24 +59,11 @@ class BadRowError(ValueError):
     rank_local = True
 
 
-class Rows(Protocol):
-    """One file's (or one day's) rows, read lazily where they are memory-mapped."""
-
-    source: str  # the day, in messages about the whole of it
-    files: tuple[str, str, str]  # the (dense, sparse, labels) files, named in errors about their rows
-    dense_NI: np.ndarray
-    labels_N1: np.ndarray
-
-    def __len__(self) -> int: ...
-
-    def hot_sizes(self) -> list[int]: ...
-
-    def sparse_rows(self, lo: int, n: int) -> list[np.ndarray]: ...
-
-
 @dataclass
 class CriteoArrays:
-    """One file's rows: dense (transformed, float32), raw sparse ids (int64) and labels (int32)."""
+    """One file's rows: dense (transformed, float32), raw sparse ids (int64) and labels (int32). Like
+    `MultiHotArrays`, it names its day (`source`) and its (dense, sparse, labels) files (`files`) in
+    errors, and reads memory-mapped rows lazily."""
 
     dense_NI: np.ndarray
     sparse_NF: np.ndarray
@@ -125,12 +113,10 @@ def _parse_row(fields: list[str]) -> tuple[list[int], list[int], int]:
 
 
 def dense_transform(dense_NI: np.ndarray, rule: str = "torchrec") -> np.ndarray:
-    """Raw dense integers to model inputs, as float32.
-
-    `torchrec` is `BinaryCriteoUtils.tsv_to_npys`: subtract (min over all of `dense_NI`) - 2 from
-    every value, then log in float32, so the smallest value maps to log 2 and a file's transform
-    depends on its own minimum. `log1p` is log(1 + max(x, 0)) per value (the older DLRM rule).
-    """
+    """Raw dense integers to model inputs, as float32. `torchrec` is `BinaryCriteoUtils.tsv_to_npys`: subtract
+    (min over all of `dense_NI`) - 2 from every value, then log in float32, so the smallest value maps to log
+    2 and a file's transform depends on its own minimum. `log1p` is log(1 + max(x, 0)) per value (the older
+    DLRM rule)."""
     if rule == "log1p":
         return np.log1p(np.maximum(dense_NI, 0).astype(np.float64)).astype(np.float32)
     if rule != "torchrec":
@@ -165,8 +151,7 @@ def read_tsv(path: str | Path, on_malformed: str = "error", transform: str = "to
     if not path.is_file():
         raise ValueError(f"criteo: no such TSV file {path}")
     dense, sparse, labels = [], [], []
-    bad = 0
-    lineno = 0
+    bad = lineno = 0
     try:
         with _open_text(path) as f:
             for lineno, line in enumerate(f, start=1):
@@ -194,14 +179,9 @@ def read_tsv(path: str | Path, on_malformed: str = "error", transform: str = "to
         dense_NI = dense_transform(np.asarray(dense, dtype=np.int64), transform)
     except ValueError as e:
         raise ValueError(f"criteo: {path}: {e}") from None
-    return CriteoArrays(
-        dense_NI=dense_NI,
-        sparse_NF=np.asarray(sparse, dtype=np.int64),
-        labels_N1=np.asarray(labels, dtype=np.int32).reshape(-1, 1),
-        malformed_rows=bad,
-        source=str(path),
-        files=(str(path),) * 3,
-    )
+    labels_N1 = np.asarray(labels, dtype=np.int32).reshape(-1, 1)
+    return CriteoArrays(dense_NI, np.asarray(sparse, dtype=np.int64), labels_N1, malformed_rows=bad,
+                        source=str(path), files=(str(path),) * 3)
 
 
 def tsv_path(directory: str | Path, name: str) -> Path:
@@ -253,8 +233,8 @@ def check_rows(files: tuple[str, str, str], lo: int, dense_nI: np.ndarray, label
                ids: list[np.ndarray], table_rows: list[int] | None, finite_dense: bool = True) -> None:
     """Raise BadRowError naming the (dense, sparse, labels) file and row (lo + i) of the first bad value.
 
-    `finite_dense=False` (trainer.skip_nonfinite on the training split) lets NaN/inf dense values
-    through: the trainer skips the step whose loss they make non-finite."""
+    `finite_dense=False` (trainer.skip_nonfinite on the training split) lets NaN/inf dense values through: the
+    trainer skips the step whose loss they make non-finite."""
     bad = np.flatnonzero((labels_n != 0) & (labels_n != 1))
     if bad.size:
         i = int(bad[0])
@@ -292,21 +272,17 @@ class CriteoSource:
             raise ValueError(f"CriteoSource reads {', '.join(FILE_SOURCES)}, not {data.name!r}")
         if not data.path:
             raise ValueError(f"data={data.name} needs data.path (the directory holding the files)")
-        if data.batch_size < 1:
-            raise ValueError(f"data.batch_size must be >= 1, got {data.batch_size}")
         files = list(data.eval_files if split == "eval" and data.eval_files else data.train_files)
         if not files:
             raise ValueError(f"data={data.name} needs data.train_files")
         if split == "eval" and not data.eval_files:
             logger.warning("criteo: data.eval_files is empty: evaluating on the training files")
-        parts: list[Rows]
+        parts: list[CriteoArrays] | list[MultiHotArrays]
         if data.name == "criteo_tsv":
             parts = [read_tsv(tsv_path(data.path, f), data.on_malformed, data.dense_transform) for f in files]
         elif data.name == "criteo_npy":
             parts = [read_npy(data.path, f) for f in files]
         else:
-            from anyrec.data.multihot import read_multihot  # multihot builds on this module's readers
-
             parts = [read_multihot(data.path, f) for f in files]
         self.parts = parts
         self.malformed_rows = sum(getattr(p, "malformed_rows", 0) for p in parts)
@@ -317,7 +293,6 @@ class CriteoSource:
             if p.hot_sizes() != self.hot:
                 raise ValueError(f"criteo: {p.source} has ids per feature {p.hot_sizes()}, "
                                  f"{parts[0].source} has {self.hot}")
-        for p in parts:
             if p.dense_NI.shape[1] != parts[0].dense_NI.shape[1]:
                 raise ValueError(f"criteo: {p.source} has {p.dense_NI.shape[1]} dense features, "
                                  f"{parts[0].source} has {parts[0].dense_NI.shape[1]}")
@@ -373,13 +348,9 @@ class CriteoSource:
         kjt = KeyedJaggedTensor(keys=self.keys, values=torch.from_numpy(values_N),
                                 lengths=self._lengths.clone(), stride=B,
                                 length_per_key=list(self._length_per_key))
-        return Batch(dense_features=torch.from_numpy(np.array(dense, dtype=np.float32)),
-                     sparse_features=kjt,
+        return Batch(dense_features=torch.from_numpy(np.array(dense, dtype=np.float32)), sparse_features=kjt,
                      labels=torch.from_numpy(labels.astype(np.float32)))
 
     def iter_from(self, step: int = 0, num_steps: int | None = None) -> Iterator[Batch]:
         """Batches `step`, `step + 1`, ... (forever when num_steps is None)."""
-        i = step
-        while num_steps is None or i < step + num_steps:
-            yield self.batch(i)
-            i += 1
+        return map(self.batch, itertools.count(step) if num_steps is None else range(step, step + num_steps))

@@ -2,29 +2,26 @@
 
     python -m anyrec.data.materialize /data/npy/day_0 /data/npy/day_1 --out-dir /data/multihot
 
-reads `day_0_sparse.npy` (torchrec's one-hot layout, N x 26 ids) and writes
-`day_0_sparse_multi_hot.npz` (member `f.npy`: int32 [N, L_f]) beside copies of `day_0_dense.npy`
-and `day_0_labels.npy`, the layout `data=criteo_multihot` reads. Table sizes and ids per feature
-come from `--model` (default dlrmv2: the DLRMv2 table rows and multi_hot_sizes) or are given
-explicitly. Prints one JSON line per day.
+reads `day_0_sparse.npy` (torchrec's one-hot layout, N x 26 ids) and writes `day_0_sparse_multi_hot.npz`
+(member `f.npy`: int32 [N, L_f]) beside copies of `day_0_dense.npy` and `day_0_labels.npy`, the layout
+`data=criteo_multihot` reads. Table sizes and ids per feature come from `--model` (default dlrmv2) or are
+given explicitly. Prints one JSON line per day.
 
 The rule is the MLPerf reference's `materialize_synthetic_multihot_dataset.py` with
-`--multi_hot_distribution_type uniform` (its `Multihot` class): seed numpy's legacy global generator
-with 0; for each feature f in order draw a lookup table whose row r is [r, then L_f - 1 ids drawn
-by `np.random.randint(0, E_f)`] (E_f the table's rows); then sample n's ids of feature f are row
+`--multi_hot_distribution_type uniform` (its `Multihot` class): seed numpy's legacy global generator with
+0; for each feature f in order draw a lookup table whose row r is [r, then L_f - 1 ids drawn by
+`np.random.randint(0, E_f)`] (E_f the table's rows); then sample n's ids of feature f are row
 (one_hot[n, f] mod E_f) of that table, as int32.
 
-Bit-identical to the reference: every array (values, dtype int32, shape), given the same one-hot
-input, table sizes and multi-hot sizes, because the tables are drawn from the same generator
-(RandomState(0)) with the same calls in the same order; drawing a table in row chunks yields the
-same stream (each legacy bounded draw consumes whole 32-bit words; checked by the tests), which
-keeps memory bounded where the reference holds every table (~32 GB at DLRMv2 sizes) in RAM: the
-tables go to a temporary directory under --out-dir instead (~24 GB of disk at DLRMv2 sizes),
-removed at the end.
-Not identical: the npz container bytes (zip timestamps; the reference's np.savez also writes its
-members in one piece), the dense/label copies are made always (the reference only with
-`--copy_labels_and_dense`), days are named by the inputs rather than `day_0..day_23`, and only the
-`uniform` distribution is offered (the reference's `pareto` is not).
+Bit-identical to the reference (every array's values, dtype and shape, given the same one-hot input,
+table sizes and multi-hot sizes): the tables are drawn from the same generator (RandomState(0)) with the
+same calls in the same order; drawing a table in row chunks yields the same stream (each legacy bounded
+draw consumes whole 32-bit words; checked by the tests), which keeps memory bounded where the reference
+holds every table (~32 GB at DLRMv2 sizes) in RAM: the tables go to a temporary directory under
+--out-dir instead (~24 GB of disk at DLRMv2 sizes), removed at the end.
+Not identical: the npz container bytes (zip timestamps; the reference's np.savez also writes its members
+in one piece), the dense/label copies are made always (the reference only with `--copy_labels_and_dense`),
+days are named by the inputs rather than `day_0..day_23`, and only `uniform` is offered (not `pareto`).
 Legend: N rows, E rows of a table, L ids per sample of one feature.
 """
 
@@ -157,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         return materialize(args.inputs, args.out_dir, rows, hot, args.multi_hot_distribution_type)
 
     return print_reports("anyrec-materialize", reports)
+
 
 if __name__ == "__main__":
     sys.exit(main())

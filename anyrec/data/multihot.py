@@ -1,9 +1,9 @@
 """MLPerf DLRMv2's materialised multi-hot Criteo layout, memory-mapped.
 
 One day is `<prefix>_dense.npy` (float32, N x 13), `<prefix>_labels.npy` (int32, N x 1) and
-`<prefix>_sparse_multi_hot.npz`: an uncompressed zip with one member `<f>.npy` per feature f, an
-int32 array of shape [N, L_f] (L_f ids per sample). Members are memory-mapped straight out of the
-zip (as the MLPerf reference's reader does), so a day is never loaded whole.
+`<prefix>_sparse_multi_hot.npz`: an uncompressed zip with one member `<f>.npy` per feature f, an int32
+array of shape [N, L_f] (L_f ids per sample). Members are memory-mapped straight out of the zip (as the
+MLPerf reference's reader does), so a day is never loaded whole.
 Legend: N rows, F sparse features, L ids per sample of one feature.
 """
 
@@ -53,14 +53,14 @@ def _member_memmap(path: Path, zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> np
     return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape, order="F" if fortran else "C")
 
 
-def load_npz_members(path: Path, count: int | None = None) -> list[np.ndarray]:
+def load_npz_members(path: Path) -> list[np.ndarray]:
     """Members `0.npy`, `1.npy`, ... of a multi-hot npz, each memory-mapped."""
     if not path.is_file():
         raise ValueError(f"criteo: missing {path} (make it with `python -m anyrec.data.materialize`)")
     try:
         with zipfile.ZipFile(path) as zf:
             names = {i.filename: i for i in zf.infolist()}
-            n = count if count is not None else sum(1 for k in names if k.removesuffix(".npy").isdigit())
+            n = sum(1 for k in names if k.removesuffix(".npy").isdigit())
             if n == 0:
                 raise ValueError(f"criteo: {path} holds no per-feature arrays (0.npy, 1.npy, ...)")
             missing = [f"{f}.npy" for f in range(n) if f"{f}.npy" not in names]
@@ -114,9 +114,9 @@ def read_multihot(directory: str | Path, prefix: str) -> MultiHotArrays:
 
 def write_npz_members(path: Path, members: Iterable[tuple[tuple[int, ...], np.dtype, Iterable[np.ndarray]]]
                       ) -> None:
-    """Write an uncompressed npz whose member f (`f.npy`) has the given shape and dtype and the rows
-    the chunks iterator yields, without holding a whole member in memory. The container is what
-    np.savez writes (zip64 .npy members); it appears only when complete."""
+    """Write an uncompressed npz whose member f (`f.npy`) has the given shape and dtype and the rows the
+    chunks iterator yields, without holding a whole member in memory. The container is what np.savez
+    writes (zip64 .npy members); it appears only when complete."""
     with atomic_write(path, "wb") as out_file, zipfile.ZipFile(
             out_file, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
         for f, (shape, dtype, chunks) in enumerate(members):

@@ -1,26 +1,26 @@
 """Batches made ahead of the step by background threads, in order, optionally in pinned memory.
 
-`Prefetched(source, depth, workers, pin_memory, idle)` wraps any source: `batch(step)` is the
-source's, `iter_from(step, n)` yields the same batches in the same order while `workers` threads make
-up to `depth` of them ahead (worker w makes steps step + w, step + w + workers, ...). Reading files,
-slicing memory maps, hashing ids and torch ops release the GIL, so the work overlaps the step.
-With `pin_memory` (only where an accelerator is present) batches land in page-locked memory, so
-the copy torchrec's TrainPipelineSparseDist issues on its own stream is asynchronous.
+`Prefetched(source, depth, workers, pin_memory, idle)` wraps any source: `batch(step)` is the source's,
+`iter_from(step, n)` yields the same batches in the same order while `workers` threads make up to `depth` of
+them ahead (worker w makes steps step + w, step + w + workers, ...). Reading files, slicing memory maps,
+hashing ids and torch ops release the GIL, so the work overlaps the step. With `pin_memory` (only where an
+accelerator is present) batches land in page-locked memory, so the copy torchrec's TrainPipelineSparseDist
+issues on its own stream is asynchronous.
 
-`idle` is for a step that computes on the same CPU cores (training on the CPU): each worker runs its
-torch ops on one intra-op thread and, on Linux, at idle scheduling priority (SCHED_IDLE), so it only
-takes a core the step leaves free. At normal priority a worker preempts the step's OpenMP threads
-and the step's parallel regions wait for the slowest one: measured on 2 cores (DLRMv2-shaped batches,
-`benchmarks/train_step.py`), a normal-priority worker made the loop slower than generating in the
-step, an idle one faster.
+`idle` is for a step that computes on the same CPU cores (training on the CPU): each worker runs its torch ops
+on one intra-op thread and, on Linux, at idle scheduling priority (SCHED_IDLE), so it only takes a core the
+step leaves free. At normal priority a worker preempts the step's OpenMP threads and the step's parallel
+regions wait for the slowest one: measured on 2 cores (DLRMv2-shaped batches, `benchmarks/train_step.py`), a
+normal-priority worker made the loop slower than generating in the step, an idle one faster.
 
-A worker's exception is raised in the consumer, unchanged (so the file and row it names reach the
-trainer), when the consumer reaches the batch that failed. Threads are daemons that stop when the
-iterator is exhausted, closed or garbage-collected; nothing outlives the process.
+A worker's exception is raised in the consumer, unchanged (so the file and row it names reach the trainer),
+when the consumer reaches the batch that failed. Threads are daemons that stop when the iterator is exhausted,
+closed or garbage-collected; nothing outlives the process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -34,57 +34,43 @@ from torchrec.datasets.utils import Batch
 _POLL_S = 0.1  # how often a blocked thread looks for a stop request
 
 
-class _Failure:
-    """An exception raised while making a batch, carried to the consumer."""
-
-    def __init__(self, exc: BaseException) -> None:
-        self.exc = exc
-
-
 def _yield_to_the_step() -> None:
     """This thread: one intra-op thread and idle scheduling priority where the OS has it (best
     effort: elsewhere it runs at normal priority)."""
     torch.set_num_threads(1)  # this thread's OpenMP/MKL threads; also ATen's default for new threads
-    try:
+    with contextlib.suppress(AttributeError, OSError):
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: the calling thread
-    except (AttributeError, OSError):
-        pass
 
 
 def _work(make: Callable[[int], Batch], steps: range, pin: bool, out: queue.Queue,
           stop: threading.Event, idle_default: int | None = None) -> None:
-    """Make the batches of `steps` into `out` until done, failed or asked to stop. An idle worker
-    (`idle_default`: the consumer's thread count) yields to the step, and on its way out puts back
-    ATen's default for new threads, which its set_num_threads(1) changed (setting it from the
-    consumer instead, while the step runs, slowed the step: measured)."""
+    """Make the batches of `steps` into `out` until done, failed (the exception goes in their place) or
+    asked to stop. An idle worker (`idle_default`: the consumer's thread count) yields to the step, and
+    on its way out puts back ATen's default for new threads, which its set_num_threads(1) changed
+    (setting it from the consumer instead, while the step runs, slowed the step: measured)."""
     if idle_default is not None:
         _yield_to_the_step()
     try:
-        _make_all(make, steps, pin, out, stop)
+        for step in steps:
+            if stop.is_set():
+                return
+            try:
+                item: Any = make(step)
+                if pin:
+                    item = item.pin_memory()
+            except BaseException as e:  # noqa: BLE001 - every failure goes to the consumer
+                item = e
+            while not stop.is_set():
+                try:
+                    out.put(item, timeout=_POLL_S)
+                    break
+                except queue.Full:
+                    continue
+            if isinstance(item, BaseException):
+                return
     finally:
         if idle_default is not None:
             torch.set_num_threads(idle_default)
-
-
-def _make_all(make: Callable[[int], Batch], steps: range, pin: bool, out: queue.Queue,
-              stop: threading.Event) -> None:
-    for step in steps:
-        if stop.is_set():
-            return
-        try:
-            item: Any = make(step)
-            if pin:
-                item = item.pin_memory()
-        except BaseException as e:  # noqa: BLE001 - every failure goes to the consumer
-            item = _Failure(e)
-        while not stop.is_set():
-            try:
-                out.put(item, timeout=_POLL_S)
-                break
-            except queue.Full:
-                continue
-        if isinstance(item, _Failure):
-            return
 
 
 def _stop(stop: threading.Event, threads: list[threading.Thread]) -> None:
@@ -132,9 +118,9 @@ class PrefetchIterator(Iterator[Batch]):
                 if not t.is_alive() and q.empty():
                     self.close()
                     raise RuntimeError(f"prefetch worker {w} stopped before batch {self._next}") from None
-        if isinstance(item, _Failure):
+        if isinstance(item, BaseException):
             self.close()
-            raise item.exc
+            raise item
         self._next += 1
         return item
 
@@ -160,12 +146,8 @@ class Prefetched:
         return batch
 
     def __getattr__(self, name: str) -> Any:
-        # batch_size, malformed_rows, ...: the wrapped source's.
+        # batch (made here, no thread), batch_size, malformed_rows, ...: the wrapped source's.
         return getattr(self.__dict__["source"], name)
-
-    def batch(self, step: int) -> Batch:
-        """Batch number `step`, made here (no thread)."""
-        return self.source.batch(step)
 
     def iter_from(self, step: int = 0, num_steps: int | None = None) -> PrefetchIterator:
         """Batches `step`, `step + 1`, ... made ahead by the workers."""

@@ -3,12 +3,11 @@
     python -m anyrec.data.preprocess /data/criteo/day_0.gz /data/criteo/day_1 --out-dir /data/npy
 
 writes `day_0_dense.npy`, `day_0_sparse.npy`, `day_0_labels.npy`, ... exactly as torchrec's
-`BinaryCriteoUtils.tsv_to_npys` does for the same file: dense float32 log(x - min + 2) with `min`
-the file's smallest dense value, sparse int64 raw ids (training hashes them modulo the table sizes),
-labels int32 N x 1. `--dense-transform log1p` writes log(1 + max(x, 0)) instead (not torchrec's).
-Gzipped days are read as they are. Prints one JSON line per file with the row and malformed-row
-counts. Malformed rows stop the conversion unless `--on-malformed skip` (torchrec has no such
-check: it would fail or write the bad values).
+`BinaryCriteoUtils.tsv_to_npys` does for the same file: dense float32 log(x - min + 2) with `min` the file's
+smallest dense value, sparse int64 raw ids (training hashes them modulo the table sizes), labels int32 N x 1.
+`--dense-transform log1p` writes log(1 + max(x, 0)) instead (not torchrec's). Gzipped days are read as they
+are. Prints one JSON line per file with the row and malformed-row counts. Malformed rows stop the conversion
+unless `--on-malformed skip` (torchrec has no such check: it would fail or write the bad values).
 """
 
 from __future__ import annotations

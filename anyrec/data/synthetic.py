@@ -34,6 +34,7 @@ K buckets per feature.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 
@@ -94,12 +95,10 @@ def _unit(key: torch.Tensor) -> torch.Tensor:
 
 
 def _power_law_blocks(n: int, zipf: float, key: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per bucket: first id of its block, block width, block number (host, int64, K entries each).
-
-    Bucket b holds the ranks whose inverse-CDF quantile lies in [b/K, (b+1)/K). Non-empty buckets are
-    disjoint blocks tiling [0, n); an empty bucket (a rank more popular than 1/K) shares the block of
-    the next non-empty bucket, which starts at that rank.
-    """
+    """Per bucket: first id of its block, block width, block number (host, int64, K entries each). Bucket b
+    holds the ranks whose inverse-CDF quantile lies in [b/K, (b+1)/K). Non-empty buckets are disjoint blocks
+    tiling [0, n); an empty bucket (a rank more popular than 1/K) shares the block of the next non-empty
+    bucket, which starts at that rank."""
     K = 1 << _BUCKET_BITS
     u = torch.arange(K + 1, dtype=torch.float64) / K
     if zipf == 0:
@@ -127,19 +126,15 @@ def _power_law_blocks(n: int, zipf: float, key: int) -> tuple[torch.Tensor, torc
 
 
 class SyntheticCriteo:
-    """Criteo-shaped batches (13 dense, 26 sparse by default) for one rank of a data-parallel job.
-
-    One-hot or multi-hot following `model.multi_hot`; each feature draws ids from its own range,
-    `data.id_range_scale` x its table's rows (above 1.0 some ids are out of range, on purpose).
-    Batches are made on `device` (default CPU).
-    """
+    """Criteo-shaped batches (13 dense, 26 sparse by default) for one rank of a data-parallel job. One-hot or
+    multi-hot following `model.multi_hot`; each feature draws ids from its own range, `data.id_range_scale` x
+    its table's rows (above 1.0 some ids are out of range, on purpose). Batches are made on `device` (default
+    CPU)."""
 
     def __init__(self, model: ModelConfig, data: DataConfig, seed: int, rank: int = 0,
                  world_size: int = 1, split: str = "train", device: torch.device | str | None = None) -> None:
         if split not in _SPLITS:
             raise ValueError(f"unknown split {split!r}; choose one of {list(_SPLITS)}")
-        if data.batch_size < 1:
-            raise ValueError(f"data.batch_size must be >= 1, got {data.batch_size}")
         if data.id_range_scale <= 0:
             raise ValueError(f"data.id_range_scale must be > 0, got {data.id_range_scale}")
         if not 0 <= rank < world_size:
@@ -244,11 +239,8 @@ class SyntheticCriteo:
         return h_B, hd_B, hc_B
 
     def _ids(self, h_B: torch.Tensor, mult: torch.Tensor, base: torch.Tensor):
-        """(first id of the block, offset in it, teacher weight) of every slot in h_B * mult.
-
-        Scratch buffers are reused across batches: fresh large tensors cost more (page faults) than
-        the maths.
-        """
+        """(first id of the block, offset in it, teacher weight) of every slot in h_B * mult. Scratch buffers
+        are reused across batches: fresh large tensors cost more (page faults) than the maths."""
         shape = torch.broadcast_shapes(h_B.shape, mult.shape)
         n = math.prod(shape)
         if not self._scratch or self._scratch[0].numel() < n:
@@ -300,7 +292,4 @@ class SyntheticCriteo:
 
     def iter_from(self, step: int = 0, num_steps: int | None = None) -> Iterator[Batch]:
         """Batches `step`, `step + 1`, ... (forever when num_steps is None)."""
-        i = step
-        while num_steps is None or i < step + num_steps:
-            yield self.batch(i)
-            i += 1
+        return map(self.batch, itertools.count(step) if num_steps is None else range(step, step + num_steps))

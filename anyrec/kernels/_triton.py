@@ -1,8 +1,5 @@
-"""Triton, probed once for every kernel module: the same names whether or not it imports.
-
-`HAS_TRITON` says whether triton imported; kernels are defined only then, and the torch paths need
-none of it. `interpreter_enabled()` is the one place anyrec reads TRITON_INTERPRET.
-"""
+"""Triton, probed once for every kernel module: the same names whether or not it imports. Kernels are
+defined only where it did (`HAS_TRITON`); the torch paths need none of it."""
 
 from __future__ import annotations
 
@@ -19,10 +16,9 @@ except ImportError:
     HAS_TRITON = False
 
 
-
 def interpreter_enabled() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter: TRITON_INTERPRET read as Triton 3.x reads it
-    (1, true, on or yes, any case); it must be set before triton is imported."""
+    """Whether Triton runs kernels in its CPU interpreter: TRITON_INTERPRET read as Triton 3.x reads it (1,
+    true, on or yes, any case; set before triton is imported), the one place anyrec reads it."""
     return HAS_TRITON and os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
 
 

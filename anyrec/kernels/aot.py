@@ -2,33 +2,32 @@
 
     python -m anyrec.kernels.aot [--targets sm_90,gfx942] [--json out.json]
 
-Compiles each kernel variant (the constexpr combinations the launchers use) for sm_90, sm_100,
-gfx942 and gfx950 with `triton.compile(ASTSource(...), target=GPUTarget(...))`, prints registers,
-spills and shared memory per kernel and target, and exits 1 if any compile fails. NVIDIA register
-and spill counts come from `ptxas -v` on the generated PTX (Triton reads them from the driver only
-when a kernel is loaded); AMD ones from the metadata in the generated AMDGCN (VGPRs, VGPR spills
-to scratch; SGPR spills into VGPR lanes are not counted). '-' where unknown.
+Compiles each kernel variant (the constexpr combinations the launchers use) for sm_90, sm_100, gfx942 and
+gfx950 with `triton.compile(ASTSource(...), target=GPUTarget(...))`, prints registers, spills and shared
+memory per kernel and target, and exits 1 if any compile fails. NVIDIA register and spill counts come
+from `ptxas -v` on the generated PTX (Triton reads them from the driver only when a kernel is loaded);
+AMD ones from the metadata in the generated AMDGCN (VGPRs, VGPR spills to scratch; SGPR spills into
+VGPR lanes are not counted). '-' where unknown.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
-
-# Triton 3.9 warns when this is unset (its default changes in 3.10); fusion on is what we ship.
-# Read at compile time, so setting it here covers an already-imported triton too.
-os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-
-import argparse  # noqa: E402
-import json  # noqa: E402
 import re
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from dataclasses import asdict, dataclass  # noqa: E402
-from pathlib import Path  # noqa: E402
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
-from anyrec.kernels.optimizers import OptimizerKind  # noqa: E402
+from anyrec.kernels.optimizers import OptimizerKind
+
+# Triton 3.9 warns when this is unset (its default changes in 3.10); fusion on is what we ship. Read at
+# compile time, so setting it here covers an already-imported triton too.
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 TARGETS = {
     "sm_90": ("cuda", 90, 32),
@@ -104,10 +103,8 @@ def _dense_variants():
     for dt in ("fp32", "bf16"):
         cx = {"DOT_FP32": dt == "fp32", "BLOCK_B": bb, "BLOCK_N": bn, "BLOCK_D": bd}
         label = f"x={dt} n<={bn} D<=128"
-        out.append(("dot_fwd", label, dot_interaction_fwd_kernel,
-                    ["*" + dt] * 3 + ["i32"] * 4, cx, nw))
-        out.append(("dot_bwd", label, dot_interaction_bwd_kernel,
-                    ["*" + dt] * 5 + ["i32"] * 4, cx, nw))
+        out.append(("dot_fwd", label, dot_interaction_fwd_kernel, ["*" + dt] * 3 + ["i32"] * 4, cx, nw))
+        out.append(("dot_bwd", label, dot_interaction_bwd_kernel, ["*" + dt] * 5 + ["i32"] * 4, cx, nw))
     bb, bn, nw = epilogue_blocks(27 * 128)
     cx = {"BLOCK_B": bb, "BLOCK_N": bn}
     for dt, ydt in (("fp32", "fp32"), ("fp32", "bf16")):
@@ -143,19 +140,12 @@ def _amd_counts(amdgcn: str) -> tuple[int | None, int | None]:
     return field("vgpr_count"), field("vgpr_spill_count")
 
 
-def _compile_options(kernel: str) -> dict:
-    """Options a kernel's launcher passes besides num_warps (compiled here as they ship)."""
-    if kernel == "tbe_backward":
-        from anyrec.kernels.triton_tbe_backward import BACKWARD_COMPILE_OPTIONS  # needs triton
-
-        return BACKWARD_COMPILE_OPTIONS
-    return {}
-
-
 def compile_one(name, label, fn, types, constexprs, num_warps, target: str) -> CompileResult:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
+    from anyrec.kernels.triton_tbe_backward import BACKWARD_COMPILE_OPTIONS  # needs triton
 
     t0 = time.perf_counter()
     res = CompileResult(kernel=name, variant=label, target=target, ok=False)
@@ -169,8 +159,9 @@ def compile_one(name, label, fn, types, constexprs, num_warps, target: str) -> C
                  if t.startswith("*")}
         backend, arch, warp = TARGETS[target]
         src = ASTSource(fn, sig, constexprs=constexprs, attrs=attrs)
-        k = triton.compile(src, target=GPUTarget(backend, arch, warp),
-                           options={"num_warps": num_warps, **_compile_options(name)})
+        # the options each launcher passes besides num_warps, so kernels compile here as they ship
+        options = {"num_warps": num_warps, **(BACKWARD_COMPILE_OPTIONS if name == "tbe_backward" else {})}
+        k = triton.compile(src, target=GPUTarget(backend, arch, warp), options=options)
         res.shared_bytes = int(k.metadata.shared)
         if backend == "cuda":
             res.registers, res.spills = _nvidia_counts(k.asm["ptx"], arch)
@@ -181,11 +172,6 @@ def compile_one(name, label, fn, types, constexprs, num_warps, target: str) -> C
         res.error = f"{type(ex).__name__}: {ex}"[:500]
     res.seconds = time.perf_counter() - t0
     return res
-
-
-def run(targets: list[str]) -> list[CompileResult]:
-    """Compile every variant for every target."""
-    return [compile_one(*v, target=t) for v in _variants() for t in targets]
 
 
 def format_table(results: list[CompileResult]) -> str:
@@ -216,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("triton is not installed: cannot compile", file=sys.stderr)
         return 1
-    results = run(targets)
+    results = [compile_one(*v, target=t) for v in _variants() for t in targets]
     print(format_table(results))
     if a.json:
         Path(a.json).write_text(json.dumps([asdict(r) for r in results], indent=1))

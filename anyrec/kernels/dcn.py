@@ -1,13 +1,11 @@
 """Triton DCNv2 cross-layer epilogue: out = x0 * (y + b) + x, with y = U (V x) left to cuBLAS/hipBLASLt.
 
-Legend (shape suffixes): B rows (samples), N features of the cross net, R row splits of the backward.
 The forward is one elementwise pass over [B, N] tiles (fp32 math, each operand in its own dtype, as
-torch's type promotion would combine them). The backward writes dx0 = g (y + b) and dy = g x0 in one
-pass and reduces db = sum_B g x0 deterministically: a program owns a column tile and one of R row
-ranges, writes its fp32 partial sum, and the R partials are summed once (no atomics). dx = g needs no
-kernel. The torch oracle is `anyrec.models.interaction.LowRankCrossNet`.
-
-`HAS_TRITON` says whether triton imported; kernels exist only then.
+torch's type promotion would combine them). The backward writes dx0 = g (y + b) and dy = g x0 in one pass
+and reduces db = sum_B g x0 deterministically: a program owns a column tile and one of R row ranges,
+writes its fp32 partial sum, and the R partials are summed once (no atomics). dx = g needs no kernel.
+The torch oracle is `anyrec.models.interaction.LowRankCrossNet`; kernels exist only where triton imported.
+Legend (shape suffixes): B rows (samples), N features of the cross net, R row splits of the backward.
 """
 
 from __future__ import annotations
@@ -23,10 +21,7 @@ _BWD_PROGRAMS = 1024
 
 def epilogue_blocks(num_features: int) -> tuple[int, int, int]:
     """(BLOCK_B, BLOCK_N, num_warps): 2K-element tiles over 8 warps, 128 columns wide where N allows.
-
-    8 elements a thread: at 32 (4K tiles, 4 warps) the backward spills on sm_90 (see
-    `python -m anyrec.kernels.aot`).
-    """
+    8 elements a thread: at 32 (4K tiles, 4 warps) the backward spills on sm_90 (see aot.py)."""
     block_n = max(16, min(128, 1 << (max(num_features, 1) - 1).bit_length()))
     return 2048 // block_n, block_n, 8
 
@@ -47,10 +42,7 @@ if HAS_TRITON:
         b_ptr,  # [n] bias of U
         x_ptr,  # [batch, n] this layer's input
         out_ptr,  # [batch, n]
-        batch,
-        n,
-        BLOCK_B: tl.constexpr,
-        BLOCK_N: tl.constexpr,
+        batch, n, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         rows_B = (tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)
         cols_N = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -73,11 +65,9 @@ if HAS_TRITON:
         grad_x0_ptr,  # [batch, n] out: g (y + b)
         grad_y_ptr,  # [batch, n] out: g x0
         grad_b_partial_RN_ptr,  # [R, n] fp32 out: sum of g x0 over this program's rows
-        batch,
-        n,
+        batch, n,
         rows_per_split,  # a multiple of BLOCK_B
-        BLOCK_B: tl.constexpr,
-        BLOCK_N: tl.constexpr,
+        BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         split = tl.program_id(1)
         cols_N = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)

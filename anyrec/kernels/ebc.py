@@ -2,17 +2,15 @@
 Triton TBE, with the optimizer fused into backward and no FBGEMM op anywhere.
 
 For single-device jobs (`backend.embedding_kernel=triton`): no DistributedModelParallel, so no KJT
-all-to-all or `permute` (FBGEMM ops on GPUs). The KJT is read as it arrives: `values()`, and offsets
-taken from the KJT when it has them, else `torch.cumsum` of `lengths()` (torchrec's `offsets()`
-calls `fbgemm::asynchronous_complete_cumsum`); a KJT whose keys come in another order is mapped by
-name, without `permute`.
+all-to-all or `permute` (FBGEMM ops on GPUs). The KJT is read as it arrives: `values()`, and its offsets,
+or `torch.cumsum` of `lengths()` (torchrec's `offsets()` calls `fbgemm::asynchronous_complete_cumsum`);
+keys in another order are mapped by name, without `permute`.
 
-Weights and optimizer state live in the TBE's flat buffers; `embedding_bags.<table>.weight`
-(an `nn.Parameter` view, requires_grad=False) and `embedding_bags.<table>.momentum1/2` (buffer views)
-give the state_dict torchrec's EBC has, plus the optimizer state and `tbe.step`. The weights are
-updated in backward, so the dense optimizer must skip them: they carry `_in_backward_optimizers`
-(what `torchrec.optim.optimizers.in_backward_optimizer_filter` checks), and
-`dense_named_parameters(model)` does the same filtering without torchrec.
+Weights and optimizer state live in the TBE's flat buffers; `embedding_bags.<table>.weight` (an
+`nn.Parameter` view, requires_grad=False) and `embedding_bags.<table>.momentum1/2` (buffer views) give the
+state_dict torchrec's EBC has, plus the optimizer state and `tbe.step`. The weights are updated in
+backward, so the dense optimizer must skip them: they carry `_in_backward_optimizers` (what torchrec's
+`in_backward_optimizer_filter` checks), and `dense_named_parameters(model)` filters alike without torchrec.
 """
 
 from __future__ import annotations
@@ -32,8 +30,8 @@ from anyrec.kernels.tbe import TritonTableBatchedEmbedding
 
 logger = logging.getLogger(__name__)
 
-# value of `param._in_backward_optimizers` on the collection's weights (torch's
-# `_apply_optimizer_in_backward` stores a list of optimizers there; only its presence is checked)
+# `param._in_backward_optimizers` of the collection's weights (torch's `_apply_optimizer_in_backward`
+# stores a list of optimizers there; only its presence is checked)
 FUSED_IN_BACKWARD = ["anyrec.kernels: fused TBE update applied in backward"]
 
 _DTYPES = {DataType.FP32: torch.float32, DataType.FP16: torch.float16, DataType.BF16: torch.bfloat16}
@@ -41,8 +39,7 @@ _POOLING = {PoolingType.SUM: "sum", PoolingType.MEAN: "mean"}
 
 
 def dense_named_parameters(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
-    """`module.named_parameters()` without the weights updated in backward (the dense optimizer's set);
-    same rule as torchrec's `in_backward_optimizer_filter`."""
+    """`module.named_parameters()` without the weights updated in backward (the dense optimizer's set)."""
     for name, p in module.named_parameters():
         if not hasattr(p, "_in_backward_optimizers"):
             yield name, p
@@ -59,29 +56,19 @@ def kjt_offsets(kjt: KeyedJaggedTensor) -> torch.Tensor:
     return out
 
 
-class _TableSlot(nn.Module):
-    """`embedding_bags.<table>`: views of one table's weight and optimizer state (state_dict keys)."""
-
-
 class TritonEmbeddingBagCollection(nn.Module):
     """Unsharded EmbeddingBagCollection on the Triton TBE: forward(KJT) -> KeyedTensor, like torchrec's.
 
-    Output keys are the feature names in table order, values [B, sum of dims], fp32. All tables share
-    one pooling (sum or mean) and one weight dtype (`weights_dtype`, default: the configs' data_type).
-    `bounds_check`: "error" raises naming the feature and id (one host sync per batch); "skip"/"off"
-    masks bad ids in the kernels instead (no sync).
-    """
+    Output keys are the feature names in table order, values [B, sum of dims], fp32. All tables share one
+    pooling (sum or mean) and one weight dtype (`weights_dtype`, default: the configs' data_type).
+    `bounds_check`: "error" raises naming the feature and id (one host sync per batch); "skip"/"off" masks bad
+    ids in the kernels instead (no sync)."""
 
     def __init__(
-        self,
-        tables: Sequence[EmbeddingBagConfig],
-        optimizer: OptimizerConfig | None = None,
-        device: torch.device | str | None = None,
-        execution: str = "torch",
-        weights_dtype: torch.dtype | None = None,
-        bounds_check: BoundsCheckMode | str = BoundsCheckMode.ERROR,
-        is_weighted: bool = False,
-        stochastic_rounding: bool = True,
+        self, tables: Sequence[EmbeddingBagConfig], optimizer: OptimizerConfig | None = None,
+        device: torch.device | str | None = None, execution: str = "torch",
+        weights_dtype: torch.dtype | None = None, bounds_check: BoundsCheckMode | str = BoundsCheckMode.ERROR,
+        is_weighted: bool = False, stochastic_rounding: bool = True,
     ) -> None:
         super().__init__()
         tables = list(tables)
@@ -103,28 +90,21 @@ class TritonEmbeddingBagCollection(nn.Module):
                 raise ValueError(f"tables need one data_type among FP32/FP16/BF16, got {dtypes}; "
                                  "or pass weights_dtype")
             weights_dtype = _DTYPES[next(iter(dtypes))]
-        self._configs = tables
-        self._is_weighted = is_weighted
-        self._feature_names = features
+        self._configs, self._is_weighted, self._feature_names = tables, is_weighted, features
         self._feature_index = {f: i for i, f in enumerate(features)}
         self._dims_per_feature = [t.embedding_dim for t in tables for _ in (t.feature_names or [t.name])]
         self.tbe = TritonTableBatchedEmbedding(
             [(t.num_embeddings, t.embedding_dim) for t in tables],
             feature_table_map=[i for i, t in enumerate(tables) for _ in (t.feature_names or [t.name])],
-            optimizer=optimizer,
-            pooling=_POOLING[next(iter(poolings))],
-            weights_dtype=weights_dtype,
-            stochastic_rounding=stochastic_rounding,
-            bounds_check=bounds_check,
-            feature_names=features,
-            device=device,
-            execution=execution,
-        )
+            optimizer=optimizer, pooling=_POOLING[next(iter(poolings))], weights_dtype=weights_dtype,
+            stochastic_rounding=stochastic_rounding, bounds_check=bounds_check, feature_names=features,
+            device=device, execution=execution)
         # the flat buffers reach the state_dict through the per-table views only
         for name, buf in list(self.tbe.named_buffers(recurse=False)):
             if name != "step":
                 self.tbe.register_buffer(name, buf, persistent=False)
-        self.embedding_bags = nn.ModuleDict({t.name: _TableSlot() for t in tables})
+        # `embedding_bags.<table>`: views of one table's weight and optimizer state (its state_dict keys)
+        self.embedding_bags = nn.ModuleDict({t.name: nn.Module() for t in tables})
         self._bind_views()
         self.reset_parameters()
 
@@ -139,6 +119,10 @@ class TritonEmbeddingBagCollection(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.tbe.weight.device
+
+    @property
+    def optimizer(self) -> OptimizerConfig:
+        return self.tbe.optimizer
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -181,16 +165,6 @@ class TritonEmbeddingBagCollection(nn.Module):
         return (torch.cat(vals), torch.cat(offs), torch.cat(wts) if weights is not None else None,
                 [keys[i] for i in kept])
 
-    # ---- fused optimizer ------------------------------------------------------------------------
-
-    @property
-    def optimizer(self) -> OptimizerConfig:
-        return self.tbe.optimizer
-
-    def set_learning_rate(self, lr: float) -> None:
-        """Learning rate of the fused embedding update from the next backward on."""
-        self.tbe.set_learning_rate(lr)
-
     # ---- views into the flat buffers ------------------------------------------------------------
 
     def _bind_views(self) -> None:
@@ -211,12 +185,10 @@ class TritonEmbeddingBagCollection(nn.Module):
 
 
 class TritonEBCOptimizer(KeyedOptimizer):
-    """The fused optimizer of an unsharded TritonEmbeddingBagCollection as a torchrec KeyedOptimizer.
-
-    The update itself runs inside backward; like torchrec's fused optimizers, `step()` hands the
-    param group's learning rate to the kernel, and `zero_grad()` has nothing to clear. The optimizer
-    state (momentum buffers, step) is part of the module's state_dict.
-    """
+    """The fused optimizer of an unsharded TritonEmbeddingBagCollection as a torchrec KeyedOptimizer. The
+    update runs inside backward; like torchrec's fused optimizers, `step()` hands the param group's learning
+    rate to the kernel and `zero_grad()` has nothing to clear. The optimizer state (momentum buffers, step) is
+    part of the module's state_dict."""
 
     def __init__(self, ebc: TritonEmbeddingBagCollection, prefix: str = "") -> None:
         self._ebc = ebc
@@ -229,4 +201,4 @@ class TritonEBCOptimizer(KeyedOptimizer):
         pass
 
     def step(self, closure=None) -> None:  # noqa: ARG002 - torch.optim signature
-        self._ebc.set_learning_rate(float(self.param_groups[0]["lr"]))
+        self._ebc.tbe.learning_rate = float(self.param_groups[0]["lr"])

@@ -1,19 +1,17 @@
 """Triton DLRM dot interaction: the Gram matrix's upper triangle and the dense passthrough in one kernel.
 
+Output row b is [dense_b (D) | <x_i, x_j> for i < j, row-major (P)], the layout of
+`anyrec.models.interaction.DotInteraction` (its torch code is the oracle). The forward loops over D tiles
+of 16 accumulating a [BLOCK_B, n, n] fp32 Gram with batched `tl.dot` (tensor cores for bf16; exact fp32
+FMA for fp32, as torch's bmm) and scatters the triangle into the output row. The backward rebuilds the
+symmetric pair gradient S = Gd + Gd^T (Gd: the pair gradients in the upper triangle) and writes dX = S X
+per D tile, plus the dense passthrough into row 0. Dense and sparse inputs are read in place (no stacking
+copy). S is exact in the input dtype (each entry is one output gradient), so bf16 runs a bf16 x bf16 ->
+fp32 dot. DOT_FP32 runs the dots on fp32 operands instead: for fp32 inputs, and under TRITON_INTERPRET=1,
+whose tl.dot multiplies bf16 bit patterns (Triton 3.9); the result is the same, as products of bf16
+values are exact in fp32. Kernels exist only where triton imported.
 Legend (shape suffixes): B samples of one program (BLOCK_B), n = F + 1 stacked features (dense first,
 padded to BLOCK_N), D columns of one tile (BLOCK_D), F sparse features, P = n (n - 1) / 2 pairs.
-Output row b is [dense_b (D) | <x_i, x_j> for i < j, row-major (P)], the layout of
-`anyrec.models.interaction.DotInteraction` (its torch code is the oracle). The forward loops over D
-tiles of 16 accumulating a [BLOCK_B, n, n] fp32 Gram with batched `tl.dot` (tensor cores for bf16; exact
-fp32 FMA for fp32, as torch's bmm) and scatters the triangle into the output row. The backward
-rebuilds the symmetric pair gradient S = Gd + Gd^T (Gd: the pair gradients in the upper triangle)
-and writes dX = S X per D tile, plus the dense passthrough into row 0. Dense and sparse inputs are
-read in place (no stacking copy). S is exact in the input dtype (each entry is one output gradient),
-so bf16 runs a bf16 x bf16 -> fp32 dot. DOT_FP32 runs the dots on fp32 operands instead: for fp32
-inputs, and under TRITON_INTERPRET=1, whose tl.dot multiplies bf16 bit patterns (Triton 3.9); the
-result is the same, as products of bf16 values are exact in fp32.
-
-`HAS_TRITON` says whether triton imported; kernels exist only then.
 """
 
 from __future__ import annotations
@@ -26,13 +24,11 @@ _DTYPES = (torch.float32, torch.bfloat16)
 
 
 def interaction_blocks(num_rows: int) -> tuple[int, int, int, int]:
-    """(BLOCK_B, BLOCK_N, BLOCK_D, num_warps): ~2K fp32 Gram accumulators over 8 warps per program.
-
-    tl.dot needs every dot dimension >= 16; 27 rows (DLRM on Criteo) pad to 32, so 2 samples a
-    program; D streams in 16-column tiles. At 4K accumulators or 64-column tiles ptxas spills on
-    sm_90, at 32-column tiles on sm_100 (fp32): the 3D tiles' 64-bit pointers cost as many
-    registers as the data (see `python -m anyrec.kernels.aot`).
-    """
+    """(BLOCK_B, BLOCK_N, BLOCK_D, num_warps): ~2K fp32 Gram accumulators over 8 warps per program. tl.dot
+    needs every dot dimension >= 16; 27 rows (DLRM on Criteo) pad to 32, so 2 samples a program; D streams in
+    16-column tiles. At 4K accumulators or 64-column tiles ptxas spills on sm_90, at 32-column tiles on sm_100
+    (fp32): the 3D tiles' 64-bit pointers cost as many registers as the data (see `python -m
+    anyrec.kernels.aot`)."""
     block_n = max(16, 1 << (max(num_rows, 1) - 1).bit_length())
     block_b = max(1, min(16, 2048 // (block_n * block_n)))
     return block_b, block_n, 16, 8
@@ -69,11 +65,7 @@ if HAS_TRITON:
         out_ptr,  # [batch, dim + num_pairs] output, same dtype
         batch,
         num_rows,  # n = F + 1
-        dim,
-        out_stride,
-        DOT_FP32: tl.constexpr,
-        BLOCK_B: tl.constexpr,
-        BLOCK_N: tl.constexpr,
+        dim, out_stride, DOT_FP32: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
         pid = tl.program_id(0)
@@ -104,14 +96,8 @@ if HAS_TRITON:
         grad_out_ptr,  # [batch, dim + num_pairs] gradient of the output
         grad_dense_ptr,  # [batch, dim] out
         grad_sparse_ptr,  # [batch, num_rows - 1, dim] out
-        batch,
-        num_rows,
-        dim,
-        grad_stride,
-        DOT_FP32: tl.constexpr,
-        BLOCK_B: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr,
+        batch, num_rows, dim, grad_stride, DOT_FP32: tl.constexpr, BLOCK_B: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
         pid = tl.program_id(0)
         b_B = (pid * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)
@@ -189,9 +175,7 @@ class _DotInteraction(torch.autograd.Function):
 
 
 def dot_interaction(dense_BD: torch.Tensor, sparse_BFD: torch.Tensor) -> torch.Tensor:
-    """[B, D] dense and [B, F, D] pooled embeddings (one dtype: fp32 or bf16) -> [B, D + P].
-
-    Differentiable in both inputs; the output and gradients are in the input dtype.
-    """
+    """[B, D] dense and [B, F, D] pooled embeddings (one dtype: fp32 or bf16) -> [B, D + P], differentiable
+    in both inputs; the output and gradients are in the input dtype."""
     _check(dense_BD, sparse_BFD)
     return _DotInteraction.apply(dense_BD, sparse_BFD)

@@ -1,10 +1,9 @@
 """Table-batched embedding layout: where each table lives in the flat weight buffer, and id checks.
 
+Table t occupies elements [weight_offsets[t], weight_offsets[t] + rows[t] * dims[t]) of the flat buffer,
+row-major, and its rows are numbered globally from row_starts[t] (to dedupe ids across tables). Feature f
+reads table feature_table_map[f] and writes output columns [col_offsets[f], col_offsets[f] + dims[table]).
 Legend (shape suffixes): T tables, F features, N lookups, B batch size.
-All tables live in one flat buffer; table t occupies elements
-[weight_offsets[t], weight_offsets[t] + rows[t] * dims[t]) row-major, and its rows are numbered
-globally from row_starts[t] (used to dedupe ids across tables). Feature f reads table
-feature_table_map[f] and writes output columns [col_offsets[f], col_offsets[f] + dims[table]).
 """
 
 from __future__ import annotations
@@ -12,6 +11,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -45,24 +45,15 @@ class TBELayout:
         if any(r < 1 for r in self.rows) or any(d < 1 for d in self.dims):
             raise ValueError(f"tables need rows >= 1 and dim >= 1, got rows={self.rows} dims={self.dims}")
         if not self.feature_table_map or any(not 0 <= t < len(self.rows) for t in self.feature_table_map):
-            raise ValueError(
-                f"feature_table_map {self.feature_table_map} must name tables 0..{len(self.rows) - 1}"
-            )
+            tables = len(self.rows)
+            raise ValueError(f"feature_table_map {self.feature_table_map} must name tables 0..{tables - 1}")
         if self.feature_names and len(self.feature_names) != len(self.feature_table_map):
             raise ValueError("feature_names must have one name per feature")
-        w_off, r_start, c_off = [0], [0], [0]
-        for r, d in zip(self.rows, self.dims, strict=True):
-            w_off.append(w_off[-1] + r * d)
-            r_start.append(r_start[-1] + r)
-        for t in self.feature_table_map:
-            c_off.append(c_off[-1] + self.dims[t])
-        object.__setattr__(self, "weight_offsets", tuple(w_off))
-        object.__setattr__(self, "row_starts", tuple(r_start))
-        object.__setattr__(self, "col_offsets", tuple(c_off))
-
-    @property
-    def num_tables(self) -> int:
-        return len(self.rows)
+        sizes = (r * d for r, d in zip(self.rows, self.dims, strict=True))
+        feature_dims = (self.dims[t] for t in self.feature_table_map)
+        object.__setattr__(self, "weight_offsets", tuple(accumulate(sizes, initial=0)))
+        object.__setattr__(self, "row_starts", tuple(accumulate(self.rows, initial=0)))
+        object.__setattr__(self, "col_offsets", tuple(accumulate(feature_dims, initial=0)))
 
     @property
     def num_features(self) -> int:
@@ -85,9 +76,8 @@ class TBELayout:
         return max(self.dims)
 
     def permuted(self, order: tuple[int, ...]) -> TBELayout:
-        """The same tables with the features arriving in `order` (feature i of the result is feature
-        order[i] of this layout); output columns stay where this layout puts them, so a KJT with its
-        keys in another order needs no permute."""
+        """The same tables with the features arriving in `order` (feature i of the result is feature order[i]
+        of this layout); output columns stay where this layout puts them, so such a KJT needs no permute."""
         if sorted(order) != list(range(self.num_features)):
             raise ValueError(f"order {order} is not a permutation of {self.num_features} features")
         out = TBELayout(self.rows, self.dims, tuple(self.feature_table_map[f] for f in order),
@@ -98,15 +88,12 @@ class TBELayout:
 
     @property
     def dim_alignment(self) -> int:
-        """Largest power of two (<= 16) dividing every dim: row starts and output columns are
-        multiples of it, which lets the kernels issue vector loads (passed as a constexpr hint)."""
+        """Largest power of two (<= 16) dividing every dim: row starts and output columns are multiples of
+        it, which lets the kernels issue vector loads (passed as a constexpr hint)."""
         g = 0
         for d in self.dims:
             g = math.gcd(g, d)
         return min(16, g & -g)
-
-    def feature_name(self, f: int) -> str:
-        return self.feature_names[f] if self.feature_names else f"feature {f}"
 
     def tensors(self, device: torch.device | str | None = None) -> LayoutTensors:
         """The layout as int64 device tensors, as the kernels read it."""
@@ -115,13 +102,9 @@ class TBELayout:
             return torch.tensor(v, dtype=torch.int64, device=device)
 
         return LayoutTensors(
-            weight_offsets_T=t(self.weight_offsets[:-1]),
-            row_starts_T=t(self.row_starts[:-1]),
-            rows_T=t(self.rows),
-            dims_T=t(self.dims),
-            feature_table_map_F=t(self.feature_table_map),
-            col_offsets_F=t(self.col_offsets[:-1]),
-        )
+            weight_offsets_T=t(self.weight_offsets[:-1]), row_starts_T=t(self.row_starts[:-1]),
+            rows_T=t(self.rows), dims_T=t(self.dims), feature_table_map_F=t(self.feature_table_map),
+            col_offsets_F=t(self.col_offsets[:-1]))
 
 
 @dataclass(frozen=True)
@@ -140,26 +123,21 @@ def batch_size(layout: TBELayout, offsets_FB1: torch.Tensor) -> int:
     """B from a KJT offsets vector of F*B+1 entries; raises when the length does not fit."""
     n_bags = offsets_FB1.numel() - 1
     if n_bags < 0 or n_bags % layout.num_features:
-        raise ValueError(
-            f"offsets has {offsets_FB1.numel()} entries; expected F*B+1 with F={layout.num_features}"
-        )
+        raise ValueError(f"offsets has {n_bags + 1} entries; expected F*B+1 with F={layout.num_features}")
     return n_bags // layout.num_features
 
 
-def lookup_tables_N(
-    lt: LayoutTensors, offsets_FB1: torch.Tensor, B: int, n: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def lookup_tables_N(lt: LayoutTensors, offsets_FB1: torch.Tensor, B: int, n: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per lookup: its bag index (f*B+b) and the table it reads."""
     lengths_FB = (offsets_FB1[1:] - offsets_FB1[:-1]).long()
-    bag_N = torch.repeat_interleave(
-        torch.arange(lengths_FB.numel(), device=offsets_FB1.device), lengths_FB, output_size=n
-    )
+    bag_N = torch.repeat_interleave(torch.arange(lengths_FB.numel(), device=offsets_FB1.device), lengths_FB,
+                                    output_size=n)
     return bag_N, lt.feature_table_map_F[bag_N // max(B, 1)]
 
 
-def check_ids(
-    layout: TBELayout, lt: LayoutTensors, indices_N: torch.Tensor, offsets_FB1: torch.Tensor, B: int
-) -> None:
+def check_ids(layout: TBELayout, lt: LayoutTensors, indices_N: torch.Tensor, offsets_FB1: torch.Tensor,
+              B: int) -> None:
     """Raise ValueError naming the feature and the id of the first id outside its table."""
     n = indices_N.numel()
     if offsets_FB1.numel() and (int(offsets_FB1[0]) != 0 or int(offsets_FB1[-1]) != n):
@@ -173,7 +151,8 @@ def check_ids(
         i = int(bad_N.nonzero()[0, 0])
         f, b = divmod(int(bag_N[i]), B)
         t = layout.feature_table_map[f]
+        name = layout.feature_names[f] if layout.feature_names else f"feature {f}"
         raise ValueError(
-            f"{layout.feature_name(f)} (table {t}, {layout.rows[t]} rows): id {int(ids_N[i])} at "
+            f"{name} (table {t}, {layout.rows[t]} rows): id {int(ids_N[i])} at "
             f"sample {b} is out of range [0, {layout.rows[t]}) ({int(bad_N.sum())} bad ids in the batch)"
         )

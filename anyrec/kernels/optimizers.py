@@ -1,41 +1,35 @@
 """Optimizer settings for the fused embedding update, and the state footprint the planner charges.
 
-The update is applied inside the embedding backward (no weight gradient is materialised); these
-value objects say which rule runs and how many bytes of state it keeps per embedding row.
-Semantics follow FBGEMM's fused TBE optimizers, on every kernel (FBGEMM, anyrec's Triton and torch
-TBE, and the replicated-table optimizer `anyrec.trainer.optim` builds for data-parallel tables):
+The update is applied inside the embedding backward (no weight gradient is materialised). Semantics follow
+FBGEMM's fused TBE optimizers, on every kernel (FBGEMM, anyrec's Triton and torch TBE, and the
+replicated-table optimizer `anyrec.trainer.optim` builds for data-parallel tables):
 
   sgd              w -= lr * g
   rowwise_adagrad  m += mean_d(g^2) (one fp32 per row); w -= g * (lr / (sqrt(m) + eps))
   adagrad          m += g^2 (one fp32 per element);     w -= lr * g / (sqrt(m) + eps)
-  adam             m1 = b1 m1 + (1-b1) g; m2 = b2 m2 + (1-b2) g^2 (fp32 per element, lazy: only
-                   rows seen this step move);
-                   w -= lr * (m1_hat / (sqrt(m2_hat) + eps) + weight_decay * w)
+  adam             m1 = b1 m1 + (1-b1) g; m2 = b2 m2 + (1-b2) g^2 (fp32 per element, lazy: only rows
+                   seen this step move); w -= lr * (m1_hat / (sqrt(m2_hat) + eps) + weight_decay * w)
 
-where g is the row's gradient summed over every lookup of that row in the batch. Weight decay:
-for sgd / adagrad / rowwise_adagrad it is L2, `weight_decay * w` added to g before the update (so
-it also feeds the Adagrad accumulators); for adam it is decoupled (AdamW-style, scaled by lr, not in
-m1 / m2), which is what FBGEMM's fused Adam does. Only rows looked up in the step decay.
+where g is the row's gradient summed over every lookup of that row in the batch. Weight decay: for sgd /
+adagrad / rowwise_adagrad it is L2, `weight_decay * w` added to g before the update (so it also feeds the
+Adagrad accumulators); for adam it is decoupled (AdamW-style, scaled by lr, not in m1 / m2), which is
+what FBGEMM's fused Adam does. Only rows looked up in the step decay.
 
 Rounding follows FBGEMM's CPU kernels operation for operation (lr and eps are fp32, as FBGEMM takes
 them), so anyrec's TBE and FBGEMM give the same bits from the same summed gradient:
 
   sgd      w = fma(g, -lr, w)                       (one rounding; FBGEMM's CUDA kernel fuses too)
-  adagrad  m = fma(g, g, m);  w = fp32(w - fp32(lr * g) / (sqrt(m) + eps)), the subtraction,
-           division, sqrt and eps sum in fp64 (FBGEMM's CPU kernel promotes there; its CUDA kernel
-           stays in fp32, so FBGEMM itself differs from CPU to GPU by a rounding)
+  adagrad  m = fma(g, g, m);  w = fp32(w - fp32(lr * g) / (sqrt(m) + eps)), the subtraction, division,
+           sqrt and eps sum in fp64 (FBGEMM's CPU kernel promotes there; its CUDA kernel stays in fp32,
+           so FBGEMM itself differs from CPU to GPU by a rounding)
+  rowwise  mean_d(g^2) summed in eight lanes as FBGEMM's AVX2 kernel does (`rowwise_mean_sq`); m += that;
+           w -= g * (lr / (sqrt(m) + eps)) in fp32, one rounded division (`rowwise_step`). The state m
+           then matches FBGEMM's bit for bit; the weights differ from FBGEMM's CPU kernel by one rounding
+           on a few rows (the effective step differs by 1-3 units in the last place there; cause not found)
 
-  rowwise  mean_d(g^2) summed in eight lanes as FBGEMM's AVX2 kernel does (`rowwise_mean_sq`);
-           m += that; w -= g * (lr / (sqrt(m) + eps)) in fp32, one rounded division (`rowwise_step`).
-           The state m then matches FBGEMM's bit for bit; the weights differ from FBGEMM's CPU kernel
-           by one rounding on a few rows (the effective step differs by 1-3 units in the last place
-           there; cause not found)
-
-`fma_f32`, `sgd_update`, `adagrad_update`, `rowwise_mean_sq` and `rowwise_step` are that arithmetic
-on torch tensors; the Triton kernel spells the SGD and Adagrad steps with `tl.fma` and fp64, and sums
-row-wise g^2 with `tl.sum` (a tree: the same as the lanes under TRITON_INTERPRET for dims that are
-multiples of 8 up to 128, a rounding apart on GPUs).
-
+The functions below are that arithmetic on torch tensors; the Triton kernel spells the SGD and Adagrad
+steps with `tl.fma` and fp64, and sums row-wise g^2 with `tl.sum` (a tree: the same as the lanes under
+TRITON_INTERPRET for dims that are multiples of 8 up to 128, a rounding apart on GPUs).
 """
 
 from __future__ import annotations
@@ -88,10 +82,18 @@ class OptimizerConfig:
 
 
 def state_bytes_per_row(kind: OptimizerKind | str, dim: int) -> int:
-    """Bytes of optimizer state one embedding row of `dim` elements carries (state is always fp32,
-    whatever the weights' dtype)."""
+    """Bytes of optimizer state one row of `dim` elements carries (fp32, whatever the weights' dtype)."""
     per_row, per_elem = _STATE_ELEMENTS[OptimizerKind(kind)]
     return 4 * (per_row + per_elem * dim)
+
+
+def zero_state(kind: OptimizerKind | str, rows: int, elements: int, device=None) -> dict[str, torch.Tensor]:
+    """Zero fp32 state of `rows` rows holding `elements` weights, flat: `momentum1` (one value a row for
+    row-wise Adagrad, a weight for Adagrad and Adam) and Adam's `momentum2`."""
+    per_row, per_elem = _STATE_ELEMENTS[OptimizerKind(kind)]
+    n = rows if per_row else elements
+    return {f"momentum{i}": torch.zeros(n, dtype=torch.float32, device=device)
+            for i in range(1, per_row + per_elem + 1)}
 
 
 def f32(x: float) -> float:
@@ -100,12 +102,9 @@ def f32(x: float) -> float:
 
 
 def fma_f32(a: torch.Tensor, b: torch.Tensor | float, c: torch.Tensor) -> torch.Tensor:
-    """fp32 a * b + c rounded once, as a fused multiply-add: exact in fp64, then round-to-odd.
-
-    The fp64 product of two fp32 values is exact; the fp64 sum is nudged to an odd last bit when it
-    was inexact (its error comes from TwoSum), so the final rounding to fp32 is correct (53 >= 24 + 2
-    bits: no double-rounding error).
-    """
+    """fp32 a * b + c rounded once, as a fused multiply-add: the fp64 product of two fp32 values is exact;
+    the fp64 sum is nudged to an odd last bit when it was inexact (its error comes from TwoSum), so the
+    final rounding to fp32 is correct (53 >= 24 + 2 bits: no double-rounding error)."""
     p = a.double() * (b.double() if isinstance(b, torch.Tensor) else f32(b))
     cd = c.double()
     s = p + cd
@@ -130,11 +129,9 @@ def adagrad_update(w: torch.Tensor, g: torch.Tensor, m: torch.Tensor, lr: float,
 
 
 def rowwise_mean_sq(g_UD: torch.Tensor) -> torch.Tensor:
-    """mean_d(g^2) of each row [U], summed as FBGEMM's CPU row-wise Adagrad sums it.
-
-    Eight lanes (AVX2 width): lane j accumulates g_d^2 for d = j (mod 8) in order of d, each square
-    rounded before the add; then ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), then / D.
-    """
+    """mean_d(g^2) of each row [U], summed as FBGEMM's CPU row-wise Adagrad sums it: in eight lanes (AVX2
+    width), lane j accumulates g_d^2 for d = j (mod 8) in order of d, each square rounded before the add;
+    then ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), then / D."""
     u, d = g_UD.shape
     sq_UCL = torch.nn.functional.pad(g_UD * g_UD, (0, -d % 8)).view(u, (d + 7) // 8, 8)
     l_UL = sq_UCL[:, 0]  # the eight lanes

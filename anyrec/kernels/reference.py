@@ -1,12 +1,11 @@
 """Pure-torch oracle for table-batched embeddings: pooled forward and the fused optimizer updates.
 
-Written for clarity, not speed: per table, a dense fp32 gradient is built with `index_add_` and the
-update is applied to the rows that were looked up. The Triton kernels and the torch execution path
-of `TritonTableBatchedEmbedding` are tested against these functions.
-
-Legend (shape suffixes): N lookups (ids), F features, B batch size, T tables, R rows of one table,
-D embedding dim of one table, Dt total output dim (sum of the features' dims).
-KJT layout: `offsets_FB1` has F*B+1 entries, feature-major (bag f*B+b is feature f, sample b).
+Written for clarity, not speed: per table, a dense fp32 gradient is built with `index_add_` and the update
+is applied to the rows that were looked up. The Triton kernels and the torch execution path of
+`TritonTableBatchedEmbedding` are tested against these functions.
+Legend (shape suffixes): N lookups (ids), F features, B batch size, T tables, R rows of one table, D
+embedding dim of one table, Dt total output dim (sum of the features' dims). KJT layout: `offsets_FB1` has
+F*B+1 entries, feature-major (bag f*B+b is feature f, sample b).
 """
 
 from __future__ import annotations
@@ -25,9 +24,8 @@ from anyrec.kernels.optimizers import (
 POOLING_MODES = ("sum", "mean")
 
 
-def bag_scales_N(
-    offsets_FB1: torch.Tensor, per_sample_weights_N: torch.Tensor | None, pooling: str, n: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def bag_scales_N(offsets_FB1: torch.Tensor, per_sample_weights_N: torch.Tensor | None, pooling: str, n: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per lookup: its bag index and the fp32 factor it enters the pooled sum with."""
     lengths_FB = (offsets_FB1[1:] - offsets_FB1[:-1]).long()
     bag_N = torch.repeat_interleave(torch.arange(lengths_FB.numel(), device=offsets_FB1.device), lengths_FB,
@@ -41,12 +39,8 @@ def bag_scales_N(
 
 
 def pooled_forward_ref(
-    tables: list[torch.Tensor],
-    feature_table_map: list[int],
-    indices_N: torch.Tensor,
-    offsets_FB1: torch.Tensor,
-    per_sample_weights_N: torch.Tensor | None = None,
-    pooling: str = "sum",
+    tables: list[torch.Tensor], feature_table_map: list[int], indices_N: torch.Tensor,
+    offsets_FB1: torch.Tensor, per_sample_weights_N: torch.Tensor | None = None, pooling: str = "sum",
 ) -> torch.Tensor:
     """Pooled lookups of every feature, concatenated along columns: an fp32 [B, Dt] tensor."""
     F = len(feature_table_map)
@@ -65,12 +59,8 @@ def pooled_forward_ref(
 
 
 def row_gradients_ref(
-    tables: list[torch.Tensor],
-    feature_table_map: list[int],
-    indices_N: torch.Tensor,
-    offsets_FB1: torch.Tensor,
-    grad_out_BDt: torch.Tensor,
-    per_sample_weights_N: torch.Tensor | None = None,
+    tables: list[torch.Tensor], feature_table_map: list[int], indices_N: torch.Tensor,
+    offsets_FB1: torch.Tensor, grad_out_BDt: torch.Tensor, per_sample_weights_N: torch.Tensor | None = None,
     pooling: str = "sum",
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Dense fp32 gradient of every table, and the mask of rows looked up at least once."""
@@ -106,17 +96,11 @@ def init_state_ref(kind: OptimizerKind | str, rows: int, dim: int, device=None) 
 
 
 def apply_optimizer_ref(
-    weight_RD: torch.Tensor,
-    state: dict[str, torch.Tensor],
-    grad_RD: torch.Tensor,
-    touched_R: torch.Tensor,
-    opt: OptimizerConfig,
-    step: int,
+    weight_RD: torch.Tensor, state: dict[str, torch.Tensor], grad_RD: torch.Tensor, touched_R: torch.Tensor,
+    opt: OptimizerConfig, step: int,
 ) -> torch.Tensor:
-    """One update of the touched rows; returns the new fp32 weights and updates `state` in place.
-
-    `step` is the 1-based step number (Adam's bias correction).
-    """
+    """One update of the touched rows; returns the new fp32 weights and updates `state` in place. `step` is
+    the 1-based step number (Adam's bias correction)."""
     w = weight_RD.float().clone()
     rows = touched_R.nonzero().squeeze(1)
     g = grad_RD[rows]

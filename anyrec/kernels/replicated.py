@@ -1,15 +1,13 @@
 """The fused embedding update rule for a replicated (data-parallel) table that gets a dense gradient.
 
-A data-parallel table is a plain parameter on every rank; DDP all-reduces its gradient (averaged
-over ranks, as torchrec averages sharded-table gradients) and this optimizer applies to it the same
-rule, state layout and learning rate that a sharded copy of the table would get inside the TBE
-backward (`anyrec.kernels.optimizers` documents the rules). The arithmetic is the torch TBE path's
-own (`torch_tbe._apply_rows`), so there is one implementation of each rule.
+A data-parallel table is a plain parameter on every rank; DDP all-reduces its gradient (averaged over
+ranks, as torchrec averages sharded-table gradients) and this optimizer applies the rule, state layout
+and learning rate a sharded copy would get inside the TBE backward, with the torch TBE path's own
+arithmetic (`torch_tbe._apply_rows`): one implementation of each rule.
 
-"Lazy" as in the fused kernels: only rows with a non-zero gradient row move (their Adagrad/Adam
-state included). A row looked up whose summed gradient is exactly zero counts as not looked up;
-the fused kernels would still decay Adam's moments for it, the one case where the two differ.
-
+"Lazy" as in the fused kernels: only rows with a non-zero gradient move (their state included). A row
+looked up whose summed gradient is exactly zero counts as not looked up; the fused kernels would still
+decay Adam's moments for it, the one case where the two differ.
 Legend: R rows, D dim, U rows updated this step.
 """
 
@@ -20,7 +18,7 @@ from collections.abc import Iterable
 
 import torch
 
-from anyrec.kernels.optimizers import OptimizerConfig, OptimizerKind
+from anyrec.kernels.optimizers import OptimizerConfig, zero_state
 from anyrec.kernels.torch_tbe import _apply_rows
 
 
@@ -34,19 +32,9 @@ class ReplicatedTableOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.dim() != 2:
                     raise ValueError(f"a replicated table must be [rows, dim], got shape {tuple(p.shape)}")
-                self._init_state(p)
-
-    def _init_state(self, p: torch.Tensor) -> None:
-        """State exists from the start (a checkpoint can load into it before the first step)."""
-        state, kind = self.state[p], self.rule.kind
-        z = dict(dtype=torch.float32, device=p.device)
-        state["step"] = torch.zeros((), **z)
-        if kind == OptimizerKind.ROWWISE_ADAGRAD:
-            state["momentum1"] = torch.zeros(p.shape[0], **z)
-        elif kind in (OptimizerKind.ADAGRAD, OptimizerKind.ADAM):
-            state["momentum1"] = torch.zeros(p.numel(), **z)
-        if kind == OptimizerKind.ADAM:
-            state["momentum2"] = torch.zeros(p.numel(), **z)
+                # state exists from the start: a checkpoint can load into it before the first step
+                self.state[p]["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                self.state[p].update(zero_state(opt.kind, p.shape[0], p.numel(), p.device))
 
     @torch.no_grad()
     def step(self, closure=None) -> None:  # noqa: ARG002 - torch.optim signature

@@ -1,19 +1,17 @@
-"""`TritonTableBatchedEmbedding`: pooled embedding bags over many tables with the optimizer fused
-into the backward, like FBGEMM's `SplitTableBatchedEmbeddingBagsCodegen` but portable.
+"""`TritonTableBatchedEmbedding`: pooled embedding bags over many tables with the optimizer fused into the
+backward, like FBGEMM's `SplitTableBatchedEmbeddingBagsCodegen` but portable.
 
-All tables share one flat weight buffer and flat optimizer-state buffers, registered as buffers so
-`state_dict()` carries them. The forward runs through an autograd Function whose backward applies
-the optimizer update in place and returns no weight gradient; training code therefore never calls
-an optimizer for these weights (`learning_rate` can be changed between steps).
-
-Execution is "triton" (the Triton kernels: CUDA, ROCm, or CPU under TRITON_INTERPRET=1) or "torch"
-(vectorised torch ops, any device; the default). The caller chooses (anyrec's op dispatch does, per
-backend); asking for "triton" where it cannot run raises. The execution is logged once per device.
+All tables share one flat weight buffer and flat optimizer-state buffers (buffers, so `state_dict()` carries
+them). The backward applies the optimizer update in place and returns no weight gradient, so training code
+never calls an optimizer for these weights (`learning_rate` can change between steps). Execution is "triton"
+(CUDA, ROCm, or CPU under TRITON_INTERPRET=1) or "torch" (vectorised torch ops, any device; the default); the
+caller chooses, asking for triton where it cannot run raises, and the choice is logged once per device type.
 Legend (shape suffixes): N lookups, F features, B batch size, Dt output dim, T tables.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 
@@ -22,8 +20,8 @@ from torch import nn
 
 from anyrec.kernels import triton_tbe, triton_tbe_backward
 from anyrec.kernels._triton import interpreter_enabled
-from anyrec.kernels.layout import BoundsCheckMode, TBELayout, batch_size, check_ids
-from anyrec.kernels.optimizers import OptimizerConfig, OptimizerKind
+from anyrec.kernels.layout import BoundsCheckMode, LayoutTensors, TBELayout, batch_size, check_ids
+from anyrec.kernels.optimizers import OptimizerConfig, OptimizerKind, zero_state
 from anyrec.kernels.reference import POOLING_MODES
 from anyrec.kernels.torch_tbe import torch_backward_update, torch_forward
 
@@ -35,8 +33,7 @@ _LOGGED: set[tuple[str, str]] = set()
 
 
 def check_execution(execution: str, device: torch.device) -> str:
-    """`execution` if it runs on tensors on `device` (logged once per device type); ValueError when it
-    is unknown or triton cannot run there."""
+    """`execution` if it runs on tensors on `device`; ValueError when it is unknown or cannot run there."""
     if execution not in EXECUTIONS:
         raise ValueError(f"execution must be one of {EXECUTIONS}, got {execution!r}")
     runs_here = triton_tbe.HAS_TRITON and (device.type != "cpu" or interpreter_enabled())
@@ -55,9 +52,7 @@ class _TBELookup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, placeholder, module, layouts, indices_N, offsets_FB1, psw_N, batch):
-        ctx.module = module
-        ctx.layouts = layouts
-        ctx.batch = batch
+        ctx.module, ctx.layouts, ctx.batch = module, layouts, batch
         ctx.inputs = (indices_N, offsets_FB1, psw_N)
         return module._pooled_forward(layouts, indices_N, offsets_FB1, psw_N, batch)
 
@@ -70,60 +65,41 @@ class _TBELookup(torch.autograd.Function):
 
 class TritonTableBatchedEmbedding(nn.Module):
     """Table-batched pooled embeddings with a fused optimizer (sum/mean; fp32/fp16/bf16 weights).
-
-    `embedding_specs`: (rows, dim) per table. `feature_table_map`: table of each KJT feature (default:
-    feature t reads table t). forward(indices, offsets, per_sample_weights) takes a KJT's values and
-    offsets (F*B+1, feature-major, int32 or int64) and returns [B, sum of the features' dims].
-    """
+    `embedding_specs`: (rows, dim) per table. `feature_table_map`: table of each KJT feature (default: feature
+    t reads table t). forward(indices, offsets, per_sample_weights) takes a KJT's values and offsets (F*B+1,
+    feature-major, int32 or int64) and returns [B, sum of the features' dims]."""
 
     def __init__(
-        self,
-        embedding_specs: Sequence[tuple[int, int]],
-        feature_table_map: Sequence[int] | None = None,
-        optimizer: OptimizerConfig | None = None,
-        pooling: str = "sum",
-        weights_dtype: torch.dtype = torch.float32,
-        output_dtype: torch.dtype = torch.float32,
-        stochastic_rounding: bool = True,
-        bounds_check: BoundsCheckMode | str = BoundsCheckMode.ERROR,
-        feature_names: Sequence[str] | None = None,
-        device: torch.device | str | None = None,
+        self, embedding_specs: Sequence[tuple[int, int]], feature_table_map: Sequence[int] | None = None,
+        optimizer: OptimizerConfig | None = None, pooling: str = "sum",
+        weights_dtype: torch.dtype = torch.float32, output_dtype: torch.dtype = torch.float32,
+        stochastic_rounding: bool = True, bounds_check: BoundsCheckMode | str = BoundsCheckMode.ERROR,
+        feature_names: Sequence[str] | None = None, device: torch.device | str | None = None,
         execution: str = "torch",
     ) -> None:
         super().__init__()
         if pooling not in POOLING_MODES:
             raise ValueError(f"pooling must be one of {POOLING_MODES}, got {pooling!r}")
-        if weights_dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise ValueError(f"weights_dtype must be fp32, fp16 or bf16, got {weights_dtype}")
-        if output_dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise ValueError(f"output_dtype must be fp32, fp16 or bf16, got {output_dtype}")
+        for name, dtype in (("weights_dtype", weights_dtype), ("output_dtype", output_dtype)):
+            if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+                raise ValueError(f"{name} must be fp32, fp16 or bf16, got {dtype}")
         specs = [(int(r), int(d)) for r, d in embedding_specs]
         ftm = tuple(feature_table_map) if feature_table_map is not None else tuple(range(len(specs)))
-        self.layout = TBELayout(
-            rows=tuple(r for r, _ in specs), dims=tuple(d for _, d in specs), feature_table_map=ftm,
-            feature_names=tuple(feature_names or ()),
-        )
+        self.layout = TBELayout(tuple(r for r, _ in specs), tuple(d for _, d in specs), ftm,
+                                tuple(feature_names or ()))
         self.optimizer = optimizer or OptimizerConfig()
-        self.pooling = pooling
-        self.output_dtype = output_dtype
-        self.stochastic_rounding = stochastic_rounding
+        self.pooling, self.output_dtype, self.stochastic_rounding = pooling, output_dtype, stochastic_rounding
         self.bounds_check = BoundsCheckMode(bounds_check)
         device = torch.device(device) if device is not None else torch.device("cpu")
         self.execution = check_execution(execution, device)  # fail at construction, not at the first batch
         lay = self.layout
         self.register_buffer("weight", torch.empty(lay.total_elements, dtype=weights_dtype, device=device))
-        kind = self.optimizer.kind
-        if kind == OptimizerKind.ROWWISE_ADAGRAD:
-            self.register_buffer("momentum1", torch.zeros(lay.total_rows, device=device))
-        elif kind in (OptimizerKind.ADAGRAD, OptimizerKind.ADAM):
-            self.register_buffer("momentum1", torch.zeros(lay.total_elements, device=device))
-        if kind == OptimizerKind.ADAM:
-            self.register_buffer("momentum2", torch.zeros(lay.total_elements, device=device))
+        for name, buf in zero_state(self.optimizer.kind, lay.total_rows, lay.total_elements, device).items():
+            self.register_buffer(name, buf)
         self.register_buffer("step", torch.zeros((), device=device))  # fp32 count of fused updates
         self.register_buffer("table_offsets", torch.tensor(lay.weight_offsets[:-1], device=device),
                              persistent=False)
-        self._layout_tensors = None
-        self._permuted: dict[tuple[int, ...], tuple[TBELayout, object]] = {}
+        self._layouts_by_order: dict[tuple[int, ...] | None, tuple[TBELayout, LayoutTensors]] = {}
         self._placeholder = torch.zeros(0, requires_grad=True)
         self.reset_parameters()
 
@@ -142,13 +118,13 @@ class TritonTableBatchedEmbedding(nn.Module):
     def split_embedding_weights(self) -> list[torch.Tensor]:
         """Per-table [rows, dim] views into the flat weight buffer."""
         lay = self.layout
-        return [self.weight[lay.weight_offsets[t]: lay.weight_offsets[t + 1]].view(lay.rows[t], lay.dims[t])
-                for t in range(lay.num_tables)]
+        return [self.weight[o: o + r * d].view(r, d)
+                for o, r, d in zip(lay.weight_offsets[:-1], lay.rows, lay.dims, strict=True)]
 
     def get_optimizer_state(self) -> list[dict[str, torch.Tensor]]:
         """Per-table views of the optimizer state, keyed as FBGEMM keys them ("sum", "exp_avg", ...)."""
         lay, kind, out = self.layout, self.optimizer.kind, []
-        for t in range(lay.num_tables):
+        for t in range(len(lay.rows)):
             e0, e1 = lay.weight_offsets[t], lay.weight_offsets[t + 1]
             shape = (lay.rows[t], lay.dims[t])
             if kind == OptimizerKind.ROWWISE_ADAGRAD:
@@ -168,11 +144,7 @@ class TritonTableBatchedEmbedding(nn.Module):
 
     @learning_rate.setter
     def learning_rate(self, lr: float) -> None:
-        self.set_learning_rate(lr)
-
-    def set_learning_rate(self, lr: float) -> None:
-        """Change the fused optimizer's learning rate for the next updates."""
-        self.optimizer = OptimizerConfig(**{**self.optimizer.__dict__, "lr": float(lr)})
+        self.optimizer = dataclasses.replace(self.optimizer, lr=float(lr))
 
     def flush(self) -> None:
         """No cache to flush (present for torchrec's kernel interface)."""
@@ -181,39 +153,26 @@ class TritonTableBatchedEmbedding(nn.Module):
         """No cache to reset (present for torchrec's kernel interface)."""
 
     def _apply(self, fn, recurse=True):
-        self._layout_tensors = None
-        self._permuted.clear()
+        self._layouts_by_order.clear()
         return super()._apply(fn, recurse)
 
     # ---- compute --------------------------------------------------------------------------------
 
-    def _lt(self):
-        if self._layout_tensors is None or self._layout_tensors.dims_T.device != self.weight.device:
-            self._layout_tensors = self.layout.tensors(self.weight.device)
-        return self._layout_tensors
-
-    def _layouts(self, feature_order: Sequence[int] | None):
+    def _layouts(self, feature_order: Sequence[int] | None = None) -> tuple[TBELayout, LayoutTensors]:
         """(layout, device tensors) for features arriving in `feature_order` (None: layout order)."""
-        if feature_order is None:
-            return self.layout, self._lt()
-        key = tuple(feature_order)
-        if key not in self._permuted:
-            lay = self.layout.permuted(key)
-            self._permuted[key] = (lay, lay.tensors(self.weight.device))
-        return self._permuted[key]
+        key = None if feature_order is None else tuple(feature_order)
+        if key not in self._layouts_by_order:
+            lay = self.layout if key is None else self.layout.permuted(key)
+            self._layouts_by_order[key] = (lay, lay.tensors(self.weight.device))
+        return self._layouts_by_order[key]
 
     def forward(
-        self,
-        indices: torch.Tensor,
-        offsets: torch.Tensor,
-        per_sample_weights: torch.Tensor | None = None,
+        self, indices: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None = None,
         feature_order: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """Pooled lookups: [B, output_dim]; in training, backward applies the fused optimizer.
-
-        `feature_order`: when the KJT's features come in another order than the layout's, feature i
-        of the input is layout feature feature_order[i]; the output columns keep the layout order.
-        """
+        `feature_order`: when the KJT's features come in another order than the layout's, feature i of the
+        input is layout feature feature_order[i]; the output columns keep the layout order."""
         layouts = self._layouts(feature_order)
         B = batch_size(self.layout, offsets)
         if per_sample_weights is not None and per_sample_weights.numel() != indices.numel():
@@ -235,8 +194,7 @@ class TritonTableBatchedEmbedding(nn.Module):
     @torch.no_grad()
     def _fused_update(self, layouts, indices_N, offsets_FB1, psw_N, grad_out_BDt, batch: int) -> None:
         self.step += 1
-        dev = self.weight.device
-        dummy = torch.zeros(1, device=dev)
+        dummy = torch.zeros(1, device=self.weight.device)
         state1 = getattr(self, "momentum1", dummy)
         state2 = getattr(self, "momentum2", dummy)
         layout, lt = layouts

@@ -1,9 +1,6 @@
-"""Pure-torch execution path of the table-batched embedding (forward and fused update), no triton.
-
-Same contract as `triton_tbe.triton_forward` / `triton_tbe_backward.triton_backward_update`, built
-from vectorised torch ops (gathers, `index_add_`, `torch.unique`): one pass per distinct embedding
-dim, no Python loop over bags or rows. Used on CPU and wherever triton is not available.
-
+"""Pure-torch execution path of the table-batched embedding (forward and fused update), no triton: the
+contract of `triton_tbe` / `triton_tbe_backward` in vectorised torch ops (gathers, `index_add_`,
+`torch.unique`), one pass per distinct embedding dim, no Python loop over bags or rows.
 Legend (shape suffixes): N lookups, U unique rows, D embedding dim of a group, Dt output dim.
 """
 
@@ -24,9 +21,8 @@ from anyrec.kernels.reference import bag_scales_N
 from anyrec.kernels.triton_tbe_backward import SR_DROPPED_BITS
 
 
-def _lookups(
-    layout: TBELayout, lt: LayoutTensors, indices_N, offsets_FB1, psw_N, batch: int, pooling: str
-):
+def _lookups(lt: LayoutTensors, indices_N, offsets_FB1, psw_N, batch: int, pooling: str):
+    """Per lookup: bag, table, id and scale (both 0 for an id outside its table) and whether it is in."""
     n = indices_N.numel()
     bag_N, table_N = lookup_tables_N(lt, offsets_FB1, batch, n)
     _, scale_N = bag_scales_N(offsets_FB1, psw_N, pooling, n)
@@ -45,21 +41,14 @@ def _dim_groups(layout: TBELayout, lt: LayoutTensors, table_N: torch.Tensor):
 
 
 def torch_forward(
-    layout: TBELayout,
-    lt: LayoutTensors,
-    weights: torch.Tensor,
-    indices_N: torch.Tensor,
-    offsets_FB1: torch.Tensor,
-    per_sample_weights_N: torch.Tensor | None,
-    batch: int,
-    pooling: str,
+    layout: TBELayout, lt: LayoutTensors, weights: torch.Tensor, indices_N: torch.Tensor,
+    offsets_FB1: torch.Tensor, per_sample_weights_N: torch.Tensor | None, batch: int, pooling: str,
     output_dtype: torch.dtype,
 ) -> torch.Tensor:
     """Pooled lookups of every feature: [batch, layout.output_dim] in `output_dtype`."""
     out_flat = torch.zeros(batch * layout.output_dim, dtype=torch.float32, device=weights.device)
-    bag_N, table_N, ids_N, scale_N, _ = _lookups(
-        layout, lt, indices_N, offsets_FB1, per_sample_weights_N, batch, pooling
-    )
+    bag_N, table_N, ids_N, scale_N, _ = _lookups(lt, indices_N, offsets_FB1, per_sample_weights_N, batch,
+                                                 pooling)
     for d, sel in _dim_groups(layout, lt, table_N):
         bag, table, ids, scale = (bag_N, table_N, ids_N, scale_N)
         if sel is not None:
@@ -82,25 +71,14 @@ def stochastic_round_torch(x: torch.Tensor, dtype: torch.dtype, generator=None) 
 
 
 def torch_backward_update(
-    layout: TBELayout,
-    lt: LayoutTensors,
-    weights: torch.Tensor,
-    state1: torch.Tensor,
-    state2: torch.Tensor,
-    step: torch.Tensor,
-    indices_N: torch.Tensor,
-    offsets_FB1: torch.Tensor,
-    per_sample_weights_N: torch.Tensor | None,
-    grad_out_BDt: torch.Tensor,
-    batch: int,
-    pooling: str,
-    opt: OptimizerConfig,
-    stochastic_rounding: bool,
+    layout: TBELayout, lt: LayoutTensors, weights: torch.Tensor, state1: torch.Tensor, state2: torch.Tensor,
+    step: torch.Tensor, indices_N: torch.Tensor, offsets_FB1: torch.Tensor,
+    per_sample_weights_N: torch.Tensor | None, grad_out_BDt: torch.Tensor, batch: int, pooling: str,
+    opt: OptimizerConfig, stochastic_rounding: bool,
 ) -> None:
     """Sum each looked-up row's gradient once (duplicates merged) and apply `opt` to it, in place."""
-    bag_N, table_N, ids_N, scale_N, ok_N = _lookups(
-        layout, lt, indices_N, offsets_FB1, per_sample_weights_N, batch, pooling
-    )
+    bag_N, table_N, ids_N, scale_N, ok_N = _lookups(lt, indices_N, offsets_FB1, per_sample_weights_N, batch,
+                                                    pooling)
     grad_out_BDt = grad_out_BDt.contiguous()  # e.g. a column slice of torch.cat's gradient
     grad_flat = grad_out_BDt.view(-1)
     for d, sel in _dim_groups(layout, lt, table_N):

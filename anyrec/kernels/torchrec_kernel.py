@@ -1,23 +1,18 @@
 """torchrec integration: the Triton TBE as the compute kernel of sharded EmbeddingBagCollections.
 
-Extension point (public subclassing only, nothing in torchrec is patched):
-`TritonEmbeddingBagCollectionSharder` offers the `fused_triton` compute kernel
-(`EmbeddingComputeKernel.FUSED_TRITON`, the enum value torchrec reserves for a Triton TBE) for
-table-, row-, column-, table-row- and table-column-wise shards, and its `shard()` builds a
-`TritonShardedEmbeddingBagCollection`. That class only overrides the public classmethod
-`create_embedding_bag_sharding` to return sharding subclasses whose `create_lookup` builds a
-`TritonGroupedPooledEmbeddingsLookup`, and that lookup's `_create_embedding_kernel` returns
-`TritonFusedEmbeddingBag` for `fused_triton` groups (torchrec's own branch imports a module it does
-not ship). `TritonFusedEmbeddingBag` reuses torchrec's `TritonBatchedFusedEmbeddingBag` plumbing
-(state_dict as ShardedTensors, per-table parameter slices) and `TritonEmbeddingFusedOptimizer`, so
-weights and optimizer state ("<table>.momentum1", ...) appear in `DistributedModelParallel`'s
-state_dict and `fused_optimizer.state_dict()` like FBGEMM's.
+Public subclassing only, nothing in torchrec is patched: `TritonEmbeddingBagCollectionSharder` offers the
+`fused_triton` compute kernel (`EmbeddingComputeKernel.FUSED_TRITON`, the value torchrec reserves for a
+Triton TBE) for table-, row-, column-, table-row- and table-column-wise shards; its sharded module's
+shardings build a lookup whose `_create_embedding_kernel` returns `TritonFusedEmbeddingBag` for
+`fused_triton` groups (torchrec's own branch imports a module it does not ship). That kernel reuses
+torchrec's `TritonBatchedFusedEmbeddingBag` plumbing (state_dict as ShardedTensors, per-table parameter
+slices) and `TritonEmbeddingFusedOptimizer`, so weights and optimizer state ("<table>.momentum1", ...)
+appear in `DistributedModelParallel`'s state_dict and `fused_optimizer.state_dict()` like FBGEMM's.
 
-Data-parallel (replicated) tables take torchrec's `dense` kernel name, as FBGEMM's do: the lookup
-builds `TorchDenseEmbeddingBag`, the torch TBE's forward over one plain flat parameter, so autograd
-gives the weights a dense gradient that DDP all-reduces and the trainer's replicated-table optimizer
-applies (no FBGEMM kernel anywhere). `init_data_parallel` wraps those lookups in DDP as torchrec does,
-with DDP's static graph only where the trainer says the device can page-lock host memory.
+Data-parallel (replicated) tables take torchrec's `dense` kernel name, as FBGEMM's do: the lookup builds
+`TorchDenseEmbeddingBag`, the torch TBE's forward over one plain flat parameter, so autograd gives the
+weights a dense gradient that DDP all-reduces and the trainer's replicated-table optimizer applies (no
+FBGEMM kernel anywhere).
 
 Usage:
     sharder = TritonEmbeddingBagCollectionSharder(OptimizerConfig("rowwise_adagrad", lr=0.01))
@@ -66,29 +61,15 @@ from anyrec.kernels.torch_tbe import torch_forward
 
 TRITON_COMPUTE_KERNEL = EmbeddingComputeKernel.FUSED_TRITON.value
 
-SUPPORTED_SHARDING_TYPES = (
-    ShardingType.DATA_PARALLEL.value,  # the `dense` kernel: TorchDenseEmbeddingBag
-    ShardingType.TABLE_WISE.value,
-    ShardingType.ROW_WISE.value,
-    ShardingType.COLUMN_WISE.value,
-    ShardingType.TABLE_ROW_WISE.value,
-    ShardingType.TABLE_COLUMN_WISE.value,
-)
-
-_FBGEMM_OPTIMIZERS = {
-    EmbOptimType.EXACT_SGD: OptimizerKind.SGD,
-    EmbOptimType.SGD: OptimizerKind.SGD,
-    EmbOptimType.EXACT_ROWWISE_ADAGRAD: OptimizerKind.ROWWISE_ADAGRAD,
-    EmbOptimType.ROWWISE_ADAGRAD: OptimizerKind.ROWWISE_ADAGRAD,
-    EmbOptimType.EXACT_ADAGRAD: OptimizerKind.ADAGRAD,
-    EmbOptimType.ADAM: OptimizerKind.ADAM,
-}
 _TO_FBGEMM = {
     OptimizerKind.SGD: EmbOptimType.EXACT_SGD,
     OptimizerKind.ROWWISE_ADAGRAD: EmbOptimType.EXACT_ROWWISE_ADAGRAD,
     OptimizerKind.ADAGRAD: EmbOptimType.EXACT_ADAGRAD,
     OptimizerKind.ADAM: EmbOptimType.ADAM,
 }
+_FBGEMM_OPTIMIZERS = {v: k for k, v in _TO_FBGEMM.items()} | {
+    EmbOptimType.SGD: OptimizerKind.SGD, EmbOptimType.ROWWISE_ADAGRAD: OptimizerKind.ROWWISE_ADAGRAD}
+_HYPERPARAMETERS = ("eps", "beta1", "beta2", "weight_decay")  # fused_params keys named as OptimizerConfig's
 
 
 def optimizer_from_fused_params(fused_params: dict[str, Any]) -> OptimizerConfig:
@@ -100,57 +81,47 @@ def optimizer_from_fused_params(fused_params: dict[str, Any]) -> OptimizerConfig
             raise ValueError(f"the Triton TBE does not implement {kind}; use one of {supported}")
         kind = _FBGEMM_OPTIMIZERS[kind]
     defaults = OptimizerConfig(kind=kind)
-    return OptimizerConfig(
-        kind=kind,
-        lr=float(fused_params.get("learning_rate", defaults.lr)),
-        eps=float(fused_params.get("eps", defaults.eps)),
-        beta1=float(fused_params.get("beta1", defaults.beta1)),
-        beta2=float(fused_params.get("beta2", defaults.beta2)),
-        weight_decay=float(fused_params.get("weight_decay", defaults.weight_decay)),
-    )
+    return OptimizerConfig(kind=kind, lr=float(fused_params.get("learning_rate", defaults.lr)),
+                           **{k: float(fused_params.get(k, getattr(defaults, k))) for k in _HYPERPARAMETERS})
 
 
 def fused_params_from_optimizer(opt: OptimizerConfig) -> dict[str, Any]:
     """The inverse of `optimizer_from_fused_params` (what the sharder hands torchrec)."""
-    return {"optimizer": _TO_FBGEMM[opt.kind], "learning_rate": opt.lr, "eps": opt.eps, "beta1": opt.beta1,
-            "beta2": opt.beta2, "weight_decay": opt.weight_decay}
+    return {"optimizer": _TO_FBGEMM[opt.kind], "learning_rate": opt.lr,
+            **{k: getattr(opt, k) for k in _HYPERPARAMETERS}}
+
+
+def _pooling(kernel: BaseBatchedEmbeddingBag) -> str:
+    # torchrec already maps mean to sum for row-wise shards (it divides after the reduce)
+    return "mean" if kernel._pooling == PoolingMode.MEAN else "sum"
+
+
+def _output_dtype(fused_params: dict[str, Any]) -> torch.dtype:
+    output_dtype = fused_params.get("output_dtype", SparseType.FP32)
+    return output_dtype.as_dtype() if isinstance(output_dtype, SparseType) else output_dtype
 
 
 class TritonFusedEmbeddingBag(TritonBatchedFusedEmbeddingBag):
-    """torchrec compute kernel for one group of local shards, backed by `TritonTableBatchedEmbedding`.
-
-    Extra fused params it reads: "stochastic_rounding" (bool), "output_dtype" (SparseType),
-    "bounds_check" ("error" | "skip") and "execution" ("triton" | "torch"; torch if absent).
-    """
+    """torchrec compute kernel for one group of local shards, backed by `TritonTableBatchedEmbedding`. Extra
+    fused params it reads: "stochastic_rounding" (bool), "output_dtype" (SparseType), "bounds_check" ("error"
+    | "skip") and "execution" ("triton" | "torch"; torch if absent)."""
 
     def __init__(
-        self,
-        config: GroupedEmbeddingConfig,
-        pg: dist.ProcessGroup | None = None,
-        device: torch.device | None = None,
-        sharding_type: ShardingType | None = None,
+        self, config: GroupedEmbeddingConfig, pg: dist.ProcessGroup | None = None,
+        device: torch.device | None = None, sharding_type: ShardingType | None = None,
         env: ShardingEnv | None = None,
     ) -> None:
         # skip TritonBatchedFusedEmbeddingBag.__init__: it imports torchrec's unshipped Triton TBE
         BaseBatchedEmbeddingBag.__init__(self, config, pg, device, sharding_type)
         fp = dict(config.fused_params or {})
-        output_dtype = fp.get("output_dtype", SparseType.FP32)
-        # torchrec already maps mean to sum for row-wise shards (it divides after the reduce)
-        pooling = "mean" if self._pooling == PoolingMode.MEAN else "sum"
         names = [name for t in config.embedding_tables for name in t.feature_names]
         self._emb_module = TritonTableBatchedEmbedding(
             list(zip(self._local_rows, self._local_cols, strict=True)),
-            feature_table_map=self._feature_table_map,
-            optimizer=optimizer_from_fused_params(fp),
-            pooling=pooling,
-            weights_dtype=data_type_to_dtype(config.data_type),
-            output_dtype=output_dtype.as_dtype() if isinstance(output_dtype, SparseType) else output_dtype,
-            stochastic_rounding=bool(fp.get("stochastic_rounding", True)),
-            bounds_check=fp.get("bounds_check", "error"),
-            feature_names=names,
-            device=device,
-            execution=fp.get("execution", "torch"),
-        )
+            feature_table_map=self._feature_table_map, optimizer=optimizer_from_fused_params(fp),
+            pooling=_pooling(self), weights_dtype=data_type_to_dtype(config.data_type),
+            output_dtype=_output_dtype(fp), stochastic_rounding=bool(fp.get("stochastic_rounding", True)),
+            bounds_check=fp.get("bounds_check", "error"), feature_names=names, device=device,
+            execution=fp.get("execution", "torch"))
         self._optim = TritonEmbeddingFusedOptimizer(config, self._emb_module, pg)
         self.init_parameters()
 
@@ -197,11 +168,9 @@ class TorchDenseEmbeddingBag(BatchedDenseEmbeddingBag):
         # skip BatchedDenseEmbeddingBag.__init__: it builds FBGEMM's dense TBE
         BaseBatchedEmbeddingBag.__init__(self, config, pg, device, sharding_type)
         fp = dict(config.fused_params or {})
-        output_dtype = fp.get("output_dtype", SparseType.FP32)
         self._emb_module = TorchDenseTBE(
             list(zip(self._local_rows, self._local_cols, strict=True)), self._feature_table_map,
-            "mean" if self._pooling == PoolingMode.MEAN else "sum", data_type_to_dtype(config.data_type),
-            output_dtype.as_dtype() if isinstance(output_dtype, SparseType) else output_dtype,
+            _pooling(self), data_type_to_dtype(config.data_type), _output_dtype(fp),
             fp.get("bounds_check", "error"), device)
         self._param_per_table = dict(_gen_named_parameters_by_table_dense(
             self._emb_module, self.table_name_to_count.copy(), self._config))
@@ -231,13 +200,9 @@ class _TritonLookupMixin:
 
     def create_lookup(self, device=None, fused_params=None, feature_processor=None) -> BaseEmbeddingLookup:
         return TritonGroupedPooledEmbeddingsLookup(
-            grouped_configs=self._lookup_configs(),
-            pg=self._pg,
-            device=device if device is not None else self._device,
-            feature_processor=feature_processor,
-            sharding_type=self._lookup_sharding_type,
-            env=self._env,
-        )
+            grouped_configs=self._lookup_configs(), pg=self._pg,
+            device=device if device is not None else self._device, feature_processor=feature_processor,
+            sharding_type=self._lookup_sharding_type, env=self._env)
 
 
 class TritonTwPooledEmbeddingSharding(_TritonLookupMixin, TwPooledEmbeddingSharding):
@@ -277,8 +242,9 @@ class TorchDpPooledEmbeddingSharding(DpPooledEmbeddingSharding):
             scale_weight_gradients=False, env=self._env)  # as torchrec's: DP gradients are not scaled
 
 
+# the sharding types the sharder offers, and their shardings
 _SHARDINGS = {
-    ShardingType.DATA_PARALLEL.value: TorchDpPooledEmbeddingSharding,
+    ShardingType.DATA_PARALLEL.value: TorchDpPooledEmbeddingSharding,  # the `dense` kernel
     ShardingType.TABLE_WISE.value: TritonTwPooledEmbeddingSharding,
     ShardingType.ROW_WISE.value: TritonRwPooledEmbeddingSharding,
     ShardingType.COLUMN_WISE.value: TritonCwPooledEmbeddingSharding,
@@ -307,8 +273,7 @@ class TritonShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                 sharding_type not in _SHARDINGS:
             return super().create_embedding_bag_sharding(
                 sharding_infos, env, device, permute_embeddings=permute_embeddings,
-                qcomm_codecs_registry=qcomm_codecs_registry,
-            )
+                qcomm_codecs_registry=qcomm_codecs_registry)
         if dp:
             return TorchDpPooledEmbeddingSharding(sharding_infos, env, device)
         kwargs: dict[str, Any] = {"qcomm_codecs_registry": qcomm_codecs_registry}
@@ -331,20 +296,14 @@ class TritonShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
 
 
 class TritonEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
-    """EmbeddingBagCollection sharder whose model-parallel shards use the Triton TBE kernel.
-
-    `optimizer` sets the fused update (it overrides the optimizer keys of `fused_params`);
-    `execution` is passed to the kernel ("triton" | "torch"; the kernel's default, torch, if None);
-    `static_graph` to the sharded module's DDP of data-parallel lookups (a settable attribute).
-    """
+    """EmbeddingBagCollection sharder whose model-parallel shards use the Triton TBE kernel. `optimizer` sets
+    the fused update (it overrides the optimizer keys of `fused_params`); `execution` is passed to the kernel
+    ("triton" | "torch"; the kernel's default, torch, if None); `static_graph` to the sharded module's DDP of
+    data-parallel lookups (a settable attribute)."""
 
     def __init__(
-        self,
-        optimizer: OptimizerConfig | None = None,
-        fused_params: dict[str, Any] | None = None,
-        execution: str | None = None,
-        qcomm_codecs_registry: dict | None = None,
-        static_graph: bool = True,
+        self, optimizer: OptimizerConfig | None = None, fused_params: dict[str, Any] | None = None,
+        execution: str | None = None, qcomm_codecs_registry: dict | None = None, static_graph: bool = True,
     ) -> None:
         self.static_graph = static_graph
         params = dict(fused_params or {})
@@ -355,25 +314,19 @@ class TritonEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         super().__init__(fused_params=params, qcomm_codecs_registry=qcomm_codecs_registry)
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
-        return list(SUPPORTED_SHARDING_TYPES)
+        return list(_SHARDINGS)
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
         if sharding_type == ShardingType.DATA_PARALLEL.value:
             return [EmbeddingComputeKernel.DENSE.value]
-        return [TRITON_COMPUTE_KERNEL] if sharding_type in SUPPORTED_SHARDING_TYPES else []
+        return [TRITON_COMPUTE_KERNEL] if sharding_type in _SHARDINGS else []
 
     def shard(self, module, params, env, device=None, module_fqn=None) -> TritonShardedEmbeddingBagCollection:
         return TritonShardedEmbeddingBagCollection(
-            module=module,
-            table_name_to_parameter_sharding=params,
-            env=env,
-            fused_params=self.fused_params,
-            device=device,
-            qcomm_codecs_registry=self.qcomm_codecs_registry,
-            module_fqn=module_fqn,
+            module=module, table_name_to_parameter_sharding=params, env=env, fused_params=self.fused_params,
+            device=device, qcomm_codecs_registry=self.qcomm_codecs_registry, module_fqn=module_fqn,
             sharded_module_order_overwrite=self._sharded_module_order_overwrite,
-            static_graph=self.static_graph,
-        )
+            static_graph=self.static_graph)
 
     @property
     def sharded_module_type(self) -> type[TritonShardedEmbeddingBagCollection]:

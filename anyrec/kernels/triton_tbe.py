@@ -1,16 +1,14 @@
 """Triton pooled lookup over many tables in one launch (table-batched embedding forward).
 
-Legend (shape suffixes): B bags handled by one program (BLOCK_B), D columns of one tile (BLOCK_D),
-T tables, F features, N lookups. Program (i, j) pools bags [i*BLOCK_B, (i+1)*BLOCK_B) (feature-major
-KJT bags, f*batch+b) over columns [j*BLOCK_D, (j+1)*BLOCK_D): step l of its loop gathers the l-th id
-of every bag at once, a [BLOCK_B, BLOCK_D] tile, so one-hot features load BLOCK_B rows in parallel and
-multi-hot ones (bags of one feature are adjacent, so a program's bags share their pooling) stream
-their rows with fp32 accumulation, UNROLL independent row loads in flight per step. ALIGN (a power of
-two dividing every dim, hence every row start and output column) lets the compiler use vector
-loads and stores. Ids outside a table are masked out (memory safety); reporting them is
-`layout.check_ids`' job.
-
-`HAS_TRITON` says whether triton imported; kernels exist only then.
+Legend (shape suffixes): B bags handled by one program (BLOCK_B), D columns of one tile (BLOCK_D), T
+tables, F features, N lookups. Program (i, j) pools bags [i*BLOCK_B, (i+1)*BLOCK_B) (feature-major KJT
+bags, f*batch+b) over columns [j*BLOCK_D, (j+1)*BLOCK_D): step l of its loop gathers the l-th id of every
+bag at once, a [BLOCK_B, BLOCK_D] tile, so one-hot features load BLOCK_B rows in parallel and multi-hot
+ones (bags of one feature are adjacent, so a program's bags share their pooling) stream their rows with
+fp32 accumulation, UNROLL independent row loads in flight per step. ALIGN (a power of two dividing every
+dim, hence every row start and output column) lets the compiler use vector loads and stores. Ids outside
+a table are masked out (memory safety); reporting them is `layout.check_ids`' job.
+Kernels exist only where triton imported (`HAS_TRITON`).
 """
 
 from __future__ import annotations
@@ -22,12 +20,10 @@ from anyrec.kernels.layout import LayoutTensors, TBELayout
 
 
 def forward_blocks(max_dim: int) -> tuple[int, int, int, int]:
-    """(BLOCK_B, BLOCK_D, UNROLL, num_warps) for the forward: ~1K fp32 accumulators per program.
-
-    ptxas (sm_90) spills heavily at 4K (BLOCK_B=32, D=128); at 1K it does not (see
-    `python -m anyrec.kernels.aot`). UNROLL row tiles in flight cover the gather latency of
-    multi-hot bags; one-hot bags run a single step, so the unroll costs them only masked lanes.
-    """
+    """(BLOCK_B, BLOCK_D, UNROLL, num_warps) for the forward: ~1K fp32 accumulators per program. ptxas (sm_90)
+    spills heavily at 4K (BLOCK_B=32, D=128); at 1K it does not (`python -m anyrec.kernels.aot`). UNROLL row
+    tiles in flight cover the gather latency of multi-hot bags; one-hot bags run a single step, so the unroll
+    costs them only masked lanes."""
     block_d = min(128, 1 << (max(max_dim, 1) - 1).bit_length())
     block_b = max(1, min(64, 1024 // block_d))
     return block_b, block_d, 4, 4
@@ -47,15 +43,8 @@ if HAS_TRITON:
         offsets_FB1_ptr,  # int32 / int64 KJT offsets, F*batch+1 entries
         psw_N_ptr,  # per-sample weights (ignored unless HAS_PSW)
         out_ptr,  # [batch, out_stride] output
-        batch,
-        num_bags,
-        out_stride,
-        HAS_PSW: tl.constexpr,
-        MEAN: tl.constexpr,
-        ALIGN: tl.constexpr,
-        UNROLL: tl.constexpr,
-        BLOCK_B: tl.constexpr,
-        BLOCK_D: tl.constexpr,
+        batch, num_bags, out_stride, HAS_PSW: tl.constexpr, MEAN: tl.constexpr, ALIGN: tl.constexpr,
+        UNROLL: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
         pid_b = tl.program_id(0)
         pid_d = tl.program_id(1)
@@ -95,19 +84,11 @@ if HAS_TRITON:
 
 
 def triton_forward(
-    layout: TBELayout,
-    lt: LayoutTensors,
-    weights: torch.Tensor,
-    indices_N: torch.Tensor,
-    offsets_FB1: torch.Tensor,
-    per_sample_weights_N: torch.Tensor | None,
-    batch: int,
-    pooling: str,
+    layout: TBELayout, lt: LayoutTensors, weights: torch.Tensor, indices_N: torch.Tensor,
+    offsets_FB1: torch.Tensor, per_sample_weights_N: torch.Tensor | None, batch: int, pooling: str,
     output_dtype: torch.dtype,
 ) -> torch.Tensor:
     """Launch the pooled forward: returns [batch, layout.output_dim] in `output_dtype`."""
-    if not HAS_TRITON:
-        raise RuntimeError("triton execution requested but triton is not installed")
     out = torch.empty(batch, layout.output_dim, dtype=output_dtype, device=weights.device)
     num_bags = batch * layout.num_features
     if num_bags == 0:

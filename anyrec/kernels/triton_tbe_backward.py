@@ -1,22 +1,20 @@
 """Fused table-batched embedding backward + optimizer update in Triton, with no dense gradient.
 
-Two stages. `dedupe_rows` (torch ops, no host sync) gives every lookup a global row id (table row
-start + id), sorts them once (stable) and cuts the sorted list into one segment per unique row:
-segment u spans sorted positions [seg_starts[u], seg_starts[u+1]), and entries past the last
-segment equal N, so the kernel grid can be sized by N without learning U on the host.
+Two stages. `dedupe_rows` (torch ops, no host sync) gives every lookup a global row id (table row start +
+id), sorts them once (stable) and cuts the sorted list into one segment per unique row: segment u spans
+sorted positions [seg_starts[u], seg_starts[u+1]), and entries past the last segment equal N, so the
+kernel grid can be sized by N without learning U on the host.
 
-`tbe_backward_kernel` is blocked: program p owns segments [p*BLOCK_U, (p+1)*BLOCK_U). Short
-segments (<= LONG_SEGMENT lookups; nearly all of them under uniform ids) are reduced together, step
-l gathering the l-th lookup of every segment as a [BLOCK_U, BLOCK_D] tile of grad_out; long (hot)
-segments are then reduced one at a time, BLOCK_L lookups per step. Rows wider than BLOCK_D are
-tiled (NUM_D_TILES); row-wise Adagrad then takes two passes (the row's mean g^2 first). Each unique
-row sums its gradient in fp32, applies the optimizer to the row and its state and is written back
-once, so duplicates (within a bag, across bags and features) need no atomics. fp16/bf16 rows are
-written with stochastic rounding when asked. ALIGN (a power of two dividing every dim) lets the
-compiler vectorise row and grad_out accesses.
-
-Legend (shape suffixes): N lookups, U segments of one program (BLOCK_U), L lookups of a long segment
-per step (BLOCK_L), D columns of one tile (BLOCK_D), X either U or L.
+`tbe_backward_kernel` is blocked: program p owns segments [p*BLOCK_U, (p+1)*BLOCK_U). Short segments (<=
+LONG_SEGMENT lookups; nearly all of them under uniform ids) are reduced together, step l gathering the
+l-th lookup of every segment as a [BLOCK_U, BLOCK_D] tile of grad_out; long (hot) segments are then
+reduced one at a time, BLOCK_L lookups per step. Rows wider than BLOCK_D are tiled (NUM_D_TILES);
+row-wise Adagrad then takes two passes (the row's mean g^2 first). Each unique row sums its gradient in
+fp32, applies the optimizer to the row and its state and is written back once, so duplicates (within a
+bag, across bags and features) need no atomics. fp16/bf16 rows are written with stochastic rounding when
+asked. ALIGN (a power of two dividing every dim) lets the compiler vectorise row and grad_out accesses.
+Legend (shape suffixes): N lookups, U segments of one program (BLOCK_U), L lookups of a long segment per
+step (BLOCK_L), D columns of one tile (BLOCK_D), X either U or L.
 """
 
 from __future__ import annotations
@@ -32,13 +30,9 @@ from anyrec.kernels.triton_tbe import HAS_TRITON, tl, triton
 # segments with more lookups than this take the one-row-at-a-time path (a switch tests can flip)
 LONG_SEGMENT = 32
 
-# kernel code of each optimizer rule (a constexpr of the kernel)
-OPTIMIZER_CODES: dict[OptimizerKind, int] = {
-    OptimizerKind.SGD: 0,
-    OptimizerKind.ROWWISE_ADAGRAD: 1,
-    OptimizerKind.ADAGRAD: 2,
-    OptimizerKind.ADAM: 3,
-}
+# kernel code of each optimizer rule (a constexpr of the kernel), in OptimizerKind's order: sgd 0,
+# rowwise_adagrad 1, adagrad 2, adam 3
+OPTIMIZER_CODES: dict[OptimizerKind, int] = {kind: code for code, kind in enumerate(OptimizerKind)}
 
 # Compile options of the backward kernel (launcher and AOT gate alike): no implicit multiply-add
 # fusion, so a product and a sum round separately, as in the torch path and FBGEMM's CPU kernels;
@@ -62,10 +56,8 @@ class RowSegments:
 def dedupe_rows(
     layout: TBELayout, lt: LayoutTensors, indices_N: torch.Tensor, offsets_FB1: torch.Tensor, batch: int
 ) -> RowSegments:
-    """Sort lookups by global row id and segment them; out-of-range ids go to a trailing sentinel.
-
-    One sort, no host sync (unlike `torch.unique_consecutive`, whose output size needs one).
-    """
+    """Sort lookups by global row id and segment them; out-of-range ids go to a trailing sentinel. One
+    sort, no host sync (unlike `torch.unique_consecutive`, whose output size needs one)."""
     n = indices_N.numel()
     dev = indices_N.device
     bag_N, table_N = lookup_tables_N(lt, offsets_FB1, batch, n)
@@ -119,11 +111,9 @@ if HAS_TRITON:
         HAS_PSW: tl.constexpr, MEAN: tl.constexpr, ALIGN: tl.constexpr, BLOCK_R: tl.constexpr,
         BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, LONG: tl.constexpr,
     ):
-        """[BLOCK_R, BLOCK_D] summed gradient of each lane's segment over columns d_D.
-
-        LONG: one segment (BLOCK_R == 1) reduced BLOCK_L lookups at a time; else every lane's
-        segment advanced one lookup per step for `n_steps` steps.
-        """
+        """[BLOCK_R, BLOCK_D] summed gradient of each lane's segment over columns d_D. LONG: one segment
+        (BLOCK_R == 1) reduced BLOCK_L lookups at a time; else every lane's segment advanced one lookup
+        per step for `n_steps` steps."""
         acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
         if LONG:
             start = tl.sum(start_U, axis=0)
@@ -226,39 +216,13 @@ if HAS_TRITON:
         state1_ptr,  # rowwise: [total_rows] fp32; adagrad/adam: flat like weights (fp32)
         state2_ptr,  # adam second moment, flat like weights (fp32)
         step_ptr,  # fp32 scalar: adam step number after this update
-        weight_offsets_T_ptr,
-        row_starts_T_ptr,
-        dims_T_ptr,
-        feature_table_map_F_ptr,
-        col_offsets_F_ptr,
-        offsets_FB1_ptr,
-        psw_N_ptr,
-        sorted_rows_N_ptr,
-        segment_starts_N1_ptr,
-        order_N_ptr,
-        bag_N_ptr,
+        weight_offsets_T_ptr, row_starts_T_ptr, dims_T_ptr, feature_table_map_F_ptr, col_offsets_F_ptr,
+        offsets_FB1_ptr, psw_N_ptr, sorted_rows_N_ptr, segment_starts_N1_ptr, order_N_ptr, bag_N_ptr,
         grad_out_ptr,  # [batch, grad_stride]
-        grad_stride,
-        batch,
-        num_lookups,
-        total_rows,
-        lr,
-        eps,
-        beta1,
-        beta2,
-        weight_decay,
-        seed,
-        OPTIMIZER: tl.constexpr,
-        HAS_PSW: tl.constexpr,
-        MEAN: tl.constexpr,
-        STOCHASTIC_ROUNDING: tl.constexpr,
-        DROPPED_BITS: tl.constexpr,
-        ALIGN: tl.constexpr,
-        LONG_SEGMENT: tl.constexpr,
-        BLOCK_U: tl.constexpr,
-        BLOCK_L: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        NUM_D_TILES: tl.constexpr,
+        grad_stride, batch, num_lookups, total_rows, lr, eps, beta1, beta2, weight_decay, seed,
+        OPTIMIZER: tl.constexpr, HAS_PSW: tl.constexpr, MEAN: tl.constexpr, STOCHASTIC_ROUNDING: tl.constexpr,
+        DROPPED_BITS: tl.constexpr, ALIGN: tl.constexpr, LONG_SEGMENT: tl.constexpr, BLOCK_U: tl.constexpr,
+        BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, NUM_D_TILES: tl.constexpr,
     ):
         u_U = tl.program_id(0) * BLOCK_U + tl.arange(0, BLOCK_U)
         in_U = u_U < num_lookups
@@ -301,12 +265,10 @@ if HAS_TRITON:
 
 
 def backward_blocks(max_dim: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_U, BLOCK_L, BLOCK_D, NUM_D_TILES, num_warps): ~1K fp32 gradient accumulators a program.
-
-    sm_90 ptxas, row-wise Adagrad, D=128: 8 rows x 128 with 4 warps takes 168 registers (12 warps
-    an SM); with 8 warps 112 (18 warps an SM); 16 rows with 8 warps 172. D=512 (two 256-wide
-    tiles): 4 rows, 8 warps, 110 registers and no spills. See `python -m anyrec.kernels.aot`.
-    """
+    """(BLOCK_U, BLOCK_L, BLOCK_D, NUM_D_TILES, num_warps): ~1K fp32 gradient accumulators a program. sm_90
+    ptxas, row-wise Adagrad, D=128: 8 rows x 128 with 4 warps takes 168 registers (12 warps an SM); with 8
+    warps 112 (18 warps an SM); 16 rows with 8 warps 172. D=512 (two 256-wide tiles): 4 rows, 8 warps, 110
+    registers and no spills. See `python -m anyrec.kernels.aot`."""
     block_d = min(256, 1 << (max(max_dim, 1) - 1).bit_length())
     block_u = max(1, min(32, 1024 // block_d))
     block_l = max(1, min(8, 1024 // block_d))
@@ -315,25 +277,12 @@ def backward_blocks(max_dim: int) -> tuple[int, int, int, int, int]:
 
 
 def triton_backward_update(
-    layout: TBELayout,
-    lt: LayoutTensors,
-    weights: torch.Tensor,
-    state1: torch.Tensor,
-    state2: torch.Tensor,
-    step: torch.Tensor,
-    segments: RowSegments,
-    offsets_FB1: torch.Tensor,
-    per_sample_weights_N: torch.Tensor | None,
-    grad_out_BDt: torch.Tensor,
-    batch: int,
-    pooling: str,
-    opt: OptimizerConfig,
-    stochastic_rounding: bool,
-    seed: int,
+    layout: TBELayout, lt: LayoutTensors, weights: torch.Tensor, state1: torch.Tensor, state2: torch.Tensor,
+    step: torch.Tensor, segments: RowSegments, offsets_FB1: torch.Tensor,
+    per_sample_weights_N: torch.Tensor | None, grad_out_BDt: torch.Tensor, batch: int, pooling: str,
+    opt: OptimizerConfig, stochastic_rounding: bool, seed: int,
 ) -> None:
     """Launch the fused backward + optimizer over the segments of `segments` (in place, no sync)."""
-    if not HAS_TRITON:
-        raise RuntimeError("triton execution requested but triton is not installed")
     n = segments.order_N.numel()
     if n == 0:
         return
