@@ -53,6 +53,15 @@ def broadcast_from_main(value: object, info: DistInfo) -> object:
     return box[0]
 
 
+def gather_objects(value: object, info: DistInfo) -> list:
+    """Every rank's `value`, by rank (any picklable object; a collective on every rank)."""
+    if info.world_size == 1:
+        return [value]
+    out = [None] * info.world_size
+    dist.all_gather_object(out, value)
+    return out
+
+
 def env_dist_info() -> DistInfo:
     """Rank facts from torchrun's variables; a single process without them."""
     env = os.environ

@@ -1,19 +1,17 @@
 """Clean shutdown and bounded waits: every rank stops at the same step on SIGINT/SIGTERM/SIGHUP, a lost
 or stuck peer is named, an orphaned worker leaves, and nothing waits forever.
 
-Ranks agree through the process group's store (the TCPStore torchrun or init_process_group made),
-every `trainer.stop_check_every` steps: each rank posts whether it saw a signal and reads the others'
-posts, host-side only (no device sync, no collective on the accelerator). A signal is noticed by a
-watcher thread through `signal.set_wakeup_fd`, so even a main thread blocked inside a collective with
-a stopped peer cannot delay it: if the ranks have not agreed to stop within `trainer.stop_grace_s`,
-the process exits anyway (128 + signal number) and its peers see the connection close.
+Ranks agree through the process group's store every `trainer.stop_check_every` steps: each rank posts
+whether it saw a signal and reads the others' posts, host-side only (no device sync, no collective on
+the accelerator). A watcher thread notices a signal through `signal.set_wakeup_fd`, so even a main
+thread blocked in a collective with a stopped peer cannot delay it: if the ranks have not agreed to
+stop within `trainer.stop_grace_s`, the process exits anyway (128 + signal number).
 
-A `Heartbeat` thread per rank beats through its own connection to the store every BEAT_S seconds and
-watches the next rank's beat: a rank whose beat stands still for `trainer.peer_timeout_s` (stopped,
-or stuck with the GIL held) is named in one line and the watcher's process exits (4), without
-shortening the collective timeout of healthy long collectives (their threads keep beating). The same
-thread ends a worker whose launcher is gone (torchrun killed: the worker is orphaned and the store
-stops answering) within seconds, in one line and without a stack dump.
+A `Heartbeat` thread per rank beats through its own store connection every BEAT_S seconds and watches
+the next rank's beat: a rank whose beat stands still for `trainer.peer_timeout_s` (stopped, or stuck
+with the GIL held) is named in one line and the watcher exits (4), without shortening the timeout of
+healthy long collectives (their threads keep beating). It also ends a worker whose launcher is gone
+(the worker is orphaned, the store stops answering) within seconds, in one line, without a stack dump.
 """
 
 from __future__ import annotations
@@ -117,8 +115,8 @@ class StopRequest:
             try:
                 data = reader.recv(64)
             except OSError:
-                return
-            if not data:
+                data = b""
+            if not data:  # restore() shut the socket down
                 return
             for signum in data:
                 if signum in SIGNALS:
@@ -159,10 +157,7 @@ class StopRequest:
             logger.error("rank %d: the launcher (pid %d) is gone: stopping", self.rank, self._parent)
             self.signum = signal.SIGTERM
         local = self.signum or 0
-        if self._store is None:
-            signums = [local]
-        else:
-            signums = self._exchange(step, local)
+        signums = [local] if self._store is None else self._exchange(step, local)
         stop = next((s for s in signums if s), 0)
         if stop:
             self.stopped_by = signal.Signals(stop).name

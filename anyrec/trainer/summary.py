@@ -77,7 +77,8 @@ def run_summary(trainer: Trainer, final_loss: float | None, train_loss: float | 
     run = trainer.run
     summary = _figures(trainer, run, final_loss, train_loss, eval_result)
     per_rank_s = gather_step_s(run.timer.step_s, trainer.device, trainer.dist)
-    summary.update(prediction_check(trainer.predicted_step_s, per_rank_s, log=trainer.dist.is_main))
+    perf = trainer.predicted_perf  # the plan's slowest rank, None where nothing predicted it
+    summary.update(prediction_check(perf.total_s if perf else None, per_rank_s, log=trainer.dist.is_main))
     summary["measured_steps"] = run.timer.steps  # this rank's timed steps (the same on every rank)
     if run.profiler is not None:
         profiler, run.profiler = run.profiler, None  # stopped here, not again on the way out

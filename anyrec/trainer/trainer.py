@@ -1,10 +1,7 @@
 """The Trainer: build a sharded DLRM from a config, train it, evaluate it, checkpoint it, report.
 
-Methods read in order: init_distributed, build, the step's parts, run_steps (the one training loop),
-train, evaluate, state_dict / load_state_dict, close. Steps run through torchrec's
-TrainPipelineSparseDist (or an eager loop), with the embedding optimizer fused into the backward and
-the dense one stepped after it. Beside it by role: planning (`planning.py`), optimizers (`optim.py`),
-data and checks (`inputs.py`), the step state (`state.py`), the summary (`summary.py`).
+Steps run through torchrec's TrainPipelineSparseDist (or an eager loop), the embedding optimizer fused
+into the backward and the dense one stepped after it.
 """
 
 from __future__ import annotations
@@ -74,7 +71,6 @@ class DLRMTrain(nn.Module):
         return loss, (logits_B.detach(), batch.labels)
 
 
-
 class Trainer:
     """Owns the backend, the process group, the sharded model, its optimizers, data and checkpoints."""
 
@@ -87,7 +83,7 @@ class Trainer:
         self.plan_override = plan
         self.state = StepState(rank=self.dist.rank)
         self.resumed_from: int | None = None
-        self._last_loss = torch.tensor(math.nan)
+        self.last_loss = torch.tensor(math.nan)  # on this rank's device: reading it waits for the device
         self.predicted_perf: Perf | None = None  # the plan's slowest rank, where a planner predicted one
         # Called after every training step with the trainer (anyrec-parity records each step's loss).
         self.step_hooks: list[Callable[[Trainer], None]] = []
@@ -142,9 +138,8 @@ class Trainer:
             breakdown_window(tc.steps, warmup_steps(tc.steps), tc.breakdown_steps)  # room for it
 
     def _bf16_autocast(self) -> bool:
-        """trainer.mixed_precision resolved once: auto is bf16 autocast on an accelerator that has it
-        (torch would warn and compute in fp32 on one without), fp32 elsewhere; bf16 where there is
-        none is an error."""
+        """trainer.mixed_precision=auto: bf16 autocast on an accelerator that has it (torch would warn
+        and compute in fp32 on one without), fp32 elsewhere; bf16 where there is none is an error."""
         mp, device_type = self.cfg.trainer.mixed_precision, self.backend.device_type
         if mp == "fp32" or (mp == "auto" and device_type == "cpu"):
             return False
@@ -219,22 +214,12 @@ class Trainer:
         """The `embedding` op's implementation the backend selected (fbgemm | triton | torch)."""
         return self.kernels["embedding"].name
 
-    # ---- one step, in three parts the pipelines call -------------------------------------------
-
-    @property
-    def predicted_step_s(self) -> float | None:
-        """The plan's predicted seconds per step (its slowest rank), None where nothing predicted it."""
-        return self.predicted_perf.total_s if self.predicted_perf is not None else None
-
     @property
     def step(self) -> int:
         """Training steps done (also the data position: the next step trains on batch `step`)."""
         return self.state.step
 
-    @property
-    def last_loss(self) -> torch.Tensor:
-        """The last step's loss on this rank (a device tensor: reading it waits for the device)."""
-        return self._last_loss
+    # ---- one step, in three parts the pipelines call -------------------------------------------
 
     def _forward(self, batch: Batch) -> tuple[torch.Tensor, Any]:
         with phase("forward"), self.backend.autocast(self.autocast):
@@ -244,8 +229,8 @@ class Trainer:
         """Backward (the fused embedding update happens inside it), skipped for a non-finite loss
         when `trainer.skip_nonfinite` (every rank skips the same step); see validate.NonFiniteGuard."""
         loss = loss if loss.dim() == 0 else loss.sum()
-        self._last_loss = loss.detach()
-        if not self.loss_guard.observe(self._last_loss, self.step):
+        self.last_loss = loss.detach()
+        if not self.loss_guard.observe(self.last_loss, self.step):
             self.state.skipped_batches += 1
             logger.warning("step %d: non-finite loss, batch skipped (no update)", self.step + 1)
             return
@@ -259,14 +244,9 @@ class Trainer:
     # ---- the loop --------------------------------------------------------------------------------
 
     def run_steps(self, n: int, batches: Iterator[Batch] | None = None) -> None:
-        """Train up to `n` steps from `self.step`: the one training loop (`train()` runs it in chunks).
-
-        Each step sets the scheduled learning rates, runs through the pipeline and then the step
-        hooks; every `trainer.log_every` steps and at the end the deferred checks are flushed (once
-        per boundary) and a train record written. The pipeline is drained at the end, so the state is
-        exactly that after the last step. `batches`: the training data from `self.step` by default.
-        A stop request (a signal, during `train()`) ends the steps early at a step all ranks agree on.
-        """
+        """Train up to `n` steps from `self.step` (on `batches`, else the training data): the one training
+        loop, which `train()` runs in chunks. It ends drained, so the state is exactly that after the
+        last step, or earlier at a step all ranks agree on when a stop was requested (a signal)."""
         run = self.run
         source = self.train_data.iter_from(self.step, n) if batches is None else islice(batches, n)
         batches = self.validator.wrap(source, self.step) if self.validator is not None else source
@@ -294,7 +274,7 @@ class Trainer:
         """Loss window, progress bar and step hooks; every `trainer.log_every` steps the deferred
         checks and a train record (the only host reads of device values in the steady state)."""
         run, log_every = self.run, self.cfg.trainer.log_every
-        run.window.add(self._last_loss)
+        run.window.add(self.last_loss)
         if run.bar is not None:
             run.bar.update(1)
         if log_every and self.step % log_every == 0:
@@ -304,8 +284,7 @@ class Trainer:
             hook(self)
 
     def _flush_checks(self) -> None:
-        """Raise what the deferred input and loss checks found (one all-reduce: all ranks call it),
-        once per step boundary."""
+        """Raise what the deferred input and loss checks found, once per step boundary (a collective)."""
         if self.run.flushed_at != self.step:
             self.run.flushed_at = self.step
             flush_checks(self.validator, self.loss_guard)
@@ -318,10 +297,8 @@ class Trainer:
 
     def train(self) -> dict[str, Any]:
         """Run to `trainer.steps` (from a resumed step if any) and return the summary (same on all ranks).
-
-        Steps run in chunks between evaluations and checkpoints; each chunk drains the pipeline, so
-        a checkpoint holds exactly the state after its step and the data position is that step.
-        """
+        Steps run in chunks between evaluations and checkpoints, so a checkpoint holds exactly the state
+        after its step."""
         tc = self.cfg.trainer
         run = self.run = self._new_run(progress=tc.progress)
         if tc.breakdown_steps:
@@ -378,7 +355,7 @@ class Trainer:
             run.last_checkpoint = self.save_checkpoint()
         final_loss = train_loss = None  # no step ran in this process (resumed at the end)
         if self.step > run.start_step:
-            final_loss, train_loss = all_reduce_mean([float(self._last_loss), run.window.mean()], self.device)
+            final_loss, train_loss = all_reduce_mean([float(self.last_loss), run.window.mean()], self.device)
         eval_result = None
         if self.eval_data is not None and not stopped:
             eval_result = self.evaluate()
@@ -396,8 +373,7 @@ class Trainer:
             batches = self.validator.wrap(batches, 0, "eval batch")
         for logits_B, labels_B in predictions(self.pipeline, batches):
             metrics.update(logits_B, labels_B)
-        if self.validator is not None:
-            self.validator.flush()
+        flush_checks(self.validator, None)
         self.model.train()
         return metrics.compute()
 
@@ -410,8 +386,7 @@ class Trainer:
         return {"tables": tables, "dense": dense, "optimizer": self.cfg.optim.name}
 
     def state_dict(self) -> dict[str, Any]:
-        """Model, all optimizers (dense, fused embedding, replicated), and the step state (step/data
-        position, skipped batches, this rank's RNG)."""
+        """Model, all optimizers (dense, fused embedding, replicated) and the step state."""
         return {"model": self.model.state_dict(), "optim": self.optimizers.combined.state_dict(),
                 **self.state.state_dict()}
 
@@ -449,11 +424,8 @@ class Trainer:
 
     def close(self, failed: bool = False, keep_group: bool = False) -> None:
         """Release the sharded model before the process group goes (see destroy_distributed).
-
-        `failed`: after an error, a peer may be gone; wait for the others only briefly.
-        `keep_group`: leave the process group up (another Trainer in this process still uses it and
-        closes last).
-        """
+        `failed`: a peer may be gone, wait for the others only briefly; `keep_group`: leave the group up
+        (another Trainer in this process still uses it and closes last)."""
         self.writer.close()
         if self.checkpoints is not None:
             self.checkpoints.close()
