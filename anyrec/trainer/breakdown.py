@@ -2,13 +2,13 @@
 torch.profiler, split into the step's phases beside the plan's predicted split.
 
 The trainer labels its three step functions (`anyrec.forward`, `anyrec.backward` with the fused
-embedding update inside it, `anyrec.optimizer` for the dense one); whatever else a step spends on the
-training thread (the next batch's input distribution in the pipeline, data, loss bookkeeping) is
-`other`. `collectives` is the training thread's time issuing collectives (c10d ops) or waiting for
-their results (torchrec's awaitables' `wait()`), counted once where they nest and also inside the
-phase it happened in: comms are separable where the thread waits for them (gloo on a CPU). On an
-accelerator the thread runs ahead of the device, so its phases measure launches; the device's own
-kernel time is added as `device_compute` and `device_comms` (NCCL/RCCL kernels).
+embedding update inside it, `anyrec.optimizer` for the dense one); the rest of a step on the training
+thread (the next batch's input distribution, data, loss bookkeeping) is `other`. `collectives` is the
+training thread's time issuing collectives (c10d ops) or waiting for their results (torchrec's
+awaitables' `wait()`), counted once where they nest and also inside the phase it happened in: comms
+are separable where the thread waits for them (gloo on a CPU). On an accelerator the thread runs
+ahead of the device, so its phases measure launches; the device's own kernel time is added as
+`device_compute` and `device_comms` (NCCL/RCCL kernels).
 """
 
 from __future__ import annotations
@@ -17,11 +17,9 @@ import logging
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function, schedule, supported_activities
 
 from anyrec.planner.types import Perf
-from anyrec.trainer.distributed import DistInfo
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +31,7 @@ COLLECTIVE_PREFIX = "c10d::"  # torch.distributed's collective ops as the profil
 # all-to-all autograd functions' "All2All_Pooled_Wait" / "..._WaitBackward".
 WAIT_MARKS = ("wait()", "_Wait")
 COMMS_KERNELS = ("nccl", "rccl")  # device kernels of the collectives libraries
-# The profiler's schedule: one step to start up in (its first step pays the profiler's set-up and, after
-# the drain before it, the pipeline's refill), then the profiled steps.
+# One step to start up in (it pays the profiler's set-up and, after a drain, the pipeline's refill)
 PROFILER_WARMUP_STEPS = 1
 KEYS = ("step", *PHASES, "other", "collectives", "device_compute", "device_comms")
 
@@ -45,9 +42,8 @@ def phase(name: str):
 
 
 def breakdown_window(steps: int, warm_step: int, breakdown_steps: int) -> int:
-    """The first step of the profiled window (its profiler warm-up step included) of a run that ends
-    at `steps` and measures from `warm_step`; ValueError when the run has no room for it and at least
-    one timed step before it."""
+    """The first step of the profiled window (its warm-up step included) of a run that ends at `steps`
+    and times from `warm_step`; ValueError without room for it and a timed step before it."""
     first = steps - breakdown_steps - PROFILER_WARMUP_STEPS
     if first <= warm_step:
         raise ValueError(f"trainer.breakdown_steps={breakdown_steps} needs trainer.steps > "
@@ -56,32 +52,21 @@ def breakdown_window(steps: int, warm_step: int, breakdown_steps: int) -> int:
     return first
 
 
-class StepProfiler:
+class StepProfiler(profile):
     """torch.profiler over `steps` steps after one warm-up step; `step()` after each training step."""
 
     def __init__(self, steps: int, device_type: str) -> None:
-        self.steps = steps
         # the device's own activity where torch's profiler has one for its type and can record it here
         # (CUDA and ROCm, XPU, MTIA, HPU); other devices: host activity only
         device = getattr(ProfilerActivity, device_type.upper(), None)
-        activities = list({ProfilerActivity.CPU} | ({device} & supported_activities()))
+        super().__init__(activities=list({ProfilerActivity.CPU} | ({device} & supported_activities())),
+                         schedule=schedule(wait=0, warmup=PROFILER_WARMUP_STEPS, active=steps, repeat=1))
+        self.steps = steps
         self._device = device_type != "cpu"
-        self._prof = profile(activities=activities,
-                             schedule=schedule(wait=0, warmup=PROFILER_WARMUP_STEPS, active=steps, repeat=1))
-
-    def __enter__(self) -> StepProfiler:
-        self._prof.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._prof.__exit__(*exc)
-
-    def step(self) -> None:
-        self._prof.step()
 
     def ms_per_step(self) -> dict[str, float]:
         """Milliseconds per profiled step in each of KEYS (after the profiler stopped)."""
-        events = self._prof.events()
+        events = self.events()
         totals = dict.fromkeys(KEYS, 0.0)
         steps = 0
         labels = {LABEL.format(p): p for p in PHASES}
@@ -128,16 +113,6 @@ def predicted_phases(perf: Perf | None) -> dict[str, float] | None:
         return None
     return {"step": perf.total_s * 1e3, "forward": (perf.fwd_compute_s + perf.fwd_comms_s) * 1e3,
             "backward": (perf.bwd_compute_s + perf.bwd_comms_s) * 1e3, "collectives": perf.comms_s * 1e3}
-
-
-def gather_breakdown(mine: dict[str, float], device: torch.device, info: DistInfo) -> list[dict[str, float]]:
-    """Every rank's breakdown (one collective)."""
-    if info.world_size == 1:
-        return [mine]
-    t = torch.tensor([mine[k] for k in KEYS], dtype=torch.float64, device=device)
-    out = [torch.empty_like(t) for _ in range(info.world_size)]
-    dist.all_gather(out, t)
-    return [dict(zip(KEYS, (float(v) for v in o.tolist()), strict=True)) for o in out]
 
 
 def format_breakdown(per_rank: list[dict[str, float]], predicted: dict[str, float] | None) -> str:

@@ -5,11 +5,10 @@ from __future__ import annotations
 import hashlib
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
-from anyrec.trainer.distributed import DistInfo
+from anyrec.trainer.distributed import DistInfo, gather_objects
 
 # name -> [(offsets of a piece in the full tensor, the piece)]
 Pieces = dict[str, list[tuple[list[int], torch.Tensor]]]
@@ -36,10 +35,7 @@ def full_state(model: nn.Module, info: DistInfo) -> dict[str, torch.Tensor]:
     Gathers all shards to every rank (test-sized models only).
     """
     local, sizes = _local_pieces(model, info.is_main)
-    gathered = [local]
-    if info.world_size > 1:
-        gathered = [{} for _ in range(info.world_size)]
-        dist.all_gather_object(gathered, local)
+    gathered = gather_objects(local, info)
     out = {}
     for name in sorted(sizes):
         full = torch.zeros(sizes[name], dtype=torch.float64)

@@ -11,11 +11,6 @@ from __future__ import annotations
 import logging
 import time
 
-import torch
-import torch.distributed as dist
-
-from anyrec.trainer.distributed import DistInfo
-
 logger = logging.getLogger(__name__)
 
 MISS_WARN_FRACTION = 0.30  # a prediction off by more than this is worth calibrating for
@@ -72,16 +67,6 @@ class StepTimer:
     def step_s(self) -> float | None:
         """Measured seconds per step on this rank, None if no step ran after warm-up."""
         return self.seconds / self.steps if self.steps else None
-
-
-def gather_step_s(step_s: float | None, device: torch.device, info: DistInfo) -> list[float | None]:
-    """Every rank's measured seconds per step (one collective, at the end of training)."""
-    if info.world_size == 1:
-        return [step_s]
-    mine = torch.tensor([-1.0 if step_s is None else step_s], dtype=torch.float64, device=device)
-    out = [torch.empty_like(mine) for _ in range(info.world_size)]
-    dist.all_gather(out, mine)
-    return [None if v < 0 else v for v in (float(t.item()) for t in out)]
 
 
 def prediction_check(predicted_s: float | None, per_rank_s: list[float | None],

@@ -10,9 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from anyrec.trainer.breakdown import StepProfiler, format_breakdown, gather_breakdown, predicted_phases
+from anyrec.trainer.breakdown import StepProfiler, format_breakdown, predicted_phases
+from anyrec.trainer.distributed import gather_objects
 from anyrec.trainer.fingerprint import weights_fingerprint
-from anyrec.trainer.perfcheck import StepTimer, gather_step_s, prediction_check
+from anyrec.trainer.perfcheck import StepTimer, prediction_check
 from anyrec.trainer.reporting import LossWindow
 
 if TYPE_CHECKING:
@@ -62,7 +63,7 @@ def log_eval(trainer: Trainer, result: dict[str, float]) -> None:
 def _breakdown(trainer: Trainer, profiler: StepProfiler) -> dict[str, Any]:
     """Stop the profiler; every rank's ms per step by phase beside the plan's (logged on rank 0)."""
     profiler.__exit__(None, None, None)
-    per_rank = gather_breakdown(profiler.ms_per_step(), trainer.device, trainer.dist)
+    per_rank = gather_objects(profiler.ms_per_step(), trainer.dist)
     predicted = predicted_phases(trainer.predicted_perf)
     if trainer.dist.is_main:
         logger.info("step breakdown over the last %d steps (torch.profiler; collectives are part of "
@@ -76,7 +77,7 @@ def run_summary(trainer: Trainer, final_loss: float | None, train_loss: float | 
     profiled, the weights' fingerprint where asked (collectives: every rank calls it)."""
     run = trainer.run
     summary = _figures(trainer, run, final_loss, train_loss, eval_result)
-    per_rank_s = gather_step_s(run.timer.step_s, trainer.device, trainer.dist)
+    per_rank_s = gather_objects(run.timer.step_s, trainer.dist)
     perf = trainer.predicted_perf  # the plan's slowest rank, None where nothing predicted it
     summary.update(prediction_check(perf.total_s if perf else None, per_rank_s, log=trainer.dist.is_main))
     summary["measured_steps"] = run.timer.steps  # this rank's timed steps (the same on every rank)
