@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 logger = logging.getLogger(__name__)
 
@@ -76,11 +77,7 @@ class MetricWriter:
             self._tb = None
 
 
-def progress_bar(enabled: bool, total: int, initial: int):
-    """A tqdm bar on stderr (rate and ETA in steps) or None."""
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
+def progress_bar(enabled: bool, total: int, initial: int) -> tqdm:
+    """A tqdm bar on stderr (rate and ETA in steps); one that shows nothing unless `enabled`."""
     return tqdm(total=total, initial=initial, desc="train", unit="step", file=sys.stderr,
-                dynamic_ncols=True, mininterval=0.5)
+                dynamic_ncols=True, mininterval=0.5, disable=not enabled)

@@ -28,7 +28,7 @@ class RunState:
     start_step: int
     window: LossWindow  # the last `log_every` losses, on the device
     timer: StepTimer
-    bar: Any = None  # a tqdm bar or None
+    bar: Any  # a tqdm bar (showing nothing where progress is off)
     last_checkpoint: Path | None = None
     profile_at: int | None = None  # the step where the breakdown's profiled window starts
     profiler: StepProfiler | None = None  # while the window runs
@@ -41,8 +41,7 @@ def log_train(trainer: Trainer, lr_factor: float) -> None:
     mean = run.window.mean()
     if math.isnan(mean):
         return
-    if run.bar is not None:
-        run.bar.set_postfix(loss=f"{mean:.4f}", refresh=False)
+    run.bar.set_postfix(loss=f"{mean:.4f}", refresh=False)
     rate = (trainer.batch_size * trainer.dist.world_size * (trainer.step - run.start_step)
             / max(run.timer.elapsed_s(), 1e-9))
     if trainer.dist.is_main:

@@ -43,7 +43,7 @@ from anyrec.trainer.optim import (
     embedding_optimizer_config,
 )
 from anyrec.trainer.perfcheck import StepTimer, warmup_steps
-from anyrec.trainer.pipeline import EagerLoop, SparseDistPipeline, StepFunctions, predictions
+from anyrec.trainer.pipeline import EagerLoop, SparseDistPipeline, predictions
 from anyrec.trainer.planning import dense_wrapper, sharders, shared_plan
 from anyrec.trainer.reporting import LossWindow, MetricWriter, progress_bar
 from anyrec.trainer.schedule import WarmupPolyDecay
@@ -124,8 +124,13 @@ class Trainer:
             self._build_sharded()
         # the same initial weights whatever the kernel, plan, world size or device
         init_model(self.model, table_configs(self.cfg.model), tc.seed, EBC_PATH)
-        self._build_optimizers_and_pipeline()
-        self._build_data()
+        self.optimizers = Optimizers(self.model, self.fused_optimizer, self.cfg.optim, EBC_PATH)
+        loop = SparseDistPipeline if tc.pipeline and not self.unsharded else EagerLoop
+        self.pipeline = loop(self.model, self.optimizers.combined, self.device, self)
+        # Prefetched file batches land in page-locked memory where there is a device to copy them to.
+        inputs = build_inputs(self.cfg, self.dist, self.device, pin_memory=self.backend.pins_host_memory())
+        self.batch_size, self.train_data, self.eval_data = inputs.batch_size, inputs.train, inputs.eval
+        self.validator, self.loss_guard = inputs.validator, inputs.loss_guard
         self.writer = MetricWriter(tc.run_dir, self.dist.is_main, tc.tensorboard)
         if self.dist.is_main:
             self._log_setup()
@@ -184,23 +189,9 @@ class Trainer:
         self.model = DLRMTrain(DLRM(self.cfg.model, ebc, device=self.device, kernels=self.kernels))
         self.fused_optimizer = TritonEBCOptimizer(ebc, prefix=f"{EBC_PATH}.")
 
-    def _build_optimizers_and_pipeline(self) -> None:
-        """The dense optimizer beside the fused one, and the loop that runs a step."""
-        self.optimizers = Optimizers(self.model, self.fused_optimizer, self.cfg.optim, EBC_PATH)
-        fns = StepFunctions(self._forward, self._backward, self._optimizer_step)
-        loop = SparseDistPipeline if self.cfg.trainer.pipeline and not self.unsharded else EagerLoop
-        self.pipeline = loop(self.model, self.optimizers.combined, self.device, fns)
-
-    def _build_data(self) -> None:
-        # Prefetched file batches land in page-locked memory where there is a device to copy them to.
-        inputs = build_inputs(self.cfg, self.dist, self.device, pin_memory=self.backend.pins_host_memory())
-        self.batch_size, self.train_data, self.eval_data = inputs.batch_size, inputs.train, inputs.eval
-        self.validator, self.loss_guard = inputs.validator, inputs.loss_guard
-
     def _log_setup(self) -> None:
         logger.info("backend: %s", self.backend.describe())
-        logger.info("kernels: %s", ", ".join(
-            f"{op}={impl.name}" for op, impl in self.kernels.items()))
+        logger.info("kernels: %s", ", ".join(f"{op}={impl.name}" for op, impl in self.kernels.items()))
         if self.unsharded:
             logger.info("one device, %s embedding kernel: tables unsharded (no input distribution)",
                         self.embedding_kernel)
@@ -221,11 +212,11 @@ class Trainer:
 
     # ---- one step, in three parts the pipelines call -------------------------------------------
 
-    def _forward(self, batch: Batch) -> tuple[torch.Tensor, Any]:
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, Any]:
         with phase("forward"), self.backend.autocast(self.autocast):
             return self.model(batch)
 
-    def _backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor) -> None:
         """Backward (the fused embedding update happens inside it), skipped for a non-finite loss
         when `trainer.skip_nonfinite` (every rank skips the same step); see validate.NonFiniteGuard."""
         loss = loss if loss.dim() == 0 else loss.sum()
@@ -237,7 +228,7 @@ class Trainer:
         with phase("backward"):
             loss.backward()
 
-    def _optimizer_step(self) -> None:
+    def optimizer_step(self) -> None:
         with phase("optimizer"):
             self.optimizers.step()
 
@@ -275,8 +266,7 @@ class Trainer:
         checks and a train record (the only host reads of device values in the steady state)."""
         run, log_every = self.run, self.cfg.trainer.log_every
         run.window.add(self.last_loss)
-        if run.bar is not None:
-            run.bar.update(1)
+        run.bar.update(1)
         if log_every and self.step % log_every == 0:
             self._flush_checks()
             log_train(self, lr_factor)
@@ -317,8 +307,7 @@ class Trainer:
                 self.run_steps(self._next_stop(tc.steps) - self.step)
                 if not self.stopper.stopped_by:
                     self._between_chunks()
-            if run.bar is not None:
-                run.bar.close()
+            run.bar.close()
             return self._finish()
         finally:
             self.stopper.restore()
