@@ -30,10 +30,8 @@ def _local_pieces(model: nn.Module, is_main: bool) -> tuple[Pieces, dict[str, li
 
 
 def full_state(model: nn.Module, info: DistInfo) -> dict[str, torch.Tensor]:
-    """Every state_dict entry whole, in fp64 (exact for fp32 and bf16), by name, on every rank.
-
-    Gathers all shards to every rank (test-sized models only).
-    """
+    """Every state_dict entry whole, in fp64 (exact for fp32 and bf16), by name, on every rank (all
+    shards gathered to every rank: test-sized models only)."""
     local, sizes = _local_pieces(model, info.is_main)
     gathered = gather_objects(local, info)
     out = {}
@@ -47,10 +45,7 @@ def full_state(model: nn.Module, info: DistInfo) -> dict[str, torch.Tensor]:
 
 
 def weights_fingerprint(model: nn.Module, info: DistInfo) -> str:
-    """SHA-256 of every full weight tensor, independent of the plan and world size.
-
-    Gathers all shards to every rank (test-sized models; opt-in via trainer.fingerprint_weights).
-    """
+    """SHA-256 of every full weight tensor (`full_state`; opt-in via trainer.fingerprint_weights)."""
     h = hashlib.sha256()
     for name, full in full_state(model, info).items():
         h.update(name.encode())

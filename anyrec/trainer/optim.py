@@ -33,8 +33,8 @@ def _check(cfg: OptimConfig) -> None:
 
 
 def embedding_optimizer_config(cfg: OptimConfig) -> OptimizerConfig:
-    """The fused embedding update the config asks for: the one conversion both build paths use
-    (anyrec's TBE takes it as is; `embedding_optimizer` turns it into torchrec's terms)."""
+    """The fused embedding update the config asks for (anyrec's TBE takes it as is;
+    `embedding_optimizer` turns it into torchrec's terms)."""
     _check(cfg)
     return OptimizerConfig(kind=cfg.name, lr=cfg.embedding_lr, eps=cfg.eps, beta1=cfg.betas[0],
                            beta2=cfg.betas[1], weight_decay=cfg.weight_decay)
@@ -42,11 +42,8 @@ def embedding_optimizer_config(cfg: OptimConfig) -> OptimizerConfig:
 
 def embedding_optimizer(cfg: OptimConfig) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
     """Optimizer class and kwargs for `apply_optimizer_in_backward` (torchrec maps them to TBE).
-
-    `weight_decay` is L2 (added to the row gradient), which anyrec's own TBE applies; FBGEMM's fused
-    SGD / Adagrad updates have no weight decay, so the trainer refuses that combination
-    (`check_embedding_weight_decay`) instead of ignoring the setting.
-    """
+    `weight_decay` is L2 (added to the row gradient), which FBGEMM's fused SGD / Adagrad do not apply:
+    `check_embedding_weight_decay` refuses that combination."""
     opt = embedding_optimizer_config(cfg)
     kwargs: dict[str, Any] = {"lr": opt.lr}
     if opt.weight_decay > 0:
@@ -79,12 +76,9 @@ def check_embedding_optimizer(cfg: OptimConfig, embedding: Impl, device_type: st
 
 
 def apply_embedding_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> None:
-    """`apply_optimizer_in_backward` with `embedding_optimizer(cfg)`, its kwargs named as the TBEs read them.
-
-    torchrec hands the stored kwargs to the sharded TBE as fused params unchanged, and both FBGEMM and
-    anyrec's TBE name Adam's betas `beta1` / `beta2`: torch's `betas` is a TypeError in FBGEMM's
-    constructor and was ignored by anyrec's (which then used its default betas on sharded tables).
-    """
+    """`apply_optimizer_in_backward` with `embedding_optimizer(cfg)`, its kwargs named as the TBEs read them:
+    torchrec hands them to the sharded TBE unchanged, and both FBGEMM and anyrec's TBE name Adam's betas
+    `beta1` / `beta2` (torch's `betas` is a TypeError in FBGEMM and was ignored by anyrec's TBE)."""
     params = list(params)
     opt_cls, kwargs = embedding_optimizer(cfg)
     apply_optimizer_in_backward(opt_cls, params, kwargs)  # builds each optimizer with `betas`
@@ -97,8 +91,7 @@ def apply_embedding_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimCo
 def dense_optimizer(cfg: OptimConfig, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """The optimizer of the MLPs and interaction (row-wise Adagrad means plain Adagrad here)."""
     _check(cfg)
-    params = list(params)
-    lr = cfg.dense_lr
+    params, lr = list(params), cfg.dense_lr
     if cfg.name == "sgd":
         return torch.optim.SGD(params, lr=lr, weight_decay=cfg.weight_decay)
     if cfg.name in ("adagrad", "rowwise_adagrad"):
@@ -108,8 +101,7 @@ def dense_optimizer(cfg: OptimConfig, params: Iterable[torch.nn.Parameter]) -> t
 
 
 def check_embedding_weight_decay(cfg: OptimConfig, embedding: Impl) -> None:
-    """An embedding implementation whose fused update ignores weight decay (FBGEMM's): say so rather
-    than ignore the setting."""
+    """Refuse weight decay with an embedding implementation whose fused update ignores it (FBGEMM's)."""
     if cfg.weight_decay > 0 and not embedding.fused_weight_decay:
         able = ", ".join(i.name for i in implementations("embedding") if i.fused_weight_decay)
         raise ValueError(f"optim.weight_decay={cfg.weight_decay} is not applied by the {embedding.name} "
@@ -118,9 +110,8 @@ def check_embedding_weight_decay(cfg: OptimConfig, embedding: Impl) -> None:
 
 
 class Optimizers:
-    """A model's three optimizers: the dense one (MLPs, interaction), the fused embedding one (rows
-    update inside the backward) and, where the plan replicates tables, the replicated-table one;
-    `combined` is what torchrec's pipeline and the checkpoint see."""
+    """A model's dense (MLPs, interaction), fused embedding (rows update inside the backward) and, where
+    the plan replicates tables, replicated-table optimizers; the pipeline and checkpoint see `combined`."""
 
     def __init__(self, model: nn.Module, fused: KeyedOptimizer, cfg: OptimConfig, ebc_path: str) -> None:
         self.cfg = cfg
@@ -134,21 +125,17 @@ class Optimizers:
         dense = {n: p for n, p in params.items() if n not in tables}
         self.dense_params = list(dense.values())
         self.dense = KeyedOptimizerWrapper(dense, lambda ps: dense_optimizer(cfg, ps))
-        self.fused = fused
         named: list[tuple[str, KeyedOptimizer]] = [("dense", self.dense), ("sparse", fused)]
-        self.replicated = None
         if tables:
             rule = embedding_optimizer_config(cfg)
-            self.replicated = KeyedOptimizerWrapper(tables, lambda ps: ReplicatedTableOptimizer(ps, rule))
-            named.append(("replicated", self.replicated))
+            replicated = KeyedOptimizerWrapper(tables, lambda ps: ReplicatedTableOptimizer(ps, rule))
+            named.append(("replicated", replicated))
         self.combined = CombinedOptimizer(named)
 
     def set_lr(self, factor: float) -> None:
         """Every optimizer's learning rate: its base rate times the schedule's `factor`."""
-        set_lr(self.dense, self.cfg.dense_lr * factor)
-        set_lr(self.fused, self.cfg.embedding_lr * factor)
-        if self.replicated is not None:
-            set_lr(self.replicated, self.cfg.embedding_lr * factor)
+        for name, optimizer in self.combined.optimizers:
+            set_lr(optimizer, (self.cfg.dense_lr if name == "dense" else self.cfg.embedding_lr) * factor)
 
     def step(self) -> None:
         """The dense update (gradient clipped to `optim.grad_clip_norm` when set), then the others'."""

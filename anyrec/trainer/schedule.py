@@ -1,8 +1,8 @@
 """The learning-rate schedule of MLPerf DLRM: linear warmup, a plateau, then polynomial decay.
 
-Applied to both optimizers each step: the dense one through its param groups, the fused
-embedding one through `fused_optimizer.param_groups`, which torchrec hands to the TBE kernels
-(`set_learning_rate`) at `zero_grad` and `step`, i.e. before the backward that updates the rows.
+Applied to every optimizer each step through its param groups; torchrec hands the fused embedding
+one's to the TBE kernels (`set_learning_rate`) at `zero_grad` and `step`, i.e. before the backward
+that updates the rows.
 """
 
 from __future__ import annotations

@@ -115,8 +115,8 @@ class StopRequest:
             try:
                 data = reader.recv(64)
             except OSError:
-                data = b""
-            if not data:  # restore() shut the socket down
+                return
+            if not data:
                 return
             for signum in data:
                 if signum in SIGNALS:
@@ -147,10 +147,8 @@ class StopRequest:
     # ---- agreement ------------------------------------------------------------------------------
 
     def should_stop(self, step: int) -> bool:
-        """At step boundaries: True on every rank at the same step once any rank got a signal.
-
-        Only every `check_every` steps does it talk to the other ranks (three store round trips).
-        """
+        """At step boundaries: True on every rank at the same step once any rank got a signal (checked
+        with the other ranks every `check_every` steps: three store round trips)."""
         if step % self.check_every:
             return False
         if self.signum is None and _launcher_gone(self._parent):
@@ -186,10 +184,10 @@ class StopRequest:
 class Heartbeat:
     """A daemon thread that beats for this rank and watches the next rank's beat (see the module doc).
 
-    It uses a connection of its own to the store at MASTER_ADDR:MASTER_PORT (torchrun's agent store, or
-    the one rank 0 hosts), so a main thread blocked in a store wait or a collective cannot delay it.
-    A beat is `pid:count`; the neighbour is stuck when its beat has not changed for `timeout_s` since
-    this rank started watching (a key left by an earlier attempt changes as soon as the new one beats).
+    Its own connection to the store at MASTER_ADDR:MASTER_PORT means a main thread blocked in a store
+    wait or a collective cannot delay it. A beat is `pid:count`; the neighbour is stuck when its beat
+    has not changed for `timeout_s` since this rank started watching (a key left by an earlier attempt
+    changes as soon as the new one beats).
     """
 
     def __init__(self, rank: int, world_size: int, timeout_s: float) -> None:
@@ -207,8 +205,7 @@ class Heartbeat:
         store = dist.PrefixStore("anyrec/heartbeat/", dist.TCPStore(
             addr, port, is_master=False, timeout=timedelta(seconds=max(BEAT_S, 2.0))))
         # A bare connection to the store that never sends: it reads end-of-file the instant the store's
-        # process dies, so the launcher's death is seen before a store call fails (and c10d logs a
-        # C++ stack dump for it).
+        # process dies, before a store call fails (for which c10d logs a C++ stack dump).
         probe = socket.create_connection((addr, port), timeout=10)
         self._thread = threading.Thread(target=self._run, args=(store, probe), name="anyrec-heartbeat",
                                         daemon=True)
@@ -226,9 +223,8 @@ class Heartbeat:
         seen, since = None, time.monotonic()
         gone = f"rank {self.rank}: the launcher (pid {self._parent}) is gone: exiting"
         while not self._stop.is_set():
-            if select.select([probe], [], [], BEAT_S if count else 0)[0] and not _alive(probe):
-                self._leave(gone)
-            if _launcher_gone(self._parent):
+            ready = select.select([probe], [], [], BEAT_S if count else 0)[0]
+            if (ready and not _alive(probe)) or _launcher_gone(self._parent):
                 self._leave(gone)
             count += 1
             try:
@@ -280,11 +276,9 @@ _PEER_MARKERS = ("Timed out waiting", "Application timeout caused pair closure",
 
 
 def peer_failure(e: BaseException, rank: int, world_size: int, timeout_s: float) -> str | None:
-    """One line for a collective that failed because of another rank, naming the silent rank(s).
-
-    The ranks that hit the failure check in through the store for a few seconds; the ones that do not
-    are the likely culprits. None when `e` is not a collective failure.
-    """
+    """One line for a collective that failed because of another rank, naming the silent rank(s), or
+    None. The ranks that hit the failure check in through the store for a few seconds; the ones that
+    do not are the likely culprits."""
     if isinstance(e, PeerLostError):
         return str(e)
     if isinstance(e, ValueError | NonFiniteLossError):  # raised by every rank alike, not a peer's fault
@@ -296,8 +290,7 @@ def peer_failure(e: BaseException, rank: int, world_size: int, timeout_s: float)
     cause = text.strip().splitlines()[0] if text.strip() else type(e).__name__
     cause = cause.split("] ", 1)[-1][:200]  # drop the C++ source location
     silent = _roll_call(rank, world_size)
-    who = (f"rank(s) {', '.join(map(str, silent))} stopped responding" if silent
-           else "a peer rank failed")
+    who = f"rank(s) {', '.join(map(str, silent))} stopped responding" if silent else "a peer rank failed"
     return (f"rank {rank}: {who} (collective failed: {cause}; trainer.collective_timeout_s="
             f"{timeout_s:.0f})")
 

@@ -1,7 +1,5 @@
-"""Where training stands between two steps: the step count (which is also the data position), the
-batches skipped for a non-finite loss and this rank's RNG. One `Stateful` object
-(torch.distributed.checkpoint's `state_dict` / `load_state_dict` shape) that the checkpoint saves.
-"""
+"""Where training stands between two steps, as one `Stateful` object (torch.distributed.checkpoint's
+`state_dict` / `load_state_dict` shape) that the checkpoint saves."""
 
 from __future__ import annotations
 
@@ -13,7 +11,8 @@ import torch
 
 @dataclass
 class StepState:
-    """Steps done, batches skipped, and (in the state_dict) the RNG of rank `rank`."""
+    """Steps done (also the data position), batches skipped for a non-finite loss, and (in the
+    state_dict) the RNG of rank `rank`."""
 
     rank: int
     step: int = 0
