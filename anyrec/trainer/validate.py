@@ -98,24 +98,20 @@ def _at(what: str, step: int, rank: int, info: DistInfo) -> str:
 
 
 class InputValidator:
-    """Checks each batch as it is drawn; value findings stay on the device until `flush()`.
-
-    `skip_nonfinite` (trainer.skip_nonfinite): non-finite dense values of training batches are left to
-    the loss guard, which skips their step (its loss is non-finite); evaluation batches stay strict.
-    """
+    """Checks each batch as it is drawn; value findings stay on the device until `flush_checks`.
+    `skip_nonfinite`: non-finite dense values of training batches are left to the loss guard, which
+    skips their step (its loss is non-finite); evaluation batches stay strict."""
 
     def __init__(self, feature_names: list[str], table_rows: list[int], num_dense: int,
                  device: torch.device, info: DistInfo, skip_nonfinite: bool = False) -> None:
         self.feature_names, self.table_rows, self.num_dense = feature_names, table_rows, num_dense
-        self.device, self.info = device, info
-        self.skip_nonfinite = skip_nonfinite
+        self.device, self.info, self.skip_nonfinite = device, info, skip_nonfinite
         self._rows_F = torch.tensor(table_rows, dtype=torch.int64, device=device)
         self._pending: list[tuple[int, str, torch.Tensor]] = []
 
     def prepare(self, batch: Batch) -> None:
-        """The batch's value findings, computed now and kept with it (a prefetch worker calls this
-        as it makes the batch, so the step's thread only queues them). A batch whose metadata is
-        wrong is left for `__call__`, which names the problem."""
+        """The batch's value findings, computed now and kept with it (a prefetch worker calls this as
+        it makes the batch, so the step's thread only queues them); bad metadata is left to `__call__`."""
         if check_metadata(batch, self.feature_names, self.num_dense) is None:
             batch.__dict__[_REPORT] = value_report(batch, self.table_rows)
 
@@ -151,17 +147,14 @@ class InputValidator:
         return torch.where(local < len(self._pending), code, _NONE).reshape(1)
 
     def raise_found(self, code: int) -> None:
-        """Consume the pending findings; raise the bad batch `code` (all ranks' minimum) names.
-
-        Every rank calls it with the same code: naming the problem is a broadcast from its rank.
-        """
+        """Consume the pending findings; raise the bad batch `code` (all ranks' minimum) names. Every
+        rank calls it with the same code: naming the problem is a broadcast from its rank."""
         pending, self._pending = self._pending, []
         if code >= _NONE:
             return
         index, rank = divmod(code, self.info.world_size)
-        problem: str | None = None
-        if rank == self.info.rank:
-            problem = describe(pending[index][2].tolist(), self.feature_names, self.table_rows)
+        mine = rank == self.info.rank
+        problem = describe(pending[index][2].tolist(), self.feature_names, self.table_rows) if mine else None
         if self.info.world_size > 1:
             box: list[str | None] = [problem]
             dist.broadcast_object_list(box, src=rank)
