@@ -15,7 +15,7 @@ from anyrec.data.prefetch import Prefetched
 from anyrec.trainer import validate
 from anyrec.trainer.distributed import ONE_PROCESS, DistInfo
 from anyrec.trainer.errors import NonFiniteLossError
-from anyrec.trainer.schedule import WarmupPolyDecay
+from anyrec.trainer.optim import WarmupPolyDecay
 from anyrec.trainer.validate import (
     InputValidator,
     NonFiniteGuard,

@@ -1,8 +1,13 @@
-"""Optimizers by name: the fused embedding optimizer (in backward) and the dense one."""
+"""Optimizers by name: the fused embedding optimizer (in backward) and the dense one; and the
+learning-rate schedule of MLPerf DLRM (linear warmup, a plateau, then polynomial decay), set on every
+optimizer's param groups each step: torchrec hands the fused embedding one's to the TBE kernels
+(`set_learning_rate`) at `zero_grad` and `step`, i.e. before the backward that updates the rows.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,7 +22,6 @@ from anyrec.backends.dispatch import Impl, implementations
 from anyrec.config import OptimConfig
 from anyrec.kernels.optimizers import OptimizerConfig, OptimizerKind
 from anyrec.kernels.replicated import ReplicatedTableOptimizer
-from anyrec.trainer.schedule import set_lr
 
 OPTIMIZERS = tuple(k.value for k in OptimizerKind)  # the fused update rules name the optimizers
 
@@ -135,10 +139,43 @@ class Optimizers:
     def set_lr(self, factor: float) -> None:
         """Every optimizer's learning rate: its base rate times the schedule's `factor`."""
         for name, optimizer in self.combined.optimizers:
-            set_lr(optimizer, (self.cfg.dense_lr if name == "dense" else self.cfg.embedding_lr) * factor)
+            lr = (self.cfg.dense_lr if name == "dense" else self.cfg.embedding_lr) * factor
+            for group in optimizer.param_groups:
+                group["lr"] = lr
 
     def step(self) -> None:
         """The dense update (gradient clipped to `optim.grad_clip_norm` when set), then the others'."""
         if self.cfg.grad_clip_norm > 0:
             torch.nn.utils.clip_grad_norm_(self.dense_params, self.cfg.grad_clip_norm)
         self.combined.step()
+
+
+@dataclass(frozen=True)
+class WarmupPolyDecay:
+    """lr(step) = base x factor(step); `step` counts from 0 (the step about to run)."""
+
+    warmup_steps: int = 0
+    decay_start_step: int = 0
+    decay_steps: int = 0
+    decay_power: float = 2.0
+    end_lr_factor: float = 0.0
+
+    @classmethod
+    def from_config(cls, cfg: OptimConfig) -> WarmupPolyDecay:
+        if cfg.warmup_steps < 0 or cfg.decay_steps < 0 or cfg.decay_start_step < 0:
+            raise ValueError("optim.warmup_steps, decay_start_step and decay_steps must be >= 0")
+        if cfg.decay_steps and cfg.decay_start_step < cfg.warmup_steps:
+            raise ValueError(f"optim.decay_start_step={cfg.decay_start_step} must not come before the "
+                             f"end of warmup (optim.warmup_steps={cfg.warmup_steps})")
+        if not 0.0 <= cfg.end_lr_factor <= 1.0:
+            raise ValueError(f"optim.end_lr_factor must be in [0, 1], got {cfg.end_lr_factor}")
+        return cls(cfg.warmup_steps, cfg.decay_start_step, cfg.decay_steps, cfg.decay_power,
+                   cfg.end_lr_factor)
+
+    def factor(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.decay_steps and step >= self.decay_start_step:
+            t = min(1.0, (step - self.decay_start_step) / self.decay_steps)
+            return self.end_lr_factor + (1.0 - self.end_lr_factor) * (1.0 - t) ** self.decay_power
+        return 1.0

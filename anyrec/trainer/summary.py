@@ -1,25 +1,99 @@
-"""What one `Trainer.train()` call accumulates between its steps, what it logs (train and eval
-records), and the JSON summary it returns (README documents the summary's keys)."""
+"""What one `Trainer.train()` call accumulates between its steps, where its numbers go, and the JSON
+summary it returns (README documents the summary's keys).
+
+Train and eval records go to `<run_dir>/metrics.jsonl` (one JSON object per line) and TensorBoard
+events to `<run_dir>/tb/` when the `tensorboard` package is installed (a warning says so when it is
+not), from rank 0 only; a progress bar shows the steps.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import resource
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import torch
+from tqdm import tqdm
 
 from anyrec.trainer.breakdown import StepProfiler, format_breakdown, predicted_phases
 from anyrec.trainer.distributed import gather_objects
 from anyrec.trainer.fingerprint import weights_fingerprint
 from anyrec.trainer.perfcheck import StepTimer, prediction_check
-from anyrec.trainer.reporting import LossWindow
 
 if TYPE_CHECKING:
     from anyrec.trainer.trainer import Trainer
 
 logger = logging.getLogger("anyrec.trainer.trainer")  # the trainer's own log lines
+
+
+class LossWindow:
+    """The last `size` losses, kept on the device: adding one never waits for the device; `mean()`
+    (the finite ones' mean, NaN when none is finite) reads it back once."""
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        self._buf = torch.full((size,), math.nan, dtype=torch.float32, device=device)
+        self._next = 0
+
+    def add(self, loss: torch.Tensor) -> None:
+        self._buf[self._next % len(self._buf)] = loss.detach().float()
+        self._next += 1
+
+    def mean(self) -> float:
+        finite = torch.isfinite(self._buf)
+        total, count = torch.stack([torch.where(finite, self._buf, 0.0).sum(), finite.sum()]).tolist()
+        return total / count if count else math.nan
+
+
+class MetricWriter:
+    """Scalars by step to JSONL and TensorBoard; a no-op on ranks other than 0 or without a run dir."""
+
+    def __init__(self, run_dir: str | None, enabled: bool, tensorboard: bool = True) -> None:
+        self._jsonl = None
+        self._tb = None
+        if not enabled or not run_dir:
+            return
+        path = Path(run_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        self._jsonl = (path / "metrics.jsonl").open("a", encoding="utf-8")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                logger.warning("tensorboard is not installed: TensorBoard logging is off "
+                               "(pip install tensorboard, or set trainer.tensorboard=false)")
+            else:
+                self._tb = SummaryWriter(log_dir=str(path / "tb"))
+
+    def write(self, step: int, kind: str, values: dict[str, Any]) -> None:
+        """One record: `kind` is "train" or "eval"; numeric values also go to TensorBoard."""
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps({"step": step, "kind": kind, "time": time.time(), **values}) + "\n")
+            self._jsonl.flush()
+        if self._tb is not None:
+            for key, value in values.items():
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    self._tb.add_scalar(f"{kind}/{key}", value, step)
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def progress_bar(enabled: bool, total: int, initial: int) -> tqdm:
+    """A tqdm bar on stderr (rate and ETA in steps); one that shows nothing unless `enabled`."""
+    return tqdm(total=total, initial=initial, desc="train", unit="step", file=sys.stderr,
+                dynamic_ncols=True, mininterval=0.5, disable=not enabled)
+
 
 @dataclass
 class RunState:
@@ -33,6 +107,13 @@ class RunState:
     profile_at: int | None = None  # the step where the breakdown's profiled window starts
     profiler: StepProfiler | None = None  # while the window runs
     flushed_at: int | None = None  # the step of the last deferred-check flush
+
+    @classmethod
+    def begin(cls, trainer: Trainer, progress: bool = False) -> RunState:
+        """A fresh state at the trainer's step (with a progress bar on rank 0 when `progress`)."""
+        tc, step = trainer.cfg.trainer, trainer.step
+        return cls(step, LossWindow(max(1, tc.log_every), trainer.device), StepTimer(step, tc.steps),
+                   progress_bar(trainer.dist.is_main and progress, tc.steps, step))
 
 
 def log_train(trainer: Trainer, lr_factor: float) -> None:

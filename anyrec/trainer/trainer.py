@@ -37,19 +37,18 @@ from anyrec.trainer.lineage import identity_config
 from anyrec.trainer.metrics import EvalMetrics
 from anyrec.trainer.optim import (
     Optimizers,
+    WarmupPolyDecay,
     apply_embedding_optimizer,
     check_embedding_optimizer,
     check_embedding_weight_decay,
     embedding_optimizer_config,
 )
-from anyrec.trainer.perfcheck import StepTimer, warmup_steps
+from anyrec.trainer.perfcheck import warmup_steps
 from anyrec.trainer.pipeline import EagerLoop, SparseDistPipeline, predictions
 from anyrec.trainer.planning import dense_wrapper, sharders, shared_plan
-from anyrec.trainer.reporting import LossWindow, MetricWriter, progress_bar
-from anyrec.trainer.schedule import WarmupPolyDecay
 from anyrec.trainer.shutdown import StopRequest, peers_met
 from anyrec.trainer.state import StepState
-from anyrec.trainer.summary import RunState, log_eval, log_train, run_summary
+from anyrec.trainer.summary import MetricWriter, RunState, log_eval, log_train, run_summary
 from anyrec.trainer.validate import flush_checks
 
 logger = logging.getLogger(__name__)
@@ -89,7 +88,7 @@ class Trainer:
         self.step_hooks: list[Callable[[Trainer], None]] = []
         self.stopper: StopRequest | None = None  # during train(): SIGINT/SIGTERM stop every rank
         self.build()
-        self.run = self._new_run()
+        self.run = RunState.begin(self)
         self.checkpoints = (CheckpointManager(cfg.trainer.checkpoint, self.signature(), self.dist,
                                               identity_config(cfg)) if cfg.trainer.checkpoint.dir else None)
         start = self.checkpoints.start() if self.checkpoints is not None else None  # locks the dir
@@ -279,18 +278,12 @@ class Trainer:
             self.run.flushed_at = self.step
             flush_checks(self.validator, self.loss_guard)
 
-    def _new_run(self, progress: bool = False) -> RunState:
-        tc = self.cfg.trainer
-        return RunState(start_step=self.step, window=LossWindow(max(1, tc.log_every), self.device),
-                        timer=StepTimer(self.step, tc.steps),
-                        bar=progress_bar(self.dist.is_main and progress, tc.steps, self.step))
-
     def train(self) -> dict[str, Any]:
         """Run to `trainer.steps` (from a resumed step if any) and return the summary (same on all ranks).
         Steps run in chunks between evaluations and checkpoints, so a checkpoint holds exactly the state
         after its step."""
         tc = self.cfg.trainer
-        run = self.run = self._new_run(progress=tc.progress)
+        run = self.run = RunState.begin(self, progress=tc.progress)
         if tc.breakdown_steps:
             try:
                 run.profile_at = breakdown_window(tc.steps, run.timer.warm_step, tc.breakdown_steps)
