@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from anyrec.trainer import trainer as trainer_module
-from anyrec.trainer.state import StepState
+from anyrec.trainer.checkpoint import StepState
 
 from .conftest import compose_config
 

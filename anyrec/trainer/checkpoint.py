@@ -12,7 +12,8 @@ signature, world size, file sizes and checksums, anyrec version) and, after a ba
 directory to its final name, so a reader never sees half a checkpoint under a final name. Loading
 checks the signature (tables, dense shapes, optimizer), the file sizes and SHA-256 checksums first, so
 an incompatible or corrupt checkpoint fails with one clear line on every rank; DCP reshards
-ShardedTensors when the world size or plan changed.
+ShardedTensors when the world size or plan changed. Beside the model and optimizers, a checkpoint holds
+the step state (`StepState`, torch.distributed.checkpoint's `Stateful` shape).
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed.checkpoint as dcp
 
 import anyrec
@@ -88,11 +91,8 @@ def _sha256s(path: Path, names: list[str], info: DistInfo) -> dict[str, str]:
 
 def _dcp_metadata(path: Path) -> Any:
     """DCP's metadata of checkpoint `path` (CheckpointError in one line if missing or unreadable)."""
-    try:
+    with _dcp_errors(f"checkpoint {path} is corrupt or unreadable: {DCP_METADATA}"):
         return dcp.FileSystemReader(str(path)).read_metadata()
-    except Exception as e:  # noqa: BLE001 - a damaged pickle raises anything
-        raise CheckpointError(f"checkpoint {path} is corrupt or unreadable: {DCP_METADATA}: "
-                              f"{describe_error(e)}") from None
 
 
 def _shard_files(path: Path) -> set[str]:
@@ -116,6 +116,30 @@ def signature_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> str | 
         if sd.get(name) != cd.get(name):
             return f"dense parameter {name} has shape {sd.get(name)} there, {cd.get(name)} here"
     return None
+
+
+@dataclass
+class StepState:
+    """Steps done (also the data position), batches skipped for a non-finite loss, and (in the
+    state_dict) the RNG of rank `rank`."""
+
+    rank: int
+    step: int = 0
+    skipped_batches: int = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        # The data position is the step: every source's batch(step) is a pure function of it.
+        return {"progress": torch.tensor([self.step, self.step, self.skipped_batches], dtype=torch.int64),
+                "rng": {f"rank{self.rank}": torch.get_rng_state()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` saved; a state without this rank's RNG keeps the current one."""
+        step, data_step, skipped = (int(x) for x in state["progress"])
+        assert step == data_step, "the data position is the step"
+        self.step, self.skipped_batches = step, skipped
+        rng = state.get("rng", {}).get(f"rank{self.rank}")
+        if rng is not None:
+            torch.set_rng_state(rng)
 
 
 class CheckpointManager:

@@ -100,8 +100,7 @@ def dense_optimizer(cfg: OptimConfig, params: Iterable[torch.nn.Parameter]) -> t
         return torch.optim.SGD(params, lr=lr, weight_decay=cfg.weight_decay)
     if cfg.name in ("adagrad", "rowwise_adagrad"):
         return torch.optim.Adagrad(params, lr=lr, eps=cfg.eps, weight_decay=cfg.weight_decay)
-    return torch.optim.Adam(params, lr=lr, eps=cfg.eps, betas=tuple(cfg.betas),
-                            weight_decay=cfg.weight_decay)
+    return torch.optim.Adam(params, lr=lr, eps=cfg.eps, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
 
 
 def check_embedding_weight_decay(cfg: OptimConfig, embedding: Impl) -> None:

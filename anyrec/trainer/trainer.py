@@ -30,7 +30,7 @@ from anyrec.models.dlrm import DLRM, build_model, table_configs
 from anyrec.models.init import init_model
 from anyrec.planner.types import Perf
 from anyrec.trainer.breakdown import StepProfiler, breakdown_window, phase
-from anyrec.trainer.checkpoint import CheckpointManager
+from anyrec.trainer.checkpoint import CheckpointManager, StepState
 from anyrec.trainer.distributed import DistInfo, all_reduce_mean, destroy_distributed, init_distributed
 from anyrec.trainer.inputs import build_inputs
 from anyrec.trainer.lineage import identity_config
@@ -47,7 +47,6 @@ from anyrec.trainer.perfcheck import warmup_steps
 from anyrec.trainer.pipeline import EagerLoop, SparseDistPipeline, predictions
 from anyrec.trainer.planning import dense_wrapper, sharders, shared_plan
 from anyrec.trainer.shutdown import StopRequest, peers_met
-from anyrec.trainer.state import StepState
 from anyrec.trainer.summary import MetricWriter, RunState, log_eval, log_train, run_summary
 from anyrec.trainer.validate import flush_checks
 
