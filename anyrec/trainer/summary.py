@@ -54,8 +54,8 @@ class MetricWriter:
     """Scalars by step to JSONL and TensorBoard; a no-op on ranks other than 0 or without a run dir."""
 
     def __init__(self, run_dir: str | None, enabled: bool, tensorboard: bool = True) -> None:
-        self._jsonl = None
-        self._tb = None
+        self._jsonl: Any = None
+        self._tb: Any = None
         if not enabled or not run_dir:
             return
         path = Path(run_dir)
@@ -81,18 +81,10 @@ class MetricWriter:
                     self._tb.add_scalar(f"{kind}/{key}", value, step)
 
     def close(self) -> None:
-        if self._jsonl is not None:
-            self._jsonl.close()
-            self._jsonl = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
-
-
-def progress_bar(enabled: bool, total: int, initial: int) -> tqdm:
-    """A tqdm bar on stderr (rate and ETA in steps); one that shows nothing unless `enabled`."""
-    return tqdm(total=total, initial=initial, desc="train", unit="step", file=sys.stderr,
-                dynamic_ncols=True, mininterval=0.5, disable=not enabled)
+        for out in (self._jsonl, self._tb):
+            if out is not None:
+                out.close()
+        self._jsonl = self._tb = None
 
 
 @dataclass
@@ -102,7 +94,7 @@ class RunState:
     start_step: int
     window: LossWindow  # the last `log_every` losses, on the device
     timer: StepTimer
-    bar: Any  # a tqdm bar (showing nothing where progress is off)
+    bar: tqdm  # steps, rate and ETA on stderr (showing nothing where progress is off)
     last_checkpoint: Path | None = None
     profile_at: int | None = None  # the step where the breakdown's profiled window starts
     profiler: StepProfiler | None = None  # while the window runs
@@ -112,8 +104,9 @@ class RunState:
     def begin(cls, trainer: Trainer, progress: bool = False) -> RunState:
         """A fresh state at the trainer's step (with a progress bar on rank 0 when `progress`)."""
         tc, step = trainer.cfg.trainer, trainer.step
-        return cls(step, LossWindow(max(1, tc.log_every), trainer.device), StepTimer(step, tc.steps),
-                   progress_bar(trainer.dist.is_main and progress, tc.steps, step))
+        bar = tqdm(total=tc.steps, initial=step, desc="train", unit="step", file=sys.stderr,
+                   dynamic_ncols=True, mininterval=0.5, disable=not (trainer.dist.is_main and progress))
+        return cls(step, LossWindow(max(1, tc.log_every), trainer.device), StepTimer(step, tc.steps), bar)
 
 
 def log_train(trainer: Trainer, lr_factor: float) -> None:
