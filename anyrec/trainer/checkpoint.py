@@ -192,11 +192,8 @@ class CheckpointManager:
             self._lock = None
 
     def save(self, step: int, state: dict[str, Any], extra_meta: dict[str, Any]) -> Path:
-        """Write `state` as checkpoint `step_<step>` atomically (collective, after `start()`).
-
-        A failure on any rank (a full disk, a permission error) is raised on every rank as one
-        CheckpointError, and the temporary directory is removed: nothing half-written stays.
-        """
+        """Write `state` as checkpoint `step_<step>` atomically (collective, after `start()`); a failure on
+        any rank (a full disk, a permission error) is one CheckpointError on every rank."""
         token = broadcast_from_main(uuid.uuid4().hex[:12] if self.is_main else "", self.info)
         tmp = self.root / f"step_{step}{self._tmp_tag}{token}"
         final = self.root / f"step_{step}"
@@ -278,9 +275,9 @@ class CheckpointManager:
         return f".tmp-{self.run.lineage[:8]}-"
 
     def read_meta(self, path: Path) -> dict[str, Any]:
-        """meta.json of a checkpoint, checked whole against this model and the files on disk before
-        anything is loaded: every file it names (DCP's `.metadata` among them) exists with its size,
-        every shard file DCP's metadata names is one of them, and (verify) their SHA-256 match."""
+        """meta.json of a checkpoint, checked against this model and the files on disk before anything
+        loads: every file it names exists with its size, DCP's shard files are among them, and (verify)
+        their SHA-256 match."""
         meta = read_meta_file(path)
         why = signature_mismatch(meta["signature"], self.signature)
         if why:

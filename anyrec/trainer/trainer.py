@@ -174,8 +174,7 @@ class Trainer:
         self.model = DistributedModelParallel(
             DLRMTrain(model), device=self.device, plan=self.sharding_plan,
             sharders=sharders(embedding, static_graph),
-            data_parallel_wrapper=dense_wrapper(self.dist.world_size, static_graph),
-        )
+            data_parallel_wrapper=dense_wrapper(self.dist.world_size, static_graph))
         self.fused_optimizer = self.model.fused_optimizer
 
     def _build_unsharded(self) -> None:

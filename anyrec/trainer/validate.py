@@ -164,7 +164,7 @@ class InputValidator:
 
 
 class NonFiniteGuard:
-    """Watches every loss; default: a device flag checked at `flush()`, skip mode: a check per step."""
+    """Watches every loss; default: a device flag checked at `flush_checks`, skip mode: a check per step."""
 
     def __init__(self, skip: bool, device: torch.device, info: DistInfo) -> None:
         self.skip, self.device, self.info = skip, device, info
