@@ -289,39 +289,31 @@ def peer_failure(e: BaseException, rank: int, world_size: int, timeout_s: float)
         return None
     cause = text.strip().splitlines()[0] if text.strip() else type(e).__name__
     cause = cause.split("] ", 1)[-1][:200]  # drop the C++ source location
-    silent = _roll_call(rank, world_size)
+    silent = _roll_call(rank, world_size, "failed", ROLL_CALL_S)
     who = f"rank(s) {', '.join(map(str, silent))} stopped responding" if silent else "a peer rank failed"
     return (f"rank {rank}: {who} (collective failed: {cause}; trainer.collective_timeout_s="
             f"{timeout_s:.0f})")
 
 
-def _roll_call(rank: int, world_size: int) -> list[int]:
+def _roll_call(rank: int, world_size: int, name: str, timeout_s: float) -> list[int] | None:
+    """Post this rank's `name` key and wait up to `timeout_s` for every rank's: the ranks that did not
+    post ([] without a group), or None when the store itself is gone (with the launcher)."""
     try:
         store = _store(world_size)
         if store is None:
             return []
-        store.set(f"failed/{rank}", "1")
-        deadline = time.monotonic() + ROLL_CALL_S
-        keys = [f"failed/{r}" for r in range(world_size)]
-        while time.monotonic() < deadline:
-            silent = [r for r, k in enumerate(keys) if not store.check([k])]
-            if not silent:
-                return []
-            time.sleep(0.1)
-        return silent
-    except Exception:  # noqa: BLE001 - the store itself may be gone with the launcher
-        return []
-
-
-def peers_met(rank: int, world_size: int, timeout_s: float = CLOSE_WAIT_S, name: str = "close") -> bool:
-    """Whether every rank reaches this point within `timeout_s` (a barrier that gives up)."""
-    try:
-        store = _store(world_size)
-        if store is None:
-            return True
-        keys = [f"meet/{name}/{r}" for r in range(world_size)]
+        keys = [f"{name}/{r}" for r in range(world_size)]
         store.set(keys[rank], "1")
-        store.wait(keys, timedelta(seconds=timeout_s))
-        return True
-    except Exception:  # noqa: BLE001 - a timeout, or the store went with the launcher
-        return False
+        deadline = time.monotonic() + timeout_s
+        while silent := [r for r, k in enumerate(keys) if not store.check([k])]:
+            if time.monotonic() > deadline:
+                return silent
+            time.sleep(0.1)
+        return []
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def peers_met(rank: int, world_size: int) -> bool:
+    """Whether every rank reaches this point within CLOSE_WAIT_S (a barrier that gives up)."""
+    return _roll_call(rank, world_size, "meet/close", CLOSE_WAIT_S) == []
