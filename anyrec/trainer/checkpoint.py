@@ -167,7 +167,7 @@ class CheckpointManager:
                 run_id = launch_id()
                 self.root.mkdir(parents=True, exist_ok=True)
                 self._lock = DirLock(self.root, run_id)
-                decision = (decide_start(self.root, scan(self.root), self.cfg, self.identity,
+                decision = (decide_start(self.root, self.cfg, self.identity,
                                          lambda saved: signature_mismatch(saved, self.signature)), run_id)
             except CheckpointError as e:
                 decision = str(e)

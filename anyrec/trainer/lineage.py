@@ -135,13 +135,10 @@ def _names(found: list[Found]) -> str:
     return ", ".join(names) if len(names) <= 4 else f"{names[0]} .. {names[-1]} ({len(names)})"
 
 
-def decide_start(root: Path, found: list[Found], cfg: CheckpointConfig, config: dict[str, Any],
-                 signature_why) -> Start:
-    """Where a run starts in `root` holding `found` (sorted by step); CheckpointError if it may not.
-
-    `signature_why(saved_signature)` says why a checkpoint's model cannot load here, or None.
-    """
-    mine_fp = fingerprint(config)
+def decide_start(root: Path, cfg: CheckpointConfig, config: dict[str, Any], signature_why) -> Start:
+    """Where a run with settings `config` starts in `root`; CheckpointError if it may not.
+    `signature_why(saved_signature)` says why a checkpoint's model cannot load here, or None."""
+    found, mine_fp = scan(root), fingerprint(config)
     if cfg.resume:
         mine = [f for f in found if f.run and f.run.get("fingerprint") == mine_fp]
         if mine:  # this run's own lineage (newest written, should an overwrite have been cut short)
