@@ -8,7 +8,7 @@ import pytest
 from torch.profiler import record_function
 
 from anyrec.planner.types import Perf
-from anyrec.trainer.breakdown import (
+from anyrec.trainer.perfcheck import (
     KEYS,
     LABEL,
     StepProfiler,

@@ -7,11 +7,8 @@ the accelerator). A watcher thread notices a signal through `signal.set_wakeup_f
 thread blocked in a collective with a stopped peer cannot delay it: if the ranks have not agreed to
 stop within `trainer.stop_grace_s`, the process exits anyway (128 + signal number).
 
-A `Heartbeat` thread per rank beats through its own store connection every BEAT_S seconds and watches
-the next rank's beat: a rank whose beat stands still for `trainer.peer_timeout_s` (stopped, or stuck
-with the GIL held) is named in one line and the watcher exits (4), without shortening the timeout of
-healthy long collectives (their threads keep beating). It also ends a worker whose launcher is gone
-(the worker is orphaned, the store stops answering) within seconds, in one line, without a stack dump.
+A `Heartbeat` thread per rank names a stopped or stuck peer, and ends a worker whose launcher is gone,
+within seconds and in one line.
 """
 
 from __future__ import annotations
@@ -182,12 +179,15 @@ class StopRequest:
 
 
 class Heartbeat:
-    """A daemon thread that beats for this rank and watches the next rank's beat (see the module doc).
+    """A daemon thread that beats for this rank every BEAT_S seconds and watches the next rank's beat.
 
     Its own connection to the store at MASTER_ADDR:MASTER_PORT means a main thread blocked in a store
-    wait or a collective cannot delay it. A beat is `pid:count`; the neighbour is stuck when its beat
-    has not changed for `timeout_s` since this rank started watching (a key left by an earlier attempt
-    changes as soon as the new one beats).
+    wait or a collective cannot delay it. A beat is `pid:count`; the neighbour is stuck (stopped, or
+    holding the GIL) when its beat has not changed for `timeout_s` (trainer.peer_timeout_s) since this
+    rank started watching (a key left by an earlier attempt changes as soon as the new one beats): the
+    watcher names it and exits (4), without shortening the timeout of healthy long collectives (their
+    threads keep beating). It also leaves, without a stack dump, when the launcher is gone (the worker
+    is orphaned, the store stops answering).
     """
 
     def __init__(self, rank: int, world_size: int, timeout_s: float) -> None:

@@ -21,10 +21,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm import tqdm
 
-from anyrec.trainer.breakdown import StepProfiler, format_breakdown, predicted_phases
 from anyrec.trainer.distributed import gather_objects
 from anyrec.trainer.fingerprint import weights_fingerprint
-from anyrec.trainer.perfcheck import StepTimer, prediction_check
+from anyrec.trainer.perfcheck import StepProfiler, StepTimer, prediction_check
 
 if TYPE_CHECKING:
     from anyrec.trainer.trainer import Trainer
@@ -133,17 +132,6 @@ def log_eval(trainer: Trainer, result: dict[str, float]) -> None:
         logger.info("step %d eval %s", trainer.step, " ".join(f"{k} {v:.5f}" for k, v in result.items()))
 
 
-def _breakdown(trainer: Trainer, profiler: StepProfiler) -> dict[str, Any]:
-    """Stop the profiler; every rank's ms per step by phase beside the plan's (logged on rank 0)."""
-    profiler.__exit__(None, None, None)
-    per_rank = gather_objects(profiler.ms_per_step(), trainer.dist)
-    predicted = predicted_phases(trainer.predicted_perf)
-    if trainer.dist.is_main:
-        logger.info("step breakdown over the last %d steps (torch.profiler; collectives are part of "
-                    "the phases they ran in):\n%s", profiler.steps, format_breakdown(per_rank, predicted))
-    return {"steps": profiler.steps, "per_rank": per_rank, "predicted": predicted}
-
-
 def run_summary(trainer: Trainer, final_loss: float | None, train_loss: float | None,
                 eval_result: dict[str, float] | None) -> dict[str, Any]:
     """The run's JSON summary: its figures, the prediction check, the step breakdown where one was
@@ -156,7 +144,7 @@ def run_summary(trainer: Trainer, final_loss: float | None, train_loss: float | 
     summary["measured_steps"] = run.timer.steps  # this rank's timed steps (the same on every rank)
     if run.profiler is not None:
         profiler, run.profiler = run.profiler, None  # stopped here, not again on the way out
-        summary["step_breakdown_ms"] = _breakdown(trainer, profiler)
+        summary["step_breakdown_ms"] = profiler.report(trainer.dist, trainer.predicted_perf)
     if trainer.cfg.trainer.fingerprint_weights:
         summary["weights_sha256"] = weights_fingerprint(trainer.model, trainer.dist)
     return summary

@@ -29,7 +29,6 @@ from anyrec.kernels.ebc import TritonEBCOptimizer
 from anyrec.models.dlrm import DLRM, build_model, table_configs
 from anyrec.models.init import init_model
 from anyrec.planner.types import Perf
-from anyrec.trainer.breakdown import StepProfiler, breakdown_window, phase
 from anyrec.trainer.checkpoint import CheckpointManager, StepState
 from anyrec.trainer.distributed import DistInfo, all_reduce_mean, destroy_distributed, init_distributed
 from anyrec.trainer.inputs import build_inputs
@@ -43,7 +42,7 @@ from anyrec.trainer.optim import (
     check_embedding_weight_decay,
     embedding_optimizer_config,
 )
-from anyrec.trainer.perfcheck import warmup_steps
+from anyrec.trainer.perfcheck import StepProfiler, breakdown_window, phase, warmup_steps
 from anyrec.trainer.pipeline import EagerLoop, SparseDistPipeline, predictions
 from anyrec.trainer.planning import dense_wrapper, sharders, shared_plan
 from anyrec.trainer.shutdown import StopRequest, peers_met
