@@ -38,7 +38,7 @@ import anyrec
 from anyrec.config import CheckpointConfig
 from anyrec.trainer.distributed import DistInfo, broadcast_from_main, gather_objects
 from anyrec.trainer.errors import CheckpointError
-from anyrec.trainer.lineage import META, DirLock, RunIdentity, decide_start, launch_id, read_meta_file, scan
+from anyrec.trainer.lineage import META, DirLock, RunIdentity, decide_start, read_meta_file, scan
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +164,8 @@ class CheckpointManager:
         decision: Any = None  # (lineage.Start, run id), or an error
         if self.is_main:
             try:
-                run_id = launch_id()
+                # this launch: torchrun's run id (shared by its ranks and restarts), else a fresh one
+                run_id = os.environ.get("TORCHELASTIC_RUN_ID") or f"local-{uuid.uuid4().hex[:12]}"
                 self.root.mkdir(parents=True, exist_ok=True)
                 self._lock = DirLock(self.root, run_id)
                 decision = (decide_start(self.root, self.cfg, self.identity,

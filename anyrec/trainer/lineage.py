@@ -60,11 +60,6 @@ def fingerprint(config: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def launch_id() -> str:
-    """This launch's id: torchrun's run id (shared by its ranks and restarts), else a fresh one."""
-    return os.environ.get("TORCHELASTIC_RUN_ID") or f"local-{uuid.uuid4().hex[:12]}"
-
-
 def config_diff(there: dict[str, Any], here: dict[str, Any], limit: int = 3) -> str:
     """The first few settings that differ, as `key X there, Y here`."""
     keys = [k for k in sorted(set(there) | set(here)) if there.get(k) != here.get(k)]
