@@ -41,12 +41,9 @@ IDENTITY_KEYS = ("model.", "data.name", "data.path", "data.train_files", "data.b
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(value, dict):
-        out: dict[str, Any] = {}
-        for k, v in value.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: value}
+    if not isinstance(value, dict):
+        return {prefix[:-1]: value}
+    return {k: v for key, sub in value.items() for k, v in _flatten(sub, f"{prefix}{key}.").items()}
 
 
 def identity_config(cfg: AnyrecConfig) -> dict[str, Any]:
