@@ -49,9 +49,8 @@ def run(cfg: DictConfig) -> dict:
     try:
         summary = trainer.train()
     except BaseException as e:
-        # A peer may be gone: name it (before the group goes) and do not wait for it in close().
-        # An error only this rank saw (bad data where it read it) leaves its peers inside a
-        # collective: exit now, the launcher stops them.
+        # A peer may be gone: name it (before the group goes) and do not wait for it in close(). An
+        # error only this rank saw (bad data it read) leaves its peers in a collective: exit now.
         info, timeout_s = trainer.dist, config.trainer.collective_timeout_s
         lost = peer_failure(e, info.rank, info.world_size, timeout_s) if isinstance(e, Exception) else None
         if not getattr(e, "rank_local", False):
@@ -74,9 +73,8 @@ def main(cfg: DictConfig) -> None:
         summary = run(cfg)
     except (ValueError, NonFiniteLossError, PeerLostError) as e:
         # A user mistake, bad data, a bad checkpoint or a diverged run: every rank raises the same
-        # error at the same point; rank 0 says it in one line, all exit non-zero. Bad rows found
-        # where they were read are seen by the reading rank alone, which says it itself; a lost peer
-        # is seen differently by each surviving rank: each says what it saw.
+        # error at the same point; rank 0 says it in one line, all exit non-zero. Bad rows are seen
+        # by the reading rank alone, a lost peer differently by each survivor: each says its own.
         line = f"anyrec-train: error: {e}"
         if os.environ.get("RANK", "0") == "0" or getattr(e, "rank_local", False) or \
                 isinstance(e, PeerLostError):
@@ -88,8 +86,8 @@ def main(cfg: DictConfig) -> None:
     except KeyboardInterrupt:  # SIGINT before or after the step loop (in it, the loop stops cleanly)
         sys.exit(128 + signal.SIGINT)
     if summary.get("stopped_by"):  # SIGINT/SIGTERM: stopped at a step boundary, as a shell expects
-        # Everything is saved and closed; skip the interpreter's teardown (seconds with torch and
-        # FBGEMM loaded): whoever sent the signal is waiting for the process to go.
+        # Everything is saved and closed; skip the interpreter's teardown (seconds with torch loaded):
+        # whoever sent the signal is waiting for the process to go.
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -8,7 +8,7 @@ import pytest
 from torch.profiler import record_function
 
 from anyrec.planner.types import Perf
-from anyrec.trainer.breakdown import (
+from anyrec.trainer.perfcheck import (
     KEYS,
     LABEL,
     StepProfiler,
@@ -44,7 +44,7 @@ def _step(ms: dict[str, float], warm_up: bool = False) -> None:
 
 def _per_step_ms(prof: StepProfiler, name: str, steps: int) -> float:
     """The profiler's own total for the ranges called `name`, in ms per step."""
-    return sum(e.cpu_time_total for e in prof._prof.events() if e.name == name) / steps / 1e3
+    return sum(e.cpu_time_total for e in prof.events() if e.name == name) / steps / 1e3
 
 
 def test_profiled_steps_split_into_phases():

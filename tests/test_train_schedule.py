@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
-from anyrec.trainer.schedule import WarmupPolyDecay
+from anyrec.trainer.optim import WarmupPolyDecay
 
 from .conftest import compose_config, free_port
 

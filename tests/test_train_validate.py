@@ -15,8 +15,15 @@ from anyrec.data.prefetch import Prefetched
 from anyrec.trainer import validate
 from anyrec.trainer.distributed import ONE_PROCESS, DistInfo
 from anyrec.trainer.errors import NonFiniteLossError
-from anyrec.trainer.schedule import WarmupPolyDecay
-from anyrec.trainer.validate import InputValidator, NonFiniteGuard, check_batch, flush_checks
+from anyrec.trainer.optim import WarmupPolyDecay
+from anyrec.trainer.validate import (
+    InputValidator,
+    NonFiniteGuard,
+    check_metadata,
+    describe,
+    flush_checks,
+    value_report,
+)
 
 from .conftest import OpRecorder
 
@@ -34,6 +41,14 @@ def _labelled(batch, labels=None, dense=None):
     return Batch(dense_features=batch.dense_features if dense is None else dense,
                  sparse_features=batch.sparse_features,
                  labels=batch.labels if labels is None else labels)
+
+
+def check_batch(batch, feature_names, table_rows, num_dense):
+    """Everything wrong with this batch for this model, checked now."""
+    problem = check_metadata(batch, feature_names, num_dense)
+    if problem is not None:
+        return problem
+    return describe(value_report(batch, table_rows).tolist(), feature_names, table_rows)
 
 
 def test_check_batch():
@@ -65,11 +80,11 @@ def test_validator_reports_the_first_bad_step_at_flush_without_syncing():
     assert len(drawn) == 4 and len(rec.ops) > 10  # nothing raised while drawing: found later
     assert not any("_local_scalar_dense" in op for op in rec.ops)  # no value read back to the host
     with pytest.raises(ValueError, match=r"^bad input at step 6: 1 labels are not 0 or 1$"):
-        v.flush()
-    v.flush()  # the findings were consumed: nothing pending, nothing raised
+        flush_checks(v, None)
+    flush_checks(v, None)  # the findings were consumed: nothing pending, nothing raised
     list(v.wrap([good, good, bad_ids], first_step=0, what="eval batch"))
     with pytest.raises(ValueError, match=r"at eval batch 3: feature cat_1: id 7 out of range"):
-        v.flush()
+        flush_checks(v, None)
 
 
 def test_validator_raises_metadata_problems_at_once():
@@ -109,7 +124,7 @@ def test_prefetch_workers_compute_the_value_findings(monkeypatch):
     with pytest.raises(ValueError, match=r"bad input at step 3: the data has 5 dense features"):
         next(drawn)
     with pytest.raises(ValueError, match=r"^bad input at step 2: feature cat_1: id 7 out of range"):
-        v.flush()
+        flush_checks(v, None)
 
 
 @pytest.mark.parametrize("skip", [False, True])
@@ -121,11 +136,11 @@ def test_nonfinite_guard(skip):
     host_reads = sum("_local_scalar_dense" in op for op in rec.ops)
     if skip:  # the decision is needed before the backward: one read per step, and NaN/inf skipped
         assert run_backward == [True, False, True, False] and host_reads == 4
-        g.flush()
+        flush_checks(None, g)
         return
     assert run_backward == [True] * 4 and host_reads == 0
     with pytest.raises(NonFiniteLossError, match=r"non-finite loss at step 12;"):
-        g.flush()
+        flush_checks(None, g)
 
 
 def test_both_checks_share_one_all_reduce(monkeypatch):
@@ -171,14 +186,14 @@ def test_skip_nonfinite_leaves_nan_dense_training_batches_to_the_loss_guard():
     batch = _labelled(_batch([0, 1], [0, 0]), dense=nan)
     skipping = InputValidator(NAMES, ROWS, 13, torch.device("cpu"), ONE_PROCESS, skip_nonfinite=True)
     skipping(batch, 3)
-    skipping.flush()  # a training step: the loss guard skips it
+    flush_checks(skipping, None)  # a training step: the loss guard skips it
     skipping(batch, 0, "eval batch")
     with pytest.raises(ValueError, match="bad input at eval batch 1: 1 dense values are NaN or infinite"):
-        skipping.flush()  # evaluation stays strict
+        flush_checks(skipping, None)  # evaluation stays strict
     strict = InputValidator(NAMES, ROWS, 13, torch.device("cpu"), ONE_PROCESS)
     strict(batch, 3)
     with pytest.raises(ValueError, match="bad input at step 4: 1 dense values are NaN or infinite"):
-        strict.flush()
+        flush_checks(strict, None)
 
 
 def test_skip_nonfinite_lets_nan_npy_rows_reach_the_loss_guard(tmp_path):

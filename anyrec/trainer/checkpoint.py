@@ -8,12 +8,12 @@ Layout of `trainer.checkpoint.dir` (owned by one run lineage at a time, see line
     .anyrec.lock                    held (flock) by rank 0 of the job writing the directory
 
 Every rank writes its shards into the temporary directory; rank 0 adds `meta.json` (step, the model
-signature, world size, file sizes, anyrec version) and, after a barrier, renames the directory to
-its final name, so a reader never sees half a checkpoint under a final name. The latest complete
-checkpoint is the highest `step_<n>`. Loading checks the signature (tables, dense shapes, optimizer)
-the file sizes and SHA-256 checksums first, so an incompatible or corrupt checkpoint fails with one
-clear line on every rank;
-DCP reshards ShardedTensors when the world size or plan changed.
+signature, world size, file sizes and checksums, anyrec version) and, after a barrier, renames the
+directory to its final name, so a reader never sees half a checkpoint under a final name. Loading
+checks the signature (tables, dense shapes, optimizer), the file sizes and SHA-256 checksums first, so
+an incompatible or corrupt checkpoint fails with one clear line on every rank; DCP reshards
+ShardedTensors when the world size or plan changed. Beside the model and optimizers, a checkpoint holds
+the step state (`StepState`, torch.distributed.checkpoint's `Stateful` shape).
 """
 
 from __future__ import annotations
@@ -22,36 +22,32 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
+import torch
 import torch.distributed.checkpoint as dcp
 
 import anyrec
 from anyrec.config import CheckpointConfig
-from anyrec.trainer.distributed import DistInfo, broadcast_from_main
+from anyrec.trainer.distributed import DistInfo, broadcast_from_main, gather_objects
 from anyrec.trainer.errors import CheckpointError
-from anyrec.trainer.lineage import DirLock, Found, RunIdentity, Start, decide_start, launch_id, read_meta_file
+from anyrec.trainer.lineage import META, DirLock, RunIdentity, decide_start, read_meta_file, scan
 
 logger = logging.getLogger(__name__)
 
-META = "meta.json"
 DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of the shard files
-_FINAL = re.compile(r"^step_(\d+)$")
 
 
 def _agree(error: str | None, info: DistInfo) -> None:
     """Collective: if any rank had an error, every rank raises the first one (nobody waits alone)."""
-    errors = [error]
-    if info.world_size > 1:
-        errors = [None] * info.world_size
-        dist.all_gather_object(errors, error)
-    first = next((e for e in errors if e), None)
+    first = next((e for e in gather_objects(error, info) if e), None)
     if first:
         raise CheckpointError(first)
 
@@ -68,33 +64,35 @@ def describe_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0][:300]}" if text else type(e).__name__
 
 
+@contextmanager
+def _dcp_errors(what: str) -> Iterator[None]:
+    """A DCP failure as one CheckpointError line `what: cause` (DCP's CheckpointException, raised on
+    every rank, is a BaseException: an interrupt or exit still passes)."""
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:
+        raise CheckpointError(f"{what}: {describe_error(e)}") from None
+
+
 def _file_sizes(path: Path) -> dict[str, int]:
     return {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file() and p.name != META}
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _gather_dicts(local: dict[str, str], info: DistInfo) -> dict[str, str]:
-    if info.world_size == 1:
-        return local
-    parts: list[dict[str, str]] = [{} for _ in range(info.world_size)]
-    dist.all_gather_object(parts, local)
-    return {k: v for part in parts for k, v in part.items()}
+def _sha256s(path: Path, names: list[str], info: DistInfo) -> dict[str, str]:
+    """SHA-256 of the files `names` in `path`, each rank hashing a share (a collective)."""
+    mine = {}
+    for name in sorted(names)[info.rank::info.world_size]:
+        with (path / name).open("rb") as f:
+            mine[name] = hashlib.file_digest(f, "sha256").hexdigest()
+    return {k: v for part in gather_objects(mine, info) for k, v in part.items()}
 
 
 def _dcp_metadata(path: Path) -> Any:
     """DCP's metadata of checkpoint `path` (CheckpointError in one line if missing or unreadable)."""
-    try:
+    with _dcp_errors(f"checkpoint {path} is corrupt or unreadable: {DCP_METADATA}"):
         return dcp.FileSystemReader(str(path)).read_metadata()
-    except Exception as e:  # noqa: BLE001 - a damaged pickle raises anything
-        raise CheckpointError(f"checkpoint {path} is corrupt or unreadable: {DCP_METADATA}: "
-                              f"{describe_error(e)}") from None
 
 
 def _shard_files(path: Path) -> set[str]:
@@ -120,17 +118,36 @@ def signature_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> str | 
     return None
 
 
+@dataclass
+class StepState:
+    """Steps done (also the data position), batches skipped for a non-finite loss, and (in the
+    state_dict) the RNG of rank `rank`."""
+
+    rank: int
+    step: int = 0
+    skipped_batches: int = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        # The data position is the step: every source's batch(step) is a pure function of it.
+        return {"progress": torch.tensor([self.step, self.step, self.skipped_batches], dtype=torch.int64),
+                "rng": {f"rank{self.rank}": torch.get_rng_state()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` saved; a state without this rank's RNG keeps the current one."""
+        step, data_step, skipped = (int(x) for x in state["progress"])
+        assert step == data_step, "the data position is the step"
+        self.step, self.skipped_batches = step, skipped
+        rng = state.get("rng", {}).get(f"rank{self.rank}")
+        if rng is not None:
+            torch.set_rng_state(rng)
+
+
 class CheckpointManager:
     """Saves and finds the checkpoints of one run directory (collective: every rank calls each method).
-
-    `identity` is the run's settings (lineage.identity_config); `start()` takes the directory for
-    this run and says which checkpoint to load.
-    """
+    `identity` is the run's settings (lineage.identity_config)."""
 
     def __init__(self, cfg: CheckpointConfig, signature: dict[str, Any], info: DistInfo,
                  identity: dict[str, Any] | None = None) -> None:
-        if not cfg.dir:
-            raise ValueError("CheckpointManager needs trainer.checkpoint.dir")
         if cfg.every < 0 or cfg.keep < 1:
             raise ValueError(f"trainer.checkpoint.every must be >= 0 and keep >= 1, got "
                              f"every={cfg.every}, keep={cfg.keep}")
@@ -143,18 +160,16 @@ class CheckpointManager:
 
     def start(self) -> Path | None:
         """Lock the directory (rank 0) and decide where this run starts: the checkpoint to load or None.
-
-        Raises CheckpointError on every rank when the directory is in use or holds another run.
-        """
-        decision: Start | str | None = None
+        Raises CheckpointError on every rank when the directory is in use or holds another run."""
+        decision: Any = None  # (lineage.Start, run id), or an error
         if self.is_main:
             try:
-                run_id = launch_id()
+                # this launch: torchrun's run id (shared by its ranks and restarts), else a fresh one
+                run_id = os.environ.get("TORCHELASTIC_RUN_ID") or f"local-{uuid.uuid4().hex[:12]}"
                 self.root.mkdir(parents=True, exist_ok=True)
                 self._lock = DirLock(self.root, run_id)
-                decision = decide_start(self.root, self._scan(), self.cfg, self.identity,
-                                        lambda saved: signature_mismatch(saved, self.signature))
-                decision = (decision, run_id)
+                decision = (decide_start(self.root, self.cfg, self.identity,
+                                         lambda saved: signature_mismatch(saved, self.signature)), run_id)
             except CheckpointError as e:
                 decision = str(e)
             except OSError as e:
@@ -177,39 +192,11 @@ class CheckpointManager:
             self._lock.release()
             self._lock = None
 
-    def _complete(self) -> list[tuple[int, Path]]:
-        if not self.root.is_dir():
-            return []
-        found = []
-        for p in self.root.iterdir():
-            m = _FINAL.match(p.name)
-            if m and p.is_dir():
-                found.append((int(m.group(1)), p))
-        return sorted(found)
-
-    def _scan(self) -> list[Found]:
-        found = []
-        for step, path in self._complete():
-            try:
-                meta = json.loads((path / META).read_text(encoding="utf-8"))
-            except (OSError, ValueError):
-                meta = None
-            found.append(Found(step, path, meta if isinstance(meta, dict) else None))
-        return found
-
-    def _mine(self, found: list[Found]) -> list[Found]:
-        lineage = self.run.lineage if self.run else None
-        return [f for f in found if f.lineage == lineage]
-
     def save(self, step: int, state: dict[str, Any], extra_meta: dict[str, Any]) -> Path:
-        """Write `state` as checkpoint `step_<step>` atomically (collective: every rank calls it).
-
-        A failure on any rank (a full disk, a permission error) is raised on every rank as one
-        CheckpointError, and the temporary directory is removed: nothing half-written stays.
-        """
-        tag = self.run.lineage[:8] if self.run else "x"
+        """Write `state` as checkpoint `step_<step>` atomically (collective, after `start()`); a failure on
+        any rank (a full disk, a permission error) is one CheckpointError on every rank."""
         token = broadcast_from_main(uuid.uuid4().hex[:12] if self.is_main else "", self.info)
-        tmp = self.root / f"step_{step}.tmp-{tag}-{token}"
+        tmp = self.root / f"step_{step}{self._tmp_tag}{token}"
         final = self.root / f"step_{step}"
         try:
             self._write(step, state, extra_meta, tmp, final)
@@ -228,16 +215,9 @@ class CheckpointManager:
         except OSError as e:
             error = f"{where}: {describe_error(e)}"
         _agree(error, self.info)
-        try:
+        with _dcp_errors(where):
             dcp.save(state, checkpoint_id=str(tmp))
-        except BaseException as e:  # DCP's CheckpointException is a BaseException, raised on every rank
-            if isinstance(e, KeyboardInterrupt | SystemExit):
-                raise
-            raise CheckpointError(f"{where}: {describe_error(e)}") from None
-        # Checksums are spread over the ranks: each hashes a share of the files.
-        rank, world = self.info.rank, self.info.world_size
-        names = sorted(_file_sizes(tmp))
-        digests = _gather_dicts({n: _sha256(tmp / n) for n in names[rank::world]}, self.info)
+        digests = _sha256s(tmp, list(_file_sizes(tmp)), self.info)
         error = None
         if self.is_main:
             try:
@@ -252,16 +232,15 @@ class CheckpointManager:
                  digests: dict[str, str]) -> None:
         """Rank 0: meta.json, the rename to the final name, then pruning."""
         meta = {"step": step, "signature": self.signature, "anyrec_version": anyrec.__version__,
-                "files": _file_sizes(tmp), "sha256": digests, "saved_at": time.time(), **extra_meta}
-        if self.run is not None:
-            meta["run"] = self.run.to_meta()
+                "files": _file_sizes(tmp), "sha256": digests, "saved_at": time.time(), **extra_meta,
+                "run": self.run.to_meta()}
         with (tmp / META).open("w", encoding="utf-8") as f:
             json.dump(meta, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
         if final.exists():  # the same step saved again after a restart, or one being replaced
-            owner = next((f.lineage for f in self._scan() if f.path == final), None)
-            if self.run is not None and owner != self.run.lineage and str(final) not in self._replace:
+            owner = next((f.lineage for f in scan(self.root) if f.path == final), None)
+            if owner != self.run.lineage and str(final) not in self._replace:
                 raise CheckpointError(f"{final} belongs to another run")
             self._discard(final)
         os.replace(tmp, final)
@@ -270,8 +249,7 @@ class CheckpointManager:
     def _discard(self, path: Path) -> None:
         """Delete a checkpoint so that no final-named half of it can outlive a kill: renamed to a
         temporary name of this lineage first (atomic), which its next save removes if this one dies."""
-        tag = self.run.lineage[:8] if self.run else "x"
-        doomed = path.with_name(f"{path.name}.tmp-{tag}-deleting-{uuid.uuid4().hex[:6]}")
+        doomed = path.with_name(f"{path.name}{self._tmp_tag}deleting-{uuid.uuid4().hex[:6]}")
         try:
             os.replace(path, doomed)
         except FileNotFoundError:
@@ -280,23 +258,27 @@ class CheckpointManager:
 
     def _prune(self, keep_tmp: str) -> None:
         """Older checkpoints of this lineage beyond `keep`, its stale temporaries, and what it replaces."""
-        mine = self._mine(self._scan()) if self.run else self._scan()
+        mine = [f for f in scan(self.root) if f.lineage == self.run.lineage]
         for f in mine[:-self.cfg.keep]:
             self._discard(f.path)
-        tag = f".tmp-{self.run.lineage[:8]}-" if self.run else ".tmp-"
         for p in self.root.glob("step_*.tmp-*"):
-            if p.name != keep_tmp and (tag in p.name or self._replace):
+            if p.name != keep_tmp and (self._tmp_tag in p.name or self._replace):
                 shutil.rmtree(p, ignore_errors=True)
         if self._replace:  # overwrite: the replaced run's checkpoints go once this one has saved
-            for f in self._scan():
-                if str(f.path) in self._replace and f.lineage != (self.run.lineage if self.run else None):
+            for f in scan(self.root):
+                if str(f.path) in self._replace and f.lineage != self.run.lineage:
                     self._discard(f.path)
             self._replace = ()
 
+    @property
+    def _tmp_tag(self) -> str:
+        """What names this lineage's temporary directories: `step_<n>.tmp-<lineage>-...`."""
+        return f".tmp-{self.run.lineage[:8]}-"
+
     def read_meta(self, path: Path) -> dict[str, Any]:
-        """meta.json of a checkpoint, checked whole against this model and the files on disk before
-        anything is loaded: every file it names (DCP's `.metadata` among them) exists with its size,
-        every shard file DCP's metadata names is one of them, and (verify) their SHA-256 match."""
+        """meta.json of a checkpoint, checked against this model and the files on disk before anything
+        loads: every file it names exists with its size, DCP's shard files are among them, and (verify)
+        their SHA-256 match."""
         meta = read_meta_file(path)
         why = signature_mismatch(meta["signature"], self.signature)
         if why:
@@ -320,10 +302,8 @@ class CheckpointManager:
             if not isinstance(sums, dict) or set(sums) != set(files):
                 raise CheckpointError(f"checkpoint {path} is corrupt or incomplete: meta.json's checksums "
                                       f"do not cover the files it lists")
-            rank, world = self.info.rank, self.info.world_size
-            names = sorted(sums)
-            bad = {n: "bad" for n in names[rank::world] if _sha256(path / n) != sums[n]}
-            bad = _gather_dicts(bad, self.info)
+            digests = _sha256s(path, list(sums), self.info)
+            bad = [n for n in sums if digests[n] != sums[n]]
             if bad:
                 raise CheckpointError(f"checkpoint {path} is corrupt: checksum mismatch in "
                                       f"{', '.join(sorted(bad))}")
@@ -334,13 +314,8 @@ class CheckpointManager:
 
     def load(self, path: Path, state: dict[str, Any]) -> None:
         """Fill `state` in place from checkpoint `path` (collective; DCP reshards as needed)."""
-        try:
+        with _dcp_errors(f"checkpoint {path} is corrupt or unreadable"):
             dcp.load(state, checkpoint_id=str(path))
-        except BaseException as e:  # DCP's CheckpointException is a BaseException
-            if isinstance(e, KeyboardInterrupt | SystemExit):
-                raise
-            raise CheckpointError(f"checkpoint {path} is corrupt or unreadable: "
-                                  f"{describe_error(e)}") from None
 
     def saved_keys(self, path: Path) -> set[str]:
         """Flattened keys stored in a checkpoint (to load only what it has, e.g. per-rank RNG)."""

@@ -53,16 +53,23 @@ def broadcast_from_main(value: object, info: DistInfo) -> object:
     return box[0]
 
 
+def gather_objects(value: object, info: DistInfo) -> list:
+    """Every rank's `value`, by rank (any picklable object; a collective on every rank)."""
+    if info.world_size == 1:
+        return [value]
+    out = [None] * info.world_size
+    dist.all_gather_object(out, value)
+    return out
+
+
 def env_dist_info() -> DistInfo:
     """Rank facts from torchrun's variables; a single process without them."""
     env = os.environ
     rank, world = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
     local = int(env.get("LOCAL_WORLD_SIZE", str(world)))
-    return DistInfo(
-        rank=rank, world_size=world, local_rank=int(env.get("LOCAL_RANK", "0")), local_world_size=local,
-        hosts=int(env.get("GROUP_WORLD_SIZE", str(max(1, world // max(1, local))))),
-        host=int(env.get("GROUP_RANK", str(rank // max(1, local)))),
-    )
+    return DistInfo(rank, world, int(env.get("LOCAL_RANK", "0")), local,
+                    hosts=int(env.get("GROUP_WORLD_SIZE", str(max(1, world // max(1, local))))),
+                    host=int(env.get("GROUP_RANK", str(rank // max(1, local)))))
 
 
 _JOIN = "anyrec/join"  # keys of the launch handshake in torchrun's agent store
@@ -72,11 +79,11 @@ def launch_token(store: dist.Store, rank: int, world_size: int, timeout_s: float
     """A key prefix that every rank of this launch gets and no earlier launch on `store` used.
 
     torchrun's agent store outlives worker restarts and keeps the previous attempt's keys (e.g. the
-    gloo address of a killed rank). TORCHELASTIC_RESTART_COUNT cannot name the attempt: an agent
-    whose workers were stopped only because another host's failed does not count a restart, so the
-    hosts disagree. Instead rank 0 draws a token and hands it to each rank in answer to a nonce that
-    rank drew, which no stale key can hold; the ranks acknowledge under the token, which no stale
-    key can hold either. Assumes (as torchrun ensures) that no worker of an earlier attempt is alive.
+    gloo address of a killed rank). TORCHELASTIC_RESTART_COUNT cannot name the attempt: an agent whose
+    workers were stopped only because another host's failed does not count a restart. Instead rank 0
+    draws a token and hands it to each rank in answer to a nonce that rank drew; the ranks acknowledge
+    under the token (no stale key can hold either). Assumes, as torchrun ensures, that no worker of an
+    earlier attempt is alive.
     """
     if world_size == 1:
         return uuid.uuid4().hex
@@ -120,11 +127,8 @@ def _elastic_store(info: DistInfo) -> dist.Store | None:
 
 
 def check_hosts(info: DistInfo, device: torch.device | None) -> None:
-    """Raise ValueError on every rank unless every host runs `local_world_size` consecutive ranks.
-
-    Collective: torchrun accepts a different --nproc-per-node per host, which only some ranks
-    could notice on their own.
-    """
+    """Raise ValueError on every rank unless every host runs `local_world_size` consecutive ranks (a
+    collective: torchrun accepts a different --nproc-per-node per host, which only some ranks see)."""
     if info.world_size == 1:
         return
     numbered = (info.rank == info.host * info.local_world_size + info.local_rank
@@ -145,10 +149,9 @@ def init_distributed(backend: Backend, timeout_s: float | None = None,
                      peer_timeout_s: float | None = None) -> DistInfo:
     """Join (or create) the default process group with the backend's collectives library.
 
-    `timeout_s` bounds every collective (trainer.collective_timeout_s): a rank waiting longer on a
+    `timeout_s` (trainer.collective_timeout_s) bounds every collective: a rank waiting longer on a
     stopped or stuck peer fails instead of hanging for torch's default (10 to 30 minutes).
-    `peer_timeout_s` (trainer.peer_timeout_s) starts the heartbeat that names a peer silent that
-    long, and ends this worker soon after its launcher dies (shutdown.Heartbeat).
+    `peer_timeout_s` starts the heartbeat (shutdown.Heartbeat).
     """
     info = env_dist_info()
     backend.set_device(info.local_rank)
@@ -172,9 +175,7 @@ def init_distributed(backend: Backend, timeout_s: float | None = None,
 
 def destroy_distributed(barrier: bool = True) -> None:
     """Tear the group down; collect sharded modules first (avoids an abort at exit with row-wise shards).
-
-    `barrier=False` when a peer may be gone (after an error): then nobody waits for it.
-    """
+    `barrier=False` when a peer may be gone (after an error): then nobody waits for it."""
     gc.collect()
     if dist.is_initialized():
         if barrier:

@@ -1,7 +1,5 @@
-"""Errors the entry point turns into one `anyrec-train: error: ...` line and a non-zero exit.
-
-Kept free of torch imports so `anyrec.train` can name them cheaply.
-"""
+"""Errors the entry point turns into one `anyrec-train: error: ...` line and a non-zero exit (no torch
+imports here, so `anyrec.train` names them cheaply)."""
 
 from __future__ import annotations
 
@@ -25,11 +23,8 @@ class PeerLostError(RuntimeError):
 
 
 def write_error_file(message: str) -> None:
-    """Hand `message` to torchrun (its error file), which shows it in its root-cause report.
-
-    torchrun (torch.distributed.elastic) sets TORCHELASTIC_ERROR_FILE for each worker; without it
-    (no torchrun) there is nothing to do.
-    """
+    """Hand `message` to torchrun, which shows it in its root-cause report (TORCHELASTIC_ERROR_FILE is
+    set for each worker by torchrun; without it there is nothing to do)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return

@@ -5,11 +5,10 @@ from __future__ import annotations
 import hashlib
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
-from anyrec.trainer.distributed import DistInfo
+from anyrec.trainer.distributed import DistInfo, gather_objects
 
 # name -> [(offsets of a piece in the full tensor, the piece)]
 Pieces = dict[str, list[tuple[list[int], torch.Tensor]]]
@@ -31,15 +30,10 @@ def _local_pieces(model: nn.Module, is_main: bool) -> tuple[Pieces, dict[str, li
 
 
 def full_state(model: nn.Module, info: DistInfo) -> dict[str, torch.Tensor]:
-    """Every state_dict entry whole, in fp64 (exact for fp32 and bf16), by name, on every rank.
-
-    Gathers all shards to every rank (test-sized models only).
-    """
+    """Every state_dict entry whole, in fp64 (exact for fp32 and bf16), by name, on every rank (all
+    shards gathered to every rank: test-sized models only)."""
     local, sizes = _local_pieces(model, info.is_main)
-    gathered = [local]
-    if info.world_size > 1:
-        gathered = [{} for _ in range(info.world_size)]
-        dist.all_gather_object(gathered, local)
+    gathered = gather_objects(local, info)
     out = {}
     for name in sorted(sizes):
         full = torch.zeros(sizes[name], dtype=torch.float64)
@@ -51,10 +45,7 @@ def full_state(model: nn.Module, info: DistInfo) -> dict[str, torch.Tensor]:
 
 
 def weights_fingerprint(model: nn.Module, info: DistInfo) -> str:
-    """SHA-256 of every full weight tensor, independent of the plan and world size.
-
-    Gathers all shards to every rank (test-sized models; opt-in via trainer.fingerprint_weights).
-    """
+    """SHA-256 of every full weight tensor (`full_state`; opt-in via trainer.fingerprint_weights)."""
     h = hashlib.sha256()
     for name, full in full_state(model, info).items():
         h.update(name.encode())

@@ -6,12 +6,11 @@ it. Every checkpoint's meta.json records its lineage, the launch that wrote it (
 and the settings that must match to resume it by default (model, data, optimizer, seed: not the
 step count, logging, kernels or world size, which may change between launches).
 
-Rules, decided by rank 0 while it holds the directory lock:
-  - resume=true: the newest checkpoint of a lineage with the same settings is resumed; another
-    lineage's checkpoints are an error naming the settings that differ;
-  - resume=false (or resume_from) on a directory with checkpoints: refused unless overwrite=true,
-    in which case the other checkpoints are deleted once this run has saved its first one;
-  - pruning only ever deletes this lineage's checkpoints (and, when overwriting, the replaced ones).
+Rules, decided by rank 0 while it holds the directory lock: resume=true resumes the newest checkpoint
+of a lineage with the same settings (another lineage's checkpoints are an error naming the settings
+that differ); resume=false (or resume_from) on a directory with checkpoints is refused unless
+overwrite=true, which deletes the other checkpoints once this run has saved its first one; pruning
+only ever deletes this lineage's checkpoints (and, when overwriting, the replaced ones).
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import socket
 import time
 import uuid
@@ -32,6 +32,8 @@ from anyrec.config import AnyrecConfig, CheckpointConfig
 from anyrec.trainer.errors import CheckpointError
 
 LOCK = ".anyrec.lock"
+META = "meta.json"
+_FINAL = re.compile(r"^step_(\d+)$")  # a complete checkpoint's directory
 # Settings a run must share with a lineage to resume it without being told to (dotted prefixes).
 IDENTITY_KEYS = ("model.", "data.name", "data.path", "data.train_files", "data.batch_size",
                  "data.global_batch_size", "data.hash_ids", "data.zipf_exponent", "data.signal_scale",
@@ -39,12 +41,9 @@ IDENTITY_KEYS = ("model.", "data.name", "data.path", "data.train_files", "data.b
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(value, dict):
-        out: dict[str, Any] = {}
-        for k, v in value.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: value}
+    if not isinstance(value, dict):
+        return {prefix[:-1]: value}
+    return {k: v for key, sub in value.items() for k, v in _flatten(sub, f"{prefix}{key}.").items()}
 
 
 def identity_config(cfg: AnyrecConfig) -> dict[str, Any]:
@@ -56,11 +55,6 @@ def identity_config(cfg: AnyrecConfig) -> dict[str, Any]:
 
 def fingerprint(config: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def launch_id() -> str:
-    """This launch's id: torchrun's run id (shared by its ranks and restarts), else a fresh one."""
-    return os.environ.get("TORCHELASTIC_RUN_ID") or f"local-{uuid.uuid4().hex[:12]}"
 
 
 def config_diff(there: dict[str, Any], here: dict[str, Any], limit: int = 3) -> str:
@@ -80,12 +74,8 @@ class RunIdentity:
     config: dict[str, Any]
     parent: dict[str, Any] | None = None  # the checkpoint a resume_from lineage started from
 
-    @property
-    def fingerprint(self) -> str:
-        return fingerprint(self.config)
-
     def to_meta(self) -> dict[str, Any]:
-        meta = {"lineage": self.lineage, "run_id": self.run_id, "fingerprint": self.fingerprint,
+        meta = {"lineage": self.lineage, "run_id": self.run_id, "fingerprint": fingerprint(self.config),
                 "config": self.config}
         return {**meta, "parent": self.parent} if self.parent else meta
 
@@ -118,18 +108,29 @@ class Start:
     replace: tuple[str, ...] = ()  # other checkpoints this run deletes after its first save
 
 
+def scan(root: Path) -> list[Found]:
+    """The complete checkpoints in `root`, by step."""
+    found = []
+    for p in root.iterdir() if root.is_dir() else ():
+        m = _FINAL.match(p.name)
+        if m and p.is_dir():
+            try:
+                meta = json.loads((p / META).read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                meta = None
+            found.append(Found(int(m.group(1)), p, meta if isinstance(meta, dict) else None))
+    return sorted(found, key=lambda f: f.step)
+
+
 def _names(found: list[Found]) -> str:
     names = [f.path.name for f in found]
     return ", ".join(names) if len(names) <= 4 else f"{names[0]} .. {names[-1]} ({len(names)})"
 
 
-def decide_start(root: Path, found: list[Found], cfg: CheckpointConfig, config: dict[str, Any],
-                 signature_why) -> Start:
-    """Where a run starts in `root` holding `found` (sorted by step); CheckpointError if it may not.
-
-    `signature_why(saved_signature)` says why a checkpoint's model cannot load here, or None.
-    """
-    mine_fp = fingerprint(config)
+def decide_start(root: Path, cfg: CheckpointConfig, config: dict[str, Any], signature_why) -> Start:
+    """Where a run with settings `config` starts in `root`; CheckpointError if it may not.
+    `signature_why(saved_signature)` says why a checkpoint's model cannot load here, or None."""
+    found, mine_fp = scan(root), fingerprint(config)
     if cfg.resume:
         mine = [f for f in found if f.run and f.run.get("fingerprint") == mine_fp]
         if mine:  # this run's own lineage (newest written, should an overwrite have been cut short)
@@ -176,7 +177,7 @@ def decide_start(root: Path, found: list[Found], cfg: CheckpointConfig, config: 
 def read_meta_file(path: Path) -> dict[str, Any]:
     """A checkpoint's meta.json as a dict, or CheckpointError naming it."""
     try:
-        meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
+        meta = json.loads((path / META).read_text(encoding="utf-8"))
         if not isinstance(meta, dict) or "step" not in meta or "signature" not in meta:
             raise ValueError("missing fields")
     except (OSError, ValueError) as e:
@@ -187,13 +188,12 @@ def read_meta_file(path: Path) -> dict[str, Any]:
 
 def resolve_checkpoint(path: Path) -> Path:
     """`path` itself when it is a checkpoint, else the newest `step_<n>` in it."""
-    if (path / "meta.json").is_file():
+    if (path / META).is_file():
         return path
-    steps = sorted((int(p.name[5:]), p) for p in path.glob("step_*")
-                   if p.name[5:].isdigit() and p.is_dir()) if path.is_dir() else []
-    if not steps:
+    found = scan(path)
+    if not found:
         raise CheckpointError(f"trainer.checkpoint.resume_from {path}: no checkpoint there")
-    return steps[-1][1]
+    return found[-1].path
 
 
 class DirLock:

@@ -1,4 +1,5 @@
-"""Evaluation metrics synced over ranks, computed as torchrec's `RecMetric`s compute them.
+"""Evaluation metrics synced over ranks (torchmetrics all-gathers the states at `compute()`), computed
+as torchrec's `RecMetric`s compute them, without their `RecMetricModule` task machinery.
 
 - AUC: torchmetrics' exact `BinaryAUROC`, and 0.5 (torchrec's no-signal value) when the eval set
   holds one class only or nothing (torchmetrics would give 0.0).
@@ -7,15 +8,11 @@
 - Normalized entropy and log loss: torchrec's NE states (`cross_entropy_sum` in bits, sample and
   label counts) and `compute_ne`; log loss in nats like the train loss.
 
-Deliberate differences from torchrec:
-- Cross entropy is taken from the logits in fp64 (softplus form), not from probabilities clamped to
-  [1e-12, 1 - 1e-12]: no saturation for logits past ~16.6 (where fp32 sigmoid reaches 1.0) and no
-  cap at ~39.9 bits per sample. Within the clamp range the two agree to rounding.
-- AUC with tied predictions counts each tied (positive, negative) pair as half (the exact AUROC);
-  torchrec's trapezoid over an argsort depends on the order the sort leaves ties in.
-
-torchrec's own `NEMetric` needs its `RecMetricModule` task machinery, which a single-task trainer does
-not need; torchmetrics all-gathers the states over ranks at `compute()`.
+Deliberate differences from torchrec: cross entropy is taken from the logits in fp64 (softplus form),
+not from probabilities clamped to [1e-12, 1 - 1e-12]: no saturation for logits past ~16.6 (where fp32
+sigmoid reaches 1.0) and no cap at ~39.9 bits per sample (within the clamp range the two agree to
+rounding). AUC counts each tied (positive, negative) pair as half (the exact AUROC); torchrec's
+trapezoid over an argsort depends on the order the sort leaves ties in.
 """
 
 from __future__ import annotations
@@ -68,12 +65,11 @@ class ThresholdAccuracy(Metric):
 
     def __init__(self) -> None:
         super().__init__()
-        self.add_state("correct", default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("total", default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+        for name in ("correct", "total"):
+            self.add_state(name, default=torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
 
     def update(self, probs_B: torch.Tensor, labels_B: torch.Tensor) -> None:
-        predicted_B = probs_B >= THRESHOLD
-        self.correct += (predicted_B == labels_B.bool()).sum()
+        self.correct += ((probs_B >= THRESHOLD) == labels_B.bool()).sum()
         self.total += labels_B.numel()
 
     def compute(self) -> torch.Tensor:

@@ -1,8 +1,13 @@
-"""Optimizers by name: the fused embedding optimizer (in backward) and the dense one."""
+"""Optimizers by name: the fused embedding optimizer (in backward) and the dense one; and the
+learning-rate schedule of MLPerf DLRM (linear warmup, a plateau, then polynomial decay), set on every
+optimizer's param groups each step: torchrec hands the fused embedding one's to the TBE kernels
+(`set_learning_rate`) at `zero_grad` and `step`, i.e. before the backward that updates the rows.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,7 +22,6 @@ from anyrec.backends.dispatch import Impl, implementations
 from anyrec.config import OptimConfig
 from anyrec.kernels.optimizers import OptimizerConfig, OptimizerKind
 from anyrec.kernels.replicated import ReplicatedTableOptimizer
-from anyrec.trainer.schedule import set_lr
 
 OPTIMIZERS = tuple(k.value for k in OptimizerKind)  # the fused update rules name the optimizers
 
@@ -33,8 +37,8 @@ def _check(cfg: OptimConfig) -> None:
 
 
 def embedding_optimizer_config(cfg: OptimConfig) -> OptimizerConfig:
-    """The fused embedding update the config asks for: the one conversion both build paths use
-    (anyrec's TBE takes it as is; `embedding_optimizer` turns it into torchrec's terms)."""
+    """The fused embedding update the config asks for (anyrec's TBE takes it as is;
+    `embedding_optimizer` turns it into torchrec's terms)."""
     _check(cfg)
     return OptimizerConfig(kind=cfg.name, lr=cfg.embedding_lr, eps=cfg.eps, beta1=cfg.betas[0],
                            beta2=cfg.betas[1], weight_decay=cfg.weight_decay)
@@ -42,11 +46,8 @@ def embedding_optimizer_config(cfg: OptimConfig) -> OptimizerConfig:
 
 def embedding_optimizer(cfg: OptimConfig) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
     """Optimizer class and kwargs for `apply_optimizer_in_backward` (torchrec maps them to TBE).
-
-    `weight_decay` is L2 (added to the row gradient), which anyrec's own TBE applies; FBGEMM's fused
-    SGD / Adagrad updates have no weight decay, so the trainer refuses that combination
-    (`check_embedding_weight_decay`) instead of ignoring the setting.
-    """
+    `weight_decay` is L2 (added to the row gradient), which FBGEMM's fused SGD / Adagrad do not apply:
+    `check_embedding_weight_decay` refuses that combination."""
     opt = embedding_optimizer_config(cfg)
     kwargs: dict[str, Any] = {"lr": opt.lr}
     if opt.weight_decay > 0:
@@ -79,12 +80,9 @@ def check_embedding_optimizer(cfg: OptimConfig, embedding: Impl, device_type: st
 
 
 def apply_embedding_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> None:
-    """`apply_optimizer_in_backward` with `embedding_optimizer(cfg)`, its kwargs named as the TBEs read them.
-
-    torchrec hands the stored kwargs to the sharded TBE as fused params unchanged, and both FBGEMM and
-    anyrec's TBE name Adam's betas `beta1` / `beta2`: torch's `betas` is a TypeError in FBGEMM's
-    constructor and was ignored by anyrec's (which then used its default betas on sharded tables).
-    """
+    """`apply_optimizer_in_backward` with `embedding_optimizer(cfg)`, its kwargs named as the TBEs read them:
+    torchrec hands them to the sharded TBE unchanged, and both FBGEMM and anyrec's TBE name Adam's betas
+    `beta1` / `beta2` (torch's `betas` is a TypeError in FBGEMM and was ignored by anyrec's TBE)."""
     params = list(params)
     opt_cls, kwargs = embedding_optimizer(cfg)
     apply_optimizer_in_backward(opt_cls, params, kwargs)  # builds each optimizer with `betas`
@@ -97,19 +95,16 @@ def apply_embedding_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimCo
 def dense_optimizer(cfg: OptimConfig, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """The optimizer of the MLPs and interaction (row-wise Adagrad means plain Adagrad here)."""
     _check(cfg)
-    params = list(params)
-    lr = cfg.dense_lr
+    params, lr = list(params), cfg.dense_lr
     if cfg.name == "sgd":
         return torch.optim.SGD(params, lr=lr, weight_decay=cfg.weight_decay)
     if cfg.name in ("adagrad", "rowwise_adagrad"):
         return torch.optim.Adagrad(params, lr=lr, eps=cfg.eps, weight_decay=cfg.weight_decay)
-    return torch.optim.Adam(params, lr=lr, eps=cfg.eps, betas=tuple(cfg.betas),
-                            weight_decay=cfg.weight_decay)
+    return torch.optim.Adam(params, lr=lr, eps=cfg.eps, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
 
 
 def check_embedding_weight_decay(cfg: OptimConfig, embedding: Impl) -> None:
-    """An embedding implementation whose fused update ignores weight decay (FBGEMM's): say so rather
-    than ignore the setting."""
+    """Refuse weight decay with an embedding implementation whose fused update ignores it (FBGEMM's)."""
     if cfg.weight_decay > 0 and not embedding.fused_weight_decay:
         able = ", ".join(i.name for i in implementations("embedding") if i.fused_weight_decay)
         raise ValueError(f"optim.weight_decay={cfg.weight_decay} is not applied by the {embedding.name} "
@@ -118,9 +113,8 @@ def check_embedding_weight_decay(cfg: OptimConfig, embedding: Impl) -> None:
 
 
 class Optimizers:
-    """A model's three optimizers: the dense one (MLPs, interaction), the fused embedding one (rows
-    update inside the backward) and, where the plan replicates tables, the replicated-table one;
-    `combined` is what torchrec's pipeline and the checkpoint see."""
+    """A model's dense (MLPs, interaction), fused embedding (rows update inside the backward) and, where
+    the plan replicates tables, replicated-table optimizers; the pipeline and checkpoint see `combined`."""
 
     def __init__(self, model: nn.Module, fused: KeyedOptimizer, cfg: OptimConfig, ebc_path: str) -> None:
         self.cfg = cfg
@@ -134,24 +128,53 @@ class Optimizers:
         dense = {n: p for n, p in params.items() if n not in tables}
         self.dense_params = list(dense.values())
         self.dense = KeyedOptimizerWrapper(dense, lambda ps: dense_optimizer(cfg, ps))
-        self.fused = fused
         named: list[tuple[str, KeyedOptimizer]] = [("dense", self.dense), ("sparse", fused)]
-        self.replicated = None
         if tables:
             rule = embedding_optimizer_config(cfg)
-            self.replicated = KeyedOptimizerWrapper(tables, lambda ps: ReplicatedTableOptimizer(ps, rule))
-            named.append(("replicated", self.replicated))
+            replicated = KeyedOptimizerWrapper(tables, lambda ps: ReplicatedTableOptimizer(ps, rule))
+            named.append(("replicated", replicated))
         self.combined = CombinedOptimizer(named)
 
     def set_lr(self, factor: float) -> None:
         """Every optimizer's learning rate: its base rate times the schedule's `factor`."""
-        set_lr(self.dense, self.cfg.dense_lr * factor)
-        set_lr(self.fused, self.cfg.embedding_lr * factor)
-        if self.replicated is not None:
-            set_lr(self.replicated, self.cfg.embedding_lr * factor)
+        for name, optimizer in self.combined.optimizers:
+            lr = (self.cfg.dense_lr if name == "dense" else self.cfg.embedding_lr) * factor
+            for group in optimizer.param_groups:
+                group["lr"] = lr
 
     def step(self) -> None:
         """The dense update (gradient clipped to `optim.grad_clip_norm` when set), then the others'."""
         if self.cfg.grad_clip_norm > 0:
             torch.nn.utils.clip_grad_norm_(self.dense_params, self.cfg.grad_clip_norm)
         self.combined.step()
+
+
+@dataclass(frozen=True)
+class WarmupPolyDecay:
+    """lr(step) = base x factor(step); `step` counts from 0 (the step about to run)."""
+
+    warmup_steps: int = 0
+    decay_start_step: int = 0
+    decay_steps: int = 0
+    decay_power: float = 2.0
+    end_lr_factor: float = 0.0
+
+    @classmethod
+    def from_config(cls, cfg: OptimConfig) -> WarmupPolyDecay:
+        if cfg.warmup_steps < 0 or cfg.decay_steps < 0 or cfg.decay_start_step < 0:
+            raise ValueError("optim.warmup_steps, decay_start_step and decay_steps must be >= 0")
+        if cfg.decay_steps and cfg.decay_start_step < cfg.warmup_steps:
+            raise ValueError(f"optim.decay_start_step={cfg.decay_start_step} must not come before the "
+                             f"end of warmup (optim.warmup_steps={cfg.warmup_steps})")
+        if not 0.0 <= cfg.end_lr_factor <= 1.0:
+            raise ValueError(f"optim.end_lr_factor must be in [0, 1], got {cfg.end_lr_factor}")
+        return cls(cfg.warmup_steps, cfg.decay_start_step, cfg.decay_steps, cfg.decay_power,
+                   cfg.end_lr_factor)
+
+    def factor(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.decay_steps and step >= self.decay_start_step:
+            t = min(1.0, (step - self.decay_start_step) / self.decay_steps)
+            return self.end_lr_factor + (1.0 - self.end_lr_factor) * (1.0 - t) ** self.decay_power
+        return 1.0

@@ -1,20 +1,32 @@
 """Every run checks the plan's prediction: measured seconds per step after warm-up, per rank, beside
-the planner's predicted step time.
+the planner's predicted step time; and, with `trainer.breakdown_steps`, where a step's time goes: the
+last steps of the run under torch.profiler, split into the step's phases beside the plan's split.
 
 Timing adds no host sync to the steady-state step: the clock is read at the warm-up boundary (host
 time, no sync) and at the end of each chunk, after the trainer's existing drain of the pipeline, so
 whole chunks are timed between sync points; evaluation and checkpoints between chunks are not counted.
+
+The breakdown: the trainer labels its three step functions (`anyrec.forward`, `anyrec.backward` with
+the fused embedding update inside it, `anyrec.optimizer` for the dense one); the rest of a step on the
+training thread (the next batch's input distribution, data, loss bookkeeping) is `other`.
+`collectives` is the training thread's time issuing collectives (c10d ops) or waiting for their
+results (torchrec's awaitables' `wait()`), counted once where they nest and also inside the phase it
+happened in: comms are separable where the thread waits for them (gloo on a CPU). On an accelerator
+the thread runs ahead of the device, so its phases measure launches; the device's own kernel time is
+added as `device_compute` and `device_comms` (NCCL/RCCL kernels).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import torch
-import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile, record_function, schedule, supported_activities
 
-from anyrec.trainer.distributed import DistInfo
+from anyrec.planner.types import Perf
+from anyrec.trainer.distributed import DistInfo, gather_objects
 
 logger = logging.getLogger(__name__)
 
@@ -74,16 +86,6 @@ class StepTimer:
         return self.seconds / self.steps if self.steps else None
 
 
-def gather_step_s(step_s: float | None, device: torch.device, info: DistInfo) -> list[float | None]:
-    """Every rank's measured seconds per step (one collective, at the end of training)."""
-    if info.world_size == 1:
-        return [step_s]
-    mine = torch.tensor([-1.0 if step_s is None else step_s], dtype=torch.float64, device=device)
-    out = [torch.empty_like(mine) for _ in range(info.world_size)]
-    dist.all_gather(out, mine)
-    return [None if v < 0 else v for v in (float(t.item()) for t in out)]
-
-
 def prediction_check(predicted_s: float | None, per_rank_s: list[float | None],
                      log: bool = True) -> dict[str, object]:
     """The summary's keys: predicted and measured (slowest rank) ms per step and the relative error
@@ -107,3 +109,117 @@ def prediction_check(predicted_s: float | None, per_rank_s: list[float | None],
         "measured_step_ms_per_rank": [None if s is None else s * 1e3 for s in per_rank_s],
         "prediction_error": error,
     }
+
+
+PHASES = ("forward", "backward", "optimizer")
+LABEL = "anyrec.{}"  # the record_function name of each phase
+STEP_EVENT = "ProfilerStep"  # torch.profiler's range around each profiled step ("ProfilerStep*" or "#N")
+COLLECTIVE_PREFIX = "c10d::"  # torch.distributed's collective ops as the profiler names them
+# torchrec's ranges around waiting for a collective's result: "## <Awaitable> wait() ##" and the
+# all-to-all autograd functions' "All2All_Pooled_Wait" / "..._WaitBackward".
+WAIT_MARKS = ("wait()", "_Wait")
+COMMS_KERNELS = ("nccl", "rccl")  # device kernels of the collectives libraries
+# One step to start up in (it pays the profiler's set-up and, after a drain, the pipeline's refill)
+PROFILER_WARMUP_STEPS = 1
+KEYS = ("step", *PHASES, "other", "collectives", "device_compute", "device_comms")
+
+
+def phase(name: str):
+    """The profiler range of step phase `name` (one of PHASES); cheap when no profiler runs."""
+    return record_function(LABEL.format(name))
+
+
+def breakdown_window(steps: int, warm_step: int, breakdown_steps: int) -> int:
+    """The first step of the profiled window (its warm-up step included) of a run that ends at `steps`
+    and times from `warm_step`; ValueError without room for it and a timed step before it."""
+    first = steps - breakdown_steps - PROFILER_WARMUP_STEPS
+    if first <= warm_step:
+        raise ValueError(f"trainer.breakdown_steps={breakdown_steps} needs trainer.steps > "
+                         f"{warm_step + breakdown_steps + PROFILER_WARMUP_STEPS} (warm-up, timed steps, the "
+                         f"profiler's own warm-up step, then the profiled steps); got {steps}")
+    return first
+
+
+class StepProfiler(profile):
+    """torch.profiler over `steps` steps after one warm-up step; `step()` after each training step."""
+
+    def __init__(self, steps: int, device_type: str) -> None:
+        # the device's own activity where torch's profiler has one for its type and can record it here
+        # (CUDA and ROCm, XPU, MTIA, HPU); other devices: host activity only
+        device = getattr(ProfilerActivity, device_type.upper(), None)
+        super().__init__(activities=list({ProfilerActivity.CPU} | ({device} & supported_activities())),
+                         schedule=schedule(wait=0, warmup=PROFILER_WARMUP_STEPS, active=steps, repeat=1))
+        self.steps = steps
+        self._device = device_type != "cpu"
+
+    def report(self, info: DistInfo, perf: Perf | None) -> dict[str, Any]:
+        """Stop; every rank's ms per step by phase beside the plan's `perf` (logged on rank 0; collective)."""
+        self.__exit__(None, None, None)
+        per_rank = gather_objects(self.ms_per_step(), info)
+        predicted = predicted_phases(perf)
+        if info.is_main:
+            logger.info("step breakdown over the last %d steps (torch.profiler; collectives are part of "
+                        "the phases they ran in):\n%s", self.steps, format_breakdown(per_rank, predicted))
+        return {"steps": self.steps, "per_rank": per_rank, "predicted": predicted}
+
+    def ms_per_step(self) -> dict[str, float]:
+        """Milliseconds per profiled step in each of KEYS (after the profiler stopped)."""
+        events = self.events()
+        totals = dict.fromkeys(KEYS, 0.0)
+        steps = 0
+        labels = {LABEL.format(p): p for p in PHASES}
+        # The training thread is the one that runs the steps; collectives' own threads (gloo's) are not it.
+        thread = next((e.thread for e in events if e.name.startswith(STEP_EVENT)), None)
+        for e in events:
+            if e.device_type == torch.autograd.DeviceType.CPU:
+                if e.thread != thread:
+                    continue
+                if e.name.startswith(STEP_EVENT):
+                    totals["step"] += e.cpu_time_total
+                    steps += 1
+                elif e.name in labels:
+                    totals[labels[e.name]] += e.cpu_time_total
+                if _is_comms(e.name) and not _inside_comms(e):
+                    totals["collectives"] += e.cpu_time_total
+            elif self._device:
+                kind = "device_comms" if any(k in e.name.lower() for k in COMMS_KERNELS) else "device_compute"
+                totals[kind] += e.device_time_total
+        if steps == 0:
+            return dict.fromkeys(KEYS, 0.0)
+        totals["other"] = max(0.0, totals["step"] - sum(totals[p] for p in PHASES))
+        return {k: v / steps / 1e3 for k, v in totals.items()}  # the profiler counts microseconds
+
+
+def _is_comms(name: str) -> bool:
+    """Whether a profiler range issues a collective or waits for one."""
+    return name.startswith(COLLECTIVE_PREFIX) or any(m in name for m in WAIT_MARKS)
+
+
+def _inside_comms(event: Any) -> bool:
+    """Whether a comms range runs inside another (counted there)."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if _is_comms(parent.name):
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def predicted_phases(perf: Perf | None) -> dict[str, float] | None:
+    """The plan's milliseconds per step of the rank it predicts slowest, in the phases it models."""
+    if perf is None:
+        return None
+    return {"step": perf.total_s * 1e3, "forward": (perf.fwd_compute_s + perf.fwd_comms_s) * 1e3,
+            "backward": (perf.bwd_compute_s + perf.bwd_comms_s) * 1e3, "collectives": perf.comms_s * 1e3}
+
+
+def format_breakdown(per_rank: list[dict[str, float]], predicted: dict[str, float] | None) -> str:
+    """A table: one row per rank, the plan's prediction last."""
+    cols = [k for k in KEYS if any(r[k] for r in per_rank) or k in ("step", *PHASES, "other")]
+    lines = ["ms/step  " + " ".join(f"{k:>14}" for k in cols)]
+    for i, r in enumerate(per_rank):
+        lines.append(f"rank {i:<3} " + " ".join(f"{r[k]:>14.3f}" for k in cols))
+    if predicted is not None:
+        lines.append("plan     " + " ".join(f"{predicted[k]:>14.3f}" if k in predicted else f"{'-':>14}"
+                                            for k in cols))
+    return "\n".join(lines)

@@ -1,18 +1,18 @@
 """How steps run: torchrec's TrainPipelineSparseDist, or a plain eager loop with the same interface.
 
-Both take the trainer's three step functions, so guards (non-finite loss), gradient clipping and
-autocast are the same either way: `forward(batch) -> (loss, output)`, `backward(loss)` (may skip
-the backward, which also skips the fused embedding update) and `optimizer_step()`.
-`progress(batches)` runs one step (training mode) or one forward (eval mode) and raises
-StopIteration when `batches` is exhausted; afterwards the pipeline is empty and takes a new iterator.
-Training steps call it from `Trainer.run_steps` only; evaluation goes through `predictions`.
-On CPU the sparse-dist pipeline gives bit-identical weights to the eager loop.
+Both call the trainer's three step functions, so guards (non-finite loss), gradient clipping and
+autocast are the same either way: `forward(batch) -> (loss, output)`, `backward(loss)` (may skip the
+backward, which also skips the fused embedding update) and `optimizer_step()`. `progress(batches)`
+runs one step (training mode) or one forward (eval mode) and raises StopIteration when `batches` is
+exhausted; afterwards the pipeline is empty and takes a new iterator. Training steps call it from
+`Trainer.run_steps` only; evaluation goes through `predictions`. On CPU the sparse-dist pipeline gives
+bit-identical weights to the eager loop.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -23,24 +23,14 @@ from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 # torchrec logs at INFO each time an iterator runs out (once per chunk of steps here): keep it quiet.
 logging.getLogger("torchrec.distributed.train_pipeline.train_pipelines").setLevel(logging.WARNING)
 
-Forward = Callable[[Batch], tuple[torch.Tensor, Any]]
-
-
-class StepFunctions:
-    """The pieces of a training step that the pipelines call."""
-
-    def __init__(self, forward: Forward, backward: Callable[[torch.Tensor], None],
-                 optimizer_step: Callable[[], None]) -> None:
-        self.forward, self.backward, self.optimizer_step = forward, backward, optimizer_step
-
 
 class SparseDistPipeline(TrainPipelineSparseDist):
     """TrainPipelineSparseDist (batch i+1's input dist overlaps batch i's compute) with our hooks."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
-                 fns: StepFunctions) -> None:
+                 fns: Any) -> None:
         super().__init__(model, optimizer, device, execute_all_batches=True, custom_model_fwd=fns.forward)
-        self._fns = fns
+        self._fns = fns  # the trainer: its forward, backward and optimizer_step
 
     def _backward(self, losses: torch.Tensor) -> None:
         self._fns.backward(losses)
@@ -62,7 +52,7 @@ class EagerLoop:
     """One batch at a time: copy, forward, backward, step (`trainer.pipeline=false`)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
-                 fns: StepFunctions) -> None:
+                 fns: Any) -> None:
         self._model, self._optimizer, self._device, self._fns = model, optimizer, device, fns
 
     def progress(self, batches: Iterator[Batch]) -> Any:

@@ -6,7 +6,6 @@ import logging
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed import _remote_device
 from torchrec.distributed.model_parallel import (
@@ -27,7 +26,7 @@ from anyrec.planner.simple import simple_table_shardings
 from anyrec.planner.simple import to_sharding_plan as simple_sharding_plan
 from anyrec.planner.torchrec_plan import to_sharding_plan
 from anyrec.planner.types import Perf, Topology
-from anyrec.trainer.distributed import DistInfo
+from anyrec.trainer.distributed import DistInfo, broadcast_from_main
 
 logger = logging.getLogger(__name__)
 
@@ -61,31 +60,27 @@ def dense_wrapper(world_size: int, static_graph: bool = True) -> DataParallelWra
 def shared_plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module, module_path: str,
                 embedding: Impl, hardware: Hardware) -> tuple[ShardingPlan, Perf | None]:
     """Rank 0 plans and every rank takes its plan and the predicted per-step cost of the plan's slowest
-    rank (None from a planner that predicts nothing): ranks must never shard by different plans.
-
-    A planning error on rank 0 (e.g. nothing fits) is raised on every rank, so none waits.
-    """
-    args = (cfg, backend, info, model, module_path, embedding, hardware)
+    rank (None from a planner that predicts nothing): ranks must never shard by different plans. A
+    planning error on rank 0 (e.g. nothing fits) is raised on every rank, so none waits."""
     if info.world_size == 1:
-        return plan_and_predict(*args)
-    box: list[Any] = [None]
+        return plan_and_predict(cfg, backend, info, model, module_path, embedding, hardware)
+    result: Any = None
     if info.is_main:
         try:
-            box[0] = plan_and_predict(*args)
+            result = plan_and_predict(cfg, backend, info, model, module_path, embedding, hardware)
         except ValueError as e:
-            box[0] = e
-    dist.broadcast_object_list(box, src=0)
-    if isinstance(box[0], ValueError):
-        raise ValueError(str(box[0]))
-    return box[0]
+            result = ValueError(str(e))
+    result = broadcast_from_main(result, info)
+    if isinstance(result, ValueError):
+        raise result
+    return result
 
 
 def plan_and_predict(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module,
                      module_path: str, embedding: Impl, hardware: Hardware
                      ) -> tuple[ShardingPlan, Perf | None]:
-    """The plan for the EmbeddingBagCollection at `module_path` from the configured planner (co-design
-    by default; tables and the dense parameter count are read from `model`) and the co-design
-    planner's predicted cost of its slowest rank per step (None: simple), for the selected embedding
+    """The configured planner's plan for the EmbeddingBagCollection at `module_path` of `model` and the
+    co-design planner's predicted cost of its slowest rank per step (None: simple), for the embedding
     implementation on `hardware` (its spec and measured profiles)."""
     ebc = model.sparse_arch
     if cfg.planner.name == "simple":

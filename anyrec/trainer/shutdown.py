@@ -1,19 +1,14 @@
 """Clean shutdown and bounded waits: every rank stops at the same step on SIGINT/SIGTERM/SIGHUP, a lost
 or stuck peer is named, an orphaned worker leaves, and nothing waits forever.
 
-Ranks agree through the process group's store (the TCPStore torchrun or init_process_group made),
-every `trainer.stop_check_every` steps: each rank posts whether it saw a signal and reads the others'
-posts, host-side only (no device sync, no collective on the accelerator). A signal is noticed by a
-watcher thread through `signal.set_wakeup_fd`, so even a main thread blocked inside a collective with
-a stopped peer cannot delay it: if the ranks have not agreed to stop within `trainer.stop_grace_s`,
-the process exits anyway (128 + signal number) and its peers see the connection close.
+Ranks agree through the process group's store every `trainer.stop_check_every` steps: each rank posts
+whether it saw a signal and reads the others' posts, host-side only (no device sync, no collective on
+the accelerator). A watcher thread notices a signal through `signal.set_wakeup_fd`, so even a main
+thread blocked in a collective with a stopped peer cannot delay it: if the ranks have not agreed to
+stop within `trainer.stop_grace_s`, the process exits anyway (128 + signal number).
 
-A `Heartbeat` thread per rank beats through its own connection to the store every BEAT_S seconds and
-watches the next rank's beat: a rank whose beat stands still for `trainer.peer_timeout_s` (stopped,
-or stuck with the GIL held) is named in one line and the watcher's process exits (4), without
-shortening the collective timeout of healthy long collectives (their threads keep beating). The same
-thread ends a worker whose launcher is gone (torchrun killed: the worker is orphaned and the store
-stops answering) within seconds, in one line and without a stack dump.
+A `Heartbeat` thread per rank names a stopped or stuck peer, and ends a worker whose launcher is gone,
+within seconds and in one line.
 """
 
 from __future__ import annotations
@@ -149,20 +144,15 @@ class StopRequest:
     # ---- agreement ------------------------------------------------------------------------------
 
     def should_stop(self, step: int) -> bool:
-        """At step boundaries: True on every rank at the same step once any rank got a signal.
-
-        Only every `check_every` steps does it talk to the other ranks (three store round trips).
-        """
+        """At step boundaries: True on every rank at the same step once any rank got a signal (checked
+        with the other ranks every `check_every` steps: three store round trips)."""
         if step % self.check_every:
             return False
         if self.signum is None and _launcher_gone(self._parent):
             logger.error("rank %d: the launcher (pid %d) is gone: stopping", self.rank, self._parent)
             self.signum = signal.SIGTERM
         local = self.signum or 0
-        if self._store is None:
-            signums = [local]
-        else:
-            signums = self._exchange(step, local)
+        signums = [local] if self._store is None else self._exchange(step, local)
         stop = next((s for s in signums if s), 0)
         if stop:
             self.stopped_by = signal.Signals(stop).name
@@ -189,12 +179,15 @@ class StopRequest:
 
 
 class Heartbeat:
-    """A daemon thread that beats for this rank and watches the next rank's beat (see the module doc).
+    """A daemon thread that beats for this rank every BEAT_S seconds and watches the next rank's beat.
 
-    It uses a connection of its own to the store at MASTER_ADDR:MASTER_PORT (torchrun's agent store, or
-    the one rank 0 hosts), so a main thread blocked in a store wait or a collective cannot delay it.
-    A beat is `pid:count`; the neighbour is stuck when its beat has not changed for `timeout_s` since
-    this rank started watching (a key left by an earlier attempt changes as soon as the new one beats).
+    Its own connection to the store at MASTER_ADDR:MASTER_PORT means a main thread blocked in a store
+    wait or a collective cannot delay it. A beat is `pid:count`; the neighbour is stuck (stopped, or
+    holding the GIL) when its beat has not changed for `timeout_s` (trainer.peer_timeout_s) since this
+    rank started watching (a key left by an earlier attempt changes as soon as the new one beats): the
+    watcher names it and exits (4), without shortening the timeout of healthy long collectives (their
+    threads keep beating). It also leaves, without a stack dump, when the launcher is gone (the worker
+    is orphaned, the store stops answering).
     """
 
     def __init__(self, rank: int, world_size: int, timeout_s: float) -> None:
@@ -212,8 +205,7 @@ class Heartbeat:
         store = dist.PrefixStore("anyrec/heartbeat/", dist.TCPStore(
             addr, port, is_master=False, timeout=timedelta(seconds=max(BEAT_S, 2.0))))
         # A bare connection to the store that never sends: it reads end-of-file the instant the store's
-        # process dies, so the launcher's death is seen before a store call fails (and c10d logs a
-        # C++ stack dump for it).
+        # process dies, before a store call fails (for which c10d logs a C++ stack dump).
         probe = socket.create_connection((addr, port), timeout=10)
         self._thread = threading.Thread(target=self._run, args=(store, probe), name="anyrec-heartbeat",
                                         daemon=True)
@@ -231,9 +223,8 @@ class Heartbeat:
         seen, since = None, time.monotonic()
         gone = f"rank {self.rank}: the launcher (pid {self._parent}) is gone: exiting"
         while not self._stop.is_set():
-            if select.select([probe], [], [], BEAT_S if count else 0)[0] and not _alive(probe):
-                self._leave(gone)
-            if _launcher_gone(self._parent):
+            ready = select.select([probe], [], [], BEAT_S if count else 0)[0]
+            if (ready and not _alive(probe)) or _launcher_gone(self._parent):
                 self._leave(gone)
             count += 1
             try:
@@ -285,11 +276,9 @@ _PEER_MARKERS = ("Timed out waiting", "Application timeout caused pair closure",
 
 
 def peer_failure(e: BaseException, rank: int, world_size: int, timeout_s: float) -> str | None:
-    """One line for a collective that failed because of another rank, naming the silent rank(s).
-
-    The ranks that hit the failure check in through the store for a few seconds; the ones that do not
-    are the likely culprits. None when `e` is not a collective failure.
-    """
+    """One line for a collective that failed because of another rank, naming the silent rank(s), or
+    None. The ranks that hit the failure check in through the store for a few seconds; the ones that
+    do not are the likely culprits."""
     if isinstance(e, PeerLostError):
         return str(e)
     if isinstance(e, ValueError | NonFiniteLossError):  # raised by every rank alike, not a peer's fault
@@ -300,40 +289,31 @@ def peer_failure(e: BaseException, rank: int, world_size: int, timeout_s: float)
         return None
     cause = text.strip().splitlines()[0] if text.strip() else type(e).__name__
     cause = cause.split("] ", 1)[-1][:200]  # drop the C++ source location
-    silent = _roll_call(rank, world_size)
-    who = (f"rank(s) {', '.join(map(str, silent))} stopped responding" if silent
-           else "a peer rank failed")
+    silent = _roll_call(rank, world_size, "failed", ROLL_CALL_S)
+    who = f"rank(s) {', '.join(map(str, silent))} stopped responding" if silent else "a peer rank failed"
     return (f"rank {rank}: {who} (collective failed: {cause}; trainer.collective_timeout_s="
             f"{timeout_s:.0f})")
 
 
-def _roll_call(rank: int, world_size: int) -> list[int]:
+def _roll_call(rank: int, world_size: int, name: str, timeout_s: float) -> list[int] | None:
+    """Post this rank's `name` key and wait up to `timeout_s` for every rank's: the ranks that did not
+    post ([] without a group), or None when the store itself is gone (with the launcher)."""
     try:
         store = _store(world_size)
         if store is None:
             return []
-        store.set(f"failed/{rank}", "1")
-        deadline = time.monotonic() + ROLL_CALL_S
-        keys = [f"failed/{r}" for r in range(world_size)]
-        while time.monotonic() < deadline:
-            silent = [r for r, k in enumerate(keys) if not store.check([k])]
-            if not silent:
-                return []
-            time.sleep(0.1)
-        return silent
-    except Exception:  # noqa: BLE001 - the store itself may be gone with the launcher
-        return []
-
-
-def peers_met(rank: int, world_size: int, timeout_s: float = CLOSE_WAIT_S, name: str = "close") -> bool:
-    """Whether every rank reaches this point within `timeout_s` (a barrier that gives up)."""
-    try:
-        store = _store(world_size)
-        if store is None:
-            return True
-        keys = [f"meet/{name}/{r}" for r in range(world_size)]
+        keys = [f"{name}/{r}" for r in range(world_size)]
         store.set(keys[rank], "1")
-        store.wait(keys, timedelta(seconds=timeout_s))
-        return True
-    except Exception:  # noqa: BLE001 - a timeout, or the store went with the launcher
-        return False
+        deadline = time.monotonic() + timeout_s
+        while silent := [r for r, k in enumerate(keys) if not store.check([k])]:
+            if time.monotonic() > deadline:
+                return silent
+            time.sleep(0.1)
+        return []
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def peers_met(rank: int, world_size: int) -> bool:
+    """Whether every rank reaches this point within CLOSE_WAIT_S (a barrier that gives up)."""
+    return _roll_call(rank, world_size, "meet/close", CLOSE_WAIT_S) == []

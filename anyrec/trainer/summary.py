@@ -1,24 +1,90 @@
-"""What one `Trainer.train()` call accumulates between its steps, what it logs (train and eval
-records), and the JSON summary it returns (README documents the summary's keys)."""
+"""What one `Trainer.train()` call accumulates between its steps, where its numbers go, and the JSON
+summary it returns (README documents the summary's keys).
+
+Train and eval records go to `<run_dir>/metrics.jsonl` (one JSON object per line) and TensorBoard
+events to `<run_dir>/tb/` when the `tensorboard` package is installed (a warning says so when it is
+not), from rank 0 only; a progress bar shows the steps.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import resource
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from anyrec.trainer.breakdown import StepProfiler, format_breakdown, gather_breakdown, predicted_phases
+import torch
+from tqdm import tqdm
+
+from anyrec.trainer.distributed import gather_objects
 from anyrec.trainer.fingerprint import weights_fingerprint
-from anyrec.trainer.perfcheck import StepTimer, gather_step_s, prediction_check
-from anyrec.trainer.reporting import LossWindow
+from anyrec.trainer.perfcheck import StepProfiler, StepTimer, prediction_check
 
 if TYPE_CHECKING:
     from anyrec.trainer.trainer import Trainer
 
 logger = logging.getLogger("anyrec.trainer.trainer")  # the trainer's own log lines
+
+
+class LossWindow:
+    """The last `size` losses, kept on the device: adding one never waits for the device; `mean()`
+    (the finite ones' mean, NaN when none is finite) reads it back once."""
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        self._buf = torch.full((size,), math.nan, dtype=torch.float32, device=device)
+        self._next = 0
+
+    def add(self, loss: torch.Tensor) -> None:
+        self._buf[self._next % len(self._buf)] = loss.detach().float()
+        self._next += 1
+
+    def mean(self) -> float:
+        finite = torch.isfinite(self._buf)
+        total, count = torch.stack([torch.where(finite, self._buf, 0.0).sum(), finite.sum()]).tolist()
+        return total / count if count else math.nan
+
+
+class MetricWriter:
+    """Scalars by step to JSONL and TensorBoard; a no-op on ranks other than 0 or without a run dir."""
+
+    def __init__(self, run_dir: str | None, enabled: bool, tensorboard: bool = True) -> None:
+        self._jsonl: Any = None
+        self._tb: Any = None
+        if not enabled or not run_dir:
+            return
+        path = Path(run_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        self._jsonl = (path / "metrics.jsonl").open("a", encoding="utf-8")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                logger.warning("tensorboard is not installed: TensorBoard logging is off "
+                               "(pip install tensorboard, or set trainer.tensorboard=false)")
+            else:
+                self._tb = SummaryWriter(log_dir=str(path / "tb"))
+
+    def write(self, step: int, kind: str, values: dict[str, Any]) -> None:
+        """One record: `kind` is "train" or "eval"; numeric values also go to TensorBoard."""
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps({"step": step, "kind": kind, "time": time.time(), **values}) + "\n")
+            self._jsonl.flush()
+        if self._tb is not None:
+            for key, value in values.items():
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    self._tb.add_scalar(f"{kind}/{key}", value, step)
+
+    def close(self) -> None:
+        for out in (self._jsonl, self._tb):
+            if out is not None:
+                out.close()
+        self._jsonl = self._tb = None
+
 
 @dataclass
 class RunState:
@@ -27,11 +93,19 @@ class RunState:
     start_step: int
     window: LossWindow  # the last `log_every` losses, on the device
     timer: StepTimer
-    bar: Any = None  # a tqdm bar or None
+    bar: tqdm  # steps, rate and ETA on stderr (showing nothing where progress is off)
     last_checkpoint: Path | None = None
     profile_at: int | None = None  # the step where the breakdown's profiled window starts
     profiler: StepProfiler | None = None  # while the window runs
     flushed_at: int | None = None  # the step of the last deferred-check flush
+
+    @classmethod
+    def begin(cls, trainer: Trainer, progress: bool = False) -> RunState:
+        """A fresh state at the trainer's step (with a progress bar on rank 0 when `progress`)."""
+        tc, step = trainer.cfg.trainer, trainer.step
+        bar = tqdm(total=tc.steps, initial=step, desc="train", unit="step", file=sys.stderr,
+                   dynamic_ncols=True, mininterval=0.5, disable=not (trainer.dist.is_main and progress))
+        return cls(step, LossWindow(max(1, tc.log_every), trainer.device), StepTimer(step, tc.steps), bar)
 
 
 def log_train(trainer: Trainer, lr_factor: float) -> None:
@@ -40,8 +114,7 @@ def log_train(trainer: Trainer, lr_factor: float) -> None:
     mean = run.window.mean()
     if math.isnan(mean):
         return
-    if run.bar is not None:
-        run.bar.set_postfix(loss=f"{mean:.4f}", refresh=False)
+    run.bar.set_postfix(loss=f"{mean:.4f}", refresh=False)
     rate = (trainer.batch_size * trainer.dist.world_size * (trainer.step - run.start_step)
             / max(run.timer.elapsed_s(), 1e-9))
     if trainer.dist.is_main:
@@ -59,29 +132,19 @@ def log_eval(trainer: Trainer, result: dict[str, float]) -> None:
         logger.info("step %d eval %s", trainer.step, " ".join(f"{k} {v:.5f}" for k, v in result.items()))
 
 
-def _breakdown(trainer: Trainer, profiler: StepProfiler) -> dict[str, Any]:
-    """Stop the profiler; every rank's ms per step by phase beside the plan's (logged on rank 0)."""
-    profiler.__exit__(None, None, None)
-    per_rank = gather_breakdown(profiler.ms_per_step(), trainer.device, trainer.dist)
-    predicted = predicted_phases(trainer.predicted_perf)
-    if trainer.dist.is_main:
-        logger.info("step breakdown over the last %d steps (torch.profiler; collectives are part of "
-                    "the phases they ran in):\n%s", profiler.steps, format_breakdown(per_rank, predicted))
-    return {"steps": profiler.steps, "per_rank": per_rank, "predicted": predicted}
-
-
 def run_summary(trainer: Trainer, final_loss: float | None, train_loss: float | None,
                 eval_result: dict[str, float] | None) -> dict[str, Any]:
     """The run's JSON summary: its figures, the prediction check, the step breakdown where one was
     profiled, the weights' fingerprint where asked (collectives: every rank calls it)."""
     run = trainer.run
     summary = _figures(trainer, run, final_loss, train_loss, eval_result)
-    per_rank_s = gather_step_s(run.timer.step_s, trainer.device, trainer.dist)
-    summary.update(prediction_check(trainer.predicted_step_s, per_rank_s, log=trainer.dist.is_main))
+    per_rank_s = gather_objects(run.timer.step_s, trainer.dist)
+    perf = trainer.predicted_perf  # the plan's slowest rank, None where nothing predicted it
+    summary.update(prediction_check(perf.total_s if perf else None, per_rank_s, log=trainer.dist.is_main))
     summary["measured_steps"] = run.timer.steps  # this rank's timed steps (the same on every rank)
     if run.profiler is not None:
         profiler, run.profiler = run.profiler, None  # stopped here, not again on the way out
-        summary["step_breakdown_ms"] = _breakdown(trainer, profiler)
+        summary["step_breakdown_ms"] = profiler.report(trainer.dist, trainer.predicted_perf)
     if trainer.cfg.trainer.fingerprint_weights:
         summary["weights_sha256"] = weights_fingerprint(trainer.model, trainer.dist)
     return summary

@@ -1,10 +1,7 @@
 """The Trainer: build a sharded DLRM from a config, train it, evaluate it, checkpoint it, report.
 
-Methods read in order: init_distributed, build, the step's parts, run_steps (the one training loop),
-train, evaluate, state_dict / load_state_dict, close. Steps run through torchrec's
-TrainPipelineSparseDist (or an eager loop), with the embedding optimizer fused into the backward and
-the dense one stepped after it. Beside it by role: planning (`planning.py`), optimizers (`optim.py`),
-data and checks (`inputs.py`), the step state (`state.py`), the summary (`summary.py`).
+Steps run through torchrec's TrainPipelineSparseDist (or an eager loop), the embedding optimizer fused
+into the backward and the dense one stepped after it.
 """
 
 from __future__ import annotations
@@ -32,27 +29,24 @@ from anyrec.kernels.ebc import TritonEBCOptimizer
 from anyrec.models.dlrm import DLRM, build_model, table_configs
 from anyrec.models.init import init_model
 from anyrec.planner.types import Perf
-from anyrec.trainer.breakdown import StepProfiler, breakdown_window, phase
-from anyrec.trainer.checkpoint import CheckpointManager
+from anyrec.trainer.checkpoint import CheckpointManager, StepState
 from anyrec.trainer.distributed import DistInfo, all_reduce_mean, destroy_distributed, init_distributed
 from anyrec.trainer.inputs import build_inputs
 from anyrec.trainer.lineage import identity_config
 from anyrec.trainer.metrics import EvalMetrics
 from anyrec.trainer.optim import (
     Optimizers,
+    WarmupPolyDecay,
     apply_embedding_optimizer,
     check_embedding_optimizer,
     check_embedding_weight_decay,
     embedding_optimizer_config,
 )
-from anyrec.trainer.perfcheck import StepTimer, warmup_steps
-from anyrec.trainer.pipeline import EagerLoop, SparseDistPipeline, StepFunctions, predictions
+from anyrec.trainer.perfcheck import StepProfiler, breakdown_window, phase, warmup_steps
+from anyrec.trainer.pipeline import EagerLoop, SparseDistPipeline, predictions
 from anyrec.trainer.planning import dense_wrapper, sharders, shared_plan
-from anyrec.trainer.reporting import LossWindow, MetricWriter, progress_bar
-from anyrec.trainer.schedule import WarmupPolyDecay
 from anyrec.trainer.shutdown import StopRequest, peers_met
-from anyrec.trainer.state import StepState
-from anyrec.trainer.summary import RunState, log_eval, log_train, run_summary
+from anyrec.trainer.summary import MetricWriter, RunState, log_eval, log_train, run_summary
 from anyrec.trainer.validate import flush_checks
 
 logger = logging.getLogger(__name__)
@@ -74,7 +68,6 @@ class DLRMTrain(nn.Module):
         return loss, (logits_B.detach(), batch.labels)
 
 
-
 class Trainer:
     """Owns the backend, the process group, the sharded model, its optimizers, data and checkpoints."""
 
@@ -87,13 +80,13 @@ class Trainer:
         self.plan_override = plan
         self.state = StepState(rank=self.dist.rank)
         self.resumed_from: int | None = None
-        self._last_loss = torch.tensor(math.nan)
+        self.last_loss = torch.tensor(math.nan)  # on this rank's device: reading it waits for the device
         self.predicted_perf: Perf | None = None  # the plan's slowest rank, where a planner predicted one
         # Called after every training step with the trainer (anyrec-parity records each step's loss).
         self.step_hooks: list[Callable[[Trainer], None]] = []
         self.stopper: StopRequest | None = None  # during train(): SIGINT/SIGTERM stop every rank
         self.build()
-        self.run = self._new_run()
+        self.run = RunState.begin(self)
         self.checkpoints = (CheckpointManager(cfg.trainer.checkpoint, self.signature(), self.dist,
                                               identity_config(cfg)) if cfg.trainer.checkpoint.dir else None)
         start = self.checkpoints.start() if self.checkpoints is not None else None  # locks the dir
@@ -128,8 +121,13 @@ class Trainer:
             self._build_sharded()
         # the same initial weights whatever the kernel, plan, world size or device
         init_model(self.model, table_configs(self.cfg.model), tc.seed, EBC_PATH)
-        self._build_optimizers_and_pipeline()
-        self._build_data()
+        self.optimizers = Optimizers(self.model, self.fused_optimizer, self.cfg.optim, EBC_PATH)
+        loop = SparseDistPipeline if tc.pipeline and not self.unsharded else EagerLoop
+        self.pipeline = loop(self.model, self.optimizers.combined, self.device, self)
+        # Prefetched file batches land in page-locked memory where there is a device to copy them to.
+        inputs = build_inputs(self.cfg, self.dist, self.device, pin_memory=self.backend.pins_host_memory())
+        self.batch_size, self.train_data, self.eval_data = inputs.batch_size, inputs.train, inputs.eval
+        self.validator, self.loss_guard = inputs.validator, inputs.loss_guard
         self.writer = MetricWriter(tc.run_dir, self.dist.is_main, tc.tensorboard)
         if self.dist.is_main:
             self._log_setup()
@@ -142,9 +140,8 @@ class Trainer:
             breakdown_window(tc.steps, warmup_steps(tc.steps), tc.breakdown_steps)  # room for it
 
     def _bf16_autocast(self) -> bool:
-        """trainer.mixed_precision resolved once: auto is bf16 autocast on an accelerator that has it
-        (torch would warn and compute in fp32 on one without), fp32 elsewhere; bf16 where there is
-        none is an error."""
+        """trainer.mixed_precision=auto: bf16 autocast on an accelerator that has it (torch would warn
+        and compute in fp32 on one without), fp32 elsewhere; bf16 where there is none is an error."""
         mp, device_type = self.cfg.trainer.mixed_precision, self.backend.device_type
         if mp == "fp32" or (mp == "auto" and device_type == "cpu"):
             return False
@@ -176,8 +173,7 @@ class Trainer:
         self.model = DistributedModelParallel(
             DLRMTrain(model), device=self.device, plan=self.sharding_plan,
             sharders=sharders(embedding, static_graph),
-            data_parallel_wrapper=dense_wrapper(self.dist.world_size, static_graph),
-        )
+            data_parallel_wrapper=dense_wrapper(self.dist.world_size, static_graph))
         self.fused_optimizer = self.model.fused_optimizer
 
     def _build_unsharded(self) -> None:
@@ -189,23 +185,9 @@ class Trainer:
         self.model = DLRMTrain(DLRM(self.cfg.model, ebc, device=self.device, kernels=self.kernels))
         self.fused_optimizer = TritonEBCOptimizer(ebc, prefix=f"{EBC_PATH}.")
 
-    def _build_optimizers_and_pipeline(self) -> None:
-        """The dense optimizer beside the fused one, and the loop that runs a step."""
-        self.optimizers = Optimizers(self.model, self.fused_optimizer, self.cfg.optim, EBC_PATH)
-        fns = StepFunctions(self._forward, self._backward, self._optimizer_step)
-        loop = SparseDistPipeline if self.cfg.trainer.pipeline and not self.unsharded else EagerLoop
-        self.pipeline = loop(self.model, self.optimizers.combined, self.device, fns)
-
-    def _build_data(self) -> None:
-        # Prefetched file batches land in page-locked memory where there is a device to copy them to.
-        inputs = build_inputs(self.cfg, self.dist, self.device, pin_memory=self.backend.pins_host_memory())
-        self.batch_size, self.train_data, self.eval_data = inputs.batch_size, inputs.train, inputs.eval
-        self.validator, self.loss_guard = inputs.validator, inputs.loss_guard
-
     def _log_setup(self) -> None:
         logger.info("backend: %s", self.backend.describe())
-        logger.info("kernels: %s", ", ".join(
-            f"{op}={impl.name}" for op, impl in self.kernels.items()))
+        logger.info("kernels: %s", ", ".join(f"{op}={impl.name}" for op, impl in self.kernels.items()))
         if self.unsharded:
             logger.info("one device, %s embedding kernel: tables unsharded (no input distribution)",
                         self.embedding_kernel)
@@ -219,54 +201,39 @@ class Trainer:
         """The `embedding` op's implementation the backend selected (fbgemm | triton | torch)."""
         return self.kernels["embedding"].name
 
-    # ---- one step, in three parts the pipelines call -------------------------------------------
-
-    @property
-    def predicted_step_s(self) -> float | None:
-        """The plan's predicted seconds per step (its slowest rank), None where nothing predicted it."""
-        return self.predicted_perf.total_s if self.predicted_perf is not None else None
-
     @property
     def step(self) -> int:
         """Training steps done (also the data position: the next step trains on batch `step`)."""
         return self.state.step
 
-    @property
-    def last_loss(self) -> torch.Tensor:
-        """The last step's loss on this rank (a device tensor: reading it waits for the device)."""
-        return self._last_loss
+    # ---- one step, in three parts the pipelines call -------------------------------------------
 
-    def _forward(self, batch: Batch) -> tuple[torch.Tensor, Any]:
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, Any]:
         with phase("forward"), self.backend.autocast(self.autocast):
             return self.model(batch)
 
-    def _backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor) -> None:
         """Backward (the fused embedding update happens inside it), skipped for a non-finite loss
         when `trainer.skip_nonfinite` (every rank skips the same step); see validate.NonFiniteGuard."""
         loss = loss if loss.dim() == 0 else loss.sum()
-        self._last_loss = loss.detach()
-        if not self.loss_guard.observe(self._last_loss, self.step):
+        self.last_loss = loss.detach()
+        if not self.loss_guard.observe(self.last_loss, self.step):
             self.state.skipped_batches += 1
             logger.warning("step %d: non-finite loss, batch skipped (no update)", self.step + 1)
             return
         with phase("backward"):
             loss.backward()
 
-    def _optimizer_step(self) -> None:
+    def optimizer_step(self) -> None:
         with phase("optimizer"):
             self.optimizers.step()
 
     # ---- the loop --------------------------------------------------------------------------------
 
     def run_steps(self, n: int, batches: Iterator[Batch] | None = None) -> None:
-        """Train up to `n` steps from `self.step`: the one training loop (`train()` runs it in chunks).
-
-        Each step sets the scheduled learning rates, runs through the pipeline and then the step
-        hooks; every `trainer.log_every` steps and at the end the deferred checks are flushed (once
-        per boundary) and a train record written. The pipeline is drained at the end, so the state is
-        exactly that after the last step. `batches`: the training data from `self.step` by default.
-        A stop request (a signal, during `train()`) ends the steps early at a step all ranks agree on.
-        """
+        """Train up to `n` steps from `self.step` (on `batches`, else the training data): the one training
+        loop, which `train()` runs in chunks. It ends drained, so the state is exactly that after the
+        last step, or earlier at a step all ranks agree on when a stop was requested (a signal)."""
         run = self.run
         source = self.train_data.iter_from(self.step, n) if batches is None else islice(batches, n)
         batches = self.validator.wrap(source, self.step) if self.validator is not None else source
@@ -294,9 +261,8 @@ class Trainer:
         """Loss window, progress bar and step hooks; every `trainer.log_every` steps the deferred
         checks and a train record (the only host reads of device values in the steady state)."""
         run, log_every = self.run, self.cfg.trainer.log_every
-        run.window.add(self._last_loss)
-        if run.bar is not None:
-            run.bar.update(1)
+        run.window.add(self.last_loss)
+        run.bar.update(1)
         if log_every and self.step % log_every == 0:
             self._flush_checks()
             log_train(self, lr_factor)
@@ -304,26 +270,17 @@ class Trainer:
             hook(self)
 
     def _flush_checks(self) -> None:
-        """Raise what the deferred input and loss checks found (one all-reduce: all ranks call it),
-        once per step boundary."""
+        """Raise what the deferred input and loss checks found, once per step boundary (a collective)."""
         if self.run.flushed_at != self.step:
             self.run.flushed_at = self.step
             flush_checks(self.validator, self.loss_guard)
 
-    def _new_run(self, progress: bool = False) -> RunState:
-        tc = self.cfg.trainer
-        return RunState(start_step=self.step, window=LossWindow(max(1, tc.log_every), self.device),
-                        timer=StepTimer(self.step, tc.steps),
-                        bar=progress_bar(self.dist.is_main and progress, tc.steps, self.step))
-
     def train(self) -> dict[str, Any]:
         """Run to `trainer.steps` (from a resumed step if any) and return the summary (same on all ranks).
-
-        Steps run in chunks between evaluations and checkpoints; each chunk drains the pipeline, so
-        a checkpoint holds exactly the state after its step and the data position is that step.
-        """
+        Steps run in chunks between evaluations and checkpoints, so a checkpoint holds exactly the state
+        after its step."""
         tc = self.cfg.trainer
-        run = self.run = self._new_run(progress=tc.progress)
+        run = self.run = RunState.begin(self, progress=tc.progress)
         if tc.breakdown_steps:
             try:
                 run.profile_at = breakdown_window(tc.steps, run.timer.warm_step, tc.breakdown_steps)
@@ -340,8 +297,7 @@ class Trainer:
                 self.run_steps(self._next_stop(tc.steps) - self.step)
                 if not self.stopper.stopped_by:
                     self._between_chunks()
-            if run.bar is not None:
-                run.bar.close()
+            run.bar.close()
             return self._finish()
         finally:
             self.stopper.restore()
@@ -378,7 +334,7 @@ class Trainer:
             run.last_checkpoint = self.save_checkpoint()
         final_loss = train_loss = None  # no step ran in this process (resumed at the end)
         if self.step > run.start_step:
-            final_loss, train_loss = all_reduce_mean([float(self._last_loss), run.window.mean()], self.device)
+            final_loss, train_loss = all_reduce_mean([float(self.last_loss), run.window.mean()], self.device)
         eval_result = None
         if self.eval_data is not None and not stopped:
             eval_result = self.evaluate()
@@ -396,8 +352,7 @@ class Trainer:
             batches = self.validator.wrap(batches, 0, "eval batch")
         for logits_B, labels_B in predictions(self.pipeline, batches):
             metrics.update(logits_B, labels_B)
-        if self.validator is not None:
-            self.validator.flush()
+        flush_checks(self.validator, None)
         self.model.train()
         return metrics.compute()
 
@@ -410,8 +365,7 @@ class Trainer:
         return {"tables": tables, "dense": dense, "optimizer": self.cfg.optim.name}
 
     def state_dict(self) -> dict[str, Any]:
-        """Model, all optimizers (dense, fused embedding, replicated), and the step state (step/data
-        position, skipped batches, this rank's RNG)."""
+        """Model, all optimizers (dense, fused embedding, replicated) and the step state."""
         return {"model": self.model.state_dict(), "optim": self.optimizers.combined.state_dict(),
                 **self.state.state_dict()}
 
@@ -449,11 +403,8 @@ class Trainer:
 
     def close(self, failed: bool = False, keep_group: bool = False) -> None:
         """Release the sharded model before the process group goes (see destroy_distributed).
-
-        `failed`: after an error, a peer may be gone; wait for the others only briefly.
-        `keep_group`: leave the process group up (another Trainer in this process still uses it and
-        closes last).
-        """
+        `failed`: a peer may be gone, wait for the others only briefly; `keep_group`: leave the group up
+        (another Trainer in this process still uses it and closes last)."""
         self.writer.close()
         if self.checkpoints is not None:
             self.checkpoints.close()

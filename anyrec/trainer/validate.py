@@ -3,16 +3,16 @@
 Out-of-range or negative ids would index outside a table, labels outside {0, 1} or non-finite dense
 values would train to garbage, a wrong number of features would fail far from its cause. Shapes, keys
 and dtypes are host metadata: checked as each batch is drawn, raised at once. Values (ids, labels,
-dense) are checked on the device with O(ids) vectorised ops and no host read; the per-batch findings
-wait on the device until `flush()`, which the trainer calls at log, eval and checkpoint boundaries:
-there one small all-reduce tells every rank the first bad step, and every rank raises the same
-one-line error naming the step, rank and feature. A bad batch is therefore reported up to one log
-interval late, never lost, and never after a checkpoint that contains its update.
+dense) are checked on the device with O(ids) vectorised ops and no host read; the findings wait on
+the device until `flush_checks`, which the trainer calls at log, eval and checkpoint boundaries: one
+small all-reduce tells every rank the first bad step, and every rank raises the same one-line error
+naming the step, rank and feature. A bad batch is therefore reported up to one log interval late,
+never lost, and never after a checkpoint that contains its update.
 
 Non-finite losses: by default a device flag keeps the first bad step, checked at the same flushes
 (NonFiniteLossError). `trainer.skip_nonfinite=true` must decide before the backward whether to skip
-it (the fused embedding update runs inside the backward, and every rank must skip the same step),
-so that mode alone keeps one host sync (and all-reduce) per step.
+(the fused embedding update runs inside the backward, and every rank must skip the same step), so
+that mode alone keeps one host sync (and all-reduce) per step.
 Legend: B batch, I dense features, F sparse features, P pending steps.
 """
 
@@ -92,38 +92,26 @@ def describe(report: list[int], feature_names: list[str], table_rows: list[int])
     return None
 
 
-def check_batch(batch: Batch, feature_names: list[str], table_rows: list[int], num_dense: int) -> str | None:
-    """Everything wrong with this batch for this model, checked now (reads the findings: a sync)."""
-    problem = check_metadata(batch, feature_names, num_dense)
-    if problem is not None:
-        return problem
-    return describe(value_report(batch, table_rows).tolist(), feature_names, table_rows)
-
-
 def _at(what: str, step: int, rank: int, info: DistInfo) -> str:
-    """`step 7`, or `step 7 (rank 1)` when the world has ranks."""
+    """`step 7` (of 0-based `step` 6), or `step 7 (rank 1)` when the world has ranks."""
     return f"{what} {step + 1}" + (f" (rank {rank})" if info.world_size > 1 else "")
 
 
 class InputValidator:
-    """Checks each batch as it is drawn; value findings stay on the device until `flush()`.
-
-    `skip_nonfinite` (trainer.skip_nonfinite): non-finite dense values of training batches are left to
-    the loss guard, which skips their step (its loss is non-finite); evaluation batches stay strict.
-    """
+    """Checks each batch as it is drawn; value findings stay on the device until `flush_checks`.
+    `skip_nonfinite`: non-finite dense values of training batches are left to the loss guard, which
+    skips their step (its loss is non-finite); evaluation batches stay strict."""
 
     def __init__(self, feature_names: list[str], table_rows: list[int], num_dense: int,
                  device: torch.device, info: DistInfo, skip_nonfinite: bool = False) -> None:
         self.feature_names, self.table_rows, self.num_dense = feature_names, table_rows, num_dense
-        self.device, self.info = device, info
-        self.skip_nonfinite = skip_nonfinite
+        self.device, self.info, self.skip_nonfinite = device, info, skip_nonfinite
         self._rows_F = torch.tensor(table_rows, dtype=torch.int64, device=device)
         self._pending: list[tuple[int, str, torch.Tensor]] = []
 
     def prepare(self, batch: Batch) -> None:
-        """The batch's value findings, computed now and kept with it (a prefetch worker calls this
-        as it makes the batch, so the step's thread only queues them). A batch whose metadata is
-        wrong is left for `__call__`, which names the problem."""
+        """The batch's value findings, computed now and kept with it (a prefetch worker calls this as
+        it makes the batch, so the step's thread only queues them); bad metadata is left to `__call__`."""
         if check_metadata(batch, self.feature_names, self.num_dense) is None:
             batch.__dict__[_REPORT] = value_report(batch, self.table_rows)
 
@@ -159,17 +147,14 @@ class InputValidator:
         return torch.where(local < len(self._pending), code, _NONE).reshape(1)
 
     def raise_found(self, code: int) -> None:
-        """Consume the pending findings; raise the bad batch `code` (all ranks' minimum) names.
-
-        Every rank calls it with the same code: naming the problem is a broadcast from its rank.
-        """
+        """Consume the pending findings; raise the bad batch `code` (all ranks' minimum) names. Every
+        rank calls it with the same code: naming the problem is a broadcast from its rank."""
         pending, self._pending = self._pending, []
         if code >= _NONE:
             return
         index, rank = divmod(code, self.info.world_size)
-        problem: str | None = None
-        if rank == self.info.rank:
-            problem = describe(pending[index][2].tolist(), self.feature_names, self.table_rows)
+        mine = rank == self.info.rank
+        problem = describe(pending[index][2].tolist(), self.feature_names, self.table_rows) if mine else None
         if self.info.world_size > 1:
             box: list[str | None] = [problem]
             dist.broadcast_object_list(box, src=rank)
@@ -177,13 +162,9 @@ class InputValidator:
         step, what = pending[index][0], pending[index][1]
         raise ValueError(f"bad input at {_at(what, step, rank, self.info)}: {problem}")
 
-    def flush(self) -> None:
-        """Raise the first bad batch any rank saw since the last flush (a collective)."""
-        flush_checks(self, None)
-
 
 class NonFiniteGuard:
-    """Watches every loss; default: a device flag checked at `flush()`, skip mode: a check per step."""
+    """Watches every loss; default: a device flag checked at `flush_checks`, skip mode: a check per step."""
 
     def __init__(self, skip: bool, device: torch.device, info: DistInfo) -> None:
         self.skip, self.device, self.info = skip, device, info
@@ -215,18 +196,11 @@ class NonFiniteGuard:
                                      "set trainer.skip_nonfinite=true to skip such batches (and batches "
                                      "with non-finite dense inputs, from any source)")
 
-    def flush(self) -> None:
-        """Raise NonFiniteLossError for the first non-finite loss any rank saw (a collective)."""
-        flush_checks(None, self)
-
 
 def flush_checks(validator: InputValidator | None, guard: NonFiniteGuard | None) -> None:
-    """Raise what the deferred checks found since the last flush: a bad input first (it may be
-    what made a loss non-finite), then a non-finite loss.
-
-    Both checks' codes travel in one all-reduce and come back in one host read. A collective:
-    every rank calls it at the same point.
-    """
+    """Raise what the deferred checks found since the last flush: a bad input first (it may be what
+    made a loss non-finite), then a non-finite loss. Both checks' codes travel in one all-reduce and
+    come back in one host read (a collective: every rank calls it at the same point)."""
     checks = [c for c in (validator, guard) if c is not None]
     if not checks:
         return
