@@ -20,12 +20,12 @@ from hydra._internal.utils import create_config_search_path, run_and_report
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.utils import run_job
-from hydra.errors import ConfigCompositionException
+from hydra.errors import ConfigCompositionException, MissingConfigException
 from hydra.types import HydraContext, RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
-from anyrec.backends.hardware import rewrite_hardware_argv
+from anyrec.backends.hardware import is_hardware_path
 from anyrec.config import (
     AnyrecConfig,
     BackendConfig,
@@ -175,8 +175,13 @@ def _output_dir(cfg: DictConfig, multirun: bool) -> str | None:
 
 
 def _composition_problem(e: Exception) -> str | None:
-    """One line for an override the schema refuses at composition: a value of the wrong type or outside
-    a closed choice (`trainer.steps=many`), or a key it does not have (`trainer.stepz=3`); else None."""
+    """One line for an override refused at composition: a value of the wrong type or outside a closed
+    choice (`trainer.steps=many`), a key the schema does not have (`trainer.stepz=3`), or a file given
+    as the `hardware` group's option; else None."""
+    group, _, option = (getattr(e, "missing_cfg_file", None) or "").partition("/")
+    if isinstance(e, MissingConfigException) and group == "hardware" and is_hardware_path(option):
+        return (f"hardware={option}: a hardware file is named with hardware.sku={option} "
+                "(hardware= takes a group option: auto, a SKU name, or a YAML's name on hydra.searchpath)")
     cause = e.__cause__ if isinstance(e, ConfigCompositionException) else e
     if isinstance(cause, OmegaConfBaseException) and cause.full_key:
         return f"{cause.full_key}: {str(cause.msg).splitlines()[0]}"
@@ -233,13 +238,13 @@ def launch(prog: str, task: Callable[[DictConfig], Any], hydra_app: Callable[[],
            argv: list[str] | None = None) -> None:
     """Run an entry point's `task` on the config of the command line, composed once.
 
-    `hardware=FILE.yaml` is read as `hardware.sku=FILE.yaml`. What stops the job before it starts
-    (see `cli_problem`) is said in one line with exit status 2; then `task` runs as Hydra's app runs
-    it (output folder, logging, `.hydra/`). Hydra's flags (--help, --cfg, --multirun, ...) go to the
-    Hydra app `hydra_app`, which composes for itself. `argv` replaces the command line's arguments.
+    What stops the job before it starts (see `cli_problem`) is said in one line with exit status 2;
+    then `task` runs as Hydra's app runs it (output folder, logging, `.hydra/`). Hydra's flags (--help,
+    --cfg, --multirun, ...) go to the Hydra app `hydra_app`, which composes for itself. `argv`
+    replaces the command line's arguments.
     """
     setup()
-    argv = sys.argv[1:] = rewrite_hardware_argv(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] = list(sys.argv[1:] if argv is None else argv)  # the Hydra app reads sys.argv
     if any(a.startswith("-") for a in argv):
         problem = cli_problem(argv)
         if problem:

@@ -7,7 +7,7 @@ count), and the software that runs the step (torch, FBGEMM, torchrec, anyrec ver
 Whether the ranks bound their threads is not in the key (`backend.bind_cores=auto` decides it from the
 host's load at start, which changes between runs): the entry records it, `Lookup.bound`.
 
-An entry is a hardware YAML (what `anyrec.calibrate` writes, accepted by `hardware=FILE.yaml`) with a
+An entry is a hardware YAML (what `anyrec.calibrate` writes, accepted by `hardware.sku=FILE.yaml`) with a
 last `cache:` section: the key it was measured for and a SHA-256 of everything above it. A file that is
 cut short, edited by hand, holds a NaN or was made for another key is never used: `lookup` names the
 problem in one line and the caller measures again. Entries are written whole by a rename

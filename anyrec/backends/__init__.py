@@ -14,13 +14,7 @@ from typing import Any
 from anyrec.backends.cpu import CPUBackend
 from anyrec.backends.cuda import CUDABackend
 from anyrec.backends.dispatch import load_entry_points
-from anyrec.backends.hardware import (
-    EmbeddingCost,
-    Hardware,
-    load_hardware_file,
-    resolve_hardware,
-    rewrite_hardware_argv,
-)
+from anyrec.backends.hardware import EmbeddingCost, Hardware, load_hardware_file, resolve_hardware
 from anyrec.backends.interface import Backend, DeviceFacts
 from anyrec.backends.rocm import ROCmBackend
 from anyrec.backends.specs import SKUS, DeviceSpec, get_sku
@@ -127,5 +121,5 @@ def get_backend(name: str = "auto", facts: DeviceFacts | None = None) -> Backend
 __all__ = [
     "Backend", "DeviceFacts", "DeviceSpec", "SKUS", "get_sku", "detect", "get_backend",
     "BUILTINS", "registry", "discover_plugins", "reset_registry", "Hardware", "EmbeddingCost",
-    "resolve_hardware", "load_hardware_file", "rewrite_hardware_argv", "ENTRY_POINT_GROUP",
+    "resolve_hardware", "load_hardware_file", "ENTRY_POINT_GROUP",
 ]

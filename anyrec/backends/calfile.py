@@ -1,5 +1,5 @@
 """A hardware / calibration YAML checked whole before any of it is used: the one check every such file
-passes, whether given as `hardware=FILE.yaml` or found in the calibration cache.
+passes, whether given as `hardware.sku=FILE.yaml` or found in the calibration cache.
 
 A file may be a plain spec (a base SKU and some fields, or a complete spec). A file with a
 `measurements` section claims what it measured, and then must carry it: `measured_fields` lists the

@@ -257,18 +257,6 @@ def resolve_hardware(sku: str, overrides: dict[str, Any] | None = None, backend:
     return measured(hardware.with_overrides(overrides), measurements, "hardware.measurements")
 
 
-def rewrite_hardware_argv(argv: list[str]) -> list[str]:
-    """Let entry points accept `hardware=FILE.yaml`: Hydra only knows group options, so a file
-    path given to the `hardware` group is rewritten to the equivalent `hardware.sku=FILE.yaml`."""
-    out = []
-    for arg in argv:
-        key, sep, value = arg.partition("=")
-        if sep and key in ("hardware", "+hardware") and is_hardware_path(value):
-            arg = f"hardware.sku={value}"
-        out.append(arg)
-    return out
-
-
 def figure_sources(hardware: Hardware, cost: EmbeddingCost) -> list[str]:
     """Where the planner's figures come from: which spec fields and embedding profiles `hardware`'s
     calibration measured, and the source of the rest (the SKU table or the base spec)."""
