@@ -2,22 +2,17 @@
 
 An op (`embedding`, `interaction`, `dcn_cross`, `collectives`, `sparse_ops`) has implementations named
 after the library that provides them (`fbgemm`, `triton`, `torch`, `nccl`, `gloo`, `portable`, or a
-plugin's own). Each is
-one `Impl` record, built in here or registered by a plugin (the `anyrec.impls` entry-point group, or
-`register_impl` before first use): its probe, the builder of its module or sharder, and for `embedding`
-the torchrec compute kernel per placement, data-parallel support, optimizer-state layout and built-in
-performance profile. The registry is read-only once plugins are loaded.
+plugin's own), each one `Impl` record: built in here, or a plugin's (the `anyrec.impls` entry-point
+group, or `register_impl` before first use). The registry is read-only once plugins are loaded.
 
 A backend lists implementations in preference order (`Backend.kernel_order`); `select` returns the
-record of the first whose probe passes, or of the one the config forces (any registered
-implementation), and fails clearly when a forced one cannot run. The caller resolves each op once and
-hands the record down: the planner, the sharder and the model builder take it, never a name. Probes
-run once per process (`reset_probes()` lets tests run them again); each op's choice is logged once.
+record of the first whose probe passes, or of the one the config forces. The caller resolves each op
+once and hands the record down: the planner, the sharder and the model builder never take a name.
+Probes run once per process (`reset_probes()` lets tests run them again); each choice is logged once.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib
 import importlib.metadata
@@ -67,11 +62,8 @@ OPS: dict[str, Op] = {
 
 @dataclass(frozen=True)
 class KernelProfile:
-    """How well an embedding implementation uses the memory system: the planner's cost inputs.
-
-    An Impl carries its built-in profile; a calibration's measured one travels in the `Hardware`
-    value (anyrec.backends.hardware) instead. `source` says where the numbers come from.
-    """
+    """How well an embedding implementation uses the memory system: the planner's cost inputs. An Impl
+    carries its built-in profile; a calibration's measured one travels in the `Hardware` value."""
 
     bw_efficiency: float  # achieved lookup bandwidth / device memory bandwidth
     access_bytes: int = 32  # smallest memory transaction on a GPU: rows are read in multiples of this
@@ -87,10 +79,6 @@ class KernelProfile:
                 and 0.0 <= self.per_launch_s < 1.0):
             raise ValueError(f"kernel profile needs 0 < bw_efficiency <= 1, access_bytes > 0, "
                              f"0 <= per_row_s < 1 s and 0 <= per_launch_s < 1 s; got {self}")
-
-    def replace(self, **changes: Any) -> KernelProfile:
-        """A copy with some figures changed (a calibration's)."""
-        return dataclasses.replace(self, **changes)
 
 
 def _resolve(ref: str | Callable) -> Callable:
@@ -115,12 +103,11 @@ def _state_bytes_per_row(layout: str | Callable, optimizer: str, dim: int) -> in
 class Impl:
     """One implementation of one op: everything anyrec needs to probe, build, shard and cost it.
 
-    `builder` makes the thing the op runs: the embedding op's EBC sharder, the interaction's and
-    cross net's nn.Module; it is a callable or "module:attr", called with `options` plus the
-    caller's arguments. Embedding-only fields: `compute_kernels` (placement "hbm" | "uvm_caching" |
-    "ddr" -> torchrec compute kernel), `data_parallel` (replicated tables can run with it),
-    `state_bytes_per_row` ((optimizer, dim) -> bytes of fused optimizer state, callable or
-    "module:attr"), `profile`, and `unsharded_builder` (one-device jobs skip torchrec sharding).
+    `builder` (a callable or "module:attr", called with `options` plus the caller's arguments) makes
+    what the op runs: the embedding op's EBC sharder, the interaction's and cross net's nn.Module.
+    Embedding-only: `compute_kernels` (placement "hbm" | "uvm_caching" | "ddr" -> torchrec compute
+    kernel), `data_parallel` (replicated tables can run with it), `state_bytes_per_row` ((optimizer,
+    dim) -> bytes of fused optimizer state), `profile`, `unsharded_builder` (no torchrec sharding).
     """
 
     op: str
@@ -266,17 +253,8 @@ def probe_gloo(_: Backend) -> str | None:
 
 
 def _module_present(module: str, what: str) -> Probe:
-    def probe(_: Backend) -> str | None:
-        if importlib.util.find_spec(module) is None:
-            return f"{module} ({what}) is not installed"
-        return None
-
-    return probe
-
-
-def _kernel_module(module: str) -> Probe:
-    """An op's Triton kernels live in `module`; Triton reaching the device is `probe_triton`'s job."""
-    return _module_present(module, "the op's Triton kernels")
+    missing = f"{module} ({what}) is not installed"
+    return lambda _: missing if importlib.util.find_spec(module) is None else None
 
 
 def all_of(*probes: Probe) -> Probe:
@@ -312,6 +290,7 @@ def fbgemm_state_bytes_per_row(optimizer: str, dim: int) -> int:
     return _FBGEMM_STATE_BYTES_PER_ROW[optimizer](dim)
 
 
+_TRITON_KERNELS = "the op's Triton kernels"  # Triton reaching the device is probe_triton's job
 _ANYREC_TBE_PROBE = _module_present("anyrec.kernels.torchrec_kernel", "the Triton TBE sharder")
 _ANYREC_TBE = dict(
     builder="anyrec.kernels.torchrec_kernel:TritonEmbeddingBagCollectionSharder",
@@ -346,10 +325,10 @@ BUILTIN_IMPLS: tuple[Impl, ...] = (
          description="anyrec's TBE run by Triton kernels (anyrec.kernels)", **_ANYREC_TBE),
     TORCH_EMBEDDING,
     Impl("interaction", "triton", "anyrec.models.interaction:TritonDotInteraction",
-         all_of(probe_triton, _kernel_module("anyrec.kernels.interaction"))),
+         all_of(probe_triton, _module_present("anyrec.kernels.interaction", _TRITON_KERNELS))),
     Impl("interaction", "torch", "anyrec.models.interaction:DotInteraction"),
     Impl("dcn_cross", "triton", "anyrec.models.interaction:TritonLowRankCrossNet",
-         all_of(probe_triton, _kernel_module("anyrec.kernels.dcn"))),
+         all_of(probe_triton, _module_present("anyrec.kernels.dcn", _TRITON_KERNELS))),
     Impl("dcn_cross", "torch", "anyrec.models.interaction:LowRankCrossNet"),
     Impl("collectives", "nccl", probe=probe_nccl),
     Impl("collectives", "gloo", probe=probe_gloo),
@@ -474,11 +453,8 @@ def availability(backend: Backend, op: str, impl: str) -> str | None:
 
 
 def select(backend: Backend, op: str, requested: str = "auto") -> Impl:
-    """The Impl record of `op` on `backend`: the first available in its order, or the forced one.
-
-    Any registered implementation can be forced; one that cannot run raises ValueError with the
-    probe's reason.
-    """
+    """The Impl record of `op` on `backend`: the first available in its order, or the forced one (any
+    registered implementation; one that cannot run is a ValueError with the probe's reason)."""
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; known: {', '.join(OPS)}")
     order = backend.kernel_order.get(op) or OPS[op].default_order
@@ -493,7 +469,8 @@ def select(backend: Backend, op: str, requested: str = "auto") -> Impl:
         reason = availability(backend, op, requested)
         if reason is not None:
             raise ValueError(f"{setting}={requested} is not available on {backend.name}: {reason}")
-        _log_once(backend, op, requested, f"forced by {setting}")
+        _log_once((backend.name, op, requested), logging.INFO, "op %s -> %s (%s)", op, requested,
+                  f"forced by {setting}")
         return get_impl(op, requested)
     skipped = []
     for impl in order:
@@ -502,20 +479,20 @@ def select(backend: Backend, op: str, requested: str = "auto") -> Impl:
             for name, why in skipped:
                 # On a GPU a skipped preferred kernel costs speed: say so. On CPU only FBGEMM matters.
                 level = logging.WARNING if backend.device_type != "cpu" or name == "fbgemm" else logging.INFO
-                if (backend.name, op, f"skip {name}") not in _logged:
-                    _logged.add((backend.name, op, f"skip {name}"))
-                    logger.log(level, "op %s: %s skipped on %s: %s", op, name, backend.name, why)
-            _log_once(backend, op, impl, f"fallback chain: {chain}")
+                _log_once((backend.name, op, f"skip {name}"), level, "op %s: %s skipped on %s: %s",
+                          op, name, backend.name, why)
+            _log_once((backend.name, op, impl), logging.INFO, "op %s -> %s (%s)", op, impl,
+                      f"fallback chain: {chain}")
             return get_impl(op, impl)
         skipped.append((impl, reason))
     reasons = "; ".join(f"{n}: {r}" for n, r in skipped)
     raise ValueError(f"no implementation of op {op} is available on {backend.name} ({reasons})")
 
 
-def _log_once(backend: Backend, op: str, impl: str, why: str) -> None:
-    if (backend.name, op, impl) not in _logged:
-        _logged.add((backend.name, op, impl))
-        logger.info("op %s -> %s (%s)", op, impl, why)
+def _log_once(key: tuple[str, str, str], level: int, msg: str, *args: Any) -> None:
+    if key not in _logged:
+        _logged.add(key)
+        logger.log(level, msg, *args)
 
 
 def select_all(backend: Backend, requested: dict[str, str] | None = None) -> dict[str, Impl]:
