@@ -80,6 +80,9 @@ def check_profile(name: str, fields: Any, where: str) -> None:
     missing = [k for k in PROFILE_FIELDS if k not in fields]
     if missing:
         raise HardwareFileError(f"{at} lacks {', '.join(missing)}")
+    unknown = sorted(set(fields) - {*PROFILE_FIELDS, "source"})
+    if unknown:
+        raise HardwareFileError(f"{at}: unknown field(s) {', '.join(unknown)}")
     for k in PROFILE_FIELDS:
         v = fields[k]
         if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
