@@ -21,7 +21,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from anyrec.backends import get_backend
-from anyrec.calcache import Lookup, allowed_cores, cache_dir, local_key, lookup, write_entry
+from anyrec.backends.cpu import allowed_cores
+from anyrec.calcache import Lookup, cache_dir, local_key, lookup, write_entry
 from anyrec.calibrate import calibrate, hardware_yaml
 from anyrec.config import AnyrecConfig
 from anyrec.io_checks import atomic_write

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyrec
 from anyrec.backends import Backend, Hardware, load_hardware_file
+from anyrec.backends.cpu import allowed_cores
 from anyrec.io_checks import atomic_write
 
 if TYPE_CHECKING:
@@ -184,11 +185,6 @@ def write_entry(path: Path, key: CacheKey, data: dict[str, Any], header: str = "
     with atomic_write(path) as f:
         f.write(header + yaml.safe_dump(entry, sort_keys=False, default_flow_style=False))
     return path
-
-
-def allowed_cores() -> list[int]:
-    """The cores this process may run on now (before binding: what the launcher gave the rank)."""
-    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 
 
 def local_key(backend: Backend, info: DistInfo, cores: list[int] | None = None) -> CacheKey:

@@ -39,10 +39,11 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from anyrec import _hydra
 from anyrec.backends import Backend, get_backend
+from anyrec.backends.cpu import allowed_cores
 from anyrec.backends.dispatch import Impl, KernelProfile, availability, implementations
 from anyrec.backends.hardware import EmbeddingCost, Hardware
 from anyrec.backends.specs import DeviceSpec
-from anyrec.calcache import allowed_cores, cache_dir, local_key, write_entry
+from anyrec.calcache import cache_dir, local_key, write_entry
 from anyrec.calibrate_step import measure_step_costs
 from anyrec.config import AnyrecConfig, config_dir
 from anyrec.io_checks import atomic_write, writable_file

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import platform
@@ -33,16 +34,16 @@ def core_share(cpus: Sequence[int], local_rank: int, local_world_size: int) -> l
     return cpus[local_rank * n // local_world_size:(local_rank + 1) * n // local_world_size]
 
 
-_HOST_CORES: list[int] | None = None
+def allowed_cores() -> list[int]:
+    """The cores this process may run on now."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 
 
+@functools.cache
 def _host_cores() -> list[int]:
     """The cores the process could use before any binding: binding twice (a calibration before the
     trainer, or several trainers in one process) shares the same cores again, not the bound share."""
-    global _HOST_CORES
-    if _HOST_CORES is None:
-        _HOST_CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    return _HOST_CORES
+    return allowed_cores()
 
 
 def bind_threads(cpus: Sequence[int]) -> None:
@@ -61,13 +62,8 @@ class CPUBackend(Backend):
     device_type = "cpu"
     dist_backend = "gloo"
     # Triton reaches the CPU only through its interpreter: never chosen by auto, only when forced.
-    kernel_order = {
-        "embedding": ("fbgemm", "torch", "triton"),
-        "interaction": ("torch", "triton"),
-        "dcn_cross": ("torch", "triton"),
-        "collectives": ("gloo",),
-        "sparse_ops": ("fbgemm", "portable"),
-    }
+    kernel_order = {**Backend.kernel_order, "embedding": ("fbgemm", "torch", "triton"),
+                    "interaction": ("torch", "triton"), "dcn_cross": ("torch", "triton")}
 
     @classmethod
     def probe_facts(cls) -> DeviceFacts:
