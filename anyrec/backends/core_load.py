@@ -88,33 +88,26 @@ def _cpu_jiffies(cpus: set[int]) -> tuple[int, int]:
     return busy, total
 
 
+def _stat(pid: int | str) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (None once the process has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
 def job_pids() -> list[int]:
     """This process, its launcher (torchrun's agent) and the launcher's other children (local ranks)."""
-    me, parent = os.getpid(), os.getppid()
-    pids = {me, parent}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:  # ended meanwhile
-                continue
-            if int(fields[1]) == parent:
-                pids.add(int(entry))
-    return sorted(pids)
+    parent = os.getppid()
+    children = {int(e) for e in os.listdir("/proc") if e.isdigit() and (_stat(e) or [0, 0])[1] == str(parent)}
+    return sorted({os.getpid(), parent} | children)
 
 
 def _process_ticks(pids: Iterable[int]) -> int:
     """User + system clock ticks of every thread of `pids` (ended ones count nothing)."""
-    ticks = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        ticks += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
-    return ticks
+    stats = [f for f in map(_stat, pids) if f is not None]
+    return sum(int(f[11]) + int(f[12]) for f in stats)  # utime, stime (fields 14 and 15 of proc(5))
 
 
 def measure_core_load(cpus: Iterable[int], sample_s: float = SAMPLE_S,
