@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import anyrec
 from anyrec.backends import Backend, Hardware, load_hardware_file
 from anyrec.backends.cpu import allowed_cores
-from anyrec.io_checks import atomic_write
+from anyrec.io_checks import write_yaml
 
 if TYPE_CHECKING:
     from anyrec.trainer.distributed import DistInfo
@@ -182,8 +182,7 @@ def write_entry(path: Path, key: CacheKey, data: dict[str, Any], header: str = "
     entry = yaml.safe_load(yaml.safe_dump(entry, sort_keys=False))  # the digest of what is read back
     entry["cache"] = {"key": key.to_dict(), "sha256": _content_digest(entry),
                       "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    with atomic_write(path) as f:
-        f.write(header + yaml.safe_dump(entry, sort_keys=False, default_flow_style=False))
+    write_yaml(path, entry, header)
     return path
 
 

@@ -1,28 +1,19 @@
 """`python -m anyrec.calibrate calibrate.output=FILE.yaml`: measure what the planner costs, write a
-hardware YAML.
+hardware YAML (for `hardware.sku=FILE.yaml`); options are the config's `calibrate` section.
 
-Measures, on this device: copy bandwidth; host->device bandwidth from pinned and pageable memory
-(accelerators); per registered embedding implementation that can run here, a training step (forward,
-backward with the fused optimizer) at several (tables, rows, dim, batch, pooling) points, fitted by
-least squares into the implementation's KernelProfile (bandwidth efficiency, per-row and per-launch
-seconds) in the planner's own cost terms; GEMM FLOP/s (square, and a DLRM MLP forward + backward);
-and under torchrun all-to-all, all-reduce and reduce-scatter at several sizes, fitted into
-latency + bytes / bus bandwidth, and the trainer's framework costs at this world size
-(anyrec.calibrate_step: the real Trainer at fourteen tiny points, what bytes and FLOPs leave
-unexplained fitted into DeviceSpec `step_*` fields). The YAML it writes is accepted by
-`hardware.sku=FILE.yaml`. Options are the `calibrate` section of the config
-(anyrec.config.CalibrationConfig), composed as `anyrec-train` composes its own.
+Measures on this device: copy and host->device bandwidth; per embedding implementation that runs here, a
+training step (forward, backward, fused optimizer) at several points, fitted by least squares into its
+KernelProfile in the planner's own cost terms; GEMM FLOP/s (square, and a DLRM MLP forward + backward);
+under torchrun, all-to-all, all-reduce and reduce-scatter fitted into latency + bytes / bus bandwidth,
+and the trainer's framework costs at this world size (anyrec.calibrate_step).
 
-    python -m anyrec.calibrate calibrate.output=cal.yaml [backend=auto] [calibrate.budget_s=0.5] \
-        [calibrate.size=small|large|quick]
-    torchrun --nproc_per_node=2 -m anyrec.calibrate calibrate.output=cal.yaml
+    python -m anyrec.calibrate calibrate.output=cal.yaml [calibrate.budget_s=0.5] [calibrate.size=large]
     torchrun --nproc_per_node=2 -m anyrec.calibrate calibrate.cache=true  # the entry hardware=auto reads
-
-Legend: T tables, R rows, D dim, B bags per table, L ids per bag.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -46,7 +37,7 @@ from anyrec.backends.specs import DeviceSpec
 from anyrec.calcache import cache_dir, local_key, write_entry
 from anyrec.calibrate_step import measure_step_costs
 from anyrec.config import AnyrecConfig, config_dir
-from anyrec.io_checks import atomic_write, writable_file
+from anyrec.io_checks import writable_file, write_yaml
 from anyrec.kernels.optimizers import OptimizerConfig
 from anyrec.planner.estimators import lookup_time_s
 from anyrec.planner.types import Placement, TableSpec, Topology
@@ -67,8 +58,8 @@ EMB_POINTS = {
 EMB_POINTS["quick"] = EMB_POINTS["small"]  # tiny already: what takes time is the trainer's step points
 # DLRM MLP shapes: bottom (13 dense features) and top (interaction output) stacks, batch per rank.
 DLRM_MLP = {"small": dict(batch=256, layers=[13, 512, 256, 64, 512, 256, 1]),
-            "quick": dict(batch=256, layers=[13, 512, 256, 64, 512, 256, 1]),
             "large": dict(batch=8192, layers=[13, 512, 256, 128, 1024, 1024, 512, 256, 1])}
+DLRM_MLP["quick"] = DLRM_MLP["small"]
 SIZES = {  # "quick": the calibration a training job runs on first contact (anyrec.autocal)
     "quick": dict(gemm=256, comm_bytes=[1 << 10, 64 << 10, 1 << 20], copy_bytes=4 << 20),
     "small": dict(gemm=512, comm_bytes=[1 << 10, 16 << 10, 256 << 10, 2 << 20], copy_bytes=16 << 20),
@@ -196,26 +187,21 @@ def _embedding_step(impl: Impl, device: torch.device, point: tuple) -> Callable[
     return lambda: tbe(ids_N, offsets).backward(grad)
 
 
+def _lookup_s(profile: KernelProfile, impl: Impl, spec: DeviceSpec, compute: str, point: tuple) -> float:
+    """The planner's lookup seconds (forward + backward) for one embedding step of `impl` at `point`."""
+    t, rows, dim, batch, pooling = point
+    table = TableSpec("t", rows, dim, float(pooling), ["f"])
+    fwd, bwd = lookup_time_s(batch * pooling, batch, dim, table, Placement.HBM, Topology(spec, 1, 1, compute),
+                             OPTIMIZER, EmbeddingCost.builtin(impl), profile=profile)
+    return t * (fwd + bwd)
+
+
 def _planner_terms(impl: Impl, spec: DeviceSpec, compute: str, point: tuple) -> tuple[float, float]:
     """(ids looked up, seconds of bytes at full bandwidth) for `point`, in the planner's own terms:
     the per-row term is charged 3x per id (forward, backward read and write), as lookup_time_s does."""
-    t, rows, dim, batch, pooling = point
-    topo = Topology(spec, 1, 1, compute)
-    table = TableSpec("t", rows, dim, float(pooling), ["f"])
+    t, _, _, batch, pooling = point
     unit = KernelProfile(1.0, impl.profile.access_bytes if impl.profile else 32)
-    fwd, bwd = lookup_time_s(batch * pooling, batch, dim, table, Placement.HBM, topo, OPTIMIZER,
-                             EmbeddingCost.builtin(impl), profile=unit)
-    return 3.0 * t * batch * pooling, t * (fwd + bwd)
-
-
-def predict_step_s(profile: KernelProfile, impl: Impl, spec: DeviceSpec, compute: str, point: tuple) -> float:
-    """The planner's seconds for one embedding step of `impl` at `point` with `profile`."""
-    t, rows, dim, batch, pooling = point
-    topo = Topology(spec, 1, 1, compute)
-    table = TableSpec("t", rows, dim, float(pooling), ["f"])
-    fwd, bwd = lookup_time_s(batch * pooling, batch, dim, table, Placement.HBM, topo, OPTIMIZER,
-                             EmbeddingCost.builtin(impl), profile=profile)
-    return t * (fwd + bwd) + profile.per_launch_s
+    return 3.0 * t * batch * pooling, _lookup_s(unit, impl, spec, compute, point)
 
 
 def measure_embedding(backend: Backend, device: torch.device, spec: DeviceSpec, points: list[tuple],
@@ -244,11 +230,9 @@ def measure_embedding(backend: Backend, device: torch.device, spec: DeviceSpec, 
             per_row_s=per_row, per_launch_s=min(launch, 0.5),
             source=f"measured by anyrec.calibrate on {backend.describe()} ({stamp}): forward + backward "
                    f"+ fused {OPTIMIZER} at {len(points)} points, least squares")
-        pred = [predict_step_s(profile, impl, spec, compute, p) for p in points]
+        pred = [_lookup_s(profile, impl, spec, compute, p) + profile.per_launch_s for p in points]
         out[impl.name] = {
-            "profile": {"bw_efficiency": profile.bw_efficiency, "access_bytes": profile.access_bytes,
-                        "per_row_s": profile.per_row_s, "per_launch_s": profile.per_launch_s,
-                        "source": profile.source},
+            "profile": dataclasses.asdict(profile),
             "points": [{"tables": p[0], "rows": p[1], "dim": p[2], "batch": p[3], "pooling": p[4],
                         "step_s": m, "fit_s": f} for p, m, f in zip(points, measured, pred, strict=True)],
             "fit_max_rel_error": max(abs(f - m) / m for m, f in zip(measured, pred, strict=True)),
@@ -389,14 +373,6 @@ def hardware_yaml(backend: Backend, m: dict) -> dict:
     # Measurements first, the spec (ending with measured fields) last: a file cut short anywhere then
     # lacks a field it claims to have measured, or its spec altogether, and is refused when read.
     return {"measurements": measurements, "spec": fields}
-
-
-def write_yaml(path: Path, data: dict, header: str) -> None:
-    """The calibration YAML, written whole or not at all."""
-    import yaml
-
-    with atomic_write(path) as f:
-        f.write(header + yaml.safe_dump(data, sort_keys=False, default_flow_style=False))
 
 
 def format_table(m: dict) -> str:

@@ -1,5 +1,5 @@
 """Output paths checked before any work starts (a job whose results cannot be written fails in seconds),
-and the one way anyrec writes a file: atomically.
+and the one way anyrec writes a file: atomically (`atomic_write`, `write_yaml`).
 
 Each check creates nothing that stays: it probes the path itself or its nearest existing folder by
 creating and removing a temporary file, so permissions, read-only mounts, a file where a folder
@@ -86,3 +86,11 @@ def atomic_write(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_yaml(path: str | os.PathLike, data: dict, header: str = "") -> None:
+    """`header` (comment lines) and `data` as YAML at `path`, in `data`'s order, whole or not at all."""
+    import yaml
+
+    with atomic_write(path) as f:
+        f.write(header + yaml.safe_dump(data, sort_keys=False, default_flow_style=False))
