@@ -3,24 +3,17 @@
     anyrec-parity model=dlrm_tiny trainer.steps=20 parity.variants='["backend.embedding_kernel=fbgemm",
         "backend.embedding_kernel=torch nproc=2", "backend.embedding_kernel=triton TRITON_INTERPRET=1"]'
 
-The command line is composed as `anyrec-train` composes its own; its overrides other than `parity.*`
-are the base job every variant shares. Each of `parity.variants` is one variant: Hydra overrides,
-plus `nproc=N` (ranks, launched by their own `torchrun --standalone`, loopback only) and
-`NAME=VALUE` environment variables (upper-case names). Every variant records its per-step training
-loss (mean over ranks) and its final weights (every `*weight` / `*bias` tensor, gathered whole). The
-table compares each variant with the first: the largest |loss difference| over the steps (absolute
-and relative) and the largest |weight difference|; the exit status is 1 when any exceeds
-`parity.loss_rtol` or `parity.weight_atol` or a variant failed, 2 for bad arguments.
+The command line's overrides other than `parity.*` are the base job every variant shares. Each of
+`parity.variants` is Hydra overrides, plus `nproc=N` (ranks, under their own `torchrun --standalone`)
+and `NAME=VALUE` environment variables (upper-case names). Every variant runs `anyrec-train`'s loop
+(`Trainer.train()`, no evaluation or checkpoints) and records its per-step loss (mean over ranks) and
+final weights (every `*weight` / `*bias`, gathered whole). The table compares each with the first:
+largest loss difference (absolute, relative) and largest weight difference; exit status 1 when one
+exceeds `parity.loss_rtol` / `parity.weight_atol` or a variant failed, 2 for bad arguments.
 
-`parity.save=FILE` writes every variant's record (JSON); `parity.against=FILE` compares this
-machine's variants with the first record of such a file written elsewhere (e.g. a B200 run checked
-on an MI350X). `parity.timeout_s` bounds each variant; a variant past it is killed with its whole
-process group (anyrec.config.ParityConfig has the defaults).
-
-The steps run through `anyrec-train`'s own loop (`Trainer.train()`) without evaluation or
-checkpoints. Both files are checked before any variant runs: the `parity.against` file whole
-(valid JSON, every run's losses and weights present, finite, of their shapes and matching their
-hash) and the `parity.save` path writable.
+`parity.save=FILE` writes every variant's record (JSON); `parity.against=FILE` compares with the first
+record of such a file written elsewhere (e.g. a B200 run checked on an MI350X), checked whole before any
+variant runs. `parity.timeout_s` bounds each variant (killed with its process group).
 """
 
 from __future__ import annotations
@@ -99,16 +92,13 @@ def check_options(opts: ParityConfig) -> dict[str, Any] | None:
 
 # ---- one variant, inside its own process(es) ----------------------------------------------------
 
-
 # What the worker adds to the base job: the steps only (no evaluation, checkpoints or progress bar).
 _STEPS_ONLY = ["trainer.eval_steps=0", "trainer.checkpoint.dir=null", "trainer.progress=false"]
 
 
 def full_weights(model, info: DistInfo) -> dict[str, Any]:
-    """Every `*weight` / `*bias` entry of the state_dict, whole (fp32, shards gathered), on rank 0; else {}.
-
-    Other entries (optimizer state, counters) are in the state_dict of some kernels only.
-    """
+    """Every `*weight` / `*bias` entry of the state_dict, whole (fp32, shards gathered), on rank 0; else {}
+    (other entries, optimizer state and counters, are in some kernels' state_dict only)."""
     state = full_state(model, info)
     if not info.is_main:
         return {}
@@ -164,7 +154,6 @@ def worker(out_path: str, overrides: list[str]) -> None:
 
 # ---- records read back ---------------------------------------------------------------------------
 
-
 def _finite_numbers(values: Any, what: str) -> None:
     if not isinstance(values, list) or not all(
             isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in values):
@@ -218,7 +207,6 @@ def read_records(path: Path) -> dict[str, Any]:
 
 
 # ---- the driver ---------------------------------------------------------------------------------
-
 
 def run_variant(base: list[str], variant: Variant, timeout_s: float) -> dict[str, Any]:
     """Launch one variant (torchrun when nproc > 1) and return its record, or {"error": ...}."""
@@ -285,8 +273,8 @@ def report(labels: list[str], records: list[dict[str, Any]], ref: dict[str, Any]
         ok_all &= ok
         final = rec["losses"][-1] if rec["losses"] else math.nan
         rows.append(f"| {label} | {len(rec['losses'])} | {final:.7f} | {d['loss_abs']:.2e} "
-                    f"| {d['loss_rel']:.2e} "
-                    f"| {d['weight_abs']:.2e} | {rec['weights_sha256'][:12]} | {'ok' if ok else 'DIFFERS'} |")
+                    f"| {d['loss_rel']:.2e} | {d['weight_abs']:.2e} | {rec['weights_sha256'][:12]} "
+                    f"| {'ok' if ok else 'DIFFERS'} |")
     return "\n".join(rows), ok_all
 
 
