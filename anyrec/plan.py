@@ -29,8 +29,6 @@ from anyrec.planner.report import format_compare, format_report, plan_json, plot
 from anyrec.planner.types import InfeasiblePlanError, PlanResult, Topology
 from anyrec.trainer.distributed import ONE_PROCESS
 
-DEFAULT_EMBEDDING_IMPL = FBGEMM_EMBEDDING  # what `backend.embedding_kernel=auto` plans for offline
-
 
 def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print,
         planner: CoDesignPlanner | None = None) -> PlanResult:
@@ -51,10 +49,8 @@ def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print,
     sku = str(cached.path) if cached is not None else cfg.hardware.sku
     hardware = resolve_hardware(sku, cfg.hardware.spec, backend, cfg.hardware.measurements)
     compare = resolve_hardware(cfg.plan.compare) if cfg.plan.compare else None
-    if cfg.topology.world_size < 1:
-        raise ValueError(f"topology.world_size must be >= 1, got {cfg.topology.world_size}")
     kernel = cfg.backend.embedding_kernel
-    impl = DEFAULT_EMBEDDING_IMPL if kernel == "auto" else get_impl("embedding", kernel)
+    impl = FBGEMM_EMBEDDING if kernel == "auto" else get_impl("embedding", kernel)  # auto: as offline
     meta = torch.device("meta")
     model = build_model(cfg.model, meta, ebc_device=meta)
 
@@ -71,7 +67,12 @@ def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print,
     elif backend is not None:
         print_fn(f"         no calibration cached for this machine at {local_ranks} local rank(s): the "
                  f"{backend.name} backend's datasheet figures (a hardware=auto training job measures one)")
-    other = _compare(plan_on, compare, print_fn) if compare is not None else None
+    other = None
+    if compare is not None:
+        try:
+            other = plan_on(compare)
+        except InfeasiblePlanError as e:
+            print_fn(f"\ncompare: {e}")
     if other is not None:
         print_fn(f"\ncompare: {hardware.spec.name} vs {compare.spec.name}, {cfg.topology.world_size} "
                  f"device(s) each")
@@ -85,15 +86,6 @@ def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print,
     if cfg.plan.plot:
         plot_plan(result, cfg.plan.plot, compare=other)
     return result
-
-
-def _compare(plan_on: Callable[[Hardware], PlanResult], hardware: Hardware,
-             print_fn: Callable[[str], None]) -> PlanResult | None:
-    try:
-        return plan_on(hardware)
-    except InfeasiblePlanError as e:
-        print_fn(f"\ncompare: {e}")
-        return None
 
 
 def main(cfg: DictConfig) -> None:
