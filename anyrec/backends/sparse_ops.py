@@ -1,17 +1,16 @@
 """Portable (pure torch) kernels for the FBGEMM sparse ops torchrec's distributed path calls.
 
 torchrec's `DistributedModelParallel` moves ids and pooled embeddings with FBGEMM operators (KJT
-permutes, offsets, row-wise bucketisation, pooled-embedding permutes). A device with no FBGEMM build
-for it (a CUDA machine with `fbgemm-gpu-cpu`, a new GPU, a plugin accelerator) has their schemas but
-no kernels. `install` registers the kernels below with `torch.library` for the backend's dispatch key:
-with `backend.sparse_ops=auto` only for ops FBGEMM has no kernel for there (a native kernel is never
-overridden), with `portable` for every op (tests use it to check them against FBGEMM's CPU kernels in
-the real stack), with `fbgemm` for none. The set of ops is what a recording of a 2-stage pipelined
-training step found for every sharding type anyrec plans (docs/porting.md, "Sparse ops").
+permutes, offsets, row-wise bucketisation, pooled-embedding permutes); a device with no FBGEMM build
+for it has their schemas but no kernels. `install` registers the kernels below with `torch.library`
+for the backend's dispatch key: with `backend.sparse_ops=auto` only for ops FBGEMM has no kernel for
+there, with `portable` for every op (tests check them against FBGEMM's CPU kernels in the real stack),
+with `fbgemm` for none. The ops are what a recording of a 2-stage pipelined training step found for
+every sharding type anyrec plans (docs/porting.md, "Sparse ops").
 
-These ops move data and compute nothing: each kernel gives bit-identical results to FBGEMM's CPU one,
-including FBGEMM's unsigned treatment of negative ids in bucketisation. Integer index arithmetic is
-done in int64; no kernel synchronises with the device when torchrec passes the output size.
+Each kernel gives bit-identical results to FBGEMM's CPU one, including its unsigned treatment of
+negative ids in bucketisation; index arithmetic is int64; no kernel synchronises with the device when
+torchrec passes the output size.
 
 Legend: T features (rows of a 2-D lengths), B batch, N ids, D_sum summed embedding dims.
 """
