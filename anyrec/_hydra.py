@@ -47,12 +47,20 @@ def _rank0_only(value: str) -> str | None:
 
 
 def setup() -> None:
-    """Idempotent: register the config schema and anyrec's resolvers."""
+    """Idempotent: register the config schema (every YAML group is type-checked against it) and
+    anyrec's resolvers."""
     # FBGEMM logs every library it loads at INFO on the root logger; load it before Hydra turns
     # INFO logging on, so the console shows anyrec's messages only.
     import torchrec  # noqa: F401
 
-    register_configs()
+    cs = ConfigStore.instance()
+    cs.store(name="anyrec_schema", node=AnyrecConfig)
+    for group, node in [
+        ("model", ModelConfig), ("data", DataConfig), ("backend", BackendConfig),
+        ("hardware", HardwareConfig), ("planner", PlannerConfig), ("optim", OptimConfig),
+        ("trainer", TrainerConfig),
+    ]:
+        cs.store(group=group, name=f"{group}_schema", node=node)
     if not OmegaConf.has_resolver("anyrec_rank0"):
         OmegaConf.register_new_resolver("anyrec_rank0", _rank0_only)
 
@@ -119,18 +127,6 @@ def check_known_keys(cfg: DictConfig) -> None:
     raise ValueError(f"unknown config key{'s' if len(parts) > 1 else ''}: {'; '.join(parts)}")
 
 
-def register_configs() -> None:
-    """Register the schema so every YAML group is type-checked against it."""
-    cs = ConfigStore.instance()
-    cs.store(name="anyrec_schema", node=AnyrecConfig)
-    for group, node in [
-        ("model", ModelConfig), ("data", DataConfig), ("backend", BackendConfig),
-        ("hardware", HardwareConfig), ("planner", PlannerConfig), ("optim", OptimConfig),
-        ("trainer", TrainerConfig),
-    ]:
-        cs.store(group=group, name=f"{group}_schema", node=node)
-
-
 def to_object(cfg: DictConfig) -> AnyrecConfig:
     """A typed `AnyrecConfig` from a composed DictConfig (validated by the schema)."""
     check_known_keys(cfg)
@@ -160,8 +156,7 @@ def _missing(cfg: DictConfig) -> str | None:
 
 
 def _output_dir(cfg: DictConfig, multirun: bool) -> str | None:
-    """One line when the folder Hydra will write its outputs to (hydra.run.dir, or hydra.sweep.dir
-    under --multirun) cannot be written, e.g. a read-only working directory; else None."""
+    """One line when Hydra's output folder (hydra.run.dir, or hydra.sweep.dir) cannot be written."""
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
     try:
         path = OmegaConf.select(cfg, key, throw_on_resolution_failure=True)
@@ -189,12 +184,9 @@ def _composition_problem(e: Exception) -> str | None:
 
 
 def cli_problem(overrides: list[str]) -> str | None:
-    """One line naming what stops an entry point before it starts, else None: an override whose value
-    the schema refuses (e.g. `trainer.steps=many`), a mandatory value left unset (`model.name=???`) or
-    an output folder Hydra cannot create (a read-only working directory). Hydra and omegaconf say
-    these in several lines or a traceback; `launch` says them in one. Hydra's informational flags
-    (--help, --cfg, ...) are left to Hydra.
-    """
+    """One line naming what stops an entry point before it starts (an override the schema refuses, a
+    mandatory value left unset, an output folder Hydra cannot create), which Hydra and omegaconf say
+    in several lines or a traceback; else None. Informational flags (--help, --cfg, ...) are Hydra's."""
     multirun = any(o in ("-m", "--multirun") for o in overrides)
     if any(o.startswith("-") and o not in ("-m", "--multirun") for o in overrides):
         return None
@@ -236,13 +228,10 @@ def _reraise(e: BaseException) -> NoReturn:
 
 def launch(prog: str, task: Callable[[DictConfig], Any], hydra_app: Callable[[], Any],
            argv: list[str] | None = None) -> None:
-    """Run an entry point's `task` on the config of the command line, composed once.
-
-    What stops the job before it starts (see `cli_problem`) is said in one line with exit status 2;
-    then `task` runs as Hydra's app runs it (output folder, logging, `.hydra/`). Hydra's flags (--help,
-    --cfg, --multirun, ...) go to the Hydra app `hydra_app`, which composes for itself. `argv`
-    replaces the command line's arguments.
-    """
+    """Run an entry point's `task` on the config of the command line (or `argv`), composed once: what
+    stops the job before it starts (`cli_problem`) is one line and exit status 2, then `task` runs as
+    Hydra's app runs it (output folder, logging, `.hydra/`). Hydra's flags (--help, --cfg, --multirun,
+    ...) go to the Hydra app `hydra_app`, which composes for itself."""
     setup()
     argv = sys.argv[1:] = list(sys.argv[1:] if argv is None else argv)  # the Hydra app reads sys.argv
     if any(a.startswith("-") for a in argv):
