@@ -44,20 +44,18 @@ class Op:
 
     name: str
     config_key: str | None
-    description: str
     default_order: tuple[str, ...] = ()  # for backends whose kernel_order does not list the op
 
 
-OPS: dict[str, Op] = {
-    "embedding": Op("embedding", "embedding_kernel",
-                    "pooled embedding lookup with the optimizer fused into backward"),
-    "interaction": Op("interaction", "interaction_kernel", "DLRM pairwise dot interaction"),
-    "dcn_cross": Op("dcn_cross", "dcn_kernel", "DCNv2 low-rank cross layers"),
-    "collectives": Op("collectives", None, "torch.distributed process-group backend"),
-    # torchrec's KJT permutes, offsets and bucketisation, pooled-embedding permutes (sparse_ops.py).
-    "sparse_ops": Op("sparse_ops", "sparse_ops", "FBGEMM sparse ops of torchrec's input/output distribution",
-                     default_order=("fbgemm", "portable")),
-}
+OPS: dict[str, Op] = {op.name: op for op in (
+    Op("embedding", "embedding_kernel"),  # pooled lookup with the optimizer fused into backward
+    Op("interaction", "interaction_kernel"),  # DLRM pairwise dot interaction
+    Op("dcn_cross", "dcn_kernel"),  # DCNv2 low-rank cross layers
+    Op("collectives", None),  # the torch.distributed process-group backend
+    # FBGEMM ops of torchrec's input/output distribution: KJT permutes, offsets and bucketisation,
+    # pooled-embedding permutes (sparse_ops.py)
+    Op("sparse_ops", "sparse_ops", default_order=("fbgemm", "portable")),
+)}
 
 
 @dataclass(frozen=True)
