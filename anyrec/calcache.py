@@ -1,17 +1,16 @@
 """The calibration cache: a measured hardware file per machine and software stack, found again by key.
 
-A calibration holds for what changes its figures: the device (name, devices per host), how the ranks of
-one host share it (local world size, the cores each rank may run on before any binding and its thread
-count), and the software that runs the step (torch, FBGEMM, torchrec, anyrec versions). Those make the
-`CacheKey`; its digest names the file, `$ANYREC_CACHE_DIR` (default `~/.cache/anyrec/`) holds it.
-Whether the ranks bound their threads is not in the key (`backend.bind_cores=auto` decides it from the
-host's load at start, which changes between runs): the entry records it, `Lookup.bound`.
+The `CacheKey` is what changes a calibration's figures: the device (name, devices per host), how one
+host's ranks share it (local world size, each rank's cores before any binding, its thread count) and
+the software (torch, FBGEMM, torchrec, anyrec versions). Its digest names the file in
+`$ANYREC_CACHE_DIR` (default `~/.cache/anyrec/`). Whether the ranks bound their threads is not in the
+key (`backend.bind_cores=auto` decides it from the host's load, which changes between runs): the entry
+records it, `Lookup.bound`.
 
-An entry is a hardware YAML (what `anyrec.calibrate` writes, accepted by `hardware.sku=FILE.yaml`) with a
-last `cache:` section: the key it was measured for and a SHA-256 of everything above it. A file that is
-cut short, edited by hand, holds a NaN or was made for another key is never used: `lookup` names the
-problem in one line and the caller measures again. Entries are written whole by a rename
-(`io_checks.atomic_write`): two jobs that measure at once each write a whole file, the last one stays.
+An entry is a hardware YAML with a last `cache:` section: its key and a SHA-256 of everything above it.
+A file cut short, edited by hand, holding a NaN or made for another key is never used: `lookup` names
+the problem in one line and the caller measures again. Entries are written whole by a rename: two jobs
+that measure at once each write a whole file, the last one stays.
 """
 
 from __future__ import annotations
@@ -46,19 +45,17 @@ def cache_dir() -> Path:
     return Path(os.environ.get(CACHE_DIR_ENV) or "~/.cache/anyrec").expanduser()
 
 
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def package_versions() -> dict[str, str]:
     """The versions of the software a step runs on ("none" where a package is not installed)."""
-    out = {}
-    for name, dists in PACKAGES.items():
-        out[name] = "none"
-        for dist in dists:
-            try:
-                out[name] = importlib.metadata.version(dist)
-                break
-            except importlib.metadata.PackageNotFoundError:
-                continue
-    out["anyrec"] = anyrec.__version__
-    return out
+    out = {name: next(filter(None, map(_version, dists)), "none") for name, dists in PACKAGES.items()}
+    return {**out, "anyrec": anyrec.__version__}
 
 
 @dataclass(frozen=True)
@@ -187,9 +184,8 @@ def write_entry(path: Path, key: CacheKey, data: dict[str, Any], header: str = "
 
 
 def local_key(backend: Backend, info: DistInfo, cores: list[int] | None = None) -> CacheKey:
-    """This host's key, agreed by its ranks: each rank's `cores` (`allowed_cores()` taken before
-    binding; default: now) and thread count are gathered (a collective over `info`'s ranks: every rank
-    calls it). Call after the ranks set their threads."""
+    """This host's key, agreed by its ranks (a collective: every rank calls it, after setting its
+    threads): each rank's `cores` (`allowed_cores()` taken before binding; default: now) and threads."""
     import torch
     import torch.distributed as dist
 
@@ -207,8 +203,7 @@ def local_key(backend: Backend, info: DistInfo, cores: list[int] | None = None) 
 def find_for_device(backend: Backend, one_process: DistInfo, local_world_size: int,
                     directory: Path | None = None) -> Lookup | None:
     """The newest usable entry for this device and software at `local_world_size` ranks per host,
-    whatever cores its ranks had (for `anyrec-plan`, which runs no ranks: `one_process`
-    describes it); None if none."""
+    whatever cores its ranks had, or None (for `anyrec-plan`, which runs no ranks: `one_process`)."""
     import yaml
 
     want = dataclasses.replace(local_key(backend, one_process), local_world_size=local_world_size)

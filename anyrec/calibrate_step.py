@@ -2,12 +2,10 @@
 the planner costs (Python, torchrec's awaitables and KJT handling, DDP, optimizers, synthetic data,
 loss), fitted into the DeviceSpec `step_*`, `sharding_group_s` and `replicated_table_s` fields.
 
-`anyrec.calibrate` (under torchrun) trains anyrec's Trainer at a few tiny points of its own, each with a
-plan given table by table: the tables have 1,000 rows, so lookups and comms bytes are small and what is
-left is framework time. The planner's prediction for each point (with the figures measured before) is
-subtracted, and the rest is fitted by non-negative least squares to per-step, per-feature, per-sample,
-per-id, per-pooled-value, per-sharding-group and per-replicated-table seconds. The points are not the
-benchmarks' workloads: calibration measures primitives, `benchmarks/planner_accuracy.py` validates.
+anyrec's Trainer trains a few tiny points, each with a plan given table by table; with 1,000-row tables
+what is left is framework time. The planner's prediction (with the figures measured before) is
+subtracted, and the rest fitted by non-negative least squares. The points are not the benchmarks'
+workloads: calibration measures primitives, `benchmarks/planner_accuracy.py` validates.
 """
 
 from __future__ import annotations
@@ -33,8 +31,6 @@ from anyrec.trainer.trainer import EBC_PATH, Trainer
 logger = logging.getLogger("anyrec.calibrate")
 
 ROWS = 1_000  # rows per table: lookups stay cheap, framework time dominates
-# DeviceSpec fields the fit determines, in the order of `StepPoint.terms`.
-FIELDS = STEP_FIELDS
 
 
 @dataclass(frozen=True)
@@ -169,10 +165,8 @@ def _train_point(p: StepPoint, backend: Backend, hardware: Hardware, world: int,
 
 def measure_step_costs(backend: Backend, hardware: Hardware, world: int, budget_s: float, fit: Any,
                        bind_cores: bool = True, quick: bool = False) -> dict[str, Any]:
-    """Train every point on the `world` ranks (the process group must be up; the trainers bind cores
-    as `bind_cores` says), fit the framework terms with `fit` (anyrec.calibrate.fit_nonnegative) on what
-    the planner's figures in `hardware` (spec and measured embedding profiles) leave unexplained.
-    `quick`: the points of the calibration on first contact (`points_at`)."""
+    """Train every point of `points_at(world, quick)` on the process group's ranks (binding cores as
+    `bind_cores` says) and fit with `fit` (calibrate.fit_nonnegative) what `hardware` leaves unexplained."""
     points = points_at(world, quick)
     # Five passes (median): with three, one noisy pass of the pooling points swung the per-id term
     # between 0 and 1.8e-7 s between two calibrations of this 2-core host.
@@ -192,7 +186,7 @@ def measure_step_costs(backend: Backend, hardware: Hardware, world: int, budget_
                     p.name, m * 1e3, passes, pred * 1e3)
     rows = [p.terms(world) for p in points]
     coeffs = fit(rows, [m - pred for m, pred in zip(measured, model, strict=True)], scale=measured)
-    fields = dict(zip(FIELDS, coeffs, strict=True))
+    fields = dict(zip(STEP_FIELDS, coeffs, strict=True))  # in the order of `StepPoint.terms`
     fitted = [pred + sum(c * x for c, x in zip(coeffs, r, strict=True))
               for pred, r in zip(model, rows, strict=True)]
     return {
