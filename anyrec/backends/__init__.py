@@ -61,13 +61,6 @@ def registry() -> dict[str, type[Backend]]:
     return _registry
 
 
-def reset_registry() -> None:
-    """Forget discovered plugins (tests change sys.path and discover again)."""
-    global _registry
-    _registry = None
-    _plugin_errors.clear()
-
-
 def detect(facts: DeviceFacts, backends: dict[str, type[Backend]] | None = None) -> str:
     """Name of the backend that drives a machine with these facts (pure; no torch calls)."""
     backends = registry() if backends is None else backends
@@ -120,6 +113,6 @@ def get_backend(name: str = "auto", facts: DeviceFacts | None = None) -> Backend
 
 __all__ = [
     "Backend", "DeviceFacts", "DeviceSpec", "SKUS", "get_sku", "detect", "get_backend",
-    "BUILTINS", "registry", "discover_plugins", "reset_registry", "Hardware", "EmbeddingCost",
+    "BUILTINS", "registry", "discover_plugins", "Hardware", "EmbeddingCost",
     "resolve_hardware", "load_hardware_file", "ENTRY_POINT_GROUP",
 ]

@@ -8,7 +8,7 @@ group, or `register_impl` before first use). The registry is read-only once plug
 A backend lists implementations in preference order (`Backend.kernel_order`); `select` returns the
 record of the first whose probe passes, or of the one the config forces. The caller resolves each op
 once and hands the record down: the planner, the sharder and the model builder never take a name.
-Probes run once per process (`reset_probes()` lets tests run them again); each choice is logged once.
+Probes run once per process; each choice is logged once.
 """
 
 from __future__ import annotations
@@ -214,9 +214,8 @@ def probe_fbgemm(backend: Backend) -> str | None:
         return reason
     key = dispatch_key(backend.device_type)
     names = set(torch._C._dispatch_get_all_op_names())
-    for op in _FBGEMM_TBE_OPS:
-        if op in names and torch._C._dispatch_has_kernel_for_dispatch_key(op, key):
-            return None
+    if any(op in names and torch._C._dispatch_has_kernel_for_dispatch_key(op, key) for op in _FBGEMM_TBE_OPS):
+        return None
     return f"fbgemm_gpu has no TBE kernels for {backend.device_type} (wrong fbgemm_gpu build?)"
 
 
@@ -257,35 +256,23 @@ def _module_present(module: str, what: str) -> Probe:
 
 def all_of(*probes: Probe) -> Probe:
     """A probe that passes when every one of `probes` does (the first reason otherwise)."""
-    def probe(backend: Backend) -> str | None:
-        for p in probes:
-            reason = p(backend)
-            if reason is not None:
-                return reason
-        return None
-
-    return probe
+    return lambda backend: next((reason for p in probes if (reason := p(backend)) is not None), None)
 
 
 # ---- the registry ---------------------------------------------------------------------------------
 
-# FBGEMM TBE's optimizer state per embedding row of width `dim` (fp32 `momentum1`/`momentum2`;
+# FBGEMM TBE's optimizer state as (bytes per row, bytes per element) (fp32 `momentum1`/`momentum2`;
 # checked against fbgemm-gpu's SplitTableBatchedEmbeddingBagsCodegen: EXACT_ROWWISE_ADAGRAD keeps one
 # fp32 per row, EXACT_ADAGRAD one per element, ADAM two per element).
-_FBGEMM_STATE_BYTES_PER_ROW: dict[str, Callable[[int], int]] = {
-    "sgd": lambda dim: 0,
-    "adagrad": lambda dim: 4 * dim,
-    "rowwise_adagrad": lambda dim: 4,
-    "adam": lambda dim: 8 * dim,
-}
+_FBGEMM_STATE_BYTES = {"sgd": (0, 0), "adagrad": (0, 4), "rowwise_adagrad": (4, 0), "adam": (0, 8)}
 
 
 def fbgemm_state_bytes_per_row(optimizer: str, dim: int) -> int:
     """Bytes of optimizer state FBGEMM's TBE keeps per row of width `dim`."""
-    if optimizer not in _FBGEMM_STATE_BYTES_PER_ROW:
-        known = ", ".join(sorted(_FBGEMM_STATE_BYTES_PER_ROW))
-        raise ValueError(f"unknown optimizer {optimizer!r}; known: {known}")
-    return _FBGEMM_STATE_BYTES_PER_ROW[optimizer](dim)
+    if optimizer not in _FBGEMM_STATE_BYTES:
+        raise ValueError(f"unknown optimizer {optimizer!r}; known: {', '.join(sorted(_FBGEMM_STATE_BYTES))}")
+    per_row, per_element = _FBGEMM_STATE_BYTES[optimizer]
+    return per_row + per_element * dim
 
 
 _TRITON_KERNELS = "the op's Triton kernels"  # Triton reaching the device is probe_triton's job
@@ -358,9 +345,7 @@ def _add(impl: Impl) -> None:
     _impls[key] = impl
 
 
-def load_entry_points(
-    entry_points: Iterable[Any], errors: dict[str, str], kind: str
-) -> list[tuple[Any, Any]]:
+def load_entry_points(entry_points: Iterable[Any], errors: dict[str, str], kind: str) -> list[tuple]:
     """(entry point, loaded object) for each entry point in name order; one that fails to load is
     left out with a warning, its error kept in `errors` under its name."""
     loaded = []
@@ -424,12 +409,6 @@ def torchrec_kernel_placements() -> dict[str, str]:
 
 _probe_cache: dict[tuple[str, str, str], str | None] = {}
 _logged: set[tuple[str, str, str]] = set()
-
-
-def reset_probes() -> None:
-    """Forget probe results and logged choices (tests flip the environment and probe again)."""
-    _probe_cache.clear()
-    _logged.clear()
 
 
 def availability(backend: Backend, op: str, impl: str) -> str | None:
