@@ -101,15 +101,10 @@ class CacheKey:
     def differences(self, other: CacheKey) -> list[str]:
         """`field: theirs != ours` for each field in which `other` differs from this key."""
         a, b = self.to_dict(), other.to_dict()
-        out = []
-        for k in a:
-            if k == "versions":
-                for pkg in sorted(set(a[k]) | set(b[k])):
-                    if a[k].get(pkg) != b[k].get(pkg):
-                        out.append(f"{pkg} {b[k].get(pkg)} (this is {a[k].get(pkg)})")
-            elif a[k] != b[k]:
-                out.append(f"{k} {b[k]} (this is {a[k]})")
-        return out
+        ours, theirs = a.pop("versions"), b.pop("versions")  # versions: per package
+        return ([f"{k} {b[k]} (this is {a[k]})" for k in a if a[k] != b[k]]
+                + [f"{pkg} {theirs.get(pkg)} (this is {ours.get(pkg)})" for pkg in sorted({*ours, *theirs})
+                   if ours.get(pkg) != theirs.get(pkg)])
 
 
 def make_key(backend: str, device_name: str, devices_per_host: int, cores_per_rank: list[list[int]],

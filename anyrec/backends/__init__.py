@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from anyrec.backends.cpu import CPUBackend
@@ -63,30 +63,32 @@ def registry() -> dict[str, type[Backend]]:
 
 def detect(facts: DeviceFacts, backends: dict[str, type[Backend]] | None = None) -> str:
     """Name of the backend that drives a machine with these facts (pure; no torch calls)."""
-    backends = registry() if backends is None else backends
-    found = [name for name, cls in backends.items() if name != "cpu" and cls.matches(facts)]
+    return _detect(lambda cls: facts, registry() if backends is None else backends)[0]
+
+
+def _detect(facts_of: Callable[[type[Backend]], DeviceFacts],
+            backends: dict[str, type[Backend]]) -> tuple[str, DeviceFacts | None]:
+    """The one accelerator backend that matches its `facts_of` (else cpu, with no facts), and those facts."""
+    found = [(name, facts) for name, cls in backends.items()
+             if name != "cpu" and cls.matches(facts := facts_of(cls))]
     if len(found) > 1:
-        raise RuntimeError(f"ambiguous accelerator: backends {found} all match {facts}; "
-                           f"choose one with backend.name=")
-    return found[0] if found else "cpu"
+        raise RuntimeError(f"ambiguous accelerator: backends {[n for n, _ in found]} all match this "
+                           f"machine ({found[0][1]}); choose one with backend.name=")
+    return found[0] if found else ("cpu", None)
 
 
 def _detect_live() -> tuple[str, DeviceFacts]:
     """Detection on this machine: each backend reads facts with its own probe (shared when equal)."""
     facts_by_probe: dict[Any, DeviceFacts] = {}
-    found = []
-    for name, cls in registry().items():
-        if name == "cpu":
-            continue
+
+    def facts_of(cls: type[Backend]) -> DeviceFacts:
         probe = cls.probe_facts.__func__  # CUDA and ROCm share one probe: read the device once
         if probe not in facts_by_probe:
             facts_by_probe[probe] = cls.probe_facts()
-        if cls.matches(facts_by_probe[probe]):
-            found.append((name, facts_by_probe[probe]))
-    if len(found) > 1:
-        raise RuntimeError(f"ambiguous accelerator: backends {[n for n, _ in found]} all match this "
-                           f"machine; choose one with backend.name=")
-    return found[0] if found else ("cpu", CPUBackend.probe_facts())
+        return facts_by_probe[probe]
+
+    name, facts = _detect(facts_of, registry())
+    return name, facts or CPUBackend.probe_facts()
 
 
 def get_backend(name: str = "auto", facts: DeviceFacts | None = None) -> Backend:

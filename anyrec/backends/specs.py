@@ -62,10 +62,9 @@ class DeviceSpec:
             v = getattr(self, f.name)
             if isinstance(v, (int, float)) and not isinstance(v, bool) and v < 0:
                 raise ValueError(f"DeviceSpec {self.name}: {f.name} must be >= 0, got {v}")
-        if self.memory_bytes <= 0:
-            raise ValueError(f"DeviceSpec {self.name}: memory_bytes must be > 0")
-        if self.memory_bw_bytes_per_s <= 0:
-            raise ValueError(f"DeviceSpec {self.name}: memory_bw_bytes_per_s must be > 0")
+        for f in ("memory_bytes", "memory_bw_bytes_per_s"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"DeviceSpec {self.name}: {f} must be > 0")
         for f in ("dense_efficiency", "comms_efficiency"):
             if getattr(self, f) > 1.0:
                 raise ValueError(f"DeviceSpec {self.name}: {f} is a fraction of peak, got {getattr(self, f)}")
