@@ -21,15 +21,9 @@ def probe_torch_cuda_facts() -> DeviceFacts:
     arch = getattr(props, "gcnArchName", "") or ""
     if hip is None or not arch:
         arch = f"sm_{props.major}{props.minor}"
-    return DeviceFacts(
-        cuda_available=True,
-        hip_version=hip,
-        device_count=torch.cuda.device_count(),
-        device_name=props.name,
-        arch=arch.split(":")[0],  # "gfx942:sramecc+:xnack-" -> "gfx942"
-        memory_bytes=int(props.total_memory),
-        multiprocessors=int(props.multi_processor_count),
-    )
+    return DeviceFacts(cuda_available=True, hip_version=hip, device_count=torch.cuda.device_count(),
+                       device_name=props.name, arch=arch.split(":")[0],  # "gfx942:sramecc+:xnack-": gfx942
+                       memory_bytes=int(props.total_memory), multiprocessors=int(props.multi_processor_count))
 
 
 # Compute units of the base SKUs an unknown device is scaled from (datasheets: MI300X 304 CUs,

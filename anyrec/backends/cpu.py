@@ -67,13 +67,9 @@ class CPUBackend(Backend):
 
     @classmethod
     def probe_facts(cls) -> DeviceFacts:
-        return DeviceFacts(
-            device_count=1,
-            device_name=platform.processor() or platform.machine(),
-            arch=platform.machine(),
-            memory_bytes=_host_memory_bytes(),
-            multiprocessors=os.cpu_count() or 1,
-        )
+        return DeviceFacts(device_count=1, device_name=platform.processor() or platform.machine(),
+                           arch=platform.machine(), memory_bytes=_host_memory_bytes(),
+                           multiprocessors=os.cpu_count() or 1)
 
     @classmethod
     def matches(cls, facts: DeviceFacts) -> bool:
@@ -105,17 +101,15 @@ class CPUBackend(Backend):
         if not os.path.isdir("/proc/self/task"):
             return None
         self.bind_choice = choose_binding(bind_cores, lambda: measure_core_load(allowed))
-        if not self.bind_choice.bind:
-            logger.info("local rank %d of %d: threads free on cores %s (%s)", local_rank, local_world_size,
-                        ",".join(map(str, allowed)), self.bind_choice.describe())
-            return None
-        bind_threads(share)
-        logger.info("local rank %d of %d: threads bound to cores %s (%s)", local_rank, local_world_size,
-                    ",".join(map(str, share)), self.bind_choice.describe())
-        return share
+        bind = self.bind_choice.bind
+        if bind:
+            bind_threads(share)
+        logger.info("local rank %d of %d: threads %s cores %s (%s)", local_rank, local_world_size,
+                    "bound to" if bind else "free on", ",".join(map(str, share if bind else allowed)),
+                    self.bind_choice.describe())
+        return share if bind else None
 
     def device_spec(self) -> DeviceSpec:
-        mem = self.facts.memory_bytes or SKUS["cpu"].memory_bytes
-        return SKUS["cpu"].replace(
-            arch=self.facts.arch or SKUS["cpu"].arch, memory_bytes=mem, host_memory_bytes=mem
-        )
+        cpu = SKUS["cpu"]
+        mem = self.facts.memory_bytes or cpu.memory_bytes
+        return cpu.replace(arch=self.facts.arch or cpu.arch, memory_bytes=mem, host_memory_bytes=mem)
