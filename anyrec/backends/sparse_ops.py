@@ -186,9 +186,11 @@ def block_bucketize_sparse_features(
     return new_lengths, new_indices, new_weights, new_pos, unbucketize_permute
 
 
-def _permute_pooled(pooled_embs: torch.Tensor, offset_dim_list: torch.Tensor,
-                    permute_list: torch.Tensor) -> torch.Tensor:
-    """Column blocks of [B, D_sum] in `permute_list` order (block i is columns offsets[i]:offsets[i+1])."""
+def permute_pooled_embs(pooled_embs: torch.Tensor, offset_dim_list: torch.Tensor, permute_list: torch.Tensor,
+                        inv_offset_dim_list: torch.Tensor | None = None,
+                        inv_permute_list: torch.Tensor | None = None) -> torch.Tensor:
+    """Column blocks of [B, D_sum] in `permute_list` order (block i is columns offsets[i]:offsets[i+1]);
+    also serves the `_split` variant the column-wise output dist calls (same schema, same result)."""
     if pooled_embs.numel() == 0:
         return pooled_embs
     offsets = offset_dim_list.to(torch.int64)
@@ -199,35 +201,25 @@ def _permute_pooled(pooled_embs: torch.Tensor, offset_dim_list: torch.Tensor,
     return pooled_embs.index_select(1, cols)
 
 
-def permute_pooled_embs(pooled_embs: torch.Tensor, offset_dim_list: torch.Tensor, permute_list: torch.Tensor,
-                        inv_offset_dim_list: torch.Tensor, inv_permute_list: torch.Tensor) -> torch.Tensor:
-    """Reorder the per-feature column blocks of pooled embeddings (also serves the `_split` variant the
-    column-wise output dist calls: same schema, same result)."""
-    return _permute_pooled(pooled_embs, offset_dim_list, permute_list)
-
-
 class _PermutePooled(torch.autograd.Function):
     """Pooled-embedding permute whose backward is the inverse permute."""
 
     @staticmethod
     def forward(ctx, pooled_embs, offset_dim_list, permute_list, inv_offset_dim_list, inv_permute_list):
         ctx.save_for_backward(inv_offset_dim_list, inv_permute_list)
-        return _permute_pooled(pooled_embs, offset_dim_list, permute_list)
+        return permute_pooled_embs(pooled_embs, offset_dim_list, permute_list)
 
     @staticmethod
     def backward(ctx, grad_out):
         inv_offsets, inv_perm = ctx.saved_tensors
-        return _permute_pooled(grad_out.contiguous(), inv_offsets, inv_perm), None, None, None, None
+        return permute_pooled_embs(grad_out.contiguous(), inv_offsets, inv_perm), None, None, None, None
 
 
-def _auto_grad(name: str) -> Callable[..., torch.Tensor]:
-    def kernel(pooled_embs, offset_dim_list, permute_list, inv_offset_dim_list, inv_permute_list):
-        return _PermutePooled.apply(pooled_embs, offset_dim_list, permute_list, inv_offset_dim_list,
-                                    inv_permute_list)
-
-    kernel.__name__ = name.split("::")[1]
-    kernel.__doc__ = f"`{name}`: the pooled-embedding permute with its gradient (inverse permute)."
-    return kernel
+def permute_pooled_embs_auto_grad(pooled_embs, offset_dim_list, permute_list, inv_offset_dim_list,
+                                  inv_permute_list) -> torch.Tensor:
+    """The pooled-embedding permute with its gradient (the inverse permute), both `_auto_grad` ops."""
+    return _PermutePooled.apply(pooled_embs, offset_dim_list, permute_list, inv_offset_dim_list,
+                                inv_permute_list)
 
 
 @dataclass(frozen=True)
@@ -242,8 +234,6 @@ class SparseOp:
 
 # The recorded inventory (plus siblings the same torchrec code reaches with other inputs); call sites
 # are torchrec's (`tr/` = torchrec/, `fb/` = fbgemm_gpu/), see docs/porting.md.
-_AG_SPLIT = "fbgemm::permute_pooled_embs_auto_grad_split"
-_AG = "fbgemm::permute_pooled_embs_auto_grad"
 SPARSE_OPS: dict[str, SparseOp] = {op.name: op for op in (
     SparseOp("fbgemm::asynchronous_complete_cumsum", asynchronous_complete_cumsum,
              "tr/sparse/jagged_tensor.py _to_offsets (KeyedJaggedTensor.offsets)"),
@@ -255,11 +245,11 @@ SPARSE_OPS: dict[str, SparseOp] = {op.name: op for op in (
              "tr/distributed/embedding_sharding.py bucketize_kjt_before_all2all (row-wise)"),
     SparseOp("fbgemm::permute_pooled_embs_split", permute_pooled_embs,
              "fb/permute_pooled_embedding_modules_split.py (FBGEMM's autograd glue for the next op)"),
-    SparseOp(_AG_SPLIT, _auto_grad(_AG_SPLIT),
+    SparseOp("fbgemm::permute_pooled_embs_auto_grad_split", permute_pooled_embs_auto_grad,
              "fb PermutePooledEmbeddingsSplit.forward (tr cw_sharding output dist)", autograd=True),
     SparseOp("fbgemm::permute_pooled_embs", permute_pooled_embs,
              "fb/permute_pooled_embedding_modules.py (FBGEMM's autograd glue for the next op)"),
-    SparseOp(_AG, _auto_grad(_AG),
+    SparseOp("fbgemm::permute_pooled_embs_auto_grad", permute_pooled_embs_auto_grad,
              "fb PermutePooledEmbeddings (tr embeddingbag.py, variable batch output)", autograd=True),
 )}
 
