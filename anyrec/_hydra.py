@@ -1,5 +1,5 @@
-"""Hydra plumbing shared by the entry points: schema registration, resolvers, rank-aware logging,
-and the strict key check (no key the schema does not know)."""
+"""Hydra plumbing shared by the entry points: schema registration, resolvers, rank-aware logging, the
+strict key check, one-line errors and the one composition of a command line."""
 
 from __future__ import annotations
 
@@ -130,10 +130,7 @@ def check_known_keys(cfg: DictConfig) -> None:
 def to_object(cfg: DictConfig) -> AnyrecConfig:
     """A typed `AnyrecConfig` from a composed DictConfig (validated by the schema)."""
     check_known_keys(cfg)
-    obj = OmegaConf.to_object(cfg)
-    if not isinstance(obj, AnyrecConfig):
-        raise TypeError(f"config does not follow the anyrec schema: got {type(obj).__name__}")
-    return obj
+    return OmegaConf.to_object(cfg)  # an AnyrecConfig: config.yaml's defaults name the schema
 
 
 def per_job_dir(path: str | None) -> str | None:

@@ -69,10 +69,8 @@ SIZES = {  # "quick": the calibration a training job runs on first contact (anyr
 
 def timeit(fn: Callable[[], Any], backend: Backend, budget_s: float, min_reps: int = 3,
            reps: int | None = None) -> float:
-    """Median seconds per call of `fn`: one warm-up, then repeat until the budget is spent.
-
-    Collectives pass a fixed `reps`: every rank must make the same number of calls.
-    """
+    """Median seconds per call of `fn`: one warm-up, then repeat until the budget is spent (collectives
+    pass a fixed `reps`: every rank must make the same number of calls)."""
     fn()
     backend.synchronize()
     times: list[float] = []

@@ -1,10 +1,9 @@
-"""Structured config schemas (Hydra ConfigStore) and where the YAML config groups live.
-
-Library code takes these dataclasses (or plain values); `DictConfig` stops at the entry points.
-"""
+"""Structured config schemas (Hydra ConfigStore) and where the YAML config groups live. Library code
+takes these dataclasses (or plain values); `DictConfig` stops at the entry points."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -97,12 +96,9 @@ class BackendConfig:
 
 @dataclass
 class HardwareConfig:
-    """The device the planner reasons about: `auto` (this one), a SKU name, or a YAML file.
-
-    Resolve with `anyrec.backends.resolve_hardware(sku, spec, backend, measurements)`. A calibrated
-    YAML has this same shape, so it can also be a group option (`hardware=NAME` with its folder on
-    Hydra's searchpath); its measurements then arrive in `measurements`.
-    """
+    """The device the planner reasons about (`anyrec.backends.resolve_hardware` resolves it). A calibrated
+    YAML has this shape, so besides `hardware.sku=FILE` it is also a group option (`hardware=NAME`, its
+    folder on Hydra's searchpath), its measurements then in `measurements`."""
 
     sku: str = "auto"  # auto | a SKU name | /path/to/hardware.yaml
     spec: dict[str, Any] = field(default_factory=dict)  # DeviceSpec field overrides
@@ -247,12 +243,8 @@ class AnyrecConfig:
 
 
 def check_values(cfg: AnyrecConfig) -> None:
-    """Counts and sizes that must be positive (a 0 would otherwise mean "unset" or divide by zero).
-
-    Called by the entry points on the typed config; a ValueError names the key.
-    """
-    import math
-
+    """Counts and sizes that must be positive (a 0 would otherwise mean "unset" or divide by zero); a
+    ValueError names the key."""
     positive = {"topology.world_size": cfg.topology.world_size,
                 "topology.local_world_size": cfg.topology.local_world_size,
                 "plan.batch_size": cfg.plan.batch_size, "data.batch_size": cfg.data.batch_size,
