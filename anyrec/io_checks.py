@@ -67,11 +67,8 @@ def writable_file(path: str | os.PathLike | None, what: str) -> None:
 
 @contextlib.contextmanager
 def atomic_write(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
-    """Open a file that appears at `path` whole or not at all.
-
-    Writes go to a temporary file beside `path` (same filesystem, so the rename is atomic), which
-    replaces `path` when the block ends without an exception and is removed when it raises.
-    """
+    """Open a file that appears at `path` whole or not at all: a temporary file beside `path` (same
+    filesystem: the rename is atomic) replaces it when the block ends, and is removed if it raises."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)

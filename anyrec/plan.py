@@ -32,13 +32,9 @@ from anyrec.trainer.distributed import ONE_PROCESS
 
 def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print,
         planner: CoDesignPlanner | None = None) -> PlanResult:
-    """Plan, print the report (and the comparison), write plan.output (JSON) and plan.plot (PNG).
-
-    With `plan.compare`, the same job is also planned on as many devices of that SKU (or calibrated
-    file) and shown side by side, each plan costed with its own hardware's figures; an infeasible
-    comparison is reported, not raised. Raises InfeasiblePlanError (a ValueError) with a one-line
-    message when nothing fits, before anything is written.
-    """
+    """Plan, print the report, write plan.output (JSON) and plan.plot (PNG); InfeasiblePlanError (one
+    line) when nothing fits, before anything is written. `plan.compare` plans the same job on that SKU
+    or file too, each plan costed with its own hardware's figures (an infeasible one is reported)."""
     check_values(cfg)
     writable_file(cfg.plan.output, "plan.output")
     writable_file(cfg.plan.plot, "plan.plot")

@@ -59,10 +59,8 @@ def sparse_features(model: ModelConfig) -> list[SparseFeature]:
 
 
 def load_model_config(name: str, folder: Path | None = None) -> ModelConfig:
-    """A shipped model config (`configs/model/<name>.yaml`) without composing a whole job.
-
-    Entries of its `defaults` list that name another model config are loaded first, as Hydra would.
-    """
+    """A shipped model config (`configs/model/<name>.yaml`) without composing a whole job; entries of
+    its `defaults` list that name another model config are loaded first, as Hydra would."""
     folder = folder or config_dir() / "model"
     path = folder / f"{name}.yaml"
     if not path.is_file():

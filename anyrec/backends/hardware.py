@@ -11,9 +11,7 @@ shape of the `hardware` config group, so the same file also works as a group opt
 Two parts of `measurements` feed the planner, in the `Hardware` value `resolve_hardware` returns (whoever
 plans passes it down; nothing is registered): `embedding.<impl>.profile` (a KernelProfile costed instead
 of the Impl's built-in one) and `measured_fields` (spec fields measured rather than taken from the base).
-
-JSON is YAML too, and the flat form is accepted as well: DeviceSpec fields at the top level with
-`base: <sku>` for the rest (`{"base": "h200", "memory_bw_bytes_per_s": 4.18e12}`).
+The flat form is accepted too: DeviceSpec fields at the top level, `base: <sku>` for the rest.
 """
 
 from __future__ import annotations
@@ -146,8 +144,7 @@ def _yaml_loader():
 
 
 def load_hardware_file(path: str | os.PathLike, backend: Backend | None = None) -> Hardware:
-    """Parse a hardware YAML into a Hardware value (base SKU + overrides, or a complete spec, and the
-    calibration's measurements)."""
+    """A hardware YAML (base SKU + overrides, or a complete spec; measurements) as a Hardware value."""
     import yaml
 
     p = Path(path).expanduser()

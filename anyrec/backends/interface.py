@@ -1,8 +1,5 @@
-"""The hardware abstraction layer: one `Backend` interface every accelerator implements.
-
-Only `anyrec/backends/` may name `torch.cuda`, `torch.version.hip` or vendor libraries; the rest of
-anyrec asks its `Backend` for the device, the process-group backend and the kernels.
-"""
+"""The hardware abstraction layer: one `Backend` interface every accelerator implements. Only
+`anyrec/backends/` may name `torch.cuda`, `torch.version.hip` or vendor libraries."""
 
 from __future__ import annotations
 
@@ -111,17 +108,13 @@ class Backend(abc.ABC):
         return torch.autocast(device_type=self.device_type, dtype=torch.bfloat16)
 
     def probe(self, impl: str) -> str | None:
-        """This backend's veto on implementation `impl` (None: let the Impl's own probe decide).
-
-        Override to answer for a library of your own, or to rule one out on your device.
-        """
+        """This backend's veto on implementation `impl` (None: let the Impl's own probe decide); override
+        to answer for a library of your own, or to rule one out on your device."""
         return None
 
     def select_kernels(self, cfg: Any = None) -> dict[str, Impl]:
-        """Op name -> its Impl record, honouring `cfg` (a BackendConfig: `embedding_kernel`, ...).
-
-        Probes once, logs each choice once, raises ValueError for a forced choice that cannot run.
-        """
+        """Op name -> its Impl record, honouring `cfg` (a BackendConfig); probes and logs once, raises
+        ValueError for a forced choice that cannot run."""
         requested = {op.name: str(getattr(cfg, op.config_key, "auto") or "auto")
                      for op in OPS.values() if op.config_key}
         key = tuple(sorted(requested.items()))

@@ -15,11 +15,8 @@ from anyrec.backends.dispatch import Impl
 
 
 class KernelFamilySharder(EmbeddingBagCollectionSharder):
-    """torchrec's EBC sharder restricted to one implementation's compute kernels.
-
-    Planners see only those kernels; a plan naming another kernel for a sharded table is an error,
-    never rewritten, so what runs is what the backend selected and the planner costed.
-    """
+    """torchrec's EBC sharder restricted to one implementation's compute kernels: a plan naming another
+    kernel for a sharded table is an error, never rewritten (what runs is what the planner costed)."""
 
     def __init__(self, impl: str, kernels: list[str], **kwargs) -> None:
         super().__init__(**kwargs)
