@@ -87,11 +87,8 @@ def _schema_keys(node_type: type, prefix: str = "") -> list[str]:
 
 
 def _unknown_keys(cfg: DictConfig, prefix: str = "") -> list[tuple[str, list[str]]]:
-    """Keys of `cfg` its schema does not define, each with the keys known at its level.
-
-    Hydra's `+key=value` adds a key even to a structured (schema-typed) config, and OmegaConf drops
-    it when building the dataclass, so a typo there would be accepted silently.
-    """
+    """Keys of `cfg` its schema does not define, each with the keys known at its level (Hydra's
+    `+key=value` adds a key even to a structured config, which OmegaConf then drops silently)."""
     schema = OmegaConf.get_type(cfg)
     if not dataclasses.is_dataclass(schema):
         return []  # a free-form mapping (e.g. hardware.spec): checked where it is used

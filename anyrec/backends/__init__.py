@@ -31,11 +31,8 @@ _plugin_errors: dict[str, str] = {}
 
 
 def discover_plugins(entry_points: Iterable[Any] | None = None) -> dict[str, type[Backend]]:
-    """Plugin backends from the `anyrec.backends` entry-point group (name -> Backend subclass).
-
-    A plugin that fails to load is left out with a warning (and its error kept for `get_backend`);
-    a name taken by another class raises, since detection could not tell them apart.
-    """
+    """Plugin backends of the `anyrec.backends` entry-point group (name -> Backend subclass): one that
+    fails to load is left out with a warning; a name taken twice raises (detection could not tell)."""
     eps = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP) if entry_points is None else entry_points
     found: dict[str, type[Backend]] = {}
     ours = {f"{b.__module__}:{b.__qualname__}" for b in BUILTINS.values()}

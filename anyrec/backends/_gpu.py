@@ -40,11 +40,8 @@ def _warn_once(facts: DeviceFacts, msg: str, *args: object) -> None:
 
 
 def derived_spec(facts: DeviceFacts, vendor: str) -> DeviceSpec:
-    """A spec for an unknown GPU: the nearest SKU of its family, scaled by its own properties.
-
-    Memory comes from the device; FLOP/s scale with compute units; bandwidths stay the base's
-    until `anyrec.calibrate` measures them. Warns once per device.
-    """
+    """A spec for an unknown GPU: the nearest SKU of its family with the device's memory, FLOP/s scaled
+    by compute units, bandwidths the base's until `anyrec.calibrate` measures them."""
     arch = facts.arch.lower()
     if vendor == "amd":
         base = "mi300x"

@@ -80,10 +80,8 @@ class CPUBackend(Backend):
 
     def bind_local_rank(self, local_rank: int, local_world_size: int,
                         bind_cores: bool | str = "auto") -> list[int] | None:
-        """Ranks on one host share its cores: each runs torch's threads on its own contiguous share
-        and, where `bind_cores` says so (true; auto: where other processes leave the cores free, see
-        `anyrec.backends.core_load`), every thread of the process is bound to that share. The
-        decision is kept in `self.bind_choice` (None where nothing was to decide)."""
+        """Each rank runs torch's threads on its own contiguous share of the host's cores, bound to it
+        where `bind_cores` says so (auto: see core_load); the decision is kept in `self.bind_choice`."""
         self.bind_choice: BindChoice | None = None
         bind_setting(bind_cores)  # a bad value fails on every host, not only where it would be read
         if local_world_size <= 1:

@@ -122,11 +122,9 @@ def block_bucketize_sparse_features(
     block_bucketize_pos: list[torch.Tensor] | None = None, keep_orig_idx: bool = False,
     total_num_blocks: torch.Tensor | None = None, keep_orig_idx_per_feature: torch.Tensor | None = None,
 ):
-    """Split each bag's ids by the rank owning their row block (row-wise input distribution).
-
-    Returns (lengths [my_size * T*B], ids, weights?, positions?, unbucketize permute?) laid out bucket
-    by bucket; ids keep their order inside a bag, as in FBGEMM's sequential CPU kernel.
-    """
+    """Split each bag's ids by the rank owning their row block (row-wise input distribution): (lengths
+    [my_size * T*B], ids, weights?, positions?, unbucketize permute?) bucket by bucket; ids keep their
+    order inside a bag, as in FBGEMM's sequential CPU kernel."""
     if block_bucketize_pos:
         raise NotImplementedError("block_bucketize_sparse_features: the portable kernel does not "
                                   "implement block_bucketize_pos (uneven/ZCH buckets)")
@@ -344,12 +342,9 @@ def probe_fbgemm(backend: Backend) -> str | None:
 
 
 def install(backend: Backend, mode: str = "auto") -> SparseOpsChoice:
-    """Make every inventory op runnable on the backend's device, as `backend.sparse_ops` says.
-
-    `auto`: FBGEMM where it has a kernel, portable kernels for the rest; `portable`: portable kernels
-    for all (overriding FBGEMM's); `fbgemm`: FBGEMM only (fails if it lacks a kernel for the device).
-    The implementation is chosen by the backend's op dispatch (op `sparse_ops`), logged once.
-    """
+    """Make every inventory op runnable on the backend's device, as `backend.sparse_ops` says (chosen by
+    the op dispatch, logged once): `auto`: FBGEMM where it has a kernel, portable kernels for the rest;
+    `portable`: portable kernels for all; `fbgemm`: FBGEMM only (fails if it lacks a kernel)."""
     if mode not in MODES:
         raise ValueError(f"backend.sparse_ops must be one of {', '.join(MODES)}, got {mode!r}")
     key = dispatch_key(backend.device_type)
