@@ -226,29 +226,21 @@ class SparseOp:
 
     name: str
     kernel: Callable[..., Any]
-    call_site: str  # where torchrec (or fbgemm_gpu's Python) calls it in the training step
     autograd: bool = False
 
 
-# The recorded inventory (plus siblings the same torchrec code reaches with other inputs); call sites
-# are torchrec's (`tr/` = torchrec/, `fb/` = fbgemm_gpu/), see docs/porting.md.
+# The recorded inventory, plus siblings the same torchrec code reaches with other inputs (where torchrec
+# and fbgemm_gpu call each in the training step: docs/porting.md, "Sparse ops").
 SPARSE_OPS: dict[str, SparseOp] = {op.name: op for op in (
-    SparseOp("fbgemm::asynchronous_complete_cumsum", asynchronous_complete_cumsum,
-             "tr/sparse/jagged_tensor.py _to_offsets (KeyedJaggedTensor.offsets)"),
-    SparseOp("fbgemm::permute_2D_sparse_data", permute_2D_sparse_data,
-             "tr/sparse/jagged_tensor.py KeyedJaggedTensor.permute, KJTAllToAllTensorsAwaitable"),
-    SparseOp("fbgemm::permute_1D_sparse_data", permute_1D_sparse_data,
-             "tr/sparse/jagged_tensor.py KJTAllToAllTensorsAwaitable (variable batch per rank)"),
-    SparseOp("fbgemm::block_bucketize_sparse_features", block_bucketize_sparse_features,
-             "tr/distributed/embedding_sharding.py bucketize_kjt_before_all2all (row-wise)"),
-    SparseOp("fbgemm::permute_pooled_embs_split", permute_pooled_embs,
-             "fb/permute_pooled_embedding_modules_split.py (FBGEMM's autograd glue for the next op)"),
-    SparseOp("fbgemm::permute_pooled_embs_auto_grad_split", permute_pooled_embs_auto_grad,
-             "fb PermutePooledEmbeddingsSplit.forward (tr cw_sharding output dist)", autograd=True),
-    SparseOp("fbgemm::permute_pooled_embs", permute_pooled_embs,
-             "fb/permute_pooled_embedding_modules.py (FBGEMM's autograd glue for the next op)"),
-    SparseOp("fbgemm::permute_pooled_embs_auto_grad", permute_pooled_embs_auto_grad,
-             "fb PermutePooledEmbeddings (tr embeddingbag.py, variable batch output)", autograd=True),
+    SparseOp("fbgemm::asynchronous_complete_cumsum", asynchronous_complete_cumsum),
+    SparseOp("fbgemm::permute_2D_sparse_data", permute_2D_sparse_data),
+    SparseOp("fbgemm::permute_1D_sparse_data", permute_1D_sparse_data),  # variable batch per rank
+    SparseOp("fbgemm::block_bucketize_sparse_features", block_bucketize_sparse_features),  # row-wise
+    # each pooled permute is what FBGEMM's Python autograd glue calls for the auto_grad op after it
+    SparseOp("fbgemm::permute_pooled_embs_split", permute_pooled_embs),
+    SparseOp("fbgemm::permute_pooled_embs_auto_grad_split", permute_pooled_embs_auto_grad, autograd=True),
+    SparseOp("fbgemm::permute_pooled_embs", permute_pooled_embs),
+    SparseOp("fbgemm::permute_pooled_embs_auto_grad", permute_pooled_embs_auto_grad, autograd=True),
 )}
 
 
