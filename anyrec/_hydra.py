@@ -19,6 +19,7 @@ from hydra._internal.hydra import Hydra
 from hydra._internal.utils import create_config_search_path, run_and_report
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import run_job
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from hydra.types import HydraContext, RunMode
@@ -132,8 +133,6 @@ def to_object(cfg: DictConfig) -> AnyrecConfig:
 
 def per_job_dir(path: str | None) -> str | None:
     """Under a Hydra multirun, `path/<job number>`: jobs of one sweep never share a checkpoint dir."""
-    from hydra.core.hydra_config import HydraConfig
-
     if path is None or not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
         return path
     return os.path.join(path, str(HydraConfig.get().job.num))

@@ -26,6 +26,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+import torch.distributed as dist
+import yaml
+
 import anyrec
 from anyrec.backends import Backend, Hardware, load_hardware_file
 from anyrec.backends.cpu import allowed_cores
@@ -137,8 +141,6 @@ class Lookup:
 
 def read_entry(path: Path, key: CacheKey) -> Lookup:
     """Cache file `path` as a hit, checked whole and against `key`; ValueError in one line."""
-    import yaml
-
     try:
         data = yaml.safe_load(path.read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
@@ -168,8 +170,6 @@ def lookup(key: CacheKey, directory: Path | None = None) -> Lookup:
 
 def write_entry(path: Path, key: CacheKey, data: dict[str, Any], header: str = "") -> Path:
     """Write hardware-file `data` as the cache entry for `key` at `path`, whole or not at all."""
-    import yaml
-
     entry = {k: v for k, v in data.items() if k != "cache"}
     entry = yaml.safe_load(yaml.safe_dump(entry, sort_keys=False))  # the digest of what is read back
     entry["cache"] = {"key": key.to_dict(), "sha256": _content_digest(entry),
@@ -181,9 +181,6 @@ def write_entry(path: Path, key: CacheKey, data: dict[str, Any], header: str = "
 def local_key(backend: Backend, info: DistInfo, cores: list[int] | None = None) -> CacheKey:
     """This host's key, agreed by its ranks (a collective: every rank calls it, after setting its
     threads): each rank's `cores` (`allowed_cores()` taken before binding; default: now) and threads."""
-    import torch
-    import torch.distributed as dist
-
     mine = (info.host, info.local_rank, allowed_cores() if cores is None else cores, torch.get_num_threads())
     everyone = [mine]
     if info.world_size > 1:
@@ -199,8 +196,6 @@ def find_for_device(backend: Backend, one_process: DistInfo, local_world_size: i
                     directory: Path | None = None) -> Lookup | None:
     """The newest usable entry for this device and software at `local_world_size` ranks per host,
     whatever cores its ranks had, or None (for `anyrec-plan`, which runs no ranks: `one_process`)."""
-    import yaml
-
     want = dataclasses.replace(local_key(backend, one_process), local_world_size=local_world_size)
     same = ("backend", "device_name", "devices_per_host", "local_world_size", "versions")
     paths = sorted((directory or cache_dir()).glob(f"{want.file_prefix()}*.yaml"),

@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
+import yaml
+
 
 def _reason(e: OSError) -> str:
     return e.strerror or type(e).__name__
@@ -87,7 +89,5 @@ def atomic_write(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
 
 def write_yaml(path: str | os.PathLike, data: dict, header: str = "") -> None:
     """`header` (comment lines) and `data` as YAML at `path`, in `data`'s order, whole or not at all."""
-    import yaml
-
     with atomic_write(path) as f:
         f.write(header + yaml.safe_dump(data, sort_keys=False, default_flow_style=False))

@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import yaml
 
 from anyrec.backends.calfile import SPEC_FIELDS, check_hardware_data, check_spec_value
 from anyrec.backends.dispatch import TORCH_EMBEDDING, Impl, KernelProfile
@@ -126,33 +129,23 @@ def apply_overrides(spec: DeviceSpec, overrides: dict[str, Any] | None,
     return check_spec(spec.replace(**{k: _coerce(k, v) for k, v in overrides.items()}), where)
 
 
-def _yaml_loader():
+class _Loader(yaml.SafeLoader):
     """A safe YAML loader that also reads `4.8e12` as a number (YAML 1.1 wants `4.8e+12`)."""
-    import re
 
-    import yaml
 
-    class Loader(yaml.SafeLoader):
-        pass
-
-    Loader.add_implicit_resolver(
-        "tag:yaml.org,2002:float",
-        re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?(?:[eE][-+]?[0-9]+)$"),
-        list("-+0123456789"),
-    )
-    return Loader
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float",
+                              re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?(?:[eE][-+]?[0-9]+)$"),
+                              list("-+0123456789"))
 
 
 def load_hardware_file(path: str | os.PathLike, backend: Backend | None = None) -> Hardware:
     """A hardware YAML (base SKU + overrides, or a complete spec; measurements) as a Hardware value."""
-    import yaml
-
     p = Path(path).expanduser()
     where = f"hardware file {p}"
     if not p.is_file():
         raise ValueError(f"hardware file {str(p)!r} does not exist")
     try:
-        data = yaml.load(p.read_text(), Loader=_yaml_loader()) or {}
+        data = yaml.load(p.read_text(), Loader=_Loader) or {}
     except yaml.YAMLError as e:
         raise ValueError(f"{where}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(data, dict):
