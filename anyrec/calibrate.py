@@ -46,9 +46,8 @@ from anyrec.trainer.distributed import env_dist_info
 logger = logging.getLogger("anyrec.calibrate")
 
 OPTIMIZER = "adagrad"  # the default config's; the profile's bytes term covers any optimizer's state
-# Embedding step points: (tables, rows, dim, batch, pooling). They vary ids (pooling, batch) and bytes
-# per id (dim) independently, and one is tiny, so the fit can tell per-row, per-byte and per-launch
-# costs apart.
+# Embedding step points: (tables, rows, dim, batch, pooling). They vary ids (pooling, batch) and bytes per
+# id (dim) independently, and one is tiny, so the fit can tell per-row, per-byte and per-launch costs apart.
 EMB_POINTS = {
     "small": [(1, 1_000, 16, 32, 1), (2, 5_000, 16, 128, 8), (2, 5_000, 128, 128, 8),
               (2, 5_000, 64, 128, 32), (4, 10_000, 64, 64, 4), (2, 5_000, 256, 64, 2)],
@@ -213,10 +212,8 @@ def measure_embedding(backend: Backend, device: torch.device, spec: DeviceSpec, 
         if reason is not None:
             out[impl.name] = {"skipped": reason}
             continue
-        measured = []
         try:
-            for point in points:
-                measured.append(timeit(_embedding_step(impl, device, point), backend, budget_s))
+            measured = [timeit(_embedding_step(impl, device, point), backend, budget_s) for point in points]
         except (RuntimeError, NotImplementedError, ValueError) as e:
             out[impl.name] = {"skipped": f"failed: {str(e).splitlines()[0][:160]}"}
             continue
@@ -246,7 +243,8 @@ _BUS_FACTOR = {
 }
 
 
-def _collective(op: str, x: torch.Tensor, world: int) -> Callable[[], Any]:
+def _collective(op: str, nbytes: int, world: int, device: torch.device) -> Callable[[], Any]:
+    x = torch.ones(nbytes // 4 // world * world, dtype=torch.float32, device=device)
     if op == "all_to_all":
         y = torch.empty_like(x)
         return lambda: dist.all_to_all_single(y, x)
@@ -262,11 +260,8 @@ def measure_collectives(device: torch.device, sizes: list[int], backend: Backend
     `world` ranks of the process group, fitted into latency_s + bus bytes / bus_bw_bytes_per_s."""
     out: dict[str, Any] = {"world_size": world}
     for op, bus in _BUS_FACTOR.items():
-        times = []
         try:
-            for nbytes in sizes:
-                x = torch.ones(nbytes // 4 // world * world, dtype=torch.float32, device=device)
-                times.append(timeit(_collective(op, x, world), backend, budget_s, reps=10))
+            times = [timeit(_collective(op, n, world, device), backend, budget_s, reps=10) for n in sizes]
         except (RuntimeError, NotImplementedError) as e:  # e.g. a process group without the op
             out[op] = {"skipped": str(e).splitlines()[0][:160]}
             continue
@@ -376,11 +371,9 @@ def hardware_yaml(backend: Backend, m: dict) -> dict:
 def format_table(m: dict) -> str:
     """The measurements as a small text table."""
     rows = [("copy", "", m["copy_bw_bytes_per_s"] / 1e9, "GB/s")]
-    for key, variant in (("h2d_bw_bytes_per_s", "pinned"), ("h2d_pageable_bw_bytes_per_s", "pageable")):
-        if key in m:
-            rows.append(("host->device", variant, m[key] / 1e9, "GB/s"))
-    for dtype, v in m["gemm_flops"].items():
-        rows.append(("gemm", dtype, v / 1e12, "TFLOP/s"))
+    rows += [("host->device", variant, m[key] / 1e9, "GB/s") for key, variant in
+             (("h2d_bw_bytes_per_s", "pinned"), ("h2d_pageable_bw_bytes_per_s", "pageable")) if key in m]
+    rows += [("gemm", dtype, v / 1e12, "TFLOP/s") for dtype, v in m["gemm_flops"].items()]
     rows.append(("dlrm mlp f+b", "fp32", m["dlrm_mlp"]["flops"] / 1e12, "TFLOP/s"))
     skipped = []
     for impl, e in m["embedding"].items():

@@ -284,10 +284,9 @@ def run(cfg: AnyrecConfig) -> int:
     reference = check_options(opts)
     base = [o for o in HydraConfig.get().overrides.task if not o.startswith("parity.")]
     variants = [parse_variant(v) for v in opts.variants] or [Variant(label="(base)")]
-    labels, records = [], []
+    labels, records = [v.label for v in variants], []
     for v in variants:
         print(f"anyrec-parity: running {v.label} ...", file=sys.stderr, flush=True)
-        labels.append(v.label)
         records.append(run_variant(base, v, opts.timeout_s))
     if opts.save is not None:
         runs = [{"label": lb, "base": base, **rec} for lb, rec in zip(labels, records, strict=True)
