@@ -48,8 +48,7 @@ def _rank0_only(value: str) -> str | None:
 
 
 def setup() -> None:
-    """Idempotent: register the config schema (every YAML group is type-checked against it) and
-    anyrec's resolvers."""
+    """Idempotent: register the config schema (which type-checks every YAML group) and the resolvers."""
     # FBGEMM logs every library it loads at INFO on the root logger; load it before Hydra turns
     # INFO logging on, so the console shows anyrec's messages only.
     import torchrec  # noqa: F401
@@ -196,8 +195,7 @@ def cli_problem(overrides: list[str]) -> str | None:
 
 
 def _refuse(prog: str, problem: str) -> NoReturn:
-    """Exit 2 with `problem` in one line: printed by rank 0 (every rank refuses alike), and in each
-    rank's torchrun error file."""
+    """Exit 2 with `problem` in one line, printed by rank 0 and in each rank's torchrun error file."""
     line = f"{prog}: error: {problem}"
     if os.environ.get("RANK", "0") == "0":
         print(line, file=sys.stderr, flush=True)
@@ -206,8 +204,7 @@ def _refuse(prog: str, problem: str) -> NoReturn:
 
 
 def run_typed(prog: str, run: Callable[[AnyrecConfig], Any], cfg: DictConfig) -> None:
-    """`run` on the typed config; a ValueError (a user mistake, an infeasible plan) is one line on
-    stderr and exit status 2."""
+    """`run` on the typed config; a ValueError (a user mistake, an infeasible plan): one line, exit 2."""
     try:
         run(to_object(cfg))
     except ValueError as e:

@@ -36,8 +36,7 @@ def wants_calibration(cfg: AnyrecConfig) -> bool:
 
 
 def calibrated_hardware(cfg: AnyrecConfig) -> str:
-    """The cached calibration file for this machine, measured now if the cache has none usable
-    (a collective: every rank calls it)."""
+    """This machine's cached calibration file, measured now if none is usable (every rank calls it)."""
     backend = get_backend(cfg.backend.name)
     info = init_distributed(backend, cfg.trainer.collective_timeout_s, cfg.trainer.peer_timeout_s)
     cores = allowed_cores()

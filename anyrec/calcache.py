@@ -126,8 +126,7 @@ def _content_digest(data: dict[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class Lookup:
-    """What the cache holds for a key: the file's path, its Hardware when usable (and whether its ranks
-    measured with bound threads), or why it is not."""
+    """What the cache holds for a key: its path, and its Hardware (threads bound?) or why it is unusable."""
 
     path: Path
     hardware: Hardware | None = None

@@ -108,8 +108,7 @@ def fit_nonnegative(rows: list[list[float]], y: list[float], scale: list[float] 
 
 
 def measure_copy(backend: Backend, device: torch.device, nbytes: int, budget_s: float) -> dict[str, float]:
-    """Device copy bandwidth (read + write counted); on accelerators host->device bandwidth from pinned
-    and from pageable memory."""
+    """Device copy bandwidth (read + write); on accelerators host->device from pinned and pageable."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
     out = {"copy_bw_bytes_per_s": 2 * nbytes / timeit(lambda: dst.copy_(src), backend, budget_s)}
@@ -136,8 +135,7 @@ def measure_gemm(backend: Backend, device: torch.device, n: int, budget_s: float
 
 def measure_dlrm_mlp(backend: Backend, device: torch.device, batch: int, layers: list[int],
                      budget_s: float) -> dict[str, float]:
-    """fp32 FLOP/s of a DLRM-shaped MLP's forward + backward, counted as the planner counts it
-    (6 FLOPs per parameter per sample)."""
+    """fp32 FLOP/s of a DLRM-shaped MLP's forward + backward, 6 per parameter per sample as planned."""
     mods: list[torch.nn.Module] = []
     for a, b in itertools.pairwise(layers):
         mods += [torch.nn.Linear(a, b), torch.nn.ReLU()]

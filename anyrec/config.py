@@ -243,8 +243,7 @@ class AnyrecConfig:
 
 
 def check_values(cfg: AnyrecConfig) -> None:
-    """Counts and sizes that must be positive (a 0 would otherwise mean "unset" or divide by zero); a
-    ValueError names the key."""
+    """Counts and sizes that must be positive (a 0 would mean "unset" or divide by zero), by key."""
     positive = {"topology.world_size": cfg.topology.world_size,
                 "topology.local_world_size": cfg.topology.local_world_size,
                 "plan.batch_size": cfg.plan.batch_size, "data.batch_size": cfg.data.batch_size,

@@ -113,8 +113,7 @@ class Backend(abc.ABC):
         return None
 
     def select_kernels(self, cfg: Any = None) -> dict[str, Impl]:
-        """Op name -> its Impl record, honouring `cfg` (a BackendConfig); probes and logs once, raises
-        ValueError for a forced choice that cannot run."""
+        """Op name -> its Impl record, honouring `cfg` (a BackendConfig); probes and logs once per key."""
         requested = {op.name: str(getattr(cfg, op.config_key, "auto") or "auto")
                      for op in OPS.values() if op.config_key}
         key = tuple(sorted(requested.items()))

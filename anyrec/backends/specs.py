@@ -186,8 +186,7 @@ _ARCH_RULES: dict[str, list[tuple[str, int, int]]] = {
 
 
 def match_sku(device_name: str, arch: str = "", memory_bytes: int = 0) -> tuple[str | None, str]:
-    """(SKU key or None, how it matched: 'name' | 'arch+memory' | reason for no match); pure, so every
-    SKU's detection is testable without the device."""
+    """(SKU key or None, how: 'name' | 'arch+memory' | why none); pure: testable without the device."""
     name = device_name.lower().replace(" ", "").replace("-", "").replace("_", "")
     excluded = next((x for x in _NAME_EXCLUDES if x in name), None)
     if excluded is None:
