@@ -71,8 +71,7 @@ class DataConfig:
     eval_files: list[str] = field(default_factory=list)  # empty: evaluate on the train files
     on_malformed: OnMalformed = OnMalformed.error  # skip: count them and report the count
     hash_ids: bool = True  # ids modulo the table size (Criteo ids are 32-bit hashes)
-    # TSV: torchrec is log(x - min + 2), as torchrec's tsv_to_npys
-    dense_transform: DenseTransform = DenseTransform.torchrec
+    dense_transform: DenseTransform = DenseTransform.torchrec  # TSV; torchrec: log(x - min + 2) (tsv_to_npys)
     prefetch: int = 2  # batches made ahead by background threads (files; synthetic on a CPU); 0 = in the step
     prefetch_workers: int = 1  # threads making them (order is kept either way)
 
@@ -88,9 +87,8 @@ class BackendConfig:
     # FBGEMM sparse ops of torchrec's sharded path: auto (FBGEMM where it has a kernel for the device,
     # pure-torch kernels elsewhere) | fbgemm | portable (pure torch everywhere, overriding FBGEMM)
     sparse_ops: SparseOps = SparseOps.auto
-    # CPU device, several ranks per host: bind each rank's threads to its own share of the cores
-    # (false: threads float over all cores, torch's thread count still split between the ranks;
-    # auto: bind unless other processes were using the cores at start, see backends/core_load.py)
+    # CPU, several ranks per host: bind each rank's threads to its share of the cores (false: threads
+    # float, their count still split; auto: bind unless other processes use the cores, backends/core_load.py)
     bind_cores: str = "auto"  # auto | true | false
 
 
@@ -161,15 +159,13 @@ class TrainerConfig:
     eval_steps: int = 20  # batches per rank per evaluation; 0 = no evaluation
     eval_every: int = 0  # steps between evaluations; 0 = only at the end
     log_every: int = 25
-    # >0: the last N steps run under torch.profiler (after one profiler warm-up step), left out of
-    # measured_step_ms; the summary's step_breakdown_ms splits them into forward, backward, optimizer,
-    # other and collectives per rank, beside the plan's predicted split
+    # >0: the last N steps run under torch.profiler (after a warm-up step), out of measured_step_ms; the
+    # summary's step_breakdown_ms splits them per rank (forward, backward, optimizer, other, collectives)
     breakdown_steps: int = 0
     progress: bool = True
     pipeline: bool = True  # torchrec TrainPipelineSparseDist (input dist overlapped with compute)
     mixed_precision: Precision = Precision.auto  # auto: bf16 autocast on accelerators, fp32 on CPU
-    # NaN/inf loss, or NaN/inf dense inputs of a training batch (any source): skip the batch, not stop
-    skip_nonfinite: bool = False
+    skip_nonfinite: bool = False  # NaN/inf loss or dense inputs of a training batch: skip it, not stop
     validate_inputs: bool = True  # check ids and feature counts of every batch before it is used
     run_dir: str | None = None  # JSONL/TensorBoard logs; the entry point sets Hydra's output dir
     tensorboard: bool = True

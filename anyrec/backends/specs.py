@@ -39,23 +39,18 @@ class DeviceSpec:
     # Achieved / peak, where measured (anyrec.calibrate); 0: the planner's empirical defaults.
     dense_efficiency: float = 0.0  # DLRM-shape MLP GEMMs (forward + backward) vs peak_*_flops
     comms_efficiency: float = 0.0  # all-to-all bus bandwidth vs the link bandwidth
-    # Framework costs of the trainer's step on this device (Python, torchrec's awaitables and KJT
-    # handling, DDP, optimizers, synthetic data, loss), seconds; measured by anyrec.calibrate's trainer
-    # step points, 0: unmeasured (not modelled). Per step, per sparse feature, per local sample, per
-    # local id, per pooled value (local batch x sum of feature dims), per entry of the pairwise
-    # interaction (local batch x (features + 1)^2, the dot interaction's matrix: its bmm, triangle
-    # gather and their backward), per dense parameter tensor (its gradient, DDP bucket copy and
-    # optimizer update: fixed costs beyond the FLOPs), per group of sharded tables of one sharding
-    # type (its own input and output all-to-alls), per data-parallel table.
-    step_fixed_s: float = 0.0
-    step_per_feature_s: float = 0.0
-    step_per_sample_s: float = 0.0
-    step_per_id_s: float = 0.0
-    step_per_value_s: float = 0.0
+    # Framework costs of the trainer's step (Python, torchrec's awaitables and KJT handling, DDP,
+    # optimizers, data, loss), seconds, measured by anyrec.calibrate's step points; 0: not modelled.
+    step_fixed_s: float = 0.0  # per step
+    step_per_feature_s: float = 0.0  # per sparse feature
+    step_per_sample_s: float = 0.0  # per local sample
+    step_per_id_s: float = 0.0  # per local id
+    step_per_value_s: float = 0.0  # per pooled value (local batch x sum of feature dims)
+    # per entry of the dot interaction's matrix, local batch x (features + 1)^2 (bmm, gather, backward)
     step_per_pair_s: float = 0.0
-    step_per_dense_tensor_s: float = 0.0
-    sharding_group_s: float = 0.0
-    replicated_table_s: float = 0.0
+    step_per_dense_tensor_s: float = 0.0  # per dense parameter tensor (gradient, DDP copy, update)
+    sharding_group_s: float = 0.0  # per sharding type used (its own input and output all-to-alls)
+    replicated_table_s: float = 0.0  # per data-parallel table
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
