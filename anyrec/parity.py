@@ -93,7 +93,7 @@ def check_options(opts: ParityConfig) -> dict[str, Any] | None:
 # ---- one variant, inside its own process(es) ----------------------------------------------------
 
 # What the worker adds to the base job: the steps only (no evaluation, checkpoints or progress bar).
-_STEPS_ONLY = ["trainer.eval_steps=0", "trainer.checkpoint.dir=null", "trainer.progress=false"]
+STEPS_ONLY = ["trainer.eval_steps=0", "trainer.checkpoint.dir=null", "trainer.progress=false"]
 
 
 def full_weights(model, info: DistInfo) -> dict[str, Any]:
@@ -122,18 +122,9 @@ def train_losses(trainer: Trainer) -> list[float]:
     return all_reduce_mean([float(x) for x in losses], trainer.device)
 
 
-def local_losses(overrides: list[str]) -> list[float]:
-    """Per-step training losses of the job `overrides` run in this process (one rank)."""
-    trainer = Trainer(_hydra.compose_job([*overrides, *_STEPS_ONLY]))
-    try:
-        return train_losses(trainer)
-    finally:
-        trainer.close()
-
-
 def worker(out_path: str, overrides: list[str]) -> None:
     """Train one variant; rank 0 writes its record to `out_path`."""
-    trainer = Trainer(_hydra.compose_job([*overrides, *_STEPS_ONLY]))
+    trainer = Trainer(_hydra.compose_job([*overrides, *STEPS_ONLY]))
     try:
         losses = train_losses(trainer)
         weights = full_weights(trainer.model, trainer.dist)
