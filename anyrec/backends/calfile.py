@@ -39,17 +39,8 @@ def _non_finite(value: Any, path: str) -> str | None:
     """The dotted path of the first NaN or infinite number in `value`, or None."""
     if isinstance(value, float) and not math.isfinite(value):
         return path
-    if isinstance(value, dict):
-        items = value.items()
-    elif isinstance(value, list):
-        items = enumerate(value)
-    else:
-        return None
-    for k, v in items:
-        found = _non_finite(v, f"{path}.{k}" if path else str(k))
-        if found:
-            return found
-    return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    return next((bad for k, v in items if (bad := _non_finite(v, f"{path}.{k}" if path else str(k)))), None)
 
 
 def check_spec_value(name: str, value: Any, where: str) -> None:
