@@ -1,13 +1,11 @@
 """Whether a CPU rank should pin its threads, decided from what the host's cores are doing at start.
 
-Pinning each local rank to its own share of the cores (`anyrec.backends.cpu`) keeps caches warm when
-the ranks have the cores to themselves: a 2-rank step on a quiet 2-core host measured ~25 % faster
-bound. When other processes use those cores, a pinned rank cannot leave a core it shares with them
-while its peer waits for it in the next collective: on the same host loaded by another 2-rank job
-the bound ranks ran ~25 % slower than free ones. So `backend.bind_cores=auto` samples the cores the
-process may use for `SAMPLE_S` (`/proc/stat`), subtracts what this job's own processes (this rank,
-its launcher and the launcher's other children) used meanwhile, and binds only where the rest, the
-other processes' load, stays under `OTHER_BUSY_MAX_CORES`.
+Pinning each local rank to its share of the cores keeps caches warm when the ranks have the cores to
+themselves (a 2-rank step on a quiet 2-core host: ~25 % faster bound). When other processes use them, a
+pinned rank cannot leave a shared core while its peer waits for it in the next collective (the same host
+loaded by another 2-rank job: bound ranks ~25 % slower). So `backend.bind_cores=auto` samples the cores'
+load for `SAMPLE_S` (`/proc/stat`), subtracts this job's own processes (this rank, its launcher and the
+launcher's other children), and binds only where the rest stays under `OTHER_BUSY_MAX_CORES`.
 """
 
 from __future__ import annotations
@@ -51,10 +49,9 @@ class BindChoice:
             return f"backend.bind_cores={self.setting}"
         if self.load is None:
             return "backend.bind_cores=auto, core load unreadable: bound as on a quiet host"
-        verdict = "bound" if self.bind else "free"
         return (f"backend.bind_cores=auto: other processes used {self.load.other_cores:.2f} cores over "
                 f"{self.load.sample_s:.2f} s (this job {self.load.own_cores:.2f}), limit "
-                f"{OTHER_BUSY_MAX_CORES}: {verdict}")
+                f"{OTHER_BUSY_MAX_CORES}: {'bound' if self.bind else 'free'}")
 
 
 def bind_setting(value: bool | str) -> str:
