@@ -1,9 +1,8 @@
 """Output paths checked before any work starts (a job whose results cannot be written fails in seconds),
 and the one way anyrec writes a file: atomically (`atomic_write`, `write_yaml`).
 
-Each check creates nothing that stays: it probes the path itself or its nearest existing folder by
-creating and removing a temporary file, so permissions, read-only mounts, a file where a folder
-should be (and the reverse) are all found the way the real write would find them.
+Each check probes the path or its nearest existing folder by creating and removing a temporary file, so
+permissions, read-only mounts and a file where a folder should be are found as the real write would.
 """
 
 from __future__ import annotations

@@ -3,9 +3,8 @@
     anyrec-plan model=dlrmv2 optim=adagrad hardware=mi350x topology.world_size=8
     anyrec-plan model=dlrmv2 hardware=mi350x plan.compare=b200 plan.output=plan.json plan.plot=plan.png
 
-The model is built on the meta device (no table memory), so any model plans on any machine; tables and
-the dense parameter count are read from it as the trainer reads them from its real model.
-"""
+The model is built on the meta device (no table memory), so any model plans on any machine, read as the
+trainer reads its real one."""
 
 from __future__ import annotations
 

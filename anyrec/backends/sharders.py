@@ -1,9 +1,6 @@
 """The torchrec side of the `embedding` op: each implementation's sharder, read from its Impl record.
-
-`fbgemm` is torchrec's FBGEMM TBE family (`fused`, `fused_uvm_caching`, `fused_uvm`: optimizer fused
-into backward), sharded by `KernelFamilySharder`; `triton` and `torch` are anyrec's own TBE
-(`anyrec.kernels.torchrec_kernel`) run by Triton kernels or by plain torch ops, so neither needs an
-FBGEMM kernel for the device. A plugin's implementation brings its own builder in its Impl.
+`fbgemm` is torchrec's FBGEMM TBE family (optimizer fused into backward), sharded by `KernelFamilySharder`;
+`triton` and `torch` are anyrec's own TBE (`anyrec.kernels.torchrec_kernel`), needing no FBGEMM kernel.
 """
 
 from __future__ import annotations
