@@ -74,7 +74,7 @@ def _detect(facts_of: Callable[[type[Backend]], DeviceFacts],
     return found[0] if found else ("cpu", None)
 
 
-def _detect_live() -> tuple[str, DeviceFacts]:
+def _detect_live() -> tuple[str, DeviceFacts | None]:
     """Detection on this machine: each backend reads facts with its own probe (shared when equal)."""
     facts_by_probe: dict[Any, DeviceFacts] = {}
 
@@ -84,8 +84,7 @@ def _detect_live() -> tuple[str, DeviceFacts]:
             facts_by_probe[probe] = cls.probe_facts()
         return facts_by_probe[probe]
 
-    name, facts = _detect(facts_of, registry())
-    return name, facts or CPUBackend.probe_facts()
+    return _detect(facts_of, registry())
 
 
 def get_backend(name: str = "auto", facts: DeviceFacts | None = None) -> Backend:
@@ -95,10 +94,7 @@ def get_backend(name: str = "auto", facts: DeviceFacts | None = None) -> Backend
         hint = f" (plugin failed to load: {_plugin_errors[name]})" if name in _plugin_errors else ""
         raise ValueError(f"unknown backend {name!r}{hint}; choose one of auto, {', '.join(backends)}")
     if name == "auto":
-        if facts is None:
-            name, facts = _detect_live()
-        else:
-            name = detect(facts)
+        name, facts = _detect_live() if facts is None else (detect(facts), facts)
     cls = backends[name]
     if facts is None or (name == "cpu" and facts.cuda_available):
         facts = cls.probe_facts()
