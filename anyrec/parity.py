@@ -233,16 +233,14 @@ def compare(ref: dict[str, Any], rec: dict[str, Any]) -> dict[str, float]:
         return {"loss_abs": math.inf, "loss_rel": math.inf, "weight_abs": math.inf}
     loss_abs = max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
     loss_rel = max((abs(x - y) / max(abs(x), 1e-30) for x, y in zip(a, b, strict=True)), default=0.0)
-    weight_abs = 0.0
-    if set(ref["weights"]) != set(rec["weights"]):
-        weight_abs = math.inf
+    weight_abs = 0.0 if set(ref["weights"]) == set(rec["weights"]) else math.inf
     for name, w in ref["weights"].items():
         other = rec["weights"].get(name)
         if other is None or other["shape"] != w["shape"]:
             weight_abs = math.inf
-            continue
-        diff = (torch.tensor(w["values"]) - torch.tensor(other["values"])).abs()
-        weight_abs = max(weight_abs, float(diff.max()) if diff.numel() else 0.0)
+        elif w["values"]:
+            diff = (torch.tensor(w["values"]) - torch.tensor(other["values"])).abs()
+            weight_abs = max(weight_abs, float(diff.max()))
     return {"loss_abs": loss_abs, "loss_rel": loss_rel, "weight_abs": weight_abs}
 
 

@@ -438,7 +438,6 @@ def select(backend: Backend, op: str, requested: str = "auto") -> Impl:
     if not order:
         raise ValueError(f"backend {backend.name} lists no implementation for op {op}")
     setting = f"backend.{OPS[op].config_key}" if OPS[op].config_key else f"op {op}"
-    chain = " > ".join(order)
     if requested != "auto":
         if requested not in order and find_impl(op, requested) is None:
             raise ValueError(f"{setting}={requested} is not offered by backend {backend.name}; "
@@ -459,7 +458,7 @@ def select(backend: Backend, op: str, requested: str = "auto") -> Impl:
                 _log_once((backend.name, op, f"skip {name}"), level, "op %s: %s skipped on %s: %s",
                           op, name, backend.name, why)
             _log_once((backend.name, op, impl), logging.INFO, "op %s -> %s (%s)", op, impl,
-                      f"fallback chain: {chain}")
+                      f"fallback chain: {' > '.join(order)}")
             return get_impl(op, impl)
         skipped.append((impl, reason))
     reasons = "; ".join(f"{n}: {r}" for n, r in skipped)

@@ -222,9 +222,7 @@ def figure_sources(hardware: Hardware, cost: EmbeddingCost) -> list[str]:
     if cost.name != TORCH_EMBEDDING.name:
         profiles.append(("data-parallel tables'", TORCH_EMBEDDING.name, cost.dense_profile))
     for what, name, profile in profiles:
-        if name in hardware.profiles:
-            how = f"measured ({hardware.measured_by}{', ' + profile.source if profile.source else ''})"
-        else:
-            how = f"built in ({profile.source or 'no source given'})"
+        how = (f"measured ({hardware.measured_by}{', ' + profile.source if profile.source else ''})"
+               if name in hardware.profiles else f"built in ({profile.source or 'no source given'})")
         lines.append(f"{what} {name} profile: {how}")
     return lines
