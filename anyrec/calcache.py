@@ -1,16 +1,14 @@
 """The calibration cache: a measured hardware file per machine and software stack, found again by key.
 
 The `CacheKey` is what changes a calibration's figures: the device (name, devices per host), how one
-host's ranks share it (local world size, each rank's cores before any binding, its thread count) and
-the software (torch, FBGEMM, torchrec, anyrec versions). Its digest names the file in
-`$ANYREC_CACHE_DIR` (default `~/.cache/anyrec/`). Whether the ranks bound their threads is not in the
-key (`backend.bind_cores=auto` decides it from the host's load, which changes between runs): the entry
-records it, `Lookup.bound`.
+host's ranks share it (local world size, each rank's cores before any binding, its thread count) and the
+software versions; its digest names the file in `$ANYREC_CACHE_DIR` (default `~/.cache/anyrec/`). Whether
+the ranks bound their threads is not in the key (`bind_cores=auto` decides it from the host's load, which
+changes between runs): the entry records it, `Lookup.bound`.
 
 An entry is a hardware YAML with a last `cache:` section: its key and a SHA-256 of everything above it.
-A file cut short, edited by hand, holding a NaN or made for another key is never used: `lookup` names
-the problem in one line and the caller measures again. Entries are written whole by a rename: two jobs
-that measure at once each write a whole file, the last one stays.
+A file cut short, edited, holding a NaN or made for another key is never used: `lookup` names the
+problem in one line and the caller measures again. Entries are written whole (the last writer stays).
 """
 
 from __future__ import annotations

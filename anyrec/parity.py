@@ -3,17 +3,13 @@
     anyrec-parity model=dlrm_tiny trainer.steps=20 parity.variants='["backend.embedding_kernel=fbgemm",
         "backend.embedding_kernel=torch nproc=2", "backend.embedding_kernel=triton TRITON_INTERPRET=1"]'
 
-The command line's overrides other than `parity.*` are the base job every variant shares. Each of
-`parity.variants` is Hydra overrides, plus `nproc=N` (ranks, under their own `torchrun --standalone`)
-and `NAME=VALUE` environment variables (upper-case names). Every variant runs `anyrec-train`'s loop
-(`Trainer.train()`, no evaluation or checkpoints) and records its per-step loss (mean over ranks) and
-final weights (every `*weight` / `*bias`, gathered whole). The table compares each with the first:
-largest loss difference (absolute, relative) and largest weight difference; exit status 1 when one
-exceeds `parity.loss_rtol` / `parity.weight_atol` or a variant failed, 2 for bad arguments.
-
-`parity.save=FILE` writes every variant's record (JSON); `parity.against=FILE` compares with the first
-record of such a file written elsewhere (e.g. a B200 run checked on an MI350X), checked whole before any
-variant runs. `parity.timeout_s` bounds each variant (killed with its process group).
+The overrides other than `parity.*` are the base job. Each of `parity.variants` is Hydra overrides, plus
+`nproc=N` (ranks, under their own `torchrun --standalone`) and `NAME=VALUE` environment variables. Every
+variant runs `anyrec-train`'s loop (no evaluation or checkpoints) and records its per-step loss (mean over
+ranks) and final weights (every `*weight` / `*bias`, whole). The table compares each with the first;
+exit status 1 when one exceeds `parity.loss_rtol` / `parity.weight_atol` or a variant failed, 2 for bad
+arguments. `parity.save=FILE` writes the records (JSON); `parity.against=FILE` compares with the first
+record of such a file written elsewhere (e.g. a B200 run checked on an MI350X), checked whole first.
 """
 
 from __future__ import annotations
