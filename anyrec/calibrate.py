@@ -307,14 +307,11 @@ def calibrate(backend: Backend, device: torch.device, world: int, size: str = "s
                                    bind_cores, size == "quick")
     fields.update(m["step"]["fields"])
     lap("step")
-    m["phase_s"] = took
-    m["threads"] = torch.get_num_threads()
-    m["bind_cores"] = bind_cores
+    m.update(phase_s=took, threads=torch.get_num_threads(), bind_cores=bind_cores)
     choice = getattr(backend, "bind_choice", None)
     if choice is not None:
         m["bind_rule"] = choice.describe()
-    m["measured_fields"] = [k for k in fields if k != "name"]
-    m["spec_fields"] = fields
+    m.update(measured_fields=[k for k in fields if k != "name"], spec_fields=fields)
     return m
 
 
