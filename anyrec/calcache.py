@@ -73,10 +73,8 @@ class CacheKey:
     versions: tuple[tuple[str, str], ...]  # (package, version), sorted
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["cores_per_rank"] = [list(c) for c in self.cores_per_rank]
-        d["versions"] = dict(self.versions)
-        return d
+        return {**asdict(self), "cores_per_rank": [list(c) for c in self.cores_per_rank],
+                "versions": dict(self.versions)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CacheKey:

@@ -199,12 +199,9 @@ def run_variant(base: list[str], variant: Variant, timeout_s: float) -> dict[str
     """Launch one variant (torchrun when nproc > 1) and return its record, or {"error": ...}."""
     with tempfile.TemporaryDirectory(prefix="anyrec-parity-") as tmp:
         out = str(Path(tmp) / "record.json")
-        worker_args = ["-m", "anyrec.parity", _WORKER_FLAG, out, *base, *variant.overrides]
-        if variant.nproc > 1:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc_per_node={variant.nproc}", *worker_args]
-        else:
-            cmd = [sys.executable, *worker_args]
+        ranks = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={variant.nproc}"]
+        cmd = [sys.executable, *(ranks if variant.nproc > 1 else []), "-m", "anyrec.parity", _WORKER_FLAG,
+               out, *base, *variant.overrides]
         # a fresh job: no rendezvous settings inherited from a surrounding (or finished) one
         env = {k: v for k, v in os.environ.items()
                if k not in _DIST_ENV and not k.startswith("TORCHELASTIC_")}
@@ -213,9 +210,8 @@ def run_variant(base: list[str], variant: Variant, timeout_s: float) -> dict[str
             proc = run_session(cmd, timeout_s, env=env, merge_stderr=True)
         except subprocess.TimeoutExpired:
             return {"error": f"timed out after {timeout_s:.0f} s"}
-        output = proc.stdout
         if proc.returncode != 0 or not Path(out).is_file():
-            lines = [ln for ln in output.strip().splitlines() if ln.strip()]
+            lines = [ln for ln in proc.stdout.strip().splitlines() if ln.strip()]
             errors = [ln for ln in lines if "Error" in ln or "error:" in ln]
             last = (errors or lines or ["no output"])[-1].strip()[:300]
             return {"error": f"exit {proc.returncode}: {last}"}

@@ -207,14 +207,18 @@ def fbgemm_load_error() -> str | None:
     return None
 
 
+def has_kernel(op: str, dispatch_key: str) -> bool:
+    """Whether torch's dispatcher knows `op` and has a kernel for it at `dispatch_key`."""
+    return (op in set(torch._C._dispatch_get_all_op_names())
+            and torch._C._dispatch_has_kernel_for_dispatch_key(op, dispatch_key))
+
+
 def probe_fbgemm(backend: Backend) -> str | None:
     """FBGEMM's TBE ops are importable and have kernels for this backend's device type."""
     reason = fbgemm_load_error()
     if reason is not None:
         return reason
-    key = dispatch_key(backend.device_type)
-    names = set(torch._C._dispatch_get_all_op_names())
-    if any(op in names and torch._C._dispatch_has_kernel_for_dispatch_key(op, key) for op in _FBGEMM_TBE_OPS):
+    if any(has_kernel(op, dispatch_key(backend.device_type)) for op in _FBGEMM_TBE_OPS):
         return None
     return f"fbgemm_gpu has no TBE kernels for {backend.device_type} (wrong fbgemm_gpu build?)"
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from anyrec.backends.dispatch import dispatch_key, fbgemm_load_error, select
+from anyrec.backends.dispatch import dispatch_key, fbgemm_load_error, has_kernel, select
 
 if TYPE_CHECKING:
     from anyrec.backends.interface import Backend
@@ -264,8 +264,7 @@ def fbgemm_has_kernel(op: str, dispatch_key: str) -> bool:
     """Whether FBGEMM has a kernel for `op` at `dispatch_key` (ours, if installed, do not count)."""
     if op in _installed.get(dispatch_key, ()):
         return _native[(op, dispatch_key)]
-    return (op in set(torch._C._dispatch_get_all_op_names())
-            and torch._C._dispatch_has_kernel_for_dispatch_key(op, dispatch_key))
+    return has_kernel(op, dispatch_key)
 
 
 def missing_kernels(dispatch_key: str) -> list[str]:
