@@ -55,11 +55,9 @@ def setup() -> None:
 
     cs = ConfigStore.instance()
     cs.store(name="anyrec_schema", node=AnyrecConfig)
-    for group, node in [
-        ("model", ModelConfig), ("data", DataConfig), ("backend", BackendConfig),
-        ("hardware", HardwareConfig), ("planner", PlannerConfig), ("optim", OptimConfig),
-        ("trainer", TrainerConfig),
-    ]:
+    for group, node in [("model", ModelConfig), ("data", DataConfig), ("backend", BackendConfig),
+                        ("hardware", HardwareConfig), ("planner", PlannerConfig), ("optim", OptimConfig),
+                        ("trainer", TrainerConfig)]:
         cs.store(group=group, name=f"{group}_schema", node=node)
     if not OmegaConf.has_resolver("anyrec_rank0"):
         OmegaConf.register_new_resolver("anyrec_rank0", _rank0_only)

@@ -186,13 +186,11 @@ def measure_step_costs(backend: Backend, hardware: Hardware, world: int, budget_
                     p.name, m * 1e3, passes, pred * 1e3)
     rows = [p.terms(world) for p in points]
     coeffs = fit(rows, [m - pred for m, pred in zip(measured, model, strict=True)], scale=measured)
-    fields = dict(zip(STEP_FIELDS, coeffs, strict=True))  # in the order of `StepPoint.terms`
     fitted = [pred + sum(c * x for c, x in zip(coeffs, r, strict=True))
               for pred, r in zip(model, rows, strict=True)]
     return {
-        "fields": fields,
-        "steps_per_point": steps,
-        "passes": passes,
+        "fields": dict(zip(STEP_FIELDS, coeffs, strict=True)),  # in the order of `StepPoint.terms`
+        "steps_per_point": steps, "passes": passes,
         "points": [{"name": p.name, "tables": p.tables, "dim": p.dim, "batch": p.batch, "pooling": p.pooling,
                     "shardings": list(p.shardings), "measured_s": m, "model_s": pred, "fit_s": f}
                    for p, m, pred, f in zip(points, measured, model, fitted, strict=True)],

@@ -17,10 +17,6 @@ from typing import IO
 import yaml
 
 
-def _reason(e: OSError) -> str:
-    return e.strerror or type(e).__name__
-
-
 def _probe(folder: Path, what: str, path: Path) -> None:
     """Create and remove a file in the existing folder `folder` (the write the job will make)."""
     try:
@@ -28,7 +24,8 @@ def _probe(folder: Path, what: str, path: Path) -> None:
         os.close(fd)
         os.unlink(name)
     except OSError as e:
-        raise ValueError(f"{what} {path}: cannot write in {folder} ({_reason(e)})") from None
+        reason = e.strerror or type(e).__name__
+        raise ValueError(f"{what} {path}: cannot write in {folder} ({reason})") from None
 
 
 def _existing_ancestor(path: Path, what: str) -> Path:

@@ -33,7 +33,6 @@ _warned_unknown: set[tuple[str, str]] = set()
 
 
 def _warn_once(facts: DeviceFacts, msg: str, *args: object) -> None:
-    """Warn once per device (name and arch) about how its spec was found."""
     if (facts.device_name, facts.arch) not in _warned_unknown:
         _warned_unknown.add((facts.device_name, facts.arch))
         logger.warning(msg, *args)

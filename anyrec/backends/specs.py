@@ -101,8 +101,7 @@ _MI300X = DeviceSpec(
     scale_up_bw_bytes_per_s=896 * GB / 2, scale_out_bw_bytes_per_s=_NIC_400G, h2d_bw_bytes_per_s=_PCIE5_X16,
     host_memory_bytes=_HOST_DDR_PER_DEVICE, host_memory_bw_bytes_per_s=_HOST_DDR_BW_PER_DEVICE,
     source="AMD MI300X datasheet")
-# AMD Instinct MI350X (CDNA4): 288 GB HBM3E, 8 TB/s, ~2.3 PF bf16 dense, ~144 TF fp32,
-# Infinity Fabric 4, ~1075 GB/s aggregate bidirectional.
+# AMD Instinct MI350X (CDNA4): 288 GB HBM3E, 8 TB/s, ~2.3 PF bf16 dense, ~144 TF fp32, IF4 ~1075 GB/s bidir.
 _MI350X = _MI300X.replace(
     name="MI350X", arch="gfx950", memory_bytes=int(288 * GB), memory_bw_bytes_per_s=8.0 * TB,
     peak_bf16_flops=2300 * TB, peak_fp32_flops=144.2 * TB, scale_up_bw_bytes_per_s=1075 * GB / 2,
