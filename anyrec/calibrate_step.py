@@ -75,10 +75,9 @@ class StepPoint:
                 2 * (len(self.bottom_mlp) + len(self.top_mlp)), groups, replicas]
 
 
-# Each term varies alone against the first point: features (24 tables), samples (batch 512), ids
-# (pooling 16 and 64), pooled values (dims 128 and 256: the range plans cover), sharding groups (1, 2 and 3
-# types at dim 32), replicated tables; interaction entries (features^2 x samples) by many features at a
-# large batch; dense parameter tensors by three more hidden layers in each MLP.
+# Each term varies alone against the first point: features (24 tables), samples (batch 512), ids (pooling
+# 16 and 64), pooled values (dims 128 and 256), sharding groups (1, 2 and 3 types at dim 32), replicated
+# tables, interaction entries (many features at a large batch), dense tensors (three more hidden layers).
 POINTS = [
     StepPoint(8, 16, 32, 1, ("table_wise",)),
     StepPoint(24, 16, 32, 1, ("table_wise",)),
@@ -96,9 +95,8 @@ POINTS = [
     StepPoint(24, 16, 32, 1, ("data_parallel",)),
 ]
 
-# The quick calibration's subset: each term still varies against the first point (features and
-# interaction entries by 24 tables at two batches, samples, dense tensors, ids, pooled values,
-# sharding groups, replicas), one point each; trainers dominate its time.
+# The quick calibration's subset (trainers dominate its time): each term still varies against the first
+# point, one point each (features and interaction entries by 24 tables at two batches).
 QUICK_POINTS = [POINTS[i] for i in (0, 1, 2, 3, 4, 5, 7, 10, 11, 12)]
 
 

@@ -1,14 +1,11 @@
 """Op dispatch: one `Impl` record per (op, implementation), and the backend's choice among them.
 
-An op (`embedding`, `interaction`, `dcn_cross`, `collectives`, `sparse_ops`) has implementations named
-after the library that provides them (`fbgemm`, `triton`, `torch`, `nccl`, `gloo`, `portable`, or a
-plugin's own), each one `Impl` record: built in here, or a plugin's (the `anyrec.impls` entry-point
-group, or `register_impl` before first use). The registry is read-only once plugins are loaded.
-
-A backend lists implementations in preference order (`Backend.kernel_order`); `select` returns the
-record of the first whose probe passes, or of the one the config forces. The caller resolves each op
-once and hands the record down: the planner, the sharder and the model builder never take a name.
-Probes run once per process; each choice is logged once.
+Each op (`embedding`, `interaction`, `dcn_cross`, `collectives`, `sparse_ops`) has implementations named
+after the library that provides them (`fbgemm`, `triton`, `torch`, `nccl`, `gloo`, `portable`), each one
+`Impl` record, built in or a plugin's (the `anyrec.impls` entry points, or `register_impl` before first
+use); the registry is read-only once plugins are loaded. `select` returns the first record in the
+backend's `kernel_order` whose probe passes (probed once per process), or the one the config forces;
+the caller hands the record down: the planner, the sharder and the model builder never take a name.
 """
 
 from __future__ import annotations
