@@ -333,9 +333,8 @@ def register_impl(impl: Impl) -> None:
     """Make a plugin's `impl` known; only before the registry is first read (plugins loaded), after
     which it is read-only: whoever resolved a record keeps the one it was given."""
     if _plugins_loaded:
-        raise RuntimeError(f"cannot register {impl.op} implementation {impl.name!r}: the registry is "
-                           f"read-only once plugins are loaded (use the {IMPL_ENTRY_POINT_GROUP} entry "
-                           f"points)")
+        raise RuntimeError(f"cannot register {impl.op} implementation {impl.name!r}: the registry is read-"
+                           f"only once plugins are loaded (use the {IMPL_ENTRY_POINT_GROUP} entry points)")
     _add(impl)
 
 
@@ -421,9 +420,8 @@ def availability(backend: Backend, op: str, impl: str) -> str | None:
         if reason is None:
             record = find_impl(op, impl)
             if record is None:
-                reason = (f"no {op} implementation {impl!r} is registered "
-                          f"(anyrec.backends.dispatch.register_impl or the {IMPL_ENTRY_POINT_GROUP} "
-                          f"entry points)")
+                reason = (f"no {op} implementation {impl!r} is registered (anyrec.backends.dispatch."
+                          f"register_impl or the {IMPL_ENTRY_POINT_GROUP} entry points)")
             elif record.probe is not None:
                 reason = _resolve(record.probe)(backend)
         _probe_cache[key] = reason

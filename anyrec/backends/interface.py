@@ -71,9 +71,8 @@ class Backend(abc.ABC):
 
     def bind_local_rank(self, local_rank: int, local_world_size: int,  # noqa: B027 - optional hook
                         bind_cores: bool | str = "auto") -> list[int] | None:
-        """Give this process (local rank `local_rank` of `local_world_size` on its host) its share of
-        the host's cores; the cores it is bound to, or None where it binds nothing (accelerators:
-        torchrun --numa-binding binds host cores to devices)."""
+        """Give this local rank its share of the host's cores; the cores it is bound to, or None (on
+        accelerators torchrun --numa-binding binds host cores to devices)."""
         return None
 
     @abc.abstractmethod

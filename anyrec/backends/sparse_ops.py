@@ -1,12 +1,11 @@
 """Portable (pure torch) kernels for the FBGEMM sparse ops torchrec's distributed path calls.
 
-torchrec's `DistributedModelParallel` moves ids and pooled embeddings with FBGEMM operators (KJT
-permutes, offsets, row-wise bucketisation, pooled-embedding permutes); a device with no FBGEMM build
-for it has their schemas but no kernels. `install` registers the kernels below with `torch.library`
-for the backend's dispatch key: with `backend.sparse_ops=auto` only for ops FBGEMM has no kernel for
-there, with `portable` for every op (tests check them against FBGEMM's CPU kernels in the real stack),
-with `fbgemm` for none. The ops are what a recording of a 2-stage pipelined training step found for
-every sharding type anyrec plans (docs/porting.md, "Sparse ops").
+torchrec's `DistributedModelParallel` moves ids and pooled embeddings with FBGEMM operators (KJT permutes,
+offsets, row-wise bucketisation, pooled-embedding permutes); a device with no FBGEMM build for it has their
+schemas but no kernels. `install` registers the kernels below with `torch.library` for the backend's
+dispatch key (`backend.sparse_ops`: auto, only where FBGEMM has no kernel; portable, every op; fbgemm,
+none). The ops are what a recording of a 2-stage pipelined training step found for every sharding type
+anyrec plans (docs/porting.md, "Sparse ops").
 
 Each kernel gives bit-identical results to FBGEMM's CPU one, including its unsigned treatment of
 negative ids in bucketisation; index arithmetic is int64; no kernel synchronises with the device when
