@@ -1,11 +1,9 @@
 """`python -m anyrec.calibrate calibrate.output=FILE.yaml`: measure what the planner costs, write a
 hardware YAML (for `hardware.sku=FILE.yaml`); options are the config's `calibrate` section.
 
-Measures on this device: copy and host->device bandwidth; per embedding implementation that runs here, a
-training step (forward, backward, fused optimizer) at several points, fitted by least squares into its
-KernelProfile in the planner's own cost terms; GEMM FLOP/s (square, and a DLRM MLP forward + backward);
-under torchrun, all-to-all, all-reduce and reduce-scatter fitted into latency + bytes / bus bandwidth,
-and the trainer's framework costs at this world size (anyrec.calibrate_step).
+Measures copy and host->device bandwidth; per embedding implementation, a training step at several points
+fitted into its KernelProfile in the planner's own cost terms; GEMM and DLRM-MLP FLOP/s; under torchrun,
+collectives fitted into latency + bytes / bus bandwidth, and the trainer's framework costs (calibrate_step).
 
     python -m anyrec.calibrate calibrate.output=cal.yaml [calibrate.budget_s=0.5] [calibrate.size=large]
     torchrun --nproc_per_node=2 -m anyrec.calibrate calibrate.cache=true  # the entry hardware=auto reads

@@ -14,13 +14,12 @@ from omegaconf import MISSING
 
 def config_dir() -> Path:
     """The Hydra config groups: shipped inside the package when installed, else the repo's `configs/`."""
-    installed = Path(__file__).resolve().parent / "configs"
-    if (installed / "config.yaml").is_file():
-        return installed
-    repo = Path(__file__).resolve().parent.parent / "configs"
-    if (repo / "config.yaml").is_file():
-        return repo
-    raise FileNotFoundError(f"anyrec config groups not found in {installed} or {repo}")
+    here = Path(__file__).resolve().parent
+    folders = [here / "configs", here.parent / "configs"]
+    for folder in folders:
+        if (folder / "config.yaml").is_file():
+            return folder
+    raise FileNotFoundError(f"anyrec config groups not found in {folders[0]} or {folders[1]}")
 
 
 # Closed choices are enums: a value outside them fails when the config is composed, before any

@@ -77,8 +77,7 @@ class Hardware:
 
 
 def measured(hardware: Hardware, measurements: dict[str, Any] | None, where: str) -> Hardware:
-    """`hardware` with a calibration's `measurements` (embedding profiles, measured spec fields) on top;
-    the measurements were checked whole by `check_hardware_data` first."""
+    """`hardware` with a calibration's `measurements` on top (checked whole by `check_hardware_data`)."""
     if not measurements:
         return hardware
     profiles = {name: KernelProfile(
