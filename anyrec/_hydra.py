@@ -160,9 +160,8 @@ def _output_dir(cfg: DictConfig, multirun: bool) -> str | None:
 
 
 def _composition_problem(e: Exception) -> str | None:
-    """One line for an override refused at composition: a value of the wrong type or outside a closed
-    choice (`trainer.steps=many`), a key the schema does not have (`trainer.stepz=3`), or a file given
-    as the `hardware` group's option; else None."""
+    """One line for an override refused at composition (`trainer.steps=many`, `trainer.stepz=3`, a file
+    as the `hardware` group's option), else None."""
     group, _, option = (getattr(e, "missing_cfg_file", None) or "").partition("/")
     if isinstance(e, MissingConfigException) and group == "hardware" and is_hardware_path(option):
         return (f"hardware={option}: a hardware file is named with hardware.sku={option} "
@@ -216,10 +215,9 @@ def _reraise(e: BaseException) -> NoReturn:
 
 def launch(prog: str, task: Callable[[DictConfig], Any], hydra_app: Callable[[], Any],
            argv: list[str] | None = None) -> None:
-    """Run an entry point's `task` on the config of the command line (or `argv`), composed once: what
-    stops the job before it starts (`cli_problem`) is one line and exit status 2, then `task` runs as
-    Hydra's app runs it (output folder, logging, `.hydra/`). Hydra's flags (--help, --cfg, --multirun,
-    ...) go to the Hydra app `hydra_app`, which composes for itself."""
+    """Run `task` on the command line's (or `argv`'s) config, composed once: what stops the job before it
+    starts is one line and exit status 2, then `task` runs as Hydra's app runs it (output folder, logging,
+    `.hydra/`). Hydra's flags (--help, --cfg, --multirun, ...) go to `hydra_app`, which composes itself."""
     setup()
     argv = sys.argv[1:] = list(sys.argv[1:] if argv is None else argv)  # the Hydra app reads sys.argv
     if any(a.startswith("-") for a in argv):

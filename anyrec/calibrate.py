@@ -273,9 +273,8 @@ def measure_collectives(device: torch.device, sizes: list[int], backend: Backend
 
 def calibrate(backend: Backend, device: torch.device, world: int, size: str = "small",
               budget_s: float = 0.5, bind_cores: bool = True) -> dict:
-    """Every measurement on this device, as the `measurements` section of a hardware YAML; its
-    `spec_fields` are the DeviceSpec fields they determine (units in the names). `bind_cores` is the
-    trainer's setting the step points train with (backend.bind_cores)."""
+    """Every measurement on this device, as a hardware YAML's `measurements` (`spec_fields`: the DeviceSpec
+    fields they determine); the step points' trainers bind cores as `bind_cores` says."""
     s = SIZES[size]
     m: dict[str, Any] = {}
     took: dict[str, float] = {}  # seconds per phase: what a calibration's time went to

@@ -35,9 +35,8 @@ ROWS = 1_000  # rows per table: lookups stay cheap, framework time dominates
 
 @dataclass(frozen=True)
 class StepPoint:
-    """One calibration training job: `tables` tables of `dim` columns, `batch` samples per rank,
-    `pooling` ids per sample per table, the tables split into equal blocks, one per sharding type;
-    `hidden` extra 64-wide layers in each of the bottom and top MLPs."""
+    """One calibration training job (`batch` samples per rank, `pooling` ids per sample per table), its
+    tables split into equal blocks, one per sharding type; `hidden` extra 64-wide layers in each MLP."""
 
     tables: int
     dim: int

@@ -153,9 +153,8 @@ class Impl:
         return _state_bytes_per_row(self.state_bytes_per_row, optimizer, dim)
 
     def fused_update_reason(self, optimizer: str, device_type: str) -> str | None:
-        """Why this embedding implementation cannot shard tables trained by `optimizer` on a
-        `device_type` device (its fused update has no such rule there), or None. The planner offers
-        such tables only replication, and the trainer refuses a plan that shards them, by this answer."""
+        """Why this embedding implementation has no fused `optimizer` update on `device_type`, or None: the
+        planner then offers such tables only replication, and the trainer refuses a plan that shards them."""
         if device_type == "cpu" and self.cpu_optimizers is not None and optimizer not in self.cpu_optimizers:
             return f"the {self.name} embedding implementation has no fused {optimizer} on the CPU"
         return None
