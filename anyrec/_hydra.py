@@ -173,9 +173,8 @@ def _composition_problem(e: Exception) -> str | None:
 
 
 def cli_problem(overrides: list[str]) -> str | None:
-    """One line naming what stops an entry point before it starts (an override the schema refuses, a
-    mandatory value left unset, an output folder Hydra cannot create), which Hydra and omegaconf say
-    in several lines or a traceback; else None. Informational flags (--help, --cfg, ...) are Hydra's."""
+    """One line naming what stops an entry point before it starts (a refused override, a mandatory value
+    unset, an unwritable output folder), else None; informational flags (--help, --cfg, ...) are Hydra's."""
     multirun = any(o in ("-m", "--multirun") for o in overrides)
     if any(o.startswith("-") and o not in ("-m", "--multirun") for o in overrides):
         return None

@@ -332,9 +332,8 @@ def spec_fields(backend: Backend, m: dict) -> dict[str, Any]:
 
 
 def link_fields(c: dict) -> dict[str, Any]:
-    """DeviceSpec link fields from the collective fits. Ranks of one launch share a host, so what they
-    measure is the scale-up link: the all-to-all bus bandwidth (what embedding comms mostly are), taken
-    as achieved (efficiency 1), and the median per-collective latency (all-reduce counts as two)."""
+    """DeviceSpec scale-up link fields (one launch's ranks share a host): the all-to-all bus bandwidth, as
+    achieved (efficiency 1), and the median per-collective latency (an all-reduce counts as two)."""
     out: dict[str, Any] = {}
     if "bus_bw_bytes_per_s" in c.get("all_to_all", {}):
         out["scale_up_bw_bytes_per_s"] = c["all_to_all"]["bus_bw_bytes_per_s"]

@@ -63,10 +63,9 @@ class StepPoint:
         return self.shardings[i * len(self.shardings) // self.tables]
 
     def terms(self, world: int = 2) -> list[float]:
-        """The fit's columns at `world` ranks: step, features, samples, ids, pooled values, interaction
-        entries (the points train the dot interaction: (tables + 1)^2 per sample), dense parameter
-        tensors (a weight and a bias per MLP layer), sharding groups, replicas (both 0 at one rank: its
-        one group's cost is the step's, and it has no replicas)."""
+        """The fit's columns at `world` ranks: step, features, samples, ids, pooled values, dot-interaction
+        entries ((tables + 1)^2 per sample), dense tensors (a weight and a bias per MLP layer), sharding
+        groups and replicas (both 0 at one rank: its one group's cost is the step's; no replicas)."""
         groups = len({s for s in self.shardings if s != "data_parallel"}) if world > 1 else 0
         replicas = sum(self.sharding_of(i) == "data_parallel" for i in range(self.tables)) if world > 1 else 0
         return [1.0, self.tables, self.batch, self.batch * self.tables * self.pooling,
