@@ -252,8 +252,7 @@ def _collective(op: str, nbytes: int, world: int, device: torch.device) -> Calla
 
 def measure_collectives(device: torch.device, sizes: list[int], backend: Backend, budget_s: float,
                         world: int) -> dict:
-    """all-to-all, all-reduce and reduce-scatter seconds at each size (slowest rank's median) over the
-    `world` ranks of the process group, fitted into latency_s + bus bytes / bus_bw_bytes_per_s."""
+    """Each collective's seconds per size (slowest rank's median), fitted into latency + bus bytes / bw."""
     out: dict[str, Any] = {"world_size": world}
     for op, bus in _BUS_FACTOR.items():
         try:

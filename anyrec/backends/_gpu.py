@@ -39,8 +39,7 @@ def _warn_once(facts: DeviceFacts, msg: str, *args: object) -> None:
 
 
 def derived_spec(facts: DeviceFacts, vendor: str) -> DeviceSpec:
-    """A spec for an unknown GPU: the nearest SKU of its family with the device's memory, FLOP/s scaled
-    by compute units, bandwidths the base's until `anyrec.calibrate` measures them."""
+    """An unknown GPU's spec: its family's nearest SKU, memory its own, FLOP/s scaled by compute units."""
     arch = facts.arch.lower()
     if vendor == "amd":
         base = "mi300x"

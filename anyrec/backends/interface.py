@@ -83,8 +83,7 @@ class Backend(abc.ABC):
         """Wait for queued device work (used by timers)."""
 
     def pins_host_memory(self) -> bool:
-        """Whether torch can page-lock host memory for copies to and from this device (False on the
-        host itself, and where the device's runtime gives torch no pinned-memory allocator)."""
+        """Whether torch can page-lock host memory for this device (not the host, nor with no allocator)."""
         if self.device_type == "cpu":
             return False
         try:
