@@ -81,10 +81,7 @@ def _resolve(ref: str | Callable) -> Callable:
     if callable(ref):
         return ref
     module, _, attr = ref.partition(":")
-    obj: Any = importlib.import_module(module)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
+    return functools.reduce(getattr, attr.split("."), importlib.import_module(module))
 
 
 @functools.lru_cache(maxsize=4096)
