@@ -84,8 +84,8 @@ def test_dense_op_order_per_backend():
             assert b.kernel_order[op] == ("triton", "torch")
     for op in ("interaction", "dcn_cross"):
         assert CPUBackend.kernel_order[op] == ("torch", "triton")
-    assert dispatch._kernel_module("anyrec.kernels.no_such_op")(CPUBackend()) == (
-        "anyrec.kernels.no_such_op (the op's Triton kernels) is not installed")
+    probe = dispatch._module_present("anyrec.kernels.no_such_op", dispatch._TRITON_KERNELS)
+    assert probe(CPUBackend()) == "anyrec.kernels.no_such_op (the op's Triton kernels) is not installed"
 
 
 def test_gpu_without_its_kernels_falls_back_loudly(caplog):
