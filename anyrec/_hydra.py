@@ -1,5 +1,5 @@
-"""Hydra plumbing shared by the entry points: schema registration, resolvers, rank-aware logging,
-and the strict key check (no key the schema does not know)."""
+"""Hydra plumbing shared by the entry points: schema registration, resolvers, rank-aware logging, the
+strict key check, one-line errors and the one composition of a command line."""
 
 from __future__ import annotations
 
@@ -19,13 +19,14 @@ from hydra._internal.hydra import Hydra
 from hydra._internal.utils import create_config_search_path, run_and_report
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import run_job
-from hydra.errors import ConfigCompositionException
+from hydra.errors import ConfigCompositionException, MissingConfigException
 from hydra.types import HydraContext, RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
-from anyrec.backends.hardware import rewrite_hardware_argv
+from anyrec.backends.hardware import is_hardware_path
 from anyrec.config import (
     AnyrecConfig,
     BackendConfig,
@@ -47,12 +48,17 @@ def _rank0_only(value: str) -> str | None:
 
 
 def setup() -> None:
-    """Idempotent: register the config schema and anyrec's resolvers."""
+    """Idempotent: register the config schema (which type-checks every YAML group) and the resolvers."""
     # FBGEMM logs every library it loads at INFO on the root logger; load it before Hydra turns
     # INFO logging on, so the console shows anyrec's messages only.
     import torchrec  # noqa: F401
 
-    register_configs()
+    cs = ConfigStore.instance()
+    cs.store(name="anyrec_schema", node=AnyrecConfig)
+    for group, node in [("model", ModelConfig), ("data", DataConfig), ("backend", BackendConfig),
+                        ("hardware", HardwareConfig), ("planner", PlannerConfig), ("optim", OptimConfig),
+                        ("trainer", TrainerConfig)]:
+        cs.store(group=group, name=f"{group}_schema", node=node)
     if not OmegaConf.has_resolver("anyrec_rank0"):
         OmegaConf.register_new_resolver("anyrec_rank0", _rank0_only)
 
@@ -79,11 +85,8 @@ def _schema_keys(node_type: type, prefix: str = "") -> list[str]:
 
 
 def _unknown_keys(cfg: DictConfig, prefix: str = "") -> list[tuple[str, list[str]]]:
-    """Keys of `cfg` its schema does not define, each with the keys known at its level.
-
-    Hydra's `+key=value` adds a key even to a structured (schema-typed) config, and OmegaConf drops
-    it when building the dataclass, so a typo there would be accepted silently.
-    """
+    """Keys of `cfg` its schema does not define, each with the keys known at its level (Hydra's
+    `+key=value` adds a key even to a structured config, which OmegaConf then drops silently)."""
     schema = OmegaConf.get_type(cfg)
     if not dataclasses.is_dataclass(schema):
         return []  # a free-form mapping (e.g. hardware.spec): checked where it is used
@@ -119,31 +122,14 @@ def check_known_keys(cfg: DictConfig) -> None:
     raise ValueError(f"unknown config key{'s' if len(parts) > 1 else ''}: {'; '.join(parts)}")
 
 
-def register_configs() -> None:
-    """Register the schema so every YAML group is type-checked against it."""
-    cs = ConfigStore.instance()
-    cs.store(name="anyrec_schema", node=AnyrecConfig)
-    for group, node in [
-        ("model", ModelConfig), ("data", DataConfig), ("backend", BackendConfig),
-        ("hardware", HardwareConfig), ("planner", PlannerConfig), ("optim", OptimConfig),
-        ("trainer", TrainerConfig),
-    ]:
-        cs.store(group=group, name=f"{group}_schema", node=node)
-
-
 def to_object(cfg: DictConfig) -> AnyrecConfig:
     """A typed `AnyrecConfig` from a composed DictConfig (validated by the schema)."""
     check_known_keys(cfg)
-    obj = OmegaConf.to_object(cfg)
-    if not isinstance(obj, AnyrecConfig):
-        raise TypeError(f"config does not follow the anyrec schema: got {type(obj).__name__}")
-    return obj
+    return OmegaConf.to_object(cfg)  # an AnyrecConfig: config.yaml's defaults name the schema
 
 
 def per_job_dir(path: str | None) -> str | None:
     """Under a Hydra multirun, `path/<job number>`: jobs of one sweep never share a checkpoint dir."""
-    from hydra.core.hydra_config import HydraConfig
-
     if path is None or not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
         return path
     return os.path.join(path, str(HydraConfig.get().job.num))
@@ -160,8 +146,7 @@ def _missing(cfg: DictConfig) -> str | None:
 
 
 def _output_dir(cfg: DictConfig, multirun: bool) -> str | None:
-    """One line when the folder Hydra will write its outputs to (hydra.run.dir, or hydra.sweep.dir
-    under --multirun) cannot be written, e.g. a read-only working directory; else None."""
+    """One line when Hydra's output folder (hydra.run.dir, or hydra.sweep.dir) cannot be written."""
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
     try:
         path = OmegaConf.select(cfg, key, throw_on_resolution_failure=True)
@@ -175,8 +160,12 @@ def _output_dir(cfg: DictConfig, multirun: bool) -> str | None:
 
 
 def _composition_problem(e: Exception) -> str | None:
-    """One line for an override the schema refuses at composition: a value of the wrong type or outside
-    a closed choice (`trainer.steps=many`), or a key it does not have (`trainer.stepz=3`); else None."""
+    """One line for an override refused at composition (`trainer.steps=many`, `trainer.stepz=3`, a file
+    as the `hardware` group's option), else None."""
+    group, _, option = (getattr(e, "missing_cfg_file", None) or "").partition("/")
+    if isinstance(e, MissingConfigException) and group == "hardware" and is_hardware_path(option):
+        return (f"hardware={option}: a hardware file is named with hardware.sku={option} "
+                "(hardware= takes a group option: auto, a SKU name, or a YAML's name on hydra.searchpath)")
     cause = e.__cause__ if isinstance(e, ConfigCompositionException) else e
     if isinstance(cause, OmegaConfBaseException) and cause.full_key:
         return f"{cause.full_key}: {str(cause.msg).splitlines()[0]}"
@@ -184,12 +173,8 @@ def _composition_problem(e: Exception) -> str | None:
 
 
 def cli_problem(overrides: list[str]) -> str | None:
-    """One line naming what stops an entry point before it starts, else None: an override whose value
-    the schema refuses (e.g. `trainer.steps=many`), a mandatory value left unset (`model.name=???`) or
-    an output folder Hydra cannot create (a read-only working directory). Hydra and omegaconf say
-    these in several lines or a traceback; `launch` says them in one. Hydra's informational flags
-    (--help, --cfg, ...) are left to Hydra.
-    """
+    """One line naming what stops an entry point before it starts (a refused override, a mandatory value
+    unset, an unwritable output folder), else None; informational flags (--help, --cfg, ...) are Hydra's."""
     multirun = any(o in ("-m", "--multirun") for o in overrides)
     if any(o.startswith("-") and o not in ("-m", "--multirun") for o in overrides):
         return None
@@ -206,8 +191,7 @@ def cli_problem(overrides: list[str]) -> str | None:
 
 
 def _refuse(prog: str, problem: str) -> NoReturn:
-    """Exit 2 with `problem` in one line: printed by rank 0 (every rank refuses alike), and in each
-    rank's torchrun error file."""
+    """Exit 2 with `problem` in one line, printed by rank 0 and in each rank's torchrun error file."""
     line = f"{prog}: error: {problem}"
     if os.environ.get("RANK", "0") == "0":
         print(line, file=sys.stderr, flush=True)
@@ -216,8 +200,7 @@ def _refuse(prog: str, problem: str) -> NoReturn:
 
 
 def run_typed(prog: str, run: Callable[[AnyrecConfig], Any], cfg: DictConfig) -> None:
-    """`run` on the typed config; a ValueError (a user mistake, an infeasible plan) is one line on
-    stderr and exit status 2."""
+    """`run` on the typed config; a ValueError (a user mistake, an infeasible plan): one line, exit 2."""
     try:
         run(to_object(cfg))
     except ValueError as e:
@@ -231,15 +214,11 @@ def _reraise(e: BaseException) -> NoReturn:
 
 def launch(prog: str, task: Callable[[DictConfig], Any], hydra_app: Callable[[], Any],
            argv: list[str] | None = None) -> None:
-    """Run an entry point's `task` on the config of the command line, composed once.
-
-    `hardware=FILE.yaml` is read as `hardware.sku=FILE.yaml`. What stops the job before it starts
-    (see `cli_problem`) is said in one line with exit status 2; then `task` runs as Hydra's app runs
-    it (output folder, logging, `.hydra/`). Hydra's flags (--help, --cfg, --multirun, ...) go to the
-    Hydra app `hydra_app`, which composes for itself. `argv` replaces the command line's arguments.
-    """
+    """Run `task` on the command line's (or `argv`'s) config, composed once: what stops the job before it
+    starts is one line and exit status 2, then `task` runs as Hydra's app runs it (output folder, logging,
+    `.hydra/`). Hydra's flags (--help, --cfg, --multirun, ...) go to `hydra_app`, which composes itself."""
     setup()
-    argv = sys.argv[1:] = rewrite_hardware_argv(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] = list(sys.argv[1:] if argv is None else argv)  # the Hydra app reads sys.argv
     if any(a.startswith("-") for a in argv):
         problem = cli_problem(argv)
         if problem:

@@ -1,15 +1,13 @@
 """Calibration on first contact: a training job with `hardware=auto` plans with this machine's own
 measured figures, not the datasheet's.
 
-Before planning, every rank joins the process group and binds its cores as the trainer will, and the
-ranks agree on the cache key (anyrec.calcache: the cores each rank had before binding, so a run that
-`backend.bind_cores=auto` binds and one it leaves free share the entry; the line says when this run's
-binding is not the one the entry was measured with). Rank 0 looks the key up: on a hit nothing is measured;
-on a miss (or `trainer.calibrate=always`, or a cache file that must not be used) all ranks run
-anyrec.calibrate's quick calibration together, so the collective and step terms are measured with
-the job's own ranks, and rank 0 writes the entry. One line says which it was and names the file; the
-job then plans with `hardware.sku` set to that file. `trainer.calibrate=never`, a `hardware=NAME|FILE`
-setting or a planner that predicts nothing (`planner=simple`) skip all of it.
+Every rank joins the process group and binds its cores as the trainer will; the ranks agree on the
+cache key (the cores each rank had before binding, so bound and free runs share the entry; the log
+line says when the entry was measured with the other binding). On a hit nothing is measured; on a miss
+(or `trainer.calibrate=always`, or an unusable cache file) all ranks run the quick calibration
+together, so collective and step terms are the job's own, and rank 0 writes the entry. The job plans
+with `hardware.sku` set to that file. `trainer.calibrate=never`, a SKU or file, or `planner=simple`
+skip all of it.
 """
 
 from __future__ import annotations
@@ -21,7 +19,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from anyrec.backends import get_backend
-from anyrec.calcache import Lookup, allowed_cores, cache_dir, local_key, lookup, write_entry
+from anyrec.backends.cpu import allowed_cores
+from anyrec.calcache import Lookup, cache_dir, local_key, lookup, write_entry
 from anyrec.calibrate import calibrate, hardware_yaml
 from anyrec.config import AnyrecConfig
 from anyrec.io_checks import atomic_write
@@ -37,10 +36,7 @@ def wants_calibration(cfg: AnyrecConfig) -> bool:
 
 
 def calibrated_hardware(cfg: AnyrecConfig) -> str:
-    """The cached calibration file for this machine, measured now if the cache has none usable.
-
-    Collective: every rank calls it (it joins the process group and binds cores as the trainer does).
-    """
+    """This machine's cached calibration file, measured now if none is usable (every rank calls it)."""
     backend = get_backend(cfg.backend.name)
     info = init_distributed(backend, cfg.trainer.collective_timeout_s, cfg.trainer.peer_timeout_s)
     cores = allowed_cores()

@@ -1,17 +1,14 @@
 """The calibration cache: a measured hardware file per machine and software stack, found again by key.
 
-A calibration holds for what changes its figures: the device (name, devices per host), how the ranks of
-one host share it (local world size, the cores each rank may run on before any binding and its thread
-count), and the software that runs the step (torch, FBGEMM, torchrec, anyrec versions). Those make the
-`CacheKey`; its digest names the file, `$ANYREC_CACHE_DIR` (default `~/.cache/anyrec/`) holds it.
-Whether the ranks bound their threads is not in the key (`backend.bind_cores=auto` decides it from the
-host's load at start, which changes between runs): the entry records it, `Lookup.bound`.
+The `CacheKey` is what changes a calibration's figures: the device (name, devices per host), how one
+host's ranks share it (local world size, each rank's cores before any binding, its thread count) and the
+software versions; its digest names the file in `$ANYREC_CACHE_DIR` (default `~/.cache/anyrec/`). Whether
+the ranks bound their threads is not in the key (`bind_cores=auto` decides it from the host's load, which
+changes between runs): the entry records it, `Lookup.bound`.
 
-An entry is a hardware YAML (what `anyrec.calibrate` writes, accepted by `hardware=FILE.yaml`) with a
-last `cache:` section: the key it was measured for and a SHA-256 of everything above it. A file that is
-cut short, edited by hand, holds a NaN or was made for another key is never used: `lookup` names the
-problem in one line and the caller measures again. Entries are written whole by a rename
-(`io_checks.atomic_write`): two jobs that measure at once each write a whole file, the last one stays.
+An entry is a hardware YAML with a last `cache:` section: its key and a SHA-256 of everything above it.
+A file cut short, edited, holding a NaN or made for another key is never used: `lookup` names the
+problem in one line and the caller measures again. Entries are written whole (the last writer stays).
 """
 
 from __future__ import annotations
@@ -27,9 +24,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+import torch.distributed as dist
+import yaml
+
 import anyrec
 from anyrec.backends import Backend, Hardware, load_hardware_file
-from anyrec.io_checks import atomic_write
+from anyrec.backends.cpu import allowed_cores
+from anyrec.io_checks import write_yaml
 
 if TYPE_CHECKING:
     from anyrec.trainer.distributed import DistInfo
@@ -45,19 +47,17 @@ def cache_dir() -> Path:
     return Path(os.environ.get(CACHE_DIR_ENV) or "~/.cache/anyrec").expanduser()
 
 
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def package_versions() -> dict[str, str]:
     """The versions of the software a step runs on ("none" where a package is not installed)."""
-    out = {}
-    for name, dists in PACKAGES.items():
-        out[name] = "none"
-        for dist in dists:
-            try:
-                out[name] = importlib.metadata.version(dist)
-                break
-            except importlib.metadata.PackageNotFoundError:
-                continue
-    out["anyrec"] = anyrec.__version__
-    return out
+    out = {name: next(filter(None, map(_version, dists)), "none") for name, dists in PACKAGES.items()}
+    return {**out, "anyrec": anyrec.__version__}
 
 
 @dataclass(frozen=True)
@@ -73,10 +73,8 @@ class CacheKey:
     versions: tuple[tuple[str, str], ...]  # (package, version), sorted
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["cores_per_rank"] = [list(c) for c in self.cores_per_rank]
-        d["versions"] = dict(self.versions)
-        return d
+        return {**asdict(self), "cores_per_rank": [list(c) for c in self.cores_per_rank],
+                "versions": dict(self.versions)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CacheKey:
@@ -103,15 +101,10 @@ class CacheKey:
     def differences(self, other: CacheKey) -> list[str]:
         """`field: theirs != ours` for each field in which `other` differs from this key."""
         a, b = self.to_dict(), other.to_dict()
-        out = []
-        for k in a:
-            if k == "versions":
-                for pkg in sorted(set(a[k]) | set(b[k])):
-                    if a[k].get(pkg) != b[k].get(pkg):
-                        out.append(f"{pkg} {b[k].get(pkg)} (this is {a[k].get(pkg)})")
-            elif a[k] != b[k]:
-                out.append(f"{k} {b[k]} (this is {a[k]})")
-        return out
+        ours, theirs = a.pop("versions"), b.pop("versions")  # versions: per package
+        return ([f"{k} {b[k]} (this is {a[k]})" for k in a if a[k] != b[k]]
+                + [f"{pkg} {theirs.get(pkg)} (this is {ours.get(pkg)})" for pkg in sorted({*ours, *theirs})
+                   if ours.get(pkg) != theirs.get(pkg)])
 
 
 def make_key(backend: str, device_name: str, devices_per_host: int, cores_per_rank: list[list[int]],
@@ -129,8 +122,7 @@ def _content_digest(data: dict[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class Lookup:
-    """What the cache holds for a key: the file's path, its Hardware when usable (and whether its ranks
-    measured with bound threads), or why it is not."""
+    """What the cache holds for a key: its path, and its Hardware (threads bound?) or why it is unusable."""
 
     path: Path
     hardware: Hardware | None = None
@@ -144,8 +136,6 @@ class Lookup:
 
 def read_entry(path: Path, key: CacheKey) -> Lookup:
     """Cache file `path` as a hit, checked whole and against `key`; ValueError in one line."""
-    import yaml
-
     try:
         data = yaml.safe_load(path.read_text())
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
@@ -175,29 +165,17 @@ def lookup(key: CacheKey, directory: Path | None = None) -> Lookup:
 
 def write_entry(path: Path, key: CacheKey, data: dict[str, Any], header: str = "") -> Path:
     """Write hardware-file `data` as the cache entry for `key` at `path`, whole or not at all."""
-    import yaml
-
     entry = {k: v for k, v in data.items() if k != "cache"}
     entry = yaml.safe_load(yaml.safe_dump(entry, sort_keys=False))  # the digest of what is read back
     entry["cache"] = {"key": key.to_dict(), "sha256": _content_digest(entry),
                       "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    with atomic_write(path) as f:
-        f.write(header + yaml.safe_dump(entry, sort_keys=False, default_flow_style=False))
+    write_yaml(path, entry, header)
     return path
 
 
-def allowed_cores() -> list[int]:
-    """The cores this process may run on now (before binding: what the launcher gave the rank)."""
-    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-
-
 def local_key(backend: Backend, info: DistInfo, cores: list[int] | None = None) -> CacheKey:
-    """This host's key, agreed by its ranks: each rank's `cores` (`allowed_cores()` taken before
-    binding; default: now) and thread count are gathered (a collective over `info`'s ranks: every rank
-    calls it). Call after the ranks set their threads."""
-    import torch
-    import torch.distributed as dist
-
+    """This host's key, agreed by its ranks (a collective: every rank calls it, after setting its
+    threads): each rank's `cores` (`allowed_cores()` taken before binding; default: now) and threads."""
     mine = (info.host, info.local_rank, allowed_cores() if cores is None else cores, torch.get_num_threads())
     everyone = [mine]
     if info.world_size > 1:
@@ -212,10 +190,7 @@ def local_key(backend: Backend, info: DistInfo, cores: list[int] | None = None) 
 def find_for_device(backend: Backend, one_process: DistInfo, local_world_size: int,
                     directory: Path | None = None) -> Lookup | None:
     """The newest usable entry for this device and software at `local_world_size` ranks per host,
-    whatever cores its ranks had (for `anyrec-plan`, which runs no ranks: `one_process`
-    describes it); None if none."""
-    import yaml
-
+    whatever cores its ranks had, or None (for `anyrec-plan`, which runs no ranks: `one_process`)."""
     want = dataclasses.replace(local_key(backend, one_process), local_world_size=local_world_size)
     same = ("backend", "device_name", "devices_per_host", "local_world_size", "versions")
     paths = sorted((directory or cache_dir()).glob(f"{want.file_prefix()}*.yaml"),

@@ -1,28 +1,17 @@
 """`python -m anyrec.calibrate calibrate.output=FILE.yaml`: measure what the planner costs, write a
-hardware YAML.
+hardware YAML (for `hardware.sku=FILE.yaml`); options are the config's `calibrate` section.
 
-Measures, on this device: copy bandwidth; host->device bandwidth from pinned and pageable memory
-(accelerators); per registered embedding implementation that can run here, a training step (forward,
-backward with the fused optimizer) at several (tables, rows, dim, batch, pooling) points, fitted by
-least squares into the implementation's KernelProfile (bandwidth efficiency, per-row and per-launch
-seconds) in the planner's own cost terms; GEMM FLOP/s (square, and a DLRM MLP forward + backward);
-and under torchrun all-to-all, all-reduce and reduce-scatter at several sizes, fitted into
-latency + bytes / bus bandwidth, and the trainer's framework costs at this world size
-(anyrec.calibrate_step: the real Trainer at fourteen tiny points, what bytes and FLOPs leave
-unexplained fitted into DeviceSpec `step_*` fields). The YAML it writes is accepted by
-`hardware.sku=FILE.yaml`. Options are the `calibrate` section of the config
-(anyrec.config.CalibrationConfig), composed as `anyrec-train` composes its own.
+Measures copy and host->device bandwidth; per embedding implementation, a training step at several points
+fitted into its KernelProfile in the planner's own cost terms; GEMM and DLRM-MLP FLOP/s; under torchrun,
+collectives fitted into latency + bytes / bus bandwidth, and the trainer's framework costs (calibrate_step).
 
-    python -m anyrec.calibrate calibrate.output=cal.yaml [backend=auto] [calibrate.budget_s=0.5] \
-        [calibrate.size=small|large|quick]
-    torchrun --nproc_per_node=2 -m anyrec.calibrate calibrate.output=cal.yaml
+    python -m anyrec.calibrate calibrate.output=cal.yaml [calibrate.budget_s=0.5] [calibrate.size=large]
     torchrun --nproc_per_node=2 -m anyrec.calibrate calibrate.cache=true  # the entry hardware=auto reads
-
-Legend: T tables, R rows, D dim, B bags per table, L ids per bag.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -39,13 +28,14 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from anyrec import _hydra
 from anyrec.backends import Backend, get_backend
+from anyrec.backends.cpu import allowed_cores
 from anyrec.backends.dispatch import Impl, KernelProfile, availability, implementations
 from anyrec.backends.hardware import EmbeddingCost, Hardware
 from anyrec.backends.specs import DeviceSpec
-from anyrec.calcache import allowed_cores, cache_dir, local_key, write_entry
+from anyrec.calcache import cache_dir, local_key, write_entry
 from anyrec.calibrate_step import measure_step_costs
 from anyrec.config import AnyrecConfig, config_dir
-from anyrec.io_checks import atomic_write, writable_file
+from anyrec.io_checks import writable_file, write_yaml
 from anyrec.kernels.optimizers import OptimizerConfig
 from anyrec.planner.estimators import lookup_time_s
 from anyrec.planner.types import Placement, TableSpec, Topology
@@ -54,9 +44,8 @@ from anyrec.trainer.distributed import env_dist_info
 logger = logging.getLogger("anyrec.calibrate")
 
 OPTIMIZER = "adagrad"  # the default config's; the profile's bytes term covers any optimizer's state
-# Embedding step points: (tables, rows, dim, batch, pooling). They vary ids (pooling, batch) and bytes
-# per id (dim) independently, and one is tiny, so the fit can tell per-row, per-byte and per-launch
-# costs apart.
+# Embedding step points: (tables, rows, dim, batch, pooling). They vary ids (pooling, batch) and bytes per
+# id (dim) independently, and one is tiny, so the fit can tell per-row, per-byte and per-launch costs apart.
 EMB_POINTS = {
     "small": [(1, 1_000, 16, 32, 1), (2, 5_000, 16, 128, 8), (2, 5_000, 128, 128, 8),
               (2, 5_000, 64, 128, 32), (4, 10_000, 64, 64, 4), (2, 5_000, 256, 64, 2)],
@@ -66,8 +55,8 @@ EMB_POINTS = {
 EMB_POINTS["quick"] = EMB_POINTS["small"]  # tiny already: what takes time is the trainer's step points
 # DLRM MLP shapes: bottom (13 dense features) and top (interaction output) stacks, batch per rank.
 DLRM_MLP = {"small": dict(batch=256, layers=[13, 512, 256, 64, 512, 256, 1]),
-            "quick": dict(batch=256, layers=[13, 512, 256, 64, 512, 256, 1]),
             "large": dict(batch=8192, layers=[13, 512, 256, 128, 1024, 1024, 512, 256, 1])}
+DLRM_MLP["quick"] = DLRM_MLP["small"]
 SIZES = {  # "quick": the calibration a training job runs on first contact (anyrec.autocal)
     "quick": dict(gemm=256, comm_bytes=[1 << 10, 64 << 10, 1 << 20], copy_bytes=4 << 20),
     "small": dict(gemm=512, comm_bytes=[1 << 10, 16 << 10, 256 << 10, 2 << 20], copy_bytes=16 << 20),
@@ -77,10 +66,8 @@ SIZES = {  # "quick": the calibration a training job runs on first contact (anyr
 
 def timeit(fn: Callable[[], Any], backend: Backend, budget_s: float, min_reps: int = 3,
            reps: int | None = None) -> float:
-    """Median seconds per call of `fn`: one warm-up, then repeat until the budget is spent.
-
-    Collectives pass a fixed `reps`: every rank must make the same number of calls.
-    """
+    """Median seconds per call of `fn`: one warm-up, then repeat until the budget is spent (collectives
+    pass a fixed `reps`: every rank must make the same number of calls)."""
     fn()
     backend.synchronize()
     times: list[float] = []
@@ -119,8 +106,7 @@ def fit_nonnegative(rows: list[list[float]], y: list[float], scale: list[float] 
 
 
 def measure_copy(backend: Backend, device: torch.device, nbytes: int, budget_s: float) -> dict[str, float]:
-    """Device copy bandwidth (read + write counted); on accelerators host->device bandwidth from pinned
-    and from pageable memory."""
+    """Device copy bandwidth (read + write); on accelerators host->device from pinned and pageable."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
     out = {"copy_bw_bytes_per_s": 2 * nbytes / timeit(lambda: dst.copy_(src), backend, budget_s)}
@@ -147,8 +133,7 @@ def measure_gemm(backend: Backend, device: torch.device, n: int, budget_s: float
 
 def measure_dlrm_mlp(backend: Backend, device: torch.device, batch: int, layers: list[int],
                      budget_s: float) -> dict[str, float]:
-    """fp32 FLOP/s of a DLRM-shaped MLP's forward + backward, counted as the planner counts it
-    (6 FLOPs per parameter per sample)."""
+    """fp32 FLOP/s of a DLRM-shaped MLP's forward + backward, 6 per parameter per sample as planned."""
     mods: list[torch.nn.Module] = []
     for a, b in itertools.pairwise(layers):
         mods += [torch.nn.Linear(a, b), torch.nn.ReLU()]
@@ -195,26 +180,21 @@ def _embedding_step(impl: Impl, device: torch.device, point: tuple) -> Callable[
     return lambda: tbe(ids_N, offsets).backward(grad)
 
 
+def _lookup_s(profile: KernelProfile, impl: Impl, spec: DeviceSpec, compute: str, point: tuple) -> float:
+    """The planner's lookup seconds (forward + backward) for one embedding step of `impl` at `point`."""
+    t, rows, dim, batch, pooling = point
+    table = TableSpec("t", rows, dim, float(pooling), ["f"])
+    fwd, bwd = lookup_time_s(batch * pooling, batch, dim, table, Placement.HBM, Topology(spec, 1, 1, compute),
+                             OPTIMIZER, EmbeddingCost.builtin(impl), profile=profile)
+    return t * (fwd + bwd)
+
+
 def _planner_terms(impl: Impl, spec: DeviceSpec, compute: str, point: tuple) -> tuple[float, float]:
     """(ids looked up, seconds of bytes at full bandwidth) for `point`, in the planner's own terms:
     the per-row term is charged 3x per id (forward, backward read and write), as lookup_time_s does."""
-    t, rows, dim, batch, pooling = point
-    topo = Topology(spec, 1, 1, compute)
-    table = TableSpec("t", rows, dim, float(pooling), ["f"])
+    t, _, _, batch, pooling = point
     unit = KernelProfile(1.0, impl.profile.access_bytes if impl.profile else 32)
-    fwd, bwd = lookup_time_s(batch * pooling, batch, dim, table, Placement.HBM, topo, OPTIMIZER,
-                             EmbeddingCost.builtin(impl), profile=unit)
-    return 3.0 * t * batch * pooling, t * (fwd + bwd)
-
-
-def predict_step_s(profile: KernelProfile, impl: Impl, spec: DeviceSpec, compute: str, point: tuple) -> float:
-    """The planner's seconds for one embedding step of `impl` at `point` with `profile`."""
-    t, rows, dim, batch, pooling = point
-    topo = Topology(spec, 1, 1, compute)
-    table = TableSpec("t", rows, dim, float(pooling), ["f"])
-    fwd, bwd = lookup_time_s(batch * pooling, batch, dim, table, Placement.HBM, topo, OPTIMIZER,
-                             EmbeddingCost.builtin(impl), profile=profile)
-    return t * (fwd + bwd) + profile.per_launch_s
+    return 3.0 * t * batch * pooling, _lookup_s(unit, impl, spec, compute, point)
 
 
 def measure_embedding(backend: Backend, device: torch.device, spec: DeviceSpec, points: list[tuple],
@@ -228,10 +208,8 @@ def measure_embedding(backend: Backend, device: torch.device, spec: DeviceSpec, 
         if reason is not None:
             out[impl.name] = {"skipped": reason}
             continue
-        measured = []
         try:
-            for point in points:
-                measured.append(timeit(_embedding_step(impl, device, point), backend, budget_s))
+            measured = [timeit(_embedding_step(impl, device, point), backend, budget_s) for point in points]
         except (RuntimeError, NotImplementedError, ValueError) as e:
             out[impl.name] = {"skipped": f"failed: {str(e).splitlines()[0][:160]}"}
             continue
@@ -243,11 +221,9 @@ def measure_embedding(backend: Backend, device: torch.device, spec: DeviceSpec, 
             per_row_s=per_row, per_launch_s=min(launch, 0.5),
             source=f"measured by anyrec.calibrate on {backend.describe()} ({stamp}): forward + backward "
                    f"+ fused {OPTIMIZER} at {len(points)} points, least squares")
-        pred = [predict_step_s(profile, impl, spec, compute, p) for p in points]
+        pred = [_lookup_s(profile, impl, spec, compute, p) + profile.per_launch_s for p in points]
         out[impl.name] = {
-            "profile": {"bw_efficiency": profile.bw_efficiency, "access_bytes": profile.access_bytes,
-                        "per_row_s": profile.per_row_s, "per_launch_s": profile.per_launch_s,
-                        "source": profile.source},
+            "profile": dataclasses.asdict(profile),
             "points": [{"tables": p[0], "rows": p[1], "dim": p[2], "batch": p[3], "pooling": p[4],
                         "step_s": m, "fit_s": f} for p, m, f in zip(points, measured, pred, strict=True)],
             "fit_max_rel_error": max(abs(f - m) / m for m, f in zip(measured, pred, strict=True)),
@@ -263,7 +239,8 @@ _BUS_FACTOR = {
 }
 
 
-def _collective(op: str, x: torch.Tensor, world: int) -> Callable[[], Any]:
+def _collective(op: str, nbytes: int, world: int, device: torch.device) -> Callable[[], Any]:
+    x = torch.ones(nbytes // 4 // world * world, dtype=torch.float32, device=device)
     if op == "all_to_all":
         y = torch.empty_like(x)
         return lambda: dist.all_to_all_single(y, x)
@@ -275,15 +252,11 @@ def _collective(op: str, x: torch.Tensor, world: int) -> Callable[[], Any]:
 
 def measure_collectives(device: torch.device, sizes: list[int], backend: Backend, budget_s: float,
                         world: int) -> dict:
-    """all-to-all, all-reduce and reduce-scatter seconds at each size (slowest rank's median) over the
-    `world` ranks of the process group, fitted into latency_s + bus bytes / bus_bw_bytes_per_s."""
+    """Each collective's seconds per size (slowest rank's median), fitted into latency + bus bytes / bw."""
     out: dict[str, Any] = {"world_size": world}
     for op, bus in _BUS_FACTOR.items():
-        times = []
         try:
-            for nbytes in sizes:
-                x = torch.ones(nbytes // 4 // world * world, dtype=torch.float32, device=device)
-                times.append(timeit(_collective(op, x, world), backend, budget_s, reps=10))
+            times = [timeit(_collective(op, n, world, device), backend, budget_s, reps=10) for n in sizes]
         except (RuntimeError, NotImplementedError) as e:  # e.g. a process group without the op
             out[op] = {"skipped": str(e).splitlines()[0][:160]}
             continue
@@ -299,9 +272,8 @@ def measure_collectives(device: torch.device, sizes: list[int], backend: Backend
 
 def calibrate(backend: Backend, device: torch.device, world: int, size: str = "small",
               budget_s: float = 0.5, bind_cores: bool = True) -> dict:
-    """Every measurement on this device, as the `measurements` section of a hardware YAML; its
-    `spec_fields` are the DeviceSpec fields they determine (units in the names). `bind_cores` is the
-    trainer's setting the step points train with (backend.bind_cores)."""
+    """Every measurement on this device, as a hardware YAML's `measurements` (`spec_fields`: the DeviceSpec
+    fields they determine); the step points' trainers bind cores as `bind_cores` says."""
     s = SIZES[size]
     m: dict[str, Any] = {}
     took: dict[str, float] = {}  # seconds per phase: what a calibration's time went to
@@ -331,14 +303,11 @@ def calibrate(backend: Backend, device: torch.device, world: int, size: str = "s
                                    bind_cores, size == "quick")
     fields.update(m["step"]["fields"])
     lap("step")
-    m["phase_s"] = took
-    m["threads"] = torch.get_num_threads()
-    m["bind_cores"] = bind_cores
+    m.update(phase_s=took, threads=torch.get_num_threads(), bind_cores=bind_cores)
     choice = getattr(backend, "bind_choice", None)
     if choice is not None:
         m["bind_rule"] = choice.describe()
-    m["measured_fields"] = [k for k in fields if k != "name"]
-    m["spec_fields"] = fields
+    m.update(measured_fields=[k for k in fields if k != "name"], spec_fields=fields)
     return m
 
 
@@ -362,9 +331,8 @@ def spec_fields(backend: Backend, m: dict) -> dict[str, Any]:
 
 
 def link_fields(c: dict) -> dict[str, Any]:
-    """DeviceSpec link fields from the collective fits. Ranks of one launch share a host, so what they
-    measure is the scale-up link: the all-to-all bus bandwidth (what embedding comms mostly are), taken
-    as achieved (efficiency 1), and the median per-collective latency (all-reduce counts as two)."""
+    """DeviceSpec scale-up link fields (one launch's ranks share a host): the all-to-all bus bandwidth, as
+    achieved (efficiency 1), and the median per-collective latency (an all-reduce counts as two)."""
     out: dict[str, Any] = {}
     if "bus_bw_bytes_per_s" in c.get("all_to_all", {}):
         out["scale_up_bw_bytes_per_s"] = c["all_to_all"]["bus_bw_bytes_per_s"]
@@ -390,22 +358,12 @@ def hardware_yaml(backend: Backend, m: dict) -> dict:
     return {"measurements": measurements, "spec": fields}
 
 
-def write_yaml(path: Path, data: dict, header: str) -> None:
-    """The calibration YAML, written whole or not at all."""
-    import yaml
-
-    with atomic_write(path) as f:
-        f.write(header + yaml.safe_dump(data, sort_keys=False, default_flow_style=False))
-
-
 def format_table(m: dict) -> str:
     """The measurements as a small text table."""
     rows = [("copy", "", m["copy_bw_bytes_per_s"] / 1e9, "GB/s")]
-    for key, variant in (("h2d_bw_bytes_per_s", "pinned"), ("h2d_pageable_bw_bytes_per_s", "pageable")):
-        if key in m:
-            rows.append(("host->device", variant, m[key] / 1e9, "GB/s"))
-    for dtype, v in m["gemm_flops"].items():
-        rows.append(("gemm", dtype, v / 1e12, "TFLOP/s"))
+    rows += [("host->device", variant, m[key] / 1e9, "GB/s") for key, variant in
+             (("h2d_bw_bytes_per_s", "pinned"), ("h2d_pageable_bw_bytes_per_s", "pageable")) if key in m]
+    rows += [("gemm", dtype, v / 1e12, "TFLOP/s") for dtype, v in m["gemm_flops"].items()]
     rows.append(("dlrm mlp f+b", "fp32", m["dlrm_mlp"]["flops"] / 1e12, "TFLOP/s"))
     skipped = []
     for impl, e in m["embedding"].items():

@@ -2,12 +2,10 @@
 the planner costs (Python, torchrec's awaitables and KJT handling, DDP, optimizers, synthetic data,
 loss), fitted into the DeviceSpec `step_*`, `sharding_group_s` and `replicated_table_s` fields.
 
-`anyrec.calibrate` (under torchrun) trains anyrec's Trainer at a few tiny points of its own, each with a
-plan given table by table: the tables have 1,000 rows, so lookups and comms bytes are small and what is
-left is framework time. The planner's prediction for each point (with the figures measured before) is
-subtracted, and the rest is fitted by non-negative least squares to per-step, per-feature, per-sample,
-per-id, per-pooled-value, per-sharding-group and per-replicated-table seconds. The points are not the
-benchmarks' workloads: calibration measures primitives, `benchmarks/planner_accuracy.py` validates.
+anyrec's Trainer trains a few tiny points, each with a plan given table by table; with 1,000-row tables
+what is left is framework time. The planner's prediction (with the figures measured before) is
+subtracted, and the rest fitted by non-negative least squares. The points are not the benchmarks'
+workloads: calibration measures primitives, `benchmarks/planner_accuracy.py` validates.
 """
 
 from __future__ import annotations
@@ -33,15 +31,12 @@ from anyrec.trainer.trainer import EBC_PATH, Trainer
 logger = logging.getLogger("anyrec.calibrate")
 
 ROWS = 1_000  # rows per table: lookups stay cheap, framework time dominates
-# DeviceSpec fields the fit determines, in the order of `StepPoint.terms`.
-FIELDS = STEP_FIELDS
 
 
 @dataclass(frozen=True)
 class StepPoint:
-    """One calibration training job: `tables` tables of `dim` columns, `batch` samples per rank,
-    `pooling` ids per sample per table, the tables split into equal blocks, one per sharding type;
-    `hidden` extra 64-wide layers in each of the bottom and top MLPs."""
+    """One calibration training job (`batch` samples per rank, `pooling` ids per sample per table), its
+    tables split into equal blocks, one per sharding type; `hidden` extra 64-wide layers in each MLP."""
 
     tables: int
     dim: int
@@ -68,10 +63,9 @@ class StepPoint:
         return self.shardings[i * len(self.shardings) // self.tables]
 
     def terms(self, world: int = 2) -> list[float]:
-        """The fit's columns at `world` ranks: step, features, samples, ids, pooled values, interaction
-        entries (the points train the dot interaction: (tables + 1)^2 per sample), dense parameter
-        tensors (a weight and a bias per MLP layer), sharding groups, replicas (both 0 at one rank: its
-        one group's cost is the step's, and it has no replicas)."""
+        """The fit's columns at `world` ranks: step, features, samples, ids, pooled values, dot-interaction
+        entries ((tables + 1)^2 per sample), dense tensors (a weight and a bias per MLP layer), sharding
+        groups and replicas (both 0 at one rank: its one group's cost is the step's; no replicas)."""
         groups = len({s for s in self.shardings if s != "data_parallel"}) if world > 1 else 0
         replicas = sum(self.sharding_of(i) == "data_parallel" for i in range(self.tables)) if world > 1 else 0
         return [1.0, self.tables, self.batch, self.batch * self.tables * self.pooling,
@@ -79,10 +73,9 @@ class StepPoint:
                 2 * (len(self.bottom_mlp) + len(self.top_mlp)), groups, replicas]
 
 
-# Each term varies alone against the first point: features (24 tables), samples (batch 512), ids
-# (pooling 16 and 64), pooled values (dims 128 and 256: the range plans cover), sharding groups (1, 2 and 3
-# types at dim 32), replicated tables; interaction entries (features^2 x samples) by many features at a
-# large batch; dense parameter tensors by three more hidden layers in each MLP.
+# Each term varies alone against the first point: features (24 tables), samples (batch 512), ids (pooling
+# 16 and 64), pooled values (dims 128 and 256), sharding groups (1, 2 and 3 types at dim 32), replicated
+# tables, interaction entries (many features at a large batch), dense tensors (three more hidden layers).
 POINTS = [
     StepPoint(8, 16, 32, 1, ("table_wise",)),
     StepPoint(24, 16, 32, 1, ("table_wise",)),
@@ -100,9 +93,8 @@ POINTS = [
     StepPoint(24, 16, 32, 1, ("data_parallel",)),
 ]
 
-# The quick calibration's subset: each term still varies against the first point (features and
-# interaction entries by 24 tables at two batches, samples, dense tensors, ids, pooled values,
-# sharding groups, replicas), one point each; trainers dominate its time.
+# The quick calibration's subset (trainers dominate its time): each term still varies against the first
+# point, one point each (features and interaction entries by 24 tables at two batches).
 QUICK_POINTS = [POINTS[i] for i in (0, 1, 2, 3, 4, 5, 7, 10, 11, 12)]
 
 
@@ -169,10 +161,8 @@ def _train_point(p: StepPoint, backend: Backend, hardware: Hardware, world: int,
 
 def measure_step_costs(backend: Backend, hardware: Hardware, world: int, budget_s: float, fit: Any,
                        bind_cores: bool = True, quick: bool = False) -> dict[str, Any]:
-    """Train every point on the `world` ranks (the process group must be up; the trainers bind cores
-    as `bind_cores` says), fit the framework terms with `fit` (anyrec.calibrate.fit_nonnegative) on what
-    the planner's figures in `hardware` (spec and measured embedding profiles) leave unexplained.
-    `quick`: the points of the calibration on first contact (`points_at`)."""
+    """Train every point of `points_at(world, quick)` on the process group's ranks (binding cores as
+    `bind_cores` says) and fit with `fit` (calibrate.fit_nonnegative) what `hardware` leaves unexplained."""
     points = points_at(world, quick)
     # Five passes (median): with three, one noisy pass of the pooling points swung the per-id term
     # between 0 and 1.8e-7 s between two calibrations of this 2-core host.
@@ -192,13 +182,11 @@ def measure_step_costs(backend: Backend, hardware: Hardware, world: int, budget_
                     p.name, m * 1e3, passes, pred * 1e3)
     rows = [p.terms(world) for p in points]
     coeffs = fit(rows, [m - pred for m, pred in zip(measured, model, strict=True)], scale=measured)
-    fields = dict(zip(FIELDS, coeffs, strict=True))
     fitted = [pred + sum(c * x for c, x in zip(coeffs, r, strict=True))
               for pred, r in zip(model, rows, strict=True)]
     return {
-        "fields": fields,
-        "steps_per_point": steps,
-        "passes": passes,
+        "fields": dict(zip(STEP_FIELDS, coeffs, strict=True)),  # in the order of `StepPoint.terms`
+        "steps_per_point": steps, "passes": passes,
         "points": [{"name": p.name, "tables": p.tables, "dim": p.dim, "batch": p.batch, "pooling": p.pooling,
                     "shardings": list(p.shardings), "measured_s": m, "model_s": pred, "fit_s": f}
                    for p, m, pred, f in zip(points, measured, model, fitted, strict=True)],

@@ -1,10 +1,9 @@
-"""Structured config schemas (Hydra ConfigStore) and where the YAML config groups live.
-
-Library code takes these dataclasses (or plain values); `DictConfig` stops at the entry points.
-"""
+"""Structured config schemas (Hydra ConfigStore) and where the YAML config groups live. Library code
+takes these dataclasses (or plain values); `DictConfig` stops at the entry points."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -15,13 +14,12 @@ from omegaconf import MISSING
 
 def config_dir() -> Path:
     """The Hydra config groups: shipped inside the package when installed, else the repo's `configs/`."""
-    installed = Path(__file__).resolve().parent / "configs"
-    if (installed / "config.yaml").is_file():
-        return installed
-    repo = Path(__file__).resolve().parent.parent / "configs"
-    if (repo / "config.yaml").is_file():
-        return repo
-    raise FileNotFoundError(f"anyrec config groups not found in {installed} or {repo}")
+    here = Path(__file__).resolve().parent
+    folders = [here / "configs", here.parent / "configs"]
+    for folder in folders:
+        if (folder / "config.yaml").is_file():
+            return folder
+    raise FileNotFoundError(f"anyrec config groups not found in {folders[0]} or {folders[1]}")
 
 
 # Closed choices are enums: a value outside them fails when the config is composed, before any
@@ -72,8 +70,7 @@ class DataConfig:
     eval_files: list[str] = field(default_factory=list)  # empty: evaluate on the train files
     on_malformed: OnMalformed = OnMalformed.error  # skip: count them and report the count
     hash_ids: bool = True  # ids modulo the table size (Criteo ids are 32-bit hashes)
-    # TSV: torchrec is log(x - min + 2), as torchrec's tsv_to_npys
-    dense_transform: DenseTransform = DenseTransform.torchrec
+    dense_transform: DenseTransform = DenseTransform.torchrec  # TSV; torchrec: log(x - min + 2) (tsv_to_npys)
     prefetch: int = 2  # batches made ahead by background threads (files; synthetic on a CPU); 0 = in the step
     prefetch_workers: int = 1  # threads making them (order is kept either way)
 
@@ -89,20 +86,16 @@ class BackendConfig:
     # FBGEMM sparse ops of torchrec's sharded path: auto (FBGEMM where it has a kernel for the device,
     # pure-torch kernels elsewhere) | fbgemm | portable (pure torch everywhere, overriding FBGEMM)
     sparse_ops: SparseOps = SparseOps.auto
-    # CPU device, several ranks per host: bind each rank's threads to its own share of the cores
-    # (false: threads float over all cores, torch's thread count still split between the ranks;
-    # auto: bind unless other processes were using the cores at start, see backends/core_load.py)
+    # CPU, several ranks per host: bind each rank's threads to its share of the cores (false: threads
+    # float, their count still split; auto: bind unless other processes use the cores, backends/core_load.py)
     bind_cores: str = "auto"  # auto | true | false
 
 
 @dataclass
 class HardwareConfig:
-    """The device the planner reasons about: `auto` (this one), a SKU name, or a YAML file.
-
-    Resolve with `anyrec.backends.resolve_hardware(sku, spec, backend, measurements)`. A calibrated
-    YAML has this same shape, so it can also be a group option (`hardware=NAME` with its folder on
-    Hydra's searchpath); its measurements then arrive in `measurements`.
-    """
+    """The device the planner reasons about (`anyrec.backends.resolve_hardware` resolves it). A calibrated
+    YAML has this shape, so besides `hardware.sku=FILE` it is also a group option (`hardware=NAME`, its
+    folder on Hydra's searchpath), its measurements then in `measurements`."""
 
     sku: str = "auto"  # auto | a SKU name | /path/to/hardware.yaml
     spec: dict[str, Any] = field(default_factory=dict)  # DeviceSpec field overrides
@@ -165,15 +158,13 @@ class TrainerConfig:
     eval_steps: int = 20  # batches per rank per evaluation; 0 = no evaluation
     eval_every: int = 0  # steps between evaluations; 0 = only at the end
     log_every: int = 25
-    # >0: the last N steps run under torch.profiler (after one profiler warm-up step), left out of
-    # measured_step_ms; the summary's step_breakdown_ms splits them into forward, backward, optimizer,
-    # other and collectives per rank, beside the plan's predicted split
+    # >0: the last N steps run under torch.profiler (after a warm-up step), out of measured_step_ms; the
+    # summary's step_breakdown_ms splits them per rank (forward, backward, optimizer, other, collectives)
     breakdown_steps: int = 0
     progress: bool = True
     pipeline: bool = True  # torchrec TrainPipelineSparseDist (input dist overlapped with compute)
     mixed_precision: Precision = Precision.auto  # auto: bf16 autocast on accelerators, fp32 on CPU
-    # NaN/inf loss, or NaN/inf dense inputs of a training batch (any source): skip the batch, not stop
-    skip_nonfinite: bool = False
+    skip_nonfinite: bool = False  # NaN/inf loss or dense inputs of a training batch: skip it, not stop
     validate_inputs: bool = True  # check ids and feature counts of every batch before it is used
     run_dir: str | None = None  # JSONL/TensorBoard logs; the entry point sets Hydra's output dir
     tensorboard: bool = True
@@ -247,12 +238,7 @@ class AnyrecConfig:
 
 
 def check_values(cfg: AnyrecConfig) -> None:
-    """Counts and sizes that must be positive (a 0 would otherwise mean "unset" or divide by zero).
-
-    Called by the entry points on the typed config; a ValueError names the key.
-    """
-    import math
-
+    """Counts and sizes that must be positive (a 0 would mean "unset" or divide by zero), by key."""
     positive = {"topology.world_size": cfg.topology.world_size,
                 "topology.local_world_size": cfg.topology.local_world_size,
                 "plan.batch_size": cfg.plan.batch_size, "data.batch_size": cfg.data.batch_size,

@@ -1,9 +1,8 @@
 """Output paths checked before any work starts (a job whose results cannot be written fails in seconds),
-and the one way anyrec writes a file: atomically.
+and the one way anyrec writes a file: atomically (`atomic_write`, `write_yaml`).
 
-Each check creates nothing that stays: it probes the path itself or its nearest existing folder by
-creating and removing a temporary file, so permissions, read-only mounts, a file where a folder
-should be (and the reverse) are all found the way the real write would find them.
+Each check probes the path or its nearest existing folder by creating and removing a temporary file, so
+permissions, read-only mounts and a file where a folder should be are found as the real write would.
 """
 
 from __future__ import annotations
@@ -15,9 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-
-def _reason(e: OSError) -> str:
-    return e.strerror or type(e).__name__
+import yaml
 
 
 def _probe(folder: Path, what: str, path: Path) -> None:
@@ -27,7 +24,8 @@ def _probe(folder: Path, what: str, path: Path) -> None:
         os.close(fd)
         os.unlink(name)
     except OSError as e:
-        raise ValueError(f"{what} {path}: cannot write in {folder} ({_reason(e)})") from None
+        reason = e.strerror or type(e).__name__
+        raise ValueError(f"{what} {path}: cannot write in {folder} ({reason})") from None
 
 
 def _existing_ancestor(path: Path, what: str) -> Path:
@@ -67,11 +65,8 @@ def writable_file(path: str | os.PathLike | None, what: str) -> None:
 
 @contextlib.contextmanager
 def atomic_write(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
-    """Open a file that appears at `path` whole or not at all.
-
-    Writes go to a temporary file beside `path` (same filesystem, so the rename is atomic), which
-    replaces `path` when the block ends without an exception and is removed when it raises.
-    """
+    """Open a file that appears at `path` whole or not at all: a temporary file beside `path` (same
+    filesystem: the rename is atomic) replaces it when the block ends, and is removed if it raises."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
@@ -86,3 +81,9 @@ def atomic_write(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_yaml(path: str | os.PathLike, data: dict, header: str = "") -> None:
+    """`header` (comment lines) and `data` as YAML at `path`, in `data`'s order, whole or not at all."""
+    with atomic_write(path) as f:
+        f.write(header + yaml.safe_dump(data, sort_keys=False, default_flow_style=False))

@@ -3,24 +3,13 @@
     anyrec-parity model=dlrm_tiny trainer.steps=20 parity.variants='["backend.embedding_kernel=fbgemm",
         "backend.embedding_kernel=torch nproc=2", "backend.embedding_kernel=triton TRITON_INTERPRET=1"]'
 
-The command line is composed as `anyrec-train` composes its own; its overrides other than `parity.*`
-are the base job every variant shares. Each of `parity.variants` is one variant: Hydra overrides,
-plus `nproc=N` (ranks, launched by their own `torchrun --standalone`, loopback only) and
-`NAME=VALUE` environment variables (upper-case names). Every variant records its per-step training
-loss (mean over ranks) and its final weights (every `*weight` / `*bias` tensor, gathered whole). The
-table compares each variant with the first: the largest |loss difference| over the steps (absolute
-and relative) and the largest |weight difference|; the exit status is 1 when any exceeds
-`parity.loss_rtol` or `parity.weight_atol` or a variant failed, 2 for bad arguments.
-
-`parity.save=FILE` writes every variant's record (JSON); `parity.against=FILE` compares this
-machine's variants with the first record of such a file written elsewhere (e.g. a B200 run checked
-on an MI350X). `parity.timeout_s` bounds each variant; a variant past it is killed with its whole
-process group (anyrec.config.ParityConfig has the defaults).
-
-The steps run through `anyrec-train`'s own loop (`Trainer.train()`) without evaluation or
-checkpoints. Both files are checked before any variant runs: the `parity.against` file whole
-(valid JSON, every run's losses and weights present, finite, of their shapes and matching their
-hash) and the `parity.save` path writable.
+The overrides other than `parity.*` are the base job. Each of `parity.variants` is Hydra overrides, plus
+`nproc=N` (ranks, under their own `torchrun --standalone`) and `NAME=VALUE` environment variables. Every
+variant runs `anyrec-train`'s loop (no evaluation or checkpoints) and records its per-step loss (mean over
+ranks) and final weights (every `*weight` / `*bias`, whole). The table compares each with the first;
+exit status 1 when one exceeds `parity.loss_rtol` / `parity.weight_atol` or a variant failed, 2 for bad
+arguments. `parity.save=FILE` writes the records (JSON); `parity.against=FILE` compares with the first
+record of such a file written elsewhere (e.g. a B200 run checked on an MI350X), checked whole first.
 """
 
 from __future__ import annotations
@@ -99,16 +88,13 @@ def check_options(opts: ParityConfig) -> dict[str, Any] | None:
 
 # ---- one variant, inside its own process(es) ----------------------------------------------------
 
-
 # What the worker adds to the base job: the steps only (no evaluation, checkpoints or progress bar).
-_STEPS_ONLY = ["trainer.eval_steps=0", "trainer.checkpoint.dir=null", "trainer.progress=false"]
+STEPS_ONLY = ["trainer.eval_steps=0", "trainer.checkpoint.dir=null", "trainer.progress=false"]
 
 
 def full_weights(model, info: DistInfo) -> dict[str, Any]:
-    """Every `*weight` / `*bias` entry of the state_dict, whole (fp32, shards gathered), on rank 0; else {}.
-
-    Other entries (optimizer state, counters) are in the state_dict of some kernels only.
-    """
+    """Every `*weight` / `*bias` entry of the state_dict, whole (fp32, shards gathered), on rank 0; else {}
+    (other entries, optimizer state and counters, are in some kernels' state_dict only)."""
     state = full_state(model, info)
     if not info.is_main:
         return {}
@@ -132,18 +118,9 @@ def train_losses(trainer: Trainer) -> list[float]:
     return all_reduce_mean([float(x) for x in losses], trainer.device)
 
 
-def local_losses(overrides: list[str]) -> list[float]:
-    """Per-step training losses of the job `overrides` run in this process (one rank)."""
-    trainer = Trainer(_hydra.compose_job([*overrides, *_STEPS_ONLY]))
-    try:
-        return train_losses(trainer)
-    finally:
-        trainer.close()
-
-
 def worker(out_path: str, overrides: list[str]) -> None:
     """Train one variant; rank 0 writes its record to `out_path`."""
-    trainer = Trainer(_hydra.compose_job([*overrides, *_STEPS_ONLY]))
+    trainer = Trainer(_hydra.compose_job([*overrides, *STEPS_ONLY]))
     try:
         losses = train_losses(trainer)
         weights = full_weights(trainer.model, trainer.dist)
@@ -163,7 +140,6 @@ def worker(out_path: str, overrides: list[str]) -> None:
 
 
 # ---- records read back ---------------------------------------------------------------------------
-
 
 def _finite_numbers(values: Any, what: str) -> None:
     if not isinstance(values, list) or not all(
@@ -219,17 +195,13 @@ def read_records(path: Path) -> dict[str, Any]:
 
 # ---- the driver ---------------------------------------------------------------------------------
 
-
 def run_variant(base: list[str], variant: Variant, timeout_s: float) -> dict[str, Any]:
     """Launch one variant (torchrun when nproc > 1) and return its record, or {"error": ...}."""
     with tempfile.TemporaryDirectory(prefix="anyrec-parity-") as tmp:
         out = str(Path(tmp) / "record.json")
-        worker_args = ["-m", "anyrec.parity", _WORKER_FLAG, out, *base, *variant.overrides]
-        if variant.nproc > 1:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc_per_node={variant.nproc}", *worker_args]
-        else:
-            cmd = [sys.executable, *worker_args]
+        ranks = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={variant.nproc}"]
+        cmd = [sys.executable, *(ranks if variant.nproc > 1 else []), "-m", "anyrec.parity", _WORKER_FLAG,
+               out, *base, *variant.overrides]
         # a fresh job: no rendezvous settings inherited from a surrounding (or finished) one
         env = {k: v for k, v in os.environ.items()
                if k not in _DIST_ENV and not k.startswith("TORCHELASTIC_")}
@@ -238,9 +210,8 @@ def run_variant(base: list[str], variant: Variant, timeout_s: float) -> dict[str
             proc = run_session(cmd, timeout_s, env=env, merge_stderr=True)
         except subprocess.TimeoutExpired:
             return {"error": f"timed out after {timeout_s:.0f} s"}
-        output = proc.stdout
         if proc.returncode != 0 or not Path(out).is_file():
-            lines = [ln for ln in output.strip().splitlines() if ln.strip()]
+            lines = [ln for ln in proc.stdout.strip().splitlines() if ln.strip()]
             errors = [ln for ln in lines if "Error" in ln or "error:" in ln]
             last = (errors or lines or ["no output"])[-1].strip()[:300]
             return {"error": f"exit {proc.returncode}: {last}"}
@@ -254,16 +225,14 @@ def compare(ref: dict[str, Any], rec: dict[str, Any]) -> dict[str, float]:
         return {"loss_abs": math.inf, "loss_rel": math.inf, "weight_abs": math.inf}
     loss_abs = max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
     loss_rel = max((abs(x - y) / max(abs(x), 1e-30) for x, y in zip(a, b, strict=True)), default=0.0)
-    weight_abs = 0.0
-    if set(ref["weights"]) != set(rec["weights"]):
-        weight_abs = math.inf
+    weight_abs = 0.0 if set(ref["weights"]) == set(rec["weights"]) else math.inf
     for name, w in ref["weights"].items():
         other = rec["weights"].get(name)
         if other is None or other["shape"] != w["shape"]:
             weight_abs = math.inf
-            continue
-        diff = (torch.tensor(w["values"]) - torch.tensor(other["values"])).abs()
-        weight_abs = max(weight_abs, float(diff.max()) if diff.numel() else 0.0)
+        elif w["values"]:
+            diff = (torch.tensor(w["values"]) - torch.tensor(other["values"])).abs()
+            weight_abs = max(weight_abs, float(diff.max()))
     return {"loss_abs": loss_abs, "loss_rel": loss_rel, "weight_abs": weight_abs}
 
 
@@ -285,8 +254,8 @@ def report(labels: list[str], records: list[dict[str, Any]], ref: dict[str, Any]
         ok_all &= ok
         final = rec["losses"][-1] if rec["losses"] else math.nan
         rows.append(f"| {label} | {len(rec['losses'])} | {final:.7f} | {d['loss_abs']:.2e} "
-                    f"| {d['loss_rel']:.2e} "
-                    f"| {d['weight_abs']:.2e} | {rec['weights_sha256'][:12]} | {'ok' if ok else 'DIFFERS'} |")
+                    f"| {d['loss_rel']:.2e} | {d['weight_abs']:.2e} | {rec['weights_sha256'][:12]} "
+                    f"| {'ok' if ok else 'DIFFERS'} |")
     return "\n".join(rows), ok_all
 
 
@@ -296,10 +265,9 @@ def run(cfg: AnyrecConfig) -> int:
     reference = check_options(opts)
     base = [o for o in HydraConfig.get().overrides.task if not o.startswith("parity.")]
     variants = [parse_variant(v) for v in opts.variants] or [Variant(label="(base)")]
-    labels, records = [], []
+    labels, records = [v.label for v in variants], []
     for v in variants:
         print(f"anyrec-parity: running {v.label} ...", file=sys.stderr, flush=True)
-        labels.append(v.label)
         records.append(run_variant(base, v, opts.timeout_s))
     if opts.save is not None:
         runs = [{"label": lb, "base": base, **rec} for lb, rec in zip(labels, records, strict=True)

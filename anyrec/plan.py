@@ -3,9 +3,8 @@
     anyrec-plan model=dlrmv2 optim=adagrad hardware=mi350x topology.world_size=8
     anyrec-plan model=dlrmv2 hardware=mi350x plan.compare=b200 plan.output=plan.json plan.plot=plan.png
 
-The model is built on the meta device (no table memory), so any model plans on any machine; tables and
-the dense parameter count are read from it as the trainer reads them from its real model.
-"""
+The model is built on the meta device (no table memory), so any model plans on any machine, read as the
+trainer reads its real one."""
 
 from __future__ import annotations
 
@@ -29,18 +28,12 @@ from anyrec.planner.report import format_compare, format_report, plan_json, plot
 from anyrec.planner.types import InfeasiblePlanError, PlanResult, Topology
 from anyrec.trainer.distributed import ONE_PROCESS
 
-DEFAULT_EMBEDDING_IMPL = FBGEMM_EMBEDDING  # what `backend.embedding_kernel=auto` plans for offline
-
 
 def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print,
         planner: CoDesignPlanner | None = None) -> PlanResult:
-    """Plan, print the report (and the comparison), write plan.output (JSON) and plan.plot (PNG).
-
-    With `plan.compare`, the same job is also planned on as many devices of that SKU (or calibrated
-    file) and shown side by side, each plan costed with its own hardware's figures; an infeasible
-    comparison is reported, not raised. Raises InfeasiblePlanError (a ValueError) with a one-line
-    message when nothing fits, before anything is written.
-    """
+    """Plan, print the report, write plan.output (JSON) and plan.plot (PNG); InfeasiblePlanError (one
+    line) when nothing fits, before anything is written. `plan.compare` plans the same job on that SKU
+    or file too, each plan costed with its own hardware's figures (an infeasible one is reported)."""
     check_values(cfg)
     writable_file(cfg.plan.output, "plan.output")
     writable_file(cfg.plan.plot, "plan.plot")
@@ -51,10 +44,8 @@ def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print,
     sku = str(cached.path) if cached is not None else cfg.hardware.sku
     hardware = resolve_hardware(sku, cfg.hardware.spec, backend, cfg.hardware.measurements)
     compare = resolve_hardware(cfg.plan.compare) if cfg.plan.compare else None
-    if cfg.topology.world_size < 1:
-        raise ValueError(f"topology.world_size must be >= 1, got {cfg.topology.world_size}")
     kernel = cfg.backend.embedding_kernel
-    impl = DEFAULT_EMBEDDING_IMPL if kernel == "auto" else get_impl("embedding", kernel)
+    impl = FBGEMM_EMBEDDING if kernel == "auto" else get_impl("embedding", kernel)  # auto: as offline
     meta = torch.device("meta")
     model = build_model(cfg.model, meta, ebc_device=meta)
 
@@ -71,7 +62,12 @@ def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print,
     elif backend is not None:
         print_fn(f"         no calibration cached for this machine at {local_ranks} local rank(s): the "
                  f"{backend.name} backend's datasheet figures (a hardware=auto training job measures one)")
-    other = _compare(plan_on, compare, print_fn) if compare is not None else None
+    other = None
+    if compare is not None:
+        try:
+            other = plan_on(compare)
+        except InfeasiblePlanError as e:
+            print_fn(f"\ncompare: {e}")
     if other is not None:
         print_fn(f"\ncompare: {hardware.spec.name} vs {compare.spec.name}, {cfg.topology.world_size} "
                  f"device(s) each")
@@ -85,15 +81,6 @@ def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print,
     if cfg.plan.plot:
         plot_plan(result, cfg.plan.plot, compare=other)
     return result
-
-
-def _compare(plan_on: Callable[[Hardware], PlanResult], hardware: Hardware,
-             print_fn: Callable[[str], None]) -> PlanResult | None:
-    try:
-        return plan_on(hardware)
-    except InfeasiblePlanError as e:
-        print_fn(f"\ncompare: {e}")
-        return None
 
 
 def main(cfg: DictConfig) -> None:

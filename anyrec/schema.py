@@ -1,8 +1,7 @@
 """The data schema: how sparse features and their tables are named, and how many ids each sample has.
 
-A model config (`ModelConfig`) lists one table per sparse feature. Data sources, models and the
-planner all name features and tables through this module, so none of them imports another for it.
-Shipped model configs live once, as YAML under `configs/model/` (`load_model_config` reads one).
+A model config lists one table per sparse feature. Data sources, models and the planner name features
+and tables through this module, so none of them imports another for it.
 """
 
 from __future__ import annotations
@@ -59,10 +58,8 @@ def sparse_features(model: ModelConfig) -> list[SparseFeature]:
 
 
 def load_model_config(name: str, folder: Path | None = None) -> ModelConfig:
-    """A shipped model config (`configs/model/<name>.yaml`) without composing a whole job.
-
-    Entries of its `defaults` list that name another model config are loaded first, as Hydra would.
-    """
+    """A shipped model config (`configs/model/<name>.yaml`) without composing a whole job; entries of
+    its `defaults` list that name another model config are loaded first, as Hydra would."""
     folder = folder or config_dir() / "model"
     path = folder / f"{name}.yaml"
     if not path.is_file():

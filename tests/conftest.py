@@ -160,6 +160,15 @@ def fresh_impls(monkeypatch):
     monkeypatch.setattr(dispatch, "_impls", {(i.op, i.name): i for i in dispatch.BUILTIN_IMPLS})
     monkeypatch.setattr(dispatch, "_plugins_loaded", False)
     monkeypatch.setattr(dispatch, "_plugin_errors", {})
-    dispatch.reset_probes()
+    reset_probes()
     yield
-    dispatch.reset_probes()
+    reset_probes()
+
+
+def reset_probes() -> None:
+    """Forget the dispatcher's probe results and logged choices (a test flips the environment and
+    probes again)."""
+    from anyrec.backends import dispatch
+
+    dispatch._probe_cache.clear()
+    dispatch._logged.clear()

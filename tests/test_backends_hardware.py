@@ -3,13 +3,18 @@ Hardware value (spec + measured profiles)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
-from anyrec.backends import get_backend, load_hardware_file, resolve_hardware, rewrite_hardware_argv
+from anyrec._hydra import cli_problem
+from anyrec.backends import get_backend, load_hardware_file, resolve_hardware
 from anyrec.backends.interface import DeviceFacts
 from anyrec.backends.specs import SKUS
 
-from .conftest import compose_config
+from .conftest import ROOT, compose_config
 
 
 @pytest.mark.parametrize("sku", sorted(SKUS))
@@ -83,8 +88,27 @@ def test_hydra_spelling_for_a_file(tmp_path):
     f.write_text("sku: cpu\nspec:\n  memory_bw_bytes_per_s: 1.0e10\n")
     _, cfg = compose_config([f"hardware.sku={f}"])
     assert resolve_hardware(cfg.hardware.sku, cfg.hardware.spec).spec.memory_bw_bytes_per_s == 1e10
-    argv = rewrite_hardware_argv(["prog", f"hardware={f}", "hardware=h200", "model=dlrm_tiny"])
-    assert argv == ["prog", f"hardware.sku={f}", "hardware=h200", "model=dlrm_tiny"]
+
+
+@pytest.mark.parametrize("value", ["/abs/cal.yaml", "cal.yaml", "cal.json", "results/cal"])
+def test_a_file_as_the_hardware_group_option_is_refused_naming_hardware_sku(value):
+    """`hardware.sku=FILE` is the one way to name a file: `hardware=FILE` fails at compose time."""
+    assert cli_problem(["model=dlrm_tiny", f"hardware={value}"]) == (
+        f"hardware={value}: a hardware file is named with hardware.sku={value} (hardware= takes a group "
+        "option: auto, a SKU name, or a YAML's name on hydra.searchpath)")
+    assert cli_problem(["model=dlrm_tiny", "hardware=h200"]) is None
+
+
+@pytest.mark.integration
+def test_a_file_as_the_hardware_group_option_exits_2_with_one_line(tmp_path):
+    f = tmp_path / "cal.yaml"
+    f.write_text("sku: cpu\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "anyrec.plan", f"hardware={f}"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [f"anyrec-plan: error: {cli_problem([f'hardware={f}'])}"]
+    assert not (tmp_path / "outputs").exists()
 
 
 def test_flat_json_with_base_is_accepted(tmp_path):

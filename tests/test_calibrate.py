@@ -71,8 +71,8 @@ def test_step_points_tell_every_framework_term_apart(quick, world):
     points = calibrate_step.points_at(world, quick)
     assert world > 1 or all(p.shardings == ("table_wise",) for p in points)
     X = torch.tensor([p.terms(world) for p in points], dtype=torch.float64)
-    assert X.shape[1] == len(calibrate_step.FIELDS)
-    terms = len(calibrate_step.FIELDS) - (2 if world == 1 else 0)
+    assert X.shape[1] == len(calibrate_step.STEP_FIELDS)
+    terms = len(calibrate_step.STEP_FIELDS) - (2 if world == 1 else 0)
     assert int(torch.linalg.matrix_rank(X / X.abs().amax(dim=0).clamp(min=1))) == terms
 
 

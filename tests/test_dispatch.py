@@ -15,6 +15,8 @@ from anyrec.config import BackendConfig
 from anyrec.planner import CoDesignPlanner, InfeasiblePlanError, Topology
 from anyrec.planner.workloads import DLRMV2_DENSE_PARAMS, dlrmv2_tables
 
+from .conftest import reset_probes
+
 H200 = DeviceFacts(cuda_available=True, device_count=1, device_name="NVIDIA H200", arch="sm_90",
                    memory_bytes=141 * 10**9)
 MI300X = DeviceFacts(cuda_available=True, hip_version="6.2", device_count=1,
@@ -62,7 +64,7 @@ def test_triton_on_cpu_is_an_explicit_opt_in(monkeypatch):
     b = get_backend("cpu")
     assert dispatch.availability(b, "embedding", "triton").startswith("triton does not compile")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    dispatch.reset_probes()
+    reset_probes()
     assert dispatch.probe_triton(b) is None  # the interpreter reaches the CPU ...
     # ... and every op has its kernels, but on CPU auto still prefers torch for the dense ops.
     assert dispatch.availability(b, "interaction", "triton") is None
@@ -82,8 +84,8 @@ def test_dense_op_order_per_backend():
             assert b.kernel_order[op] == ("triton", "torch")
     for op in ("interaction", "dcn_cross"):
         assert CPUBackend.kernel_order[op] == ("torch", "triton")
-    assert dispatch._kernel_module("anyrec.kernels.no_such_op")(CPUBackend()) == (
-        "anyrec.kernels.no_such_op (the op's Triton kernels) is not installed")
+    probe = dispatch._module_present("anyrec.kernels.no_such_op", dispatch._TRITON_KERNELS)
+    assert probe(CPUBackend()) == "anyrec.kernels.no_such_op (the op's Triton kernels) is not installed"
 
 
 def test_gpu_without_its_kernels_falls_back_loudly(caplog):

@@ -22,15 +22,13 @@ def test_plugin_is_discovered_detected_and_resolves_its_hardware(plugin_path, mo
     import anyrec.backends as backends
 
     monkeypatch.syspath_prepend(str(plugin_path))
-    backends.reset_registry()
-    try:
-        assert list(backends.registry()) == ["fakeaccel", "rocm", "cuda", "cpu"]
-        b = backends.get_backend("auto")  # a plugin is probed before the CPU: its device is "present"
-        assert b.name == "fakeaccel" and b.dist_backend == "gloo"
-        assert backends.resolve_hardware("auto", backend=b).spec.name == "FakeAccel-1"
-        assert b.select_kernels()["embedding"].name == "fbgemm"
-    finally:
-        backends.reset_registry()
+    monkeypatch.setattr(backends, "_registry", None)  # discovered again, with the plugin on sys.path
+    monkeypatch.setattr(backends, "_plugin_errors", {})
+    assert list(backends.registry()) == ["fakeaccel", "rocm", "cuda", "cpu"]
+    b = backends.get_backend("auto")  # a plugin is probed before the CPU: its device is "present"
+    assert b.name == "fakeaccel" and b.dist_backend == "gloo"
+    assert backends.resolve_hardware("auto", backend=b).spec.name == "FakeAccel-1"
+    assert b.select_kernels()["embedding"].name == "fbgemm"
 
 
 @pytest.mark.integration

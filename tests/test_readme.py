@@ -9,7 +9,7 @@ import re
 import pytest
 from omegaconf import OmegaConf
 
-from anyrec.backends.hardware import rewrite_hardware_argv
+from anyrec.backends.hardware import is_hardware_path
 
 from .conftest import ROOT, compose_config
 
@@ -91,8 +91,10 @@ def test_the_readme_documents_commands_and_keys():
 
 @pytest.mark.parametrize("command", COMMANDS, ids=[" ".join(c) for c in COMMANDS])
 def test_documented_overrides_compose(command):
+    pairs = [w.split("=", 1) for w in command]
+    files = [f"{k}={v}" for k, v in pairs if k.lstrip("+") == "hardware" and is_hardware_path(v)]
+    assert not files, f"a hardware file is named with hardware.sku=FILE, not {files}"
     concrete, alternatives, keys = _split(command)
-    concrete = rewrite_hardware_argv(concrete)  # as the entry points do: `hardware=FILE.yaml` is a file
     cfg, _ = compose_config(concrete)
     for key in keys:
         assert OmegaConf.select(cfg, key, default=_MISSING) is not _MISSING, f"{key} is not a config key"

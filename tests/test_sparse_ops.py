@@ -12,11 +12,19 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from anyrec.backends import dispatch, sparse_ops
+from anyrec.backends import sparse_ops
 from anyrec.backends.cpu import CPUBackend
 from anyrec.backends.sparse_ops import SPARSE_OPS
 
-from .conftest import ROOT, compose_config, free_port, last_json_line, single_process_env, torchrun
+from .conftest import (
+    ROOT,
+    compose_config,
+    free_port,
+    last_json_line,
+    reset_probes,
+    single_process_env,
+    torchrun,
+)
 from .portable_calls import counted_ops
 from .test_plugin import plugin_path  # noqa: F401 - the fake accelerator, pip-installed once
 
@@ -211,9 +219,9 @@ class NoFbgemmDevice(CPUBackend):
 
 @pytest.fixture
 def fresh_probes():
-    dispatch.reset_probes()
+    reset_probes()
     yield
-    dispatch.reset_probes()
+    reset_probes()
     for key in ("CPU", "CUDA"):
         sparse_ops.unregister(key)
 

@@ -8,19 +8,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from anyrec.backends.cpu import CPUBackend
 from anyrec.backends.cuda import CUDABackend
 from anyrec.backends.dispatch import load_entry_points
-from anyrec.backends.hardware import (
-    EmbeddingCost,
-    Hardware,
-    load_hardware_file,
-    resolve_hardware,
-    rewrite_hardware_argv,
-)
+from anyrec.backends.hardware import EmbeddingCost, Hardware, load_hardware_file, resolve_hardware
 from anyrec.backends.interface import Backend, DeviceFacts
 from anyrec.backends.rocm import ROCmBackend
 from anyrec.backends.specs import SKUS, DeviceSpec, get_sku
@@ -37,11 +31,8 @@ _plugin_errors: dict[str, str] = {}
 
 
 def discover_plugins(entry_points: Iterable[Any] | None = None) -> dict[str, type[Backend]]:
-    """Plugin backends from the `anyrec.backends` entry-point group (name -> Backend subclass).
-
-    A plugin that fails to load is left out with a warning (and its error kept for `get_backend`);
-    a name taken by another class raises, since detection could not tell them apart.
-    """
+    """Plugin backends of the `anyrec.backends` entry-point group (name -> Backend subclass): one that
+    fails to load is left out with a warning; a name taken twice raises (detection could not tell)."""
     eps = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP) if entry_points is None else entry_points
     found: dict[str, type[Backend]] = {}
     ours = {f"{b.__module__}:{b.__qualname__}" for b in BUILTINS.values()}
@@ -67,39 +58,33 @@ def registry() -> dict[str, type[Backend]]:
     return _registry
 
 
-def reset_registry() -> None:
-    """Forget discovered plugins (tests change sys.path and discover again)."""
-    global _registry
-    _registry = None
-    _plugin_errors.clear()
-
-
 def detect(facts: DeviceFacts, backends: dict[str, type[Backend]] | None = None) -> str:
     """Name of the backend that drives a machine with these facts (pure; no torch calls)."""
-    backends = registry() if backends is None else backends
-    found = [name for name, cls in backends.items() if name != "cpu" and cls.matches(facts)]
+    return _detect(lambda cls: facts, registry() if backends is None else backends)[0]
+
+
+def _detect(facts_of: Callable[[type[Backend]], DeviceFacts],
+            backends: dict[str, type[Backend]]) -> tuple[str, DeviceFacts | None]:
+    """The one accelerator backend that matches its `facts_of` (else cpu, with no facts), and those facts."""
+    found = [(name, facts) for name, cls in backends.items()
+             if name != "cpu" and cls.matches(facts := facts_of(cls))]
     if len(found) > 1:
-        raise RuntimeError(f"ambiguous accelerator: backends {found} all match {facts}; "
-                           f"choose one with backend.name=")
-    return found[0] if found else "cpu"
+        raise RuntimeError(f"ambiguous accelerator: backends {[n for n, _ in found]} all match this "
+                           f"machine ({found[0][1]}); choose one with backend.name=")
+    return found[0] if found else ("cpu", None)
 
 
-def _detect_live() -> tuple[str, DeviceFacts]:
+def _detect_live() -> tuple[str, DeviceFacts | None]:
     """Detection on this machine: each backend reads facts with its own probe (shared when equal)."""
     facts_by_probe: dict[Any, DeviceFacts] = {}
-    found = []
-    for name, cls in registry().items():
-        if name == "cpu":
-            continue
+
+    def facts_of(cls: type[Backend]) -> DeviceFacts:
         probe = cls.probe_facts.__func__  # CUDA and ROCm share one probe: read the device once
         if probe not in facts_by_probe:
             facts_by_probe[probe] = cls.probe_facts()
-        if cls.matches(facts_by_probe[probe]):
-            found.append((name, facts_by_probe[probe]))
-    if len(found) > 1:
-        raise RuntimeError(f"ambiguous accelerator: backends {[n for n, _ in found]} all match this "
-                           f"machine; choose one with backend.name=")
-    return found[0] if found else ("cpu", CPUBackend.probe_facts())
+        return facts_by_probe[probe]
+
+    return _detect(facts_of, registry())
 
 
 def get_backend(name: str = "auto", facts: DeviceFacts | None = None) -> Backend:
@@ -109,10 +94,7 @@ def get_backend(name: str = "auto", facts: DeviceFacts | None = None) -> Backend
         hint = f" (plugin failed to load: {_plugin_errors[name]})" if name in _plugin_errors else ""
         raise ValueError(f"unknown backend {name!r}{hint}; choose one of auto, {', '.join(backends)}")
     if name == "auto":
-        if facts is None:
-            name, facts = _detect_live()
-        else:
-            name = detect(facts)
+        name, facts = _detect_live() if facts is None else (detect(facts), facts)
     cls = backends[name]
     if facts is None or (name == "cpu" and facts.cuda_available):
         facts = cls.probe_facts()
@@ -126,6 +108,6 @@ def get_backend(name: str = "auto", facts: DeviceFacts | None = None) -> Backend
 
 __all__ = [
     "Backend", "DeviceFacts", "DeviceSpec", "SKUS", "get_sku", "detect", "get_backend",
-    "BUILTINS", "registry", "discover_plugins", "reset_registry", "Hardware", "EmbeddingCost",
-    "resolve_hardware", "load_hardware_file", "rewrite_hardware_argv", "ENTRY_POINT_GROUP",
+    "BUILTINS", "registry", "discover_plugins", "Hardware", "EmbeddingCost",
+    "resolve_hardware", "load_hardware_file", "ENTRY_POINT_GROUP",
 ]

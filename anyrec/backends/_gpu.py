@@ -21,15 +21,9 @@ def probe_torch_cuda_facts() -> DeviceFacts:
     arch = getattr(props, "gcnArchName", "") or ""
     if hip is None or not arch:
         arch = f"sm_{props.major}{props.minor}"
-    return DeviceFacts(
-        cuda_available=True,
-        hip_version=hip,
-        device_count=torch.cuda.device_count(),
-        device_name=props.name,
-        arch=arch.split(":")[0],  # "gfx942:sramecc+:xnack-" -> "gfx942"
-        memory_bytes=int(props.total_memory),
-        multiprocessors=int(props.multi_processor_count),
-    )
+    return DeviceFacts(cuda_available=True, hip_version=hip, device_count=torch.cuda.device_count(),
+                       device_name=props.name, arch=arch.split(":")[0],  # "gfx942:sramecc+:xnack-": gfx942
+                       memory_bytes=int(props.total_memory), multiprocessors=int(props.multi_processor_count))
 
 
 # Compute units of the base SKUs an unknown device is scaled from (datasheets: MI300X 304 CUs,
@@ -38,12 +32,14 @@ _BASE_COMPUTE_UNITS = {"mi300x": 304, "h100": 132, "b200": 148}
 _warned_unknown: set[tuple[str, str]] = set()
 
 
-def derived_spec(facts: DeviceFacts, vendor: str) -> DeviceSpec:
-    """A spec for an unknown GPU: the nearest SKU of its family, scaled by its own properties.
+def _warn_once(facts: DeviceFacts, msg: str, *args: object) -> None:
+    if (facts.device_name, facts.arch) not in _warned_unknown:
+        _warned_unknown.add((facts.device_name, facts.arch))
+        logger.warning(msg, *args)
 
-    Memory comes from the device; FLOP/s scale with compute units; bandwidths stay the base's
-    until `anyrec.calibrate` measures them. Warns once per device.
-    """
+
+def derived_spec(facts: DeviceFacts, vendor: str) -> DeviceSpec:
+    """An unknown GPU's spec: its family's nearest SKU, memory its own, FLOP/s scaled by compute units."""
     arch = facts.arch.lower()
     if vendor == "amd":
         base = "mi300x"
@@ -54,14 +50,9 @@ def derived_spec(facts: DeviceFacts, vendor: str) -> DeviceSpec:
     scale = facts.multiprocessors / _BASE_COMPUTE_UNITS[base] if facts.multiprocessors else 1.0
     # CDNA (gfx9xx) runs 64-wide wavefronts; RDNA (gfx1xxx) and NVIDIA run 32-wide.
     simd = 64 if arch.startswith("gfx9") else 32
-    key = (facts.device_name, arch)
-    if key not in _warned_unknown:
-        _warned_unknown.add(key)
-        logger.warning(
-            "unknown device %r (%s, %.0f GB): spec derived from its properties and %s's figures; "
-            "run `python -m anyrec.calibrate calibrate.output=FILE.yaml` and pass hardware.sku=FILE.yaml "
-            "for accurate planning", facts.device_name, facts.arch, facts.memory_bytes / 1e9, spec.name,
-        )
+    _warn_once(facts, "unknown device %r (%s, %.0f GB): spec derived from its properties and %s's figures; "
+               "run `python -m anyrec.calibrate calibrate.output=FILE.yaml` and pass hardware.sku=FILE.yaml "
+               "for accurate planning", facts.device_name, facts.arch, facts.memory_bytes / 1e9, spec.name)
     return spec.replace(
         name=facts.device_name or vendor, vendor=vendor, arch=facts.arch,
         memory_bytes=facts.memory_bytes or spec.memory_bytes,
@@ -75,13 +66,7 @@ class GPUBackend(Backend):
 
     device_type = "cuda"
     dist_backend = "nccl"  # RCCL answers to the same name on ROCm
-    kernel_order = {
-        "embedding": ("fbgemm", "triton", "torch"),
-        "interaction": ("triton", "torch"),
-        "dcn_cross": ("triton", "torch"),
-        "collectives": ("nccl", "gloo"),
-        "sparse_ops": ("fbgemm", "portable"),
-    }
+    kernel_order = {**Backend.kernel_order, "collectives": ("nccl", "gloo")}
 
     @classmethod
     def probe_facts(cls) -> DeviceFacts:
@@ -107,10 +92,9 @@ class GPUBackend(Backend):
         sku, how = match_sku(facts.device_name, facts.arch, facts.memory_bytes)
         if sku is None:
             return derived_spec(facts, "amd" if self.name == "rocm" else "nvidia")
-        if how != "name" and (facts.device_name, facts.arch) not in _warned_unknown:
-            _warned_unknown.add((facts.device_name, facts.arch))
-            logger.warning("device %r not known by name: taken as %s from its arch %s and %.0f GB; "
-                           "pass hardware=<sku> if that is wrong", facts.device_name, SKUS[sku].name,
-                           facts.arch, facts.memory_bytes / 1e9)
+        if how != "name":
+            _warn_once(facts, "device %r not known by name: taken as %s from its arch %s and %.0f GB; pass "
+                       "hardware=<sku> if that is wrong", facts.device_name, SKUS[sku].name, facts.arch,
+                       facts.memory_bytes / 1e9)
         # The runtime's capacity is what we can actually allocate.
         return SKUS[sku].replace(memory_bytes=facts.memory_bytes or SKUS[sku].memory_bytes)

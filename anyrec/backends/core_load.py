@@ -1,13 +1,11 @@
 """Whether a CPU rank should pin its threads, decided from what the host's cores are doing at start.
 
-Pinning each local rank to its own share of the cores (`anyrec.backends.cpu`) keeps caches warm when
-the ranks have the cores to themselves: a 2-rank step on a quiet 2-core host measured ~25 % faster
-bound. When other processes use those cores, a pinned rank cannot leave a core it shares with them
-while its peer waits for it in the next collective: on the same host loaded by another 2-rank job
-the bound ranks ran ~25 % slower than free ones. So `backend.bind_cores=auto` samples the cores the
-process may use for `SAMPLE_S` (`/proc/stat`), subtracts what this job's own processes (this rank,
-its launcher and the launcher's other children) used meanwhile, and binds only where the rest, the
-other processes' load, stays under `OTHER_BUSY_MAX_CORES`.
+Pinning each local rank to its share of the cores keeps caches warm when the ranks have the cores to
+themselves (a 2-rank step on a quiet 2-core host: ~25 % faster bound). When other processes use them, a
+pinned rank cannot leave a shared core while its peer waits for it in the next collective (the same host
+loaded by another 2-rank job: bound ranks ~25 % slower). So `backend.bind_cores=auto` samples the cores'
+load for `SAMPLE_S` (`/proc/stat`), subtracts this job's own processes (this rank, its launcher and the
+launcher's other children), and binds only where the rest stays under `OTHER_BUSY_MAX_CORES`.
 """
 
 from __future__ import annotations
@@ -51,10 +49,9 @@ class BindChoice:
             return f"backend.bind_cores={self.setting}"
         if self.load is None:
             return "backend.bind_cores=auto, core load unreadable: bound as on a quiet host"
-        verdict = "bound" if self.bind else "free"
         return (f"backend.bind_cores=auto: other processes used {self.load.other_cores:.2f} cores over "
                 f"{self.load.sample_s:.2f} s (this job {self.load.own_cores:.2f}), limit "
-                f"{OTHER_BUSY_MAX_CORES}: {verdict}")
+                f"{OTHER_BUSY_MAX_CORES}: {'bound' if self.bind else 'free'}")
 
 
 def bind_setting(value: bool | str) -> str:
@@ -88,33 +85,26 @@ def _cpu_jiffies(cpus: set[int]) -> tuple[int, int]:
     return busy, total
 
 
+def _stat(pid: int | str) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (None once the process has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
 def job_pids() -> list[int]:
     """This process, its launcher (torchrun's agent) and the launcher's other children (local ranks)."""
-    me, parent = os.getpid(), os.getppid()
-    pids = {me, parent}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:  # ended meanwhile
-                continue
-            if int(fields[1]) == parent:
-                pids.add(int(entry))
-    return sorted(pids)
+    parent = os.getppid()
+    children = {int(e) for e in os.listdir("/proc") if e.isdigit() and (_stat(e) or [0, 0])[1] == str(parent)}
+    return sorted({os.getpid(), parent} | children)
 
 
 def _process_ticks(pids: Iterable[int]) -> int:
     """User + system clock ticks of every thread of `pids` (ended ones count nothing)."""
-    ticks = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        ticks += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
-    return ticks
+    stats = [f for f in map(_stat, pids) if f is not None]
+    return sum(int(f[11]) + int(f[12]) for f in stats)  # utime, stime (fields 14 and 15 of proc(5))
 
 
 def measure_core_load(cpus: Iterable[int], sample_s: float = SAMPLE_S,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import platform
@@ -33,16 +34,16 @@ def core_share(cpus: Sequence[int], local_rank: int, local_world_size: int) -> l
     return cpus[local_rank * n // local_world_size:(local_rank + 1) * n // local_world_size]
 
 
-_HOST_CORES: list[int] | None = None
+def allowed_cores() -> list[int]:
+    """The cores this process may run on now."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 
 
+@functools.cache
 def _host_cores() -> list[int]:
     """The cores the process could use before any binding: binding twice (a calibration before the
     trainer, or several trainers in one process) shares the same cores again, not the bound share."""
-    global _HOST_CORES
-    if _HOST_CORES is None:
-        _HOST_CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    return _HOST_CORES
+    return allowed_cores()
 
 
 def bind_threads(cpus: Sequence[int]) -> None:
@@ -61,23 +62,14 @@ class CPUBackend(Backend):
     device_type = "cpu"
     dist_backend = "gloo"
     # Triton reaches the CPU only through its interpreter: never chosen by auto, only when forced.
-    kernel_order = {
-        "embedding": ("fbgemm", "torch", "triton"),
-        "interaction": ("torch", "triton"),
-        "dcn_cross": ("torch", "triton"),
-        "collectives": ("gloo",),
-        "sparse_ops": ("fbgemm", "portable"),
-    }
+    kernel_order = {**Backend.kernel_order, "embedding": ("fbgemm", "torch", "triton"),
+                    "interaction": ("torch", "triton"), "dcn_cross": ("torch", "triton")}
 
     @classmethod
     def probe_facts(cls) -> DeviceFacts:
-        return DeviceFacts(
-            device_count=1,
-            device_name=platform.processor() or platform.machine(),
-            arch=platform.machine(),
-            memory_bytes=_host_memory_bytes(),
-            multiprocessors=os.cpu_count() or 1,
-        )
+        return DeviceFacts(device_count=1, device_name=platform.processor() or platform.machine(),
+                           arch=platform.machine(), memory_bytes=_host_memory_bytes(),
+                           multiprocessors=os.cpu_count() or 1)
 
     @classmethod
     def matches(cls, facts: DeviceFacts) -> bool:
@@ -88,10 +80,8 @@ class CPUBackend(Backend):
 
     def bind_local_rank(self, local_rank: int, local_world_size: int,
                         bind_cores: bool | str = "auto") -> list[int] | None:
-        """Ranks on one host share its cores: each runs torch's threads on its own contiguous share
-        and, where `bind_cores` says so (true; auto: where other processes leave the cores free, see
-        `anyrec.backends.core_load`), every thread of the process is bound to that share. The
-        decision is kept in `self.bind_choice` (None where nothing was to decide)."""
+        """Each rank runs torch's threads on its own contiguous share of the host's cores, bound to it
+        where `bind_cores` says so (auto: see core_load); the decision is kept in `self.bind_choice`."""
         self.bind_choice: BindChoice | None = None
         bind_setting(bind_cores)  # a bad value fails on every host, not only where it would be read
         if local_world_size <= 1:
@@ -109,17 +99,15 @@ class CPUBackend(Backend):
         if not os.path.isdir("/proc/self/task"):
             return None
         self.bind_choice = choose_binding(bind_cores, lambda: measure_core_load(allowed))
-        if not self.bind_choice.bind:
-            logger.info("local rank %d of %d: threads free on cores %s (%s)", local_rank, local_world_size,
-                        ",".join(map(str, allowed)), self.bind_choice.describe())
-            return None
-        bind_threads(share)
-        logger.info("local rank %d of %d: threads bound to cores %s (%s)", local_rank, local_world_size,
-                    ",".join(map(str, share)), self.bind_choice.describe())
-        return share
+        bind = self.bind_choice.bind
+        if bind:
+            bind_threads(share)
+        logger.info("local rank %d of %d: threads %s cores %s (%s)", local_rank, local_world_size,
+                    "bound to" if bind else "free on", ",".join(map(str, share if bind else allowed)),
+                    self.bind_choice.describe())
+        return share if bind else None
 
     def device_spec(self) -> DeviceSpec:
-        mem = self.facts.memory_bytes or SKUS["cpu"].memory_bytes
-        return SKUS["cpu"].replace(
-            arch=self.facts.arch or SKUS["cpu"].arch, memory_bytes=mem, host_memory_bytes=mem
-        )
+        cpu = SKUS["cpu"]
+        mem = self.facts.memory_bytes or cpu.memory_bytes
+        return cpu.replace(arch=self.facts.arch or cpu.arch, memory_bytes=mem, host_memory_bytes=mem)

@@ -1,23 +1,15 @@
 """Op dispatch: one `Impl` record per (op, implementation), and the backend's choice among them.
 
-An op (`embedding`, `interaction`, `dcn_cross`, `collectives`, `sparse_ops`) has implementations named
-after the library that provides them (`fbgemm`, `triton`, `torch`, `nccl`, `gloo`, `portable`, or a
-plugin's own). Each is
-one `Impl` record, built in here or registered by a plugin (the `anyrec.impls` entry-point group, or
-`register_impl` before first use): its probe, the builder of its module or sharder, and for `embedding`
-the torchrec compute kernel per placement, data-parallel support, optimizer-state layout and built-in
-performance profile. The registry is read-only once plugins are loaded.
-
-A backend lists implementations in preference order (`Backend.kernel_order`); `select` returns the
-record of the first whose probe passes, or of the one the config forces (any registered
-implementation), and fails clearly when a forced one cannot run. The caller resolves each op once and
-hands the record down: the planner, the sharder and the model builder take it, never a name. Probes
-run once per process (`reset_probes()` lets tests run them again); each op's choice is logged once.
+Each op (`embedding`, `interaction`, `dcn_cross`, `collectives`, `sparse_ops`) has implementations named
+after the library that provides them (`fbgemm`, `triton`, `torch`, `nccl`, `gloo`, `portable`), each one
+`Impl` record, built in or a plugin's (the `anyrec.impls` entry points, or `register_impl` before first
+use); the registry is read-only once plugins are loaded. `select` returns the first record in the
+backend's `kernel_order` whose probe passes (probed once per process), or the one the config forces;
+the caller hands the record down: the planner, the sharder and the model builder never take a name.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib
 import importlib.metadata
@@ -49,29 +41,24 @@ class Op:
 
     name: str
     config_key: str | None
-    description: str
     default_order: tuple[str, ...] = ()  # for backends whose kernel_order does not list the op
 
 
-OPS: dict[str, Op] = {
-    "embedding": Op("embedding", "embedding_kernel",
-                    "pooled embedding lookup with the optimizer fused into backward"),
-    "interaction": Op("interaction", "interaction_kernel", "DLRM pairwise dot interaction"),
-    "dcn_cross": Op("dcn_cross", "dcn_kernel", "DCNv2 low-rank cross layers"),
-    "collectives": Op("collectives", None, "torch.distributed process-group backend"),
-    # torchrec's KJT permutes, offsets and bucketisation, pooled-embedding permutes (sparse_ops.py).
-    "sparse_ops": Op("sparse_ops", "sparse_ops", "FBGEMM sparse ops of torchrec's input/output distribution",
-                     default_order=("fbgemm", "portable")),
-}
+OPS: dict[str, Op] = {op.name: op for op in (
+    Op("embedding", "embedding_kernel"),  # pooled lookup with the optimizer fused into backward
+    Op("interaction", "interaction_kernel"),  # DLRM pairwise dot interaction
+    Op("dcn_cross", "dcn_kernel"),  # DCNv2 low-rank cross layers
+    Op("collectives", None),  # the torch.distributed process-group backend
+    # FBGEMM ops of torchrec's input/output distribution: KJT permutes, offsets and bucketisation,
+    # pooled-embedding permutes (sparse_ops.py)
+    Op("sparse_ops", "sparse_ops", default_order=("fbgemm", "portable")),
+)}
 
 
 @dataclass(frozen=True)
 class KernelProfile:
-    """How well an embedding implementation uses the memory system: the planner's cost inputs.
-
-    An Impl carries its built-in profile; a calibration's measured one travels in the `Hardware`
-    value (anyrec.backends.hardware) instead. `source` says where the numbers come from.
-    """
+    """How well an embedding implementation uses the memory system: the planner's cost inputs. An Impl
+    carries its built-in profile; a calibration's measured one travels in the `Hardware` value."""
 
     bw_efficiency: float  # achieved lookup bandwidth / device memory bandwidth
     access_bytes: int = 32  # smallest memory transaction on a GPU: rows are read in multiples of this
@@ -88,20 +75,13 @@ class KernelProfile:
             raise ValueError(f"kernel profile needs 0 < bw_efficiency <= 1, access_bytes > 0, "
                              f"0 <= per_row_s < 1 s and 0 <= per_launch_s < 1 s; got {self}")
 
-    def replace(self, **changes: Any) -> KernelProfile:
-        """A copy with some figures changed (a calibration's)."""
-        return dataclasses.replace(self, **changes)
-
 
 def _resolve(ref: str | Callable) -> Callable:
     """A callable, or one named "module:attr" (imported on first use, as entry points are)."""
     if callable(ref):
         return ref
     module, _, attr = ref.partition(":")
-    obj: Any = importlib.import_module(module)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
+    return functools.reduce(getattr, attr.split("."), importlib.import_module(module))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -115,12 +95,11 @@ def _state_bytes_per_row(layout: str | Callable, optimizer: str, dim: int) -> in
 class Impl:
     """One implementation of one op: everything anyrec needs to probe, build, shard and cost it.
 
-    `builder` makes the thing the op runs: the embedding op's EBC sharder, the interaction's and
-    cross net's nn.Module; it is a callable or "module:attr", called with `options` plus the
-    caller's arguments. Embedding-only fields: `compute_kernels` (placement "hbm" | "uvm_caching" |
-    "ddr" -> torchrec compute kernel), `data_parallel` (replicated tables can run with it),
-    `state_bytes_per_row` ((optimizer, dim) -> bytes of fused optimizer state, callable or
-    "module:attr"), `profile`, and `unsharded_builder` (one-device jobs skip torchrec sharding).
+    `builder` (a callable or "module:attr", called with `options` plus the caller's arguments) makes
+    what the op runs: the embedding op's EBC sharder, the interaction's and cross net's nn.Module.
+    Embedding-only: `compute_kernels` (placement "hbm" | "uvm_caching" | "ddr" -> torchrec compute
+    kernel), `data_parallel` (replicated tables can run with it), `state_bytes_per_row` ((optimizer,
+    dim) -> bytes of fused optimizer state), `profile`, `unsharded_builder` (no torchrec sharding).
     """
 
     op: str
@@ -171,9 +150,8 @@ class Impl:
         return _state_bytes_per_row(self.state_bytes_per_row, optimizer, dim)
 
     def fused_update_reason(self, optimizer: str, device_type: str) -> str | None:
-        """Why this embedding implementation cannot shard tables trained by `optimizer` on a
-        `device_type` device (its fused update has no such rule there), or None. The planner offers
-        such tables only replication, and the trainer refuses a plan that shards them, by this answer."""
+        """Why this embedding implementation has no fused `optimizer` update on `device_type`, or None: the
+        planner then offers such tables only replication, and the trainer refuses a plan that shards them."""
         if device_type == "cpu" and self.cpu_optimizers is not None and optimizer not in self.cpu_optimizers:
             return f"the {self.name} embedding implementation has no fused {optimizer} on the CPU"
         return None
@@ -222,16 +200,19 @@ def fbgemm_load_error() -> str | None:
     return None
 
 
+def has_kernel(op: str, dispatch_key: str) -> bool:
+    """Whether torch's dispatcher knows `op` and has a kernel for it at `dispatch_key`."""
+    return (op in set(torch._C._dispatch_get_all_op_names())
+            and torch._C._dispatch_has_kernel_for_dispatch_key(op, dispatch_key))
+
+
 def probe_fbgemm(backend: Backend) -> str | None:
     """FBGEMM's TBE ops are importable and have kernels for this backend's device type."""
     reason = fbgemm_load_error()
     if reason is not None:
         return reason
-    key = dispatch_key(backend.device_type)
-    names = set(torch._C._dispatch_get_all_op_names())
-    for op in _FBGEMM_TBE_OPS:
-        if op in names and torch._C._dispatch_has_kernel_for_dispatch_key(op, key):
-            return None
+    if any(has_kernel(op, dispatch_key(backend.device_type)) for op in _FBGEMM_TBE_OPS):
+        return None
     return f"fbgemm_gpu has no TBE kernels for {backend.device_type} (wrong fbgemm_gpu build?)"
 
 
@@ -266,52 +247,32 @@ def probe_gloo(_: Backend) -> str | None:
 
 
 def _module_present(module: str, what: str) -> Probe:
-    def probe(_: Backend) -> str | None:
-        if importlib.util.find_spec(module) is None:
-            return f"{module} ({what}) is not installed"
-        return None
-
-    return probe
-
-
-def _kernel_module(module: str) -> Probe:
-    """An op's Triton kernels live in `module`; Triton reaching the device is `probe_triton`'s job."""
-    return _module_present(module, "the op's Triton kernels")
+    missing = f"{module} ({what}) is not installed"
+    return lambda _: missing if importlib.util.find_spec(module) is None else None
 
 
 def all_of(*probes: Probe) -> Probe:
     """A probe that passes when every one of `probes` does (the first reason otherwise)."""
-    def probe(backend: Backend) -> str | None:
-        for p in probes:
-            reason = p(backend)
-            if reason is not None:
-                return reason
-        return None
-
-    return probe
+    return lambda backend: next((reason for p in probes if (reason := p(backend)) is not None), None)
 
 
 # ---- the registry ---------------------------------------------------------------------------------
 
-# FBGEMM TBE's optimizer state per embedding row of width `dim` (fp32 `momentum1`/`momentum2`;
+# FBGEMM TBE's optimizer state as (bytes per row, bytes per element) (fp32 `momentum1`/`momentum2`;
 # checked against fbgemm-gpu's SplitTableBatchedEmbeddingBagsCodegen: EXACT_ROWWISE_ADAGRAD keeps one
 # fp32 per row, EXACT_ADAGRAD one per element, ADAM two per element).
-_FBGEMM_STATE_BYTES_PER_ROW: dict[str, Callable[[int], int]] = {
-    "sgd": lambda dim: 0,
-    "adagrad": lambda dim: 4 * dim,
-    "rowwise_adagrad": lambda dim: 4,
-    "adam": lambda dim: 8 * dim,
-}
+_FBGEMM_STATE_BYTES = {"sgd": (0, 0), "adagrad": (0, 4), "rowwise_adagrad": (4, 0), "adam": (0, 8)}
 
 
 def fbgemm_state_bytes_per_row(optimizer: str, dim: int) -> int:
     """Bytes of optimizer state FBGEMM's TBE keeps per row of width `dim`."""
-    if optimizer not in _FBGEMM_STATE_BYTES_PER_ROW:
-        known = ", ".join(sorted(_FBGEMM_STATE_BYTES_PER_ROW))
-        raise ValueError(f"unknown optimizer {optimizer!r}; known: {known}")
-    return _FBGEMM_STATE_BYTES_PER_ROW[optimizer](dim)
+    if optimizer not in _FBGEMM_STATE_BYTES:
+        raise ValueError(f"unknown optimizer {optimizer!r}; known: {', '.join(sorted(_FBGEMM_STATE_BYTES))}")
+    per_row, per_element = _FBGEMM_STATE_BYTES[optimizer]
+    return per_row + per_element * dim
 
 
+_TRITON_KERNELS = "the op's Triton kernels"  # Triton reaching the device is probe_triton's job
 _ANYREC_TBE_PROBE = _module_present("anyrec.kernels.torchrec_kernel", "the Triton TBE sharder")
 _ANYREC_TBE = dict(
     builder="anyrec.kernels.torchrec_kernel:TritonEmbeddingBagCollectionSharder",
@@ -346,10 +307,10 @@ BUILTIN_IMPLS: tuple[Impl, ...] = (
          description="anyrec's TBE run by Triton kernels (anyrec.kernels)", **_ANYREC_TBE),
     TORCH_EMBEDDING,
     Impl("interaction", "triton", "anyrec.models.interaction:TritonDotInteraction",
-         all_of(probe_triton, _kernel_module("anyrec.kernels.interaction"))),
+         all_of(probe_triton, _module_present("anyrec.kernels.interaction", _TRITON_KERNELS))),
     Impl("interaction", "torch", "anyrec.models.interaction:DotInteraction"),
     Impl("dcn_cross", "triton", "anyrec.models.interaction:TritonLowRankCrossNet",
-         all_of(probe_triton, _kernel_module("anyrec.kernels.dcn"))),
+         all_of(probe_triton, _module_present("anyrec.kernels.dcn", _TRITON_KERNELS))),
     Impl("dcn_cross", "torch", "anyrec.models.interaction:LowRankCrossNet"),
     Impl("collectives", "nccl", probe=probe_nccl),
     Impl("collectives", "gloo", probe=probe_gloo),
@@ -368,9 +329,8 @@ def register_impl(impl: Impl) -> None:
     """Make a plugin's `impl` known; only before the registry is first read (plugins loaded), after
     which it is read-only: whoever resolved a record keeps the one it was given."""
     if _plugins_loaded:
-        raise RuntimeError(f"cannot register {impl.op} implementation {impl.name!r}: the registry is "
-                           f"read-only once plugins are loaded (use the {IMPL_ENTRY_POINT_GROUP} entry "
-                           f"points)")
+        raise RuntimeError(f"cannot register {impl.op} implementation {impl.name!r}: the registry is read-"
+                           f"only once plugins are loaded (use the {IMPL_ENTRY_POINT_GROUP} entry points)")
     _add(impl)
 
 
@@ -381,9 +341,7 @@ def _add(impl: Impl) -> None:
     _impls[key] = impl
 
 
-def load_entry_points(
-    entry_points: Iterable[Any], errors: dict[str, str], kind: str
-) -> list[tuple[Any, Any]]:
+def load_entry_points(entry_points: Iterable[Any], errors: dict[str, str], kind: str) -> list[tuple]:
     """(entry point, loaded object) for each entry point in name order; one that fails to load is
     left out with a warning, its error kept in `errors` under its name."""
     loaded = []
@@ -449,12 +407,6 @@ _probe_cache: dict[tuple[str, str, str], str | None] = {}
 _logged: set[tuple[str, str, str]] = set()
 
 
-def reset_probes() -> None:
-    """Forget probe results and logged choices (tests flip the environment and probe again)."""
-    _probe_cache.clear()
-    _logged.clear()
-
-
 def availability(backend: Backend, op: str, impl: str) -> str | None:
     """None if `impl` can serve `op` on `backend`, else why not (cached per backend, op and impl)."""
     key = (backend.name, op, impl)
@@ -464,9 +416,8 @@ def availability(backend: Backend, op: str, impl: str) -> str | None:
         if reason is None:
             record = find_impl(op, impl)
             if record is None:
-                reason = (f"no {op} implementation {impl!r} is registered "
-                          f"(anyrec.backends.dispatch.register_impl or the {IMPL_ENTRY_POINT_GROUP} "
-                          f"entry points)")
+                reason = (f"no {op} implementation {impl!r} is registered (anyrec.backends.dispatch."
+                          f"register_impl or the {IMPL_ENTRY_POINT_GROUP} entry points)")
             elif record.probe is not None:
                 reason = _resolve(record.probe)(backend)
         _probe_cache[key] = reason
@@ -474,18 +425,14 @@ def availability(backend: Backend, op: str, impl: str) -> str | None:
 
 
 def select(backend: Backend, op: str, requested: str = "auto") -> Impl:
-    """The Impl record of `op` on `backend`: the first available in its order, or the forced one.
-
-    Any registered implementation can be forced; one that cannot run raises ValueError with the
-    probe's reason.
-    """
+    """The Impl record of `op` on `backend`: the first available in its order, or the forced one (any
+    registered implementation; one that cannot run is a ValueError with the probe's reason)."""
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; known: {', '.join(OPS)}")
     order = backend.kernel_order.get(op) or OPS[op].default_order
     if not order:
         raise ValueError(f"backend {backend.name} lists no implementation for op {op}")
     setting = f"backend.{OPS[op].config_key}" if OPS[op].config_key else f"op {op}"
-    chain = " > ".join(order)
     if requested != "auto":
         if requested not in order and find_impl(op, requested) is None:
             raise ValueError(f"{setting}={requested} is not offered by backend {backend.name}; "
@@ -493,7 +440,8 @@ def select(backend: Backend, op: str, requested: str = "auto") -> Impl:
         reason = availability(backend, op, requested)
         if reason is not None:
             raise ValueError(f"{setting}={requested} is not available on {backend.name}: {reason}")
-        _log_once(backend, op, requested, f"forced by {setting}")
+        _log_once((backend.name, op, requested), logging.INFO, "op %s -> %s (%s)", op, requested,
+                  f"forced by {setting}")
         return get_impl(op, requested)
     skipped = []
     for impl in order:
@@ -502,20 +450,20 @@ def select(backend: Backend, op: str, requested: str = "auto") -> Impl:
             for name, why in skipped:
                 # On a GPU a skipped preferred kernel costs speed: say so. On CPU only FBGEMM matters.
                 level = logging.WARNING if backend.device_type != "cpu" or name == "fbgemm" else logging.INFO
-                if (backend.name, op, f"skip {name}") not in _logged:
-                    _logged.add((backend.name, op, f"skip {name}"))
-                    logger.log(level, "op %s: %s skipped on %s: %s", op, name, backend.name, why)
-            _log_once(backend, op, impl, f"fallback chain: {chain}")
+                _log_once((backend.name, op, f"skip {name}"), level, "op %s: %s skipped on %s: %s",
+                          op, name, backend.name, why)
+            _log_once((backend.name, op, impl), logging.INFO, "op %s -> %s (%s)", op, impl,
+                      f"fallback chain: {' > '.join(order)}")
             return get_impl(op, impl)
         skipped.append((impl, reason))
     reasons = "; ".join(f"{n}: {r}" for n, r in skipped)
     raise ValueError(f"no implementation of op {op} is available on {backend.name} ({reasons})")
 
 
-def _log_once(backend: Backend, op: str, impl: str, why: str) -> None:
-    if (backend.name, op, impl) not in _logged:
-        _logged.add((backend.name, op, impl))
-        logger.info("op %s -> %s (%s)", op, impl, why)
+def _log_once(key: tuple[str, str, str], level: int, msg: str, *args: Any) -> None:
+    if key not in _logged:
+        _logged.add(key)
+        logger.log(level, msg, *args)
 
 
 def select_all(backend: Backend, requested: dict[str, str] | None = None) -> dict[str, Impl]:

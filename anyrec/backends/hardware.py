@@ -8,31 +8,30 @@ shape of the `hardware` config group, so the same file also works as a group opt
       memory_bw_bytes_per_s: 4.18e+12
     measurements: {...}      # optional: what anyrec.calibrate measured (units in the key names)
 
-Two parts of `measurements` feed the planner: `embedding.<impl>.profile` (a KernelProfile per
-embedding implementation, costed instead of the Impl's built-in one) and `measured_fields` (which spec
-fields were measured rather than taken from the base SKU). Both travel in the `Hardware` value that
-`resolve_hardware` returns; whoever plans passes that value down, nothing is registered.
-
-JSON is YAML too, and the flat form is accepted as well: DeviceSpec fields at the top level with
-`base: <sku>` for the rest (`{"base": "h200", "memory_bw_bytes_per_s": 4.18e12}`).
+Two parts of `measurements` feed the planner, in the `Hardware` value `resolve_hardware` returns (whoever
+plans passes it down; nothing is registered): `embedding.<impl>.profile` (a KernelProfile costed instead
+of the Impl's built-in one) and `measured_fields` (spec fields measured rather than taken from the base).
+The flat form is accepted too: DeviceSpec fields at the top level, `base: <sku>` for the rest.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from anyrec.backends.calfile import MAY_BE_ZERO, check_hardware_data
+import yaml
+
+from anyrec.backends.calfile import SPEC_FIELDS, check_hardware_data, check_spec_value
 from anyrec.backends.dispatch import TORCH_EMBEDDING, Impl, KernelProfile
 from anyrec.backends.specs import SKUS, DeviceSpec, sku_key
 
 if TYPE_CHECKING:
     from anyrec.backends.interface import Backend
 
-_FIELDS = {f.name: f for f in dataclasses.fields(DeviceSpec)}
 _FILE_KEYS = ("sku", "base", "spec", "measurements", "cache")  # cache: what a cached calibration is for
 
 
@@ -76,43 +75,18 @@ class Hardware:
         return EmbeddingCost(impl, self.profiles.get(impl.name, builtin.profile),
                              self.profiles.get(TORCH_EMBEDDING.name, builtin.dense_profile))
 
-    def with_overrides(self, overrides: dict[str, Any] | None, where: str = "hardware.spec") -> Hardware:
-        """This hardware with some spec fields replaced (the config's `hardware.spec`)."""
-        return dataclasses.replace(self, spec=apply_overrides(self.spec, overrides, where))
-
-
-def _profiles(measurements: dict[str, Any], where: str) -> dict[str, KernelProfile]:
-    """The measured KernelProfile per embedding implementation; nonsense figures are a ValueError."""
-    out = {}
-    emb = measurements.get("embedding") or {}
-    if not isinstance(emb, dict):
-        raise ValueError(f"{where}: measurements.embedding must be a mapping")
-    for name, entry in emb.items():
-        fields = entry.get("profile") if isinstance(entry, dict) else None
-        if fields is None:
-            continue  # skipped on that machine
-        if not isinstance(fields, dict):
-            raise ValueError(f"{where}: measurements.embedding.{name}.profile must be a mapping")
-        known = {"bw_efficiency", "access_bytes", "per_row_s", "per_launch_s", "source"}
-        if set(fields) - known:
-            raise ValueError(f"{where}: measurements.embedding.{name}.profile: unknown field(s) "
-                             f"{', '.join(sorted(set(fields) - known))}")
-        try:
-            out[name] = KernelProfile(**{k: v if k == "source" else float(v) if k != "access_bytes"
-                                         else int(v) for k, v in fields.items()})
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{where}: measurements.embedding.{name}.profile: {e}") from None
-    return out
-
 
 def measured(hardware: Hardware, measurements: dict[str, Any] | None, where: str) -> Hardware:
-    """`hardware` with a calibration's `measurements` (embedding profiles, measured spec fields) on top."""
+    """`hardware` with a calibration's `measurements` on top (checked whole by `check_hardware_data`)."""
     if not measurements:
         return hardware
-    if not isinstance(measurements, dict):
-        raise ValueError(f"{where}: `measurements` must be a mapping")
-    fields = tuple(f for f in measurements.get("measured_fields", []) if f in _FIELDS)
-    return dataclasses.replace(hardware, profiles={**hardware.profiles, **_profiles(measurements, where)},
+    profiles = {name: KernelProfile(
+        bw_efficiency=float(p["bw_efficiency"]), access_bytes=int(p["access_bytes"]),
+        per_row_s=float(p["per_row_s"]), per_launch_s=float(p["per_launch_s"]), source=p.get("source", ""))
+        for name, entry in (measurements.get("embedding") or {}).items()
+        if (p := entry.get("profile")) is not None}  # None: skipped on that machine
+    fields = tuple(f for f in measurements.get("measured_fields", []) if f in SPEC_FIELDS)
+    return dataclasses.replace(hardware, profiles={**hardware.profiles, **profiles},
                                measured_fields=tuple(dict.fromkeys(hardware.measured_fields + fields)),
                                measured_by=where)
 
@@ -124,7 +98,7 @@ def is_hardware_path(sku: str) -> bool:
 
 def _coerce(name: str, value: Any) -> Any:
     """One DeviceSpec field from YAML: numbers may arrive as strings ('1.9e11' is a str in YAML 1.1)."""
-    kind = _FIELDS[name].type
+    kind = SPEC_FIELDS[name].type
     try:
         if kind == "int":
             return int(float(value))
@@ -137,15 +111,8 @@ def _coerce(name: str, value: Any) -> Any:
 
 def check_spec(spec: DeviceSpec, where: str) -> DeviceSpec:
     """`spec` if every number in it is finite and positive (0 allowed where it means unknown)."""
-    import math
-
-    for name, f in _FIELDS.items():
-        value = getattr(spec, name)
-        if f.type not in ("int", "float"):
-            continue
-        if not math.isfinite(value) or value < 0 or (value == 0 and name not in MAY_BE_ZERO):
-            need = ">= 0" if name in MAY_BE_ZERO else "> 0"
-            raise ValueError(f"{where}: {name} must be a finite number {need}, got {value}")
+    for name in SPEC_FIELDS:
+        check_spec_value(name, getattr(spec, name), where)
     return spec
 
 
@@ -154,90 +121,70 @@ def apply_overrides(spec: DeviceSpec, overrides: dict[str, Any] | None,
     """`spec` with some fields replaced; unknown field names are a ValueError naming `where`."""
     if not overrides:
         return spec
-    unknown = sorted(set(overrides) - set(_FIELDS))
+    unknown = sorted(set(overrides) - set(SPEC_FIELDS))
     if unknown:
         raise ValueError(f"{where}: unknown DeviceSpec field(s) {', '.join(unknown)}; "
-                         f"known: {', '.join(_FIELDS)}")
+                         f"known: {', '.join(SPEC_FIELDS)}")
     return check_spec(spec.replace(**{k: _coerce(k, v) for k, v in overrides.items()}), where)
 
 
-def _spec_from_fields(fields: dict[str, Any], where: str) -> DeviceSpec:
-    missing = [n for n, f in _FIELDS.items()
-               if n not in fields and f.default is dataclasses.MISSING]
-    if missing:
-        raise ValueError(f"{where}: no `sku:` base and spec lacks {', '.join(missing)}")
-    return check_spec(DeviceSpec(**{k: _coerce(k, v) for k, v in fields.items()}), where)
-
-
-def _yaml_loader():
+class _Loader(yaml.SafeLoader):
     """A safe YAML loader that also reads `4.8e12` as a number (YAML 1.1 wants `4.8e+12`)."""
-    import re
 
-    import yaml
 
-    class Loader(yaml.SafeLoader):
-        pass
-
-    Loader.add_implicit_resolver(
-        "tag:yaml.org,2002:float",
-        re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?(?:[eE][-+]?[0-9]+)$"),
-        list("-+0123456789"),
-    )
-    return Loader
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float",
+                              re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?(?:[eE][-+]?[0-9]+)$"),
+                              list("-+0123456789"))
 
 
 def load_hardware_file(path: str | os.PathLike, backend: Backend | None = None) -> Hardware:
-    """Parse a hardware YAML into a Hardware value (base SKU + overrides, or a complete spec, and the
-    calibration's measurements)."""
-    import yaml
-
+    """A hardware YAML (base SKU + overrides, or a complete spec; measurements) as a Hardware value."""
     p = Path(path).expanduser()
+    where = f"hardware file {p}"
     if not p.is_file():
         raise ValueError(f"hardware file {str(p)!r} does not exist")
     try:
-        data = yaml.load(p.read_text(), Loader=_yaml_loader()) or {}
+        data = yaml.load(p.read_text(), Loader=_Loader) or {}
     except yaml.YAMLError as e:
-        raise ValueError(f"hardware file {p}: not valid YAML ({str(e).splitlines()[0]})") from None
+        raise ValueError(f"{where}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(data, dict):
-        raise ValueError(f"hardware file {p}: expected a mapping with keys {', '.join(_FILE_KEYS)}")
+        raise ValueError(f"{where}: expected a mapping with keys {', '.join(_FILE_KEYS)}")
     data.pop("defaults", None)  # present when the file doubles as a Hydra group option
-    unknown = sorted(set(data) - set(_FILE_KEYS) - set(_FIELDS))
+    unknown = sorted(set(data) - set(_FILE_KEYS) - set(SPEC_FIELDS))
     if unknown:
-        raise ValueError(f"hardware file {p}: unknown key(s) {', '.join(unknown)}; expected "
+        raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)}; expected "
                          f"{', '.join(_FILE_KEYS)} or DeviceSpec fields")
     fields = data.get("spec") or {}
     if not isinstance(fields, dict):
-        raise ValueError(f"hardware file {p}: `spec` must be a mapping of DeviceSpec fields")
-    flat = {k: v for k, v in data.items() if k in _FIELDS}
+        raise ValueError(f"{where}: `spec` must be a mapping of DeviceSpec fields")
+    flat = {k: v for k, v in data.items() if k in SPEC_FIELDS}
     if set(flat) & set(fields):
-        raise ValueError(f"hardware file {p}: {', '.join(sorted(set(flat) & set(fields)))} given twice")
+        raise ValueError(f"{where}: {', '.join(sorted(set(flat) & set(fields)))} given twice")
     fields = {**fields, **flat}
-    check_hardware_data(data, fields, f"hardware file {p}")  # whole, before any of it is used
+    check_hardware_data(data, fields, where)  # whole, before any of it is used
     if "sku" in data and "base" in data:
-        raise ValueError(f"hardware file {p}: give the base SKU once (`sku:` or `base:`)")
+        raise ValueError(f"{where}: give the base SKU once (`sku:` or `base:`)")
     base = data.get("sku", data.get("base"))
-    if base is None:
-        unknown = sorted(set(fields) - set(_FIELDS))
-        if unknown:
-            raise ValueError(f"hardware file {p}: unknown DeviceSpec field(s) {', '.join(unknown)}")
-        spec = _spec_from_fields(fields, f"hardware file {p}")
-    else:
+    if base is not None:
         if is_hardware_path(str(base)):
-            raise ValueError(f"hardware file {p}: `sku: {base}` must be a SKU name or auto, not a file")
-        spec = apply_overrides(resolve_hardware(str(base), backend=backend).spec, fields,
-                               f"hardware file {p}")
+            raise ValueError(f"{where}: `sku: {base}` must be a SKU name or auto, not a file")
+        spec = apply_overrides(resolve_hardware(str(base), backend=backend).spec, fields, where)
+        return measured(Hardware(spec), data.get("measurements"), str(p))
+    unknown = sorted(set(fields) - set(SPEC_FIELDS))
+    if unknown:
+        raise ValueError(f"{where}: unknown DeviceSpec field(s) {', '.join(unknown)}")
+    missing = [n for n, f in SPEC_FIELDS.items() if n not in fields and f.default is dataclasses.MISSING]
+    if missing:
+        raise ValueError(f"{where}: no `sku:` base and spec lacks {', '.join(missing)}")
+    spec = check_spec(DeviceSpec(**{k: _coerce(k, v) for k, v in fields.items()}), where)
     return measured(Hardware(spec), data.get("measurements"), str(p))
 
 
 def resolve_hardware(sku: str, overrides: dict[str, Any] | None = None, backend: Backend | None = None,
                      measurements: dict[str, Any] | None = None) -> Hardware:
-    """The Hardware for a `hardware` setting: 'auto', a SKU name, or a path to a hardware YAML.
-
-    `overrides` (the config's `hardware.spec`) replace spec fields last; `measurements` (the config's
-    `hardware.measurements`, set where a calibrated YAML is a group option) add their profiles and
-    measured fields as the file's would. 'auto' asks `backend` for its device. Unknown names, missing
-    files and bad fields raise ValueError.
-    """
+    """The Hardware for a `hardware.sku` setting: 'auto' (asks `backend`), a SKU name, or a path to a
+    hardware YAML. `overrides` (`hardware.spec`) replace spec fields last; `measurements`
+    (`hardware.measurements`, set where a calibrated YAML is a group option) count as the file's would."""
     sku = str(sku).strip()
     if sku == "auto":
         if backend is None:
@@ -254,19 +201,8 @@ def resolve_hardware(sku: str, overrides: dict[str, Any] | None = None, backend:
     if measurements:  # a calibrated YAML used as a group option: checked as the file would be
         check_hardware_data({"spec": overrides or {}, "measurements": measurements}, overrides or {},
                             "hardware.measurements")
-    return measured(hardware.with_overrides(overrides), measurements, "hardware.measurements")
-
-
-def rewrite_hardware_argv(argv: list[str]) -> list[str]:
-    """Let entry points accept `hardware=FILE.yaml`: Hydra only knows group options, so a file
-    path given to the `hardware` group is rewritten to the equivalent `hardware.sku=FILE.yaml`."""
-    out = []
-    for arg in argv:
-        key, sep, value = arg.partition("=")
-        if sep and key in ("hardware", "+hardware") and is_hardware_path(value):
-            arg = f"hardware.sku={value}"
-        out.append(arg)
-    return out
+    hardware = dataclasses.replace(hardware, spec=apply_overrides(hardware.spec, overrides))
+    return measured(hardware, measurements, "hardware.measurements")
 
 
 def figure_sources(hardware: Hardware, cost: EmbeddingCost) -> list[str]:
@@ -275,7 +211,7 @@ def figure_sources(hardware: Hardware, cost: EmbeddingCost) -> list[str]:
     lines = []
     if hardware.measured_by:
         done = hardware.measured_fields
-        rest = [f for f in _FIELDS if f not in done and f not in ("name", "vendor", "arch", "source")]
+        rest = [f for f in SPEC_FIELDS if f not in done and f not in ("name", "vendor", "arch", "source")]
         lines.append(f"measured ({hardware.measured_by}): {', '.join(done) or 'no device figure'}")
         lines.append(f"from the base spec ({hardware.spec.source or hardware.spec.name}): {', '.join(rest)}")
     else:
@@ -285,9 +221,7 @@ def figure_sources(hardware: Hardware, cost: EmbeddingCost) -> list[str]:
     if cost.name != TORCH_EMBEDDING.name:
         profiles.append(("data-parallel tables'", TORCH_EMBEDDING.name, cost.dense_profile))
     for what, name, profile in profiles:
-        if name in hardware.profiles:
-            how = f"measured ({hardware.measured_by}{', ' + profile.source if profile.source else ''})"
-        else:
-            how = f"built in ({profile.source or 'no source given'})"
+        how = (f"measured ({hardware.measured_by}{', ' + profile.source if profile.source else ''})"
+               if name in hardware.profiles else f"built in ({profile.source or 'no source given'})")
         lines.append(f"{what} {name} profile: {how}")
     return lines

@@ -1,8 +1,5 @@
-"""The hardware abstraction layer: one `Backend` interface every accelerator implements.
-
-Only `anyrec/backends/` may name `torch.cuda`, `torch.version.hip` or vendor libraries; the rest of
-anyrec asks its `Backend` for the device, the process-group backend and the kernels.
-"""
+"""The hardware abstraction layer: one `Backend` interface every accelerator implements. Only
+`anyrec/backends/` may name `torch.cuda`, `torch.version.hip` or vendor libraries."""
 
 from __future__ import annotations
 
@@ -74,9 +71,8 @@ class Backend(abc.ABC):
 
     def bind_local_rank(self, local_rank: int, local_world_size: int,  # noqa: B027 - optional hook
                         bind_cores: bool | str = "auto") -> list[int] | None:
-        """Give this process (local rank `local_rank` of `local_world_size` on its host) its share of
-        the host's cores; the cores it is bound to, or None where it binds nothing (accelerators:
-        torchrun --numa-binding binds host cores to devices)."""
+        """Give this local rank its share of the host's cores; the cores it is bound to, or None (on
+        accelerators torchrun --numa-binding binds host cores to devices)."""
         return None
 
     @abc.abstractmethod
@@ -87,8 +83,7 @@ class Backend(abc.ABC):
         """Wait for queued device work (used by timers)."""
 
     def pins_host_memory(self) -> bool:
-        """Whether torch can page-lock host memory for copies to and from this device (False on the
-        host itself, and where the device's runtime gives torch no pinned-memory allocator)."""
+        """Whether torch can page-lock host memory for this device (not the host, nor with no allocator)."""
         if self.device_type == "cpu":
             return False
         try:
@@ -111,17 +106,12 @@ class Backend(abc.ABC):
         return torch.autocast(device_type=self.device_type, dtype=torch.bfloat16)
 
     def probe(self, impl: str) -> str | None:
-        """This backend's veto on implementation `impl` (None: let the Impl's own probe decide).
-
-        Override to answer for a library of your own, or to rule one out on your device.
-        """
+        """This backend's veto on implementation `impl` (None: let the Impl's own probe decide); override
+        to answer for a library of your own, or to rule one out on your device."""
         return None
 
     def select_kernels(self, cfg: Any = None) -> dict[str, Impl]:
-        """Op name -> its Impl record, honouring `cfg` (a BackendConfig: `embedding_kernel`, ...).
-
-        Probes once, logs each choice once, raises ValueError for a forced choice that cannot run.
-        """
+        """Op name -> its Impl record, honouring `cfg` (a BackendConfig); probes and logs once per key."""
         requested = {op.name: str(getattr(cfg, op.config_key, "auto") or "auto")
                      for op in OPS.values() if op.config_key}
         key = tuple(sorted(requested.items()))

@@ -14,9 +14,5 @@ class ROCmBackend(GPUBackend):
     @classmethod
     def matches(cls, facts: DeviceFacts) -> bool:
         # Told apart at run time: a HIP build *and* an AMD device (gfx arch) visible.
-        return (
-            facts.cuda_available
-            and facts.hip_version is not None
-            and facts.device_count > 0
-            and (facts.arch.startswith("gfx") or "amd" in facts.device_name.lower())
-        )
+        return (facts.cuda_available and facts.hip_version is not None and facts.device_count > 0
+                and (facts.arch.startswith("gfx") or "amd" in facts.device_name.lower()))

@@ -1,9 +1,6 @@
 """The torchrec side of the `embedding` op: each implementation's sharder, read from its Impl record.
-
-`fbgemm` is torchrec's FBGEMM TBE family (`fused`, `fused_uvm_caching`, `fused_uvm`: optimizer fused
-into backward), sharded by `KernelFamilySharder`; `triton` and `torch` are anyrec's own TBE
-(`anyrec.kernels.torchrec_kernel`) run by Triton kernels or by plain torch ops, so neither needs an
-FBGEMM kernel for the device. A plugin's implementation brings its own builder in its Impl.
+`fbgemm` is torchrec's FBGEMM TBE family (optimizer fused into backward), sharded by `KernelFamilySharder`;
+`triton` and `torch` are anyrec's own TBE (`anyrec.kernels.torchrec_kernel`), needing no FBGEMM kernel.
 """
 
 from __future__ import annotations
@@ -15,11 +12,8 @@ from anyrec.backends.dispatch import Impl
 
 
 class KernelFamilySharder(EmbeddingBagCollectionSharder):
-    """torchrec's EBC sharder restricted to one implementation's compute kernels.
-
-    Planners see only those kernels; a plan naming another kernel for a sharded table is an error,
-    never rewritten, so what runs is what the backend selected and the planner costed.
-    """
+    """torchrec's EBC sharder restricted to one implementation's compute kernels: a plan naming another
+    kernel for a sharded table is an error, never rewritten (what runs is what the planner costed)."""
 
     def __init__(self, impl: str, kernels: list[str], **kwargs) -> None:
         super().__init__(**kwargs)

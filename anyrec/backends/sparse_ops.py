@@ -1,17 +1,15 @@
 """Portable (pure torch) kernels for the FBGEMM sparse ops torchrec's distributed path calls.
 
-torchrec's `DistributedModelParallel` moves ids and pooled embeddings with FBGEMM operators (KJT
-permutes, offsets, row-wise bucketisation, pooled-embedding permutes). A device with no FBGEMM build
-for it (a CUDA machine with `fbgemm-gpu-cpu`, a new GPU, a plugin accelerator) has their schemas but
-no kernels. `install` registers the kernels below with `torch.library` for the backend's dispatch key:
-with `backend.sparse_ops=auto` only for ops FBGEMM has no kernel for there (a native kernel is never
-overridden), with `portable` for every op (tests use it to check them against FBGEMM's CPU kernels in
-the real stack), with `fbgemm` for none. The set of ops is what a recording of a 2-stage pipelined
-training step found for every sharding type anyrec plans (docs/porting.md, "Sparse ops").
+torchrec's `DistributedModelParallel` moves ids and pooled embeddings with FBGEMM operators (KJT permutes,
+offsets, row-wise bucketisation, pooled-embedding permutes); a device with no FBGEMM build for it has their
+schemas but no kernels. `install` registers the kernels below with `torch.library` for the backend's
+dispatch key (`backend.sparse_ops`: auto, only where FBGEMM has no kernel; portable, every op; fbgemm,
+none). The ops are what a recording of a 2-stage pipelined training step found for every sharding type
+anyrec plans (docs/porting.md, "Sparse ops").
 
-These ops move data and compute nothing: each kernel gives bit-identical results to FBGEMM's CPU one,
-including FBGEMM's unsigned treatment of negative ids in bucketisation. Integer index arithmetic is
-done in int64; no kernel synchronises with the device when torchrec passes the output size.
+Each kernel gives bit-identical results to FBGEMM's CPU one, including its unsigned treatment of
+negative ids in bucketisation; index arithmetic is int64; no kernel synchronises with the device when
+torchrec passes the output size.
 
 Legend: T features (rows of a 2-D lengths), B batch, N ids, D_sum summed embedding dims.
 """
@@ -26,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from anyrec.backends.dispatch import dispatch_key, fbgemm_load_error, select
+from anyrec.backends.dispatch import dispatch_key, fbgemm_load_error, has_kernel, select
 
 if TYPE_CHECKING:
     from anyrec.backends.interface import Backend
@@ -123,11 +121,9 @@ def block_bucketize_sparse_features(
     block_bucketize_pos: list[torch.Tensor] | None = None, keep_orig_idx: bool = False,
     total_num_blocks: torch.Tensor | None = None, keep_orig_idx_per_feature: torch.Tensor | None = None,
 ):
-    """Split each bag's ids by the rank owning their row block (row-wise input distribution).
-
-    Returns (lengths [my_size * T*B], ids, weights?, positions?, unbucketize permute?) laid out bucket
-    by bucket; ids keep their order inside a bag, as in FBGEMM's sequential CPU kernel.
-    """
+    """Split each bag's ids by the rank owning their row block (row-wise input distribution): (lengths
+    [my_size * T*B], ids, weights?, positions?, unbucketize permute?) bucket by bucket; ids keep their
+    order inside a bag, as in FBGEMM's sequential CPU kernel."""
     if block_bucketize_pos:
         raise NotImplementedError("block_bucketize_sparse_features: the portable kernel does not "
                                   "implement block_bucketize_pos (uneven/ZCH buckets)")
@@ -187,9 +183,11 @@ def block_bucketize_sparse_features(
     return new_lengths, new_indices, new_weights, new_pos, unbucketize_permute
 
 
-def _permute_pooled(pooled_embs: torch.Tensor, offset_dim_list: torch.Tensor,
-                    permute_list: torch.Tensor) -> torch.Tensor:
-    """Column blocks of [B, D_sum] in `permute_list` order (block i is columns offsets[i]:offsets[i+1])."""
+def permute_pooled_embs(pooled_embs: torch.Tensor, offset_dim_list: torch.Tensor, permute_list: torch.Tensor,
+                        inv_offset_dim_list: torch.Tensor | None = None,
+                        inv_permute_list: torch.Tensor | None = None) -> torch.Tensor:
+    """Column blocks of [B, D_sum] in `permute_list` order (block i is columns offsets[i]:offsets[i+1]);
+    also serves the `_split` variant the column-wise output dist calls (same schema, same result)."""
     if pooled_embs.numel() == 0:
         return pooled_embs
     offsets = offset_dim_list.to(torch.int64)
@@ -200,35 +198,25 @@ def _permute_pooled(pooled_embs: torch.Tensor, offset_dim_list: torch.Tensor,
     return pooled_embs.index_select(1, cols)
 
 
-def permute_pooled_embs(pooled_embs: torch.Tensor, offset_dim_list: torch.Tensor, permute_list: torch.Tensor,
-                        inv_offset_dim_list: torch.Tensor, inv_permute_list: torch.Tensor) -> torch.Tensor:
-    """Reorder the per-feature column blocks of pooled embeddings (also serves the `_split` variant the
-    column-wise output dist calls: same schema, same result)."""
-    return _permute_pooled(pooled_embs, offset_dim_list, permute_list)
-
-
 class _PermutePooled(torch.autograd.Function):
     """Pooled-embedding permute whose backward is the inverse permute."""
 
     @staticmethod
     def forward(ctx, pooled_embs, offset_dim_list, permute_list, inv_offset_dim_list, inv_permute_list):
         ctx.save_for_backward(inv_offset_dim_list, inv_permute_list)
-        return _permute_pooled(pooled_embs, offset_dim_list, permute_list)
+        return permute_pooled_embs(pooled_embs, offset_dim_list, permute_list)
 
     @staticmethod
     def backward(ctx, grad_out):
         inv_offsets, inv_perm = ctx.saved_tensors
-        return _permute_pooled(grad_out.contiguous(), inv_offsets, inv_perm), None, None, None, None
+        return permute_pooled_embs(grad_out.contiguous(), inv_offsets, inv_perm), None, None, None, None
 
 
-def _auto_grad(name: str) -> Callable[..., torch.Tensor]:
-    def kernel(pooled_embs, offset_dim_list, permute_list, inv_offset_dim_list, inv_permute_list):
-        return _PermutePooled.apply(pooled_embs, offset_dim_list, permute_list, inv_offset_dim_list,
-                                    inv_permute_list)
-
-    kernel.__name__ = name.split("::")[1]
-    kernel.__doc__ = f"`{name}`: the pooled-embedding permute with its gradient (inverse permute)."
-    return kernel
+def permute_pooled_embs_auto_grad(pooled_embs, offset_dim_list, permute_list, inv_offset_dim_list,
+                                  inv_permute_list) -> torch.Tensor:
+    """The pooled-embedding permute with its gradient (the inverse permute), both `_auto_grad` ops."""
+    return _PermutePooled.apply(pooled_embs, offset_dim_list, permute_list, inv_offset_dim_list,
+                                inv_permute_list)
 
 
 @dataclass(frozen=True)
@@ -237,31 +225,21 @@ class SparseOp:
 
     name: str
     kernel: Callable[..., Any]
-    call_site: str  # where torchrec (or fbgemm_gpu's Python) calls it in the training step
     autograd: bool = False
 
 
-# The recorded inventory (plus siblings the same torchrec code reaches with other inputs); call sites
-# are torchrec's (`tr/` = torchrec/, `fb/` = fbgemm_gpu/), see docs/porting.md.
-_AG_SPLIT = "fbgemm::permute_pooled_embs_auto_grad_split"
-_AG = "fbgemm::permute_pooled_embs_auto_grad"
+# The recorded inventory, plus siblings the same torchrec code reaches with other inputs (where torchrec
+# and fbgemm_gpu call each in the training step: docs/porting.md, "Sparse ops").
 SPARSE_OPS: dict[str, SparseOp] = {op.name: op for op in (
-    SparseOp("fbgemm::asynchronous_complete_cumsum", asynchronous_complete_cumsum,
-             "tr/sparse/jagged_tensor.py _to_offsets (KeyedJaggedTensor.offsets)"),
-    SparseOp("fbgemm::permute_2D_sparse_data", permute_2D_sparse_data,
-             "tr/sparse/jagged_tensor.py KeyedJaggedTensor.permute, KJTAllToAllTensorsAwaitable"),
-    SparseOp("fbgemm::permute_1D_sparse_data", permute_1D_sparse_data,
-             "tr/sparse/jagged_tensor.py KJTAllToAllTensorsAwaitable (variable batch per rank)"),
-    SparseOp("fbgemm::block_bucketize_sparse_features", block_bucketize_sparse_features,
-             "tr/distributed/embedding_sharding.py bucketize_kjt_before_all2all (row-wise)"),
-    SparseOp("fbgemm::permute_pooled_embs_split", permute_pooled_embs,
-             "fb/permute_pooled_embedding_modules_split.py (FBGEMM's autograd glue for the next op)"),
-    SparseOp(_AG_SPLIT, _auto_grad(_AG_SPLIT),
-             "fb PermutePooledEmbeddingsSplit.forward (tr cw_sharding output dist)", autograd=True),
-    SparseOp("fbgemm::permute_pooled_embs", permute_pooled_embs,
-             "fb/permute_pooled_embedding_modules.py (FBGEMM's autograd glue for the next op)"),
-    SparseOp(_AG, _auto_grad(_AG),
-             "fb PermutePooledEmbeddings (tr embeddingbag.py, variable batch output)", autograd=True),
+    SparseOp("fbgemm::asynchronous_complete_cumsum", asynchronous_complete_cumsum),
+    SparseOp("fbgemm::permute_2D_sparse_data", permute_2D_sparse_data),
+    SparseOp("fbgemm::permute_1D_sparse_data", permute_1D_sparse_data),  # variable batch per rank
+    SparseOp("fbgemm::block_bucketize_sparse_features", block_bucketize_sparse_features),  # row-wise
+    # each pooled permute is what FBGEMM's Python autograd glue calls for the auto_grad op after it
+    SparseOp("fbgemm::permute_pooled_embs_split", permute_pooled_embs),
+    SparseOp("fbgemm::permute_pooled_embs_auto_grad_split", permute_pooled_embs_auto_grad, autograd=True),
+    SparseOp("fbgemm::permute_pooled_embs", permute_pooled_embs),
+    SparseOp("fbgemm::permute_pooled_embs_auto_grad", permute_pooled_embs_auto_grad, autograd=True),
 )}
 
 
@@ -285,8 +263,7 @@ def fbgemm_has_kernel(op: str, dispatch_key: str) -> bool:
     """Whether FBGEMM has a kernel for `op` at `dispatch_key` (ours, if installed, do not count)."""
     if op in _installed.get(dispatch_key, ()):
         return _native[(op, dispatch_key)]
-    return (op in set(torch._C._dispatch_get_all_op_names())
-            and torch._C._dispatch_has_kernel_for_dispatch_key(op, dispatch_key))
+    return has_kernel(op, dispatch_key)
 
 
 def missing_kernels(dispatch_key: str) -> list[str]:
@@ -355,12 +332,9 @@ def probe_fbgemm(backend: Backend) -> str | None:
 
 
 def install(backend: Backend, mode: str = "auto") -> SparseOpsChoice:
-    """Make every inventory op runnable on the backend's device, as `backend.sparse_ops` says.
-
-    `auto`: FBGEMM where it has a kernel, portable kernels for the rest; `portable`: portable kernels
-    for all (overriding FBGEMM's); `fbgemm`: FBGEMM only (fails if it lacks a kernel for the device).
-    The implementation is chosen by the backend's op dispatch (op `sparse_ops`), logged once.
-    """
+    """Make every inventory op runnable on the backend's device, as `backend.sparse_ops` says (chosen by
+    the op dispatch, logged once): `auto`: FBGEMM where it has a kernel, portable kernels for the rest;
+    `portable`: portable kernels for all; `fbgemm`: FBGEMM only (fails if it lacks a kernel)."""
     if mode not in MODES:
         raise ValueError(f"backend.sparse_ops must be one of {', '.join(MODES)}, got {mode!r}")
     key = dispatch_key(backend.device_type)

@@ -39,33 +39,27 @@ class DeviceSpec:
     # Achieved / peak, where measured (anyrec.calibrate); 0: the planner's empirical defaults.
     dense_efficiency: float = 0.0  # DLRM-shape MLP GEMMs (forward + backward) vs peak_*_flops
     comms_efficiency: float = 0.0  # all-to-all bus bandwidth vs the link bandwidth
-    # Framework costs of the trainer's step on this device (Python, torchrec's awaitables and KJT
-    # handling, DDP, optimizers, synthetic data, loss), seconds; measured by anyrec.calibrate's trainer
-    # step points, 0: unmeasured (not modelled). Per step, per sparse feature, per local sample, per
-    # local id, per pooled value (local batch x sum of feature dims), per entry of the pairwise
-    # interaction (local batch x (features + 1)^2, the dot interaction's matrix: its bmm, triangle
-    # gather and their backward), per dense parameter tensor (its gradient, DDP bucket copy and
-    # optimizer update: fixed costs beyond the FLOPs), per group of sharded tables of one sharding
-    # type (its own input and output all-to-alls), per data-parallel table.
-    step_fixed_s: float = 0.0
-    step_per_feature_s: float = 0.0
-    step_per_sample_s: float = 0.0
-    step_per_id_s: float = 0.0
-    step_per_value_s: float = 0.0
+    # Framework costs of the trainer's step (Python, torchrec's awaitables and KJT handling, DDP,
+    # optimizers, data, loss), seconds, measured by anyrec.calibrate's step points; 0: not modelled.
+    step_fixed_s: float = 0.0  # per step
+    step_per_feature_s: float = 0.0  # per sparse feature
+    step_per_sample_s: float = 0.0  # per local sample
+    step_per_id_s: float = 0.0  # per local id
+    step_per_value_s: float = 0.0  # per pooled value (local batch x sum of feature dims)
+    # per entry of the dot interaction's matrix, local batch x (features + 1)^2 (bmm, gather, backward)
     step_per_pair_s: float = 0.0
-    step_per_dense_tensor_s: float = 0.0
-    sharding_group_s: float = 0.0
-    replicated_table_s: float = 0.0
+    step_per_dense_tensor_s: float = 0.0  # per dense parameter tensor (gradient, DDP copy, update)
+    sharding_group_s: float = 0.0  # per sharding type used (its own input and output all-to-alls)
+    replicated_table_s: float = 0.0  # per data-parallel table
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if isinstance(v, (int, float)) and not isinstance(v, bool) and v < 0:
                 raise ValueError(f"DeviceSpec {self.name}: {f.name} must be >= 0, got {v}")
-        if self.memory_bytes <= 0:
-            raise ValueError(f"DeviceSpec {self.name}: memory_bytes must be > 0")
-        if self.memory_bw_bytes_per_s <= 0:
-            raise ValueError(f"DeviceSpec {self.name}: memory_bw_bytes_per_s must be > 0")
+        for f in ("memory_bytes", "memory_bw_bytes_per_s"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"DeviceSpec {self.name}: {f} must be > 0")
         for f in ("dense_efficiency", "comms_efficiency"):
             if getattr(self, f) > 1.0:
                 raise ValueError(f"DeviceSpec {self.name}: {f} is a fraction of peak, got {getattr(self, f)}")
@@ -102,56 +96,26 @@ DEFAULT_CPU_LATENCY_S = 200e-6
 # AMD Instinct MI300X datasheet: 192 GB HBM3, 5.3 TB/s, 1307.4 TF bf16, 163.4 TF fp32,
 # 7 Infinity Fabric links x 128 GB/s = 896 GB/s aggregate bidirectional.
 _MI300X = DeviceSpec(
-    "MI300X",
-    "amd",
-    "gfx942",
-    int(192 * GB),
-    5.3 * TB,
-    1307.4 * TB,
-    163.4 * TB,
-    64,
-    896 * GB / 2,
-    _NIC_400G,
-    _PCIE5_X16,
-    _HOST_DDR_PER_DEVICE,
-    _HOST_DDR_BW_PER_DEVICE,
-    "AMD MI300X datasheet",
-)
-# AMD Instinct MI350X (CDNA4): 288 GB HBM3E, 8 TB/s, ~2.3 PF bf16 dense, ~144 TF fp32,
-# Infinity Fabric 4, ~1075 GB/s aggregate bidirectional.
-_MI350X = DeviceSpec(
-    "MI350X",
-    "amd",
-    "gfx950",
-    int(288 * GB),
-    8.0 * TB,
-    2300 * TB,
-    144.2 * TB,
-    64,
-    1075 * GB / 2,
-    _NIC_400G,
-    _PCIE5_X16,
-    _HOST_DDR_PER_DEVICE,
-    _HOST_DDR_BW_PER_DEVICE,
-    "AMD MI350X datasheet (compute figures approximate)",
-)
+    "MI300X", "amd", "gfx942", memory_bytes=int(192 * GB), memory_bw_bytes_per_s=5.3 * TB,
+    peak_bf16_flops=1307.4 * TB, peak_fp32_flops=163.4 * TB, simd_width=64,
+    scale_up_bw_bytes_per_s=896 * GB / 2, scale_out_bw_bytes_per_s=_NIC_400G, h2d_bw_bytes_per_s=_PCIE5_X16,
+    host_memory_bytes=_HOST_DDR_PER_DEVICE, host_memory_bw_bytes_per_s=_HOST_DDR_BW_PER_DEVICE,
+    source="AMD MI300X datasheet")
+# AMD Instinct MI350X (CDNA4): 288 GB HBM3E, 8 TB/s, ~2.3 PF bf16 dense, ~144 TF fp32, IF4 ~1075 GB/s bidir.
+_MI350X = _MI300X.replace(
+    name="MI350X", arch="gfx950", memory_bytes=int(288 * GB), memory_bw_bytes_per_s=8.0 * TB,
+    peak_bf16_flops=2300 * TB, peak_fp32_flops=144.2 * TB, scale_up_bw_bytes_per_s=1075 * GB / 2,
+    source="AMD MI350X datasheet (compute figures approximate)")
 # NVIDIA H100 SXM5: 80 GB HBM3, 3.35 TB/s, 989 TF bf16, 67 TF fp32, NVLink4 900 GB/s bidir.
-_H100 = DeviceSpec(
-    "H100",
-    "nvidia",
-    "sm_90",
-    int(80 * GB),
-    3.35 * TB,
-    989 * TB,
-    67 * TB,
-    32,
-    900 * GB / 2,
-    _NIC_400G,
-    _PCIE5_X16,
-    _HOST_DDR_PER_DEVICE,
-    _HOST_DDR_BW_PER_DEVICE,
-    "NVIDIA H100 SXM datasheet",
-)
+_H100 = _MI300X.replace(
+    name="H100", vendor="nvidia", arch="sm_90", memory_bytes=int(80 * GB), memory_bw_bytes_per_s=3.35 * TB,
+    peak_bf16_flops=989 * TB, peak_fp32_flops=67 * TB, simd_width=32, scale_up_bw_bytes_per_s=900 * GB / 2,
+    source="NVIDIA H100 SXM datasheet")
+# NVIDIA B200 (HGX): 180 GB HBM3E, ~8 TB/s, 2.25 PF bf16 dense, 80 TF fp32, NVLink5 1.8 TB/s bidir.
+_B200 = _H100.replace(
+    name="B200", arch="sm_100", memory_bytes=int(180 * GB), memory_bw_bytes_per_s=8.0 * TB,
+    peak_bf16_flops=2250 * TB, peak_fp32_flops=80 * TB, scale_up_bw_bytes_per_s=1800 * GB / 2,
+    scale_out_bw_bytes_per_s=_NIC_800G, h2d_bw_bytes_per_s=2 * _PCIE5_X16, source="NVIDIA HGX B200 datasheet")
 
 SKUS: dict[str, DeviceSpec] = {
     "mi300x": _MI300X,
@@ -166,62 +130,21 @@ SKUS: dict[str, DeviceSpec] = {
     # NVIDIA H200 SXM: 141 GB HBM3E, 4.8 TB/s; compute and NVLink as H100.
     "h200": _H100.replace(name="H200", memory_bytes=int(141 * GB), memory_bw_bytes_per_s=4.8 * TB,
                           source="NVIDIA H200 datasheet"),
-    # NVIDIA B200 (HGX): 180 GB HBM3E, ~8 TB/s, 2.25 PF bf16 dense, 80 TF fp32, NVLink5 1.8 TB/s bidir.
-    "b200": DeviceSpec(
-        "B200",
-        "nvidia",
-        "sm_100",
-        int(180 * GB),
-        8.0 * TB,
-        2250 * TB,
-        80 * TB,
-        32,
-        1800 * GB / 2,
-        _NIC_800G,
-        2 * _PCIE5_X16,
-        _HOST_DDR_PER_DEVICE,
-        _HOST_DDR_BW_PER_DEVICE,
-        "NVIDIA HGX B200 datasheet",
-    ),
+    "b200": _B200,
     # NVIDIA GB200 NVL72, per GPU: 186 GB HBM3E, 8 TB/s, 2.5 PF bf16, 90 TF fp32, NVLink5 1.8 TB/s
     # bidir in a 72-GPU domain; host is a Grace CPU over NVLink-C2C (900 GB/s bidir, shared by 2 GPUs).
-    "gb200": DeviceSpec(
-        "GB200",
-        "nvidia",
-        "sm_100",
-        int(186 * GB),
-        8.0 * TB,
-        2500 * TB,
-        90 * TB,
-        32,
-        1800 * GB / 2,
-        _NIC_800G,
-        900 * GB / 2 / 2,
-        int(480 * GB / 2),
-        512 * GB / 2,
-        "NVIDIA GB200 NVL72 datasheet",
-    ),
+    "gb200": _B200.replace(
+        name="GB200", memory_bytes=int(186 * GB), peak_bf16_flops=2500 * TB, peak_fp32_flops=90 * TB,
+        h2d_bw_bytes_per_s=900 * GB / 2 / 2, host_memory_bytes=int(480 * GB / 2),
+        host_memory_bw_bytes_per_s=512 * GB / 2, source="NVIDIA GB200 NVL72 datasheet"),
     # A generic CPU host (one process): the 'device' is host DDR. Empirical, to be calibrated.
     "cpu": DeviceSpec(
-        "CPU",
-        "cpu",
-        "x86_64",
-        int(16 * GB),
-        20 * GB,
-        0.5 * TB,
-        0.5 * TB,
-        16,
-        10 * GB,
-        12.5 * GB,
-        20 * GB,
-        int(16 * GB),
-        20 * GB,
-        "generic host, empirical; calibrate with anyrec.calibrate",
-        scale_up_latency_s=DEFAULT_CPU_LATENCY_S,
-        scale_out_latency_s=DEFAULT_CPU_LATENCY_S,
-    ),
+        "CPU", "cpu", "x86_64", memory_bytes=int(16 * GB), memory_bw_bytes_per_s=20 * GB,
+        peak_bf16_flops=0.5 * TB, peak_fp32_flops=0.5 * TB, simd_width=16, scale_up_bw_bytes_per_s=10 * GB,
+        scale_out_bw_bytes_per_s=12.5 * GB, h2d_bw_bytes_per_s=20 * GB, host_memory_bytes=int(16 * GB),
+        host_memory_bw_bytes_per_s=20 * GB, source="generic host, empirical; calibrate with anyrec.calibrate",
+        scale_up_latency_s=DEFAULT_CPU_LATENCY_S, scale_out_latency_s=DEFAULT_CPU_LATENCY_S),
 }
-
 
 def sku_key(name: str) -> str | None:
     """The SKUS key for a name such as 'MI350X', 'h200', 'H100-SXM5'; None when unknown."""
@@ -257,10 +180,7 @@ _ARCH_RULES: dict[str, list[tuple[str, int, int]]] = {
 
 
 def match_sku(device_name: str, arch: str = "", memory_bytes: int = 0) -> tuple[str | None, str]:
-    """(SKU key or None, how it matched: 'name' | 'arch+memory' | reason for no match).
-
-    Pure: the facts are injected, so every SKU's detection is testable without the device.
-    """
+    """(SKU key or None, how: 'name' | 'arch+memory' | why none); pure: testable without the device."""
     name = device_name.lower().replace(" ", "").replace("-", "").replace("_", "")
     excluded = next((x for x in _NAME_EXCLUDES if x in name), None)
     if excluded is None:

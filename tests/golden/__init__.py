@@ -55,9 +55,15 @@ def job_losses(job: GoldenJob) -> list[float]:
     """Run `job` through anyrec-train's loop (`Trainer.train()`, via anyrec-parity's worker for
     several ranks) and return its per-step losses, averaged over ranks."""
     from anyrec import parity
+    from anyrec._hydra import compose_job
+    from anyrec.trainer.trainer import Trainer
 
-    if job.nproc == 1:
-        return parity.local_losses(job.overrides)
+    if job.nproc == 1:  # in this process
+        trainer = Trainer(compose_job([*job.overrides, *parity.STEPS_ONLY]))
+        try:
+            return parity.train_losses(trainer)
+        finally:
+            trainer.close()
     record = parity.run_variant(job.overrides, parity.Variant(job.name, nproc=job.nproc), timeout_s=600)
     if "error" in record:
         raise RuntimeError(f"golden job {job.name}: {record['error']}")
