@@ -30,8 +30,6 @@ def pytest_configure(config):
         "markers", "integration: starts processes or runs long; the fast tier is -m 'not integration'")
     config.addinivalue_line(
         "markers", "cpu_only: expects a host without an accelerator (skipped where anyrec detects one)")
-    config.addinivalue_line(
-        "markers", "integration: starts processes or runs long; the fast tier is -m 'not integration'")
 
 
 def pytest_collection_modifyitems(config, items):
