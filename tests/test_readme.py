@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 
 import pytest
 from omegaconf import OmegaConf
 
 from anyrec.backends.hardware import is_hardware_path
+from anyrec.parity import parse_variant
 
 from .conftest import ROOT, compose_config
 
@@ -114,3 +116,29 @@ def test_keys_named_in_the_prose_exist():
     assert len(keys) >= 15, keys
     missing = [k for k in keys if OmegaConf.select(cfg, k, default=_MISSING) is _MISSING]
     assert not missing, f"README names config keys that do not exist: {missing}"
+
+
+def _parity_commands() -> list[list[str]]:
+    """The words of every documented `anyrec-parity` command line (quotes honoured: variants hold spaces).
+    docs/porting.md's, which need the simulated device's plugin, run in tests/test_simdev.py."""
+    lines = [ln for block in _FENCE.findall(DOCS)
+             for ln in block.replace("\\\n", " ").splitlines() if ln.lstrip().startswith("anyrec-parity ")]
+    return [shlex.split(ln)[1:] for ln in lines]
+
+
+PARITY_COMMANDS = _parity_commands()
+
+
+def test_documented_parity_commands_compose_with_each_variant():
+    """The base overrides of each documented parity command compose, and so does each of its variants
+    on top (as the parity workers compose them)."""
+    assert len(PARITY_COMMANDS) >= 1, PARITY_COMMANDS
+    variants_seen = 0
+    for words in PARITY_COMMANDS:
+        _, cfg = compose_config(words)
+        assert cfg.parity.variants, words
+        base = [w for w in words if not w.startswith("parity.")]
+        for text in cfg.parity.variants:
+            compose_config([*base, *parse_variant(text).overrides])
+            variants_seen += 1
+    assert variants_seen >= 4
