@@ -29,6 +29,7 @@ from anyrec.kernels.optimizers import OptimizerKind
 # compile time, so setting it here covers an already-imported triton too.
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
+# Triton's own compile-target names (`GPUTarget(backend, arch, warp_size)`), not torch device types
 TARGETS = {
     "sm_90": ("cuda", 90, 32),
     "sm_100": ("cuda", 100, 32),
@@ -163,7 +164,7 @@ def compile_one(name, label, fn, types, constexprs, num_warps, target: str) -> C
         options = {"num_warps": num_warps, **(BACKWARD_COMPILE_OPTIONS if name == "tbe_backward" else {})}
         k = triton.compile(src, target=GPUTarget(backend, arch, warp), options=options)
         res.shared_bytes = int(k.metadata.shared)
-        if backend == "cuda":
+        if "ptx" in k.asm:  # what the compiler produced says whose counts to read, not the target's name
             res.registers, res.spills = _nvidia_counts(k.asm["ptx"], arch)
         else:
             res.registers, res.spills = _amd_counts(k.asm["amdgcn"])
