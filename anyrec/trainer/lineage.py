@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from anyrec.config import AnyrecConfig, CheckpointConfig
+from anyrec.safe_load import load_json
 from anyrec.trainer.errors import CheckpointError
 
 LOCK = ".anyrec.lock"
@@ -115,8 +116,8 @@ def scan(root: Path) -> list[Found]:
         m = _FINAL.match(p.name)
         if m and p.is_dir():
             try:
-                meta = json.loads((p / META).read_text(encoding="utf-8"))
-            except (OSError, ValueError):
+                meta = load_json(p / META, f"checkpoint {p}: {META}")
+            except ValueError:
                 meta = None
             found.append(Found(int(m.group(1)), p, meta if isinstance(meta, dict) else None))
     return sorted(found, key=lambda f: f.step)
@@ -177,12 +178,12 @@ def decide_start(root: Path, cfg: CheckpointConfig, config: dict[str, Any], sign
 def read_meta_file(path: Path) -> dict[str, Any]:
     """A checkpoint's meta.json as a dict, or CheckpointError naming it."""
     try:
-        meta = json.loads((path / META).read_text(encoding="utf-8"))
-        if not isinstance(meta, dict) or "step" not in meta or "signature" not in meta:
-            raise ValueError("missing fields")
-    except (OSError, ValueError) as e:
+        meta = load_json(path / META, META)  # bounded: a forged one makes no unbounded work
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint {path} is corrupt or incomplete: {e}") from None
+    if not isinstance(meta, dict) or "step" not in meta or "signature" not in meta:
         raise CheckpointError(f"checkpoint {path} is corrupt or incomplete: unreadable meta.json "
-                              f"({type(e).__name__}: {e})") from None
+                              "(missing fields)")
     return meta
 
 

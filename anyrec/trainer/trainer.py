@@ -29,6 +29,7 @@ from anyrec.kernels.ebc import TritonEBCOptimizer
 from anyrec.models.dlrm import DLRM, build_model, table_configs
 from anyrec.models.init import init_model
 from anyrec.planner.types import Perf
+from anyrec.signing import resolve_key
 from anyrec.trainer.checkpoint import CheckpointManager, StepState
 from anyrec.trainer.distributed import DistInfo, all_reduce_mean, destroy_distributed, init_distributed
 from anyrec.trainer.inputs import build_inputs
@@ -88,7 +89,8 @@ class Trainer:
         self.build()
         self.run = RunState.begin(self)
         self.checkpoints = (CheckpointManager(cfg.trainer.checkpoint, self.signature(), self.dist,
-                                              identity_config(cfg)) if cfg.trainer.checkpoint.dir else None)
+                                              identity_config(cfg), resolve_key(cfg.trainer.signing_key_file))
+                            if cfg.trainer.checkpoint.dir else None)
         start = self.checkpoints.start() if self.checkpoints is not None else None  # locks the dir
         if start is not None:
             self.load_checkpoint(start)
