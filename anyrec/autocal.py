@@ -24,6 +24,7 @@ from anyrec.calcache import Lookup, cache_dir, local_key, lookup, write_entry
 from anyrec.calibrate import calibrate, hardware_yaml
 from anyrec.config import AnyrecConfig
 from anyrec.io_checks import atomic_write
+from anyrec.signing import resolve_key
 from anyrec.trainer.distributed import broadcast_from_main, init_distributed
 
 logger = logging.getLogger("anyrec.autocal")
@@ -38,6 +39,7 @@ def wants_calibration(cfg: AnyrecConfig) -> bool:
 def calibrated_hardware(cfg: AnyrecConfig) -> str:
     """This machine's cached calibration file, measured now if none is usable (every rank calls it)."""
     backend = get_backend(cfg.backend.name)
+    signing_key = resolve_key(cfg.trainer.signing_key_file)
     info = init_distributed(backend, cfg.trainer.collective_timeout_s, cfg.trainer.peer_timeout_s)
     cores = allowed_cores()
     # what the binding rule chose (backend.bind_cores=auto looks at the cores' load); the step points'
@@ -48,7 +50,8 @@ def calibrated_hardware(cfg: AnyrecConfig) -> str:
     key = local_key(backend, info, cores)
     found = None
     if info.is_main:
-        found = Lookup(cache_dir() / key.file_name()) if cfg.trainer.calibrate == "always" else lookup(key)
+        found = (Lookup(cache_dir() / key.file_name()) if cfg.trainer.calibrate == "always"
+                 else lookup(key, signing_key=signing_key))
     found_here = (str(found.path), found.hit, found.problem, found.bound) if found else None
     path, hit, problem, measured_bound = broadcast_from_main(found_here, info)
     threads = {True: "bound", False: "free"}
@@ -74,7 +77,7 @@ def calibrated_hardware(cfg: AnyrecConfig) -> str:
         header = (f"# Quick calibration measured by anyrec.autocal ({backend.describe()}, "
                   f"{info.world_size} ranks) on {time.strftime('%Y-%m-%d', time.gmtime())}; a cache entry,\n"
                   f"# used by hardware=auto on this machine and software (`cache:` below).\n")
-        write_entry(Path(path), key, hardware_yaml(backend, m), header)
+        write_entry(Path(path), key, hardware_yaml(backend, m), header, signing_key)
         text = Path(path).read_text()
     text = broadcast_from_main(text, info)
     if info.host != 0 and info.local_rank == 0:  # the other hosts' ranks read the same file
