@@ -318,8 +318,8 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint {path} is corrupt or incomplete: meta.json's checksums "
                                   f"do not cover the files it lists")
         if not verify_all and self.is_main:
-            logger.warning("checkpoint %s is loaded unverified: only its %s is checked "
-                           "(trainer.checkpoint.verify=false)", path, DCP_METADATA)
+            logger.warning("checkpoint %s is loaded unverified: the checksums of its shard files are not "
+                           "checked (trainer.checkpoint.verify=false)", path)
         elif not self.cfg.verify and self.is_main:
             logger.warning("trainer.checkpoint.verify=false is ignored: with a signing key (%s) every "
                            "file of a checkpoint is checked", self.signing_key.source)
