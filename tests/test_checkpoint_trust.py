@@ -208,3 +208,24 @@ def test_resume_from_a_forged_checkpoint_runs_nothing(tmp_path):
         lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("anyrec-train: error:")]
         assert proc.returncode == 2 and len(lines) == 1 and "posix.system" in lines[0], proc.stderr[-3000:]
         assert not marker.exists()
+
+
+@pytest.mark.parametrize("edit", [{"saved_at": "yesterday"}, {"run": {"lineage": 7, "fingerprint": "x"}},
+                                  {"run": {"lineage": "l", "fingerprint": "x", "config": [1]}}])
+def test_a_malformed_meta_json_is_one_line_when_choosing_where_to_start(tmp_path, edit):
+    """decide_start reads meta.json before any checksum: odd field types are refusals, not tracebacks."""
+    m = _manager(tmp_path / "ck")
+    m.save(3, _state(), {})
+    path = m.save(4, _state(), {})
+    m.close()
+    meta = json.loads((path / "meta.json").read_text())
+    meta.update(edit)
+    (path / "meta.json").write_text(json.dumps(meta))
+    seed = 0 if "saved_at" in edit else 1  # its own run (two checkpoints to choose from), or another's
+    m = CheckpointManager(CheckpointConfig(dir=str(tmp_path / "ck")), SIGNATURE, ONE_PROCESS, {"seed": seed})
+    try:
+        m.start()  # its own run (resumed), or another run's settings (refused in one line)
+    except CheckpointError as e:
+        assert "\n" not in str(e)
+    finally:
+        m.close()

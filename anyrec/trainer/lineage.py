@@ -92,7 +92,7 @@ class Found:
     @property
     def run(self) -> dict[str, Any] | None:
         run = (self.meta or {}).get("run")
-        return run if isinstance(run, dict) and "lineage" in run else None
+        return run if isinstance(run, dict) and isinstance(run.get("lineage"), str) else None
 
     @property
     def lineage(self) -> str | None:
@@ -123,6 +123,16 @@ def scan(root: Path) -> list[Found]:
     return sorted(found, key=lambda f: f.step)
 
 
+def _saved_at(found: Found) -> float:
+    """When a checkpoint was saved, by its meta.json (read before it is verified: a number or 0)."""
+    t = (found.meta or {}).get("saved_at")
+    return float(t) if isinstance(t, int | float) and not isinstance(t, bool) else 0.0
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
 def _names(found: list[Found]) -> str:
     names = [f.path.name for f in found]
     return ", ".join(names) if len(names) <= 4 else f"{names[0]} .. {names[-1]} ({len(names)})"
@@ -135,7 +145,7 @@ def decide_start(root: Path, cfg: CheckpointConfig, config: dict[str, Any], sign
     if cfg.resume:
         mine = [f for f in found if f.run and f.run.get("fingerprint") == mine_fp]
         if mine:  # this run's own lineage (newest written, should an overwrite have been cut short)
-            lineage = max(mine, key=lambda f: (f.meta or {}).get("saved_at", 0)).lineage
+            lineage = max(mine, key=_saved_at).lineage
             newest = [f for f in mine if f.lineage == lineage][-1]
             return Start(str(newest.path), lineage)
     load, parent = None, None
@@ -170,7 +180,7 @@ def decide_start(root: Path, cfg: CheckpointConfig, config: dict[str, Any], sign
         raise CheckpointError(
             f"trainer.checkpoint.dir {root} holds another run's checkpoints ({_names(found)}, run "
             f"{newest.run.get('run_id')}) with different settings: "
-            f"{config_diff(newest.run.get('config', {}), config)}; use another directory, or start "
+            f"{config_diff(_dict(newest.run.get('config')), config)}; use another directory, or start "
             f"from it with trainer.checkpoint.resume_from={newest.path} in another directory")
     return Start(load, uuid.uuid4().hex[:16], parent, tuple(str(f.path) for f in found))
 
