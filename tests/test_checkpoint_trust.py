@@ -229,3 +229,31 @@ def test_a_malformed_meta_json_is_one_line_when_choosing_where_to_start(tmp_path
         assert "\n" not in str(e)
     finally:
         m.close()
+
+
+@pytest.mark.integration
+def test_a_signed_run_resumes_with_its_key_only(tmp_path):
+    """anyrec-train as documented: ANYREC_SIGNING_KEY signs, the same key resumes, another is one line;
+    an unusable key file fails in one line before any checkpoint is touched."""
+    base = [sys.executable, "-m", "anyrec.train", "model=dlrm_tiny", "data.batch_size=32",
+            "trainer.eval_steps=0", "trainer.progress=false", "trainer.tensorboard=false",
+            "trainer.calibrate=never", f"hydra.run.dir={tmp_path}/hydra",
+            f"trainer.checkpoint.dir={tmp_path}/ck"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "ANYREC_CACHE_DIR": str(tmp_path),
+           "ANYREC_SIGNING_KEY": "a-key-of-more-than-16-bytes"}
+
+    def run(*extra, **env_changes):
+        proc = subprocess.run([*base, *extra], capture_output=True, text=True, timeout=240, cwd=tmp_path,
+                              env={**env, **env_changes})
+        return proc, [ln for ln in proc.stderr.splitlines() if ln.startswith("anyrec-train: error:")]
+
+    proc, _ = run("trainer.steps=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert FIELD in json.loads((tmp_path / "ck" / "step_2" / "meta.json").read_text())
+    proc, lines = run("trainer.steps=3", ANYREC_SIGNING_KEY="another-key-of-16-bytes")
+    assert proc.returncode == 2 and len(lines) == 1 and "signature does not match" in lines[0], proc.stderr
+    (tmp_path / "short").write_text("short")
+    proc, lines = run("trainer.steps=3", f"trainer.signing_key_file={tmp_path}/short")
+    assert proc.returncode == 2 and len(lines) == 1 and "shorter than 16 bytes" in lines[0], proc.stderr
+    proc, _ = run("trainer.steps=3")
+    assert proc.returncode == 0 and "resumed_from_step\": 2" in proc.stdout, proc.stderr[-3000:]

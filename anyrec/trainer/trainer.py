@@ -74,6 +74,7 @@ class Trainer:
 
     def __init__(self, cfg: AnyrecConfig, plan: ShardingPlan | None = None) -> None:
         self.cfg = cfg
+        signing_key = resolve_key(cfg.trainer.signing_key_file)  # an unusable key fails before any work
         self.backend: Backend = get_backend(cfg.backend.name)
         self.dist: DistInfo = self.init_distributed()
         self.device = self.backend.device(self.dist.local_rank)
@@ -89,7 +90,7 @@ class Trainer:
         self.build()
         self.run = RunState.begin(self)
         self.checkpoints = (CheckpointManager(cfg.trainer.checkpoint, self.signature(), self.dist,
-                                              identity_config(cfg), resolve_key(cfg.trainer.signing_key_file))
+                                              identity_config(cfg), signing_key)
                             if cfg.trainer.checkpoint.dir else None)
         start = self.checkpoints.start() if self.checkpoints is not None else None  # locks the dir
         if start is not None:
