@@ -20,8 +20,11 @@ from typing import Any
 import yaml
 
 MAX_DEPTH = 64  # nesting of mappings and lists; anyrec's own files nest at most 8 deep
-MAX_BYTES = 8 * 2**20  # manifests, cache entries and hardware files are a few KB to a few hundred KB
-MAX_NODES = 200_000  # YAML values with every alias expanded; a calibration file holds about 2,000
+MAX_BYTES = 8 * 2**20  # JSON (a checkpoint's meta.json is a few KB to a few hundred KB)
+# YAML (hardware files and cache entries, about 10 KB and 2,000 values): PyYAML parses in pure Python,
+# about 0.1 MB/s on a loaded host, so its bounds are tighter.
+MAX_YAML_BYTES = 2**20
+MAX_NODES = 100_000  # YAML values with every alias expanded
 
 
 class UnsafeFileError(ValueError):
@@ -131,7 +134,7 @@ BoundedLoader.add_implicit_resolver(
     list("-+0123456789"))
 
 
-def load_yaml(source: str | os.PathLike, what: str, max_bytes: int = MAX_BYTES,
+def load_yaml(source: str | os.PathLike, what: str, max_bytes: int = MAX_YAML_BYTES,
               max_depth: int = MAX_DEPTH, text: str | None = None) -> Any:
     """YAML from file `source` (or `text`, if given) with the safe loader, no anchors or aliases, bounded
     in size and depth; UnsafeFileError in one line naming `what` otherwise."""

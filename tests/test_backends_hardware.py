@@ -77,7 +77,7 @@ def test_yaml_with_base_sku_and_measurements(tmp_path):
          f"{c}: &{c} [{','.join([f'*{p}'] * 9)}]\n" for p, c in zip("abcdefgh", "bcdefghi", strict=True)),
       "expands to more than"),
      ("spec: " + "[" * 100_000 + "]" * 100_000 + "\n", "nests deeper than 64"),
-     ("sku: h200\n# " + "x" * (9 * 2**20) + "\n", "larger than")],
+     ("sku: h200\n# " + "x" * (2 * 2**20) + "\n", "larger than 1048576 bytes")],
     ids=["incomplete", "unknown-key", "two-bases", "unknown-field", "file-base", "list", "syntax",
          "alias-bomb", "deep", "oversize"],
 )
