@@ -157,3 +157,12 @@ def test_a_spec_without_a_base_names_the_figures_it_lacks(tmp_path):
     _refused(_write(tmp_path, data), "spec lacks replicated_table_s")
     data["sku"] = "cpu"
     assert load_hardware_file(_write(tmp_path, data)).spec.replicated_table_s == 0  # the base's
+
+
+def test_figures_taken_from_the_base_sku_are_logged(tmp_path, caplog):
+    f = _write(tmp_path, {"sku": "h200", "spec": {"memory_bw_bytes_per_s": 4.0e12}})
+    with caplog.at_level("INFO", logger="anyrec.backends.hardware"):
+        load_hardware_file(f)
+    lines = [r.getMessage() for r in caplog.records if r.name == "anyrec.backends.hardware"]
+    assert len(lines) == 1 and "from the base h200" in lines[0] and "peak_bf16_flops" in lines[0]
+    assert "memory_bw_bytes_per_s" not in lines[0].replace("host_memory_bw_bytes_per_s", "")
