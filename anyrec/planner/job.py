@@ -36,6 +36,25 @@ def interaction_pairs(model: ModelConfig) -> int:
     return (len(model.table_rows) + 1) ** 2 if model.interaction == "dot" else 0
 
 
+def dense_memory_per_sample(model: ModelConfig) -> tuple[int, int]:
+    """fp32 bytes per sample of the dense part's activations at the end of the forward, and of its
+    gradients while the backward reaches the embeddings: each MLP layer's output and activation, the
+    interaction's input ((features + 1) x dim), its output and (dot) its (features + 1)^2 matrix and the
+    gradient buffer of that shape the dot interaction keeps, or (DCN) each cross layer's input, low-rank
+    projection and output (docs/planning.md)."""
+    f1, dim = len(model.table_rows) + 1, model.embedding_dim
+    mlps = 2 * (sum(model.bottom_mlp) + sum(model.top_mlp))
+    if model.interaction == "dot":
+        square = f1 * f1
+        forward = mlps + f1 * dim + 2 * square + f1 * (f1 - 1) // 2
+        backward = square + f1 * dim
+    else:
+        width = f1 * dim
+        forward = mlps + width + model.dcn_num_layers * (2 * width + model.dcn_low_rank)
+        backward = 2 * width
+    return 4 * forward, 4 * backward
+
+
 def dense_parameters(model: nn.Module, ebc: nn.Module) -> list[nn.Parameter]:
     """Parameters of `model` outside its EmbeddingBagCollection `ebc` (replicated on every rank; each
     tensor has a per-step gradient and optimizer update)."""
@@ -85,7 +104,10 @@ def planner_inputs(model: nn.Module, ebc: nn.Module, cfg_model: ModelConfig, cfg
     count and the PlanOptions fields (the `planner` config group's and the model's)."""
     dense = dense_parameters(model, ebc)
     options = plan_options(cfg_planner, embedding, optimizer, device_type)
-    options.update(interaction_pairs=interaction_pairs(cfg_model), dense_tensors=len(dense))
+    forward, backward = dense_memory_per_sample(cfg_model)
+    options.update(interaction_pairs=interaction_pairs(cfg_model), dense_tensors=len(dense),
+                   dense_activation_bytes_per_sample=forward, dense_gradient_bytes_per_sample=backward,
+                   dense_features=cfg_model.num_dense_features)
     return model_tables(ebc.embedding_bag_configs(), cfg_model), sum(p.numel() for p in dense), options
 
 
