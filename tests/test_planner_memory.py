@@ -2,6 +2,7 @@
 does; the report prints small sizes in MB; a simdev run's summary checks the prediction."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -9,9 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from anyrec.backends import EmbeddingCost
+from anyrec.backends.dispatch import TORCH_EMBEDDING
 from anyrec.backends.specs import get_sku
 from anyrec.planner import CoDesignPlanner, Topology
-from anyrec.planner.memory import ALLOC_ROUND_BYTES, alloc_bytes, predict_memory
+from anyrec.planner.memory import ALLOC_ROUND_BYTES, alloc_bytes, predict_memory, touched_rows_zipf
 from anyrec.planner.report import format_report, size_text
 from anyrec.planner.types import ShardingType, TableSpec
 from tests.conftest import pip_install_target
@@ -36,7 +39,7 @@ def test_terms_add_up_and_round_like_the_allocator():
         assert p.allocated_bytes == sum(allocated.values()) > 0
         assert p.reserved_bytes == p.allocated_bytes + p.allocator_overhead_bytes > p.allocated_bytes
         assert all(v % ALLOC_ROUND_BYTES == 0 for v in allocated.values()), allocated
-        assert p.data_source_bytes == 4096 and p.peak_phase in ("forward", "backward")
+        assert p.data_source_bytes == 4096 and p.peak_phase in ("lookup", "interaction", "update")
 
 
 def test_terms_follow_the_plan():
@@ -54,13 +57,30 @@ def test_terms_follow_the_plan():
     assert adam.dense_optimizer_bytes == alloc_bytes(5_000 * 8, 6) and sgd.dense_optimizer_bytes == 0
     dp = predict_memory(_plan(sharding="data_parallel"))
     full = alloc_bytes(sum(t.weight_bytes for t in TABLES))
-    assert all(p.embedding_weights_bytes == p.replica_gradient_bytes == full for p in dp)
+    assert all(p.embedding_weights_bytes == full and p.replica_gradient_bytes == 2 * full for p in dp)
     # a batch 4x the size: every per-sample term grows, persistent state stays
     big = predict_memory(CoDesignPlanner().plan(TABLES, Topology(get_sku("h100"), 2), 1024, "adagrad", 5_000,
                                                 allowed_shardings=(ShardingType.TABLE_WISE,),
                                                 dense_activation_bytes_per_sample=1000, dense_features=13))[0]
-    assert big.batch_bytes > 3 * preds[0].batch_bytes and big.workspace_bytes > preds[0].workspace_bytes
+    assert big.batch_bytes > 3 * preds[0].batch_bytes and big.activation_bytes > 3 * preds[0].activation_bytes
     assert big.embedding_weights_bytes == predict_memory(_plan())[0].embedding_weights_bytes
+
+
+def test_torch_workspace_and_skewed_ids():
+    """anyrec's torch TBE allocates per-lookup temporaries (the lookup or the update is the peak); skewed
+    ids touch fewer rows, so the update's temporaries shrink; the expected count matches the sum over rows
+    of a power law continuous in rank (as the synthetic data draws ids)."""
+    torch_tbe = EmbeddingCost.builtin(TORCH_EMBEDDING)
+    uniform = predict_memory(_plan("adagrad", embedding=torch_tbe))[0]
+    skewed = predict_memory(_plan("adagrad", embedding=torch_tbe, id_zipf_exponent=1.05))[0]
+    assert uniform.peak_phase in ("lookup", "update") and uniform.workspace_bytes > 100_000
+    assert skewed.workspace_bytes < uniform.workspace_bytes
+    assert predict_memory(_plan("adagrad"))[0].workspace_bytes < uniform.workspace_bytes  # FBGEMM: in place
+    n, rows, s = 5_000, 2_000, 1.05
+    weights = [((k + 1) ** (1 - s) - k ** (1 - s)) / (1 - s) for k in range(1, rows + 1)]  # rank k's share
+    exact = sum(-math.expm1(-n * wk / sum(weights)) for wk in weights)
+    assert touched_rows_zipf(n, rows, s) == pytest.approx(exact, rel=0.03)
+    assert touched_rows_zipf(n, rows, 0.0) == pytest.approx(rows * -math.expm1(-n / rows))
 
 
 def test_sharded_adds_the_all_to_all_buffers():

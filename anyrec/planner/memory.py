@@ -3,17 +3,18 @@ and how each was found). Each term is what the allocator counts as allocated: te
 to ALLOC_ROUND_BYTES; the caching allocator's own slack (reserved less allocated) is a separate term.
 
 A step's peak is the persistent state (tables, their optimizer state, the dense model, the batches in
-flight, the data source) plus the larger of two transient sets: the forward's (the embedding lookup's
-temporaries beside the dense activations) and the backward's (the fused update's temporaries beside the
-pooled gradients). Constants marked "empirical" were counted from allocations at the peak (simdev's
-allocation tracking, benchmarks/memory_accuracy.py).
+flight, the data source) plus the largest of three transient sets: the embedding lookup's temporaries,
+the dense activations at the interaction's end, and the fused update's temporaries (`_rank_prediction`).
+Constants marked "empirical" were counted from allocations at the peak (simdev's allocation tracking,
+benchmarks/memory_accuracy.py).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
-from anyrec.planner.estimators import ID_BYTES, OUTPUT_BYTES, state_bytes, touched_rows
+from anyrec.planner.estimators import ID_BYTES, OUTPUT_BYTES, state_bytes
 from anyrec.planner.types import Placement, PlanResult, ShardingType
 
 # CUDA's caching allocator (and simdev's) rounds every allocation up to a multiple of 512 bytes.
@@ -40,19 +41,43 @@ class EmbeddingWorkspace:
     backward_per_value: float
     backward_per_id: float
     update_per_row_value: dict[str, float]  # by optimizer
+    # data-parallel lookups run through autograd: what their forward saves for the backward, per value
+    replica_per_value: float = 0.0
 
 
 # empirical (counted at simdev peaks, 2026-12-04): anyrec's torch TBE gathers [ids, dim] addresses (int64)
 # and rows (fp32) and scatters them (int64 addresses) in the forward; its update merges duplicate ids
 # with torch.unique and steps each touched row in fp64 (the FMA emulation of FBGEMM's rounding).
 TORCH_WORKSPACE = EmbeddingWorkspace(20.0, 53.0, 4.0, 100.0,
-                                     {"sgd": 79.0, "adagrad": 86.0, "rowwise_adagrad": 14.0, "adam": 36.0})
+                                     {"sgd": 79.0, "adagrad": 86.0, "rowwise_adagrad": 14.0, "adam": 36.0},
+                                     replica_per_value=20.0)
 # FBGEMM's fused kernels (and anyrec's Triton ones) read rows in place: the forward keeps nothing beside
 # its output; the backward sorts the ids (radix sort: keys, values and their copies, int64) and keeps no
-# per-value buffer. Not yet measured on a GPU (benchmarks/gpu_suite.py measures it).
+# per-value buffer; data-parallel tables are nn.EmbeddingBag (it saves the ids only). Not yet measured
+# on a GPU (benchmarks/gpu_suite.py measures it).
 FUSED_WORKSPACE = EmbeddingWorkspace(0.0, 8.0, 0.0, 6 * ID_BYTES,
                                      {"sgd": 0.0, "adagrad": 0.0, "rowwise_adagrad": 0.0, "adam": 0.0})
 EMBEDDING_WORKSPACE = {"torch": TORCH_WORKSPACE, "fbgemm": FUSED_WORKSPACE, "triton": FUSED_WORKSPACE}
+
+
+ZIPF_GRID_POINTS = 256  # log-spaced points of the touched-rows integral (well under 1 % off from the sum)
+
+
+def touched_rows_zipf(n_ids: float, rows: int, exponent: float) -> float:
+    """Expected distinct rows among `n_ids` lookups of a table of `rows` rows whose ids are drawn with
+    popularity ~ 1 / rank^`exponent` (0: uniform): the integral over ranks x of 1 - e^(-n p(x)), p the
+    normalised power law. Skewed ids touch far fewer rows than uniform ones (a half at Criteo-like skew)."""
+    if rows <= 0 or n_ids <= 0:
+        return 0.0
+    if exponent == 0:
+        return -rows * math.expm1(-n_ids / rows)
+    hi = rows + 1.0
+    a = 1.0 - exponent
+    norm = math.log(hi) if abs(a) < 1e-9 else (hi**a - 1.0) / a
+    xs = [hi ** (i / ZIPF_GRID_POINTS) for i in range(ZIPF_GRID_POINTS + 1)]
+    ys = [-math.expm1(-n_ids * x**-exponent / norm) for x in xs]
+    area = sum((xs[i + 1] - xs[i]) * (ys[i] + ys[i + 1]) / 2 for i in range(ZIPF_GRID_POINTS))
+    return min(float(rows), area)
 
 
 def alloc_bytes(nbytes: float, tensors: int = 1) -> int:
@@ -70,18 +95,18 @@ class MemoryPrediction:
 
     embedding_weights_bytes: int  # sharded tables' shards and data-parallel replicas in HBM
     embedding_optimizer_bytes: int  # their optimizer state (fused; the dense optimizer's for replicas)
-    replica_gradient_bytes: int  # data-parallel tables' dense gradients
+    replica_gradient_bytes: int  # data-parallel tables' dense gradients (and DDP's buckets of them)
     dense_weights_bytes: int
     dense_gradient_bytes: int  # DDP's bucket (world > 1) or the parameters' .grad
     dense_optimizer_bytes: int  # created at the first step
     batch_bytes: int  # the pipeline's batches in flight and the ids the input all-to-all delivered
-    embedding_io_bytes: int  # lookup outputs, pooled embeddings after the all-to-all, their gradients
-    activation_bytes: int  # the dense model's saved activations (forward peak) or gradients (backward)
+    embedding_io_bytes: int  # lookup outputs (or their gradients), pooled embeddings after the all-to-all
+    activation_bytes: int  # the dense model's tensors alive at the peak
     workspace_bytes: int  # the embedding implementation's temporaries (EmbeddingWorkspace)
     data_source_bytes: int  # what the data source keeps on the device (read from it, not modelled)
     rounding_bytes: int  # other live tensors' rounding to ALLOC_ROUND_BYTES
     allocator_overhead_bytes: int  # reserved less allocated: segment fragmentation
-    peak_phase: str  # "forward" | "backward": the transient set the peak falls in
+    peak_phase: str  # "lookup" | "interaction" | "update": the moment of the step the peak falls in
 
     @property
     def allocated_bytes(self) -> int:
@@ -137,24 +162,28 @@ def predict_memory(plan: PlanResult, data_source_bytes: int = 0,
                 weights = state = 0
             if opt.sharding == ShardingType.DATA_PARALLEL:
                 r.weights += weights
-                r.replica_grad += weights
+                # Its gradient, and with more than one rank the DDP bucket it is all-reduced in.
+                r.replica_grad += weights * (2 if w > 1 else 1)
                 r.state += alloc_bytes(state)
                 r.replica_ids += b * p
                 r.replica_values += b * p * s.num_cols
                 continue
             r.weights += weights
             r.state += state
+            # The ids this shard looks up, and the share of the table's touched rows that are its own
+            # (a row-wise shard's rows are a slice of the ids, whatever their popularity).
             if opt.sharding in (ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE):
-                ids, rows = g * p, t.num_rows
+                ids, share = g * p, 1
             elif opt.sharding == ShardingType.ROW_WISE:
-                ids, rows = g * p / w, s.num_rows
+                ids, share = g * p / w, w
             else:
-                ids, rows = g * p / topo.local_world_size, s.num_rows
+                ids, share = g * p / topo.local_world_size, topo.local_world_size
             if not sharded:
-                ids = b * p
+                ids, share = b * p, 1
+            touched = touched_rows_zipf(ids * share, t.num_rows, opts.id_zipf_exponent) / share
             r.ids += ids
             r.values += ids * s.num_cols
-            r.rows_values += touched_rows(ids, rows) * s.num_cols
+            r.rows_values += touched * s.num_cols
             r.bags += (g if sharded else b) * f
             r.out_values += (g if sharded else b) * f * s.num_cols
             r.large.append(weights)
@@ -171,26 +200,38 @@ def _rank_prediction(plan: PlanResult, r: _Rank, data_source_bytes: int, sharded
     dense = alloc_bytes(n * VALUE_BYTES, tensors)
     dense_state = alloc_bytes(n * DENSE_STATE_BYTES[wl.optimizer], tensors)
     # The pipeline holds `pipeline_depth` local batches (ids, lengths, dense features, labels); sharded,
-    # the input all-to-all delivers this rank's tables' ids and lengths for the batch in flight and the next.
+    # the input all-to-all delivers this rank's tables' ids and lengths for the batch in flight and the
+    # next.
     local_ids = b * sum(t.pooling_factor for t in wl.tables)
     local_bags = b * sum(t.num_features for t in wl.tables)
     dense_in = b * (opts.dense_features + 1)  # dense features and the label
-    batch = opts.pipeline_depth * (alloc_bytes(local_ids * ID_BYTES) + alloc_bytes(local_bags * LENGTH_BYTES)
-                                   + alloc_bytes(dense_in * VALUE_BYTES, 2))
+    depth = opts.pipeline_depth if sharded else 1  # one device steps eagerly, one batch at a time
+    batch = depth * (alloc_bytes(local_ids * ID_BYTES) + alloc_bytes(local_bags * LENGTH_BYTES)
+                     + alloc_bytes(dense_in * VALUE_BYTES, 2))
     if sharded:
         batch += 2 * (alloc_bytes(r.ids * ID_BYTES) + alloc_bytes(r.bags * LENGTH_BYTES))
-    # Pooled embeddings of the local batch (after the output all-to-all) and the lookups' own outputs;
-    # in the backward the same shapes again as gradients.
+    # Three moments can hold the peak: the lookup (its temporaries beside the bottom MLP's outputs), the
+    # interaction's end (the dense activations beside the pooled embeddings: torchrec's KeyedTensor
+    # and the model's concatenation of it, and the lookups' own outputs) and the fused update (its
+    # temporaries beside the gradient of the lookups' outputs). Data-parallel lookups run through
+    # autograd: what they save stays from their forward to the backward.
     pooled = alloc_bytes(b * sum(t.num_features * t.embedding_dim for t in wl.tables) * OUTPUT_BYTES)
     out = alloc_bytes(r.out_values * OUTPUT_BYTES)
-    io = pooled + out if sharded else pooled
-    activations = b * opts.dense_activation_bytes_per_sample
-    fwd_ws = alloc_bytes(ws.forward_per_value * r.values + ws.forward_per_id * r.ids)
+    replica = alloc_bytes(ws.replica_per_value * r.replica_values + ID_BYTES * r.replica_ids)
     upd = ws.update_per_row_value.get(wl.optimizer, 0.0)
-    bwd_ws = alloc_bytes(ws.backward_per_value * r.values + ws.backward_per_id * r.ids + upd * r.rows_values)
-    forward = activations + fwd_ws + io
-    backward = b * opts.dense_gradient_bytes_per_sample + bwd_ws + 2 * io
-    phase = "forward" if forward >= backward else "backward"
+    lookup_ws = alloc_bytes(ws.forward_per_value * r.values + ws.forward_per_id * r.ids)
+    update_ws = alloc_bytes(ws.backward_per_value * r.values + ws.backward_per_id * r.ids
+                            + upd * r.rows_values)
+    # phase -> (activations, embedding in/out, workspace)
+    phases = {
+        "lookup": (alloc_bytes(b * opts.dense_lookup_bytes_per_sample), out, lookup_ws + replica),
+        # (unsharded, the lookups' output is the pooled embeddings)
+        "interaction": (alloc_bytes(b * opts.dense_activation_bytes_per_sample),
+                        2 * pooled + (out if sharded else 0), replica),
+        "update": (alloc_bytes(b * opts.dense_gradient_bytes_per_sample), out, update_ws),
+    }
+    phase = max(phases, key=lambda k: sum(phases[k]))
+    activations, io, workspace = phases[phase]
     tables = alloc_bytes(r.weights) + alloc_bytes(r.state)
     slack = sum(-x % ALLOC_SEGMENT_BYTES for x in (r.weights, r.state, n * VALUE_BYTES) if x)
     return MemoryPrediction(
@@ -201,9 +242,9 @@ def _rank_prediction(plan: PlanResult, r: _Rank, data_source_bytes: int, sharded
         dense_gradient_bytes=dense,
         dense_optimizer_bytes=dense_state,
         batch_bytes=int(batch),
-        embedding_io_bytes=int(io if phase == "forward" else 2 * io),
-        activation_bytes=int(activations if phase == "forward" else b * opts.dense_gradient_bytes_per_sample),
-        workspace_bytes=fwd_ws if phase == "forward" else bwd_ws,
+        embedding_io_bytes=io,
+        activation_bytes=activations,
+        workspace_bytes=workspace,
         data_source_bytes=data_source_bytes,
         rounding_bytes=LIVE_TENSORS * ALLOC_ROUND_BYTES // 2,
         allocator_overhead_bytes=slack + ALLOC_SEGMENT_BYTES // 2,

@@ -109,7 +109,7 @@ def _plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module,
     topology = Topology(hardware.spec, info.world_size, info.local_world_size, backend.device_type)
     batch = resolve_batch_size(cfg.data, info.world_size).batch_size
     result = plan_model(model, ebc, cfg.model, cfg.planner, cfg.optim.name, topology, batch,
-                        hardware.embedding_cost(embedding))
+                        hardware.embedding_cost(embedding), id_zipf_exponent=id_skew(cfg))
     if info.is_main:
         logger.info("co-design plan:\n%s", format_report(result, advice=False))
     slowest = max(result.rank_perf, key=lambda p: p.total_s)  # its total_s is result.predicted_step_s
@@ -127,8 +127,14 @@ def unsharded_memory(cfg: AnyrecConfig, backend: Backend, model: nn.Module, embe
     planner_cfg = PlannerConfig(sharding="table_wise", allow_uvm=False,
                                 memory_reserve_fraction=cfg.planner.memory_reserve_fraction)
     result = plan_model(model, ebc, cfg.model, planner_cfg, cfg.optim.name, topology, batch,
-                        hardware.embedding_cost(embedding))
+                        hardware.embedding_cost(embedding), id_zipf_exponent=id_skew(cfg))
     return predict_memory(result, sharded=False)
+
+
+def id_skew(cfg: AnyrecConfig) -> float:
+    """The ids' Zipf exponent where the data source sets it (synthetic data); 0 (uniform ids, the most
+    rows touched per step) for files, whose skew is unknown before reading them."""
+    return float(cfg.data.zipf_exponent) if cfg.data.name == "synthetic" else 0.0
 
 
 def place_shards(plan: ShardingPlan, backend: Backend, local_world_size: int) -> ShardingPlan:
