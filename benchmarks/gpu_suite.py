@@ -552,6 +552,9 @@ runpy.run_module("anyrec.train", run_name="__main__", alter_sys=True)
 def section_memory(device: torch.device, small: bool, out_dir: Path) -> dict:
     """The trainer's one-device step: predicted peak memory per term against the measured allocated and
     reserved peaks (the summary's memory_prediction_error; the reserved one here)."""
+    skipped = torchrec_missing("memory")
+    if skipped:
+        return skipped
     model, batch, steps = ("dlrm_tiny", 256, 4) if small else ("dlrmv2_small", 16384, 20)
     reserved_path = out_dir / "memory_reserved.json"
     cmd = [sys.executable, "-c", _RESERVED_WRAPPER, str(reserved_path), f"model={model}",

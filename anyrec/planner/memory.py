@@ -41,8 +41,10 @@ class EmbeddingWorkspace:
     backward_per_value: float
     backward_per_id: float
     update_per_row_value: dict[str, float]  # by optimizer
-    # data-parallel lookups run through autograd: what their forward saves for the backward, per value
+    # data-parallel lookups run through autograd: what their forward saves for the backward, and what of
+    # it is still alive when their gradient is made, per value
     replica_per_value: float = 0.0
+    replica_update_per_value: float = 0.0
 
 
 # empirical (counted at simdev peaks, 2026-12-04): anyrec's torch TBE gathers [ids, dim] addresses (int64)
@@ -50,7 +52,7 @@ class EmbeddingWorkspace:
 # with torch.unique and steps each touched row in fp64 (the FMA emulation of FBGEMM's rounding).
 TORCH_WORKSPACE = EmbeddingWorkspace(20.0, 53.0, 4.0, 100.0,
                                      {"sgd": 79.0, "adagrad": 86.0, "rowwise_adagrad": 14.0, "adam": 36.0},
-                                     replica_per_value=20.0)
+                                     replica_per_value=20.0, replica_update_per_value=8.0)
 # FBGEMM's fused kernels (and anyrec's Triton ones) read rows in place: the forward keeps nothing beside
 # its output; the backward sorts the ids (radix sort: keys, values and their copies, int64) and keeps no
 # per-value buffer; data-parallel tables are nn.EmbeddingBag (it saves the ids only). Not yet measured
@@ -95,7 +97,8 @@ class MemoryPrediction:
 
     embedding_weights_bytes: int  # sharded tables' shards and data-parallel replicas in HBM
     embedding_optimizer_bytes: int  # their optimizer state (fused; the dense optimizer's for replicas)
-    replica_gradient_bytes: int  # data-parallel tables' dense gradients (and DDP's buckets of them)
+    # data-parallel tables' DDP bucket (world > 1, kept) and, while the backward makes it, their gradient
+    replica_gradient_bytes: int
     dense_weights_bytes: int
     dense_gradient_bytes: int  # DDP's bucket (world > 1) or the parameters' .grad
     dense_optimizer_bytes: int  # created at the first step
@@ -162,8 +165,7 @@ def predict_memory(plan: PlanResult, data_source_bytes: int = 0,
                 weights = state = 0
             if opt.sharding == ShardingType.DATA_PARALLEL:
                 r.weights += weights
-                # Its gradient, and with more than one rank the DDP bucket it is all-reduced in.
-                r.replica_grad += weights * (2 if w > 1 else 1)
+                r.replica_grad += weights
                 r.state += alloc_bytes(state)
                 r.replica_ids += b * p
                 r.replica_values += b * p * s.num_cols
@@ -222,22 +224,25 @@ def _rank_prediction(plan: PlanResult, r: _Rank, data_source_bytes: int, sharded
     lookup_ws = alloc_bytes(ws.forward_per_value * r.values + ws.forward_per_id * r.ids)
     update_ws = alloc_bytes(ws.backward_per_value * r.values + ws.backward_per_id * r.ids
                             + upd * r.rows_values)
-    # phase -> (activations, embedding in/out, workspace)
+    update_ws += alloc_bytes(ws.replica_update_per_value * r.replica_values + ID_BYTES * r.replica_ids)
+    bucket = alloc_bytes(r.replica_grad) if plan.topology.world_size > 1 else 0
+    # phase -> (activations, embedding in/out, workspace, replicas' gradient)
     phases = {
-        "lookup": (alloc_bytes(b * opts.dense_lookup_bytes_per_sample), out, lookup_ws + replica),
+        "lookup": (alloc_bytes(b * opts.dense_lookup_bytes_per_sample), out, lookup_ws + replica, bucket),
         # (unsharded, the lookups' output is the pooled embeddings)
         "interaction": (alloc_bytes(b * opts.dense_activation_bytes_per_sample),
-                        2 * pooled + (out if sharded else 0), replica),
-        "update": (alloc_bytes(b * opts.dense_gradient_bytes_per_sample), out, update_ws),
+                        2 * pooled + (out if sharded else 0), replica, bucket),
+        "update": (alloc_bytes(b * opts.dense_gradient_bytes_per_sample), out, update_ws,
+                   bucket + alloc_bytes(r.replica_grad)),
     }
     phase = max(phases, key=lambda k: sum(phases[k]))
-    activations, io, workspace = phases[phase]
+    activations, io, workspace, replica_grad = phases[phase]
     tables = alloc_bytes(r.weights) + alloc_bytes(r.state)
     slack = sum(-x % ALLOC_SEGMENT_BYTES for x in (r.weights, r.state, n * VALUE_BYTES) if x)
     return MemoryPrediction(
         embedding_weights_bytes=alloc_bytes(r.weights),
         embedding_optimizer_bytes=tables - alloc_bytes(r.weights),
-        replica_gradient_bytes=alloc_bytes(r.replica_grad),
+        replica_gradient_bytes=replica_grad,
         dense_weights_bytes=dense,
         dense_gradient_bytes=dense,
         dense_optimizer_bytes=dense_state,
