@@ -112,8 +112,7 @@ def test_json_schema_report_and_plot(tmp_path):
     d = plan_json(res)
     assert d["hardware"] == "H100" and d["world_size"] == 8 and d["predicted_step_ms"] > 0
     assert [r["rank"] for r in d["ranks"]] == list(range(8))
-    assert set(d["ranks"][0]) == {"rank", "hbm_bytes", "hbm_cap_bytes", "ddr_bytes", "predicted_ms",
-                                  "predicted_peak_memory_bytes", "predicted_memory_terms"}
+    assert set(d["ranks"][0]) == {"rank", "hbm_bytes", "hbm_cap_bytes", "ddr_bytes", "predicted_ms"}
     assert set(d["tables"][0]) == {"name", "sharding", "placement", "kernel", "ranks"}
     json.dumps(d)
     text = format_report(res)

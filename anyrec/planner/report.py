@@ -132,10 +132,8 @@ def plan_json(plan: PlanResult) -> dict:
     placement, torchrec compute kernel and ranks."""
     ranks = [
         {"rank": r, "hbm_bytes": int(st.hbm_bytes), "hbm_cap_bytes": int(plan.topology.hbm_bytes_per_rank),
-         "ddr_bytes": int(st.ddr_bytes), "predicted_ms": pf.total_s * 1e3,
-         "predicted_peak_memory_bytes": peak.allocated_bytes, "predicted_memory_terms": peak.terms()}
-        for r, (st, pf, peak) in enumerate(zip(plan.rank_storage, plan.rank_perf, predict_memory(plan),
-                                               strict=True))
+         "ddr_bytes": int(st.ddr_bytes), "predicted_ms": pf.total_s * 1e3}
+        for r, (st, pf) in enumerate(zip(plan.rank_storage, plan.rank_perf, strict=True))
     ]
     tables = [
         {"name": name, "sharding": opt.sharding.value, "placement": opt.placement.value,
