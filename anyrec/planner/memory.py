@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
-from anyrec.planner.estimators import ID_BYTES, OUTPUT_BYTES, state_bytes
+from anyrec.planner.estimators import ID_BYTES, OPTIMIZER_DENSE_STATE_BYTES, OUTPUT_BYTES, state_bytes
 from anyrec.planner.types import Placement, PlanResult, ShardingType
 
 # CUDA's caching allocator (and simdev's) rounds every allocation up to a multiple of 512 bytes.
@@ -24,8 +24,6 @@ ALLOC_ROUND_BYTES = 512
 ALLOC_SEGMENT_BYTES = 2 * 2**20
 LENGTH_BYTES = 4  # int32 KJT lengths, as the data sources make them
 VALUE_BYTES = 4  # fp32 dense features, labels, activations and gradients
-# Dense-model optimizer state bytes per parameter (torch's optimizers create it at the first step).
-DENSE_STATE_BYTES = {"sgd": 0, "adagrad": 4, "rowwise_adagrad": 4, "adam": 8}
 # Tensors live at the peak besides those the terms size one by one (ids, lookup and update temporaries,
 # per-table views): each pays half a rounding block on average. empirical: 100-190 at simdev peaks.
 LIVE_TENSORS = 160
@@ -139,7 +137,6 @@ class _Rank:
     out_values: float = 0.0  # bags x dim
     replica_ids: float = 0.0
     replica_values: float = 0.0
-    large: list[int] | None = None  # persistent tensors' sizes (for segment slack)
 
 
 def predict_memory(plan: PlanResult, data_source_bytes: int = 0,
@@ -151,7 +148,7 @@ def predict_memory(plan: PlanResult, data_source_bytes: int = 0,
     b, w = wl.batch_size_per_rank, topo.world_size
     g = b * w
     impl = opts.embedding.impl
-    ranks = [_Rank(large=[]) for _ in range(w)]
+    ranks = [_Rank() for _ in range(w)]
     for opt in plan.tables.values():
         t = opt.table
         p, f = t.pooling_factor, t.num_features
@@ -188,7 +185,6 @@ def predict_memory(plan: PlanResult, data_source_bytes: int = 0,
             r.rows_values += touched * s.num_cols
             r.bags += (g if sharded else b) * f
             r.out_values += (g if sharded else b) * f * s.num_cols
-            r.large.append(weights)
     return [_rank_prediction(plan, r, data_source_bytes, sharded) for r in ranks]
 
 
@@ -200,7 +196,8 @@ def _rank_prediction(plan: PlanResult, r: _Rank, data_source_bytes: int, sharded
     n = wl.dense_param_count
     tensors = max(1, opts.dense_tensors)
     dense = alloc_bytes(n * VALUE_BYTES, tensors)
-    dense_state = alloc_bytes(n * DENSE_STATE_BYTES[wl.optimizer], tensors)
+    # torch's optimizers create their state at the first step
+    dense_state = alloc_bytes(n * OPTIMIZER_DENSE_STATE_BYTES[wl.optimizer], tensors)
     # The pipeline holds `pipeline_depth` local batches (ids, lengths, dense features, labels); sharded,
     # the input all-to-all delivers this rank's tables' ids and lengths for the batch in flight and the
     # next.
