@@ -27,6 +27,7 @@ from anyrec.trainer.memcheck import memory_check, resident_device_bytes, with_da
 from anyrec.trainer.perfcheck import StepProfiler, StepTimer, prediction_check
 
 if TYPE_CHECKING:
+    from anyrec.planner.memory import MemoryPrediction
     from anyrec.trainer.trainer import Trainer
 
 logger = logging.getLogger("anyrec.trainer.trainer")  # the trainer's own log lines
@@ -154,7 +155,7 @@ def run_summary(trainer: Trainer, final_loss: float | None, train_loss: float | 
     return summary
 
 
-def _predicted_memory(trainer: Trainer) -> list | None:
+def _predicted_memory(trainer: Trainer) -> list[MemoryPrediction] | None:
     """The plan's predicted peak per rank with the data sources' resident bytes (they hold the same on
     every rank), or None where nothing predicted it."""
     if trainer.predicted_memory is None:
