@@ -115,3 +115,23 @@ def test_simdev_summary_checks_the_memory_prediction(tmp_path):
     assert len(summary["predicted_peak_memory_bytes_per_rank"]) == 2
     assert abs(summary["memory_prediction_error"]) <= 0.15, summary["memory_prediction_error_per_rank"]
     assert summary["predicted_memory_terms"]["embedding_weights_bytes"] > 0
+
+
+def test_plan_notes_a_predicted_peak_over_the_usable_memory():
+    """The search fits per-shard storage; the plan notes each rank whose predicted step peak (here the
+    torch TBE's lookup temporaries of a 50-ids-a-sample table) exceeds the usable HBM."""
+    tables = [TableSpec("big", 1_000_000, 64, 50.0, ["f0"]), TableSpec("small", 1000, 64, 1.0, ["f1"])]
+
+    def plan(cap: int | None = None):
+        return CoDesignPlanner().plan(tables, Topology(get_sku("h100"), 2, hbm_cap_bytes=cap), 8192,
+                                      "adagrad", 10_000, embedding=EmbeddingCost.builtin(TORCH_EMBEDDING))
+
+    roomy = plan()
+    stored = max(s.hbm_bytes for s in roomy.rank_storage)
+    peak = max(p.reserved_bytes for p in predict_memory(roomy))
+    assert not roomy.notes and peak > 2 * stored
+    tight = plan(int(((stored + peak) / 2 + roomy.workload.options.reserve_bytes) / 0.95))
+    assert max(s.hbm_bytes for s in tight.rank_storage) <= tight.caps.hbm_bytes  # the search's storage fits
+    notes = [n for n in tight.notes if "predicted peak" in n]
+    assert len(notes) == 2 and "may not fit" in notes[0]
+    assert "may not fit" in format_report(tight)
