@@ -36,6 +36,23 @@ def interaction_pairs(model: ModelConfig) -> int:
     return (len(model.table_rows) + 1) ** 2 if model.interaction == "dot" else 0
 
 
+def dense_memory_per_sample(model: ModelConfig) -> tuple[int, int, int]:
+    """fp32 bytes per sample of the dense part's tensors alive (1) while the embeddings are looked up: the
+    bottom MLP's outputs (and the dot interaction's gradient buffer, (features + 1)^2, kept between
+    steps); (2) at the end of the interaction: those, its input ((features + 1) x dim), output and (dot)
+    its (features + 1)^2 matrix, or (DCN) each cross layer's input, low-rank projection and output;
+    (3) while the backward reaches the embeddings: the bottom MLP's outputs and the kept buffer."""
+    f1, dim = len(model.table_rows) + 1, model.embedding_dim
+    bottom = sum(model.bottom_mlp)
+    kept = f1 * f1 if model.interaction == "dot" else 0
+    if model.interaction == "dot":
+        interaction = f1 * dim + f1 * f1 + f1 * (f1 - 1) // 2
+    else:
+        width = f1 * dim
+        interaction = width + model.dcn_num_layers * (2 * width + model.dcn_low_rank)
+    return 4 * (bottom + kept), 4 * (bottom + kept + interaction), 4 * (bottom + kept)
+
+
 def dense_parameters(model: nn.Module, ebc: nn.Module) -> list[nn.Parameter]:
     """Parameters of `model` outside its EmbeddingBagCollection `ebc` (replicated on every rank; each
     tensor has a per-step gradient and optimizer update)."""
@@ -85,16 +102,21 @@ def planner_inputs(model: nn.Module, ebc: nn.Module, cfg_model: ModelConfig, cfg
     count and the PlanOptions fields (the `planner` config group's and the model's)."""
     dense = dense_parameters(model, ebc)
     options = plan_options(cfg_planner, embedding, optimizer, device_type)
-    options.update(interaction_pairs=interaction_pairs(cfg_model), dense_tensors=len(dense))
+    lookup, forward, backward = dense_memory_per_sample(cfg_model)
+    options.update(interaction_pairs=interaction_pairs(cfg_model), dense_tensors=len(dense),
+                   dense_lookup_bytes_per_sample=lookup, dense_activation_bytes_per_sample=forward,
+                   dense_gradient_bytes_per_sample=backward, dense_features=cfg_model.num_dense_features)
     return model_tables(ebc.embedding_bag_configs(), cfg_model), sum(p.numel() for p in dense), options
 
 
 def plan_model(model: nn.Module, ebc: nn.Module, cfg_model: ModelConfig, cfg_planner: PlannerConfig,
                optimizer: str, topology: Topology, batch_size_per_rank: int, embedding: EmbeddingCost,
-               planner: CoDesignPlanner | None = None) -> PlanResult:
-    """Plan the tables of `model`'s EmbeddingBagCollection `ebc` on `topology` with the co-design planner."""
+               planner: CoDesignPlanner | None = None, id_zipf_exponent: float = 0.0) -> PlanResult:
+    """Plan the tables of `model`'s EmbeddingBagCollection `ebc` on `topology` with the co-design planner;
+    `id_zipf_exponent`: the ids' skew where the data's is known (0: uniform, the most rows touched)."""
     tables, dense_params, options = planner_inputs(model, ebc, cfg_model, cfg_planner, optimizer, embedding,
                                                    topology.compute_device)
+    options["id_zipf_exponent"] = id_zipf_exponent
     return (planner or CoDesignPlanner()).plan(tables, topology, batch_size_per_rank, optimizer, dense_params,
                                                **options)
 

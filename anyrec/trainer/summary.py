@@ -23,9 +23,11 @@ from tqdm import tqdm
 
 from anyrec.trainer.distributed import gather_objects
 from anyrec.trainer.fingerprint import weights_fingerprint
+from anyrec.trainer.memcheck import memory_check, resident_device_bytes, with_data_source
 from anyrec.trainer.perfcheck import StepProfiler, StepTimer, prediction_check
 
 if TYPE_CHECKING:
+    from anyrec.planner.memory import MemoryPrediction
     from anyrec.trainer.trainer import Trainer
 
 logger = logging.getLogger("anyrec.trainer.trainer")  # the trainer's own log lines
@@ -142,12 +144,24 @@ def run_summary(trainer: Trainer, final_loss: float | None, train_loss: float | 
     perf = trainer.predicted_perf  # the plan's slowest rank, None where nothing predicted it
     summary.update(prediction_check(perf.total_s if perf else None, per_rank_s, log=trainer.dist.is_main))
     summary["measured_steps"] = run.timer.steps  # this rank's timed steps (the same on every rank)
+    summary.update(memory_check(_predicted_memory(trainer), gather_objects(summary["peak_memory_bytes"],
+                                                                           trainer.dist),
+                                log=trainer.dist.is_main))
     if run.profiler is not None:
         profiler, run.profiler = run.profiler, None  # stopped here, not again on the way out
         summary["step_breakdown_ms"] = profiler.report(trainer.dist, trainer.predicted_perf)
     if trainer.cfg.trainer.fingerprint_weights:
         summary["weights_sha256"] = weights_fingerprint(trainer.model, trainer.dist)
     return summary
+
+
+def _predicted_memory(trainer: Trainer) -> list[MemoryPrediction] | None:
+    """The plan's predicted peak per rank with the data sources' resident bytes (they hold the same on
+    every rank), or None where nothing predicted it."""
+    if trainer.predicted_memory is None:
+        return None
+    sources = [trainer.train_data, trainer.eval_data]
+    return with_data_source(trainer.predicted_memory, resident_device_bytes(sources, trainer.device))
 
 
 def _figures(trainer: Trainer, run: RunState, final_loss: float | None, train_loss: float | None,
