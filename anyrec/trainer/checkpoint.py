@@ -36,6 +36,7 @@ import torch.distributed.checkpoint as dcp
 
 import anyrec
 from anyrec.config import CheckpointConfig
+from anyrec.io_checks import open_nofollow
 from anyrec.trainer.distributed import DistInfo, broadcast_from_main, gather_objects
 from anyrec.trainer.errors import CheckpointError
 from anyrec.trainer.lineage import META, DirLock, RunIdentity, decide_start, read_meta_file, scan
@@ -234,7 +235,7 @@ class CheckpointManager:
         meta = {"step": step, "signature": self.signature, "anyrec_version": anyrec.__version__,
                 "files": _file_sizes(tmp), "sha256": digests, "saved_at": time.time(), **extra_meta,
                 "run": self.run.to_meta()}
-        with (tmp / META).open("w", encoding="utf-8") as f:
+        with open_nofollow(tmp / META, "x") as f:  # a new file: never one planted in tmp
             json.dump(meta, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
