@@ -7,6 +7,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -53,9 +54,25 @@ def test_open_nofollow_refuses_a_link_in_every_mode(tmp_path, victim, mode):
 
 
 def test_open_nofollow_refuses_a_fifo_and_writes_regular_files(tmp_path):
-    os.mkfifo(tmp_path / "fifo")
-    with pytest.raises(LinkError, match="not a regular file"):
-        open_nofollow(tmp_path / "fifo", "a")  # without O_NONBLOCK this would hang
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    errors: list[Exception] = []
+
+    def attempt() -> None:
+        try:
+            open_nofollow(fifo, "a")
+        except LinkError as e:
+            errors.append(e)
+
+    for with_reader in (False, True):
+        reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK) if with_reader else None
+        opener = threading.Thread(target=attempt, daemon=True)  # a blocking open would hang the test
+        opener.start()
+        opener.join(timeout=10)
+        assert not opener.is_alive(), "opening a FIFO with no reader blocked"
+        if reader is not None:
+            os.close(reader)
+    assert len(errors) == 2 and all("not a regular file" in str(e) for e in errors)
     with open_nofollow(tmp_path / "f", "w") as f:
         f.write("a")
     with open_nofollow(tmp_path / "f", "a") as f:
@@ -152,6 +169,8 @@ def test_hydra_files_in_the_run_folder_are_checked_at_start(tmp_path, victim, na
     problem = _linked_outputs(cfg)
     assert problem is not None and str(link) in problem and "\n" not in problem
     assert victim.read_text() == SECRET
+    # and the log file is opened without following a link, should one appear after the check
+    assert cfg.hydra.job_logging.handlers.file["class"] == "anyrec.io_checks.NoFollowFileHandler"
 
 
 def test_preprocess_outputs(tmp_path, victim):
