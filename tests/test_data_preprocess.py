@@ -149,3 +149,18 @@ def test_an_endless_line_is_one_malformed_row(tmp_path, monkeypatch):
         convert(src, tmp_path / "out")
     assert convert(src, tmp_path / "out", on_malformed="skip")["malformed_rows"] == 1
     assert np.load(tmp_path / "out" / "day_0_labels.npy").shape == (2, 1)
+
+
+def test_gzip_members_and_bounded_reads(golden, tmp_path):
+    """Concatenated gzip members read as one file (as gzip reads them); a read never returns more than
+    asked however well the data compresses."""
+    raw = (golden / "day_0.tsv").read_bytes()
+    cut = raw.rfind(b"\n", 0, len(raw) // 2) + 1
+    two = tmp_path / "day_0.gz"
+    two.write_bytes(gzip.compress(raw[:cut]) + gzip.compress(raw[cut:]))
+    assert preprocess_main([str(two), "--out-dir", str(tmp_path / "out")]) == 0
+    assert _hashes(tmp_path / "out") == GOLDEN["torchrec"]
+    bomb = tmp_path / "bomb.gz"
+    bomb.write_bytes(gzip.compress(b"0" * (64 << 20), compresslevel=9))  # 64 KiB on disk
+    with tsv._open_binary(bomb) as f:
+        assert len(f.read(1 << 20)) == 1 << 20

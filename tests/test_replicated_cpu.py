@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -61,3 +62,15 @@ def test_the_warning_is_shown_where_anyrec_did_not_replicate_for_this_reason():
     job.plan_options(PlannerConfig(), fbgemm, "adagrad", "cpu")
     seen, exact = _dense_tbe_backward()
     assert exact and [w for w in seen if "dense_embedding_codegen_lookup_function" in w]
+
+
+def test_every_rank_that_trains_replicated_tables_quiets_it():
+    """Only rank 0 plans; the others accept the plan in check_embedding_optimizer, which quiets it too."""
+    from anyrec.backends.dispatch import FBGEMM_EMBEDDING
+    from anyrec.config import OptimConfig
+    from anyrec.trainer.optim import check_embedding_optimizer
+
+    replicated = SimpleNamespace(plan={"model.ebc": {"t0": SimpleNamespace(sharding_type="data_parallel")}})
+    check_embedding_optimizer(OptimConfig(name="adam"), FBGEMM_EMBEDDING, "cpu", replicated)
+    seen, exact = _dense_tbe_backward()
+    assert exact and not [w for w in seen if "dense_embedding_codegen_lookup_function" in w], seen

@@ -30,13 +30,19 @@ BENIGN_DENSE_TBE_WARNING = (r"fbgemm::dense_embedding_codegen_lookup_function: a
 _said: set[tuple[str, str]] = set()
 
 
+def quiet_dense_tbe_warning() -> None:
+    """Filter torch's benign warning about FBGEMM's CPU dense TBE (see above): every rank that trains
+    replicated tables calls it."""
+    warnings.filterwarnings("ignore", message=BENIGN_DENSE_TBE_WARNING, category=UserWarning)
+
+
 def _replicating_every_table(optimizer: str, reason: str) -> None:
     """Say once why every table is replicated; quiet torch's benign warning about the kernel running them."""
     if (optimizer, reason) not in _said:
         _said.add((optimizer, reason))
         logger.info("optim=%s: every table is replicated (data_parallel): %s, and a replicated table is "
                     "updated by anyrec's own %s rule", optimizer, reason, optimizer)
-    warnings.filterwarnings("ignore", message=BENIGN_DENSE_TBE_WARNING, category=UserWarning)
+    quiet_dense_tbe_warning()
 
 
 WEIGHT_DTYPES = {DataType.FP32: "fp32", DataType.FP16: "fp16", DataType.BF16: "bf16", DataType.INT8: "int8"}
