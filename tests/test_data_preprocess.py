@@ -91,15 +91,21 @@ def test_output_is_byte_equal_to_the_in_memory_converter(golden, tmp_path, monke
     assert _hashes(tmp_path) == GOLDEN["log1p" if case == "log1p" else "torchrec"]
 
 
-def test_small_blocks_take_the_fast_path(golden, monkeypatch):
-    """Most blocks of plain rows are parsed by numpy (the hashes above then cover both parsers)."""
+def test_the_fast_parser_takes_most_blocks_and_agrees_with_the_row_parser(golden, monkeypatch):
+    """Most 3000-byte blocks of the golden file are parsed by numpy, each to the row parser's values."""
     monkeypatch.setattr(tsv, "BLOCK_BYTES", 3000)
-    fast = []
+    seen = []
     parse = tsv._fast_block
-    monkeypatch.setattr(tsv, "_fast_block",
-                        lambda block: fast.append(parse(block) is not None) or parse(block))
-    sum(len(c.labels_n) for c in tsv.iter_tsv(golden / "day_0.tsv"))
-    assert sum(fast) > len(fast) // 2 > 0
+    monkeypatch.setattr(tsv, "_fast_block", lambda block: seen.append((block, parse(block))) or seen[-1][1])
+    path = golden / "day_0.tsv"
+    sum(len(c.labels_n) for c in tsv.iter_tsv(path))
+    fast = [(block, chunk) for block, chunk in seen if chunk is not None]
+    assert len(fast) > len(seen) // 2 > 0
+    for block, chunk in fast:
+        rows, _ = tsv._slow_block(block, path, 1, "error")
+        for a, b in ((chunk.dense_nI, rows.dense_nI), (chunk.sparse_nF, rows.sparse_nF),
+                     (chunk.labels_n, rows.labels_n)):
+            assert a.dtype == b.dtype and np.array_equal(a, b)
 
 
 def test_memory_does_not_grow_with_the_rows(tmp_path, monkeypatch):

@@ -6,8 +6,10 @@ writes `day_0_dense.npy`, `day_0_sparse.npy`, `day_0_labels.npy`, ... exactly as
 `BinaryCriteoUtils.tsv_to_npys` does for the same file: dense float32 log(x - min + 2) with `min` the file's
 smallest dense value, sparse int64 raw ids (training hashes them modulo the table sizes), labels int32 N x 1.
 `--dense-transform log1p` writes log(1 + max(x, 0)) instead (not torchrec's). Gzipped days are read as they
-are. Prints one JSON line per file with the row and malformed-row counts. Malformed rows stop the conversion
-unless `--on-malformed skip` (torchrec has no such check: it would fail or write the bad values).
+are. Streams: a block of rows at a time (memory does not grow with the file; the raw dense values wait
+in an unnamed temporary file in --out-dir until the file's minimum is known, as much disk as the dense
+output). Prints one JSON line per file with the row and malformed-row counts. Malformed rows stop the
+conversion unless `--on-malformed skip` (torchrec has no such check: it would fail or write the bad values).
 """
 
 from __future__ import annotations
