@@ -190,3 +190,26 @@ def test_train_refuses_a_linked_log_in_one_line(tmp_path, victim):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "train_rank0.log is a symbolic link" in lines[0], proc.stderr
     assert victim.read_text() == SECRET
+
+
+def test_plan_output_and_calibration_files(tmp_path, victim):
+    """plan.output (JSON), calibrate.output and the calibration cache's entries (YAML) are renamed into
+    place, replacing a link rather than writing through it."""
+    from anyrec.io_checks import write_yaml
+    from anyrec.planner.report import write_json_atomic
+
+    for name, write in (("plan.json", lambda p: write_json_atomic(str(p), {"a": 1})),
+                        ("cal.yaml", lambda p: write_yaml(p, {"a": 1}))):
+        link = plant(tmp_path / name, victim)
+        write(link)
+        assert not link.is_symlink() and "a" in link.read_text() and victim.read_text() == SECRET
+
+
+def test_multihot_npz(tmp_path, victim):
+    import numpy as np
+
+    from anyrec.data.multihot import write_npz_members
+
+    link = plant(tmp_path / "day_0_sparse_multi_hot.npz", victim)
+    write_npz_members(link, [((2, 1), np.int32, [np.zeros((2, 1), np.int32)])])
+    assert not link.is_symlink() and np.load(link)["0"].shape == (2, 1) and victim.read_text() == SECRET
