@@ -213,3 +213,14 @@ def test_multihot_npz(tmp_path, victim):
     link = plant(tmp_path / "day_0_sparse_multi_hot.npz", victim)
     write_npz_members(link, [((2, 1), np.int32, [np.zeros((2, 1), np.int32)])])
     assert not link.is_symlink() and np.load(link)["0"].shape == (2, 1) and victim.read_text() == SECRET
+
+
+def test_a_sweep_into_a_folder_with_linked_hydra_files_is_refused(tmp_path, victim):
+    from anyrec._hydra import cli_problem
+
+    sweep = tmp_path / "sweep"
+    args = ["-m", f"hydra.sweep.dir={sweep}", "trainer.steps=3"]
+    assert cli_problem(args) is None
+    link = plant(sweep / "1" / ".hydra" / "config.yaml", victim)
+    problem = cli_problem(args)
+    assert problem is not None and str(link) in problem and "hydra.sweep.dir" in problem
