@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from torch import nn
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
 
+from anyrec.backends.dispatch import implementations
 from anyrec.backends.hardware import EmbeddingCost
 from anyrec.config import ModelConfig, PlannerConfig
 from anyrec.planner.estimators import inexact_update_reason
@@ -36,12 +37,15 @@ def quiet_dense_tbe_warning() -> None:
     warnings.filterwarnings("ignore", message=BENIGN_DENSE_TBE_WARNING, category=UserWarning)
 
 
-def _replicating_every_table(optimizer: str, reason: str) -> None:
+def _replicating_every_table(optimizer: str, reason: str, device_type: str) -> None:
     """Say once why every table is replicated; quiet torch's benign warning about the kernel running them."""
     if (optimizer, reason) not in _said:
         _said.add((optimizer, reason))
-        logger.info("optim=%s: every table is replicated (data_parallel): %s, and a replicated table is "
-                    "updated by anyrec's own %s rule", optimizer, reason, optimizer)
+        able = " or ".join(i.name for i in implementations("embedding")
+                           if i.fused_update_reason(optimizer, device_type) is None) or "none"
+        logger.info("optim=%s: every table is replicated (data_parallel) because %s; anyrec updates them "
+                    "with the same %s rule (backend.embedding_kernel= %s would shard them)", optimizer,
+                    reason, optimizer, able)
     quiet_dense_tbe_warning()
 
 
@@ -87,7 +91,7 @@ def plan_options(cfg: PlannerConfig, embedding: EmbeddingCost, optimizer: str,
         shardings = tuple(s for s in shardings if s == ShardingType.DATA_PARALLEL)
         if not shardings:
             raise ValueError(f"optim={optimizer}: {no_fused} and cannot replicate tables")
-        _replicating_every_table(optimizer, no_fused)
+        _replicating_every_table(optimizer, no_fused, device_type)
     opts: dict[str, object] = {"embedding": embedding, "uvm_cache_ratio": cfg.uvm_cache_ratio,
                                "reserve_fraction": cfg.memory_reserve_fraction,
                                "allowed_placements": placements if cfg.allow_uvm else (Placement.HBM,),
