@@ -20,10 +20,10 @@ import torch.distributed as dist
 
 from anyrec.backends import get_backend
 from anyrec.backends.cpu import allowed_cores
-from anyrec.calcache import Lookup, cache_dir, local_key, lookup, write_entry
+from anyrec.calcache import CACHE_DIR_ENV, Lookup, cache_dir, local_key, lookup, write_entry
 from anyrec.calibrate import calibrate, hardware_yaml
 from anyrec.config import AnyrecConfig
-from anyrec.io_checks import atomic_write
+from anyrec.io_checks import atomic_write, writable_dir
 from anyrec.signing import resolve_key
 from anyrec.trainer.distributed import broadcast_from_main, init_distributed
 
@@ -34,6 +34,15 @@ def wants_calibration(cfg: AnyrecConfig) -> bool:
     """Whether the job plans for this machine's device with the co-design planner and may calibrate."""
     return (cfg.hardware.sku == "auto" and not cfg.hardware.measurements and cfg.planner.name == "codesign"
             and cfg.trainer.calibrate != "never")
+
+
+def check_cache_dir() -> None:
+    """ValueError (one line) when the calibration cache folder cannot be written (a file, no permission):
+    called before a measurement whose result could not be kept (a read-only cache of hits still plans)."""
+    try:
+        writable_dir(cache_dir(), f"{CACHE_DIR_ENV} (the calibration cache)")
+    except ValueError as e:
+        raise ValueError(f"{e}; set {CACHE_DIR_ENV} to a writable folder (nothing was measured)") from None
 
 
 def calibrated_hardware(cfg: AnyrecConfig) -> str:
@@ -61,6 +70,7 @@ def calibrated_hardware(cfg: AnyrecConfig) -> str:
                        f"its step costs may differ)" if measured_bound not in (None, bound) else "")
             logger.info("calibration: cache hit, planning with %s%s", path, differs)
         return path
+    check_cache_dir()  # before a measurement whose result could not be kept
     if problem and info.is_main:
         logger.warning("calibration cache file %s not used: %s; measuring again", path, problem)
     start = time.perf_counter()

@@ -4,17 +4,50 @@ factors from the data schema."""
 
 from __future__ import annotations
 
+import logging
+import warnings
 from collections.abc import Sequence
 
 from torch import nn
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
 
+from anyrec.backends.dispatch import implementations
 from anyrec.backends.hardware import EmbeddingCost
 from anyrec.config import ModelConfig, PlannerConfig
 from anyrec.planner.estimators import inexact_update_reason
 from anyrec.planner.planner import CoDesignPlanner
 from anyrec.planner.types import Placement, PlanResult, ShardingType, TableSpec, Topology
 from anyrec.schema import feature_names, ids_per_sample
+
+logger = logging.getLogger(__name__)
+
+# torchrec runs a replicated table on the CPU with FBGEMM's dense TBE, whose CPU kernel computes the weight
+# gradient inside its own autograd function; torch still warns on every rank that the op has no Autograd
+# kernel and "may lead to silently incorrect behavior". The gradient is exact (tests/test_replicated_cpu.py
+# compares it with a reference), so where anyrec replicates tables that warning is filtered, not shown as
+# a fault.
+BENIGN_DENSE_TBE_WARNING = (r"fbgemm::dense_embedding_codegen_lookup_function: an autograd kernel was not "
+                            r"registered")
+_said: set[tuple[str, str]] = set()
+
+
+def quiet_dense_tbe_warning() -> None:
+    """Filter torch's benign warning about FBGEMM's CPU dense TBE (see above): every rank that trains
+    replicated tables calls it."""
+    warnings.filterwarnings("ignore", message=BENIGN_DENSE_TBE_WARNING, category=UserWarning)
+
+
+def _replicating_every_table(optimizer: str, reason: str, device_type: str) -> None:
+    """Say once why every table is replicated; quiet torch's benign warning about the kernel running them."""
+    if (optimizer, reason) not in _said:
+        _said.add((optimizer, reason))
+        able = " or ".join(i.name for i in implementations("embedding")
+                           if i.fused_update_reason(optimizer, device_type) is None) or "none"
+        logger.info("optim=%s: every table is replicated (data_parallel) because %s; anyrec updates them "
+                    "with the same %s rule (backend.embedding_kernel= %s would shard them)", optimizer,
+                    reason, optimizer, able)
+    quiet_dense_tbe_warning()
+
 
 WEIGHT_DTYPES = {DataType.FP32: "fp32", DataType.FP16: "fp16", DataType.BF16: "bf16", DataType.INT8: "int8"}
 
@@ -75,6 +108,7 @@ def plan_options(cfg: PlannerConfig, embedding: EmbeddingCost, optimizer: str,
         shardings = tuple(s for s in shardings if s == ShardingType.DATA_PARALLEL)
         if not shardings:
             raise ValueError(f"optim={optimizer}: {no_fused} and cannot replicate tables")
+        _replicating_every_table(optimizer, no_fused, device_type)
     opts: dict[str, object] = {"embedding": embedding, "uvm_cache_ratio": cfg.uvm_cache_ratio,
                                "reserve_fraction": cfg.memory_reserve_fraction,
                                "allowed_placements": placements if cfg.allow_uvm else (Placement.HBM,),

@@ -3,8 +3,10 @@ SKU comparison, the `plan.output` JSON (written atomically) and the plan picture
 
 from __future__ import annotations
 
+import io
 import json
 from collections import Counter
+from pathlib import Path
 
 from anyrec.io_checks import atomic_write
 from anyrec.planner.advice import GB, alternatives_s, co_design_advice
@@ -241,5 +243,8 @@ def plot_plan(plan: PlanResult, path: str, compare: PlanResult | None = None) ->
     for ax in (axes[0][-1], axes[1][-1]):
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    png = io.BytesIO()
+    fig.savefig(png, format=Path(path).suffix.lstrip(".").lower() or "png", dpi=100)
     plt.close(fig)
+    with atomic_write(path, "wb") as f:  # never through a link planted at `path`
+        f.write(png.getvalue())

@@ -39,6 +39,7 @@ import torch.distributed.checkpoint as dcp
 
 import anyrec
 from anyrec.config import CheckpointConfig
+from anyrec.io_checks import open_nofollow
 from anyrec.signing import SignatureError, SigningKey
 from anyrec.trainer.dcp_reader import SafeLoadPlanner, SafeReader
 from anyrec.trainer.distributed import DistInfo, broadcast_from_main, gather_objects
@@ -243,7 +244,7 @@ class CheckpointManager:
                 "run": self.run.to_meta()}
         if self.signing_key is not None:  # signed as it reads back (JSON: tuples become lists)
             meta = self.signing_key.signed(json.loads(json.dumps(meta)))
-        with (tmp / META).open("w", encoding="utf-8") as f:
+        with open_nofollow(tmp / META, "x") as f:  # a new file: never one planted in tmp
             json.dump(meta, f, indent=1)
             f.flush()
             os.fsync(f.fileno())

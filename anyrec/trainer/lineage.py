@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from anyrec.config import AnyrecConfig, CheckpointConfig
+from anyrec.io_checks import LinkError, open_nofollow
 from anyrec.safe_load import load_json
 from anyrec.trainer.errors import CheckpointError
 
@@ -216,7 +217,10 @@ class DirLock:
 
     def __init__(self, root: Path, run_id: str) -> None:
         self.path = root / LOCK
-        f = self.path.open("a+", encoding="utf-8")
+        try:
+            f = open_nofollow(self.path, "a+")
+        except LinkError as e:
+            raise CheckpointError(f"trainer.checkpoint.dir {root}: {e}") from None
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import resource
+import secrets
 import sys
 import time
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm import tqdm
 
+from anyrec.io_checks import LinkError, open_nofollow
 from anyrec.trainer.distributed import gather_objects
 from anyrec.trainer.fingerprint import weights_fingerprint
 from anyrec.trainer.memcheck import memory_check, resident_device_bytes, with_data_source
@@ -61,7 +63,7 @@ class MetricWriter:
             return
         path = Path(run_dir)
         path.mkdir(parents=True, exist_ok=True)
-        self._jsonl = (path / "metrics.jsonl").open("a", encoding="utf-8")
+        self._jsonl = open_nofollow(path / "metrics.jsonl", "a")
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -69,7 +71,12 @@ class MetricWriter:
                 logger.warning("tensorboard is not installed: TensorBoard logging is off "
                                "(pip install tensorboard, or set trainer.tensorboard=false)")
             else:
-                self._tb = SummaryWriter(log_dir=str(path / "tb"))
+                if (path / "tb").is_symlink():
+                    raise LinkError(f"{path / 'tb'} is a symbolic link: anyrec does not write through links "
+                                    "(remove it)")
+                # TensorBoard opens its event file without O_NOFOLLOW: a random suffix makes its name one
+                # nobody can plant a link at in advance.
+                self._tb = SummaryWriter(log_dir=str(path / "tb"), filename_suffix=f".{secrets.token_hex(8)}")
 
     def write(self, step: int, kind: str, values: dict[str, Any]) -> None:
         """One record: `kind` is "train" or "eval"; numeric values also go to TensorBoard."""
