@@ -23,7 +23,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import run_job
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from hydra.types import HydraContext, RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from anyrec.backends.hardware import is_hardware_path
@@ -159,6 +159,38 @@ def _output_dir(cfg: DictConfig, multirun: bool) -> str | None:
     return None
 
 
+def _linked_outputs(cfg: DictConfig, multirun: bool = False) -> str | None:
+    """One line when a file Hydra writes in the run folder (`.hydra/` and its YAMLs, the log file) is a
+    symbolic link, else None; under a multirun, in each job folder the sweep folder already holds. Hydra
+    opens its YAMLs following links; the log file is opened with NoFollowFileHandler (configs/config.yaml)
+    and is checked here too so that the error is this line."""
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    try:
+        top = Path(OmegaConf.select(cfg, key, throw_on_resolution_failure=True)).absolute()
+        subdir = OmegaConf.select(cfg, "hydra.output_subdir", throw_on_resolution_failure=True)
+        if multirun:  # the jobs of an earlier sweep into the same folder
+            run_dirs = sorted(p for p in top.iterdir() if p.is_dir()) if top.is_dir() else []
+        else:
+            run_dirs = [top]
+        probe = cfg.copy()  # the log file's name needs the job's output folder, which run_job sets
+        paths = []
+        for run_dir in run_dirs:
+            with open_dict(probe.hydra.runtime):
+                probe.hydra.runtime.output_dir = str(run_dir)
+            log = OmegaConf.select(probe, "hydra.job_logging.handlers.file.filename", default=None)
+            paths += [Path(log)] if log else []
+            if subdir is not None:
+                names = ("config.yaml", "hydra.yaml", "overrides.yaml")
+                paths += [run_dir / subdir, *(run_dir / subdir / n for n in names)]
+    except Exception:  # noqa: BLE001 - an interpolation only a running app resolves: nothing to check here
+        return None
+    for p in paths:
+        if p.is_symlink():
+            return (f"{p} is a symbolic link: anyrec does not write through links; remove it, or set "
+                    f"{key}=<another folder>")
+    return None
+
+
 def _composition_problem(e: Exception) -> str | None:
     """One line for an override refused at composition (`trainer.steps=many`, `trainer.stepz=3`, a file
     as the `hardware` group's option), else None."""
@@ -187,7 +219,7 @@ def cli_problem(overrides: list[str]) -> str | None:
         return _composition_problem(e)
     except Exception:  # noqa: BLE001 - anything else (a sweep's syntax, a launcher plugin): Hydra says it
         return None
-    return _missing(cfg) or _output_dir(cfg, multirun)
+    return _missing(cfg) or _output_dir(cfg, multirun) or _linked_outputs(cfg, multirun)
 
 
 def _refuse(prog: str, problem: str) -> NoReturn:
@@ -235,7 +267,7 @@ def launch(prog: str, task: Callable[[DictConfig], Any], hydra_app: Callable[[],
             if problem is None:
                 run_and_report(functools.partial(_reraise, e))
             _refuse(prog, problem)
-        problem = _missing(cfg) or _output_dir(cfg, multirun=False)
+        problem = _missing(cfg) or _output_dir(cfg, multirun=False) or _linked_outputs(cfg)
         if problem:
             _refuse(prog, problem)
         run_and_report(functools.partial(_run_job, hydra, task, cfg))

@@ -20,10 +20,11 @@ import torch.distributed as dist
 
 from anyrec.backends import get_backend
 from anyrec.backends.cpu import allowed_cores
-from anyrec.calcache import Lookup, cache_dir, local_key, lookup, write_entry
+from anyrec.calcache import CACHE_DIR_ENV, Lookup, cache_dir, local_key, lookup, write_entry
 from anyrec.calibrate import calibrate, hardware_yaml
 from anyrec.config import AnyrecConfig
-from anyrec.io_checks import atomic_write
+from anyrec.io_checks import atomic_write, writable_dir
+from anyrec.signing import resolve_key
 from anyrec.trainer.distributed import broadcast_from_main, init_distributed
 
 logger = logging.getLogger("anyrec.autocal")
@@ -35,9 +36,19 @@ def wants_calibration(cfg: AnyrecConfig) -> bool:
             and cfg.trainer.calibrate != "never")
 
 
+def check_cache_dir() -> None:
+    """ValueError (one line) when the calibration cache folder cannot be written (a file, no permission):
+    called before a measurement whose result could not be kept (a read-only cache of hits still plans)."""
+    try:
+        writable_dir(cache_dir(), f"{CACHE_DIR_ENV} (the calibration cache)")
+    except ValueError as e:
+        raise ValueError(f"{e}; set {CACHE_DIR_ENV} to a writable folder (nothing was measured)") from None
+
+
 def calibrated_hardware(cfg: AnyrecConfig) -> str:
     """This machine's cached calibration file, measured now if none is usable (every rank calls it)."""
     backend = get_backend(cfg.backend.name)
+    signing_key = resolve_key(cfg.trainer.signing_key_file)
     info = init_distributed(backend, cfg.trainer.collective_timeout_s, cfg.trainer.peer_timeout_s)
     cores = allowed_cores()
     # what the binding rule chose (backend.bind_cores=auto looks at the cores' load); the step points'
@@ -48,7 +59,8 @@ def calibrated_hardware(cfg: AnyrecConfig) -> str:
     key = local_key(backend, info, cores)
     found = None
     if info.is_main:
-        found = Lookup(cache_dir() / key.file_name()) if cfg.trainer.calibrate == "always" else lookup(key)
+        found = (Lookup(cache_dir() / key.file_name()) if cfg.trainer.calibrate == "always"
+                 else lookup(key, signing_key=signing_key))
     found_here = (str(found.path), found.hit, found.problem, found.bound) if found else None
     path, hit, problem, measured_bound = broadcast_from_main(found_here, info)
     threads = {True: "bound", False: "free"}
@@ -58,6 +70,7 @@ def calibrated_hardware(cfg: AnyrecConfig) -> str:
                        f"its step costs may differ)" if measured_bound not in (None, bound) else "")
             logger.info("calibration: cache hit, planning with %s%s", path, differs)
         return path
+    check_cache_dir()  # before a measurement whose result could not be kept
     if problem and info.is_main:
         logger.warning("calibration cache file %s not used: %s; measuring again", path, problem)
     start = time.perf_counter()
@@ -74,7 +87,7 @@ def calibrated_hardware(cfg: AnyrecConfig) -> str:
         header = (f"# Quick calibration measured by anyrec.autocal ({backend.describe()}, "
                   f"{info.world_size} ranks) on {time.strftime('%Y-%m-%d', time.gmtime())}; a cache entry,\n"
                   f"# used by hardware=auto on this machine and software (`cache:` below).\n")
-        write_entry(Path(path), key, hardware_yaml(backend, m), header)
+        write_entry(Path(path), key, hardware_yaml(backend, m), header, signing_key)
         text = Path(path).read_text()
     text = broadcast_from_main(text, info)
     if info.host != 0 and info.local_rank == 0:  # the other hosts' ranks read the same file

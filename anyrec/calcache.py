@@ -6,9 +6,12 @@ software versions; its digest names the file in `$ANYREC_CACHE_DIR` (default `~/
 the ranks bound their threads is not in the key (`bind_cores=auto` decides it from the host's load, which
 changes between runs): the entry records it, `Lookup.bound`.
 
-An entry is a hardware YAML with a last `cache:` section: its key and a SHA-256 of everything above it.
-A file cut short, edited, holding a NaN or made for another key is never used: `lookup` names the
-problem in one line and the caller measures again. Entries are written whole (the last writer stays).
+An entry is a hardware YAML with a last `cache:` section: its key and a SHA-256 of everything above it,
+and, with a signing key (anyrec.signing), an HMAC-SHA256 of the whole entry. A file cut short, damaged,
+holding a NaN, made for another key, too big or too deeply nested is never used: `lookup` names the
+problem in one line and the caller measures again. The checksum detects damage, not forgery: anyone who
+can write the cache folder can write an entry with a matching checksum; with a signing key an entry
+not signed with it is refused too. Entries are written whole (the last writer stays).
 """
 
 from __future__ import annotations
@@ -29,9 +32,12 @@ import torch.distributed as dist
 import yaml
 
 import anyrec
-from anyrec.backends import Backend, Hardware, load_hardware_file
+from anyrec.backends import Backend, Hardware
 from anyrec.backends.cpu import allowed_cores
+from anyrec.backends.hardware import hardware_from_data
 from anyrec.io_checks import write_yaml
+from anyrec.safe_load import load_yaml
+from anyrec.signing import FIELD, SigningKey
 
 if TYPE_CHECKING:
     from anyrec.trainer.distributed import DistInfo
@@ -134,12 +140,19 @@ class Lookup:
         return self.hardware is not None
 
 
-def read_entry(path: Path, key: CacheKey) -> Lookup:
-    """Cache file `path` as a hit, checked whole and against `key`; ValueError in one line."""
+def _signed_view(data: dict[str, Any]) -> dict[str, Any]:
+    """The entry as `SigningKey` signs it: everything, the signature (kept in `cache:`) aside."""
+    cache = data.get("cache") or {}
+    return {**data, "cache": {k: v for k, v in cache.items() if k != FIELD}, FIELD: cache.get(FIELD)}
+
+
+def read_entry(path: Path, key: CacheKey, signing_key: SigningKey | None = None) -> Lookup:
+    """Cache file `path` as a hit, checked whole, against `key` and (given one) `signing_key`, parsed
+    once and bounded; ValueError in one line."""
     try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        raise ValueError(f"unreadable ({str(e).splitlines()[0]})") from None
+        data = load_yaml(path, "the entry")
+    except ValueError as e:
+        raise ValueError(f"unreadable: {str(e).removeprefix('the entry: ')}") from None
     if not isinstance(data, dict) or not isinstance(data.get("cache"), dict):
         raise ValueError("no `cache:` section (cut short, or not a cache entry)")
     cache = data["cache"]
@@ -148,27 +161,34 @@ def read_entry(path: Path, key: CacheKey) -> Lookup:
         raise ValueError(f"measured for another machine or software: {'; '.join(key.differences(theirs))}")
     if cache.get("sha256") != _content_digest(data):
         raise ValueError("its content does not match its checksum (edited or damaged)")
+    if signing_key is not None:
+        signing_key.check(_signed_view(data), "the entry")
     bound = (data.get("measurements") or {}).get("bind_cores")  # below: every hardware file's checks
-    return Lookup(path, load_hardware_file(path), bound=bound if isinstance(bound, bool) else None)
+    hardware = hardware_from_data(data, f"calibration cache entry {path}", str(path))
+    return Lookup(path, hardware, bound=bound if isinstance(bound, bool) else None)
 
 
-def lookup(key: CacheKey, directory: Path | None = None) -> Lookup:
+def lookup(key: CacheKey, directory: Path | None = None, signing_key: SigningKey | None = None) -> Lookup:
     """The cached calibration for `key`: a hit, nothing there, or a file that must not be used."""
     path = (directory or cache_dir()) / key.file_name()
     if not path.exists():
         return Lookup(path)
     try:
-        return read_entry(path, key)
+        return read_entry(path, key, signing_key)
     except ValueError as e:
-        return Lookup(path, problem=str(e))
+        return Lookup(path, problem=str(e).removeprefix("the entry: "))
 
 
-def write_entry(path: Path, key: CacheKey, data: dict[str, Any], header: str = "") -> Path:
-    """Write hardware-file `data` as the cache entry for `key` at `path`, whole or not at all."""
+def write_entry(path: Path, key: CacheKey, data: dict[str, Any], header: str = "",
+                signing_key: SigningKey | None = None) -> Path:
+    """Write hardware-file `data` as the cache entry for `key` at `path` (signed with `signing_key` if
+    given), whole or not at all."""
     entry = {k: v for k, v in data.items() if k != "cache"}
     entry = yaml.safe_load(yaml.safe_dump(entry, sort_keys=False))  # the digest of what is read back
     entry["cache"] = {"key": key.to_dict(), "sha256": _content_digest(entry),
                       "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if signing_key is not None:
+        entry["cache"][FIELD] = signing_key.sign(_signed_view(entry))
     write_yaml(path, entry, header)
     return path
 
@@ -188,19 +208,20 @@ def local_key(backend: Backend, info: DistInfo, cores: list[int] | None = None) 
 
 
 def find_for_device(backend: Backend, one_process: DistInfo, local_world_size: int,
-                    directory: Path | None = None) -> Lookup | None:
-    """The newest usable entry for this device and software at `local_world_size` ranks per host,
-    whatever cores its ranks had, or None (for `anyrec-plan`, which runs no ranks: `one_process`)."""
+                    directory: Path | None = None, signing_key: SigningKey | None = None) -> Lookup | None:
+    """The newest usable entry (signed with `signing_key`, if given) for this device and software at
+    `local_world_size` ranks per host, whatever cores its ranks had, or None (for `anyrec-plan`, which
+    runs no ranks: `one_process`)."""
     want = dataclasses.replace(local_key(backend, one_process), local_world_size=local_world_size)
     same = ("backend", "device_name", "devices_per_host", "local_world_size", "versions")
     paths = sorted((directory or cache_dir()).glob(f"{want.file_prefix()}*.yaml"),
                    key=lambda p: p.stat().st_mtime, reverse=True)
     for path in paths:
         try:
-            key = CacheKey.from_dict(yaml.safe_load(path.read_text())["cache"]["key"])
+            key = CacheKey.from_dict(load_yaml(path, "the entry")["cache"]["key"])
             if any(getattr(key, f) != getattr(want, f) for f in same):
                 continue
-            return read_entry(path, key)
-        except (OSError, ValueError, TypeError, KeyError, yaml.YAMLError):
+            return read_entry(path, key, signing_key)
+        except (OSError, ValueError, TypeError, KeyError):
             continue  # not usable: a training job on this machine names and replaces it
     return None

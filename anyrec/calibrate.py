@@ -39,6 +39,7 @@ from anyrec.io_checks import writable_file, write_yaml
 from anyrec.kernels.optimizers import OptimizerConfig
 from anyrec.planner.estimators import lookup_time_s
 from anyrec.planner.types import Placement, TableSpec, Topology
+from anyrec.signing import resolve_key
 from anyrec.trainer.distributed import env_dist_info
 
 logger = logging.getLogger("anyrec.calibrate")
@@ -401,6 +402,7 @@ def run(cfg: AnyrecConfig) -> None:
     if not opts.budget_s > 0:
         raise ValueError(f"calibrate.budget_s must be a positive number of seconds, got {opts.budget_s}")
     writable_file(opts.output, "calibrate.output")
+    signing_key = resolve_key(cfg.trainer.signing_key_file)  # signs the cache entry
     backend = get_backend(cfg.backend.name)
     info = env_dist_info()
     rank, world = info.rank, info.world_size
@@ -424,7 +426,8 @@ def run(cfg: AnyrecConfig) -> None:
         if rank == 0 and key is not None:
             entry = write_entry(cache_dir() / key.file_name(), key, hardware_yaml(backend, m),
                                 f"# Calibration measured by anyrec.calibrate ({backend.describe()}, {world} "
-                                f"ranks, size={opts.size}); a cache entry used by hardware=auto.\n")
+                                f"ranks, size={opts.size}); a cache entry used by hardware=auto.\n",
+                                signing_key)
             print(f"wrote the cache entry for this machine: {entry}", flush=True)
         if rank == 0 and opts.output:
             out = Path(opts.output)

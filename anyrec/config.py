@@ -177,6 +177,9 @@ class TrainerConfig:
     calibrate_budget_s: float = 0.01  # seconds each timed measurement of that quick calibration repeats
     stop_check_every: int = 10  # steps between the ranks' checks for a stop request (a signal)
     stop_grace_s: float = 10.0  # a rank not stopped this long after a signal exits without a checkpoint
+    # A file holding the HMAC key that signs checkpoint manifests, calibration cache entries and parity
+    # records (unsigned or foreign ones are then refused); unset: $ANYREC_SIGNING_KEY, else no signing
+    signing_key_file: str | None = None
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 

@@ -1,5 +1,8 @@
 """Output paths checked before any work starts (a job whose results cannot be written fails in seconds),
-and the one way anyrec writes a file: atomically (`atomic_write`, `write_yaml`).
+and the ways anyrec writes a file, none of which follows a symbolic link planted at its path: atomically
+(`atomic_write`, `write_yaml`: a new file renamed over the path), or opened with O_NOFOLLOW
+(`open_nofollow`, `NoFollowFileHandler`: appends, the directory lock, log files), where a link is
+refused in one line (`LinkError`).
 
 Each check probes the path or its nearest existing folder by creating and removing a temporary file, so
 permissions, read-only mounts and a file where a folder should be are found as the real write would.
@@ -8,7 +11,11 @@ permissions, read-only mounts and a file where a folder should be are found as t
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
+import logging
 import os
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -87,3 +94,50 @@ def write_yaml(path: str | os.PathLike, data: dict, header: str = "") -> None:
     """`header` (comment lines) and `data` as YAML at `path`, in `data`'s order, whole or not at all."""
     with atomic_write(path) as f:
         f.write(header + yaml.safe_dump(data, sort_keys=False, default_flow_style=False))
+
+
+class LinkError(ValueError):
+    """A path anyrec would write is a symbolic link (or not a regular file): refused, nothing written."""
+
+
+# Modes `open_nofollow` takes: "x" creates a new file, "a"/"a+" append (creating), "w" truncates.
+_FLAGS = {"x": os.O_WRONLY | os.O_CREAT | os.O_EXCL, "a": os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+          "a+": os.O_RDWR | os.O_CREAT | os.O_APPEND, "w": os.O_WRONLY | os.O_CREAT | os.O_TRUNC}
+
+
+def open_nofollow(path: str | os.PathLike, mode: str = "a", encoding: str | None = "utf-8") -> IO:
+    """`open(path, mode)` for writing that refuses (LinkError) a symbolic link or a non-regular file
+    (a FIFO, a device) at `path`, instead of writing through it. Modes: x, a, a+, w (text; "b" added
+    for bytes, then `encoding` is ignored)."""
+    binary = "b" in mode
+    base = mode.replace("b", "")
+    if base not in _FLAGS:
+        raise ValueError(f"open_nofollow: mode {mode!r} is not one of {sorted(_FLAGS)} (b for bytes)")
+    # O_NONBLOCK: a FIFO planted at the path fails here instead of blocking until someone reads it.
+    flags = _FLAGS[base] | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+    try:
+        fd = os.open(path, flags & ~os.O_TRUNC, 0o666)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.EMLINK) or (e.errno == errno.EEXIST and os.path.islink(path)):
+            raise LinkError(f"{path} is a symbolic link: anyrec does not write through links "
+                            "(remove it, or write elsewhere)") from None
+        if e.errno == errno.ENXIO:
+            raise LinkError(f"{path} is not a regular file (a FIFO or socket): remove it") from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise LinkError(f"{path} is not a regular file: anyrec writes only regular files (remove it)")
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+        if flags & os.O_TRUNC:  # only once the file is known to be a regular file of its own
+            os.ftruncate(fd, 0)
+        return os.fdopen(fd, mode if binary else base, encoding=None if binary else encoding)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+class NoFollowFileHandler(logging.FileHandler):
+    """`logging.FileHandler` whose file is opened with `open_nofollow` (Hydra's per-rank log file)."""
+
+    def _open(self):
+        return open_nofollow(self.baseFilename, self.mode, self.encoding or "utf-8")

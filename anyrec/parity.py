@@ -9,7 +9,9 @@ variant runs `anyrec-train`'s loop (no evaluation or checkpoints) and records it
 ranks) and final weights (every `*weight` / `*bias`, whole). The table compares each with the first;
 exit status 1 when one exceeds `parity.loss_rtol` / `parity.weight_atol` or a variant failed, 2 for bad
 arguments. `parity.save=FILE` writes the records (JSON); `parity.against=FILE` compares with the first
-record of such a file written elsewhere (e.g. a B200 run checked on an MI350X), checked whole first.
+record of such a file written elsewhere (e.g. a B200 run checked on an MI350X), checked whole first:
+bounded in size and nesting, each record's `record_sha256` covering all it asserts (losses, weights,
+label, meta), and, with a signing key (anyrec.signing), the file's HMAC-SHA256.
 """
 
 from __future__ import annotations
@@ -35,11 +37,15 @@ from anyrec import _hydra
 from anyrec.config import AnyrecConfig, ParityConfig, config_dir
 from anyrec.io_checks import atomic_write, writable_file
 from anyrec.proc import run_session
+from anyrec.safe_load import load_json
+from anyrec.signing import SignatureError, SigningKey, resolve_key
 from anyrec.trainer.distributed import DistInfo, all_reduce_mean
 from anyrec.trainer.fingerprint import full_state
 from anyrec.trainer.trainer import Trainer
 
-FORMAT = "anyrec-parity/1"
+FORMAT = "anyrec-parity/2"  # /1: a record's hash covered its weights only
+# A records file holds every variant's whole weights: bounded, but far above the other files' bound.
+MAX_RECORDS_BYTES = 1 << 30
 _WORKER_FLAG = "--parity-worker"
 _DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
              "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -73,8 +79,9 @@ def parse_variant(text: str) -> Variant:
     return v
 
 
-def check_options(opts: ParityConfig) -> dict[str, Any] | None:
-    """The tolerances and files of `opts` checked before any variant runs; the `against` records."""
+def check_options(opts: ParityConfig, signing_key: SigningKey | None = None) -> dict[str, Any] | None:
+    """The tolerances and files of `opts` checked before any variant runs; the `against` records (signed
+    with `signing_key`, if given)."""
     for key in ("loss_rtol", "weight_atol", "timeout_s"):
         if not getattr(opts, key) > 0:
             raise ValueError(f"parity.{key} must be > 0, got {getattr(opts, key)}")
@@ -83,7 +90,7 @@ def check_options(opts: ParityConfig) -> dict[str, Any] | None:
         return None
     if not Path(opts.against).is_file():
         raise ValueError(f"parity.against: no such file {opts.against}")
-    return read_records(Path(opts.against))
+    return read_records(Path(opts.against), signing_key)
 
 
 # ---- one variant, inside its own process(es) ----------------------------------------------------
@@ -147,11 +154,23 @@ def _finite_numbers(values: Any, what: str) -> None:
         raise ValueError(f"{what} is not a list of finite numbers")
 
 
+def record_sha256(run: dict[str, Any]) -> str:
+    """SHA-256 over everything a record asserts (its `record_sha256` aside), as sorted compact JSON."""
+    body = {k: v for k, v in run.items() if k != "record_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def sealed(run: dict[str, Any]) -> dict[str, Any]:
+    """`run` with its `record_sha256`."""
+    return {**run, "record_sha256": record_sha256(run)}
+
+
 def check_record(run: Any, what: str) -> None:
-    """One run of a records file, whole: label, losses, and weights that match their shapes and hash."""
+    """One run of a records file, whole: label, losses, and weights that match their shapes and hash,
+    and its `record_sha256` over all of it."""
     if not isinstance(run, dict):
         raise ValueError(f"{what} is not an object")
-    for key in ("label", "losses", "weights", "weights_sha256"):
+    for key in ("label", "losses", "weights", "weights_sha256", "record_sha256"):
         if key not in run:
             raise ValueError(f"{what} has no {key!r}")
     _finite_numbers(run["losses"], f"{what} losses")
@@ -170,22 +189,26 @@ def check_record(run: Any, what: str) -> None:
         tensors[name] = torch.tensor(w["values"], dtype=torch.float32).reshape(shape)
     if weights_sha256(tensors) != run["weights_sha256"]:
         raise ValueError(f"{what} weights do not match their weights_sha256 (the file was altered)")
+    if record_sha256(run) != run["record_sha256"]:
+        raise ValueError(f"{what} does not match its record_sha256 (the file was altered: losses, label "
+                         "or meta)")
 
 
-def read_records(path: Path) -> dict[str, Any]:
-    """A `parity.save` file, checked whole before any variant runs; ValueError names what is wrong."""
+def read_records(path: Path, signing_key: SigningKey | None = None) -> dict[str, Any]:
+    """A `parity.save` file, checked whole (and against `signing_key`, if given) before any variant
+    runs; ValueError names what is wrong."""
     what = f"parity.against {path}"
-    try:
-        data = json.loads(path.read_text())
-    except OSError as e:
-        raise ValueError(f"{what}: cannot read it ({e.strerror or type(e).__name__})") from None
-    except UnicodeDecodeError:
-        raise ValueError(f"{what}: not a text file") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{what}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno}; "
-                         "cut short?)") from None
+    data = load_json(path, what, max_bytes=MAX_RECORDS_BYTES)  # bounded: size and nesting
+    if isinstance(data, dict) and data.get("format") == "anyrec-parity/1":
+        raise ValueError(f"{what}: written by an older anyrec (anyrec-parity/1, whose hash does not cover "
+                         "the losses): record it again with parity.save")
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError(f"{what}: not an {FORMAT} file")
+    if signing_key is not None:
+        try:
+            signing_key.check(data, what)
+        except SignatureError as e:
+            raise ValueError(str(e)) from None
     if not isinstance(data.get("runs"), list) or not data["runs"]:
         raise ValueError(f"{what}: holds no runs")
     for i, run in enumerate(data["runs"]):
@@ -262,7 +285,8 @@ def report(labels: list[str], records: list[dict[str, Any]], ref: dict[str, Any]
 def run(cfg: AnyrecConfig) -> int:
     """Run every variant, print the table; 0 when all agree within tolerance, 1 if not."""
     opts = cfg.parity
-    reference = check_options(opts)
+    signing_key = resolve_key(cfg.trainer.signing_key_file)
+    reference = check_options(opts, signing_key)
     base = [o for o in HydraConfig.get().overrides.task if not o.startswith("parity.")]
     variants = [parse_variant(v) for v in opts.variants] or [Variant(label="(base)")]
     labels, records = [v.label for v in variants], []
@@ -270,10 +294,11 @@ def run(cfg: AnyrecConfig) -> int:
         print(f"anyrec-parity: running {v.label} ...", file=sys.stderr, flush=True)
         records.append(run_variant(base, v, opts.timeout_s))
     if opts.save is not None:
-        runs = [{"label": lb, "base": base, **rec} for lb, rec in zip(labels, records, strict=True)
+        runs = [sealed({"label": lb, "base": base, **rec}) for lb, rec in zip(labels, records, strict=True)
                 if "error" not in rec]
+        doc = {"format": FORMAT, "runs": runs}
         with atomic_write(opts.save) as f:
-            json.dump({"format": FORMAT, "runs": runs}, f)
+            json.dump(signing_key.signed(doc) if signing_key is not None else doc, f)
     if reference is not None:
         ref, ref_label = reference["runs"][0], f"{reference['runs'][0]['label']} from {opts.against}"
     else:

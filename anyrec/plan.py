@@ -26,6 +26,7 @@ from anyrec.planner.job import plan_model
 from anyrec.planner.planner import CoDesignPlanner
 from anyrec.planner.report import format_compare, format_report, plan_json, plot_plan, write_json_atomic
 from anyrec.planner.types import InfeasiblePlanError, PlanResult, Topology
+from anyrec.signing import resolve_key
 from anyrec.trainer.distributed import ONE_PROCESS
 
 
@@ -40,7 +41,8 @@ def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print,
     backend = get_backend(cfg.backend.name) if cfg.hardware.sku == "auto" else None
     local_ranks = cfg.topology.local_world_size or cfg.topology.world_size
     look = backend is not None and not cfg.hardware.measurements and cfg.trainer.calibrate != "never"
-    cached = find_for_device(backend, ONE_PROCESS, local_ranks) if look else None
+    signing_key = resolve_key(cfg.trainer.signing_key_file)
+    cached = find_for_device(backend, ONE_PROCESS, local_ranks, signing_key=signing_key) if look else None
     sku = str(cached.path) if cached is not None else cfg.hardware.sku
     hardware = resolve_hardware(sku, cfg.hardware.spec, backend, cfg.hardware.measurements)
     compare = resolve_hardware(cfg.plan.compare) if cfg.plan.compare else None

@@ -27,6 +27,9 @@ Sections (each runs on its own; a failure is recorded and the rest still run):
   loop         benchmarks/train_step.py on the one-device Triton TBE: the whole training loop (data made
                on the device) against the step on pre-made batches, and plain PyTorch
   calibrate    python -m anyrec.calibrate calibrate.size=large on this device -> $OUT/calibration.yaml
+  memory       the trainer on this device (one rank, DLRMv2-shaped dlrmv2_small, batch 16384): the plan's
+               predicted peak memory (allocated, and reserved with the allocator's slack) against the
+               measured max_memory_allocated and max_memory_reserved of the training steps; null on CPU
 Writes $OUT/gpu_suite.json (default ./gpu_out), $OUT/tbe.json and the files named above. The first
 six sections were sized for < 8 minutes on an H200 (most of it Triton compiles and nn.EmbeddingBag's
 sparse SGD); data, parity, loop and calibrate add a few minutes more (never timed on a GPU): where
@@ -530,6 +533,53 @@ def section_calibrate(small: bool, out_dir: Path) -> dict:
     return {"file": str(out), "yaml": out.read_text()}
 
 
+# A wrapper that runs `anyrec.train` and, on exit, records the device's peak reserved memory (the trainer
+# resets the peaks when training starts; its summary carries the allocated peak).
+_RESERVED_WRAPPER = """
+import atexit, json, runpy, sys
+import torch
+path = sys.argv[1]
+def _record():
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    reserved = torch.accelerator.max_memory_reserved() if acc is not None and acc.type != "cpu" else None
+    open(path, "w").write(json.dumps(reserved))
+atexit.register(_record)
+sys.argv = ["anyrec.train", *sys.argv[2:]]
+runpy.run_module("anyrec.train", run_name="__main__", alter_sys=True)
+"""
+
+
+def section_memory(device: torch.device, small: bool, out_dir: Path) -> dict:
+    """The trainer's one-device step: predicted peak memory per term against the measured allocated and
+    reserved peaks (the summary's memory_prediction_error; the reserved one here)."""
+    skipped = torchrec_missing("memory")
+    if skipped:
+        return skipped
+    model, batch, steps = ("dlrm_tiny", 256, 4) if small else ("dlrmv2_small", 16384, 20)
+    reserved_path = out_dir / "memory_reserved.json"
+    cmd = [sys.executable, "-c", _RESERVED_WRAPPER, str(reserved_path), f"model={model}",
+           f"data.batch_size={batch}", f"trainer.steps={steps}", "trainer.eval_steps=0",
+           "trainer.calibrate=never", "trainer.progress=false", "trainer.tensorboard=false",
+           f"hydra.run.dir={out_dir / 'memory_run'}"]
+    code, out = run_logged(cmd, 600)
+    if code != 0:
+        raise RuntimeError(f"anyrec.train exited {code}: {out[-1500:]}")
+    summary = next(json.loads(ln) for ln in reversed(out.splitlines()) if ln.startswith("{"))
+    reserved = json.loads(reserved_path.read_text())
+    predicted_reserved = summary["predicted_reserved_memory_bytes_per_rank"]
+    keys = ("predicted_peak_memory_bytes_per_rank", "measured_peak_memory_bytes_per_rank",
+            "memory_prediction_error", "predicted_memory_terms", "predicted_reserved_memory_bytes_per_rank")
+    res = {k: summary[k] for k in keys}
+    res.update(model=model, batch_size=batch, measured_peak_reserved_bytes=reserved,
+               reserved_prediction_error=(predicted_reserved[0] / reserved - 1.0
+                                          if reserved and predicted_reserved else None))
+    err = res["memory_prediction_error"]
+    print(f"  memory: predicted {res['predicted_peak_memory_bytes_per_rank']} B, measured "
+          f"{res['measured_peak_memory_bytes_per_rank']} B allocated (error {err}), reserved {reserved} B",
+          flush=True)
+    return res
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="toy sizes (for CPU tests)")
@@ -559,6 +609,7 @@ def main(argv: list[str] | None = None) -> dict:
         "parity": lambda: section_parity(device, small, out_dir),
         "loop": lambda: section_loop(device, small, out_dir),
         "calibrate": lambda: section_calibrate(small, out_dir),
+        "memory": lambda: section_memory(device, small, out_dir),
     }
     only = [s for s in a.only.split(",") if s]
     report: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "small": small, "sections": {}}

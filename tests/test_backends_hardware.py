@@ -71,7 +71,15 @@ def test_yaml_with_base_sku_and_measurements(tmp_path):
      ("sku: h200\nspec:\n  hbm: 1\n", "unknown DeviceSpec field"),
      ("sku: other.yaml\n", "must be a SKU name"),
      ("- a\n- b\n", "expected a mapping"),
-     ("sku: [\n", "not valid YAML")],
+     ("sku: [\n", "not valid YAML"),
+     # a 572-byte alias bomb used to hang, 100,000 brackets to end in a RecursionError traceback
+     ("a: &a [" + ",".join(['"lol"'] * 9) + "]\n" + "".join(
+         f"{c}: &{c} [{','.join([f'*{p}'] * 9)}]\n" for p, c in zip("abcdefgh", "bcdefghi", strict=True)),
+      "expands to more than"),
+     ("spec: " + "[" * 100_000 + "]" * 100_000 + "\n", "nests deeper than 64"),
+     ("sku: h200\n# " + "x" * (2 * 2**20) + "\n", "larger than 1048576 bytes")],
+    ids=["incomplete", "unknown-key", "two-bases", "unknown-field", "file-base", "list", "syntax",
+         "alias-bomb", "deep", "oversize"],
 )
 def test_bad_yaml_fails_in_one_line(tmp_path, text, error):
     f = tmp_path / "bad.yaml"

@@ -11,6 +11,7 @@ import yaml
 
 from anyrec import calcache
 from anyrec.backends import get_backend
+from anyrec.signing import SigningKey
 from anyrec.trainer.distributed import ONE_PROCESS
 
 CAL = Path(__file__).parent / "data" / "calibration_cpu_2rank.yaml"
@@ -139,3 +140,44 @@ def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
     assert calcache.cache_dir() == tmp_path
     monkeypatch.delenv(calcache.CACHE_DIR_ENV)
     assert calcache.cache_dir() == Path("~/.cache/anyrec").expanduser()
+
+
+KEY = SigningKey(b"0123456789abcdef0123", "test key")
+
+
+def _forged(tmp_path, key: SigningKey | None) -> Path:
+    """An entry edited by someone who can write the cache folder: figures changed, checksum recomputed."""
+    path = calcache.write_entry(tmp_path / _key().file_name(), _key(), yaml.safe_load(CAL.read_text()),
+                                signing_key=key)
+    data = yaml.safe_load(path.read_text())
+    data["spec"]["step_fixed_s"] = 1.0
+    data["cache"]["sha256"] = calcache._content_digest(data)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def test_a_forged_entry_with_a_matching_checksum(tmp_path):
+    """Without a key the checksum detects damage, not forgery (documented); with one it is refused."""
+    _forged(tmp_path, None)
+    assert calcache.lookup(_key(), tmp_path).hit  # what the docs say a key is for
+    _forged(tmp_path, KEY)
+    found = calcache.lookup(_key(), tmp_path, KEY)
+    assert not found.hit and "signature does not match" in found.problem and "\n" not in found.problem
+
+
+def test_signed_entries_are_hits_and_unsigned_ones_refused_with_a_key(tmp_path):
+    calcache.write_entry(tmp_path / _key().file_name(), _key(), yaml.safe_load(CAL.read_text()),
+                         signing_key=KEY)
+    assert calcache.lookup(_key(), tmp_path, KEY).hit
+    assert calcache.lookup(_key(), tmp_path).hit  # a key is needed to check, not to read
+    _entry(tmp_path)
+    found = calcache.lookup(_key(), tmp_path, KEY)
+    assert not found.hit and "is not signed" in found.problem
+
+
+def test_a_small_entry_that_expands_without_bound_is_not_used(tmp_path):
+    """1 KB of aliases under `measurements:` used to grow past 1.2 GB in the checksum's json.dumps."""
+    bomb = "  lol: &a [" + ",".join(['"lol"'] * 9) + "]\n" + "".join(
+        f"  l{c}: &{c} [{','.join([f'*{p}'] * 9)}]\n" for p, c in zip("abcdefgh", "bcdefghi", strict=True))
+    problem = _problem(tmp_path, lambda t: t.replace("measurements:\n", "measurements:\n" + bomb, 1))
+    assert "expands to more than" in problem

@@ -110,3 +110,59 @@ def test_a_spec_only_file_needs_no_measurements(tmp_path):
 def test_kernel_profile_refuses_nan():
     with pytest.raises(ValueError, match="per_row_s"):
         KernelProfile(0.5, per_row_s=float("nan"))
+
+
+OLD_LAYOUT = Path(__file__).parents[1] / "benchmarks" / "results" / "2026-12-01_cpu-2core" / \
+    "calibration_cpu_2ranks.yaml"  # the older layout: spec first, measurements after it
+
+
+def test_an_old_layout_file_cut_in_its_spec_is_refused(tmp_path):
+    """Cut at byte 1500 it used to plan with defaults for the lost figures (1.4 ms predicted, not 7.9)."""
+    assert OLD_LAYOUT.read_text().index("spec:") < OLD_LAYOUT.read_text().index("measurements:")
+    text = OLD_LAYOUT.read_text()
+    cut = text[:text.rindex("\n", 0, 1500) + 1]  # the last whole line before byte 1500: valid YAML
+    _refused(_write(tmp_path, cut), "calibrate again")
+    spec_only = text[:text.index("measurements:")]
+    assert "calibrate again" in _refused(_write(tmp_path, spec_only), "has no `measurements`")
+
+
+def test_a_whole_old_layout_file_still_loads():
+    hw = load_hardware_file(OLD_LAYOUT)
+    assert hw.spec.step_fixed_s > 0 and "replicated_table_s" in hw.measured_fields
+
+
+@pytest.mark.integration
+def test_every_truncation_of_an_old_layout_file_is_refused_or_loses_nothing(tmp_path):
+    whole = load_hardware_file(OLD_LAYOUT)
+    lines = OLD_LAYOUT.read_text().splitlines(keepends=True)
+    changed = []
+    for cut in range(len(lines)):
+        f = _write(tmp_path, "".join(lines[:cut + 1]))
+        try:
+            hw = load_hardware_file(f)
+        except ValueError as e:
+            assert "\n" not in str(e)
+            continue
+        if (hw.spec, hw.profiles, hw.measured_fields) != (whole.spec, whole.profiles, whole.measured_fields):
+            changed.append(cut + 1)
+    assert changed == [], f"truncated after line(s) {changed[:10]} accepted with other figures"
+
+
+def test_a_spec_without_a_base_names_the_figures_it_lacks(tmp_path):
+    data = yaml.safe_load(CAL.read_text())
+    del data["measurements"]
+    data["spec"]["source"] = "a datasheet"  # written by hand, not by anyrec.calibrate
+    assert load_hardware_file(_write(tmp_path, data)).spec.replicated_table_s > 0
+    del data["spec"]["replicated_table_s"]  # a default exists, but without a base nothing may default
+    _refused(_write(tmp_path, data), "spec lacks replicated_table_s")
+    data["sku"] = "cpu"
+    assert load_hardware_file(_write(tmp_path, data)).spec.replicated_table_s == 0  # the base's
+
+
+def test_figures_taken_from_the_base_sku_are_logged(tmp_path, caplog):
+    f = _write(tmp_path, {"sku": "h200", "spec": {"memory_bw_bytes_per_s": 4.0e12}})
+    with caplog.at_level("INFO", logger="anyrec.backends.hardware"):
+        load_hardware_file(f)
+    lines = [r.getMessage() for r in caplog.records if r.name == "anyrec.backends.hardware"]
+    assert len(lines) == 1 and "from the base h200" in lines[0] and "peak_bf16_flops" in lines[0]
+    assert "memory_bw_bytes_per_s" not in lines[0].replace("host_memory_bw_bytes_per_s", "")

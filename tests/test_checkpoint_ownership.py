@@ -286,8 +286,8 @@ def test_an_unverified_resume_says_so_in_one_line(tmp_path, caplog):
         _manager(root, verify=False).read_meta(ck)
         _manager(root).read_meta(ck)
     lines = [r.getMessage() for r in caplog.records if r.name == "anyrec.trainer.checkpoint"]
-    assert lines == [f"checkpoint {ck} is loaded unverified: its checksums are not checked "
-                     "(trainer.checkpoint.verify=false)"]
+    assert lines == [f"checkpoint {ck} is loaded unverified: the checksums of its shard files are not "
+                     "checked (trainer.checkpoint.verify=false)"]
 
 
 def test_unreadable_dcp_metadata_is_one_line_everywhere_it_is_read(tmp_path):
@@ -296,7 +296,9 @@ def test_unreadable_dcp_metadata_is_one_line_everywhere_it_is_read(tmp_path):
     ck = root / "step_1"
     (ck / ".metadata").write_bytes(b"garbage")
     m = _manager(root, verify=False)
-    _edit_meta(ck, lambda meta: meta["files"].update({".metadata": 7}))
+    digest = hashlib.sha256(b"garbage").hexdigest()  # damage with matching checksums: the index itself
+    _edit_meta(ck, lambda meta: (meta["files"].update({".metadata": 7}),
+                                 meta["sha256"].update({".metadata": digest})))
     for read in (m.read_meta, m.saved_keys):
         with pytest.raises(CheckpointError, match=r"is corrupt or unreadable: \.metadata: ") as e:
             read(ck)

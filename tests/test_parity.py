@@ -81,9 +81,7 @@ def test_against_a_saved_file(tmp_path, monkeypatch, capsys):
     data = json.loads(saved.read_text())
     assert data["format"] == parity.FORMAT and data["runs"][0]["losses"] == [0.7, 0.6]
     assert main(["model=dlrm_tiny", f"parity.against={saved}"]) == 0
-    data["runs"][0]["losses"][1] = 0.6 * (1 + 1e-4)
-    saved.write_text(json.dumps(data))
-    runs = iter([_record([0.7, 0.6], [0.1, 0.2])])
+    runs = iter([_record([0.7, 0.6 * (1 + 1e-4)], [0.1, 0.2])])
     assert main(["model=dlrm_tiny", f"parity.against={saved}"]) == 1
     assert "DIFFERS" in capsys.readouterr().out
 
@@ -96,7 +94,8 @@ def _no_variant_runs(monkeypatch):
 
 def _saved(tmp_path) -> tuple:
     """A valid records file and its data."""
-    data = {"format": parity.FORMAT, "runs": [{"label": "(base)", **_record([0.7, 0.6], [0.1, 0.2])}]}
+    run = parity.sealed({"label": "(base)", **_record([0.7, 0.6], [0.1, 0.2])})
+    data = {"format": parity.FORMAT, "runs": [run]}
     path = tmp_path / "ref.json"
     path.write_text(json.dumps(data))
     return path, data
@@ -120,6 +119,18 @@ def _value_dropped(data):
     data["runs"][0]["weights"]["t.weight"]["values"].pop()
 
 
+def _loss_edited(data):
+    data["runs"][0]["losses"][1] = 0.6 * (1 + 1e-4)  # the weights and their hash left alone
+
+
+def _label_edited(data):
+    data["runs"][0]["label"] = "backend.embedding_kernel=fbgemm"
+
+
+def _older_format(data):
+    data["format"] = "anyrec-parity/1"
+
+
 def _no_weights(data):
     del data["runs"][0]["weights"]
 
@@ -134,6 +145,10 @@ def _no_runs(data):
     (_nan_loss, "run 0 losses is not a list of finite numbers"),
     (_value_changed, "run 0 weights do not match their weights_sha256"),
     (_value_dropped, "run 0 weight t.weight has 1 values for shape [2]"),
+    (_loss_edited, "run 0 does not match its record_sha256"),
+    (_label_edited, "run 0 does not match its record_sha256"),
+    (_older_format, "written by an older anyrec"),
+    (lambda text: "[" * 100_000 + "]" * 100_000, "nests deeper than 64"),
     (_no_weights, "run 0 has no 'weights'"),
     (_no_runs, "holds no runs"),
 ])
@@ -148,6 +163,26 @@ def test_against_file_is_checked_whole_before_any_variant_runs(tmp_path, monkeyp
     assert main(["model=dlrm_tiny", f"parity.against={path}"]) == 2
     line = _one_error_line(capsys)
     assert f"parity.against {path}" in line and message in line, line
+
+
+def test_with_a_signing_key_records_are_signed_and_a_forged_one_refused(tmp_path, monkeypatch, capsys):
+    """A forger can recompute record_sha256; without the key they cannot sign the file."""
+    monkeypatch.setenv("ANYREC_SIGNING_KEY", "0123456789abcdef0123")
+    monkeypatch.setattr(parity, "run_variant", lambda base, v, timeout_s: _record([0.7, 0.6], [0.1, 0.2]))
+    saved = tmp_path / "ref.json"
+    assert main(["model=dlrm_tiny", f"parity.save={saved}"]) == 0
+    assert main(["model=dlrm_tiny", f"parity.against={saved}"]) == 0
+    capsys.readouterr()
+    data = json.loads(saved.read_text())
+    assert data["hmac_sha256"]
+    data["runs"][0]["losses"][1] = 0.5
+    data["runs"][0] = parity.sealed(data["runs"][0])  # the hash made to match
+    saved.write_text(json.dumps(data))
+    assert main(["model=dlrm_tiny", f"parity.against={saved}"]) == 2
+    assert "signature does not match" in _one_error_line(capsys)
+    path, _ = _saved(tmp_path)  # unsigned
+    assert main(["model=dlrm_tiny", f"parity.against={path}"]) == 2
+    assert "is not signed" in _one_error_line(capsys)
 
 
 def test_unwritable_save_path_is_refused_before_any_variant_runs(tmp_path, monkeypatch, capsys):

@@ -102,6 +102,9 @@ def test_training_summary_holds_prediction_measurement_and_breakdown(tmp_path):
     assert s["prediction_error"] == pytest.approx(s["predicted_step_ms"] / s["measured_step_ms"] - 1)
     # 12 steps: 2 of warm-up, 5 timed, then the profiler's warm-up step and 4 profiled ones (not timed).
     assert s["measured_steps"] == 5
+    # the CPU measures no device memory: the memory check's measurement and error are null
+    assert s["measured_peak_memory_bytes_per_rank"] == [None, None] and s["memory_prediction_error"] is None
+    assert len(s["predicted_peak_memory_bytes_per_rank"]) == 2
     b = s["step_breakdown_ms"]
     assert b["steps"] == 4 and len(b["per_rank"]) == 2
     for r in b["per_rank"]:

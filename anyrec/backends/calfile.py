@@ -4,8 +4,9 @@ or found in the calibration cache).
 A file with a `measurements` section must carry what it claims: `measured_fields` lists the DeviceSpec
 fields it determined, each given in its spec; each measured section (`copy_bw_bytes_per_s`,
 `gemm_flops`, `dlrm_mlp`, `collectives`, `step`) has its fields among them; every embedding profile
-has all its figures. Every number is finite, rates and capacities positive. A file cut short or with
-a field deleted fails here in one line, instead of planning with the base SKU's figures in its place.
+has all its figures; a spec anyrec.calibrate wrote comes with its measurements (the older layout put
+the spec first). Every number is finite, rates and capacities positive. A file cut short or with a
+field deleted fails here in one line, instead of planning with the base SKU's figures in its place.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ SECTION_FIELDS: dict[str, tuple[str, ...]] = {
     "dlrm_mlp": ("dense_efficiency",),
     "step": STEP_FIELDS,
 }
+# How anyrec.calibrate's spec `source` begins: such a spec always comes with its measurements.
+CALIBRATED_SOURCE = "anyrec.calibrate on "
 PROFILE_FIELDS = ("bw_efficiency", "access_bytes", "per_row_s", "per_launch_s")
 # Fields that may be 0 meaning "unknown" (the planner then falls back or refuses host placement);
 # every other number is a capacity, a rate or a width the planner divides by.
@@ -88,6 +91,9 @@ def check_hardware_data(data: dict[str, Any], spec_fields: dict[str, Any], where
     if bad:
         raise ValueError(f"{where}: {bad} is not a finite number")
     if "measurements" not in data:
+        if str(spec_fields.get("source", "")).startswith(CALIBRATED_SOURCE):
+            raise ValueError(f"{where}: its spec says anyrec.calibrate measured it, but the file has no "
+                             "`measurements` (cut short?); calibrate again")
         return
     m = data["measurements"]
     if not isinstance(m, dict) or not m:

@@ -17,21 +17,21 @@ The flat form is accepted too: DeviceSpec fields at the top level, `base: <sku>`
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import yaml
-
 from anyrec.backends.calfile import SPEC_FIELDS, check_hardware_data, check_spec_value
 from anyrec.backends.dispatch import TORCH_EMBEDDING, Impl, KernelProfile
 from anyrec.backends.specs import SKUS, DeviceSpec, sku_key
+from anyrec.safe_load import load_yaml
 
 if TYPE_CHECKING:
     from anyrec.backends.interface import Backend
 
+logger = logging.getLogger(__name__)
 _FILE_KEYS = ("sku", "base", "spec", "measurements", "cache")  # cache: what a cached calibration is for
 
 
@@ -128,27 +128,22 @@ def apply_overrides(spec: DeviceSpec, overrides: dict[str, Any] | None,
     return check_spec(spec.replace(**{k: _coerce(k, v) for k, v in overrides.items()}), where)
 
 
-class _Loader(yaml.SafeLoader):
-    """A safe YAML loader that also reads `4.8e12` as a number (YAML 1.1 wants `4.8e+12`)."""
-
-
-_Loader.add_implicit_resolver("tag:yaml.org,2002:float",
-                              re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?(?:[eE][-+]?[0-9]+)$"),
-                              list("-+0123456789"))
-
-
 def load_hardware_file(path: str | os.PathLike, backend: Backend | None = None) -> Hardware:
     """A hardware YAML (base SKU + overrides, or a complete spec; measurements) as a Hardware value."""
     p = Path(path).expanduser()
-    where = f"hardware file {p}"
     if not p.is_file():
         raise ValueError(f"hardware file {str(p)!r} does not exist")
-    try:
-        data = yaml.load(p.read_text(), Loader=_Loader) or {}
-    except yaml.YAMLError as e:
-        raise ValueError(f"{where}: not valid YAML ({str(e).splitlines()[0]})") from None
+    where = f"hardware file {p}"
+    return hardware_from_data(load_yaml(p, where), where, str(p), backend)  # bounded: size, depth, aliases
+
+
+def hardware_from_data(data: Any, where: str, source: str, backend: Backend | None = None) -> Hardware:
+    """A parsed hardware file (`where` names it in errors, `source` in the Hardware) as a Hardware value,
+    checked whole first."""
+    data = data or {}
     if not isinstance(data, dict):
         raise ValueError(f"{where}: expected a mapping with keys {', '.join(_FILE_KEYS)}")
+    data = dict(data)
     data.pop("defaults", None)  # present when the file doubles as a Hydra group option
     unknown = sorted(set(data) - set(_FILE_KEYS) - set(SPEC_FIELDS))
     if unknown:
@@ -168,16 +163,25 @@ def load_hardware_file(path: str | os.PathLike, backend: Backend | None = None) 
     if base is not None:
         if is_hardware_path(str(base)):
             raise ValueError(f"{where}: `sku: {base}` must be a SKU name or auto, not a file")
-        spec = apply_overrides(resolve_hardware(str(base), backend=backend).spec, fields, where)
-        return measured(Hardware(spec), data.get("measurements"), str(p))
+        base_spec = resolve_hardware(str(base), backend=backend).spec
+        from_base = [f for f in SPEC_FIELDS if f not in fields and f not in ("name", "source")]
+        if from_base:
+            logger.info("%s: %d figure(s) from the base %s (%s): %s", where, len(from_base), base,
+                        base_spec.source or "SKU table", ", ".join(from_base))
+        spec = apply_overrides(base_spec, fields, where)
+        return measured(Hardware(spec), data.get("measurements"), source)
     unknown = sorted(set(fields) - set(SPEC_FIELDS))
     if unknown:
         raise ValueError(f"{where}: unknown DeviceSpec field(s) {', '.join(unknown)}")
-    missing = [n for n, f in SPEC_FIELDS.items() if n not in fields and f.default is dataclasses.MISSING]
+    # Without a base every figure must be there: a spec cut short (the older layout wrote the spec
+    # first) would otherwise plan with defaults in place of the figures it lost.
+    missing = [n for n in SPEC_FIELDS if n not in fields]
     if missing:
-        raise ValueError(f"{where}: no `sku:` base and spec lacks {', '.join(missing)}")
+        raise ValueError(f"{where}: no `sku:` base and spec lacks {', '.join(missing[:6])}"
+                         f"{f' (+{len(missing) - 6} more)' if len(missing) > 6 else ''}: cut short or "
+                         "written by an older anyrec (calibrate again), or name a base with `sku:`")
     spec = check_spec(DeviceSpec(**{k: _coerce(k, v) for k, v in fields.items()}), where)
-    return measured(Hardware(spec), data.get("measurements"), str(p))
+    return measured(Hardware(spec), data.get("measurements"), source)
 
 
 def resolve_hardware(sku: str, overrides: dict[str, Any] | None = None, backend: Backend | None = None,

@@ -20,36 +20,29 @@ Legend: N rows, B batch per rank, I dense features (13), F sparse features (26),
 
 from __future__ import annotations
 
-import gzip
 import itertools
 import logging
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from torchrec.datasets.criteo import CAT_FEATURE_COUNT, INT_FEATURE_COUNT
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from anyrec.config import DataConfig, ModelConfig
 from anyrec.data.arrays import check_ids_dtype, check_layout, load_npy
 from anyrec.data.multihot import MultiHotArrays, read_multihot
+from anyrec.data.tsv import INT32, iter_tsv
 from anyrec.io_checks import atomic_write
 from anyrec.schema import feature_names
 
 logger = logging.getLogger(__name__)
 
-NUM_FIELDS = 1 + INT_FEATURE_COUNT + CAT_FEATURE_COUNT
-MALFORMED = ("error", "skip")
 # torchrec: log(x - min + 2) with the file's min; log1p: log(1 + max(x, 0)) (the DLRM scripts' rule).
 DENSE_TRANSFORMS = ("torchrec", "log1p")
 FILE_SOURCES = ("criteo_tsv", "criteo_npy", "criteo_multihot")
-# torchrec stores raw dense integers as int32 and ids as int64 before transforming them.
-_INT32 = (-(2**31), 2**31 - 1)
-_MAX_ID = 2**63 - 1
 
 
 class BadRowError(ValueError):
@@ -88,100 +81,44 @@ class CriteoArrays:
 # ---- TSV ---------------------------------------------------------------------------------------------
 
 
-def _parse_row(fields: list[str]) -> tuple[list[int], list[int], int]:
-    """(dense, sparse, label) of one split TSV row; ValueError says what is wrong with it."""
-    if len(fields) != NUM_FIELDS:
-        raise ValueError(f"expected {NUM_FIELDS} tab-separated fields, got {len(fields)}")
-    label = fields[0]
-    if label not in ("0", "1"):
-        raise ValueError(f"label must be 0 or 1, got {label!r}")
-    try:
-        dense = [int(x) if x else 0 for x in fields[1:1 + INT_FEATURE_COUNT]]
-    except ValueError as e:
-        raise ValueError(f"non-integer dense feature ({e})") from None
-    if dense and not _INT32[0] <= min(dense) <= max(dense) <= _INT32[1]:
-        bad = next(x for x in dense if not _INT32[0] <= x <= _INT32[1])
-        raise ValueError(f"dense value {bad} does not fit in 32 bits (torchrec stores dense values as int32)")
-    try:
-        sparse = [int(x, 16) if x else 0 for x in fields[1 + INT_FEATURE_COUNT:]]
-    except ValueError as e:
-        raise ValueError(f"non-hex categorical feature ({e})") from None
-    if sparse and (max(sparse) > _MAX_ID or min(sparse) < 0):
-        bad = next(x for x in sparse if not 0 <= x <= _MAX_ID)
-        raise ValueError(f"categorical id {bad:#x} does not fit in 63 bits (ids are stored as int64)")
-    return dense, sparse, int(label)
-
-
-def dense_transform(dense_NI: np.ndarray, rule: str = "torchrec") -> np.ndarray:
+def dense_transform(dense_NI: np.ndarray, rule: str = "torchrec", lo: int | None = None,
+                    hi: int | None = None) -> np.ndarray:
     """Raw dense integers to model inputs, as float32. `torchrec` is `BinaryCriteoUtils.tsv_to_npys`: subtract
-    (min over all of `dense_NI`) - 2 from every value, then log in float32, so the smallest value maps to log
-    2 and a file's transform depends on its own minimum. `log1p` is log(1 + max(x, 0)) per value (the older
-    DLRM rule)."""
+    (min over the file) - 2 from every value, then log in float32, so the smallest value maps to log 2 and a
+    file's transform depends on its own minimum: `lo`/`hi` are the file's extremes when `dense_NI` is part of
+    it (default: its own). `log1p` is log(1 + max(x, 0)) per value (the older DLRM rule)."""
     if rule == "log1p":
         return np.log1p(np.maximum(dense_NI, 0).astype(np.float64)).astype(np.float32)
     if rule != "torchrec":
         raise ValueError(f"data.dense_transform must be one of {DENSE_TRANSFORMS}, got {rule!r}")
     if dense_NI.size == 0:
         return np.zeros(dense_NI.shape, dtype=np.float32)
-    shifted = np.asarray(dense_NI, dtype=np.int64) - (int(dense_NI.min()) - 2)
-    if int(shifted.max()) > _INT32[1]:
+    lo = int(dense_NI.min()) if lo is None else lo
+    hi = int(dense_NI.max()) if hi is None else hi
+    if hi - (lo - 2) > INT32[1]:
         # torchrec does this subtraction in int32, where it would wrap to negative numbers (NaN logs).
-        raise ValueError(f"dense values span {int(dense_NI.min())}..{int(dense_NI.max())}: x - min + 2 "
-                         "overflows torchrec's int32 (use data.dense_transform=log1p)")
+        raise ValueError(f"dense values span {lo}..{hi}: x - min + 2 overflows torchrec's int32 "
+                         "(use data.dense_transform=log1p)")
+    shifted = np.asarray(dense_NI, dtype=np.int64) - (lo - 2)
     return np.log(shifted.astype(np.int32), dtype=np.float32)
-
-
-def _open_text(path: Path):
-    """A text stream of the file, gunzipped when it starts with gzip's magic bytes."""
-    with path.open("rb") as f:
-        magic = f.read(2)
-    if magic == b"\x1f\x8b":
-        return gzip.open(path, "rt", encoding="utf-8", errors="replace", newline="")
-    return path.open("r", encoding="utf-8", errors="replace", newline="")
 
 
 def read_tsv(path: str | Path, on_malformed: str = "error", transform: str = "torchrec") -> CriteoArrays:
     """Parse a Criteo TSV file (plain or gzipped). Malformed rows raise ValueError (`error`) or are
     counted (`skip`)."""
-    if on_malformed not in MALFORMED:
-        raise ValueError(f"data.on_malformed must be one of {MALFORMED}, got {on_malformed!r}")
     if transform not in DENSE_TRANSFORMS:
         raise ValueError(f"data.dense_transform must be one of {DENSE_TRANSFORMS}, got {transform!r}")
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"criteo: no such TSV file {path}")
-    dense, sparse, labels = [], [], []
-    bad = lineno = 0
+    chunks = list(iter_tsv(path, on_malformed))
+    bad = sum(c.malformed_rows for c in chunks)
     try:
-        with _open_text(path) as f:
-            for lineno, line in enumerate(f, start=1):
-                line = line.rstrip("\n").rstrip("\r")
-                if not line:
-                    continue
-                try:
-                    d, s, y = _parse_row(line.split("\t"))
-                except ValueError as e:
-                    if on_malformed == "error":
-                        raise ValueError(f"criteo: {path} line {lineno}: malformed row: {e} "
-                                         "(set data.on_malformed=skip to count and skip such rows)") from None
-                    bad += 1
-                    continue
-                dense.append(d)
-                sparse.append(s)
-                labels.append(y)
-    except (OSError, EOFError, zlib.error) as e:  # a truncated or corrupt .gz
-        raise ValueError(f"criteo: {path}: unreadable after line {lineno}: {e}") from None
-    if bad:
-        logger.warning("criteo: %s: skipped %d malformed rows of %d", path, bad, bad + len(labels))
-    if not labels:
-        raise ValueError(f"criteo: {path} has no valid rows")
-    try:
-        dense_NI = dense_transform(np.asarray(dense, dtype=np.int64), transform)
+        dense_NI = dense_transform(np.concatenate([c.dense_nI for c in chunks]), transform)
     except ValueError as e:
         raise ValueError(f"criteo: {path}: {e}") from None
-    labels_N1 = np.asarray(labels, dtype=np.int32).reshape(-1, 1)
-    return CriteoArrays(dense_NI, np.asarray(sparse, dtype=np.int64), labels_N1, malformed_rows=bad,
-                        source=str(path), files=(str(path),) * 3)
+    labels_N1 = np.concatenate([c.labels_n for c in chunks]).reshape(-1, 1)
+    sparse_NF = np.concatenate([c.sparse_nF for c in chunks])
+    return CriteoArrays(dense_NI, sparse_NF, labels_N1, malformed_rows=bad, source=str(path),
+                        files=(str(path),) * 3)
 
 
 def tsv_path(directory: str | Path, name: str) -> Path:

@@ -4,17 +4,50 @@ factors from the data schema."""
 
 from __future__ import annotations
 
+import logging
+import warnings
 from collections.abc import Sequence
 
 from torch import nn
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
 
+from anyrec.backends.dispatch import implementations
 from anyrec.backends.hardware import EmbeddingCost
 from anyrec.config import ModelConfig, PlannerConfig
 from anyrec.planner.estimators import inexact_update_reason
 from anyrec.planner.planner import CoDesignPlanner
 from anyrec.planner.types import Placement, PlanResult, ShardingType, TableSpec, Topology
 from anyrec.schema import feature_names, ids_per_sample
+
+logger = logging.getLogger(__name__)
+
+# torchrec runs a replicated table on the CPU with FBGEMM's dense TBE, whose CPU kernel computes the weight
+# gradient inside its own autograd function; torch still warns on every rank that the op has no Autograd
+# kernel and "may lead to silently incorrect behavior". The gradient is exact (tests/test_replicated_cpu.py
+# compares it with a reference), so where anyrec replicates tables that warning is filtered, not shown as
+# a fault.
+BENIGN_DENSE_TBE_WARNING = (r"fbgemm::dense_embedding_codegen_lookup_function: an autograd kernel was not "
+                            r"registered")
+_said: set[tuple[str, str]] = set()
+
+
+def quiet_dense_tbe_warning() -> None:
+    """Filter torch's benign warning about FBGEMM's CPU dense TBE (see above): every rank that trains
+    replicated tables calls it."""
+    warnings.filterwarnings("ignore", message=BENIGN_DENSE_TBE_WARNING, category=UserWarning)
+
+
+def _replicating_every_table(optimizer: str, reason: str, device_type: str) -> None:
+    """Say once why every table is replicated; quiet torch's benign warning about the kernel running them."""
+    if (optimizer, reason) not in _said:
+        _said.add((optimizer, reason))
+        able = " or ".join(i.name for i in implementations("embedding")
+                           if i.fused_update_reason(optimizer, device_type) is None) or "none"
+        logger.info("optim=%s: every table is replicated (data_parallel) because %s; anyrec updates them "
+                    "with the same %s rule (backend.embedding_kernel= %s would shard them)", optimizer,
+                    reason, optimizer, able)
+    quiet_dense_tbe_warning()
+
 
 WEIGHT_DTYPES = {DataType.FP32: "fp32", DataType.FP16: "fp16", DataType.BF16: "bf16", DataType.INT8: "int8"}
 
@@ -34,6 +67,23 @@ def interaction_pairs(model: ModelConfig) -> int:
     """Entries of the pairwise interaction per sample: (features + 1)^2 for the dot interaction (the
     dense vector and each table's pooled embedding), 0 for DCN (its cost is GEMMs, in the FLOPs)."""
     return (len(model.table_rows) + 1) ** 2 if model.interaction == "dot" else 0
+
+
+def dense_memory_per_sample(model: ModelConfig) -> tuple[int, int, int]:
+    """fp32 bytes per sample of the dense part's tensors alive (1) while the embeddings are looked up: the
+    bottom MLP's outputs (and the dot interaction's gradient buffer, (features + 1)^2, kept between
+    steps); (2) at the end of the interaction: those, its input ((features + 1) x dim), output and (dot)
+    its (features + 1)^2 matrix, or (DCN) each cross layer's input, low-rank projection and output;
+    (3) while the backward reaches the embeddings: the bottom MLP's outputs and the kept buffer."""
+    f1, dim = len(model.table_rows) + 1, model.embedding_dim
+    bottom = sum(model.bottom_mlp)
+    kept = f1 * f1 if model.interaction == "dot" else 0
+    if model.interaction == "dot":
+        interaction = f1 * dim + f1 * f1 + f1 * (f1 - 1) // 2
+    else:
+        width = f1 * dim
+        interaction = width + model.dcn_num_layers * (2 * width + model.dcn_low_rank)
+    return 4 * (bottom + kept), 4 * (bottom + kept + interaction), 4 * (bottom + kept)
 
 
 def dense_parameters(model: nn.Module, ebc: nn.Module) -> list[nn.Parameter]:
@@ -58,6 +108,7 @@ def plan_options(cfg: PlannerConfig, embedding: EmbeddingCost, optimizer: str,
         shardings = tuple(s for s in shardings if s == ShardingType.DATA_PARALLEL)
         if not shardings:
             raise ValueError(f"optim={optimizer}: {no_fused} and cannot replicate tables")
+        _replicating_every_table(optimizer, no_fused, device_type)
     opts: dict[str, object] = {"embedding": embedding, "uvm_cache_ratio": cfg.uvm_cache_ratio,
                                "reserve_fraction": cfg.memory_reserve_fraction,
                                "allowed_placements": placements if cfg.allow_uvm else (Placement.HBM,),
@@ -85,16 +136,21 @@ def planner_inputs(model: nn.Module, ebc: nn.Module, cfg_model: ModelConfig, cfg
     count and the PlanOptions fields (the `planner` config group's and the model's)."""
     dense = dense_parameters(model, ebc)
     options = plan_options(cfg_planner, embedding, optimizer, device_type)
-    options.update(interaction_pairs=interaction_pairs(cfg_model), dense_tensors=len(dense))
+    lookup, forward, backward = dense_memory_per_sample(cfg_model)
+    options.update(interaction_pairs=interaction_pairs(cfg_model), dense_tensors=len(dense),
+                   dense_lookup_bytes_per_sample=lookup, dense_activation_bytes_per_sample=forward,
+                   dense_gradient_bytes_per_sample=backward, dense_features=cfg_model.num_dense_features)
     return model_tables(ebc.embedding_bag_configs(), cfg_model), sum(p.numel() for p in dense), options
 
 
 def plan_model(model: nn.Module, ebc: nn.Module, cfg_model: ModelConfig, cfg_planner: PlannerConfig,
                optimizer: str, topology: Topology, batch_size_per_rank: int, embedding: EmbeddingCost,
-               planner: CoDesignPlanner | None = None) -> PlanResult:
-    """Plan the tables of `model`'s EmbeddingBagCollection `ebc` on `topology` with the co-design planner."""
+               planner: CoDesignPlanner | None = None, id_zipf_exponent: float = 0.0) -> PlanResult:
+    """Plan the tables of `model`'s EmbeddingBagCollection `ebc` on `topology` with the co-design planner;
+    `id_zipf_exponent`: the ids' skew where the data's is known (0: uniform, the most rows touched)."""
     tables, dense_params, options = planner_inputs(model, ebc, cfg_model, cfg_planner, optimizer, embedding,
                                                    topology.compute_device)
+    options["id_zipf_exponent"] = id_zipf_exponent
     return (planner or CoDesignPlanner()).plan(tables, topology, batch_size_per_rank, optimizer, dense_params,
                                                **options)
 

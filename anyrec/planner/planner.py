@@ -18,6 +18,7 @@ from anyrec.planner.estimators import (
     sharding_group_time_s,
     usable_caps,
 )
+from anyrec.planner.memory import predict_memory
 from anyrec.planner.partitioners import MAKESPAN_TOLERANCE, ExhaustivePartitioner, GreedyPerfPartitioner
 from anyrec.planner.proposers import EscalatingPlacementProposer
 from anyrec.planner.types import (
@@ -39,6 +40,19 @@ from anyrec.planner.types import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+def peak_memory_notes(plan: PlanResult) -> list[str]:
+    """A note for each rank whose predicted peak device memory (anyrec.planner.memory, reserved: with the
+    allocator's slack) exceeds the usable HBM: the search fits the planner's per-shard storage, which
+    leaves out the step's transient tensors (lookup and update temporaries, activations)."""
+    if plan.topology.compute_device == "cpu":
+        return []
+    usable = plan.caps.hbm_bytes
+    return [f"rank {r}: predicted peak {p.reserved_bytes / 1e9:.2f} GB (data source not included) exceeds "
+            f"the {usable / 1e9:.2f} GB usable: the plan may not fit; plan with fewer tables per rank "
+            f"(more ranks) or a smaller batch"
+            for r, p in enumerate(predict_memory(plan)) if p.reserved_bytes > usable]
 
 
 def make_workload(tables: list[TableSpec], batch_size_per_rank: int, optimizer: str,
@@ -191,6 +205,7 @@ class CoDesignPlanner:
                           group_s=sharding_group_time_s(topology))
         plan.reasons = explain_tables(plan)
         plan.plan_time_s = time.perf_counter() - start
+        plan.notes += peak_memory_notes(plan)
         logger.info("planned %d tables on %d x %s in %.3f s (%s): predicted step %.3f ms", len(wl.tables),
                     topology.world_size, topology.device.name, plan.plan_time_s, solver,
                     plan.predicted_step_s * 1e3)

@@ -3,15 +3,24 @@ SKU comparison, the `plan.output` JSON (written atomically) and the plan picture
 
 from __future__ import annotations
 
+import io
 import json
 from collections import Counter
+from pathlib import Path
 
 from anyrec.io_checks import atomic_write
 from anyrec.planner.advice import GB, alternatives_s, co_design_advice
 from anyrec.planner.estimators import shard_data_bytes
+from anyrec.planner.memory import predict_memory
 from anyrec.planner.types import Placement, PlanResult, ShardingType
 
 TWRW = ShardingType.TABLE_ROW_WISE
+MB = 1e6
+
+
+def size_text(nbytes: float) -> str:
+    """Bytes as GB with one decimal, or as MB where that would round to 0.0 GB."""
+    return f"{nbytes / GB:.1f} GB" if nbytes >= 0.05 * GB else f"{nbytes / MB:.1f} MB"
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -87,16 +96,18 @@ def format_report(plan: PlanResult, advice: bool = True, max_tables: int = 60) -
         f"solver {plan.solver}, planned in {plan.plan_time_s:.3f} s",
         host_summary(plan),
         "",
-        f"{'rank':>4}  {'HBM used / cap GB':>19}  {'DDR GB':>7}  {'compute ms':>10}  {'comms ms':>9}  "
-        f"{'total ms':>9}",
+        f"{'rank':>4}  {'HBM used / cap':>21}  {'peak':>9}  {'DDR':>9}  {'compute ms':>10}  "
+        f"{'comms ms':>9}  {'total ms':>9}",
     ]
-    lines += [f"{r:>4}  {st.hbm_bytes / GB:>8.1f} / {topo.hbm_bytes_per_rank / GB:>8.1f}  "
-              f"{st.ddr_bytes / GB:>7.1f}  {pf.compute_s * 1e3:>10.3f}  {pf.comms_s * 1e3:>9.3f}  "
-              f"{pf.total_s * 1e3:>9.3f}"
-              for r, (st, pf) in enumerate(zip(plan.rank_storage, plan.rank_perf, strict=False))]
+    peaks = predict_memory(plan)
+    lines += [f"{r:>4}  {size_text(st.hbm_bytes):>9} / {size_text(topo.hbm_bytes_per_rank):>9}  "
+              f"{size_text(peak.allocated_bytes):>9}  {size_text(st.ddr_bytes):>9}  "
+              f"{pf.compute_s * 1e3:>10.3f}  {pf.comms_s * 1e3:>9.3f}  {pf.total_s * 1e3:>9.3f}"
+              for r, (st, peak, pf) in enumerate(zip(plan.rank_storage, peaks, plan.rank_perf, strict=False))]
     lines += [
-        f"(HBM cap less reserve: {plan.caps.hbm_bytes / GB:.1f} GB usable; dense model and local buffers "
-        f"{plan.base.storage.hbm_bytes / GB:.2f} GB and {plan.base.perf.total_s * 1e3:.3f} ms per rank)",
+        f"(peak: predicted peak device memory allocated in a step, data source not included; HBM cap less "
+        f"reserve: {size_text(plan.caps.hbm_bytes)} usable; dense model and local buffers "
+        f"{size_text(plan.base.storage.hbm_bytes)} and {plan.base.perf.total_s * 1e3:.3f} ms per rank)",
         "",
         f"{'table':<14} {'rows':>10} {'dim':>4} {'pool':>5} {'sharding':<16} {'placement':<11} "
         f"{'kernel':<17} {'ranks':<9} why",
@@ -149,7 +160,7 @@ def _compare_summary(p: PlanResult) -> dict[str, str]:
         "hardware": f"{p.topology.world_size} x {p.topology.device.name}",
         "HBM per device": f"{p.topology.hbm_bytes_per_rank / GB:.0f} GB",
         "HBM bandwidth": f"{p.topology.device.memory_bw_bytes_per_s / 1e12:.2f} TB/s",
-        "max HBM used": f"{max(s.hbm_bytes for s in p.rank_storage) / GB:.1f} GB",
+        "max HBM used": size_text(max(s.hbm_bytes for s in p.rank_storage)),
         "tables in HBM / UVM / DDR": " / ".join(str(placed[k]) for k in Placement),
         "table_row_wise tables": table_row_wise_count(p),
         "predicted step": f"{p.predicted_step_s * 1e3:.3f} ms",
@@ -232,5 +243,8 @@ def plot_plan(plan: PlanResult, path: str, compare: PlanResult | None = None) ->
     for ax in (axes[0][-1], axes[1][-1]):
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    png = io.BytesIO()
+    fig.savefig(png, format=Path(path).suffix.lstrip(".").lower() or "png", dpi=100)
     plt.close(fig)
+    with atomic_write(path, "wb") as f:  # never through a link planted at `path`
+        f.write(png.getvalue())

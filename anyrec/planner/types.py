@@ -228,7 +228,13 @@ class PlanOptions:
     max_column_shards: int = 8  # most column-wise pieces considered per table
     exhaustive_limit: int = 20_000  # search spaces at most this large are solved exactly
     dense_dtype: str = "bf16"  # dense (MLP) compute dtype: picks peak FLOP/s
-    dense_activation_bytes_per_sample: int = 0  # extra per-sample activation memory for the dense part
+    # The dense part's bytes per sample alive at the forward's end (its activations), during the lookups,
+    # and while the backward reaches the embeddings (job.dense_memory_per_sample)
+    dense_activation_bytes_per_sample: int = 0
+    dense_lookup_bytes_per_sample: int = 0
+    dense_gradient_bytes_per_sample: int = 0
+    dense_features: int = 0  # dense input features per sample (the batch's dense tensor)
+    id_zipf_exponent: float = 0.0  # ids' popularity ~ 1 / rank^s (0: uniform): rows touched per step
     interaction_pairs: int = 0  # per sample (DeviceSpec.step_per_pair_s each): see job.interaction_pairs
     dense_tensors: int = 0  # parameter tensors of the dense model (DeviceSpec.step_per_dense_tensor_s each)
 

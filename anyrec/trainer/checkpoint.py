@@ -12,7 +12,10 @@ signature, world size, file sizes and checksums, anyrec version) and, after a ba
 directory to its final name, so a reader never sees half a checkpoint under a final name. Loading
 checks the signature (tables, dense shapes, optimizer), the file sizes and SHA-256 checksums first, so
 an incompatible or corrupt checkpoint fails with one clear line on every rank; DCP reshards
-ShardedTensors when the world size or plan changed. Beside the model and optimizers, a checkpoint holds
+ShardedTensors when the world size or plan changed. Nothing in the directory is unpickled before its
+checksum matched meta.json, and then only with a restricted unpickler (dcp_reader.py). Checksums detect
+damage, not forgery: with a signing key (anyrec.signing) meta.json is signed too, and an unsigned or
+foreign one is refused. Beside the model and optimizers, a checkpoint holds
 the step state (`StepState`, torch.distributed.checkpoint's `Stateful` shape).
 """
 
@@ -36,6 +39,9 @@ import torch.distributed.checkpoint as dcp
 
 import anyrec
 from anyrec.config import CheckpointConfig
+from anyrec.io_checks import open_nofollow
+from anyrec.signing import SignatureError, SigningKey
+from anyrec.trainer.dcp_reader import SafeLoadPlanner, SafeReader
 from anyrec.trainer.distributed import DistInfo, broadcast_from_main, gather_objects
 from anyrec.trainer.errors import CheckpointError
 from anyrec.trainer.lineage import META, DirLock, RunIdentity, decide_start, read_meta_file, scan
@@ -92,7 +98,7 @@ def _sha256s(path: Path, names: list[str], info: DistInfo) -> dict[str, str]:
 def _dcp_metadata(path: Path) -> Any:
     """DCP's metadata of checkpoint `path` (CheckpointError in one line if missing or unreadable)."""
     with _dcp_errors(f"checkpoint {path} is corrupt or unreadable: {DCP_METADATA}"):
-        return dcp.FileSystemReader(str(path)).read_metadata()
+        return SafeReader(str(path)).read_metadata()
 
 
 def _shard_files(path: Path) -> set[str]:
@@ -144,16 +150,18 @@ class StepState:
 
 class CheckpointManager:
     """Saves and finds the checkpoints of one run directory (collective: every rank calls each method).
-    `identity` is the run's settings (lineage.identity_config)."""
+    `identity` is the run's settings (lineage.identity_config); with `signing_key`, meta.json is signed
+    when written and its signature checked when read."""
 
     def __init__(self, cfg: CheckpointConfig, signature: dict[str, Any], info: DistInfo,
-                 identity: dict[str, Any] | None = None) -> None:
+                 identity: dict[str, Any] | None = None, signing_key: SigningKey | None = None) -> None:
         if cfg.every < 0 or cfg.keep < 1:
             raise ValueError(f"trainer.checkpoint.every must be >= 0 and keep >= 1, got "
                              f"every={cfg.every}, keep={cfg.keep}")
         self.cfg, self.root, self.signature, self.info = cfg, Path(cfg.dir), signature, info
         self.is_main = info.is_main
         self.identity = identity or {}
+        self.signing_key = signing_key
         self.run: RunIdentity | None = None  # set by start()
         self._replace: tuple[str, ...] = ()
         self._lock: DirLock | None = None
@@ -234,7 +242,9 @@ class CheckpointManager:
         meta = {"step": step, "signature": self.signature, "anyrec_version": anyrec.__version__,
                 "files": _file_sizes(tmp), "sha256": digests, "saved_at": time.time(), **extra_meta,
                 "run": self.run.to_meta()}
-        with (tmp / META).open("w", encoding="utf-8") as f:
+        if self.signing_key is not None:  # signed as it reads back (JSON: tuples become lists)
+            meta = self.signing_key.signed(json.loads(json.dumps(meta)))
+        with open_nofollow(tmp / META, "x") as f:  # a new file: never one planted in tmp
             json.dump(meta, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
@@ -276,10 +286,16 @@ class CheckpointManager:
         return f".tmp-{self.run.lineage[:8]}-"
 
     def read_meta(self, path: Path) -> dict[str, Any]:
-        """meta.json of a checkpoint, checked against this model and the files on disk before anything
-        loads: every file it names exists with its size, DCP's shard files are among them, and (verify)
-        their SHA-256 match."""
+        """meta.json of a checkpoint, checked against the signing key, this model and the files on disk
+        before anything in the directory is unpickled or loaded: every file it names exists with its
+        size and SHA-256 (all of them with verify or a key, else DCP's index), and DCP's shard files
+        are among them."""
         meta = read_meta_file(path)
+        if self.signing_key is not None:
+            try:
+                self.signing_key.check(meta, f"checkpoint {path}: meta.json")
+            except SignatureError as e:
+                raise CheckpointError(str(e)) from None
         why = signature_mismatch(meta["signature"], self.signature)
         if why:
             raise CheckpointError(f"checkpoint {path} is from an incompatible model: {why}")
@@ -288,34 +304,43 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint {path} is corrupt or incomplete: meta.json does not list "
                                   f"DCP's {DCP_METADATA}")
         for name, size in files.items():
+            if not isinstance(name, str) or "/" in name or name in ("", ".", "..") or name == META:
+                raise CheckpointError(f"checkpoint {path} is corrupt: meta.json lists {name!r}, not a file "
+                                      "of the checkpoint")
             f = path / name
             if not f.is_file() or f.stat().st_size != size:
                 have = f.stat().st_size if f.is_file() else "missing"
                 raise CheckpointError(f"checkpoint {path} is corrupt: {name} is {have} bytes, "
                                       f"{size} were written")
-        unlisted = sorted(_shard_files(path) - set(files))
+        verify_all = self.cfg.verify or self.signing_key is not None
+        sums = meta.get("sha256")
+        covered = isinstance(sums, dict) and (set(sums) == set(files) if verify_all else DCP_METADATA in sums)
+        if not covered:
+            raise CheckpointError(f"checkpoint {path} is corrupt or incomplete: meta.json's checksums "
+                                  f"do not cover the files it lists")
+        if not verify_all and self.is_main:
+            logger.warning("checkpoint %s is loaded unverified: the checksums of its shard files are not "
+                           "checked (trainer.checkpoint.verify=false)", path)
+        elif not self.cfg.verify and self.is_main:
+            logger.warning("trainer.checkpoint.verify=false is ignored: with a signing key (%s) every "
+                           "file of a checkpoint is checked", self.signing_key.source)
+        checked = sorted(sums) if verify_all else [DCP_METADATA]
+        digests = _sha256s(path, checked, self.info)
+        bad = [n for n in checked if digests[n] != sums[n]]
+        if bad:
+            raise CheckpointError(f"checkpoint {path} is corrupt: checksum mismatch in "
+                                  f"{', '.join(sorted(bad))}")
+        unlisted = sorted(_shard_files(path) - set(files))  # DCP's index: checked above, unpickled now
         if unlisted:
             raise CheckpointError(f"checkpoint {path} is corrupt or incomplete: DCP's {DCP_METADATA} names "
                                   f"{', '.join(unlisted[:3])}, which meta.json does not list")
-        if self.cfg.verify:
-            sums = meta.get("sha256")
-            if not isinstance(sums, dict) or set(sums) != set(files):
-                raise CheckpointError(f"checkpoint {path} is corrupt or incomplete: meta.json's checksums "
-                                      f"do not cover the files it lists")
-            digests = _sha256s(path, list(sums), self.info)
-            bad = [n for n in sums if digests[n] != sums[n]]
-            if bad:
-                raise CheckpointError(f"checkpoint {path} is corrupt: checksum mismatch in "
-                                      f"{', '.join(sorted(bad))}")
-        elif self.is_main:
-            logger.warning("checkpoint %s is loaded unverified: its checksums are not checked "
-                           "(trainer.checkpoint.verify=false)", path)
         return meta
 
     def load(self, path: Path, state: dict[str, Any]) -> None:
-        """Fill `state` in place from checkpoint `path` (collective; DCP reshards as needed)."""
+        """Fill `state` in place from checkpoint `path`, checked by `read_meta` first (collective; DCP
+        reshards as needed; nothing is unpickled unrestricted)."""
         with _dcp_errors(f"checkpoint {path} is corrupt or unreadable"):
-            dcp.load(state, checkpoint_id=str(path))
+            dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner())
 
     def saved_keys(self, path: Path) -> set[str]:
         """Flattened keys stored in a checkpoint (to load only what it has, e.g. per-rank RNG)."""

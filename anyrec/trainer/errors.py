@@ -9,6 +9,8 @@ import sys
 import threading
 import time
 
+from anyrec.io_checks import LinkError, open_nofollow
+
 
 class NonFiniteLossError(RuntimeError):
     """The loss became NaN or inf (raised on every rank at the same step)."""
@@ -29,9 +31,9 @@ def write_error_file(message: str) -> None:
     if not path:
         return
     try:
-        with open(path, "w", encoding="utf-8") as f:
+        with open_nofollow(path, "w") as f:
             json.dump({"message": message, "timestamp": int(time.time())}, f)
-    except OSError:
+    except (OSError, LinkError):
         pass  # the report then says "error_file: <N/A>"; the message is on stderr anyway
 
 

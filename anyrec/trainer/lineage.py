@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from anyrec.config import AnyrecConfig, CheckpointConfig
+from anyrec.io_checks import LinkError, open_nofollow
+from anyrec.safe_load import load_json
 from anyrec.trainer.errors import CheckpointError
 
 LOCK = ".anyrec.lock"
@@ -91,7 +93,7 @@ class Found:
     @property
     def run(self) -> dict[str, Any] | None:
         run = (self.meta or {}).get("run")
-        return run if isinstance(run, dict) and "lineage" in run else None
+        return run if isinstance(run, dict) and isinstance(run.get("lineage"), str) else None
 
     @property
     def lineage(self) -> str | None:
@@ -115,11 +117,21 @@ def scan(root: Path) -> list[Found]:
         m = _FINAL.match(p.name)
         if m and p.is_dir():
             try:
-                meta = json.loads((p / META).read_text(encoding="utf-8"))
-            except (OSError, ValueError):
+                meta = load_json(p / META, f"checkpoint {p}: {META}")
+            except ValueError:
                 meta = None
             found.append(Found(int(m.group(1)), p, meta if isinstance(meta, dict) else None))
     return sorted(found, key=lambda f: f.step)
+
+
+def _saved_at(found: Found) -> float:
+    """When a checkpoint was saved, by its meta.json (read before it is verified: a number or 0)."""
+    t = (found.meta or {}).get("saved_at")
+    return float(t) if isinstance(t, int | float) and not isinstance(t, bool) else 0.0
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
 
 
 def _names(found: list[Found]) -> str:
@@ -134,7 +146,7 @@ def decide_start(root: Path, cfg: CheckpointConfig, config: dict[str, Any], sign
     if cfg.resume:
         mine = [f for f in found if f.run and f.run.get("fingerprint") == mine_fp]
         if mine:  # this run's own lineage (newest written, should an overwrite have been cut short)
-            lineage = max(mine, key=lambda f: (f.meta or {}).get("saved_at", 0)).lineage
+            lineage = max(mine, key=_saved_at).lineage
             newest = [f for f in mine if f.lineage == lineage][-1]
             return Start(str(newest.path), lineage)
     load, parent = None, None
@@ -169,7 +181,7 @@ def decide_start(root: Path, cfg: CheckpointConfig, config: dict[str, Any], sign
         raise CheckpointError(
             f"trainer.checkpoint.dir {root} holds another run's checkpoints ({_names(found)}, run "
             f"{newest.run.get('run_id')}) with different settings: "
-            f"{config_diff(newest.run.get('config', {}), config)}; use another directory, or start "
+            f"{config_diff(_dict(newest.run.get('config')), config)}; use another directory, or start "
             f"from it with trainer.checkpoint.resume_from={newest.path} in another directory")
     return Start(load, uuid.uuid4().hex[:16], parent, tuple(str(f.path) for f in found))
 
@@ -177,12 +189,12 @@ def decide_start(root: Path, cfg: CheckpointConfig, config: dict[str, Any], sign
 def read_meta_file(path: Path) -> dict[str, Any]:
     """A checkpoint's meta.json as a dict, or CheckpointError naming it."""
     try:
-        meta = json.loads((path / META).read_text(encoding="utf-8"))
-        if not isinstance(meta, dict) or "step" not in meta or "signature" not in meta:
-            raise ValueError("missing fields")
-    except (OSError, ValueError) as e:
+        meta = load_json(path / META, META)  # bounded: a forged one makes no unbounded work
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint {path} is corrupt or incomplete: {e}") from None
+    if not isinstance(meta, dict) or "step" not in meta or "signature" not in meta:
         raise CheckpointError(f"checkpoint {path} is corrupt or incomplete: unreadable meta.json "
-                              f"({type(e).__name__}: {e})") from None
+                              "(missing fields)")
     return meta
 
 
@@ -205,7 +217,10 @@ class DirLock:
 
     def __init__(self, root: Path, run_id: str) -> None:
         self.path = root / LOCK
-        f = self.path.open("a+", encoding="utf-8")
+        try:
+            f = open_nofollow(self.path, "a+")
+        except LinkError as e:
+            raise CheckpointError(f"trainer.checkpoint.dir {root}: {e}") from None
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -22,6 +22,7 @@ from anyrec.backends.dispatch import Impl, implementations
 from anyrec.config import OptimConfig
 from anyrec.kernels.optimizers import OptimizerConfig, OptimizerKind
 from anyrec.kernels.replicated import ReplicatedTableOptimizer
+from anyrec.planner.job import quiet_dense_tbe_warning
 
 OPTIMIZERS = tuple(k.value for k in OptimizerKind)  # the fused update rules name the optimizers
 
@@ -71,12 +72,14 @@ def check_embedding_optimizer(cfg: OptimConfig, embedding: Impl, device_type: st
         return
     fused = sorted({ps.sharding_type for module in plan.plan.values() for ps in module.values()}
                    - {"data_parallel"})
-    if fused:
-        able = ", ".join(i.name for i in implementations("embedding")
-                         if i.fused_update_reason(cfg.name, device_type) is None)
-        raise ValueError(f"optim={cfg.name}: {reason} (the plan shards tables as {', '.join(fused)}); use "
-                         f"backend.embedding_kernel= one of {able}, planner.sharding=data_parallel, or "
-                         f"optim= one of {', '.join(embedding.cpu_optimizers or ())}")
+    if not fused:  # every table replicated: run by FBGEMM's dense TBE, whose torch warning is benign
+        quiet_dense_tbe_warning()
+        return
+    able = ", ".join(i.name for i in implementations("embedding")
+                     if i.fused_update_reason(cfg.name, device_type) is None)
+    raise ValueError(f"optim={cfg.name}: {reason} (the plan shards tables as {', '.join(fused)}); use "
+                     f"backend.embedding_kernel= one of {able}, planner.sharding=data_parallel, or "
+                     f"optim= one of {', '.join(embedding.cpu_optimizers or ())}")
 
 
 def apply_embedding_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> None:

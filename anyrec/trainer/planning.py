@@ -18,9 +18,10 @@ from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 from anyrec.backends import Backend, Hardware
 from anyrec.backends.dispatch import Impl
 from anyrec.backends.sharders import embedding_sharder
-from anyrec.config import AnyrecConfig
+from anyrec.config import AnyrecConfig, PlannerConfig
 from anyrec.data import resolve_batch_size
 from anyrec.planner.job import plan_model
+from anyrec.planner.memory import MemoryPrediction, predict_memory
 from anyrec.planner.report import format_report
 from anyrec.planner.simple import simple_table_shardings
 from anyrec.planner.simple import to_sharding_plan as simple_sharding_plan
@@ -58,16 +59,18 @@ def dense_wrapper(world_size: int, static_graph: bool = True) -> DataParallelWra
 
 
 def shared_plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module, module_path: str,
-                embedding: Impl, hardware: Hardware) -> tuple[ShardingPlan, Perf | None]:
-    """Rank 0 plans and every rank takes its plan and the predicted per-step cost of the plan's slowest
-    rank (None from a planner that predicts nothing): ranks must never shard by different plans. A
-    planning error on rank 0 (e.g. nothing fits) is raised on every rank, so none waits."""
+                embedding: Impl, hardware: Hardware
+                ) -> tuple[ShardingPlan, Perf | None, list[MemoryPrediction] | None]:
+    """Rank 0 plans and every rank takes its plan, the predicted per-step cost of the plan's slowest
+    rank and each rank's predicted peak memory (None from a planner that predicts nothing): ranks must
+    never shard by different plans. A planning error on rank 0 (e.g. nothing fits) is raised on every
+    rank, so none waits."""
     if info.world_size == 1:
-        return plan_and_predict(cfg, backend, info, model, module_path, embedding, hardware)
+        return _plan(cfg, backend, info, model, module_path, embedding, hardware)
     result: Any = None
     if info.is_main:
         try:
-            result = plan_and_predict(cfg, backend, info, model, module_path, embedding, hardware)
+            result = _plan(cfg, backend, info, model, module_path, embedding, hardware)
         except ValueError as e:
             result = ValueError(str(e))
     result = broadcast_from_main(result, info)
@@ -82,6 +85,14 @@ def plan_and_predict(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model:
     """The configured planner's plan for the EmbeddingBagCollection at `module_path` of `model` and the
     co-design planner's predicted cost of its slowest rank per step (None: simple), for the embedding
     implementation on `hardware` (its spec and measured profiles)."""
+    plan, slowest, _ = _plan(cfg, backend, info, model, module_path, embedding, hardware)
+    return plan, slowest
+
+
+def _plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module, module_path: str,
+          embedding: Impl, hardware: Hardware
+          ) -> tuple[ShardingPlan, Perf | None, list[MemoryPrediction] | None]:
+    """plan_and_predict's plan and cost, and each rank's predicted peak memory (None: simple)."""
     ebc = model.sparse_arch
     if cfg.planner.name == "simple":
         if cfg.planner.sharding == "data_parallel" and not embedding.data_parallel:
@@ -92,18 +103,38 @@ def plan_and_predict(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model:
         plan = simple_sharding_plan(ebc, shardings, module_path, info.world_size, info.local_world_size,
                                     backend.device_type, sharder=sharders(embedding)[0],
                                     compute_kernel=embedding.compute_kernel())
-        return place_shards(plan, backend, info.local_world_size), None
+        return place_shards(plan, backend, info.local_world_size), None, None
     if cfg.planner.name != "codesign":
         raise ValueError(f"unknown planner {cfg.planner.name!r}; choose codesign or simple")
     topology = Topology(hardware.spec, info.world_size, info.local_world_size, backend.device_type)
     batch = resolve_batch_size(cfg.data, info.world_size).batch_size
     result = plan_model(model, ebc, cfg.model, cfg.planner, cfg.optim.name, topology, batch,
-                        hardware.embedding_cost(embedding))
+                        hardware.embedding_cost(embedding), id_zipf_exponent=id_skew(cfg))
     if info.is_main:
         logger.info("co-design plan:\n%s", format_report(result, advice=False))
     slowest = max(result.rank_perf, key=lambda p: p.total_s)  # its total_s is result.predicted_step_s
     plan = to_sharding_plan(result, module_path, ebc, backend.device_type)
-    return place_shards(plan, backend, info.local_world_size), slowest
+    return place_shards(plan, backend, info.local_world_size), slowest, predict_memory(result)
+
+
+def unsharded_memory(cfg: AnyrecConfig, backend: Backend, model: nn.Module, embedding: Impl,
+                     hardware: Hardware) -> list[MemoryPrediction]:
+    """The predicted peak memory of one rank that runs every table itself (no torchrec sharding): the
+    co-design planner's costing of all tables table-wise on that rank, without the all-to-alls."""
+    ebc = model.sparse_arch
+    topology = Topology(hardware.spec, 1, 1, backend.device_type)
+    batch = resolve_batch_size(cfg.data, 1).batch_size
+    planner_cfg = PlannerConfig(sharding="table_wise", allow_uvm=False,
+                                memory_reserve_fraction=cfg.planner.memory_reserve_fraction)
+    result = plan_model(model, ebc, cfg.model, planner_cfg, cfg.optim.name, topology, batch,
+                        hardware.embedding_cost(embedding), id_zipf_exponent=id_skew(cfg))
+    return predict_memory(result, sharded=False)
+
+
+def id_skew(cfg: AnyrecConfig) -> float:
+    """The ids' Zipf exponent where the data source sets it (synthetic data); 0 (uniform ids, the most
+    rows touched per step) for files, whose skew is unknown before reading them."""
+    return float(cfg.data.zipf_exponent) if cfg.data.name == "synthetic" else 0.0
 
 
 def place_shards(plan: ShardingPlan, backend: Backend, local_world_size: int) -> ShardingPlan:

@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import resource
+import secrets
 import sys
 import time
 from dataclasses import dataclass
@@ -21,11 +22,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm import tqdm
 
+from anyrec.io_checks import LinkError, open_nofollow
 from anyrec.trainer.distributed import gather_objects
 from anyrec.trainer.fingerprint import weights_fingerprint
+from anyrec.trainer.memcheck import memory_check, resident_device_bytes, with_data_source
 from anyrec.trainer.perfcheck import StepProfiler, StepTimer, prediction_check
 
 if TYPE_CHECKING:
+    from anyrec.planner.memory import MemoryPrediction
     from anyrec.trainer.trainer import Trainer
 
 logger = logging.getLogger("anyrec.trainer.trainer")  # the trainer's own log lines
@@ -59,7 +63,7 @@ class MetricWriter:
             return
         path = Path(run_dir)
         path.mkdir(parents=True, exist_ok=True)
-        self._jsonl = (path / "metrics.jsonl").open("a", encoding="utf-8")
+        self._jsonl = open_nofollow(path / "metrics.jsonl", "a")
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -67,7 +71,12 @@ class MetricWriter:
                 logger.warning("tensorboard is not installed: TensorBoard logging is off "
                                "(pip install tensorboard, or set trainer.tensorboard=false)")
             else:
-                self._tb = SummaryWriter(log_dir=str(path / "tb"))
+                if (path / "tb").is_symlink():
+                    raise LinkError(f"{path / 'tb'} is a symbolic link: anyrec does not write through links "
+                                    "(remove it)")
+                # TensorBoard opens its event file without O_NOFOLLOW: a random suffix makes its name one
+                # nobody can plant a link at in advance.
+                self._tb = SummaryWriter(log_dir=str(path / "tb"), filename_suffix=f".{secrets.token_hex(8)}")
 
     def write(self, step: int, kind: str, values: dict[str, Any]) -> None:
         """One record: `kind` is "train" or "eval"; numeric values also go to TensorBoard."""
@@ -142,12 +151,24 @@ def run_summary(trainer: Trainer, final_loss: float | None, train_loss: float | 
     perf = trainer.predicted_perf  # the plan's slowest rank, None where nothing predicted it
     summary.update(prediction_check(perf.total_s if perf else None, per_rank_s, log=trainer.dist.is_main))
     summary["measured_steps"] = run.timer.steps  # this rank's timed steps (the same on every rank)
+    summary.update(memory_check(_predicted_memory(trainer), gather_objects(summary["peak_memory_bytes"],
+                                                                           trainer.dist),
+                                log=trainer.dist.is_main))
     if run.profiler is not None:
         profiler, run.profiler = run.profiler, None  # stopped here, not again on the way out
         summary["step_breakdown_ms"] = profiler.report(trainer.dist, trainer.predicted_perf)
     if trainer.cfg.trainer.fingerprint_weights:
         summary["weights_sha256"] = weights_fingerprint(trainer.model, trainer.dist)
     return summary
+
+
+def _predicted_memory(trainer: Trainer) -> list[MemoryPrediction] | None:
+    """The plan's predicted peak per rank with the data sources' resident bytes (they hold the same on
+    every rank), or None where nothing predicted it."""
+    if trainer.predicted_memory is None:
+        return None
+    sources = [trainer.train_data, trainer.eval_data]
+    return with_data_source(trainer.predicted_memory, resident_device_bytes(sources, trainer.device))
 
 
 def _figures(trainer: Trainer, run: RunState, final_loss: float | None, train_loss: float | None,

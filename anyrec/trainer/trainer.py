@@ -28,7 +28,9 @@ from anyrec.config import AnyrecConfig
 from anyrec.kernels.ebc import TritonEBCOptimizer
 from anyrec.models.dlrm import DLRM, build_model, table_configs
 from anyrec.models.init import init_model
+from anyrec.planner.memory import MemoryPrediction
 from anyrec.planner.types import Perf
+from anyrec.signing import resolve_key
 from anyrec.trainer.checkpoint import CheckpointManager, StepState
 from anyrec.trainer.distributed import DistInfo, all_reduce_mean, destroy_distributed, init_distributed
 from anyrec.trainer.inputs import build_inputs
@@ -44,7 +46,7 @@ from anyrec.trainer.optim import (
 )
 from anyrec.trainer.perfcheck import StepProfiler, breakdown_window, phase, warmup_steps
 from anyrec.trainer.pipeline import EagerLoop, SparseDistPipeline, predictions
-from anyrec.trainer.planning import dense_wrapper, sharders, shared_plan
+from anyrec.trainer.planning import dense_wrapper, sharders, shared_plan, unsharded_memory
 from anyrec.trainer.shutdown import StopRequest, peers_met
 from anyrec.trainer.summary import MetricWriter, RunState, log_eval, log_train, run_summary
 from anyrec.trainer.validate import flush_checks
@@ -73,6 +75,7 @@ class Trainer:
 
     def __init__(self, cfg: AnyrecConfig, plan: ShardingPlan | None = None) -> None:
         self.cfg = cfg
+        signing_key = resolve_key(cfg.trainer.signing_key_file)  # an unusable key fails before any work
         self.backend: Backend = get_backend(cfg.backend.name)
         self.dist: DistInfo = self.init_distributed()
         self.device = self.backend.device(self.dist.local_rank)
@@ -82,13 +85,15 @@ class Trainer:
         self.resumed_from: int | None = None
         self.last_loss = torch.tensor(math.nan)  # on this rank's device: reading it waits for the device
         self.predicted_perf: Perf | None = None  # the plan's slowest rank, where a planner predicted one
+        self.predicted_memory: list[MemoryPrediction] | None = None  # each rank's peak, where predicted
         # Called after every training step with the trainer (anyrec-parity records each step's loss).
         self.step_hooks: list[Callable[[Trainer], None]] = []
         self.stopper: StopRequest | None = None  # during train(): SIGINT/SIGTERM stop every rank
         self.build()
         self.run = RunState.begin(self)
         self.checkpoints = (CheckpointManager(cfg.trainer.checkpoint, self.signature(), self.dist,
-                                              identity_config(cfg)) if cfg.trainer.checkpoint.dir else None)
+                                              identity_config(cfg), signing_key)
+                            if cfg.trainer.checkpoint.dir else None)
         start = self.checkpoints.start() if self.checkpoints is not None else None  # locks the dir
         if start is not None:
             self.load_checkpoint(start)
@@ -163,8 +168,9 @@ class Trainer:
         apply_embedding_optimizer(model.sparse_arch.parameters(), self.cfg.optim)
         embedding, hw = self.kernels["embedding"], self.cfg.hardware
         hardware = resolve_hardware(hw.sku, hw.spec, self.backend, hw.measurements)
-        self.sharding_plan, self.predicted_perf = (self.plan_override, None) if self.plan_override else \
-            shared_plan(self.cfg, self.backend, self.dist, model, EBC_PATH, embedding, hardware)
+        self.sharding_plan, self.predicted_perf, self.predicted_memory = (
+            (self.plan_override, None, None) if self.plan_override else
+            shared_plan(self.cfg, self.backend, self.dist, model, EBC_PATH, embedding, hardware))
         check_embedding_optimizer(self.cfg.optim, embedding, self.device.type, self.sharding_plan)
         # DDP's static graph page-locks host memory for a device's used-parameter map: off where the
         # device cannot (its copies are then plain ones; the numbers do not change), for the dense
@@ -183,6 +189,10 @@ class Trainer:
             device=self.device)
         self.sharding_plan = None
         self.model = DLRMTrain(DLRM(self.cfg.model, ebc, device=self.device, kernels=self.kernels))
+        hw = self.cfg.hardware
+        hardware = resolve_hardware(hw.sku, hw.spec, self.backend, hw.measurements)
+        self.predicted_memory = unsharded_memory(self.cfg, self.backend, self.model.model,
+                                                 self.kernels["embedding"], hardware)
         self.fused_optimizer = TritonEBCOptimizer(ebc, prefix=f"{EBC_PATH}.")
 
     def _log_setup(self) -> None:

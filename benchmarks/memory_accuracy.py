@@ -1,0 +1,140 @@
+"""Does the planner predict each rank's peak device memory? Train a sweep of short jobs on the simulated
+device (examples/simdev: its allocator counts every device byte) and compare, per rank, the plan's
+predicted peak (`predicted_peak_memory_bytes_per_rank` of the run's summary) with the measured one
+(`measured_peak_memory_bytes_per_rank`: the backend's max_memory_allocated over the training steps).
+
+    python benchmarks/memory_accuracy.py [--small] [--jobs NAME ...] [--output out.json]
+
+The sweep covers three models (dlrm_tiny, dlrm_small, dlrmv2_small multi-hot), every sharding type
+the device runs (table-, row-, column-wise, data-parallel), four optimizers, batches 64-4096 and 1, 2
+and 4 ranks. simdev is installed with pip into a temporary folder unless it is importable already.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+from anyrec.proc import run_session  # noqa: E402
+
+# name -> (ranks, Hydra overrides)
+JOBS: dict[str, tuple[int, list[str]]] = {
+    "tiny_1r_adagrad": (1, ["model=dlrm_tiny"]),
+    "tiny_2r_sgd_b64": (2, ["model=dlrm_tiny", "optim=sgd", "data.batch_size=64"]),
+    "tiny_4r_tw": (4, ["model=dlrm_tiny", "planner.sharding=table_wise"]),
+    "tiny_2r_dp_adam": (2, ["model=dlrm_tiny", "planner.sharding=data_parallel", "optim=adam"]),
+    "small_1r_adam": (1, ["model=dlrm_small", "optim=adam"]),
+    "small_2r_auto": (2, ["model=dlrm_small"]),
+    "small_2r_tw_sgd": (2, ["model=dlrm_small", "planner.sharding=table_wise", "optim=sgd"]),
+    "small_2r_rw_rowwise": (2, ["model=dlrm_small", "planner.sharding=row_wise", "optim=rowwise_adagrad"]),
+    "small_2r_cw_adam": (2, ["model=dlrm_small", "model.embedding_dim=32", "model.bottom_mlp=[64,32]",
+                             "planner.sharding=column_wise", "optim=adam"]),
+    "small_2r_dp_sgd": (2, ["model=dlrm_small", "planner.sharding=data_parallel", "optim=sgd"]),
+    "small_2r_b4096": (2, ["model=dlrm_small", "data.batch_size=4096"]),
+    "small_2r_rw_b1024": (2, ["model=dlrm_small", "planner.sharding=row_wise", "data.batch_size=1024"]),
+    "small_4r_auto_rowwise": (4, ["model=dlrm_small", "optim=rowwise_adagrad"]),
+    "v2_1r_rowwise_b512": (1, ["model=dlrmv2_small", "optim=rowwise_adagrad", "data.batch_size=512"]),
+    "v2_2r_auto_adam": (2, ["model=dlrmv2_small", "optim=adam"]),
+    "v2_2r_rw_adagrad_b128": (2, ["model=dlrmv2_small", "planner.sharding=row_wise", "data.batch_size=128"]),
+    "v2_2r_tw_sgd_b64": (2, ["model=dlrmv2_small", "planner.sharding=table_wise", "optim=sgd",
+                             "data.batch_size=64"]),
+    "v2_4r_cw_adam_b256": (4, ["model=dlrmv2_small", "planner.sharding=column_wise", "optim=adam"]),
+}
+SMALL = ("tiny_1r_adagrad", "tiny_2r_dp_adam")
+COMMON = ["backend=simdev", "trainer.calibrate=never", "trainer.steps=6", "trainer.eval_steps=0",
+          "trainer.progress=false", "trainer.tensorboard=false", "trainer.log_every=1000"]
+
+
+def simdev_path(tmp: Path) -> str | None:
+    """A folder to put on PYTHONPATH that holds the simdev plugin (None: importable already)."""
+    probe = subprocess.run([sys.executable, "-c", "import anyrec_simdev"], capture_output=True)
+    if probe.returncode == 0:
+        return None
+    target = tmp / "simdev"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                    "--disable-pip-version-check", "--no-index", "--target", str(target),
+                    str(ROOT / "examples" / "simdev")], check=True, capture_output=True, timeout=300)
+    return str(target)
+
+
+def run_job(name: str, ranks: int, overrides: list[str], cwd: Path, extra_path: str | None,
+            timeout_s: float) -> dict:
+    """One job's row: per-rank predicted and measured peaks and errors, or its error."""
+    paths = [str(ROOT), *([extra_path] if extra_path else []), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+           "-m", "anyrec.train", *COMMON, *overrides]
+    start = time.perf_counter()
+    proc = run_session(cmd, timeout_s, env=env, cwd=cwd)
+    row: dict = {"job": name, "ranks": ranks, "overrides": overrides,
+                 "wall_s": round(time.perf_counter() - start, 1)}
+    summary = next((json.loads(line) for line in reversed(proc.stdout.splitlines()) if line.startswith("{")),
+                   None)
+    if proc.returncode != 0 or summary is None:
+        row["error"] = (proc.stderr or proc.stdout)[-1500:]
+        return row
+    keys = ("predicted_peak_memory_bytes_per_rank", "measured_peak_memory_bytes_per_rank",
+            "memory_prediction_error_per_rank", "memory_prediction_error",
+            "predicted_reserved_memory_bytes_per_rank", "predicted_memory_terms", "batch_size_per_rank")
+    row.update({k: summary[k] for k in keys})
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    """Predicted, measured and error of every rank of every job; the median and worst |error| last."""
+    lines = [f"{'job':<24} {'rank':>4} {'predicted MiB':>14} {'measured MiB':>13} {'error':>8}"]
+    errors = []
+    for row in rows:
+        if "error" in row:
+            lines.append(f"{row['job']:<24} failed: {row['error'].strip().splitlines()[-1][:80]}")
+            continue
+        for r, (p, m, e) in enumerate(zip(row["predicted_peak_memory_bytes_per_rank"],
+                                          row["measured_peak_memory_bytes_per_rank"],
+                                          row["memory_prediction_error_per_rank"], strict=True)):
+            errors.append(abs(e))
+            lines.append(f"{row['job']:<24} {r:>4} {p / 2**20:>14.2f} {m / 2**20:>13.2f} {e:>+8.1%}")
+    if errors:
+        lines.append(f"{len(errors)} ranks of {sum('error' not in r for r in rows)} jobs: median |error| "
+                     f"{statistics.median(errors):.1%}, worst {max(errors):.1%}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--small", action="store_true", help=f"two quick jobs only ({', '.join(SMALL)})")
+    ap.add_argument("--jobs", nargs="+", choices=sorted(JOBS), help="run these jobs only")
+    ap.add_argument("--output", type=Path, help="write the rows and the summary as JSON here")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per job")
+    args = ap.parse_args(argv)
+    names = args.jobs or (list(SMALL) if args.small else list(JOBS))
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="anyrec-memacc-") as tmp:
+        extra = simdev_path(Path(tmp))
+        for name in names:
+            ranks, overrides = JOBS[name]
+            rows.append(run_job(name, ranks, overrides, Path(tmp), extra, args.timeout))
+            print(table(rows[-1:]).split("\n", 1)[1] if "error" not in rows[-1] else rows[-1]["error"][-400:],
+                  file=sys.stderr, flush=True)
+    print(table(rows))
+    errors = [abs(e) for r in rows if "error" not in r for e in r["memory_prediction_error_per_rank"]]
+    result = {"jobs": rows, "ranks_measured": len(errors),
+              "median_abs_error": statistics.median(errors) if errors else None,
+              "worst_abs_error": max(errors) if errors else None}
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
