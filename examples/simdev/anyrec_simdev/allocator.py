@@ -70,10 +70,10 @@ def segment_size(rounded: int) -> int:
 
 
 def format_bytes(n: int) -> str:
-    """`n` bytes as CUDA's messages write sizes (GiB, MiB, KiB or bytes, two decimals)."""
+    """`n` bytes as CUDA's messages write sizes (two decimals of GiB, MiB or KiB), exact bytes after."""
     for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size:
-            return f"{n / size:.2f} {unit}"
+            return f"{n / size:.2f} {unit} ({n} bytes)"
     return f"{n} bytes"
 
 
@@ -276,8 +276,8 @@ class CachingAllocator:
     def _oom_message(self, rounded: int, segment: int) -> str:
         free = self.capacity_bytes - self._reserved()
         allocated = self.stats["allocated_bytes", "all"].current
-        return (f"simdev out of memory: tried to allocate {format_bytes(rounded)} ({rounded} bytes, a new "
-                f"{format_bytes(segment)} segment) on {self.device}; {format_bytes(free)} ({free} bytes) "
-                f"free of {format_bytes(self.capacity_bytes)} capacity; {format_bytes(allocated)} allocated, "
-                f"{format_bytes(self._reserved())} reserved by simdev. Set {CAPACITY_ENV} for a larger "
+        return (f"simdev out of memory: tried to allocate {format_bytes(rounded)} on {self.device} (a new "
+                f"segment of {format_bytes(segment)}); {format_bytes(free)} free of "
+                f"{format_bytes(self.capacity_bytes)} capacity, {format_bytes(allocated)} allocated and "
+                f"{format_bytes(self._reserved())} reserved by simdev; set {CAPACITY_ENV} for a larger "
                 f"simulated device")
