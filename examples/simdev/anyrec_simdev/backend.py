@@ -11,12 +11,13 @@ import anyrec_simdev  # noqa: F401 - registers the device, its kernels and its p
 from anyrec.backends.interface import Backend, DeviceFacts
 from anyrec.backends.specs import DeviceSpec
 from anyrec_simdev import module
-from anyrec_simdev.device import CAPACITY_BYTES, NAME
+from anyrec_simdev.allocator import DEFAULT_CAPACITY_BYTES
+from anyrec_simdev.device import NAME, capacity_bytes
 
-# Made-up but plausible figures (a mid-range accelerator); the planner costs plans with them. The
-# capacity is the simulated device's (SIMDEV_MEMORY_BYTES, 32 GiB unset): plans see what it enforces.
+# Made-up but plausible figures (a mid-range accelerator); the planner costs plans with them. Its
+# memory is replaced by the capacity the device enforces (SIMDEV_MEMORY_BYTES), so plans see that.
 SPEC = DeviceSpec(
-    name="SimDev-1", vendor="simulated", arch="sim1", memory_bytes=CAPACITY_BYTES,
+    name="SimDev-1", vendor="simulated", arch="sim1", memory_bytes=DEFAULT_CAPACITY_BYTES,
     memory_bw_bytes_per_s=1.2e12, peak_bf16_flops=200e12, peak_fp32_flops=25e12, simd_width=32,
     scale_up_bw_bytes_per_s=100e9, scale_out_bw_bytes_per_s=12.5e9, h2d_bw_bytes_per_s=25e9,
     host_memory_bytes=128 * 2**30, host_memory_bw_bytes_per_s=50e9,
@@ -43,7 +44,7 @@ class SimdevBackend(Backend):
     @classmethod
     def probe_facts(cls) -> DeviceFacts:
         return DeviceFacts(device_count=module.device_count(), device_name=module.get_device_name(),
-                           arch=SPEC.arch, memory_bytes=SPEC.memory_bytes, multiprocessors=1)
+                           arch=SPEC.arch, memory_bytes=capacity_bytes(), multiprocessors=1)
 
     @classmethod
     def matches(cls, facts: DeviceFacts) -> bool:
@@ -83,4 +84,4 @@ class SimdevBackend(Backend):
         module.empty_cache()
 
     def device_spec(self) -> DeviceSpec:
-        return SPEC
+        return SPEC.replace(memory_bytes=capacity_bytes())

@@ -33,9 +33,19 @@ HOST_ARG_OPS = frozenset({"aten::copy_", "aten::_copy_from", "aten::_copy_from_a
                           "aten::_to_copy", "aten::is_pinned", "aten::_pin_memory"})
 
 
-# One simulated caching allocator per device, its capacity from SIMDEV_MEMORY_BYTES (32 GiB unset).
-CAPACITY_BYTES = capacity_from_env()
-ALLOCATORS = [CachingAllocator(CAPACITY_BYTES, f"{NAME}:{i}") for i in range(DEVICE_COUNT)]
+
+@functools.cache
+def allocators() -> list[CachingAllocator]:
+    """One simulated caching allocator per device, made on first use with the capacity SIMDEV_MEMORY_BYTES
+    sets (32 GiB unset; a bad value raises CapacityError, a ValueError, there)."""
+    capacity = capacity_from_env()
+    return [CachingAllocator(capacity, f"{NAME}:{i}") for i in range(DEVICE_COUNT)]
+
+
+def capacity_bytes() -> int:
+    """The capacity of each simulated device."""
+    return allocators()[0].capacity_bytes
+
 
 
 def device_storage(host: torch.UntypedStorage, index: int,
@@ -43,7 +53,7 @@ def device_storage(host: torch.UntypedStorage, index: int,
     """A simdev storage over `host`'s bytes (which it keeps alive), accounted by the device's allocator:
     in `block` when the caller allocated it before the host bytes (of this size), else now, which raises
     torch.OutOfMemoryError past the capacity (the host bytes are then dropped with the caller's frame)."""
-    allocator, nbytes = ALLOCATORS[index], host.nbytes()
+    allocator, nbytes = allocators()[index], host.nbytes()
     if block is not None and (nbytes == 0 or block.rounded_bytes != round_size(nbytes)):
         allocator.free(block)  # the output is not the size foreseen
         block = None
@@ -149,12 +159,12 @@ def _kernel(op: torch._ops.OpOverload, *args, **kwargs):
         raise RuntimeError(f"simdev: no device simdev:{index} (each process has {DEVICE_COUNT})")
     cargs, ckwargs = tree_unflatten(cargs, spec)
     foreseen = _foreseen_nbytes(op, args, kwargs)
-    block = ALLOCATORS[index].malloc(foreseen) if foreseen else None  # before the host bytes
+    block = allocators()[index].malloc(foreseen) if foreseen else None  # before the host bytes
     try:
         return _run(op, name, index, cargs, ckwargs, kwargs, devs, hosts, by_ptr, block)
     except BaseException:
         if block is not None:
-            ALLOCATORS[index].free(block)
+            allocators()[index].free(block)
         raise
 
 
@@ -185,7 +195,7 @@ def _run(op: torch._ops.OpOverload, name: str, index: int, cargs: tuple, ckwargs
                 block = None if storage is None else block
         res.append(o)
     if block is not None:  # foreseen but not made
-        ALLOCATORS[index].free(block)
+        allocators()[index].free(block)
     return tree_unflatten(res, ospec)
 
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import torch
 
 from anyrec_simdev.allocator import CachingAllocator
-from anyrec_simdev.device import ALLOCATORS, DEVICE_COUNT, NAME
+from anyrec_simdev.device import DEVICE_COUNT, NAME, allocators
 
 _current = 0
 
@@ -65,7 +65,7 @@ def manual_seed_all(seed: int) -> None:
 
 
 def _allocator(device: int | str | torch.device | None) -> CachingAllocator:
-    return ALLOCATORS[_index(device)]
+    return allocators()[_index(device)]
 
 
 def memory_allocated(device: int | str | torch.device | None = None) -> int:
@@ -105,7 +105,7 @@ def memory_stats(device: int | str | torch.device | None = None) -> dict[str, in
 
 def empty_cache() -> None:
     """Release the segments with nothing allocated in them (on every device)."""
-    for allocator in ALLOCATORS:
+    for allocator in allocators():
         allocator.empty_cache()
 
 
