@@ -50,8 +50,8 @@ def capacity_bytes() -> int:
 
 def device_storage(host: torch.UntypedStorage, index: int,
                    block: Block | None = None) -> torch.UntypedStorage:
-    """A simdev storage over `host`'s bytes (which it keeps alive), accounted by the device's allocator:
-    in `block` when the caller allocated it before the host bytes (of this size), else now, which raises
+    """A simdev storage over `host`'s bytes (which it keeps alive), accounted by the device's allocator: in
+    `block` (taken over) when the caller allocated it before the host bytes, else now, which raises
     torch.OutOfMemoryError past the capacity (the host bytes are then dropped with the caller's frame)."""
     allocator, nbytes = allocators()[index], host.nbytes()
     if block is not None and (nbytes == 0 or block.rounded_bytes != round_size(nbytes)):
@@ -159,19 +159,18 @@ def _kernel(op: torch._ops.OpOverload, *args, **kwargs):
         raise RuntimeError(f"simdev: no device simdev:{index} (each process has {DEVICE_COUNT})")
     cargs, ckwargs = tree_unflatten(cargs, spec)
     foreseen = _foreseen_nbytes(op, args, kwargs)
-    block = allocators()[index].malloc(foreseen) if foreseen else None  # before the host bytes
+    ahead = [allocators()[index].malloc(foreseen)] if foreseen else []  # before the host bytes
     try:
-        return _run(op, name, index, cargs, ckwargs, kwargs, devs, hosts, by_ptr, block)
-    except BaseException:
-        if block is not None:
+        return _run(op, name, index, cargs, ckwargs, kwargs, devs, hosts, by_ptr, ahead)
+    finally:
+        for block in ahead:  # foreseen but not made: the op failed or made no new storage
             allocators()[index].free(block)
-        raise
 
 
 def _run(op: torch._ops.OpOverload, name: str, index: int, cargs: tuple, ckwargs: dict, kwargs: dict,
-         devs: list[torch.Tensor], hosts: list[torch.Tensor], by_ptr: dict, block: Block | None):
-    """Run `op`'s CPU kernel on the host aliases and hand its results back as simdev tensors; `block`
-    (allocated ahead) accounts for its new device storage."""
+         devs: list[torch.Tensor], hosts: list[torch.Tensor], by_ptr: dict, ahead: list[Block]):
+    """Run `op`'s CPU kernel on the host aliases and hand its results back as simdev tensors; the block
+    in `ahead` (allocated before the op ran, if any) is taken by its new device storage."""
     out = op(*cargs, **ckwargs)
     for d, h in zip(devs, hosts, strict=True):  # an op that resized or re-pointed a device tensor
         if (h.size(), h.stride(), h.storage_offset(), h.untyped_storage().data_ptr()) != \
@@ -191,11 +190,8 @@ def _run(op: torch._ops.OpOverload, name: str, index: int, cargs: tuple, ckwargs
             else:
                 ptr = o.untyped_storage().data_ptr()
                 storage = by_ptr.get(ptr) if o.untyped_storage().nbytes() else None
-                o = to_device(o, index, storage, None if storage is not None else block)
-                block = None if storage is None else block
+                o = to_device(o, index, storage, ahead.pop() if storage is None and ahead else None)
         res.append(o)
-    if block is not None:  # foreseen but not made
-        allocators()[index].free(block)
     return tree_unflatten(res, ospec)
 
 
