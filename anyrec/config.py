@@ -110,7 +110,9 @@ class PlannerConfig:
     sharding: Sharding = Sharding.auto  # auto, or force one sharding type for every table
     allow_uvm: bool = True
     uvm_cache_ratio: float = 0.2
-    memory_reserve_fraction: float = 0.1
+    # HBM kept free on top of the predicted peak (the memory model predicts the allocator's slack; the
+    # device spec says what the runtime keeps outside the allocator): an optional extra margin
+    memory_reserve_fraction: float = 0.0
 
 
 @dataclass

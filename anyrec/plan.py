@@ -27,7 +27,9 @@ from anyrec.planner.planner import CoDesignPlanner
 from anyrec.planner.report import format_compare, format_report, plan_json, plot_plan, write_json_atomic
 from anyrec.planner.types import InfeasiblePlanError, PlanResult, Topology
 from anyrec.signing import resolve_key
-from anyrec.trainer.distributed import ONE_PROCESS
+from anyrec.trainer.distributed import ONE_PROCESS, DistInfo
+from anyrec.trainer.inputs import host_estimate_of_resident_bytes
+from anyrec.trainer.planning import id_skew
 
 
 def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print,
@@ -50,11 +52,14 @@ def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print,
     impl = FBGEMM_EMBEDDING if kernel == "auto" else get_impl("embedding", kernel)  # auto: as offline
     meta = torch.device("meta")
     model = build_model(cfg.model, meta, ebc_device=meta)
+    world, local = cfg.topology.world_size, cfg.topology.local_world_size or cfg.topology.world_size
+    resident = host_estimate_of_resident_bytes(cfg, DistInfo(0, world, 0, local))
 
     def plan_on(hw: Hardware) -> PlanResult:
         topo = Topology(hw.spec, cfg.topology.world_size, cfg.topology.local_world_size)
         return plan_model(model, model.sparse_arch, cfg.model, cfg.planner, cfg.optim.name, topo,
-                          cfg.plan.batch_size or cfg.data.batch_size, hw.embedding_cost(impl), planner)
+                          cfg.plan.batch_size or cfg.data.batch_size, hw.embedding_cost(impl), planner,
+                          id_zipf_exponent=id_skew(cfg), resident_bytes=resident)
 
     result = plan_on(hardware)
     print_fn(format_report(result))

@@ -33,9 +33,9 @@ CALIBRATED_SOURCE = "anyrec.calibrate on "
 PROFILE_FIELDS = ("bw_efficiency", "access_bytes", "per_row_s", "per_launch_s")
 # Fields that may be 0 meaning "unknown" (the planner then falls back or refuses host placement);
 # every other number is a capacity, a rate or a width the planner divides by.
-MAY_BE_ZERO = ("h2d_bw_bytes_per_s", "host_memory_bytes", "host_memory_bw_bytes_per_s",
-               "scale_up_latency_s", "scale_out_latency_s", "dense_efficiency", "comms_efficiency",
-               *STEP_FIELDS)
+MAY_BE_ZERO = ("h2d_bw_bytes_per_s", "runtime_reserved_bytes", "host_memory_bytes",
+               "host_memory_bw_bytes_per_s", "scale_up_latency_s", "scale_out_latency_s", "dense_efficiency",
+               "comms_efficiency", *STEP_FIELDS)
 
 
 def _non_finite(value: Any, path: str) -> str | None:

@@ -31,6 +31,10 @@ class DeviceSpec:
     h2d_bw_bytes_per_s: float  # host <-> device, one way, pinned memory
     host_memory_bytes: int = 0  # host DDR available to this device's process (0: unknown)
     host_memory_bw_bytes_per_s: float = 0.0  # host DDR bandwidth seen by this device
+    # Device memory the framework's allocator never gets: the runtime's context and the libraries' own
+    # allocations outside torch's caching allocator (CUDA/HIP context, NCCL/RCCL channels). assumed: the
+    # planner keeps it free; a device whose allocator owns all of its memory says 0.
+    runtime_reserved_bytes: int = 2 * 10**9
     source: str = ""  # where the figures come from
     # Fixed cost of one collective on each link, seconds (a collective costs latency + bytes / bw);
     # 0: the planner's default (DEFAULT_*_LATENCY_S below).

@@ -30,11 +30,13 @@ from anyrec.planner.types import (
 )
 
 GB = 1e9
+MB = 1e6
 MAX_DEVICES = 4096
 
 
-def _gb(x: float) -> str:
-    return f"{x / GB:.1f} GB"
+def size_text(nbytes: float) -> str:
+    """Bytes as GB with one decimal, or as MB where that would round to 0.0 GB."""
+    return f"{nbytes / GB:.1f} GB" if nbytes >= 0.05 * GB else f"{nbytes / MB:.1f} MB"
 
 
 def _accelerators() -> list[DeviceSpec]:
@@ -95,26 +97,28 @@ def explain_infeasible(wl: Workload, topo: Topology, caps: Storage, base: RankCo
     w, dev = topo.world_size, topo.device
     where = f"{w} x {dev.name}"
     free = caps.hbm_bytes - base.storage.hbm_bytes
-    reserve = (f"{_gb(topo.hbm_bytes_per_rank)} less {wl.options.reserve_fraction:.0%} and "
-               f"{_gb(wl.options.reserve_bytes)} reserve")
+    reserve = (f"{size_text(topo.hbm_bytes_per_rank)} less {wl.options.reserve_fraction:.0%} and "
+               f"{size_text(dev.runtime_reserved_bytes)} for the runtime")
     allowed = wl.options.allowed_placements
     hbm_only = allowed == (Placement.HBM,)
     sizes = {t.name: table_bytes(t, wl) for t in wl.tables}
     biggest = max(sizes, key=sizes.get)
     if free <= 0:
-        what = (f"the dense model, its optimizer and the batch buffers need {_gb(base.storage.hbm_bytes)} "
-                f"per rank but a rank has {_gb(caps.hbm_bytes)} usable ({reserve})")
+        what = (f"the dense model, its optimizer and the batch buffers need "
+                f"{size_text(base.storage.hbm_bytes)} per rank but a rank has {size_text(caps.hbm_bytes)} "
+                f"usable ({reserve})")
     elif sizes[biggest] / w > free and hbm_only:
-        what = (f"table {biggest} needs {_gb(sizes[biggest] / w)} per rank even split row-wise over {w} "
-                f"rank(s); a rank has {_gb(free)} free ({reserve}, less {_gb(base.storage.hbm_bytes)} dense "
-                "and buffers)")
+        what = (f"table {biggest} needs {size_text(sizes[biggest] / w)} per rank even split row-wise over "
+                f"{w} rank(s); a rank has {size_text(free)} free ({reserve}, less "
+                f"{size_text(base.storage.hbm_bytes)} dense and buffers)")
     else:
         total = sum(sizes.values())
-        host = "" if hbm_only else (f"; in host memory they need {_gb(total / w)} per rank, "
-                                    f"{_gb(caps.ddr_bytes)} DDR available")
-        what = (f"the {len(wl.tables)} tables ({wl.optimizer}) need {_gb(total)} for weights and optimizer "
-                f"state; {w} rank(s) have {_gb(free * w)} of HBM free ({_gb(free)} each: {reserve}, less "
-                f"{_gb(base.storage.hbm_bytes)} dense and buffers){host}")
+        host = "" if hbm_only else (f"; in host memory they need {size_text(total / w)} per rank, "
+                                    f"{size_text(caps.ddr_bytes)} DDR available")
+        what = (f"the {len(wl.tables)} tables ({wl.optimizer}) need {size_text(total)} for weights and "
+                f"optimizer state; {w} rank(s) have {size_text(free * w)} of HBM free "
+                f"({size_text(free)} each: {reserve}, less {size_text(base.storage.hbm_bytes)} dense and "
+                f"buffers){host}")
     fixes = []
     n_same = min_devices_in_hbm(wl, dev, topo)
     if n_same is not None and n_same > w:
@@ -126,7 +130,7 @@ def explain_infeasible(wl: Workload, topo: Topology, caps: Storage, base: RankCo
             continue
         n = min_devices_in_hbm(wl, other, topo)
         if n is not None and n <= max(w, 1) * 2:
-            fixes.append(f"{n} x {other.name} ({_gb(other.memory_bytes)})")
+            fixes.append(f"{n} x {other.name} ({size_text(other.memory_bytes)})")
     d = _max_dim_in_hbm(wl, topo)
     if d is not None:
         fixes.append(f"embedding dim <= {d} on {where}")
@@ -223,10 +227,10 @@ def co_design_advice(plan: PlanResult) -> list[str]:
     off = [n for n, o in plan.tables.items() if o.placement != Placement.HBM]
     if off:
         w = topo.world_size
-        better = [f"{other.name} ({_gb(other.memory_bytes)})" for other in _accelerators()
+        better = [f"{other.name} ({size_text(other.memory_bytes)})" for other in _accelerators()
                   if other.name != dev.name and fits_in_hbm(wl, other, w, topo)]
         fits = f"; all fit in HBM on {w} x " + " or ".join(better) if better else "; no other SKU holds them"
-        out.append(f"{len(off)} table(s) leave HBM on {w} x {dev.name} ({_gb(dev.memory_bytes)}): "
+        out.append(f"{len(off)} table(s) leave HBM on {w} x {dev.name} ({size_text(dev.memory_bytes)}): "
                    + ", ".join(off[:5]) + fits)
     try:
         cross, direction = comms_crossover_batch(plan)

@@ -334,7 +334,9 @@ class DenseEstimator:
 
 
 def usable_caps(topology: Topology, workload: Workload) -> Storage:
-    """Per-rank bytes the planner may fill: HBM less the reserve, and host DDR."""
+    """Per-rank bytes the planner may fill: HBM less what the runtime keeps outside the allocator and the
+    optional margin (`reserve_fraction`), and host DDR."""
     opts = workload.options
-    hbm = int(topology.hbm_bytes_per_rank * (1.0 - opts.reserve_fraction)) - opts.reserve_bytes
+    runtime = topology.device.runtime_reserved_bytes
+    hbm = int(topology.hbm_bytes_per_rank * (1.0 - opts.reserve_fraction)) - runtime
     return Storage(max(hbm, 0), topology.ddr_bytes_per_rank)

@@ -145,12 +145,14 @@ def planner_inputs(model: nn.Module, ebc: nn.Module, cfg_model: ModelConfig, cfg
 
 def plan_model(model: nn.Module, ebc: nn.Module, cfg_model: ModelConfig, cfg_planner: PlannerConfig,
                optimizer: str, topology: Topology, batch_size_per_rank: int, embedding: EmbeddingCost,
-               planner: CoDesignPlanner | None = None, id_zipf_exponent: float = 0.0) -> PlanResult:
+               planner: CoDesignPlanner | None = None, id_zipf_exponent: float = 0.0,
+               resident_bytes: int = 0) -> PlanResult:
     """Plan the tables of `model`'s EmbeddingBagCollection `ebc` on `topology` with the co-design planner;
-    `id_zipf_exponent`: the ids' skew where the data's is known (0: uniform, the most rows touched)."""
+    `id_zipf_exponent`: the ids' skew where the data's is known (0: uniform, the most rows touched);
+    `resident_bytes`: what the data sources keep on each device (the plan leaves room for it)."""
     tables, dense_params, options = planner_inputs(model, ebc, cfg_model, cfg_planner, optimizer, embedding,
                                                    topology.compute_device)
-    options["id_zipf_exponent"] = id_zipf_exponent
+    options.update(id_zipf_exponent=id_zipf_exponent, resident_bytes=resident_bytes)
     return (planner or CoDesignPlanner()).plan(tables, topology, batch_size_per_rank, optimizer, dense_params,
                                                **options)
 

@@ -9,7 +9,7 @@ import gc
 import logging
 import time
 
-from anyrec.planner.advice import explain_infeasible, explain_tables
+from anyrec.planner.advice import explain_infeasible, explain_tables, size_text
 from anyrec.planner.enumerators import MIN_COLUMN_SHARD_DIM, EmbeddingEnumerator
 from anyrec.planner.estimators import (
     OPTIMIZER_DENSE_STATE_BYTES,
@@ -42,17 +42,18 @@ from anyrec.planner.types import (
 logger = logging.getLogger(__name__)
 
 
-def peak_memory_notes(plan: PlanResult) -> list[str]:
-    """A note for each rank whose predicted peak device memory (anyrec.planner.memory, reserved: with the
-    allocator's slack) exceeds the usable HBM: the search fits the planner's per-shard storage, which
-    leaves out the step's transient tensors (lookup and update temporaries, activations)."""
+# Rounds of re-planning with the budget cut by the predicted overshoot: the search fits the per-shard
+# storage estimate, the memory model (anyrec.planner.memory) then checks the whole step's peak.
+MEMORY_FIT_ROUNDS = 8
+
+
+def memory_shortfall(plan: PlanResult, limit: int) -> list[int]:
+    """Per rank, the bytes by which `plan`'s predicted peak (reserved: with the allocator's slack and the
+    data source) exceeds `limit`, 0 where it fits; all 0 on a CPU (no device memory to run out of)."""
     if plan.topology.compute_device == "cpu":
-        return []
-    usable = plan.caps.hbm_bytes
-    return [f"rank {r}: predicted peak {p.reserved_bytes / 1e9:.2f} GB (data source not included) exceeds "
-            f"the {usable / 1e9:.2f} GB usable: the plan may not fit; plan with fewer tables per rank "
-            f"(more ranks) or a smaller batch"
-            for r, p in enumerate(predict_memory(plan)) if p.reserved_bytes > usable]
+        return [0] * plan.topology.world_size
+    predicted = predict_memory(plan, plan.workload.options.resident_bytes)
+    return [max(0, p.reserved_bytes - limit) for p in predicted]
 
 
 def make_workload(tables: list[TableSpec], batch_size_per_rank: int, optimizer: str,
@@ -129,7 +130,33 @@ class CoDesignPlanner:
                 raise ValueError("compute_device 'cpu' keeps tables in host memory: allow placement 'hbm'")
             allowed = (Placement.HBM,)
         base = self.dense_estimator.estimate(topology, wl)
-        caps = usable_caps(topology, wl)
+        usable = usable_caps(topology, wl)
+        cut, short = 0, None
+        for _ in range(MEMORY_FIT_ROUNDS):
+            try:
+                plan = self._plan_within(topology, wl, allowed, base,
+                                         Storage(usable.hbm_bytes - cut, usable.ddr_bytes), start)
+            except InfeasiblePlanError:
+                if short is None:
+                    raise
+                break
+            short = memory_shortfall(plan, usable.hbm_bytes)
+            if not any(short):
+                plan.caps = usable
+                return plan
+            cut += max(short)
+        reserved = topology.hbm_bytes_per_rank - usable.hbm_bytes
+        raise InfeasiblePlanError(
+            f"no plan fits {topology.world_size} x {topology.device.name} "
+            f"({size_text(topology.hbm_bytes_per_rank)} each, {size_text(reserved)} kept for the runtime "
+            f"and margin): the closest plan's predicted peak per rank is "
+            f"{', '.join(size_text(usable.hbm_bytes + s) for s in short)}, short by "
+            f"{', '.join(size_text(s) for s in short)} (docs/planning.md, memory terms); use more or "
+            f"larger devices, a smaller batch or allow uvm_caching")
+
+    def _plan_within(self, topology: Topology, wl: Workload, allowed: tuple[Placement, ...], base: RankCost,
+                     caps: Storage, start: float) -> PlanResult:
+        """One search for a plan whose per-shard storage fits `caps` (InfeasiblePlanError: none does)."""
         free = Storage(caps.hbm_bytes - base.storage.hbm_bytes, caps.ddr_bytes - base.storage.ddr_bytes)
         notes: list[str] = []
         if free.hbm_bytes <= 0:
@@ -205,7 +232,6 @@ class CoDesignPlanner:
                           group_s=sharding_group_time_s(topology))
         plan.reasons = explain_tables(plan)
         plan.plan_time_s = time.perf_counter() - start
-        plan.notes += peak_memory_notes(plan)
         logger.info("planned %d tables on %d x %s in %.3f s (%s): predicted step %.3f ms", len(wl.tables),
                     topology.world_size, topology.device.name, plan.plan_time_s, solver,
                     plan.predicted_step_s * 1e3)

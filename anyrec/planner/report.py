@@ -9,18 +9,12 @@ from collections import Counter
 from pathlib import Path
 
 from anyrec.io_checks import atomic_write
-from anyrec.planner.advice import GB, alternatives_s, co_design_advice
+from anyrec.planner.advice import GB, alternatives_s, co_design_advice, size_text
 from anyrec.planner.estimators import shard_data_bytes
 from anyrec.planner.memory import predict_memory
 from anyrec.planner.types import Placement, PlanResult, ShardingType
 
 TWRW = ShardingType.TABLE_ROW_WISE
-MB = 1e6
-
-
-def size_text(nbytes: float) -> str:
-    """Bytes as GB with one decimal, or as MB where that would round to 0.0 GB."""
-    return f"{nbytes / GB:.1f} GB" if nbytes >= 0.05 * GB else f"{nbytes / MB:.1f} MB"
 
 
 def _ranks(ranks: list[int]) -> str:

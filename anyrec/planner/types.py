@@ -222,8 +222,11 @@ class PlanOptions:
     # (Hardware.embedding_cost); FBGEMM's with its built-in profiles by default.
     embedding: EmbeddingCost = field(default_factory=lambda: EmbeddingCost.builtin(FBGEMM_EMBEDDING))
     uvm_cache_ratio: float = 0.2  # HBM cache rows / table rows for uvm_caching (torchrec's default)
-    reserve_fraction: float = 0.05  # of HBM kept free (fragmentation, allocator slack)
-    reserve_bytes: int = 2 * 10**9  # HBM kept free for the runtime context and workspaces
+    # An extra margin of HBM kept free, on top of what the memory model predicts (the allocator's slack
+    # and the runtime's reserved bytes are predicted, not a fraction: anyrec.planner.memory).
+    reserve_fraction: float = 0.0
+    # Bytes the job keeps on each device besides the model and its batches (the data source's tensors)
+    resident_bytes: int = 0
     pipeline_depth: int = 3  # batches in flight: copies of input/output buffers (TrainPipelineSparseDist)
     max_column_shards: int = 8  # most column-wise pieces considered per table
     exhaustive_limit: int = 20_000  # search spaces at most this large are solved exactly

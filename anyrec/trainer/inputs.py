@@ -15,6 +15,7 @@ from anyrec.data import build_source, resolve_batch_size
 from anyrec.data.prefetch import Prefetched
 from anyrec.models.dlrm import feature_names
 from anyrec.trainer.distributed import DistInfo
+from anyrec.trainer.memcheck import resident_device_bytes
 from anyrec.trainer.validate import InputValidator, NonFiniteGuard
 
 
@@ -50,3 +51,19 @@ def build_inputs(cfg: AnyrecConfig, dist: DistInfo, device: torch.device,
         if isinstance(src, Prefetched) and validator is not None:
             src.prepare = validator.prepare  # value checks in the prefetch worker
     return inputs
+
+
+
+def host_estimate_of_resident_bytes(cfg: AnyrecConfig, dist: DistInfo) -> int:
+    """What a rank's data sources keep on its device, measured on the same sources built on the host (for
+    planning without the device: `anyrec-plan`). Synthetic data generates batches on the device from
+    tables it keeps there; file sources keep nothing there between batches (the batch term counts those)."""
+    if cfg.data.name != "synthetic":
+        return 0
+    from anyrec.data.synthetic import SyntheticCriteo  # a source loads only when chosen
+
+    data, host = resolve_batch_size(cfg.data, dist.world_size), torch.device("cpu")
+    splits = ("train", "eval") if cfg.trainer.eval_steps > 0 else ("train",)
+    sources = [SyntheticCriteo(cfg.model, data, cfg.trainer.seed, dist.rank, dist.world_size, split=s,
+                               device=host) for s in splits]
+    return resident_device_bytes(sources, host)

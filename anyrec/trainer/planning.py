@@ -59,18 +59,19 @@ def dense_wrapper(world_size: int, static_graph: bool = True) -> DataParallelWra
 
 
 def shared_plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module, module_path: str,
-                embedding: Impl, hardware: Hardware
+                embedding: Impl, hardware: Hardware, resident_bytes: int = 0
                 ) -> tuple[ShardingPlan, Perf | None, list[MemoryPrediction] | None]:
     """Rank 0 plans and every rank takes its plan, the predicted per-step cost of the plan's slowest
-    rank and each rank's predicted peak memory (None from a planner that predicts nothing): ranks must
+    rank and each rank's predicted peak memory (None from a planner that predicts nothing; with the
+    `resident_bytes` the data sources keep on each device, which the plan must leave room for): ranks must
     never shard by different plans. A planning error on rank 0 (e.g. nothing fits) is raised on every
     rank, so none waits."""
     if info.world_size == 1:
-        return _plan(cfg, backend, info, model, module_path, embedding, hardware)
+        return _plan(cfg, backend, info, model, module_path, embedding, hardware, resident_bytes)
     result: Any = None
     if info.is_main:
         try:
-            result = _plan(cfg, backend, info, model, module_path, embedding, hardware)
+            result = _plan(cfg, backend, info, model, module_path, embedding, hardware, resident_bytes)
         except ValueError as e:
             result = ValueError(str(e))
     result = broadcast_from_main(result, info)
@@ -80,17 +81,17 @@ def shared_plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.M
 
 
 def plan_and_predict(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module,
-                     module_path: str, embedding: Impl, hardware: Hardware
+                     module_path: str, embedding: Impl, hardware: Hardware, resident_bytes: int = 0
                      ) -> tuple[ShardingPlan, Perf | None]:
     """The configured planner's plan for the EmbeddingBagCollection at `module_path` of `model` and the
     co-design planner's predicted cost of its slowest rank per step (None: simple), for the embedding
     implementation on `hardware` (its spec and measured profiles)."""
-    plan, slowest, _ = _plan(cfg, backend, info, model, module_path, embedding, hardware)
+    plan, slowest, _ = _plan(cfg, backend, info, model, module_path, embedding, hardware, resident_bytes)
     return plan, slowest
 
 
 def _plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module, module_path: str,
-          embedding: Impl, hardware: Hardware
+          embedding: Impl, hardware: Hardware, resident_bytes: int = 0
           ) -> tuple[ShardingPlan, Perf | None, list[MemoryPrediction] | None]:
     """plan_and_predict's plan and cost, and each rank's predicted peak memory (None: simple)."""
     ebc = model.sparse_arch
@@ -109,16 +110,17 @@ def _plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module,
     topology = Topology(hardware.spec, info.world_size, info.local_world_size, backend.device_type)
     batch = resolve_batch_size(cfg.data, info.world_size).batch_size
     result = plan_model(model, ebc, cfg.model, cfg.planner, cfg.optim.name, topology, batch,
-                        hardware.embedding_cost(embedding), id_zipf_exponent=id_skew(cfg))
+                        hardware.embedding_cost(embedding), id_zipf_exponent=id_skew(cfg),
+                        resident_bytes=resident_bytes)
     if info.is_main:
         logger.info("co-design plan:\n%s", format_report(result, advice=False))
     slowest = max(result.rank_perf, key=lambda p: p.total_s)  # its total_s is result.predicted_step_s
     plan = to_sharding_plan(result, module_path, ebc, backend.device_type)
-    return place_shards(plan, backend, info.local_world_size), slowest, predict_memory(result)
+    return place_shards(plan, backend, info.local_world_size), slowest, predict_memory(result, resident_bytes)
 
 
 def unsharded_memory(cfg: AnyrecConfig, backend: Backend, model: nn.Module, embedding: Impl,
-                     hardware: Hardware) -> list[MemoryPrediction]:
+                     hardware: Hardware, resident_bytes: int = 0) -> list[MemoryPrediction]:
     """The predicted peak memory of one rank that runs every table itself (no torchrec sharding): the
     co-design planner's costing of all tables table-wise on that rank, without the all-to-alls."""
     ebc = model.sparse_arch
@@ -128,7 +130,7 @@ def unsharded_memory(cfg: AnyrecConfig, backend: Backend, model: nn.Module, embe
                                 memory_reserve_fraction=cfg.planner.memory_reserve_fraction)
     result = plan_model(model, ebc, cfg.model, planner_cfg, cfg.optim.name, topology, batch,
                         hardware.embedding_cost(embedding), id_zipf_exponent=id_skew(cfg))
-    return predict_memory(result, sharded=False)
+    return predict_memory(result, resident_bytes, sharded=False)
 
 
 def id_skew(cfg: AnyrecConfig) -> float:

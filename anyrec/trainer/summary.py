@@ -25,7 +25,7 @@ from tqdm import tqdm
 from anyrec.io_checks import LinkError, open_nofollow
 from anyrec.trainer.distributed import gather_objects
 from anyrec.trainer.fingerprint import weights_fingerprint
-from anyrec.trainer.memcheck import memory_check, resident_device_bytes, with_data_source
+from anyrec.trainer.memcheck import memory_check
 from anyrec.trainer.perfcheck import StepProfiler, StepTimer, prediction_check
 
 if TYPE_CHECKING:
@@ -163,12 +163,9 @@ def run_summary(trainer: Trainer, final_loss: float | None, train_loss: float | 
 
 
 def _predicted_memory(trainer: Trainer) -> list[MemoryPrediction] | None:
-    """The plan's predicted peak per rank with the data sources' resident bytes (they hold the same on
-    every rank), or None where nothing predicted it."""
-    if trainer.predicted_memory is None:
-        return None
-    sources = [trainer.train_data, trainer.eval_data]
-    return with_data_source(trainer.predicted_memory, resident_device_bytes(sources, trainer.device))
+    """The plan's predicted peak per rank (the data sources' resident bytes included), or None where
+    nothing predicted it."""
+    return trainer.predicted_memory
 
 
 def _figures(trainer: Trainer, run: RunState, final_loss: float | None, train_loss: float | None,

@@ -35,6 +35,7 @@ from anyrec.trainer.checkpoint import CheckpointManager, StepState
 from anyrec.trainer.distributed import DistInfo, all_reduce_mean, destroy_distributed, init_distributed
 from anyrec.trainer.inputs import build_inputs
 from anyrec.trainer.lineage import identity_config
+from anyrec.trainer.memcheck import resident_device_bytes
 from anyrec.trainer.metrics import EvalMetrics
 from anyrec.trainer.optim import (
     Optimizers,
@@ -120,6 +121,13 @@ class Trainer:
         self.unsharded = (self.dist.world_size == 1
                           and self.kernels["embedding"].unsharded_builder is not None
                           and self.cfg.backend.sparse_ops == "auto")
+        # The data first: what its sources keep on the device is part of the memory the plan must fit.
+        # Prefetched file batches land in page-locked memory where there is a device to copy them to.
+        inputs = build_inputs(self.cfg, self.dist, self.device,
+                              self.backend.pin if self.backend.pins_host_memory() else None)
+        self.batch_size, self.train_data, self.eval_data = inputs.batch_size, inputs.train, inputs.eval
+        self.validator, self.loss_guard = inputs.validator, inputs.loss_guard
+        self.resident_bytes = resident_device_bytes([self.train_data, self.eval_data], self.device)
         if self.unsharded:
             self._build_unsharded()
         else:
@@ -129,11 +137,6 @@ class Trainer:
         self.optimizers = Optimizers(self.model, self.fused_optimizer, self.cfg.optim, EBC_PATH)
         loop = SparseDistPipeline if tc.pipeline and not self.unsharded else EagerLoop
         self.pipeline = loop(self.model, self.optimizers.combined, self.device, self)
-        # Prefetched file batches land in page-locked memory where there is a device to copy them to.
-        inputs = build_inputs(self.cfg, self.dist, self.device,
-                              self.backend.pin if self.backend.pins_host_memory() else None)
-        self.batch_size, self.train_data, self.eval_data = inputs.batch_size, inputs.train, inputs.eval
-        self.validator, self.loss_guard = inputs.validator, inputs.loss_guard
         self.writer = MetricWriter(tc.run_dir, self.dist.is_main, tc.tensorboard)
         if self.dist.is_main:
             self._log_setup()
@@ -173,7 +176,8 @@ class Trainer:
         self.sharding_plan, self.predicted_perf, self.predicted_memory = (
             (place_shards(self.plan_override, self.backend, self.dist.local_world_size), None, None)
             if self.plan_override else
-            shared_plan(self.cfg, self.backend, self.dist, model, EBC_PATH, embedding, hardware))
+            shared_plan(self.cfg, self.backend, self.dist, model, EBC_PATH, embedding, hardware,
+                        self.resident_bytes))
         check_embedding_optimizer(self.cfg.optim, embedding, self.device.type, self.sharding_plan)
         # DDP's static graph page-locks host memory for a device's used-parameter map: off where the
         # device cannot (its copies are then plain ones; the numbers do not change), for the dense
@@ -195,7 +199,7 @@ class Trainer:
         hw = self.cfg.hardware
         hardware = resolve_hardware(hw.sku, hw.spec, self.backend, hw.measurements)
         self.predicted_memory = unsharded_memory(self.cfg, self.backend, self.model.model,
-                                                 self.kernels["embedding"], hardware)
+                                                 self.kernels["embedding"], hardware, self.resident_bytes)
         self.fused_optimizer = TritonEBCOptimizer(ebc, prefix=f"{EBC_PATH}.")
 
     def _log_setup(self) -> None:

@@ -21,6 +21,7 @@ SPEC = DeviceSpec(
     memory_bw_bytes_per_s=1.2e12, peak_bf16_flops=200e12, peak_fp32_flops=25e12, simd_width=32,
     scale_up_bw_bytes_per_s=100e9, scale_out_bw_bytes_per_s=12.5e9, h2d_bw_bytes_per_s=25e9,
     host_memory_bytes=128 * 2**30, host_memory_bw_bytes_per_s=50e9,
+    runtime_reserved_bytes=0,  # the simulated allocator owns the whole capacity: no runtime context
     source="simulated device: made-up figures, not a measurement of any hardware",
 )
 
