@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -15,6 +16,8 @@ from anyrec.backends.cpu import CPUBackend, core_share
 from anyrec.backends.cuda import CUDABackend
 from anyrec.backends.rocm import ROCmBackend
 from anyrec.backends.specs import SKUS, get_sku
+
+from .conftest import ROOT
 
 H200 = DeviceFacts(cuda_available=True, hip_version=None, device_count=8, device_name="NVIDIA H200",
                    arch="sm_90", memory_bytes=150_000_000_000)
@@ -270,3 +273,65 @@ def test_plugin_name_clash_and_ambiguity_raise():
 
     with pytest.raises(RuntimeError, match="ambiguous accelerator"):
         detect(H200, {"fakeaccel": _Greedy, **BUILTINS})
+
+
+def test_a_simulation_is_chosen_by_name_never_detected():
+    """A backend with auto_detect off (simdev) is not picked by backend=auto on a machine it matches,
+    so installing it leaves the CPU job on the CPU; by name it is there."""
+    from anyrec.backends import BUILTINS
+
+    class _Simulated(_FakeAccel):
+        auto_detect = False
+
+    backends = {"fakeaccel": _Simulated, **BUILTINS}
+    assert _Simulated.matches(DeviceFacts(device_name="FakeAccel"))
+    assert detect(DeviceFacts(device_name="FakeAccel"), backends) == "cpu"
+    assert detect(DeviceFacts(device_name="FakeAccel"), {"fakeaccel": _FakeAccel, **BUILTINS}) == "fakeaccel"
+
+
+def test_the_host_and_a_device_torch_cannot_pin_for_get_pageable_memory():
+    """Backend.pin and pinned_empty page-lock only where torch pins for this backend's device type (its
+    current accelerator): the host's tensors, and those of a device that is not it, pass through."""
+    t = torch.ones(3)
+    for backend in (CPUBackend(), CUDABackend(H200)):
+        if backend.device_type != "cpu" and torch.accelerator.is_available():
+            continue  # a real accelerator here: this checks the host-only case
+        assert backend.pins_host_memory() is False
+        assert backend.pin(t) is t
+        assert not backend.pinned_empty(4, dtype=torch.int64).is_pinned()
+        assert backend.pinned_empty(4, dtype=torch.int64).dtype == torch.int64
+
+
+def test_the_host_measures_no_device_memory():
+    cpu = CPUBackend()
+    assert cpu.memory_allocated() is cpu.max_memory_allocated() is cpu.memory_reserved() is None
+    assert cpu.max_memory_reserved() is cpu.memory_capacity_bytes() is None and cpu.memory_stats() == {}
+    cpu.reset_peak_memory_stats()
+    cpu.empty_cache()
+
+
+# Page-locking, streams and memory statistics through the current accelerator pick whatever device is
+# registered (a plugin's, once installed): outside anyrec/backends/ everything asks its Backend.
+IMPLICIT_ACCELERATOR = re.compile(r"pin_memory\(\)|pin_memory=True|torch\.cuda\.|torch\.accelerator|"
+                                  r"current_accelerator|get_device_module")
+
+
+def implicit_accelerator_lines(root) -> list[str]:
+    """`path:line: text` of each implicit use of the current accelerator in anyrec outside its backends."""
+    hits = []
+    for path in sorted((root / "anyrec").rglob("*.py")):
+        rel = path.relative_to(root)
+        if rel.parts[:2] == ("anyrec", "backends"):
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if IMPLICIT_ACCELERATOR.search(line):
+                hits.append(f"{rel}:{n}: {line.strip()}")
+    return hits
+
+
+def test_only_the_backends_reach_the_current_accelerator(tmp_path):
+    assert implicit_accelerator_lines(ROOT) == []
+    (tmp_path / "anyrec" / "backends").mkdir(parents=True)
+    (tmp_path / "anyrec" / "backends" / "ok.py").write_text("x.pin_memory()\n")
+    (tmp_path / "anyrec" / "data.py").write_text("def f(b):\n    return b.pin_memory()\n")
+    assert implicit_accelerator_lines(tmp_path) == ["anyrec/data.py:2: return b.pin_memory()"]

@@ -65,9 +65,10 @@ def detect(facts: DeviceFacts, backends: dict[str, type[Backend]] | None = None)
 
 def _detect(facts_of: Callable[[type[Backend]], DeviceFacts],
             backends: dict[str, type[Backend]]) -> tuple[str, DeviceFacts | None]:
-    """The one accelerator backend that matches its `facts_of` (else cpu, with no facts), and those facts."""
+    """The one accelerator backend that matches its `facts_of` (else cpu, with no facts), and those facts;
+    a backend with `auto_detect` off (a simulation) is never asked."""
     found = [(name, facts) for name, cls in backends.items()
-             if name != "cpu" and cls.matches(facts := facts_of(cls))]
+             if name != "cpu" and cls.auto_detect and cls.matches(facts := facts_of(cls))]
     if len(found) > 1:
         raise RuntimeError(f"ambiguous accelerator: backends {[n for n, _ in found]} all match this "
                            f"machine ({found[0][1]}); choose one with backend.name=")

@@ -81,11 +81,29 @@ class GPUBackend(Backend):
     def synchronize(self) -> None:
         torch.cuda.synchronize()
 
+    def memory_allocated(self) -> int:
+        return int(torch.cuda.memory_allocated())
+
     def max_memory_allocated(self) -> int:
         return int(torch.cuda.max_memory_allocated())
 
+    def memory_reserved(self) -> int:
+        return int(torch.cuda.memory_reserved())
+
+    def max_memory_reserved(self) -> int:
+        return int(torch.cuda.max_memory_reserved())
+
+    def memory_capacity_bytes(self) -> int:
+        return int(torch.cuda.mem_get_info()[1])
+
+    def memory_stats(self) -> dict[str, int]:
+        return dict(torch.cuda.memory_stats())
+
     def reset_peak_memory_stats(self) -> None:
         torch.cuda.reset_peak_memory_stats()
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
 
     def device_spec(self) -> DeviceSpec:
         facts = self.facts

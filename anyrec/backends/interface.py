@@ -33,6 +33,8 @@ class Backend(abc.ABC):
     name: str = ""  # "cpu" | "cuda" | "rocm" | plugin name
     device_type: str = ""  # torch device type; ROCm keeps "cuda"
     dist_backend: str = ""  # torch.distributed backend: "gloo", "nccl" (RCCL on ROCm)
+    # Whether backend.name=auto may pick it; False for a simulation or emulator, chosen by name only.
+    auto_detect: ClassVar[bool] = True
     # Per op (see anyrec.backends.dispatch.OPS), registered implementations in order of preference.
     kernel_order: ClassVar[dict[str, tuple[str, ...]]] = {
         "embedding": ("fbgemm", "triton", "torch"),
@@ -45,6 +47,7 @@ class Backend(abc.ABC):
     def __init__(self, facts: DeviceFacts | None = None) -> None:
         self._facts = facts
         self._kernels: dict[tuple, dict[str, Impl]] = {}
+        self._pins: bool | None = None
 
     @property
     def facts(self) -> DeviceFacts:
@@ -82,9 +85,20 @@ class Backend(abc.ABC):
     def synchronize(self) -> None:  # noqa: B027 - optional hook
         """Wait for queued device work (used by timers)."""
 
+    # ---- host memory: every page-locked buffer is asked for here ---------------------------------
+
     def pins_host_memory(self) -> bool:
-        """Whether torch can page-lock host memory for this device (not the host, nor with no allocator)."""
-        if self.device_type == "cpu":
+        """Whether host memory can be page-locked for this device (probed once). torch pins for the
+        process's current accelerator only: not on the host, not where that accelerator is another
+        device type (a plugin registered beside this one), not where the device has no pinned allocator."""
+        if self._pins is None:
+            self._pins = self._probe_pinning()
+        return self._pins
+
+    def _probe_pinning(self) -> bool:
+        if self.device_type == "cpu" or not torch.accelerator.is_available():
+            return False
+        if torch.accelerator.current_accelerator().type != self.device_type:
             return False
         try:
             torch.empty(1, pin_memory=True)
@@ -92,12 +106,47 @@ class Backend(abc.ABC):
             return False
         return True
 
+    def pin(self, x: Any) -> Any:
+        """`x` (a host tensor, or anything with `pin_memory()`, such as a torchrec Batch) in page-locked
+        memory for this device; `x` itself, pageable, where this backend cannot pin."""
+        return x.pin_memory() if self.pins_host_memory() else x
+
+    def pinned_empty(self, *size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """An uninitialised host tensor, page-locked for this device where it can be, else pageable."""
+        return torch.empty(*size, dtype=dtype, pin_memory=self.pins_host_memory())
+
+    # ---- device memory statistics (None where the backend does not measure them) -----------------
+
+    def memory_allocated(self) -> int | None:
+        """Bytes allocated on the device by this process now."""
+        return None
+
     def max_memory_allocated(self) -> int | None:
         """Peak bytes allocated on the device by this process (None where it is not measured)."""
         return None
 
+    def memory_reserved(self) -> int | None:
+        """Bytes the device's caching allocator holds (allocated or cached)."""
+        return None
+
+    def max_memory_reserved(self) -> int | None:
+        """Peak bytes the device's caching allocator held."""
+        return None
+
+    def memory_capacity_bytes(self) -> int | None:
+        """The device memory this process can use, as the runtime reports it."""
+        return None
+
+    def memory_stats(self) -> dict[str, int]:
+        """The allocator's statistics under CUDA's key names (`allocated_bytes.all.peak`, ...); empty
+        where not measured."""
+        return {}
+
     def reset_peak_memory_stats(self) -> None:  # noqa: B027 - optional hook
-        """Reset the peak memory counter."""
+        """Reset the peak memory counters."""
+
+    def empty_cache(self) -> None:  # noqa: B027 - optional hook
+        """Release the device memory the caching allocator holds unused."""
 
     def autocast(self, enabled: bool) -> contextlib.AbstractContextManager:
         """bf16 autocast on this device when enabled (and supported)."""

@@ -7,6 +7,7 @@ Every source has `batch(step)` (a pure function of step and rank, which makes re
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -41,13 +42,13 @@ def resolve_batch_size(data: DataConfig, world_size: int) -> DataConfig:
 
 
 def build_source(model: ModelConfig, data: DataConfig, seed: int, rank: int, world_size: int,
-                 split: str, pin_memory: bool = False, device: torch.device | None = None,
+                 split: str, pin: Callable[[Batch], Batch] | None = None, device: torch.device | None = None,
                  skip_nonfinite: bool = False) -> DataSource:
     """The source named by `data.name` for one rank and split ("train" or "eval"). Synthetic batches are made
     on `device` (the training device; default CPU): on an accelerator in the step (asynchronous kernels), on a
     CPU `data.prefetch` batches ahead by background threads at idle priority (they use the cores the step
-    leaves free). File sources always make `data.prefetch` batches ahead (into pinned memory with
-    `pin_memory`), at idle priority when the training device is a CPU. `skip_nonfinite`
+    leaves free). File sources always make `data.prefetch` batches ahead (into pinned memory by
+    `pin`, the backend's `Backend.pin`), at idle priority when the training device is a CPU. `skip_nonfinite`
     (trainer.skip_nonfinite): file sources let NaN/inf dense values of training rows through for the trainer
     to skip their step."""
     if data.prefetch < 0 or data.prefetch_workers < 1:
@@ -66,5 +67,5 @@ def build_source(model: ModelConfig, data: DataConfig, seed: int, rank: int, wor
         source = CriteoSource(model, data, rank, world_size, split=split, skip_nonfinite=skip_nonfinite)
         if not data.prefetch:
             return source
-        return Prefetched(source, data.prefetch, data.prefetch_workers, pin_memory, idle=on_cpu)
+        return Prefetched(source, data.prefetch, data.prefetch_workers, pin, idle=on_cpu)
     raise ValueError(f"unknown data source {data.name!r}; choose one of {', '.join(SOURCES)}")

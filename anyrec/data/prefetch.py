@@ -1,11 +1,11 @@
 """Batches made ahead of the step by background threads, in order, optionally in pinned memory.
 
-`Prefetched(source, depth, workers, pin_memory, idle)` wraps any source: `batch(step)` is the source's,
+`Prefetched(source, depth, workers, pin, idle)` wraps any source: `batch(step)` is the source's,
 `iter_from(step, n)` yields the same batches in the same order while `workers` threads make up to `depth` of
 them ahead (worker w makes steps step + w, step + w + workers, ...). Reading files, slicing memory maps,
-hashing ids and torch ops release the GIL, so the work overlaps the step. With `pin_memory` (only where an
-accelerator is present) batches land in page-locked memory, so the copy torchrec's TrainPipelineSparseDist
-issues on its own stream is asynchronous.
+hashing ids and torch ops release the GIL, so the work overlaps the step. With `pin` (the training backend's
+`Backend.pin`, only where it can page-lock memory for its device) batches land in page-locked memory, so the
+copy torchrec's TrainPipelineSparseDist issues on its own stream is asynchronous.
 
 `idle` is for a step that computes on the same CPU cores (training on the CPU): each worker runs its torch ops
 on one intra-op thread and, on Linux, at idle scheduling priority (SCHED_IDLE), so it only takes a core the
@@ -42,7 +42,7 @@ def _yield_to_the_step() -> None:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: the calling thread
 
 
-def _work(make: Callable[[int], Batch], steps: range, pin: bool, out: queue.Queue,
+def _work(make: Callable[[int], Batch], steps: range, pin: Callable[[Batch], Batch] | None, out: queue.Queue,
           stop: threading.Event, idle_default: int | None = None) -> None:
     """Make the batches of `steps` into `out` until done, failed (the exception goes in their place) or
     asked to stop. An idle worker (`idle_default`: the consumer's thread count) yields to the step, and
@@ -56,8 +56,8 @@ def _work(make: Callable[[int], Batch], steps: range, pin: bool, out: queue.Queu
                 return
             try:
                 item: Any = make(step)
-                if pin:
-                    item = item.pin_memory()
+                if pin is not None:
+                    item = pin(item)
             except BaseException as e:  # noqa: BLE001 - every failure goes to the consumer
                 item = e
             while not stop.is_set():
@@ -84,7 +84,7 @@ class PrefetchIterator(Iterator[Batch]):
     """Batches `first`, `first + 1`, ... (`count` of them, or forever when None) made ahead."""
 
     def __init__(self, make: Callable[[int], Batch], first: int, count: int | None, depth: int,
-                 workers: int = 1, pin_memory: bool = False, idle: bool = False) -> None:
+                 workers: int = 1, pin: Callable[[Batch], Batch] | None = None, idle: bool = False) -> None:
         if depth < 1 or workers < 1:
             raise ValueError(f"data.prefetch and data.prefetch_workers must be >= 1, got {depth}, {workers}")
         workers = min(workers, depth)
@@ -97,7 +97,7 @@ class PrefetchIterator(Iterator[Batch]):
         idle_default = torch.get_num_threads() if idle else None
         for w, q in enumerate(self._queues):
             steps = range(first + w, end if end is not None else 2**62, workers)
-            t = threading.Thread(target=_work, args=(make, steps, pin_memory, q, self._stop, idle_default),
+            t = threading.Thread(target=_work, args=(make, steps, pin, q, self._stop, idle_default),
                                  name=f"anyrec-prefetch-{w}", daemon=True)
             self._threads.append(t)
         self._finalizer = weakref.finalize(self, _stop, self._stop, self._threads)
@@ -132,9 +132,9 @@ class PrefetchIterator(Iterator[Batch]):
 class Prefetched:
     """A source whose `iter_from` makes batches ahead in background threads (see the module doc)."""
 
-    def __init__(self, source: Any, depth: int, workers: int = 1, pin_memory: bool = False,
+    def __init__(self, source: Any, depth: int, workers: int = 1, pin: Callable[[Batch], Batch] | None = None,
                  idle: bool = False) -> None:
-        self.source, self.depth, self.workers, self.pin_memory = source, depth, workers, pin_memory
+        self.source, self.depth, self.workers, self.pin = source, depth, workers, pin
         self.idle = idle
         # Work on each made batch that belongs with it, done in the worker (the trainer's input value
         # checks: O(ids) tensor ops off the step's thread). Set by the consumer; None = nothing.
@@ -152,4 +152,4 @@ class Prefetched:
     def iter_from(self, step: int = 0, num_steps: int | None = None) -> PrefetchIterator:
         """Batches `step`, `step + 1`, ... made ahead by the workers."""
         make = self.source.batch if self.prepare is None else self._make_prepared
-        return PrefetchIterator(make, step, num_steps, self.depth, self.workers, self.pin_memory, self.idle)
+        return PrefetchIterator(make, step, num_steps, self.depth, self.workers, self.pin, self.idle)

@@ -3,10 +3,12 @@ batch (input validation) and every loss (non-finite guard) go through."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torchrec.datasets.utils import Batch
 
 from anyrec.config import AnyrecConfig
 from anyrec.data import build_source, resolve_batch_size
@@ -27,15 +29,16 @@ class Inputs:
     loss_guard: NonFiniteGuard
 
 
-def build_inputs(cfg: AnyrecConfig, dist: DistInfo, device: torch.device, pin_memory: bool) -> Inputs:
-    """Sources for this rank (prefetched file batches land in page-locked memory when `pin_memory`)."""
+def build_inputs(cfg: AnyrecConfig, dist: DistInfo, device: torch.device,
+                 pin: Callable[[Batch], Batch] | None) -> Inputs:
+    """Sources for this rank (prefetched file batches land in page-locked memory by `pin`, if given)."""
     tc = cfg.trainer
     data_cfg = resolve_batch_size(cfg.data, dist.world_size)
 
     def source(split: str) -> Any:
         # skip_nonfinite: a training batch's non-finite dense rows are left to the loss guard
         return build_source(cfg.model, data_cfg, tc.seed, dist.rank, dist.world_size, split=split,
-                            pin_memory=pin_memory, device=device,
+                            pin=pin, device=device,
                             skip_nonfinite=tc.skip_nonfinite and split == "train")
 
     validator = (InputValidator(feature_names(len(cfg.model.table_rows)), list(cfg.model.table_rows),

@@ -46,7 +46,7 @@ from anyrec.trainer.optim import (
 )
 from anyrec.trainer.perfcheck import StepProfiler, breakdown_window, phase, warmup_steps
 from anyrec.trainer.pipeline import EagerLoop, SparseDistPipeline, predictions
-from anyrec.trainer.planning import dense_wrapper, sharders, shared_plan, unsharded_memory
+from anyrec.trainer.planning import dense_wrapper, place_shards, sharders, shared_plan, unsharded_memory
 from anyrec.trainer.shutdown import StopRequest, peers_met
 from anyrec.trainer.summary import MetricWriter, RunState, log_eval, log_train, run_summary
 from anyrec.trainer.validate import flush_checks
@@ -130,7 +130,8 @@ class Trainer:
         loop = SparseDistPipeline if tc.pipeline and not self.unsharded else EagerLoop
         self.pipeline = loop(self.model, self.optimizers.combined, self.device, self)
         # Prefetched file batches land in page-locked memory where there is a device to copy them to.
-        inputs = build_inputs(self.cfg, self.dist, self.device, pin_memory=self.backend.pins_host_memory())
+        inputs = build_inputs(self.cfg, self.dist, self.device,
+                              self.backend.pin if self.backend.pins_host_memory() else None)
         self.batch_size, self.train_data, self.eval_data = inputs.batch_size, inputs.train, inputs.eval
         self.validator, self.loss_guard = inputs.validator, inputs.loss_guard
         self.writer = MetricWriter(tc.run_dir, self.dist.is_main, tc.tensorboard)
@@ -168,8 +169,10 @@ class Trainer:
         apply_embedding_optimizer(model.sparse_arch.parameters(), self.cfg.optim)
         embedding, hw = self.kernels["embedding"], self.cfg.hardware
         hardware = resolve_hardware(hw.sku, hw.spec, self.backend, hw.measurements)
+        # a plan given from outside (calibration's step points) names the devices as a planned one does
         self.sharding_plan, self.predicted_perf, self.predicted_memory = (
-            (self.plan_override, None, None) if self.plan_override else
+            (place_shards(self.plan_override, self.backend, self.dist.local_world_size), None, None)
+            if self.plan_override else
             shared_plan(self.cfg, self.backend, self.dist, model, EBC_PATH, embedding, hardware))
         check_embedding_optimizer(self.cfg.optim, embedding, self.device.type, self.sharding_plan)
         # DDP's static graph page-locks host memory for a device's used-parameter map: off where the

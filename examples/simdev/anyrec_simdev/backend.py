@@ -11,11 +11,13 @@ import anyrec_simdev  # noqa: F401 - registers the device, its kernels and its p
 from anyrec.backends.interface import Backend, DeviceFacts
 from anyrec.backends.specs import DeviceSpec
 from anyrec_simdev import module
-from anyrec_simdev.device import NAME
+from anyrec_simdev.allocator import DEFAULT_CAPACITY_BYTES
+from anyrec_simdev.device import NAME, capacity_bytes
 
-# Made-up but plausible figures (a mid-range accelerator); the planner costs plans with them.
+# Made-up but plausible figures (a mid-range accelerator); the planner costs plans with them. Its
+# memory is replaced by the capacity the device enforces (SIMDEV_MEMORY_BYTES), so plans see that.
 SPEC = DeviceSpec(
-    name="SimDev-1", vendor="simulated", arch="sim1", memory_bytes=32 * 2**30,
+    name="SimDev-1", vendor="simulated", arch="sim1", memory_bytes=DEFAULT_CAPACITY_BYTES,
     memory_bw_bytes_per_s=1.2e12, peak_bf16_flops=200e12, peak_fp32_flops=25e12, simd_width=32,
     scale_up_bw_bytes_per_s=100e9, scale_out_bw_bytes_per_s=12.5e9, h2d_bw_bytes_per_s=25e9,
     host_memory_bytes=128 * 2**30, host_memory_bw_bytes_per_s=50e9,
@@ -29,6 +31,7 @@ class SimdevBackend(Backend):
     name = NAME
     device_type = NAME
     dist_backend = NAME  # the simdev process group (gloo underneath)
+    auto_detect = False  # a simulation is chosen by name (backend=simdev), never found on a machine
     # No FBGEMM or Triton for this device: anyrec's torch TBE and portable sparse ops.
     kernel_order = {
         "embedding": ("torch",),
@@ -41,12 +44,11 @@ class SimdevBackend(Backend):
     @classmethod
     def probe_facts(cls) -> DeviceFacts:
         return DeviceFacts(device_count=module.device_count(), device_name=module.get_device_name(),
-                           arch=SPEC.arch, memory_bytes=SPEC.memory_bytes, multiprocessors=1)
+                           arch=SPEC.arch, memory_bytes=capacity_bytes(), multiprocessors=1)
 
     @classmethod
     def matches(cls, facts: DeviceFacts) -> bool:
-        # Never detected: a simulation is chosen by name (backend=simdev), not found on a machine.
-        return facts.device_name == module.get_device_name()
+        return facts.device_name == module.get_device_name() and facts.device_count > 0
 
     def device(self, local_rank: int = 0) -> torch.device:
         return torch.device(NAME, 0)  # one simulated device per process
@@ -57,11 +59,29 @@ class SimdevBackend(Backend):
     def synchronize(self) -> None:
         module.synchronize()
 
+    def memory_allocated(self) -> int:
+        return module.memory_allocated()
+
     def max_memory_allocated(self) -> int:
         return module.max_memory_allocated()
+
+    def memory_reserved(self) -> int:
+        return module.memory_reserved()
+
+    def max_memory_reserved(self) -> int:
+        return module.max_memory_reserved()
+
+    def memory_capacity_bytes(self) -> int:
+        return module.mem_get_info()[1]
+
+    def memory_stats(self) -> dict[str, int]:
+        return module.memory_stats()
 
     def reset_peak_memory_stats(self) -> None:
         module.reset_peak_memory_stats()
 
+    def empty_cache(self) -> None:
+        module.empty_cache()
+
     def device_spec(self) -> DeviceSpec:
-        return SPEC
+        return SPEC.replace(memory_bytes=capacity_bytes())

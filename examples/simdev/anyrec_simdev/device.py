@@ -13,11 +13,13 @@ they must register their own for PrivateUse1, as on any new device.
 from __future__ import annotations
 
 import functools
-import threading
+import math
 import weakref
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from anyrec_simdev.allocator import Block, CachingAllocator, capacity_from_env, round_size
 
 NAME = "simdev"
 # One simulated device per process (as if each process were launched with one visible device):
@@ -31,35 +33,58 @@ HOST_ARG_OPS = frozenset({"aten::copy_", "aten::_copy_from", "aten::_copy_from_a
                           "aten::_to_copy", "aten::is_pinned", "aten::_pin_memory"})
 
 
-class _Memory:
-    """Bytes allocated on each simulated device (what the device module's memory stats report)."""
 
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.allocated = [0] * DEVICE_COUNT
-        self.peak = [0] * DEVICE_COUNT
-
-    def alloc(self, index: int, nbytes: int) -> None:
-        with self.lock:
-            self.allocated[index] += nbytes
-            self.peak[index] = max(self.peak[index], self.allocated[index])
-
-    def free(self, index: int, nbytes: int) -> None:
-        with self.lock:
-            self.allocated[index] -= nbytes
+@functools.cache
+def allocators() -> list[CachingAllocator]:
+    """One simulated caching allocator per device, made on first use with the capacity SIMDEV_MEMORY_BYTES
+    sets (32 GiB unset; a bad value raises CapacityError, a ValueError, there)."""
+    capacity = capacity_from_env()
+    return [CachingAllocator(capacity, f"{NAME}:{i}") for i in range(DEVICE_COUNT)]
 
 
-MEMORY = _Memory()
+def capacity_bytes() -> int:
+    """The capacity of each simulated device."""
+    return allocators()[0].capacity_bytes
 
 
-def device_storage(host: torch.UntypedStorage, index: int) -> torch.UntypedStorage:
-    """A simdev storage over `host`'s bytes (which it keeps alive)."""
-    storage = torch._C._construct_storage_from_data_pointer(
-        host.data_ptr(), torch.device(NAME, index), host.nbytes())
+
+def device_storage(host: torch.UntypedStorage, index: int,
+                   block: Block | None = None) -> torch.UntypedStorage:
+    """A simdev storage over `host`'s bytes (which it keeps alive), accounted by the device's allocator: in
+    `block` (taken over) when the caller allocated it before the host bytes, else now, which raises
+    torch.OutOfMemoryError past the capacity (the host bytes are then dropped with the caller's frame)."""
+    allocator, nbytes = allocators()[index], host.nbytes()
+    if block is not None and (nbytes == 0 or block.rounded_bytes != round_size(nbytes)):
+        allocator.free(block)  # the output is not the size foreseen
+        block = None
+    if block is None and nbytes:
+        block = allocator.malloc(nbytes)
+    storage = torch._C._construct_storage_from_data_pointer(host.data_ptr(), torch.device(NAME, index),
+                                                            nbytes)
     storage._simdev_host = host
-    MEMORY.alloc(index, host.nbytes())
-    weakref.finalize(storage, MEMORY.free, index, host.nbytes())
+    if block is not None:
+        weakref.finalize(storage, allocator.free, block)
     return storage
+
+
+def _foreseen_nbytes(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> int | None:
+    """The bytes of the one new device storage `op` makes, where known before it runs (the allocation
+    ops and copies to the device), so the capacity is checked before host memory is committed."""
+    def itemsize(dtype: torch.dtype | None, default: torch.dtype) -> int:
+        return (dtype or default).itemsize
+
+    if op is torch.ops.aten.empty.memory_format:
+        return math.prod(args[0]) * itemsize(kwargs.get("dtype"), torch.get_default_dtype())
+    if op is torch.ops.aten.empty_strided.default:
+        size, stride = args[0], args[1]
+        if any(s == 0 for s in size):
+            return 0
+        elements = 1 + sum((s - 1) * st for s, st in zip(size, stride, strict=True))
+        return elements * itemsize(kwargs.get("dtype"), torch.get_default_dtype())
+    to = kwargs.get("device")
+    if op is torch.ops.aten._to_copy.default and to is not None and torch.device(to).type == NAME:
+        return args[0].numel() * itemsize(kwargs.get("dtype"), args[0].dtype)
+    return None
 
 
 def _set(t: torch.Tensor, storage: torch.UntypedStorage, like: torch.Tensor) -> torch.Tensor:
@@ -68,10 +93,12 @@ def _set(t: torch.Tensor, storage: torch.UntypedStorage, like: torch.Tensor) -> 
                                    like.stride())
 
 
-def to_device(host: torch.Tensor, index: int, storage: torch.UntypedStorage | None = None) -> torch.Tensor:
-    """A simdev tensor viewing `host`'s memory (through `storage` when it already has one)."""
+def to_device(host: torch.Tensor, index: int, storage: torch.UntypedStorage | None = None,
+              block: Block | None = None) -> torch.Tensor:
+    """A simdev tensor viewing `host`'s memory (through `storage` when it already has one; else a new
+    device storage, accounted in `block` where that was allocated ahead)."""
     if storage is None:
-        storage = device_storage(host.untyped_storage(), index)
+        storage = device_storage(host.untyped_storage(), index, block)
     return _set(torch._C._acc.create_empty_tensor([0], host.dtype), storage, host)
 
 
@@ -131,6 +158,19 @@ def _kernel(op: torch._ops.OpOverload, *args, **kwargs):
     if index >= DEVICE_COUNT:
         raise RuntimeError(f"simdev: no device simdev:{index} (each process has {DEVICE_COUNT})")
     cargs, ckwargs = tree_unflatten(cargs, spec)
+    foreseen = _foreseen_nbytes(op, args, kwargs)
+    ahead = [allocators()[index].malloc(foreseen)] if foreseen else []  # before the host bytes
+    try:
+        return _run(op, name, index, cargs, ckwargs, kwargs, devs, hosts, by_ptr, ahead)
+    finally:
+        for block in ahead:  # foreseen but not made: the op failed or made no new storage
+            allocators()[index].free(block)
+
+
+def _run(op: torch._ops.OpOverload, name: str, index: int, cargs: tuple, ckwargs: dict, kwargs: dict,
+         devs: list[torch.Tensor], hosts: list[torch.Tensor], by_ptr: dict, ahead: list[Block]):
+    """Run `op`'s CPU kernel on the host aliases and hand its results back as simdev tensors; the block
+    in `ahead` (allocated before the op ran, if any) is taken by its new device storage."""
     out = op(*cargs, **ckwargs)
     for d, h in zip(devs, hosts, strict=True):  # an op that resized or re-pointed a device tensor
         if (h.size(), h.stride(), h.storage_offset(), h.untyped_storage().data_ptr()) != \
@@ -149,7 +189,8 @@ def _kernel(op: torch._ops.OpOverload, *args, **kwargs):
                 o = same
             else:
                 ptr = o.untyped_storage().data_ptr()
-                o = to_device(o, index, by_ptr.get(ptr) if o.untyped_storage().nbytes() else None)
+                storage = by_ptr.get(ptr) if o.untyped_storage().nbytes() else None
+                o = to_device(o, index, storage, ahead.pop() if storage is None and ahead else None)
         res.append(o)
     return tree_unflatten(res, ospec)
 

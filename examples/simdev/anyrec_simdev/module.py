@@ -12,7 +12,8 @@ from collections.abc import Iterator
 
 import torch
 
-from anyrec_simdev.device import DEVICE_COUNT, MEMORY, NAME
+from anyrec_simdev.allocator import CachingAllocator
+from anyrec_simdev.device import DEVICE_COUNT, NAME, allocators
 
 _current = 0
 
@@ -63,23 +64,55 @@ def manual_seed_all(seed: int) -> None:
     """Seed every device's generator (see manual_seed)."""
 
 
+def _allocator(device: int | str | torch.device | None) -> CachingAllocator:
+    return allocators()[_index(device)]
+
+
 def memory_allocated(device: int | str | torch.device | None = None) -> int:
-    return MEMORY.allocated[_index(device)]
+    """Bytes allocated now (requests rounded up to 512 bytes), as CUDA counts them."""
+    return _allocator(device).stat("allocated_bytes").current
 
 
 def max_memory_allocated(device: int | str | torch.device | None = None) -> int:
-    return MEMORY.peak[_index(device)]
+    """The most bytes allocated at once since the start or the last reset_peak_memory_stats."""
+    return _allocator(device).stat("allocated_bytes").peak
+
+
+def memory_reserved(device: int | str | torch.device | None = None) -> int:
+    """Bytes in segments the allocator holds (allocated or cached)."""
+    return _allocator(device).stat("reserved_bytes").current
+
+
+def max_memory_reserved(device: int | str | torch.device | None = None) -> int:
+    """The most bytes reserved at once since the start or the last reset_peak_memory_stats."""
+    return _allocator(device).stat("reserved_bytes").peak
 
 
 def reset_peak_memory_stats(device: int | str | torch.device | None = None) -> None:
-    i = _index(device)
-    with MEMORY.lock:
-        MEMORY.peak[i] = MEMORY.allocated[i]
+    """Every peak statistic back to its current value."""
+    _allocator(device).reset_peak()
+
+
+def reset_accumulated_memory_stats(device: int | str | torch.device | None = None) -> None:
+    """The totals of memory_stats (`.allocated`, `.freed`, num_ooms) back to zero."""
+    _allocator(device).reset_accumulated()
 
 
 def memory_stats(device: int | str | torch.device | None = None) -> dict[str, int]:
-    i = _index(device)
-    return {"allocated_bytes.all.current": MEMORY.allocated[i], "allocated_bytes.all.peak": MEMORY.peak[i]}
+    """The allocator's statistics under CUDA's key names (`allocated_bytes.all.current`, ...)."""
+    return _allocator(device).memory_stats()
+
+
+def empty_cache() -> None:
+    """Release the segments with nothing allocated in them (on every device)."""
+    for allocator in allocators():
+        allocator.empty_cache()
+
+
+def mem_get_info(device: int | str | torch.device | None = None) -> tuple[int, int]:
+    """(free, total) bytes of the simulated device: its capacity less what is reserved, and its capacity."""
+    allocator = _allocator(device)
+    return allocator.free_bytes(), allocator.capacity_bytes
 
 
 def get_device_name(device: int | str | torch.device | None = None) -> str:

@@ -1,0 +1,283 @@
+"""simdev's simulated caching allocator: CUDA's accounting, made simple and exact, over a fixed capacity.
+
+The rules (what `torch.simdev.memory_*` report):
+
+- every request is rounded up to a multiple of 512 bytes (512 at least); `allocated` counts rounded sizes;
+- a rounded request of at most 1 MiB comes from the small pool: 2 MiB segments split into blocks (best fit:
+  the smallest free block that fits, ties to the oldest segment and lowest offset); a freed block merges
+  with free neighbours and is reused;
+- a larger one takes a whole large-pool block: the smallest cached (freed) large block that fits (ties to the
+  oldest), else a new segment of its size rounded up to a multiple of 2 MiB; large blocks are not split;
+- segments stay reserved until `empty_cache()` releases those with nothing allocated in them;
+- the capacity bounds `reserved`: when a new segment would pass it, every empty segment is released first
+  (as CUDA does), and if it still does not fit, `torch.OutOfMemoryError` is raised.
+
+Nothing here touches host memory: the device asks for the accounting before (or, for an op whose output
+size it cannot know ahead, right after) the host bytes are allocated.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+ROUND_BYTES = 512
+SMALL_REQUEST_BYTES = 1 << 20  # requests up to this size come from the small pool
+SMALL_SEGMENT_BYTES = 2 << 20
+LARGE_SEGMENT_ROUND_BYTES = 2 << 20
+DEFAULT_CAPACITY_BYTES = 32 << 30
+CAPACITY_ENV = "SIMDEV_MEMORY_BYTES"
+
+POOLS = ("small_pool", "large_pool")
+# memory_stats' statistics, as CUDA names them (bytes or counts, each with current/peak/allocated/freed).
+STATS = ("allocated_bytes", "reserved_bytes", "active_bytes", "allocation", "segment", "active")
+
+
+class CapacityError(ValueError):
+    """SIMDEV_MEMORY_BYTES is not a positive whole number of bytes."""
+
+
+def capacity_from_env(environ: Mapping[str, str] = os.environ) -> int:
+    """The simulated device's capacity in bytes: `SIMDEV_MEMORY_BYTES` where set, else 32 GiB."""
+    text = environ.get(CAPACITY_ENV, "").strip()
+    if not text:
+        return DEFAULT_CAPACITY_BYTES
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise CapacityError(f"{CAPACITY_ENV} must be a positive whole number of bytes, got {text!r}")
+    return value
+
+
+def round_size(nbytes: int) -> int:
+    """A request's size as allocated: rounded up to a multiple of 512 bytes."""
+    return max(ROUND_BYTES, -(-nbytes // ROUND_BYTES) * ROUND_BYTES)
+
+
+def segment_size(rounded: int) -> int:
+    """The size of a new segment for a rounded request."""
+    if rounded <= SMALL_REQUEST_BYTES:
+        return SMALL_SEGMENT_BYTES
+    return -(-rounded // LARGE_SEGMENT_ROUND_BYTES) * LARGE_SEGMENT_ROUND_BYTES
+
+
+def format_bytes(n: int) -> str:
+    """`n` bytes as CUDA's messages write sizes (two decimals of GiB, MiB or KiB), exact bytes after."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit} ({n} bytes)"
+    return f"{n} bytes"
+
+
+@dataclass
+class Stat:
+    """One statistic: its current value, peak since reset, and totals added and removed."""
+
+    current: int = 0
+    peak: int = 0
+    allocated: int = 0
+    freed: int = 0
+
+    def add(self, n: int) -> None:
+        self.current += n
+        self.allocated += n
+        self.peak = max(self.peak, self.current)
+
+    def sub(self, n: int) -> None:
+        self.current -= n
+        self.freed += n
+
+
+@dataclass
+class Segment:
+    """A reserved piece of device memory; `blocks` are [offset, size, request] sorted by offset, request
+    the rounded size allocated there (0: free)."""
+
+    size_bytes: int
+    small: bool
+    number: int  # creation order: ties go to the oldest
+    blocks: list[list[int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.blocks = [[0, self.size_bytes, 0]]
+
+    @property
+    def empty(self) -> bool:
+        return all(b[2] == 0 for b in self.blocks)
+
+
+@dataclass(frozen=True, eq=False)
+class Block:
+    """A live allocation: where it is and its rounded size."""
+
+    segment: Segment
+    offset: int
+    rounded_bytes: int
+
+
+class CachingAllocator:
+    """One simulated device's memory: segments, blocks, CUDA's statistics and the capacity."""
+
+    def __init__(self, capacity_bytes: int, device: str = "simdev:0") -> None:
+        self.capacity_bytes = capacity_bytes
+        self.device = device
+        self.segments: list[Segment] = []
+        self.stats = {(s, p): Stat() for s in STATS for p in ("all", *POOLS)}
+        self.num_ooms = 0
+        self.num_alloc_retries = 0
+        self._made = 0
+        self._lock = threading.Lock()
+        # Frees arriving while the lock is held (a finalizer run by the garbage collector inside malloc,
+        # or another thread) wait here; every operation applies them first.
+        self._pending: collections.deque[Block] = collections.deque()
+
+    # ---- statistics ---------------------------------------------------------------------------------
+
+    def _count(self, stat: str, pool: str, n: int) -> None:
+        for p in ("all", pool):
+            (self.stats[stat, p].add if n >= 0 else self.stats[stat, p].sub)(abs(n))
+
+    def stat(self, name: str, pool: str = "all") -> Stat:
+        """A copy of statistic `name` (see STATS) for `pool` ("all", "small_pool", "large_pool")."""
+        with self._locked():
+            s = self.stats[name, pool]
+            return Stat(s.current, s.peak, s.allocated, s.freed)
+
+    def memory_stats(self) -> dict[str, int]:
+        """CUDA's `memory_stats()` keys (`allocated_bytes.all.current`, ...), sorted."""
+        with self._locked():
+            out = {f"{s}.{p}.{k}": getattr(self.stats[s, p], k)
+                   for s, p in self.stats for k in ("current", "peak", "allocated", "freed")}
+            out.update(num_ooms=self.num_ooms, num_alloc_retries=self.num_alloc_retries)
+        return dict(sorted(out.items()))
+
+    def reset_peak(self) -> None:
+        """Every peak back to its current value."""
+        with self._locked():
+            for s in self.stats.values():
+                s.peak = s.current
+
+    def reset_accumulated(self) -> None:
+        """Every total (allocated, freed) and the OOM and retry counts back to zero."""
+        with self._locked():
+            for s in self.stats.values():
+                s.allocated = s.freed = 0
+            self.num_ooms = self.num_alloc_retries = 0
+
+    # ---- allocation ---------------------------------------------------------------------------------
+
+    def malloc(self, nbytes: int) -> Block:
+        """A block for `nbytes` (rounded); raises torch.OutOfMemoryError past the capacity."""
+        rounded = round_size(nbytes)
+        small = rounded <= SMALL_REQUEST_BYTES
+        with self._locked():
+            found = self._best_fit(rounded, small)
+            if found is None:
+                size = segment_size(rounded)
+                if self._reserved() + size > self.capacity_bytes:
+                    self.num_alloc_retries += 1
+                    self._release_empty()
+                    if self._reserved() + size > self.capacity_bytes:
+                        self.num_ooms += 1
+                        raise torch.OutOfMemoryError(self._oom_message(rounded, size))
+                seg = Segment(size, small, self._made)
+                self._made += 1
+                self.segments.append(seg)
+                pool = POOLS[not small]
+                self._count("reserved_bytes", pool, size)
+                self._count("segment", pool, 1)
+                found = (seg, seg.blocks[0])
+            seg, free = found
+            if small and free[1] > rounded:  # split: the rest stays free
+                seg.blocks.insert(seg.blocks.index(free) + 1, [free[0] + rounded, free[1] - rounded, 0])
+                free[1] = rounded
+            free[2] = rounded
+            pool = POOLS[not small]
+            for stat, n in (("allocated_bytes", rounded), ("active_bytes", rounded), ("allocation", 1),
+                            ("active", 1)):
+                self._count(stat, pool, n)
+            return Block(seg, free[0], rounded)
+
+    def free(self, block: Block) -> None:
+        """Give `block` back (safe from a finalizer: applied now, or by the next operation)."""
+        self._pending.append(block)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._apply_frees()
+            finally:
+                self._lock.release()
+
+    def empty_cache(self) -> None:
+        """Release every segment with nothing allocated in it."""
+        with self._locked():
+            self._release_empty()
+
+    def memory_allocated(self) -> int:
+        return self.stat("allocated_bytes").current
+
+    def memory_reserved(self) -> int:
+        return self.stat("reserved_bytes").current
+
+    def free_bytes(self) -> int:
+        """Capacity not reserved."""
+        return self.capacity_bytes - self.memory_reserved()
+
+    # ---- internals ----------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        with self._lock:
+            self._apply_frees()
+            yield
+
+    def _apply_frees(self) -> None:
+        while self._pending:
+            block = self._pending.popleft()
+            seg, pool = block.segment, POOLS[not block.segment.small]
+            i = next(i for i, b in enumerate(seg.blocks) if b[0] == block.offset)
+            seg.blocks[i][2] = 0
+            for stat, n in (("allocated_bytes", block.rounded_bytes), ("active_bytes", block.rounded_bytes),
+                            ("allocation", 1), ("active", 1)):
+                self._count(stat, pool, -n)
+            if seg.small:  # merge with free neighbours
+                if i + 1 < len(seg.blocks) and seg.blocks[i + 1][2] == 0:
+                    seg.blocks[i][1] += seg.blocks.pop(i + 1)[1]
+                if i > 0 and seg.blocks[i - 1][2] == 0:
+                    seg.blocks[i - 1][1] += seg.blocks.pop(i)[1]
+
+    def _best_fit(self, rounded: int, small: bool) -> tuple[Segment, list[int]] | None:
+        best = None
+        for seg in self.segments:
+            if seg.small != small:
+                continue
+            for b in seg.blocks:
+                if b[2] == 0 and b[1] >= rounded and (best is None or b[1] < best[1][1]):
+                    best = (seg, b)
+        return best
+
+    def _reserved(self) -> int:
+        return self.stats["reserved_bytes", "all"].current
+
+    def _release_empty(self) -> None:
+        for seg in [s for s in self.segments if s.empty]:
+            self.segments.remove(seg)
+            pool = POOLS[not seg.small]
+            self._count("reserved_bytes", pool, -seg.size_bytes)
+            self._count("segment", pool, -1)
+
+    def _oom_message(self, rounded: int, segment: int) -> str:
+        free = self.capacity_bytes - self._reserved()
+        allocated = self.stats["allocated_bytes", "all"].current
+        return (f"simdev out of memory: tried to allocate {format_bytes(rounded)} on {self.device} (a new "
+                f"segment of {format_bytes(segment)}); {format_bytes(free)} free of "
+                f"{format_bytes(self.capacity_bytes)} capacity, {format_bytes(allocated)} allocated and "
+                f"{format_bytes(self._reserved())} reserved by simdev; set {CAPACITY_ENV} for a larger "
+                f"simulated device")

@@ -1,0 +1,88 @@
+"""simdev's capacity and memory statistics on real device tensors, through torch.simdev and anyrec's
+Backend, in a process of its own (importing the plugin registers the device): SIMDEV_MEMORY_BYTES sets the
+capacity the device enforces and the spec the planner plans with; past it, torch.OutOfMemoryError."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .conftest import ROOT, pip_install_target, single_process_env
+
+pytestmark = pytest.mark.integration
+
+MiB = 1 << 20
+CHECK = r'''
+import json, sys
+import torch
+from anyrec.backends import get_backend
+
+b = get_backend("simdev")
+dev = torch.get_device_module("simdev")
+out = {"spec": b.device_spec().memory_bytes, "facts": b.facts.memory_bytes,
+       "capacity": b.memory_capacity_bytes()}
+x = torch.empty(1, device="simdev")  # 4 bytes: one 512-byte block in a 2 MiB segment
+out["one_float"] = [b.memory_allocated(), b.memory_reserved()]
+y = torch.empty(3 << 20, dtype=torch.uint8, device="simdev")
+out["large"] = [b.memory_allocated(), b.memory_reserved()]
+del y
+out["freed"] = [b.memory_allocated(), b.memory_reserved(), b.max_memory_allocated(), b.max_memory_reserved()]
+b.empty_cache()
+out["emptied"] = b.memory_reserved()
+b.reset_peak_memory_stats()
+out["reset"] = [b.max_memory_allocated(), b.max_memory_reserved()]
+out["module_agrees"] = dev.memory_stats()["allocated_bytes.all.current"] == b.memory_stats()[
+    "allocated_bytes.all.current"] == dev.memory_allocated() == b.memory_allocated()
+z = torch.ones(20 << 20, dtype=torch.uint8, device="simdev")
+out["ooms"] = {}
+for name, make in (("empty", lambda: torch.empty(1 << 46, dtype=torch.uint8, device="simdev")),
+                   ("copy", lambda: torch.zeros(50 << 20, dtype=torch.uint8).to("simdev")),
+                   ("op", lambda: torch.cat([z, z, z]))):
+    before = b.memory_allocated()
+    try:
+        make()
+        out["ooms"][name] = "no error"
+    except torch.OutOfMemoryError as e:
+        out["ooms"][name] = [str(e), b.memory_allocated() == before]
+out["num_ooms"] = b.memory_stats()["num_ooms"]
+print(json.dumps(out))
+'''
+
+
+@pytest.fixture(scope="module")
+def simdev_path(tmp_path_factory) -> Path:
+    return pip_install_target(ROOT / "examples" / "simdev", tmp_path_factory.mktemp("simdev"))
+
+
+def test_capacity_statistics_and_out_of_memory_on_device_tensors(simdev_path):
+    env = {**single_process_env(simdev_path), "SIMDEV_MEMORY_BYTES": str(64 * MiB)}
+    proc = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["spec"] == out["facts"] == out["capacity"] == 64 * MiB  # the planner sees what is enforced
+    assert out["one_float"] == [512, 2 * MiB]
+    assert out["large"] == [512 + 3 * MiB, 2 * MiB + 4 * MiB]
+    assert out["freed"] == [512, 6 * MiB, 512 + 3 * MiB, 6 * MiB]  # the large segment stays cached
+    assert out["emptied"] == 2 * MiB and out["reset"] == [512, 2 * MiB] and out["module_agrees"]
+    ooms = out["ooms"]
+    # Checked before the host bytes are allocated: the host allocator (which cannot give 64 TiB) never ran.
+    assert ooms["empty"][0].startswith("simdev out of memory: tried to allocate 65536.00 GiB (70368744177664 "
+                                       "bytes) on simdev:0") and ooms["empty"][1]
+    assert "; 42.00 MiB (44040192 bytes) free of 64.00 MiB (67108864 bytes) capacity" in ooms["empty"][0]
+    assert ooms["copy"][0].startswith("simdev out of memory: tried to allocate 50.00 MiB") and ooms["copy"][1]
+    assert ooms["op"][0].startswith("simdev out of memory: tried to allocate 60.00 MiB") and ooms["op"][1]
+    assert out["num_ooms"] == 3
+
+
+def test_a_bad_capacity_is_one_line(simdev_path):
+    env = {**single_process_env(simdev_path), "SIMDEV_MEMORY_BYTES": "lots"}
+    proc = subprocess.run([sys.executable, "-m", "anyrec.train", "backend=simdev", "model=dlrm_tiny",
+                           "trainer.steps=1", "hydra.run.dir=."], env=env, capture_output=True, text=True,
+                          timeout=120, cwd=simdev_path.parent)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "anyrec-train: error: SIMDEV_MEMORY_BYTES must be a positive whole number of bytes, got 'lots'")
