@@ -49,7 +49,10 @@ def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print,
     hardware = resolve_hardware(sku, cfg.hardware.spec, backend, cfg.hardware.measurements)
     compare = resolve_hardware(cfg.plan.compare) if cfg.plan.compare else None
     kernel = cfg.backend.embedding_kernel
-    impl = FBGEMM_EMBEDDING if kernel == "auto" else get_impl("embedding", kernel)  # auto: as offline
+    # hardware=auto plans for this machine: the implementation its backend would run; offline, auto is
+    # FBGEMM's (what an accelerator SKU runs)
+    impl = (backend.select_kernels(cfg.backend)["embedding"] if backend is not None
+            else FBGEMM_EMBEDDING if kernel == "auto" else get_impl("embedding", kernel))
     meta = torch.device("meta")
     model = build_model(cfg.model, meta, ebc_device=meta)
     world, local = cfg.topology.world_size, cfg.topology.local_world_size or cfg.topology.world_size

@@ -85,17 +85,17 @@ def smallest_capacity(name: str, hi: int = 2**34) -> int:
 
 def worker(overrides: list[str]) -> None:
     """One rank of a job trained on torchrec's plan for this device's capacity; prints the summary."""
+    import torch
     from torchrec.distributed.planner import EmbeddingShardingPlanner
     from torchrec.distributed.planner.types import PlannerError
     from torchrec.distributed.planner.types import Topology as TrTopology
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-    import torch
     from anyrec import _hydra
     from anyrec.backends import get_backend, resolve_hardware
     from anyrec.models.dlrm import build_model
     from anyrec.trainer.optim import embedding_optimizer
-    from anyrec.trainer.planning import place_shards, sharders
+    from anyrec.trainer.planning import sharders
     from anyrec.trainer.trainer import DLRMTrain, Trainer
 
     cfg = _hydra.compose_job(overrides)
@@ -117,7 +117,7 @@ def worker(overrides: list[str]) -> None:
         if int(os.environ.get("RANK", "0")) == 0:
             print(json.dumps({"refused": str(e).splitlines()[0][:300]}), flush=True)
         return
-    trainer = Trainer(cfg, plan=place_shards(tr_plan, backend, world))
+    trainer = Trainer(cfg, plan=tr_plan)  # the Trainer names each shard's device
     failed = True
     try:
         summary = trainer.train()

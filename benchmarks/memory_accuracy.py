@@ -84,27 +84,34 @@ def run_job(name: str, ranks: int, overrides: list[str], cwd: Path, extra_path: 
         return row
     keys = ("predicted_peak_memory_bytes_per_rank", "measured_peak_memory_bytes_per_rank",
             "memory_prediction_error_per_rank", "memory_prediction_error",
-            "predicted_reserved_memory_bytes_per_rank", "predicted_memory_terms", "batch_size_per_rank")
+            "predicted_reserved_memory_bytes_per_rank", "measured_reserved_memory_bytes_per_rank",
+            "predicted_memory_terms", "batch_size_per_rank")
     row.update({k: summary[k] for k in keys})
     return row
 
 
 def table(rows: list[dict]) -> str:
     """Predicted, measured and error of every rank of every job; the median and worst |error| last."""
-    lines = [f"{'job':<24} {'rank':>4} {'predicted MiB':>14} {'measured MiB':>13} {'error':>8}"]
-    errors = []
+    lines = [f"{'job':<24} {'rank':>4} {'predicted MiB':>14} {'measured MiB':>13} {'error':>8}  "
+             f"{'reserved: predicted':>19} {'measured':>9} {'error':>7}"]
+    errors, reserved_errors = [], []
     for row in rows:
         if "error" in row:
             lines.append(f"{row['job']:<24} failed: {row['error'].strip().splitlines()[-1][:80]}")
             continue
-        for r, (p, m, e) in enumerate(zip(row["predicted_peak_memory_bytes_per_rank"],
-                                          row["measured_peak_memory_bytes_per_rank"],
-                                          row["memory_prediction_error_per_rank"], strict=True)):
+        for r, (p, m, e, pr, mr) in enumerate(zip(row["predicted_peak_memory_bytes_per_rank"],
+                                                  row["measured_peak_memory_bytes_per_rank"],
+                                                  row["memory_prediction_error_per_rank"],
+                                                  row["predicted_reserved_memory_bytes_per_rank"],
+                                                  row["measured_reserved_memory_bytes_per_rank"], strict=True)):
             errors.append(abs(e))
-            lines.append(f"{row['job']:<24} {r:>4} {p / 2**20:>14.2f} {m / 2**20:>13.2f} {e:>+8.1%}")
+            reserved_errors.append(pr / mr - 1)
+            lines.append(f"{row['job']:<24} {r:>4} {p / 2**20:>14.2f} {m / 2**20:>13.2f} {e:>+8.1%}  "
+                         f"{pr / 2**20:>19.2f} {mr / 2**20:>9.2f} {pr / mr - 1:>+7.1%}")
     if errors:
         lines.append(f"{len(errors)} ranks of {sum('error' not in r for r in rows)} jobs: median |error| "
-                     f"{statistics.median(errors):.1%}, worst {max(errors):.1%}")
+                     f"{statistics.median(errors):.1%}, worst {max(errors):.1%}; reserved (what the capacity "
+                     f"bounds): from {min(reserved_errors):+.1%} to {max(reserved_errors):+.1%}")
     return "\n".join(lines)
 
 

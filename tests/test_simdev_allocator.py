@@ -59,56 +59,64 @@ def test_freed_neighbours_merge_into_one_block():
     assert alloc.memory_reserved() == 2 * MiB and alloc.memory_allocated() == 2 * MiB
 
 
-def test_large_requests_take_segments_rounded_to_2_mib_and_reuse_the_best_cached_one():
-    alloc = A.CachingAllocator(64 * MiB)
-    big, small = alloc.malloc(9 * MiB), alloc.malloc(3 * MiB + 1)
-    assert alloc.memory_reserved() == 10 * MiB + 4 * MiB
-    assert alloc.stat("reserved_bytes", "large_pool").current == 14 * MiB
+def test_large_requests_share_20_mib_buffers_below_10_mib_and_split_cached_blocks():
+    alloc = A.CachingAllocator(256 * MiB)
+    a = alloc.malloc(3 * MiB)  # under 10 MiB: a 20 MiB segment
+    assert alloc.memory_reserved() == alloc.stat("reserved_bytes", "large_pool").current == 20 * MiB
+    b = alloc.malloc(17 * MiB)  # the rest of that segment, split off it
+    assert (b.segment, b.offset, alloc.memory_reserved()) == (a.segment, 3 * MiB, 20 * MiB)
+    big = alloc.malloc(11 * MiB + 1)  # 10 MiB or more: its own segment, rounded up to 2 MiB
+    assert alloc.memory_reserved() == 20 * MiB + 12 * MiB
     alloc.free(big)
-    alloc.free(small)
-    assert alloc.memory_allocated() == 0 and alloc.memory_reserved() == 14 * MiB  # cached, not released
-    again = alloc.malloc(3 * MiB)  # fits both cached blocks: the smaller, whole (large blocks never split)
-    assert again.segment is small.segment and alloc.memory_allocated() == 3 * MiB
-    assert alloc.malloc(11 * MiB) is not None and alloc.memory_reserved() == 14 * MiB + 12 * MiB
+    assert alloc.memory_allocated() == 20 * MiB and alloc.memory_reserved() == 32 * MiB  # cached
+    c = alloc.malloc(10 * MiB)  # the cached 12 MiB block, split: 2 MiB (more than 1 MiB) stays free
+    assert (c.segment, c.offset, alloc.memory_reserved()) == (big.segment, 0, 32 * MiB)
+    d = alloc.malloc(2 * MiB)  # that 2 MiB remainder
+    assert (d.segment, d.offset) == (big.segment, 10 * MiB)
+    alloc.free(d)
+    e = alloc.malloc(MiB + MiB // 2)  # 0.5 MiB would be left: the block is taken whole, not split
+    assert (e.segment, e.offset) == (big.segment, 10 * MiB) and len(big.segment.blocks) == 2
+    assert alloc.memory_allocated() == 20 * MiB + 10 * MiB + MiB + MiB // 2
 
 
 def test_peaks_hold_until_reset():
     alloc = A.CachingAllocator(64 * MiB)
-    blocks = [alloc.malloc(3 * MiB) for _ in range(3)]
+    blocks = [alloc.malloc(11 * MiB) for _ in range(3)]  # three 12 MiB segments
     for b in blocks[1:]:
         alloc.free(b)
     allocated, reserved = alloc.stat("allocated_bytes"), alloc.stat("reserved_bytes")
-    assert (allocated.current, allocated.peak) == (3 * MiB, 9 * MiB)
-    assert (reserved.current, reserved.peak) == (12 * MiB, 12 * MiB)
+    assert (allocated.current, allocated.peak) == (11 * MiB, 33 * MiB)
+    assert (reserved.current, reserved.peak) == (36 * MiB, 36 * MiB)
     alloc.reset_peak()
-    assert alloc.stat("allocated_bytes").peak == 3 * MiB and alloc.stat("reserved_bytes").peak == 12 * MiB
+    assert alloc.stat("allocated_bytes").peak == 11 * MiB and alloc.stat("reserved_bytes").peak == 36 * MiB
     alloc.empty_cache()
-    assert alloc.stat("reserved_bytes").peak == 12 * MiB and alloc.memory_reserved() == 4 * MiB
+    assert alloc.stat("reserved_bytes").peak == 36 * MiB and alloc.memory_reserved() == 12 * MiB
 
 
 def test_empty_cache_releases_only_segments_with_nothing_allocated():
     alloc = A.CachingAllocator(64 * MiB)
-    keep, drop, large = alloc.malloc(100), alloc.malloc(5 * MiB), alloc.malloc(7 * MiB)
+    keep, drop, large = alloc.malloc(100), alloc.malloc(12 * MiB), alloc.malloc(14 * MiB)
     second = alloc.malloc(MiB)  # beside `keep` in the small segment
     alloc.free(drop)
     alloc.free(second)
     alloc.empty_cache()
-    assert alloc.memory_reserved() == 2 * MiB + 8 * MiB  # the 6 MiB segment is gone
+    assert alloc.memory_reserved() == 2 * MiB + 14 * MiB  # the 12 MiB segment is gone
     assert keep.segment in alloc.segments and large.segment in alloc.segments
 
 
 def test_past_the_capacity_cached_segments_go_first_then_out_of_memory():
-    alloc = A.CachingAllocator(8 * MiB)
-    alloc.free(alloc.malloc(6 * MiB))  # a cached 6 MiB segment
-    held = alloc.malloc(7 * MiB)  # 6 + 8 > 8: the cached segment is released, then it fits
-    assert alloc.memory_reserved() == 8 * MiB and alloc.memory_stats()["num_alloc_retries"] == 1
+    alloc = A.CachingAllocator(23 * MiB)
+    alloc.free(alloc.malloc(12 * MiB))  # a cached 12 MiB segment
+    held = alloc.malloc(22 * MiB)  # 12 + 22 > 23: the cached segment is released, then it fits
+    assert alloc.memory_reserved() == 22 * MiB and alloc.memory_stats()["num_alloc_retries"] == 1
     with pytest.raises(torch.OutOfMemoryError) as e:
         alloc.malloc(1000)
     assert str(e.value).startswith(
         "simdev out of memory: tried to allocate 1.00 KiB (1024 bytes) on simdev:0 (a new segment of "
-        "2.00 MiB (2097152 bytes)); 0 bytes free of 8.00 MiB (8388608 bytes) capacity, 7.00 MiB (7340032 "
-        "bytes) allocated and 8.00 MiB (8388608 bytes) reserved by simdev; set SIMDEV_MEMORY_BYTES")
-    assert alloc.memory_stats()["num_ooms"] == 1 and alloc.memory_allocated() == 7 * MiB
+        "2.00 MiB (2097152 bytes)); 1.00 MiB (1048576 bytes) free of 23.00 MiB (24117248 bytes) capacity, "
+        "22.00 MiB (23068672 bytes) allocated and 22.00 MiB (23068672 bytes) reserved by simdev; set "
+        "SIMDEV_MEMORY_BYTES")
+    assert alloc.memory_stats()["num_ooms"] == 1 and alloc.memory_allocated() == 22 * MiB
     alloc.free(held)
     assert alloc.malloc(1000).rounded_bytes == 1024  # the empty large segment released for it
 
@@ -118,7 +126,7 @@ def test_memory_stats_use_cudas_key_names():
     alloc.malloc(3 * MiB)
     stats = alloc.memory_stats()
     assert stats["allocated_bytes.all.current"] == stats["allocated_bytes.large_pool.peak"] == 3 * MiB
-    assert stats["reserved_bytes.all.current"] == 4 * MiB and stats["segment.large_pool.current"] == 1
+    assert stats["reserved_bytes.all.current"] == 20 * MiB and stats["segment.large_pool.current"] == 1
     assert stats["allocation.all.allocated"] == 1 and stats["allocated_bytes.small_pool.current"] == 0
     assert list(stats) == sorted(stats)
     alloc.reset_accumulated()

@@ -143,16 +143,20 @@ class CoDesignPlanner:
             short = memory_shortfall(plan, usable.hbm_bytes)
             if not any(short):
                 plan.caps = usable
+                if cut:
+                    plan.notes.append(f"planned with {size_text(cut)} less per rank than the per-shard "
+                                      f"storage allows, so that each rank's predicted peak fits")
                 return plan
             cut += max(short)
         reserved = topology.hbm_bytes_per_rank - usable.hbm_bytes
+        uvm = ", allow uvm_caching placement" if Placement.UVM_CACHING not in allowed else ""
         raise InfeasiblePlanError(
             f"no plan fits {topology.world_size} x {topology.device.name} "
             f"({size_text(topology.hbm_bytes_per_rank)} each, {size_text(reserved)} kept for the runtime "
-            f"and margin): the closest plan's predicted peak per rank is "
-            f"{', '.join(size_text(usable.hbm_bytes + s) for s in short)}, short by "
-            f"{', '.join(size_text(s) for s in short)} (docs/planning.md, memory terms); use more or "
-            f"larger devices, a smaller batch or allow uvm_caching")
+            f"and margin): the closest plan's predicted peak is "
+            + ", ".join(f"rank {r}: {size_text(usable.hbm_bytes + s)} ({size_text(s)} short)"
+                        for r, s in enumerate(short))
+            + f" (docs/planning.md, memory terms); use more or larger devices{uvm} or a smaller batch")
 
     def _plan_within(self, topology: Topology, wl: Workload, allowed: tuple[Placement, ...], base: RankCost,
                      caps: Storage, start: float) -> PlanResult:

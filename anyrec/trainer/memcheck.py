@@ -39,15 +39,16 @@ def with_data_source(predicted: list[MemoryPrediction], data_source_bytes: int) 
 
 
 def memory_check(predicted: list[MemoryPrediction] | None, measured: list[int | None],
-                 log: bool = True) -> dict[str, object]:
+                 log: bool = True, measured_reserved: list[int | None] | None = None) -> dict[str, object]:
     """The summary's keys: predicted and measured peak bytes per rank, each rank's relative error
     predicted / measured - 1, and the error of the largest (null where either is missing); logs them and
-    warns past MISS_WARN_FRACTION."""
+    warns past MISS_WARN_FRACTION. The same for reserved bytes (the allocator's segments: what a device's
+    capacity limits) where `measured_reserved` is given."""
     pred = [p.allocated_bytes for p in predicted] if predicted else None
     per_rank = [None if pred is None or m is None or i >= len(pred) or not m else pred[i] / m - 1.0
                 for i, m in enumerate(measured)]
     have = [m for m in measured if m]
-    error = max(pred) / max(have) - 1.0 if pred and have else None
+    error = _largest_error(pred or [], measured)
     if log and have:
         mb = " ".join("-" if m is None else f"{m / 2**20:.1f}" for m in measured)
         pmb = " ".join(f"{p / 2**20:.1f}" for p in pred) if pred else "no prediction"
@@ -63,8 +64,17 @@ def memory_check(predicted: list[MemoryPrediction] | None, measured: list[int | 
         "memory_prediction_error_per_rank": per_rank,
         "memory_prediction_error": error,
         "predicted_reserved_memory_bytes_per_rank": [p.reserved_bytes for p in predicted or []] or None,
+        "measured_reserved_memory_bytes_per_rank": measured_reserved,
+        "reserved_memory_prediction_error": _largest_error([p.reserved_bytes for p in predicted or []],
+                                                           measured_reserved or []),
         "predicted_memory_terms": _largest_terms(predicted),
     }
+
+
+def _largest_error(predicted: list[int], measured: list[int | None]) -> float | None:
+    """The largest predicted over the largest measured, less 1 (null where either is missing)."""
+    have = [m for m in measured if m]
+    return max(predicted) / max(have) - 1.0 if predicted and have else None
 
 
 def _largest_terms(predicted: list[MemoryPrediction] | None) -> dict[str, Any] | None:

@@ -151,9 +151,10 @@ def run_summary(trainer: Trainer, final_loss: float | None, train_loss: float | 
     perf = trainer.predicted_perf  # the plan's slowest rank, None where nothing predicted it
     summary.update(prediction_check(perf.total_s if perf else None, per_rank_s, log=trainer.dist.is_main))
     summary["measured_steps"] = run.timer.steps  # this rank's timed steps (the same on every rank)
+    reserved = gather_objects(trainer.backend.max_memory_reserved(), trainer.dist)
     summary.update(memory_check(_predicted_memory(trainer), gather_objects(summary["peak_memory_bytes"],
                                                                            trainer.dist),
-                                log=trainer.dist.is_main))
+                                log=trainer.dist.is_main, measured_reserved=reserved))
     if run.profiler is not None:
         profiler, run.profiler = run.profiler, None  # stopped here, not again on the way out
         summary["step_breakdown_ms"] = profiler.report(trainer.dist, trainer.predicted_perf)

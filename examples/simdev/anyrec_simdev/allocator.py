@@ -6,8 +6,10 @@ The rules (what `torch.simdev.memory_*` report):
 - a rounded request of at most 1 MiB comes from the small pool: 2 MiB segments split into blocks (best fit:
   the smallest free block that fits, ties to the oldest segment and lowest offset); a freed block merges
   with free neighbours and is reused;
-- a larger one takes a whole large-pool block: the smallest cached (freed) large block that fits (ties to the
-  oldest), else a new segment of its size rounded up to a multiple of 2 MiB; large blocks are not split;
+- a larger one comes from the large pool: the smallest free large block that fits (ties to the oldest), split
+  where more than 1 MiB would be left over, else a new segment: 20 MiB for a request under 10 MiB, the
+  request rounded up to a multiple of 2 MiB otherwise; a freed block merges with free neighbours (CUDA's
+  caching allocator without expandable segments: kLargeBuffer, kMinLargeAlloc, kSmallSize);
 - segments stay reserved until `empty_cache()` releases those with nothing allocated in them;
 - the capacity bounds `reserved`: when a new segment would pass it, every empty segment is released first
   (as CUDA does), and if it still does not fit, `torch.OutOfMemoryError` is raised.
@@ -31,6 +33,8 @@ ROUND_BYTES = 512
 SMALL_REQUEST_BYTES = 1 << 20  # requests up to this size come from the small pool
 SMALL_SEGMENT_BYTES = 2 << 20
 LARGE_SEGMENT_ROUND_BYTES = 2 << 20
+MIN_LARGE_ALLOC_BYTES = 10 << 20  # requests below this share a LARGE_BUFFER_BYTES segment
+LARGE_BUFFER_BYTES = 20 << 20
 DEFAULT_CAPACITY_BYTES = 32 << 30
 CAPACITY_ENV = "SIMDEV_MEMORY_BYTES"
 
@@ -66,6 +70,8 @@ def segment_size(rounded: int) -> int:
     """The size of a new segment for a rounded request."""
     if rounded <= SMALL_REQUEST_BYTES:
         return SMALL_SEGMENT_BYTES
+    if rounded < MIN_LARGE_ALLOC_BYTES:
+        return LARGE_BUFFER_BYTES
     return -(-rounded // LARGE_SEGMENT_ROUND_BYTES) * LARGE_SEGMENT_ROUND_BYTES
 
 
@@ -196,7 +202,8 @@ class CachingAllocator:
                 self._count("segment", pool, 1)
                 found = (seg, seg.blocks[0])
             seg, free = found
-            if small and free[1] > rounded:  # split: the rest stays free
+            # split: the rest stays free (a large block only where more than a small request is left)
+            if free[1] - rounded > (0 if small else SMALL_REQUEST_BYTES):
                 seg.blocks.insert(seg.blocks.index(free) + 1, [free[0] + rounded, free[1] - rounded, 0])
                 free[1] = rounded
             free[2] = rounded
@@ -247,11 +254,10 @@ class CachingAllocator:
             for stat, n in (("allocated_bytes", block.rounded_bytes), ("active_bytes", block.rounded_bytes),
                             ("allocation", 1), ("active", 1)):
                 self._count(stat, pool, -n)
-            if seg.small:  # merge with free neighbours
-                if i + 1 < len(seg.blocks) and seg.blocks[i + 1][2] == 0:
-                    seg.blocks[i][1] += seg.blocks.pop(i + 1)[1]
-                if i > 0 and seg.blocks[i - 1][2] == 0:
-                    seg.blocks[i - 1][1] += seg.blocks.pop(i)[1]
+            if i + 1 < len(seg.blocks) and seg.blocks[i + 1][2] == 0:  # merge with free neighbours
+                seg.blocks[i][1] += seg.blocks.pop(i + 1)[1]
+            if i > 0 and seg.blocks[i - 1][2] == 0:
+                seg.blocks[i - 1][1] += seg.blocks.pop(i)[1]
 
     def _best_fit(self, rounded: int, small: bool) -> tuple[Segment, list[int]] | None:
         best = None
