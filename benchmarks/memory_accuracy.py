@@ -99,11 +99,10 @@ def table(rows: list[dict]) -> str:
         if "error" in row:
             lines.append(f"{row['job']:<24} failed: {row['error'].strip().splitlines()[-1][:80]}")
             continue
-        for r, (p, m, e, pr, mr) in enumerate(zip(row["predicted_peak_memory_bytes_per_rank"],
-                                                  row["measured_peak_memory_bytes_per_rank"],
-                                                  row["memory_prediction_error_per_rank"],
-                                                  row["predicted_reserved_memory_bytes_per_rank"],
-                                                  row["measured_reserved_memory_bytes_per_rank"], strict=True)):
+        columns = ("predicted_peak_memory_bytes_per_rank", "measured_peak_memory_bytes_per_rank",
+                   "memory_prediction_error_per_rank", "predicted_reserved_memory_bytes_per_rank",
+                   "measured_reserved_memory_bytes_per_rank")
+        for r, (p, m, e, pr, mr) in enumerate(zip(*(row[c] for c in columns), strict=True)):
             errors.append(abs(e))
             reserved_errors.append(pr / mr - 1)
             lines.append(f"{row['job']:<24} {r:>4} {p / 2**20:>14.2f} {m / 2**20:>13.2f} {e:>+8.1%}  "
