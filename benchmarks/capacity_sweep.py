@@ -37,7 +37,7 @@ JOBS: dict[str, list[str]] = {
 }
 SMALL = ("tiny_adagrad_b256",)
 # Capacities as multiples of anyrec's smallest accepted one; the first is below it (a refusal).
-FACTORS = (0.9, 1.0, 1.1, 1.25, 1.5, 2.0)
+FACTORS = (0.9, 1.0, 1.1, 1.5, 2.0)
 SMALL_FACTORS = (0.9, 1.0, 2.0)
 WORLD = 2
 
@@ -52,8 +52,9 @@ def install_simdev(tmp: Path) -> Path:
     return target
 
 
-def job_overrides(name: str, steps: int) -> list[str]:
-    return ["backend=simdev", *JOBS[name], f"trainer.steps={steps}", "trainer.eval_steps=0",
+def job_overrides(workload: list[str], steps: int) -> list[str]:
+    """A 2-rank simdev training job of `workload` (Hydra overrides), `steps` steps, no evaluation."""
+    return ["backend=simdev", *workload, f"trainer.steps={steps}", "trainer.eval_steps=0",
             "trainer.calibrate=never", "trainer.progress=false"]
 
 
@@ -63,7 +64,7 @@ def accepts(name: str, capacity: int) -> bool:
     from anyrec import _hydra, plan
     from anyrec.planner.types import InfeasiblePlanError
 
-    cfg = _hydra.compose_job([*job_overrides(name, 1), f"topology.world_size={WORLD}",
+    cfg = _hydra.compose_job([*job_overrides(JOBS[name], 1), f"topology.world_size={WORLD}",
                               f"+hardware.spec.memory_bytes={capacity}"])
     try:
         plan.run(cfg, print_fn=lambda _: None)
@@ -150,11 +151,12 @@ def outcome(proc: subprocess.CompletedProcess) -> dict:
     return {"result": "error", "reason": " | ".join(tail)[:300]}
 
 
-def run_job(planner: str, name: str, capacity: int, steps: int, simdev: Path, workdir: Path,
+def run_job(planner: str, workload: list[str], capacity: int, steps: int, simdev: Path, workdir: Path,
             timeout_s: float) -> dict:
-    """One 2-rank job at `capacity` bytes per device, planned by anyrec's planner or torchrec's."""
-    run_dir = workdir / f"{planner}_{name}_{capacity}"
-    overrides = [*job_overrides(name, steps), f"hydra.run.dir={run_dir}"]
+    """One 2-rank job of `workload` at `capacity` bytes per device, planned by anyrec's planner or
+    torchrec's."""
+    run_dir = workdir / f"{planner}_{abs(hash(tuple(workload)))}_{capacity}"
+    overrides = [*job_overrides(workload, steps), f"hydra.run.dir={run_dir}"]
     args = (["-m", "anyrec.train", *overrides] if planner == "anyrec"
             else [str(Path(__file__).resolve()), "--worker", "--", *overrides])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(simdev)]), "OMP_NUM_THREADS": "1",
@@ -180,7 +182,7 @@ def sweep(names: tuple[str, ...], factors: tuple[float, ...], steps: int, workdi
             cap = int(smallest * f)
             row = {"job": name, "capacity_bytes": cap, "factor": f, "smallest_accepted_bytes": smallest}
             for planner in ("anyrec", "torchrec"):
-                row[planner] = run_job(planner, name, cap, steps, simdev, workdir, timeout_s)
+                row[planner] = run_job(planner, JOBS[name], cap, steps, simdev, workdir, timeout_s)
             print(line(row), flush=True)
             rows.append(row)
     return rows

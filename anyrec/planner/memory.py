@@ -11,6 +11,7 @@ benchmarks/memory_accuracy.py).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, fields
 
@@ -19,9 +20,16 @@ from anyrec.planner.types import Placement, PlanResult, ShardingType
 
 # CUDA's caching allocator (and simdev's) rounds every allocation up to a multiple of 512 bytes.
 ALLOC_ROUND_BYTES = 512
-# Reserved memory comes in 2 MiB segments (CUDA's small-allocation pool, simdev's): a segment's unused
-# tail is reserved but not allocated.
+# Reserved memory comes in 2 MiB segments for requests up to 1 MiB and 20 MiB buffers for requests under
+# 10 MiB (CUDA's caching allocator, and simdev's which follows its rules): segments' unused space and the
+# gaps between cached blocks are reserved but not allocated. empirical: reserved less allocated over the
+# 42 ranks of benchmarks/memory_accuracy.py on simdev (2026-12-04) is 14-52 MiB at 5-120 MiB allocated;
+# the envelope is two buffers and two small segments of granularity plus 10 % of the allocated peak
+# (fragmentation). Not yet measured on a GPU (benchmarks/gpu_suite.py, section memory, measures it).
 ALLOC_SEGMENT_BYTES = 2 * 2**20
+ALLOC_BUFFER_BYTES = 20 * 2**20
+ALLOCATOR_FIXED_BYTES = 2 * ALLOC_BUFFER_BYTES + 2 * ALLOC_SEGMENT_BYTES
+ALLOCATOR_FRAGMENTATION = 0.10
 LENGTH_BYTES = 4  # int32 KJT lengths, as the data sources make them
 VALUE_BYTES = 4  # fp32 dense features, labels, activations and gradients
 # Tensors live at the peak besides those the terms size one by one (ids, lookup and update temporaries,
@@ -235,8 +243,7 @@ def _rank_prediction(plan: PlanResult, r: _Rank, data_source_bytes: int, sharded
     phase = max(phases, key=lambda k: sum(phases[k]))
     activations, io, workspace, replica_grad = phases[phase]
     tables = alloc_bytes(r.weights) + alloc_bytes(r.state)
-    slack = sum(-x % ALLOC_SEGMENT_BYTES for x in (r.weights, r.state, n * VALUE_BYTES) if x)
-    return MemoryPrediction(
+    prediction = MemoryPrediction(
         embedding_weights_bytes=alloc_bytes(r.weights),
         embedding_optimizer_bytes=tables - alloc_bytes(r.weights),
         replica_gradient_bytes=replica_grad,
@@ -249,6 +256,8 @@ def _rank_prediction(plan: PlanResult, r: _Rank, data_source_bytes: int, sharded
         workspace_bytes=workspace,
         data_source_bytes=data_source_bytes,
         rounding_bytes=LIVE_TENSORS * ALLOC_ROUND_BYTES // 2,
-        allocator_overhead_bytes=slack + ALLOC_SEGMENT_BYTES // 2,
+        allocator_overhead_bytes=0,
         peak_phase=phase,
     )
+    slack = ALLOCATOR_FIXED_BYTES + int(ALLOCATOR_FRAGMENTATION * prediction.allocated_bytes)
+    return dataclasses.replace(prediction, allocator_overhead_bytes=slack)
