@@ -25,11 +25,11 @@ except ImportError:  # python benchmarks/density.py: this folder is first on sys
     from capacity_sweep import WORLD, install_simdev, run_job
 
 RATIO = 1.6
-# Eight tables of 2 x 200k rows x dim 64 (fp32 weights + Adagrad state: ~100 MB each): whole on one
-# device only where a device holds several of them.
-WORKLOAD = ["model=dlrm_small", "model.embedding_dim=64", "model.table_rows=[200000,200000,200000,200000,"
-            "200000,200000,200000,200000]", "model.bottom_mlp=[128,64]", "data.batch_size=512"]
-SMALL_WORKLOAD = ["model=dlrm_small", "model.embedding_dim=32", "model.table_rows=[50000,50000,50000,50000]",
+# One table far larger than the rest (fp32 weights and Adagrad state): whole, it needs a device of its
+# own; split row- or column-wise over both ranks, half of it fits beside the rest on each.
+WORKLOAD = ["model=dlrm_small", "model.embedding_dim=64", "model.table_rows=[2000000,100000,100000,100000,"
+            "100000,100000,100000,100000]", "model.bottom_mlp=[128,64]", "data.batch_size=512"]
+SMALL_WORKLOAD = ["model=dlrm_small", "model.embedding_dim=32", "model.table_rows=[800000,20000,20000,20000]",
                   "model.bottom_mlp=[64,32]", "data.batch_size=256"]
 
 

@@ -27,7 +27,9 @@ from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 _MASK32 = 0xFFFFFFFF
-_CHUNK_ELEMENTS = 1 << 22  # elements hashed per pass (bounds the int64 temporaries to ~100 MB)
+# Elements hashed per pass: the hash's int64 temporaries take ~40 bytes an element (20 MiB at 2^19), which
+# the planner's memory model counts at start-up (anyrec.planner.memory.INIT_WORKSPACE_BYTES).
+_CHUNK_ELEMENTS = 1 << 19
 
 
 def _seed32(*parts: object) -> int:
