@@ -27,10 +27,10 @@ except ImportError:  # python benchmarks/density.py: this folder is first on sys
 RATIO = 1.6
 # One table far larger than the rest (fp32 weights and Adagrad state): whole, it needs a device of its
 # own; split row- or column-wise over both ranks, half of it fits beside the rest on each.
-WORKLOAD = ["model=dlrm_small", "model.embedding_dim=64", "model.table_rows=[2000000,100000,100000,100000,"
-            "100000,100000,100000,100000]", "model.bottom_mlp=[128,64]", "data.batch_size=512"]
-SMALL_WORKLOAD = ["model=dlrm_small", "model.embedding_dim=32", "model.table_rows=[800000,20000,20000,20000]",
-                  "model.bottom_mlp=[64,32]", "data.batch_size=256"]
+WORKLOAD = ["model=dlrm_small", "model.embedding_dim=64", "model.table_rows=[3000000,100000,100000,100000]",
+            "model.bottom_mlp=[128,64]", "data.batch_size=512"]
+SMALL_WORKLOAD = ["model=dlrm_small", "model.embedding_dim=32",
+                  "model.table_rows=[2000000,20000,20000,20000]", "model.bottom_mlp=[64,32]", "data.batch_size=256"]
 
 
 def plan_at(overrides: list[str], capacity: int):
