@@ -30,7 +30,8 @@ RATIO = 1.6
 WORKLOAD = ["model=dlrm_small", "model.embedding_dim=64", "model.table_rows=[3000000,100000,100000,100000]",
             "model.bottom_mlp=[128,64]", "data.batch_size=512"]
 SMALL_WORKLOAD = ["model=dlrm_small", "model.embedding_dim=32",
-                  "model.table_rows=[2000000,20000,20000,20000]", "model.bottom_mlp=[64,32]", "data.batch_size=256"]
+                  "model.table_rows=[2000000,20000,20000,20000]", "model.bottom_mlp=[64,32]",
+                  "data.batch_size=256"]
 
 
 def plan_at(overrides: list[str], capacity: int):

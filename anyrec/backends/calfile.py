@@ -31,6 +31,9 @@ SECTION_FIELDS: dict[str, tuple[str, ...]] = {
 # How anyrec.calibrate's spec `source` begins: such a spec always comes with its measurements.
 CALIBRATED_SOURCE = "anyrec.calibrate on "
 PROFILE_FIELDS = ("bw_efficiency", "access_bytes", "per_row_s", "per_launch_s")
+# Fields that are assumptions with a default, not figures a file must carry (files written before a field
+# was added stay whole without it).
+ASSUMED_FIELDS = ("runtime_reserved_bytes",)
 # Fields that may be 0 meaning "unknown" (the planner then falls back or refuses host placement);
 # every other number is a capacity, a rate or a width the planner divides by.
 MAY_BE_ZERO = ("h2d_bw_bytes_per_s", "runtime_reserved_bytes", "host_memory_bytes",

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from anyrec.backends.calfile import SPEC_FIELDS, check_hardware_data, check_spec_value
+from anyrec.backends.calfile import ASSUMED_FIELDS, SPEC_FIELDS, check_hardware_data, check_spec_value
 from anyrec.backends.dispatch import TORCH_EMBEDDING, Impl, KernelProfile
 from anyrec.backends.specs import SKUS, DeviceSpec, sku_key
 from anyrec.safe_load import load_yaml
@@ -173,9 +173,10 @@ def hardware_from_data(data: Any, where: str, source: str, backend: Backend | No
     unknown = sorted(set(fields) - set(SPEC_FIELDS))
     if unknown:
         raise ValueError(f"{where}: unknown DeviceSpec field(s) {', '.join(unknown)}")
-    # Without a base every figure must be there: a spec cut short (the older layout wrote the spec
+    # Without a base every figure must be there (assumptions keep their defaults): a spec cut short (the
+    # older layout wrote the spec
     # first) would otherwise plan with defaults in place of the figures it lost.
-    missing = [n for n in SPEC_FIELDS if n not in fields]
+    missing = [n for n in SPEC_FIELDS if n not in fields and n not in ASSUMED_FIELDS]
     if missing:
         raise ValueError(f"{where}: no `sku:` base and spec lacks {', '.join(missing[:6])}"
                          f"{f' (+{len(missing) - 6} more)' if len(missing) > 6 else ''}: cut short or "

@@ -147,12 +147,17 @@ def write_json_atomic(path: str, data: dict) -> None:
         f.write("\n")
 
 
+def _capacity_text(nbytes: float) -> str:
+    """A device's capacity: whole GB from 1 GB up, else as size_text writes it."""
+    return f"{nbytes / GB:.0f} GB" if nbytes >= GB else size_text(nbytes)
+
+
 def _compare_summary(p: PlanResult) -> dict[str, str]:
     slowest = max(p.rank_perf, key=lambda x: x.total_s)
     placed = Counter(o.placement for o in p.tables.values())
     return {
         "hardware": f"{p.topology.world_size} x {p.topology.device.name}",
-        "HBM per device": size_text(p.topology.hbm_bytes_per_rank),
+        "HBM per device": _capacity_text(p.topology.hbm_bytes_per_rank),
         "HBM bandwidth": f"{p.topology.device.memory_bw_bytes_per_s / 1e12:.2f} TB/s",
         "max HBM used": size_text(max(s.hbm_bytes for s in p.rank_storage)),
         "tables in HBM / UVM / DDR": " / ".join(str(placed[k]) for k in Placement),
@@ -171,7 +176,8 @@ def format_compare(a: PlanResult, b: PlanResult) -> str:
     da, db = a.topology.device, b.topology.device
     rows += [
         "",
-        f"memory density: {da.name} {size_text(da.memory_bytes)} vs {db.name} {size_text(db.memory_bytes)} "
+        f"memory density: {da.name} {_capacity_text(da.memory_bytes)} vs {db.name} "
+        f"{_capacity_text(db.memory_bytes)} "
         f"= {da.memory_bytes / db.memory_bytes:.2f}x; predicted step ratio "
         f"{a.predicted_step_s / b.predicted_step_s:.2f}x",
     ]
