@@ -174,8 +174,7 @@ def hardware_from_data(data: Any, where: str, source: str, backend: Backend | No
     if unknown:
         raise ValueError(f"{where}: unknown DeviceSpec field(s) {', '.join(unknown)}")
     # Without a base every figure must be there (assumptions keep their defaults): a spec cut short (the
-    # older layout wrote the spec
-    # first) would otherwise plan with defaults in place of the figures it lost.
+    # older layout wrote the spec first) would otherwise plan with defaults in place of the figures it lost.
     missing = [n for n in SPEC_FIELDS if n not in fields and n not in ASSUMED_FIELDS]
     if missing:
         raise ValueError(f"{where}: no `sku:` base and spec lacks {', '.join(missing[:6])}"
