@@ -31,9 +31,9 @@ ALLOC_BUFFER_BYTES = 20 * 2**20
 ALLOCATOR_FIXED_BYTES = 2 * ALLOC_BUFFER_BYTES + 2 * ALLOC_SEGMENT_BYTES
 ALLOCATOR_FRAGMENTATION = 0.10
 # empirical: the initial weights are drawn on the device in passes over 2^19 elements, whose hash keeps
-# ~40.5 bytes an element of int64 temporaries (measured on simdev: 20.25 MiB): start-up's peak, beside the
-# tables before any batch, whose segments stay reserved.
-INIT_WORKSPACE_BYTES = 81 * 2**18
+# ~40.5 bytes an element of int64 temporaries (20.25 MiB on simdev, counted as 21): start-up's peak,
+# beside the tables before any batch, whose segments stay reserved.
+INIT_WORKSPACE_BYTES = 21 * 2**20
 LENGTH_BYTES = 4  # int32 KJT lengths, as the data sources make them
 VALUE_BYTES = 4  # fp32 dense features, labels, activations and gradients
 # Tensors live at the peak besides those the terms size one by one (ids, lookup and update temporaries,
