@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import configure_log
 from omegaconf import open_dict
 
@@ -91,6 +92,45 @@ def test_libraries_info_goes_to_the_log_file_only(job_logging):
     log = log_file.read_text()
     assert "torchrec sharding plan" in log and "SplitTableBatchedEmbeddingBagsCodegen" in log
     assert log.count("FutureWarning") == 2
+
+
+class Recorder:
+    """A `hydra.callbacks` entry that notes the events it sees."""
+
+    events: list[str] = []
+
+    def on_run_start(self, config, **kwargs) -> None:
+        Recorder.events.append("run_start")
+
+    def on_job_start(self, config, **kwargs) -> None:
+        Recorder.events.append("job_start")
+
+    def on_job_end(self, config, job_return, **kwargs) -> None:
+        Recorder.events.append("job_end")
+
+    def on_run_end(self, config, **kwargs) -> None:
+        Recorder.events.append("run_end")
+
+
+def test_a_command_line_runs_as_hydra_main_runs_it(tmp_path, monkeypatch, job_logging):
+    """The run path (composed once, then Hydra's run_job): the run folder and its .hydra/, the rank's
+    log file, the job's config and Hydra's runtime for the task, the configured callbacks around it."""
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)
+    seen = {}
+
+    def task(cfg):
+        seen["steps"], seen["dir"] = cfg.trainer.steps, HydraConfig.get().runtime.output_dir
+        logging.getLogger("anyrec.x").info("the task ran")
+
+    Recorder.events = []
+    _hydra.launch("anyrec-x", task, [f"hydra.run.dir={tmp_path}/run", "trainer.steps=7",
+                                     f"+hydra.callbacks.rec._target_={__name__}.Recorder"])
+    run = tmp_path / "run"
+    assert seen == {"steps": 7, "dir": str(run)}
+    assert (run / ".hydra" / "config.yaml").is_file()
+    assert "trainer.steps=7" in (run / ".hydra" / "overrides.yaml").read_text()
+    assert "the task ran" in (run / "test_console_rank0.log").read_text()
+    assert Recorder.events == ["run_start", "job_start", "job_end", "run_end"]
 
 
 def test_help_lists_the_real_options_only(capsys, monkeypatch):
