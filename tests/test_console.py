@@ -164,7 +164,7 @@ def _default_job(cwd: Path, cache: Path) -> tuple[int, str]:
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
-        out, _ = proc.communicate(timeout=150)  # bytes: the bar's carriage returns stay what they are
+        out, _ = proc.communicate(timeout=240)  # bytes: the bar's carriage returns stay what they are
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # nothing left behind, whatever happened
