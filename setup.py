@@ -20,11 +20,11 @@ setup(
     packages=find_packages(include=["anyrec", "anyrec.*"]) + ["anyrec.configs"],
     # The Hydra config groups live at the repository root and ship inside the package.
     package_dir={"anyrec.configs": "configs"},
-    package_data={"anyrec.configs": ["*.yaml", "*/*.yaml"]},
+    package_data={"anyrec.configs": ["*.yaml", "*/*.yaml", "hydra/*/*.yaml"]},
     # torch, fbgemm-gpu(-cpu) and torchrec are hardware-specific: scripts/dev.sh installs the pair
     # for the machine (torchrec without its declared CUDA fbgemm-gpu dependency); see README.md.
     install_requires=common,
-    extras_require={"dev": ["pytest>=8", "ruff>=0.6"]},
+    extras_require={"dev": ["pytest>=8", "pytest-xdist>=3", "ruff>=0.6"]},  # README's fast tier: -n auto
     entry_points={
         "console_scripts": [
             "anyrec-train=anyrec.train:cli",

@@ -1,31 +1,29 @@
-"""Hydra plumbing shared by the entry points: schema registration, resolvers, rank-aware logging, the
-strict key check, one-line errors and the one composition of a command line."""
+"""Hydra plumbing shared by the entry points: schema registration, resolvers, the strict key check,
+one-line errors and the one composition of a command line, run by Hydra's public API."""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import functools
-import logging
 import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
+import hydra
 from hydra import compose, initialize_config_dir
-from hydra._internal.callbacks import Callbacks
-from hydra._internal.hydra import Hydra
-from hydra._internal.utils import create_config_search_path, run_and_report
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import run_job
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from hydra.types import HydraContext, RunMode
-from omegaconf import DictConfig, OmegaConf, open_dict
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
+from anyrec import console
 from anyrec.backends.hardware import is_hardware_path
 from anyrec.config import (
     AnyrecConfig,
@@ -49,27 +47,30 @@ def _rank0_only(value: str) -> str | None:
 
 def setup() -> None:
     """Idempotent: register the config schema (which type-checks every YAML group) and the resolvers."""
-    # FBGEMM logs every library it loads at INFO on the root logger; load it before Hydra turns
-    # INFO logging on, so the console shows anyrec's messages only.
-    import torchrec  # noqa: F401
-
     cs = ConfigStore.instance()
     cs.store(name="anyrec_schema", node=AnyrecConfig)
-    for group, node in [("model", ModelConfig), ("data", DataConfig), ("backend", BackendConfig),
-                        ("hardware", HardwareConfig), ("planner", PlannerConfig), ("optim", OptimConfig),
-                        ("trainer", TrainerConfig)]:
+    for group, node in _GROUP_SCHEMAS:
         cs.store(group=group, name=f"{group}_schema", node=node)
-    if not OmegaConf.has_resolver("anyrec_rank0"):
-        OmegaConf.register_new_resolver("anyrec_rank0", _rank0_only)
+    for name, resolver in [("anyrec_rank0", _rank0_only), ("anyrec_config_groups", _config_groups)]:
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, resolver)
 
 
-def quiet_non_main_ranks() -> None:
-    """Only rank 0 logs to the console; every rank still writes its own log file."""
-    if os.environ.get("RANK", "0") == "0":
-        return
-    for handler in logging.getLogger().handlers:
-        if type(handler) is logging.StreamHandler:
-            handler.setLevel(logging.WARNING)
+_GROUP_SCHEMAS = [("model", ModelConfig), ("data", DataConfig), ("backend", BackendConfig),
+                  ("hardware", HardwareConfig), ("planner", PlannerConfig), ("optim", OptimConfig),
+                  ("trainer", TrainerConfig)]
+
+
+def _config_groups() -> str:
+    """`${anyrec_config_groups:}` (the --help template): each config group and its options, as Hydra
+    lists them, less the schemas that type the groups' files (`model_schema`, ...)."""
+    loader = GlobalHydra.instance().config_loader()
+    schemas = {f"{group}_schema" for group, _ in _GROUP_SCHEMAS}
+    lines = []
+    for group in sorted(g for g in loader.list_groups("") if g != "hydra"):
+        options = sorted(o for o in loader.get_group_options(group) if o not in schemas)
+        lines.append(f"{group}: {', '.join(options)}")
+    return "\n".join(lines)
 
 
 def _schema_keys(node_type: type, prefix: str = "") -> list[str]:
@@ -240,48 +241,62 @@ def run_typed(prog: str, run: Callable[[AnyrecConfig], Any], cfg: DictConfig) ->
         sys.exit(2)
 
 
-def _reraise(e: BaseException) -> NoReturn:
-    raise e
-
-
-def launch(prog: str, task: Callable[[DictConfig], Any], hydra_app: Callable[[], Any],
-           argv: list[str] | None = None) -> None:
+def launch(prog: str, task: Callable[[DictConfig], Any], argv: list[str] | None = None) -> None:
     """Run `task` on the command line's (or `argv`'s) config, composed once: what stops the job before it
-    starts is one line and exit status 2, then `task` runs as Hydra's app runs it (output folder, logging,
-    `.hydra/`). Hydra's flags (--help, --cfg, --multirun, ...) go to `hydra_app`, which composes itself."""
+    starts is one line and exit status 2, then `task` runs in its output folder as `hydra.main` runs it
+    (logging, `.hydra/`). Hydra's flags (--help, --cfg, --multirun, ...) go to `hydra.main` itself."""
     setup()
-    argv = sys.argv[1:] = list(sys.argv[1:] if argv is None else argv)  # the Hydra app reads sys.argv
+    console.capture_warnings()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    job_name = Path(sys.modules[task.__module__].__file__ or prog).stem  # as hydra.main names the job
     if any(a.startswith("-") for a in argv):
         problem = cli_problem(argv)
         if problem:
             _refuse(prog, problem)
-        hydra_app()
-        return
-    task_name = Path(sys.modules[task.__module__].__file__ or prog).stem  # as Hydra names the job
-    hydra = Hydra.create_main_hydra2(task_name, create_config_search_path(f"file://{config_dir()}"))
-    try:
-        try:
-            cfg = hydra.compose_config("config", argv, run_mode=RunMode.RUN, with_log_configuration=True)
-        except Exception as e:  # noqa: BLE001 - what cannot be said in one line, Hydra says as its app does
-            problem = _composition_problem(e)
-            if problem is None:
-                run_and_report(functools.partial(_reraise, e))
-            _refuse(prog, problem)
-        problem = _missing(cfg) or _output_dir(cfg, multirun=False) or _linked_outputs(cfg)
-        if problem:
-            _refuse(prog, problem)
-        run_and_report(functools.partial(_run_job, hydra, task, cfg))
-    finally:
-        GlobalHydra.instance().clear()
+    else:
+        with initialize_config_dir(str(config_dir()), job_name=job_name, version_base="1.3"):
+            try:
+                cfg = compose("config", argv, return_hydra_config=True)
+            except Exception as e:  # noqa: BLE001 - what cannot be said in one line, Hydra's app says below
+                problem = _composition_problem(e)
+                if problem:
+                    _refuse(prog, problem)
+            else:
+                problem = _missing(cfg) or _output_dir(cfg, multirun=False) or _linked_outputs(cfg)
+                if problem:
+                    _refuse(prog, problem)
+                _run(task, cfg)
+                return
+    sys.argv[1:] = argv  # hydra.main reads sys.argv
+    hydra.main(str(config_dir()), "config", version_base="1.3")(task)()
 
 
-def _run_job(hydra: Hydra, task: Callable[[DictConfig], Any], cfg: DictConfig) -> None:
-    """`Hydra.run` after its composition: the job in its output folder, callbacks around it."""
-    cfg.hydra.mode = RunMode.RUN
-    callbacks = Callbacks(cfg)
+class _Callbacks:
+    """The configured `hydra.callbacks`, called where Hydra's runner calls them."""
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self.callbacks = [instantiate(c) for c in (cfg.hydra.callbacks or {}).values()]
+
+    def __getattr__(self, event: str) -> Callable[..., None]:
+        if event.startswith("_"):
+            raise AttributeError(event)
+
+        def call(**kwargs: Any) -> None:
+            for callback in self.callbacks:
+                getattr(callback, event)(**kwargs)
+        return call
+
+
+def _run(task: Callable[[DictConfig], Any], cfg: DictConfig) -> None:
+    """A composed config's job, as `hydra.main` runs one: `run_job` (output folder, logging, `.hydra/`)
+    between the callbacks; the job's exception is raised here."""
+    with read_write(cfg.hydra):
+        cfg.hydra.mode = RunMode.RUN
+    callbacks = _Callbacks(cfg)
     callbacks.on_run_start(config=cfg, config_name="config")
-    ret = run_job(hydra_context=HydraContext(config_loader=hydra.config_loader, callbacks=callbacks),
-                  task_function=task, config=cfg, job_dir_key="hydra.run.dir", job_subdir_key=None)
+    context = HydraContext(config_loader=GlobalHydra.instance().config_loader(), callbacks=callbacks)
+    ret = run_job(task_function=task, config=cfg, job_dir_key="hydra.run.dir", job_subdir_key=None,
+                  hydra_context=context)
     callbacks.on_run_end(config=cfg, config_name="config", job_return=ret)
     _ = ret.return_value  # raises the job's exception
 

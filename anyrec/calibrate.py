@@ -19,7 +19,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import hydra
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
@@ -34,7 +33,7 @@ from anyrec.backends.hardware import EmbeddingCost, Hardware
 from anyrec.backends.specs import DeviceSpec
 from anyrec.calcache import cache_dir, local_key, write_entry
 from anyrec.calibrate_step import measure_step_costs
-from anyrec.config import AnyrecConfig, config_dir
+from anyrec.config import AnyrecConfig
 from anyrec.io_checks import writable_file, write_yaml
 from anyrec.kernels.optimizers import OptimizerConfig
 from anyrec.planner.estimators import lookup_time_s
@@ -453,8 +452,7 @@ def main(cfg: DictConfig) -> None:
 
 def cli(argv: list[str] | None = None) -> None:
     """Console entry: the command line (or `argv`) composed once, as `anyrec-train` composes its own."""
-    _hydra.launch("anyrec.calibrate", main, hydra.main(str(config_dir()), "config", version_base="1.3")(main),
-                  argv)
+    _hydra.launch("anyrec.calibrate", main, argv)
 
 
 if __name__ == "__main__":

@@ -28,13 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from anyrec import _hydra
-from anyrec.config import AnyrecConfig, ParityConfig, config_dir
+from anyrec.config import AnyrecConfig, ParityConfig
 from anyrec.io_checks import atomic_write, writable_file
 from anyrec.proc import run_session
 from anyrec.safe_load import load_json
@@ -326,9 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == _WORKER_FLAG:
         worker(argv[1], argv[2:])
         return 0
-    app = hydra.main(str(config_dir()), "config", version_base="1.3")(_task)  # Hydra's flags: --help, ...
     try:
-        _hydra.launch("anyrec-parity", _task, app, argv)
+        _hydra.launch("anyrec-parity", _task, argv)
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 1
     return 0

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import hydra
 import torch
 from omegaconf import DictConfig
 
@@ -19,7 +18,7 @@ from anyrec.backends import Hardware, get_backend, resolve_hardware
 from anyrec.backends.dispatch import FBGEMM_EMBEDDING, get_impl
 from anyrec.backends.hardware import figure_sources
 from anyrec.calcache import find_for_device
-from anyrec.config import AnyrecConfig, check_values, config_dir
+from anyrec.config import AnyrecConfig, check_values
 from anyrec.io_checks import writable_file
 from anyrec.models.dlrm import build_model
 from anyrec.planner.job import plan_model
@@ -99,8 +98,8 @@ def main(cfg: DictConfig) -> None:
 
 
 def cli() -> None:
-    """Console entry: the command line composed once (`_hydra.launch`), Hydra's flags to its app."""
-    _hydra.launch("anyrec-plan", main, hydra.main(str(config_dir()), "config", version_base="1.3")(main))
+    """Console entry: the command line composed once (`_hydra.launch`), Hydra's flags to `hydra.main`."""
+    _hydra.launch("anyrec-plan", main)
 
 
 if __name__ == "__main__":

@@ -13,13 +13,12 @@ import os
 import signal
 import sys
 
-import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from anyrec import _hydra
-from anyrec.config import check_values, config_dir
+from anyrec.config import check_values
 from anyrec.io_checks import writable_dir
 from anyrec.trainer.errors import NonFiniteLossError, PeerLostError, write_error_file
 
@@ -35,7 +34,6 @@ def run(cfg: DictConfig) -> dict:
     from anyrec.trainer.shutdown import peer_failure  # with the trainer, after Hydra parsed argv
     from anyrec.trainer.trainer import Trainer  # torchrec loads once Hydra has parsed the command line
 
-    _hydra.quiet_non_main_ranks()
     config = _hydra.to_object(cfg)
     check_values(config)
     if config.trainer.run_dir is None and HydraConfig.initialized():
@@ -95,8 +93,8 @@ def main(cfg: DictConfig) -> None:
 
 
 def cli() -> None:
-    """Console entry: the command line composed once (`_hydra.launch`), Hydra's flags to its app."""
-    _hydra.launch("anyrec-train", main, hydra.main(str(config_dir()), "config", version_base="1.3")(main))
+    """Console entry: the command line composed once (`_hydra.launch`), Hydra's flags to `hydra.main`."""
+    _hydra.launch("anyrec-train", main)
 
 
 if __name__ == "__main__":

@@ -104,27 +104,40 @@ def test_a_foreign_version_entry_is_not_used(tmp_path):
     assert "another machine or software" in problem and "torch 2.12.0 (this is" in problem
 
 
-def _writer(directory: str, rounds: int) -> None:
-    for _ in range(rounds):
+def _writer(directory: str, started, stop) -> None:
+    _entry(Path(directory))
+    started.set()
+    while not stop.is_set():
         _entry(Path(directory))
+
+
+READS_WHILE_BOTH_WRITE = 50
 
 
 @pytest.mark.integration
 def test_concurrent_writers_leave_one_whole_file(tmp_path):
-    """Two jobs measuring at once on a cold cache: each write is a rename, so a reader between and after
-    them finds a whole, valid file, and no temporary file is left."""
+    """Two jobs measuring at once on a cold cache: each write is a rename, so a reader while both write
+    (they write until it has found the file whole READS_WHILE_BOTH_WRITE times) and after them finds a
+    whole, valid file, and no temporary file is left."""
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_writer, args=(str(tmp_path), 15)) for _ in range(2)]
+    stop = ctx.Event()
+    started = [ctx.Event() for _ in range(2)]
+    procs = [ctx.Process(target=_writer, args=(str(tmp_path), s, stop)) for s in started]
     for p in procs:
         p.start()
-    seen = 0
-    while any(p.is_alive() for p in procs):
-        found = calcache.lookup(_key(), tmp_path)
-        assert found.problem is None, found.problem
-        seen += found.hit
-    for p in procs:
-        p.join(timeout=120)
-        assert p.exitcode == 0
+    try:
+        assert all(s.wait(timeout=120) for s in started)  # both have written once and go on writing
+        seen = 0
+        while seen < READS_WHILE_BOTH_WRITE:
+            found = calcache.lookup(_key(), tmp_path)
+            assert found.problem is None, found.problem
+            assert found.hit and all(p.is_alive() for p in procs)  # the overlap: both still writing
+            seen += 1
+    finally:
+        stop.set()
+        for p in procs:
+            p.join(timeout=120)
+    assert [p.exitcode for p in procs] == [0, 0]
     assert calcache.lookup(_key(), tmp_path).hit
     assert [f.name for f in tmp_path.iterdir()] == [_key().file_name()]
 

@@ -36,7 +36,7 @@ def test_registry_has_the_ops_and_every_backend_orders_them():
 
 
 def test_cpu_auto_choices_are_logged_once(caplog):
-    caplog.set_level(logging.INFO, logger="anyrec.backends.dispatch")
+    caplog.set_level(logging.DEBUG, logger="anyrec.backends.dispatch")  # first choices: the log file's
     b = get_backend("cpu")
     kernels = b.select_kernels(BackendConfig())
     assert {op: i.name for op, i in kernels.items()} == {

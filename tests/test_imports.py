@@ -141,8 +141,8 @@ LAYERS: list[tuple[str, ...]] = [
      "anyrec.signing"),
     ("anyrec.planner", "anyrec.models", "anyrec.data"),
     ("anyrec.trainer",),
-    ("anyrec._hydra", "anyrec.train", "anyrec.plan", "anyrec.calibrate", "anyrec.calibrate_step",
-     "anyrec.autocal", "anyrec.parity"),
+    ("anyrec._hydra", "anyrec.console", "anyrec.train", "anyrec.plan", "anyrec.calibrate",
+     "anyrec.calibrate_step", "anyrec.autocal", "anyrec.parity"),
 ]
 SIDE_BY_SIDE = {"anyrec.planner", "anyrec.models", "anyrec.data"}
 

@@ -140,7 +140,7 @@ def launch_hosts(args: list[str], cwd: Path, nproc: tuple[int, ...] = (2, 2), to
 
 
 def plan_rows(text: str) -> dict[str, tuple[str, set[int]]]:
-    """Per table of the co-design plan report in a log: (sharding, ranks)."""
+    """Per table of the co-design plan report in a rank 0's log file: (sharding, ranks)."""
     rows = {}
     for m in re.finditer(r"^(t_cat_\d+)\s+\d+\s+\d+\s+\d+\s+(\w+)\s+\w+\s+\w+\s+([\d,-]+)\s", text, re.M):
         lo_hi = [int(x) for x in m.group(3).split("-")] if "-" in m.group(3) else None
@@ -185,7 +185,7 @@ def test_two_hosts_train_with_host_aware_plan_and_shared_checkpoints(two_hosts):
     assert s["steps"] == 8 and s["resumed_from_step"] is None
     assert "2 host(s) x 2 ranks (world size 4)" in run.out
     # Every table's rows sit on the two ranks of one host; both hosts hold tables.
-    rows = plan_rows(run.out)
+    rows = plan_rows((d / "h" / "train_rank0.log").read_text())  # the plan report: the log file's
     assert len(rows) == 26 and {kind for kind, _ in rows.values()} == {"table_row_wise"}
     assert {frozenset(r) for _, r in rows.values()} == {frozenset({0, 1}), frozenset({2, 3})}
     # Both hosts wrote their shards into the one shared directory.
@@ -230,7 +230,7 @@ def test_two_host_checkpoint_resumes_resharded_on_one_host(two_hosts, tmp_path):
     assert s["resumed_from_step"] == 4 and s["steps"] == 8
     assert "1 host(s) x 4 ranks (world size 4)" in proc.stdout + proc.stderr
     # One host: no table can be table-row-wise, so the loaded shards were laid out anew.
-    rows = plan_rows(proc.stdout + proc.stderr)
+    rows = plan_rows((tmp_path / "h" / "train_rank0.log").read_text())
     assert len(rows) == 26 and "table_row_wise" not in {kind for kind, _ in rows.values()}
     # Same data slices (global ranks), same state: the same loss as the two-host run.
     assert s["final_loss"] == pytest.approx(ref["final_loss"], rel=0, abs=LOSS_ATOL)

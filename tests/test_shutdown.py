@@ -148,6 +148,7 @@ def test_workers_of_a_killed_launcher_leave_at_once_in_one_line(tmp_path):
                                                if ".tmp-" not in p.name)
 
 
+@pytest.mark.integration
 def test_workers_of_a_launcher_killed_while_they_start_leave_at_once(tmp_path):
     proc = launch(tmp_path, FAST)
     deadline = time.monotonic() + 120

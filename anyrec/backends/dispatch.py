@@ -452,7 +452,9 @@ def select(backend: Backend, op: str, requested: str = "auto") -> Impl:
                 level = logging.WARNING if backend.device_type != "cpu" or name == "fbgemm" else logging.INFO
                 _log_once((backend.name, op, f"skip {name}"), level, "op %s: %s skipped on %s: %s",
                           op, name, backend.name, why)
-            _log_once((backend.name, op, impl), logging.INFO, "op %s -> %s (%s)", op, impl,
+            # The first choice is the trainer's `kernels:` line; a fallback is news for the console.
+            level = logging.INFO if skipped else logging.DEBUG
+            _log_once((backend.name, op, impl), level, "op %s -> %s (%s)", op, impl,
                       f"fallback chain: {' > '.join(order)}")
             return get_impl(op, impl)
         skipped.append((impl, reason))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any
 
 import torch
@@ -50,12 +51,26 @@ class NoDataParallelWrapper(DataParallelWrapper):
         pass
 
 
+BROADCAST_BUFFERS_WARNING = "`broadcast_buffers` is deprecated"
+
+
+class DenseDataParallelWrapper(DefaultDataParallelWrapper):
+    """torchrec's DDP of the dense modules, which must not sync buffers at init (the sharded modules'
+    are rank-local): only the deprecated `broadcast_buffers=False` says so until torch's DDP takes
+    `init_sync_buffers` (its FutureWarning's own advice), so that one warning is ours to silence."""
+
+    def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=BROADCAST_BUFFERS_WARNING, category=FutureWarning)
+            super().wrap(dmp, env, device)
+
+
 def dense_wrapper(world_size: int, static_graph: bool = True) -> DataParallelWrapper:
     """DistributedModelParallel's data-parallel wrapper: none at world size 1, torchrec's DDP otherwise
     (`static_graph` off where the device cannot page-lock the host memory DDP's static graph uses)."""
     if world_size == 1:
         return NoDataParallelWrapper()
-    return DefaultDataParallelWrapper(static_graph=static_graph)
+    return DenseDataParallelWrapper(static_graph=static_graph)
 
 
 def shared_plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module, module_path: str,
@@ -112,8 +127,10 @@ def _plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module,
     result = plan_model(model, ebc, cfg.model, cfg.planner, cfg.optim.name, topology, batch,
                         hardware.embedding_cost(embedding), id_zipf_exponent=id_skew(cfg),
                         resident_bytes=resident_bytes)
-    if info.is_main:
-        logger.info("co-design plan:\n%s", format_report(result, advice=False))
+    if info.is_main:  # the console has the planner's line and the notes; the log file the whole report
+        logger.debug("co-design plan:\n%s", format_report(result, advice=False))
+        for note in result.notes:
+            logger.info("plan note: %s", note)
     slowest = max(result.rank_perf, key=lambda p: p.total_s)  # its total_s is result.predicted_step_s
     plan = to_sharding_plan(result, module_path, ebc, backend.device_type)
     return place_shards(plan, backend, info.local_world_size), slowest, predict_memory(result, resident_bytes)

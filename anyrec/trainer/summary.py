@@ -126,8 +126,9 @@ def log_train(trainer: Trainer, lr_factor: float) -> None:
     run.bar.set_postfix(loss=f"{mean:.4f}", refresh=False)
     rate = (trainer.batch_size * trainer.dist.world_size * (trainer.step - run.start_step)
             / max(run.timer.elapsed_s(), 1e-9))
-    if trainer.dist.is_main:
-        logger.info("step %d loss %.5f", trainer.step, mean)
+    if trainer.dist.is_main:  # under a progress bar (which shows the loss), in the log file only
+        level = logging.INFO if run.bar.disable else logging.DEBUG
+        logger.log(level, "step %d loss %.5f", trainer.step, mean)
     optim = trainer.cfg.optim
     trainer.writer.write(trainer.step, "train", {
         "loss": mean, "samples_per_s": rate, "lr_factor": lr_factor,

@@ -209,7 +209,7 @@ class Trainer:
             logger.info("one device, %s embedding kernel: tables unsharded (no input distribution)",
                         self.embedding_kernel)
         else:
-            logger.info("torchrec sharding plan:\n%s", self.sharding_plan)
+            logger.debug("torchrec sharding plan:\n%s", self.sharding_plan)  # the log file: a table a line
         logger.info("step loop: %s, precision: %s, batch %d per rank", type(self.pipeline).__name__,
                     "bf16 autocast" if self.autocast else "fp32", self.batch_size)
 

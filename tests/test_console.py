@@ -1,0 +1,185 @@
+"""The console policy (anyrec/console.py, configs/hydra/job_logging/anyrec.yaml): anyrec's INFO and
+everyone's warnings on the console, each once; libraries' INFO and anyrec's detail in the log file; the
+default job's whole console within a screenful; --help lists the real options only."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import signal
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.utils import configure_log
+from omegaconf import open_dict
+
+from anyrec import _hydra, console
+from anyrec.config import config_dir
+
+from .conftest import ROOT
+
+
+def _record(name: str, level: int, msg: str) -> logging.LogRecord:
+    return logging.LogRecord(name, level, __file__, 1, msg, None, None)
+
+
+def test_the_console_passes_our_info_and_everyones_warnings_once(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    f = console.ConsoleFilter()
+    assert f.filter(_record("anyrec.trainer", logging.INFO, "step loop"))
+    assert not f.filter(_record("anyrec.trainer", logging.DEBUG, "sharding plan"))
+    assert not f.filter(_record("root", logging.INFO, "SplitTableBatchedEmbeddingBagsCodegen Arguments"))
+    assert not f.filter(_record("torchrec.distributed", logging.INFO, "building"))
+    assert not f.filter(_record("anyrecx", logging.INFO, "not ours"))
+    assert f.filter(_record("torchrec.distributed.utils", logging.WARNING, "caching params ignored"))
+    assert not f.filter(_record("torchrec.distributed.utils", logging.WARNING, "caching params ignored"))
+    assert f.filter(_record("torchrec.distributed.utils", logging.WARNING, "another"))
+
+
+def test_other_ranks_show_warnings_only(monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    f = console.ConsoleFilter()
+    assert not f.filter(_record("anyrec.trainer", logging.INFO, "step loop"))
+    assert f.filter(_record("anyrec.data", logging.WARNING, "bad rows"))
+
+
+@pytest.fixture
+def job_logging(tmp_path, monkeypatch):
+    """The job's logging configured as a run configures it: (its console, its log file), restored after."""
+    monkeypatch.delenv("RANK", raising=False)
+    root, ours = logging.getLogger(), logging.getLogger("anyrec")
+    saved = root.handlers[:], root.level, ours.level, warnings.formatwarning
+    _hydra.setup()
+    with initialize_config_dir(str(config_dir()), job_name="train", version_base="1.3"):
+        cfg = compose("config", return_hydra_config=True)
+    with open_dict(cfg.hydra.runtime):
+        cfg.hydra.runtime.output_dir = str(tmp_path)
+    configure_log(cfg.hydra.job_logging)
+    console.capture_warnings()
+    screen = io.StringIO()
+    [shown] = [h for h in root.handlers if any(isinstance(f, console.ConsoleFilter) for f in h.filters)]
+    shown.setStream(screen)
+    try:
+        yield screen, tmp_path / "train_rank0.log"
+    finally:
+        logging.captureWarnings(False)
+        for h in root.handlers:
+            h.close()
+        root.handlers[:], _, _, warnings.formatwarning = saved
+        root.setLevel(saved[1])
+        ours.setLevel(saved[2])
+
+
+def test_libraries_info_goes_to_the_log_file_only(job_logging):
+    screen, log_file = job_logging
+    logging.getLogger("anyrec.trainer").info("backend: cpu")
+    logging.getLogger("anyrec.trainer").debug("torchrec sharding plan: a table")
+    logging.getLogger().info("[TBE=1] SplitTableBatchedEmbeddingBagsCodegen Arguments: {...}")
+    logging.getLogger("torchrec.distributed.utils").warning("caching params will be ignored")
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        for _ in range(2):
+            warnings.warn("`broadcast_buffers` is deprecated", FutureWarning, stacklevel=1)
+    shown = screen.getvalue().splitlines()
+    assert [ln.split(" - ", 1)[1] for ln in shown[:2]] == ["backend: cpu", "caching params will be ignored"]
+    assert len(shown) == 3 and "FutureWarning: `broadcast_buffers` is deprecated" in shown[2]  # one line
+    log = log_file.read_text()
+    assert "torchrec sharding plan" in log and "SplitTableBatchedEmbeddingBagsCodegen" in log
+    assert log.count("FutureWarning") == 2
+
+
+class Recorder:
+    """A `hydra.callbacks` entry that notes the events it sees."""
+
+    events: list[str] = []
+
+    def on_run_start(self, config, **kwargs) -> None:
+        Recorder.events.append("run_start")
+
+    def on_job_start(self, config, **kwargs) -> None:
+        Recorder.events.append("job_start")
+
+    def on_job_end(self, config, job_return, **kwargs) -> None:
+        Recorder.events.append("job_end")
+
+    def on_run_end(self, config, **kwargs) -> None:
+        Recorder.events.append("run_end")
+
+
+def test_a_command_line_runs_as_hydra_main_runs_it(tmp_path, monkeypatch, job_logging):
+    """The run path (composed once, then Hydra's run_job): the run folder and its .hydra/, the rank's
+    log file, the job's config and Hydra's runtime for the task, the configured callbacks around it."""
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)
+    seen = {}
+
+    def task(cfg):
+        seen["steps"], seen["dir"] = cfg.trainer.steps, HydraConfig.get().runtime.output_dir
+        logging.getLogger("anyrec.x").info("the task ran")
+
+    Recorder.events = []
+    _hydra.launch("anyrec-x", task, [f"hydra.run.dir={tmp_path}/run", "trainer.steps=7",
+                                     f"+hydra.callbacks.rec._target_={__name__}.Recorder"])
+    run = tmp_path / "run"
+    assert seen == {"steps": 7, "dir": str(run)}
+    assert (run / ".hydra" / "config.yaml").is_file()
+    assert "trainer.steps=7" in (run / ".hydra" / "overrides.yaml").read_text()
+    assert "the task ran" in (run / "test_console_rank0.log").read_text()
+    assert Recorder.events == ["run_start", "job_start", "job_end", "run_end"]
+
+
+def test_help_lists_the_real_options_only(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["anyrec.calibrate"])
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # the entry point's, for the job
+    from anyrec.calibrate import cli
+
+    with pytest.raises(SystemExit) as stop:
+        cli(["--help"])
+    logging.captureWarnings(False)
+    assert stop.value.code == 0
+    text = capsys.readouterr().out
+    assert "model: dlrm, dlrm_small, dlrm_tiny, dlrmv2, dlrmv2_small" in text
+    assert "backend: auto, cpu, cuda, rocm" in text and "_schema" not in text
+
+
+def test_no_entry_point_leans_on_hydras_internals():
+    users = [p for p in (ROOT / "anyrec").rglob("*.py") if "hydra._internal" in p.read_text()]
+    assert users == []
+
+
+def _default_job(cwd: Path, cache: Path) -> tuple[int, str]:
+    """`torchrun --standalone --nproc_per_node=2 -m anyrec.train` as a user types it: exit status and
+    its whole console (stdout and stderr)."""
+    # as a user has it: calibration on (the tests' default is off), torchrun's notice about threads too
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ANYREC_") and k != "OMP_NUM_THREADS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env["ANYREC_CACHE_DIR"] = str(cache)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+           "anyrec.train"]
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=240)  # bytes: the bar's carriage returns stay what they are
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # nothing left behind, whatever happened
+        except ProcessLookupError:
+            pass
+    return proc.returncode, out.decode(errors="replace")
+
+
+@pytest.mark.integration
+def test_the_default_job_fits_a_screen_cold_and_warm(tmp_path):
+    for name, limit in [("cold", 40), ("warm", 25)]:  # cold: the calibration runs first
+        code, out = _default_job(tmp_path, tmp_path / "cache")
+        assert code == 0, out[-3000:]
+        lines = out.count("\n")
+        assert 0 < lines <= limit, f"{name} cache: {lines} console lines\n{out}"
+        assert out.rstrip().splitlines()[-1].startswith('{"steps": 300')
+        assert "model_parallel.py" not in out  # our DDP wrapper's `broadcast_buffers` warning
+        assert ("calibration: cache miss" in out) == (name == "cold")
