@@ -58,7 +58,9 @@ def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print,
     resident = host_estimate_of_resident_bytes(cfg, DistInfo(0, world, 0, local))
 
     def plan_on(hw: Hardware) -> PlanResult:
-        topo = Topology(hw.spec, cfg.topology.world_size, cfg.topology.local_world_size)
+        # this machine's device type for its own hardware (as the trainer plans); a SKU's otherwise
+        device_type = backend.device_type if backend is not None and hw is hardware else None
+        topo = Topology(hw.spec, cfg.topology.world_size, cfg.topology.local_world_size, device_type)
         return plan_model(model, model.sparse_arch, cfg.model, cfg.planner, cfg.optim.name, topo,
                           cfg.plan.batch_size or cfg.data.batch_size, hw.embedding_cost(impl), planner,
                           id_zipf_exponent=id_skew(cfg), resident_bytes=resident)
