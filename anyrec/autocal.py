@@ -19,9 +19,12 @@ from pathlib import Path
 import torch.distributed as dist
 
 from anyrec.backends import get_backend
+from anyrec.backends.core_load import measure_core_load
 from anyrec.backends.cpu import allowed_cores
 from anyrec.calcache import CACHE_DIR_ENV, Lookup, cache_dir, local_key, lookup, write_entry
-from anyrec.calibrate import calibrate, hardware_yaml
+from anyrec.calibrate import calibrate, hardware_yaml, report_trust
+from anyrec.calrun import CalibrationRun, CalibrationStopped, exit_stopped
+from anyrec.caltrust import BUSY_OTHER_CORES
 from anyrec.config import AnyrecConfig
 from anyrec.io_checks import atomic_write, writable_dir
 from anyrec.signing import resolve_key
@@ -57,11 +60,20 @@ def calibrated_hardware(cfg: AnyrecConfig) -> str:
         is not None
     cfg.backend.bind_cores = str(bound).lower()
     key = local_key(backend, info, cores)
-    found = None
+    found_here = None
     if info.is_main:
         found = (Lookup(cache_dir() / key.file_name()) if cfg.trainer.calibrate == "always"
                  else lookup(key, signing_key=signing_key))
-    found_here = (str(found.path), found.hit, found.problem, found.bound) if found else None
+        hit, problem = found.hit, found.problem
+        if found.distrust:  # measured on a busy host: measured again once the host is quiet
+            now = measure_core_load(cores)
+            if now is None or now.other_cores <= BUSY_OTHER_CORES:
+                hit, problem = False, f"not trusted ({found.distrust}) and the host is quiet now"
+            else:
+                logger.warning("calibration: cache entry %s is not trusted (%s); the host is still busy "
+                               "(other processes use %.1f cores): planning with it", found.path,
+                               found.distrust, now.other_cores)
+        found_here = (str(found.path), hit, problem, found.bound)
     path, hit, problem, measured_bound = broadcast_from_main(found_here, info)
     threads = {True: "bound", False: "free"}
     if hit:
@@ -77,11 +89,18 @@ def calibrated_hardware(cfg: AnyrecConfig) -> str:
     quiet = logging.getLogger("anyrec.calibrate")
     level = quiet.level
     quiet.setLevel(logging.WARNING)  # the point-by-point log is the thorough calibration's
+    run = CalibrationRun.begin(cfg.calibrate.time_limit_s, info.rank, info.world_size, cfg.trainer.progress,
+                               cfg.trainer.collective_timeout_s)
     try:
         m = calibrate(backend, backend.device(info.local_rank), info.world_size, "quick",
-                      cfg.trainer.calibrate_budget_s, bound)
+                      cfg.trainer.calibrate_budget_s, bound, run, cores)
+    except CalibrationStopped as e:
+        exit_stopped("anyrec-train", e, info.is_main)
     finally:
+        run.close()
         quiet.setLevel(level)
+    if info.is_main:
+        report_trust(m)  # the job plans with these figures either way: it runs on this host as it is
     text = None
     if info.is_main:
         header = (f"# Quick calibration measured by anyrec.autocal ({backend.describe()}, "
