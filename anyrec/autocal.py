@@ -19,7 +19,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from anyrec.backends import get_backend
-from anyrec.backends.core_load import measure_core_load
+from anyrec.backends.core_load import CoreLoad, measure_core_load
 from anyrec.backends.cpu import allowed_cores
 from anyrec.calcache import CACHE_DIR_ENV, Lookup, cache_dir, local_key, lookup, write_entry
 from anyrec.calibrate import calibrate, hardware_yaml, report_trust
@@ -48,6 +48,15 @@ def check_cache_dir() -> None:
         raise ValueError(f"{e}; set {CACHE_DIR_ENV} to a writable folder (nothing was measured)") from None
 
 
+def remeasure_untrusted(distrust: str, now: CoreLoad | None) -> str | None:
+    """Why a cache entry whose figures are not trusted (`distrust`) is measured again: the host is quiet
+    now (other processes' load `now`, None where unreadable); None while it is still busy (measuring again
+    would give no better figures: the job plans with the entry, and says so)."""
+    if now is not None and now.other_cores > BUSY_OTHER_CORES:
+        return None
+    return f"its figures are not trusted ({distrust}) and the host is quiet now"
+
+
 def calibrated_hardware(cfg: AnyrecConfig) -> str:
     """This machine's cached calibration file, measured now if none is usable (every rank calls it)."""
     backend = get_backend(cfg.backend.name)
@@ -66,13 +75,11 @@ def calibrated_hardware(cfg: AnyrecConfig) -> str:
                  else lookup(key, signing_key=signing_key))
         hit, problem = found.hit, found.problem
         if found.distrust:  # measured on a busy host: measured again once the host is quiet
-            now = measure_core_load(cores)
-            if now is None or now.other_cores <= BUSY_OTHER_CORES:
-                hit, problem = False, f"not trusted ({found.distrust}) and the host is quiet now"
-            else:
-                logger.warning("calibration: cache entry %s is not trusted (%s); the host is still busy "
-                               "(other processes use %.1f cores): planning with it", found.path,
-                               found.distrust, now.other_cores)
+            problem = remeasure_untrusted(found.distrust, measure_core_load(cores))
+            hit = problem is None
+            if hit:
+                logger.warning("calibration: cache entry %s is not trusted (%s) and the host is still busy: "
+                               "planning with it", found.path, found.distrust)
         found_here = (str(found.path), hit, problem, found.bound)
     path, hit, problem, measured_bound = broadcast_from_main(found_here, info)
     threads = {True: "bound", False: "free"}
