@@ -266,8 +266,8 @@ def measure_embedding(backend: Backend, device: torch.device, spec: DeviceSpec, 
                 "fit_s": f, "spread": run.spreads.get(f"embedding {impl.name} {_point_name(p)}", 0.0)}
                for p, m, f in zip(points, measured, pred, strict=True)]
         if error > MAX_FIT_ERROR:
-            logger.warning("calibration: embedding %s's fit misses a point by %.0f %% (> %.0f %%): not used, "
-                           "the built-in profile stays", impl.name, error * 100, MAX_FIT_ERROR * 100)
+            run.warn("calibration: embedding %s's fit misses a point by %.0f %% (> %.0f %%): not used, the "
+                     "built-in profile stays", impl.name, error * 100, MAX_FIT_ERROR * 100)
             run.fell_back(f"embedding {impl.name} (fit error {error * 100:.0f} %)")
             out[impl.name] = {"skipped": f"fit error {error * 100:.1f} % > {MAX_FIT_ERROR * 100:.0f} %: "
                                          "built-in profile", "points": pts, "fit_max_rel_error": error}
@@ -374,8 +374,8 @@ def calibrate(backend: Backend, device: torch.device, world: int, size: str = "s
                               bind_cores, size == "quick", run, device)
     error = step.get("fit_max_rel_error")
     if error is not None and error > MAX_FIT_ERROR:
-        logger.warning("calibration: the trainer step fit misses a point by %.0f %% (> %.0f %%): its "
-                       "figures are not used, the datasheet's stay", error * 100, MAX_FIT_ERROR * 100)
+        run.warn("calibration: the trainer step fit misses a point by %.0f %% (> %.0f %%): its figures are "
+                 "not used, the datasheet's stay", error * 100, MAX_FIT_ERROR * 100)
         run.fell_back(f"trainer step (fit error {error * 100:.0f} %)")
     if "fields" in step and (error is None or error <= MAX_FIT_ERROR):
         fields.update(step["fields"])

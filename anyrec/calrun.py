@@ -71,6 +71,7 @@ class CalibrationRun:
     limit_s: float
     deadline: float  # time.monotonic() seconds: the whole run's end
     world_size: int = 1
+    rank: int = 0
     stop: StopRequest | None = None
     bar: tqdm | None = None
     until: float = 0.0  # the current phase's end (<= deadline)
@@ -80,14 +81,15 @@ class CalibrationRun:
     @classmethod
     def begin(cls, limit_s: float, rank: int = 0, world_size: int = 1, progress: bool = True,
               timeout_s: float = 600.0) -> CalibrationRun:
-        """Start the clock and catch the stop signals (main thread only); `close()` undoes it."""
+        """Catch the stop signals (main thread only; `close()` undoes it); the clock started with the job
+        (its launcher, under torchrun): `limit_s` bounds what a user waits, start-up included."""
         stop = StopRequest(rank, world_size, 1, STOP_GRACE_S, timeout_s,
                            boundary="the current measurement", lost="nothing written")
         stop.install()
         bar = tqdm(total=0, desc="calibrate", unit="pt", file=sys.stderr, dynamic_ncols=True, mininterval=0.5,
                    disable=not (rank == 0 and progress))
-        now = time.monotonic()
-        return cls(limit_s, now + limit_s, world_size, stop, bar, now + limit_s)
+        deadline = time.monotonic() - job_age_s() + limit_s
+        return cls(limit_s, deadline, world_size, rank, stop, bar, deadline)
 
     @classmethod
     def unbounded(cls) -> CalibrationRun:
@@ -123,6 +125,11 @@ class CalibrationRun:
         t = torch.tensor([left], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return float(t.item())
+
+    def warn(self, msg: str, *args: object) -> None:
+        """A warning from rank 0 (every rank measures the same way: one says it)."""
+        if self.rank == 0:
+            logger.warning(msg, *args)
 
     def fell_back(self, what: str) -> None:
         """`what` was not measured in time (or not usable): it keeps its datasheet figure; said once."""
@@ -160,6 +167,19 @@ class CalibrationRun:
             self.spreads[name] = timing.spread
         if self.bar is not None:
             self.bar.update(1)
+
+
+def job_age_s() -> float:
+    """Seconds since this job started: its launcher (under torchrun) or this process; 0 if unknown."""
+    pid = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid()
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22 of proc(5): starttime
+        with open("/proc/uptime") as f:
+            uptime_s = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return max(0.0, uptime_s - start_ticks / os.sysconf("SC_CLK_TCK"))
 
 
 def exit_stopped(prog: str, e: CalibrationStopped, is_main: bool) -> None:
