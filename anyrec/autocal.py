@@ -78,7 +78,7 @@ def calibrated_hardware(cfg: AnyrecConfig) -> str:
             problem = remeasure_untrusted(found.distrust, measure_core_load(cores))
             hit = problem is None
             if hit:
-                logger.warning("calibration: cache entry %s is not trusted (%s) and the host is still busy: "
+                logger.warning("calibration: the entry %s is not trusted (%s) and the host is still busy: "
                                "planning with it", found.path, found.distrust)
         found_here = (str(found.path), hit, problem, found.bound)
     path, hit, problem, measured_bound = broadcast_from_main(found_here, info)

@@ -40,7 +40,7 @@ def test_first_contact_measures_caches_and_then_reuses(tmp_path):
     first = _train(tmp_path, "a")
     (line,) = _lines(first, "calibration: cache")
     assert "cache miss, measured in" in line and "with threads bound" in line
-    assert len(_lines(first, "figures ")) == 1  # trusted or not, said in one line
+    assert len(_lines(first, "trusted")) == 1  # trusted or not, said in one line
     path, hardware = _entry(tmp_path)
     assert str(path) in line and _step_costs(hardware, path) > 0
     assert key_world(path) == 2 and last_json_line(first.stdout)["predicted_step_ms"] > 0
