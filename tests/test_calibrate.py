@@ -190,7 +190,8 @@ def test_profile_rejects_a_launch_cost_out_of_range():
     (["calibrate.cache=maybe"], "calibrate.cache: Value 'maybe' is not a valid bool"),
     (["calibrate.out=x.yaml"], "calibrate.out: Key 'out' not in 'CalibrationConfig'"),
     (["calibrate.output=x.yaml", "calibrate.size=huge"], "calibrate.size: Invalid value 'huge'"),
-    (["calibrate.output=x.yaml", "calibrate.budget_s=0"], "calibrate.budget_s must be a positive number")])
+    (["calibrate.output=x.yaml", "calibrate.budget_s=0"], "calibrate.budget_s must be a positive number"),
+    (["calibrate.output=x.yaml", "calibrate.time_limit_s=-1"], "calibrate.time_limit_s must be a positive")])
 def test_bad_arguments(argv, error, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as e:
