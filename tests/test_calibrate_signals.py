@@ -52,7 +52,7 @@ def _stop_when(proc: subprocess.Popen, marker: str, sig: int) -> tuple[int, floa
     (signal.SIGTERM, "step warm-up"),  # inside a step point's trainer, which catches signals itself
     (signal.SIGINT, "embedding torch"),  # between an embedding measurement's repetitions
     (signal.SIGHUP, "gemm bf16"),
-])
+], ids=["SIGTERM", "SIGINT", "SIGHUP"])
 def test_a_signal_stops_the_calibration_with_nothing_written(tmp_path, sig, marker):
     out, cache = tmp_path / "cal.yaml", tmp_path / "cache"
     proc = _start(["anyrec.calibrate", f"calibrate.output={out}", "calibrate.cache=true"], tmp_path, cache)

@@ -107,3 +107,24 @@ def test_a_fit_past_30_percent_is_not_used(monkeypatch, caplog):
     assert "embedding torch's fit misses a point" in caplog.text
     monkeypatch.setattr(calibrate, "MAX_FIT_ERROR", float("inf"))
     assert "profile" in calibrate.measure_embedding(backend, device, spec, points, 0.0)["torch"]
+
+
+def test_a_signal_a_step_points_trainer_caught_stops_the_run(monkeypatch):
+    """A signal while a step point trains is the trainer's to catch (it stops at its step boundary and
+    returns): the calibration must stop too, not go on to the next point."""
+    import os
+
+    from anyrec import calibrate_step
+    from anyrec.backends import Hardware
+
+    class SignalledTrainer(calibrate_step.Trainer):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.step_hooks.append(lambda t: os.kill(os.getpid(), signal.SIGTERM) if t.step == 1 else None)
+
+    monkeypatch.setattr(calibrate_step, "Trainer", SignalledTrainer)
+    backend = get_backend("cpu")
+    with pytest.raises(CalibrationStopped) as e:
+        calibrate_step._train_point(calibrate_step.POINTS[0], backend, Hardware(backend.device_spec(), {}), 1,
+                                    40, False, CalibrationRun.unbounded())
+    assert e.value.signum == signal.SIGTERM
