@@ -4,8 +4,10 @@ hardware YAML (for `hardware.sku=FILE.yaml`); options are the config's `calibrat
 Measures copy and host->device bandwidth; per embedding implementation, a training step at several points
 fitted into its KernelProfile in the planner's own cost terms; GEMM and DLRM-MLP FLOP/s; under torchrun,
 collectives fitted into latency + bytes / bus bandwidth, and the trainer's framework costs (calibrate_step).
+Within `calibrate.time_limit_s` of the job's start, stopped by SIGINT/SIGTERM/SIGHUP with nothing written
+(anyrec.calrun); its last line says whether the figures are this machine's (anyrec.caltrust).
 
-    python -m anyrec.calibrate calibrate.output=cal.yaml [calibrate.budget_s=0.5] [calibrate.size=large]
+    python -m anyrec.calibrate calibrate.output=cal.yaml [calibrate.budget_s=0.5] [calibrate.time_limit_s=100]
     torchrun --nproc_per_node=2 -m anyrec.calibrate calibrate.cache=true  # the entry hardware=auto reads
 """
 
