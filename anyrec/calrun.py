@@ -21,6 +21,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -170,7 +171,11 @@ class CalibrationRun:
 
 
 def job_age_s() -> float:
-    """Seconds since this job started: its launcher (under torchrun) or this process; 0 if unknown."""
+    """Seconds since this job started: its launcher (under torchrun) or this process where it was started
+    for anyrec (`python -m anyrec.X`, `anyrec-X`); 0 for a library call (a test, a notebook) or unknown."""
+    entry = Path(sys.argv[0] if sys.argv else "")
+    if not (entry.name.startswith("anyrec") or Path(__file__).parent in entry.resolve().parents):
+        return 0.0
     pid = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid()
     try:
         with open(f"/proc/{pid}/stat") as f:

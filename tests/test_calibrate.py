@@ -89,7 +89,7 @@ def test_step_points_tell_every_framework_term_apart(quick, world):
 def test_calibrate_writes_a_hardware_yaml(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)  # Hydra's run folder, as for anyrec-train
     out = tmp_path / "sub" / "cal.yaml"
-    calibrate.cli([f"calibrate.output={out}", "calibrate.budget_s=0.02"])
+    calibrate.cli([f"calibrate.output={out}", "calibrate.budget_s=0.02", "calibrate.time_limit_s=900"])
     m = _check_file(out, world_size=1)
     assert m["seconds"] > 0  # how long it took is the report's, not a bound a busy host could break
     table = capsys.readouterr().out
@@ -105,7 +105,7 @@ def test_calibrate_under_torchrun_measures_collectives(tmp_path):
     out = tmp_path / "cal2.yaml"
     cache = tmp_path / "cache"
     proc = torchrun(["-m", "anyrec.calibrate", f"calibrate.output={out}", "calibrate.budget_s=0.02",
-                     "calibrate.cache=true"], nproc=2,
+                     "calibrate.cache=true", "calibrate.time_limit_s=900"], nproc=2,  # every figure measured
                     cwd=tmp_path, env={"ANYREC_CACHE_DIR": str(cache)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = _check_file(out, world_size=2)
