@@ -67,8 +67,9 @@ def _check_file(path, world_size: int) -> dict:
     assert len(ratios) == len(step["points"]) and ratios[len(ratios) // 2] > 1, ratios  # one point may
     # time below the model when the host is busy while the bandwidths are measured, not most of them
     assert sum((step.get("fields") or step["unused_fields"]).values()) > 0
-    for name, value in step["fields"].items():
+    for name, value in step.get("fields", {}).items():  # the spec carries a fit it uses, and only then
         assert getattr(spec, name) == value and name in m["measured_fields"]
+    assert ("step_fixed_s" in m["measured_fields"]) == ("step" in m)
     return m
 
 
@@ -93,7 +94,9 @@ def test_calibrate_writes_a_hardware_yaml(tmp_path, capsys, monkeypatch):
     m = _check_file(out, world_size=1)
     assert m["seconds"] > 0  # how long it took is the report's, not a bound a busy host could break
     table = capsys.readouterr().out
-    assert "emb fbgemm" in table and "per_launch" in table
+    # its fitted profile, or why it was not used (a fit past 30 % on a busy host)
+    assert ("emb fbgemm" in table and "per_launch" in table) or \
+        "(skipped) embedding fbgemm: fit error" in table
     assert f"wrote {out} in {m['seconds']:.1f} s" in table  # the time it reports is the one it stored
     assert "Units are in the key names" in out.read_text()
     assert not list(out.parent.glob(".*tmp*"))  # the atomic write left no temporary behind
