@@ -19,9 +19,12 @@ from pathlib import Path
 import torch.distributed as dist
 
 from anyrec.backends import get_backend
+from anyrec.backends.core_load import CoreLoad, measure_core_load
 from anyrec.backends.cpu import allowed_cores
 from anyrec.calcache import CACHE_DIR_ENV, Lookup, cache_dir, local_key, lookup, write_entry
-from anyrec.calibrate import calibrate, hardware_yaml
+from anyrec.calibrate import calibrate, hardware_yaml, report_trust
+from anyrec.calrun import CalibrationRun, CalibrationStopped, exit_stopped
+from anyrec.caltrust import BUSY_OTHER_CORES
 from anyrec.config import AnyrecConfig
 from anyrec.io_checks import atomic_write, writable_dir
 from anyrec.signing import resolve_key
@@ -45,6 +48,15 @@ def check_cache_dir() -> None:
         raise ValueError(f"{e}; set {CACHE_DIR_ENV} to a writable folder (nothing was measured)") from None
 
 
+def remeasure_untrusted(distrust: str, now: CoreLoad | None) -> str | None:
+    """Why a cache entry whose figures are not trusted (`distrust`) is measured again: the host is quiet
+    now (other processes' load `now`, None where unreadable); None while it is still busy (measuring again
+    would give no better figures: the job plans with the entry, and says so)."""
+    if now is not None and now.other_cores > BUSY_OTHER_CORES:
+        return None
+    return f"its figures are not trusted ({distrust}) and the host is quiet now"
+
+
 def calibrated_hardware(cfg: AnyrecConfig) -> str:
     """This machine's cached calibration file, measured now if none is usable (every rank calls it)."""
     backend = get_backend(cfg.backend.name)
@@ -57,11 +69,18 @@ def calibrated_hardware(cfg: AnyrecConfig) -> str:
         is not None
     cfg.backend.bind_cores = str(bound).lower()
     key = local_key(backend, info, cores)
-    found = None
+    found_here = None
     if info.is_main:
         found = (Lookup(cache_dir() / key.file_name()) if cfg.trainer.calibrate == "always"
                  else lookup(key, signing_key=signing_key))
-    found_here = (str(found.path), found.hit, found.problem, found.bound) if found else None
+        hit, problem = found.hit, found.problem
+        if found.distrust:  # measured on a busy host: measured again once the host is quiet
+            problem = remeasure_untrusted(found.distrust, measure_core_load(cores))
+            hit = problem is None
+            if hit:
+                logger.warning("calibration: the entry %s is not trusted (%s) and the host is still busy: "
+                               "planning with it", found.path, found.distrust)
+        found_here = (str(found.path), hit, problem, found.bound)
     path, hit, problem, measured_bound = broadcast_from_main(found_here, info)
     threads = {True: "bound", False: "free"}
     if hit:
@@ -77,11 +96,18 @@ def calibrated_hardware(cfg: AnyrecConfig) -> str:
     quiet = logging.getLogger("anyrec.calibrate")
     level = quiet.level
     quiet.setLevel(logging.WARNING)  # the point-by-point log is the thorough calibration's
+    run = CalibrationRun.begin(cfg.calibrate.time_limit_s, info.rank, info.world_size, cfg.trainer.progress,
+                               cfg.trainer.collective_timeout_s)
     try:
         m = calibrate(backend, backend.device(info.local_rank), info.world_size, "quick",
-                      cfg.trainer.calibrate_budget_s, bound)
+                      cfg.trainer.calibrate_budget_s, bound, run, cores)
+    except CalibrationStopped as e:
+        exit_stopped("anyrec-train", e, info.is_main)
     finally:
+        run.close()
         quiet.setLevel(level)
+    if info.is_main:
+        report_trust(m)  # the job plans with these figures either way: it runs on this host as it is
     text = None
     if info.is_main:
         header = (f"# Quick calibration measured by anyrec.autocal ({backend.describe()}, "

@@ -134,6 +134,7 @@ class Lookup:
     hardware: Hardware | None = None
     problem: str | None = None  # set when a file is there but must not be used
     bound: bool | None = None
+    distrust: str | None = None  # why its figures may not be this machine's (measured on a busy host, ...)
 
     @property
     def hit(self) -> bool:
@@ -163,9 +164,14 @@ def read_entry(path: Path, key: CacheKey, signing_key: SigningKey | None = None)
         raise ValueError("its content does not match its checksum (edited or damaged)")
     if signing_key is not None:
         signing_key.check(_signed_view(data), "the entry")
-    bound = (data.get("measurements") or {}).get("bind_cores")  # below: every hardware file's checks
+    measurements = data.get("measurements") or {}
+    bound = measurements.get("bind_cores")  # below: every hardware file's checks
+    trust = measurements.get("trust")
+    distrust = None
+    if isinstance(trust, dict) and trust.get("trusted") is False:  # entries before the verdict: trusted
+        distrust = "; ".join(str(r) for r in trust.get("reasons") or []) or "not trusted"
     hardware = hardware_from_data(data, f"calibration cache entry {path}", str(path))
-    return Lookup(path, hardware, bound=bound if isinstance(bound, bool) else None)
+    return Lookup(path, hardware, bound=bound if isinstance(bound, bool) else None, distrust=distrust)
 
 
 def lookup(key: CacheKey, directory: Path | None = None, signing_key: SigningKey | None = None) -> Lookup:

@@ -4,8 +4,10 @@ hardware YAML (for `hardware.sku=FILE.yaml`); options are the config's `calibrat
 Measures copy and host->device bandwidth; per embedding implementation, a training step at several points
 fitted into its KernelProfile in the planner's own cost terms; GEMM and DLRM-MLP FLOP/s; under torchrun,
 collectives fitted into latency + bytes / bus bandwidth, and the trainer's framework costs (calibrate_step).
+Within `calibrate.time_limit_s` of the job's start, stopped by SIGINT/SIGTERM/SIGHUP with nothing written
+(anyrec.calrun); its last line says whether the figures are this machine's (anyrec.caltrust).
 
-    python -m anyrec.calibrate calibrate.output=cal.yaml [calibrate.budget_s=0.5] [calibrate.size=large]
+    python -m anyrec.calibrate calibrate.output=cal.yaml [calibrate.budget_s=0.5] [calibrate.time_limit_s=100]
     torchrun --nproc_per_node=2 -m anyrec.calibrate calibrate.cache=true  # the entry hardware=auto reads
 """
 
@@ -27,12 +29,15 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from anyrec import _hydra
 from anyrec.backends import Backend, get_backend
+from anyrec.backends.core_load import LoadMeter
 from anyrec.backends.cpu import allowed_cores
 from anyrec.backends.dispatch import Impl, KernelProfile, availability, implementations
 from anyrec.backends.hardware import EmbeddingCost, Hardware
 from anyrec.backends.specs import DeviceSpec
 from anyrec.calcache import cache_dir, local_key, write_entry
 from anyrec.calibrate_step import measure_step_costs
+from anyrec.calrun import CalibrationRun, CalibrationStopped, Timing, exit_stopped
+from anyrec.caltrust import MAX_FIT_ERROR, Trust, assess
 from anyrec.config import AnyrecConfig
 from anyrec.io_checks import writable_file, write_yaml
 from anyrec.kernels.optimizers import OptimizerConfig
@@ -43,6 +48,9 @@ from anyrec.trainer.distributed import env_dist_info
 
 logger = logging.getLogger("anyrec.calibrate")
 
+# Each phase's share of the time left when it starts (the step points take the rest): the device and
+# embedding phases took 4 % and 10 % of a default 2-rank calibration on a quiet 2-core host.
+PHASE_SHARE = {"device": 0.1, "embedding": 0.3, "collectives": 0.2, "step": 1.0}
 OPTIMIZER = "adagrad"  # the default config's; the profile's bytes term covers any optimizer's state
 # Embedding step points: (tables, rows, dim, batch, pooling). They vary ids (pooling, batch) and bytes per
 # id (dim) independently, and one is tiny, so the fit can tell per-row, per-byte and per-launch costs apart.
@@ -65,21 +73,25 @@ SIZES = {  # "quick": the calibration a training job runs on first contact (anyr
 
 
 def timeit(fn: Callable[[], Any], backend: Backend, budget_s: float, min_reps: int = 3,
-           reps: int | None = None) -> float:
-    """Median seconds per call of `fn`: one warm-up, then repeat until the budget is spent (collectives
-    pass a fixed `reps`: every rank must make the same number of calls)."""
+           reps: int | None = None, run: CalibrationRun | None = None) -> Timing:
+    """Seconds per call of `fn` (median and spread): one warm-up, then repeat until the budget is spent
+    (collectives pass a fixed `reps`: every rank must make the same number of calls). Within `run`, a
+    stop signal ends it at once and the phase's end after one timed call."""
+    run = run or CalibrationRun.unbounded()
+    run.check()
     fn()
     backend.synchronize()
     times: list[float] = []
     start = time.perf_counter()
     while (len(times) < reps if reps is not None else
-           len(times) < min_reps or (time.perf_counter() - start < budget_s and len(times) < 200)):
+           not times or (not run.expired() and (len(times) < min_reps or (
+               time.perf_counter() - start < budget_s and len(times) < 200)))):
+        run.check()
         t0 = time.perf_counter()
         fn()
         backend.synchronize()
         times.append(time.perf_counter() - t0)
-    times.sort()
-    return times[len(times) // 2]
+    return Timing.of(times)
 
 
 def fit_nonnegative(rows: list[list[float]], y: list[float], scale: list[float] | None = None) -> list[float]:
@@ -105,23 +117,36 @@ def fit_nonnegative(rows: list[list[float]], y: list[float], scale: list[float] 
     return best
 
 
-def measure_copy(backend: Backend, device: torch.device, nbytes: int, budget_s: float) -> dict[str, float]:
+def _timed(name: str, fn: Callable[[], Any], backend: Backend, budget_s: float,
+           run: CalibrationRun | None) -> float:
+    """Median seconds of `fn` as measurement `name` (shown on the run's bar, its spread recorded)."""
+    run = run or CalibrationRun.unbounded()
+    run.measuring(name)
+    timing = timeit(fn, backend, budget_s, run=run)
+    run.measured(name, timing)
+    return timing.median_s
+
+
+def measure_copy(backend: Backend, device: torch.device, nbytes: int, budget_s: float,
+                 run: CalibrationRun | None = None) -> dict[str, float]:
     """Device copy bandwidth (read + write); on accelerators host->device from pageable memory, and from
     page-locked memory where the backend can pin it (the spec's h2d figure; left unmeasured elsewhere)."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
-    out = {"copy_bw_bytes_per_s": 2 * nbytes / timeit(lambda: dst.copy_(src), backend, budget_s)}
+    out = {"copy_bw_bytes_per_s": 2 * nbytes / _timed("copy", lambda: dst.copy_(src), backend, budget_s, run)}
     if device.type != "cpu":
         if backend.pins_host_memory():
             pinned = backend.pinned_empty(nbytes // 4, dtype=torch.float32)
-            out["h2d_bw_bytes_per_s"] = nbytes / timeit(lambda: dst.copy_(pinned, non_blocking=True),
-                                                        backend, budget_s)
+            out["h2d_bw_bytes_per_s"] = nbytes / _timed(
+                "h2d pinned", lambda: dst.copy_(pinned, non_blocking=True), backend, budget_s, run)
         pageable = torch.empty(nbytes // 4, dtype=torch.float32)
-        out["h2d_pageable_bw_bytes_per_s"] = nbytes / timeit(lambda: dst.copy_(pageable), backend, budget_s)
+        out["h2d_pageable_bw_bytes_per_s"] = nbytes / _timed("h2d pageable", lambda: dst.copy_(pageable),
+                                                             backend, budget_s, run)
     return out
 
 
-def measure_gemm(backend: Backend, device: torch.device, n: int, budget_s: float) -> dict[str, float]:
+def measure_gemm(backend: Backend, device: torch.device, n: int, budget_s: float,
+                 run: CalibrationRun | None = None) -> dict[str, float]:
     """Achieved dense GEMM FLOP/s for fp32 and bf16 (n x n x n)."""
     out = {}
     for dtype, key in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
@@ -129,12 +154,12 @@ def measure_gemm(backend: Backend, device: torch.device, n: int, budget_s: float
         m = n if device.type != "cpu" or dtype == torch.float32 else max(128, n // 2)
         a = torch.randn(m, m, device=device, dtype=dtype)
         b = torch.randn(m, m, device=device, dtype=dtype)
-        out[key] = 2 * m**3 / timeit(lambda a=a, b=b: torch.mm(a, b), backend, budget_s)
+        out[key] = 2 * m**3 / _timed(f"gemm {key}", lambda a=a, b=b: torch.mm(a, b), backend, budget_s, run)
     return out
 
 
 def measure_dlrm_mlp(backend: Backend, device: torch.device, batch: int, layers: list[int],
-                     budget_s: float) -> dict[str, float]:
+                     budget_s: float, run: CalibrationRun | None = None) -> dict[str, float]:
     """fp32 FLOP/s of a DLRM-shaped MLP's forward + backward, 6 per parameter per sample as planned."""
     mods: list[torch.nn.Module] = []
     for a, b in itertools.pairwise(layers):
@@ -146,7 +171,7 @@ def measure_dlrm_mlp(backend: Backend, device: torch.device, batch: int, layers:
     def step() -> None:
         mlp(x).sum().backward()
 
-    sec = timeit(step, backend, budget_s)
+    sec = _timed("dlrm mlp", step, backend, budget_s, run)
     return {"flops": 6.0 * params * batch / sec, "params": params, "batch": batch, "step_s": sec}
 
 
@@ -200,8 +225,11 @@ def _planner_terms(impl: Impl, spec: DeviceSpec, compute: str, point: tuple) -> 
 
 
 def measure_embedding(backend: Backend, device: torch.device, spec: DeviceSpec, points: list[tuple],
-                      budget_s: float) -> dict[str, Any]:
-    """Per registered embedding implementation: step seconds per point and the fitted profile."""
+                      budget_s: float, run: CalibrationRun | None = None) -> dict[str, Any]:
+    """Per registered embedding implementation: step seconds per point and the fitted profile (none where
+    the run's phase ended before every point was measured, or the fit misses a point by > MAX_FIT_ERROR:
+    the implementation keeps its built-in profile, and the run says so)."""
+    run = run or CalibrationRun.unbounded()
     compute = device.type  # the planner's compute device: cpu, or any accelerator's device type
     stamp = time.strftime("%Y-%m-%d", time.gmtime())
     out: dict[str, Any] = {}
@@ -210,10 +238,20 @@ def measure_embedding(backend: Backend, device: torch.device, spec: DeviceSpec, 
         if reason is not None:
             out[impl.name] = {"skipped": reason}
             continue
+        measured: list[float] = []
         try:
-            measured = [timeit(_embedding_step(impl, device, point), backend, budget_s) for point in points]
+            for point in points:
+                if run.expired():
+                    break
+                measured.append(_timed(f"embedding {impl.name} {_point_name(point)}",
+                                       _embedding_step(impl, device, point), backend, budget_s, run))
         except (RuntimeError, NotImplementedError, ValueError) as e:
             out[impl.name] = {"skipped": f"failed: {str(e).splitlines()[0][:160]}"}
+            continue
+        if len(measured) < len(points):
+            out[impl.name] = {"skipped": f"{len(measured)} of {len(points)} points measured within the time "
+                                         "limit: built-in profile"}
+            run.fell_back(f"embedding {impl.name} (time limit)")
             continue
         rows = [[1.0, *_planner_terms(impl, spec, compute, p)] for p in points]
         launch, per_row, per_byte = fit_nonnegative(rows, measured)
@@ -224,13 +262,24 @@ def measure_embedding(backend: Backend, device: torch.device, spec: DeviceSpec, 
             source=f"measured by anyrec.calibrate on {backend.describe()} ({stamp}): forward + backward "
                    f"+ fused {OPTIMIZER} at {len(points)} points, least squares")
         pred = [_lookup_s(profile, impl, spec, compute, p) + profile.per_launch_s for p in points]
-        out[impl.name] = {
-            "profile": dataclasses.asdict(profile),
-            "points": [{"tables": p[0], "rows": p[1], "dim": p[2], "batch": p[3], "pooling": p[4],
-                        "step_s": m, "fit_s": f} for p, m, f in zip(points, measured, pred, strict=True)],
-            "fit_max_rel_error": max(abs(f - m) / m for m, f in zip(measured, pred, strict=True)),
-        }
+        error = max(abs(f - m) / m for m, f in zip(measured, pred, strict=True))
+        pts = [{"tables": p[0], "rows": p[1], "dim": p[2], "batch": p[3], "pooling": p[4], "step_s": m,
+                "fit_s": f, "spread": run.spreads.get(f"embedding {impl.name} {_point_name(p)}", 0.0)}
+               for p, m, f in zip(points, measured, pred, strict=True)]
+        if error > MAX_FIT_ERROR:
+            run.warn("calibration: embedding %s's fit misses a point by %.0f %% (> %.0f %%): not used, the "
+                     "built-in profile stays", impl.name, error * 100, MAX_FIT_ERROR * 100)
+            run.fell_back(f"embedding {impl.name} (fit error {error * 100:.0f} %)")
+            out[impl.name] = {"skipped": f"fit error {error * 100:.1f} % > {MAX_FIT_ERROR * 100:.0f} %: "
+                                         "built-in profile", "points": pts, "fit_max_rel_error": error}
+            continue
+        out[impl.name] = {"profile": dataclasses.asdict(profile), "points": pts, "fit_max_rel_error": error}
     return out
+
+
+def _point_name(point: tuple) -> str:
+    t, rows, dim, batch, pooling = point
+    return f"T{t} R{rows} D{dim} B{batch} P{pooling}"
 
 
 # Bus bytes per collective of `n` input bytes over `w` ranks (nccl-tests' busbw conventions).
@@ -253,12 +302,18 @@ def _collective(op: str, nbytes: int, world: int, device: torch.device) -> Calla
 
 
 def measure_collectives(device: torch.device, sizes: list[int], backend: Backend, budget_s: float,
-                        world: int) -> dict:
+                        world: int, run: CalibrationRun | None = None) -> dict:
     """Each collective's seconds per size (slowest rank's median), fitted into latency + bus bytes / bw."""
+    run = run or CalibrationRun.unbounded()
     out: dict[str, Any] = {"world_size": world}
     for op, bus in _BUS_FACTOR.items():
         try:
-            times = [timeit(_collective(op, n, world, device), backend, budget_s, reps=10) for n in sizes]
+            times = []
+            for n in sizes:
+                run.measuring(f"{op} {n} B")
+                timing = timeit(_collective(op, n, world, device), backend, budget_s, reps=10, run=run)
+                run.measured(f"{op} {n} B", timing)
+                times.append(timing.median_s)
         except (RuntimeError, NotImplementedError) as e:  # e.g. a process group without the op
             out[op] = {"skipped": str(e).splitlines()[0][:160]}
             continue
@@ -273,9 +328,14 @@ def measure_collectives(device: torch.device, sizes: list[int], backend: Backend
 
 
 def calibrate(backend: Backend, device: torch.device, world: int, size: str = "small",
-              budget_s: float = 0.5, bind_cores: bool = True) -> dict:
+              budget_s: float = 0.5, bind_cores: bool = True, run: CalibrationRun | None = None,
+              cpus: list[int] | None = None) -> dict:
     """Every measurement on this device, as a hardware YAML's `measurements` (`spec_fields`: the DeviceSpec
-    fields they determine); the step points' trainers bind cores as `bind_cores` says."""
+    fields they determine); the step points' trainers bind cores as `bind_cores` says. Within `run`'s time
+    limit (phases past their share keep the datasheet's figures) and stop signals; `trust` says whether
+    the figures are this machine's (the load on `cpus`, default this process's cores; the spreads; fits)."""
+    run = run or CalibrationRun.unbounded()
+    meter = LoadMeter(cpus if cpus is not None else allowed_cores())
     s = SIZES[size]
     m: dict[str, Any] = {}
     took: dict[str, float] = {}  # seconds per phase: what a calibration's time went to
@@ -285,30 +345,53 @@ def calibrate(backend: Backend, device: torch.device, world: int, size: str = "s
         nonlocal clock
         took[phase], clock = time.perf_counter() - clock, time.perf_counter()
 
-    m.update(measure_copy(backend, device, s["copy_bytes"], budget_s))
-    m["gemm_flops"] = measure_gemm(backend, device, s["gemm"], budget_s)
-    m["dlrm_mlp"] = measure_dlrm_mlp(backend, device, budget_s=budget_s, **DLRM_MLP[size])
+    run.expect((1 if device.type == "cpu" else 2 + backend.pins_host_memory()) + 3)
+    run.phase(PHASE_SHARE["device"])
+    m.update(measure_copy(backend, device, s["copy_bytes"], budget_s, run))
+    m["gemm_flops"] = measure_gemm(backend, device, s["gemm"], budget_s, run)
+    m["dlrm_mlp"] = measure_dlrm_mlp(backend, device, budget_s=budget_s, run=run, **DLRM_MLP[size])
     lap("device")
     fields = spec_fields(backend, m)
     spec = backend.device_spec().replace(**{k: v for k, v in fields.items() if k != "name"})
-    m["embedding"] = measure_embedding(backend, device, spec, EMB_POINTS[size], budget_s)
+    run.expect(len(implementations("embedding")) * len(EMB_POINTS[size]))
+    run.phase(PHASE_SHARE["embedding"])
+    m["embedding"] = measure_embedding(backend, device, spec, EMB_POINTS[size], budget_s, run)
     lap("embedding")
     if world > 1:
-        m["collectives"] = measure_collectives(device, s["comm_bytes"], backend, budget_s, world)
+        run.phase(PHASE_SHARE["collectives"])
+        if run.agreed_left_s(device) > 0:  # a collective: the ranks decide alike
+            run.expect(len(_BUS_FACTOR) * len(s["comm_bytes"]))
+            m["collectives"] = measure_collectives(device, s["comm_bytes"], backend, budget_s, world, run)
+            fields.update(link_fields(m["collectives"]))
+        else:
+            run.fell_back("collectives (time limit)")
         lap("collectives")
-        fields.update(link_fields(m["collectives"]))
     # The trainer's framework costs: what the figures measured so far leave unexplained in real steps,
     # at this world size (one rank's step has no collectives, no DDP and may skip sharding altogether).
     profiles = {n: KernelProfile(**e["profile"]) for n, e in m["embedding"].items() if "profile" in e}
     spec = backend.device_spec().replace(**{k: v for k, v in fields.items() if k != "name"})
-    m["step"] = measure_step_costs(backend, Hardware(spec, profiles), world, budget_s, fit_nonnegative,
-                                   bind_cores, size == "quick")
-    fields.update(m["step"]["fields"])
+    run.phase(PHASE_SHARE["step"])
+    step = measure_step_costs(backend, Hardware(spec, profiles), world, budget_s, fit_nonnegative,
+                              bind_cores, size == "quick", run, device)
+    error = step.get("fit_max_rel_error")
+    if error is not None and error > MAX_FIT_ERROR:
+        run.warn("calibration: the trainer step fit misses a point by %.0f %% (> %.0f %%): its figures are "
+                 "not used, the datasheet's stay", error * 100, MAX_FIT_ERROR * 100)
+        run.fell_back(f"trainer step (fit error {error * 100:.0f} %)")
+    if "fields" in step and (error is None or error <= MAX_FIT_ERROR):
+        fields.update(step["fields"])
+        m["step"] = step
+    else:  # kept for the record, under a name no DeviceSpec field is read from
+        if "fields" in step:
+            step["unused_fields"] = step.pop("fields")
+        m["step_unused"] = step
     lap("step")
-    m.update(phase_s=took, threads=torch.get_num_threads(), bind_cores=bind_cores)
+    m.update(phase_s=took, threads=torch.get_num_threads(), bind_cores=bind_cores, spread=dict(run.spreads))
     choice = getattr(backend, "bind_choice", None)
     if choice is not None:
         m["bind_rule"] = choice.describe()
+    trust = assess(meter.read(), meter.cores, run.spreads, run.fallbacks)
+    m["trust"] = trust.to_dict()
     m.update(measured_fields=[k for k in fields if k != "name"], spec_fields=fields)
     return m
 
@@ -388,7 +471,7 @@ def format_table(m: dict) -> str:
                  (op, "latency", c["latency_s"] * 1e6, "us")]
     step = m.get("step", {}).get("fields", {})
     rows += [("trainer step", k.removesuffix("_s"), v * 1e6, "us") for k, v in step.items()]
-    if step:
+    if "fit_max_rel_error" in m.get("step", {}):
         rows.append(("trainer step", "fit_err", m["step"]["fit_max_rel_error"] * 100, "% (max)"))
     lines = [f"{'measurement':<16} {'variant':<10} {'value':>12}  unit"]
     lines += [f"{a:<16} {b:<10} {v:>12.3f}  {u}" for a, b, v, u in rows]
@@ -402,6 +485,9 @@ def run(cfg: AnyrecConfig) -> None:
         raise ValueError("calibrate.output=FILE.yaml is required (or calibrate.cache=true)")
     if not opts.budget_s > 0:
         raise ValueError(f"calibrate.budget_s must be a positive number of seconds, got {opts.budget_s}")
+    if not opts.time_limit_s > 0:
+        raise ValueError(f"calibrate.time_limit_s must be a positive number of seconds, got "
+                         f"{opts.time_limit_s}")
     writable_file(opts.output, "calibrate.output")
     signing_key = resolve_key(cfg.trainer.signing_key_file)  # signs the cache entry
     backend = get_backend(cfg.backend.name)
@@ -418,12 +504,17 @@ def run(cfg: AnyrecConfig) -> None:
     cores = allowed_cores()  # the cache key's: before binding
     bind_cores = backend.bind_local_rank(info.local_rank, info.local_world_size,
                                          cfg.backend.bind_cores) is not None
+    run = CalibrationRun.begin(opts.time_limit_s, rank, world, progress=True)
     try:
         start = time.perf_counter()
         kernels = backend.select_kernels()
-        m = calibrate(backend, device, world, opts.size, opts.budget_s, bind_cores)
+        m = calibrate(backend, device, world, opts.size, opts.budget_s, bind_cores, run, cores)
         m["seconds"] = time.perf_counter() - start
+        run.close()
+        if rank == 0:
+            report_trust(m)
         key = local_key(backend, info, cores) if opts.cache else None  # collective
+        run.check()  # a signal now still leaves nothing written
         if rank == 0 and key is not None:
             entry = write_entry(cache_dir() / key.file_name(), key, hardware_yaml(backend, m),
                                 f"# Calibration measured by anyrec.calibrate ({backend.describe()}, {world} "
@@ -439,10 +530,19 @@ def run(cfg: AnyrecConfig) -> None:
             write_yaml(out, hardware_yaml(backend, m), header)
             print(format_table(m))
             print(f"wrote {out} in {m['seconds']:.1f} s", flush=True)
+    except CalibrationStopped as e:
+        exit_stopped("anyrec.calibrate", e, rank == 0)
     finally:
+        run.close()
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+
+
+def report_trust(m: dict) -> None:
+    """Rank 0's one line on whether the figures are this machine's (a warning when they are not)."""
+    trust = Trust(**m["trust"])
+    (logger.info if trust.trusted else logger.warning)("%s", trust.line())
 
 
 def main(cfg: DictConfig) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ import torch
 from anyrec import _hydra
 from anyrec.backends import Backend, Hardware
 from anyrec.backends.calfile import STEP_FIELDS
+from anyrec.calrun import STOP_GRACE_S, CalibrationRun, Timing
 from anyrec.models.dlrm import build_model
 from anyrec.planner.evaluate import evaluate_assignment
 from anyrec.planner.job import planner_inputs
@@ -114,7 +116,7 @@ def _overrides(p: StepPoint, backend: str, steps: int, bind_cores: bool) -> list
             f"model.embedding_dim={p.dim}", f"model.bottom_mlp={p.bottom_mlp}", f"model.top_mlp={p.top_mlp}",
             f"data.batch_size={p.batch}", f"backend.name={backend}",
             f"backend.bind_cores={str(bind_cores).lower()}", f"trainer.steps={steps}", "trainer.eval_steps=0",
-            "trainer.progress=false", "trainer.tensorboard=false",
+            "trainer.progress=false", "trainer.tensorboard=false", f"trainer.stop_grace_s={STOP_GRACE_S}",
             "trainer.checkpoint.dir=null", "trainer.run_dir=null"]
 
 
@@ -129,8 +131,10 @@ def _assignment(p: StepPoint, world: int) -> dict[str, tuple[str, str, list[int]
 
 
 def _train_point(p: StepPoint, backend: Backend, hardware: Hardware, world: int, steps: int,
-                 bind_cores: bool) -> tuple[float, float]:
-    """(measured seconds per step of the slowest rank, the planner's seconds for the same plan)."""
+                 bind_cores: bool, run: CalibrationRun) -> tuple[float, float]:
+    """(measured seconds per step of the slowest rank, the planner's seconds for the same plan); a signal
+    its trainer caught (it stops at its next step boundary) stops the run."""
+    run.check()
     cfg = _hydra.compose_job(_overrides(p, backend.name, steps, bind_cores))
     embedding = hardware.embedding_cost(backend.select_kernels(cfg.backend)["embedding"])
     meta = torch.device("meta")
@@ -148,6 +152,8 @@ def _train_point(p: StepPoint, backend: Backend, hardware: Hardware, world: int,
     quiet.setLevel(logging.WARNING)  # one set-up log per point would bury the calibration's table
     try:
         trainer = Trainer(cfg, plan=plan)
+        run.check()  # a signal while it was built
+        trainer.step_hooks.append(lambda _: run.check())  # the trainer's own catches one while it trains
         try:
             summary = trainer.train()
         finally:
@@ -156,39 +162,79 @@ def _train_point(p: StepPoint, backend: Backend, hardware: Hardware, world: int,
             gc.collect()
     finally:
         quiet.setLevel(level)
+    run.stopped_by(summary.get("stopped_by"))
     return summary["measured_step_ms"] / 1e3, predicted.predicted_step_s
 
 
 def measure_step_costs(backend: Backend, hardware: Hardware, world: int, budget_s: float, fit: Any,
-                       bind_cores: bool = True, quick: bool = False) -> dict[str, Any]:
+                       bind_cores: bool = True, quick: bool = False, run: CalibrationRun | None = None,
+                       device: torch.device | None = None) -> dict[str, Any]:
     """Train every point of `points_at(world, quick)` on the process group's ranks (binding cores as
-    `bind_cores` says) and fit with `fit` (calibrate.fit_nonnegative) what `hardware` leaves unexplained."""
+    `bind_cores` says) and fit with `fit` (calibrate.fit_nonnegative) what `hardware` leaves unexplained.
+    Within `run`'s time: as many passes as fit (at least one, else no `fields`: the datasheet's stay)."""
+    run = run or CalibrationRun.unbounded()
+    device = device or torch.device("cpu")
     points = points_at(world, quick)
     # Five passes (median): with three, one noisy pass of the pooling points swung the per-id term
     # between 0 and 1.8e-7 s between two calibrations of this 2-core host.
     steps, passes = (40, 5) if budget_s >= 0.1 else (10, 1)
+    if run.agreed_left_s(device) <= 0:
+        run.fell_back("trainer step (time limit)")
+        return {"steps_per_point": steps, "passes": 0, "points": []}
+    run.expect(1 + len(points) * passes)
     # The first trainer in a process pays lazy set-up beyond its warm-up steps: the quick calibration's
     # first point measured 31 ms against 12 ms for the same point with six more layers (2 ranks).
-    _train_point(points[0], backend, hardware, world, steps, bind_cores)
+    run.measuring(f"step warm-up {points[0].name}")
+    start = time.monotonic()
+    _train_point(points[0], backend, hardware, world, steps, bind_cores, run)
+    run.measured("step warm-up")
+    # Larger points take longer than the first: a pass is planned at twice its time per point.
+    pass_s = 2 * (time.monotonic() - start) * len(points)
+    left_s = run.agreed_left_s(device)
+    if steps > 10 and pass_s > left_s:
+        steps, pass_s = 10, pass_s / 3  # most of a short point is its set-up, not its steps
+    if pass_s > left_s:  # not even one pass fits: none is started
+        run.expect(-len(points) * passes)
+        run.fell_back("trainer step (time limit)")
+        return {"steps_per_point": steps, "passes": 0, "points": []}
     times: list[list[float]] = [[] for _ in points]
     model = [0.0] * len(points)
+    done = 0
     for k in range(passes):  # alternate the order: a shared host's load drifts
+        if k and run.agreed_left_s(device) < pass_s:
+            break
+        started = time.monotonic()
         for i in (range(len(points)) if k % 2 == 0 else reversed(range(len(points)))):
-            m, model[i] = _train_point(points[i], backend, hardware, world, steps, bind_cores)
+            if run.agreed_left_s(device) <= 0:  # a later pass may end part way: each point has one
+                break
+            run.measuring(f"step {points[i].name} (pass {k + 1})")
+            m, model[i] = _train_point(points[i], backend, hardware, world, steps, bind_cores, run)
             times[i].append(m)
+            run.measured(f"step {points[i].name}")
+        done, pass_s = k + 1, time.monotonic() - started
+    run.expect(sum(map(len, times)) - len(points) * passes)  # the bar's total: what was measured
+    if any(not t for t in times):
+        run.fell_back(f"trainer step ({sum(bool(t) for t in times)} of {len(points)} points in time)")
+        return {"steps_per_point": steps, "passes": done, "points": [
+            {"name": p.name, "measured_s": sorted(t)[len(t) // 2]} for p, t in zip(points, times, strict=True)
+            if t]}
     measured = [sorted(t)[len(t) // 2] for t in times]
+    for p, t in zip(points, times, strict=True):
+        if len(t) > 1:
+            run.spreads[f"step {p.name}"] = Timing.of(t).spread
     for p, m, pred in zip(points, measured, model, strict=True):
         logger.info("step point %s: %.2f ms measured (median of %d), %.2f ms from bytes and FLOPs",
-                    p.name, m * 1e3, passes, pred * 1e3)
+                    p.name, m * 1e3, done, pred * 1e3)
     rows = [p.terms(world) for p in points]
     coeffs = fit(rows, [m - pred for m, pred in zip(measured, model, strict=True)], scale=measured)
     fitted = [pred + sum(c * x for c, x in zip(coeffs, r, strict=True))
               for pred, r in zip(model, rows, strict=True)]
     return {
         "fields": dict(zip(STEP_FIELDS, coeffs, strict=True)),  # in the order of `StepPoint.terms`
-        "steps_per_point": steps, "passes": passes,
+        "steps_per_point": steps, "passes": done,
         "points": [{"name": p.name, "tables": p.tables, "dim": p.dim, "batch": p.batch, "pooling": p.pooling,
-                    "shardings": list(p.shardings), "measured_s": m, "model_s": pred, "fit_s": f}
-                   for p, m, pred, f in zip(points, measured, model, fitted, strict=True)],
+                    "shardings": list(p.shardings), "measured_s": m, "model_s": pred, "fit_s": f,
+                    "spread": Timing.of(t).spread}
+                   for p, m, pred, f, t in zip(points, measured, model, fitted, times, strict=True)],
         "fit_max_rel_error": max(abs(f - m) / m for m, f in zip(measured, fitted, strict=True)),
     }

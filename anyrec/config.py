@@ -210,6 +210,9 @@ class CalibrationConfig:
     output: str | None = None  # the hardware YAML to write (hardware.sku=FILE takes it)
     cache: bool = False  # also write this machine's cache entry, the one hardware=auto reads
     budget_s: float = 0.5  # seconds each timed measurement repeats
+    # seconds from the job's start (start-up included) by which a calibration ends (anyrec.calibrate, and a
+    # training job's first contact); what is not measured by then keeps the datasheet's figures, said so
+    time_limit_s: float = 100.0
     size: CalibrationSize = CalibrationSize.small  # quick: what a training job measures on first contact
 
 

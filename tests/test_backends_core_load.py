@@ -14,6 +14,7 @@ import pytest
 from anyrec.backends.core_load import (
     OTHER_BUSY_MAX_CORES,
     CoreLoad,
+    LoadMeter,
     bind_setting,
     choose_binding,
     measure_core_load,
@@ -100,3 +101,15 @@ def test_cpu_backend_binds_by_the_rule_and_logs_why():
     loaded, err = _auto_child(LOADED)
     assert not loaded["bind"] and loaded["share"] is None and loaded["mask"] == allowed
     assert "threads free on cores" in err and "other processes used 1.60 cores" in err
+
+
+def test_load_meter_counts_this_process_over_the_whole_stretch():
+    cpus = sorted(os.sched_getaffinity(0))
+    meter = LoadMeter(cpus, pids=lambda: [os.getpid()])
+    start = time.process_time()
+    while time.process_time() - start < 0.2:  # CPU time, not wall time: as much work on any host
+        pass
+    load = meter.read()
+    assert load is not None and load.own_cores > 0, load
+    assert load.busy_cores >= load.own_cores - 0.15, load  # a tick apart
+    assert load.sample_s >= 0.2 and meter.cores == len(cpus)

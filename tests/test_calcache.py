@@ -194,3 +194,22 @@ def test_a_small_entry_that_expands_without_bound_is_not_used(tmp_path):
         f"  l{c}: &{c} [{','.join([f'*{p}'] * 9)}]\n" for p, c in zip("abcdefgh", "bcdefghi", strict=True))
     problem = _problem(tmp_path, lambda t: t.replace("measurements:\n", "measurements:\n" + bomb, 1))
     assert "expands to more than" in problem
+
+
+def test_an_entry_measured_on_a_busy_host_says_so(tmp_path):
+    from anyrec.autocal import remeasure_untrusted
+    from anyrec.backends.core_load import CoreLoad
+
+    data = yaml.safe_load(CAL.read_text())
+    assert calcache.lookup(_key(), tmp_path).distrust is None  # nothing there
+    _entry(tmp_path)
+    assert calcache.lookup(_key(), tmp_path).distrust is None  # written before the verdict: trusted
+    reason = "host busy: other processes used 1.4 of 2 cores during calibration"
+    data["measurements"]["trust"] = {"trusted": False, "reasons": [reason]}
+    calcache.write_entry(tmp_path / _key().file_name(), _key(), data)
+    found = calcache.lookup(_key(), tmp_path)
+    assert found.hit and found.distrust == reason
+    # Measured again once the host is quiet; planned with while it is still busy.
+    quiet, busy = CoreLoad(1.1, 1.0, 0.25), CoreLoad(2.0, 0.5, 0.25)
+    assert "host is quiet now" in remeasure_untrusted(found.distrust, quiet)
+    assert remeasure_untrusted(found.distrust, busy) is None

@@ -125,3 +125,42 @@ def measure_core_load(cpus: Iterable[int], sample_s: float = SAMPLE_S,
         return None
     return CoreLoad(busy_cores=(busy1 - busy0) / per_core, own_cores=(own1 - own0) / per_core,
                     sample_s=sample_s)
+
+
+def own_pids() -> list[int]:
+    """This job's processes: under torchrun its launcher and local ranks (`job_pids`); run alone, only this
+    process (a shell's other children, e.g. a job started before it, are not this job)."""
+    return job_pids() if "TORCHELASTIC_RUN_ID" in os.environ else [os.getpid()]
+
+
+class LoadMeter:
+    """The cores' load over a whole stretch of work (no sleeping sample): `read()` is what the cores did
+    since the meter was made, and this job's part."""
+
+    def __init__(self, cpus: Iterable[int], pids: Callable[[], list[int]] = own_pids) -> None:
+        self._cpus, self._pids = set(cpus), pids
+        self._start = time.monotonic()
+        try:
+            self._busy0, self._total0 = _cpu_jiffies(self._cpus)
+            self._own0 = _process_ticks(pids())
+        except (OSError, ValueError, IndexError):
+            self._total0 = -1
+
+    @property
+    def cores(self) -> int:
+        return len(self._cpus)
+
+    def read(self) -> CoreLoad | None:
+        """Busy and own cores since the meter started; None where /proc is unreadable or no tick passed."""
+        if self._total0 < 0:
+            return None
+        try:
+            busy1, total1 = _cpu_jiffies(self._cpus)
+            own1 = _process_ticks(self._pids())
+        except (OSError, ValueError, IndexError):
+            return None
+        per_core = (total1 - self._total0) / max(1, len(self._cpus))
+        if per_core <= 0:
+            return None
+        return CoreLoad(busy_cores=(busy1 - self._busy0) / per_core, own_cores=(own1 - self._own0) / per_core,
+                        sample_s=time.monotonic() - self._start)

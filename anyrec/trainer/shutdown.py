@@ -64,8 +64,12 @@ class StopRequest:
     """SIGINT/SIGTERM/SIGHUP turned into a stop at a step boundary that every rank agrees on."""
 
     def __init__(self, rank: int, world_size: int, check_every: int, grace_s: float,
-                 timeout_s: float) -> None:
+                 timeout_s: float, boundary: str | None = None, lost: str = "without a checkpoint") -> None:
         self.rank, self.world_size, self.check_every = rank, world_size, check_every
+        # what the rank stops at and what an exit at the grace's end loses, as the log lines say them
+        # (a calibration stops at its current measurement, and loses it)
+        self.boundary = boundary or f"the next step boundary (within {check_every} steps)"
+        self.lost = lost
         self.grace_s, self.timeout_s = grace_s, timeout_s
         self.signum: int | None = None  # the first signal seen on this rank
         self.stopped_by: str | None = None  # the signal the ranks agreed to stop for
@@ -129,16 +133,15 @@ class StopRequest:
         if not first:
             logger.error("rank %d: second signal (%s): exiting now, without a checkpoint", self.rank, name)
             os._exit(128 + signum)
-        logger.warning("rank %d: %s: stopping at the next step boundary (within %d steps)", self.rank,
-                       name, self.check_every)
+        logger.warning("rank %d: %s: stopping at %s", self.rank, name, self.boundary)
         timer = threading.Timer(self.grace_s, self._expire, args=(signum,))
         timer.daemon = True
         timer.start()
 
     def _expire(self, signum: int) -> None:
         if not self._agreed.is_set():
-            logger.error("rank %d: no step boundary reached within %.0f s of %s (trainer.stop_grace_s): "
-                         "exiting without a checkpoint", self.rank, self.grace_s, signal.Signals(signum).name)
+            logger.error("rank %d: not stopped within %.0f s of %s: exiting now, %s", self.rank, self.grace_s,
+                         signal.Signals(signum).name, self.lost)
             os._exit(128 + signum)
 
     # ---- agreement ------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 from anyrec.io_checks import LinkError, open_nofollow
+from anyrec.steplearn import Correction, ObservedSteps, describe, run_key
 from anyrec.trainer.distributed import gather_objects
 from anyrec.trainer.fingerprint import weights_fingerprint
 from anyrec.trainer.memcheck import memory_check
@@ -150,7 +151,13 @@ def run_summary(trainer: Trainer, final_loss: float | None, train_loss: float | 
     summary = _figures(trainer, run, final_loss, train_loss, eval_result)
     per_rank_s = gather_objects(run.timer.step_s, trainer.dist)
     perf = trainer.predicted_perf  # the plan's slowest rank, None where nothing predicted it
-    summary.update(prediction_check(perf.total_s if perf else None, per_rank_s, log=trainer.dist.is_main))
+    model_s = perf.total_s if perf else None
+    learnt = _learnt_correction(trainer, model_s)  # what earlier runs of this workload here measured
+    summary.update(prediction_check(model_s * learnt[0].factor if model_s else None, per_rank_s,
+                                    log=trainer.dist.is_main))
+    summary.update(model_step_ms=model_s * 1e3 if model_s else None, step_correction=learnt[0].factor,
+                   step_correction_runs=learnt[0].runs)
+    _record_step(trainer, learnt[1], summary["measured_step_ms"], model_s)
     summary["measured_steps"] = run.timer.steps  # this rank's timed steps (the same on every rank)
     reserved = gather_objects(trainer.backend.max_memory_reserved(), trainer.dist)
     summary.update(memory_check(_predicted_memory(trainer), gather_objects(summary["peak_memory_bytes"],
@@ -162,6 +169,34 @@ def run_summary(trainer: Trainer, final_loss: float | None, train_loss: float | 
     if trainer.cfg.trainer.fingerprint_weights:
         summary["weights_sha256"] = weights_fingerprint(trainer.model, trainer.dist)
     return summary
+
+
+def _learnt_correction(trainer: Trainer, model_s: float | None) -> tuple[Correction, str | None]:
+    """Rank 0's correction for this workload on this machine (every rank gets it: a collective) and the
+    key this run's step is recorded under (rank 0; None where nothing is learnt: no calibrated file)."""
+    key, correction = None, Correction()
+    if trainer.dist.is_main and model_s:
+        choice = getattr(trainer.backend, "bind_choice", None)
+        other = choice.load.other_cores if choice is not None and choice.load is not None else None
+        key = run_key(trainer.cfg, trainer.batch_size, trainer.embedding_kernel, trainer.dist.world_size,
+                      trainer.dist.local_world_size, other)
+        if key is not None:
+            correction = ObservedSteps().correction(key)
+            if correction.runs:
+                logger.info("%s", describe(correction, model_s, key.rsplit("/", 1)[1]))
+    return gather_objects(correction, trainer.dist)[0], key
+
+
+def _record_step(trainer: Trainer, key: str | None, measured_ms: float | None, model_s: float | None) -> None:
+    """Rank 0 writes this run's measured step back to the machine's cache (a run stopped early or too
+    short to time teaches nothing)."""
+    stopped = trainer.stopper is not None and trainer.stopper.stopped_by
+    if key is None or not measured_ms or not model_s or stopped:
+        return
+    try:
+        ObservedSteps().record(key, measured_ms / 1e3, model_s)
+    except (OSError, ValueError) as e:  # a read-only cache still trains; the next run learns nothing
+        logger.warning("the measured step was not written back to the calibration cache: %s", e)
 
 
 def _predicted_memory(trainer: Trainer) -> list[MemoryPrediction] | None:

@@ -1,0 +1,134 @@
+"""A calibration run's bounds (anyrec.calrun): its time limit and the signals that stop it, inside a
+measurement; and the verdict on whether its figures are this machine's (anyrec.caltrust)."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from anyrec import calibrate
+from anyrec.backends import get_backend
+from anyrec.backends.core_load import CoreLoad
+from anyrec.calrun import CalibrationRun, CalibrationStopped, Timing
+from anyrec.caltrust import assess
+
+
+class _Signalled:
+    """A stop request that has seen `signum` (the watcher thread's part, done)."""
+
+    def __init__(self, signum: int | None) -> None:
+        self.signum = signum
+
+    def restore(self) -> None:
+        pass
+
+
+def _counting() -> tuple[list[int], callable]:
+    calls: list[int] = []
+    return calls, lambda: calls.append(1)
+
+
+def test_a_measurement_ends_at_its_phase_end_after_one_timed_call():
+    run = CalibrationRun.unbounded()
+    run.until = 0.0  # the phase's share is spent already
+    calls, fn = _counting()
+    timing = calibrate.timeit(fn, get_backend("cpu"), budget_s=60, min_reps=3, run=run)
+    assert len(calls) == 2 and timing.reps == 1  # the warm-up and one timed call: a figure, then stop
+    calls, fn = _counting()
+    assert calibrate.timeit(fn, get_backend("cpu"), budget_s=0, min_reps=3).reps == 3  # no limit: all
+
+
+def test_a_signal_stops_a_measurement_between_its_repetitions():
+    run = CalibrationRun.unbounded()
+    calls: list[int] = []
+
+    def fn() -> None:
+        calls.append(1)
+        if len(calls) == 4:  # the watcher thread saw SIGTERM during the fourth call
+            run.stop = _Signalled(signal.SIGTERM)
+
+    with pytest.raises(CalibrationStopped) as e:
+        calibrate.timeit(fn, get_backend("cpu"), budget_s=60, min_reps=100, run=run)
+    assert len(calls) == 4 and e.value.exit_code == 128 + signal.SIGTERM
+    assert "SIGTERM" in str(e.value) and "nothing written" in str(e.value)
+
+
+def test_a_trainer_stopped_by_a_signal_stops_the_run():
+    run = CalibrationRun.unbounded()
+    run.stopped_by(None)  # it ran to its end: nothing happens
+    with pytest.raises(CalibrationStopped) as e:
+        run.stopped_by("SIGHUP")
+    assert e.value.exit_code == 128 + signal.SIGHUP
+
+
+def test_a_phase_gets_its_share_of_the_time_left():
+    run = CalibrationRun.unbounded()
+    run.deadline = 1e12  # far away: a share of it is far too
+    run.phase(0.5)
+    assert not run.expired()
+    run.deadline = 0.0  # the whole run's time is gone: every phase has none
+    run.phase(0.5)
+    assert run.expired() and run.agreed_left_s(None) < 0
+
+
+def test_timing_spread():
+    assert Timing.of([1.0, 1.0, 1.0, 1.0]).spread == 0
+    t = Timing.of([1.0, 2.0, 2.0, 3.0])
+    assert t.median_s == 2.0 and t.spread == pytest.approx(0.5) and t.reps == 4
+    assert Timing.of([5.0]).spread == 0
+
+
+def test_busy_host_is_said_in_one_line_and_not_trusted():
+    busy = assess(CoreLoad(busy_cores=2.0, own_cores=0.6, sample_s=60), 2, {"copy": 0.02}, [])
+    assert not busy.trusted
+    assert busy.line() == ("calibration: host busy: other processes used 1.4 of 2 cores during calibration; "
+                           "figures not cached as trusted (a later run on a quiet host measures again)")
+    quiet = assess(CoreLoad(busy_cores=1.1, own_cores=1.0, sample_s=60), 2, {"copy": 0.02}, [])
+    assert quiet.trusted and quiet.other_cores == pytest.approx(0.1)
+
+
+def test_noisy_measurements_and_fallbacks_are_not_trusted():
+    noisy = assess(None, 2, {"copy": 0.5, "gemm fp32": 0.9, "dlrm mlp": 0.4}, [])
+    assert not noisy.trusted and "noisy" in noisy.reasons[0] and "gemm fp32: 90 %" in noisy.reasons[0]
+    fell = assess(None, 2, {}, ["trainer step (fit error 86 %)"])
+    assert not fell.trusted and "trainer step (fit error 86 %)" in fell.line()
+    assert assess(None, 2, {}, []).trusted  # unreadable load, nothing else wrong: trusted
+
+
+def test_a_fit_past_30_percent_is_not_used(monkeypatch, caplog):
+    backend = get_backend("cpu")
+    device, spec = backend.device(0), backend.device_spec()
+    points = calibrate.EMB_POINTS["small"][:3]
+    monkeypatch.setattr(calibrate, "MAX_FIT_ERROR", -1.0)  # every fit misses by more: none is used
+    out = calibrate.measure_embedding(backend, device, spec, points, 0.0)
+    assert "profile" not in out["torch"] and "fit error" in out["torch"]["skipped"]
+    assert len(out["torch"]["points"]) == 3  # what was measured stays on record
+    assert "embedding torch's fit misses a point" in caplog.text
+    monkeypatch.setattr(calibrate, "MAX_FIT_ERROR", float("inf"))
+    assert "profile" in calibrate.measure_embedding(backend, device, spec, points, 0.0)["torch"]
+
+
+def test_a_signal_a_step_points_trainer_caught_stops_the_run(monkeypatch):
+    """A signal while a step point trains is the trainer's to catch (it stops at its step boundary and
+    returns): the calibration must stop too, not go on to the next point."""
+    import os
+    import threading
+
+    from anyrec import calibrate_step
+    from anyrec.backends import Hardware
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers are the main thread's (the trainer's would not catch the signal)")
+
+    class SignalledTrainer(calibrate_step.Trainer):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.step_hooks.append(lambda t: os.kill(os.getpid(), signal.SIGTERM) if t.step == 1 else None)
+
+    monkeypatch.setattr(calibrate_step, "Trainer", SignalledTrainer)
+    backend = get_backend("cpu")
+    with pytest.raises(CalibrationStopped) as e:
+        calibrate_step._train_point(calibrate_step.POINTS[0], backend, Hardware(backend.device_spec(), {}), 1,
+                                    40, False, CalibrationRun.unbounded())
+    assert e.value.signum == signal.SIGTERM

@@ -1,0 +1,87 @@
+"""Each run's measured step corrects the next run's prediction of the same workload on the same machine
+(anyrec.steplearn): one ratio per run, the median of the last few, under a lock."""
+
+from __future__ import annotations
+
+import multiprocessing
+import shutil
+from pathlib import Path
+
+import pytest
+
+from anyrec import steplearn
+
+from .conftest import compose_config, last_json_line, torchrun
+
+CAL = Path(__file__).parent / "data" / "calibration_cpu_2rank.yaml"
+
+
+def test_the_next_run_predicts_with_the_median_ratio_of_the_last_runs(tmp_path):
+    store = steplearn.ObservedSteps(tmp_path)
+    assert store.correction("k/busy") == steplearn.Correction(1.0, 0)  # nothing learnt yet
+    store.record("k/busy", measured_s=0.0141, model_s=0.0100)
+    assert store.correction("k/busy").factor == pytest.approx(1.41) and store.correction("k/busy").runs == 1
+    for ratio in (1.2, 5.0, 1.3, 1.25, 1.35):  # one disturbed run (5x) does not swing the median
+        store.record("k/busy", measured_s=ratio, model_s=1.0)
+    c = store.correction("k/busy")
+    assert c.runs == steplearn.KEEP and c.factor == pytest.approx(1.3)
+    assert store.correction("k/quiet").runs == 0  # another load: its own ratios
+
+
+def test_a_damaged_file_is_ignored_and_replaced(tmp_path):
+    store = steplearn.ObservedSteps(tmp_path)
+    store.path.write_text('{"k/busy": [{"ratio": "NaN"}]')
+    assert store.correction("k/busy").runs == 0
+    store.record("k/busy", 2.0, 1.0)
+    assert store.correction("k/busy").factor == 2.0
+
+
+def test_only_runs_planned_with_a_calibrated_file_learn(tmp_path):
+    shutil.copy(CAL, tmp_path / "cal.yaml")
+    cfg = compose_config([f"hardware.sku={tmp_path / 'cal.yaml'}"])[1]
+    key = steplearn.run_key(cfg, 256, "fbgemm", 2, 2, other_cores=1.4)
+    assert key.endswith("/busy") and steplearn.run_key(cfg, 256, "fbgemm", 2, 2, 0.1).endswith("/quiet")
+    assert steplearn.run_key(cfg, 512, "fbgemm", 2, 2, 1.4) != key  # another workload shape
+    assert steplearn.run_key(cfg, 256, "fbgemm", 4, 4, 1.4) != key  # another world size
+    assert steplearn.run_key(compose_config(["hardware.sku=cpu"])[1], 256, "fbgemm", 2, 2, 1.4) is None
+
+
+def _record_many(directory: str, writer: int) -> None:
+    store = steplearn.ObservedSteps(Path(directory))
+    for i in range(25):
+        store.record(f"w{writer}-{i}/quiet", 1.0 + writer, 1.0)
+
+
+@pytest.mark.integration
+def test_concurrent_jobs_lose_no_observation(tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_record_many, args=(str(tmp_path), w)) for w in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+        assert p.exitcode == 0
+    data = steplearn.ObservedSteps(tmp_path)._read()
+    assert len(data) == 75  # every writer's every record: the lock serialises read-modify-write
+
+
+@pytest.mark.integration
+@pytest.mark.cpu_only  # two ranks on one host
+def test_a_second_run_predicts_what_the_first_measured(tmp_path):
+    cal = tmp_path / "cal.yaml"
+    shutil.copy(CAL, cal)
+    env = {"ANYREC_CACHE_DIR": str(tmp_path / "cache")}
+    args = ["-m", "anyrec.train", "model=dlrm_tiny", f"hardware.sku={cal}", "trainer.steps=40",
+            "trainer.eval_steps=0", "trainer.progress=false", "trainer.tensorboard=false"]
+    runs = []
+    for name in ("a", "b"):
+        proc = torchrun([*args, f"hydra.run.dir={tmp_path / name}"], env=env, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs.append((last_json_line(proc.stdout), proc.stdout + proc.stderr))
+    (first, _), (second, log) = runs
+    assert first["step_correction_runs"] == 0 and first["predicted_step_ms"] == first["model_step_ms"]
+    # The second run's prediction is the model's times the first run's measured / model ratio.
+    ratio = first["measured_step_ms"] / first["model_step_ms"]
+    assert second["step_correction_runs"] == 1 and second["step_correction"] == pytest.approx(ratio)
+    assert second["predicted_step_ms"] == pytest.approx(second["model_step_ms"] * ratio)
+    assert "earlier run(s) of this workload on this machine" in log
