@@ -138,11 +138,11 @@ LAYERS: list[tuple[str, ...]] = [
     ("anyrec", "anyrec.kernels", "anyrec.safe_load"),
     ("anyrec.backends",),
     ("anyrec.config", "anyrec.schema", "anyrec.io_checks", "anyrec.proc", "anyrec.calcache",
-     "anyrec.signing"),
+     "anyrec.signing", "anyrec.caltrust", "anyrec.steplearn"),
     ("anyrec.planner", "anyrec.models", "anyrec.data"),
     ("anyrec.trainer",),
     ("anyrec._hydra", "anyrec.console", "anyrec.train", "anyrec.plan", "anyrec.calibrate",
-     "anyrec.calibrate_step", "anyrec.autocal", "anyrec.parity"),
+     "anyrec.calibrate_step", "anyrec.autocal", "anyrec.parity", "anyrec.calrun"),
 ]
 SIDE_BY_SIDE = {"anyrec.planner", "anyrec.models", "anyrec.data"}
 
