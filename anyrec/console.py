@@ -36,6 +36,9 @@ def capture_warnings() -> None:
     """Python warnings become one-line `py.warnings` log records: on the console once (ConsoleFilter),
     in the log file each time."""
     warnings.formatwarning = format_warning
+    # Off, then on: logging keeps capturing "on" even after a warnings.catch_warnings() block restored
+    # the original showwarning (its exit does not tell logging), and then on alone would not install it.
+    logging.captureWarnings(False)
     logging.captureWarnings(True)
 
 

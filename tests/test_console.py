@@ -183,3 +183,18 @@ def test_the_default_job_fits_a_screen_cold_and_warm(tmp_path):
         assert out.rstrip().splitlines()[-1].startswith('{"steps": 300')
         assert "model_parallel.py" not in out  # our DDP wrapper's `broadcast_buffers` warning
         assert ("calibration: cache miss" in out) == (name == "cold")
+
+
+def test_warnings_are_captured_even_after_a_block_undid_an_earlier_capture():
+    """A warnings.catch_warnings() block that began before a capture restores the original showwarning on
+    exit while logging still counts itself capturing: capture_warnings installs it again all the same."""
+    original = warnings.showwarning
+    try:
+        with warnings.catch_warnings():
+            logging.captureWarnings(True)
+        assert warnings.showwarning is original  # undone, though logging still counts it on
+        console.capture_warnings()
+        assert warnings.showwarning is not original
+    finally:
+        logging.captureWarnings(False)
+        warnings.showwarning = original
