@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from anyrec.planner.memory import MemoryPrediction
-from anyrec.trainer.memcheck import memory_check, resident_device_bytes, with_data_source
+from anyrec.trainer.memcheck import memory_check, resident_device_bytes
 
 
 def _pred(weights: int) -> MemoryPrediction:
@@ -52,4 +52,3 @@ def test_data_source_bytes_count_each_storage_once_rounded():
 
     assert resident_device_bytes([Source(), None], torch.device("cpu")) == 8192 + 512 + 1024
     assert resident_device_bytes([Source()], torch.device("meta")) == 0
-    assert with_data_source([_pred(1)], 4096)[0].allocated_bytes == 1 + 4096

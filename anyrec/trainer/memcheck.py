@@ -4,7 +4,6 @@ backend measures device memory (CUDA, ROCm, simdev; null on a CPU)."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any
 
@@ -31,11 +30,6 @@ def resident_device_bytes(sources: list[Any], device: torch.device) -> int:
                         seen.add(storage.data_ptr())
                         total += alloc_bytes(storage.nbytes())
     return total
-
-
-def with_data_source(predicted: list[MemoryPrediction], data_source_bytes: int) -> list[MemoryPrediction]:
-    """The predictions with the data source's resident bytes (read once the sources exist)."""
-    return [dataclasses.replace(p, data_source_bytes=data_source_bytes) for p in predicted]
 
 
 def memory_check(predicted: list[MemoryPrediction] | None, measured: list[int | None],
