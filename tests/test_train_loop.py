@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed.checkpoint.stateful import Stateful
 
 from anyrec.trainer import trainer as trainer_module
-from anyrec.trainer.checkpoint import StepState
+from anyrec.trainer.checkpoint import TrainerState
 
 from .conftest import compose_config
 
@@ -79,13 +80,41 @@ def test_one_flush_per_step_boundary(one_rank, monkeypatch):
     assert flushed == [5, 10]
 
 
-def test_step_state_round_trips_step_skips_and_rng():
-    state = StepState(rank=1, step=7, skipped_batches=2)
+def test_trainer_state_round_trips_step_skips_and_rng_storing_the_step_once():
+    state = TrainerState(rank=1, step=7, skipped_batches=2)
+    assert isinstance(state, Stateful)  # what DCP calls on save and load
     saved = state.state_dict()
-    assert saved["progress"].tolist() == [7, 7, 2] and set(saved["rng"]) == {"rank1"}
+    assert set(saved) == {"step", "skipped_batches", "rng"} and set(saved["rng"]) == {"rank1"}
+    assert (int(saved["step"]), int(saved["skipped_batches"])) == (7, 2)
     expected = torch.rand(3)  # what the RNG gives right after the save
     torch.rand(5)
-    other = StepState(rank=1)
+    other = TrainerState(rank=1)
     other.load_state_dict(saved)
     assert (other.step, other.skipped_batches) == (7, 2)
     assert torch.equal(torch.rand(3), expected)  # the RNG is back where it was saved
+
+
+def test_checkpoint_stores_the_step_once_and_reads_the_previous_layout(one_rank, tmp_path):
+    """A checkpoint holds the trainer's state under `trainer` (the step once, no `progress`); one in the
+    0.1.0 layout (`progress` = [step, data step, skipped] and a top-level `rng`) still resumes."""
+    ckpt = [f"trainer.checkpoint.dir={tmp_path}", "trainer.eval_steps=0"]
+    a = _trainer("trainer.steps=4", *ckpt)
+    try:
+        a.train()
+        keys = a.checkpoints.saved_keys(tmp_path / "step_4")
+        assert {"trainer.step", "trainer.skipped_batches", "trainer.rng.rank0"} <= keys
+        assert not any("progress" in k for k in keys)
+        state = a.state_dict()  # what 0.1.0 wrote beside the model and optimizers
+        legacy = {"model": state["model"], "optim": state["optim"],
+                  "progress": torch.tensor([6, 6, 1]), "rng": state["trainer"]["rng"]}
+        a.checkpoints.save(6, legacy, {"world_size": 1, "model": "dlrm_tiny"})
+        weights_a = _weights(a)
+    finally:
+        a.close()
+    b = _trainer("trainer.steps=6", *ckpt)
+    try:
+        assert (b.step, b.state.skipped_batches, b.resumed_from) == (6, 1, 6)
+        weights_b = _weights(b)
+        assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
+    finally:
+        b.close()

@@ -16,7 +16,7 @@ ShardedTensors when the world size or plan changed. Nothing in the directory is 
 checksum matched meta.json, and then only with a restricted unpickler (dcp_reader.py). Checksums detect
 damage, not forgery: with a signing key (anyrec.signing) meta.json is signed too, and an unsigned or
 foreign one is refused. Beside the model and optimizers, a checkpoint holds
-the step state (`StepState`, torch.distributed.checkpoint's `Stateful` shape).
+the trainer's own state (`TrainerState`, a torch.distributed.checkpoint `Stateful`) under `trainer`.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.stateful import Stateful
 
 import anyrec
 from anyrec.config import CheckpointConfig
@@ -125,27 +126,45 @@ def signature_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> str | 
 
 
 @dataclass
-class StepState:
-    """Steps done (also the data position), batches skipped for a non-finite loss, and (in the
-    state_dict) the RNG of rank `rank`."""
+class TrainerState(Stateful):
+    """The Trainer's own state, each value stored once: steps done (also the data position: every
+    source's batch(step) is a pure function of it), batches skipped for a non-finite loss, and this
+    rank's RNG (`rng.rank<r>`, so a run at another world size finds its own or none)."""
 
     rank: int
     step: int = 0
     skipped_batches: int = 0
 
     def state_dict(self) -> dict[str, Any]:
-        # The data position is the step: every source's batch(step) is a pure function of it.
-        return {"progress": torch.tensor([self.step, self.step, self.skipped_batches], dtype=torch.int64),
+        return {"step": torch.tensor(self.step, dtype=torch.int64),
+                "skipped_batches": torch.tensor(self.skipped_batches, dtype=torch.int64),
                 "rng": {f"rank{self.rank}": torch.get_rng_state()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` saved; a state without this rank's RNG keeps the current one."""
-        step, data_step, skipped = (int(x) for x in state["progress"])
-        assert step == data_step, "the data position is the step"
-        self.step, self.skipped_batches = step, skipped
+        self.step, self.skipped_batches = int(state["step"]), int(state["skipped_batches"])
         rng = state.get("rng", {}).get(f"rank{self.rank}")
         if rng is not None:
             torch.set_rng_state(rng)
+
+
+# Checkpoints of anyrec 0.1.0 kept the step twice, as `progress` = [step, data step, skipped] beside a
+# top-level `rng`. Read for one release (until 0.3.0), never written.
+LEGACY_PROGRESS = "progress"
+
+
+def legacy_template(state: TrainerState) -> dict[str, Any]:
+    """What a 0.1.0 checkpoint holds of the trainer's state, shaped for DCP to load into."""
+    return {LEGACY_PROGRESS: torch.zeros(3, dtype=torch.int64), "rng": state.state_dict()["rng"]}
+
+
+def from_legacy(saved: dict[str, Any]) -> dict[str, Any]:
+    """A 0.1.0 checkpoint's trainer state as `TrainerState.load_state_dict` takes it."""
+    step, data_step, skipped = (int(x) for x in saved[LEGACY_PROGRESS])
+    if step != data_step:
+        raise CheckpointError(f"checkpoint is corrupt: its step ({step}) and data position ({data_step}) "
+                              "differ")
+    return {"step": step, "skipped_batches": skipped, **({"rng": saved["rng"]} if "rng" in saved else {})}
 
 
 class CheckpointManager:

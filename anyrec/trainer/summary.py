@@ -23,15 +23,14 @@ import torch
 from tqdm import tqdm
 
 from anyrec.io_checks import LinkError, open_nofollow
-from anyrec.steplearn import Correction, ObservedSteps, describe, run_key
-from anyrec.trainer.distributed import gather_objects
-from anyrec.trainer.fingerprint import weights_fingerprint
+from anyrec.steplearn import Correction, ObservedSteps, describe
+from anyrec.trainer.distributed import DistInfo, gather_objects
 from anyrec.trainer.memcheck import memory_check
 from anyrec.trainer.perfcheck import StepProfiler, StepTimer, prediction_check
 
 if TYPE_CHECKING:
     from anyrec.planner.memory import MemoryPrediction
-    from anyrec.trainer.trainer import Trainer
+    from anyrec.planner.types import Perf
 
 logger = logging.getLogger("anyrec.trainer.trainer")  # the trainer's own log lines
 
@@ -96,102 +95,126 @@ class MetricWriter:
         self._jsonl = self._tb = None
 
 
+@dataclass(frozen=True)
+class JobFacts:
+    """What the summary says of the job, fixed once the Trainer is built."""
+
+    backend: str
+    embedding_kernel: str
+    dist: DistInfo
+    batch_size: int  # per rank
+    step_key: str | None = None  # where this workload's measured steps are learnt (rank 0; None: nowhere)
+
+
+@dataclass
+class Outcome:
+    """What a finished `train()` hands to the summary, read from the trainer once."""
+
+    step: int
+    final_loss: float | None
+    train_loss: float | None
+    eval_result: dict[str, float] | None
+    skipped_batches: int
+    malformed_rows: int
+    resumed_from: int | None
+    stopped_by: str | None  # SIGINT/SIGTERM, or None
+    predicted_perf: Perf | None  # the plan's slowest rank, None where nothing predicted it
+    predicted_memory: list[MemoryPrediction] | None  # each rank's peak, the data's resident bytes included
+    peak_allocated_bytes: int | None  # this rank's; None where the backend does not measure it
+    peak_reserved_bytes: int | None
+    weights_sha256: str | None = None  # where trainer.fingerprint_weights asked for it
+
+
 @dataclass
 class RunState:
-    """The loop's companions: loss window, progress bar, the one clock, the profiled window."""
+    """The loop's companions, built once per Trainer: loss window, progress bar, the one clock, the
+    profiled window, and where the records go."""
 
     start_step: int
     window: LossWindow  # the last `log_every` losses, on the device
     timer: StepTimer
     bar: tqdm  # steps, rate and ETA on stderr (showing nothing where progress is off)
+    writer: MetricWriter
+    samples_per_step: int  # over all ranks
+    is_main: bool
     last_checkpoint: Path | None = None
     profile_at: int | None = None  # the step where the breakdown's profiled window starts
     profiler: StepProfiler | None = None  # while the window runs
     flushed_at: int | None = None  # the step of the last deferred-check flush
 
     @classmethod
-    def begin(cls, trainer: Trainer, progress: bool = False) -> RunState:
-        """A fresh state at the trainer's step (with a progress bar on rank 0 when `progress`)."""
-        tc, step = trainer.cfg.trainer, trainer.step
-        bar = tqdm(total=tc.steps, initial=step, desc="train", unit="step", file=sys.stderr,
-                   dynamic_ncols=True, mininterval=0.5, disable=not (trainer.dist.is_main and progress))
-        return cls(step, LossWindow(max(1, tc.log_every), trainer.device), StepTimer(step, tc.steps), bar)
+    def begin(cls, step: int, steps: int, log_every: int, device: torch.device, writer: MetricWriter,
+              samples_per_step: int, is_main: bool, progress: bool) -> RunState:
+        """A fresh state at `step` of `steps` (with a progress bar on rank 0 when `progress`)."""
+        bar = tqdm(total=steps, initial=step, desc="train", unit="step", file=sys.stderr,
+                   dynamic_ncols=True, mininterval=0.5, disable=not (is_main and progress))
+        return cls(step, LossWindow(max(1, log_every), device), StepTimer(step, steps), bar, writer,
+                   samples_per_step, is_main)
 
 
-def log_train(trainer: Trainer, lr_factor: float) -> None:
-    """A train record: the window's mean loss (one host read), the rate so far and the learning rates."""
-    run = trainer.run
+def log_train(run: RunState, step: int, lr_factor: float, dense_lr: float, embedding_lr: float) -> None:
+    """A train record at `step`: the window's mean loss (one host read), the rate so far and the
+    learning rates (the base rates times `lr_factor`)."""
     mean = run.window.mean()
     if math.isnan(mean):
         return
     run.bar.set_postfix(loss=f"{mean:.4f}", refresh=False)
-    rate = (trainer.batch_size * trainer.dist.world_size * (trainer.step - run.start_step)
-            / max(run.timer.elapsed_s(), 1e-9))
-    if trainer.dist.is_main:  # under a progress bar (which shows the loss), in the log file only
+    rate = run.samples_per_step * (step - run.start_step) / max(run.timer.elapsed_s(), 1e-9)
+    if run.is_main:  # under a progress bar (which shows the loss), in the log file only
         level = logging.INFO if run.bar.disable else logging.DEBUG
-        logger.log(level, "step %d loss %.5f", trainer.step, mean)
-    optim = trainer.cfg.optim
-    trainer.writer.write(trainer.step, "train", {
+        logger.log(level, "step %d loss %.5f", step, mean)
+    run.writer.write(step, "train", {
         "loss": mean, "samples_per_s": rate, "lr_factor": lr_factor,
-        "dense_lr": optim.dense_lr * lr_factor, "embedding_lr": optim.embedding_lr * lr_factor})
+        "dense_lr": dense_lr * lr_factor, "embedding_lr": embedding_lr * lr_factor})
 
 
-def log_eval(trainer: Trainer, result: dict[str, float]) -> None:
+def log_eval(run: RunState, step: int, result: dict[str, float]) -> None:
     """An eval record (and a log line on rank 0)."""
-    trainer.writer.write(trainer.step, "eval", result)
-    if trainer.dist.is_main:
-        logger.info("step %d eval %s", trainer.step, " ".join(f"{k} {v:.5f}" for k, v in result.items()))
+    run.writer.write(step, "eval", result)
+    if run.is_main:
+        logger.info("step %d eval %s", step, " ".join(f"{k} {v:.5f}" for k, v in result.items()))
 
 
-def run_summary(trainer: Trainer, final_loss: float | None, train_loss: float | None,
-                eval_result: dict[str, float] | None) -> dict[str, Any]:
+def run_summary(job: JobFacts, run: RunState, out: Outcome) -> dict[str, Any]:
     """The run's JSON summary: its figures, the prediction check, the step breakdown where one was
     profiled, the weights' fingerprint where asked (collectives: every rank calls it)."""
-    run = trainer.run
-    summary = _figures(trainer, run, final_loss, train_loss, eval_result)
-    per_rank_s = gather_objects(run.timer.step_s, trainer.dist)
-    perf = trainer.predicted_perf  # the plan's slowest rank, None where nothing predicted it
-    model_s = perf.total_s if perf else None
-    learnt = _learnt_correction(trainer, model_s)  # what earlier runs of this workload here measured
-    summary.update(prediction_check(model_s * learnt[0].factor if model_s else None, per_rank_s,
-                                    log=trainer.dist.is_main))
-    summary.update(model_step_ms=model_s * 1e3 if model_s else None, step_correction=learnt[0].factor,
-                   step_correction_runs=learnt[0].runs)
-    _record_step(trainer, learnt[1], summary["measured_step_ms"], model_s)
+    dist = job.dist
+    summary = _figures(job, run, out)
+    per_rank_s = gather_objects(run.timer.step_s, dist)
+    model_s = out.predicted_perf.total_s if out.predicted_perf else None
+    correction = _learnt_correction(job, model_s)  # what earlier runs of this workload here measured
+    summary.update(prediction_check(model_s * correction.factor if model_s else None, per_rank_s,
+                                    log=dist.is_main))
+    summary.update(model_step_ms=model_s * 1e3 if model_s else None, step_correction=correction.factor,
+                   step_correction_runs=correction.runs)
+    if not out.stopped_by:  # a run stopped early teaches nothing
+        _record_step(job.step_key, summary["measured_step_ms"], model_s)
     summary["measured_steps"] = run.timer.steps  # this rank's timed steps (the same on every rank)
-    reserved = gather_objects(trainer.backend.max_memory_reserved(), trainer.dist)
-    summary.update(memory_check(_predicted_memory(trainer), gather_objects(summary["peak_memory_bytes"],
-                                                                           trainer.dist),
-                                log=trainer.dist.is_main, measured_reserved=reserved))
+    summary.update(memory_check(out.predicted_memory, gather_objects(out.peak_allocated_bytes, dist),
+                                log=dist.is_main, measured_reserved=gather_objects(out.peak_reserved_bytes,
+                                                                                   dist)))
     if run.profiler is not None:
         profiler, run.profiler = run.profiler, None  # stopped here, not again on the way out
-        summary["step_breakdown_ms"] = profiler.report(trainer.dist, trainer.predicted_perf)
-    if trainer.cfg.trainer.fingerprint_weights:
-        summary["weights_sha256"] = weights_fingerprint(trainer.model, trainer.dist)
+        summary["step_breakdown_ms"] = profiler.report(dist, out.predicted_perf)
+    if out.weights_sha256 is not None:
+        summary["weights_sha256"] = out.weights_sha256
     return summary
 
 
-def _learnt_correction(trainer: Trainer, model_s: float | None) -> tuple[Correction, str | None]:
-    """Rank 0's correction for this workload on this machine (every rank gets it: a collective) and the
-    key this run's step is recorded under (rank 0; None where nothing is learnt: no calibrated file)."""
-    key, correction = None, Correction()
-    if trainer.dist.is_main and model_s:
-        choice = getattr(trainer.backend, "bind_choice", None)
-        other = choice.load.other_cores if choice is not None and choice.load is not None else None
-        key = run_key(trainer.cfg, trainer.batch_size, trainer.embedding_kernel, trainer.dist.world_size,
-                      trainer.dist.local_world_size, other)
-        if key is not None:
-            correction = ObservedSteps().correction(key)
-            if correction.runs:
-                logger.info("%s", describe(correction, model_s, key.rsplit("/", 1)[1]))
-    return gather_objects(correction, trainer.dist)[0], key
+def _learnt_correction(job: JobFacts, model_s: float | None) -> Correction:
+    """Rank 0's correction for this workload on this machine (every rank gets it: a collective)."""
+    correction = Correction()
+    if job.step_key is not None and model_s:
+        correction = ObservedSteps().correction(job.step_key)
+        if correction.runs:
+            logger.info("%s", describe(correction, model_s, job.step_key.rsplit("/", 1)[1]))
+    return gather_objects(correction, job.dist)[0]
 
 
-def _record_step(trainer: Trainer, key: str | None, measured_ms: float | None, model_s: float | None) -> None:
-    """Rank 0 writes this run's measured step back to the machine's cache (a run stopped early or too
-    short to time teaches nothing)."""
-    stopped = trainer.stopper is not None and trainer.stopper.stopped_by
-    if key is None or not measured_ms or not model_s or stopped:
+def _record_step(key: str | None, measured_ms: float | None, model_s: float | None) -> None:
+    """Rank 0 writes this run's measured step back to the machine's cache (a run too short to time
+    teaches nothing)."""
+    if key is None or not measured_ms or not model_s:
         return
     try:
         ObservedSteps().record(key, measured_ms / 1e3, model_s)
@@ -199,35 +222,28 @@ def _record_step(trainer: Trainer, key: str | None, measured_ms: float | None, m
         logger.warning("the measured step was not written back to the calibration cache: %s", e)
 
 
-def _predicted_memory(trainer: Trainer) -> list[MemoryPrediction] | None:
-    """The plan's predicted peak per rank (the data sources' resident bytes included), or None where
-    nothing predicted it."""
-    return trainer.predicted_memory
-
-
-def _figures(trainer: Trainer, run: RunState, final_loss: float | None, train_loss: float | None,
-             eval_result: dict[str, float] | None) -> dict[str, Any]:
-    samples = (trainer.step - run.start_step) * trainer.batch_size * trainer.dist.world_size
+def _figures(job: JobFacts, run: RunState, out: Outcome) -> dict[str, Any]:
+    samples = (out.step - run.start_step) * run.samples_per_step
     elapsed_s = run.timer.total_s
     return {
-        "steps": trainer.step,
+        "steps": out.step,
         "samples_per_s": samples / elapsed_s if elapsed_s > 0 else None,
-        "train_loss": train_loss,
-        "final_loss": final_loss,
-        **{f"eval_{k}": eval_result[k] if eval_result else None
+        "train_loss": out.train_loss,
+        "final_loss": out.final_loss,
+        **{f"eval_{k}": out.eval_result[k] if out.eval_result else None
            for k in ("auc", "ne", "logloss", "accuracy")},
-        "backend": trainer.backend.name,
-        "embedding_kernel": trainer.embedding_kernel,
-        "world_size": trainer.dist.world_size,
-        "hosts": trainer.dist.hosts,
-        "local_world_size": trainer.dist.local_world_size,
-        "batch_size_per_rank": trainer.batch_size,
+        "backend": job.backend,
+        "embedding_kernel": job.embedding_kernel,
+        "world_size": job.dist.world_size,
+        "hosts": job.dist.hosts,
+        "local_world_size": job.dist.local_world_size,
+        "batch_size_per_rank": job.batch_size,
         "elapsed_s": elapsed_s,
-        "peak_memory_bytes": trainer.backend.max_memory_allocated(),  # null where not measured
+        "peak_memory_bytes": out.peak_allocated_bytes,  # null where not measured
         "peak_host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "skipped_batches": trainer.state.skipped_batches,
-        "data_malformed_rows": getattr(trainer.train_data, "malformed_rows", 0),
-        "resumed_from_step": trainer.resumed_from,
+        "skipped_batches": out.skipped_batches,
+        "data_malformed_rows": out.malformed_rows,
+        "resumed_from_step": out.resumed_from,
         "checkpoint": str(run.last_checkpoint) if run.last_checkpoint else None,
-        "stopped_by": trainer.stopper.stopped_by if trainer.stopper else None,  # SIGINT/SIGTERM, or null
+        "stopped_by": out.stopped_by,
     }

@@ -31,8 +31,16 @@ from anyrec.models.init import init_model
 from anyrec.planner.memory import MemoryPrediction
 from anyrec.planner.types import Perf
 from anyrec.signing import resolve_key
-from anyrec.trainer.checkpoint import CheckpointManager, StepState
+from anyrec.steplearn import run_key
+from anyrec.trainer.checkpoint import (
+    LEGACY_PROGRESS,
+    CheckpointManager,
+    TrainerState,
+    from_legacy,
+    legacy_template,
+)
 from anyrec.trainer.distributed import DistInfo, all_reduce_mean, destroy_distributed, init_distributed
+from anyrec.trainer.fingerprint import weights_fingerprint
 from anyrec.trainer.inputs import build_inputs
 from anyrec.trainer.lineage import identity_config
 from anyrec.trainer.memcheck import resident_device_bytes
@@ -49,7 +57,7 @@ from anyrec.trainer.perfcheck import StepProfiler, breakdown_window, phase, warm
 from anyrec.trainer.pipeline import EagerLoop, SparseDistPipeline, predictions
 from anyrec.trainer.planning import dense_wrapper, place_shards, sharders, shared_plan, unsharded_memory
 from anyrec.trainer.shutdown import StopRequest, peers_met
-from anyrec.trainer.summary import MetricWriter, RunState, log_eval, log_train, run_summary
+from anyrec.trainer.summary import JobFacts, MetricWriter, Outcome, RunState, log_eval, log_train, run_summary
 from anyrec.trainer.validate import flush_checks
 
 logger = logging.getLogger(__name__)
@@ -82,7 +90,7 @@ class Trainer:
         self.device = self.backend.device(self.dist.local_rank)
         self.kernels: dict[str, Impl] = self.backend.select_kernels(cfg.backend)  # each op's, resolved once
         self.plan_override = plan
-        self.state = StepState(rank=self.dist.rank)
+        self.state = TrainerState(rank=self.dist.rank)
         self.resumed_from: int | None = None
         self.last_loss = torch.tensor(math.nan)  # on this rank's device: reading it waits for the device
         self.predicted_perf: Perf | None = None  # the plan's slowest rank, where a planner predicted one
@@ -91,13 +99,15 @@ class Trainer:
         self.step_hooks: list[Callable[[Trainer], None]] = []
         self.stopper: StopRequest | None = None  # during train(): SIGINT/SIGTERM stop every rank
         self.build()
-        self.run = RunState.begin(self)
         self.checkpoints = (CheckpointManager(cfg.trainer.checkpoint, self.signature(), self.dist,
                                               identity_config(cfg), signing_key)
                             if cfg.trainer.checkpoint.dir else None)
         start = self.checkpoints.start() if self.checkpoints is not None else None  # locks the dir
         if start is not None:
             self.load_checkpoint(start)
+        tc = cfg.trainer
+        self.run = RunState.begin(self.step, tc.steps, tc.log_every, self.device, self.writer,
+                                  self.batch_size * self.dist.world_size, self.dist.is_main, tc.progress)
 
     def init_distributed(self) -> DistInfo:
         info = init_distributed(self.backend, self.cfg.trainer.collective_timeout_s,
@@ -138,8 +148,18 @@ class Trainer:
         loop = SparseDistPipeline if tc.pipeline and not self.unsharded else EagerLoop
         self.pipeline = loop(self.model, self.optimizers.combined, self.device, self)
         self.writer = MetricWriter(tc.run_dir, self.dist.is_main, tc.tensorboard)
+        self.job = JobFacts(self.backend.name, self.embedding_kernel, self.dist, self.batch_size,
+                            self._step_key() if self.dist.is_main else None)
         if self.dist.is_main:
             self._log_setup()
+
+    def _step_key(self) -> str | None:
+        """Where this workload's measured steps on this machine are learnt (None where the plan was not
+        made with a calibrated file): its shape, and the other processes' load the binding saw."""
+        choice = getattr(self.backend, "bind_choice", None)
+        other = choice.load.other_cores if choice is not None and choice.load is not None else None
+        return run_key(self.cfg, self.batch_size, self.embedding_kernel, self.dist.world_size,
+                       self.dist.local_world_size, other)
 
     def _check_trainer_config(self) -> None:
         tc = self.cfg.trainer
@@ -282,7 +302,7 @@ class Trainer:
         run.bar.update(1)
         if log_every and self.step % log_every == 0:
             self._flush_checks()
-            log_train(self, lr_factor)
+            log_train(self.run, self.step, lr_factor, self.cfg.optim.dense_lr, self.cfg.optim.embedding_lr)
         for hook in self.step_hooks:
             hook(self)
 
@@ -296,8 +316,7 @@ class Trainer:
         """Run to `trainer.steps` (from a resumed step if any) and return the summary (same on all ranks).
         Steps run in chunks between evaluations and checkpoints, so a checkpoint holds exactly the state
         after its step."""
-        tc = self.cfg.trainer
-        run = self.run = RunState.begin(self, progress=tc.progress)
+        tc, run = self.cfg.trainer, self.run
         if tc.breakdown_steps:
             try:
                 run.profile_at = breakdown_window(tc.steps, run.timer.warm_step, tc.breakdown_steps)
@@ -339,7 +358,7 @@ class Trainer:
                 self.step % tc.checkpoint.every == 0:
             self.run.last_checkpoint = self.save_checkpoint()
         if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.steps and self.eval_data:
-            log_eval(self, self.evaluate())
+            log_eval(self.run, self.step, self.evaluate())
 
     def _finish(self) -> dict[str, Any]:
         """The final checkpoint (unless the last chunk wrote it), the final evaluation and the summary."""
@@ -355,8 +374,14 @@ class Trainer:
         eval_result = None
         if self.eval_data is not None and not stopped:
             eval_result = self.evaluate()
-            log_eval(self, eval_result)
-        return run_summary(self, final_loss, train_loss, eval_result)
+            log_eval(run, self.step, eval_result)
+        out = Outcome(self.step, final_loss, train_loss, eval_result, self.state.skipped_batches,
+                      getattr(self.train_data, "malformed_rows", 0), self.resumed_from,
+                      self.stopper.stopped_by, self.predicted_perf, self.predicted_memory,
+                      self.backend.max_memory_allocated(), self.backend.max_memory_reserved(),
+                      weights_fingerprint(self.model, self.dist) if self.cfg.trainer.fingerprint_weights
+                      else None)
+        return run_summary(self.job, run, out)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -382,14 +407,14 @@ class Trainer:
         return {"tables": tables, "dense": dense, "optimizer": self.cfg.optim.name}
 
     def state_dict(self) -> dict[str, Any]:
-        """Model, all optimizers (dense, fused embedding, replicated) and the step state."""
+        """Model, all optimizers (dense, fused embedding, replicated) and the trainer's own state."""
         return {"model": self.model.state_dict(), "optim": self.optimizers.combined.state_dict(),
-                **self.state.state_dict()}
+                "trainer": self.state.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizers.combined.load_state_dict(state["optim"])
-        self.state.load_state_dict(state)
+        self.state.load_state_dict(state["trainer"])
 
     def save_checkpoint(self) -> Path:
         assert self.checkpoints is not None
@@ -406,10 +431,17 @@ class Trainer:
         self.optimizers.dense.init_state()  # lazy optimizer state must exist to be loaded into
         state = self.state_dict()
         saved = self.checkpoints.saved_keys(path)
-        if not any(k.startswith(f"rng.rank{self.dist.rank}") for k in saved):
-            state.pop("rng")  # a rank that did not exist in the saved run
+        legacy = LEGACY_PROGRESS in saved  # written by anyrec 0.1.0
+        if legacy:
+            del state["trainer"]
+            state.update(legacy_template(self.state))
+        holder = state if legacy else state["trainer"]
+        if not any(k.startswith(f"{'' if legacy else 'trainer.'}rng.rank{self.dist.rank}") for k in saved):
+            holder.pop("rng")  # a rank that did not exist in the saved run keeps its own
             logger.warning("checkpoint %s has no RNG state for rank %d", path, self.dist.rank)
         self.checkpoints.load(path, state)
+        if legacy:
+            state["trainer"] = from_legacy(state)
         self.load_state_dict(state)
         self.resumed_from = self.step
         if self.dist.is_main:

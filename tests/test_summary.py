@@ -1,0 +1,78 @@
+"""The run summary is built from values (JobFacts, RunState, Outcome), with no Trainer: what it
+reports, and the measured step written back to the cache only by a run that was not stopped."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from anyrec.calcache import CACHE_DIR_ENV
+from anyrec.planner.types import Perf
+from anyrec.steplearn import ObservedSteps
+from anyrec.trainer.distributed import ONE_PROCESS
+from anyrec.trainer.summary import JobFacts, MetricWriter, Outcome, RunState, log_train, run_summary
+
+KEY = "0123456789abcdef/quiet"
+
+
+def _run(steps: int = 20) -> RunState:
+    run = RunState.begin(0, steps, 5, torch.device("cpu"), MetricWriter(None, False), samples_per_step=64,
+                         is_main=True, progress=False)
+    run.timer.chunk_start(0)
+    for step in range(1, steps + 1):
+        time.sleep(0.002)
+        run.window.add(torch.tensor(0.5))
+        run.timer.after_step(step)
+    run.timer.chunk_end(steps)
+    return run
+
+
+def _outcome(**changes) -> Outcome:
+    values = dict(step=20, final_loss=0.5, train_loss=0.5, eval_result=None, skipped_batches=1,
+                  malformed_rows=2, resumed_from=None, stopped_by=None,
+                  predicted_perf=Perf(fwd_compute_s=1e-3), predicted_memory=None,
+                  peak_allocated_bytes=1234, peak_reserved_bytes=4096, weights_sha256="ab" * 32)
+    return Outcome(**{**values, **changes})
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
+    return ObservedSteps(tmp_path)
+
+
+def test_summary_reports_the_values_it_is_given(cache):
+    job = JobFacts("cpu", "torch", ONE_PROCESS, batch_size=64, step_key=KEY)
+    run = _run()
+    s = run_summary(job, run, _outcome())
+    assert (s["steps"], s["backend"], s["embedding_kernel"]) == (20, "cpu", "torch")
+    assert s["batch_size_per_rank"] == 64
+    assert (s["skipped_batches"], s["data_malformed_rows"], s["peak_memory_bytes"]) == (1, 2, 1234)
+    assert s["samples_per_s"] == pytest.approx(20 * 64 / run.timer.total_s)
+    assert s["weights_sha256"] == "ab" * 32 and s["stopped_by"] is None
+    assert s["model_step_ms"] == pytest.approx(1.0) and s["measured_step_ms"] > 0
+    assert cache.correction(KEY).runs == 1  # this run's step, learnt for the next one
+
+
+def test_a_stopped_run_teaches_nothing(cache):
+    job = JobFacts("cpu", "torch", ONE_PROCESS, batch_size=64, step_key=KEY)
+    s = run_summary(job, _run(), _outcome(stopped_by="SIGTERM", weights_sha256=None))
+    assert s["stopped_by"] == "SIGTERM" and "weights_sha256" not in s
+    assert cache.correction(KEY).runs == 0
+
+
+def test_train_record_rate_counts_every_rank(tmp_path):
+    run = RunState.begin(0, 10, 5, torch.device("cpu"), MetricWriter(str(tmp_path), True, tensorboard=False),
+                         samples_per_step=128, is_main=True, progress=False)
+    run.timer.chunk_start(0)
+    for _ in range(5):
+        run.window.add(torch.tensor(0.25))
+    time.sleep(0.01)
+    log_train(run, 5, 0.5, dense_lr=2.0, embedding_lr=4.0)
+    run.writer.close()
+    record = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert record["loss"] == 0.25 and (record["dense_lr"], record["embedding_lr"]) == (1.0, 2.0)
+    assert 0 < record["samples_per_s"] <= 5 * 128 / 0.01
