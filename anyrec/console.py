@@ -1,8 +1,11 @@
 """The console policy: what a job prints, and what only its per-rank log file keeps.
 
-The console shows anyrec's INFO, everyone's warnings and errors, each message once per process (on ranks
-other than 0, warnings and errors only); the log file keeps every record, libraries' INFO and anyrec's
-DEBUG detail included. configs/hydra/job_logging/anyrec.yaml puts `ConsoleFilter` on the console."""
+The console shows anyrec's INFO, everyone's warnings and errors, each message once per process; ranks other
+than 0 add only their own anyrec warnings and everyone's errors (a library warns alike on every rank, as
+every rank runs the same code: rank 0 shows it, each rank's file keeps it). The log file keeps every
+record, libraries' INFO and anyrec's DEBUG detail included. configs/hydra/job_logging/anyrec.yaml puts
+`ConsoleFilter` on the console; `capture_warnings` routes Python warnings and torch's own log (which
+prints to stderr through a handler of its own) through the same policy."""
 
 from __future__ import annotations
 
@@ -14,7 +17,8 @@ OWN = "anyrec"
 
 
 class ConsoleFilter(logging.Filter):
-    """Passes anyrec's INFO (rank 0 only) and everyone's WARNING and above, each message once."""
+    """Passes anyrec's INFO (rank 0 only), its warnings, and everyone's WARNING (rank 0) and ERROR and
+    above, each message once."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -23,7 +27,10 @@ class ConsoleFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         own = record.name == OWN or record.name.startswith(f"{OWN}.")
-        if record.levelno < (logging.INFO if own and self.main else logging.WARNING):
+        floor = logging.INFO if own else logging.WARNING
+        if not self.main:
+            floor = logging.WARNING if own else logging.ERROR
+        if record.levelno < floor:
             return False
         key = hash((record.name, record.levelno, record.getMessage()))
         if key in self.seen:  # e.g. a library's warning at every module it builds: the file has each
@@ -32,9 +39,17 @@ class ConsoleFilter(logging.Filter):
         return True
 
 
+# Libraries that print their log records themselves instead of handing them to the root logger.
+SELF_PRINTING = ("torch",)
+
+
 def capture_warnings() -> None:
-    """Python warnings become one-line `py.warnings` log records: on the console once (ConsoleFilter),
-    in the log file each time."""
+    """Python warnings become one-line `py.warnings` log records, and torch's own log records go to the
+    root logger: on the console once (ConsoleFilter), in the log file each time."""
+    for name in SELF_PRINTING:
+        lib = logging.getLogger(name)
+        lib.handlers.clear()  # torch's stderr handler (`[rank1]:W1205 ... file.py:56] text`)
+        lib.propagate = True
     warnings.formatwarning = format_warning
     # Off, then on: logging keeps capturing "on" even after a warnings.catch_warnings() block restored
     # the original showwarning (its exit does not tell logging), and then on alone would not install it.

@@ -42,11 +42,30 @@ def test_the_console_passes_our_info_and_everyones_warnings_once(monkeypatch):
     assert f.filter(_record("torchrec.distributed.utils", logging.WARNING, "another"))
 
 
-def test_other_ranks_show_warnings_only(monkeypatch):
+def test_other_ranks_show_their_own_warnings_and_everyones_errors(monkeypatch):
     monkeypatch.setenv("RANK", "1")
     f = console.ConsoleFilter()
     assert not f.filter(_record("anyrec.trainer", logging.INFO, "step loop"))
     assert f.filter(_record("anyrec.data", logging.WARNING, "bad rows"))
+    # a library warns alike on every rank: rank 0 shows it, this rank's log file keeps it
+    assert not f.filter(_record("torchrec.distributed.utils", logging.WARNING, "caching params ignored"))
+    assert not f.filter(_record("py.warnings", logging.WARNING, "FutureWarning: broadcast_buffers"))
+    assert f.filter(_record("torch.distributed", logging.ERROR, "connection lost"))
+
+
+def test_torch_log_records_follow_the_policy():
+    """torch prints its log records through a stderr handler of its own (`[rank1]:W1205 ...`), past the
+    console filter and the log file: capture_warnings hands them to the root logger."""
+    lib = logging.getLogger("torch")
+    saved = lib.handlers[:], lib.propagate
+    try:
+        lib.handlers[:] = [logging.StreamHandler(io.StringIO())]
+        lib.propagate = False
+        console.capture_warnings()
+        assert lib.handlers == [] and lib.propagate
+    finally:
+        lib.handlers[:], lib.propagate = saved
+        logging.captureWarnings(False)
 
 
 @pytest.fixture
