@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm import tqdm
 
+from anyrec.calibration.steplearn import Correction, ObservedSteps, describe, run_key
 from anyrec.io_checks import LinkError, open_nofollow
-from anyrec.steplearn import Correction, ObservedSteps, describe, run_key
 from anyrec.trainer.distributed import gather_objects
 from anyrec.trainer.fingerprint import weights_fingerprint
 from anyrec.trainer.memcheck import memory_check
@@ -178,8 +178,8 @@ def _learnt_correction(trainer: Trainer, model_s: float | None) -> tuple[Correct
     if trainer.dist.is_main and model_s:
         choice = getattr(trainer.backend, "bind_choice", None)
         other = choice.load.other_cores if choice is not None and choice.load is not None else None
-        key = run_key(trainer.cfg, trainer.batch_size, trainer.embedding_kernel, trainer.dist.world_size,
-                      trainer.dist.local_world_size, other)
+        key = run_key(trainer.cfg, trainer.hardware, trainer.batch_size, trainer.embedding_kernel,
+                      trainer.dist.world_size, trainer.dist.local_world_size, other)
         if key is not None:
             correction = ObservedSteps().correction(key)
             if correction.runs:
