@@ -87,7 +87,7 @@ class BackendConfig:
     # pure-torch kernels elsewhere) | fbgemm | portable (pure torch everywhere, overriding FBGEMM)
     sparse_ops: SparseOps = SparseOps.auto
     # CPU, several ranks per host: bind each rank's threads to its share of the cores (false: threads
-    # float, their count still split; auto: bind unless other processes use the cores, backends/core_load.py)
+    # float, their count still split; auto: bind unless other processes use the cores, calibration/core_load)
     bind_cores: str = "auto"  # auto | true | false
 
 
@@ -174,7 +174,7 @@ class TrainerConfig:
     collective_timeout_s: float = 600.0  # a rank waiting this long on a peer fails the job
     peer_timeout_s: float = 60.0  # a rank whose heartbeat stands still this long is named, the job fails
     # hardware=auto: plan with this machine's cached calibration, measured on first contact (auto),
-    # measured again (always), or the backend's datasheet figures (never); anyrec.calcache
+    # measured again (always), or the backend's datasheet figures (never); anyrec.calibration.cache
     calibrate: Calibrate = Calibrate.auto
     calibrate_budget_s: float = 0.01  # seconds each timed measurement of that quick calibration repeats
     stop_check_every: int = 10  # steps between the ranks' checks for a stop request (a signal)

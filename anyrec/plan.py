@@ -17,7 +17,7 @@ from anyrec import _hydra
 from anyrec.backends import Hardware, get_backend, resolve_hardware
 from anyrec.backends.dispatch import FBGEMM_EMBEDDING, get_impl
 from anyrec.backends.hardware import figure_sources
-from anyrec.calcache import find_for_device
+from anyrec.calibration.cache import find_for_device
 from anyrec.config import AnyrecConfig, check_values
 from anyrec.io_checks import writable_file
 from anyrec.models.dlrm import build_model

@@ -30,9 +30,11 @@ EXIT_CODES = {NonFiniteLossError: 3, PeerLostError: 4}
 
 def run(cfg: DictConfig) -> dict:
     """Train with a composed config; rank 0 prints the JSON summary as its last stdout line."""
-    from anyrec.autocal import calibrated_hardware, wants_calibration  # measures with the trainer: as it
-    from anyrec.trainer.shutdown import peer_failure  # with the trainer, after Hydra parsed argv
-    from anyrec.trainer.trainer import Trainer  # torchrec loads once Hydra has parsed the command line
+    # torchrec (the trainer, and calibration, which trains) loads once Hydra has parsed the command line
+    from anyrec.calibration.first_contact import calibrated_hardware, wants_calibration
+    from anyrec.trainer.distributed import start_runtime
+    from anyrec.trainer.shutdown import peer_failure
+    from anyrec.trainer.trainer import Trainer
 
     config = _hydra.to_object(cfg)
     check_values(config)
@@ -41,9 +43,14 @@ def run(cfg: DictConfig) -> dict:
     config.trainer.checkpoint.dir = _hydra.per_job_dir(config.trainer.checkpoint.dir)
     writable_dir(config.trainer.checkpoint.dir, "trainer.checkpoint.dir")
     writable_dir(config.trainer.run_dir, "trainer.run_dir")
+    # The backend, the process group and this rank's core binding: once, for calibration and training.
+    tc = config.trainer
+    runtime = start_runtime(config.backend.name, config.backend.bind_cores, tc.collective_timeout_s,
+                            tc.peer_timeout_s)
+    hardware = None  # the Trainer resolves `hardware.sku` itself
     if wants_calibration(config):  # hardware=auto: this machine's cached figures, measured on a miss
-        config.hardware.sku = calibrated_hardware(config)
-    trainer = Trainer(config)
+        hardware = calibrated_hardware(config, runtime)
+    trainer = Trainer(config, runtime=runtime, hardware=hardware)
     try:
         summary = trainer.train()
     except BaseException as e:

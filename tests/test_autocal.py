@@ -1,5 +1,6 @@
-"""Calibration on first contact (anyrec.autocal): a hardware=auto training job measures this machine
-once, caches it, plans with it, and reuses it; a damaged cache file is named and measured again."""
+"""Calibration on first contact (anyrec.calibration.first_contact): a hardware=auto training job measures
+this machine once, caches it, plans with it, and reuses it; a damaged cache file is named and measured
+again."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import yaml
 
-from anyrec import calcache
-from anyrec.backends.calfile import STEP_FIELDS
+from anyrec.calibration import cache as calcache
+from anyrec.calibration.fileformat import STEP_FIELDS
 from anyrec.config import AnyrecConfig, Calibrate
 
 from .conftest import compose_config, last_json_line, torchrun
@@ -71,7 +72,7 @@ def test_two_jobs_started_together_on_an_empty_cache(tmp_path):
         (line,) = _lines(proc, "calibration: cache")
         assert "cache " in line and last_json_line(proc.stdout)["predicted_step_ms"] > 0
     path, hardware = _entry(tmp_path)
-    # no temporary left (beside the entry: the two runs' measured steps, anyrec.steplearn)
+    # no temporary left (beside the entry: the two runs' measured steps, anyrec.calibration.steplearn)
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted(
         [path.name, "observed-steps.json", "observed-steps.lock"])
     assert key_world(path) == 1 and _step_costs(hardware, path) > 0
@@ -99,7 +100,7 @@ def key_world(path) -> int:
 
 @pytest.mark.integration
 def test_which_jobs_calibrate():
-    from anyrec.autocal import wants_calibration
+    from anyrec.calibration.first_contact import wants_calibration
 
     def cfg(*overrides: str) -> AnyrecConfig:
         return compose_config(["trainer.calibrate=auto", *overrides])[1]

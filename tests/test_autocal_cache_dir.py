@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from anyrec.autocal import check_cache_dir
+from anyrec.calibration.first_contact import check_cache_dir
 
 from .conftest import ROOT
 

@@ -1,4 +1,5 @@
-"""The calibration cache (anyrec.calcache): found again by key, never used when damaged or foreign."""
+"""The calibration cache (anyrec.calibration.cache): found again by key, never used when damaged or
+foreign."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from anyrec import calcache
 from anyrec.backends import get_backend
+from anyrec.calibration import cache as calcache
 from anyrec.signing import SigningKey
 from anyrec.trainer.distributed import ONE_PROCESS
 
@@ -197,8 +198,8 @@ def test_a_small_entry_that_expands_without_bound_is_not_used(tmp_path):
 
 
 def test_an_entry_measured_on_a_busy_host_says_so(tmp_path):
-    from anyrec.autocal import remeasure_untrusted
-    from anyrec.backends.core_load import CoreLoad
+    from anyrec.calibration.core_load import CoreLoad
+    from anyrec.calibration.first_contact import remeasure_untrusted
 
     data = yaml.safe_load(CAL.read_text())
     assert calcache.lookup(_key(), tmp_path).distrust is None  # nothing there

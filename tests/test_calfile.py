@@ -1,4 +1,4 @@
-"""Hardware / calibration files are checked whole before use (anyrec.backends.calfile)."""
+"""Hardware / calibration files are checked whole before use (anyrec.calibration.fileformat)."""
 
 from __future__ import annotations
 

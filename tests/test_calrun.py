@@ -1,5 +1,5 @@
-"""A calibration run's bounds (anyrec.calrun): its time limit and the signals that stop it, inside a
-measurement; and the verdict on whether its figures are this machine's (anyrec.caltrust)."""
+"""A calibration run's bounds (anyrec.calibration.run): its time limit and the signals that stop it,
+inside a measurement; and the verdict on whether its figures are this machine's (calibration.trust)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import signal
 
 import pytest
 
-from anyrec import calibrate
 from anyrec.backends import get_backend
-from anyrec.backends.core_load import CoreLoad
-from anyrec.calrun import CalibrationRun, CalibrationStopped, Timing
-from anyrec.caltrust import assess
+from anyrec.calibration import measure
+from anyrec.calibration.core_load import CoreLoad
+from anyrec.calibration.run import CalibrationRun, CalibrationStopped, Timing
+from anyrec.calibration.trust import assess
 
 
 class _Signalled:
@@ -33,10 +33,10 @@ def test_a_measurement_ends_at_its_phase_end_after_one_timed_call():
     run = CalibrationRun.unbounded()
     run.until = 0.0  # the phase's share is spent already
     calls, fn = _counting()
-    timing = calibrate.timeit(fn, get_backend("cpu"), budget_s=60, min_reps=3, run=run)
+    timing = measure.timeit(fn, get_backend("cpu"), budget_s=60, min_reps=3, run=run)
     assert len(calls) == 2 and timing.reps == 1  # the warm-up and one timed call: a figure, then stop
     calls, fn = _counting()
-    assert calibrate.timeit(fn, get_backend("cpu"), budget_s=0, min_reps=3).reps == 3  # no limit: all
+    assert measure.timeit(fn, get_backend("cpu"), budget_s=0, min_reps=3).reps == 3  # no limit: all
 
 
 def test_a_signal_stops_a_measurement_between_its_repetitions():
@@ -49,7 +49,7 @@ def test_a_signal_stops_a_measurement_between_its_repetitions():
             run.stop = _Signalled(signal.SIGTERM)
 
     with pytest.raises(CalibrationStopped) as e:
-        calibrate.timeit(fn, get_backend("cpu"), budget_s=60, min_reps=100, run=run)
+        measure.timeit(fn, get_backend("cpu"), budget_s=60, min_reps=100, run=run)
     assert len(calls) == 4 and e.value.exit_code == 128 + signal.SIGTERM
     assert "SIGTERM" in str(e.value) and "nothing written" in str(e.value)
 
@@ -99,14 +99,14 @@ def test_noisy_measurements_and_fallbacks_are_not_trusted():
 def test_a_fit_past_30_percent_is_not_used(monkeypatch, caplog):
     backend = get_backend("cpu")
     device, spec = backend.device(0), backend.device_spec()
-    points = calibrate.EMB_POINTS["small"][:3]
-    monkeypatch.setattr(calibrate, "MAX_FIT_ERROR", -1.0)  # every fit misses by more: none is used
-    out = calibrate.measure_embedding(backend, device, spec, points, 0.0)
+    points = measure.EMB_POINTS["small"][:3]
+    monkeypatch.setattr(measure, "MAX_FIT_ERROR", -1.0)  # every fit misses by more: none is used
+    out = measure.measure_embedding(backend, device, spec, points, 0.0)
     assert "profile" not in out["torch"] and "fit error" in out["torch"]["skipped"]
     assert len(out["torch"]["points"]) == 3  # what was measured stays on record
     assert "embedding torch's fit misses a point" in caplog.text
-    monkeypatch.setattr(calibrate, "MAX_FIT_ERROR", float("inf"))
-    assert "profile" in calibrate.measure_embedding(backend, device, spec, points, 0.0)["torch"]
+    monkeypatch.setattr(measure, "MAX_FIT_ERROR", float("inf"))
+    assert "profile" in measure.measure_embedding(backend, device, spec, points, 0.0)["torch"]
 
 
 def test_a_signal_a_step_points_trainer_caught_stops_the_run(monkeypatch):
@@ -115,8 +115,9 @@ def test_a_signal_a_step_points_trainer_caught_stops_the_run(monkeypatch):
     import os
     import threading
 
-    from anyrec import calibrate_step
     from anyrec.backends import Hardware
+    from anyrec.calibration import step as calibrate_step
+    from anyrec.trainer.distributed import start_runtime
 
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("signal handlers are the main thread's (the trainer's would not catch the signal)")
@@ -127,8 +128,9 @@ def test_a_signal_a_step_points_trainer_caught_stops_the_run(monkeypatch):
             self.step_hooks.append(lambda t: os.kill(os.getpid(), signal.SIGTERM) if t.step == 1 else None)
 
     monkeypatch.setattr(calibrate_step, "Trainer", SignalledTrainer)
-    backend = get_backend("cpu")
+    runtime = start_runtime("cpu", bind_cores=False)
+    hardware = Hardware(runtime.backend.device_spec())
     with pytest.raises(CalibrationStopped) as e:
-        calibrate_step._train_point(calibrate_step.POINTS[0], backend, Hardware(backend.device_spec(), {}), 1,
-                                    40, False, CalibrationRun.unbounded())
+        calibrate_step._train_point(calibrate_step.POINTS[0], runtime, hardware, steps=40,
+                                    run=CalibrationRun.unbounded())
     assert e.value.signum == signal.SIGTERM

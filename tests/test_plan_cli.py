@@ -204,8 +204,8 @@ def test_plan_uses_this_machines_cached_calibration_and_says_so(tmp_path, monkey
 
     import yaml
 
-    from anyrec import calcache
     from anyrec.backends import get_backend
+    from anyrec.calibration import cache as calcache
 
     monkeypatch.setenv(calcache.CACHE_DIR_ENV, str(tmp_path))
     args = ["hardware=auto", "backend=cpu", "topology.world_size=2", "plan.compare=h100",

@@ -1,5 +1,5 @@
 """Each run's measured step corrects the next run's prediction of the same workload on the same machine
-(anyrec.steplearn): one ratio per run, the median of the last few, under a lock."""
+(anyrec.calibration.steplearn): one ratio per run, the median of the last few, under a lock."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from anyrec import steplearn
+from anyrec.backends import resolve_hardware
+from anyrec.calibration import steplearn
 
 from .conftest import compose_config, last_json_line, torchrun
 
@@ -39,11 +40,17 @@ def test_a_damaged_file_is_ignored_and_replaced(tmp_path):
 def test_only_runs_planned_with_a_calibrated_file_learn(tmp_path):
     shutil.copy(CAL, tmp_path / "cal.yaml")
     cfg = compose_config([f"hardware.sku={tmp_path / 'cal.yaml'}"])[1]
-    key = steplearn.run_key(cfg, 256, "fbgemm", 2, 2, other_cores=1.4)
-    assert key.endswith("/busy") and steplearn.run_key(cfg, 256, "fbgemm", 2, 2, 0.1).endswith("/quiet")
-    assert steplearn.run_key(cfg, 512, "fbgemm", 2, 2, 1.4) != key  # another workload shape
-    assert steplearn.run_key(cfg, 256, "fbgemm", 4, 4, 1.4) != key  # another world size
-    assert steplearn.run_key(compose_config(["hardware.sku=cpu"])[1], 256, "fbgemm", 2, 2, 1.4) is None
+    hw = resolve_hardware(cfg.hardware.sku)
+    key = steplearn.run_key(cfg, hw, 256, "fbgemm", 2, 2, other_cores=1.4)
+    assert key.endswith("/busy") and steplearn.run_key(cfg, hw, 256, "fbgemm", 2, 2, 0.1).endswith("/quiet")
+    assert steplearn.run_key(cfg, hw, 512, "fbgemm", 2, 2, 1.4) != key  # another workload shape
+    assert steplearn.run_key(cfg, hw, 256, "fbgemm", 4, 4, 1.4) != key  # another world size
+    datasheet = compose_config(["hardware.sku=cpu"])[1]
+    assert steplearn.run_key(datasheet, resolve_hardware("cpu"), 256, "fbgemm", 2, 2, 1.4) is None
+    # A hardware=auto job handed the same calibrated file (first contact) learns under the same key: the
+    # key follows the hardware the job planned with, not the config's `hardware.sku`.
+    auto = compose_config(["hardware.sku=auto"])[1]
+    assert steplearn.run_key(auto, hw, 256, "fbgemm", 2, 2, 1.4) == key
 
 
 def _record_many(directory: str, writer: int) -> None:

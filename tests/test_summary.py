@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
-from anyrec.calcache import CACHE_DIR_ENV
+from anyrec.calibration.cache import CACHE_DIR_ENV
+from anyrec.calibration.steplearn import ObservedSteps
 from anyrec.planner.types import Perf
-from anyrec.steplearn import ObservedSteps
 from anyrec.trainer.distributed import ONE_PROCESS
 from anyrec.trainer.summary import JobFacts, MetricWriter, Outcome, RunState, log_train, run_summary
 

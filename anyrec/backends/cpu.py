@@ -10,9 +10,9 @@ from collections.abc import Sequence
 
 import torch
 
-from anyrec.backends.core_load import BindChoice, bind_setting, choose_binding, measure_core_load
 from anyrec.backends.interface import Backend, DeviceFacts
 from anyrec.backends.specs import SKUS, DeviceSpec
+from anyrec.calibration.core_load import BindChoice, bind_setting, choose_binding, measure_core_load
 
 logger = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from anyrec.backends.calfile import ASSUMED_FIELDS, SPEC_FIELDS, check_hardware_data, check_spec_value
 from anyrec.backends.dispatch import TORCH_EMBEDDING, Impl, KernelProfile
 from anyrec.backends.specs import SKUS, DeviceSpec, sku_key
+from anyrec.calibration.fileformat import ASSUMED_FIELDS, SPEC_FIELDS, check_hardware_data, check_spec_value
 from anyrec.safe_load import load_yaml
 
 if TYPE_CHECKING:

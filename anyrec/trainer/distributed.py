@@ -19,7 +19,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from anyrec.backends import Backend
+from anyrec.backends import Backend, get_backend
+from anyrec.backends.cpu import allowed_cores
 from anyrec.trainer.shutdown import start_heartbeat, stop_heartbeat
 
 logger = logging.getLogger(__name__)
@@ -171,6 +172,29 @@ def init_distributed(backend: Backend, timeout_s: float | None = None,
         logger.info("%d host(s) x %d ranks (world size %d)", info.hosts, info.local_world_size,
                     info.world_size)
     return info
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What a process sets up once, before it calibrates or trains: its backend, its place in the process
+    group, its device, and whether its threads were bound to its cores."""
+
+    backend: Backend
+    dist: DistInfo
+    device: torch.device
+    bound: bool  # threads bound to this rank's share of the host's cores
+    cores: tuple[int, ...]  # the cores the process could run on before binding (calibration's cache key)
+
+
+def start_runtime(backend_name: str, bind_cores: bool | str = "auto", timeout_s: float | None = None,
+                  peer_timeout_s: float | None = None) -> Runtime:
+    """The backend called `backend_name`, the process group joined (init_distributed, with its timeouts)
+    and this rank's threads bound as `bind_cores` says (auto: by the cores' load): once per process."""
+    backend = get_backend(backend_name)
+    info = init_distributed(backend, timeout_s, peer_timeout_s)
+    cores = tuple(allowed_cores())
+    bound = backend.bind_local_rank(info.local_rank, info.local_world_size, bind_cores) is not None
+    return Runtime(backend, info, backend.device(info.local_rank), bound, cores)
 
 
 def destroy_distributed(barrier: bool = True) -> None:

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm import tqdm
 
+from anyrec.calibration.steplearn import Correction, ObservedSteps, describe
 from anyrec.io_checks import LinkError, open_nofollow
-from anyrec.steplearn import Correction, ObservedSteps, describe
 from anyrec.trainer.distributed import DistInfo, gather_objects
 from anyrec.trainer.memcheck import memory_check
 from anyrec.trainer.perfcheck import StepProfiler, StepTimer, prediction_check

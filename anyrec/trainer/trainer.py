@@ -20,10 +20,11 @@ from torchrec.datasets.utils import Batch
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import ShardingPlan
 
-from anyrec.backends import Backend, get_backend
+from anyrec.backends import Backend
 from anyrec.backends.dispatch import Impl
-from anyrec.backends.hardware import resolve_hardware
+from anyrec.backends.hardware import Hardware, resolve_hardware
 from anyrec.backends.sparse_ops import install as install_sparse_ops
+from anyrec.calibration.steplearn import run_key
 from anyrec.config import AnyrecConfig
 from anyrec.kernels.ebc import TritonEBCOptimizer
 from anyrec.models.dlrm import DLRM, build_model, table_configs
@@ -31,7 +32,6 @@ from anyrec.models.init import init_model
 from anyrec.planner.memory import MemoryPrediction
 from anyrec.planner.types import Perf
 from anyrec.signing import resolve_key
-from anyrec.steplearn import run_key
 from anyrec.trainer.checkpoint import (
     LEGACY_PROGRESS,
     CheckpointManager,
@@ -39,7 +39,7 @@ from anyrec.trainer.checkpoint import (
     from_legacy,
     legacy_template,
 )
-from anyrec.trainer.distributed import DistInfo, all_reduce_mean, destroy_distributed, init_distributed
+from anyrec.trainer.distributed import DistInfo, Runtime, all_reduce_mean, destroy_distributed, start_runtime
 from anyrec.trainer.fingerprint import weights_fingerprint
 from anyrec.trainer.inputs import build_inputs
 from anyrec.trainer.lineage import identity_config
@@ -82,12 +82,17 @@ class DLRMTrain(nn.Module):
 class Trainer:
     """Owns the backend, the process group, the sharded model, its optimizers, data and checkpoints."""
 
-    def __init__(self, cfg: AnyrecConfig, plan: ShardingPlan | None = None) -> None:
+    def __init__(self, cfg: AnyrecConfig, plan: ShardingPlan | None = None, runtime: Runtime | None = None,
+                 hardware: Hardware | None = None) -> None:
+        """`runtime`: the process's backend, group and binding, set up by the caller (else here, from the
+        config); `hardware`: the device the plan is costed on (else resolved from `cfg.hardware`)."""
         self.cfg = cfg
         signing_key = resolve_key(cfg.trainer.signing_key_file)  # an unusable key fails before any work
-        self.backend: Backend = get_backend(cfg.backend.name)
-        self.dist: DistInfo = self.init_distributed()
-        self.device = self.backend.device(self.dist.local_rank)
+        self.runtime = runtime if runtime is not None else self.init_distributed()
+        self.backend: Backend = self.runtime.backend
+        self.dist: DistInfo = self.runtime.dist
+        self.device = self.runtime.device
+        self.hardware = hardware
         self.kernels: dict[str, Impl] = self.backend.select_kernels(cfg.backend)  # each op's, resolved once
         self.plan_override = plan
         self.state = TrainerState(rank=self.dist.rank)
@@ -109,11 +114,18 @@ class Trainer:
         self.run = RunState.begin(self.step, tc.steps, tc.log_every, self.device, self.writer,
                                   self.batch_size * self.dist.world_size, self.dist.is_main, tc.progress)
 
-    def init_distributed(self) -> DistInfo:
-        info = init_distributed(self.backend, self.cfg.trainer.collective_timeout_s,
-                                self.cfg.trainer.peer_timeout_s)
-        self.backend.bind_local_rank(info.local_rank, info.local_world_size, self.cfg.backend.bind_cores)
-        return info
+    def init_distributed(self) -> Runtime:
+        """The backend, process group and core binding the config names (a Trainer given no runtime)."""
+        tc = self.cfg.trainer
+        return start_runtime(self.cfg.backend.name, self.cfg.backend.bind_cores, tc.collective_timeout_s,
+                             tc.peer_timeout_s)
+
+    def _hardware(self) -> Hardware:
+        """The device the plan is costed on: the one given, else the config's, resolved once."""
+        if self.hardware is None:
+            hw = self.cfg.hardware
+            self.hardware = resolve_hardware(hw.sku, hw.spec, self.backend, hw.measurements)
+        return self.hardware
 
     # ---- build ------------------------------------------------------------------------------------
 
@@ -158,8 +170,8 @@ class Trainer:
         made with a calibrated file): its shape, and the other processes' load the binding saw."""
         choice = getattr(self.backend, "bind_choice", None)
         other = choice.load.other_cores if choice is not None and choice.load is not None else None
-        return run_key(self.cfg, self.batch_size, self.embedding_kernel, self.dist.world_size,
-                       self.dist.local_world_size, other)
+        return run_key(self.cfg, self._hardware(), self.batch_size, self.embedding_kernel,
+                       self.dist.world_size, self.dist.local_world_size, other)
 
     def _check_trainer_config(self) -> None:
         tc = self.cfg.trainer
@@ -190,8 +202,7 @@ class Trainer:
                             kernels=self.kernels)
         # Embedding optimizer fused into the backward pass (TBE updates rows in place).
         apply_embedding_optimizer(model.sparse_arch.parameters(), self.cfg.optim)
-        embedding, hw = self.kernels["embedding"], self.cfg.hardware
-        hardware = resolve_hardware(hw.sku, hw.spec, self.backend, hw.measurements)
+        embedding, hardware = self.kernels["embedding"], self._hardware()
         # a plan given from outside (calibration's step points) names the devices as a planned one does
         self.sharding_plan, self.predicted_perf, self.predicted_memory = (
             (place_shards(self.plan_override, self.backend, self.dist.local_world_size), None, None)
@@ -216,8 +227,7 @@ class Trainer:
             device=self.device)
         self.sharding_plan = None
         self.model = DLRMTrain(DLRM(self.cfg.model, ebc, device=self.device, kernels=self.kernels))
-        hw = self.cfg.hardware
-        hardware = resolve_hardware(hw.sku, hw.spec, self.backend, hw.measurements)
+        hardware = self._hardware()
         self.predicted_memory = unsharded_memory(self.cfg, self.backend, self.model.model,
                                                  self.kernels["embedding"], hardware, self.resident_bytes)
         self.fused_optimizer = TritonEBCOptimizer(ebc, prefix=f"{EBC_PATH}.")

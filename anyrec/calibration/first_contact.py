@@ -1,13 +1,13 @@
 """Calibration on first contact: a training job with `hardware=auto` plans with this machine's own
 measured figures, not the datasheet's.
 
-Every rank joins the process group and binds its cores as the trainer will; the ranks agree on the
-cache key (the cores each rank had before binding, so bound and free runs share the entry; the log
-line says when the entry was measured with the other binding). On a hit nothing is measured; on a miss
-(or `trainer.calibrate=always`, or an unusable cache file) all ranks run the quick calibration
-together, so collective and step terms are the job's own, and rank 0 writes the entry. The job plans
-with `hardware.sku` set to that file. `trainer.calibrate=never`, a SKU or file, or `planner=simple`
-skip all of it.
+Every rank measures in the job's own `Runtime` (process group joined, cores bound as the trainer's are:
+set up once, before); the ranks agree on the cache key (the cores each rank had before binding, so bound
+and free runs share the entry; the log line says when the entry was measured with the other binding).
+On a hit nothing is measured; on a miss (or `trainer.calibrate=always`, or an unusable cache file) all
+ranks run the quick calibration together, so collective and step terms are the job's own, and rank 0
+writes the entry. The job plans with the entry's `Hardware`, handed to its Trainer (the config is left
+as given). `trainer.calibrate=never`, a SKU or file, or `planner=simple` skip all of it.
 """
 
 from __future__ import annotations
@@ -18,19 +18,18 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from anyrec.backends import get_backend
-from anyrec.backends.core_load import CoreLoad, measure_core_load
-from anyrec.backends.cpu import allowed_cores
-from anyrec.calcache import CACHE_DIR_ENV, Lookup, cache_dir, local_key, lookup, write_entry
-from anyrec.calibrate import calibrate, hardware_yaml, report_trust
-from anyrec.calrun import CalibrationRun, CalibrationStopped, exit_stopped
-from anyrec.caltrust import BUSY_OTHER_CORES
+from anyrec.backends import Hardware, resolve_hardware
+from anyrec.calibration.cache import CACHE_DIR_ENV, Lookup, cache_dir, local_key, lookup, write_entry
+from anyrec.calibration.core_load import CoreLoad, measure_core_load
+from anyrec.calibration.measure import calibrate, hardware_yaml, report_trust
+from anyrec.calibration.run import CalibrationRun, CalibrationStopped, exit_stopped
+from anyrec.calibration.trust import BUSY_OTHER_CORES
 from anyrec.config import AnyrecConfig
 from anyrec.io_checks import atomic_write, writable_dir
-from anyrec.signing import resolve_key
-from anyrec.trainer.distributed import broadcast_from_main, init_distributed
+from anyrec.signing import SigningKey, resolve_key
+from anyrec.trainer.distributed import Runtime, broadcast_from_main
 
-logger = logging.getLogger("anyrec.autocal")
+logger = logging.getLogger("anyrec.calibration.first_contact")
 
 
 def wants_calibration(cfg: AnyrecConfig) -> bool:
@@ -57,17 +56,21 @@ def remeasure_untrusted(distrust: str, now: CoreLoad | None) -> str | None:
     return f"its figures are not trusted ({distrust}) and the host is quiet now"
 
 
-def calibrated_hardware(cfg: AnyrecConfig) -> str:
-    """This machine's cached calibration file, measured now if none is usable (every rank calls it)."""
-    backend = get_backend(cfg.backend.name)
+def calibrated_hardware(cfg: AnyrecConfig, runtime: Runtime) -> Hardware:
+    """The Hardware of this machine's cached calibration file (with `cfg.hardware.spec` on top), measured
+    now in `runtime` if none is usable (every rank calls it). Its `measured_by` names the file."""
     signing_key = resolve_key(cfg.trainer.signing_key_file)
-    info = init_distributed(backend, cfg.trainer.collective_timeout_s, cfg.trainer.peer_timeout_s)
-    cores = allowed_cores()
-    # what the binding rule chose (backend.bind_cores=auto looks at the cores' load); the step points'
-    # trainers and this job's trainer bind the same way
-    bound = backend.bind_local_rank(info.local_rank, info.local_world_size, cfg.backend.bind_cores) \
-        is not None
-    cfg.backend.bind_cores = str(bound).lower()
+    path = _calibration_file(cfg, runtime, signing_key)
+    hw = cfg.hardware
+    return resolve_hardware(path, hw.spec, runtime.backend, hw.measurements)
+
+
+def _calibration_file(cfg: AnyrecConfig, runtime: Runtime, signing_key: SigningKey | None) -> str:
+    """The path of this machine's cache entry, found or measured now (see calibrated_hardware)."""
+    backend, info, cores = runtime.backend, runtime.dist, runtime.cores
+    # what the binding rule chose (backend.bind_cores=auto looks at the cores' load), once for the process:
+    # the step points' trainers and this job's trainer run with it
+    bound = runtime.bound
     key = local_key(backend, info, cores)
     found_here = None
     if info.is_main:
@@ -99,8 +102,7 @@ def calibrated_hardware(cfg: AnyrecConfig) -> str:
     run = CalibrationRun.begin(cfg.calibrate.time_limit_s, info.rank, info.world_size, cfg.trainer.progress,
                                cfg.trainer.collective_timeout_s)
     try:
-        m = calibrate(backend, backend.device(info.local_rank), info.world_size, "quick",
-                      cfg.trainer.calibrate_budget_s, bound, run, cores)
+        m = calibrate(runtime, "quick", cfg.trainer.calibrate_budget_s, run)
     except CalibrationStopped as e:
         exit_stopped("anyrec-train", e, info.is_main)
     finally:
@@ -110,7 +112,7 @@ def calibrated_hardware(cfg: AnyrecConfig) -> str:
         report_trust(m)  # the job plans with these figures either way: it runs on this host as it is
     text = None
     if info.is_main:
-        header = (f"# Quick calibration measured by anyrec.autocal ({backend.describe()}, "
+        header = (f"# Quick calibration measured by anyrec.calibration.first_contact ({backend.describe()}, "
                   f"{info.world_size} ranks) on {time.strftime('%Y-%m-%d', time.gmtime())}; a cache entry,\n"
                   f"# used by hardware=auto on this machine and software (`cache:` below).\n")
         write_entry(Path(path), key, hardware_yaml(backend, m), header, signing_key)

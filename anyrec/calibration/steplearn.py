@@ -26,13 +26,16 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from anyrec.calcache import cache_dir
-from anyrec.caltrust import BUSY_OTHER_CORES
+from anyrec.calibration.cache import cache_dir
+from anyrec.calibration.trust import BUSY_OTHER_CORES
 from anyrec.config import AnyrecConfig
 from anyrec.io_checks import atomic_write, open_nofollow
 from anyrec.safe_load import load_json
+
+if TYPE_CHECKING:
+    from anyrec.backends import Hardware
 
 logger = logging.getLogger("anyrec.trainer.trainer")
 
@@ -49,9 +52,10 @@ class Correction:
     runs: int = 0
 
 
-def _calibrated_file(sku: str) -> Path | None:
-    """The hardware file a job planned with, where it is one anyrec.calibrate measured."""
-    path = Path(sku).expanduser()
+def _calibrated_file(source: str) -> Path | None:
+    """The hardware file a job planned with (`Hardware.measured_by`), where it is one a calibration
+    measured."""
+    path = Path(source).expanduser()
     try:
         if path.suffix in (".yaml", ".yml") and path.is_file() and "measurements:" in path.read_text():
             return path
@@ -67,10 +71,11 @@ def load_class(other_cores: float | None) -> str:
     return "busy" if other_cores > BUSY_OTHER_CORES else "quiet"
 
 
-def run_key(cfg: AnyrecConfig, batch_per_rank: int, kernel: str, world_size: int, local_world_size: int,
-            other_cores: float | None) -> str | None:
-    """The key of this run's observations, or None when it did not plan with a calibrated file."""
-    hw = _calibrated_file(cfg.hardware.sku)
+def run_key(cfg: AnyrecConfig, hardware: Hardware, batch_per_rank: int, kernel: str, world_size: int,
+            local_world_size: int, other_cores: float | None) -> str | None:
+    """The key of this run's observations, or None when it did not plan with a calibrated file (`hardware`:
+    what it planned with, a `hardware.sku` file or the calibration on first contact's cache entry)."""
+    hw = _calibrated_file(hardware.measured_by)
     if hw is None:
         return None
     shape = {"model": dataclasses.asdict(cfg.model), "batch_per_rank": batch_per_rank,
@@ -83,7 +88,7 @@ def run_key(cfg: AnyrecConfig, batch_per_rank: int, kernel: str, world_size: int
 
 
 class ObservedSteps:
-    """The observations file of one cache folder (default: `anyrec.calcache.cache_dir()`)."""
+    """The observations file of one cache folder (default: `anyrec.calibration.cache.cache_dir()`)."""
 
     def __init__(self, directory: Path | None = None) -> None:
         self.path = (directory or cache_dir()) / FILE

@@ -1,6 +1,6 @@
 """What bounds and shows one calibration run: its time limit, the signals that stop it, its progress bar.
 
-`anyrec.calibrate` and the calibration on first contact (anyrec.autocal) measure inside one
+`anyrec.calibrate` and the calibration on first contact (anyrec.calibration.first_contact) measure inside one
 `CalibrationRun`. SIGINT, SIGTERM and SIGHUP are caught by the trainer's `StopRequest` (its watcher
 thread notices them even while the main thread is busy); the measurements check `check()` between
 repetitions, and a step point's trainer stops at its own step boundary, so the run raises

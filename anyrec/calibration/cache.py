@@ -23,6 +23,7 @@ import json
 import os
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -199,7 +200,7 @@ def write_entry(path: Path, key: CacheKey, data: dict[str, Any], header: str = "
     return path
 
 
-def local_key(backend: Backend, info: DistInfo, cores: list[int] | None = None) -> CacheKey:
+def local_key(backend: Backend, info: DistInfo, cores: Sequence[int] | None = None) -> CacheKey:
     """This host's key, agreed by its ranks (a collective: every rank calls it, after setting its
     threads): each rank's `cores` (`allowed_cores()` taken before binding; default: now) and threads."""
     mine = (info.host, info.local_rank, allowed_cores() if cores is None else cores, torch.get_num_threads())

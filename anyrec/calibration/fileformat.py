@@ -18,7 +18,7 @@ from typing import Any
 from anyrec.backends.specs import DeviceSpec
 
 SPEC_FIELDS = {f.name: f for f in dataclasses.fields(DeviceSpec)}
-# The trainer's framework costs (anyrec.calibrate_step fits them, in this order).
+# The trainer's framework costs (anyrec.calibration.step fits them, in this order).
 STEP_FIELDS = ("step_fixed_s", "step_per_feature_s", "step_per_sample_s", "step_per_id_s", "step_per_value_s",
                "step_per_pair_s", "step_per_dense_tensor_s", "sharding_group_s", "replicated_table_s")
 # measurements section -> the DeviceSpec fields a calibration derives from it.

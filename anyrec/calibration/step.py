@@ -19,15 +19,16 @@ from typing import Any
 import torch
 
 from anyrec import _hydra
-from anyrec.backends import Backend, Hardware
-from anyrec.backends.calfile import STEP_FIELDS
-from anyrec.calrun import STOP_GRACE_S, CalibrationRun, Timing
+from anyrec.backends import Hardware
+from anyrec.calibration.fileformat import STEP_FIELDS
+from anyrec.calibration.run import STOP_GRACE_S, CalibrationRun, Timing
 from anyrec.models.dlrm import build_model
 from anyrec.planner.evaluate import evaluate_assignment
 from anyrec.planner.job import planner_inputs
 from anyrec.planner.planner import make_workload
 from anyrec.planner.torchrec_plan import to_sharding_plan
 from anyrec.planner.types import Topology
+from anyrec.trainer.distributed import Runtime
 from anyrec.trainer.trainer import EBC_PATH, Trainer
 
 logger = logging.getLogger("anyrec.calibrate")
@@ -109,15 +110,14 @@ def points_at(world: int, quick: bool = False) -> list[StepPoint]:
     return table_wise[:9] if quick else table_wise
 
 
-def _overrides(p: StepPoint, backend: str, steps: int, bind_cores: bool) -> list[str]:
+def _overrides(p: StepPoint, backend: str, steps: int) -> list[str]:
     rows = ",".join([str(ROWS)] * p.tables)
     hot = ",".join([str(p.pooling)] * p.tables) if p.pooling > 1 else ""
     return ["model=dlrm_small", f"model.table_rows=[{rows}]", f"model.multi_hot=[{hot}]",
             f"model.embedding_dim={p.dim}", f"model.bottom_mlp={p.bottom_mlp}", f"model.top_mlp={p.top_mlp}",
-            f"data.batch_size={p.batch}", f"backend.name={backend}",
-            f"backend.bind_cores={str(bind_cores).lower()}", f"trainer.steps={steps}", "trainer.eval_steps=0",
-            "trainer.progress=false", "trainer.tensorboard=false", f"trainer.stop_grace_s={STOP_GRACE_S}",
-            "trainer.checkpoint.dir=null", "trainer.run_dir=null"]
+            f"data.batch_size={p.batch}", f"backend.name={backend}", f"trainer.steps={steps}",
+            "trainer.eval_steps=0", "trainer.progress=false", "trainer.tensorboard=false",
+            f"trainer.stop_grace_s={STOP_GRACE_S}", "trainer.checkpoint.dir=null", "trainer.run_dir=null"]
 
 
 def _assignment(p: StepPoint, world: int) -> dict[str, tuple[str, str, list[int]]]:
@@ -130,12 +130,14 @@ def _assignment(p: StepPoint, world: int) -> dict[str, tuple[str, str, list[int]
     return out
 
 
-def _train_point(p: StepPoint, backend: Backend, hardware: Hardware, world: int, steps: int,
-                 bind_cores: bool, run: CalibrationRun) -> tuple[float, float]:
-    """(measured seconds per step of the slowest rank, the planner's seconds for the same plan); a signal
-    its trainer caught (it stops at its next step boundary) stops the run."""
+def _train_point(p: StepPoint, runtime: Runtime, hardware: Hardware, steps: int,
+                 run: CalibrationRun) -> tuple[float, float]:
+    """(measured seconds per step of the slowest rank, the planner's seconds for the same plan), trained
+    in this process's `runtime` (its group and binding); a signal its trainer caught (it stops at its next
+    step boundary) stops the run."""
     run.check()
-    cfg = _hydra.compose_job(_overrides(p, backend.name, steps, bind_cores))
+    backend, world = runtime.backend, runtime.dist.world_size
+    cfg = _hydra.compose_job(_overrides(p, backend.name, steps))
     embedding = hardware.embedding_cost(backend.select_kernels(cfg.backend)["embedding"])
     meta = torch.device("meta")
     model = build_model(cfg.model, meta, ebc_device=meta)
@@ -151,7 +153,7 @@ def _train_point(p: StepPoint, backend: Backend, hardware: Hardware, world: int,
     level = quiet.level
     quiet.setLevel(logging.WARNING)  # one set-up log per point would bury the calibration's table
     try:
-        trainer = Trainer(cfg, plan=plan)
+        trainer = Trainer(cfg, plan=plan, runtime=runtime, hardware=hardware)
         run.check()  # a signal while it was built
         trainer.step_hooks.append(lambda _: run.check())  # the trainer's own catches one while it trains
         try:
@@ -166,14 +168,14 @@ def _train_point(p: StepPoint, backend: Backend, hardware: Hardware, world: int,
     return summary["measured_step_ms"] / 1e3, predicted.predicted_step_s
 
 
-def measure_step_costs(backend: Backend, hardware: Hardware, world: int, budget_s: float, fit: Any,
-                       bind_cores: bool = True, quick: bool = False, run: CalibrationRun | None = None,
-                       device: torch.device | None = None) -> dict[str, Any]:
-    """Train every point of `points_at(world, quick)` on the process group's ranks (binding cores as
-    `bind_cores` says) and fit with `fit` (calibrate.fit_nonnegative) what `hardware` leaves unexplained.
-    Within `run`'s time: as many passes as fit (at least one, else no `fields`: the datasheet's stay)."""
+def measure_step_costs(runtime: Runtime, hardware: Hardware, budget_s: float, fit: Any, quick: bool = False,
+                       run: CalibrationRun | None = None) -> dict[str, Any]:
+    """Train every point of `points_at(world, quick)` on the process group's ranks (in `runtime`: its
+    group, device and binding) and fit with `fit` (measure.fit_nonnegative) what `hardware` leaves
+    unexplained. Within `run`'s time: as many passes as fit (at least one, else no `fields`: the
+    datasheet's stay)."""
     run = run or CalibrationRun.unbounded()
-    device = device or torch.device("cpu")
+    device, world = runtime.device, runtime.dist.world_size
     points = points_at(world, quick)
     # Five passes (median): with three, one noisy pass of the pooling points swung the per-id term
     # between 0 and 1.8e-7 s between two calibrations of this 2-core host.
@@ -186,7 +188,7 @@ def measure_step_costs(backend: Backend, hardware: Hardware, world: int, budget_
     # first point measured 31 ms against 12 ms for the same point with six more layers (2 ranks).
     run.measuring(f"step warm-up {points[0].name}")
     start = time.monotonic()
-    _train_point(points[0], backend, hardware, world, steps, bind_cores, run)
+    _train_point(points[0], runtime, hardware, steps, run)
     run.measured("step warm-up")
     # Larger points take longer than the first: a pass is planned at twice its time per point.
     pass_s = 2 * (time.monotonic() - start) * len(points)
@@ -208,7 +210,7 @@ def measure_step_costs(backend: Backend, hardware: Hardware, world: int, budget_
             if run.agreed_left_s(device) <= 0:  # a later pass may end part way: each point has one
                 break
             run.measuring(f"step {points[i].name} (pass {k + 1})")
-            m, model[i] = _train_point(points[i], backend, hardware, world, steps, bind_cores, run)
+            m, model[i] = _train_point(points[i], runtime, hardware, steps, run)
             times[i].append(m)
             run.measured(f"step {points[i].name}")
         done, pass_s = k + 1, time.monotonic() - started

@@ -1,0 +1,103 @@
+"""The backend, the process group and the core binding are set up once per process (`start_runtime`), and
+the calibrated Hardware is a value: a Trainer handed both sets up nothing again and reads no hardware file;
+`anyrec.train` with `hardware=auto` calibrates and trains in one runtime and leaves the config as given."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from anyrec.backends import cpu, get_backend, resolve_hardware
+from anyrec.backends import hardware as hardware_module
+from anyrec.calibration import cache, first_contact
+from anyrec.trainer import distributed
+from anyrec.trainer import trainer as trainer_module
+from anyrec.trainer.distributed import ONE_PROCESS, destroy_distributed, start_runtime
+
+from .conftest import compose_config
+
+CAL = Path(__file__).parent / "data" / "calibration_cpu_2rank.yaml"
+JOB = ["model=dlrm_tiny", "backend.name=cpu", "trainer.steps=2", "trainer.eval_steps=0",
+       "trainer.progress=false", "trainer.tensorboard=false", "trainer.run_dir=null",
+       "trainer.checkpoint.dir=null"]
+
+
+class Calls:
+    """Counts the calls of the set-up steps a runtime and a Hardware value stand for."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.init = self.bind = self.hardware_files = 0
+
+        def counted(name: str, fn):
+            def wrapper(*args, **kwargs):
+                setattr(self, name, getattr(self, name) + 1)
+                return fn(*args, **kwargs)
+            return wrapper
+
+        for owner, name, counter in [(distributed, "init_distributed", "init"),
+                                     (cpu.CPUBackend, "bind_local_rank", "bind"),
+                                     (hardware_module, "load_hardware_file", "hardware_files")]:
+            monkeypatch.setattr(owner, name, counted(counter, getattr(owner, name)))
+
+    def __eq__(self, other: object) -> bool:
+        return (self.init, self.bind, self.hardware_files) == other
+
+    def __repr__(self) -> str:
+        return f"init {self.init}, bind {self.bind}, hardware files {self.hardware_files}"
+
+
+def test_a_trainer_given_a_runtime_and_hardware_sets_up_nothing_again(monkeypatch):
+    calls = Calls(monkeypatch)
+    runtime = start_runtime("cpu", bind_cores=False)
+    hardware = resolve_hardware(str(CAL))
+    assert calls == (1, 1, 1)
+    cfg = compose_config(JOB)[1]
+    trainer = trainer_module.Trainer(cfg, runtime=runtime, hardware=hardware)
+    try:
+        assert calls == (1, 1, 1)  # no second group, binding or read of the hardware file
+        assert trainer.backend is runtime.backend and trainer.dist is runtime.dist
+        assert trainer.hardware is hardware and trainer.predicted_perf is not None  # planned with it
+    finally:
+        trainer.close(keep_group=True)
+    alone = trainer_module.Trainer(compose_config([*JOB, f"hardware.sku={CAL}"])[1])  # tools and tests
+    try:
+        assert calls == (2, 2, 2)  # a Trainer built alone sets itself up, from its config
+        assert alone.hardware.measured_by == str(CAL)
+    finally:
+        alone.close()
+
+
+def test_train_calibrates_and_trains_in_one_runtime(tmp_path, monkeypatch, caplog):
+    """A hardware=auto job with a cached calibration (a hit: nothing measured) joins the group, binds and
+    reads the entry once; the trainer plans with that entry and the config keeps `hardware.sku=auto`."""
+    from anyrec.train import run
+
+    monkeypatch.setenv(cache.CACHE_DIR_ENV, str(tmp_path))
+    key = cache.local_key(get_backend("cpu"), ONE_PROCESS, cpu.allowed_cores())
+    entry = cache.write_entry(tmp_path / key.file_name(), key, yaml.safe_load(CAL.read_text()))
+    seen = []
+    calibrated = first_contact.calibrated_hardware
+
+    def recording(config, runtime):
+        seen.append(config)
+        return calibrated(config, runtime)
+
+    monkeypatch.setattr(first_contact, "calibrated_hardware", recording)
+    calls = Calls(monkeypatch)
+    built = []
+    close = trainer_module.Trainer.close
+    monkeypatch.setattr(trainer_module.Trainer, "close", lambda t, **kw: (built.append(t), close(t, **kw)))
+    caplog.set_level("INFO")
+    try:
+        summary = run(compose_config([*JOB, "trainer.calibrate=auto", "backend.bind_cores=auto",
+                                      f"trainer.run_dir={tmp_path / 'run'}"])[0])
+    finally:
+        destroy_distributed(barrier=False)  # closed by the run; a failed one may leave it
+    assert f"calibration: cache hit, planning with {entry}" in caplog.text
+    assert calls == (1, 1, 1)
+    (config,) = seen
+    assert config.hardware.sku == "auto" and config.backend.bind_cores == "auto"  # nothing written back
+    (trainer,) = built
+    assert trainer.hardware.measured_by == str(entry) and summary["predicted_step_ms"] > 0
