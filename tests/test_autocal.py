@@ -24,6 +24,9 @@ def _train(tmp_path, run: str, bind: str = "true", steps: int = 30, nproc: int =
     env = {"ANYREC_CACHE_DIR": str(tmp_path / "cache"), "ANYREC_CALIBRATE": "auto"}
     args = ["-m", "anyrec.train", "model=dlrm_tiny", f"backend.bind_cores={bind}", f"trainer.steps={steps}",
             "trainer.eval_steps=0",
+            # what is cached and reused, not the time limit (test_calibrate_signals): every phase measured
+            # even on a loaded host
+            "calibrate.time_limit_s=600",
             "trainer.progress=false", "trainer.tensorboard=false", f"hydra.run.dir={tmp_path / run}"]
     proc = torchrun(args, nproc=nproc, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
