@@ -89,6 +89,7 @@ class Trainer:
         self.predicted_memory: list[MemoryPrediction] | None = None  # each rank's peak, where predicted
         # Called after every training step with the trainer (anyrec-parity records each step's loss).
         self.step_hooks: list[Callable[[Trainer], None]] = []
+        self.step_hooks += self.backend.step_hooks()  # e.g. the CPU's thread re-check
         self.stopper: StopRequest | None = None  # during train(): SIGINT/SIGTERM stop every rank
         self.build()
         self.run = RunState.begin(self)
@@ -102,7 +103,8 @@ class Trainer:
     def init_distributed(self) -> DistInfo:
         info = init_distributed(self.backend, self.cfg.trainer.collective_timeout_s,
                                 self.cfg.trainer.peer_timeout_s)
-        self.backend.bind_local_rank(info.local_rank, info.local_world_size, self.cfg.backend.bind_cores)
+        self.backend.bind_local_rank(info.local_rank, info.local_world_size, self.cfg.backend.bind_cores,
+                                     self.cfg.backend.threads)
         return info
 
     # ---- build ------------------------------------------------------------------------------------
