@@ -201,3 +201,22 @@ def test_auto_follows_the_load_while_training(one_rank, keep_threads, monkeypatc
     finally:
         t.close()
     assert seen == [1, 1] + [1] * (RAISE_AFTER - 1) + [2, 2], seen
+
+
+def test_benchmark_summary_compares_auto_with_the_best_fixed_count():
+    from benchmarks import threads as bench
+
+    def run(threads: str, ms: float | None) -> dict:
+        return {"nproc": 1, "threads": threads, "step_ms": ms}
+
+    runs = [run("auto", 11.0), run("1", 10.0), run("2", None), run("auto", 13.0), run("1", 12.0),
+            run("2", 80.0)]
+    s = bench.summarize(runs)["1"]
+    assert s["best_fixed"] == "1" and s["cases"]["auto"]["median_step_ms"] == 12.0
+    assert s["auto_over_best_fixed"] == pytest.approx(12.0 / 11.0)
+    assert s["cases"]["2"]["max_step_ms"] == float("inf")  # the timed-out run counts as slower than any
+    assert bench._json_safe(s)["cases"]["2"]["max_step_ms"] is None  # and is null in the JSON
+    for argv, code in ((["--help"], 0), (["--rounds", "0"], 2), (["--background", "maybe"], 2)):
+        with pytest.raises(SystemExit) as e:  # before anything is launched
+            bench.main(argv)
+        assert e.value.code == code
