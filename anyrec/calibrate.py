@@ -45,7 +45,7 @@ def run(cfg: AnyrecConfig) -> None:
     # Ranks take their share of the host's cores as the trainer's do: the figures are the trainer's;
     # what the rule chose (auto) or was told, the step points' trainers run with.
     runtime = start_runtime(cfg.backend.name, cfg.backend.bind_cores, cfg.trainer.collective_timeout_s,
-                            cfg.trainer.peer_timeout_s)
+                            cfg.trainer.peer_timeout_s, cfg.backend.threads)
     backend, info = runtime.backend, runtime.dist
     rank, world = info.rank, info.world_size
     run = CalibrationRun.begin(opts.time_limit_s, rank, world, progress=True)

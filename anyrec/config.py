@@ -89,6 +89,9 @@ class BackendConfig:
     # CPU, several ranks per host: bind each rank's threads to its share of the cores (false: threads
     # float, their count still split; auto: bind unless other processes use the cores, calibration/core_load)
     bind_cores: str = "auto"  # auto | true | false
+    # CPU: torch threads per rank: auto (the rank's share of the cores less what other processes use,
+    # re-checked while training, backends/threads.py) | N (fixed)
+    threads: str = "auto"  # auto | N
 
 
 @dataclass

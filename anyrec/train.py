@@ -46,7 +46,7 @@ def run(cfg: DictConfig) -> dict:
     # The backend, the process group and this rank's core binding: once, for calibration and training.
     tc = config.trainer
     runtime = start_runtime(config.backend.name, config.backend.bind_cores, tc.collective_timeout_s,
-                            tc.peer_timeout_s)
+                            tc.peer_timeout_s, config.backend.threads)
     hardware = None  # the Trainer resolves `hardware.sku` itself
     if wants_calibration(config):  # hardware=auto: this machine's cached figures, measured on a miss
         hardware = calibrated_hardware(config, runtime)

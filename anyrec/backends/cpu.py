@@ -6,13 +6,22 @@ import functools
 import logging
 import os
 import platform
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from anyrec.backends.interface import Backend, DeviceFacts
 from anyrec.backends.specs import SKUS, DeviceSpec
-from anyrec.calibration.core_load import BindChoice, bind_setting, choose_binding, measure_core_load
+from anyrec.backends.threads import (
+    RECHECK_S,
+    Rebinder,
+    ThreadChoice,
+    ThreadTuner,
+    choose_threads,
+    set_interop_threads,
+    thread_setting,
+)
+from anyrec.calibration.core_load import BindChoice, CoreLoad, bind_setting, choose_binding, measure_core_load
 
 logger = logging.getLogger(__name__)
 
@@ -78,34 +87,65 @@ class CPUBackend(Backend):
     def device(self, local_rank: int = 0) -> torch.device:
         return torch.device("cpu")
 
-    def bind_local_rank(self, local_rank: int, local_world_size: int,
-                        bind_cores: bool | str = "auto") -> list[int] | None:
+    def bind_local_rank(self, local_rank: int, local_world_size: int, bind_cores: bool | str = "auto",
+                        threads: int | str = "auto") -> list[int] | None:
         """Each rank runs torch's threads on its own contiguous share of the host's cores, bound to it
-        where `bind_cores` says so (auto: see core_load); the decision is kept in `self.bind_choice`."""
+        where `bind_cores` says so (auto: see core_load), as many as `threads` says (auto: see threads);
+        the decisions are kept in `self.bind_choice` and `self.thread_choice`, and under auto
+        `self.step_hooks()` re-checks them while the job trains."""
         self.bind_choice: BindChoice | None = None
-        bind_setting(bind_cores)  # a bad value fails on every host, not only where it would be read
-        if local_world_size <= 1:
-            return None
+        self.thread_choice: ThreadChoice | None = None
+        self._tuner: ThreadTuner | None = None
+        bind_setting(bind_cores)  # bad values fail on every host, not only where they would be read
+        forced = thread_setting(threads)
         allowed = _host_cores()
-        share = core_share(allowed, local_rank, local_world_size) if allowed else None
+        share = (core_share(allowed, local_rank, local_world_size) if allowed and local_world_size > 1
+                 else allowed or None)
         if share is None:
             cores = len(allowed) or os.cpu_count() or 1
             if allowed:
                 logger.warning("%d local ranks on %d cores: ranks share cores, threads not bound",
                                local_world_size, cores)
-            torch.set_num_threads(max(1, cores // local_world_size))
+            self._choose_threads(forced, max(1, cores // local_world_size), local_world_size, allowed, None)
             return None
-        torch.set_num_threads(len(share))
-        if not os.path.isdir("/proc/self/task"):
+        readable = os.path.isdir("/proc/self/task")
+        load = None
+        if readable and (forced is None or local_world_size > 1 and bind_setting(bind_cores) == "auto"):
+            load = measure_core_load(allowed)  # one sample serves both rules
+        self._choose_threads(forced, len(share), local_world_size, allowed, load)
+        if local_world_size <= 1 or not readable:
+            self._log_threads(local_rank, local_world_size)
             return None
-        self.bind_choice = choose_binding(bind_cores, lambda: measure_core_load(allowed))
+        self.bind_choice = choose_binding(bind_cores, lambda: load)
         bind = self.bind_choice.bind
         if bind:
             bind_threads(share)
+        if self._tuner is not None and self.bind_choice.setting == "auto":
+            self._tuner.rebinder = Rebinder(share, allowed, bind, bind_threads)
         logger.info("local rank %d of %d: threads %s cores %s (%s)", local_rank, local_world_size,
                     "bound to" if bind else "free on", ",".join(map(str, share if bind else allowed)),
                     self.bind_choice.describe())
+        self._log_threads(local_rank, local_world_size)
         return share if bind else None
+
+    def _choose_threads(self, forced: int | None, share_cores: int, local_world_size: int,
+                        allowed: list[int], load: CoreLoad | None) -> None:
+        choice = choose_threads(forced, share_cores, local_world_size, load)
+        torch.set_num_threads(choice.intra_op)
+        self.interop_threads = set_interop_threads(choice.intra_op)
+        self.thread_choice = choice
+        if forced is None and allowed and load is not None:
+            self._tuner = ThreadTuner(choice, allowed)
+
+    def _log_threads(self, local_rank: int, local_world_size: int) -> None:
+        logger.info("local rank %d of %d: %s, %d inter-op threads%s", local_rank, local_world_size,
+                    self.thread_choice.describe(), self.interop_threads,
+                    f", re-checked every {RECHECK_S:g} s" if self._tuner is not None else "")
+
+    def step_hooks(self) -> list[Callable[[object], None]]:
+        """The thread (and binding) re-check under backend.threads=auto, as a step hook; else none."""
+        tuner = getattr(self, "_tuner", None)
+        return [tuner] if tuner is not None else []
 
     def device_spec(self) -> DeviceSpec:
         cpu = SKUS["cpu"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -73,10 +74,14 @@ class Backend(abc.ABC):
         """Bind this process to its device (no-op where devices are not per-process)."""
 
     def bind_local_rank(self, local_rank: int, local_world_size: int,  # noqa: B027 - optional hook
-                        bind_cores: bool | str = "auto") -> list[int] | None:
-        """Give this local rank its share of the host's cores; the cores it is bound to, or None (on
-        accelerators torchrun --numa-binding binds host cores to devices)."""
+                        bind_cores: bool | str = "auto", threads: int | str = "auto") -> list[int] | None:
+        """Give this local rank its share of the host's cores (and its thread count); the cores it is bound
+        to, or None (on accelerators torchrun --numa-binding binds host cores to devices)."""
         return None
+
+    def step_hooks(self) -> list[Callable[[Any], None]]:
+        """Hooks to call after every training step (the CPU backend's thread re-check); none by default."""
+        return []
 
     @abc.abstractmethod
     def device_spec(self) -> DeviceSpec:

@@ -9,9 +9,11 @@ copy torchrec's TrainPipelineSparseDist issues on its own stream is asynchronous
 
 `idle` is for a step that computes on the same CPU cores (training on the CPU): each worker runs its torch ops
 on one intra-op thread and, on Linux, at idle scheduling priority (SCHED_IDLE), so it only takes a core the
-step leaves free. At normal priority a worker preempts the step's OpenMP threads and the step's parallel
-regions wait for the slowest one: measured on 2 cores (DLRMv2-shaped batches, `benchmarks/train_step.py`), a
-normal-priority worker made the loop slower than generating in the step, an idle one faster.
+step leaves free; there are at most as many as the step's threads (`torch.get_num_threads()` when the
+iterator starts: under `backend.threads=auto` the cores this rank gets). At normal priority a worker
+preempts the step's OpenMP threads and the step's parallel regions wait for the slowest one: measured on
+2 cores (DLRMv2-shaped batches, `benchmarks/train_step.py`), a normal-priority worker made the loop slower
+than generating in the step, an idle one faster.
 
 A worker's exception is raised in the consumer, unchanged (so the file and row it names reach the trainer),
 when the consumer reaches the batch that failed. Threads are daemons that stop when the iterator is exhausted,
@@ -87,14 +89,15 @@ class PrefetchIterator(Iterator[Batch]):
                  workers: int = 1, pin: Callable[[Batch], Batch] | None = None, idle: bool = False) -> None:
         if depth < 1 or workers < 1:
             raise ValueError(f"data.prefetch and data.prefetch_workers must be >= 1, got {depth}, {workers}")
-        workers = min(workers, depth)
+        idle_default = torch.get_num_threads() if idle else None
+        # idle workers: at most one per thread of the step (the CPU backend's count for the cores it gets)
+        workers = min(workers, depth, idle_default or workers)
         end = first + count if count is not None else None
         self._first, self._next, self._end = first, first, end
         self._stop = threading.Event()
         per_worker = -(-depth // workers)
         self._queues = [queue.Queue(maxsize=per_worker) for _ in range(workers)]
         self._threads = []
-        idle_default = torch.get_num_threads() if idle else None
         for w, q in enumerate(self._queues):
             steps = range(first + w, end if end is not None else 2**62, workers)
             t = threading.Thread(target=_work, args=(make, steps, pin, q, self._stop, idle_default),

@@ -187,13 +187,14 @@ class Runtime:
 
 
 def start_runtime(backend_name: str, bind_cores: bool | str = "auto", timeout_s: float | None = None,
-                  peer_timeout_s: float | None = None) -> Runtime:
+                  peer_timeout_s: float | None = None, threads: int | str = "auto") -> Runtime:
     """The backend called `backend_name`, the process group joined (init_distributed, with its timeouts)
-    and this rank's threads bound as `bind_cores` says (auto: by the cores' load): once per process."""
+    and this rank's threads bound as `bind_cores` says and as many as `threads` says (auto: by the cores'
+    load): once per process."""
     backend = get_backend(backend_name)
     info = init_distributed(backend, timeout_s, peer_timeout_s)
     cores = tuple(allowed_cores())
-    bound = backend.bind_local_rank(info.local_rank, info.local_world_size, bind_cores) is not None
+    bound = backend.bind_local_rank(info.local_rank, info.local_world_size, bind_cores, threads) is not None
     return Runtime(backend, info, backend.device(info.local_rank), bound, cores)
 
 

@@ -102,6 +102,7 @@ class Trainer:
         self.predicted_memory: list[MemoryPrediction] | None = None  # each rank's peak, where predicted
         # Called after every training step with the trainer (anyrec-parity records each step's loss).
         self.step_hooks: list[Callable[[Trainer], None]] = []
+        self.step_hooks += self.backend.step_hooks()  # e.g. the CPU's thread re-check
         self.stopper: StopRequest | None = None  # during train(): SIGINT/SIGTERM stop every rank
         self.build()
         self.checkpoints = (CheckpointManager(cfg.trainer.checkpoint, self.signature(), self.dist,
@@ -118,7 +119,7 @@ class Trainer:
         """The backend, process group and core binding the config names (a Trainer given no runtime)."""
         tc = self.cfg.trainer
         return start_runtime(self.cfg.backend.name, self.cfg.backend.bind_cores, tc.collective_timeout_s,
-                             tc.peer_timeout_s)
+                             tc.peer_timeout_s, self.cfg.backend.threads)
 
     def _hardware(self) -> Hardware:
         """The device the plan is costed on: the one given, else the config's, resolved once."""
