@@ -32,6 +32,7 @@ from anyrec.planner.memory import MemoryPrediction
 from anyrec.planner.types import Perf
 from anyrec.signing import resolve_key
 from anyrec.trainer.checkpoint import CheckpointManager, StepState
+from anyrec.trainer.compile import compile_dense
 from anyrec.trainer.distributed import DistInfo, all_reduce_mean, destroy_distributed, init_distributed
 from anyrec.trainer.inputs import build_inputs
 from anyrec.trainer.lineage import identity_config
@@ -134,6 +135,8 @@ class Trainer:
             self._build_sharded()
         # the same initial weights whatever the kernel, plan, world size or device
         init_model(self.model, table_configs(self.cfg.model), tc.seed, EBC_PATH)
+        self.compiled = compile_dense(self.model, self.cfg.model, self.backend, self.device, tc.compile,
+                                      tc.steps - self.step, self.batch_size, self.autocast, self.dist)
         self.optimizers = Optimizers(self.model, self.fused_optimizer, self.cfg.optim, EBC_PATH)
         loop = SparseDistPipeline if tc.pipeline and not self.unsharded else EagerLoop
         self.pipeline = loop(self.model, self.optimizers.combined, self.device, self)
