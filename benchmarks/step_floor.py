@@ -263,7 +263,9 @@ def compile_choice(overrides: list[str], args: argparse.Namespace, work: Path) -
 
 def table(results: dict) -> str:
     lines = [f"{'shape':<13} {'floor ms':>9} {'plan ms':>8} {'anyrec ms':>10} {'x floor':>8} {'ref ms':>8} "
-             f"{'x floor':>8}   floor terms (slowest rank, ms)"]
+             f"{'x floor':>8}   floor terms (slowest rank, ms)",
+             "  (x floor: measured step / floor; its inverse, floor / measured, is the fraction of the "
+             "floor's speed reached)"]
     for shape, res in results["shapes"].items():
         fl = res["floor"]
         med = res.get("measured", {}).get("median_step_ms", {})
@@ -331,8 +333,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile", action="store_true", help="also measure trainer.compile=auto's choice")
     ap.add_argument("--compile-steps", type=int, default=300, help="steps of each compile-choice job")
     ap.add_argument("--timeout-s", type=int, default=900, help="per run")
-    ap.add_argument("--json", type=Path, help="write everything here")
+    ap.add_argument("--json", type=Path, help="write everything here (and the table beside it, .txt)")
+    ap.add_argument("--table", type=Path, help="print the table of an earlier --json file; run nothing")
     args = ap.parse_args(argv)
+    if args.table:
+        print(table(json.loads(args.table.read_text())))
+        return 0
     try:
         shapes = [s for s in args.shapes.split(",") if s]
         unknown = [s for s in shapes if s not in SHAPES]
