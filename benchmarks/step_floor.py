@@ -230,7 +230,7 @@ def compile_choice(overrides: list[str], args: argparse.Namespace, work: Path) -
     """trainer.compile=auto beside =true and =false: whole-job wall seconds (compile included), the
     trainer's measured step, and what auto chose. The compile record is measured first (auto), cached in
     a fresh cache folder for this benchmark, so the timed auto run decides from it as a later job would."""
-    env_cache = work / "cache"
+    env_cache = work / f"cache_{len(list(work.glob('cache_*')))}"  # each job shape from an empty cache
     os.environ["ANYREC_CACHE_DIR"] = str(env_cache)
     try:
         common = [*overrides, f"data.batch_size={args.batch_size}", f"trainer.steps={args.compile_steps}",
@@ -332,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nproc", type=int, default=2, help="ranks (one host)")
     ap.add_argument("--compile", action="store_true", help="also measure trainer.compile=auto's choice")
     ap.add_argument("--compile-steps", type=int, default=300, help="steps of each compile-choice job")
+    ap.add_argument("--compile-only", action="store_true", help="the floors and the compile choice only")
     ap.add_argument("--timeout-s", type=int, default=900, help="per run")
     ap.add_argument("--json", type=Path, help="write everything here (and the table beside it, .txt)")
     ap.add_argument("--table", type=Path, help="print the table of an earlier --json file; run nothing")
@@ -384,7 +385,9 @@ def run(args: argparse.Namespace, shapes: list[str], script: Path | None) -> dic
             fl = res["floor"]
             print(f"{shape}: floor {fl['floor_ms']:.3f} ms, plan {fl['predicted_step_ms']:.2f} ms",
                   flush=True)
-            if not args.floor_only:
+            if args.compile_only:
+                res["compile"] = compile_choice(overrides, args, work)
+            elif not args.floor_only:
                 res["loadavg_before"] = loadavg()
                 if shape == "default":
                     res["measured"] = default_job(args, work)

@@ -246,7 +246,7 @@ def choose(setting: str, backend: Backend, remaining_steps: int, record: Compile
     ceiling = eager_step_s() * remaining_steps
     if ceiling <= MIN_COMPILE_S:
         return "eager", (f"auto: the whole eager dense part takes {ceiling:.2f} s over {remaining_steps} "
-                         f"steps, under the {MIN_COMPILE_S:.0f} s no compile here took less than")
+                         f"steps, less than any compile ({MIN_COMPILE_S:.0f} s at the least)")
     return "measure", "auto: no record for this machine and model yet"
 
 
@@ -278,8 +278,11 @@ def compile_dense(train_model: nn.Module, model_cfg: ModelConfig, backend: Backe
         for m in modules.values():
             m.compile(backend=compiler)  # the compiled copies' code, reused (dynamo's cache)
     if info.is_main:
-        logger.info("dense model: %s (%s)", "compiled (inductor)" if decision.compiled else "eager",
-                    decision.reason)
+        # a forced compile the device cannot do is a setting ignored: a warning (a failed one warned already)
+        failed = decision.reason.startswith("compile failed")
+        ignored = setting == "true" and not decision.compiled and not failed
+        logger.log(logging.WARNING if ignored else logging.INFO, "dense model: %s (%s)",
+                   "compiled (inductor)" if decision.compiled else "eager", decision.reason)
     return decision
 
 
