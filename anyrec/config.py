@@ -169,6 +169,9 @@ class TrainerConfig:
     progress: bool = True
     pipeline: bool = True  # torchrec TrainPipelineSparseDist (input dist overlapped with compute)
     mixed_precision: Precision = Precision.auto  # auto: bf16 autocast on accelerators, fp32 on CPU
+    # the dense model (MLPs, interaction, loss) through torch.compile: auto | true | false
+    # (anyrec.trainer.compile; auto: when the saving over the job's steps exceeds the compile time)
+    compile: str = "auto"
     skip_nonfinite: bool = False  # NaN/inf loss or dense inputs of a training batch: skip it, not stop
     validate_inputs: bool = True  # check ids and feature counts of every batch before it is used
     run_dir: str | None = None  # JSONL/TensorBoard logs; the entry point sets Hydra's output dir

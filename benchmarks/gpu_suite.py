@@ -26,6 +26,9 @@ Sections (each runs on its own; a failure is recorded and the rest still run):
                20 steps of dlrm_tiny per optimizer; records saved as $OUT/parity_<optimizer>.json
   loop         benchmarks/train_step.py on the one-device Triton TBE: the whole training loop (data made
                on the device) against the step on pre-made batches, and plain PyTorch
+  compile      the trainer's one-device DLRMv2 step (train_step.py's shape, batch 16384, fp32) with
+               trainer.compile=false and =true (the dense model through inductor) on the same pre-made
+               batches: samples/s, build seconds (the compile included) and the first steps' losses
   calibrate    python -m anyrec.calibrate calibrate.size=large on this device -> $OUT/calibration.yaml
   memory       the trainer on this device (one rank, DLRMv2-shaped dlrmv2_small, batch 16384): the plan's
                predicted peak memory (allocated, and reserved with the allocator's slack) against the
@@ -517,6 +520,52 @@ def section_loop(device: torch.device, small: bool, out_dir: Path) -> dict:
     return {k: res[k] for k in ("model", "batch_size", "embedding_kernel", "samples_per_s", "loop_vs_step")}
 
 
+def section_compile(device: torch.device, small: bool, steps: int) -> dict:
+    """The trainer's step (anyrec's Triton TBE on one device; torch's on a CPU) eager and with the dense
+    model compiled (trainer.compile), at train_step.py's DLRMv2 shape: samples/s of `Trainer.run_steps`
+    over the same pre-made batches, the build's seconds (the compile happens there) and what was chosen."""
+    skipped = torchrec_missing("compile")
+    if skipped:
+        return skipped
+    from anyrec.config import AnyrecConfig, BackendConfig, DataConfig, OptimConfig, TrainerConfig
+    from anyrec.data.synthetic import SyntheticCriteo
+    from anyrec.trainer.trainer import Trainer
+
+    cfg, batch = load_benchmark("train_step").shapes(small)
+    warmup = 2 if small else 5
+    batches = [b.to(device) for b in (SyntheticCriteo(cfg, DataConfig(batch_size=batch), seed=0).batch(i)
+                                      for i in range(4))]
+    kernel = "triton" if device.type != "cpu" else "torch"
+    out: dict = {"model": cfg.name, "batch_size": batch, "steps": steps, "embedding_kernel": kernel}
+    for setting in ("false", "true"):
+        t0 = time.perf_counter()
+        trainer = Trainer(AnyrecConfig(
+            model=cfg, data=DataConfig(batch_size=batch), backend=BackendConfig(embedding_kernel=kernel),
+            optim=OptimConfig(name="adagrad", embedding_lr=0.01, dense_lr=0.01),
+            trainer=TrainerConfig(steps=warmup + steps, eval_steps=0, progress=False, tensorboard=False,
+                                  mixed_precision="fp32", compile=setting, calibrate="never")))
+        try:
+            build_s = time.perf_counter() - t0
+            losses: list[float] = []
+            trainer.step_hooks.append(lambda t, out=losses: out.append(float(t.last_loss)) if len(out) < 3
+                                      else None)
+            cycled = (batches[i % len(batches)] for i in range(warmup + steps))
+            trainer.run_steps(warmup, cycled)  # the first step's compile-cache hits included here
+            start = time.perf_counter()
+            trainer.run_steps(steps, cycled)
+            seconds = time.perf_counter() - start
+            name = "compiled" if setting == "true" else "eager"
+            out[name] = {"samples_per_s": steps * batch / seconds, "step_ms": seconds / steps * 1e3,
+                         "build_s": build_s, "compiled": trainer.compiled.compiled,
+                         "reason": trainer.compiled.reason, "first_losses": losses}
+            print(f"  compile: {name} {out[name]['samples_per_s']:,.0f} samples/s, build {build_s:.1f} s "
+                  f"({trainer.compiled.reason})", flush=True)
+        finally:
+            trainer.close()
+    out["compiled_vs_eager"] = out["compiled"]["samples_per_s"] / out["eager"]["samples_per_s"]
+    return out
+
+
 def section_calibrate(small: bool, out_dir: Path) -> dict:
     """`python -m anyrec.calibrate` on this device (one process: embedding steps per available
     implementation, GEMM, copies, host-to-device), written to calibration.yaml."""
@@ -608,6 +657,7 @@ def main(argv: list[str] | None = None) -> dict:
         "data": lambda: section_data(device, small),
         "parity": lambda: section_parity(device, small, out_dir),
         "loop": lambda: section_loop(device, small, out_dir),
+        "compile": lambda: section_compile(device, small, steps),
         "calibrate": lambda: section_calibrate(small, out_dir),
         "memory": lambda: section_memory(device, small, out_dir),
     }

@@ -42,7 +42,7 @@ def test_gpu_suite_small_on_cpu(tmp_path):
                                                       ("env", "correctness", "tbe", "interaction",
                                                        "dlrm_tbe", "dlrm_ebc",
                                                        "dlrm_sharded", "data", "parity", "loop",
-                                                       "calibrate", "memory")}
+                                                       "compile", "calibrate", "memory")}
     assert all(c["ok"] for k, c in s["correctness"].items() if isinstance(c, dict))
     assert s["dlrm_tbe"]["samples_per_s"] > 0 and s["dlrm_ebc"]["fbgemm_ops_called"] == []
     # The sharded world-size-1 path: its fbgemm:: calls (KJT permute, offsets) all on portable kernels.
@@ -59,6 +59,14 @@ def test_gpu_suite_small_on_cpu(tmp_path):
     assert len(json.loads((tmp_path / f"parity_{opt}.json").read_text())["runs"]) == 2
     assert "measured_fields" in (tmp_path / "calibration.yaml").read_text()
     assert s["loop"]["embedding_kernel"] == "torch" and s["loop"]["loop_vs_step"] > 0
+    # the trainer's step eager and with the dense model compiled by inductor (a C++ compile on a CPU)
+    c = s["compile"]
+    assert not c["eager"]["compiled"] and c["compiled"]["compiled"], c
+    assert c["eager"]["samples_per_s"] > 0 and c["compiled"]["samples_per_s"] > 0
+    # the same first batches, compiled or not: the same losses up to the parity tolerance
+    assert len(c["eager"]["first_losses"]) == 3
+    assert all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(c["eager"]["first_losses"],
+                                                           c["compiled"]["first_losses"], strict=True))
     # The trainer's memory check: predicted per term; the CPU measures no device memory (null)
     assert s["memory"]["predicted_peak_memory_bytes_per_rank"][0] > 0
     assert s["memory"]["predicted_memory_terms"]["embedding_weights_bytes"] > 0
@@ -69,13 +77,13 @@ def test_gpu_suite_small_on_cpu(tmp_path):
 
 
 def test_gpu_suite_without_torchrec_or_fbgemm(tmp_path):
-    only = "correctness,interaction,dlrm_tbe,dlrm_ebc,dlrm_sharded,data,parity,loop,calibrate,memory"
+    only = "correctness,interaction,dlrm_tbe,dlrm_ebc,dlrm_sharded,data,parity,loop,compile,calibrate,memory"
     proc, rep = _run(tmp_path, ["--small", "--only", only], block=True)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     s = rep["sections"]
     assert s["correctness"]["status"] == "ok" and s["dlrm_tbe"]["status"] == "ok"
     assert s["interaction"]["status"] == "ok"  # torch + triton only
-    for name in ("dlrm_ebc", "dlrm_sharded", "data", "parity", "loop", "calibrate", "memory"):
+    for name in ("dlrm_ebc", "dlrm_sharded", "data", "parity", "loop", "compile", "calibrate", "memory"):
         assert s[name]["status"] == "skipped" and "torchrec does not import" in s[name]["skipped"]
     assert "does not import" in s["env"]["torchrec"]
     assert "dlrm_ebc: SKIPPED" in proc.stdout

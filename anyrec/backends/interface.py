@@ -159,6 +159,15 @@ class Backend(abc.ABC):
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device_type, dtype=torch.bfloat16)
 
+    @property
+    def compiles(self) -> bool:
+        """Whether torch.compile's inductor generates code for this device type (CPU, CUDA and ROCm, XPU);
+        a plugin device without a registered inductor back end answers False (its models stay eager)."""
+        from torch._inductor.codegen.common import get_scheduling_for_device, init_backend_registration
+
+        init_backend_registration()
+        return get_scheduling_for_device(self.device_type) is not None
+
     def probe(self, impl: str) -> str | None:
         """This backend's veto on implementation `impl` (None: let the Impl's own probe decide); override
         to answer for a library of your own, or to rule one out on your device."""

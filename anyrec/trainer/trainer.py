@@ -39,6 +39,7 @@ from anyrec.trainer.checkpoint import (
     from_legacy,
     legacy_template,
 )
+from anyrec.trainer.compile import compile_dense
 from anyrec.trainer.distributed import DistInfo, Runtime, all_reduce_mean, destroy_distributed, start_runtime
 from anyrec.trainer.fingerprint import weights_fingerprint
 from anyrec.trainer.inputs import build_inputs
@@ -157,6 +158,8 @@ class Trainer:
             self._build_sharded()
         # the same initial weights whatever the kernel, plan, world size or device
         init_model(self.model, table_configs(self.cfg.model), tc.seed, EBC_PATH)
+        self.compiled = compile_dense(self.model, self.cfg.model, self.backend, self.device, tc.compile,
+                                      tc.steps - self.step, self.batch_size, self.autocast, self.dist)
         self.optimizers = Optimizers(self.model, self.fused_optimizer, self.cfg.optim, EBC_PATH)
         loop = SparseDistPipeline if tc.pipeline and not self.unsharded else EagerLoop
         self.pipeline = loop(self.model, self.optimizers.combined, self.device, self)

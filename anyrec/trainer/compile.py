@@ -1,0 +1,331 @@
+"""`trainer.compile`: the dense model (bottom MLP, interaction, over-arch, loss) through torch.compile's
+inductor; the sparse path (the EmbeddingBagCollection, its input and output distribution) stays with
+torchrec's pipeline.
+
+    false  eager (the numbers of record: golden curves and the default job's loss are eager ones)
+    true   compiled, where the backend has an inductor code generator (CPU, CUDA, ROCm); eager with one
+           warning on a device without one, or when the compile fails
+    auto   compiled when the predicted saving over the job's remaining steps exceeds the compile time
+
+Each dense module is compiled in place (`nn.Module.compile`), so parameter names, checkpoints and the DDP
+wrapper see the same modules. The compile happens at build, on copies of the dense modules fed a batch of
+the job's shape: a failure is caught there (eager, one warning) rather than in the first training step,
+and the real modules then reuse the compiled code (dynamo's cache; their first call takes milliseconds).
+
+`auto` reads a record measured once per machine and dense-model shape, cached in the calibration cache
+folder (`compile/<key>.json`): the compile time (training and evaluation graphs) and the dense part's step
+time eager and compiled. Without a record it first bounds the saving by the whole eager dense step (no
+compile saves more than all of it): below `MIN_COMPILE_S` over the remaining steps the job stays eager
+without compiling anything; otherwise it measures, writes the record and decides. Rank 0 decides; every
+rank follows.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torchrec.distributed.model_parallel import get_unwrapped_module
+
+from anyrec.calibration.cache import cache_dir
+from anyrec.config import ModelConfig
+from anyrec.io_checks import atomic_write
+from anyrec.safe_load import UnsafeFileError, load_json
+from anyrec.trainer.distributed import ONE_PROCESS, DistInfo, broadcast_from_main
+
+if TYPE_CHECKING:
+    from anyrec.backends import Backend
+
+logger = logging.getLogger(__name__)
+
+SETTINGS = ("auto", "true", "false")
+# Where the dense modules sit in the trainer's DLRMTrain (the EmbeddingBagCollection, model.sparse_arch,
+# is never compiled: torchrec's pipeline rewrites its input distribution).
+DENSE_MODULES = ("model.dense_arch", "model.interaction", "model.over_arch", "loss_fn")
+# empirical: the shortest inductor compile of a dense DLRM (training + evaluation graphs) measured on a
+# 2-core CPU host, dlrm_small, 2026-12-04, took 12.7 s: a saving bounded below this is not worth measuring.
+MIN_COMPILE_S = 10.0
+TIMED_STEPS = 10  # dense steps timed eager and compiled by the measurement
+RECORD_VERSION = 1
+
+
+def compile_setting(value: bool | str) -> str:
+    """`trainer.compile` as one of auto | true | false (a bool, or its string in any case)."""
+    s = str(value).strip().lower()
+    if s not in SETTINGS:
+        raise ValueError(f"trainer.compile={value!r}: choose auto, true or false")
+    return s
+
+
+@dataclass(frozen=True)
+class CompileRecord:
+    """One machine's measurement for one dense-model shape: seconds to compile (first calls included),
+    and seconds per dense forward + backward, eager and compiled."""
+
+    key: str
+    compile_s: float
+    eager_step_s: float
+    compiled_step_s: float
+    version: int = RECORD_VERSION
+
+    @property
+    def saving_per_step_s(self) -> float:
+        return self.eager_step_s - self.compiled_step_s
+
+
+def worth_compiling(record: CompileRecord, remaining_steps: int) -> bool:
+    """Whether compiling pays for itself: the saving over `remaining_steps` exceeds the compile time."""
+    return record.saving_per_step_s * remaining_steps > record.compile_s
+
+
+@dataclass(frozen=True)
+class CompileDecision:
+    """What `compile_dense` did and why (the reason is logged once)."""
+
+    compiled: bool
+    setting: str
+    reason: str
+    record: CompileRecord | None = None
+
+
+# ---- the per-machine record ------------------------------------------------------------------------
+
+
+def record_key(backend: Backend, model: ModelConfig, batch_size: int, autocast: bool, local_world_size: int
+               ) -> str:
+    """The digest naming a record: the device and software, how the host is shared, the dense model's
+    shape and the batch (what changes compile time or the dense step)."""
+    parts = {"backend": backend.name, "device": backend.facts.device_name, "arch": backend.facts.arch,
+             "torch": torch.__version__, "threads": torch.get_num_threads(), "local_ranks": local_world_size,
+             "bottom_mlp": list(model.bottom_mlp), "top_mlp": list(model.top_mlp),
+             "interaction": model.interaction, "dcn": [model.dcn_num_layers, model.dcn_low_rank],
+             "dense": model.num_dense_features, "sparse": len(model.table_rows), "dim": model.embedding_dim,
+             "batch": batch_size, "bf16": autocast}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def record_path(key: str, directory: Path | None = None) -> Path:
+    return (directory or cache_dir()) / "compile" / f"{key}.json"
+
+
+def read_record(path: Path, key: str) -> CompileRecord | None:
+    """The record at `path` if it is whole, for `key` and of this version; None (said in one line) else."""
+    if not path.exists():
+        return None
+    try:
+        data = load_json(path, f"compile record {path}", max_bytes=4096)
+        record = CompileRecord(**data)
+    except (UnsafeFileError, TypeError) as e:
+        logger.warning("compile record ignored: %s", str(e).splitlines()[0])
+        return None
+    values = (record.compile_s, record.eager_step_s, record.compiled_step_s)
+    if record.key != key or record.version != RECORD_VERSION or not all(
+            isinstance(v, float | int) and v >= 0 for v in values):
+        logger.warning("compile record ignored: %s is not a valid record for this job", path)
+        return None
+    return record
+
+
+def write_record(path: Path, record: CompileRecord) -> None:
+    """Write `record` whole or not at all (a rename; a link at `path` is replaced, never written through)."""
+    with atomic_write(path) as f:
+        json.dump(dataclasses.asdict(record), f)
+
+
+# ---- measuring -------------------------------------------------------------------------------------
+
+
+def dense_modules(train_model: nn.Module) -> dict[str, nn.Module]:
+    """The compiled parts of a DLRMTrain (or of the DistributedModelParallel around one), by path."""
+    unwrapped = get_unwrapped_module(train_model)
+    return {path: unwrapped.get_submodule(path) for path in DENSE_MODULES}
+
+
+def dense_step(modules: dict[str, nn.Module], dense_BI: torch.Tensor, sparse_BFD: torch.Tensor,
+               labels_B: torch.Tensor, autocast: Callable[[], object], train: bool = True) -> torch.Tensor:
+    """One forward (and, when `train`, backward) of the dense part as DLRM.forward and DLRMTrain run it."""
+    with autocast():
+        dense_BD = modules["model.dense_arch"](dense_BI)
+        logits_B = modules["model.over_arch"](modules["model.interaction"](dense_BD, sparse_BFD)).squeeze(-1)
+        loss = modules["loss_fn"](logits_B.float(), labels_B)
+    if train:
+        loss.backward()
+    return loss
+
+
+def _timed_steps(step: Callable[[], object], backend: Backend, n: int, best: bool = False) -> float:
+    """The median seconds of `n` calls of `step` after one untimed call (a shared host's other work shows
+    in the mean, far less in the median); the fastest call's with `best`."""
+    step()
+    backend.synchronize()
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        step()
+        backend.synchronize()
+        times.append(time.perf_counter() - start)
+    return min(times) if best else statistics.median(times)
+
+
+def example_batch(model: ModelConfig, batch_size: int, device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Dense features, pooled embeddings (with a gradient, as the EBC's output has) and labels of the job's
+    shape, from a fixed generator (the global RNG, which seeds the model, is left alone)."""
+    gen = torch.Generator().manual_seed(0)
+    dense_BI = torch.randn(batch_size, model.num_dense_features, generator=gen).to(device)
+    sparse_BFD = torch.randn(batch_size, len(model.table_rows), model.embedding_dim, generator=gen).to(device)
+    labels_B = torch.randint(0, 2, (batch_size,), generator=gen).float().to(device)
+    return dense_BI, sparse_BFD.requires_grad_(), labels_B
+
+
+def measure_eager(modules: dict[str, nn.Module], batch: tuple, backend: Backend,
+                  autocast: Callable[[], object], steps: int = TIMED_STEPS, best: bool = False) -> float:
+    """Seconds per eager dense step, on copies of `modules` (the median step's; the fastest's with `best`)."""
+    copies = {k: copy.deepcopy(m) for k, m in modules.items()}
+    return _timed_steps(lambda: dense_step(copies, *batch, autocast), backend, steps, best)
+
+
+def compile_copies(modules: dict[str, nn.Module], batch: tuple, backend: Backend,
+                   autocast: Callable[[], object], compiler: str | Callable = "inductor"
+                   ) -> tuple[dict[str, nn.Module], float]:
+    """Compiled copies of `modules`, their training and evaluation graphs built, and the seconds that took.
+    Raises what the compile raises."""
+    copies = {k: copy.deepcopy(m) for k, m in modules.items()}
+    for m in copies.values():
+        m.compile(backend=compiler)
+    start = time.perf_counter()
+    dense_step(copies, *batch, autocast)
+    for m in copies.values():
+        m.eval()
+    with torch.no_grad():
+        dense_step(copies, *batch, autocast, train=False)
+    for m in copies.values():
+        m.train()
+    backend.synchronize()
+    return copies, time.perf_counter() - start
+
+
+def measure_compiled(modules: dict[str, nn.Module], batch: tuple, backend: Backend,
+                     autocast: Callable[[], object], steps: int = TIMED_STEPS,
+                     compiler: str | Callable = "inductor") -> tuple[float, float]:
+    """(compile seconds, seconds per compiled dense step) of copies of `modules`."""
+    copies, compile_s = compile_copies(modules, batch, backend, autocast, compiler)
+    return compile_s, _timed_steps(lambda: dense_step(copies, *batch, autocast), backend, steps)
+
+
+# ---- the choice ------------------------------------------------------------------------------------
+
+
+def choose(setting: str, backend: Backend, remaining_steps: int, record: CompileRecord | None,
+           eager_step_s: Callable[[], float]) -> tuple[str, str]:
+    """What to do before any compile: ("eager" | "compile" | "measure", why). `eager_step_s` is called
+    only when `auto` has no record (it times the eager dense step)."""
+    if setting == "false":
+        return "eager", "trainer.compile=false"
+    if not backend.compiles:
+        return "eager", (f"the {backend.name} backend's device ({backend.device_type}) has no inductor code "
+                         f"generator")
+    if setting == "true":
+        return "compile", "trainer.compile=true"
+    if record is not None:
+        saving = record.saving_per_step_s * remaining_steps
+        verdict = "compile" if worth_compiling(record, remaining_steps) else "eager"
+        return verdict, (f"auto: {remaining_steps} steps x {record.saving_per_step_s * 1e3:.3f} ms saved = "
+                         f"{saving:.1f} s vs {record.compile_s:.1f} s to compile (this machine's record)")
+    ceiling = eager_step_s() * remaining_steps
+    if ceiling <= MIN_COMPILE_S:
+        return "eager", (f"auto: the whole eager dense part takes {ceiling:.2f} s over {remaining_steps} "
+                         f"steps, less than any compile ({MIN_COMPILE_S:.0f} s at the least)")
+    return "measure", "auto: no record for this machine and model yet"
+
+
+def compile_dense(train_model: nn.Module, model_cfg: ModelConfig, backend: Backend, device: torch.device,
+                  setting: bool | str, remaining_steps: int, batch_size: int, autocast: bool,
+                  info: DistInfo = ONE_PROCESS, directory: Path | None = None,
+                  compiler: str | Callable = "inductor") -> CompileDecision:
+    """Compile `train_model`'s dense modules in place as `setting` says (rank 0 decides, every rank follows
+    and compiles its own); logs the decision once. A failed compile leaves them eager, with one warning.
+    `directory`: the records' folder (default: the calibration cache's); `compiler`: torch.compile's."""
+    setting = compile_setting(setting)
+    modules = dense_modules(train_model)
+    batch = example_batch(model_cfg, batch_size, device)
+    ctx = lambda: backend.autocast(autocast)  # noqa: E731 - a fresh context per step
+    decision = None
+    if info.is_main:
+        decision = _decide(setting, modules, batch, backend, ctx, remaining_steps,
+                           record_key(backend, model_cfg, batch_size, autocast, info.local_world_size),
+                           directory, compiler)
+    decision = broadcast_from_main(decision, info)
+    assert isinstance(decision, CompileDecision)
+    if decision.compiled and not info.is_main:  # rank 0 compiled while deciding; the others compile now
+        try:
+            compile_copies(modules, batch, backend, ctx, compiler)
+        except Exception as e:  # noqa: BLE001 - any compile error: this rank's graphs are not usable
+            raise RuntimeError(f"rank {info.rank}: the dense model's compile failed where rank 0's "
+                               f"succeeded: {_first_lines(e)}") from e
+    if decision.compiled:
+        for m in modules.values():
+            m.compile(backend=compiler)  # the compiled copies' code, reused (dynamo's cache)
+    if info.is_main:
+        # a forced compile the device cannot do is a setting ignored: a warning (a failed one warned already)
+        failed = decision.reason.startswith("compile failed")
+        ignored = setting == "true" and not decision.compiled and not failed
+        logger.log(logging.WARNING if ignored else logging.INFO, "dense model: %s (%s)",
+                   "compiled (inductor)" if decision.compiled else "eager", decision.reason)
+    return decision
+
+
+def _decide(setting: str, modules: dict[str, nn.Module], batch: tuple, backend: Backend,
+            ctx: Callable[[], object], remaining_steps: int, key: str, directory: Path | None,
+            compiler: str | Callable) -> CompileDecision:
+    path = record_path(key, directory)
+    record = read_record(path, key) if setting == "auto" else None
+    action, reason = choose(setting, backend, remaining_steps, record,
+                            # the fastest of a few steps: on a busy host the median can be 10x the cost
+                            lambda: measure_eager(modules, batch, backend, ctx, steps=5, best=True))
+    if action == "eager":
+        return CompileDecision(False, setting, reason, record)
+    if action == "compile":  # forced, or auto with a record that says so
+        # the compile runs here, on copies, so a failure shows before the first training step
+        try:
+            compile_copies(modules, batch, backend, ctx, compiler)
+        except Exception as e:  # noqa: BLE001 - inductor raises many kinds; all mean "stay eager"
+            return _failed(setting, e)
+        return CompileDecision(True, setting, reason, record)
+    try:
+        compile_s, compiled_s = measure_compiled(modules, batch, backend, ctx, compiler=compiler)
+    except Exception as e:  # noqa: BLE001
+        return _failed(setting, e)
+    eager_s = measure_eager(modules, batch, backend, ctx)
+    record = CompileRecord(key, compile_s, eager_s, compiled_s)
+    try:
+        write_record(path, record)
+    except OSError as e:
+        logger.warning("compile record not cached (%s): the next job measures again", e)
+    _, reason = choose(setting, backend, remaining_steps, record, lambda: eager_s)
+    return CompileDecision(worth_compiling(record, remaining_steps), setting, f"{reason}, measured now",
+                           record)
+
+
+def _failed(setting: str, error: BaseException) -> CompileDecision:
+    logger.warning("trainer.compile=%s: the dense model's compile failed (%s: %s); it runs eager",
+                   setting, type(error).__name__, _first_lines(error))
+    return CompileDecision(False, setting, f"compile failed: {type(error).__name__}")
+
+
+def _first_lines(error: BaseException, limit: int = 300) -> str:
+    """The message's first line, and the next one where the first only introduces it ("... raised:")."""
+    lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()] or [type(error).__name__]
+    text = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]
+    return text[:limit]
