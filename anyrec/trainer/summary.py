@@ -219,6 +219,7 @@ def _figures(trainer: Trainer, run: RunState, final_loss: float | None, train_lo
         "backend": trainer.backend.name,
         "embedding_kernel": trainer.embedding_kernel,
         "world_size": trainer.dist.world_size,
+        "sharding_group_size": getattr(trainer.sharding_plan, "sharding_group_size", trainer.dist.world_size),
         "hosts": trainer.dist.hosts,
         "local_world_size": trainer.dist.local_world_size,
         "batch_size_per_rank": trainer.batch_size,

@@ -17,7 +17,6 @@ from typing import Any
 import torch
 from torch import nn
 from torchrec.datasets.utils import Batch
-from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import ShardingPlan
 
 from anyrec.backends import Backend, get_backend
@@ -47,7 +46,7 @@ from anyrec.trainer.optim import (
 )
 from anyrec.trainer.perfcheck import StepProfiler, breakdown_window, phase, warmup_steps
 from anyrec.trainer.pipeline import EagerLoop, SparseDistPipeline, predictions
-from anyrec.trainer.planning import dense_wrapper, place_shards, sharders, shared_plan, unsharded_memory
+from anyrec.trainer.planning import place_shards, shard_model, shared_plan, unsharded_memory
 from anyrec.trainer.shutdown import StopRequest, peers_met
 from anyrec.trainer.summary import MetricWriter, RunState, log_eval, log_train, run_summary
 from anyrec.trainer.validate import flush_checks
@@ -183,10 +182,8 @@ class Trainer:
         # device cannot (its copies are then plain ones; the numbers do not change), for the dense
         # modules and for the data-parallel tables of a sharder that takes the setting.
         static_graph = self.device.type == "cpu" or self.backend.pins_host_memory()
-        self.model = DistributedModelParallel(
-            DLRMTrain(model), device=self.device, plan=self.sharding_plan,
-            sharders=sharders(embedding, static_graph),
-            data_parallel_wrapper=dense_wrapper(self.dist.world_size, static_graph))
+        self.model = shard_model(DLRMTrain(model), self.device, self.sharding_plan, self.backend, self.dist,
+                                 embedding, static_graph)  # 1D or 2D (planner.sharding_group_size)
         self.fused_optimizer = self.model.fused_optimizer
 
     def _build_unsharded(self) -> None:
