@@ -223,3 +223,23 @@ def test_nothing_fitting_is_one_error_naming_every_size():
     with pytest.raises(InfeasiblePlanError, match="no sharding group size fits: 1: 1 ranks: too small; "
                                                   "2: 2 ranks: too small"):
         choose_group_size(2, 2, get_sku("h100"), None, plan_for)
+
+
+@pytest.mark.integration
+def test_two_hosts_of_two_ranks_train_in_two_groups_with_host_local_replicas(tmp_path):
+    """Two torchrun agents on loopback (2 ranks each), two sharding groups of 2: each group strides over
+    both hosts (ranks 0, 2 and 1, 3) and each rank's replica is its neighbour on its own host; the job
+    trains as the same 2D job on one host of four ranks (whose group plan is a one-host one)."""
+    from .test_multihost import launch_hosts
+
+    job = [*JOB, "planner.sharding_group_size=2", "trainer.steps=4", f"hydra.run.dir={tmp_path}/h"]
+    run = launch_hosts(job, tmp_path)
+    assert run.returncodes == [0, 0], run.out[-4000:]
+    assert run.strays == []
+    two = run.summary()
+    assert two["hosts"] == 2 and two["world_size"] == 4 and two["sharding_group_size"] == 2
+    # the group's plan: its two ranks on two hosts, one each
+    assert "tables on 2 x CPU (2 host(s) x 1)" in (tmp_path / "h" / "train_rank0.log").read_text()
+    one = _train(tmp_path, "planner.sharding_group_size=2", "trainer.steps=4")
+    assert one["hosts"] == 1
+    assert two["final_loss"] == pytest.approx(one["final_loss"], rel=1e-5)

@@ -97,10 +97,13 @@ def replica_sync_time_s(plan: PlanResult, layout: GroupLayout, sync_every: int =
 
 
 def dense_extra_time_s(plan: PlanResult, layout: GroupLayout) -> float:
-    """Seconds per step the dense gradients' all-reduce takes over the whole world beyond the group's
-    (the group's plan prices it over the group; DDP runs it over every rank)."""
+    """Seconds per step the all-reduce of the dense gradients and the data-parallel tables' gradients
+    takes over the whole world beyond the group's (the group's plan prices it over the group; DDP runs
+    it over every rank, torchrec's sync leaves data-parallel tables to it)."""
     world = layout.world_topology(plan.topology.device, plan.topology.compute_device)
-    n = plan.workload.dense_param_count
+    n = plan.workload.dense_param_count + sum(
+        o.table.num_rows * o.table.embedding_dim for o in plan.tables.values()
+        if o.sharding == ShardingType.DATA_PARALLEL)
     return dense_all_reduce_time_s(n, world) - dense_all_reduce_time_s(n, plan.topology)
 
 
