@@ -120,15 +120,15 @@ def test_two_groups_of_two_train_pipelined_and_eager_alike_with_evaluation(tmp_p
 
 
 @pytest.mark.integration
-def test_sgd_in_two_groups_is_1d_with_the_embedding_rate_times_the_replicas(tmp_path, monkeypatch):
-    """Averaging the replicas' SGD updates is 1D's summed update divided by the replica count: with the
-    embedding learning rate doubled, two groups of two train as one group of four, per step, to rounding.
-    Without the averaging each group would follow its own half of the data."""
+def test_sgd_in_two_groups_trains_as_1d(tmp_path, monkeypatch):
+    """torchrec divides the embeddings' gradients by the sharding group's size, so a group's SGD update
+    is its ranks' mean gradient, and the replicas' average is the world's mean: 1D's update. Two groups
+    of two train as one group of four, per step and per weight, to rounding; without the averaging each
+    group would follow its own half of the data."""
     monkeypatch.chdir(tmp_path)
-    variants = ["nproc=4 planner.sharding_group_size=4", "nproc=4 planner.sharding_group_size=2 "
-                "optim.embedding_lr=0.1"]
-    code = parity.main(["model=dlrm_tiny", "optim=sgd", "optim.embedding_lr=0.05", "data.batch_size=64",
-                        "trainer.steps=4", "planner.sharding=table_wise", "hardware.sku=cpu",
+    variants = ["nproc=4 planner.sharding_group_size=4", "nproc=4 planner.sharding_group_size=2"]
+    code = parity.main(["model=dlrm_tiny", "optim=sgd", "optim.embedding_lr=0.5", "data.batch_size=64",
+                        "trainer.steps=3", "planner.sharding=table_wise", "hardware.sku=cpu",
                         "parity.variants=[" + ",".join(json.dumps(v) for v in variants) + "]",
                         "parity.loss_rtol=1e-5", "parity.weight_atol=1e-5"])
     assert code == 0
