@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,7 @@ from anyrec.planner.types import PlanResult, TableSpec
 from anyrec.trainer.pipeline import ReplicaSync
 from anyrec.trainer.twod import GLUE_SOURCE_SHA256, glue_source_sha256
 
-from .conftest import last_json_line, torchrun
+from .conftest import ROOT, last_json_line, pip_install_target, torchrun
 
 
 def test_the_torchrec_source_under_the_glue_is_the_one_it_was_written_against():
@@ -243,3 +244,19 @@ def test_two_hosts_of_two_ranks_train_in_two_groups_with_host_local_replicas(tmp
     one = _train(tmp_path, "planner.sharding_group_size=2", "trainer.steps=4")
     assert one["hosts"] == 1
     assert two["final_loss"] == pytest.approx(one["final_loss"], rel=1e-5)
+
+
+@pytest.mark.integration
+def test_two_groups_train_on_the_simulated_plugin_device_as_on_the_cpu(tmp_path, monkeypatch):
+    """torchrec's DMPCollection machinery on a plugin device (examples/simdev, its own process-group
+    backend): anyrec's torch TBE joins torchrec's averaging, and the job trains as on the CPU, per step
+    and per weight within anyrec-parity's tolerance."""
+    site = pip_install_target(ROOT / "examples" / "simdev", tmp_path)
+    path = [str(ROOT), str(site), os.environ.get("PYTHONPATH", "")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(path))
+    monkeypatch.chdir(tmp_path)
+    variants = ["nproc=4 backend=cpu", "nproc=4 backend=simdev"]
+    code = parity.main(["model=dlrm_tiny", "backend.embedding_kernel=torch", "planner.sharding_group_size=2",
+                        "data.batch_size=64", "trainer.steps=3", "hardware.sku=cpu",
+                        "parity.variants=[" + ",".join(json.dumps(v) for v in variants) + "]"])
+    assert code == 0

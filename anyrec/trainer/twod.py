@@ -99,7 +99,7 @@ class TwoDModelParallel(DMPCollection):
         implementations) joins the same per-dtype lists, so the same `sync()` averages its weights and
         optimizer state."""
         weights, states = ctx.weights_by_dtype, ctx.optimizer_tensors_by_dtype
-        for module in self.modules():
+        for module in _with_lookups(self):
             if isinstance(module, TritonTableBatchedEmbedding):
                 weights.setdefault(module.weight.dtype, []).append(module.weight)  # every table, flat
                 for name in ("momentum1", "momentum2"):  # the optimizer's state, where it has any
@@ -110,3 +110,20 @@ class TwoDModelParallel(DMPCollection):
     def synced_tensors(self) -> int:
         """How many weight tensors `sync()` averages (0 would mean replicas drifting apart unseen)."""
         return sum(len(ts) for ts in self._default_ctx.weights_by_dtype.values())
+
+
+def _with_lookups(root: nn.Module) -> list[nn.Module]:
+    """Every module under `root`, the sharded modules' `_lookups` included: torchrec keeps them in a plain
+    list, not as children (its own search for kernels to average walks them the same way)."""
+    out: list[nn.Module] = []
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        out.append(module)
+        stack.extend(module.children())
+        stack.extend(getattr(module, "_lookups", None) or [])
+    return out
