@@ -15,7 +15,7 @@ from torchrec.distributed.model_parallel import DMPCollection
 from anyrec import parity
 from anyrec.backends.specs import get_sku
 from anyrec.planner import CoDesignPlanner, InfeasiblePlanError, ShardingType, Topology
-from anyrec.planner.estimators import all_reduce_time_s
+from anyrec.planner.estimators import all_reduce_time_s, dense_all_reduce_time_s
 from anyrec.planner.report import format_group_choice
 from anyrec.planner.twod import (
     GroupLayout,
@@ -260,3 +260,16 @@ def test_two_groups_train_on_the_simulated_plugin_device_as_on_the_cpu(tmp_path,
                         "data.batch_size=64", "trainer.steps=3", "hardware.sku=cpu",
                         "parity.variants=[" + ",".join(json.dumps(v) for v in variants) + "]"])
     assert code == 0
+
+
+def test_data_parallel_tables_gradients_are_all_reduced_over_the_world_not_the_group():
+    layout = GroupLayout(64, 8, 8)
+    topo = layout.group_topology(get_sku("h100"))
+    tables = [TableSpec(f"t{i}", 1000, 32, 1.0, [f"f{i}"]) for i in range(4)]
+    replicated = CoDesignPlanner().plan(tables, topo, 1024, "sgd", 100_000,
+                                        allowed_shardings=(ShardingType.DATA_PARALLEL,))
+    n = 100_000 + 4 * 1000 * 32
+    world = layout.world_topology(get_sku("h100"))
+    assert replica_bytes(replicated) == [(0, 0)] * 8  # DDP's, not the replicas' averaging
+    assert dense_extra_time_s(replicated, layout) == pytest.approx(
+        dense_all_reduce_time_s(n, world) - dense_all_reduce_time_s(n, topo))
