@@ -273,3 +273,15 @@ def test_data_parallel_tables_gradients_are_all_reduced_over_the_world_not_the_g
     assert replica_bytes(replicated) == [(0, 0)] * 8  # DDP's, not the replicas' averaging
     assert dense_extra_time_s(replicated, layout) == pytest.approx(
         dense_all_reduce_time_s(n, world) - dense_all_reduce_time_s(n, topo))
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("sharding", ["table_wise", "row_wise", "column_wise", "table_row_wise",
+                                      "data_parallel"])
+def test_every_sharding_type_trains_within_a_group(tmp_path, sharding):
+    """Each sharding type within groups of two; table-row-wise keeps a table's rows on the group's ranks
+    of one host (torchrec's node group, which anyrec sets from the layout: its default, all ranks of a
+    host, is refused by torchrec for a group smaller than a host)."""
+    s = _train(tmp_path, "planner=simple", f"planner.sharding={sharding}", "planner.sharding_group_size=2",
+               "trainer.steps=2")
+    assert s["sharding_group_size"] == 2 and s["steps"] == 2 and 0 < s["final_loss"] < 1

@@ -101,7 +101,9 @@ def shard_model(module: nn.Module, device: torch.device, plan: ShardingPlan, bac
     model = TwoDModelParallel(module, device, plan, info.world_size, group, dist.group.WORLD,
                               sharders(embedding, static_graph), wrapper,
                               place=lambda p: place_shards(p, backend, info.local_world_size),
-                              sync_every=plan.replica_sync_every)
+                              sync_every=plan.replica_sync_every,
+                              node_group_size=GroupLayout(info.world_size, info.local_world_size,
+                                                         group).group_local_size)
     sharded = [name for m in plan.plan.values() for name, ps in m.items()
                if ps.sharding_type != "data_parallel"]
     if sharded and model.synced_tensors() == 0:

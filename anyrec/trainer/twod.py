@@ -54,12 +54,15 @@ class TwoDModelParallel(DMPCollection):
     groups, replicas averaged by `sync()`) built on any device: DMPCollection.__init__'s body without its
     CUDA/MTIA assert. `place` names each shard's device after torchrec remaps the plan to this rank's
     group (its remap writes `<type>:<local index>`, which only indexed devices have). `sync_every`: the
-    train pipeline averages the replicas every that many steps."""
+    train pipeline averages the replicas every that many steps. `node_group_size`: the group's ranks on
+    one host, which table-row-wise sharding keeps a table's rows within (torchrec's default, the ranks per
+    host, is the group's only where one host holds the whole group)."""
 
     def __init__(self, module: nn.Module, device: torch.device, plan: ShardingPlan, world_size: int,
                  sharding_group_size: int, global_pg: dist.ProcessGroup,
                  sharders: list[ModuleSharder[nn.Module]], data_parallel_wrapper: DataParallelWrapper,
-                 place: Callable[[ShardingPlan], ShardingPlan], sync_every: int = 1) -> None:
+                 place: Callable[[ShardingPlan], ShardingPlan], sync_every: int = 1,
+                 node_group_size: int | None = None) -> None:
         if sharding_group_size < 1 or world_size % sharding_group_size:
             raise ValueError(f"sharding group size {sharding_group_size} does not divide the world size "
                              f"{world_size}")
@@ -71,7 +74,7 @@ class TwoDModelParallel(DMPCollection):
         self._all_reduce_hook = None
         self._sharder_map = {sharder.module_type: sharder for sharder in sharders}
         ctx = DMPCollectionContext(module=None, plan=plan, sharding_group_size=sharding_group_size,
-                                   node_group_size=None, use_inter_host_allreduce=False,
+                                   node_group_size=node_group_size, use_inter_host_allreduce=False,
                                    sharding_strategy=ShardingStrategy.DEFAULT)
         self._default_ctx, self._submodule_ctxs, self._ctxs = ctx, [], [ctx]
         ctx.device_mesh, ctx.sharding_pg, ctx.replica_pg = self._create_process_groups(
@@ -81,7 +84,8 @@ class TwoDModelParallel(DMPCollection):
                                   sharding_group_size=sharding_group_size, use_inter_host_allreduce=False)
         plan = place(plan)
         env = ShardingEnv2D(global_pg=self._pg, sharding_pg=ctx.sharding_pg, replica_pg=ctx.replica_pg,
-                            device_mesh=ctx.device_mesh, node_group_size=None, use_inter_host_allreduce=False,
+                            device_mesh=ctx.device_mesh, node_group_size=node_group_size,
+                            use_inter_host_allreduce=False,
                             sharding_strategy=ShardingStrategy.DEFAULT)
         DistributedModelParallel.__init__(self, module, env, device, plan, sharders, True, True,
                                           data_parallel_wrapper)
