@@ -111,9 +111,13 @@ def _train(cwd: Path, *overrides: str, timeout: float = 300) -> dict:
 
 
 @pytest.mark.integration
-def test_two_groups_of_two_train_pipelined_and_eager_alike_with_evaluation(tmp_path):
-    pipelined = _train(tmp_path, "planner.sharding_group_size=2", "trainer.steps=4")
-    eager = _train(tmp_path, "planner.sharding_group_size=2", "trainer.steps=4", "trainer.pipeline=false")
+@pytest.mark.parametrize("every", [1, 3])
+def test_two_groups_of_two_train_pipelined_and_eager_alike_with_evaluation(tmp_path, every):
+    """torchrec's pipeline and the eager loop average the replicas on one schedule (every step, or every
+    third and at the end): the same weights bit for bit."""
+    job = ["planner.sharding_group_size=2", f"planner.replica_sync_every={every}", "trainer.steps=4"]
+    pipelined = _train(tmp_path, *job)
+    eager = _train(tmp_path, *job, "trainer.pipeline=false")
     assert pipelined["sharding_group_size"] == 2 and pipelined["world_size"] == 4
     assert pipelined["eval_auc"] is not None and pipelined["steps"] == 4
     assert pipelined["final_loss"] == eager["final_loss"]
