@@ -116,6 +116,11 @@ class PlannerConfig:
     # HBM kept free on top of the predicted peak (the memory model predicts the allocator's slack; the
     # device spec says what the runtime keeps outside the allocator): an optional extra margin
     memory_reserve_fraction: float = 0.0
+    # 2D sparse parallelism: tables sharded within groups of this many ranks, each group a replica of
+    # the others (torchrec's DMPCollection). world: one group of every rank (1D); auto: the size the
+    # co-design model predicts fastest among those that fit; N: a divisor of the world size.
+    sharding_group_size: str = "world"
+    replica_sync_every: int = 1  # steps between the replicas' weight averaging (2D only)
 
 
 @dataclass

@@ -23,7 +23,15 @@ from anyrec.io_checks import writable_file
 from anyrec.models.dlrm import build_model
 from anyrec.planner.job import plan_model
 from anyrec.planner.planner import CoDesignPlanner
-from anyrec.planner.report import format_compare, format_report, plan_json, plot_plan, write_json_atomic
+from anyrec.planner.report import (
+    format_compare,
+    format_group_choice,
+    format_report,
+    plan_json,
+    plot_plan,
+    write_json_atomic,
+)
+from anyrec.planner.twod import GroupChoice, choose_group_size, sharding_group_size
 from anyrec.planner.types import InfeasiblePlanError, PlanResult, Topology
 from anyrec.signing import resolve_key
 from anyrec.trainer.distributed import ONE_PROCESS, DistInfo
@@ -57,15 +65,28 @@ def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print,
     world, local = cfg.topology.world_size, cfg.topology.local_world_size or cfg.topology.world_size
     resident = host_estimate_of_resident_bytes(cfg, DistInfo(0, world, 0, local))
 
-    def plan_on(hw: Hardware) -> PlanResult:
+    group = sharding_group_size(cfg.planner.sharding_group_size, world)
+
+    def plan_on(hw: Hardware) -> tuple[PlanResult, GroupChoice | None]:
         # this machine's device type for its own hardware (as the trainer plans); a SKU's otherwise
         device_type = backend.device_type if backend is not None and hw is hardware else None
-        topo = Topology(hw.spec, cfg.topology.world_size, cfg.topology.local_world_size, device_type)
-        return plan_model(model, model.sparse_arch, cfg.model, cfg.planner, cfg.optim.name, topo,
-                          cfg.plan.batch_size or cfg.data.batch_size, hw.embedding_cost(impl), planner,
-                          id_zipf_exponent=id_skew(cfg), resident_bytes=resident)
 
-    result = plan_on(hardware)
+        def plan_for(topo: Topology) -> PlanResult:
+            return plan_model(model, model.sparse_arch, cfg.model, cfg.planner, cfg.optim.name, topo,
+                              cfg.plan.batch_size or cfg.data.batch_size, hw.embedding_cost(impl), planner,
+                              id_zipf_exponent=id_skew(cfg), resident_bytes=resident)
+
+        if group == world:
+            return plan_for(Topology(hw.spec, world, cfg.topology.local_world_size, device_type)), None
+        # 2D: the tables planned for one sharding group, the group size chosen (auto) or priced (N)
+        choice = choose_group_size(world, local, hw.spec, device_type, plan_for,
+                                   None if group is None else [group], cfg.planner.replica_sync_every)
+        return choice.plan, choice
+
+    result, groups = plan_on(hardware)
+    if groups is not None:
+        print_fn(f"sharding group sizes on {world} x {hardware.spec.name} ({local} per host):")
+        print_fn(format_group_choice(groups) + "\n")
     print_fn(format_report(result))
     print_fn("figures: " + "\n         ".join(figure_sources(hardware, hardware.embedding_cost(impl))))
     if cached is not None:
@@ -76,7 +97,10 @@ def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print,
     other = None
     if compare is not None:
         try:
-            other = plan_on(compare)
+            other, other_groups = plan_on(compare)
+            if other_groups is not None:
+                print_fn(f"\ncompare: sharding group sizes on {world} x {compare.spec.name}:")
+                print_fn(format_group_choice(other_groups))
         except InfeasiblePlanError as e:
             print_fn(f"\ncompare: {e}")
     if other is not None:

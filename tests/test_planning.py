@@ -67,6 +67,7 @@ def _trained_dense_weights(tmp_path, monkeypatch, wrapper=None) -> tuple[list, d
     """Three steps of a one-rank sharded (fbgemm) trainer; `wrapper` replaces `dense_wrapper` if given.
     Returns the type names of the model's modules and its state_dict keys, the dense weights
     afterwards and the host reads of the third step."""
+    from anyrec.trainer import planning
     from anyrec.trainer import trainer as trainer_module
 
     monkeypatch.setenv("RANK", "0")
@@ -75,7 +76,7 @@ def _trained_dense_weights(tmp_path, monkeypatch, wrapper=None) -> tuple[list, d
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
     if wrapper is not None:
-        monkeypatch.setattr(trainer_module, "dense_wrapper", wrapper)
+        monkeypatch.setattr(planning, "dense_wrapper", wrapper)
     _, cfg = compose_config(["model=dlrm_tiny", "trainer.progress=false", "trainer.tensorboard=false",
                              "data.batch_size=64", "trainer.steps=3", "trainer.eval_steps=0",
                              f"trainer.run_dir={tmp_path}"])

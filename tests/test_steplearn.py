@@ -45,6 +45,8 @@ def test_only_runs_planned_with_a_calibrated_file_learn(tmp_path):
     assert key.endswith("/busy") and steplearn.run_key(cfg, hw, 256, "fbgemm", 2, 2, 0.1).endswith("/quiet")
     assert steplearn.run_key(cfg, hw, 512, "fbgemm", 2, 2, 1.4) != key  # another workload shape
     assert steplearn.run_key(cfg, hw, 256, "fbgemm", 4, 4, 1.4) != key  # another world size
+    assert steplearn.run_key(cfg, hw, 256, "fbgemm", 2, 2, 1.4, sharding_group_size=2) == key  # 1D
+    assert steplearn.run_key(cfg, hw, 256, "fbgemm", 2, 2, 1.4, sharding_group_size=1) != key  # 2D
     datasheet = compose_config(["hardware.sku=cpu"])[1]
     assert steplearn.run_key(datasheet, resolve_hardware("cpu"), 256, "fbgemm", 2, 2, 1.4) is None
     # A hardware=auto job handed the same calibrated file (first contact) learns under the same key: the

@@ -45,11 +45,11 @@ def cache(tmp_path, monkeypatch):
 
 
 def test_summary_reports_the_values_it_is_given(cache):
-    job = JobFacts("cpu", "torch", ONE_PROCESS, batch_size=64, step_key=KEY)
+    job = JobFacts("cpu", "torch", ONE_PROCESS, batch_size=64, sharding_group_size=1, step_key=KEY)
     run = _run()
     s = run_summary(job, run, _outcome())
     assert (s["steps"], s["backend"], s["embedding_kernel"]) == (20, "cpu", "torch")
-    assert s["batch_size_per_rank"] == 64
+    assert (s["batch_size_per_rank"], s["sharding_group_size"]) == (64, 1)
     assert (s["skipped_batches"], s["data_malformed_rows"], s["peak_memory_bytes"]) == (1, 2, 1234)
     assert s["samples_per_s"] == pytest.approx(20 * 64 / run.timer.total_s)
     assert s["weights_sha256"] == "ab" * 32 and s["stopped_by"] is None
@@ -58,7 +58,7 @@ def test_summary_reports_the_values_it_is_given(cache):
 
 
 def test_a_stopped_run_teaches_nothing(cache):
-    job = JobFacts("cpu", "torch", ONE_PROCESS, batch_size=64, step_key=KEY)
+    job = JobFacts("cpu", "torch", ONE_PROCESS, batch_size=64, sharding_group_size=1, step_key=KEY)
     s = run_summary(job, _run(), _outcome(stopped_by="SIGTERM", weights_sha256=None))
     assert s["stopped_by"] == "SIGTERM" and "weights_sha256" not in s
     assert cache.correction(KEY).runs == 0

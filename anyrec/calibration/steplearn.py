@@ -72,9 +72,11 @@ def load_class(other_cores: float | None) -> str:
 
 
 def run_key(cfg: AnyrecConfig, hardware: Hardware, batch_per_rank: int, kernel: str, world_size: int,
-            local_world_size: int, other_cores: float | None) -> str | None:
+            local_world_size: int, other_cores: float | None,
+            sharding_group_size: int | None = None) -> str | None:
     """The key of this run's observations, or None when it did not plan with a calibrated file (`hardware`:
-    what it planned with, a `hardware.sku` file or the calibration on first contact's cache entry)."""
+    what it planned with, a `hardware.sku` file or the calibration on first contact's cache entry; a
+    `sharding_group_size` under the world size: a 2D job, whose steps are its own)."""
     hw = _calibrated_file(hardware.measured_by)
     if hw is None:
         return None
@@ -82,7 +84,9 @@ def run_key(cfg: AnyrecConfig, hardware: Hardware, batch_per_rank: int, kernel: 
              "optim": cfg.optim.name, "kernel": kernel, "world_size": world_size,
              "local_world_size": local_world_size, "pipeline": cfg.trainer.pipeline,
              "hardware_sha256": hashlib.sha256(hw.read_bytes()).hexdigest(),
-             "hardware_spec": cfg.hardware.spec}
+             "hardware_spec": cfg.hardware.spec,
+             **({"sharding_group_size": sharding_group_size}
+                if sharding_group_size not in (None, world_size) else {})}
     digest = hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()[:16]
     return f"{digest}/{load_class(other_cores)}"
 

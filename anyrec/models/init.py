@@ -20,11 +20,13 @@ import copy
 import functools
 import hashlib
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.tensor import DTensor
+from torchrec.distributed.shards_wrapper import LocalShardsWrapper
 
 _MASK32 = 0xFFFFFFFF
 # Elements hashed per pass: the hash's int64 temporaries take ~40 bytes an element (20 MiB at 2^19), which
@@ -132,7 +134,8 @@ def init_tables(state: Mapping[str, object], tables: Iterable, seed: int, prefix
             raise KeyError(f"no {key} in the model's state_dict")
         value = state[key]
         blocks = ([(s.tensor, s.metadata.shard_offsets) for s in value.local_shards()]
-                  if isinstance(value, ShardedTensor) else [(value, [0, 0])])
+                  if isinstance(value, ShardedTensor) else dtensor_shards(value)
+                  if isinstance(value, DTensor) else [(value, [0, 0])])
         for tensor, (row0, col0) in blocks:
             if tensor.numel() == 0:
                 continue
@@ -140,6 +143,16 @@ def init_tables(state: Mapping[str, object], tables: Iterable, seed: int, prefix
                              init_fn=cfg.init_fn, num_cols=cfg.embedding_dim)
             written += 1
     return written
+
+
+def dtensor_shards(value: DTensor) -> list[tuple[torch.Tensor, Sequence[int]]]:
+    """The local shards of a table torchrec's 2D parallelism gives as a DTensor (LocalShardsWrapper:
+    views of the live weights) with their offsets in the table."""
+    local = value.to_local()
+    if not isinstance(local, LocalShardsWrapper):
+        raise TypeError(f"a table's DTensor holds {type(local).__name__}, not torchrec's LocalShardsWrapper")
+    # a rank without shards of the table has no tensor but one empty chunk in the metadata
+    return list(zip(local.local_shards(), local.local_offsets(), strict=False))
 
 
 @torch.no_grad()

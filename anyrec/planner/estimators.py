@@ -176,6 +176,14 @@ def all_reduce_time_s(total_bytes: float, topology: Topology, latency: bool = Tr
                                      latency)
 
 
+def dense_all_reduce_time_s(dense_param_count: int, topology: Topology) -> float:
+    """Seconds per step of DDP's all-reduce of `dense_param_count` fp32 gradients over the topology's
+    ranks, in DDP's buckets (each pays the latency)."""
+    buckets = max(1, math.ceil(4 * dense_param_count / DDP_BUCKET_BYTES))
+    return (all_reduce_time_s(4 * dense_param_count, topology, latency=False)
+            + buckets * all_reduce_time_s(0.0, topology))
+
+
 def framework_time_s(workload: Workload, topology: Topology) -> float:
     """Seconds per step every plan pays on each rank beyond the bytes and FLOPs: the device's measured
     framework costs (DeviceSpec.step_*, 0 where unmeasured) for this workload's features, local batch,
@@ -324,9 +332,7 @@ class DenseEstimator:
         peak = dev.peak_bf16_flops if half else dev.peak_fp32_flops
         flops = 6.0 * n * b  # forward 2 FLOPs per parameter per sample, backward 4
         compute = flops / (peak * (dev.dense_efficiency or DENSE_EFFICIENCY)) if peak > 0 else 0.0
-        buckets = max(1, math.ceil(4 * n / DDP_BUCKET_BYTES))
-        comms = all_reduce_time_s(4 * n, topology, latency=False)
-        comms += buckets * all_reduce_time_s(0.0, topology)  # each bucket's latency
+        comms = dense_all_reduce_time_s(n, topology)
         launch = opts.embedding.profile.per_launch_s
         perf = Perf(compute / 3 + launch / 3, 2 * compute / 3 + 2 * launch / 3, 0.0, comms)
         perf = perf + split_fwd_bwd(framework_time_s(workload, topology))

@@ -12,6 +12,7 @@ from anyrec.io_checks import atomic_write
 from anyrec.planner.advice import GB, alternatives_s, co_design_advice, size_text
 from anyrec.planner.estimators import shard_data_bytes
 from anyrec.planner.memory import predict_memory
+from anyrec.planner.twod import GroupChoice
 from anyrec.planner.types import Placement, PlanResult, ShardingType
 
 TWRW = ShardingType.TABLE_ROW_WISE
@@ -248,3 +249,28 @@ def plot_plan(plan: PlanResult, path: str, compare: PlanResult | None = None) ->
     plt.close(fig)
     with atomic_write(path, "wb") as f:  # never through a link planted at `path`
         f.write(png.getvalue())
+
+
+def format_group_choice(choice: GroupChoice, width: int = 40) -> str:
+    """The sharding group sizes weighed: per size its replicas, predicted step (and 2D's share of it:
+    replica averaging, the dense all-reduce's extra reach), peak memory per rank or why it does not fit,
+    an ASCII bar of the step, and the choice."""
+    fitting = [c for c in choice.candidates if c.plan is not None]
+    longest = max(c.step_s for c in fitting)
+    lines = [f"{'group':>6} {'replicas':>8} {'step ms':>9} {'sync ms':>8} {'dense+ ms':>9} {'peak/rank':>9}  "
+             f"predicted step"]
+    for c in choice.candidates:
+        head = f"{c.group_size:>6} {c.replicas:>8}"
+        if c.plan is None:
+            lines.append(f"{head} {'-':>9} {'-':>8} {'-':>9} {'-':>9}  does not fit: {c.infeasible}")
+            continue
+        peak = max(p.allocated_bytes for p in predict_memory(c.plan))
+        bar = "#" * max(1, round(width * c.step_s / longest))
+        mark = "  <- chosen" if c.group_size == choice.chosen else ""
+        lines.append(f"{head} {c.step_s * 1e3:>9.3f} {c.sync_s * 1e3:>8.3f} {c.dense_extra_s * 1e3:>9.3f} "
+                     f"{size_text(peak):>9}  {bar}{mark}")
+    best = choice.plan
+    lines.append(f"sharding group size {choice.chosen} ({best.replicas} replica(s)): predicted step "
+                 f"{best.predicted_step_s * 1e3:.3f} ms, the lowest of the {len(fitting)} size(s) that fit "
+                 f"among {len(choice.candidates)} weighed")
+    return "\n".join(lines)

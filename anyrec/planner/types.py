@@ -338,6 +338,11 @@ class PlanResult:
     # Seconds per step of each group of sharded tables (one per sharding type used: torchrec gives each
     # its own input and output all-to-alls); every rank takes part in every group's collectives.
     group_s: float = 0.0
+    # 2D sparse parallelism (this plan is one sharding group's, `replicas` groups in the world): seconds per
+    # step each rank pays beyond the group's own collectives, averaging the replicas and the dense
+    # all-reduce over the whole world (anyrec.planner.twod.price_group)
+    replica_s: float = 0.0
+    replicas: int = 1
 
     def _per_rank(self, base, of: Callable[[Shard], Any]) -> list:
         """`base` plus `of(shard)` summed over the shards each rank holds."""
@@ -364,7 +369,8 @@ class PlanResult:
 
     @property
     def rank_perf(self) -> list[Perf]:
-        return self._per_rank(self.base.perf + self.group_perf, lambda s: s.perf)
+        base = self.base.perf + self.group_perf + Perf(0.0, 0.0, 0.0, self.replica_s)
+        return self._per_rank(base, lambda s: s.perf)
 
     @property
     def predicted_step_s(self) -> float:

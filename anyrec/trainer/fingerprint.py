@@ -7,7 +7,9 @@ import hashlib
 import torch
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.tensor import DTensor
 
+from anyrec.models.init import dtensor_shards
 from anyrec.trainer.distributed import DistInfo, gather_objects
 
 # name -> [(offsets of a piece in the full tensor, the piece)]
@@ -19,7 +21,10 @@ def _local_pieces(model: nn.Module, is_main: bool) -> tuple[Pieces, dict[str, li
     local: Pieces = {}
     sizes: dict[str, list[int]] = {}
     for name, value in model.state_dict().items():
-        if isinstance(value, ShardedTensor):
+        if isinstance(value, DTensor):  # 2D parallelism's tables: every replica holds the same pieces
+            sizes[name] = list(value.size())
+            local[name] = [(list(o), t.detach().cpu()) for t, o in dtensor_shards(value)]
+        elif isinstance(value, ShardedTensor):
             sizes[name] = list(value.size())
             local[name] = [(list(s.metadata.shard_offsets), s.tensor.detach().cpu())
                            for s in value.local_shards()]

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed import _remote_device
 from torchrec.distributed.model_parallel import (
@@ -23,12 +25,14 @@ from anyrec.config import AnyrecConfig, PlannerConfig
 from anyrec.data import resolve_batch_size
 from anyrec.planner.job import plan_model
 from anyrec.planner.memory import MemoryPrediction, predict_memory
-from anyrec.planner.report import format_report
+from anyrec.planner.report import format_group_choice, format_report
 from anyrec.planner.simple import simple_table_shardings
 from anyrec.planner.simple import to_sharding_plan as simple_sharding_plan
 from anyrec.planner.torchrec_plan import to_sharding_plan
-from anyrec.planner.types import Perf, Topology
+from anyrec.planner.twod import GroupLayout, choose_group_size, sharding_group_size
+from anyrec.planner.types import Perf, PlanResult, Topology
 from anyrec.trainer.distributed import DistInfo, broadcast_from_main
+from anyrec.trainer.twod import TwoDModelParallel
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +77,41 @@ def dense_wrapper(world_size: int, static_graph: bool = True) -> DataParallelWra
     return DenseDataParallelWrapper(static_graph=static_graph)
 
 
+@dataclass
+class GroupShardingPlan(ShardingPlan):
+    """A sharding plan for one sharding group of `sharding_group_size` ranks (its ranks 0..size-1; torchrec's
+    DMPCollection maps them onto each group's), replicated across the world's groups and averaged every
+    `replica_sync_every` steps."""
+
+    sharding_group_size: int = 1
+    replica_sync_every: int = 1
+
+
+def shard_model(module: nn.Module, device: torch.device, plan: ShardingPlan, backend: Backend, info: DistInfo,
+                embedding: Impl, static_graph: bool) -> DistributedModelParallel:
+    """`module` sharded by `plan`: torchrec's DistributedModelParallel over the whole world, or (a
+    GroupShardingPlan for a group smaller than the world) its 2D DMPCollection, whose replicas the train
+    pipeline averages every `plan.replica_sync_every` steps."""
+    group = getattr(plan, "sharding_group_size", info.world_size)
+    wrapper = dense_wrapper(info.world_size, static_graph)
+    if group == info.world_size:
+        return DistributedModelParallel(module, device=device, plan=plan,
+                                        sharders=sharders(embedding, static_graph),
+                                        data_parallel_wrapper=wrapper)
+    model = TwoDModelParallel(module, device, plan, info.world_size, group, dist.group.WORLD,
+                              sharders(embedding, static_graph), wrapper,
+                              place=lambda p: place_shards(p, backend, info.local_world_size),
+                              sync_every=plan.replica_sync_every,
+                              node_group_size=GroupLayout(info.world_size, info.local_world_size,
+                                                         group).group_local_size)
+    sharded = [name for m in plan.plan.values() for name, ps in m.items()
+               if ps.sharding_type != "data_parallel"]
+    if sharded and model.synced_tensors() == 0:
+        raise ValueError(f"planner.sharding_group_size={group}: backend.embedding_kernel={embedding.name} "
+                         f"has no kernel torchrec's 2D sync can average (tables {', '.join(sharded)})")
+    return model
+
+
 def shared_plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module, module_path: str,
                 embedding: Impl, hardware: Hardware, resident_bytes: int = 0
                 ) -> tuple[ShardingPlan, Perf | None, list[MemoryPrediction] | None]:
@@ -108,32 +147,66 @@ def plan_and_predict(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model:
 def _plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module, module_path: str,
           embedding: Impl, hardware: Hardware, resident_bytes: int = 0
           ) -> tuple[ShardingPlan, Perf | None, list[MemoryPrediction] | None]:
-    """plan_and_predict's plan and cost, and each rank's predicted peak memory (None: simple)."""
+    """plan_and_predict's plan and cost, and each rank's predicted peak memory (None: simple), for one
+    sharding group (a GroupShardingPlan)."""
+    group = sharding_group_size(cfg.planner.sharding_group_size, info.world_size)
+    if group is None and cfg.planner.name != "codesign":
+        raise ValueError("planner.sharding_group_size=auto needs planner=codesign (the cost model chooses)")
+    if cfg.planner.replica_sync_every < 1:
+        raise ValueError(f"planner.replica_sync_every must be >= 1, got {cfg.planner.replica_sync_every}")
+    plan, slowest, memory, group = _plan_group(cfg, backend, info, model, module_path, embedding, hardware,
+                                               group, resident_bytes)
+    if memory is not None:  # world rank r is rank r // replicas of its group (torchrec's strided groups)
+        memory = [memory[r // (info.world_size // group)] for r in range(info.world_size)]
+    return (GroupShardingPlan(plan.plan, sharding_group_size=group,
+                              replica_sync_every=cfg.planner.replica_sync_every), slowest, memory)
+
+
+def _plan_group(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module, module_path: str,
+                embedding: Impl, hardware: Hardware, group: int | None, resident_bytes: int = 0
+                ) -> tuple[ShardingPlan, Perf | None, list[MemoryPrediction] | None, int]:
+    """The plan of one sharding group of `group` ranks (the whole world in 1D; None: the co-design
+    planner chooses), its cost and memory, and the group size."""
     ebc = model.sparse_arch
     if cfg.planner.name == "simple":
         if cfg.planner.sharding == "data_parallel" and not embedding.data_parallel:
             raise ValueError(f"planner.sharding=data_parallel cannot run with "
                              f"backend.embedding_kernel={embedding.name}")
-        shardings = simple_table_shardings(ebc.embedding_bag_configs(), info.world_size,
+        group_local = GroupLayout(info.world_size, info.local_world_size, group).group_local_size
+        shardings = simple_table_shardings(ebc.embedding_bag_configs(), group,
                                            force=cfg.planner.sharding, optimizer=cfg.optim.name)
-        plan = simple_sharding_plan(ebc, shardings, module_path, info.world_size, info.local_world_size,
+        plan = simple_sharding_plan(ebc, shardings, module_path, group, group_local,
                                     backend.device_type, sharder=sharders(embedding)[0],
                                     compute_kernel=embedding.compute_kernel())
-        return place_shards(plan, backend, info.local_world_size), None, None
+        return place_shards(plan, backend, info.local_world_size), None, None, group
     if cfg.planner.name != "codesign":
         raise ValueError(f"unknown planner {cfg.planner.name!r}; choose codesign or simple")
-    topology = Topology(hardware.spec, info.world_size, info.local_world_size, backend.device_type)
     batch = resolve_batch_size(cfg.data, info.world_size).batch_size
-    result = plan_model(model, ebc, cfg.model, cfg.planner, cfg.optim.name, topology, batch,
-                        hardware.embedding_cost(embedding), id_zipf_exponent=id_skew(cfg),
-                        resident_bytes=resident_bytes)
+
+    def plan_for(topology: Topology) -> PlanResult:
+        return plan_model(model, ebc, cfg.model, cfg.planner, cfg.optim.name, topology, batch,
+                          hardware.embedding_cost(embedding), id_zipf_exponent=id_skew(cfg),
+                          resident_bytes=resident_bytes)
+
+    if group == info.world_size:  # 1D
+        result = plan_for(Topology(hardware.spec, info.world_size, info.local_world_size,
+                                   backend.device_type))
+    else:
+        choice = choose_group_size(info.world_size, info.local_world_size, hardware.spec, backend.device_type,
+                                   plan_for, None if group is None else [group],
+                                   cfg.planner.replica_sync_every)
+        result, group = choice.plan, choice.chosen
+        if info.is_main:
+            logger.info("2D: %s", format_group_choice(choice).splitlines()[-1])
+            logger.debug("sharding group sizes weighed:\n%s", format_group_choice(choice))
     if info.is_main:  # the console has the planner's line and the notes; the log file the whole report
         logger.debug("co-design plan:\n%s", format_report(result, advice=False))
         for note in result.notes:
             logger.info("plan note: %s", note)
     slowest = max(result.rank_perf, key=lambda p: p.total_s)  # its total_s is result.predicted_step_s
     plan = to_sharding_plan(result, module_path, ebc, backend.device_type)
-    return place_shards(plan, backend, info.local_world_size), slowest, predict_memory(result, resident_bytes)
+    memory = predict_memory(result, resident_bytes)
+    return place_shards(plan, backend, info.local_world_size), slowest, memory, group
 
 
 def unsharded_memory(cfg: AnyrecConfig, backend: Backend, model: nn.Module, embedding: Impl,

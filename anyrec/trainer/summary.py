@@ -103,6 +103,7 @@ class JobFacts:
     embedding_kernel: str
     dist: DistInfo
     batch_size: int  # per rank
+    sharding_group_size: int  # the ranks each table is sharded over (the world in 1D)
     step_key: str | None = None  # where this workload's measured steps are learnt (rank 0; None: nowhere)
 
 
@@ -235,6 +236,7 @@ def _figures(job: JobFacts, run: RunState, out: Outcome) -> dict[str, Any]:
         "backend": job.backend,
         "embedding_kernel": job.embedding_kernel,
         "world_size": job.dist.world_size,
+        "sharding_group_size": job.sharding_group_size,
         "hosts": job.dist.hosts,
         "local_world_size": job.dist.local_world_size,
         "batch_size_per_rank": job.batch_size,

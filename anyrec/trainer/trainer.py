@@ -17,7 +17,6 @@ from typing import Any
 import torch
 from torch import nn
 from torchrec.datasets.utils import Batch
-from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import ShardingPlan
 
 from anyrec.backends import Backend
@@ -56,7 +55,7 @@ from anyrec.trainer.optim import (
 )
 from anyrec.trainer.perfcheck import StepProfiler, breakdown_window, phase, warmup_steps
 from anyrec.trainer.pipeline import EagerLoop, SparseDistPipeline, predictions
-from anyrec.trainer.planning import dense_wrapper, place_shards, sharders, shared_plan, unsharded_memory
+from anyrec.trainer.planning import place_shards, shard_model, shared_plan, unsharded_memory
 from anyrec.trainer.shutdown import StopRequest, peers_met
 from anyrec.trainer.summary import JobFacts, MetricWriter, Outcome, RunState, log_eval, log_train, run_summary
 from anyrec.trainer.validate import flush_checks
@@ -164,18 +163,19 @@ class Trainer:
         loop = SparseDistPipeline if tc.pipeline and not self.unsharded else EagerLoop
         self.pipeline = loop(self.model, self.optimizers.combined, self.device, self)
         self.writer = MetricWriter(tc.run_dir, self.dist.is_main, tc.tensorboard)
-        self.job = JobFacts(self.backend.name, self.embedding_kernel, self.dist, self.batch_size,
-                            self._step_key() if self.dist.is_main else None)
+        group = getattr(self.sharding_plan, "sharding_group_size", self.dist.world_size)
+        self.job = JobFacts(self.backend.name, self.embedding_kernel, self.dist, self.batch_size, group,
+                            self._step_key(group) if self.dist.is_main else None)
         if self.dist.is_main:
             self._log_setup()
 
-    def _step_key(self) -> str | None:
+    def _step_key(self, sharding_group_size: int) -> str | None:
         """Where this workload's measured steps on this machine are learnt (None where the plan was not
         made with a calibrated file): its shape, and the other processes' load the binding saw."""
         choice = getattr(self.backend, "bind_choice", None)
         other = choice.load.other_cores if choice is not None and choice.load is not None else None
         return run_key(self.cfg, self._hardware(), self.batch_size, self.embedding_kernel,
-                       self.dist.world_size, self.dist.local_world_size, other)
+                       self.dist.world_size, self.dist.local_world_size, other, sharding_group_size)
 
     def _check_trainer_config(self) -> None:
         tc = self.cfg.trainer
@@ -218,10 +218,8 @@ class Trainer:
         # device cannot (its copies are then plain ones; the numbers do not change), for the dense
         # modules and for the data-parallel tables of a sharder that takes the setting.
         static_graph = self.device.type == "cpu" or self.backend.pins_host_memory()
-        self.model = DistributedModelParallel(
-            DLRMTrain(model), device=self.device, plan=self.sharding_plan,
-            sharders=sharders(embedding, static_graph),
-            data_parallel_wrapper=dense_wrapper(self.dist.world_size, static_graph))
+        self.model = shard_model(DLRMTrain(model), self.device, self.sharding_plan, self.backend, self.dist,
+                                 embedding, static_graph)  # 1D or 2D (planner.sharding_group_size)
         self.fused_optimizer = self.model.fused_optimizer
 
     def _build_unsharded(self) -> None:

@@ -78,9 +78,10 @@ class SimdevProcessGroup(dist.ProcessGroup):
 
 
 def _forward(method: str, gloo_method: str):
-    def call(self, *args):
-        _check_one_device(method, args)
-        return getattr(self._gloo, gloo_method)(*(_host(a) for a in args))
+    def call(self, *args, **kwargs):  # torch's callers pass options by keyword too (opts=...)
+        _check_one_device(method, [*args, *kwargs.values()])
+        return getattr(self._gloo, gloo_method)(*(_host(a) for a in args),
+                                                **{k: _host(v) for k, v in kwargs.items()})
 
     call.__name__ = method
     call.__doc__ = f"{method} on host views of the device tensors, by gloo's {gloo_method}."

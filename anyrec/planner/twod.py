@@ -1,0 +1,171 @@
+"""2D sparse parallelism in the cost model: the tables are planned for one sharding group, and the step
+pays what the group's plan costs plus what 2D adds, the averaging of the replicas and the dense all-reduce
+over the whole world. `choose_group_size` prices every group size that divides the world and keeps the
+fastest that fits.
+
+Where a group's ranks sit is torchrec's DMPCollection layout (use_inter_host_allreduce=False): group g
+holds ranks g, g + R, g + 2R, ... (R = world / group replicas), so a rank's replicas are the R neighbouring
+ranks (one host while R <= ranks per host) and a group strides over the hosts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from anyrec.backends.specs import DeviceSpec
+from anyrec.planner.estimators import all_reduce_time_s, dense_all_reduce_time_s, shard_data_bytes
+from anyrec.planner.types import InfeasiblePlanError, PlanResult, ShardingType, Topology
+
+# One all-reduce for the weights and one for the optimizer state, each coalesced per dtype (torchrec's
+# DMPCollection._sync): tables of one dtype give two collectives.
+SYNC_COLLECTIVES = 2
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """`world_size` ranks, `local_world_size` per host, in sharding groups of `group_size`."""
+
+    world_size: int
+    local_world_size: int
+    group_size: int
+
+    def __post_init__(self) -> None:
+        if self.group_size < 1 or self.world_size % self.group_size:
+            raise ValueError(f"sharding group size {self.group_size} does not divide the world size "
+                             f"{self.world_size}")
+
+    @property
+    def replicas(self) -> int:
+        """Groups, each a replica of the others' tables (the replica group's size)."""
+        return self.world_size // self.group_size
+
+    @property
+    def group_local_size(self) -> int:
+        """Ranks of one group on one host (at least 1)."""
+        return max(1, self.local_world_size // self.replicas)
+
+    def group_topology(self, device: DeviceSpec, compute_device: str | None = None) -> Topology:
+        """The machines one group's tables are planned on: its ranks, spread as the layout spreads them."""
+        return Topology(device, self.group_size, self.group_local_size, compute_device)
+
+    def replica_topology(self, device: DeviceSpec, compute_device: str | None = None) -> Topology:
+        """The machines one replica group's all-reduce spans: R neighbouring ranks."""
+        return Topology(device, self.replicas, min(self.replicas, self.local_world_size), compute_device)
+
+    def world_topology(self, device: DeviceSpec, compute_device: str | None = None) -> Topology:
+        return Topology(device, self.world_size, self.local_world_size, compute_device)
+
+
+def sharding_group_size(text: str, world_size: int) -> int | None:
+    """`planner.sharding_group_size` in ranks: `world` -> the world size, `auto` -> None (the planner
+    chooses), N -> N, which must divide the world size."""
+    if text == "world":
+        return world_size
+    if text == "auto":
+        return None
+    if not text.isdigit() or int(text) < 1 or world_size % int(text):
+        raise ValueError(f"planner.sharding_group_size={text}: expected world, auto or a divisor of the "
+                         f"world size {world_size}")
+    return int(text)
+
+
+def replica_bytes(plan: PlanResult) -> list[tuple[int, int]]:
+    """Per rank of the group: the (weight, optimizer state) bytes its sharded tables' shards hold, which
+    the replicas average (data-parallel tables are DDP's, averaged with the dense gradients)."""
+    out = [(0, 0)] * plan.topology.world_size
+    for opt in plan.tables.values():
+        if opt.sharding == ShardingType.DATA_PARALLEL:
+            continue
+        for s in opt.shards:
+            weights, state, _, _ = shard_data_bytes(opt, s, plan.topology, plan.workload)
+            w, st = out[s.rank]
+            out[s.rank] = (w + weights, st + state)
+    return out
+
+
+def replica_sync_time_s(plan: PlanResult, layout: GroupLayout, sync_every: int = 1) -> float:
+    """Seconds per step of averaging the replicas (every `sync_every` steps, amortised): the slowest
+    rank's all-reduces of its shards' weights and optimizer state over its replica group."""
+    if layout.replicas == 1:
+        return 0.0
+    topo = layout.replica_topology(plan.topology.device, plan.topology.compute_device)
+    per_rank = [all_reduce_time_s(w, topo) + (all_reduce_time_s(st, topo) if st else 0.0)
+                for w, st in replica_bytes(plan)]
+    return max(per_rank, default=0.0) / sync_every
+
+
+def dense_extra_time_s(plan: PlanResult, layout: GroupLayout) -> float:
+    """Seconds per step the all-reduce of the dense gradients and the data-parallel tables' gradients
+    takes over the whole world beyond the group's (the group's plan prices it over the group; DDP runs
+    it over every rank, torchrec's sync leaves data-parallel tables to it)."""
+    world = layout.world_topology(plan.topology.device, plan.topology.compute_device)
+    n = plan.workload.dense_param_count + sum(
+        o.table.num_rows * o.table.embedding_dim for o in plan.tables.values()
+        if o.sharding == ShardingType.DATA_PARALLEL)
+    return dense_all_reduce_time_s(n, world) - dense_all_reduce_time_s(n, plan.topology)
+
+
+def price_group(plan: PlanResult, layout: GroupLayout, sync_every: int = 1) -> PlanResult:
+    """`plan` (one group's) with 2D's costs in its step: replica averaging, the world's dense all-reduce."""
+    extra = replica_sync_time_s(plan, layout, sync_every) + dense_extra_time_s(plan, layout)
+    return dataclasses.replace(plan, replica_s=extra, replicas=layout.replicas)
+
+
+@dataclass
+class GroupCandidate:
+    """One group size weighed: its priced plan, or why it does not fit."""
+
+    group_size: int
+    replicas: int
+    plan: PlanResult | None
+    sync_s: float = 0.0
+    dense_extra_s: float = 0.0
+    infeasible: str = ""
+
+    @property
+    def step_s(self) -> float | None:
+        return self.plan.predicted_step_s if self.plan is not None else None
+
+
+@dataclass
+class GroupChoice:
+    """The group sizes weighed, and the chosen one (the lowest predicted step among those that fit)."""
+
+    chosen: int
+    candidates: list[GroupCandidate]
+
+    @property
+    def plan(self) -> PlanResult:
+        return next(c.plan for c in self.candidates if c.group_size == self.chosen)
+
+
+def group_sizes(world_size: int) -> list[int]:
+    """Every group size that divides the world, smallest first."""
+    return [g for g in range(1, world_size + 1) if world_size % g == 0]
+
+
+def choose_group_size(world_size: int, local_world_size: int, device: DeviceSpec, compute_device: str | None,
+                      plan_for: Callable[[Topology], PlanResult], sizes: list[int] | None = None,
+                      sync_every: int = 1) -> GroupChoice:
+    """Plan each group size of `sizes` (default: every divisor of the world) with `plan_for(group
+    topology)`, price 2D's costs, and choose the lowest predicted step among those that fit (ties: the
+    larger group, fewer replicas to keep and average). InfeasiblePlanError when none fits."""
+    candidates = []
+    for g in sizes or group_sizes(world_size):
+        layout = GroupLayout(world_size, local_world_size, g)
+        try:
+            plan = plan_for(layout.group_topology(device, compute_device))
+        except InfeasiblePlanError as e:
+            candidates.append(GroupCandidate(g, layout.replicas, None, infeasible=str(e).splitlines()[0]))
+            continue
+        candidates.append(GroupCandidate(g, layout.replicas, price_group(plan, layout, sync_every),
+                                         replica_sync_time_s(plan, layout, sync_every),
+                                         dense_extra_time_s(plan, layout)))
+    fitting = [c for c in candidates if c.plan is not None]
+    if not fitting:
+        raise InfeasiblePlanError("no sharding group size fits: " + "; ".join(
+            f"{c.group_size}: {c.infeasible}" for c in candidates))
+    best = min(fitting, key=lambda c: (c.step_s, -c.group_size))
+    return GroupChoice(best.group_size, candidates)

@@ -1,0 +1,133 @@
+"""2D sparse parallelism with torchrec's own DMPCollection, on any device.
+
+torchrec's `DMPCollection` shards the tables within a sharding group of ranks and keeps one replica of
+that group's shards in every other group; `sync()` averages the replicas' embedding weights and fused
+optimizer state over each replica group (an all-reduce of `world / group` ranks). Its `__init__` starts
+with `assert device.type in ("cuda", "mtia")`, although nothing after the assert is device-specific
+(its DeviceMesh takes the device type, its collectives are the process group's). `TwoDModelParallel`
+runs the body of that `__init__` for the one configuration anyrec uses (the DEFAULT strategy, one
+context, no submodule configs, no sharded relay), calling torchrec's own helpers for every step:
+`_create_process_groups`, `_remap_sharding_plan`, `ShardingEnv2D`, `DistributedModelParallel.__init__`,
+`_group_sharded_modules`, `_cache_sync_tensors`. Every other method (`sync`, `_shard_modules_impl`,
+state dicts) is DMPCollection's. `GLUE_SOURCE_SHA256` pins the torchrec source this reproduces; a test
+fails when torchrec's changes (docs/planning.md, "2D sparse parallelism").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.distributed.model_parallel import (
+    DataParallelWrapper,
+    DistributedModelParallel,
+    DMPCollection,
+)
+from torchrec.distributed.types import (
+    DMPCollectionContext,
+    ModuleSharder,
+    ShardingEnv2D,
+    ShardingPlan,
+    ShardingStrategy,
+)
+
+from anyrec.kernels.tbe import TritonTableBatchedEmbedding
+
+# sha256 of the torchrec functions whose glue TwoDModelParallel.__init__ reproduces or whose behaviour it
+# relies on (torchrec 1.9.2): a change in any of them must be read before this class is trusted again.
+GLUED = (DMPCollection.__init__, DMPCollection._create_process_groups, DMPCollection._remap_sharding_plan,
+         DMPCollection._group_sharded_modules, DMPCollection._cache_sync_tensors, DMPCollection._sync)
+GLUE_SOURCE_SHA256 = "feaf2a7616df23a2b6786d5c5b3c1b9b234abeb27be5368f1fee6c3d3b64638f"
+
+
+def glue_source_sha256() -> str:
+    """The sha256 of the installed torchrec's sources of `GLUED`, in order."""
+    return hashlib.sha256("\n".join(inspect.getsource(f) for f in GLUED).encode()).hexdigest()
+
+
+class TwoDModelParallel(DMPCollection):
+    """torchrec's DMPCollection (tables sharded within `sharding_group_size` ranks, replicated across
+    groups, replicas averaged by `sync()`) built on any device: DMPCollection.__init__'s body without its
+    CUDA/MTIA assert. `place` names each shard's device after torchrec remaps the plan to this rank's
+    group (its remap writes `<type>:<local index>`, which only indexed devices have). `sync_every`: the
+    train pipeline averages the replicas every that many steps. `node_group_size`: the group's ranks on
+    one host, which table-row-wise sharding keeps a table's rows within (torchrec's default, the ranks per
+    host, is the group's only where one host holds the whole group)."""
+
+    def __init__(self, module: nn.Module, device: torch.device, plan: ShardingPlan, world_size: int,
+                 sharding_group_size: int, global_pg: dist.ProcessGroup,
+                 sharders: list[ModuleSharder[nn.Module]], data_parallel_wrapper: DataParallelWrapper,
+                 place: Callable[[ShardingPlan], ShardingPlan], sync_every: int = 1,
+                 node_group_size: int | None = None) -> None:
+        if sharding_group_size < 1 or world_size % sharding_group_size:
+            raise ValueError(f"sharding group size {sharding_group_size} does not divide the world size "
+                             f"{world_size}")
+        # DMPCollection.__init__ from here, for ShardingStrategy.DEFAULT and no submodule configs
+        self._device = device
+        self._pg = global_pg
+        self._global_rank = dist.get_rank(global_pg)
+        self._custom_all_reduce = None
+        self._all_reduce_hook = None
+        self._sharder_map = {sharder.module_type: sharder for sharder in sharders}
+        ctx = DMPCollectionContext(module=None, plan=plan, sharding_group_size=sharding_group_size,
+                                   node_group_size=node_group_size, use_inter_host_allreduce=False,
+                                   sharding_strategy=ShardingStrategy.DEFAULT)
+        self._default_ctx, self._submodule_ctxs, self._ctxs = ctx, [], [ctx]
+        ctx.device_mesh, ctx.sharding_pg, ctx.replica_pg = self._create_process_groups(
+            global_rank=self._global_rank, world_size=world_size, local_size=sharding_group_size,
+            use_inter_host_allreduce=False)
+        self._remap_sharding_plan(plan=plan, rank=self._global_rank, step=world_size // sharding_group_size,
+                                  sharding_group_size=sharding_group_size, use_inter_host_allreduce=False)
+        plan = place(plan)
+        env = ShardingEnv2D(global_pg=self._pg, sharding_pg=ctx.sharding_pg, replica_pg=ctx.replica_pg,
+                            device_mesh=ctx.device_mesh, node_group_size=node_group_size,
+                            use_inter_host_allreduce=False,
+                            sharding_strategy=ShardingStrategy.DEFAULT)
+        DistributedModelParallel.__init__(self, module, env, device, plan, sharders, True, True,
+                                          data_parallel_wrapper)
+        self._group_sharded_modules(self._ctxs)
+        self._cache_sync_tensors(self._ctxs)
+        self._use_sharded_relay = False
+        self._sharded_relay_state = None
+        # DMPCollection.__init__ ends here.
+        self._add_anyrec_kernels(ctx)
+        self.sharding_group_size = sharding_group_size
+        self.sync_every = sync_every
+
+    def _add_anyrec_kernels(self, ctx: DMPCollectionContext) -> None:
+        """torchrec's sync collects FBGEMM's TBE kernels; anyrec's own TBE (the triton and torch
+        implementations) joins the same per-dtype lists, so the same `sync()` averages its weights and
+        optimizer state."""
+        weights, states = ctx.weights_by_dtype, ctx.optimizer_tensors_by_dtype
+        for module in _with_lookups(self):
+            if isinstance(module, TritonTableBatchedEmbedding):
+                weights.setdefault(module.weight.dtype, []).append(module.weight)  # every table, flat
+                for name in ("momentum1", "momentum2"):  # the optimizer's state, where it has any
+                    if hasattr(module, name):
+                        state = getattr(module, name)
+                        states.setdefault(state.dtype, []).append(state)
+
+    def synced_tensors(self) -> int:
+        """How many weight tensors `sync()` averages (0 would mean replicas drifting apart unseen)."""
+        return sum(len(ts) for ts in self._default_ctx.weights_by_dtype.values())
+
+
+def _with_lookups(root: nn.Module) -> list[nn.Module]:
+    """Every module under `root`, the sharded modules' `_lookups` included: torchrec keeps them in a plain
+    list, not as children (its own search for kernels to average walks them the same way)."""
+    out: list[nn.Module] = []
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        out.append(module)
+        stack.extend(module.children())
+        stack.extend(getattr(module, "_lookups", None) or [])
+    return out

@@ -1,0 +1,291 @@
+"""2D sparse parallelism: torchrec's DMPCollection on the CPU (gloo), its glue pinned to torchrec's source,
+the replicas' averaging schedule, parity with 1D, and checkpoints converted between layouts."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import pytest
+from torch import nn
+from torchrec.distributed.model_parallel import DMPCollection
+
+from anyrec import parity
+from anyrec.backends.specs import get_sku
+from anyrec.planner import CoDesignPlanner, InfeasiblePlanError, ShardingType, Topology
+from anyrec.planner.estimators import all_reduce_time_s, dense_all_reduce_time_s
+from anyrec.planner.report import format_group_choice
+from anyrec.planner.twod import (
+    GroupLayout,
+    choose_group_size,
+    dense_extra_time_s,
+    price_group,
+    replica_bytes,
+    replica_sync_time_s,
+    sharding_group_size,
+)
+from anyrec.planner.types import PlanResult, TableSpec
+from anyrec.trainer.pipeline import ReplicaSync
+from anyrec.trainer.twod import GLUE_SOURCE_SHA256, glue_source_sha256
+
+from .conftest import ROOT, last_json_line, pip_install_target, torchrun
+
+
+def test_the_torchrec_source_under_the_glue_is_the_one_it_was_written_against():
+    """TwoDModelParallel reproduces DMPCollection.__init__'s body and relies on the helpers it calls: a
+    torchrec whose sources of them differ must be read (and GLUE_SOURCE_SHA256 updated) before use."""
+    assert glue_source_sha256() == GLUE_SOURCE_SHA256
+
+
+@pytest.mark.parametrize("text, world, expected", [
+    ("world", 4, 4), ("auto", 4, None), ("2", 4, 2), ("1", 4, 1), ("4", 4, 4), ("8", 16, 8)])
+def test_group_size_values(text, world, expected):
+    assert sharding_group_size(text, world) == expected
+
+
+@pytest.mark.parametrize("text", ["3", "0", "-2", "half", "8"])
+def test_a_group_size_that_does_not_divide_the_world_is_refused(text):
+    with pytest.raises(ValueError, match=f"planner.sharding_group_size={text}: expected world, auto or a "
+                                         f"divisor of the world size 4"):
+        sharding_group_size(text, 4)
+
+
+@pytest.mark.parametrize("world, local, group, expected", [
+    (4, 4, 2, 2),  # one host: two groups of 2, each on it
+    (16, 8, 8, 4),  # two hosts of 8: a group of 8 strides over both (ranks 0, 2, .., 14)
+    (1024, 8, 128, 1),  # 8 replicas: one host holds one rank of each group, the replicas side by side
+    (1024, 8, 64, 1),  # 16 replicas: a group's ranks are two hosts apart
+    (1024, 8, 1024, 8),  # 1D
+])
+def test_a_groups_ranks_per_host_follow_torchrecs_strided_layout(world, local, group, expected):
+    assert GroupLayout(world, local, group).group_local_size == expected
+
+
+class _CountingDMP(DMPCollection):
+    """A DMPCollection that only counts sync() calls (the schedule is what is tested)."""
+
+    def __init__(self, sync_every: int) -> None:
+        nn.Module.__init__(self)
+        self.sync_every, self.calls = sync_every, 0
+
+    def sync(self, include_optimizer_state: bool = True) -> None:
+        self.calls += 1
+
+
+@pytest.mark.parametrize("every, steps, during, at_end", [(1, 5, 5, 0), (3, 5, 2, 1), (3, 6, 2, 1)])
+def test_the_eager_loop_averages_on_torchrecs_schedule_and_at_the_end_of_a_chunk(every, steps, during,
+                                                                                  at_end):
+    """torchrec's pipeline syncs after the backward of batch i when i % every == 0; the eager loop does the
+    same, and a chunk that ends with k > 1 leaves no replica behind."""
+    model = _CountingDMP(every)
+    replicas = ReplicaSync(model)
+    for _ in range(steps):
+        replicas.after_backward()
+    assert model.calls == during
+    replicas.drained(training=False)  # the end of an evaluation: nothing trained, nothing to average
+    assert model.calls == during
+    replicas.drained(training=True)
+    assert model.calls == during + at_end
+
+
+def test_a_1d_model_is_never_synced():
+    replicas = ReplicaSync(nn.Linear(1, 1))
+    replicas.after_backward()
+    replicas.drained(training=True)  # nothing to call: no error
+
+
+# ---- real runs: 4 ranks on the CPU, two groups of two -------------------------------------------
+
+JOB = ["-m", "anyrec.train", "model=dlrm_tiny", "data.batch_size=64", "trainer.eval_steps=2",
+       "trainer.progress=false", "trainer.tensorboard=false", "trainer.fingerprint_weights=true",
+       "trainer.calibrate=never", "hardware.sku=cpu"]
+
+
+def _train(cwd: Path, *overrides: str, timeout: float = 300) -> dict:
+    """A 4-rank job run in `cwd` (its Hydra run folder under it); its summary."""
+    proc = torchrun([*JOB, *overrides], nproc=4, timeout=timeout, cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return last_json_line(proc.stdout)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("every", [1, 3])
+def test_two_groups_of_two_train_pipelined_and_eager_alike_with_evaluation(tmp_path, every):
+    """torchrec's pipeline and the eager loop average the replicas on one schedule (every step, or every
+    third and at the end): the same weights bit for bit."""
+    job = ["planner.sharding_group_size=2", f"planner.replica_sync_every={every}", "trainer.steps=4"]
+    pipelined = _train(tmp_path, *job)
+    eager = _train(tmp_path, *job, "trainer.pipeline=false")
+    assert pipelined["sharding_group_size"] == 2 and pipelined["world_size"] == 4
+    assert pipelined["eval_auc"] is not None and pipelined["steps"] == 4
+    assert pipelined["final_loss"] == eager["final_loss"]
+    assert pipelined["weights_sha256"] == eager["weights_sha256"]
+
+
+@pytest.mark.integration
+def test_sgd_in_two_groups_trains_as_1d(tmp_path, monkeypatch):
+    """torchrec divides the embeddings' gradients by the sharding group's size, so a group's SGD update
+    is its ranks' mean gradient, and the replicas' average is the world's mean: 1D's update. Two groups
+    of two train as one group of four, per step and per weight, to rounding; without the averaging each
+    group would follow its own half of the data."""
+    monkeypatch.chdir(tmp_path)
+    variants = ["nproc=4 planner.sharding_group_size=4", "nproc=4 planner.sharding_group_size=2"]
+    code = parity.main(["model=dlrm_tiny", "optim=sgd", "optim.embedding_lr=0.5", "data.batch_size=64",
+                        "trainer.steps=3", "planner.sharding=table_wise", "hardware.sku=cpu",
+                        "parity.variants=[" + ",".join(json.dumps(v) for v in variants) + "]",
+                        "parity.loss_rtol=1e-5", "parity.weight_atol=1e-5"])
+    assert code == 0
+
+
+@pytest.mark.integration
+def test_checkpoints_convert_between_1d_2d_and_group_sizes(tmp_path):
+    """A 2D checkpoint resumes in 1D and in another group size with the same weights, a 1D one in 2D,
+    and a 2D run resumed in 2D continues as the uninterrupted run."""
+    ck2d, ck1d = (f"trainer.checkpoint.dir={tmp_path / d}" for d in ("ck2d", "ck1d"))
+    saved = _train(tmp_path, "planner.sharding_group_size=2", "trainer.steps=3", ck2d)
+    for group in ("4", "1"):
+        resumed = _train(tmp_path, f"planner.sharding_group_size={group}", "trainer.steps=3",
+                         ck2d)
+        assert resumed["resumed_from_step"] == 3 and resumed["weights_sha256"] == saved["weights_sha256"]
+    saved_1d = _train(tmp_path, "planner.sharding_group_size=world", "trainer.steps=3",
+                      ck1d)
+    into_2d = _train(tmp_path, "planner.sharding_group_size=2", "trainer.steps=3", ck1d)
+    assert into_2d["sharding_group_size"] == 2 and into_2d["weights_sha256"] == saved_1d["weights_sha256"]
+    # optimizer state and data position: 2D 3 + 3 steps train as 6 uninterrupted 2D steps
+    continued = _train(tmp_path, "planner.sharding_group_size=2", "trainer.steps=6", ck2d)
+    whole = _train(tmp_path, "planner.sharding_group_size=2", "trainer.steps=6")
+    assert continued["resumed_from_step"] == 3
+    assert continued["final_loss"] == pytest.approx(whole["final_loss"], abs=1e-6)
+
+
+# ---- the cost model: pricing a group and choosing its size -----------------------------------------
+
+def _group_plan(topology: Topology) -> PlanResult:
+    """A small model (four tables, 64 MB each in fp32) planned table-wise on `topology`."""
+    tables = [TableSpec(f"t{i}", 500_000, 32, 4.0, [f"f{i}"]) for i in range(4)]
+    return CoDesignPlanner().plan(tables, topology, 1024, "adagrad", 100_000,
+                                  allowed_shardings=(ShardingType.TABLE_WISE,), allowed_placements=("hbm",))
+
+
+def test_replica_averaging_is_priced_as_all_reduces_of_each_ranks_shards_over_its_replicas():
+    layout = GroupLayout(16, 8, 4)  # 4 replicas: ranks 4q..4q+3 of one host average one another
+    plan = _group_plan(layout.group_topology(get_sku("h100")))
+    rank_bytes = replica_bytes(plan)
+    # adagrad's table-wise shards: weights and a same-sized state, one table per rank of the group
+    assert rank_bytes == [(64_000_000, 64_000_000)] * 4
+    topo = Topology(get_sku("h100"), 4, 4)
+    expected = 2 * all_reduce_time_s(64_000_000, topo)
+    assert replica_sync_time_s(plan, layout) == pytest.approx(expected)
+    assert replica_sync_time_s(plan, layout, sync_every=10) == pytest.approx(expected / 10)
+    assert replica_sync_time_s(plan, GroupLayout(4, 4, 4)) == 0.0  # 1D: nothing to average
+    priced = price_group(plan, layout)
+    assert priced.replicas == 4
+    assert priced.predicted_step_s == pytest.approx(plan.predicted_step_s + expected
+                                                    + dense_extra_time_s(plan, layout))
+
+
+def test_replicas_beyond_a_host_average_over_the_scale_out_link():
+    """16 replicas on hosts of 8 span two hosts: the same bytes take longer than 8 on one host."""
+    one_host, two_hosts = GroupLayout(64, 8, 8), GroupLayout(128, 8, 8)
+    plan = _group_plan(one_host.group_topology(get_sku("h100")))
+    assert replica_sync_time_s(plan, two_hosts) > 1.5 * replica_sync_time_s(plan, one_host)
+
+
+def test_the_chooser_takes_the_fastest_size_that_fits_and_reports_every_size_weighed():
+    sku = get_sku("h100")
+
+    def plan_for(topology: Topology) -> PlanResult:  # 250 MB usable per rank: a table (128 MB) at most
+        cap = sku.runtime_reserved_bytes + 250 * 10**6
+        return _group_plan(dataclasses.replace(topology, hbm_cap_bytes=cap))
+
+    choice = choose_group_size(8, 8, sku, None, plan_for, sync_every=1000)
+    by_size = {c.group_size: c for c in choice.candidates}
+    assert sorted(by_size) == [1, 2, 4, 8]
+    assert by_size[1].plan is None and by_size[2].plan is None  # 4 tables on 1 or 2 ranks do not fit
+    assert "does not fit" not in by_size[4].infeasible and by_size[4].plan is not None
+    fitting = [c for c in choice.candidates if c.plan is not None]
+    assert choice.chosen == min(fitting, key=lambda c: c.step_s).group_size
+    text = format_group_choice(choice)
+    assert text.count("does not fit") == 2 and "<- chosen" in text
+    assert f"sharding group size {choice.chosen} " in text.splitlines()[-1]
+
+
+def test_frequent_averaging_of_big_replicas_keeps_the_whole_world_as_one_group():
+    """Averaging every step costs more than the all-to-all it saves for this model; every 1000 steps,
+    smaller groups win (the curve anyrec-plan prints)."""
+    every_step = choose_group_size(64, 8, get_sku("h100"), None, _group_plan, sync_every=1)
+    assert every_step.chosen == 64
+    rare = choose_group_size(64, 8, get_sku("h100"), None, _group_plan, sync_every=1000)
+    assert rare.chosen < 64
+
+
+def test_nothing_fitting_is_one_error_naming_every_size():
+    def plan_for(topology: Topology) -> PlanResult:
+        raise InfeasiblePlanError(f"{topology.world_size} ranks: too small")
+
+    with pytest.raises(InfeasiblePlanError, match="no sharding group size fits: 1: 1 ranks: too small; "
+                                                  "2: 2 ranks: too small"):
+        choose_group_size(2, 2, get_sku("h100"), None, plan_for)
+
+
+@pytest.mark.integration
+def test_two_hosts_of_two_ranks_train_in_two_groups_with_host_local_replicas(tmp_path):
+    """Two torchrun agents on loopback (2 ranks each), two sharding groups of 2: each group strides over
+    both hosts (ranks 0, 2 and 1, 3) and each rank's replica is its neighbour on its own host; the job
+    trains as the same 2D job on one host of four ranks (whose group plan is a one-host one)."""
+    from .test_multihost import launch_hosts
+
+    job = [*JOB, "planner.sharding_group_size=2", "trainer.steps=4", f"hydra.run.dir={tmp_path}/h"]
+    run = launch_hosts(job, tmp_path)
+    assert run.returncodes == [0, 0], run.out[-4000:]
+    assert run.strays == []
+    two = run.summary()
+    assert two["hosts"] == 2 and two["world_size"] == 4 and two["sharding_group_size"] == 2
+    # the group's plan: its two ranks on two hosts, one each
+    assert "tables on 2 x CPU (2 host(s) x 1)" in (tmp_path / "h" / "train_rank0.log").read_text()
+    one = _train(tmp_path, "planner.sharding_group_size=2", "trainer.steps=4")
+    assert one["hosts"] == 1
+    assert two["final_loss"] == pytest.approx(one["final_loss"], rel=1e-5)
+
+
+@pytest.mark.integration
+def test_two_groups_train_on_the_simulated_plugin_device_as_on_the_cpu(tmp_path, monkeypatch):
+    """torchrec's DMPCollection machinery on a plugin device (examples/simdev, its own process-group
+    backend): anyrec's torch TBE joins torchrec's averaging, and the job trains as on the CPU, per step
+    and per weight within anyrec-parity's tolerance."""
+    site = pip_install_target(ROOT / "examples" / "simdev", tmp_path)
+    path = [str(ROOT), str(site), os.environ.get("PYTHONPATH", "")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(path))
+    monkeypatch.chdir(tmp_path)
+    variants = ["nproc=4 backend=cpu", "nproc=4 backend=simdev"]
+    code = parity.main(["model=dlrm_tiny", "backend.embedding_kernel=torch", "planner.sharding_group_size=2",
+                        "data.batch_size=64", "trainer.steps=3", "hardware.sku=cpu",
+                        "parity.variants=[" + ",".join(json.dumps(v) for v in variants) + "]"])
+    assert code == 0
+
+
+def test_data_parallel_tables_gradients_are_all_reduced_over_the_world_not_the_group():
+    layout = GroupLayout(64, 8, 8)
+    topo = layout.group_topology(get_sku("h100"))
+    tables = [TableSpec(f"t{i}", 1000, 32, 1.0, [f"f{i}"]) for i in range(4)]
+    replicated = CoDesignPlanner().plan(tables, topo, 1024, "sgd", 100_000,
+                                        allowed_shardings=(ShardingType.DATA_PARALLEL,))
+    n = 100_000 + 4 * 1000 * 32
+    world = layout.world_topology(get_sku("h100"))
+    assert replica_bytes(replicated) == [(0, 0)] * 8  # DDP's, not the replicas' averaging
+    assert dense_extra_time_s(replicated, layout) == pytest.approx(
+        dense_all_reduce_time_s(n, world) - dense_all_reduce_time_s(n, topo))
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("sharding", ["table_wise", "row_wise", "column_wise", "table_row_wise",
+                                      "data_parallel"])
+def test_every_sharding_type_trains_within_a_group(tmp_path, sharding):
+    """Each sharding type within groups of two; table-row-wise keeps a table's rows on the group's ranks
+    of one host (torchrec's node group, which anyrec sets from the layout: its default, all ranks of a
+    host, is refused by torchrec for a group smaller than a host)."""
+    s = _train(tmp_path, "planner=simple", f"planner.sharding={sharding}", "planner.sharding_group_size=2",
+               "trainer.steps=2")
+    assert s["sharding_group_size"] == 2 and s["steps"] == 2 and 0 < s["final_loss"] < 1
