@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.fx.experimental import _config as fx_config
 from torch.export import Dim
 
 import anyrec
@@ -39,8 +40,8 @@ _MAX_CONFIG_BYTES = 64 * 2**20  # a weights/constants index: a few hundred bytes
 
 
 def example_inputs(model: ModelConfig, id_layout: IdLayout, batch: int = 3) -> ScoringInputs:
-    """A small batch of `model`'s shape (two ids per bag, so no size is 0 or 1 or equal to the batch, which
-    `torch.export` would specialise on)."""
+    """A small batch of `model`'s shape (two ids per bag: no id count equal to the batch, which `torch.export`
+    would take for a relation)."""
     feats = sparse_features(model)
     ids = [torch.arange(2 * batch, dtype=torch.int64) % f.num_rows for f in feats]
     if id_layout == IdLayout.lengths:
@@ -57,8 +58,10 @@ def export_program(scoring: ScoringModel, model: ModelConfig) -> torch.export.Ex
     batch = Dim("batch", min=1)
     ids = [{0: Dim(f"ids_{i}", min=0)} for i in range(len(example.ids))]
     bags = [{0: batch if layout == IdLayout.lengths else batch + 1} for _ in example.bags]
-    with torch.no_grad():
-        return torch.export.export(scoring.eval(), example.args(), dynamic_shapes=({0: batch}, ids, bags))
+    scoring = scoring.eval().requires_grad_(False)  # a scoring call builds no autograd graph
+    # size-oblivious: a batch of 1 or a feature without ids runs the same graph (no 0/1 specialisation)
+    with torch.no_grad(), fx_config.patch(backed_size_oblivious=True):
+        return torch.export.export(scoring, example.args(), dynamic_shapes=({0: batch}, ids, bags))
 
 
 def manifest(model: ModelConfig, precision: TablePrecision, id_layout: IdLayout,

@@ -79,19 +79,19 @@ class PooledTables(nn.Module):
 
     def forward(self, ids: list[torch.Tensor], bags: list[torch.Tensor]) -> torch.Tensor:
         """[B, F, D] sums of each feature's bags; `bags` are B + 1 offsets or B lengths per feature."""
-        ids_N = torch.cat([v.long() + first for v, first in zip(ids, self.first_rows, strict=True)])
-        starts, counts, begin = [], [], 0
-        for v, bag in zip(ids, bags, strict=True):
-            if self.id_layout == IdLayout.lengths:
-                counts.append(bag.long())
-            else:
-                starts.append(bag[:-1].long() + begin)
-                begin = begin + v.shape[0]
+        # A few whole-batch ops whatever F (a per-feature op each costs more than the lookup itself)
+        bags_FX = torch.stack(bags).long()
         if self.id_layout == IdLayout.lengths:
-            lengths_FB = torch.cat(counts)
-            offsets_FB1 = torch.cat([lengths_FB.new_zeros(1), torch.cumsum(lengths_FB, 0)])
+            lengths_FB = bags_FX
+            counts_F = lengths_FB.sum(dim=1)
         else:
-            offsets_FB1 = torch.cat([*starts, ids_N.new_full((1,), ids_N.shape[0])])
+            lengths_FB = bags_FX[:, 1:] - bags_FX[:, :-1]
+            counts_F = bags_FX[:, -1] - bags_FX[:, 0]
+        ids_N = torch.cat(ids).long()
+        # each id offset by its table's first row (the features' ids follow each other in ids_N)
+        first_F = torch.tensor(self.first_rows, dtype=torch.int64, device=ids_N.device)
+        ids_N = ids_N + torch.repeat_interleave(first_F, counts_F, output_size=ids_N.shape[0])
+        offsets_FB1 = torch.cat([lengths_FB.new_zeros(1), torch.cumsum(lengths_FB.flatten(), 0)])
         if self.precision == TablePrecision.fp32:
             pooled_FBD = F.embedding_bag(ids_N, self.weight, offsets_FB1, mode="sum", include_last_offset=True)
         else:
