@@ -38,6 +38,7 @@ CalibrationSize = StrEnum("CalibrationSize", "small large quick")
 TablePrecision = StrEnum("TablePrecision", "fp32 fp16 int8")
 IdLayout = StrEnum("IdLayout", "offsets lengths")
 Split = StrEnum("Split", "train eval")
+Int8Kernel = StrEnum("Int8Kernel", "auto fbgemm torch")
 
 
 @dataclass
@@ -239,6 +240,9 @@ class ExportConfig:
     output: str | None = None  # the .pt2 file to write
     precision: TablePrecision = TablePrecision.fp32  # tables: fp32 | fp16 | int8 (row-wise)
     id_layout: IdLayout = IdLayout.offsets  # each feature's bags as batch + 1 offsets, or batch lengths
+    # int8 lookups: fbgemm (torch's own FBGEMM 8-bit row-wise op, CPU), torch (plain ops, any device),
+    # auto (fbgemm where this torch has it)
+    int8_kernel: Int8Kernel = Int8Kernel.auto
 
 
 @dataclass

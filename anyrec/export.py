@@ -31,7 +31,7 @@ def run(cfg: AnyrecConfig, host_bytes: int | None = None,
     ValueError in one line for a missing option, a checkpoint of another model, a damaged one, or tables
     larger than this host's memory (`host_bytes`, default: this host's), before anything is written."""
     from anyrec.serving.artifact import export_program, manifest, save_artifact  # torch.export loads late
-    from anyrec.serving.model import ScoringModel
+    from anyrec.serving.model import ScoringModel, resolve_int8_kernel
     from anyrec.serving.weights import check_fits, export_memory_bytes, host_memory_bytes, load_checkpoint
 
     ec = cfg.export
@@ -45,10 +45,11 @@ def run(cfg: AnyrecConfig, host_bytes: int | None = None,
     loaded = load_checkpoint(Path(ec.checkpoint), cfg.model, resolve_key(cfg.trainer.signing_key_file))
     logger.info("checkpoint %s: step %d, written by %s rank(s)", loaded.path, loaded.step,
                 loaded.world_size or "?")
-    program = export_program(ScoringModel(loaded.model, ec.precision, ec.id_layout), cfg.model)
+    kernel = resolve_int8_kernel(ec.int8_kernel)  # kept for every precision: the manifest says it
+    program = export_program(ScoringModel(loaded.model, ec.precision, ec.id_layout, kernel), cfg.model)
     source = {"path": str(loaded.path.resolve()), "step": loaded.step, "sha256": loaded.sha256,
               "world_size": loaded.world_size, "lineage": loaded.lineage}
-    info = manifest(cfg.model, ec.precision, ec.id_layout, source)
+    info = manifest(cfg.model, ec.precision, ec.id_layout, source, kernel)
     save_artifact(program, info, ec.output)
     logger.info("wrote %s (%s tables, %.1f MiB)", ec.output, ec.precision, info["table_bytes"] / 2**20)
     sys.stdout.flush()

@@ -48,15 +48,22 @@ def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print) -> dict[str,
                          "predict.artifact=model.pt2")
     steps = cfg.trainer.eval_steps if pc.steps is None else pc.steps
     if steps < 1 or pc.world_size < 1:
-        raise ValueError(f"predict.steps and predict.world_size must be >= 1, got {steps} and {pc.world_size}")
+        raise ValueError(f"predict.steps and predict.world_size must be >= 1, got {steps} and "
+                         f"{pc.world_size}")
     writable_file(pc.output, "predict.output")
-    check_fits(int(read_manifest(pc.artifact)["table_bytes"]), f"scoring with {pc.artifact}", host_memory_bytes())
+    check_fits(int(read_manifest(pc.artifact)["table_bytes"]), f"scoring with {pc.artifact}",
+               host_memory_bytes())
     artifact = load_artifact(pc.artifact)
     model = artifact.model
     if cfg.model.name != model.name:
-        logger.info("model: %s, the artifact's (the composed model=%s is not used)", model.name, cfg.model.name)
+        logger.info("model: %s, the artifact's (the composed model=%s is not used)", model.name,
+                    cfg.model.name)
     backend = get_backend(cfg.backend.name)
     device = backend.device(0)
+    if artifact.manifest.get("int8_kernel") == "fbgemm" and device.type != "cpu":
+        raise ValueError(f"{pc.artifact}: its int8 tables use torch's quantized CPU lookup, which has no "
+                         f"{device.type} kernel; export with export.int8_kernel=torch to score on "
+                         f"{backend.name}")
     program = artifact.program.to(device)
     # the sources the training run built, for the artifact's model: the rows its ranks read
     job = dataclasses.replace(cfg, model=model, trainer=dataclasses.replace(cfg.trainer, eval_steps=steps))

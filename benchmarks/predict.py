@@ -9,7 +9,8 @@ Contenders, per model and precision:
   torchrec     the DLRM with its tables replaced by torchrec's quantized collection (fp32 or int8 weights),
                eager, fed KeyedJaggedTensors
   anyrec       the artifact anyrec-export writes (torch.export program, loaded as `torch.export.load` loads
-               it), fed one ids and one offsets tensor per feature
+               it), fed one ids and one offsets tensor per feature; int8 with each lookup kernel
+               (export.int8_kernel): fbgemm (torch's quantized CPU op) and torch (plain ops)
 Both score the same `--batches` batches (multi-hot where the model is), made before timing; each contender
 runs them `--repeats` times in alternating order and the table shows the median samples/s and anyrec's
 ratio to torchrec (> 1: faster). Scores are compared before timing (fp32: 1e-5; int8: both quantize
@@ -31,18 +32,19 @@ import torch
 from torchrec.inference.modules import quantize_embeddings
 
 from anyrec._hydra import compose_job
-from anyrec.config import IdLayout, ModelConfig, TablePrecision
+from anyrec.config import IdLayout, Int8Kernel, ModelConfig, TablePrecision
 from anyrec.models.dlrm import build_model, table_configs
 from anyrec.models.init import init_model
 from anyrec.schema import load_model_config
 from anyrec.serving.artifact import export_program, load_artifact, manifest, save_artifact
-from anyrec.serving.model import ScoringModel
+from anyrec.serving.model import ScoringModel, resolve_int8_kernel
 from anyrec.serving.scoring import batch_inputs
 from anyrec.trainer.distributed import ONE_PROCESS
 from anyrec.trainer.inputs import build_inputs
 
-
 TORCHREC_DTYPES = {TablePrecision.fp32: torch.float, TablePrecision.int8: torch.qint8}
+# anyrec's variants: fp32, and int8 with each of its lookups (export.int8_kernel)
+VARIANTS = [(TablePrecision.fp32, "torch"), (TablePrecision.int8, "fbgemm"), (TablePrecision.int8, "torch")]
 SCORE_ATOL = {TablePrecision.fp32: 1e-5, TablePrecision.int8: 1e-2}
 
 
@@ -63,11 +65,13 @@ def trained_like(cfg: ModelConfig) -> torch.nn.Module:
     return model.eval()
 
 
-def exported(model: torch.nn.Module, cfg: ModelConfig, precision: TablePrecision, folder: str) -> torch.nn.Module:
+def exported(model: torch.nn.Module, cfg: ModelConfig, precision: TablePrecision, folder: str,
+             kernel: str = "auto") -> torch.nn.Module:
     """The artifact anyrec-export would write for `model`, written and loaded back."""
     path = Path(folder) / f"{cfg.name}_{precision}.pt2"
-    program = export_program(ScoringModel(model, precision, IdLayout.offsets), cfg)
-    save_artifact(program, manifest(cfg, precision, IdLayout.offsets, {}), path)
+    kernel = resolve_int8_kernel(Int8Kernel(kernel))
+    program = export_program(ScoringModel(model, precision, IdLayout.offsets, kernel), cfg)
+    save_artifact(program, manifest(cfg, precision, IdLayout.offsets, {}, kernel), path)
     return load_artifact(path).program
 
 
@@ -88,9 +92,9 @@ def bench_model(name: str, batch: int, count: int, repeats: int, folder: str) ->
     model, data = trained_like(cfg), batches_for(name, batch, count)
     plain = [batch_inputs(b, IdLayout.offsets, torch.device("cpu")).args() for b in data]
     rows = []
-    for precision, dtype in TORCHREC_DTYPES.items():
-        theirs = quantize_embeddings(copy.deepcopy(model), dtype=dtype, inplace=False)
-        ours = exported(model, cfg, precision, folder)
+    for precision, kernel in VARIANTS:
+        theirs = quantize_embeddings(copy.deepcopy(model), dtype=TORCHREC_DTYPES[precision], inplace=False)
+        ours = exported(model, cfg, precision, folder, kernel)
         with torch.no_grad():
             diff = max(float((ours(*a) - theirs(b.dense_features, b.sparse_features)).abs().max())
                        for a, b in zip(plain, data, strict=True))
@@ -110,7 +114,9 @@ def bench_model(name: str, batch: int, count: int, repeats: int, folder: str) ->
         run_theirs(), run_ours()  # warm-up
         secs = time_runs({"torchrec": run_theirs, "anyrec": run_ours}, repeats)
         samples = batch * count
-        rows.append({"model": name, "precision": str(precision), "batch": batch, "batches": count,
+        rows.append({"model": name, "precision": str(precision),
+                     "int8_kernel": kernel if precision == "int8" else None,
+                     "batch": batch, "batches": count,
                      "torchrec_samples_per_s": samples / secs["torchrec"],
                      "anyrec_samples_per_s": samples / secs["anyrec"],
                      "speedup": secs["torchrec"] / secs["anyrec"], "max_logit_diff": diff})
@@ -129,11 +135,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     load_before = Path("/proc/loadavg").read_text().split()[:3]
     with tempfile.TemporaryDirectory() as folder:
-        rows = [r for m in args.models for r in bench_model(m, args.batch, args.batches, args.repeats, folder)]
+        rows = [r for m in args.models
+                for r in bench_model(m, args.batch, args.batches, args.repeats, folder)]
     load_after = Path("/proc/loadavg").read_text().split()[:3]
-    print(f"{'model':<14}{'tables':<8}{'torchrec samples/s':>20}{'anyrec samples/s':>18}{'anyrec/torchrec':>17}")
+    print(f"{'model':<14}{'tables':<14}{'torchrec samples/s':>20}{'anyrec samples/s':>18}"
+          f"{'anyrec/torchrec':>17}")
     for r in rows:
-        print(f"{r['model']:<14}{r['precision']:<8}{r['torchrec_samples_per_s']:>20,.0f}"
+        tables = r["precision"] + (f" ({r['int8_kernel']})" if r["int8_kernel"] else "")
+        print(f"{r['model']:<14}{tables:<14}{r['torchrec_samples_per_s']:>20,.0f}"
               f"{r['anyrec_samples_per_s']:>18,.0f}{r['speedup']:>16.2f}x")
     print(f"batch {args.batch}, {args.batches} batches x {args.repeats} repeats, {args.threads} thread(s); "
           f"load average before {' '.join(load_before)}, after {' '.join(load_after)}")

@@ -163,10 +163,12 @@ def test_the_artifact_scores_as_the_model_and_says_what_it_is(exported):
 
 def test_tables_larger_than_the_host_are_refused_before_anything_is_written(exported, tmp_path):
     _, ckpt, _, _ = exported
-    _, cfg = compose_config(["model=dlrm_tiny", f"export.checkpoint={ckpt}", f"export.output={tmp_path}/x.pt2",
+    _, cfg = compose_config(["model=dlrm_tiny", f"export.checkpoint={ckpt}",
+                             f"export.output={tmp_path}/x.pt2",
                              "export.precision=int8"])
     need = sum(TINY.table_rows) * (TINY.embedding_dim * 5 + 8)  # fp32 read + int8 with scale/bias
-    with pytest.raises(ValueError, match=f"needs {need / 2**30:.2f} GiB of host memory, this host has 0.00 GiB"):
+    why = f"needs {need / 2**30:.2f} GiB of host memory, this host has 0.00 GiB"
+    with pytest.raises(ValueError, match=why):
         export_cli.run(cfg, host_bytes=need - 1)
     assert not list(tmp_path.iterdir())
 
@@ -188,16 +190,20 @@ def test_bad_artifacts_are_refused_in_one_line(exported, tmp_path):
     _, _, path, _ = exported
     (tmp_path / "text.pt2").write_text("hello")
     cases = {tmp_path / "missing.pt2": "no such file", tmp_path / "text.pt2": "not a torch.export archive"}
-    drop = _rewrite(path, tmp_path / "nomanifest.pt2", lambda n, d: b"{}" if n.endswith("manifest.json") else d)
+    drop = _rewrite(path, tmp_path / "nomanifest.pt2",
+                    lambda n, d: b"{}" if n.endswith("manifest.json") else d)
     cases[drop] = "not an anyrec scoring manifest"
 
     def pickled_weight(name: str, data: bytes) -> bytes:
-        return data.replace(b'"use_pickle": false', b'"use_pickle": true', 1) if "weights_config" in name else data
+        if "weights_config" not in name:
+            return data
+        return data.replace(b'"use_pickle": false', b'"use_pickle": true', 1)
     cases[_rewrite(path, tmp_path / "pickled.pt2", pickled_weight)] = "stored as a pickled object"
     forged = io.BytesIO()
     torch.save({"x": _Payload()}, forged)
     cases[_rewrite(path, tmp_path / "forged.pt2",
-                   lambda n, d: forged.getvalue() if "/sample_inputs/" in n else d)] = "sample inputs are not plain"
+                   lambda n, d: forged.getvalue() if "/sample_inputs/" in n else d)] = \
+        "sample inputs are not plain"
     for bad, why in cases.items():
         with pytest.raises(ValueError, match=why) as e:
             load_artifact(bad)

@@ -4,7 +4,6 @@ checkpoint (the same scores as a one-rank one)."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import textwrap
@@ -38,7 +37,8 @@ TORCH_ONLY = textwrap.dedent("""
     files = {"manifest.json": ""}
     program = torch.export.load(artifact, extra_files=files).module()
     assert "anyrec-scoring" in files["manifest.json"]
-    probs = [torch.sigmoid(program(dense, ids, bags)) for dense, ids, bags in torch.load(inputs, weights_only=True)]
+    batches = torch.load(inputs, weights_only=True)
+    probs = [torch.sigmoid(program(dense, ids, bags)) for dense, ids, bags in batches]
     torch.save(torch.cat(probs), out)
     assert not any(m.split(".")[0] in ("anyrec", "torchrec") for m in sys.modules)
 """)
@@ -81,15 +81,16 @@ def test_export_then_predict_gives_the_trainers_eval_and_loads_with_torch_only(t
     script = tmp_path / "score.py"
     script.write_text(TORCH_ONLY)
     proc = subprocess.run([sys.executable, str(script), str(artifact), str(inputs), str(out)], cwd=tmp_path,
-                          env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=300)
+                          env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     np.testing.assert_allclose(torch.load(out, weights_only=True).numpy(), probs, rtol=0, atol=1e-6)
 
 
 def test_a_two_rank_row_wise_checkpoint_exports_as_a_one_rank_one(tmp_path):
     same = [*TRAIN, "data.global_batch_size=512"]
-    two = torchrun(["-m", "anyrec.train", *same, "planner.sharding=row_wise", f"trainer.checkpoint.dir={tmp_path}/two",
+    two = torchrun(["-m", "anyrec.train", *same, "planner.sharding=row_wise",
+                    f"trainer.checkpoint.dir={tmp_path}/two",
                     f"hydra.run.dir={tmp_path}/run2"], nproc=2, timeout=400, cwd=tmp_path)
     assert two.returncode == 0, two.stderr[-3000:]
     two_eval = last_json_line(two.stdout)["eval_auc"]
@@ -97,8 +98,8 @@ def test_a_two_rank_row_wise_checkpoint_exports_as_a_one_rank_one(tmp_path):
     probs = {}
     for name in ("two", "one"):
         out = tmp_path / f"{name}.pt2"
-        _ok(_run("anyrec.export", ["model=dlrm_tiny", f"export.checkpoint={tmp_path}/{name}", f"export.output={out}"],
-                 tmp_path))
+        _ok(_run("anyrec.export", ["model=dlrm_tiny", f"export.checkpoint={tmp_path}/{name}",
+                                   f"export.output={out}"], tmp_path))
         program = load_artifact(out).program
         with torch.no_grad():
             probs[name] = torch.cat([program(*args) for args in _eval_inputs(["model=dlrm_tiny"], 4)])
@@ -106,7 +107,8 @@ def test_a_two_rank_row_wise_checkpoint_exports_as_a_one_rank_one(tmp_path):
     torch.testing.assert_close(probs["two"], probs["one"], rtol=0, atol=1e-5)
     # the rows the two ranks evaluated on: the two-rank run's eval AUC
     predicted = _ok(_run("anyrec.predict", [f"predict.artifact={tmp_path}/two.pt2", "predict.world_size=2",
-                                            "data.global_batch_size=512", "trainer.progress=false"], tmp_path))
+                                            "data.global_batch_size=512", "trainer.progress=false"],
+                         tmp_path))
     assert abs(predicted["auc"] - two_eval) <= 1e-6
 
 
@@ -117,7 +119,8 @@ def test_help_and_one_line_errors(tmp_path):
     (tmp_path / "bad.pt2").write_text("not an archive")
     for module, args, why in [
             ("anyrec.predict", [f"predict.artifact={tmp_path}/bad.pt2"], "not a torch.export archive"),
-            ("anyrec.export", [f"export.checkpoint={tmp_path}", f"export.output={tmp_path}/x.pt2"], "no checkpoint"),
+            ("anyrec.export", [f"export.checkpoint={tmp_path}", f"export.output={tmp_path}/x.pt2"],
+             "no checkpoint"),
             ("anyrec.export", ["export.precision=int4"], "export.precision")]:
         proc = _run(module, args, tmp_path)
         lines = proc.stderr.strip().splitlines()

@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.fx.experimental import _config as fx_config
 from torch.export import Dim
+from torch.fx.experimental import _config as fx_config
 
 import anyrec
-from anyrec.config import ModelConfig
+from anyrec.config import Int8Kernel, ModelConfig
 from anyrec.io_checks import atomic_write, writable_file
 from anyrec.safe_load import load_json
 from anyrec.schema import sparse_features
@@ -65,19 +65,23 @@ def export_program(scoring: ScoringModel, model: ModelConfig) -> torch.export.Ex
 
 
 def manifest(model: ModelConfig, precision: TablePrecision, id_layout: IdLayout,
-             checkpoint: dict[str, Any]) -> dict[str, Any]:
+             checkpoint: dict[str, Any], int8_kernel: Int8Kernel = Int8Kernel.torch) -> dict[str, Any]:
     """What an artifact says about itself: the model config, its inputs, tables and source checkpoint."""
     feats = sparse_features(model)
     return {
         "format": FORMAT, "format_version": FORMAT_VERSION,
         "model": json.loads(json.dumps(dataclasses.asdict(model), default=str)),
         "precision": str(precision), "id_layout": str(id_layout),
+        # fbgemm: torch's quantized CPU op, no other device runs it
+        "int8_kernel": str(int8_kernel) if precision == TablePrecision.int8 else None,
         "inputs": {"dense": f"float32 [batch, {model.num_dense_features}]",
                    "ids": "one int64 tensor per feature, in `features` order",
-                   "bags": ("one int64 tensor of batch + 1 offsets per feature" if id_layout == IdLayout.offsets
+                   "bags": ("one int64 tensor of batch + 1 offsets per feature"
+                            if id_layout == IdLayout.offsets
                             else "one int64 tensor of batch lengths per feature")},
         "output": "float32 [batch] logits (sigmoid: click probability)",
-        "features": [{"name": f.name, "table": f.table, "rows": f.num_rows, "ids_per_sample": f.ids_per_sample}
+        "features": [{"name": f.name, "table": f.table, "rows": f.num_rows,
+                      "ids_per_sample": f.ids_per_sample}
                      for f in feats],
         "table_bytes": table_bytes(sum(f.num_rows for f in feats), model.embedding_dim, precision),
         "checkpoint": checkpoint,
@@ -120,7 +124,8 @@ def _refuse_pickles(zf: zipfile.ZipFile, what: str) -> None:
     """ValueError when the archive holds anything `torch.export.load` would unpickle unrestricted."""
     for name in zf.namelist():
         if name.endswith(("_weights_config.json", "_constants_config.json")):
-            config = load_json(name, f"{what}: {name}", _MAX_CONFIG_BYTES, text=_read(zf, name, _MAX_CONFIG_BYTES))
+            config = load_json(name, f"{what}: {name}", _MAX_CONFIG_BYTES,
+                               text=_read(zf, name, _MAX_CONFIG_BYTES))
             entries = config.get("config", {}) if isinstance(config, dict) else None
             if not isinstance(entries, dict):
                 raise ValueError(f"{what}: {name} is not a weights index")

@@ -78,7 +78,8 @@ def _signature(train: DLRMTrain, model: ModelConfig, optimizer: Any) -> dict[str
     return {"tables": tables, "dense": dense, "optimizer": optimizer}
 
 
-def load_checkpoint(path: Path, model: ModelConfig, signing_key: SigningKey | None = None) -> LoadedCheckpoint:
+def load_checkpoint(path: Path, model: ModelConfig,
+                    signing_key: SigningKey | None = None) -> LoadedCheckpoint:
     """The unsharded model `model` with the weights of checkpoint `path` (a step folder or the folder of
     them), on the CPU; ValueError (CheckpointError) in one line when it is not this model's or damaged."""
     path = find_checkpoint(Path(path))
