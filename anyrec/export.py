@@ -18,7 +18,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from anyrec import _hydra
-from anyrec.config import AnyrecConfig
+from anyrec.config import AnyrecConfig, check_values
 from anyrec.io_checks import writable_file
 from anyrec.signing import resolve_key
 
@@ -34,6 +34,7 @@ def run(cfg: AnyrecConfig, host_bytes: int | None = None,
     from anyrec.serving.model import ScoringModel, resolve_int8_kernel
     from anyrec.serving.weights import check_fits, export_memory_bytes, host_memory_bytes, load_checkpoint
 
+    check_values(cfg)
     ec = cfg.export
     for key in ("checkpoint", "output"):
         if not getattr(ec, key):
