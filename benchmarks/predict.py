@@ -2,7 +2,7 @@
 inference path (`torchrec.inference.modules.quantize_embeddings`: its quantized EmbeddingBagCollection on
 FBGEMM's inference TBE), on the same model weights and the same batches.
 
-    python benchmarks/predict.py [--models dlrm_small dlrmv2_small] [--batch 256] [--threads 1]
+    python benchmarks/predict.py [--models dlrm_small dlrmv2_small] [--batch 256 2048] [--threads 1]
                                  [--json benchmarks/results/<date>_cpu-2core/predict.json]
 
 Contenders, per model and precision:
@@ -126,7 +126,7 @@ def bench_model(name: str, batch: int, count: int, repeats: int, folder: str) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["dlrm_small", "dlrmv2_small"])
-    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--batch", type=int, nargs="+", default=[256, 2048])
     parser.add_argument("--batches", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1, help="torch's intra-op threads (shared hosts: 1)")
@@ -135,16 +135,16 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     load_before = Path("/proc/loadavg").read_text().split()[:3]
     with tempfile.TemporaryDirectory() as folder:
-        rows = [r for m in args.models
-                for r in bench_model(m, args.batch, args.batches, args.repeats, folder)]
+        rows = [r for m in args.models for b in args.batch
+                for r in bench_model(m, b, args.batches, args.repeats, folder)]
     load_after = Path("/proc/loadavg").read_text().split()[:3]
-    print(f"{'model':<14}{'tables':<14}{'torchrec samples/s':>20}{'anyrec samples/s':>18}"
+    print(f"{'model':<14}{'batch':>6}  {'tables':<14}{'torchrec samples/s':>20}{'anyrec samples/s':>18}"
           f"{'anyrec/torchrec':>17}")
     for r in rows:
         tables = r["precision"] + (f" ({r['int8_kernel']})" if r["int8_kernel"] else "")
-        print(f"{r['model']:<14}{tables:<14}{r['torchrec_samples_per_s']:>20,.0f}"
+        print(f"{r['model']:<14}{r['batch']:>6}  {tables:<14}{r['torchrec_samples_per_s']:>20,.0f}"
               f"{r['anyrec_samples_per_s']:>18,.0f}{r['speedup']:>16.2f}x")
-    print(f"batch {args.batch}, {args.batches} batches x {args.repeats} repeats, {args.threads} thread(s); "
+    print(f"{args.batches} batches x {args.repeats} repeats, {args.threads} thread(s); "
           f"load average before {' '.join(load_before)}, after {' '.join(load_after)}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
