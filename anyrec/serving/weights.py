@@ -9,6 +9,7 @@ column-wise shards), its index unpickled by the restricted reader (`anyrec.train
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,7 +96,9 @@ def load_checkpoint(path: Path, model: ModelConfig,
             raise
         raise CheckpointError(f"{e} (model={model.name} here: give the run's model overrides)") from None
     state = {"model": train.state_dict()}
-    manager.load(path, state)
+    with warnings.catch_warnings():  # one process on purpose: DCP's warning that it assumes so says nothing
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        manager.load(path, state)
     train.load_state_dict(state["model"])
     run = meta.get("run") if isinstance(meta.get("run"), dict) else {}
     return LoadedCheckpoint(train.model.eval(), path, int(meta["step"]), dict(meta["sha256"]),
