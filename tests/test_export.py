@@ -20,7 +20,7 @@ from anyrec.config import CheckpointConfig, IdLayout, ModelConfig, TablePrecisio
 from anyrec.models.dlrm import build_model, table_configs
 from anyrec.models.init import init_model
 from anyrec.schema import load_model_config
-from anyrec.serving.artifact import load_artifact, read_manifest
+from anyrec.serving.artifact import export_program, load_artifact, read_manifest
 from anyrec.serving.model import ScoringModel, dequantize_rowwise_int8, quantize_rowwise_int8
 from anyrec.serving.scoring import batch_inputs, score_batches
 from anyrec.serving.weights import load_checkpoint
@@ -153,12 +153,22 @@ def test_the_artifact_scores_as_the_model_and_says_what_it_is(exported):
     assert [f["rows"] for f in info["features"]] == TINY.table_rows
     assert info["table_bytes"] == sum(TINY.table_rows) * TINY.embedding_dim * 4
     assert artifact.model == TINY
-    for size in (1, 9):  # the batch is dynamic
-        batch = _batch(TINY, size=size, seed=size)
+    _scores_as(model, TINY, artifact.program)
+
+
+def _scores_as(model, cfg: ModelConfig, program) -> None:
+    for size in (1, 9):  # the batch is dynamic, one sample included
+        batch = _batch(cfg, size=size, seed=size)
         with torch.no_grad():
             want_B = model(batch.dense_features, batch.sparse_features)
-        got_B = artifact.program(*batch_inputs(batch, IdLayout.offsets, torch.device("cpu")).args())
+        got_B = program(*batch_inputs(batch, IdLayout.offsets, torch.device("cpu")).args())
         torch.testing.assert_close(got_B, want_B, rtol=0, atol=1e-6)
+
+
+def test_a_cross_net_model_with_multi_hot_features_exports():
+    model = _model(TINY_DCN)
+    program = export_program(ScoringModel(model, TablePrecision.fp32, IdLayout.offsets), TINY_DCN)
+    _scores_as(model, TINY_DCN, program.module())
 
 
 def test_tables_larger_than_the_host_are_refused_before_anything_is_written(exported, tmp_path):

@@ -140,6 +140,19 @@ class DotPairs(nn.Module):
         return torch.cat([dense_BD, gram_Bff.flatten(1).index_select(1, self.pairs)], dim=1)
 
 
+class CrossNet(nn.Module):
+    """DLRMv2's interaction as `CrossInteraction` computes it: dense and pooled vectors side by side, then
+    its cross net. One cat of [B, 1, D] and [B, F, D] (the pooled vectors arrive as a transposed view), so
+    the flattening is a view: flattening the view itself makes `torch.export` assume a batch above one."""
+
+    def __init__(self, source: CrossInteraction) -> None:
+        super().__init__()
+        self.cross = source.cross
+
+    def forward(self, dense_BD: torch.Tensor, sparse_BFD: torch.Tensor) -> torch.Tensor:
+        return self.cross(torch.cat([dense_BD.unsqueeze(1), sparse_BFD], dim=1).flatten(1))
+
+
 class ScoringModel(nn.Module):
     """A trained DLRM for scoring: `forward(dense_BI, ids, bags) -> logits_B`, ids and bags one tensor
     per feature in the model's feature order (no torchrec type anywhere)."""
@@ -154,7 +167,7 @@ class ScoringModel(nn.Module):
         if isinstance(model.interaction, DotInteraction):
             self.interaction: nn.Module = DotPairs(model.interaction)
         elif isinstance(model.interaction, CrossInteraction):
-            self.interaction = model.interaction  # concatenation and nn.Linear layers: plain ops already
+            self.interaction = CrossNet(model.interaction)
         else:
             raise ValueError(f"no serving form for the interaction {type(model.interaction).__name__}")
         self.over_arch = model.over_arch
