@@ -8,7 +8,7 @@ Legend: B batch, I dense features, F sparse features.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -50,9 +50,11 @@ class ScoreRun:
 
 
 def score_batches(program: torch.nn.Module, model: ModelConfig, id_layout: IdLayout,
-                  batches: Iterable[Batch], device: torch.device, on_batch=None) -> ScoreRun:
+                  batches: Iterable[Batch], device: torch.device,
+                  on_batch: Callable[[int], object] | None = None) -> ScoreRun:
     """Score every batch with `program`; each is checked first (feature count, dense width, ids within
-    their tables: ValueError in one line naming the batch), labels feed the trainer's EvalMetrics."""
+    their tables: ValueError in one line naming the batch), labels feed the trainer's EvalMetrics;
+    `on_batch(samples)` after each batch (a progress bar)."""
     validator = InputValidator(feature_names(len(model.table_rows)), list(model.table_rows),
                                model.num_dense_features, device, ONE_PROCESS)
     metrics = EvalMetrics(device)
