@@ -141,8 +141,10 @@ LAYERS: list[tuple[str, ...]] = [
      "anyrec.signing", "anyrec.caltrust", "anyrec.steplearn"),
     ("anyrec.planner", "anyrec.models", "anyrec.data"),
     ("anyrec.trainer",),
+    ("anyrec.serving",),
     ("anyrec._hydra", "anyrec.console", "anyrec.train", "anyrec.plan", "anyrec.calibrate",
-     "anyrec.calibrate_step", "anyrec.autocal", "anyrec.parity", "anyrec.calrun"),
+     "anyrec.calibrate_step", "anyrec.autocal", "anyrec.parity", "anyrec.calrun", "anyrec.export",
+     "anyrec.predict"),
 ]
 SIDE_BY_SIDE = {"anyrec.planner", "anyrec.models", "anyrec.data"}
 
@@ -172,7 +174,7 @@ def layer_violations(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_imports_respect_the_layers():
-    """entry points > trainer > {planner, models, data} > schema/config > {backends, kernels}."""
+    """entry points > serving > trainer > {planner, models, data} > schema/config > {backends, kernels}."""
     assert layer_violations(import_graph()) == []
 
 
