@@ -16,7 +16,7 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from anyrec import export as export_cli
-from anyrec.config import CheckpointConfig, IdLayout, ModelConfig, TablePrecision
+from anyrec.config import CheckpointConfig, IdLayout, Int8Kernel, ModelConfig, TablePrecision
 from anyrec.models.dlrm import build_model, table_configs
 from anyrec.models.init import init_model
 from anyrec.schema import load_model_config
@@ -72,11 +72,12 @@ def test_fp32_scoring_model_scores_as_the_trained_model(cfg, layout):
     assert want_B.std() > 0.01  # the scores depend on the inputs: a real comparison
 
 
-@pytest.mark.parametrize("precision, atol", [("fp16", 2e-3), ("int8", 3e-2)])
-def test_reduced_precision_tables_stay_close(precision, atol):
+@pytest.mark.parametrize("precision, kernel, atol", [("fp16", "torch", 2e-3), ("int8", "torch", 3e-2),
+                                                     ("int8", "fbgemm", 3e-2)])
+def test_reduced_precision_tables_stay_close(precision, kernel, atol):
     model, batch = _model(TINY_DCN), _batch(TINY_DCN, size=32)
     fp32 = ScoringModel(model, TablePrecision.fp32, IdLayout.offsets)
-    low = ScoringModel(model, TablePrecision(precision), IdLayout.offsets)
+    low = ScoringModel(model, TablePrecision(precision), IdLayout.offsets, Int8Kernel(kernel))
     args = batch_inputs(batch, IdLayout.offsets, torch.device("cpu")).args()
     with torch.no_grad():
         diff = (low(*args) - fp32(*args)).abs().max().item()
