@@ -31,6 +31,8 @@ setup(
             "anyrec-plan=anyrec.plan:cli",
             "anyrec-calibrate=anyrec.calibrate:cli",
             "anyrec-parity=anyrec.parity:cli",
+            "anyrec-export=anyrec.export:cli",
+            "anyrec-predict=anyrec.predict:cli",
         ],
         "anyrec.backends": [
             "cpu=anyrec.backends.cpu:CPUBackend",

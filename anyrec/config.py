@@ -35,6 +35,10 @@ Optimizer = StrEnum("Optimizer", "sgd adagrad rowwise_adagrad adam")
 Calibrate = StrEnum("Calibrate", "auto always never")
 Precision = StrEnum("Precision", "auto bf16 fp32")
 CalibrationSize = StrEnum("CalibrationSize", "small large quick")
+TablePrecision = StrEnum("TablePrecision", "fp32 fp16 int8")
+IdLayout = StrEnum("IdLayout", "offsets lengths")
+Split = StrEnum("Split", "train eval")
+Int8Kernel = StrEnum("Int8Kernel", "auto fbgemm torch")
 
 
 @dataclass
@@ -240,6 +244,30 @@ class ParityConfig:
 
 
 @dataclass
+class ExportConfig:
+    """Options of `anyrec-export`: a checkpoint to one scoring artifact (`torch.export`, `.pt2`)."""
+
+    checkpoint: str | None = None  # a step_<n> folder, or a trainer.checkpoint.dir (its newest checkpoint)
+    output: str | None = None  # the .pt2 file to write
+    precision: TablePrecision = TablePrecision.fp32  # tables: fp32 | fp16 | int8 (row-wise)
+    id_layout: IdLayout = IdLayout.offsets  # each feature's bags as batch + 1 offsets, or batch lengths
+    # int8 lookups: fbgemm (torch's own FBGEMM 8-bit row-wise op, CPU), torch (plain ops, any device),
+    # auto (fbgemm where this torch has it)
+    int8_kernel: Int8Kernel = Int8Kernel.auto
+
+
+@dataclass
+class PredictConfig:
+    """Options of `anyrec-predict`: score a data split with an artifact."""
+
+    artifact: str | None = None  # the .pt2 file anyrec-export wrote
+    split: Split = Split.eval
+    steps: int | None = None  # batches per rank read; default: trainer.eval_steps
+    world_size: int = 1  # read the rows these many training ranks read (the training run's world size)
+    output: str | None = None  # scores (click probabilities, float32) as .npy
+
+
+@dataclass
 class AnyrecConfig:
     """The whole job."""
 
@@ -254,6 +282,8 @@ class AnyrecConfig:
     plan: PlanConfig = field(default_factory=PlanConfig)
     calibrate: CalibrationConfig = field(default_factory=CalibrationConfig)
     parity: ParityConfig = field(default_factory=ParityConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    predict: PredictConfig = field(default_factory=PredictConfig)
 
 
 def check_values(cfg: AnyrecConfig) -> None:
