@@ -80,7 +80,8 @@ def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print,
             return plan_for(Topology(hw.spec, world, cfg.topology.local_world_size, device_type)), None
         # 2D: the tables planned for one sharding group, the group size chosen (auto) or priced (N)
         choice = choose_group_size(world, local, hw.spec, device_type, plan_for,
-                                   None if group is None else [group], cfg.planner.replica_sync_every)
+                                   None if group is None else [group], cfg.planner.replica_sync_every,
+                                   hw.subgroups, hw.link_source)
         return choice.plan, choice
 
     result, groups = plan_on(hardware)

@@ -8,9 +8,10 @@ shape of the `hardware` config group, so the same file also works as a group opt
       memory_bw_bytes_per_s: 4.18e+12
     measurements: {...}      # optional: what anyrec.calibrate measured (units in the key names)
 
-Two parts of `measurements` feed the planner, in the `Hardware` value `resolve_hardware` returns (whoever
-plans passes it down; nothing is registered): `embedding.<impl>.profile` (a KernelProfile costed instead
-of the Impl's built-in one) and `measured_fields` (spec fields measured rather than taken from the base).
+Three parts of `measurements` feed the planner, in the `Hardware` value `resolve_hardware` returns
+(whoever plans passes it down; nothing is registered): `embedding.<impl>.profile` (a KernelProfile costed
+instead of the Impl's built-in one), `measured_fields` (spec fields measured rather than taken from the
+base) and `collectives_subgroups` (the collectives of 2D's sharding and replica groups, per group size).
 The flat form is accepted too: DeviceSpec fields at the top level, `base: <sku>` for the rest.
 """
 
@@ -60,6 +61,26 @@ class EmbeddingCost:
 
 
 @dataclass(frozen=True)
+class LinkFit:
+    """A collective fitted on measured ranks: seconds = latency_s + bus bytes / bus_bw_bytes_per_s."""
+
+    latency_s: float
+    bus_bw_bytes_per_s: float
+
+
+@dataclass(frozen=True)
+class SubgroupLinks:
+    """The collectives 2D runs, measured on one host's ranks laid out as torchrec's DMPCollection lays
+    them out: the all-to-all within a sharding group of `group_size` ranks and the all-reduce over a
+    replica group of `replicas` ranks (None: not measured)."""
+
+    group_size: int
+    replicas: int
+    all_to_all: LinkFit | None = None
+    all_reduce_replicas: LinkFit | None = None
+
+
+@dataclass(frozen=True)
 class Hardware:
     """The device the planner reasons about, as one value: its spec (memory, compute and link figures),
     the embedding profiles a calibration measured, and which of the spec's figures were measured."""
@@ -68,6 +89,14 @@ class Hardware:
     profiles: dict[str, KernelProfile] = field(default_factory=dict)  # embedding impl -> measured
     measured_fields: tuple[str, ...] = ()  # spec fields measured (the rest from the base SKU)
     measured_by: str = ""  # where the measurements come from (a file, the hardware config); "" = none
+    subgroups: dict[int, SubgroupLinks] = field(default_factory=dict)  # group size -> 2D's collectives
+
+    @property
+    def link_source(self) -> str:
+        """Where the spec's scale-up link figures come from (the whole job's collectives, or the base)."""
+        if "scale_up_bw_bytes_per_s" in self.measured_fields:
+            return f"from the world's figures (measured over the whole job, {self.measured_by})"
+        return f"from the datasheet's figures ({self.spec.source or self.spec.name})"
 
     def embedding_cost(self, impl: Impl) -> EmbeddingCost:
         """What the planner costs `impl` with on this hardware: measured profiles where there are."""
@@ -88,7 +117,28 @@ def measured(hardware: Hardware, measurements: dict[str, Any] | None, where: str
     fields = tuple(f for f in measurements.get("measured_fields", []) if f in SPEC_FIELDS)
     return dataclasses.replace(hardware, profiles={**hardware.profiles, **profiles},
                                measured_fields=tuple(dict.fromkeys(hardware.measured_fields + fields)),
-                               measured_by=where)
+                               measured_by=where,
+                               subgroups={**hardware.subgroups, **subgroup_links(measurements)})
+
+
+def _fit(entry: Any) -> LinkFit | None:
+    """One measured collective's fit, or None where it was skipped."""
+    if not isinstance(entry, dict) or "bus_bw_bytes_per_s" not in entry:
+        return None
+    return LinkFit(float(entry["latency_s"]), float(entry["bus_bw_bytes_per_s"]))
+
+
+def subgroup_links(measurements: dict[str, Any]) -> dict[int, SubgroupLinks]:
+    """`collectives_subgroups` (checked by `check_hardware_data`) per group size; {} in files without it."""
+    out = {}
+    for key, entry in (measurements.get("collectives_subgroups") or {}).items():
+        if "replicas" not in entry:  # skipped (the time limit): the world's figures price this size
+            continue
+        links = SubgroupLinks(int(key), int(entry["replicas"]), _fit(entry.get("all_to_all")),
+                              _fit(entry.get("all_reduce_replicas")))
+        if links.all_to_all is not None or links.all_reduce_replicas is not None:
+            out[links.group_size] = links
+    return out
 
 
 def is_hardware_path(sku: str) -> bool:

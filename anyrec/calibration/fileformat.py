@@ -4,8 +4,9 @@ or found in the calibration cache).
 A file with a `measurements` section must carry what it claims: `measured_fields` lists the DeviceSpec
 fields it determined, each given in its spec; each measured section (`copy_bw_bytes_per_s`,
 `gemm_flops`, `dlrm_mlp`, `collectives`, `step`) has its fields among them; every embedding profile
-has all its figures; a spec anyrec.calibrate wrote comes with its measurements (the older layout put
-the spec first). Every number is finite, rates and capacities positive. A file cut short or with a
+has all its figures; each sub-group collective (`collectives_subgroups`, absent in older files) has its
+fit or the reason it was skipped; a spec anyrec.calibrate wrote comes with its measurements (the older
+layout put the spec first). Every number is finite, rates and capacities positive. A file cut short or with a
 field deleted fails here in one line, instead of planning with the base SKU's figures in its place.
 """
 
@@ -84,6 +85,51 @@ def check_profile(name: str, fields: Any, where: str) -> None:
                          f"0 <= per_launch_s < 1 s; got {fields}")
 
 
+SUBGROUP_OPS = ("all_to_all", "all_reduce_replicas")
+
+
+def _positive_int(value: Any) -> int | None:
+    """`value` as a positive int (YAML keys may arrive as int or as digits), else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int) or (isinstance(value, str) and value.isdigit()):
+        return int(value) if int(value) > 0 else None
+    return None
+
+
+def check_subgroups(subgroups: Any, where: str) -> None:
+    """`measurements.collectives_subgroups`: per group size (a proper divisor of the world, >= 2), the
+    replica count and each collective's fit (latency >= 0, bus bandwidth > 0) or why it was skipped."""
+    at = f"{where}: measurements.collectives_subgroups"
+    if not isinstance(subgroups, dict):
+        raise ValueError(f"{at} must be a mapping of group size to measurements")
+    for key, entry in subgroups.items():
+        group = _positive_int(key)
+        if group is None or group < 2:
+            raise ValueError(f"{at}: group size {key!r} is not an integer >= 2")
+        if not isinstance(entry, dict):
+            raise ValueError(f"{at}.{key} must be a mapping")
+        if "replicas" not in entry:
+            if not isinstance(entry.get("skipped"), str):
+                raise ValueError(f"{at}.{key} has neither its replicas nor a reason it was skipped")
+            continue
+        replicas, world = _positive_int(entry["replicas"]), _positive_int(entry.get("world_size"))
+        if replicas is None or replicas < 2 or world != group * replicas:
+            raise ValueError(f"{at}.{key}: needs replicas >= 2 and world_size = {key} x replicas, got "
+                             f"replicas {entry['replicas']!r}, world_size {entry.get('world_size')!r}")
+        for op in SUBGROUP_OPS:
+            fit = entry.get(op)
+            if not isinstance(fit, dict) or ("skipped" not in fit and "bus_bw_bytes_per_s" not in fit):
+                raise ValueError(f"{at}.{key}.{op} has neither a fit nor a reason it was skipped")
+            if "skipped" in fit:
+                continue
+            lat, bw = fit.get("latency_s"), fit["bus_bw_bytes_per_s"]
+            if any(isinstance(v, bool) or not isinstance(v, int | float) for v in (lat, bw)) \
+                    or lat < 0 or bw <= 0:
+                raise ValueError(f"{at}.{key}.{op}: needs latency_s >= 0 and bus_bw_bytes_per_s > 0, got "
+                                 f"{lat!r} and {bw!r}")
+
+
 def check_hardware_data(data: dict[str, Any], spec_fields: dict[str, Any], where: str) -> None:
     """Raise ValueError (one line naming `where`) unless the parsed file `data`, whose DeviceSpec
     fields (from `spec:` and the top level) are `spec_fields`, is whole and every number in it sane."""
@@ -120,6 +166,8 @@ def check_hardware_data(data: dict[str, Any], spec_fields: dict[str, Any], where
         lacking = [f for f in fields if f not in measured]
         if lacking:
             raise ValueError(f"{where}: measured {section} but measured_fields lacks {', '.join(lacking)}")
+    if "collectives_subgroups" in m:
+        check_subgroups(m["collectives_subgroups"], where)
     step = m.get("step")
     if step is not None:
         got = step.get("fields") if isinstance(step, dict) else None

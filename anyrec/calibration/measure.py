@@ -3,9 +3,11 @@ planner's own terms, as a hardware YAML's `measurements` and spec fields.
 
 Copy and host->device bandwidth; per embedding implementation, a training step at several points fitted
 into its KernelProfile; GEMM and DLRM-MLP FLOP/s; with 2+ ranks, collectives fitted into latency + bytes /
-bus bandwidth; and the trainer's framework costs (anyrec.calibration.step). Within a `CalibrationRun`'s
-time limit and stop signals (anyrec.calibration.run); the figures carry a verdict on whether they are this
-machine's (anyrec.calibration.trust). `anyrec.calibrate` (the command) and the calibration on first
+bus bandwidth, and where the world has sharding groups to form (4 ranks: groups of 2), 2D's all-to-all
+within them and all-reduce across their replicas; and the trainer's framework costs
+(anyrec.calibration.step). Within a `CalibrationRun`'s time limit and stop signals
+(anyrec.calibration.run); the figures carry a verdict on whether they are this machine's
+(anyrec.calibration.trust). `anyrec.calibrate` (the command) and the calibration on first
 contact (anyrec.calibration.first_contact) both measure with `calibrate`.
 """
 
@@ -33,6 +35,7 @@ from anyrec.calibration.step import measure_step_costs
 from anyrec.calibration.trust import MAX_FIT_ERROR, Trust, assess
 from anyrec.kernels.optimizers import OptimizerConfig
 from anyrec.planner.estimators import lookup_time_s
+from anyrec.planner.twod import GroupLayout
 from anyrec.planner.types import Placement, TableSpec, Topology
 from anyrec.trainer.distributed import Runtime
 
@@ -40,7 +43,7 @@ logger = logging.getLogger("anyrec.calibrate")
 
 # Each phase's share of the time left when it starts (the step points take the rest): the device and
 # embedding phases took 4 % and 10 % of a default 2-rank calibration on a quiet 2-core host.
-PHASE_SHARE = {"device": 0.1, "embedding": 0.3, "collectives": 0.2, "step": 1.0}
+PHASE_SHARE = {"device": 0.1, "embedding": 0.3, "collectives": 0.2, "subgroups": 0.2, "step": 1.0}
 OPTIMIZER = "adagrad"  # the default config's; the profile's bytes term covers any optimizer's state
 # Embedding step points: (tables, rows, dim, batch, pooling). They vary ids (pooling, batch) and bytes per
 # id (dim) independently, and one is tiny, so the fit can tell per-row, per-byte and per-launch costs apart.
@@ -280,15 +283,42 @@ _BUS_FACTOR = {
 }
 
 
-def _collective(op: str, nbytes: int, world: int, device: torch.device) -> Callable[[], Any]:
-    x = torch.ones(nbytes // 4 // world * world, dtype=torch.float32, device=device)
+def _collective(op: str, nbytes: int, ranks: int, device: torch.device,
+                group: dist.ProcessGroup | None = None) -> Callable[[], Any]:
+    x = torch.ones(nbytes // 4 // ranks * ranks, dtype=torch.float32, device=device)
     if op == "all_to_all":
         y = torch.empty_like(x)
-        return lambda: dist.all_to_all_single(y, x)
+        return lambda: dist.all_to_all_single(y, x, group=group)
     if op == "all_reduce":
-        return lambda: dist.all_reduce(x)
-    y = torch.empty(x.numel() // world, dtype=x.dtype, device=x.device)
-    return lambda: dist.reduce_scatter_tensor(y, x)
+        return lambda: dist.all_reduce(x, group=group)
+    y = torch.empty(x.numel() // ranks, dtype=x.dtype, device=x.device)
+    return lambda: dist.reduce_scatter_tensor(y, x, group=group)
+
+
+def _measure_fit(op: str, sizes: list[int], ranks: int, device: torch.device, backend: Backend,
+                 budget_s: float, run: CalibrationRun, group: dist.ProcessGroup | None = None,
+                 label: str = "") -> dict:
+    """`op`'s seconds per size over `group` of `ranks` ranks (default: the world), the slowest rank's
+    median (every rank of the world takes part), fitted into latency + bus bytes / bus bandwidth; or why
+    it was skipped."""
+    try:
+        times = []
+        for n in sizes:
+            name = f"{label}{op} {n} B"
+            run.measuring(name)
+            timing = timeit(_collective(op, n, ranks, device, group), backend, budget_s, reps=10, run=run)
+            run.measured(name, timing)
+            times.append(timing.median_s)
+    except (RuntimeError, NotImplementedError) as e:  # e.g. a process group without the op
+        return {"skipped": str(e).splitlines()[0][:160]}
+    t = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step waits for the slowest rank
+    times = t.tolist()
+    bus = _BUS_FACTOR[op]
+    alpha, per_byte = fit_nonnegative([[1.0, bus(n, ranks)] for n in sizes], times)
+    return {"sizes_bytes": sizes, "seconds": times, "latency_s": alpha,
+            "bus_bw_bytes_per_s": 1.0 / per_byte if per_byte > 0 else max(
+                bus(n, ranks) / s for n, s in zip(sizes, times, strict=True))}
 
 
 def measure_collectives(device: torch.device, sizes: list[int], backend: Backend, budget_s: float,
@@ -296,24 +326,44 @@ def measure_collectives(device: torch.device, sizes: list[int], backend: Backend
     """Each collective's seconds per size (slowest rank's median), fitted into latency + bus bytes / bw."""
     run = run or CalibrationRun.unbounded()
     out: dict[str, Any] = {"world_size": world}
-    for op, bus in _BUS_FACTOR.items():
-        try:
-            times = []
-            for n in sizes:
-                run.measuring(f"{op} {n} B")
-                timing = timeit(_collective(op, n, world, device), backend, budget_s, reps=10, run=run)
-                run.measured(f"{op} {n} B", timing)
-                times.append(timing.median_s)
-        except (RuntimeError, NotImplementedError) as e:  # e.g. a process group without the op
-            out[op] = {"skipped": str(e).splitlines()[0][:160]}
+    for op in _BUS_FACTOR:
+        out[op] = _measure_fit(op, sizes, world, device, backend, budget_s, run)
+    return out
+
+
+def subgroup_sizes(world: int) -> list[int]:
+    """The sharding group sizes 2D can run on `world` ranks with replicas to average: proper divisors >= 2."""
+    return [g for g in range(2, world) if world % g == 0]
+
+
+def measure_subgroup_collectives(device: torch.device, sizes: list[int], backend: Backend, budget_s: float,
+                                 world: int, run: CalibrationRun | None = None) -> dict[int, dict]:
+    """Per sharding group size of `world` (`subgroup_sizes`), 2D's collectives on the job's own ranks laid
+    out as torchrec's DMPCollection lays them out (anyrec.planner.twod.GroupLayout): the all-to-all within
+    every sharding group at once and the all-reduce within every replica group at once, each fitted as
+    `measure_collectives` fits the world's. A size the time limit leaves no room for says so (the ranks
+    decide alike) and keeps the world's figures."""
+    run = run or CalibrationRun.unbounded()
+    out: dict[int, dict] = {}
+    for g in subgroup_sizes(world):
+        if run.agreed_left_s(device) <= 0:
+            out[g] = {"skipped": "time limit: the world's figures price this group size"}
+            run.fell_back(f"collectives on groups of {g} (time limit)")
             continue
-        t = torch.tensor(times, dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step waits for the slowest rank
-        times = t.tolist()
-        alpha, per_byte = fit_nonnegative([[1.0, bus(n, world)] for n in sizes], times)
-        out[op] = {"sizes_bytes": sizes, "seconds": times, "latency_s": alpha,
-                   "bus_bw_bytes_per_s": 1.0 / per_byte if per_byte > 0 else max(
-                       bus(n, world) / s for n, s in zip(sizes, times, strict=True))}
+        layout = GroupLayout(world, world, g)  # one host: the calibration's ranks
+        # every rank creates every group, in one order (new_group is collective over the world)
+        shard_pg, _ = dist.new_subgroups_by_enumeration(layout.sharding_groups())
+        replica_pg, _ = dist.new_subgroups_by_enumeration(layout.replica_groups())
+        r = layout.replicas
+        try:
+            out[g] = {"world_size": world, "replicas": r,
+                      "all_to_all": _measure_fit("all_to_all", sizes, g, device, backend, budget_s, run,
+                                                 shard_pg, f"groups of {g}: "),
+                      "all_reduce_replicas": _measure_fit("all_reduce", sizes, r, device, backend, budget_s,
+                                                          run, replica_pg, f"replicas of {g}: ")}
+        finally:
+            for pg in (shard_pg, replica_pg):
+                dist.destroy_process_group(pg)
     return out
 
 
@@ -357,6 +407,12 @@ def calibrate(runtime: Runtime, size: str = "small", budget_s: float = 0.5,
         else:
             run.fell_back("collectives (time limit)")
         lap("collectives")
+    if subgroup_sizes(world):  # 2D's groups: each size's all-to-all and replica all-reduce
+        run.phase(PHASE_SHARE["subgroups"])
+        run.expect(2 * len(subgroup_sizes(world)) * len(s["comm_bytes"]))
+        m["collectives_subgroups"] = measure_subgroup_collectives(device, s["comm_bytes"], backend, budget_s,
+                                                                  world, run)
+        lap("subgroups")
     # The trainer's framework costs: what the figures measured so far leave unexplained in real steps,
     # at this world size (one rank's step has no collectives, no DDP and may skip sharding altogether).
     profiles = {n: KernelProfile(**e["profile"]) for n, e in m["embedding"].items() if "profile" in e}
@@ -461,6 +517,19 @@ def format_table(m: dict) -> str:
         variant = f"{m['collectives']['world_size']} ranks"
         rows += [(op, variant, c["bus_bw_bytes_per_s"] / 1e9, "GB/s (bus)"),
                  (op, "latency", c["latency_s"] * 1e6, "us")]
+    for g, entry in m.get("collectives_subgroups", {}).items():
+        if "skipped" in entry:
+            skipped.append(f"collectives on groups of {g}: {entry['skipped']}")
+            continue
+        for op, ranks in (("all_to_all", f"{g} of {entry['world_size']}"),
+                          ("all_reduce_replicas", f"{entry['replicas']} of {entry['world_size']}")):
+            c = entry[op]
+            if "skipped" in c:
+                skipped.append(f"{op} (groups of {g}): {c['skipped']}")
+                continue
+            name = "all_to_all" if op == "all_to_all" else "all_reduce rep"
+            rows += [(name, ranks, c["bus_bw_bytes_per_s"] / 1e9, "GB/s (bus)"),
+                     (name, "latency", c["latency_s"] * 1e6, "us")]
     step = m.get("step", {}).get("fields", {})
     rows += [("trainer step", k.removesuffix("_s"), v * 1e6, "us") for k, v in step.items()]
     if "fit_max_rel_error" in m.get("step", {}):

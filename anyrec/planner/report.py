@@ -254,7 +254,7 @@ def plot_plan(plan: PlanResult, path: str, compare: PlanResult | None = None) ->
 def format_group_choice(choice: GroupChoice, width: int = 40) -> str:
     """The sharding group sizes weighed: per size its replicas, predicted step (and 2D's share of it:
     replica averaging, the dense all-reduce's extra reach), peak memory per rank or why it does not fit,
-    an ASCII bar of the step, and the choice."""
+    an ASCII bar of the step, which link figures priced each size's collectives, and the choice."""
     fitting = [c for c in choice.candidates if c.plan is not None]
     longest = max(c.step_s for c in fitting)
     lines = [f"{'group':>6} {'replicas':>8} {'step ms':>9} {'sync ms':>8} {'dense+ ms':>9} {'peak/rank':>9}  "
@@ -269,6 +269,7 @@ def format_group_choice(choice: GroupChoice, width: int = 40) -> str:
         mark = "  <- chosen" if c.group_size == choice.chosen else ""
         lines.append(f"{head} {c.step_s * 1e3:>9.3f} {c.sync_s * 1e3:>8.3f} {c.dense_extra_s * 1e3:>9.3f} "
                      f"{size_text(peak):>9}  {bar}{mark}")
+    lines += [f"{c.group_size:>6}: {c.figures}" for c in choice.candidates if c.figures]
     best = choice.plan
     lines.append(f"sharding group size {choice.chosen} ({best.replicas} replica(s)): predicted step "
                  f"{best.predicted_step_s * 1e3:.3f} ms, the lowest of the {len(fitting)} size(s) that fit "

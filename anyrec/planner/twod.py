@@ -6,6 +6,11 @@ fastest that fits.
 Where a group's ranks sit is torchrec's DMPCollection layout (use_inter_host_allreduce=False): group g
 holds ranks g, g + R, g + 2R, ... (R = world / group replicas), so a rank's replicas are the R neighbouring
 ranks (one host while R <= ranks per host) and a group strides over the hosts.
+
+A calibration that measured 2D's collectives on this host's ranks (`Hardware.subgroups`: the all-to-all
+within groups of G, the all-reduce over R replicas) prices a group size that sits as it was measured (the
+group, or the replica group, on one host) with those fits; other sizes, and a calibration without them,
+keep the spec's link figures (the whole job's calibration, else the datasheet).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from anyrec.backends.hardware import LinkFit, SubgroupLinks
 from anyrec.backends.specs import DeviceSpec
 from anyrec.planner.estimators import all_reduce_time_s, dense_all_reduce_time_s, shard_data_bytes
 from anyrec.planner.types import InfeasiblePlanError, PlanResult, ShardingType, Topology
@@ -57,6 +63,59 @@ class GroupLayout:
     def world_topology(self, device: DeviceSpec, compute_device: str | None = None) -> Topology:
         return Topology(device, self.world_size, self.local_world_size, compute_device)
 
+    def sharding_groups(self) -> list[list[int]]:
+        """Each sharding group's ranks, in torchrec's order (`DMPCollection._create_process_groups`,
+        use_inter_host_allreduce=False: its device mesh's rows): group g holds g, g + R, g + 2R, ..."""
+        return [[self.replicas * r + g for r in range(self.group_size)] for g in range(self.replicas)]
+
+    def replica_groups(self) -> list[list[int]]:
+        """Each replica group's ranks (the mesh's columns): R neighbouring ranks, q R .. q R + R - 1."""
+        return [list(range(q * self.replicas, (q + 1) * self.replicas)) for q in range(self.group_size)]
+
+
+@dataclass(frozen=True)
+class GroupLinks:
+    """The specs one group size's collectives are priced with, and where their link figures come from."""
+
+    group: DeviceSpec  # the group's plan: its all-to-alls and its share of the dense all-reduce
+    replica: DeviceSpec  # the replicas' averaging
+    world: DeviceSpec  # the dense all-reduce over the whole world
+    group_source: str
+    replica_source: str
+
+    def describe(self, replicas: int) -> str:
+        """Which figures priced the group's collectives (one line)."""
+        if replicas == 1:  # 1D: no replicas to average
+            return f"all-to-all {self.group_source}"
+        if self.group_source == self.replica_source:
+            return f"all-to-all and replica all-reduce {self.group_source}"
+        return f"all-to-all {self.group_source}; replica all-reduce {self.replica_source}"
+
+
+def _with_fit(device: DeviceSpec, fit: LinkFit, latency_per_stage: int) -> DeviceSpec:
+    """`device` with its scale-up link set to a measured fit (as achieved: efficiency 1). The planner
+    prices an all-reduce as two stages, each paying the latency: the fit's latency is split over them."""
+    return device.replace(scale_up_bw_bytes_per_s=fit.bus_bw_bytes_per_s, comms_efficiency=1.0,
+                          scale_up_latency_s=fit.latency_s / latency_per_stage)
+
+
+def group_links(device: DeviceSpec, layout: GroupLayout, measured: dict[int, SubgroupLinks] | None = None,
+                world_source: str = "from the datasheet's figures") -> GroupLinks:
+    """How `layout` is priced: its group's all-to-all with the fit measured on groups of its size where
+    the group sits on one host as measured, its replicas' all-reduce with the fit measured over as many
+    replicas on one host; `device` (described by `world_source`) otherwise."""
+    entry = (measured or {}).get(layout.group_size)
+    group, group_source = device, world_source
+    if entry is not None and entry.all_to_all is not None and layout.group_local_size == layout.group_size:
+        group = _with_fit(device, entry.all_to_all, 1)
+        group_source = f"measured on groups of {layout.group_size}"
+    replica, replica_source = device, world_source
+    if entry is not None and entry.all_reduce_replicas is not None and entry.replicas == layout.replicas \
+            and layout.replicas <= layout.local_world_size:
+        replica = _with_fit(device, entry.all_reduce_replicas, 2)
+        replica_source = f"measured over {layout.replicas} replicas"
+    return GroupLinks(group, replica, device, group_source, replica_source)
+
 
 def sharding_group_size(text: str, world_size: int) -> int | None:
     """`planner.sharding_group_size` in ranks: `world` -> the world size, `auto` -> None (the planner
@@ -85,31 +144,37 @@ def replica_bytes(plan: PlanResult) -> list[tuple[int, int]]:
     return out
 
 
-def replica_sync_time_s(plan: PlanResult, layout: GroupLayout, sync_every: int = 1) -> float:
+def replica_sync_time_s(plan: PlanResult, layout: GroupLayout, sync_every: int = 1,
+                        device: DeviceSpec | None = None) -> float:
     """Seconds per step of averaging the replicas (every `sync_every` steps, amortised): the slowest
-    rank's all-reduces of its shards' weights and optimizer state over its replica group."""
+    rank's all-reduces of its shards' weights and optimizer state over its replica group, on `device`'s
+    links (default: the plan's)."""
     if layout.replicas == 1:
         return 0.0
-    topo = layout.replica_topology(plan.topology.device, plan.topology.compute_device)
+    topo = layout.replica_topology(device or plan.topology.device, plan.topology.compute_device)
     per_rank = [all_reduce_time_s(w, topo) + (all_reduce_time_s(st, topo) if st else 0.0)
                 for w, st in replica_bytes(plan)]
     return max(per_rank, default=0.0) / sync_every
 
 
-def dense_extra_time_s(plan: PlanResult, layout: GroupLayout) -> float:
+def dense_extra_time_s(plan: PlanResult, layout: GroupLayout, device: DeviceSpec | None = None) -> float:
     """Seconds per step the all-reduce of the dense gradients and the data-parallel tables' gradients
-    takes over the whole world beyond the group's (the group's plan prices it over the group; DDP runs
-    it over every rank, torchrec's sync leaves data-parallel tables to it)."""
-    world = layout.world_topology(plan.topology.device, plan.topology.compute_device)
+    takes over the whole world (on `device`'s links, default the plan's) beyond the group's (the group's
+    plan prices it over the group; DDP runs it over every rank, torchrec's sync leaves data-parallel
+    tables to it)."""
+    world = layout.world_topology(device or plan.topology.device, plan.topology.compute_device)
     n = plan.workload.dense_param_count + sum(
         o.table.num_rows * o.table.embedding_dim for o in plan.tables.values()
         if o.sharding == ShardingType.DATA_PARALLEL)
     return dense_all_reduce_time_s(n, world) - dense_all_reduce_time_s(n, plan.topology)
 
 
-def price_group(plan: PlanResult, layout: GroupLayout, sync_every: int = 1) -> PlanResult:
-    """`plan` (one group's) with 2D's costs in its step: replica averaging, the world's dense all-reduce."""
-    extra = replica_sync_time_s(plan, layout, sync_every) + dense_extra_time_s(plan, layout)
+def price_group(plan: PlanResult, layout: GroupLayout, sync_every: int = 1,
+                links: GroupLinks | None = None) -> PlanResult:
+    """`plan` (one group's) with 2D's costs in its step: replica averaging, the world's dense all-reduce
+    (on `links`' replica and world specs; default: the plan's)."""
+    replica, world = (links.replica, links.world) if links is not None else (None, None)
+    extra = replica_sync_time_s(plan, layout, sync_every, replica) + dense_extra_time_s(plan, layout, world)
     return dataclasses.replace(plan, replica_s=extra, replicas=layout.replicas)
 
 
@@ -123,6 +188,7 @@ class GroupCandidate:
     sync_s: float = 0.0
     dense_extra_s: float = 0.0
     infeasible: str = ""
+    figures: str = ""  # which link figures priced its collectives (GroupLinks.describe)
 
     @property
     def step_s(self) -> float | None:
@@ -148,21 +214,27 @@ def group_sizes(world_size: int) -> list[int]:
 
 def choose_group_size(world_size: int, local_world_size: int, device: DeviceSpec, compute_device: str | None,
                       plan_for: Callable[[Topology], PlanResult], sizes: list[int] | None = None,
-                      sync_every: int = 1) -> GroupChoice:
+                      sync_every: int = 1, measured: dict[int, SubgroupLinks] | None = None,
+                      world_source: str = "from the datasheet's figures") -> GroupChoice:
     """Plan each group size of `sizes` (default: every divisor of the world) with `plan_for(group
     topology)`, price 2D's costs, and choose the lowest predicted step among those that fit (ties: the
-    larger group, fewer replicas to keep and average). InfeasiblePlanError when none fits."""
+    larger group, fewer replicas to keep and average). Collectives are priced with the fits `measured`
+    per group size where they apply (`group_links`), else with `device`'s links (`world_source` says
+    where those come from). InfeasiblePlanError when none fits."""
     candidates = []
     for g in sizes or group_sizes(world_size):
         layout = GroupLayout(world_size, local_world_size, g)
+        links = group_links(device, layout, measured, world_source)
+        figures = links.describe(layout.replicas)
         try:
-            plan = plan_for(layout.group_topology(device, compute_device))
+            plan = plan_for(layout.group_topology(links.group, compute_device))
         except InfeasiblePlanError as e:
-            candidates.append(GroupCandidate(g, layout.replicas, None, infeasible=str(e).splitlines()[0]))
+            candidates.append(GroupCandidate(g, layout.replicas, None, infeasible=str(e).splitlines()[0],
+                                             figures=figures))
             continue
-        candidates.append(GroupCandidate(g, layout.replicas, price_group(plan, layout, sync_every),
-                                         replica_sync_time_s(plan, layout, sync_every),
-                                         dense_extra_time_s(plan, layout)))
+        candidates.append(GroupCandidate(g, layout.replicas, price_group(plan, layout, sync_every, links),
+                                         replica_sync_time_s(plan, layout, sync_every, links.replica),
+                                         dense_extra_time_s(plan, layout, links.world), figures=figures))
     fitting = [c for c in candidates if c.plan is not None]
     if not fitting:
         raise InfeasiblePlanError("no sharding group size fits: " + "; ".join(

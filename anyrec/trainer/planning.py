@@ -194,7 +194,7 @@ def _plan_group(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.M
     else:
         choice = choose_group_size(info.world_size, info.local_world_size, hardware.spec, backend.device_type,
                                    plan_for, None if group is None else [group],
-                                   cfg.planner.replica_sync_every)
+                                   cfg.planner.replica_sync_every, hardware.subgroups, hardware.link_source)
         result, group = choice.plan, choice.chosen
         if info.is_main:
             logger.info("2D: %s", format_group_choice(choice).splitlines()[-1])
