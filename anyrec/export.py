@@ -31,8 +31,13 @@ def run(cfg: AnyrecConfig, host_bytes: int | None = None,
     ValueError in one line for a missing option, a checkpoint of another model, a damaged one, or tables
     larger than this host's memory (`host_bytes`, default: this host's), before anything is written."""
     from anyrec.serving.artifact import export_program, manifest, save_artifact  # torch.export loads late
-    from anyrec.serving.model import ScoringModel, resolve_int8_kernel
-    from anyrec.serving.weights import check_fits, export_memory_bytes, host_memory_bytes, load_checkpoint
+    from anyrec.serving.model import ScoringModel, resolve_int8_kernel  # late: after the command line
+    from anyrec.serving.weights import (  # late: after the command line
+        check_fits,
+        export_memory_bytes,
+        host_memory_bytes,
+        load_checkpoint,
+    )
 
     check_values(cfg)
     ec = cfg.export

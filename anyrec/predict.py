@@ -34,12 +34,12 @@ def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print) -> dict[str,
     import torch
     from tqdm import tqdm
 
-    from anyrec.backends import get_backend
-    from anyrec.serving.artifact import load_artifact, read_manifest
-    from anyrec.serving.scoring import score_batches
-    from anyrec.serving.weights import check_fits, host_memory_bytes
-    from anyrec.trainer.distributed import DistInfo
-    from anyrec.trainer.inputs import build_inputs
+    from anyrec.backends import get_backend  # late: after the command line
+    from anyrec.serving.artifact import load_artifact, read_manifest  # late: after the command line
+    from anyrec.serving.scoring import score_batches  # late: after the command line
+    from anyrec.serving.weights import check_fits, host_memory_bytes  # late: after the command line
+    from anyrec.trainer.distributed import DistInfo  # late: after the command line
+    from anyrec.trainer.inputs import build_inputs  # late: after the command line
 
     check_values(cfg)
     pc = cfg.predict

@@ -31,10 +31,10 @@ EXIT_CODES = {NonFiniteLossError: 3, PeerLostError: 4}
 def run(cfg: DictConfig) -> dict:
     """Train with a composed config; rank 0 prints the JSON summary as its last stdout line."""
     # torchrec (the trainer, and calibration, which trains) loads once Hydra has parsed the command line
-    from anyrec.calibration.first_contact import calibrated_hardware, wants_calibration
-    from anyrec.trainer.distributed import start_runtime
-    from anyrec.trainer.shutdown import peer_failure
-    from anyrec.trainer.trainer import Trainer
+    from anyrec.calibration.first_contact import calibrated_hardware, wants_calibration  # torchrec: late
+    from anyrec.trainer.distributed import start_runtime  # torch.distributed: after the command line
+    from anyrec.trainer.shutdown import peer_failure  # with the trainer, after Hydra parsed argv
+    from anyrec.trainer.trainer import Trainer  # torchrec loads once Hydra has parsed the command line
 
     config = _hydra.to_object(cfg)
     check_values(config)

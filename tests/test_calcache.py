@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from anyrec.backends import get_backend
+from anyrec.backends.threads import ThreadChoice
 from anyrec.calibration import cache as calcache
 from anyrec.signing import SigningKey
 from anyrec.trainer.distributed import ONE_PROCESS
@@ -214,3 +215,16 @@ def test_an_entry_measured_on_a_busy_host_says_so(tmp_path):
     quiet, busy = CoreLoad(1.1, 1.0, 0.25), CoreLoad(2.0, 0.5, 0.25)
     assert "host is quiet now" in remeasure_untrusted(found.distrust, quiet)
     assert remeasure_untrusted(found.distrust, busy) is None
+
+
+def test_the_key_holds_the_share_of_cores_not_what_a_busy_host_left(monkeypatch):
+    """Two jobs that started beside different loads (auto took 1 thread in one, 2 in the other) share an
+    entry: the key holds auto's share; a forced count is the machine's setting and stays in the key."""
+    backend = get_backend("cpu")
+    monkeypatch.setattr(backend, "thread_choice", ThreadChoice(intra_op=1, share_cores=2, setting=None),
+                        raising=False)
+    monkeypatch.setattr("torch.get_num_threads", lambda: 1)
+    assert calcache.local_key(backend, ONE_PROCESS).threads_per_rank == 2
+    monkeypatch.setattr(backend, "thread_choice", ThreadChoice(intra_op=1, share_cores=2, setting=1),
+                        raising=False)
+    assert calcache.local_key(backend, ONE_PROCESS).threads_per_rank == 1

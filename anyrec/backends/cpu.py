@@ -138,7 +138,10 @@ class CPUBackend(Backend):
             self._tuner = ThreadTuner(choice, allowed)
 
     def _log_threads(self, local_rank: int, local_world_size: int) -> None:
-        logger.info("local rank %d of %d: %s, %d inter-op threads%s", local_rank, local_world_size,
+        # fewer threads than the rank's share (other processes hold cores) is news; the share, detail
+        c = self.thread_choice
+        level = logging.INFO if c.setting is None and c.intra_op < c.share_cores else logging.DEBUG
+        logger.log(level, "local rank %d of %d: %s, %d inter-op threads%s", local_rank, local_world_size,
                     self.thread_choice.describe(), self.interop_threads,
                     f", re-checked every {RECHECK_S:g} s" if self._tuner is not None else "")
 

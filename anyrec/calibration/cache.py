@@ -202,8 +202,13 @@ def write_entry(path: Path, key: CacheKey, data: dict[str, Any], header: str = "
 
 def local_key(backend: Backend, info: DistInfo, cores: Sequence[int] | None = None) -> CacheKey:
     """This host's key, agreed by its ranks (a collective: every rank calls it, after setting its
-    threads): each rank's `cores` (`allowed_cores()` taken before binding; default: now) and threads."""
-    mine = (info.host, info.local_rank, allowed_cores() if cores is None else cores, torch.get_num_threads())
+    threads): each rank's `cores` (`allowed_cores()` taken before binding; default: now) and threads: a
+    forced count as set, `backend.threads=auto`'s the rank's share of the cores, which a quiet host gives
+    it (the count auto took under other processes' load is not the machine's: jobs that started beside
+    different loads share the entry)."""
+    choice = getattr(backend, "thread_choice", None)
+    threads = choice.share_cores if choice is not None and choice.setting is None else torch.get_num_threads()
+    mine = (info.host, info.local_rank, allowed_cores() if cores is None else cores, threads)
     everyone = [mine]
     if info.world_size > 1:
         everyone = [None] * info.world_size

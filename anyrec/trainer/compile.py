@@ -281,8 +281,11 @@ def compile_dense(train_model: nn.Module, model_cfg: ModelConfig, backend: Backe
         # a forced compile the device cannot do is a setting ignored: a warning (a failed one warned already)
         failed = decision.reason.startswith("compile failed")
         ignored = setting == "true" and not decision.compiled and not failed
-        logger.log(logging.WARNING if ignored else logging.INFO, "dense model: %s (%s)",
-                   "compiled (inductor)" if decision.compiled else "eager", decision.reason)
+        # compiled, or a device without inductor: said on the console; auto's "it does not pay": the log file
+        level = (logging.WARNING if ignored else
+                 logging.INFO if decision.compiled or failed or not backend.compiles else logging.DEBUG)
+        logger.log(level, "dense model: %s (%s)", "compiled (inductor)" if decision.compiled else "eager",
+                   decision.reason)
     return decision
 
 
