@@ -98,7 +98,7 @@ def shard_model(module: nn.Module, device: torch.device, plan: ShardingPlan, bac
         return DistributedModelParallel(module, device=device, plan=plan,
                                         sharders=sharders(embedding, static_graph),
                                         data_parallel_wrapper=wrapper)
-    model = TwoDModelParallel(module, device, plan, info.world_size, group, dist.group.WORLD,
+    model = TwoDModelParallel(module, device, plan, info.rank, info.world_size, group, dist.group.WORLD,
                               sharders(embedding, static_graph), wrapper,
                               place=lambda p: place_shards(p, backend, info.local_world_size),
                               sync_every=plan.replica_sync_every,

@@ -3,7 +3,7 @@
 torchrec's `DMPCollection` shards the tables within a sharding group of ranks and keeps one replica of
 that group's shards in every other group; `sync()` averages the replicas' embedding weights and fused
 optimizer state over each replica group (an all-reduce of `world / group` ranks). Its `__init__` starts
-with `assert device.type in ("cuda", "mtia")`, although nothing after the assert is device-specific
+with an assert that the device is NVIDIA's or MTIA, although nothing after it is device-specific
 (its DeviceMesh takes the device type, its collectives are the process group's). `TwoDModelParallel`
 runs the body of that `__init__` for the one configuration anyrec uses (the DEFAULT strategy, one
 context, no submodule configs, no sharded relay), calling torchrec's own helpers for every step:
@@ -58,8 +58,8 @@ class TwoDModelParallel(DMPCollection):
     one host, which table-row-wise sharding keeps a table's rows within (torchrec's default, the ranks per
     host, is the group's only where one host holds the whole group)."""
 
-    def __init__(self, module: nn.Module, device: torch.device, plan: ShardingPlan, world_size: int,
-                 sharding_group_size: int, global_pg: dist.ProcessGroup,
+    def __init__(self, module: nn.Module, device: torch.device, plan: ShardingPlan, rank: int,
+                 world_size: int, sharding_group_size: int, global_pg: dist.ProcessGroup,
                  sharders: list[ModuleSharder[nn.Module]], data_parallel_wrapper: DataParallelWrapper,
                  place: Callable[[ShardingPlan], ShardingPlan], sync_every: int = 1,
                  node_group_size: int | None = None) -> None:
@@ -69,7 +69,7 @@ class TwoDModelParallel(DMPCollection):
         # DMPCollection.__init__ from here, for ShardingStrategy.DEFAULT and no submodule configs
         self._device = device
         self._pg = global_pg
-        self._global_rank = dist.get_rank(global_pg)
+        self._global_rank = rank  # this rank in `global_pg`, the job's (DistInfo's)
         self._custom_all_reduce = None
         self._all_reduce_hook = None
         self._sharder_map = {sharder.module_type: sharder for sharder in sharders}
