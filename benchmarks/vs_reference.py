@@ -29,7 +29,9 @@ every run, per-pair ratios, the host's load average around each run and, for any
 core-binding rule chose (`backend.bind_cores=auto`). `--background-job` keeps a second 2-rank anyrec
 training job running on the same host for the whole benchmark (the shared-host case);
 `--bind-variants` adds anyrec with `backend.bind_cores=true` and `=false` to the alternation, to
-check the rule's choice against both.
+check the rule's choice against both. `--baseline DIR` adds another checkout of anyrec (say, the commit
+before a change: `git worktree add DIR HEAD~1`) as `anyrec-baseline`, so a change's before and after are
+measured in the same alternation; the table then gives anyrec / baseline per pair too.
 """
 
 from __future__ import annotations
@@ -134,30 +136,33 @@ def _stop(proc: subprocess.Popen) -> None:
             pass
 
 
-def _env(with_anyrec: bool) -> dict:
+def _env(anyrec_root: Path | None) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
                                                            "MASTER_ADDR", "MASTER_PORT")}
-    # anyrec importable for its own runs only; the reference sees nothing of this repository
-    env["PYTHONPATH"] = str(ROOT) if with_anyrec else ""
+    # anyrec (this checkout, or the baseline's) importable for its own runs only; the reference sees
+    # nothing of this repository
+    env["PYTHONPATH"] = str(anyrec_root) if anyrec_root is not None else ""
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
 
 def run_once(contender: str, shape: str, args: argparse.Namespace, script: Path, work: Path) -> dict:
-    """One training run of `contender` (reference | anyrec | anyrec-bound | anyrec-free), timed."""
+    """One training run of `contender` (reference | anyrec | anyrec-bound | anyrec-free |
+    anyrec-baseline), timed."""
     out = work / f"{shape}_{contender}_{time.monotonic_ns()}"
     out.mkdir(parents=True)
     if contender == "reference":
         runner = ["--out", str(out), "--", "script", str(script),
                   *reference_args(shape, args.batch_size, args.steps)]
     else:
-        bind = {"anyrec": None, "anyrec-bound": "true", "anyrec-free": "false"}[contender]
+        bind = {"anyrec-bound": "true", "anyrec-free": "false"}.get(contender)
         runner = ["--out", str(out), "--", "anyrec",
                   *anyrec_args(shape, args.batch_size, args.steps, out / "run", bind)]
     load_before = os.getloadavg()
     start = time.perf_counter()
     with open(out / "log.txt", "w") as log:
-        proc = _launch(args.nproc, runner, _env(contender != "reference"), log)
+        root = None if contender == "reference" else args.baseline if contender == "anyrec-baseline" else ROOT
+        proc = _launch(args.nproc, runner, _env(root), log)
         try:
             code = proc.wait(timeout=args.timeout_s)
         except subprocess.TimeoutExpired:
@@ -192,10 +197,16 @@ def summarize(runs: list[dict], contenders: list[str]) -> dict:
         if c != "reference":
             ratios[c] = [a["samples_per_s"] / b["samples_per_s"]
                          for a, b in zip(by[c], by["reference"], strict=False)]
-    out["ratio_to_reference"] = {c: {"median": statistics.median(v), "min": min(v), "max": max(v),
-                                     "faster_in": sum(x > 1 for x in v), "pairs": len(v), "every": v}
-                                 for c, v in ratios.items() if v}
+    out["ratio_to_reference"] = {c: _ratio_stats(v) for c, v in ratios.items() if v}
+    if by.get("anyrec-baseline"):
+        out["anyrec_to_baseline"] = _ratio_stats([a["samples_per_s"] / b["samples_per_s"] for a, b in
+                                                  zip(by["anyrec"], by["anyrec-baseline"], strict=False)])
     return out
+
+
+def _ratio_stats(v: list[float]) -> dict:
+    return {"median": statistics.median(v), "min": min(v), "max": max(v), "faster_in": sum(x > 1 for x in v),
+            "pairs": len(v), "every": v}
 
 
 def table(results: dict) -> str:
@@ -209,6 +220,9 @@ def table(results: dict) -> str:
             ratio = (f"{r['median']:>6.2f}x {r['min']:>5.2f}-{r['max']:<5.2f} "
                      f"{r['faster_in']:>3}/{r['pairs']:<3}" if r else f"{'1.00x':>7} {'':>13} {'':>7}")
             lines.append(f"{shape:<14} {c:<14} {sps:>11.0f} {step:>8.2f} {ratio}")
+        if b := s.get("anyrec_to_baseline"):
+            lines.append(f"{'':<14} anyrec / baseline {b['median']:.3f}x (pairs {b['min']:.3f}-"
+                         f"{b['max']:.3f}, faster in {b['faster_in']}/{b['pairs']})")
         choices = sorted({r["bind"] for r in res["runs"] if r["contender"] == "anyrec" and r["bind"]})
         for ch in choices:
             lines.append(f"{'':<14} anyrec binding: {ch}")
@@ -229,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nproc", type=int, default=2, help="ranks (one host, gloo)")
     ap.add_argument("--bind-variants", action="store_true",
                     help="also run anyrec with backend.bind_cores=true and =false")
+    ap.add_argument("--baseline", type=Path,
+                    help="another anyrec checkout (the code before a change) run as anyrec-baseline")
     ap.add_argument("--background-job", action="store_true",
                     help="keep a second 2-rank anyrec training job running throughout (a shared host)")
     ap.add_argument("--timeout-s", type=int, default=900, help="per run")
@@ -241,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.pairs < 1 or args.warmup < 0 or args.steps < args.warmup + 3 or args.nproc < 1:
             raise BenchmarkError("need --pairs >= 1, --warmup >= 0, --steps >= --warmup + 3, --nproc >= 1")
         script = reference_script(args.reference)
+        if args.baseline is not None and not (args.baseline / "anyrec" / "__init__.py").is_file():
+            raise BenchmarkError(f"--baseline {args.baseline}: not an anyrec checkout "
+                                 "(no anyrec/__init__.py)")
         shapes = [s for s in args.shapes.split(",") if s]
         for s in shapes:
             reference_args(s, args.batch_size, args.steps)  # every shape checked before anything runs
@@ -261,7 +280,8 @@ def run_all(args: argparse.Namespace, script: Path, shapes: list[str]) -> dict:
     if blob != REFERENCE_BLOB:
         print(f"vs_reference.py: warning: {script} is not dlrm_main.py of commit {REFERENCE_COMMIT[:12]} "
               f"(blob {blob[:12]}, pinned {REFERENCE_BLOB[:12]})", file=sys.stderr)
-    contenders = ["anyrec", "reference"] + (["anyrec-bound", "anyrec-free"] if args.bind_variants else [])
+    contenders = (["anyrec", "reference"] + (["anyrec-bound", "anyrec-free"] if args.bind_variants else [])
+                  + (["anyrec-baseline"] if args.baseline is not None else []))
     results = {"reference": {"repo": REFERENCE_REPO, "commit": REFERENCE_COMMIT, "script": str(script),
                              "blob_matches_commit": blob == REFERENCE_BLOB},
                "host": {"cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
@@ -277,7 +297,7 @@ def run_all(args: argparse.Namespace, script: Path, shapes: list[str]) -> dict:
                 background = _launch(2, ["--out", str(work / "background"), "--", "anyrec",
                                          *anyrec_args("dlrm_small", args.batch_size, 10**8,
                                                       work / "background" / "run", None)],
-                                     _env(True), background_log)
+                                     _env(ROOT), background_log)
                 time.sleep(20)  # past its start-up, into its steps
                 if background.poll() is not None:
                     raise BenchmarkError(f"the background job exited {background.returncode}")

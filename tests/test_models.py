@@ -102,6 +102,33 @@ def test_pooled_embeddings_reach_the_interaction_without_a_gradient_per_feature(
     assert len(full) < F, full
 
 
+def test_bottom_mlp_runs_while_the_embeddings_travel():
+    """Sharded, calling the sparse arch runs the lookups and starts their all-to-all; the awaitable it
+    returns is waited on at first use. The model calls it before the bottom MLP and uses it after, so the
+    bottom MLP (and, in the backward, its gradient) overlaps the all-to-all."""
+    from torchrec.distributed.types import LazyAwaitable
+
+    order: list[str] = []
+
+    class Travelling(LazyAwaitable):
+        def __init__(self, result):
+            super().__init__()
+            self._kt = result
+
+        def _wait_impl(self):
+            order.append("wait")
+            return self._kt
+
+    _, cfg = compose_config(["model=dlrm_tiny"])
+    model = build_model(cfg.model, torch.device("cpu"))
+    model.sparse_arch.register_forward_pre_hook(lambda *_: order.append("sparse"))
+    model.sparse_arch.register_forward_hook(lambda _m, _i, out: Travelling(out))
+    model.dense_arch.register_forward_pre_hook(lambda *_: order.append("dense"))
+    batch = SyntheticCriteo(cfg.model, DataConfig(batch_size=4), seed=0).batch(0)
+    model(batch.dense_features, batch.sparse_features)
+    assert order == ["sparse", "dense", "wait"]
+
+
 def test_dot_interaction_is_the_upper_triangle_and_backward_fills_nothing():
     """DotInteraction (the Triton kernel's oracle) against explicit dot products, pairs (i, j), i < j,
     in row-major order after the dense vector; after the first backward, a backward writes only the

@@ -82,6 +82,22 @@ def test_ratios_pair_runs_and_the_table_shows_medians():
     assert "1.10x" in text and "2/3" in text and "anyrec binding: auto: free" in text
 
 
+def test_a_baseline_checkout_is_paired_with_anyrec(tmp_path, capsys):
+    vs = _load("vs_reference")
+    runs = [{"contender": c, "samples_per_s": s, "step_ms": 512e3 / s, "bind": None}
+            for c, s in [("anyrec", 1200.0), ("reference", 1000.0), ("anyrec-baseline", 1000.0),
+                         ("reference", 1000.0), ("anyrec-baseline", 1000.0), ("anyrec", 1100.0)]]
+    s = vs.summarize(runs, ["anyrec", "reference", "anyrec-baseline"])
+    assert s["anyrec_to_baseline"]["every"] == pytest.approx([1.2, 1.1])
+    assert s["ratio_to_reference"]["anyrec-baseline"]["median"] == pytest.approx(1.0)
+    assert "anyrec / baseline 1.150x" in vs.table({"shapes": {"dlrm_small": {"runs": runs, "summary": s}}})
+    # each anyrec contender imports its own checkout; the reference neither
+    assert vs._env(tmp_path)["PYTHONPATH"] == str(tmp_path) and vs._env(None)["PYTHONPATH"] == ""
+    (tmp_path / "dlrm_main.py").write_text("")
+    assert vs.main(["--reference", str(tmp_path / "dlrm_main.py"), "--baseline", str(tmp_path)]) == 2
+    assert "not an anyrec checkout" in capsys.readouterr().err
+
+
 @pytest.mark.integration
 def test_missing_reference_is_one_line_and_nothing_runs(tmp_path):
     script = str(ROOT / "benchmarks" / "vs_reference.py")

@@ -61,10 +61,16 @@ class DLRM(nn.Module):
             self.over_arch = MLP(top_in, cfg.top_mlp, final_activation=False)
 
     def forward(self, dense_BI: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        # Sharded, the lookups run and their all-to-all starts here, and the result is awaited only at
+        # `to_dict()`: the bottom MLP runs while the embeddings travel. In the backward the same order
+        # lets the bottom MLP's gradient run between sending the embeddings' gradient and waiting for it
+        # (the engine runs later-created nodes first). Same ops on the same values as dense-first:
+        # bit-identical results.
+        pooled = self.sparse_arch(sparse)
         dense_BD = self.dense_arch(dense_BI)
         # One split of the pooled [B, F*D] output (its backward is one cat); indexing it by key
         # would narrow it F times, and each narrow's backward zero-fills a whole [B, F*D] gradient.
-        by_key = self.sparse_arch(sparse).to_dict()
+        by_key = pooled.to_dict()
         sparse_BFD = torch.stack([by_key[f] for f in self.feature_names], dim=1)
         return self.over_arch(self.interaction(dense_BD, sparse_BFD)).squeeze(-1)
 
