@@ -306,7 +306,13 @@ def run_all(args: argparse.Namespace, script: Path, shapes: list[str]) -> dict:
                 for i in range(args.pairs):
                     k = i % len(contenders)
                     for c in contenders[k:] + contenders[:k]:  # a different contender first each pair
-                        r = run_once(c, shape, args, script, work)
+                        try:
+                            r = run_once(c, shape, args, script, work)
+                        except BenchmarkError as e:  # a crash (seen once: the reference's SIGABRT) is
+                            print(f"{shape} pair {i + 1}/{args.pairs} {c}: {e}; running it again",
+                                  flush=True)  # retried once, and the JSON says so
+                            r = run_once(c, shape, args, script, work)
+                            r["retried_after"] = str(e)
                         print(f"{shape} pair {i + 1}/{args.pairs} {c:<13} {r['samples_per_s']:>9.0f} "
                               f"samples/s, step {r['step_ms']:.2f} ms (load {r['loadavg_before'][0]:.1f})"
                               + (f" [{r['bind']}]" if r["bind"] else ""), flush=True)
