@@ -32,6 +32,7 @@ from anyrec.planner.torchrec_plan import to_sharding_plan
 from anyrec.planner.twod import GroupLayout, choose_group_size, sharding_group_size
 from anyrec.planner.types import Perf, PlanResult, Topology
 from anyrec.trainer.distributed import DistInfo, broadcast_from_main
+from anyrec.trainer.replica_exchange import ReplicaUpdate, resolve_replica_update
 from anyrec.trainer.twod import TwoDModelParallel
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,7 @@ class GroupShardingPlan(ShardingPlan):
 
     sharding_group_size: int = 1
     replica_sync_every: int = 1
+    replica_update: ReplicaUpdate = ReplicaUpdate.AVERAGE
 
 
 def shard_model(module: nn.Module, device: torch.device, plan: ShardingPlan, backend: Backend, info: DistInfo,
@@ -103,7 +105,8 @@ def shard_model(module: nn.Module, device: torch.device, plan: ShardingPlan, bac
                               place=lambda p: place_shards(p, backend, info.local_world_size),
                               sync_every=plan.replica_sync_every,
                               node_group_size=GroupLayout(info.world_size, info.local_world_size,
-                                                         group).group_local_size)
+                                                         group).group_local_size,
+                              replica_update=plan.replica_update)
     sharded = [name for m in plan.plan.values() for name, ps in m.items()
                if ps.sharding_type != "data_parallel"]
     if sharded and model.synced_tensors() == 0:
@@ -154,12 +157,15 @@ def _plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module,
         raise ValueError("planner.sharding_group_size=auto needs planner=codesign (the cost model chooses)")
     if cfg.planner.replica_sync_every < 1:
         raise ValueError(f"planner.replica_sync_every must be >= 1, got {cfg.planner.replica_sync_every}")
+    update = resolve_replica_update(cfg.planner.replica_update, cfg.optim.name,
+                                    cfg.planner.replica_sync_every)
     plan, slowest, memory, group = _plan_group(cfg, backend, info, model, module_path, embedding, hardware,
                                                group, resident_bytes)
     if memory is not None:  # world rank r is rank r // replicas of its group (torchrec's strided groups)
         memory = [memory[r // (info.world_size // group)] for r in range(info.world_size)]
     return (GroupShardingPlan(plan.plan, sharding_group_size=group,
-                              replica_sync_every=cfg.planner.replica_sync_every), slowest, memory)
+                              replica_sync_every=cfg.planner.replica_sync_every, replica_update=update),
+            slowest, memory)
 
 
 def _plan_group(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module, module_path: str,
