@@ -29,10 +29,9 @@ from anyrec.planner.report import format_group_choice, format_report
 from anyrec.planner.simple import simple_table_shardings
 from anyrec.planner.simple import to_sharding_plan as simple_sharding_plan
 from anyrec.planner.torchrec_plan import to_sharding_plan
-from anyrec.planner.twod import GroupLayout, choose_group_size, sharding_group_size
-from anyrec.planner.types import Perf, PlanResult, Topology
+from anyrec.planner.twod import GroupLayout, choose_group_size, resolve_replica_update, sharding_group_size
+from anyrec.planner.types import Perf, PlanResult, ReplicaUpdate, Topology
 from anyrec.trainer.distributed import DistInfo, broadcast_from_main
-from anyrec.trainer.replica_exchange import ReplicaUpdate, resolve_replica_update
 from anyrec.trainer.twod import TwoDModelParallel
 
 logger = logging.getLogger(__name__)
@@ -160,7 +159,7 @@ def _plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module,
     update = resolve_replica_update(cfg.planner.replica_update, cfg.optim.name,
                                     cfg.planner.replica_sync_every)
     plan, slowest, memory, group = _plan_group(cfg, backend, info, model, module_path, embedding, hardware,
-                                               group, resident_bytes)
+                                               group, resident_bytes, update)
     if memory is not None:  # world rank r is rank r // replicas of its group (torchrec's strided groups)
         memory = [memory[r // (info.world_size // group)] for r in range(info.world_size)]
     return (GroupShardingPlan(plan.plan, sharding_group_size=group,
@@ -169,10 +168,12 @@ def _plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module,
 
 
 def _plan_group(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module, module_path: str,
-                embedding: Impl, hardware: Hardware, group: int | None, resident_bytes: int = 0
+                embedding: Impl, hardware: Hardware, group: int | None, resident_bytes: int = 0,
+                update: ReplicaUpdate = ReplicaUpdate.AVERAGE
                 ) -> tuple[ShardingPlan, Perf | None, list[MemoryPrediction] | None, int]:
     """The plan of one sharding group of `group` ranks (the whole world in 1D; None: the co-design
-    planner chooses), its cost and memory, and the group size."""
+    planner chooses), its cost and memory (the replicas kept one model by `update`), and the group
+    size."""
     ebc = model.sparse_arch
     if cfg.planner.name == "simple":
         if cfg.planner.sharding == "data_parallel" and not embedding.data_parallel:
@@ -200,7 +201,8 @@ def _plan_group(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.M
     else:
         choice = choose_group_size(info.world_size, info.local_world_size, hardware.spec, backend.device_type,
                                    plan_for, None if group is None else [group],
-                                   cfg.planner.replica_sync_every, hardware.subgroups, hardware.link_source)
+                                   cfg.planner.replica_sync_every, hardware.subgroups, hardware.link_source,
+                                   update)
         result, group = choice.plan, choice.chosen
         if info.is_main:
             logger.info("2D: %s", format_group_choice(choice).splitlines()[-1])

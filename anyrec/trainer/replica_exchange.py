@@ -20,7 +20,6 @@ Legend (shape suffixes): N lookups, F features, B batch (bags per feature), Dt o
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
 from typing import Any
 
@@ -34,31 +33,6 @@ from anyrec.kernels.tbe import TritonTableBatchedEmbedding
 # kernels whose backward applies the fused update and whose forward takes (indices, offsets,
 # per_sample_weights): the ones the exchange wraps
 EXCHANGED_KERNELS = (SplitTableBatchedEmbeddingBagsCodegen, TritonTableBatchedEmbedding)
-
-
-class ReplicaUpdate(enum.StrEnum):
-    """How 2D keeps a shard's replicas one model (`planner.replica_update`)."""
-
-    AVERAGE = "average"  # torchrec's sync(): weights and optimizer state averaged every k steps
-    GRADIENTS = "gradients"  # each step's embedding gradients exchanged before the fused update
-
-
-def resolve_replica_update(text: str, optimizer: str, sync_every: int) -> ReplicaUpdate:
-    """`planner.replica_update` for a job: `auto` exchanges gradients where averaging is not 1D's update
-    (a stateful optimizer, averaged every step) and averages otherwise (SGD, or k > 1 steps, where the
-    replicas are meant to drift between averagings). ValueError for an unknown value or gradients with
-    k > 1 (exchanged replicas never drift; k would be ignored)."""
-    if text == "auto":
-        stateful = optimizer != "sgd"
-        return ReplicaUpdate.GRADIENTS if stateful and sync_every == 1 else ReplicaUpdate.AVERAGE
-    try:
-        update = ReplicaUpdate(text)
-    except ValueError:
-        raise ValueError(f"planner.replica_update={text}: expected auto, average or gradients") from None
-    if update == ReplicaUpdate.GRADIENTS and sync_every != 1:
-        raise ValueError(f"planner.replica_update=gradients keeps the replicas equal every step; "
-                         f"planner.replica_sync_every={sync_every} applies to average only")
-    return update
 
 
 def exchange_gradients(kernels: list[nn.Module], replica_pg: dist.ProcessGroup, replicas: int,
@@ -132,12 +106,8 @@ class _ReplicaLookup(torch.autograd.Function):
 def gather_lookups(indices_N: torch.Tensor, offsets_FB1: torch.Tensor, psw_N: torch.Tensor | None,
                    grad_BDt: torch.Tensor, pg: dist.ProcessGroup, replicas: int, group_size: int = 1
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """The replica group's lookups as one batch, the same on every replica, and their output gradients
-    divided by `replicas` (the mean over the replicas). A replica's batch is its group's `group_size`
-    ranks' batches in group order (torchrec's all-to-all orders by source rank); with equal batches the
-    result interleaves them in world-rank order (group g's i-th rank is rank i R + g, torchrec's layout),
-    the order 1D's kernel sees, so each row's gradient is summed in 1D's order. Otherwise replica 0's
-    bags come first in every feature."""
+    """This rank's lookups and output gradients gathered over its replica group (`replicas` ranks) and
+    merged into one batch by `merge_lookups`: the same batch on every replica."""
     batch = grad_BDt.shape[0]
     if batch == 0 or (offsets_FB1.numel() - 1) % batch:
         raise ValueError(f"a lookup of {offsets_FB1.numel() - 1} bags does not split into a batch of {batch}")
@@ -150,30 +120,46 @@ def gather_lookups(indices_N: torch.Tensor, offsets_FB1: torch.Tensor, psw_N: to
     lengths_R = _all_gather(_padded(lengths_FB, b_max, dim=1), pg, replicas)
     grads_R = _all_gather(_padded(grad_BDt.contiguous(), b_max), pg, replicas)
     psw_R = _all_gather(_padded(psw_N, n_max), pg, replicas) if psw_N is not None else None
-    equal = bool((sizes_R2[:, 1] == batch).all()) and batch % group_size == 0
-    blocks = group_size if equal else 1  # per replica: its ranks' batches, or one block
-    ids, psws, keys, lens, grads = [], [], [], {}, {}
-    for r in range(replicas):
-        n, b = (int(v) for v in sizes_R2[r])
-        lengths_FB = lengths_R[r][:, :b]
+    n_R, b_R = sizes_R2[:, 0].tolist(), sizes_R2[:, 1].tolist()
+    ids, offsets, psw, grads = merge_lookups(
+        [t[:n] for t, n in zip(ids_R, n_R, strict=True)],
+        [t[:, :b] for t, b in zip(lengths_R, b_R, strict=True)],
+        None if psw_R is None else [t[:n] for t, n in zip(psw_R, n_R, strict=True)],
+        [t[:b] for t, b in zip(grads_R, b_R, strict=True)], group_size)
+    return ids, offsets.to(offsets_FB1.dtype), psw, grads
+
+
+def merge_lookups(ids_R: list[torch.Tensor], lengths_R: list[torch.Tensor], psw_R: list[torch.Tensor] | None,
+                  grads_R: list[torch.Tensor], group_size: int = 1
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """One batch of the R replicas' lookups (per replica: its ids [N], bag lengths [F, B], per-sample
+    weights [N] or None, output gradients [B, Dt]): (ids, offsets [F * sum B + 1], weights, gradients /
+    R, the mean over the replicas). A replica's batch is its group's `group_size` ranks' batches in group
+    order (torchrec's all-to-all orders by source rank); with equal batches the result interleaves them
+    in world-rank order (group g's i-th rank is rank i R + g, torchrec's layout), the order 1D's kernel
+    sees, so each row's gradient is summed in 1D's order. Otherwise replica 0's bags come first in
+    every feature."""
+    replicas, features = len(ids_R), lengths_R[0].shape[0]
+    batches = [lengths.shape[1] for lengths in lengths_R]
+    blocks = group_size if len(set(batches)) == 1 and batches[0] % group_size == 0 else 1
+    keys, lens, grads = [], {}, {}
+    for r, (lengths_FB, b) in enumerate(zip(lengths_R, batches, strict=True)):
         step = b // blocks
-        ids.append(ids_R[r][:n])
-        if psw_R is not None:
-            psws.append(psw_R[r][:n])
         for i in range(blocks):
             lens[i * replicas + r] = lengths_FB[:, i * step:(i + 1) * step]
             grads[i * replicas + r] = grads_R[r][i * step:(i + 1) * step]
         # each id's place in the result: feature-major, then block i, then replica r
-        block_FB = (torch.arange(b, device=lengths_FB.device) // step).expand(features, b)
+        block_FB = (torch.arange(b, device=lengths_FB.device) // max(step, 1)).expand(features, b)
         feature_FB = torch.arange(features, device=lengths_FB.device)[:, None].expand(features, b)
         key_FB = (feature_FB * blocks + block_FB) * replicas + r
-        keys.append(torch.repeat_interleave(key_FB.reshape(-1), lengths_FB.reshape(-1), output_size=n))
+        keys.append(torch.repeat_interleave(key_FB.reshape(-1), lengths_FB.reshape(-1),
+                                            output_size=ids_R[r].numel()))
     order = torch.sort(torch.cat(keys), stable=True).indices
     lengths = torch.cat([lens[k] for k in sorted(lens)], dim=1).reshape(-1)
-    offsets = torch.zeros(lengths.numel() + 1, dtype=offsets_FB1.dtype, device=offsets_FB1.device)
-    torch.cumsum(lengths, 0, out=offsets[1:])
-    psw = torch.cat(psws)[order] if psw_R is not None else None
-    return torch.cat(ids)[order], offsets, psw, torch.cat([grads[k] for k in sorted(grads)]) / replicas
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    psw = torch.cat(psw_R)[order] if psw_R is not None else None
+    return torch.cat(ids_R)[order], offsets, psw, torch.cat([grads[k] for k in sorted(grads)]) / replicas
 
 
 def _padded(t: torch.Tensor, size: int, dim: int = 0) -> torch.Tensor:

@@ -38,7 +38,8 @@ from torchrec.distributed.types import (
 )
 
 from anyrec.kernels.tbe import TritonTableBatchedEmbedding
-from anyrec.trainer.replica_exchange import ReplicaUpdate, exchange_gradients
+from anyrec.planner.types import ReplicaUpdate
+from anyrec.trainer.replica_exchange import exchange_gradients
 
 # sha256 of the torchrec functions whose glue TwoDModelParallel.__init__ reproduces or whose behaviour it
 # relies on (torchrec 1.9.2): a change in any of them must be read before this class is trusted again.
