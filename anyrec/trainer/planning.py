@@ -91,8 +91,9 @@ class GroupShardingPlan(ShardingPlan):
 def shard_model(module: nn.Module, device: torch.device, plan: ShardingPlan, backend: Backend, info: DistInfo,
                 embedding: Impl, static_graph: bool) -> DistributedModelParallel:
     """`module` sharded by `plan`: torchrec's DistributedModelParallel over the whole world, or (a
-    GroupShardingPlan for a group smaller than the world) its 2D DMPCollection, whose replicas the train
-    pipeline averages every `plan.replica_sync_every` steps."""
+    GroupShardingPlan for a group smaller than the world) its 2D DMPCollection, whose replicas exchange
+    their gradients every step or are averaged every `plan.replica_sync_every` steps
+    (`plan.replica_update`)."""
     group = getattr(plan, "sharding_group_size", info.world_size)
     wrapper = dense_wrapper(info.world_size, static_graph)
     if group == info.world_size:
@@ -111,6 +112,12 @@ def shard_model(module: nn.Module, device: torch.device, plan: ShardingPlan, bac
     if sharded and model.synced_tensors() == 0:
         raise ValueError(f"planner.sharding_group_size={group}: backend.embedding_kernel={embedding.name} "
                          f"has no kernel torchrec's 2D sync can average (tables {', '.join(sharded)})")
+    if info.is_main:
+        how = "exchange their embedding gradients every step"
+        if plan.replica_update == ReplicaUpdate.AVERAGE:
+            how = f"are averaged every {plan.replica_sync_every} step(s)"
+        logger.info("2D: %d sharding groups of %d ranks; the replicas %s", info.world_size // group, group,
+                    how)
     return model
 
 
