@@ -80,6 +80,15 @@ def test_unequal_batches_merge_replica_by_replica_in_each_feature():
     assert torch.equal(grads, torch.cat([a[2], b[2]]) / 2)
 
 
+def test_a_replica_without_samples_takes_part_with_an_empty_batch():
+    gen = torch.Generator().manual_seed(1)
+    a = _rank_batch(gen, 2)
+    empty = (torch.zeros(F, 0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), torch.zeros(0, DT))
+    ids, offsets, _, grads = merge_lookups([a[1], empty[1]], [a[0], empty[0]], None, [a[2], empty[2]], 2)
+    assert torch.equal(ids, a[1]) and torch.equal(offsets[1:], a[0].reshape(-1).cumsum(0))
+    assert torch.equal(grads, a[2] / 2)
+
+
 @pytest.mark.parametrize("text, optimizer, every, expected", [
     ("auto", "adagrad", 1, ReplicaUpdate.GRADIENTS),
     ("auto", "rowwise_adagrad", 1, ReplicaUpdate.GRADIENTS),

@@ -57,6 +57,9 @@ class _ExchangedForward:
                  replicas: int, group_size: int) -> None:
         self._kernel, self._forward = kernel, forward
         self.pg, self.replicas, self.group_size = pg, replicas, group_size
+        # features the kernel pools (a lookup's bags are features x its batch, even an empty batch's)
+        layout = getattr(kernel, "layout", None)
+        self.features = len(layout.feature_table_map if layout is not None else kernel.feature_table_map)
         self._placeholder = torch.zeros(0, requires_grad=True)  # gives the output a grad_fn
 
     def __call__(self, indices: torch.Tensor, offsets: torch.Tensor,
@@ -97,21 +100,21 @@ class _ReplicaLookup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out_BDt):
         exchange = ctx.exchange
-        indices_N, offsets_FB1, psw_N, grad_BDt = gather_lookups(*ctx.inputs, grad_out_BDt, exchange.pg,
-                                                                 exchange.replicas, exchange.group_size)
+        indices_N, offsets_FB1, psw_N, grad_BDt = gather_lookups(
+            *ctx.inputs, grad_out_BDt, exchange.features, exchange.pg, exchange.replicas, exchange.group_size)
         exchange.replay(indices_N, offsets_FB1, psw_N, ctx.kwargs, grad_BDt)
         return None, None, None, None, None, None
 
 
 def gather_lookups(indices_N: torch.Tensor, offsets_FB1: torch.Tensor, psw_N: torch.Tensor | None,
-                   grad_BDt: torch.Tensor, pg: dist.ProcessGroup, replicas: int, group_size: int = 1
+                   grad_BDt: torch.Tensor, features: int, pg: dist.ProcessGroup, replicas: int,
+                   group_size: int = 1
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """This rank's lookups and output gradients gathered over its replica group (`replicas` ranks) and
-    merged into one batch by `merge_lookups`: the same batch on every replica."""
+    """This rank's lookups of `features` features and their output gradients gathered over its replica
+    group (`replicas` ranks) and merged into one batch by `merge_lookups`: the same batch on every
+    replica."""
     batch = grad_BDt.shape[0]
-    if batch == 0 or (offsets_FB1.numel() - 1) % batch:
-        raise ValueError(f"a lookup of {offsets_FB1.numel() - 1} bags does not split into a batch of {batch}")
-    features = (offsets_FB1.numel() - 1) // batch
+    assert offsets_FB1.numel() - 1 == features * batch, (offsets_FB1.numel(), features, batch)
     sizes = torch.tensor([indices_N.numel(), batch], dtype=torch.int64, device=grad_BDt.device)
     sizes_R2 = torch.stack(_all_gather(sizes, pg, replicas)).cpu()
     n_max, b_max = (int(v) for v in sizes_R2.max(0).values)
