@@ -80,8 +80,8 @@ def dense_wrapper(world_size: int, static_graph: bool = True) -> DataParallelWra
 @dataclass
 class GroupShardingPlan(ShardingPlan):
     """A sharding plan for one sharding group of `sharding_group_size` ranks (its ranks 0..size-1; torchrec's
-    DMPCollection maps them onto each group's), replicated across the world's groups and averaged every
-    `replica_sync_every` steps."""
+    DMPCollection maps them onto each group's), replicated across the world's groups, which exchange their
+    gradients every step or are averaged every `replica_sync_every` steps (`replica_update`)."""
 
     sharding_group_size: int = 1
     replica_sync_every: int = 1
