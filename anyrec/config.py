@@ -125,6 +125,11 @@ class PlannerConfig:
     # co-design model predicts fastest among those that fit; N: a divisor of the world size.
     sharding_group_size: str = "world"
     replica_sync_every: int = 1  # steps between the replicas' weight averaging (2D only)
+    # 2D: how the replicas stay one model. average: torchrec's averaging of weights and optimizer state
+    # (1D's update for SGD only); gradients: each step's embedding gradients exchanged before the fused
+    # update (1D's update for every optimizer); auto: gradients for a stateful optimizer averaged every
+    # step, else average
+    replica_update: str = "auto"
 
 
 @dataclass

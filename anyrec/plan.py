@@ -31,7 +31,7 @@ from anyrec.planner.report import (
     plot_plan,
     write_json_atomic,
 )
-from anyrec.planner.twod import GroupChoice, choose_group_size, sharding_group_size
+from anyrec.planner.twod import GroupChoice, choose_group_size, resolve_replica_update, sharding_group_size
 from anyrec.planner.types import InfeasiblePlanError, PlanResult, Topology
 from anyrec.signing import resolve_key
 from anyrec.trainer.distributed import ONE_PROCESS, DistInfo
@@ -66,6 +66,8 @@ def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print,
     resident = host_estimate_of_resident_bytes(cfg, DistInfo(0, world, 0, local))
 
     group = sharding_group_size(cfg.planner.sharding_group_size, world)
+    update = resolve_replica_update(cfg.planner.replica_update, cfg.optim.name,
+                                    cfg.planner.replica_sync_every)
 
     def plan_on(hw: Hardware) -> tuple[PlanResult, GroupChoice | None]:
         # this machine's device type for its own hardware (as the trainer plans); a SKU's otherwise
@@ -81,7 +83,7 @@ def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print,
         # 2D: the tables planned for one sharding group, the group size chosen (auto) or priced (N)
         choice = choose_group_size(world, local, hw.spec, device_type, plan_for,
                                    None if group is None else [group], cfg.planner.replica_sync_every,
-                                   hw.subgroups, hw.link_source)
+                                   hw.subgroups, hw.link_source, update)
         return choice.plan, choice
 
     result, groups = plan_on(hardware)

@@ -268,6 +268,25 @@ class EmbeddingPerfEstimator(ShardEstimator):
             s.perf = perf
 
 
+def shard_lookups(option: ShardingOption, topology: Topology, workload: Workload,
+                  sharded: bool = True) -> tuple[float, float, int]:
+    """Per step, the ids one shard of `option` looks up, the bags it pools (its lookup's bags, whose
+    outputs and their gradients it writes and reads) and how many shards share the table's touched rows
+    (a row-wise shard's rows are a slice of the ids, whatever their popularity); `sharded=False`: one
+    rank looking up its own batch."""
+    t = option.table
+    b, w = workload.batch_size_per_rank, topology.world_size
+    p, f = t.pooling_factor, t.num_features
+    if not sharded:
+        return b * p, b * f, 1
+    g = b * w
+    if option.sharding in (ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE):
+        return g * p, g * f, 1
+    if option.sharding == ShardingType.ROW_WISE:
+        return g * p / w, g * f, w
+    return g * p / topology.local_world_size, g * f, topology.local_world_size
+
+
 def shard_data_bytes(option: ShardingOption, shard: Shard, topology: Topology,
                      workload: Workload) -> tuple[int, int, int, int]:
     """A shard's weight bytes (a data-parallel replica's with its dense gradient) and optimizer state

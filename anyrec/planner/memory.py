@@ -15,8 +15,14 @@ import dataclasses
 import math
 from dataclasses import dataclass, fields
 
-from anyrec.planner.estimators import ID_BYTES, OPTIMIZER_DENSE_STATE_BYTES, OUTPUT_BYTES, state_bytes
-from anyrec.planner.types import Placement, PlanResult, ShardingType
+from anyrec.planner.estimators import (
+    ID_BYTES,
+    OPTIMIZER_DENSE_STATE_BYTES,
+    OUTPUT_BYTES,
+    shard_lookups,
+    state_bytes,
+)
+from anyrec.planner.types import Placement, PlanResult, ReplicaUpdate, ShardingType, Topology
 
 # CUDA's caching allocator (and simdev's) rounds every allocation up to a multiple of 512 bytes.
 ALLOC_ROUND_BYTES = 512
@@ -119,7 +125,9 @@ class MemoryPrediction:
     data_source_bytes: int  # what the data source keeps on the device (read from it, not modelled)
     rounding_bytes: int  # other live tensors' rounding to ALLOC_ROUND_BYTES
     allocator_overhead_bytes: int  # reserved less allocated: segment fragmentation
-    peak_phase: str  # "lookup" | "interaction" | "update": the moment of the step the peak falls in
+    # "lookup" | "interaction" | "update" | "replica sync" (2D's averaging): the moment of the step the
+    # peak falls in
+    peak_phase: str
 
     @property
     def allocated_bytes(self) -> int:
@@ -149,6 +157,14 @@ class _Rank:
     out_values: float = 0.0  # bags x dim
     replica_ids: float = 0.0
     replica_values: float = 0.0
+    sharded_weights: int = 0  # the sharded tables' shards: what 2D's replicas average
+    sharded_state: int = 0
+
+
+def averaging_flattens(topology: Topology) -> bool:
+    """Whether 2D's averaging (`allreduce_coalesced`) copies its tensors into one temporary buffer:
+    gloo, the CPU's process-group backend, flattens them; NCCL and RCCL reduce each tensor in place."""
+    return topology.compute_device == "cpu"
 
 
 def predict_memory(plan: PlanResult, data_source_bytes: int = 0,
@@ -158,12 +174,11 @@ def predict_memory(plan: PlanResult, data_source_bytes: int = 0,
     topo, wl = plan.topology, plan.workload
     opts = wl.options
     b, w = wl.batch_size_per_rank, topo.world_size
-    g = b * w
     impl = opts.embedding.impl
     ranks = [_Rank() for _ in range(w)]
     for opt in plan.tables.values():
         t = opt.table
-        p, f = t.pooling_factor, t.num_features
+        p = t.pooling_factor
         for s in opt.shards:
             r = ranks[s.rank]
             weights = s.num_rows * s.num_cols * t.element_bytes
@@ -181,22 +196,15 @@ def predict_memory(plan: PlanResult, data_source_bytes: int = 0,
                 continue
             r.weights += weights
             r.state += state
-            # The ids this shard looks up, and the share of the table's touched rows that are its own
-            # (a row-wise shard's rows are a slice of the ids, whatever their popularity).
-            if opt.sharding in (ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE):
-                ids, share = g * p, 1
-            elif opt.sharding == ShardingType.ROW_WISE:
-                ids, share = g * p / w, w
-            else:
-                ids, share = g * p / topo.local_world_size, topo.local_world_size
-            if not sharded:
-                ids, share = b * p, 1
+            r.sharded_weights += weights
+            r.sharded_state += state
+            ids, bags, share = shard_lookups(opt, topo, wl, sharded)
             touched = touched_rows_zipf(ids * share, t.num_rows, opts.id_zipf_exponent) / share
             r.ids += ids
             r.values += ids * s.num_cols
             r.rows_values += touched * s.num_cols
-            r.bags += (g if sharded else b) * f
-            r.out_values += (g if sharded else b) * f * s.num_cols
+            r.bags += bags
+            r.out_values += bags * s.num_cols
     return [_rank_prediction(plan, r, data_source_bytes, sharded) for r in ranks]
 
 
@@ -231,8 +239,18 @@ def _rank_prediction(plan: PlanResult, r: _Rank, data_source_bytes: int, sharded
     replica = alloc_bytes(ws.replica_per_value * r.replica_values + ID_BYTES * r.replica_ids)
     upd = ws.update_per_row_value.get(wl.optimizer, 0.0)
     lookup_ws = alloc_bytes(ws.forward_per_value * r.values + ws.forward_per_id * r.ids)
-    update_ws = alloc_bytes(ws.backward_per_value * r.values + ws.backward_per_id * r.ids
-                            + upd * r.rows_values)
+    # 2D exchanging gradients (anyrec.trainer.replica_exchange): the update runs over R groups' lookups
+    # (its temporaries R times the group's, touched rows counted R times: an upper bound), beside the
+    # gathered lookups (ids, bag lengths, output gradients: R contributions, padded, and their merged
+    # copy) and the replayed lookup's output
+    replicas = plan.replicas
+    exchange = plan.replica_update == ReplicaUpdate.GRADIENTS and replicas > 1
+    x = replicas if exchange else 1
+    update_ws = alloc_bytes(x * (ws.backward_per_value * r.values + ws.backward_per_id * r.ids
+                                 + upd * r.rows_values))
+    if exchange:
+        lookups = ID_BYTES * (r.ids + r.bags) + OUTPUT_BYTES * r.out_values
+        update_ws += 2 * alloc_bytes(replicas * lookups) + alloc_bytes(replicas * r.out_values * OUTPUT_BYTES)
     update_ws += alloc_bytes(ws.replica_update_per_value * r.replica_values + ID_BYTES * r.replica_ids)
     bucket = alloc_bytes(r.replica_grad) if plan.topology.world_size > 1 else 0
     # phase -> (activations, embedding in/out, workspace, replicas' gradient)
@@ -244,6 +262,10 @@ def _rank_prediction(plan: PlanResult, r: _Rank, data_source_bytes: int, sharded
         "update": (alloc_bytes(b * opts.dense_gradient_bytes_per_sample), out, update_ws,
                    bucket + alloc_bytes(r.replica_grad)),
     }
+    if replicas > 1 and plan.replica_update == ReplicaUpdate.AVERAGE and averaging_flattens(plan.topology):
+        # 2D's averaging, after the update: one flat buffer per coalesced all-reduce (the weights, then
+        # the optimizer state: torchrec's DMPCollection._sync), the step's transients gone
+        phases["replica sync"] = (0, 0, alloc_bytes(max(r.sharded_weights, r.sharded_state)), bucket)
     phase = max(phases, key=lambda k: sum(phases[k]))
     activations, io, workspace, replica_grad = phases[phase]
     tables = alloc_bytes(r.weights) + alloc_bytes(r.state)

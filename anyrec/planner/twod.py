@@ -21,8 +21,16 @@ from dataclasses import dataclass
 
 from anyrec.backends.hardware import LinkFit, SubgroupLinks
 from anyrec.backends.specs import DeviceSpec
-from anyrec.planner.estimators import all_reduce_time_s, dense_all_reduce_time_s, shard_data_bytes
-from anyrec.planner.types import InfeasiblePlanError, PlanResult, ShardingType, Topology
+from anyrec.planner.estimators import (
+    ID_BYTES,
+    OUTPUT_BYTES,
+    all_reduce_time_s,
+    dense_all_reduce_time_s,
+    reduce_scatter_time_s,
+    shard_data_bytes,
+    shard_lookups,
+)
+from anyrec.planner.types import InfeasiblePlanError, PlanResult, ReplicaUpdate, ShardingType, Topology
 
 # One all-reduce for the weights and one for the optimizer state, each coalesced per dtype (torchrec's
 # DMPCollection._sync): tables of one dtype give two collectives.
@@ -130,6 +138,24 @@ def sharding_group_size(text: str, world_size: int) -> int | None:
     return int(text)
 
 
+def resolve_replica_update(text: str, optimizer: str, sync_every: int) -> ReplicaUpdate:
+    """`planner.replica_update` for a job: `auto` exchanges gradients where averaging is not 1D's update
+    (a stateful optimizer, averaged every step) and averages otherwise (SGD, whose averaged update is
+    1D's, or k > 1 steps, where the replicas are meant to drift between averagings). ValueError for an
+    unknown value, or gradients with k > 1 (exchanged replicas never drift; k would be ignored)."""
+    if text == "auto":
+        stateful = optimizer != "sgd"
+        return ReplicaUpdate.GRADIENTS if stateful and sync_every == 1 else ReplicaUpdate.AVERAGE
+    try:
+        update = ReplicaUpdate(text)
+    except ValueError:
+        raise ValueError(f"planner.replica_update={text}: expected auto, average or gradients") from None
+    if update == ReplicaUpdate.GRADIENTS and sync_every != 1:
+        raise ValueError(f"planner.replica_update=gradients keeps the replicas equal every step; "
+                         f"planner.replica_sync_every={sync_every} applies to average only")
+    return update
+
+
 def replica_bytes(plan: PlanResult) -> list[tuple[int, int]]:
     """Per rank of the group: the (weight, optimizer state) bytes its sharded tables' shards hold, which
     the replicas average (data-parallel tables are DDP's, averaged with the dense gradients)."""
@@ -157,6 +183,45 @@ def replica_sync_time_s(plan: PlanResult, layout: GroupLayout, sync_every: int =
     return max(per_rank, default=0.0) / sync_every
 
 
+def exchange_bytes(plan: PlanResult) -> list[float]:
+    """Per rank of the group: the bytes its sharded lookups put into the gradient exchange per step (the
+    ids, the bags' lengths, the gradients of the pooled outputs: anyrec.trainer.replica_exchange)."""
+    out = [0.0] * plan.topology.world_size
+    for opt in plan.tables.values():
+        if opt.sharding == ShardingType.DATA_PARALLEL:
+            continue
+        for s in opt.shards:
+            ids, bags, _ = shard_lookups(opt, plan.topology, plan.workload)
+            out[s.rank] += ID_BYTES * (ids + bags) + OUTPUT_BYTES * bags * s.num_cols
+    return out
+
+
+def replica_exchange_time_s(plan: PlanResult, layout: GroupLayout, device: DeviceSpec | None = None) -> float:
+    """Seconds per step of exchanging the replicas' gradients, on the slowest rank: an all-gather of the
+    R contributions over its replica group (on `device`'s links, default the plan's) and its kernels'
+    replayed lookup, a forward and a fused backward over R groups' lookups in place of its own backward
+    (lookup time taken as linear in the lookups)."""
+    if layout.replicas == 1:
+        return 0.0
+    topo = layout.replica_topology(device or plan.topology.device, plan.topology.compute_device)
+    replay = [0.0] * plan.topology.world_size
+    for opt in plan.tables.values():
+        if opt.sharding != ShardingType.DATA_PARALLEL:
+            for s in opt.shards:
+                replay[s.rank] += (layout.replicas * s.perf.fwd_compute_s
+                                   + (layout.replicas - 1) * s.perf.bwd_compute_s)
+    return max(reduce_scatter_time_s(layout.replicas * n, layout.replicas, topo.num_hosts, topo) + c
+               for n, c in zip(exchange_bytes(plan), replay, strict=True))
+
+
+def replica_update_time_s(plan: PlanResult, layout: GroupLayout, update: ReplicaUpdate, sync_every: int = 1,
+                          device: DeviceSpec | None = None) -> float:
+    """Seconds per step of keeping the replicas one model the way `update` does."""
+    if update == ReplicaUpdate.GRADIENTS:
+        return replica_exchange_time_s(plan, layout, device)
+    return replica_sync_time_s(plan, layout, sync_every, device)
+
+
 def dense_extra_time_s(plan: PlanResult, layout: GroupLayout, device: DeviceSpec | None = None) -> float:
     """Seconds per step the all-reduce of the dense gradients and the data-parallel tables' gradients
     takes over the whole world (on `device`'s links, default the plan's) beyond the group's (the group's
@@ -170,12 +235,13 @@ def dense_extra_time_s(plan: PlanResult, layout: GroupLayout, device: DeviceSpec
 
 
 def price_group(plan: PlanResult, layout: GroupLayout, sync_every: int = 1,
-                links: GroupLinks | None = None) -> PlanResult:
-    """`plan` (one group's) with 2D's costs in its step: replica averaging, the world's dense all-reduce
-    (on `links`' replica and world specs; default: the plan's)."""
+                links: GroupLinks | None = None, update: ReplicaUpdate = ReplicaUpdate.AVERAGE) -> PlanResult:
+    """`plan` (one group's) with 2D's costs in its step: keeping the replicas one model (`update`), the
+    world's dense all-reduce (on `links`' replica and world specs; default: the plan's)."""
     replica, world = (links.replica, links.world) if links is not None else (None, None)
-    extra = replica_sync_time_s(plan, layout, sync_every, replica) + dense_extra_time_s(plan, layout, world)
-    return dataclasses.replace(plan, replica_s=extra, replicas=layout.replicas)
+    extra = (replica_update_time_s(plan, layout, update, sync_every, replica)
+             + dense_extra_time_s(plan, layout, world))
+    return dataclasses.replace(plan, replica_s=extra, replicas=layout.replicas, replica_update=update)
 
 
 @dataclass
@@ -215,12 +281,14 @@ def group_sizes(world_size: int) -> list[int]:
 def choose_group_size(world_size: int, local_world_size: int, device: DeviceSpec, compute_device: str | None,
                       plan_for: Callable[[Topology], PlanResult], sizes: list[int] | None = None,
                       sync_every: int = 1, measured: dict[int, SubgroupLinks] | None = None,
-                      world_source: str = "from the datasheet's figures") -> GroupChoice:
+                      world_source: str = "from the datasheet's figures",
+                      update: ReplicaUpdate = ReplicaUpdate.AVERAGE) -> GroupChoice:
     """Plan each group size of `sizes` (default: every divisor of the world) with `plan_for(group
     topology)`, price 2D's costs, and choose the lowest predicted step among those that fit (ties: the
     larger group, fewer replicas to keep and average). Collectives are priced with the fits `measured`
     per group size where they apply (`group_links`), else with `device`'s links (`world_source` says
-    where those come from). InfeasiblePlanError when none fits."""
+    where those come from); the replicas are kept one model by `update`. InfeasiblePlanError when none
+    fits."""
     candidates = []
     for g in sizes or group_sizes(world_size):
         layout = GroupLayout(world_size, local_world_size, g)
@@ -232,9 +300,10 @@ def choose_group_size(world_size: int, local_world_size: int, device: DeviceSpec
             candidates.append(GroupCandidate(g, layout.replicas, None, infeasible=str(e).splitlines()[0],
                                              figures=figures))
             continue
-        candidates.append(GroupCandidate(g, layout.replicas, price_group(plan, layout, sync_every, links),
-                                         replica_sync_time_s(plan, layout, sync_every, links.replica),
-                                         dense_extra_time_s(plan, layout, links.world), figures=figures))
+        candidates.append(GroupCandidate(
+            g, layout.replicas, price_group(plan, layout, sync_every, links, update),
+            replica_update_time_s(plan, layout, update, sync_every, links.replica),
+            dense_extra_time_s(plan, layout, links.world), figures=figures))
     fitting = [c for c in candidates if c.plan is not None]
     if not fitting:
         raise InfeasiblePlanError("no sharding group size fits: " + "; ".join(

@@ -27,6 +27,13 @@ class ShardingType(StrEnum):
     TABLE_ROW_WISE = "table_row_wise"
 
 
+class ReplicaUpdate(StrEnum):
+    """How 2D keeps a shard's replicas one model (`planner.replica_update`)."""
+
+    AVERAGE = "average"  # torchrec's sync(): weights and optimizer state averaged every k steps
+    GRADIENTS = "gradients"  # each step's embedding gradients exchanged before the fused update
+
+
 class Placement(StrEnum):
     """Where a table's weights and optimizer state live."""
 
@@ -343,6 +350,7 @@ class PlanResult:
     # all-reduce over the whole world (anyrec.planner.twod.price_group)
     replica_s: float = 0.0
     replicas: int = 1
+    replica_update: ReplicaUpdate = ReplicaUpdate.AVERAGE
 
     def _per_rank(self, base, of: Callable[[Shard], Any]) -> list:
         """`base` plus `of(shard)` summed over the shards each rank holds."""

@@ -29,8 +29,8 @@ from anyrec.planner.report import format_group_choice, format_report
 from anyrec.planner.simple import simple_table_shardings
 from anyrec.planner.simple import to_sharding_plan as simple_sharding_plan
 from anyrec.planner.torchrec_plan import to_sharding_plan
-from anyrec.planner.twod import GroupLayout, choose_group_size, sharding_group_size
-from anyrec.planner.types import Perf, PlanResult, Topology
+from anyrec.planner.twod import GroupLayout, choose_group_size, resolve_replica_update, sharding_group_size
+from anyrec.planner.types import Perf, PlanResult, ReplicaUpdate, Topology
 from anyrec.trainer.distributed import DistInfo, broadcast_from_main
 from anyrec.trainer.twod import TwoDModelParallel
 
@@ -80,18 +80,20 @@ def dense_wrapper(world_size: int, static_graph: bool = True) -> DataParallelWra
 @dataclass
 class GroupShardingPlan(ShardingPlan):
     """A sharding plan for one sharding group of `sharding_group_size` ranks (its ranks 0..size-1; torchrec's
-    DMPCollection maps them onto each group's), replicated across the world's groups and averaged every
-    `replica_sync_every` steps."""
+    DMPCollection maps them onto each group's), replicated across the world's groups, which exchange their
+    gradients every step or are averaged every `replica_sync_every` steps (`replica_update`)."""
 
     sharding_group_size: int = 1
     replica_sync_every: int = 1
+    replica_update: ReplicaUpdate = ReplicaUpdate.AVERAGE
 
 
 def shard_model(module: nn.Module, device: torch.device, plan: ShardingPlan, backend: Backend, info: DistInfo,
                 embedding: Impl, static_graph: bool) -> DistributedModelParallel:
     """`module` sharded by `plan`: torchrec's DistributedModelParallel over the whole world, or (a
-    GroupShardingPlan for a group smaller than the world) its 2D DMPCollection, whose replicas the train
-    pipeline averages every `plan.replica_sync_every` steps."""
+    GroupShardingPlan for a group smaller than the world) its 2D DMPCollection, whose replicas exchange
+    their gradients every step or are averaged every `plan.replica_sync_every` steps
+    (`plan.replica_update`)."""
     group = getattr(plan, "sharding_group_size", info.world_size)
     wrapper = dense_wrapper(info.world_size, static_graph)
     if group == info.world_size:
@@ -103,12 +105,19 @@ def shard_model(module: nn.Module, device: torch.device, plan: ShardingPlan, bac
                               place=lambda p: place_shards(p, backend, info.local_world_size),
                               sync_every=plan.replica_sync_every,
                               node_group_size=GroupLayout(info.world_size, info.local_world_size,
-                                                         group).group_local_size)
+                                                         group).group_local_size,
+                              replica_update=plan.replica_update)
     sharded = [name for m in plan.plan.values() for name, ps in m.items()
                if ps.sharding_type != "data_parallel"]
     if sharded and model.synced_tensors() == 0:
         raise ValueError(f"planner.sharding_group_size={group}: backend.embedding_kernel={embedding.name} "
                          f"has no kernel torchrec's 2D sync can average (tables {', '.join(sharded)})")
+    if info.is_main:
+        how = "exchange their embedding gradients every step"
+        if plan.replica_update == ReplicaUpdate.AVERAGE:
+            how = f"are averaged every {plan.replica_sync_every} step(s)"
+        logger.info("2D: %d sharding groups of %d ranks; the replicas %s", info.world_size // group, group,
+                    how)
     return model
 
 
@@ -154,19 +163,24 @@ def _plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module,
         raise ValueError("planner.sharding_group_size=auto needs planner=codesign (the cost model chooses)")
     if cfg.planner.replica_sync_every < 1:
         raise ValueError(f"planner.replica_sync_every must be >= 1, got {cfg.planner.replica_sync_every}")
+    update = resolve_replica_update(cfg.planner.replica_update, cfg.optim.name,
+                                    cfg.planner.replica_sync_every)
     plan, slowest, memory, group = _plan_group(cfg, backend, info, model, module_path, embedding, hardware,
-                                               group, resident_bytes)
+                                               group, resident_bytes, update)
     if memory is not None:  # world rank r is rank r // replicas of its group (torchrec's strided groups)
         memory = [memory[r // (info.world_size // group)] for r in range(info.world_size)]
     return (GroupShardingPlan(plan.plan, sharding_group_size=group,
-                              replica_sync_every=cfg.planner.replica_sync_every), slowest, memory)
+                              replica_sync_every=cfg.planner.replica_sync_every, replica_update=update),
+            slowest, memory)
 
 
 def _plan_group(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module, module_path: str,
-                embedding: Impl, hardware: Hardware, group: int | None, resident_bytes: int = 0
+                embedding: Impl, hardware: Hardware, group: int | None, resident_bytes: int = 0,
+                update: ReplicaUpdate = ReplicaUpdate.AVERAGE
                 ) -> tuple[ShardingPlan, Perf | None, list[MemoryPrediction] | None, int]:
     """The plan of one sharding group of `group` ranks (the whole world in 1D; None: the co-design
-    planner chooses), its cost and memory, and the group size."""
+    planner chooses), its cost and memory (the replicas kept one model by `update`), and the group
+    size."""
     ebc = model.sparse_arch
     if cfg.planner.name == "simple":
         if cfg.planner.sharding == "data_parallel" and not embedding.data_parallel:
@@ -194,7 +208,8 @@ def _plan_group(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.M
     else:
         choice = choose_group_size(info.world_size, info.local_world_size, hardware.spec, backend.device_type,
                                    plan_for, None if group is None else [group],
-                                   cfg.planner.replica_sync_every, hardware.subgroups, hardware.link_source)
+                                   cfg.planner.replica_sync_every, hardware.subgroups, hardware.link_source,
+                                   update)
         result, group = choice.plan, choice.chosen
         if info.is_main:
             logger.info("2D: %s", format_group_choice(choice).splitlines()[-1])

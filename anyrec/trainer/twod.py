@@ -8,9 +8,11 @@ with an assert that the device is NVIDIA's or MTIA, although nothing after it is
 runs the body of that `__init__` for the one configuration anyrec uses (the DEFAULT strategy, one
 context, no submodule configs, no sharded relay), calling torchrec's own helpers for every step:
 `_create_process_groups`, `_remap_sharding_plan`, `ShardingEnv2D`, `DistributedModelParallel.__init__`,
-`_group_sharded_modules`, `_cache_sync_tensors`. Every other method (`sync`, `_shard_modules_impl`,
-state dicts) is DMPCollection's. `GLUE_SOURCE_SHA256` pins the torchrec source this reproduces; a test
-fails when torchrec's changes (docs/planning.md, "2D sparse parallelism").
+`_group_sharded_modules`, `_cache_sync_tensors`. Every other method (`_shard_modules_impl`, state
+dicts) is DMPCollection's, and `sync` is too unless the replicas exchange their gradients instead
+(`ReplicaUpdate.GRADIENTS`, anyrec/trainer/replica_exchange.py). `GLUE_SOURCE_SHA256` pins the
+torchrec source this reproduces; a test fails when torchrec's changes (docs/planning.md, "2D sparse
+parallelism").
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from torchrec.distributed.types import (
 )
 
 from anyrec.kernels.tbe import TritonTableBatchedEmbedding
+from anyrec.planner.types import ReplicaUpdate
+from anyrec.trainer.replica_exchange import exchange_gradients
 
 # sha256 of the torchrec functions whose glue TwoDModelParallel.__init__ reproduces or whose behaviour it
 # relies on (torchrec 1.9.2): a change in any of them must be read before this class is trusted again.
@@ -56,13 +60,17 @@ class TwoDModelParallel(DMPCollection):
     group (its remap writes `<type>:<local index>`, which only indexed devices have). `sync_every`: the
     train pipeline averages the replicas every that many steps. `node_group_size`: the group's ranks on
     one host, which table-row-wise sharding keeps a table's rows within (torchrec's default, the ranks per
-    host, is the group's only where one host holds the whole group)."""
+    host, is the group's only where one host holds the whole group). `replica_update`: AVERAGE is
+    torchrec's sync(); GRADIENTS exchanges each step's embedding gradients over the replica group before
+    the fused update (anyrec.trainer.replica_exchange), so the replicas stay equal and sync() has
+    nothing to do."""
 
     def __init__(self, module: nn.Module, device: torch.device, plan: ShardingPlan, rank: int,
                  world_size: int, sharding_group_size: int, global_pg: dist.ProcessGroup,
                  sharders: list[ModuleSharder[nn.Module]], data_parallel_wrapper: DataParallelWrapper,
                  place: Callable[[ShardingPlan], ShardingPlan], sync_every: int = 1,
-                 node_group_size: int | None = None) -> None:
+                 node_group_size: int | None = None,
+                 replica_update: ReplicaUpdate = ReplicaUpdate.AVERAGE) -> None:
         if sharding_group_size < 1 or world_size % sharding_group_size:
             raise ValueError(f"sharding group size {sharding_group_size} does not divide the world size "
                              f"{world_size}")
@@ -97,6 +105,18 @@ class TwoDModelParallel(DMPCollection):
         self._add_anyrec_kernels(ctx)
         self.sharding_group_size = sharding_group_size
         self.sync_every = sync_every
+        self.replica_update = replica_update
+        self.exchanged_kernels = 0
+        if replica_update == ReplicaUpdate.GRADIENTS:
+            self.exchanged_kernels = exchange_gradients(
+                _with_lookups(self), ctx.replica_pg, world_size // sharding_group_size, sharding_group_size)
+
+    def sync(self, include_optimizer_state: bool = True) -> None:
+        """torchrec's averaging of the replicas; nothing with exchanged gradients, where every replica
+        applied the same update from the same state (averaging equal values would only round them)."""
+        if self.replica_update == ReplicaUpdate.GRADIENTS:
+            return
+        super().sync(include_optimizer_state)
 
     def _add_anyrec_kernels(self, ctx: DMPCollectionContext) -> None:
         """torchrec's sync collects FBGEMM's TBE kernels; anyrec's own TBE (the triton and torch
