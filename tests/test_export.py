@@ -210,6 +210,18 @@ def test_the_graph_called_directly_refuses_mismatched_inputs_in_one_line(exporte
         assert "\n" not in str(e.value)
 
 
+def test_the_graph_called_directly_moves_to_a_device(exported):
+    """`to(device)`: the weights moved and the graph run there (the meta device: shapes only, no GPU)."""
+    _, _, path, _ = exported
+    scorer = load_artifact(path).scorer
+    assert scorer.to(torch.device("cpu")) is scorer
+    meta = scorer.to(torch.device("meta"))
+    assert meta.device.type == "meta" and scorer.device.type == "cpu"
+    dense_BI, ids, bags = batch_inputs(_batch(TINY, size=4), IdLayout.offsets, torch.device("meta")).args()
+    logits_B = meta(dense_BI, ids, bags)
+    assert logits_B.device.type == "meta" and logits_B.shape == (4,)
+
+
 def test_a_program_of_another_shape_is_not_called_as_a_scoring_program(exported):
     _, _, path, _ = exported
     program = torch.export.load(str(path))

@@ -60,8 +60,9 @@ def quantize_rowwise_int8(weight_RD: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 def dequantize_rowwise_int8(q_ND: torch.Tensor, scale_bias_N2: torch.Tensor) -> torch.Tensor:
-    """fp32 rows from `quantize_rowwise_int8`'s values and (scale, bias)."""
-    return q_ND.float() * scale_bias_N2[:, :1] + scale_bias_N2[:, 1:]
+    """fp32 rows from `quantize_rowwise_int8`'s values and (scale, bias): value * scale + bias, the product
+    and sum in place in the widened copy (no [N, D] temporaries)."""
+    return q_ND.to(torch.float32, copy=True).mul_(scale_bias_N2[:, :1]).add_(scale_bias_N2[:, 1:])
 
 
 class PooledTables(nn.Module):
