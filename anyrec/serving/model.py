@@ -153,7 +153,7 @@ class CrossNet(nn.Module):
         x_BN = x0_BN
         for v, u in zip(self.cross.V, self.cross.U, strict=True):
             # the product and sum in place, in the trained net's order (the same roundings): two [B, N]
-            # buffers fewer per layer to allocate and fill (the autograd-free serving graph may overwrite)
+            # buffers fewer per layer to allocate and fill (scoring keeps no activations for a backward)
             x_BN = F.linear(F.linear(x_BN, v.weight), u.weight, u.bias).mul_(x0_BN).add_(x_BN)
         return x_BN
 
