@@ -64,7 +64,9 @@ def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print) -> dict[str,
         raise ValueError(f"{pc.artifact}: its int8 tables use torch's quantized CPU lookup, which has no "
                          f"{device.type} kernel; export with export.int8_kernel=torch to score on "
                          f"{backend.name}")
-    program = artifact.program.to(device)
+    # the graph called directly: score_batches checks every batch, torch.export's per-call checks of the
+    # same would cost a fifth of a small batch's time (anyrec.serving.program)
+    program = artifact.scorer.to(device)
     # the sources the training run built, for the artifact's model: the rows its ranks read
     job = dataclasses.replace(cfg, model=model, trainer=dataclasses.replace(cfg.trainer, eval_steps=steps))
     sources = []

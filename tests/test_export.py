@@ -22,6 +22,7 @@ from anyrec.models.init import init_model
 from anyrec.schema import load_model_config
 from anyrec.serving.artifact import export_program, load_artifact, read_manifest
 from anyrec.serving.model import ScoringModel, dequantize_rowwise_int8, quantize_rowwise_int8
+from anyrec.serving.program import ScoringProgram
 from anyrec.serving.scoring import batch_inputs, score_batches
 from anyrec.serving.weights import load_checkpoint
 from anyrec.trainer.checkpoint import CheckpointManager
@@ -68,7 +69,7 @@ def test_fp32_scoring_model_scores_as_the_trained_model(cfg, layout):
     with torch.no_grad():
         want_B = model(batch.dense_features, batch.sparse_features)
         got_B = scoring(*batch_inputs(batch, IdLayout(layout), torch.device("cpu")).args())
-    torch.testing.assert_close(got_B, want_B, rtol=0, atol=1e-6)
+    torch.testing.assert_close(got_B, want_B, rtol=0, atol=0)  # the trained model's roundings
     assert want_B.std() > 0.01  # the scores depend on the inputs: a real comparison
 
 
@@ -155,21 +156,77 @@ def test_the_artifact_scores_as_the_model_and_says_what_it_is(exported):
     assert info["table_bytes"] == sum(TINY.table_rows) * TINY.embedding_dim * 4
     assert artifact.model == TINY
     _scores_as(model, TINY, artifact.program)
+    _scores_as(model, TINY, artifact.scorer)
 
 
 def _scores_as(model, cfg: ModelConfig, program) -> None:
+    """`program` scores as the trained `model`, bit for bit (fp32 tables)."""
     for size in (1, 9):  # the batch is dynamic, one sample included
         batch = _batch(cfg, size=size, seed=size)
         with torch.no_grad():
             want_B = model(batch.dense_features, batch.sparse_features)
         got_B = program(*batch_inputs(batch, IdLayout.offsets, torch.device("cpu")).args())
-        torch.testing.assert_close(got_B, want_B, rtol=0, atol=1e-6)
+        torch.testing.assert_close(got_B, want_B, rtol=0, atol=0)
+        assert size == 1 or want_B.std() > 0.01
 
 
 def test_a_cross_net_model_with_multi_hot_features_exports():
     model = _model(TINY_DCN)
     program = export_program(ScoringModel(model, TablePrecision.fp32, IdLayout.offsets), TINY_DCN)
     _scores_as(model, TINY_DCN, program.module())
+    _scores_as(model, TINY_DCN, ScoringProgram(program, 3, TINY_DCN.num_dense_features, IdLayout.offsets))
+
+
+@pytest.mark.parametrize("precision, kernel", [("int8", "fbgemm"), ("int8", "torch"), ("fp16", "torch")])
+@pytest.mark.parametrize("layout", ["offsets", "lengths"])
+def test_the_graph_called_directly_scores_as_the_guarded_module(precision, kernel, layout):
+    """`ScoringProgram` (what anyrec-predict calls) gives the module's scores, bit for bit."""
+    model, layout = _model(TINY_DCN), IdLayout(layout)
+    program = export_program(ScoringModel(model, TablePrecision(precision), layout, Int8Kernel(kernel)),
+                             TINY_DCN)
+    direct = ScoringProgram(program, 3, TINY_DCN.num_dense_features, layout)
+    guarded = program.module()
+    for size in (1, 7):
+        args = batch_inputs(_batch(TINY_DCN, size=size, seed=size), layout, torch.device("cpu")).args()
+        with torch.no_grad():
+            got_B, want_B = direct(*args), guarded(*args)
+        assert got_B.shape == (size,) and torch.equal(got_B, want_B)
+
+
+def test_the_graph_called_directly_refuses_mismatched_inputs_in_one_line(exported):
+    _, _, path, _ = exported
+    scorer = load_artifact(path).scorer
+    dense_BI, ids, bags = batch_inputs(_batch(TINY, size=4), IdLayout.offsets, torch.device("cpu")).args()
+    assert scorer(dense_BI, ids, bags).shape == (4,)
+    cases = {"25 ids and 25 bags tensors, the program has 26": (dense_BI, ids[1:], bags[1:]),
+             "dense is torch.float32 \\[4, 5\\]": (dense_BI[:, :5], ids, bags),
+             "dense is torch.float64": (dense_BI.double(), ids, bags),
+             "feature 3: ids torch.int32": (dense_BI, [*ids[:3], ids[3].int(), *ids[4:]], bags),
+             "feature 0: .* int64 bags of 5 offsets": (dense_BI, ids, [bags[0][:-1], *bags[1:]]),
+             "int64 bags of 4 offsets for a batch of 3": (dense_BI[:3], ids, bags)}
+    for why, args in cases.items():
+        with pytest.raises(ValueError, match=why) as e:
+            scorer(*args)
+        assert "\n" not in str(e.value)
+
+
+def test_the_graph_called_directly_moves_to_a_device(exported):
+    """`to(device)`: the weights moved and the graph run there (the meta device: shapes only, no GPU)."""
+    _, _, path, _ = exported
+    scorer = load_artifact(path).scorer
+    assert scorer.to(torch.device("cpu")) is scorer
+    meta = scorer.to(torch.device("meta"))
+    assert meta.device.type == "meta" and scorer.device.type == "cpu"
+    dense_BI, ids, bags = batch_inputs(_batch(TINY, size=4), IdLayout.offsets, torch.device("meta")).args()
+    logits_B = meta(dense_BI, ids, bags)
+    assert logits_B.device.type == "meta" and logits_B.shape == (4,)
+
+
+def test_a_program_of_another_shape_is_not_called_as_a_scoring_program(exported):
+    _, _, path, _ = exported
+    program = torch.export.load(str(path))
+    with pytest.raises(ValueError, match="not an anyrec scoring program"):
+        ScoringProgram(program, 25, TINY.num_dense_features, IdLayout.offsets)
 
 
 def test_tables_larger_than_the_host_are_refused_before_anything_is_written(exported, tmp_path):
@@ -222,12 +279,14 @@ def test_bad_artifacts_are_refused_in_one_line(exported, tmp_path):
     assert read_manifest(path)["format"] == "anyrec-scoring"
 
 
-def test_mismatched_inputs_are_refused_before_scoring(exported):
+@pytest.mark.parametrize("call", ["scorer", "program"])
+def test_mismatched_inputs_are_refused_before_scoring(exported, call):
     _, _, path, _ = exported
     artifact = load_artifact(path)
+    program = getattr(artifact, call)  # the graph called directly (what anyrec-predict calls), the module
     cpu = torch.device("cpu")
     good = _batch(TINY, size=4)
-    run = score_batches(artifact.program, TINY, IdLayout.offsets, [good], cpu)
+    run = score_batches(program, TINY, IdLayout.offsets, [good], cpu)
     assert run.samples == 4 and np.isfinite(torch.cat(run.probs).numpy()).all()
     kjt = good.sparse_features
     too_big = KeyedJaggedTensor.from_lengths_sync(kjt.keys(), kjt.values() + 10_000, kjt.lengths())
@@ -236,4 +295,4 @@ def test_mismatched_inputs_are_refused_before_scoring(exported):
                        (Batch(good.dense_features, fewer, good.labels), "25 sparse features"),
                        (Batch(good.dense_features[:, :5], kjt, good.labels), "5 dense features")]:
         with pytest.raises(ValueError, match=why):
-            score_batches(artifact.program, TINY, IdLayout.offsets, [batch], cpu)
+            score_batches(program, TINY, IdLayout.offsets, [batch], cpu)

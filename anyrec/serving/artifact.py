@@ -31,6 +31,7 @@ from anyrec.io_checks import atomic_write, writable_file
 from anyrec.safe_load import load_json
 from anyrec.schema import sparse_features
 from anyrec.serving.model import IdLayout, ScoringInputs, ScoringModel, TablePrecision, table_bytes
+from anyrec.serving.program import ScoringProgram
 
 MANIFEST = "manifest.json"
 FORMAT = "anyrec-scoring"
@@ -98,9 +99,12 @@ def save_artifact(program: torch.export.ExportedProgram, info: dict[str, Any], p
 
 @dataclass
 class Artifact:
-    """A loaded artifact: the program as a module and its manifest."""
+    """A loaded artifact: the program as `torch.export` makes it a module (each call's inputs checked by
+    torch.export), the same program called as its graph (`ScoringProgram`, what anyrec-predict scores
+    with), and its manifest."""
 
     program: torch.nn.Module
+    scorer: ScoringProgram
     manifest: dict[str, Any]
     path: Path
 
@@ -182,8 +186,15 @@ def load_artifact(path: str | Path) -> Artifact:
     """An artifact checked (`read_manifest`) then loaded; ValueError in one line if it cannot be."""
     info = read_manifest(path)
     try:
-        program = torch.export.load(str(path)).module()
+        exported = torch.export.load(str(path))
+        program = exported.module()
     except Exception as e:  # noqa: BLE001 - a damaged archive raises whatever its bytes trigger
         raise ValueError(f"predict.artifact {path}: the program cannot be loaded "
                          f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})") from None
-    return Artifact(program, info, Path(path))
+    model = model_config(info["model"])
+    try:
+        scorer = ScoringProgram(exported, len(sparse_features(model)), model.num_dense_features,
+                                IdLayout(info["id_layout"]))
+    except ValueError as e:
+        raise ValueError(f"predict.artifact {path}: {e}") from None
+    return Artifact(program, scorer, info, Path(path))

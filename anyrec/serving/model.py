@@ -60,8 +60,9 @@ def quantize_rowwise_int8(weight_RD: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 def dequantize_rowwise_int8(q_ND: torch.Tensor, scale_bias_N2: torch.Tensor) -> torch.Tensor:
-    """fp32 rows from `quantize_rowwise_int8`'s values and (scale, bias)."""
-    return q_ND.float() * scale_bias_N2[:, :1] + scale_bias_N2[:, 1:]
+    """fp32 rows from `quantize_rowwise_int8`'s values and (scale, bias): value * scale + bias, the product
+    and sum in place in the widened copy (no [N, D] temporaries)."""
+    return q_ND.to(torch.float32, copy=True).mul_(scale_bias_N2[:, :1]).add_(scale_bias_N2[:, 1:])
 
 
 class PooledTables(nn.Module):
@@ -79,7 +80,9 @@ class PooledTables(nn.Module):
         self.precision, self.id_layout = TablePrecision(precision), IdLayout(id_layout)
         self.num_features, self.dim = len(weights), dims.pop()
         rows = [w.shape[0] for w in weights]
-        self.first_rows = [sum(rows[:i]) for i in range(len(rows))]  # python ints: constants in the graph
+        self.first_rows = [sum(rows[:i]) for i in range(len(rows))]
+        # a buffer, not a tensor made in forward: the exported graph would copy that constant every call
+        self.register_buffer("first_row_F", torch.tensor(self.first_rows, dtype=torch.int64))
         weight_RD = torch.cat([w.detach().float() for w in weights])
         self.register_buffer("scale_bias", None)
         if self.precision == TablePrecision.int8 and int8_kernel == Int8Kernel.fbgemm:
@@ -96,18 +99,13 @@ class PooledTables(nn.Module):
     def forward(self, ids: list[torch.Tensor], bags: list[torch.Tensor]) -> torch.Tensor:
         """[B, F, D] sums of each feature's bags; `bags` are B + 1 offsets or B lengths per feature."""
         # A few whole-batch ops whatever F (a per-feature op each costs more than the lookup itself)
-        bags_FX = torch.stack(bags).long()
-        if self.id_layout == IdLayout.lengths:
-            lengths_FB = bags_FX
-            counts_F = lengths_FB.sum(dim=1)
-        else:
-            lengths_FB = bags_FX[:, 1:] - bags_FX[:, :-1]
-            counts_F = bags_FX[:, -1] - bags_FX[:, 0]
-        ids_N = torch.cat(ids).long()
+        bags_FX = torch.stack(bags)
+        lengths_FB = bags_FX if self.id_layout == IdLayout.lengths else torch.diff(bags_FX, dim=1)
+        ids_N = torch.cat(ids)
         # each id offset by its table's first row (the features' ids follow each other in ids_N)
-        first_F = torch.tensor(self.first_rows, dtype=torch.int64, device=ids_N.device)
-        ids_N = ids_N + torch.repeat_interleave(first_F, counts_F, output_size=ids_N.shape[0])
-        offsets_FB1 = torch.cat([lengths_FB.new_zeros(1), torch.cumsum(lengths_FB.flatten(), 0)])
+        ids_N = ids_N + torch.repeat_interleave(self.first_row_F, lengths_FB.sum(dim=1),
+                                                output_size=ids_N.shape[0])
+        offsets_FB1 = F.pad(torch.cumsum(lengths_FB.flatten(), 0), (1, 0))
         if self.precision == TablePrecision.fp32:
             pooled_FBD = F.embedding_bag(ids_N, self.weight, offsets_FB1, mode="sum",
                                          include_last_offset=True)
@@ -142,15 +140,22 @@ class DotPairs(nn.Module):
 
 class CrossNet(nn.Module):
     """DLRMv2's interaction as `CrossInteraction` computes it: dense and pooled vectors side by side, then
-    its cross net. One cat of [B, 1, D] and [B, F, D] (the pooled vectors arrive as a transposed view), so
-    the flattening is a view: flattening the view itself makes `torch.export` assume a batch above one."""
+    its cross net's layers x_{l+1} = x_0 * (U_l (V_l x_l) + b_l) + x_l. One cat of [B, 1, D] and [B, F, D]
+    (the pooled vectors arrive as a transposed view), so the flattening is a view: flattening the view
+    itself makes `torch.export` assume a batch above one."""
 
     def __init__(self, source: CrossInteraction) -> None:
         super().__init__()
         self.cross = source.cross
 
     def forward(self, dense_BD: torch.Tensor, sparse_BFD: torch.Tensor) -> torch.Tensor:
-        return self.cross(torch.cat([dense_BD.unsqueeze(1), sparse_BFD], dim=1).flatten(1))
+        x0_BN = torch.cat([dense_BD.unsqueeze(1), sparse_BFD], dim=1).flatten(1)
+        x_BN = x0_BN
+        for v, u in zip(self.cross.V, self.cross.U, strict=True):
+            # the product and sum in place, in the trained net's order (the same roundings): two [B, N]
+            # buffers fewer per layer to allocate and fill (scoring keeps no activations for a backward)
+            x_BN = F.linear(F.linear(x_BN, v.weight), u.weight, u.bias).mul_(x0_BN).add_(x_BN)
+        return x_BN
 
 
 class ScoringModel(nn.Module):
@@ -174,7 +179,7 @@ class ScoringModel(nn.Module):
 
     def forward(self, dense_BI: torch.Tensor, ids: list[torch.Tensor],
                 bags: list[torch.Tensor]) -> torch.Tensor:
-        dense_BD = self.dense_arch(dense_BI.float())
+        dense_BD = self.dense_arch(dense_BI)
         sparse_BFD = self.tables(ids, bags)
         return self.over_arch(self.interaction(dense_BD, sparse_BFD)).squeeze(-1)
 

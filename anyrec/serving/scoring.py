@@ -49,12 +49,12 @@ class ScoreRun:
     metrics: dict[str, float] | None = None
 
 
-def score_batches(program: torch.nn.Module, model: ModelConfig, id_layout: IdLayout,
+def score_batches(program: Callable[..., torch.Tensor], model: ModelConfig, id_layout: IdLayout,
                   batches: Iterable[Batch], device: torch.device,
                   on_batch: Callable[[int], object] | None = None) -> ScoreRun:
-    """Score every batch with `program`; each is checked first (feature count, dense width, ids within
-    their tables: ValueError in one line naming the batch), labels feed the trainer's EvalMetrics;
-    `on_batch(samples)` after each batch (a progress bar)."""
+    """Score every batch with `program` (an artifact's `ScoringProgram` or module); each is checked first
+    (feature count, dense width, ids within their tables: ValueError in one line naming the batch),
+    labels feed the trainer's EvalMetrics; `on_batch(samples)` after each batch (a progress bar)."""
     validator = InputValidator(feature_names(len(model.table_rows)), list(model.table_rows),
                                model.num_dense_features, device, ONE_PROCESS)
     metrics = EvalMetrics(device)
