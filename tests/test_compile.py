@@ -210,3 +210,31 @@ def test_compiled_training_agrees_with_eager_within_parity_tolerances(monkeypatc
     assert len(eager_losses) == len(comp_losses) == 10
     assert max(abs(a - b) / abs(a) for a, b in zip(eager_losses, comp_losses, strict=True)) <= tol.loss_rtol
     assert max((eager_w[k] - comp_w[k]).abs().max().item() for k in eager_w) <= tol.weight_atol
+
+
+@pytest.mark.integration
+def test_a_resumed_job_weighs_the_steps_it_has_left(monkeypatch, tmp_path):
+    """`auto` decides after the resume: a job resumed at step 6 of 10 weighs the saving over 4 steps."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("ANYREC_CACHE_DIR", str(tmp_path / "cache"))
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    weighed: list[int] = []
+    real = trainer_module.compile_dense
+
+    def spy(*args, **kwargs):
+        weighed.append(args[5])  # remaining_steps
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "compile_dense", spy)
+    for steps in (6, 10):
+        ck = f"trainer.checkpoint.dir={tmp_path / 'ck'}"
+        _, cfg = compose_config([*TINY, f"trainer.steps={steps}", ck])
+        t = trainer_module.Trainer(cfg)
+        try:
+            t.train()
+        finally:
+            t.close()
+    assert weighed == [6, 4]

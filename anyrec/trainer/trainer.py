@@ -112,6 +112,9 @@ class Trainer:
         if start is not None:
             self.load_checkpoint(start)
         tc = cfg.trainer
+        # after any resume: `auto` weighs the saving over the steps this job has left to run
+        self.compiled = compile_dense(self.model, cfg.model, self.backend, self.device, tc.compile,
+                                      tc.steps - self.step, self.batch_size, self.autocast, self.dist)
         self.run = RunState.begin(self.step, tc.steps, tc.log_every, self.device, self.writer,
                                   self.batch_size * self.dist.world_size, self.dist.is_main, tc.progress)
 
@@ -157,8 +160,6 @@ class Trainer:
             self._build_sharded()
         # the same initial weights whatever the kernel, plan, world size or device
         init_model(self.model, table_configs(self.cfg.model), tc.seed, EBC_PATH)
-        self.compiled = compile_dense(self.model, self.cfg.model, self.backend, self.device, tc.compile,
-                                      tc.steps - self.step, self.batch_size, self.autocast, self.dist)
         self.optimizers = Optimizers(self.model, self.fused_optimizer, self.cfg.optim, EBC_PATH)
         loop = SparseDistPipeline if tc.pipeline and not self.unsharded else EagerLoop
         self.pipeline = loop(self.model, self.optimizers.combined, self.device, self)
