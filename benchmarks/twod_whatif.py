@@ -53,9 +53,9 @@ def main() -> None:
                 print(format_group_choice(choice) + "\n")
                 one_d = next(c for c in choice.candidates if c.group_size == world)
                 rows.append({"sku": spec.name, "ranks": world, "sync_every": every, "chosen": choice.chosen,
-                             "step_ms": choice.plan.predicted_step_s * 1e3,
+                             "layout": choice.best.layout, "step_ms": choice.plan.predicted_step_s * 1e3,
                              "step_1d_ms": one_d.step_s * 1e3 if one_d.step_s is not None else None,
-                             "curve_ms": {c.group_size: (c.step_s * 1e3 if c.step_s is not None else None)
+                             "curve_ms": {c.label: (c.step_s * 1e3 if c.step_s is not None else None)
                                           for c in choice.candidates}})
     print(f"{'SKU':<8} {'ranks':>6} {'sync every':>10} {'chosen G':>8} {'step ms':>9} {'1D ms':>9} "
           f"{'1D / chosen':>11}")

@@ -1,5 +1,6 @@
-"""2D's collectives measured on sub-groups of the job's ranks: torchrec's layout, the calibration file's
-`collectives_subgroups`, and the planner pricing a group size with them (or the world's figures)."""
+"""2D's collectives measured on sub-groups of the job's ranks: the calibration file's
+`collectives_subgroups`, and the planner pricing a group size with them (or the world's figures; the
+layouts' rank sets against torchrec's are tested in tests/test_twod.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import time
 import pytest
 import torch
 import yaml
-from torchrec.distributed import model_parallel
 
 from anyrec.backends import get_backend, load_hardware_file
 from anyrec.backends.hardware import Hardware, LinkFit, SubgroupLinks, hardware_from_data
@@ -17,7 +17,7 @@ from anyrec.calibration import measure
 from anyrec.calibration.run import CalibrationRun
 from anyrec.planner import CoDesignPlanner, ShardingType, Topology
 from anyrec.planner.report import format_group_choice
-from anyrec.planner.twod import GroupLayout, choose_group_size
+from anyrec.planner.twod import choose_group_size
 from anyrec.planner.types import PlanResult, TableSpec
 
 from .conftest import torchrun
@@ -27,31 +27,6 @@ A2A = LinkFit(latency_s=2e-3, bus_bw_bytes_per_s=1e8)  # far from the SKU's: the
 REPLICAS = LinkFit(latency_s=4e-3, bus_bw_bytes_per_s=5e7)
 MEASURED = {2: SubgroupLinks(2, 2, A2A, REPLICAS)}
 WORLD = "from the datasheet's figures (test)"
-
-
-@pytest.mark.parametrize("world, group", [(4, 2), (8, 2), (8, 4), (16, 4), (6, 3)])
-def test_the_layout_is_torchrecs(world, group, monkeypatch):
-    """GroupLayout's groups are the rows (sharding) and columns (replicas) of the device mesh torchrec's
-    DMPCollection._create_process_groups builds (its own code, run with the mesh captured)."""
-    meshes = []
-
-    class Mesh:
-        def __init__(self, device_type, mesh, mesh_dim_names):
-            meshes.append(mesh)
-
-        def get_group(self, mesh_dim):
-            return mesh_dim
-
-        def __getitem__(self, dim):
-            return dim
-
-    monkeypatch.setattr(model_parallel, "DeviceMesh", Mesh)
-    holder = type("Holder", (), {"_device": torch.device("cpu")})()
-    model_parallel.DMPCollection._create_process_groups(holder, 0, world, group)
-    (rows,) = meshes
-    layout = GroupLayout(world, world, group)
-    assert layout.sharding_groups() == rows
-    assert layout.replica_groups() == [list(col) for col in zip(*rows, strict=True)]
 
 
 @pytest.mark.parametrize("world, sizes", [(1, []), (2, []), (3, []), (4, [2]), (6, [2, 3]), (8, [2, 4])])
@@ -69,7 +44,7 @@ def _group_plan(topology: Topology) -> PlanResult:
 def _choose(world: int, local: int, measured: dict | None):
     choice = choose_group_size(world, local, SKU, None, _group_plan, sync_every=1, measured=measured,
                                world_source=WORLD)
-    return {c.group_size: c for c in choice.candidates}, choice
+    return {c.group_size: c for c in choice.candidates if not c.use_inter_host_allreduce}, choice
 
 
 def test_a_group_size_measured_is_priced_with_its_fits():
@@ -86,6 +61,13 @@ def test_a_group_size_measured_is_priced_with_its_fits():
     text = format_group_choice(choice)
     assert "     2: all-to-all measured on groups of 2; replica all-reduce measured over 2 replicas" in text
     assert f"     4: all-to-all {WORLD}" in text  # 1D: the world's figures
+    # the contiguous layout's groups of 2 ({0, 1}, {2, 3}) are not the strided ones measured ({0, 2},
+    # {1, 3}): the spec's figures, and the report says why
+    (other,) = [c for c in choice.candidates if c.use_inter_host_allreduce]
+    assert other.group_size == 2 and other.plan.topology.device == SKU
+    note = f"{WORLD} (sub-groups measured in the strided layout only)"
+    assert other.figures == f"all-to-all and replica all-reduce {note}"
+    assert f"2 contiguous: all-to-all and replica all-reduce {note}" in text
     # the slow measured links cost more than the datasheet's
     unmeasured, _ = _choose(4, 4, None)
     assert two.step_s > unmeasured[2].step_s + 2 * one * 0.99
@@ -142,7 +124,7 @@ def test_the_file_round_trips_the_subgroup_key(tmp_path):
     # the fits price the group of 2 (the file's figures, as values)
     by_size = {c.group_size: c for c in choose_group_size(
         4, 4, hardware.spec, None, _group_plan, measured=hardware.subgroups,
-        world_source=hardware.link_source).candidates}
+        world_source=hardware.link_source).candidates if not c.use_inter_host_allreduce}
     assert by_size[2].plan.topology.device.scale_up_bw_bytes_per_s == 2e9
     assert "from the datasheet's figures" in by_size[4].figures  # the file measured no world collectives
 

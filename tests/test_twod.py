@@ -6,10 +6,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
+import torch
 from torch import nn
+from torchrec.distributed import model_parallel
 from torchrec.distributed.model_parallel import DMPCollection
 
 from anyrec import parity
@@ -61,6 +64,74 @@ def test_a_group_size_that_does_not_divide_the_world_is_refused(text):
 ])
 def test_a_groups_ranks_per_host_follow_torchrecs_strided_layout(world, local, group, expected):
     assert GroupLayout(world, local, group).group_local_size == expected
+
+
+def _torchrec_mesh(world: int, group: int, inter_host: bool, monkeypatch) -> list[list[int]]:
+    """The device mesh's rows (the sharding groups) DMPCollection._create_process_groups builds: its own
+    code, run with DeviceMesh captured."""
+    meshes = []
+
+    class Mesh:
+        def __init__(self, device_type, mesh, mesh_dim_names):
+            meshes.append(mesh)
+
+        def get_group(self, mesh_dim):
+            return mesh_dim
+
+        def __getitem__(self, dim):
+            return dim
+
+    monkeypatch.setattr(model_parallel, "DeviceMesh", Mesh)
+    holder = type("Holder", (), {"_device": torch.device("cpu")})()
+    DMPCollection._create_process_groups(holder, 0, world, group, use_inter_host_allreduce=inter_host)
+    (rows,) = meshes
+    return rows
+
+
+def _fewest_on_a_host(groups: list[list[int]], local: int) -> int:
+    """The fewest ranks of one group that a host holding any of them holds."""
+    return min(sum(r // local == h for r in ranks) for ranks in groups for h in {r // local for r in ranks})
+
+
+@pytest.mark.parametrize("inter_host", [False, True])
+@pytest.mark.parametrize("world, group, local", [(4, 2, 2), (8, 2, 4), (8, 4, 2), (16, 4, 8), (16, 8, 4),
+                                                 (6, 2, 3), (6, 3, 6), (8, 8, 4), (8, 1, 4)])
+def test_both_layouts_rank_sets_are_torchrecs(world, group, local, inter_host, monkeypatch):
+    """GroupLayout's sharding and replica groups are the rows and columns of torchrec's mesh for either
+    use_inter_host_allreduce, and its per-host counts (what the group and replicas are priced on) are
+    those groups' own."""
+    rows = _torchrec_mesh(world, group, inter_host, monkeypatch)
+    layout = GroupLayout(world, local, group, inter_host)
+    assert layout.sharding_groups() == rows
+    assert layout.replica_groups() == [list(col) for col in zip(*rows, strict=True)]
+    assert layout.group_local_size == _fewest_on_a_host(rows, local)
+    assert layout.replica_local_size == _fewest_on_a_host(layout.replica_groups(), local)
+    assert [layout.group_rank(r) for r in range(world)] == [
+        next(row.index(r) for row in rows if r in row) for r in range(world)]
+    # contiguous groups are the strided ones only for one group or groups of one rank
+    assert layout.as_measured() == (not inter_host or group in (1, world))
+
+
+def test_contiguous_groups_win_when_the_all_to_all_outweighs_the_replicas_traffic():
+    """Two hosts of 2 ranks, groups of 2. Averaged every 1000 steps the replicas cost little and the
+    group's all-to-all dominates: the contiguous layout keeps each group on one host's fast links and
+    wins. Averaged every step, the 256 MB per rank the replicas all-reduce dominate: the strided layout
+    keeps each rank's replica on its host, and its groups spanning the hosts win."""
+    sku = get_sku("h100")
+    rare = choose_group_size(4, 2, sku, None, _group_plan, sizes=[2], sync_every=1000)
+    strided, contiguous = rare.candidates
+    assert (strided.layout, contiguous.layout) == ("strided", "contiguous")
+    assert contiguous.plan.topology.num_hosts == 1 and strided.plan.topology.num_hosts == 2
+    assert contiguous.step_s < strided.step_s
+    assert (rare.chosen, rare.use_inter_host_allreduce) == (2, True)
+    assert "contiguous layout, use_inter_host_allreduce=True" in format_group_choice(rare).splitlines()[-1]
+
+    every = choose_group_size(4, 2, sku, None, _group_plan, sizes=[2], sync_every=1)
+    strided, contiguous = every.candidates
+    # the same bytes averaged over the scale-out link (contiguous) and the scale-up one (strided)
+    assert contiguous.sync_s > 3 * strided.sync_s
+    assert (every.chosen, every.use_inter_host_allreduce) == (2, False)
+    assert "strided layout, use_inter_host_allreduce=False" in format_group_choice(every).splitlines()[-1]
 
 
 class _CountingDMP(DMPCollection):
@@ -201,15 +272,19 @@ def test_the_chooser_takes_the_fastest_size_that_fits_and_reports_every_size_wei
         return _group_plan(dataclasses.replace(topology, hbm_cap_bytes=cap))
 
     choice = choose_group_size(8, 8, sku, None, plan_for, sync_every=1000)
-    by_size = {c.group_size: c for c in choice.candidates}
-    assert sorted(by_size) == [1, 2, 4, 8]
+    # sizes 2 and 4 in both of torchrec's layouts; 1 and 8 have one (every rank its own group, or one group)
+    assert [c.label for c in choice.candidates] == ["1", "2", "2 contiguous", "4", "4 contiguous", "8"]
+    by_size = {c.group_size: c for c in choice.candidates if not c.use_inter_host_allreduce}
     assert by_size[1].plan is None and by_size[2].plan is None  # 4 tables on 1 or 2 ranks do not fit
     assert "does not fit" not in by_size[4].infeasible and by_size[4].plan is not None
     fitting = [c for c in choice.candidates if c.plan is not None]
-    assert choice.chosen == min(fitting, key=lambda c: c.step_s).group_size
+    assert choice.best is min(fitting, key=lambda c: c.step_s)
+    assert (choice.chosen, choice.use_inter_host_allreduce) == (choice.best.group_size,
+                                                                choice.best.use_inter_host_allreduce)
     text = format_group_choice(choice)
-    assert text.count("does not fit") == 2 and "<- chosen" in text
+    assert text.count("does not fit") == 3 and text.count("<- chosen") == 1
     assert f"sharding group size {choice.chosen} " in text.splitlines()[-1]
+    assert f"{choice.best.layout} layout" in text.splitlines()[-1]
 
 
 def test_frequent_averaging_of_big_replicas_keeps_the_whole_world_as_one_group():
@@ -232,9 +307,11 @@ def test_nothing_fitting_is_one_error_naming_every_size():
 
 @pytest.mark.integration
 def test_two_hosts_of_two_ranks_train_in_two_groups_with_host_local_replicas(tmp_path):
-    """Two torchrun agents on loopback (2 ranks each), two sharding groups of 2: each group strides over
-    both hosts (ranks 0, 2 and 1, 3) and each rank's replica is its neighbour on its own host; the job
-    trains as the same 2D job on one host of four ranks (whose group plan is a one-host one)."""
+    """Two torchrun agents on loopback (2 ranks each), two sharding groups of 2, laid out as the planner
+    chose: strided groups spanning both hosts (ranks 0, 2 and 1, 3; each rank's replica its neighbour on
+    its own host) or contiguous ones on one host each (0, 1 and 2, 3; the replicas across the hosts).
+    torchrec builds the chosen layout, the group's plan is for its hosts, and the job trains as the same
+    2D job on one host of four ranks."""
     from .test_multihost import launch_hosts
 
     job = [*JOB, "planner.sharding_group_size=2", "trainer.steps=4", f"hydra.run.dir={tmp_path}/h"]
@@ -243,8 +320,17 @@ def test_two_hosts_of_two_ranks_train_in_two_groups_with_host_local_replicas(tmp
     assert run.strays == []
     two = run.summary()
     assert two["hosts"] == 2 and two["world_size"] == 4 and two["sharding_group_size"] == 2
-    # the group's plan: its two ranks on two hosts, one each
-    assert "tables on 2 x CPU (2 host(s) x 1)" in (tmp_path / "h" / "train_rank0.log").read_text()
+    log = (tmp_path / "h" / "train_rank0.log").read_text()
+    chosen = re.search(r"2D: sharding group size 2 \(2 replica\(s\), (strided|contiguous) layout, "
+                       r"use_inter_host_allreduce=(True|False)\)", log)
+    assert chosen is not None, log[-4000:]
+    layout, flag = chosen.groups()
+    assert (layout == "contiguous") == (flag == "True")
+    # the chosen layout is the one torchrec built (its own log line) and anyrec reports
+    assert f"[2D] Use inter host all reduce: {flag}" in log
+    assert f"2 sharding groups of 2 ranks, {layout} layout (use_inter_host_allreduce={flag})" in log
+    # the group's plan: its two ranks on one host (contiguous) or on two hosts, one each (strided)
+    assert f"tables on 2 x CPU ({'1 host(s) x 2' if flag == 'True' else '2 host(s) x 1'})" in log
     one = _train(tmp_path, "planner.sharding_group_size=2", "trainer.steps=4")
     assert one["hosts"] == 1
     assert two["final_loss"] == pytest.approx(one["final_loss"], rel=1e-5)

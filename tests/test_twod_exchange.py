@@ -46,17 +46,21 @@ def _group_batch(ranks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]):
     return lengths, ids, torch.cat([r[2] for r in ranks])
 
 
+@pytest.mark.parametrize("inter_host", [False, True])
 @pytest.mark.parametrize("world, group", [(4, 2), (4, 1), (8, 2), (8, 4)])
-def test_the_merged_replicas_are_1ds_batch_in_world_rank_order(world, group):
-    """R replicas of groups of G: group g holds ranks g, g + R, ... (torchrec's layout). The merged batch
-    is the batch 1D's kernel sees, the world's ranks in order, bit for bit, and its gradients the
-    world's mean (the groups' all-to-all divided by G, the merge by R)."""
+def test_the_merged_replicas_are_1ds_batch_in_world_rank_order(world, group, inter_host):
+    """R replicas of groups of G in either of torchrec's layouts (strided: group g holds ranks g, g + R,
+    ..., merged interleaving the G ranks' blocks; contiguous: g G .. g G + G - 1, merged replica after
+    replica, as TwoDModelParallel passes them). The merged batch is the batch 1D's kernel sees, the
+    world's ranks in order, bit for bit, and its gradients the world's mean (the groups' all-to-all
+    divided by G, the merge by R)."""
     gen = torch.Generator().manual_seed(world * 10 + group)
     replicas = world // group
     ranks = [_rank_batch(gen, 2) for _ in range(world)]
-    groups = [_group_batch([ranks[i * replicas + g] for i in range(group)]) for g in range(replicas)]
+    layout = GroupLayout(world, world, group, inter_host)
+    groups = [_group_batch([ranks[r] for r in members]) for members in layout.sharding_groups()]
     ids, offsets, psw, grads = merge_lookups([g[1] for g in groups], [g[0] for g in groups], None,
-                                             [g[2] for g in groups], group)
+                                             [g[2] for g in groups], 1 if inter_host else group)
     lengths_1d, ids_1d, grads_1d = _group_batch(ranks)
     assert torch.equal(ids, ids_1d)
     assert offsets[0] == 0 and torch.equal(offsets[1:], lengths_1d.reshape(-1).cumsum(0))

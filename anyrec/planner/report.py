@@ -252,26 +252,27 @@ def plot_plan(plan: PlanResult, path: str, compare: PlanResult | None = None) ->
 
 
 def format_group_choice(choice: GroupChoice, width: int = 40) -> str:
-    """The sharding group sizes weighed: per size its replicas, predicted step (and 2D's share of it:
-    replica averaging, the dense all-reduce's extra reach), peak memory per rank or why it does not fit,
-    an ASCII bar of the step, which link figures priced each size's collectives, and the choice."""
+    """The sharding group sizes and layouts weighed: per size and layout its replicas, predicted step (and
+    2D's share of it: replica averaging, the dense all-reduce's extra reach), peak memory per rank or why
+    it does not fit, an ASCII bar of the step, which link figures priced its collectives, and the choice."""
     fitting = [c for c in choice.candidates if c.plan is not None]
     longest = max(c.step_s for c in fitting)
-    lines = [f"{'group':>6} {'replicas':>8} {'step ms':>9} {'sync ms':>8} {'dense+ ms':>9} {'peak/rank':>9}  "
-             f"predicted step"]
+    lines = [f"{'group':>6} {'layout':>10} {'replicas':>8} {'step ms':>9} {'sync ms':>8} {'dense+ ms':>9} "
+             f"{'peak/rank':>9}  predicted step"]
     for c in choice.candidates:
-        head = f"{c.group_size:>6} {c.replicas:>8}"
+        head = f"{c.group_size:>6} {c.layout:>10} {c.replicas:>8}"
         if c.plan is None:
             lines.append(f"{head} {'-':>9} {'-':>8} {'-':>9} {'-':>9}  does not fit: {c.infeasible}")
             continue
         peak = max(p.allocated_bytes for p in predict_memory(c.plan))
         bar = "#" * max(1, round(width * c.step_s / longest))
-        mark = "  <- chosen" if c.group_size == choice.chosen else ""
+        mark = "  <- chosen" if c is choice.best else ""
         lines.append(f"{head} {c.step_s * 1e3:>9.3f} {c.sync_s * 1e3:>8.3f} {c.dense_extra_s * 1e3:>9.3f} "
                      f"{size_text(peak):>9}  {bar}{mark}")
-    lines += [f"{c.group_size:>6}: {c.figures}" for c in choice.candidates if c.figures]
-    best = choice.plan
-    lines.append(f"sharding group size {choice.chosen} ({best.replicas} replica(s)): predicted step "
-                 f"{best.predicted_step_s * 1e3:.3f} ms, the lowest of the {len(fitting)} size(s) that fit "
-                 f"among {len(choice.candidates)} weighed")
+    lines += [f"{c.label:>6}: {c.figures}" for c in choice.candidates if c.figures]
+    best = choice.best
+    lines.append(f"sharding group size {choice.chosen} ({best.replicas} replica(s), {best.layout} layout, "
+                 f"use_inter_host_allreduce={choice.use_inter_host_allreduce}): predicted step "
+                 f"{best.step_s * 1e3:.3f} ms, the lowest of the {len(fitting)} size(s) and layout(s) that "
+                 f"fit among {len(choice.candidates)} weighed")
     return "\n".join(lines)

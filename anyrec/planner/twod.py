@@ -3,19 +3,25 @@ pays what the group's plan costs plus what 2D adds, the averaging of the replica
 over the whole world. `choose_group_size` prices every group size that divides the world and keeps the
 fastest that fits.
 
-Where a group's ranks sit is torchrec's DMPCollection layout (use_inter_host_allreduce=False): group g
-holds ranks g, g + R, g + 2R, ... (R = world / group replicas), so a rank's replicas are the R neighbouring
-ranks (one host while R <= ranks per host) and a group strides over the hosts.
+Where a group's ranks sit is one of torchrec's two DMPCollection layouts (`use_inter_host_allreduce`,
+`DMPCollection._create_process_groups`), weighed per group size (`choose_group_size`):
+- strided (False, torchrec's default): group g holds ranks g, g + R, g + 2R, ... (R = world / group
+  replicas), so a rank's replicas are the R neighbouring ranks (one host while R <= ranks per host) and
+  a group strides over the hosts;
+- contiguous (True): group g holds ranks g G .. g G + G - 1 (G the group size), on one host while
+  G <= ranks per host, and a rank's replicas stride over the hosts.
 
 A calibration that measured 2D's collectives on this host's ranks (`Hardware.subgroups`: the all-to-all
 within groups of G, the all-reduce over R replicas) prices a group size that sits as it was measured (the
 group, or the replica group, on one host) with those fits; other sizes, and a calibration without them,
-keep the spec's link figures (the whole job's calibration, else the datasheet).
+keep the spec's link figures (the whole job's calibration, else the datasheet). The calibration measures
+the strided layout's groups: a contiguous layout whose groups are other ranks is priced from the spec.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -39,16 +45,23 @@ SYNC_COLLECTIVES = 2
 
 @dataclass(frozen=True)
 class GroupLayout:
-    """`world_size` ranks, `local_world_size` per host, in sharding groups of `group_size`."""
+    """`world_size` ranks, `local_world_size` per host, in sharding groups of `group_size`, laid out as
+    torchrec's DMPCollection does for `use_inter_host_allreduce` (False: strided groups, True: contiguous
+    groups; the module docstring)."""
 
     world_size: int
     local_world_size: int
     group_size: int
+    use_inter_host_allreduce: bool = False
 
     def __post_init__(self) -> None:
         if self.group_size < 1 or self.world_size % self.group_size:
             raise ValueError(f"sharding group size {self.group_size} does not divide the world size "
                              f"{self.world_size}")
+
+    @property
+    def name(self) -> str:
+        return "contiguous" if self.use_inter_host_allreduce else "strided"
 
     @property
     def replicas(self) -> int:
@@ -57,28 +70,59 @@ class GroupLayout:
 
     @property
     def group_local_size(self) -> int:
-        """Ranks of one group on one host (at least 1)."""
+        """Ranks of one group on one host (at least 1; contiguous groups that straddle a host boundary
+        count the fewest a host holds)."""
+        if self.use_inter_host_allreduce:
+            return math.gcd(self.group_size, self.local_world_size)
         return max(1, self.local_world_size // self.replicas)
+
+    @property
+    def replica_local_size(self) -> int:
+        """Ranks of one replica group on one host (at least 1)."""
+        if self.use_inter_host_allreduce:
+            return max(1, self.local_world_size // self.group_size)
+        return min(self.replicas, self.local_world_size)
 
     def group_topology(self, device: DeviceSpec, compute_device: str | None = None) -> Topology:
         """The machines one group's tables are planned on: its ranks, spread as the layout spreads them."""
         return Topology(device, self.group_size, self.group_local_size, compute_device)
 
     def replica_topology(self, device: DeviceSpec, compute_device: str | None = None) -> Topology:
-        """The machines one replica group's all-reduce spans: R neighbouring ranks."""
-        return Topology(device, self.replicas, min(self.replicas, self.local_world_size), compute_device)
+        """The machines one replica group's all-reduce spans: its R ranks, spread as the layout spreads
+        them."""
+        return Topology(device, self.replicas, self.replica_local_size, compute_device)
 
     def world_topology(self, device: DeviceSpec, compute_device: str | None = None) -> Topology:
         return Topology(device, self.world_size, self.local_world_size, compute_device)
 
     def sharding_groups(self) -> list[list[int]]:
-        """Each sharding group's ranks, in torchrec's order (`DMPCollection._create_process_groups`,
-        use_inter_host_allreduce=False: its device mesh's rows): group g holds g, g + R, g + 2R, ..."""
+        """Each sharding group's ranks, in torchrec's order (`DMPCollection._create_process_groups`: its
+        device mesh's rows): strided, group g holds g, g + R, g + 2R, ...; contiguous, g G .. g G + G - 1."""
+        if self.use_inter_host_allreduce:
+            g = self.group_size
+            return [list(range(start, start + g)) for start in range(0, self.world_size, g)]
         return [[self.replicas * r + g for r in range(self.group_size)] for g in range(self.replicas)]
 
     def replica_groups(self) -> list[list[int]]:
-        """Each replica group's ranks (the mesh's columns): R neighbouring ranks, q R .. q R + R - 1."""
-        return [list(range(q * self.replicas, (q + 1) * self.replicas)) for q in range(self.group_size)]
+        """Each replica group's ranks (the mesh's columns): the i-th rank of every sharding group."""
+        return [list(col) for col in zip(*self.sharding_groups(), strict=True)]
+
+    def group_rank(self, rank: int) -> int:
+        """`rank`'s index in its sharding group (the rank of the group's plan it runs)."""
+        return rank % self.group_size if self.use_inter_host_allreduce else rank // self.replicas
+
+    def as_measured(self) -> bool:
+        """Whether the groups are the strided layout's (what a calibration measures on sub-groups)."""
+        strided = dataclasses.replace(self, use_inter_host_allreduce=False)
+        return self.sharding_groups() == strided.sharding_groups()
+
+
+def layouts(world_size: int, local_world_size: int, group_size: int) -> list[GroupLayout]:
+    """The layouts of groups of `group_size` that differ in their ranks: strided, then contiguous where its
+    groups are other ranks."""
+    strided = GroupLayout(world_size, local_world_size, group_size)
+    contiguous = GroupLayout(world_size, local_world_size, group_size, True)
+    return [strided] if contiguous.as_measured() else [strided, contiguous]
 
 
 @dataclass(frozen=True)
@@ -111,15 +155,19 @@ def group_links(device: DeviceSpec, layout: GroupLayout, measured: dict[int, Sub
                 world_source: str = "from the datasheet's figures") -> GroupLinks:
     """How `layout` is priced: its group's all-to-all with the fit measured on groups of its size where
     the group sits on one host as measured, its replicas' all-reduce with the fit measured over as many
-    replicas on one host; `device` (described by `world_source`) otherwise."""
+    replicas on one host; `device` (described by `world_source`) otherwise, and for a contiguous layout
+    whose groups are not the measured (strided) ones."""
     entry = (measured or {}).get(layout.group_size)
+    if entry is not None and not layout.as_measured():
+        entry = None
+        world_source = f"{world_source} (sub-groups measured in the strided layout only)"
     group, group_source = device, world_source
     if entry is not None and entry.all_to_all is not None and layout.group_local_size == layout.group_size:
         group = _with_fit(device, entry.all_to_all, 1)
         group_source = f"measured on groups of {layout.group_size}"
     replica, replica_source = device, world_source
     if entry is not None and entry.all_reduce_replicas is not None and entry.replicas == layout.replicas \
-            and layout.replicas <= layout.local_world_size:
+            and layout.replica_local_size == layout.replicas:
         replica = _with_fit(device, entry.all_reduce_replicas, 2)
         replica_source = f"measured over {layout.replicas} replicas"
     return GroupLinks(group, replica, device, group_source, replica_source)
@@ -246,11 +294,12 @@ def price_group(plan: PlanResult, layout: GroupLayout, sync_every: int = 1,
 
 @dataclass
 class GroupCandidate:
-    """One group size weighed: its priced plan, or why it does not fit."""
+    """One group size and layout weighed: its priced plan, or why it does not fit."""
 
     group_size: int
     replicas: int
     plan: PlanResult | None
+    use_inter_host_allreduce: bool = False
     sync_s: float = 0.0
     dense_extra_s: float = 0.0
     infeasible: str = ""
@@ -260,17 +309,33 @@ class GroupCandidate:
     def step_s(self) -> float | None:
         return self.plan.predicted_step_s if self.plan is not None else None
 
+    @property
+    def layout(self) -> str:
+        return "contiguous" if self.use_inter_host_allreduce else "strided"
+
+    @property
+    def label(self) -> str:
+        """The group size, and the layout where it is not torchrec's default."""
+        return f"{self.group_size} contiguous" if self.use_inter_host_allreduce else str(self.group_size)
+
 
 @dataclass
 class GroupChoice:
-    """The group sizes weighed, and the chosen one (the lowest predicted step among those that fit)."""
+    """The group sizes and layouts weighed, and the chosen one (the lowest predicted step among those that
+    fit): `chosen` ranks per group, laid out as torchrec's `use_inter_host_allreduce` says."""
 
     chosen: int
     candidates: list[GroupCandidate]
+    use_inter_host_allreduce: bool = False
+
+    @property
+    def best(self) -> GroupCandidate:
+        return next(c for c in self.candidates if c.group_size == self.chosen
+                    and c.use_inter_host_allreduce == self.use_inter_host_allreduce)
 
     @property
     def plan(self) -> PlanResult:
-        return next(c.plan for c in self.candidates if c.group_size == self.chosen)
+        return self.best.plan
 
 
 def group_sizes(world_size: int) -> list[int]:
@@ -283,30 +348,31 @@ def choose_group_size(world_size: int, local_world_size: int, device: DeviceSpec
                       sync_every: int = 1, measured: dict[int, SubgroupLinks] | None = None,
                       world_source: str = "from the datasheet's figures",
                       update: ReplicaUpdate = ReplicaUpdate.AVERAGE) -> GroupChoice:
-    """Plan each group size of `sizes` (default: every divisor of the world) with `plan_for(group
-    topology)`, price 2D's costs, and choose the lowest predicted step among those that fit (ties: the
-    larger group, fewer replicas to keep and average). Collectives are priced with the fits `measured`
-    per group size where they apply (`group_links`), else with `device`'s links (`world_source` says
-    where those come from); the replicas are kept one model by `update`. InfeasiblePlanError when none
-    fits."""
+    """Plan each group size of `sizes` (default: every divisor of the world) in each of torchrec's layouts
+    (`layouts`) with `plan_for(group topology)`, price 2D's costs, and choose the lowest predicted step
+    among those that fit (ties: the larger group, fewer replicas to keep and average, then the strided
+    layout, torchrec's default). Collectives are priced with the fits `measured` per group size where
+    they apply (`group_links`), else with `device`'s links (`world_source` says where those come from);
+    the replicas are kept one model by `update`. InfeasiblePlanError when none fits."""
     candidates = []
-    for g in sizes or group_sizes(world_size):
-        layout = GroupLayout(world_size, local_world_size, g)
+    for layout in [lay for g in sizes or group_sizes(world_size)
+                   for lay in layouts(world_size, local_world_size, g)]:
+        g, inter = layout.group_size, layout.use_inter_host_allreduce
         links = group_links(device, layout, measured, world_source)
         figures = links.describe(layout.replicas)
         try:
             plan = plan_for(layout.group_topology(links.group, compute_device))
         except InfeasiblePlanError as e:
-            candidates.append(GroupCandidate(g, layout.replicas, None, infeasible=str(e).splitlines()[0],
-                                             figures=figures))
+            candidates.append(GroupCandidate(g, layout.replicas, None, inter,
+                                             infeasible=str(e).splitlines()[0], figures=figures))
             continue
         candidates.append(GroupCandidate(
-            g, layout.replicas, price_group(plan, layout, sync_every, links, update),
+            g, layout.replicas, price_group(plan, layout, sync_every, links, update), inter,
             replica_update_time_s(plan, layout, update, sync_every, links.replica),
             dense_extra_time_s(plan, layout, links.world), figures=figures))
     fitting = [c for c in candidates if c.plan is not None]
     if not fitting:
         raise InfeasiblePlanError("no sharding group size fits: " + "; ".join(
-            f"{c.group_size}: {c.infeasible}" for c in candidates))
-    best = min(fitting, key=lambda c: (c.step_s, -c.group_size))
-    return GroupChoice(best.group_size, candidates)
+            f"{c.label}: {c.infeasible}" for c in candidates))
+    best = min(fitting, key=lambda c: (c.step_s, -c.group_size, c.use_inter_host_allreduce))
+    return GroupChoice(best.group_size, candidates, best.use_inter_host_allreduce)

@@ -81,11 +81,13 @@ def dense_wrapper(world_size: int, static_graph: bool = True) -> DataParallelWra
 class GroupShardingPlan(ShardingPlan):
     """A sharding plan for one sharding group of `sharding_group_size` ranks (its ranks 0..size-1; torchrec's
     DMPCollection maps them onto each group's), replicated across the world's groups, which exchange their
-    gradients every step or are averaged every `replica_sync_every` steps (`replica_update`)."""
+    gradients every step or are averaged every `replica_sync_every` steps (`replica_update`); the groups
+    are laid out as torchrec's `use_inter_host_allreduce` says (anyrec.planner.twod.GroupLayout)."""
 
     sharding_group_size: int = 1
     replica_sync_every: int = 1
     replica_update: ReplicaUpdate = ReplicaUpdate.AVERAGE
+    use_inter_host_allreduce: bool = False
 
 
 def shard_model(module: nn.Module, device: torch.device, plan: ShardingPlan, backend: Backend, info: DistInfo,
@@ -100,13 +102,13 @@ def shard_model(module: nn.Module, device: torch.device, plan: ShardingPlan, bac
         return DistributedModelParallel(module, device=device, plan=plan,
                                         sharders=sharders(embedding, static_graph),
                                         data_parallel_wrapper=wrapper)
+    layout = GroupLayout(info.world_size, info.local_world_size, group, plan.use_inter_host_allreduce)
     model = TwoDModelParallel(module, device, plan, info.rank, info.world_size, group, dist.group.WORLD,
                               sharders(embedding, static_graph), wrapper,
                               place=lambda p: place_shards(p, backend, info.local_world_size),
-                              sync_every=plan.replica_sync_every,
-                              node_group_size=GroupLayout(info.world_size, info.local_world_size,
-                                                         group).group_local_size,
-                              replica_update=plan.replica_update)
+                              sync_every=plan.replica_sync_every, node_group_size=layout.group_local_size,
+                              replica_update=plan.replica_update,
+                              use_inter_host_allreduce=layout.use_inter_host_allreduce)
     sharded = [name for m in plan.plan.values() for name, ps in m.items()
                if ps.sharding_type != "data_parallel"]
     if sharded and model.synced_tensors() == 0:
@@ -116,8 +118,8 @@ def shard_model(module: nn.Module, device: torch.device, plan: ShardingPlan, bac
         how = "exchange their embedding gradients every step"
         if plan.replica_update == ReplicaUpdate.AVERAGE:
             how = f"are averaged every {plan.replica_sync_every} step(s)"
-        logger.info("2D: %d sharding groups of %d ranks; the replicas %s", info.world_size // group, group,
-                    how)
+        logger.info("2D: %d sharding groups of %d ranks, %s layout (use_inter_host_allreduce=%s); the "
+                    "replicas %s", layout.replicas, group, layout.name, layout.use_inter_host_allreduce, how)
     return model
 
 
@@ -165,34 +167,35 @@ def _plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module,
         raise ValueError(f"planner.replica_sync_every must be >= 1, got {cfg.planner.replica_sync_every}")
     update = resolve_replica_update(cfg.planner.replica_update, cfg.optim.name,
                                     cfg.planner.replica_sync_every)
-    plan, slowest, memory, group = _plan_group(cfg, backend, info, model, module_path, embedding, hardware,
-                                               group, resident_bytes, update)
-    if memory is not None:  # world rank r is rank r // replicas of its group (torchrec's strided groups)
-        memory = [memory[r // (info.world_size // group)] for r in range(info.world_size)]
-    return (GroupShardingPlan(plan.plan, sharding_group_size=group,
-                              replica_sync_every=cfg.planner.replica_sync_every, replica_update=update),
+    plan, slowest, memory, layout = _plan_group(cfg, backend, info, model, module_path, embedding, hardware,
+                                                group, resident_bytes, update)
+    if memory is not None:  # world rank r runs its group's rank layout.group_rank(r)
+        memory = [memory[layout.group_rank(r)] for r in range(info.world_size)]
+    return (GroupShardingPlan(plan.plan, sharding_group_size=layout.group_size,
+                              replica_sync_every=cfg.planner.replica_sync_every, replica_update=update,
+                              use_inter_host_allreduce=layout.use_inter_host_allreduce),
             slowest, memory)
 
 
 def _plan_group(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module, module_path: str,
                 embedding: Impl, hardware: Hardware, group: int | None, resident_bytes: int = 0,
                 update: ReplicaUpdate = ReplicaUpdate.AVERAGE
-                ) -> tuple[ShardingPlan, Perf | None, list[MemoryPrediction] | None, int]:
+                ) -> tuple[ShardingPlan, Perf | None, list[MemoryPrediction] | None, GroupLayout]:
     """The plan of one sharding group of `group` ranks (the whole world in 1D; None: the co-design
-    planner chooses), its cost and memory (the replicas kept one model by `update`), and the group
-    size."""
+    planner chooses), its cost and memory (the replicas kept one model by `update`), and the groups'
+    layout (the co-design planner chooses among torchrec's two; the simple planner keeps its default)."""
     ebc = model.sparse_arch
     if cfg.planner.name == "simple":
         if cfg.planner.sharding == "data_parallel" and not embedding.data_parallel:
             raise ValueError(f"planner.sharding=data_parallel cannot run with "
                              f"backend.embedding_kernel={embedding.name}")
-        group_local = GroupLayout(info.world_size, info.local_world_size, group).group_local_size
+        layout = GroupLayout(info.world_size, info.local_world_size, group)  # torchrec's default layout
         shardings = simple_table_shardings(ebc.embedding_bag_configs(), group,
                                            force=cfg.planner.sharding, optimizer=cfg.optim.name)
-        plan = simple_sharding_plan(ebc, shardings, module_path, group, group_local,
+        plan = simple_sharding_plan(ebc, shardings, module_path, group, layout.group_local_size,
                                     backend.device_type, sharder=sharders(embedding)[0],
                                     compute_kernel=embedding.compute_kernel())
-        return place_shards(plan, backend, info.local_world_size), None, None, group
+        return place_shards(plan, backend, info.local_world_size), None, None, layout
     if cfg.planner.name != "codesign":
         raise ValueError(f"unknown planner {cfg.planner.name!r}; choose codesign or simple")
     batch = resolve_batch_size(cfg.data, info.world_size).batch_size
@@ -203,6 +206,7 @@ def _plan_group(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.M
                           resident_bytes=resident_bytes)
 
     if group == info.world_size:  # 1D
+        layout = GroupLayout(info.world_size, info.local_world_size, group)
         result = plan_for(Topology(hardware.spec, info.world_size, info.local_world_size,
                                    backend.device_type))
     else:
@@ -210,7 +214,9 @@ def _plan_group(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.M
                                    plan_for, None if group is None else [group],
                                    cfg.planner.replica_sync_every, hardware.subgroups, hardware.link_source,
                                    update)
-        result, group = choice.plan, choice.chosen
+        result = choice.plan
+        layout = GroupLayout(info.world_size, info.local_world_size, choice.chosen,
+                             choice.use_inter_host_allreduce)
         if info.is_main:
             logger.info("2D: %s", format_group_choice(choice).splitlines()[-1])
             logger.debug("sharding group sizes weighed:\n%s", format_group_choice(choice))
@@ -221,7 +227,7 @@ def _plan_group(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.M
     slowest = max(result.rank_perf, key=lambda p: p.total_s)  # its total_s is result.predicted_step_s
     plan = to_sharding_plan(result, module_path, ebc, backend.device_type)
     memory = predict_memory(result, resident_bytes)
-    return place_shards(plan, backend, info.local_world_size), slowest, memory, group
+    return place_shards(plan, backend, info.local_world_size), slowest, memory, layout
 
 
 def unsharded_memory(cfg: AnyrecConfig, backend: Backend, model: nn.Module, embedding: Impl,

@@ -63,14 +63,16 @@ class TwoDModelParallel(DMPCollection):
     host, is the group's only where one host holds the whole group). `replica_update`: AVERAGE is
     torchrec's sync(); GRADIENTS exchanges each step's embedding gradients over the replica group before
     the fused update (anyrec.trainer.replica_exchange), so the replicas stay equal and sync() has
-    nothing to do."""
+    nothing to do. `use_inter_host_allreduce`: torchrec's layout of the groups (False: strided groups,
+    replicas on neighbouring ranks; True: contiguous groups; anyrec.planner.twod.GroupLayout)."""
 
     def __init__(self, module: nn.Module, device: torch.device, plan: ShardingPlan, rank: int,
                  world_size: int, sharding_group_size: int, global_pg: dist.ProcessGroup,
                  sharders: list[ModuleSharder[nn.Module]], data_parallel_wrapper: DataParallelWrapper,
                  place: Callable[[ShardingPlan], ShardingPlan], sync_every: int = 1,
                  node_group_size: int | None = None,
-                 replica_update: ReplicaUpdate = ReplicaUpdate.AVERAGE) -> None:
+                 replica_update: ReplicaUpdate = ReplicaUpdate.AVERAGE,
+                 use_inter_host_allreduce: bool = False) -> None:
         if sharding_group_size < 1 or world_size % sharding_group_size:
             raise ValueError(f"sharding group size {sharding_group_size} does not divide the world size "
                              f"{world_size}")
@@ -82,18 +84,20 @@ class TwoDModelParallel(DMPCollection):
         self._all_reduce_hook = None
         self._sharder_map = {sharder.module_type: sharder for sharder in sharders}
         ctx = DMPCollectionContext(module=None, plan=plan, sharding_group_size=sharding_group_size,
-                                   node_group_size=node_group_size, use_inter_host_allreduce=False,
+                                   node_group_size=node_group_size,
+                                   use_inter_host_allreduce=use_inter_host_allreduce,
                                    sharding_strategy=ShardingStrategy.DEFAULT)
         self._default_ctx, self._submodule_ctxs, self._ctxs = ctx, [], [ctx]
         ctx.device_mesh, ctx.sharding_pg, ctx.replica_pg = self._create_process_groups(
             global_rank=self._global_rank, world_size=world_size, local_size=sharding_group_size,
-            use_inter_host_allreduce=False)
+            use_inter_host_allreduce=use_inter_host_allreduce)
         self._remap_sharding_plan(plan=plan, rank=self._global_rank, step=world_size // sharding_group_size,
-                                  sharding_group_size=sharding_group_size, use_inter_host_allreduce=False)
+                                  sharding_group_size=sharding_group_size,
+                                  use_inter_host_allreduce=use_inter_host_allreduce)
         plan = place(plan)
         env = ShardingEnv2D(global_pg=self._pg, sharding_pg=ctx.sharding_pg, replica_pg=ctx.replica_pg,
                             device_mesh=ctx.device_mesh, node_group_size=node_group_size,
-                            use_inter_host_allreduce=False,
+                            use_inter_host_allreduce=use_inter_host_allreduce,
                             sharding_strategy=ShardingStrategy.DEFAULT)
         DistributedModelParallel.__init__(self, module, env, device, plan, sharders, True, True,
                                           data_parallel_wrapper)
@@ -106,10 +110,14 @@ class TwoDModelParallel(DMPCollection):
         self.sharding_group_size = sharding_group_size
         self.sync_every = sync_every
         self.replica_update = replica_update
+        self.use_inter_host_allreduce = use_inter_host_allreduce
         self.exchanged_kernels = 0
         if replica_update == ReplicaUpdate.GRADIENTS:
+            # the replicas' batches merge in world-rank order: interleaved per group rank where the groups
+            # are strided, one replica's whole batch after another's where they are contiguous
+            interleave = 1 if use_inter_host_allreduce else sharding_group_size
             self.exchanged_kernels = exchange_gradients(
-                _with_lookups(self), ctx.replica_pg, world_size // sharding_group_size, sharding_group_size)
+                _with_lookups(self), ctx.replica_pg, world_size // sharding_group_size, interleave)
 
     def sync(self, include_optimizer_state: bool = True) -> None:
         """torchrec's averaging of the replicas; nothing with exchanged gradients, where every replica
