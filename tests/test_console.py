@@ -184,7 +184,9 @@ def _default_job(cwd: Path, cache: Path) -> tuple[int, str]:
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
-        out, _ = proc.communicate(timeout=240)  # bytes: the bar's carriage returns stay what they are
+        # bytes: the bar's carriage returns stay what they are. The bound: the cold run's calibration
+        # (itself bounded at 2 minutes) and two start-ups and 300 steps on a host other jobs may share
+        out, _ = proc.communicate(timeout=480)
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # nothing left behind, whatever happened
