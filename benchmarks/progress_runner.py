@@ -10,7 +10,8 @@ same call: the wrapper patches torchrec's `TrainPipelineSparseDist.progress` at 
 such as anyrec's pipeline, inherit it) and records the start and end of every call made in training
 mode (evaluation's calls are left out). The script runs unmodified (`anyrec`: `anyrec.train`'s CLI;
 `script`: any file, run as `__main__` with its own folder first on sys.path). Each rank writes
-`DIR/rank<R>.json`: {"calls": [[start_s, end_s], ...], "bind": what anyrec's core-binding rule chose
+`DIR/rank<R>.json`: {"calls": [[start_s, end_s], ...], "cpu": the process's CPU seconds (all its
+threads) at the same starts and ends, "bind": what anyrec's core-binding rule chose
 (null for a script), "exit": the script's exit status}.
 """
 
@@ -27,16 +28,18 @@ from pathlib import Path
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
 CALLS: list[tuple[float, float]] = []
+CPU: list[tuple[float, float]] = []  # the process's CPU time (all its threads) at each call's start and end
 BIND: list[str] = []
 
 
 def _timed(progress):
     def wrapper(self, dataloader_iter):
         training = self._model.training
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         out = progress(self, dataloader_iter)  # StopIteration passes through untimed
         if training:
             CALLS.append((start, time.perf_counter()))
+            CPU.append((cpu, time.process_time()))
         return out
     return wrapper
 
@@ -95,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     code = _run(rest[0], rest[1:])
     rank = int(os.environ.get("RANK", "0"))
     args.out.mkdir(parents=True, exist_ok=True)
-    record = {"calls": CALLS, "bind": BIND[0] if BIND else None, "exit": code}
+    record = {"calls": CALLS, "cpu": CPU, "bind": BIND[0] if BIND else None, "exit": code}
     (args.out / f"rank{rank}.json").write_text(json.dumps(record))
     return code
 

@@ -19,20 +19,22 @@ Shapes (anyrec's model configs, the reference given the same tables, MLPs and in
   dlrmv2_small  the same 26 features multi-hot (DLRMv2's 214 ids per sample), tables capped at
                 20,000 rows, dim 32, 3 low-rank (64) DCN layers, MLPs 64-32 / 128-64-1
 Both train with Adagrad (fused, exact, for the tables; torch's for the dense part) at anyrec's
-`optim=adagrad` rates, the same batch per rank, `--nproc` ranks over gloo, and are timed the same
-way at the same call: `benchmarks/progress_runner.py` wraps torchrec's
-`TrainPipelineSparseDist.progress` in both (anyrec's step loop is that pipeline) and records every
-training call; the first `--warmup` calls of each rank are left out. A run's step time is the mean
-steady-state call of its slowest rank; samples/s = ranks x batch / step time. Contenders run
-alternately, `--pairs` times per shape (the order flips every pair); the table shows medians, the JSON
-every run, per-pair ratios, the host's load average around each run and, for anyrec, what its
-core-binding rule chose (`backend.bind_cores=auto`). `--background-job` keeps a second 2-rank anyrec
-training job running on the same host for the whole benchmark (the shared-host case);
-`--bind-variants` adds anyrec with `backend.bind_cores=true` and `=false` to the alternation, to
-check the rule's choice against both. `--baseline DIR` adds another checkout of anyrec (say, the commit
-before a change: `git worktree add DIR HEAD~1`) as `anyrec-baseline`, so a change's before and after are
-measured in the same alternation; the table then gives anyrec / baseline per pair too.
-"""
+`optim=adagrad` rates, the same batch per rank, `--nproc` ranks over gloo, and are timed the same way at
+the same call: `benchmarks/progress_runner.py` wraps torchrec's `TrainPipelineSparseDist.progress` in
+both (anyrec's step loop is that pipeline) and records every training call; the first `--warmup` calls
+of each rank are left out. A run's step time is the mean steady-state call of its slowest rank;
+samples/s = ranks x batch / step time. "cpu ms" is the CPU time of the same calls, all of the rank's
+threads together (gloo's and data workers' too), the slowest rank's mean: on a quiet host a step's time
+beyond it is waiting; with other work on the host, the contender with less CPU per step gets further on
+its share of the cores. Contenders run alternately, `--pairs` times per shape (the order flips every
+pair); the table shows medians, the JSON every run, per-pair ratios, the host's load average around each
+run and, for anyrec, what its core-binding rule chose (`backend.bind_cores=auto`). `--background-job`
+keeps a second 2-rank anyrec training job running on the same host for the whole benchmark (the
+shared-host case); `--bind-variants` adds anyrec with `backend.bind_cores=true` and `=false` to the
+alternation, to check the rule's choice against both. `--baseline DIR` adds another checkout of anyrec
+(say, the commit before a change: `git worktree add DIR HEAD~1`) as `anyrec-baseline`, so a change's
+before and after are measured in the same alternation; the table then gives anyrec / baseline per pair
+too."""
 
 from __future__ import annotations
 
@@ -179,7 +181,10 @@ def run_once(contender: str, shape: str, args: argparse.Namespace, script: Path,
         raise BenchmarkError(f"{contender} on {shape}: fewer than 3 steady-state steps after "
                              f"{args.warmup} of warm-up (raise --steps)")
     step_s = max(statistics.fmean(c) for c in steady)
+    cpu = [[e - s for s, e in r["cpu"][args.warmup:]] for r in ranks]
     return {"contender": contender, "shape": shape, "step_ms": step_s * 1e3,
+            "cpu_ms": max(statistics.fmean(c) for c in cpu) * 1e3,
+            "cpu_ms_per_rank": [statistics.fmean(c) * 1e3 for c in cpu],
             "median_call_ms": max(statistics.median(c) for c in steady) * 1e3,
             "samples_per_s": args.nproc * args.batch_size / step_s,
             "steady_steps": min(len(c) for c in steady), "timed_calls": [len(r["calls"]) for r in ranks],
@@ -188,10 +193,12 @@ def run_once(contender: str, shape: str, args: argparse.Namespace, script: Path,
 
 
 def summarize(runs: list[dict], contenders: list[str]) -> dict:
-    """Per contender the median samples/s; per pair anyrec / reference; how often anyrec was faster."""
+    """Per contender the median samples/s and CPU ms per step; per pair anyrec / reference; how often
+    anyrec was faster."""
     by = {c: [r for r in runs if r["contender"] == c] for c in contenders}
     out = {"median_samples_per_s": {c: statistics.median(r["samples_per_s"] for r in rs)
-                                    for c, rs in by.items() if rs}}
+                                    for c, rs in by.items() if rs},
+           "median_cpu_ms": {c: statistics.median(r["cpu_ms"] for r in rs) for c, rs in by.items() if rs}}
     ratios = {}
     for c in contenders:
         if c != "reference":
@@ -210,7 +217,7 @@ def _ratio_stats(v: list[float]) -> dict:
 
 
 def table(results: dict) -> str:
-    lines = [f"{'shape':<14} {'contender':<14} {'samples/s':>11} {'step ms':>8} {'vs ref':>7} "
+    lines = [f"{'shape':<14} {'contender':<14} {'samples/s':>11} {'step ms':>8} {'cpu ms':>7} {'vs ref':>7} "
              f"{'range':>13} {'faster':>7}"]
     for shape, res in results["shapes"].items():
         s = res["summary"]
@@ -219,7 +226,8 @@ def table(results: dict) -> str:
             r = s["ratio_to_reference"].get(c)
             ratio = (f"{r['median']:>6.2f}x {r['min']:>5.2f}-{r['max']:<5.2f} "
                      f"{r['faster_in']:>3}/{r['pairs']:<3}" if r else f"{'1.00x':>7} {'':>13} {'':>7}")
-            lines.append(f"{shape:<14} {c:<14} {sps:>11.0f} {step:>8.2f} {ratio}")
+            cpu = s["median_cpu_ms"][c]
+            lines.append(f"{shape:<14} {c:<14} {sps:>11.0f} {step:>8.2f} {cpu:>7.2f} {ratio}")
         if b := s.get("anyrec_to_baseline"):
             lines.append(f"{'':<14} anyrec / baseline {b['median']:.3f}x (pairs {b['min']:.3f}-"
                          f"{b['max']:.3f}, faster in {b['faster_in']}/{b['pairs']})")

@@ -55,6 +55,7 @@ def test_only_training_calls_are_timed():
         _model = Model()
 
     runner.CALLS.clear()
+    runner.CPU.clear()
     timed = runner._timed(lambda self, it: next(it))
     p, it = Pipeline(), iter([1, 2, 3])
     assert timed(p, it) == 1
@@ -65,26 +66,29 @@ def test_only_training_calls_are_timed():
     with pytest.raises(StopIteration):  # the end of the data: not a step
         timed(p, it)
     assert len(runner.CALLS) == 2
+    assert len(runner.CPU) == 2 and all(end >= start for start, end in runner.CPU)  # CPU time, same calls
 
 
 def test_ratios_pair_runs_and_the_table_shows_medians():
     vs = _load("vs_reference")
-    runs = [{"contender": c, "samples_per_s": s, "step_ms": 512e3 / s, "bind": b}
-            for c, s, b in [("anyrec", 1100.0, "auto: free"), ("reference", 1000.0, None),
-                            ("reference", 1000.0, None), ("anyrec", 900.0, "auto: free"),
-                            ("anyrec", 1300.0, "auto: free"), ("reference", 1000.0, None)]]
+    runs = [{"contender": c, "samples_per_s": s, "step_ms": 512e3 / s, "cpu_ms": cpu, "bind": b}
+            for c, s, cpu, b in [("anyrec", 1100.0, 7.25, "auto: free"), ("reference", 1000.0, 9.0, None),
+                                 ("reference", 1000.0, 8.0, None), ("anyrec", 900.0, 7.0, "auto: free"),
+                                 ("anyrec", 1300.0, 6.0, "auto: free"), ("reference", 1000.0, 8.5, None)]]
     s = vs.summarize(runs, ["anyrec", "reference"])
     r = s["ratio_to_reference"]["anyrec"]
     assert r["every"] == pytest.approx([1.1, 0.9, 1.3]) and r["median"] == pytest.approx(1.1)
     assert r["faster_in"] == 2 and r["pairs"] == 3
     assert s["median_samples_per_s"] == {"anyrec": 1100.0, "reference": 1000.0}
+    assert s["median_cpu_ms"] == {"anyrec": 7.0, "reference": 8.5}
     text = vs.table({"shapes": {"dlrm_small": {"runs": runs, "summary": s}}})
     assert "1.10x" in text and "2/3" in text and "anyrec binding: auto: free" in text
+    assert "cpu ms" in text.splitlines()[0] and "   7.00 " in text and "   8.50 " in text
 
 
 def test_a_baseline_checkout_is_paired_with_anyrec(tmp_path, capsys):
     vs = _load("vs_reference")
-    runs = [{"contender": c, "samples_per_s": s, "step_ms": 512e3 / s, "bind": None}
+    runs = [{"contender": c, "samples_per_s": s, "step_ms": 512e3 / s, "cpu_ms": 5.0, "bind": None}
             for c, s in [("anyrec", 1200.0), ("reference", 1000.0), ("anyrec-baseline", 1000.0),
                          ("reference", 1000.0), ("anyrec-baseline", 1000.0), ("anyrec", 1100.0)]]
     s = vs.summarize(runs, ["anyrec", "reference", "anyrec-baseline"])
@@ -128,5 +132,6 @@ def test_both_contenders_run_and_are_timed(tmp_path):
     assert {r["contender"] for r in runs} == {"anyrec", "reference"}
     for r in runs:
         assert r["steady_steps"] == 5 and r["samples_per_s"] > 0  # 8 training calls, 3 left out
+        assert 0 < r["cpu_ms"] and len(r["cpu_ms_per_rank"]) == 2
     assert [r["bind"] for r in runs if r["contender"] == "anyrec"][0].startswith("backend.bind_cores=auto")
     assert res["reference"]["blob_matches_commit"]
