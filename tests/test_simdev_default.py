@@ -84,7 +84,8 @@ def test_the_default_two_rank_job_calibrates_and_trains_on_simdev(simdev_path, t
 
 def test_with_simdev_installed_the_cpu_jobs_stay_on_the_cpu(simdev_path, tmp_path):
     """`scripts/dev.sh train` (the 2-rank default job, calibrating on first contact), the loss baseline job
-    and `anyrec.calibrate`, with the plugin importable: on the CPU, the baseline's loss as without it."""
+    (50 steps) and `anyrec.calibrate`, with the plugin importable: on the CPU, the baseline's loss and
+    weights as without it."""
     cache = tmp_path / "cache"
     dev_sh = (ROOT / "scripts" / "dev.sh").read_text()
     assert 'torchrun" --standalone --nproc_per_node="${ANYREC_NPROC:-2}" -m anyrec.train "$@"' in dev_sh
@@ -93,11 +94,12 @@ def test_with_simdev_installed_the_cpu_jobs_stay_on_the_cpu(simdev_path, tmp_pat
     assert default["backend"] == "cpu" and default["world_size"] == 2
     assert default["predicted_step_ms"] is not None
     assert len(list(cache.glob("calibration-cpu-*-2r-*.yaml"))) == 1
-    baseline = f"{job} trainer.fingerprint_weights=true trainer.calibrate=never"
+    baseline = f"{job} trainer.fingerprint_weights=true trainer.calibrate=never trainer.steps=50"
     with_plugin, without = (last_json_line(_run(baseline, tmp_path, path, cache).stdout)
                             for path in (simdev_path, tmp_path / "no-plugin"))
     assert with_plugin["backend"] == without["backend"] == "cpu"
     assert with_plugin["final_loss"] == without["final_loss"]  # the loss does not move
+    assert with_plugin["steps"] == 50 and with_plugin["weights_sha256"] == without["weights_sha256"]
     _run("python -m anyrec.calibrate calibrate.size=quick calibrate.budget_s=0.01 calibrate.output=cpu.yaml",
          tmp_path, simdev_path, cache)
     assert _measurements(tmp_path / "cpu.yaml")["copy_bw_bytes_per_s"] > 0

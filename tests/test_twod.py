@@ -16,6 +16,7 @@ from torchrec.distributed import model_parallel
 from torchrec.distributed.model_parallel import DMPCollection
 
 from anyrec import parity
+from anyrec._hydra import compose_job
 from anyrec.backends.specs import get_sku
 from anyrec.planner import CoDesignPlanner, InfeasiblePlanError, ShardingType, Topology
 from anyrec.planner.estimators import all_reduce_time_s, dense_all_reduce_time_s
@@ -181,13 +182,26 @@ def _train(cwd: Path, *overrides: str, timeout: float = 300) -> dict:
     return last_json_line(proc.stdout)
 
 
+TWO_GROUPS = ["planner.sharding_group_size=2", "trainer.steps=4"]  # the job several tests compare with
+
+
+@pytest.fixture(scope="module")
+def two_groups(tmp_path_factory) -> dict:
+    """The summary of JOB + TWO_GROUPS (4 ranks on one host, two groups of two, 4 steps), run once."""
+    return _train(tmp_path_factory.mktemp("two_groups"), *TWO_GROUPS)
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("every", [1, 3])
-def test_two_groups_of_two_train_pipelined_and_eager_alike_with_evaluation(tmp_path, every):
+def test_two_groups_of_two_train_pipelined_and_eager_alike_with_evaluation(tmp_path, every, request):
     """torchrec's pipeline and the eager loop average the replicas on one schedule (every step, or every
     third and at the end): the same weights bit for bit."""
-    job = ["planner.sharding_group_size=2", f"planner.replica_sync_every={every}", "trainer.steps=4"]
-    pipelined = _train(tmp_path, *job)
+    job = [*TWO_GROUPS, f"planner.replica_sync_every={every}"]
+    if every == 1:  # the default: the pipelined run is the shared TWO_GROUPS job, composed alike
+        assert compose_job([*JOB[2:], *job]) == compose_job([*JOB[2:], *TWO_GROUPS])
+        pipelined = request.getfixturevalue("two_groups")
+    else:
+        pipelined = _train(tmp_path, *job)
     eager = _train(tmp_path, *job, "trainer.pipeline=false")
     assert pipelined["sharding_group_size"] == 2 and pipelined["world_size"] == 4
     assert pipelined["eval_auc"] is not None and pipelined["steps"] == 4
@@ -211,24 +225,23 @@ def test_sgd_in_two_groups_trains_as_1d(tmp_path, monkeypatch):
 
 
 @pytest.mark.integration
-def test_checkpoints_convert_between_1d_2d_and_group_sizes(tmp_path):
+def test_checkpoints_convert_between_1d_2d_and_group_sizes(tmp_path, two_groups):
     """A 2D checkpoint resumes in 1D and in another group size with the same weights, a 1D one in 2D,
     and a 2D run resumed in 2D continues as the uninterrupted run."""
     ck2d, ck1d = (f"trainer.checkpoint.dir={tmp_path / d}" for d in ("ck2d", "ck1d"))
-    saved = _train(tmp_path, "planner.sharding_group_size=2", "trainer.steps=3", ck2d)
+    saved = _train(tmp_path, "planner.sharding_group_size=2", "trainer.steps=2", ck2d)
     for group in ("4", "1"):
-        resumed = _train(tmp_path, f"planner.sharding_group_size={group}", "trainer.steps=3",
+        resumed = _train(tmp_path, f"planner.sharding_group_size={group}", "trainer.steps=2",
                          ck2d)
-        assert resumed["resumed_from_step"] == 3 and resumed["weights_sha256"] == saved["weights_sha256"]
-    saved_1d = _train(tmp_path, "planner.sharding_group_size=world", "trainer.steps=3",
+        assert resumed["resumed_from_step"] == 2 and resumed["weights_sha256"] == saved["weights_sha256"]
+    saved_1d = _train(tmp_path, "planner.sharding_group_size=world", "trainer.steps=2",
                       ck1d)
-    into_2d = _train(tmp_path, "planner.sharding_group_size=2", "trainer.steps=3", ck1d)
+    into_2d = _train(tmp_path, "planner.sharding_group_size=2", "trainer.steps=2", ck1d)
     assert into_2d["sharding_group_size"] == 2 and into_2d["weights_sha256"] == saved_1d["weights_sha256"]
-    # optimizer state and data position: 2D 3 + 3 steps train as 6 uninterrupted 2D steps
-    continued = _train(tmp_path, "planner.sharding_group_size=2", "trainer.steps=6", ck2d)
-    whole = _train(tmp_path, "planner.sharding_group_size=2", "trainer.steps=6")
-    assert continued["resumed_from_step"] == 3
-    assert continued["final_loss"] == pytest.approx(whole["final_loss"], abs=1e-6)
+    # optimizer state and data position: 2D 2 + 2 steps train as the 4 uninterrupted 2D steps of TWO_GROUPS
+    continued = _train(tmp_path, *TWO_GROUPS, ck2d)
+    assert continued["resumed_from_step"] == 2 and continued["steps"] == two_groups["steps"] == 4
+    assert continued["final_loss"] == pytest.approx(two_groups["final_loss"], abs=1e-6)
 
 
 # ---- the cost model: pricing a group and choosing its size -----------------------------------------
@@ -306,7 +319,7 @@ def test_nothing_fitting_is_one_error_naming_every_size():
 
 
 @pytest.mark.integration
-def test_two_hosts_of_two_ranks_train_in_two_groups_with_host_local_replicas(tmp_path):
+def test_two_hosts_of_two_ranks_train_in_two_groups_with_host_local_replicas(tmp_path, two_groups):
     """Two torchrun agents on loopback (2 ranks each), two sharding groups of 2, laid out as the planner
     chose: strided groups spanning both hosts (ranks 0, 2 and 1, 3; each rank's replica its neighbour on
     its own host) or contiguous ones on one host each (0, 1 and 2, 3; the replicas across the hosts).
@@ -314,7 +327,7 @@ def test_two_hosts_of_two_ranks_train_in_two_groups_with_host_local_replicas(tmp
     2D job on one host of four ranks."""
     from .test_multihost import launch_hosts
 
-    job = [*JOB, "planner.sharding_group_size=2", "trainer.steps=4", f"hydra.run.dir={tmp_path}/h"]
+    job = [*JOB, *TWO_GROUPS, f"hydra.run.dir={tmp_path}/h"]
     run = launch_hosts(job, tmp_path)
     assert run.returncodes == [0, 0], run.out[-4000:]
     assert run.strays == []
@@ -331,9 +344,8 @@ def test_two_hosts_of_two_ranks_train_in_two_groups_with_host_local_replicas(tmp
     assert f"2 sharding groups of 2 ranks, {layout} layout (use_inter_host_allreduce={flag})" in log
     # the group's plan: its two ranks on one host (contiguous) or on two hosts, one each (strided)
     assert f"tables on 2 x CPU ({'1 host(s) x 2' if flag == 'True' else '2 host(s) x 1'})" in log
-    one = _train(tmp_path, "planner.sharding_group_size=2", "trainer.steps=4")
-    assert one["hosts"] == 1
-    assert two["final_loss"] == pytest.approx(one["final_loss"], rel=1e-5)
+    assert two_groups["hosts"] == 1  # the same job on one host
+    assert two["final_loss"] == pytest.approx(two_groups["final_loss"], rel=1e-5)
 
 
 @pytest.mark.integration
