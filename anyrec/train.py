@@ -20,7 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from anyrec import _hydra
 from anyrec.config import check_values
 from anyrec.io_checks import writable_dir
-from anyrec.trainer.errors import NonFiniteLossError, PeerLostError, write_error_file
+from anyrec.trainer.errors import NonFiniteLossError, PeerLostError, say_line, write_error_file
 
 logger = logging.getLogger("anyrec.train")
 # Exit statuses without torchrun (README, "Exit codes"): 2 a user or data mistake, 3 a diverged run,
@@ -83,7 +83,7 @@ def main(cfg: DictConfig) -> None:
         line = f"anyrec-train: error: {e}"
         if os.environ.get("RANK", "0") == "0" or getattr(e, "rank_local", False) or \
                 isinstance(e, PeerLostError):
-            print(line, file=sys.stderr, flush=True)
+            say_line(line)
         else:
             logger.error("%s", e)
         write_error_file(line)

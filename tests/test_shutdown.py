@@ -237,3 +237,21 @@ def test_errors_reach_torchruns_report_in_one_line(tmp_path, what):
     failures = [r for r in reported if not r.startswith("Signal 15 (SIGTERM) received")]
     assert failures and all(r == lines[0] for r in failures), proc.stderr[-3000:]
     assert alive(descendants(os.getpid())) <= before  # torchrun and its workers are all gone
+
+
+def test_ranks_saying_their_error_line_at_once_never_splice_them(tmp_path):
+    """The ranks of a job share their launcher's stderr: two processes saying lines at the same time
+    (as every worker of a killed launcher does) leave each line whole, newline included, also where
+    stderr is unbuffered (PYTHONUNBUFFERED, as the launches here and in many job scripts set)."""
+    say = ("import sys; from anyrec.trainer.errors import say_line\n"
+           "for i in range(2000):\n"
+           "    say_line(f'anyrec-train: error: rank {sys.argv[1]}: ' + 'x' * 150 + f' {i}')")
+    with open(tmp_path / "stderr.txt", "w") as shared:  # one open file, as torchrun's workers inherit it
+        procs = [subprocess.Popen([sys.executable, "-c", say, str(r)], stderr=shared, cwd=ROOT,
+                                  env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"})
+                 for r in range(2)]
+        assert [p.wait(timeout=60) for p in procs] == [0, 0]
+    lines = (tmp_path / "stderr.txt").read_text().splitlines()
+    whole = re.compile(r"anyrec-train: error: rank [01]: x{150} \d+")
+    assert len(lines) == 4000 and all(whole.fullmatch(ln) for ln in lines), \
+        [ln for ln in lines if not whole.fullmatch(ln)][:3]

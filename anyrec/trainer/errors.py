@@ -37,12 +37,27 @@ def write_error_file(message: str) -> None:
         pass  # the report then says "error_file: <N/A>"; the message is on stderr anyway
 
 
+def say_line(line: str) -> None:
+    """`line` and its newline on stderr in one write: the ranks of a job share their launcher's stderr,
+    and two ranks saying their line at the same moment must not splice them (print's separate write of
+    the newline let two lines run together)."""
+    text = f"{line}\n"
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # a stream without a descriptor (captured): one write
+        sys.stderr.write(text)
+        sys.stderr.flush()
+        return
+    sys.stderr.flush()  # what the process wrote before comes first
+    os.write(fd, text.encode(errors="replace"))
+
+
 def exit_now(line: str, code: int) -> None:
     """Leave at once from any thread (a peer or the launcher is gone, so nothing is left to wait for):
     `line` as the one error line on stderr and in torchrun's report, no teardown, no stack dump."""
     message = f"anyrec-train: error: {line}"
     try:
-        print(message, file=sys.stderr, flush=True)
+        say_line(message)
         write_error_file(message)
     finally:
         os._exit(code)
