@@ -37,7 +37,7 @@ from anyrec.config import (
     config_dir,
 )
 from anyrec.io_checks import writable_dir
-from anyrec.trainer.errors import write_error_file
+from anyrec.trainer.errors import say_line, write_error_file
 
 
 def _rank0_only(value: str) -> str | None:
@@ -227,7 +227,7 @@ def _refuse(prog: str, problem: str) -> NoReturn:
     """Exit 2 with `problem` in one line, printed by rank 0 and in each rank's torchrun error file."""
     line = f"{prog}: error: {problem}"
     if os.environ.get("RANK", "0") == "0":
-        print(line, file=sys.stderr, flush=True)
+        say_line(line)
     write_error_file(line)
     sys.exit(2)
 
@@ -236,8 +236,8 @@ def run_typed(prog: str, run: Callable[[AnyrecConfig], Any], cfg: DictConfig) ->
     """`run` on the typed config; a ValueError (a user mistake, an infeasible plan): one line, exit 2."""
     try:
         run(to_object(cfg))
-    except ValueError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+    except ValueError as e:  # every rank of a job under torchrun says it: one write each, never spliced
+        say_line(f"{prog}: error: {e}")
         sys.exit(2)
 
 
