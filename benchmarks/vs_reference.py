@@ -181,10 +181,9 @@ def run_once(contender: str, shape: str, args: argparse.Namespace, script: Path,
         raise BenchmarkError(f"{contender} on {shape}: fewer than 3 steady-state steps after "
                              f"{args.warmup} of warm-up (raise --steps)")
     step_s = max(statistics.fmean(c) for c in steady)
-    cpu = [[e - s for s, e in r["cpu"][args.warmup:]] for r in ranks]
+    cpu_ms = [statistics.fmean(e - s for s, e in r["cpu"][args.warmup:]) * 1e3 for r in ranks]
     return {"contender": contender, "shape": shape, "step_ms": step_s * 1e3,
-            "cpu_ms": max(statistics.fmean(c) for c in cpu) * 1e3,
-            "cpu_ms_per_rank": [statistics.fmean(c) * 1e3 for c in cpu],
+            "cpu_ms": max(cpu_ms), "cpu_ms_per_rank": cpu_ms,
             "median_call_ms": max(statistics.median(c) for c in steady) * 1e3,
             "samples_per_s": args.nproc * args.batch_size / step_s,
             "steady_steps": min(len(c) for c in steady), "timed_calls": [len(r["calls"]) for r in ranks],
