@@ -14,10 +14,13 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
+from anyrec.trainer import shutdown
 from benchmarks.interrupt import alive, descendants, launch, output, wait_for, wait_gone
 
 from .conftest import ROOT, torchrun
@@ -112,6 +115,11 @@ def test_a_stopped_rank_fails_the_job_naming_it(tmp_path):
             time.sleep(0.2)
         text = output(tmp_path)
         assert "anyrec-train: error: rank 0: rank(s) 1 stopped responding" in text, text[-3000:]
+        # The stopped rank never resumes on its own: rank 0 leaves first (on a busy host its exit can
+        # take seconds after its line, and a rank resumed meanwhile would fail first and get it killed).
+        left = _worker(pids, 0)
+        while alive({left}) and time.monotonic() < deadline:
+            time.sleep(0.2)
     finally:
         if alive({stuck}):
             os.kill(stuck, signal.SIGCONT)
@@ -255,3 +263,27 @@ def test_ranks_saying_their_error_line_at_once_never_splice_them(tmp_path):
     whole = re.compile(r"anyrec-train: error: rank [01]: x{150} \d+")
     assert len(lines) == 4000 and all(whole.fullmatch(ln) for ln in lines), \
         [ln for ln in lines if not whole.fullmatch(ln)][:3]
+
+
+def _close_roll_call(monkeypatch, wait_s: float):
+    """peers_met on an in-process store shared by the 'ranks' (threads or calls here)."""
+    store = dist.HashStore()
+    monkeypatch.setattr(shutdown, "_store", lambda world_size: dist.PrefixStore("anyrec/", store))
+    monkeypatch.setattr(shutdown, "CLOSE_WAIT_S", wait_s)
+
+
+def test_ranks_closing_after_an_error_meet_when_all_arrive(monkeypatch):
+    _close_roll_call(monkeypatch, 10.0)
+    with ThreadPoolExecutor(2) as pool:
+        met = list(pool.map(lambda rank: shutdown.peers_met(rank, 2), [0, 1]))
+    assert met == [True, True]
+
+
+def test_a_rank_arriving_after_its_peer_gave_up_waiting_does_not_meet_it(monkeypatch):
+    # Rank 1 was stopped: rank 0 waits CLOSE_WAIT_S, gives up and leaves without a barrier. Rank 1,
+    # resumed later, finds rank 0's key posted: it must not wait for rank 0 at a barrier either.
+    _close_roll_call(monkeypatch, 0.3)
+    assert not shutdown.peers_met(0, 2)
+    start = time.monotonic()
+    assert not shutdown.peers_met(1, 2)
+    assert time.monotonic() - start < 0.25  # it knew at once, without waiting out its own timeout

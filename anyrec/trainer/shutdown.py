@@ -298,25 +298,38 @@ def peer_failure(e: BaseException, rank: int, world_size: int, timeout_s: float)
             f"{timeout_s:.0f})")
 
 
-def _roll_call(rank: int, world_size: int, name: str, timeout_s: float) -> list[int] | None:
+def _roll_call(rank: int, world_size: int, name: str, timeout_s: float,
+               binding: bool = False) -> list[int] | None:
     """Post this rank's `name` key and wait up to `timeout_s` for every rank's: the ranks that did not
-    post ([] without a group), or None when the store itself is gone (with the launcher)."""
+    post ([] without a group), or None when the store itself is gone (with the launcher).
+
+    `binding`: the ranks that answer go on to meet (a barrier), so a rank that gives up says so, and
+    a rank that sees that gets None even when every key is there: the one that gave up has left and
+    would never reach the barrier (a rank stopped for longer than `timeout_s`, then resumed)."""
     try:
         store = _store(world_size)
         if store is None:
             return []
         keys = [f"{name}/{r}" for r in range(world_size)]
+        gave_up = f"{name}/gave-up"
         store.set(keys[rank], "1")
         deadline = time.monotonic() + timeout_s
-        while silent := [r for r, k in enumerate(keys) if not store.check([k])]:
+        while True:
+            if binding and store.check([gave_up]):
+                return None
+            silent = [r for r, k in enumerate(keys) if not store.check([k])]
+            if not silent:
+                return []
             if time.monotonic() > deadline:
+                if binding:
+                    store.set(gave_up, "1")
                 return silent
             time.sleep(0.1)
-        return []
     except Exception:  # noqa: BLE001
         return None
 
 
 def peers_met(rank: int, world_size: int) -> bool:
-    """Whether every rank reaches this point within CLOSE_WAIT_S (a barrier that gives up)."""
-    return _roll_call(rank, world_size, "meet/close", CLOSE_WAIT_S) == []
+    """Whether every rank reaches this point within CLOSE_WAIT_S and none gave up waiting before
+    (a barrier that gives up, for every rank alike)."""
+    return _roll_call(rank, world_size, "meet/close", CLOSE_WAIT_S, binding=True) == []
