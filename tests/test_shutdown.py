@@ -282,8 +282,8 @@ def test_ranks_closing_after_an_error_meet_when_all_arrive(monkeypatch):
 def test_a_rank_arriving_after_its_peer_gave_up_waiting_does_not_meet_it(monkeypatch):
     # Rank 1 was stopped: rank 0 waits CLOSE_WAIT_S, gives up and leaves without a barrier. Rank 1,
     # resumed later, finds rank 0's key posted: it must not wait for rank 0 at a barrier either.
-    _close_roll_call(monkeypatch, 0.3)
+    _close_roll_call(monkeypatch, 1.0)
     assert not shutdown.peers_met(0, 2)
     start = time.monotonic()
     assert not shutdown.peers_met(1, 2)
-    assert time.monotonic() - start < 0.25  # it knew at once, without waiting out its own timeout
+    assert time.monotonic() - start < 0.5  # it knew at once, without waiting out its own timeout
