@@ -69,7 +69,7 @@ def test_a_phase_gets_its_share_of_the_time_left():
     assert not run.expired()
     run.deadline = 0.0  # the whole run's time is gone: every phase has none
     run.phase(0.5)
-    assert run.expired() and run.agreed_left_s(None) < 0
+    assert run.expired() and run.agreed_left_s() < 0
 
 
 def test_timing_spread():

@@ -168,6 +168,13 @@ def _train_point(p: StepPoint, runtime: Runtime, hardware: Hardware, steps: int,
     return summary["measured_step_ms"] / 1e3, predicted.predicted_step_s
 
 
+def _shorten(steps: int, pass_s: float, left_s: float) -> tuple[int, float]:
+    """(steps per point, seconds per pass): fewer steps where a pass at `steps` would not fit `left_s`."""
+    if steps > 10 and pass_s > left_s:
+        return 10, pass_s / 3  # most of a short point is its set-up, not its steps
+    return steps, pass_s
+
+
 def measure_step_costs(runtime: Runtime, hardware: Hardware, budget_s: float, fit: Any, quick: bool = False,
                        run: CalibrationRun | None = None) -> dict[str, Any]:
     """Train every point of `points_at(world, quick)` on the process group's ranks (in `runtime`: its
@@ -175,12 +182,12 @@ def measure_step_costs(runtime: Runtime, hardware: Hardware, budget_s: float, fi
     unexplained. Within `run`'s time: as many passes as fit (at least one, else no `fields`: the
     datasheet's stay)."""
     run = run or CalibrationRun.unbounded()
-    device, world = runtime.device, runtime.dist.world_size
+    world = runtime.dist.world_size
     points = points_at(world, quick)
     # Five passes (median): with three, one noisy pass of the pooling points swung the per-id term
     # between 0 and 1.8e-7 s between two calibrations of this 2-core host.
     steps, passes = (40, 5) if budget_s >= 0.1 else (10, 1)
-    if run.agreed_left_s(device) <= 0:
+    if run.agreed_left_s("step points: time left") <= 0:
         run.fell_back("trainer step (time limit)")
         return {"steps_per_point": steps, "passes": 0, "points": []}
     run.expect(1 + len(points) * passes)
@@ -190,11 +197,11 @@ def measure_step_costs(runtime: Runtime, hardware: Hardware, budget_s: float, fi
     start = time.monotonic()
     _train_point(points[0], runtime, hardware, steps, run)
     run.measured("step warm-up")
-    # Larger points take longer than the first: a pass is planned at twice its time per point.
-    pass_s = 2 * (time.monotonic() - start) * len(points)
-    left_s = run.agreed_left_s(device)
-    if steps > 10 and pass_s > left_s:
-        steps, pass_s = 10, pass_s / 3  # most of a short point is its set-up, not its steps
+    # Larger points take longer than the first: a pass is planned at twice its time per point (the
+    # slowest rank's), and the plan is rank 0's, taken from figures agreed over the ranks.
+    pass_s = run.agree("step points: pass time", lambda: 2 * (time.monotonic() - start) * len(points), "max")
+    left_s = run.agreed_left_s("step points: time left after warm-up")
+    steps, pass_s = run.agree("step points: plan", lambda: _shorten(steps, pass_s, left_s))
     if pass_s > left_s:  # not even one pass fits: none is started
         run.expect(-len(points) * passes)
         run.fell_back("trainer step (time limit)")
@@ -203,17 +210,19 @@ def measure_step_costs(runtime: Runtime, hardware: Hardware, budget_s: float, fi
     model = [0.0] * len(points)
     done = 0
     for k in range(passes):  # alternate the order: a shared host's load drifts
-        if k and run.agreed_left_s(device) < pass_s:
+        if k and run.agreed_left_s(f"step points: time left before pass {k + 1}") < pass_s:
             break
         started = time.monotonic()
         for i in (range(len(points)) if k % 2 == 0 else reversed(range(len(points)))):
-            if run.agreed_left_s(device) <= 0:  # a later pass may end part way: each point has one
+            # a later pass may end part way: each point has one
+            if run.agreed_left_s(f"step points: time left for {points[i].name} (pass {k + 1})") <= 0:
                 break
             run.measuring(f"step {points[i].name} (pass {k + 1})")
             m, model[i] = _train_point(points[i], runtime, hardware, steps, run)
             times[i].append(m)
             run.measured(f"step {points[i].name}")
-        done, pass_s = k + 1, time.monotonic() - started
+        done = k + 1
+        pass_s = run.agree(f"step points: pass {k + 1} time", lambda s=started: time.monotonic() - s, "max")
     run.expect(sum(map(len, times)) - len(points) * passes)  # the bar's total: what was measured
     if any(not t for t in times):
         run.fell_back(f"trainer step ({sum(bool(t) for t in times)} of {len(points)} points in time)")
