@@ -50,7 +50,7 @@ def run(cfg: AnyrecConfig) -> None:
     backend, info = runtime.backend, runtime.dist
     rank, world = info.rank, info.world_size
     run = CalibrationRun.begin(opts.time_limit_s, rank, world, progress=True,
-                               agreement=Agreement.begin(rank, world, runtime.device, "calibration"))
+                               agreement=Agreement.begin(rank, world, "calibration"))
     try:
         start = time.perf_counter()
         kernels = backend.select_kernels()

@@ -80,7 +80,7 @@ def _calibration_file(cfg: AnyrecConfig, runtime: Runtime, signing_key: SigningK
     text) is rank 0's, agreed through one `Agreement`; a rank's collective that fails because a peer went
     a different way or left is named in one line (PeerLostError)."""
     info = runtime.dist
-    agreement = Agreement.begin(info.rank, info.world_size, runtime.device, "calibration on first contact")
+    agreement = Agreement.begin(info.rank, info.world_size, "calibration on first contact")
     try:
         return _find_or_measure(cfg, runtime, signing_key, agreement)
     except Exception as e:

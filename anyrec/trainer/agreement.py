@@ -19,13 +19,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal
 
-import torch
 import torch.distributed as dist
 
 from anyrec.trainer.errors import PeerLostError
@@ -74,19 +72,17 @@ class Agreement:
         self.extra = 0  # the largest `extra` of the last decision over the ranks
 
     @classmethod
-    def begin(cls, rank: int, world_size: int, device: torch.device | None, what: str,
-              timeout_s: float = AGREE_TIMEOUT_S) -> Agreement:
-        """An agreement for `what` (a calibration, a training run) over the default process group (every
-        rank calls it at the same point: the scope is rank 0's random token, broadcast)."""
+    def begin(cls, rank: int, world_size: int, what: str, timeout_s: float = AGREE_TIMEOUT_S) -> Agreement:
+        """The next agreement for `what` (a calibration, a training run) over the default process group.
+        Ranks begin their agreements for one `what` in one order, so each rank's n-th is everyone's n-th:
+        its keys are numbered by a per-rank counter in the store (no collective; a rank that began one
+        more is named at its first decision)."""
         delay_s = parse_delay(os.environ.get(DELAY_ENV), rank)
         if world_size == 1 or not dist.is_initialized():
             return cls(rank, 1, None, what, timeout_s, delay_s)
-        token = torch.tensor([random.getrandbits(62) if rank == 0 else 0], dtype=torch.int64,
-                             device=device or torch.device("cpu"))
-        dist.broadcast(token, src=0)
-        store = dist.PrefixStore(f"anyrec/agree/{what}/{int(token.item()):x}/",
-                                 dist.distributed_c10d._get_default_store())
-        return cls(rank, world_size, store, what, timeout_s, delay_s)
+        root = dist.PrefixStore("anyrec/agree/", dist.distributed_c10d._get_default_store())
+        n = root.add(f"{what}/begun/{rank}", 1)
+        return cls(rank, world_size, dist.PrefixStore(f"{what}/{n}/", root), what, timeout_s, delay_s)
 
     def decide(self, name: str, local: Callable[[], Any], how: How = "main",
                extra: Callable[[], int] | None = None) -> Any:
