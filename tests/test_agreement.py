@@ -21,7 +21,7 @@ def _ranks(world: int, body, timeout_s: float = 5.0, delays: dict[int, float] | 
     out: list = [None] * world
 
     def one(rank: int) -> None:
-        a = Agreement(rank, world, store, "test", timeout_s, (delays or {}).get(rank, 0.0))
+        a = Agreement(rank, world, store, "test", timeout_s, (("", (delays or {}).get(rank, 0.0)),))
         try:
             out[rank] = body(rank, a)
         except Exception as e:  # noqa: BLE001 - the test inspects it
@@ -47,7 +47,7 @@ def test_every_rank_gets_the_agreed_value():
 
 
 def test_a_slow_rank_still_agrees():
-    """Rank 1 sleeps before forming each view (the delay injected for the tests of the job): its clock
+    """Rank 1 sleeps before forming each view (the delay the job tests inject): its clock
     reads later than rank 0's, yet both take the same decision."""
     def body(rank, a):
         t0 = time.monotonic()
@@ -160,9 +160,21 @@ def test_the_step_points_plan_from_agreed_figures(monkeypatch):
     assert results[0]["passes"] == results[1]["passes"] == 0  # rank 1's estimate decided for both
 
 
-@pytest.mark.parametrize("text,rank,want", [(None, 0, 0.0), ("1:2.5", 1, 2.5), ("1:2.5", 0, 0.0)])
+@pytest.mark.parametrize("text,rank,want", [
+    (None, 0, ()), ("1:2.5", 1, (("", 2.5),)), ("1:2.5", 0, ()),
+    ("1:5:step points: pass time;0:3:stop after step 10", 0, (("stop after step 10", 3.0),)),
+    ("1:5:step points: pass time;0:3:stop", 1, (("step points: pass time", 5.0),))])
 def test_delay_setting(text, rank, want):
     assert parse_delay(text, rank) == want
+
+
+def test_a_named_delay_applies_to_its_decisions_only():
+    a = Agreement(0, 1, None, "test", 1.0, (("slow", 0.3),))
+    t0 = time.monotonic()
+    a.decide("fast one", lambda: 0)
+    assert time.monotonic() - t0 < 0.2
+    a.decide("slow one", lambda: 0)
+    assert time.monotonic() - t0 >= 0.3
 
 
 @pytest.mark.parametrize("text", ["2", "a:1", "1:-1", "1:nan"])

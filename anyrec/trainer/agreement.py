@@ -10,8 +10,8 @@ every rank: rank 0's, the minimum, the maximum, or whether any rank said yes.
 Each decision is numbered in call order; a rank posts what it is deciding (`#n name`) before it waits. So a
 mismatch that still happens is named, not waited out: ranks at the same number with different names fail
 at once, and a rank that waits `timeout_s` (a minute) for a peer names the peer and the decision it was
-last seen at. `ANYREC_DELAY_DECISIONS=RANK:SECONDS` makes that rank sleep before it forms its view of
-every decision (a slow rank, for tests of exactly this: the job must still agree).
+last seen at. `ANYREC_DELAY_DECISIONS=RANK:SECONDS[:NAME]` makes that rank sleep before it forms its view
+of every decision (or of those named NAME...): a slow rank, for tests of exactly this.
 """
 
 from __future__ import annotations
@@ -35,19 +35,22 @@ DELAY_ENV = "ANYREC_DELAY_DECISIONS"
 How = Literal["main", "min", "max", "any"]
 
 
-def parse_delay(text: str | None, rank: int) -> float:
-    """Seconds this `rank` sleeps before each decision under `ANYREC_DELAY_DECISIONS=RANK:SECONDS`."""
-    if not text:
-        return 0.0
-    try:
-        who, seconds = text.split(":")
-        delay = float(seconds)
-        target = int(who)
-    except ValueError:
-        raise ValueError(f"{DELAY_ENV}={text!r}: expected RANK:SECONDS, e.g. 1:2.5") from None
-    if not (0 <= delay <= 3600):
-        raise ValueError(f"{DELAY_ENV}={text!r}: seconds must be in [0, 3600]")
-    return delay if target == rank else 0.0
+def parse_delay(text: str | None, rank: int) -> tuple[tuple[str, float], ...]:
+    """This `rank`'s delays under `ANYREC_DELAY_DECISIONS`: `;`-separated `RANK:SECONDS[:NAME]` entries, each
+    a sleep before every decision (or only those whose name starts with NAME), as (NAME or '', seconds)."""
+    out = []
+    for entry in filter(None, (text or "").split(";")):
+        parts = entry.split(":", 2)
+        try:
+            target, delay = int(parts[0]), float(parts[1])
+        except (ValueError, IndexError):
+            raise ValueError(f"{DELAY_ENV}={text!r}: expected RANK:SECONDS[:NAME] entries separated by ';', "
+                             "e.g. 1:2.5") from None
+        if not (0 <= delay <= 3600):
+            raise ValueError(f"{DELAY_ENV}={text!r}: seconds must be in [0, 3600]")
+        if target == rank:
+            out.append((parts[2] if len(parts) > 2 else "", delay))
+    return tuple(out)
 
 
 def _reduce(how: How, values: list[Any]) -> Any:
@@ -65,9 +68,9 @@ class Agreement:
     (unique per agreement: two agreements in one job never share keys)."""
 
     def __init__(self, rank: int, world_size: int, store: Any | None, scope: str,
-                 timeout_s: float = AGREE_TIMEOUT_S, delay_s: float = 0.0) -> None:
+                 timeout_s: float = AGREE_TIMEOUT_S, delays: tuple[tuple[str, float], ...] = ()) -> None:
         self.rank, self.world_size, self.scope = rank, world_size, scope
-        self.store, self.timeout_s, self.delay_s = store, timeout_s, delay_s
+        self.store, self.timeout_s, self.delays = store, timeout_s, delays
         self.count = 0  # decisions taken so far
         self.extra = 0  # the largest `extra` of the last decision over the ranks
 
@@ -77,12 +80,12 @@ class Agreement:
         Ranks begin their agreements for one `what` in one order, so each rank's n-th is everyone's n-th:
         its keys are numbered by a per-rank counter in the store (no collective; a rank that began one
         more is named at its first decision)."""
-        delay_s = parse_delay(os.environ.get(DELAY_ENV), rank)
+        delays = parse_delay(os.environ.get(DELAY_ENV), rank)
         if world_size == 1 or not dist.is_initialized():
-            return cls(rank, 1, None, what, timeout_s, delay_s)
+            return cls(rank, 1, None, what, timeout_s, delays)
         root = dist.PrefixStore("anyrec/agree/", dist.distributed_c10d._get_default_store())
         n = root.add(f"{what}/begun/{rank}", 1)
-        return cls(rank, world_size, dist.PrefixStore(f"{what}/{n}/", root), what, timeout_s, delay_s)
+        return cls(rank, world_size, dist.PrefixStore(f"{what}/{n}/", root), what, timeout_s, delays)
 
     def decide(self, name: str, local: Callable[[], Any], how: How = "main",
                extra: Callable[[], int] | None = None) -> Any:
@@ -90,8 +93,9 @@ class Agreement:
         `extra()`, where given, is an int each rank adds (a stop signal): its largest value over the ranks
         is `self.extra` afterwards. PeerLostError (one line; the entry point exits 4) on a mismatch or a
         peer that never comes."""
-        if self.delay_s:
-            time.sleep(self.delay_s)
+        for prefix, seconds in self.delays:
+            if name.startswith(prefix):
+                time.sleep(seconds)
         n = self.count
         self.count += 1
         value = local()
