@@ -16,10 +16,11 @@ from .conftest import last_json_line, torchrun
 @pytest.mark.integration
 def test_ranks_slowed_at_decision_points_still_finish(tmp_path):
     env = {"ANYREC_CACHE_DIR": str(tmp_path / "cache"), "ANYREC_CALIBRATE": "auto",
-           # rank 1's estimate of a pass: 2 x (its warm-up + 20 s) x 10 points > the time left of 60 s
-           "ANYREC_DELAY_DECISIONS": "1:20:step points: pass time;0:3:stop after step 10;1:0.05"}
+           # rank 1's estimate of a pass, 2 x (its warm-up + 30 s) x 10 points (a third at fewer steps), is
+           # more than the time left of 120 s; rank 0's, from its warm-up alone, fits
+           "ANYREC_DELAY_DECISIONS": "1:30:step points: pass time;0:3:stop after step 10;1:0.05"}
     args = ["-m", "anyrec.train", "model=dlrm_tiny", "trainer.steps=20", "trainer.eval_steps=0",
-            "backend.bind_cores=false", "calibrate.time_limit_s=60", "trainer.progress=false",
+            "backend.bind_cores=false", "calibrate.time_limit_s=120", "trainer.progress=false",
             "trainer.tensorboard=false", f"hydra.run.dir={tmp_path / 'run'}"]
     start = time.monotonic()
     proc = torchrun(args, nproc=2, env=env, timeout=400)

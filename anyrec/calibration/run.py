@@ -80,6 +80,7 @@ class CalibrationRun:
     agreement: Agreement | None = None  # the ranks' decisions (None: one process, a library call)
     spreads: dict[str, float] = field(default_factory=dict)
     fallbacks: list[str] = field(default_factory=list)
+    approximated: list[str] = field(default_factory=list)
 
     @classmethod
     def begin(cls, limit_s: float, rank: int = 0, world_size: int = 1, progress: bool = True,
@@ -148,6 +149,11 @@ class CalibrationRun:
     def fell_back(self, what: str) -> None:
         """`what` was not measured in time (or not usable): it keeps its datasheet figure; said once."""
         self.fallbacks.append(what)
+
+    def approximate(self, what: str) -> None:
+        """`what` was measured only in part, or fits its points poorly (a busy host): its figures are used,
+        and the run's verdict says they are not to be trusted later."""
+        self.approximated.append(what)
 
     # ---- signals and progress -------------------------------------------------------------------
 

@@ -168,6 +168,16 @@ def _train_point(p: StepPoint, runtime: Runtime, hardware: Hardware, steps: int,
     return summary["measured_step_ms"] / 1e3, predicted.predicted_step_s
 
 
+def builtin_scale(rows: list[list[float]], measured: list[float], model: list[float], spec: Any) -> float:
+    """The factor s >= 0 on `spec`'s built-in step figures that best explains the `measured` seconds of the
+    points with `rows` terms (`model`: their bytes-and-FLOPs seconds), in relative least squares; 1 where
+    the built-in figures explain nothing (all zero)."""
+    builtin = [sum(getattr(spec, f) * x for f, x in zip(STEP_FIELDS, r, strict=True)) for r in rows]
+    num = sum(b * (m - p) / m**2 for b, m, p in zip(builtin, measured, model, strict=True))
+    den = sum(b * b / m**2 for b, m in zip(builtin, measured, strict=True))
+    return max(0.0, num / den) if den > 0 else 1.0
+
+
 def _shorten(steps: int, pass_s: float, left_s: float) -> tuple[int, float]:
     """(steps per point, seconds per pass): fewer steps where a pass at `steps` would not fit `left_s`."""
     if steps > 10 and pass_s > left_s:
@@ -225,10 +235,21 @@ def measure_step_costs(runtime: Runtime, hardware: Hardware, budget_s: float, fi
         pass_s = run.agree(f"step points: pass {k + 1} time", lambda s=started: time.monotonic() - s, "max")
     run.expect(sum(map(len, times)) - len(points) * passes)  # the bar's total: what was measured
     if any(not t for t in times):
-        run.fell_back(f"trainer step ({sum(bool(t) for t in times)} of {len(points)} points in time)")
-        return {"steps_per_point": steps, "passes": done, "points": [
-            {"name": p.name, "measured_s": sorted(t)[len(t) // 2]} for p, t in zip(points, times, strict=True)
-            if t]}
+        got = [i for i, t in enumerate(times) if t]
+        out: dict[str, Any] = {"steps_per_point": steps, "passes": done, "points": [
+            {"name": points[i].name, "measured_s": sorted(times[i])[len(times[i]) // 2]} for i in got]}
+        if not got:
+            run.fell_back(f"trainer step (0 of {len(points)} points in time)")
+            return out
+        # Too few points to fit each term, enough to say how far off the built-in figures are on this host
+        # as it is now (a busy host's contention included): they are scaled to the points measured.
+        scale = builtin_scale([points[i].terms(world) for i in got], [p["measured_s"] for p in out["points"]],
+                              [model[i] for i in got], hardware.spec)
+        run.approximate(f"trainer step ({len(got)} of {len(points)} points in time: the built-in figures "
+                        f"scaled x{scale:.2f} to them)")
+        out["fields"] = {f: getattr(hardware.spec, f) * scale for f in STEP_FIELDS}
+        out["builtin_scale"] = scale
+        return out
     measured = [sorted(t)[len(t) // 2] for t in times]
     for p, t in zip(points, times, strict=True):
         if len(t) > 1:
