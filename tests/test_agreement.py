@@ -112,7 +112,8 @@ def test_a_stop_signal_on_one_rank_stops_every_rank_at_the_same_decision():
 
 def test_the_step_points_plan_from_agreed_figures(monkeypatch):
     """With a time limit between the two ranks' own estimates of a pass, the ranks still take one plan:
-    rank 1's slower warm-up (its clock) decides for both, as the slowest rank's must."""
+    rank 1's slower warm-up (its clock) decides for both, as the slowest rank's must; the pass that does
+    not fit whole is started and ends with the time."""
     from anyrec.calibration import step
 
     calls: dict[int, list[str]] = {0: [], 1: []}
@@ -157,7 +158,9 @@ def test_the_step_points_plan_from_agreed_figures(monkeypatch):
     assert not isinstance(results[0], Exception), results[0]
     assert not isinstance(results[1], Exception), results[1]
     assert calls[0] == calls[1]  # the same points trained: the same collectives
-    assert results[0]["passes"] == results[1]["passes"] == 0  # rank 1's estimate decided for both
+    # rank 1's estimate of a pass decided for both: fewer steps per point (rank 0's alone: 40), one pass
+    assert results[0]["steps_per_point"] == results[1]["steps_per_point"] == 10
+    assert results[0]["passes"] == results[1]["passes"] == 1
 
 
 @pytest.mark.parametrize("text,rank,want", [
