@@ -25,6 +25,7 @@ from anyrec.calibration.run import CalibrationRun, CalibrationStopped, exit_stop
 from anyrec.config import AnyrecConfig
 from anyrec.io_checks import writable_file, write_yaml
 from anyrec.signing import resolve_key
+from anyrec.trainer.agreement import Agreement
 from anyrec.trainer.distributed import destroy_distributed, env_dist_info, start_runtime
 
 
@@ -48,7 +49,8 @@ def run(cfg: AnyrecConfig) -> None:
                             cfg.trainer.peer_timeout_s, cfg.backend.threads)
     backend, info = runtime.backend, runtime.dist
     rank, world = info.rank, info.world_size
-    run = CalibrationRun.begin(opts.time_limit_s, rank, world, progress=True)
+    run = CalibrationRun.begin(opts.time_limit_s, rank, world, progress=True,
+                               agreement=Agreement.begin(rank, world, "calibration"))
     try:
         start = time.perf_counter()
         kernels = backend.select_kernels()

@@ -69,7 +69,7 @@ def test_a_phase_gets_its_share_of_the_time_left():
     assert not run.expired()
     run.deadline = 0.0  # the whole run's time is gone: every phase has none
     run.phase(0.5)
-    assert run.expired() and run.agreed_left_s(None) < 0
+    assert run.expired() and run.agreed_left_s() < 0
 
 
 def test_timing_spread():
@@ -96,17 +96,41 @@ def test_noisy_measurements_and_fallbacks_are_not_trusted():
     assert assess(None, 2, {}, []).trusted  # unreadable load, nothing else wrong: trusted
 
 
-def test_a_fit_past_30_percent_is_not_used(monkeypatch, caplog):
+def test_a_fit_past_30_percent_is_used_and_not_trusted():
+    """A busy host's points scatter: the fit is still this host's figure (the built-in one is several
+    times off), so the job that measured it uses it, and the verdict keeps it from being trusted later."""
     backend = get_backend("cpu")
     device, spec = backend.device(0), backend.device_spec()
     points = measure.EMB_POINTS["small"][:3]
-    monkeypatch.setattr(measure, "MAX_FIT_ERROR", -1.0)  # every fit misses by more: none is used
-    out = measure.measure_embedding(backend, device, spec, points, 0.0)
-    assert "profile" not in out["torch"] and "fit error" in out["torch"]["skipped"]
-    assert len(out["torch"]["points"]) == 3  # what was measured stays on record
-    assert "embedding torch's fit misses a point" in caplog.text
-    monkeypatch.setattr(measure, "MAX_FIT_ERROR", float("inf"))
-    assert "profile" in measure.measure_embedding(backend, device, spec, points, 0.0)["torch"]
+    run = CalibrationRun.unbounded()
+    measure_max = measure.MAX_FIT_ERROR
+    try:
+        measure.MAX_FIT_ERROR = -1.0  # every fit misses by more
+        out = measure.measure_embedding(backend, device, spec, points, 0.0, run)
+    finally:
+        measure.MAX_FIT_ERROR = measure_max
+    assert "profile" in out["torch"] and len(out["torch"]["points"]) == 3
+    assert any(a.startswith("embedding torch (fit error") for a in run.approximated)
+    verdict = assess(None, 2, {}, run.fallbacks, run.approximated)
+    assert not verdict.trusted and "fitted poorly (used as measured)" in verdict.line()
+    quiet = CalibrationRun.unbounded()
+    assert "profile" in measure.measure_embedding(backend, device, spec, points, 0.0, quiet)["torch"]
+    assert not any(a.startswith("embedding torch") for a in quiet.approximated)
+
+
+def test_step_figures_measured_in_part_scale_the_built_in_ones():
+    """Step points cut short by the time limit: the built-in figures scaled to the points measured, never
+    the built-in figures as they are."""
+    from anyrec.calibration.step import builtin_scale
+
+    spec = get_backend("cpu").device_spec().replace(step_fixed_s=1e-3, step_per_sample_s=1e-6)
+    rows = [[1.0, 8, 32, 0, 0, 0, 4, 0, 0], [1.0, 8, 512, 0, 0, 0, 4, 0, 0]]
+    builtin = [1e-3 + 32e-6, 1e-3 + 512e-6]
+    # a host three times slower than the built-in figures say, beside 0.1 ms of bytes and FLOPs
+    measured = [3 * b + 1e-4 for b in builtin]
+    assert builtin_scale(rows, measured, [1e-4, 1e-4], spec) == pytest.approx(3.0)
+    none = spec.replace(step_fixed_s=0.0, step_per_sample_s=0.0)
+    assert builtin_scale(rows, measured, [1e-4, 1e-4], none) == 1.0
 
 
 def test_a_signal_a_step_points_trainer_caught_stops_the_run(monkeypatch):

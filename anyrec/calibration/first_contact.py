@@ -16,10 +16,16 @@ import logging
 import time
 from pathlib import Path
 
-import torch.distributed as dist
-
 from anyrec.backends import Hardware, resolve_hardware
-from anyrec.calibration.cache import CACHE_DIR_ENV, Lookup, cache_dir, local_key, lookup, write_entry
+from anyrec.calibration.cache import (
+    CACHE_DIR_ENV,
+    CacheKey,
+    Lookup,
+    cache_dir,
+    local_key,
+    lookup,
+    write_entry,
+)
 from anyrec.calibration.core_load import CoreLoad, measure_core_load
 from anyrec.calibration.measure import calibrate, hardware_yaml, report_trust
 from anyrec.calibration.run import CalibrationRun, CalibrationStopped, exit_stopped
@@ -27,7 +33,10 @@ from anyrec.calibration.trust import BUSY_OTHER_CORES
 from anyrec.config import AnyrecConfig
 from anyrec.io_checks import atomic_write, writable_dir
 from anyrec.signing import SigningKey, resolve_key
-from anyrec.trainer.distributed import Runtime, broadcast_from_main
+from anyrec.trainer.agreement import Agreement
+from anyrec.trainer.distributed import Runtime
+from anyrec.trainer.errors import PeerLostError
+from anyrec.trainer.shutdown import peer_failure
 
 logger = logging.getLogger("anyrec.calibration.first_contact")
 
@@ -66,25 +75,54 @@ def calibrated_hardware(cfg: AnyrecConfig, runtime: Runtime) -> Hardware:
 
 
 def _calibration_file(cfg: AnyrecConfig, runtime: Runtime, signing_key: SigningKey | None) -> str:
-    """The path of this machine's cache entry, found or measured now (see calibrated_hardware)."""
+    """The path of this machine's cache entry, found or measured now (see calibrated_hardware). Every
+    choice that decides what the ranks do next (hit or miss, a folder that cannot be written, the file's
+    text) is rank 0's, agreed through one `Agreement`; a rank's collective that fails because a peer went
+    a different way or left is named in one line (PeerLostError)."""
+    info = runtime.dist
+    agreement = Agreement.begin(info.rank, info.world_size, "calibration on first contact")
+    try:
+        return _find_or_measure(cfg, runtime, signing_key, agreement)
+    except Exception as e:
+        lost = peer_failure(e, info.rank, info.world_size, cfg.trainer.collective_timeout_s)
+        if lost:
+            raise PeerLostError(lost) from None
+        raise
+
+
+def _look_up(cfg: AnyrecConfig, key: CacheKey, cores: tuple[int, ...],
+             signing_key: SigningKey | None) -> list:
+    """Rank 0's view of the cache: [path, hit, problem, bound the entry was measured with]."""
+    found = (Lookup(cache_dir() / key.file_name()) if cfg.trainer.calibrate == "always"
+             else lookup(key, signing_key=signing_key))
+    hit, problem = found.hit, found.problem
+    if found.distrust:  # measured on a busy host: measured again once the host is quiet
+        problem = remeasure_untrusted(found.distrust, measure_core_load(cores))
+        hit = problem is None
+        if hit:
+            logger.warning("calibration: the entry %s is not trusted (%s) and the host is still busy: "
+                           "planning with it", found.path, found.distrust)
+    return [str(found.path), hit, problem, found.bound]
+
+
+def _cache_dir_problem() -> str:
+    """Why this rank could not keep a measurement (check_cache_dir's line), or ''."""
+    try:
+        check_cache_dir()
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def _find_or_measure(cfg: AnyrecConfig, runtime: Runtime, signing_key: SigningKey | None,
+                     agreement: Agreement) -> str:
     backend, info, cores = runtime.backend, runtime.dist, runtime.cores
     # what the binding rule chose (backend.bind_cores=auto looks at the cores' load), once for the process:
     # the step points' trainers and this job's trainer run with it
     bound = runtime.bound
     key = local_key(backend, info, cores)
-    found_here = None
-    if info.is_main:
-        found = (Lookup(cache_dir() / key.file_name()) if cfg.trainer.calibrate == "always"
-                 else lookup(key, signing_key=signing_key))
-        hit, problem = found.hit, found.problem
-        if found.distrust:  # measured on a busy host: measured again once the host is quiet
-            problem = remeasure_untrusted(found.distrust, measure_core_load(cores))
-            hit = problem is None
-            if hit:
-                logger.warning("calibration: the entry %s is not trusted (%s) and the host is still busy: "
-                               "planning with it", found.path, found.distrust)
-        found_here = (str(found.path), hit, problem, found.bound)
-    path, hit, problem, measured_bound = broadcast_from_main(found_here, info)
+    path, hit, problem, measured_bound = agreement.decide(
+        "cache lookup", lambda: _look_up(cfg, key, cores, signing_key) if info.is_main else None)
     threads = {True: "bound", False: "free"}
     if hit:
         if info.is_main:
@@ -92,7 +130,10 @@ def _calibration_file(cfg: AnyrecConfig, runtime: Runtime, signing_key: SigningK
                        f"its step costs may differ)" if measured_bound not in (None, bound) else "")
             logger.info("calibration: cache hit, planning with %s%s", path, differs)
         return path
-    check_cache_dir()  # before a measurement whose result could not be kept
+    # before a measurement whose result could not be kept: any rank's folder that cannot be written stops all
+    unwritable = agreement.decide("cache folder writable", _cache_dir_problem, "max")
+    if unwritable:
+        raise ValueError(unwritable)
     if problem and info.is_main:
         logger.warning("calibration cache file %s not used: %s; measuring again", path, problem)
     start = time.perf_counter()
@@ -100,7 +141,7 @@ def _calibration_file(cfg: AnyrecConfig, runtime: Runtime, signing_key: SigningK
     level = quiet.level
     quiet.setLevel(logging.WARNING)  # the point-by-point log is the thorough calibration's
     run = CalibrationRun.begin(cfg.calibrate.time_limit_s, info.rank, info.world_size, cfg.trainer.progress,
-                               cfg.trainer.collective_timeout_s)
+                               cfg.trainer.collective_timeout_s, agreement)
     try:
         m = calibrate(runtime, "quick", cfg.trainer.calibrate_budget_s, run)
     except CalibrationStopped as e:
@@ -110,19 +151,21 @@ def _calibration_file(cfg: AnyrecConfig, runtime: Runtime, signing_key: SigningK
         quiet.setLevel(level)
     if info.is_main:
         report_trust(m)  # the job plans with these figures either way: it runs on this host as it is
-    text = None
-    if info.is_main:
+
+    def written() -> str | None:
+        if not info.is_main:
+            return None
         header = (f"# Quick calibration measured by anyrec.calibration.first_contact ({backend.describe()}, "
                   f"{info.world_size} ranks) on {time.strftime('%Y-%m-%d', time.gmtime())}; a cache entry,\n"
                   f"# used by hardware=auto on this machine and software (`cache:` below).\n")
         write_entry(Path(path), key, hardware_yaml(backend, m), header, signing_key)
-        text = Path(path).read_text()
-    text = broadcast_from_main(text, info)
+        return Path(path).read_text()
+
+    text = agreement.decide("the file written", written)
     if info.host != 0 and info.local_rank == 0:  # the other hosts' ranks read the same file
         with atomic_write(path) as f:
             f.write(text)
-    if dist.is_initialized():
-        dist.barrier()
+    agreement.decide("the file in place on every host", lambda: None)  # nobody reads it before
     if info.is_main:
         logger.info("calibration: %s, measured in %.1f s with threads %s, wrote %s",
                     "re-measured (trainer.calibrate=always)" if cfg.trainer.calibrate == "always"

@@ -259,13 +259,8 @@ def measure_embedding(backend: Backend, device: torch.device, spec: DeviceSpec, 
         pts = [{"tables": p[0], "rows": p[1], "dim": p[2], "batch": p[3], "pooling": p[4], "step_s": m,
                 "fit_s": f, "spread": run.spreads.get(f"embedding {impl.name} {_point_name(p)}", 0.0)}
                for p, m, f in zip(points, measured, pred, strict=True)]
-        if error > MAX_FIT_ERROR:
-            run.warn("calibration: embedding %s's fit misses a point by %.0f %% (> %.0f %%): not used, the "
-                     "built-in profile stays", impl.name, error * 100, MAX_FIT_ERROR * 100)
-            run.fell_back(f"embedding {impl.name} (fit error {error * 100:.0f} %)")
-            out[impl.name] = {"skipped": f"fit error {error * 100:.1f} % > {MAX_FIT_ERROR * 100:.0f} %: "
-                                         "built-in profile", "points": pts, "fit_max_rel_error": error}
-            continue
+        if error > MAX_FIT_ERROR:  # this host's figure all the same (a busy host's points scatter)
+            run.approximate(f"embedding {impl.name} (fit error {error * 100:.0f} %)")
         out[impl.name] = {"profile": dataclasses.asdict(profile), "points": pts, "fit_max_rel_error": error}
     return out
 
@@ -301,8 +296,9 @@ def _measure_fit(op: str, sizes: list[int], ranks: int, device: torch.device, ba
     """`op`'s seconds per size over `group` of `ranks` ranks (default: the world), the slowest rank's
     median (every rank of the world takes part), fitted into latency + bus bytes / bus bandwidth; or why
     it was skipped."""
+    times: list[float] = []
+    failed = None
     try:
-        times = []
         for n in sizes:
             name = f"{label}{op} {n} B"
             run.measuring(name)
@@ -310,7 +306,11 @@ def _measure_fit(op: str, sizes: list[int], ranks: int, device: torch.device, ba
             run.measured(name, timing)
             times.append(timing.median_s)
     except (RuntimeError, NotImplementedError) as e:  # e.g. a process group without the op
-        return {"skipped": str(e).splitlines()[0][:160]}
+        failed = str(e).splitlines()[0][:160]
+    # a rank whose op failed skips the reduction below: every rank must know before it
+    failed = run.agree(f"{label}{op}: failed on a rank", lambda: failed or "", "max")
+    if failed:
+        return {"skipped": failed}
     t = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step waits for the slowest rank
     times = t.tolist()
@@ -346,7 +346,7 @@ def measure_subgroup_collectives(device: torch.device, sizes: list[int], backend
     run = run or CalibrationRun.unbounded()
     out: dict[int, dict] = {}
     for g in subgroup_sizes(world):
-        if run.agreed_left_s(device) <= 0:
+        if run.agreed_left_s(f"collectives on groups of {g}: time left") <= 0:
             out[g] = {"skipped": "time limit: the world's figures price this group size"}
             run.fell_back(f"collectives on groups of {g} (time limit)")
             continue
@@ -391,16 +391,19 @@ def calibrate(runtime: Runtime, size: str = "small", budget_s: float = 0.5,
     m.update(measure_copy(backend, device, s["copy_bytes"], budget_s, run))
     m["gemm_flops"] = measure_gemm(backend, device, s["gemm"], budget_s, run)
     m["dlrm_mlp"] = measure_dlrm_mlp(backend, device, budget_s=budget_s, run=run, **DLRM_MLP[size])
+    # Each rank measured alone; the figures every rank's step points are costed with are rank 0's.
+    m = run.agree("device figures", lambda: m)
     lap("device")
     fields = spec_fields(backend, m)
     spec = backend.device_spec().replace(**{k: v for k, v in fields.items() if k != "name"})
     run.expect(len(implementations("embedding")) * len(EMB_POINTS[size]))
     run.phase(PHASE_SHARE["embedding"])
-    m["embedding"] = measure_embedding(backend, device, spec, EMB_POINTS[size], budget_s, run)
+    embedding = measure_embedding(backend, device, spec, EMB_POINTS[size], budget_s, run)
+    m["embedding"] = run.agree("embedding figures", lambda: embedding)
     lap("embedding")
     if world > 1:
         run.phase(PHASE_SHARE["collectives"])
-        if run.agreed_left_s(device) > 0:  # a collective: the ranks decide alike
+        if run.agreed_left_s("collectives: time left") > 0:  # a collective: the ranks decide alike
             run.expect(len(_BUS_FACTOR) * len(s["comm_bytes"]))
             m["collectives"] = measure_collectives(device, s["comm_bytes"], backend, budget_s, world, run)
             fields.update(link_fields(m["collectives"]))
@@ -422,15 +425,12 @@ def calibrate(runtime: Runtime, size: str = "small", budget_s: float = 0.5,
                               run)
     error = step.get("fit_max_rel_error")
     if error is not None and error > MAX_FIT_ERROR:
-        run.warn("calibration: the trainer step fit misses a point by %.0f %% (> %.0f %%): its figures are "
-                 "not used, the datasheet's stay", error * 100, MAX_FIT_ERROR * 100)
-        run.fell_back(f"trainer step (fit error {error * 100:.0f} %)")
-    if "fields" in step and (error is None or error <= MAX_FIT_ERROR):
+        # a busy host's points scatter; its fit is still this host's figure, the built-in one is not
+        run.approximate(f"trainer step (fit error {error * 100:.0f} %)")
+    if "fields" in step:
         fields.update(step["fields"])
         m["step"] = step
     else:  # kept for the record, under a name no DeviceSpec field is read from
-        if "fields" in step:
-            step["unused_fields"] = step.pop("fields")
         m["step_unused"] = step
     lap("step")
     m.update(phase_s=took, threads=torch.get_num_threads(), bind_cores=runtime.bound,
@@ -438,8 +438,10 @@ def calibrate(runtime: Runtime, size: str = "small", budget_s: float = 0.5,
     choice = getattr(backend, "bind_choice", None)
     if choice is not None:
         m["bind_rule"] = choice.describe()
-    trust = assess(meter.read(), meter.cores, run.spreads, run.fallbacks)
-    m["trust"] = trust.to_dict()
+    # the verdict (what is cached as trusted) is rank 0's: its load sample, spreads and fallbacks
+    m["trust"] = run.agree("trust verdict",
+                           lambda: assess(meter.read(), meter.cores, run.spreads, run.fallbacks,
+                                          run.approximated).to_dict())
     m.update(measured_fields=[k for k in fields if k != "name"], spec_fields=fields)
     return m
 

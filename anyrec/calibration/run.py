@@ -20,13 +20,14 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
+from anyrec.trainer.agreement import Agreement, How
 from anyrec.trainer.shutdown import StopRequest
 
 logger = logging.getLogger("anyrec.calibrate")
@@ -76,21 +77,24 @@ class CalibrationRun:
     stop: StopRequest | None = None
     bar: tqdm | None = None
     until: float = 0.0  # the current phase's end (<= deadline)
+    agreement: Agreement | None = None  # the ranks' decisions (None: one process, a library call)
     spreads: dict[str, float] = field(default_factory=dict)
     fallbacks: list[str] = field(default_factory=list)
+    approximated: list[str] = field(default_factory=list)
 
     @classmethod
     def begin(cls, limit_s: float, rank: int = 0, world_size: int = 1, progress: bool = True,
-              timeout_s: float = 600.0) -> CalibrationRun:
+              timeout_s: float = 600.0, agreement: Agreement | None = None) -> CalibrationRun:
         """Catch the stop signals (main thread only; `close()` undoes it); the clock started with the job
-        (its launcher, under torchrun): `limit_s` bounds what a user waits, start-up included."""
+        (its launcher, under torchrun): `limit_s` bounds what a user waits, start-up included. With several
+        ranks, `agreement` (every rank's, begun at the same point) takes the run's decisions."""
         stop = StopRequest(rank, world_size, 1, STOP_GRACE_S, timeout_s,
                            boundary="the current measurement", lost="nothing written")
         stop.install()
         bar = tqdm(total=0, desc="calibrate", unit="pt", file=sys.stderr, dynamic_ncols=True, mininterval=0.5,
                    disable=not (rank == 0 and progress))
         deadline = time.monotonic() - job_age_s() + limit_s
-        return cls(limit_s, deadline, world_size, rank, stop, bar, deadline)
+        return cls(limit_s, deadline, world_size, rank, stop, bar, deadline, agreement=agreement)
 
     @classmethod
     def unbounded(cls) -> CalibrationRun:
@@ -117,15 +121,25 @@ class CalibrationRun:
         """The current phase's share is spent (this rank's clock)."""
         return time.monotonic() >= self.until
 
-    def agreed_left_s(self, device: torch.device) -> float:
-        """The least time left over the ranks (a collective): what ranks that must train or measure a
-        collective together decide by, so they decide alike."""
-        left = min(self.left_s(), self.until - time.monotonic())
-        if self.world_size == 1 or not dist.is_initialized():
-            return left
-        t = torch.tensor([left], dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        return float(t.item())
+    def agree(self, name: str, local: Callable[[], Any], how: How = "main") -> Any:
+        """Decision `name`, taken once for every rank from each rank's `local()` view (`how`: rank 0's, the
+        min, the max, any): what decides which collectives follow is never a rank's own clock or sample.
+        A stop signal any rank caught stops every rank here (CalibrationStopped), at the same decision."""
+        if self.agreement is None:
+            self.check()
+            return local()
+        value = self.agreement.decide(name, local, how, extra=self._signum)
+        if self.agreement.extra:
+            raise CalibrationStopped(self.agreement.extra)
+        return value
+
+    def _signum(self) -> int:
+        return (self.stop.signum or 0) if self.stop is not None else 0
+
+    def agreed_left_s(self, what: str = "time left") -> float:
+        """The least time left over the ranks, agreed as decision `what`: what ranks that must train or
+        measure a collective together decide by, so they decide alike."""
+        return self.agree(what, lambda: min(self.left_s(), self.until - time.monotonic()), "min")
 
     def warn(self, msg: str, *args: object) -> None:
         """A warning from rank 0 (every rank measures the same way: one says it)."""
@@ -135,6 +149,11 @@ class CalibrationRun:
     def fell_back(self, what: str) -> None:
         """`what` was not measured in time (or not usable): it keeps its datasheet figure; said once."""
         self.fallbacks.append(what)
+
+    def approximate(self, what: str) -> None:
+        """`what` was measured only in part, or fits its points poorly (a busy host): its figures are used,
+        and the run's verdict says they are not to be trusted later."""
+        self.approximated.append(what)
 
     # ---- signals and progress -------------------------------------------------------------------
 

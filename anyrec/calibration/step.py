@@ -168,6 +168,23 @@ def _train_point(p: StepPoint, runtime: Runtime, hardware: Hardware, steps: int,
     return summary["measured_step_ms"] / 1e3, predicted.predicted_step_s
 
 
+def builtin_scale(rows: list[list[float]], measured: list[float], model: list[float], spec: Any) -> float:
+    """The factor s >= 0 on `spec`'s built-in step figures that best explains the `measured` seconds of the
+    points with `rows` terms (`model`: their bytes-and-FLOPs seconds), in relative least squares; 1 where
+    the built-in figures explain nothing (all zero)."""
+    builtin = [sum(getattr(spec, f) * x for f, x in zip(STEP_FIELDS, r, strict=True)) for r in rows]
+    num = sum(b * (m - p) / m**2 for b, m, p in zip(builtin, measured, model, strict=True))
+    den = sum(b * b / m**2 for b, m in zip(builtin, measured, strict=True))
+    return max(0.0, num / den) if den > 0 else 1.0
+
+
+def _shorten(steps: int, pass_s: float, left_s: float) -> tuple[int, float]:
+    """(steps per point, seconds per pass): fewer steps where a pass at `steps` would not fit `left_s`."""
+    if steps > 10 and pass_s > left_s:
+        return 10, pass_s / 3  # most of a short point is its set-up, not its steps
+    return steps, pass_s
+
+
 def measure_step_costs(runtime: Runtime, hardware: Hardware, budget_s: float, fit: Any, quick: bool = False,
                        run: CalibrationRun | None = None) -> dict[str, Any]:
     """Train every point of `points_at(world, quick)` on the process group's ranks (in `runtime`: its
@@ -175,12 +192,12 @@ def measure_step_costs(runtime: Runtime, hardware: Hardware, budget_s: float, fi
     unexplained. Within `run`'s time: as many passes as fit (at least one, else no `fields`: the
     datasheet's stay)."""
     run = run or CalibrationRun.unbounded()
-    device, world = runtime.device, runtime.dist.world_size
+    world = runtime.dist.world_size
     points = points_at(world, quick)
     # Five passes (median): with three, one noisy pass of the pooling points swung the per-id term
     # between 0 and 1.8e-7 s between two calibrations of this 2-core host.
     steps, passes = (40, 5) if budget_s >= 0.1 else (10, 1)
-    if run.agreed_left_s(device) <= 0:
+    if run.agreed_left_s("step points: time left") <= 0:
         run.fell_back("trainer step (time limit)")
         return {"steps_per_point": steps, "passes": 0, "points": []}
     run.expect(1 + len(points) * passes)
@@ -188,38 +205,49 @@ def measure_step_costs(runtime: Runtime, hardware: Hardware, budget_s: float, fi
     # first point measured 31 ms against 12 ms for the same point with six more layers (2 ranks).
     run.measuring(f"step warm-up {points[0].name}")
     start = time.monotonic()
-    _train_point(points[0], runtime, hardware, steps, run)
+    warm = _train_point(points[0], runtime, hardware, steps, run)
     run.measured("step warm-up")
-    # Larger points take longer than the first: a pass is planned at twice its time per point.
-    pass_s = 2 * (time.monotonic() - start) * len(points)
-    left_s = run.agreed_left_s(device)
-    if steps > 10 and pass_s > left_s:
-        steps, pass_s = 10, pass_s / 3  # most of a short point is its set-up, not its steps
-    if pass_s > left_s:  # not even one pass fits: none is started
-        run.expect(-len(points) * passes)
-        run.fell_back("trainer step (time limit)")
-        return {"steps_per_point": steps, "passes": 0, "points": []}
+    # Larger points take longer than the first: a pass is planned at twice its time per point (the
+    # slowest rank's), and the plan is rank 0's, taken from figures agreed over the ranks.
+    pass_s = run.agree("step points: pass time", lambda: 2 * (time.monotonic() - start) * len(points), "max")
+    left_s = run.agreed_left_s("step points: time left after warm-up")
+    steps, pass_s = run.agree("step points: plan", lambda: _shorten(steps, pass_s, left_s))
+    if pass_s > left_s:  # not even one pass fits: one is started, and ends with the time (points in part)
+        run.expect(-len(points) * (passes - 1))
+        passes = 1
     times: list[list[float]] = [[] for _ in points]
     model = [0.0] * len(points)
     done = 0
     for k in range(passes):  # alternate the order: a shared host's load drifts
-        if k and run.agreed_left_s(device) < pass_s:
+        if k and run.agreed_left_s(f"step points: time left before pass {k + 1}") < pass_s:
             break
         started = time.monotonic()
         for i in (range(len(points)) if k % 2 == 0 else reversed(range(len(points)))):
-            if run.agreed_left_s(device) <= 0:  # a later pass may end part way: each point has one
+            # a later pass may end part way: each point has one
+            if run.agreed_left_s(f"step points: time left for {points[i].name} (pass {k + 1})") <= 0:
                 break
             run.measuring(f"step {points[i].name} (pass {k + 1})")
             m, model[i] = _train_point(points[i], runtime, hardware, steps, run)
             times[i].append(m)
             run.measured(f"step {points[i].name}")
-        done, pass_s = k + 1, time.monotonic() - started
+        done = k + 1
+        pass_s = run.agree(f"step points: pass {k + 1} time", lambda s=started: time.monotonic() - s, "max")
     run.expect(sum(map(len, times)) - len(points) * passes)  # the bar's total: what was measured
     if any(not t for t in times):
-        run.fell_back(f"trainer step ({sum(bool(t) for t in times)} of {len(points)} points in time)")
-        return {"steps_per_point": steps, "passes": done, "points": [
-            {"name": p.name, "measured_s": sorted(t)[len(t) // 2]} for p, t in zip(points, times, strict=True)
-            if t]}
+        got = [i for i, t in enumerate(times) if t]
+        out: dict[str, Any] = {"steps_per_point": steps, "passes": done, "points": [
+            {"name": points[i].name, "measured_s": sorted(times[i])[len(times[i]) // 2]} for i in got]}
+        # Too few points to fit each term, enough to say how far off the built-in figures are on this host
+        # as it is now (a busy host's contention included): they are scaled to the points measured; with
+        # none, to the warm-up point (its trainer's lazy set-up included: an over-estimate, never 5x under).
+        rows = [points[i].terms(world) for i in got] or [points[0].terms(world)]
+        seconds = [p["measured_s"] for p in out["points"]] or [warm[0]]
+        scale = builtin_scale(rows, seconds, [model[i] for i in got] or [warm[1]], hardware.spec)
+        which = f"{len(got)} of {len(points)} points in time" if got else "the warm-up point only"
+        run.approximate(f"trainer step ({which}: the built-in figures scaled x{scale:.2f} to it)")
+        out["fields"] = {f: getattr(hardware.spec, f) * scale for f in STEP_FIELDS}
+        out["builtin_scale"] = scale
+        return out
     measured = [sorted(t)[len(t) // 2] for t in times]
     for p, t in zip(points, times, strict=True):
         if len(t) > 1:

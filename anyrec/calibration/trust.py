@@ -17,7 +17,7 @@ from anyrec.calibration.core_load import CoreLoad
 # and daemons stay below 0.1 on this project's 2-core hosts; a second 2-rank job takes 1.4 to 1.9).
 BUSY_OTHER_CORES = 0.5
 MAX_SPREAD = 0.25  # the measurements' median interquartile range over the median, beyond which: noisy
-MAX_FIT_ERROR = 0.30  # a fitted figure missing one of its points by more is not used (datasheet instead)
+MAX_FIT_ERROR = 0.30  # a fit missing one of its points by more is used by its job, never trusted later
 
 
 @dataclass(frozen=True)
@@ -42,9 +42,11 @@ class Trust:
                 "cores": self.cores, "median_spread": self.median_spread}
 
 
-def assess(load: CoreLoad | None, cores: int, spreads: dict[str, float], fallbacks: list[str]) -> Trust:
+def assess(load: CoreLoad | None, cores: int, spreads: dict[str, float], fallbacks: list[str],
+           approximated: list[str] = ()) -> Trust:
     """The verdict on one calibration: `load` over its whole run on its `cores`, each repeated
-    measurement's spread, and what fell back to the datasheet (time limit, a fit past MAX_FIT_ERROR)."""
+    measurement's spread, what fell back to the built-in figures (nothing measured in time) and what was
+    `approximated` from a part of its points or a poor fit (used by the job that measured them)."""
     reasons = []
     other = load.other_cores if load is not None else None
     if other is not None and other > BUSY_OTHER_CORES:
@@ -55,6 +57,8 @@ def assess(load: CoreLoad | None, cores: int, spreads: dict[str, float], fallbac
         worst = max(spreads, key=spreads.__getitem__)
         reasons.append(f"noisy: repeated measurements spread by {median * 100:.0f} % (median; {worst}: "
                        f"{spreads[worst] * 100:.0f} %)")
+    if approximated:
+        reasons.append(f"measured in part or fitted poorly (used as measured): {', '.join(approximated)}")
     if fallbacks:
-        reasons.append(f"not measured or not used (datasheet figures instead): {', '.join(fallbacks)}")
+        reasons.append(f"not measured (built-in figures instead): {', '.join(fallbacks)}")
     return Trust(not reasons, reasons, other, cores, median)

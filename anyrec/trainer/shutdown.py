@@ -25,6 +25,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from anyrec.trainer.agreement import AGREE_TIMEOUT_S, Agreement
 from anyrec.trainer.errors import NonFiniteLossError, PeerLostError, exit_now
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,8 @@ class StopRequest:
         self._agreed = threading.Event()
         self._lock = threading.Lock()
         self._store = _store(world_size)
+        # the stop checks of this request: numbered decisions of the ranks, waited for at most a minute
+        self._agreement = Agreement.begin(rank, world_size, "stop checks", min(timeout_s, AGREE_TIMEOUT_S))
         self._installed: dict[int, Any] = {}
         self._old_wakeup = -1
         self._pair: tuple[socket.socket, socket.socket] | None = None
@@ -164,21 +167,9 @@ class StopRequest:
         return bool(stop)
 
     def _exchange(self, step: int, local: int) -> list[int]:
-        store = self._store
-        keys = [f"stop/{step}/{r}" for r in range(self.world_size)]
-        store.set(keys[self.rank], str(local))
-        try:
-            store.wait(keys, timedelta(seconds=self.timeout_s))
-        except Exception:  # noqa: BLE001 - the store's timeout error has no public type
-            missing = [r for r, k in enumerate(keys) if not store.check([k])]
-            raise PeerLostError(f"rank {self.rank}: rank(s) {', '.join(map(str, missing))} did not reach "
-                                f"step {step} within {self.timeout_s:.0f} s (trainer.collective_timeout_s)"
-                                ) from None
-        values = [int(v) for v in store.multi_get(keys)]
-        old = step - 2 * self.check_every  # every rank has read that round: it finished the last one
-        if old >= 0:
-            store.delete_key(f"stop/{old}/{self.rank}")
-        return values
+        """The largest signal number any rank saw, agreed as one decision of the ranks (a rank that does
+        not come within the agreement's minute is named: PeerLostError)."""
+        return [self._agreement.decide(f"stop after step {step}", lambda: local, "max")]
 
 
 class Heartbeat:
