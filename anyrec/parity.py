@@ -37,7 +37,7 @@ from anyrec.config import AnyrecConfig, ParityConfig
 from anyrec.io_checks import atomic_write, writable_file
 from anyrec.proc import run_session
 from anyrec.safe_load import load_json
-from anyrec.signing import SignatureError, SigningKey, resolve_key
+from anyrec.signing import SignatureError, SigningKey, resolve_key, warn_unkeyed
 from anyrec.trainer.distributed import DistInfo, all_reduce_mean
 from anyrec.trainer.fingerprint import full_state
 from anyrec.trainer.trainer import Trainer
@@ -208,6 +208,8 @@ def read_records(path: Path, signing_key: SigningKey | None = None) -> dict[str,
             signing_key.check(data, what)
         except SignatureError as e:
             raise ValueError(str(e)) from None
+    else:
+        warn_unkeyed(what)
     if not isinstance(data.get("runs"), list) or not data["runs"]:
         raise ValueError(f"{what}: holds no runs")
     for i, run in enumerate(data["runs"]):
@@ -258,18 +260,26 @@ def compare(ref: dict[str, Any], rec: dict[str, Any]) -> dict[str, float]:
     return {"loss_abs": loss_abs, "loss_rel": loss_rel, "weight_abs": weight_abs}
 
 
+def shown(text: object) -> str:
+    """`text` safe to print: control and other unprintable characters (a terminal's escape codes, from a
+    record file or a child's output) as escapes, and `|` escaped so a table row keeps its columns."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                   for c in str(text)).replace("|", "\\|")
+
+
 def report(labels: list[str], records: list[dict[str, Any]], ref: dict[str, Any], ref_label: str,
            opts: ParityConfig) -> tuple[str, bool]:
-    """The table (markdown) and whether every variant is within tolerance."""
-    rows = [f"reference: {ref_label}",
+    """The table (markdown) and whether every variant is within tolerance (every label and error shown
+    escaped: they come from files and child processes)."""
+    rows = [f"reference: {shown(ref_label)}",
             "| variant | steps | final loss | max abs loss diff | max rel loss diff | max abs weight diff "
             "| weights sha256 | result |",
             "|---|---|---|---|---|---|---|---|"]
     ok_all = True
-    for label, rec in zip(labels, records, strict=True):
+    for label, rec in zip(map(shown, labels), records, strict=True):
         if "error" in rec:
             ok_all = False
-            rows.append(f"| {label} | - | - | - | - | - | - | FAILED: {rec['error']} |")
+            rows.append(f"| {label} | - | - | - | - | - | - | FAILED: {shown(rec['error'])} |")
             continue
         d = compare(ref, rec)
         ok = d["loss_rel"] <= opts.loss_rtol and d["weight_abs"] <= opts.weight_atol
@@ -303,7 +313,7 @@ def run(cfg: AnyrecConfig) -> int:
     else:
         if "error" in records[0]:
             for lb, rec in zip(labels, records, strict=True):
-                print(f"{lb}: {rec.get('error', 'ran')}")
+                print(f"{shown(lb)}: {shown(rec.get('error', 'ran'))}")
             print("anyrec-parity: the reference (first) variant failed", file=sys.stderr)
             return 1
         ref, ref_label = records[0], labels[0]

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+import traceback
 
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
@@ -32,8 +33,8 @@ def run(cfg: DictConfig) -> dict:
     """Train with a composed config; rank 0 prints the JSON summary as its last stdout line."""
     # torchrec (the trainer, and calibration, which trains) loads once Hydra has parsed the command line
     from anyrec.calibration.first_contact import calibrated_hardware, wants_calibration  # torchrec: late
-    from anyrec.trainer.distributed import start_runtime  # torch.distributed: after the command line
-    from anyrec.trainer.shutdown import peer_failure  # with the trainer, after Hydra parsed argv
+    from anyrec.trainer.distributed import destroy_distributed, start_runtime  # after the command line
+    from anyrec.trainer.shutdown import peer_failure, peers_met  # with the trainer, after Hydra parsed argv
     from anyrec.trainer.trainer import Trainer  # torchrec loads once Hydra has parsed the command line
 
     config = _hydra.to_object(cfg)
@@ -48,9 +49,17 @@ def run(cfg: DictConfig) -> dict:
     runtime = start_runtime(config.backend.name, config.backend.bind_cores, tc.collective_timeout_s,
                             tc.peer_timeout_s, config.backend.threads)
     hardware = None  # the Trainer resolves `hardware.sku` itself
-    if wants_calibration(config):  # hardware=auto: this machine's cached figures, measured on a miss
-        hardware = calibrated_hardware(config, runtime)
-    trainer = Trainer(config, runtime=runtime, hardware=hardware)
+    try:
+        if wants_calibration(config):  # hardware=auto: this machine's cached figures, measured on a miss
+            hardware = calibrated_hardware(config, runtime)
+        trainer = Trainer(config, runtime=runtime, hardware=hardware)
+    except BaseException as e:
+        # No Trainer owns the runtime to close it (a bad checkpoint, a failed calibration): take the group
+        # and the heartbeat down here. A heartbeat thread left in the store's C++ code when the
+        # interpreter exits aborts the process ("terminate called without an active exception").
+        traceback.clear_frames(e.__traceback__)  # the half-built Trainer's model goes before the group
+        destroy_distributed(barrier=peers_met(runtime.dist.rank, runtime.dist.world_size))  # bounded wait
+        raise
     try:
         summary = trainer.train()
     except BaseException as e:

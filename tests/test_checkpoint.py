@@ -98,6 +98,23 @@ def test_corrupt_checkpoint_fails_clearly(runs, tmp_path, damage):
     assert _tree(tmp_path / "ck") == before  # nothing overwritten
 
 
+def test_a_corrupt_checkpoint_under_torchrun_exits_in_one_line_not_by_a_signal(runs, tmp_path):
+    """Every rank fails with the one line and exit 2, its heartbeat stopped and the group gone before the
+    interpreter exits (a heartbeat thread left in the store's C++ code aborted a rank at exit)."""
+    shutil.copytree(runs[0] / "ck_at_10", tmp_path / "ck")
+    shard = sorted((tmp_path / "ck" / "step_10").glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    proc = torchrun([str(ROOT / "tests" / "exit_threads.py"), *BASE[2:], f"hydra.run.dir={tmp_path}/hydra",
+                     "trainer.steps=20", f"trainer.checkpoint.dir={tmp_path}/ck"], cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "terminate called" not in out and "Signal 6" not in out, out[-3000:]
+    assert len(_error_lines(proc)) == 1 and "is corrupt" in _error_lines(proc)[0], out[-3000:]
+    assert sorted(ln for ln in proc.stderr.splitlines() if "threads at exit" in ln) == [
+        "rank 0 threads at exit: []", "rank 1 threads at exit: []"], out[-3000:]
+
+
 def test_incompatible_checkpoint_fails_clearly(runs, tmp_path):
     src = runs[0]
     shutil.copytree(src / "ck_at_10", tmp_path / "ck")

@@ -25,6 +25,7 @@ from anyrec.serving.model import ScoringModel, dequantize_rowwise_int8, quantize
 from anyrec.serving.program import ScoringProgram
 from anyrec.serving.scoring import batch_inputs, score_batches
 from anyrec.serving.weights import load_checkpoint
+from anyrec.signing import resolve_key
 from anyrec.trainer.checkpoint import CheckpointManager
 from anyrec.trainer.distributed import ONE_PROCESS
 from anyrec.trainer.errors import CheckpointError
@@ -103,7 +104,8 @@ def _checkpoint(tmp: Path, cfg: ModelConfig, model) -> Path:
     tables = {c.name: [c.num_embeddings, c.embedding_dim] for c in table_configs(cfg)}
     dense = {n: list(p.shape) for n, p in train.named_parameters() if "sparse_arch" not in n}
     manager = CheckpointManager(CheckpointConfig(dir=str(tmp / "ckpt")),
-                                {"tables": tables, "dense": dense, "optimizer": "adagrad"}, ONE_PROCESS)
+                                {"tables": tables, "dense": dense, "optimizer": "adagrad"}, ONE_PROCESS,
+                                signing_key=resolve_key(None))  # signed as the trainer signs it
     manager.start()
     path = manager.save(7, {"model": train.state_dict()}, {"world_size": 1, "model": cfg.name})
     manager.close()

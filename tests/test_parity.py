@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from anyrec import parity
+from anyrec.config import ParityConfig
 from anyrec.parity import compare, main, parse_variant
+from anyrec.signing import resolve_key
 
 
 @pytest.fixture(autouse=True)
@@ -157,8 +159,8 @@ def test_against_file_is_checked_whole_before_any_variant_runs(tmp_path, monkeyp
     if spoil.__name__ == "<lambda>":
         path.write_text(spoil(path.read_text()))
     else:
-        spoil(data)
-        path.write_text(json.dumps(data))
+        spoil(data)  # and signed, as a file this user wrote: the checks behind the signature's
+        path.write_text(json.dumps(resolve_key(None).signed(data)))
     _no_variant_runs(monkeypatch)
     assert main(["model=dlrm_tiny", f"parity.against={path}"]) == 2
     line = _one_error_line(capsys)
@@ -183,6 +185,42 @@ def test_with_a_signing_key_records_are_signed_and_a_forged_one_refused(tmp_path
     path, _ = _saved(tmp_path)  # unsigned
     assert main(["model=dlrm_tiny", f"parity.against={path}"]) == 2
     assert "is not signed" in _one_error_line(capsys)
+
+
+def test_without_a_configured_key_a_resealed_record_is_refused(tmp_path, monkeypatch, capsys):
+    """The per-user key signs what anyrec-parity saves: a record edited and resealed (its hashes made to
+    match, the signature dropped or left stale) is refused without any key configured."""
+    monkeypatch.delenv("ANYREC_SIGNING_KEY", raising=False)
+    monkeypatch.setattr(parity, "run_variant", lambda base, v, timeout_s: _record([0.7, 0.6], [0.1, 0.2]))
+    saved = tmp_path / "ref.json"
+    assert main(["model=dlrm_tiny", f"parity.save={saved}"]) == 0
+    assert main(["model=dlrm_tiny", f"parity.against={saved}"]) == 0
+    capsys.readouterr()
+    data = json.loads(saved.read_text())
+    data["runs"][0]["losses"][1] = 0.5
+    data["runs"][0] = parity.sealed(data["runs"][0])
+    saved.write_text(json.dumps(data))
+    assert main(["model=dlrm_tiny", f"parity.against={saved}"]) == 2
+    assert "signature does not match" in _one_error_line(capsys)
+    del data["hmac_sha256"]
+    saved.write_text(json.dumps(data))
+    assert main(["model=dlrm_tiny", f"parity.against={saved}"]) == 2
+    assert "is not signed" in _one_error_line(capsys)
+
+
+def test_escape_codes_in_a_record_never_reach_the_terminal(tmp_path, monkeypatch, capsys):
+    """A label read from a records file (and a child's error line) is printed escaped."""
+    monkeypatch.setattr(parity, "run_variant", lambda base, v, timeout_s: _record([0.7, 0.6], [0.1, 0.2]))
+    path, data = _saved(tmp_path)
+    data["runs"][0] = parity.sealed({**data["runs"][0], "label": "ref\x1b[2J\x1b]0;pwned\x07|x"})
+    path.write_text(json.dumps(resolve_key(None).signed(data)))
+    assert main(["model=dlrm_tiny", f"parity.against={path}"]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out
+    assert "ref\\x1b[2J\\x1b]0;pwned\\x07\\|x from" in out, out
+    table, _ = parity.report(["a\rb"], [{"error": "exit 1: \x1b[31mboom"}], data["runs"][0], "r",
+                             ParityConfig())
+    assert "\x1b" not in table and "\r" not in table and "a\\rb" in table
 
 
 def test_unwritable_save_path_is_refused_before_any_variant_runs(tmp_path, monkeypatch, capsys):

@@ -20,7 +20,6 @@ import dataclasses
 import hashlib
 import importlib.metadata
 import json
-import os
 import re
 import time
 from collections.abc import Sequence
@@ -38,20 +37,15 @@ from anyrec.backends.cpu import allowed_cores
 from anyrec.backends.hardware import hardware_from_data
 from anyrec.io_checks import write_yaml
 from anyrec.safe_load import load_yaml
-from anyrec.signing import FIELD, SigningKey
+from anyrec.signing import CACHE_DIR_ENV as CACHE_DIR_ENV  # one definition, also for the signing key
+from anyrec.signing import FIELD, SigningKey, cache_dir, warn_unkeyed
 
 if TYPE_CHECKING:
     from anyrec.trainer.distributed import DistInfo
 
-CACHE_DIR_ENV = "ANYREC_CACHE_DIR"
 # Distribution names per package (the first installed one counts): FBGEMM ships CPU and GPU wheels.
 PACKAGES = {"torch": ("torch",), "fbgemm": ("fbgemm-gpu", "fbgemm-gpu-cpu", "fbgemm-gpu-nightly"),
             "torchrec": ("torchrec",)}
-
-
-def cache_dir() -> Path:
-    """Where calibrations are cached: `$ANYREC_CACHE_DIR`, else `~/.cache/anyrec`."""
-    return Path(os.environ.get(CACHE_DIR_ENV) or "~/.cache/anyrec").expanduser()
 
 
 def _version(dist: str) -> str | None:
@@ -165,6 +159,8 @@ def read_entry(path: Path, key: CacheKey, signing_key: SigningKey | None = None)
         raise ValueError("its content does not match its checksum (edited or damaged)")
     if signing_key is not None:
         signing_key.check(_signed_view(data), "the entry")
+    else:
+        warn_unkeyed(f"calibration cache entry {path}")
     measurements = data.get("measurements") or {}
     bound = measurements.get("bind_cores")  # below: every hardware file's checks
     trust = measurements.get("trust")

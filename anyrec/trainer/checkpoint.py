@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 import anyrec
 from anyrec.config import CheckpointConfig
 from anyrec.io_checks import open_nofollow
-from anyrec.signing import SignatureError, SigningKey
+from anyrec.signing import SignatureError, SigningKey, warn_unkeyed
 from anyrec.trainer.dcp_reader import SafeLoadPlanner, SafeReader
 from anyrec.trainer.distributed import DistInfo, broadcast_from_main, gather_objects
 from anyrec.trainer.errors import CheckpointError
@@ -208,6 +208,9 @@ class CheckpointManager:
         start, run_id = decision
         self.run = RunIdentity(start.lineage, run_id, self.identity, start.parent)
         self._replace = start.replace
+        if self.is_main:
+            for line in start.skipped:
+                logger.warning("%s", line)
         if self.is_main and start.replace:
             logger.warning("trainer.checkpoint.overwrite: %d checkpoint(s) in %s are deleted after this "
                            "run's first save", len(start.replace), self.root)
@@ -315,6 +318,8 @@ class CheckpointManager:
                 self.signing_key.check(meta, f"checkpoint {path}: meta.json")
             except SignatureError as e:
                 raise CheckpointError(str(e)) from None
+        elif self.is_main:
+            warn_unkeyed(f"checkpoint {path}")
         why = signature_mismatch(meta["signature"], self.signature)
         if why:
             raise CheckpointError(f"checkpoint {path} is from an incompatible model: {why}")

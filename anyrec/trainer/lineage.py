@@ -89,6 +89,7 @@ class Found:
     step: int
     path: Path
     meta: dict[str, Any] | None
+    problem: str | None = None  # why meta.json is unreadable, where it is
 
     @property
     def run(self) -> dict[str, Any] | None:
@@ -108,6 +109,7 @@ class Start:
     lineage: str
     parent: dict[str, Any] | None = None
     replace: tuple[str, ...] = ()  # other checkpoints this run deletes after its first save
+    skipped: tuple[str, ...] = ()  # one line per damaged newer checkpoint passed over (and moved aside)
 
 
 def scan(root: Path) -> list[Found]:
@@ -116,11 +118,14 @@ def scan(root: Path) -> list[Found]:
     for p in root.iterdir() if root.is_dir() else ():
         m = _FINAL.match(p.name)
         if m and p.is_dir():
+            problem = None
             try:
-                meta = load_json(p / META, f"checkpoint {p}: {META}")
-            except ValueError:
-                meta = None
-            found.append(Found(int(m.group(1)), p, meta if isinstance(meta, dict) else None))
+                meta = load_json(p / META, META)
+            except ValueError as e:
+                meta, problem = None, str(e)
+            if meta is not None and not isinstance(meta, dict):
+                meta, problem = None, f"{META} is not a JSON object"
+            found.append(Found(int(m.group(1)), p, meta, problem))
     return sorted(found, key=lambda f: f.step)
 
 
@@ -148,7 +153,8 @@ def decide_start(root: Path, cfg: CheckpointConfig, config: dict[str, Any], sign
         if mine:  # this run's own lineage (newest written, should an overwrite have been cut short)
             lineage = max(mine, key=_saved_at).lineage
             newest = [f for f in mine if f.lineage == lineage][-1]
-            return Start(str(newest.path), lineage)
+            damaged = [f for f in found if f.meta is None and f.step > newest.step]
+            return Start(str(newest.path), lineage, skipped=tuple(_set_aside(f, newest) for f in damaged))
     load, parent = None, None
     if cfg.resume_from:
         src = resolve_checkpoint(Path(cfg.resume_from).expanduser())
@@ -169,7 +175,8 @@ def decide_start(root: Path, cfg: CheckpointConfig, config: dict[str, Any], sign
                 "trainer.checkpoint.resume=false: choose another directory, or set "
                 "trainer.checkpoint.overwrite=true to replace them")
         if newest.meta is None:
-            raise CheckpointError(f"checkpoint {newest.path} is corrupt or incomplete: unreadable meta.json")
+            raise CheckpointError(f"checkpoint {newest.path} is corrupt or incomplete: unreadable meta.json "
+                                  f"({newest.problem})")
         why = signature_why(newest.meta.get("signature", {}))
         if why:
             raise CheckpointError(f"checkpoint {newest.path} is from an incompatible model: {why}")
@@ -186,6 +193,19 @@ def decide_start(root: Path, cfg: CheckpointConfig, config: dict[str, Any], sign
     return Start(load, uuid.uuid4().hex[:16], parent, tuple(str(f.path) for f in found))
 
 
+def _set_aside(damaged: Found, newest: Found) -> str:
+    """Move a damaged checkpoint newer than the one resumed out of the way (renamed, never deleted: this
+    run saves that step again) and say so in one line."""
+    aside = damaged.path.with_name(f"{damaged.path.name}.damaged-{uuid.uuid4().hex[:6]}")
+    try:
+        os.replace(damaged.path, aside)  # renames the entry itself, link or not
+        where = f"moved to {aside.name}"
+    except OSError as e:
+        where = f"left in place ({e.strerror})"
+    return (f"checkpoint {damaged.path} is damaged and was skipped ({damaged.problem}; {where}): "
+            f"resuming from the newest usable one, {newest.path}")
+
+
 def read_meta_file(path: Path) -> dict[str, Any]:
     """A checkpoint's meta.json as a dict, or CheckpointError naming it."""
     try:
@@ -195,6 +215,14 @@ def read_meta_file(path: Path) -> dict[str, Any]:
     if not isinstance(meta, dict) or "step" not in meta or "signature" not in meta:
         raise CheckpointError(f"checkpoint {path} is corrupt or incomplete: unreadable meta.json "
                               "(missing fields)")
+    step = meta["step"]
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"checkpoint {path} is corrupt: meta.json's step is {step!r}, not a step")
+    named = _FINAL.match(path.name)
+    if named and int(named.group(1)) != step:
+        raise CheckpointError(f"checkpoint {path} holds step {step} but is named {path.name}: refused (a "
+                              f"renamed or misplaced checkpoint; name it step_{step} or resume from it "
+                              "with trainer.checkpoint.resume_from and another trainer.checkpoint.dir)")
     return meta
 
 
