@@ -295,13 +295,14 @@ class AnyrecConfig:
 class Range:
     """The values a numeric option takes: from `low` to `high` (None: unbounded on that side), an end
     excluded where `*_open` says so, always finite; a list option's items each, the list non-empty where
-    `nonempty` says so. `None` (an option left unset) is always taken."""
+    `nonempty` says so. `None` (an option left unset) is always taken. `words` says it for the user."""
 
     low: float | None = None
     high: float | None = None
     low_open: bool = False
     high_open: bool = False
     nonempty: bool = False
+    words: str = ""
 
     def admits(self, value: float) -> bool:
         """Whether one number lies in the range (NaN and infinities never do)."""
@@ -311,17 +312,18 @@ class Range:
             return False
         return self.high is None or (value < self.high if self.high_open else value <= self.high)
 
-    def describe(self, integer: bool) -> str:
-        """The range in words: "an integer >= 1", "a number in (0, 1]", ..."""
-        what = "an integer" if integer else "a finite number"
+    def describe(self) -> str:
+        """The range in words: ">= 1", "in (0, 1]", "a positive number of seconds (at most 1e+06)"."""
+        if self.words:
+            return self.words
         if self.low is not None and self.high is not None:
-            return (f"{what} in {'(' if self.low_open else '['}{_num(self.low)}, {_num(self.high)}"
+            return (f"in {'(' if self.low_open else '['}{_num(self.low)}, {_num(self.high)}"
                     f"{')' if self.high_open else ']'}")
         if self.low is not None:
-            return f"{what} {'>' if self.low_open else '>='} {_num(self.low)}"
+            return f"{'>' if self.low_open else '>='} {_num(self.low)}"
         if self.high is not None:
-            return f"{what} {'<' if self.high_open else '<='} {_num(self.high)}"
-        return what
+            return f"{'<' if self.high_open else '<='} {_num(self.high)}"
+        return "a finite number"
 
 
 def _num(bound: float) -> str:
@@ -335,7 +337,7 @@ POSITIVE = Range(0, low_open=True)
 FRACTION = Range(0, 1)
 # Seconds a wait or a budget lasts: positive, and at most ~11.6 days (past that, a timedelta or a
 # store's millisecond timeout overflows, and a user meant "forever", which anyrec does not offer)
-SECONDS = Range(0, 1e6, low_open=True)
+SECONDS = Range(0, 1e6, low_open=True, words="a positive number of seconds (at most 1e+06)")
 
 # Every numeric option of the schema and its range: checked once, when the typed config is built
 # (`check_values`, run by `anyrec._hydra.to_object` for every entry point). tests/test_config.py holds
@@ -411,13 +413,9 @@ def check_values(cfg: AnyrecConfig) -> None:
         value = _option(cfg, key)
         if value is None:
             continue
-        items = value if isinstance(value, list) else [value]
-        integer = all(isinstance(v, int) for v in items)
         if isinstance(value, list):
-            if (allowed.nonempty and not items) or not all(allowed.admits(v) for v in items):
+            if (allowed.nonempty and not value) or not all(allowed.admits(v) for v in value):
                 need = "a non-empty list" if allowed.nonempty else "a list"
-                each = allowed.describe(integer).replace("an integer", "integers").replace(
-                    "a finite number", "finite numbers")
-                raise ValueError(f"{key} must be {need} of {each}, got {value}")
+                raise ValueError(f"{key} must be {need}, each {allowed.describe()}, got {value}")
         elif not allowed.admits(value):
-            raise ValueError(f"{key} must be {allowed.describe(integer)}, got {value}")
+            raise ValueError(f"{key} must be {allowed.describe()}, got {value}")
