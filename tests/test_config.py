@@ -192,6 +192,19 @@ def test_plan_refuses_a_bad_replica_sync_in_one_line_exit_2(value, tmp_path, cap
     assert not run_dir.exists()  # refused before the run folder is made
 
 
+def test_train_refuses_empty_tables_in_one_line_before_any_data(tmp_path, capfd):
+    from anyrec import train
+
+    run_dir = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        _hydra.launch("anyrec-train", train.main, ["model=dlrm_tiny", "model.table_rows=[]",
+                                                   f"hydra.run.dir={run_dir}"])
+    assert e.value.code == 2
+    assert capfd.readouterr().err.strip().splitlines() == [
+        "anyrec-train: error: model.table_rows must be a non-empty list, each >= 1, got []"]
+    assert not run_dir.exists()
+
+
 ENV_LINE = ("trainer.calibrate: Invalid value 'bogus', expected one of [auto, always, never] (the "
             "environment variable ANYREC_CALIBRATE, through ${oc.env:ANYREC_CALIBRATE,auto})")
 

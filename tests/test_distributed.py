@@ -64,3 +64,19 @@ def test_train_entry_point_says_it_in_one_line_and_exits_2(monkeypatch, capfd):
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("anyrec-train: error: rank 0 of 2: waited 1 s"), err
     assert not dist.is_initialized()
+
+
+def test_a_launch_handshake_that_times_out_is_one_line(monkeypatch):
+    from anyrec.trainer import distributed
+
+    _started_by_hand(monkeypatch, 0)
+
+    def never_answered(info):
+        raise TimeoutError("ranks did not join within 600 s")
+
+    monkeypatch.setattr(distributed, "_elastic_store", never_answered)
+    with pytest.raises(RendezvousError) as e:
+        init_distributed(get_backend("cpu"), timeout_s=1)
+    assert str(e.value).startswith("rank 0 of 2: waited at 127.0.0.1:")
+    assert "the peer ranks never joined (ranks did not join within 600 s)" in str(e.value)
+    assert not dist.is_initialized()

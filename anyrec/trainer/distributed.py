@@ -154,9 +154,12 @@ class RendezvousError(ValueError):
 def _rendezvous_problem(info: DistInfo, e: Exception, timeout_s: float | None) -> str:
     """One line for a process group that could not be formed: what this rank waited for, where, how long."""
     at = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-    waited = f"{timeout_s:g} s (trainer.collective_timeout_s)" if timeout_s else "torch's default timeout"
-    what = (f"waited {waited} at {at} for the other {info.world_size - 1} rank(s) to join the process group"
-            if info.rank == 0 else f"waited {waited} to reach rank 0's store at {at}")
+    if isinstance(e, TimeoutError):  # torchrun's agent store: the launch handshake (launch_token) timed out
+        what = f"waited at {at} for the other ranks of this launch to answer"
+    else:
+        waited = f"{timeout_s:g} s (trainer.collective_timeout_s)" if timeout_s else "torch's default timeout"
+        what = (f"waited {waited} at {at} for the other {info.world_size - 1} rank(s) to join the process "
+                "group" if info.rank == 0 else f"waited {waited} to reach rank 0's store at {at}")
     cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return (f"rank {info.rank} of {info.world_size}: {what}; the peer ranks never joined ({cause}); start "
             f"all {info.world_size} ranks (RANK=0..{info.world_size - 1}) within that time, or launch with "
