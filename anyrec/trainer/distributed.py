@@ -154,7 +154,7 @@ class RendezvousError(ValueError):
 def _rendezvous_problem(info: DistInfo, e: Exception, timeout_s: float | None) -> str:
     """One line for a process group that could not be formed: what this rank waited for, where, how long."""
     at = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-    if isinstance(e, TimeoutError):  # torchrun's agent store: the launch handshake (launch_token) timed out
+    if isinstance(e, TimeoutError):  # under torchrun: the launch handshake (launch_token) timed out
         what = f"waited at {at} for the other ranks of this launch to answer"
     else:
         waited = f"{timeout_s:g} s (trainer.collective_timeout_s)" if timeout_s else "torch's default timeout"
