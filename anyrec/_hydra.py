@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +22,12 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 from hydra.types import HydraContext, RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
-from omegaconf.errors import OmegaConfBaseException, ValidationError
+from omegaconf.errors import (
+    InterpolationResolutionError,
+    MissingMandatoryValue,
+    OmegaConfBaseException,
+    ValidationError,
+)
 
 from anyrec import console
 from anyrec.backends.hardware import is_hardware_path
@@ -34,6 +40,7 @@ from anyrec.config import (
     OptimConfig,
     PlannerConfig,
     TrainerConfig,
+    check_values,
     config_dir,
 )
 from anyrec.io_checks import writable_dir
@@ -123,10 +130,65 @@ def check_known_keys(cfg: DictConfig) -> None:
     raise ValueError(f"unknown config key{'s' if len(parts) > 1 else ''}: {'; '.join(parts)}")
 
 
+_ENV = re.compile(r"oc\.env:\s*([A-Za-z_][A-Za-z0-9_]*)")
+
+
+def _raw_value(cfg: DictConfig, key: str) -> Any:
+    """The value at dotted `key` as written, interpolations unresolved (None where there is none)."""
+    node: Any = OmegaConf.to_container(cfg, resolve=False)
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _resolution_problem(cfg: DictConfig, e: OmegaConfBaseException) -> str | None:
+    """One line for a value refused only when the config is resolved (an environment variable's value
+    through `${oc.env:NAME,...}`, or the variable unset), naming the option and the variable; None for
+    an interpolation that only a running Hydra app resolves."""
+    raw = _raw_value(cfg, e.full_key)
+    env = _ENV.search(raw) if isinstance(raw, str) else None
+    if env is None and not isinstance(e, ValidationError):
+        return None
+    reason = str(e.msg).splitlines()[0]
+    reason = re.sub(r"^While dereferencing interpolation '.*?': ", "", reason)
+    via = f" (the environment variable {env.group(1)}, through {raw})" if env else ""
+    return f"{e.full_key}: {reason}{via}"
+
+
 def to_object(cfg: DictConfig) -> AnyrecConfig:
-    """A typed `AnyrecConfig` from a composed DictConfig (validated by the schema)."""
+    """A typed `AnyrecConfig` from a composed DictConfig, validated by the schema and every numeric
+    option's range (`anyrec.config.check_values`): the one place every entry point's values are checked.
+    A value refused is a ValueError in one line."""
     check_known_keys(cfg)
-    return OmegaConf.to_object(cfg)  # an AnyrecConfig: config.yaml's defaults name the schema
+    try:
+        typed = OmegaConf.to_object(cfg)  # an AnyrecConfig: config.yaml's defaults name the schema
+    except MissingMandatoryValue as e:
+        raise ValueError(f"{e.full_key}: a value is required; set it on the command line, e.g. "
+                         f"{e.full_key}=...") from None
+    except (ValidationError, InterpolationResolutionError) as e:
+        problem = _resolution_problem(cfg, e) if e.full_key else None
+        if problem is None:
+            raise
+        raise ValueError(problem) from None
+    check_values(typed)
+    return typed
+
+
+def _values(cfg: DictConfig) -> str | None:
+    """One line for an option whose value the typed config refuses (out of its range, or refused once
+    an environment variable is read), else None: checked before the run folder is made."""
+    job = cfg.copy()
+    with open_dict(job):
+        job.pop("hydra", None)
+    try:
+        to_object(job)
+    except OmegaConfBaseException:  # an interpolation only the running app resolves: the app says it
+        return None
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def per_job_dir(path: str | None) -> str | None:
@@ -139,7 +201,10 @@ def per_job_dir(path: str | None) -> str | None:
 def _missing(cfg: DictConfig) -> str | None:
     """One line for the first mandatory value (`???`) a composed config leaves unset, else None."""
     job = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])  # Hydra's own leaves some unset
-    missing = sorted(OmegaConf.missing_keys(job))
+    try:
+        missing = sorted(OmegaConf.missing_keys(job))
+    except OmegaConfBaseException:  # a value refused once resolved: `_values` says which
+        return None
     if not missing:
         return None
     more = f" (and {', '.join(missing[1:4])})" if len(missing) > 1 else ""
@@ -220,7 +285,7 @@ def cli_problem(overrides: list[str]) -> str | None:
         return _composition_problem(e)
     except Exception:  # noqa: BLE001 - anything else (a sweep's syntax, a launcher plugin): Hydra says it
         return None
-    return _missing(cfg) or _output_dir(cfg, multirun) or _linked_outputs(cfg, multirun)
+    return _missing(cfg) or _values(cfg) or _output_dir(cfg, multirun) or _linked_outputs(cfg, multirun)
 
 
 def _refuse(prog: str, problem: str) -> NoReturn:
@@ -262,7 +327,8 @@ def launch(prog: str, task: Callable[[DictConfig], Any], argv: list[str] | None 
                 if problem:
                     _refuse(prog, problem)
             else:
-                problem = _missing(cfg) or _output_dir(cfg, multirun=False) or _linked_outputs(cfg)
+                problem = (_missing(cfg) or _values(cfg) or _output_dir(cfg, multirun=False)
+                           or _linked_outputs(cfg))
                 if problem:
                     _refuse(prog, problem)
                 _run(task, cfg)

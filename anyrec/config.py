@@ -291,18 +291,131 @@ class AnyrecConfig:
     predict: PredictConfig = field(default_factory=PredictConfig)
 
 
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric option takes: from `low` to `high` (None: unbounded on that side), an end
+    excluded where `*_open` says so, always finite; a list option's items each, the list non-empty where
+    `nonempty` says so. `None` (an option left unset) is always taken. `words` says it for the user."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    nonempty: bool = False
+    words: str = ""
+
+    def admits(self, value: float) -> bool:
+        """Whether one number lies in the range (NaN and infinities never do)."""
+        if not math.isfinite(value):
+            return False
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    def describe(self) -> str:
+        """The range in words: ">= 1", "in (0, 1]", "a positive number of seconds (at most 1e+06)"."""
+        if self.words:
+            return self.words
+        if self.low is not None and self.high is not None:
+            return (f"in {'(' if self.low_open else '['}{_num(self.low)}, {_num(self.high)}"
+                    f"{')' if self.high_open else ']'}")
+        if self.low is not None:
+            return f"{'>' if self.low_open else '>='} {_num(self.low)}"
+        if self.high is not None:
+            return f"{'<' if self.high_open else '<='} {_num(self.high)}"
+        return "a finite number"
+
+
+def _num(bound: float) -> str:
+    """A range's end as written: whole numbers without a decimal point, large ones with an exponent."""
+    return f"{bound:g}" if abs(bound) >= 1e6 or not float(bound).is_integer() else str(int(bound))
+
+
+COUNT = Range(1)  # ranks, batch sizes, widths, rows: at least one
+STEPS = Range(0)  # a number of steps or batches where 0 means none (or "only at the end")
+POSITIVE = Range(0, low_open=True)
+FRACTION = Range(0, 1)
+# Seconds a wait or a budget lasts: positive, and at most ~11.6 days (past that, a timedelta or a
+# store's millisecond timeout overflows, and a user meant "forever", which anyrec does not offer)
+SECONDS = Range(0, 1e6, low_open=True, words="a positive number of seconds (at most 1e+06)")
+
+# Every numeric option of the schema and its range: checked once, when the typed config is built
+# (`check_values`, run by `anyrec._hydra.to_object` for every entry point). tests/test_config.py holds
+# this table to the schema: a numeric option without a range fails it.
+RANGES: dict[str, Range] = {
+    "model.embedding_dim": COUNT,
+    "model.num_dense_features": COUNT,
+    "model.table_rows": Range(1, nonempty=True),
+    "model.multi_hot": COUNT,
+    "model.bottom_mlp": COUNT,
+    "model.top_mlp": COUNT,
+    "model.dcn_num_layers": COUNT,
+    "model.dcn_low_rank": COUNT,
+    "data.batch_size": COUNT,
+    "data.global_batch_size": COUNT,
+    "data.zipf_exponent": Range(0),
+    "data.signal_scale": Range(0),
+    "data.id_range_scale": POSITIVE,
+    "data.prefetch": Range(0),
+    "data.prefetch_workers": COUNT,
+    "planner.uvm_cache_ratio": Range(0, 1, low_open=True),
+    "planner.memory_reserve_fraction": Range(0, 1, high_open=True),
+    "planner.replica_sync_every": COUNT,
+    "optim.embedding_lr": POSITIVE,
+    "optim.dense_lr": POSITIVE,
+    "optim.eps": POSITIVE,
+    "optim.betas": Range(0, 1, high_open=True),
+    "optim.weight_decay": Range(0),
+    "optim.grad_clip_norm": Range(0),
+    "optim.warmup_steps": STEPS,
+    "optim.decay_start_step": STEPS,
+    "optim.decay_steps": STEPS,
+    "optim.decay_power": Range(0),
+    "optim.end_lr_factor": FRACTION,
+    "trainer.steps": STEPS,
+    "trainer.seed": Range(0, 2**63 - 1),
+    "trainer.eval_steps": STEPS,
+    "trainer.eval_every": STEPS,
+    "trainer.log_every": STEPS,
+    "trainer.breakdown_steps": STEPS,
+    "trainer.collective_timeout_s": SECONDS,
+    "trainer.peer_timeout_s": SECONDS,
+    "trainer.calibrate_budget_s": SECONDS,
+    "trainer.stop_check_every": COUNT,
+    "trainer.stop_grace_s": SECONDS,
+    "trainer.checkpoint.every": STEPS,
+    "trainer.checkpoint.keep": COUNT,
+    "topology.world_size": COUNT,
+    "topology.local_world_size": COUNT,
+    "plan.batch_size": COUNT,
+    "calibrate.budget_s": SECONDS,
+    "calibrate.time_limit_s": SECONDS,
+    "parity.loss_rtol": POSITIVE,
+    "parity.weight_atol": POSITIVE,
+    "parity.timeout_s": SECONDS,
+    "predict.steps": COUNT,
+    "predict.world_size": COUNT,
+}
+
+
+def _option(cfg: AnyrecConfig, key: str) -> Any:
+    """The value at a dotted key of the typed config."""
+    value: Any = cfg
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
+
+
 def check_values(cfg: AnyrecConfig) -> None:
-    """Counts and sizes that must be positive (a 0 would mean "unset" or divide by zero), by key."""
-    positive = {"topology.world_size": cfg.topology.world_size,
-                "topology.local_world_size": cfg.topology.local_world_size,
-                "plan.batch_size": cfg.plan.batch_size, "data.batch_size": cfg.data.batch_size,
-                "data.global_batch_size": cfg.data.global_batch_size,
-                "trainer.checkpoint.keep": cfg.trainer.checkpoint.keep,
-                "trainer.stop_check_every": cfg.trainer.stop_check_every}
-    for key, value in positive.items():
-        if value is not None and value < 1:
-            raise ValueError(f"{key} must be >= 1, got {value}")
-    for key in ("collective_timeout_s", "peer_timeout_s", "stop_grace_s", "calibrate_budget_s"):
-        seconds = getattr(cfg.trainer, key)
-        if not (math.isfinite(seconds) and seconds > 0):
-            raise ValueError(f"trainer.{key} must be a positive number of seconds, got {seconds}")
+    """Raise ValueError, one line naming the option and its range, for the first numeric option outside
+    its range (`RANGES`); relations between options are checked where they are used."""
+    for key, allowed in RANGES.items():
+        value = _option(cfg, key)
+        if value is None:
+            continue
+        if isinstance(value, list):
+            if (allowed.nonempty and not value) or not all(allowed.admits(v) for v in value):
+                need = "a non-empty list" if allowed.nonempty else "a list"
+                raise ValueError(f"{key} must be {need}, each {allowed.describe()}, got {value}")
+        elif not allowed.admits(value):
+            raise ValueError(f"{key} must be {allowed.describe()}, got {value}")

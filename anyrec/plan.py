@@ -18,7 +18,7 @@ from anyrec.backends import Hardware, get_backend, resolve_hardware
 from anyrec.backends.dispatch import FBGEMM_EMBEDDING, get_impl
 from anyrec.backends.hardware import figure_sources
 from anyrec.calibration.cache import find_for_device
-from anyrec.config import AnyrecConfig, check_values
+from anyrec.config import AnyrecConfig
 from anyrec.io_checks import writable_file
 from anyrec.models.dlrm import build_model
 from anyrec.planner.job import plan_model
@@ -44,7 +44,6 @@ def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print,
     """Plan, print the report, write plan.output (JSON) and plan.plot (PNG); InfeasiblePlanError (one
     line) when nothing fits, before anything is written. `plan.compare` plans the same job on that SKU
     or file too, each plan costed with its own hardware's figures (an infeasible one is reported)."""
-    check_values(cfg)
     writable_file(cfg.plan.output, "plan.output")
     writable_file(cfg.plan.plot, "plan.plot")
     backend = get_backend(cfg.backend.name) if cfg.hardware.sku == "auto" else None

@@ -19,7 +19,6 @@ from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from anyrec import _hydra
-from anyrec.config import check_values
 from anyrec.io_checks import writable_dir
 from anyrec.trainer.errors import NonFiniteLossError, PeerLostError, say_line, write_error_file
 
@@ -37,8 +36,7 @@ def run(cfg: DictConfig) -> dict:
     from anyrec.trainer.shutdown import peer_failure, peers_met  # with the trainer, after Hydra parsed argv
     from anyrec.trainer.trainer import Trainer  # torchrec loads once Hydra has parsed the command line
 
-    config = _hydra.to_object(cfg)
-    check_values(config)
+    config = _hydra.to_object(cfg)  # every value checked (anyrec.config.check_values)
     if config.trainer.run_dir is None and HydraConfig.initialized():
         config.trainer.run_dir = HydraConfig.get().runtime.output_dir
     config.trainer.checkpoint.dir = _hydra.per_job_dir(config.trainer.checkpoint.dir)

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 import yaml
 
-from anyrec.backends import load_hardware_file
+from anyrec.backends import get_backend, load_hardware_file, resolve_hardware
 from anyrec.backends.dispatch import KernelProfile
+from anyrec.backends.hardware import check_spec
+from anyrec.backends.specs import SKUS
+from anyrec.calibration.fileformat import PLAUSIBLE, SPEC_FIELDS
+
+from .conftest import ROOT
 
 CAL = Path(__file__).parent / "data" / "calibration_cpu_2rank.yaml"  # what anyrec.calibrate writes
 
@@ -166,3 +172,59 @@ def test_figures_taken_from_the_base_sku_are_logged(tmp_path, caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "anyrec.backends.hardware"]
     assert len(lines) == 1 and "from the base h200" in lines[0] and "peak_bf16_flops" in lines[0]
     assert "memory_bw_bytes_per_s" not in lines[0].replace("host_memory_bw_bytes_per_s", "")
+
+
+@pytest.mark.parametrize(("where", "value", "message"), [
+    (("spec", "memory_bw_bytes_per_s"), 1e-300,
+     "memory_bw_bytes_per_s = 1e-300 is implausible: expected 1e+06 to 1e+14 bytes/s"),
+    (("spec", "peak_fp32_flops"), 1e300,
+     "peak_fp32_flops = 1e+300 is implausible: expected 1e+06 to 1e+17 FLOP/s"),
+    (("spec", "peak_bf16_flops"), 1e300, "peak_bf16_flops = 1e+300 is implausible"),
+    (("spec", "memory_bytes"), 10**20, "memory_bytes = 1e+20 is implausible: expected 1e+06 to 1e+15 bytes"),
+    (("spec", "scale_up_bw_bytes_per_s"), 1e-300, "scale_up_bw_bytes_per_s = 1e-300 is implausible"),
+    (("spec", "scale_up_latency_s"), 3600.0,
+     "scale_up_latency_s = 3600 is implausible: expected 1e-09 to 1 s (or 0: unknown)"),
+    (("spec", "dense_efficiency"), 1e-300, "dense_efficiency = 1e-300 is implausible: expected 0.0001 to 1"),
+    (("spec", "step_fixed_s"), 7000.0, "step_fixed_s = 7000 is implausible: expected 0 to 60 s"),
+    (("spec", "simd_width"), 10**6, "simd_width = 1e+06 is implausible: expected 1 to 1024"),
+    (("measurements", "embedding", "fbgemm", "profile", "per_row_s"), 5.0,
+     "measurements.embedding.fbgemm.profile.per_row_s = 5 is implausible: expected 0 to 1 s"),
+    (("measurements", "embedding", "torch", "profile", "bw_efficiency"), 1e-300,
+     "measurements.embedding.torch.profile.bw_efficiency = 1e-300 is implausible"),
+])
+def test_an_implausible_figure_is_one_line_naming_it(tmp_path, where, value, message):
+    data = yaml.safe_load(CAL.read_text())
+    node = data
+    for k in where[:-1]:
+        node = node[k]
+    node[where[-1]] = value
+    _refused(_write(tmp_path, data), re.escape(message))
+
+
+def test_an_implausible_subgroup_link_is_refused(tmp_path):
+    fit = {"sizes_bytes": [1024], "seconds": [1e-4], "latency_s": 1e-4, "bus_bw_bytes_per_s": 1e-300}
+    data = {"sku": "h100", "spec": {"memory_bw_bytes_per_s": 1e11},
+            "measurements": {"measured_fields": ["memory_bw_bytes_per_s"], "collectives_subgroups": {
+                2: {"world_size": 4, "replicas": 2, "all_to_all": fit, "all_reduce_replicas": fit}}}}
+    _refused(_write(tmp_path, data), re.escape(
+        "collectives_subgroups.2.all_to_all.bus_bw_bytes_per_s = 1e-300 is implausible"))
+
+
+def test_an_implausible_override_is_refused():
+    with pytest.raises(ValueError, match=re.escape("hardware.spec: peak_fp32_flops = 1e+300 is implausible")):
+        resolve_hardware("h100", {"peak_fp32_flops": 1e300})
+
+
+def test_every_device_figure_has_a_plausible_range():
+    numeric = {name for name, f in SPEC_FIELDS.items() if f.type in ("int", "float")}
+    assert len(numeric) > 20 and set(PLAUSIBLE) == numeric
+
+
+def test_shipped_figures_and_real_calibrations_are_plausible():
+    for name, spec in SKUS.items():
+        check_spec(spec, name)
+    check_spec(get_backend("cpu").device_spec(), "this host")
+    files = [CAL, *sorted((ROOT / "benchmarks" / "results").glob("*/*.yaml"))]
+    assert len(files) > 3
+    for path in files:
+        assert load_hardware_file(path).spec.memory_bw_bytes_per_s > 0

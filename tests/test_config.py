@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import functools
+import math
 import os
 import subprocess
 import sys
+import typing
 
 import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError
 
+from anyrec import _hydra
 from anyrec._hydra import cli_problem
-from anyrec.config import AnyrecConfig, check_values, config_dir
+from anyrec.config import RANGES, AnyrecConfig, check_values, config_dir
 
 from .conftest import ROOT, compose_config
 
@@ -83,17 +89,140 @@ def test_legitimate_additions_compose():
     assert cfg.hardware.spec == {"simd_width": 64}
 
 
+def _numeric_options(node_type: type, prefix: str = "") -> dict[str, type]:
+    """Every option of the schema holding a number or a list of numbers, by dotted key, with its type."""
+    found = {}
+    hints = typing.get_type_hints(node_type)
+    for f in dataclasses.fields(node_type):
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            found.update(_numeric_options(hint, f"{prefix}{f.name}."))
+            continue
+        args = set(typing.get_args(hint)) - {type(None)}
+        kind = typing.get_args(hint)[0] if typing.get_origin(hint) is list else \
+            args.pop() if len(args) == 1 else hint
+        if kind in (int, float):
+            found[f"{prefix}{f.name}"] = kind
+    return found
+
+
+NUMERIC = _numeric_options(AnyrecConfig)
+
+
+def test_every_numeric_option_has_a_range():
+    assert len(NUMERIC) > 40  # the walk found the schema's options
+    assert sorted(NUMERIC) == sorted(RANGES)
+
+
+def _bad_values(key: str) -> list:
+    """Values just outside the option's range on each bounded side, and NaN for a float option."""
+    r, integer = RANGES[key], NUMERIC[key] is int
+    bad = []
+    if r.low is not None:
+        bad.append(r.low if r.low_open else (r.low - 1 if integer else r.low - 0.5))
+    if r.high is not None:
+        bad.append(r.high if r.high_open else (r.high + 1 if integer else r.high * 2))
+    if not integer:
+        bad += [math.nan, math.inf]
+    return bad
+
+
+CASES = [(key, bad) for key in sorted(RANGES) for bad in _bad_values(key)]
+
+
+def _with(cfg: AnyrecConfig, key: str, value) -> AnyrecConfig:
+    """A copy of `cfg` with the option at `key` set to `value`."""
+    out = copy.deepcopy(cfg)
+    *parents, name = key.split(".")
+    node = out
+    for part in parents:
+        node = getattr(node, part)
+    setattr(node, name, value)
+    return out
+
+
+@pytest.fixture(scope="module")
+def default_config() -> AnyrecConfig:
+    """The default job's typed config (composed once for the many cases below)."""
+    return compose_config()[1]
+
+
+@pytest.mark.parametrize(("key", "bad"), CASES, ids=[f"{k}={v}" for k, v in CASES])
+def test_every_numeric_option_out_of_range_is_one_line_naming_it(key, bad, default_config):
+    cfg = default_config
+    check_values(cfg)  # the defaults are in range
+    is_list = isinstance(functools.reduce(getattr, key.split("."), cfg), list)
+    value = [bad] if is_list else bad
+    with pytest.raises(ValueError) as e:
+        check_values(_with(cfg, key, value))
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"{key} must be ")
+    assert RANGES[key].describe() in message and message.endswith(f"got {value}")
+
+
 @pytest.mark.parametrize(("override", "message"), [
-    ("topology.local_world_size=0", "topology.local_world_size must be >= 1, got 0"),
-    ("plan.batch_size=0", "plan.batch_size must be >= 1, got 0"),
-    ("trainer.checkpoint.keep=0", "trainer.checkpoint.keep must be >= 1"),
-    ("trainer.collective_timeout_s=0", "trainer.collective_timeout_s must be a positive"),
-    ("trainer.collective_timeout_s=nan", "trainer.collective_timeout_s must be a positive"),
+    ("planner.replica_sync_every=0", "planner.replica_sync_every must be >= 1, got 0"),
+    ("planner.replica_sync_every=-1", "planner.replica_sync_every must be >= 1, got -1"),
+    ("model.table_rows=[]", "model.table_rows must be a non-empty list, each >= 1, got []"),
+    ("model.bottom_mlp=[16,0]", "model.bottom_mlp must be a list, each >= 1, got [16, 0]"),
+    ("trainer.collective_timeout_s=nan", "trainer.collective_timeout_s must be a positive number of "
+                                         "seconds (at most 1e+06), got nan"),
+    ("optim.betas=[0.9,1.0]", "optim.betas must be a list, each in [0, 1), got [0.9, 1.0]"),
 ])
-def test_counts_must_be_positive(override, message):
-    _, cfg = compose_config([override])
-    with pytest.raises(ValueError, match=message):
-        check_values(cfg)
+def test_ranges_are_checked_when_the_typed_config_is_built(override, message):
+    # the one place every entry point passes: building the typed config (and before its run folder)
+    with pytest.raises(ValueError) as e:
+        compose_config(["model=dlrm_tiny", override])
+    assert str(e.value) == message
+    assert cli_problem(["model=dlrm_tiny", override]) == message
+
+
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_plan_refuses_a_bad_replica_sync_in_one_line_exit_2(value, tmp_path, capfd):
+    from anyrec import plan
+
+    run_dir = tmp_path / "run"
+    argv = ["planner.sharding_group_size=2", "topology.world_size=4", f"planner.replica_sync_every={value}",
+            f"hydra.run.dir={run_dir}"]
+    with pytest.raises(SystemExit) as e:
+        _hydra.launch("anyrec-plan", plan.main, argv)
+    assert e.value.code == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert err == [f"anyrec-plan: error: planner.replica_sync_every must be >= 1, got {value}"]
+    assert not run_dir.exists()  # refused before the run folder is made
+
+
+def test_train_refuses_empty_tables_in_one_line_before_any_data(tmp_path, capfd):
+    from anyrec import train
+
+    run_dir = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        _hydra.launch("anyrec-train", train.main, ["model=dlrm_tiny", "model.table_rows=[]",
+                                                   f"hydra.run.dir={run_dir}"])
+    assert e.value.code == 2
+    assert capfd.readouterr().err.strip().splitlines() == [
+        "anyrec-train: error: model.table_rows must be a non-empty list, each >= 1, got []"]
+    assert not run_dir.exists()
+
+
+ENV_LINE = ("trainer.calibrate: Invalid value 'bogus', expected one of [auto, always, never] (the "
+            "environment variable ANYREC_CALIBRATE, through ${oc.env:ANYREC_CALIBRATE,auto})")
+
+
+def test_a_bad_value_through_an_environment_variable_is_one_line(monkeypatch, tmp_path, capfd):
+    monkeypatch.setenv("ANYREC_CALIBRATE", "bogus")
+    with pytest.raises(ValueError) as e:
+        compose_config(["model=dlrm_tiny"])
+    assert str(e.value) == ENV_LINE
+    assert cli_problem(["model=dlrm_tiny"]) == ENV_LINE
+    from anyrec import plan
+
+    with pytest.raises(SystemExit) as exit_:
+        _hydra.launch("anyrec-plan", plan.main, ["model=dlrm_tiny", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert exit_.value.code == 2
+    assert capfd.readouterr().err.strip().splitlines() == [f"anyrec-plan: error: {ENV_LINE}"]
+    monkeypatch.setenv("ANYREC_CALIBRATE", "always")
+    assert compose_config(["model=dlrm_tiny"])[1].trainer.calibrate == "always"
 
 
 @pytest.mark.parametrize(("override", "message"), [

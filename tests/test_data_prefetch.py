@@ -19,7 +19,7 @@ from anyrec.data import build_source
 from anyrec.data.prefetch import Prefetched, PrefetchIterator
 from anyrec.data.preprocess import main as preprocess_main
 
-from .conftest import ROOT, last_json_line
+from .conftest import ROOT, compose_config, last_json_line
 from .test_data import write_tsv
 
 
@@ -152,11 +152,12 @@ def test_pinned_batches_on_an_accelerator(tmp_path):
         assert torch.equal(on_device.dense_features.cpu(), src.batch(step).dense_features)
 
 
-def test_prefetch_settings_are_checked():
-    for bad in ({"prefetch": -1}, {"prefetch_workers": 0}):
-        data = DataConfig(name="criteo_npy", path="/nonexistent", train_files=["day_0"], **bad)
-        with pytest.raises(ValueError, match="data.prefetch must be >= 0 and data.prefetch_workers >= 1"):
-            build_source(ModelConfig(name="m", table_rows=[5]), data, 0, 0, 1, "train")
+@pytest.mark.parametrize(("bad", "message"), [
+    ("data.prefetch=-1", "data.prefetch must be >= 0, got -1"),
+    ("data.prefetch_workers=0", "data.prefetch_workers must be >= 1")])
+def test_prefetch_settings_are_checked(bad, message):
+    with pytest.raises(ValueError, match=message):
+        compose_config(["data=criteo_npy", "data.path=/nonexistent", bad])  # the typed config refuses it
 
 
 def test_idle_workers_take_one_thread_at_idle_priority_and_leave_the_defaults():

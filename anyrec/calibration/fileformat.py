@@ -6,8 +6,9 @@ fields it determined, each given in its spec; each measured section (`copy_bw_by
 `gemm_flops`, `dlrm_mlp`, `collectives`, `step`) has its fields among them; every embedding profile
 has all its figures; each sub-group collective (`collectives_subgroups`, absent in older files) has its
 fit or the reason it was skipped; a spec anyrec.calibrate wrote comes with its measurements (the older
-layout put the spec first). Every number is finite, rates and capacities positive. A file cut short or with a
-field deleted fails here in one line, instead of planning with the base SKU's figures in its place.
+layout put the spec first). Every number is finite, rates and capacities positive, and every figure the
+planner uses plausible (`PLAUSIBLE`). A file cut short, with a field deleted or with an absurd figure fails
+here in one line, instead of planning with the base SKU's figures in its place (or predicting `inf` ms).
 """
 
 from __future__ import annotations
@@ -42,6 +43,64 @@ MAY_BE_ZERO = ("h2d_bw_bytes_per_s", "runtime_reserved_bytes", "host_memory_byte
                "comms_efficiency", *STEP_FIELDS)
 
 
+# What a device can plausibly offer, per DeviceSpec number (units in the names): generous bounds, from a
+# small CPU host under load to past today's largest accelerators by about 10x-100x. A figure outside them
+# (a bandwidth of 1e-300 B/s, 1e300 FLOP/s) is a broken or forged file; planning with it would predict
+# `inf` ms or 0 ms. 0 stays "unknown" where MAY_BE_ZERO says so.
+BYTES = (1e6, 1e15)  # 1 MB to 1 PB of memory
+BYTES_PER_S = (1e6, 1e14)  # 1 MB/s to 100 TB/s
+FLOPS = (1e6, 1e17)  # 1 MFLOP/s to 100 PFLOP/s
+PLAUSIBLE: dict[str, tuple[float, float]] = {
+    "memory_bytes": BYTES,
+    "memory_bw_bytes_per_s": BYTES_PER_S,
+    "peak_bf16_flops": FLOPS,
+    "peak_fp32_flops": FLOPS,
+    "simd_width": (1, 1024),
+    "scale_up_bw_bytes_per_s": BYTES_PER_S,
+    "scale_out_bw_bytes_per_s": BYTES_PER_S,
+    "h2d_bw_bytes_per_s": BYTES_PER_S,
+    "host_memory_bytes": BYTES,
+    "host_memory_bw_bytes_per_s": BYTES_PER_S,
+    "runtime_reserved_bytes": (1, 1e13),
+    "scale_up_latency_s": (1e-9, 1.0),  # one collective's fixed cost
+    "scale_out_latency_s": (1e-9, 1.0),
+    "dense_efficiency": (1e-4, 1.0),  # achieved / peak
+    "comms_efficiency": (1e-4, 1.0),
+    # framework costs of a step: per step and per sharding type or table at most a minute, per item a second
+    "step_fixed_s": (0.0, 60.0),
+    "step_per_feature_s": (0.0, 1.0),
+    "step_per_sample_s": (0.0, 1.0),
+    "step_per_id_s": (0.0, 1.0),
+    "step_per_value_s": (0.0, 1.0),
+    "step_per_pair_s": (0.0, 1.0),
+    "step_per_dense_tensor_s": (0.0, 1.0),
+    "sharding_group_s": (0.0, 60.0),
+    "replicated_table_s": (0.0, 60.0),
+}
+# A measured embedding profile and a measured collective: the same idea
+PROFILE_PLAUSIBLE: dict[str, tuple[float, float]] = {"bw_efficiency": (1e-6, 1.0), "access_bytes": (1, 1e6),
+                                                     "per_row_s": (0.0, 1.0), "per_launch_s": (0.0, 1.0)}
+LINK_PLAUSIBLE: dict[str, tuple[float, float]] = {"latency_s": (0.0, 1.0), "bus_bw_bytes_per_s": BYTES_PER_S}
+
+
+def _unit(name: str) -> str:
+    """The unit a figure's name carries, for messages."""
+    units = (("_bytes_per_s", " bytes/s"), ("_bytes", " bytes"), ("_flops", " FLOP/s"), ("_s", " s"))
+    for suffix, unit in units:
+        if name.endswith(suffix):
+            return unit
+    return ""
+
+
+def implausible(name: str, value: float, bounds: tuple[float, float], zero_ok: bool = False) -> str | None:
+    """`name = value is implausible: expected ...` when a figure lies outside its plausible `bounds`."""
+    low, high = bounds
+    if low <= value <= high or (zero_ok and value == 0):
+        return None
+    unknown = " (or 0: unknown)" if zero_ok else ""
+    return f"{name} = {value:g} is implausible: expected {low:g} to {high:g}{_unit(name)}{unknown}"
+
+
 def _non_finite(value: Any, path: str) -> str | None:
     """The dotted path of the first NaN or infinite number in `value`, or None."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -62,6 +121,9 @@ def check_spec_value(name: str, value: Any, where: str) -> None:
     if not math.isfinite(number) or number < 0 or (number == 0 and not zero_ok):
         raise ValueError(f"{where}: {name} must be a finite number {'>= 0' if zero_ok else '> 0'}, "
                          f"got {value}")
+    problem = implausible(name, number, PLAUSIBLE[name], zero_ok)
+    if problem:
+        raise ValueError(f"{where}: {problem}")
 
 
 def check_profile(name: str, fields: Any, where: str) -> None:
@@ -83,6 +145,10 @@ def check_profile(name: str, fields: Any, where: str) -> None:
             or not 0 <= fields["per_launch_s"] < 1:
         raise ValueError(f"{at}: needs 0 < bw_efficiency <= 1, access_bytes > 0, per_row_s >= 0 and "
                          f"0 <= per_launch_s < 1 s; got {fields}")
+    for k, bounds in PROFILE_PLAUSIBLE.items():
+        problem = implausible(k, fields[k], bounds)
+        if problem:
+            raise ValueError(f"{at}.{problem}")
 
 
 SUBGROUP_OPS = ("all_to_all", "all_reduce_replicas")
@@ -128,6 +194,10 @@ def check_subgroups(subgroups: Any, where: str) -> None:
                     or lat < 0 or bw <= 0:
                 raise ValueError(f"{at}.{key}.{op}: needs latency_s >= 0 and bus_bw_bytes_per_s > 0, got "
                                  f"{lat!r} and {bw!r}")
+            for k, bounds in LINK_PLAUSIBLE.items():
+                problem = implausible(k, fit[k], bounds)
+                if problem:
+                    raise ValueError(f"{at}.{key}.{op}.{problem}")
 
 
 def check_hardware_data(data: dict[str, Any], spec_fields: dict[str, Any], where: str) -> None:

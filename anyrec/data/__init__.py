@@ -30,12 +30,11 @@ class DataSource(Protocol):
 
 
 def resolve_batch_size(data: DataConfig, world_size: int) -> DataConfig:
-    """`data` with the per-rank batch size fixed (from `global_batch_size` when that is set)."""
+    """`data` with the per-rank batch size fixed (from `global_batch_size` when that is set); the sizes'
+    ranges are the typed config's (anyrec.config.RANGES), their relation to the world size is checked here."""
     if data.global_batch_size is None:
-        if data.batch_size < 1:
-            raise ValueError(f"data.batch_size must be >= 1, got {data.batch_size}")
         return data
-    if data.global_batch_size < 1 or data.global_batch_size % world_size:
+    if data.global_batch_size % world_size:
         raise ValueError(f"data.global_batch_size={data.global_batch_size} must be a positive "
                          f"multiple of the world size {world_size}")
     return dataclasses.replace(data, batch_size=data.global_batch_size // world_size)
@@ -51,9 +50,6 @@ def build_source(model: ModelConfig, data: DataConfig, seed: int, rank: int, wor
     `pin`, the backend's `Backend.pin`), at idle priority when the training device is a CPU. `skip_nonfinite`
     (trainer.skip_nonfinite): file sources let NaN/inf dense values of training rows through for the trainer
     to skip their step."""
-    if data.prefetch < 0 or data.prefetch_workers < 1:
-        raise ValueError(f"data.prefetch must be >= 0 and data.prefetch_workers >= 1, got "
-                         f"{data.prefetch} and {data.prefetch_workers}")
     on_cpu = device is None or torch.device(device).type == "cpu"
     if data.name == "synthetic":
         from anyrec.data.synthetic import SyntheticCriteo  # a source loads only when chosen

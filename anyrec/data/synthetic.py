@@ -135,8 +135,6 @@ class SyntheticCriteo:
                  world_size: int = 1, split: str = "train", device: torch.device | str | None = None) -> None:
         if split not in _SPLITS:
             raise ValueError(f"unknown split {split!r}; choose one of {list(_SPLITS)}")
-        if data.id_range_scale <= 0:
-            raise ValueError(f"data.id_range_scale must be > 0, got {data.id_range_scale}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside the world of {world_size} ranks")
         rows = list(model.table_rows)

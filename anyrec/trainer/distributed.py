@@ -146,13 +146,34 @@ def check_hosts(info: DistInfo, device: torch.device | None) -> None:
                          f"host(s) x {info.local_world_size}); launch with torchrun, one agent per host")
 
 
+class RendezvousError(ValueError):
+    """The ranks of a job never all joined its process group (a rank started alone, by hand, or its
+    peers' launcher gone): said in one line instead of the store's traceback."""
+
+
+def _rendezvous_problem(info: DistInfo, e: Exception, timeout_s: float | None) -> str:
+    """One line for a process group that could not be formed: what this rank waited for, where, how long."""
+    at = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    if isinstance(e, TimeoutError):  # under torchrun: the launch handshake (launch_token) timed out
+        what = f"waited at {at} for the other ranks of this launch to answer"
+    else:
+        waited = f"{timeout_s:g} s (trainer.collective_timeout_s)" if timeout_s else "torch's default timeout"
+        what = (f"waited {waited} at {at} for the other {info.world_size - 1} rank(s) to join the process "
+                "group" if info.rank == 0 else f"waited {waited} to reach rank 0's store at {at}")
+    cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return (f"rank {info.rank} of {info.world_size}: {what}; the peer ranks never joined ({cause}); start "
+            f"all {info.world_size} ranks (RANK=0..{info.world_size - 1}) within that time, or launch with "
+            "torchrun")
+
+
 def init_distributed(backend: Backend, timeout_s: float | None = None,
                      peer_timeout_s: float | None = None) -> DistInfo:
     """Join (or create) the default process group with the backend's collectives library.
 
     `timeout_s` (trainer.collective_timeout_s) bounds every collective: a rank waiting longer on a
     stopped or stuck peer fails instead of hanging for torch's default (10 to 30 minutes).
-    `peer_timeout_s` starts the heartbeat (shutdown.Heartbeat).
+    `peer_timeout_s` starts the heartbeat (shutdown.Heartbeat). Ranks that never all join within
+    `timeout_s` are a RendezvousError (one line).
     """
     info = env_dist_info()
     backend.set_device(info.local_rank)
@@ -161,10 +182,13 @@ def init_distributed(backend: Backend, timeout_s: float | None = None,
         # is left alone: a port written there would be inherited by every process it starts later.
         alone = "MASTER_ADDR" not in os.environ and info.world_size == 1
         device_id = backend.device(info.local_rank) if backend.device_type != "cpu" else None
-        dist.init_process_group(backend=backend.dist_backend, rank=info.rank,
-                                store=dist.HashStore() if alone else _elastic_store(info),
-                                world_size=info.world_size, device_id=device_id,
-                                timeout=timedelta(seconds=timeout_s) if timeout_s else None)
+        try:
+            dist.init_process_group(backend=backend.dist_backend, rank=info.rank,
+                                    store=dist.HashStore() if alone else _elastic_store(info),
+                                    world_size=info.world_size, device_id=device_id,
+                                    timeout=timedelta(seconds=timeout_s) if timeout_s else None)
+        except (dist.DistError, TimeoutError) as e:  # DistStoreError, DistNetworkError: peers never came
+            raise RendezvousError(_rendezvous_problem(info, e, timeout_s)) from None
     if peer_timeout_s:
         start_heartbeat(info.rank, info.world_size, peer_timeout_s)
     check_hosts(info, backend.device(info.local_rank))
