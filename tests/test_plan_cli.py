@@ -217,7 +217,10 @@ def test_plan_uses_this_machines_cached_calibration_and_says_so(tmp_path, monkey
     key = dataclasses.replace(calcache.local_key(get_backend("cpu"), ONE_PROCESS), local_world_size=2,
                               cores_per_rank=((0,), (1,)))
     data = yaml.safe_load((Path(__file__).parent / "data" / "calibration_cpu_2rank.yaml").read_text())
-    path = calcache.write_entry(tmp_path / key.file_name(), key, data)
+    from anyrec.signing import resolve_key
+
+    # signed as a job on this machine signs it: with the per-user key anyrec created in the cache folder
+    path = calcache.write_entry(tmp_path / key.file_name(), key, data, signing_key=resolve_key(None))
     cached, text = _plan(args)
     assert f"this machine's cached calibration (2 local rank(s)): {path}" in text
     assert f"measured ({path})" in text
