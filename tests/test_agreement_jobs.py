@@ -1,8 +1,8 @@
 """Ranks slowed at decision points (ANYREC_DELAY_DECISIONS: a delay before a rank forms its view of a
-decision) still take every decision together: rank 1, slow before it estimates a pass of the calibration's
-step points, would train them with fewer steps alone by its own clock (then wait in another collective);
-with the estimate agreed (the slowest rank's), both ranks train the same steps, and the job finishes. Rank 0, slow before a
-training stop check, only makes rank 1 wait."""
+decision) still take every decision together. Rank 1, slow before it estimates a pass of the
+calibration's step points, would train them with fewer steps than rank 0 by its own clock (then wait in
+another collective); with the estimate agreed (the slowest rank's), both ranks train the same steps, and
+the job finishes. Rank 0, slow before a training stop check, only makes rank 1 wait."""
 
 from __future__ import annotations
 

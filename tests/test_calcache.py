@@ -228,3 +228,35 @@ def test_the_key_holds_the_share_of_cores_not_what_a_busy_host_left(monkeypatch)
     monkeypatch.setattr(backend, "thread_choice", ThreadChoice(intra_op=1, share_cores=2, setting=1),
                         raising=False)
     assert calcache.local_key(backend, ONE_PROCESS).threads_per_rank == 1
+
+
+def test_an_entry_a_run_measured_ten_times_off_is_named_and_not_used_again(tmp_path, monkeypatch, caplog):
+    """A cache entry whose prediction misses the measured step by more than 10x (forged with a right
+    checksum, say): the summary's warning names the file, the next lookup misses (measured again), and the
+    entry measured again is used."""
+    from anyrec.trainer.summary import _reject_far_miss
+
+    monkeypatch.setenv(calcache.CACHE_DIR_ENV, str(tmp_path))
+    path = _entry(tmp_path)
+    _reject_far_miss(str(path), 7.0, 7.5)  # 7 s predicted, 7.5 ms measured
+    (line,) = [r.getMessage() for r in caplog.records if "not used again" in r.getMessage()]
+    assert str(path) in line and "7000.00 ms per step" in line and "7.50 ms" in line
+    found = calcache.lookup(_key(), tmp_path)
+    assert not found.hit and "rejected by an earlier run" in found.problem and "\n" not in found.problem
+    # the next run measures again and writes a new entry: the mark names the old content, not this one
+    data = yaml.safe_load(CAL.read_text())
+    data["spec"]["step_fixed_s"] = 0.002
+    calcache.write_entry(path, _key(), data)
+    assert calcache.lookup(_key(), tmp_path).hit
+
+
+def test_a_near_miss_or_a_users_own_file_is_not_rejected(tmp_path, monkeypatch, caplog):
+    from anyrec.trainer.summary import _reject_far_miss
+
+    monkeypatch.setenv(calcache.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    path = _entry(tmp_path / "cache")
+    _reject_far_miss(str(path), 0.070, 7.5)  # 9.3x: a poor prediction, not a foreign entry
+    assert calcache.lookup(_key(), tmp_path / "cache").hit
+    own = _entry(tmp_path)  # a hardware file outside the cache folder: the user's to mend
+    _reject_far_miss(str(own), 7.0, 7.5)
+    assert not list(tmp_path.glob("*.rejected")) and "not used again" not in caplog.text

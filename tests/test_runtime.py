@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from anyrec.backends import cpu, get_backend, resolve_hardware
@@ -75,8 +76,15 @@ def test_train_calibrates_and_trains_in_one_runtime(tmp_path, monkeypatch, caplo
     from anyrec.train import run
 
     monkeypatch.setenv(cache.CACHE_DIR_ENV, str(tmp_path))
+    from anyrec.signing import resolve_key
+
+    # the key's threads are backend.threads=auto's share (all cores for one rank); a bare backend reads the
+    # process's count, which a test before may have changed
+    torch.set_num_threads(len(cpu.allowed_cores()))
     key = cache.local_key(get_backend("cpu"), ONE_PROCESS, cpu.allowed_cores())
-    entry = cache.write_entry(tmp_path / key.file_name(), key, yaml.safe_load(CAL.read_text()))
+    # signed as a job on this machine signs it: with the per-user key in the cache folder
+    entry = cache.write_entry(tmp_path / key.file_name(), key, yaml.safe_load(CAL.read_text()),
+                              signing_key=resolve_key(None))
     seen = []
     calibrated = first_contact.calibrated_hardware
 
@@ -101,3 +109,4 @@ def test_train_calibrates_and_trains_in_one_runtime(tmp_path, monkeypatch, caplo
     assert config.hardware.sku == "auto" and config.backend.bind_cores == "auto"  # nothing written back
     (trainer,) = built
     assert trainer.hardware.measured_by == str(entry) and summary["predicted_step_ms"] > 0
+    assert trainer.job.hardware_file == str(entry)  # what a run 10x off its prediction rejects

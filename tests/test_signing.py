@@ -10,8 +10,12 @@ from anyrec.signing import FIELD, KEY_ENV, SignatureError, SigningKey, resolve_k
 SECRET = "0123456789abcdef0123"
 
 
-def test_no_key_anywhere_means_no_signing():
-    assert resolve_key(None, {}) is None
+def test_no_key_anywhere_means_no_signing(tmp_path):
+    """No key configured and no per-user key that can be made (its folder cannot be created): nothing is
+    signed (checksums then catch damage only, said once)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert resolve_key(None, {"ANYREC_CACHE_DIR": str(blocker / "cache")}) is None
 
 
 def test_the_key_file_comes_before_the_environment(tmp_path):

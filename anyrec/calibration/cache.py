@@ -35,8 +35,8 @@ import anyrec
 from anyrec.backends import Backend, Hardware
 from anyrec.backends.cpu import allowed_cores
 from anyrec.backends.hardware import hardware_from_data
-from anyrec.io_checks import write_yaml
-from anyrec.safe_load import load_yaml
+from anyrec.io_checks import atomic_write, write_yaml
+from anyrec.safe_load import MAX_YAML_BYTES, load_json, load_yaml, read_text
 from anyrec.signing import CACHE_DIR_ENV as CACHE_DIR_ENV  # one definition, also for the signing key
 from anyrec.signing import FIELD, SigningKey, cache_dir, warn_unkeyed
 
@@ -142,13 +142,53 @@ def _signed_view(data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "cache": {k: v for k, v in cache.items() if k != FIELD}, FIELD: cache.get(FIELD)}
 
 
+FAR_MISS = 10.0  # a run whose measured step is this many times off the entry's prediction rejects the entry
+REJECTED = ".rejected"  # beside an entry: the digest of the entry a run rejected, and why
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def reject_entry(path: str | Path, reason: str) -> bool:
+    """Mark the cache entry at `path` as not to be used again (`reason` says why: a run measured its step
+    more than FAR_MISS times off what the entry predicted); the next lookup measures again, and the new
+    entry is not rejected (the mark names the rejected content's digest). False where `path` is not a
+    file in the cache folder (a hardware file the user named is theirs to mend)."""
+    path = Path(path)
+    if path.parent.resolve() != cache_dir().resolve() or path.is_symlink() or not path.is_file():
+        return False
+    digest = _digest(read_text(path, "the entry", MAX_YAML_BYTES))
+    with atomic_write(path.with_name(path.name + REJECTED)) as f:  # replaces a link, never writes through it
+        json.dump({"sha256": digest, "reason": reason}, f)
+    return True
+
+
+def _rejection(path: Path, text: str) -> str | None:
+    """Why a run rejected the entry `path` holding `text`, or None (no mark, or a mark of other content)."""
+    mark = path.with_name(path.name + REJECTED)
+    if not mark.exists():
+        return None
+    try:
+        data = load_json(mark, "the rejection mark", max_bytes=64 * 1024)
+    except ValueError:
+        return "a rejection mark beside it is unreadable"
+    if not isinstance(data, dict) or data.get("sha256") != _digest(text):
+        return None
+    return f"rejected by an earlier run: {str(data.get('reason'))[:300]}"
+
+
 def read_entry(path: Path, key: CacheKey, signing_key: SigningKey | None = None) -> Lookup:
     """Cache file `path` as a hit, checked whole, against `key` and (given one) `signing_key`, parsed
     once and bounded; ValueError in one line."""
     try:
-        data = load_yaml(path, "the entry")
+        text = read_text(path, "the entry", MAX_YAML_BYTES)
+        data = load_yaml(path, "the entry", text=text)
     except ValueError as e:
         raise ValueError(f"unreadable: {str(e).removeprefix('the entry: ')}") from None
+    rejected = _rejection(path, text)
+    if rejected:
+        raise ValueError(rejected)
     if not isinstance(data, dict) or not isinstance(data.get("cache"), dict):
         raise ValueError("no `cache:` section (cut short, or not a cache entry)")
     cache = data["cache"]

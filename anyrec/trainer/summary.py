@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm import tqdm
 
+from anyrec.calibration.cache import FAR_MISS, reject_entry
 from anyrec.calibration.steplearn import Correction, ObservedSteps, describe
 from anyrec.io_checks import LinkError, open_nofollow
 from anyrec.trainer.distributed import DistInfo, gather_objects
@@ -105,6 +106,7 @@ class JobFacts:
     batch_size: int  # per rank
     sharding_group_size: int  # the ranks each table is sharded over (the world in 1D)
     step_key: str | None = None  # where this workload's measured steps are learnt (rank 0; None: nowhere)
+    hardware_file: str = ""  # the hardware file the plan's figures came from ("" = the datasheet's)
 
 
 @dataclass
@@ -190,6 +192,8 @@ def run_summary(job: JobFacts, run: RunState, out: Outcome) -> dict[str, Any]:
                    step_correction_runs=correction.runs)
     if not out.stopped_by:  # a run stopped early teaches nothing
         _record_step(job.step_key, summary["measured_step_ms"], model_s)
+    if dist.is_main:
+        _reject_far_miss(job.hardware_file, model_s, summary["measured_step_ms"])
     summary["measured_steps"] = run.timer.steps  # this rank's timed steps (the same on every rank)
     summary.update(memory_check(out.predicted_memory, gather_objects(out.peak_allocated_bytes, dist),
                                 log=dist.is_main, measured_reserved=gather_objects(out.peak_reserved_bytes,
@@ -210,6 +214,27 @@ def _learnt_correction(job: JobFacts, model_s: float | None) -> Correction:
         if correction.runs:
             logger.info("%s", describe(correction, model_s, job.step_key.rsplit("/", 1)[1]))
     return gather_objects(correction, job.dist)[0]
+
+
+def _reject_far_miss(entry: str, model_s: float | None, measured_ms: float | None) -> None:
+    """A calibration cache entry whose prediction misses the measured step by more than FAR_MISS times
+    (forged, or measured on another machine's terms): named in a warning and not used again."""
+    if not entry or not model_s or not measured_ms:
+        return
+    ratio = model_s * 1e3 / measured_ms
+    if 1 / FAR_MISS <= ratio <= FAR_MISS:
+        return
+    reason = (f"it predicted {model_s * 1e3:.2f} ms per step and this run measured {measured_ms:.2f} ms "
+              f"({ratio:.3g}x)")
+    try:
+        rejected = reject_entry(entry, reason)
+    except (OSError, ValueError) as e:
+        logger.warning("calibration cache entry %s: %s, but it could not be marked rejected: %s",
+                       entry, reason, e)
+        return
+    if rejected:
+        logger.warning("calibration cache entry %s: %s: its figures are not this machine's; it is not used "
+                       "again (the next hardware=auto run measures again)", entry, reason)
 
 
 def _record_step(key: str | None, measured_ms: float | None, model_s: float | None) -> None:

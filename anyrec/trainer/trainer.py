@@ -166,7 +166,8 @@ class Trainer:
         self.writer = MetricWriter(tc.run_dir, self.dist.is_main, tc.tensorboard)
         group = getattr(self.sharding_plan, "sharding_group_size", self.dist.world_size)
         self.job = JobFacts(self.backend.name, self.embedding_kernel, self.dist, self.batch_size, group,
-                            self._step_key(group) if self.dist.is_main else None)
+                            self._step_key(group) if self.dist.is_main else None,
+                            hardware_file=self._hardware().measured_by)
         if self.dist.is_main:
             self._log_setup()
 
