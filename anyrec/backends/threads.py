@@ -13,10 +13,13 @@ powers of two below the share, the share) during the first steps: one step to se
 then `TRIAL_STEPS` timed steps; the median per count, the slowest rank's (an all-reduce), decides: the
 fewest threads within `TIE_FRACTION` of the fastest. With several ranks every decision is a collective made
 at the same step on every rank (the step count alone says when: never a local clock or load sample), so
-the ranks make the same calls and take the same count. Every `RECHECK_S` seconds' worth of steps (counted
-in steps at the chosen count's time) the tuner reads what the cores did since its last look
-(`core_load.LoadMeter`: /proc/stat, no sleep); where other processes' use moved by `LOAD_CHANGE_CORES` or
-more since the counts were timed, on any rank, every rank times them again. Under `backend.bind_cores=auto`
+the ranks make the same calls and take the same count.
+
+Every `RECHECK_S` seconds (with several ranks: that many seconds' worth of steps at the kept count's
+agreed time, as the look ends in a collective) the tuner reads what the cores did since its last look
+(`core_load.LoadMeter`: /proc/stat, no sleep); where other processes' use stayed `LOAD_CHANGE_CORES` or
+more away from what it was while the counts were timed for `RAISE_AFTER` looks in a row, on any rank,
+every rank times them again (a short-lived process does not set it off). Under `backend.bind_cores=auto`
 the binding is re-decided at the same looks by the binding rule (unbound at once, bound again after
 `RAISE_AFTER` looks in a row agree). `backend.threads=N` forces N threads and nothing is timed.
 
@@ -47,9 +50,9 @@ TRIAL_STEPS = 3  # timed steps per candidate count (after one settling step): 2 
 TIE_FRACTION = 0.03  # a count within this of the fastest counts as fast: the fewest threads win, leaving
 # cores to gloo's, the data's and other processes' threads
 RECHECK_S = 2.0  # between looks at the cores: a /proc scan costs ~1 ms, so < 0.1 % of the time
-RECHECK_STEPS = (20, 2000)  # the look's period in steps, at least and at most
+RECHECK_STEPS = (20, 500)  # several ranks: the look's period in steps (RECHECK_S at the kept count's step)
 LOAD_CHANGE_CORES = 0.5  # other processes' use of the cores that moved this much since the timing: time again
-RAISE_AFTER = 2  # looks in a row that must find cores freed before a rank binds again
+RAISE_AFTER = 2  # looks in a row that must agree before a rank binds again or times the counts again
 
 
 def thread_setting(value: int | str) -> int | None:
@@ -138,6 +141,11 @@ def all_reduce_max(values: list[float]) -> list[float]:
     return t.tolist()
 
 
+def world_size() -> int:
+    """Ranks in the default group (1 without one)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def _is_main() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
@@ -177,36 +185,39 @@ class ThreadTrial:
 class ThreadTuner:
     """A step hook (`Trainer.step_hooks`) under `backend.threads=auto`: times the job's step at each
     candidate count, keeps the fastest (agreed by the ranks), and times again when the load on the cores
-    changes; see the module doc. `choice` is the current count, `trial` the last timing."""
+    changes; see the module doc. `choice` is the count kept, `trial` the last timing."""
 
     def __init__(self, choice: ThreadChoice, cpus: Sequence[int], rebinder: Rebinder | None = None,
                  meter: Callable[[Sequence[int]], LoadMeter] = LoadMeter,
                  apply: Callable[[int], None] = torch.set_num_threads,
                  reduce_max: Callable[[list[float]], list[float]] = all_reduce_max,
-                 clock: Callable[[], float] = time.monotonic, recheck_s: float = RECHECK_S) -> None:
+                 world_size: Callable[[], int] = world_size, clock: Callable[[], float] = time.monotonic,
+                 recheck_s: float = RECHECK_S) -> None:
         if choice.setting is not None:
             raise ValueError(f"backend.threads={choice.setting} is fixed: nothing to time")
         self.choice, self.rebinder = choice, rebinder
         self.candidates = thread_candidates(choice.share_cores)
         self.trial: ThreadTrial | None = None
         self._cpus, self._meter_of, self._apply, self._reduce_max = list(cpus), meter, apply, reduce_max
-        self._clock, self._recheck_s = clock, recheck_s
-        self._last_look = clock()
+        self._world_size, self._clock, self._recheck_s = world_size, clock, recheck_s
         self._k = 0  # candidates every rank times (the most any rank has; agreed at the first step)
+        self._by_steps = False  # looks end in a collective: the step count says when, not the clock
         self._schedule: list[tuple[int, bool]] = []  # the coming steps' (candidate index, timed)
         self._samples: list[list[float]] = []
         self._trial_meter: LoadMeter | None = None
         self._meter: LoadMeter | None = None  # since the last look
         self._timed_load: CoreLoad | None = None  # while the counts were last timed
-        self._every = RECHECK_STEPS[1]
+        self._every = RECHECK_STEPS[1]  # steps between looks, where they go by steps
         self._since_look = 0
-        self._bind_votes = 0
+        self._last_look = clock()
+        self._moved_votes = self._bind_votes = 0
 
     def __call__(self, trainer: TimedStep) -> None:
         """After each training step: the next step of a timing, or a look at the cores when one is due.
-        What happens depends on the number of calls alone, so every rank calls the same collectives."""
+        Whether a collective follows depends on the number of calls alone, so every rank makes the same."""
         if not self._k:  # the first step: how many counts the ranks time (they may have other shares)
             self._k = int(self._reduce_max([float(len(self.candidates))])[0])
+            self._by_steps = self._k > 1 and self._world_size() > 1
             if self._k > 1:
                 self._start_trial()
             else:
@@ -215,12 +226,9 @@ class ThreadTuner:
         if self._schedule:
             self._trial_step(trainer.last_step_s)
             return
-        if self._k < 2:  # nothing to time: a look only rebinds, no collective, so the clock may say when
-            if self._clock() - self._last_look >= self._recheck_s:
-                self._look()
-            return
         self._since_look += 1
-        if self._since_look >= self._every:
+        if (self._since_look >= self._every if self._by_steps else
+                self._clock() - self._last_look >= self._recheck_s):
             self._look()
 
     def count(self, index: int) -> int:
@@ -250,23 +258,23 @@ class ThreadTuner:
         finite = [i for i, t in enumerate(agreed) if math.isfinite(t)]
         if finite:
             fastest = min(agreed[i] for i in finite)
-            best = next(i for i in finite if agreed[i] <= fastest * (1 + TIE_FRACTION))
-            n = self.count(best)
+            n = self.count(next(i for i in finite if agreed[i] <= fastest * (1 + TIE_FRACTION)))
             self._every = min(RECHECK_STEPS[1], max(RECHECK_STEPS[0], math.ceil(self._recheck_s / fastest)))
-        else:  # no step was timed (chunks of one step): the start count stays
+        else:  # no step was timed (chunks of one step): the count kept stays
             n = self.choice.intra_op
         self._apply(n)
         step_ms = {self.count(i): t * 1e3 for i, t in enumerate(agreed)}
         self.trial = ThreadTrial(step_ms, n, load.other_cores if load is not None else None)
         self.choice = dataclasses.replace(self.choice, intra_op=n, load=load or self.choice.load)
         self._timed_load = load
-        self._meter, self._since_look = self._meter_of(self._cpus), 0
+        self._meter, self._since_look, self._last_look = self._meter_of(self._cpus), 0, self._clock()
+        self._moved_votes = 0
         if _is_main():
             logger.info("threads: %s", self.trial.describe())
 
     def _look(self) -> None:
-        """The cores since the last look: rebind by the rule; time the counts again, on every rank, where
-        other processes' use moved on any rank."""
+        """The cores since the last look: rebind by the rule; where other processes' use moved on any rank
+        at `RAISE_AFTER` looks in a row, every rank times the counts again."""
         load = self._meter.read() if self._meter is not None else None
         self._meter, self._since_look, self._last_look = self._meter_of(self._cpus), 0, self._clock()
         if load is not None and self.rebinder is not None:
@@ -277,7 +285,8 @@ class ThreadTuner:
             self._timed_load = load  # unreadable during the timing: compare with the first look that reads
         moved = (load is not None and self._timed_load is not None and
                  abs(load.other_cores - self._timed_load.other_cores) >= LOAD_CHANGE_CORES)
-        if self._reduce_max([float(moved)])[0] > 0:
+        self._moved_votes = self._moved_votes + 1 if moved else 0
+        if self._reduce_max([float(self._moved_votes >= RAISE_AFTER)])[0] > 0:
             if _is_main():
                 was = self._timed_load.other_cores if self._timed_load is not None else math.nan
                 now = load.other_cores if load is not None else math.nan

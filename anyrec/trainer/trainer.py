@@ -405,14 +405,15 @@ class Trainer:
         return {**run_summary(self.job, run, out), **self._thread_facts()}
 
     def _thread_facts(self) -> dict[str, Any]:
-        """The summary's thread keys: this rank's intra-op count at the end, and the last timing of the
-        candidate counts under backend.threads=auto (count -> the slowest rank's ms per step; null where
-        nothing was timed)."""
+        """The summary's thread keys: this rank's intra-op count (under backend.threads=auto the count its
+        last timing kept) and that timing (count -> the slowest rank's ms per step; null where nothing was
+        timed)."""
         tuner = next((h for h in self.step_hooks if isinstance(h, ThreadTuner)), None)
-        trial = tuner.trial if tuner is not None else None
-        timed = None if trial is None else {str(n): ms if math.isfinite(ms) else None
-                                            for n, ms in trial.step_ms.items()}
-        return {"intra_op_threads": torch.get_num_threads(), "thread_trial_ms": timed}
+        if tuner is None:
+            return {"intra_op_threads": torch.get_num_threads(), "thread_trial_ms": None}
+        timed = None if tuner.trial is None else {str(n): ms if math.isfinite(ms) else None
+                                                  for n, ms in tuner.trial.step_ms.items()}
+        return {"intra_op_threads": tuner.choice.intra_op, "thread_trial_ms": timed}
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
