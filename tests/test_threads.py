@@ -364,7 +364,12 @@ def test_benchmark_summary_compares_auto_with_the_best_fixed_count():
     assert s["auto_over_best_fixed"] == pytest.approx(12.0 / 11.0)
     assert s["cases"]["2"]["max_step_ms"] == float("inf")  # the timed-out run counts as slower than any
     assert bench._json_safe(s)["cases"]["2"]["max_step_ms"] is None  # and is null in the JSON
-    for argv, code in ((["--help"], 0), (["--rounds", "0"], 2), (["--background", "maybe"], 2)):
+    # each case's environment: this checkout's anyrec, OMP_NUM_THREADS as the case says
+    assert "OMP_NUM_THREADS" not in bench.case_env("auto") and bench.case_env("auto")["PYTHONPATH"] == str(
+        bench.ROOT)
+    assert bench.case_env("2")["OMP_NUM_THREADS"] == "2" and bench.case_env("omp1")["OMP_NUM_THREADS"] == "1"
+    for argv, code in ((["--help"], 0), (["--rounds", "0"], 2), (["--background", "maybe"], 2),
+                       (["--background", "on"], 2)):
         with pytest.raises(SystemExit) as e:  # before anything is launched
             bench.main(argv)
         assert e.value.code == code
