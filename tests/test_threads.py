@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import statistics
 import threading
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 import anyrec.backends.cpu as cpu
+import anyrec.backends.threads as threads_module
 from anyrec.backends.threads import (
     LOAD_CHANGE_CORES,
     RECHECK_STEPS,
@@ -209,7 +211,8 @@ def test_a_load_change_times_the_counts_again(ranks, caplog):
     assert job.tuner._schedule  # the second look saw it too: timing again
     job.steps(TRIAL - 1)
     assert job.threads == 1 and job.applied == [1, 2, 2, 1, 2, 1]
-    assert "moved by 0.5 or more on a rank" in caplog.records[0].getMessage()
+    assert "the load changed on a rank" in caplog.records[0].getMessage()
+    assert "other processes 0.10 -> 1.00 cores" in caplog.records[0].getMessage()
     assert caplog.records[-1].getMessage().startswith("threads: 1 intra-op")
     job.steps(every * 5)  # the load stays where it was timed: nothing timed again
     job.loads[0] = None  # unreadable: nothing is timed again either
@@ -217,15 +220,41 @@ def test_a_load_change_times_the_counts_again(ranks, caplog):
     assert job.applied == [1, 2, 2, 1, 2, 1]
 
 
+def test_a_count_far_slower_is_timed_no_further_and_a_slower_step_times_again(caplog):
+    """2 threads beside a busy core: its settling step ran 60x the 1-thread steps, so its timed steps are
+    skipped (one slow step, not four). Later the steps turn slower with no load change /proc shows
+    (a burst the sample misses): two looks in a row at 2x the timed step time the counts again."""
+    job = FakeJob({1: 10.0, 2: 600.0})
+    job.steps(1 + 1 + TRIAL_STEPS + 1)  # the first, 1's settling and timed steps, 2's settling step
+    assert job.threads == 1 and job.tuner.trial.step_ms == pytest.approx({1: 10.0, 2: 600.0})
+    assert job.reduces == [1, 1, 2]  # the count, the settling check, the decision
+    job.steps(1000)  # 10 s at 10 ms: looks every 2 s, nothing moved
+    assert job.applied == [1, 2, 1]
+    caplog.set_level(logging.INFO, logger="anyrec.backends.threads")
+    job.step_ms = {1: 25.0, 2: 15.0}
+    steps = 0
+    while not job.tuner._schedule and steps < 400:
+        job.steps(1)
+        steps += 1
+    assert 80 < steps <= 3 * 80  # 2 s of steps is one look, and one look at 2.5x is not enough
+    assert "step 10.00 -> 25.00 ms" in caplog.records[0].getMessage()
+    job.steps(TRIAL)
+    assert job.threads == 2 and job.applied == [1, 2, 1, 1, 2, 2]
+    # a peer's far slower settling step stops this rank's timing of that count too
+    job = FakeJob({1: 10.0, 2: 7.0}, others=[[2.0], [1.0], [11e-3, 0.5]])
+    job.steps(1 + 1 + TRIAL_STEPS + 1)
+    assert job.threads == 1 and job.tuner.trial is not None and job.reduces == [1, 1, 2]
+
+
 def test_ranks_take_the_count_the_slowest_rank_ran_fastest():
     """This rank ran 2 threads faster, a peer ran 2 threads far slower (a busy core under it): the decision
     is the reduced timing's, so every rank keeps 1 thread."""
-    # all-reduces: the candidates' count (first step), then the medians (the decision)
-    job = FakeJob({1: 10.0, 2: 7.0}, others=[[2.0], [11e-3, 60e-3]])
+    # all-reduces: the candidates' count (first step), 2's settling step (far slower?), the medians
+    job = FakeJob({1: 10.0, 2: 7.0}, others=[[2.0], [0.0], [11e-3, 60e-3]])
     job.steps(TRIAL)
     assert job.threads == 1 and job.tuner.trial.step_ms == pytest.approx({1: 11.0, 2: 60.0})
     # a peer with 4 cores while this rank has 2: it times 1, 2, 4 and this rank repeats 2 for its third
-    job = FakeJob({1: 10.0, 2: 7.0}, others=[[3.0], [30e-3, 20e-3, 9e-3]])
+    job = FakeJob({1: 10.0, 2: 7.0}, others=[[3.0], [0.0], [0.0], [30e-3, 20e-3, 9e-3]])
     job.steps(1 + 3 * (1 + TRIAL_STEPS))
     assert job.threads == 2 and job.applied == [1, 2, 2, 2]  # its third count is its largest, 2
     assert job.tuner.trial.chosen == 2
@@ -331,7 +360,8 @@ def test_auto_times_the_trainers_own_steps(one_rank, keep_threads, monkeypatch):
     it) at 1 then 2 threads, keeps the count whose median step was the shorter, and the summary says so."""
     monkeypatch.setattr(cpu, "measure_core_load", lambda cpus: QUIET)  # the start: both cores
     # a steady load: no second timing within the run, whatever the host's other jobs do meanwhile
-    steady = functools.partial(ThreadTuner, meter=lambda cpus: FakeMeter([QUIET]))
+    steady = functools.partial(ThreadTuner, meter=lambda cpus: FakeMeter([QUIET]), recheck_s=1e6)
+    monkeypatch.setattr(threads_module, "ABANDON_FACTOR", math.inf)  # every count timed in full
     monkeypatch.setattr(cpu, "ThreadTuner", steady)
     t = _trainer(f"trainer.steps={TRIAL + 3}")
     seen: list[tuple[int, float | None]] = []  # (threads the step ran at, its seconds)

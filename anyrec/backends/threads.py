@@ -10,16 +10,18 @@ wait: 1 rank of dlrm_small at batch 256 on a 2-core host running other jobs, loa
 with 2 threads, 10.0 ms with 1; yet a load sample alone picked 2 threads at 12.7 ms against 9.1 ms with 1),
 so `ThreadTuner`, a step hook, times the job's step at each candidate count (`thread_candidates`: 1, the
 powers of two below the share, the share) during the first steps: one step to settle after each change,
-then `TRIAL_STEPS` timed steps; the median per count, the slowest rank's (an all-reduce), decides: the
-fewest threads within `TIE_FRACTION` of the fastest. With several ranks every decision is a collective made
-at the same step on every rank (the step count alone says when: never a local clock or load sample), so
-the ranks make the same calls and take the same count.
+then `TRIAL_STEPS` timed steps (none where the settling step already ran `ABANDON_FACTOR` times the best
+count so far on some rank: a bad count costs one step, not four); the median per count, the slowest
+rank's (an all-reduce), decides: the fewest threads within `TIE_FRACTION` of the fastest. With several
+ranks every decision is a collective made at the same step on every rank (the step count alone says when:
+never a local clock or load sample), so the ranks make the same calls and take the same count.
 
 Every `RECHECK_S` seconds (with several ranks: that many seconds' worth of steps at the kept count's
 agreed time, as the look ends in a collective) the tuner reads what the cores did since its last look
-(`core_load.LoadMeter`: /proc/stat, no sleep); where other processes' use stayed `LOAD_CHANGE_CORES` or
-more away from what it was while the counts were timed for `RAISE_AFTER` looks in a row, on any rank,
-every rank times them again (a short-lived process does not set it off). Under `backend.bind_cores=auto`
+(`core_load.LoadMeter`: /proc/stat, no sleep) and how long the steps took; where other processes' use
+stayed `LOAD_CHANGE_CORES` or more away from what it was while the counts were timed, or the steps ran
+`SLOWER_FACTOR` times the kept count's timed step, for `RAISE_AFTER` looks in a row, on any rank, every
+rank times them again (a short-lived process does not set it off). Under `backend.bind_cores=auto`
 the binding is re-decided at the same looks by the binding rule (unbound at once, bound again after
 `RAISE_AFTER` looks in a row agree). `backend.threads=N` forces N threads and nothing is timed.
 
@@ -47,8 +49,12 @@ from anyrec.calibration.core_load import OTHER_BUSY_MAX_CORES, CoreLoad, LoadMet
 logger = logging.getLogger(__name__)
 
 TRIAL_STEPS = 3  # timed steps per candidate count (after one settling step): 2 counts fit a 10-step warm-up
-TIE_FRACTION = 0.03  # a count within this of the fastest counts as fast: the fewest threads win, leaving
-# cores to gloo's, the data's and other processes' threads
+TIE_FRACTION = 0.05  # a count within this of the fastest counts as fast: the fewest threads win, leaving
+# cores to gloo's, the data's and other processes' threads (and more threads are the ones a burst of
+# another process slows most: 10-50x on the 2-core host, against at most ~1.3x for one thread too few)
+ABANDON_FACTOR = 3.0  # a count whose settling step ran this many times the best median so far, on any
+# rank, is not timed further (2 threads beside a busy core: 100-750 ms a step against 8-25 ms with 1)
+SLOWER_FACTOR = 2.0  # steps this many times the kept count's timed step, at two looks in a row: time again
 RECHECK_S = 2.0  # between looks at the cores: a /proc scan costs ~1 ms, so < 0.1 % of the time
 RECHECK_STEPS = (20, 500)  # several ranks: the look's period in steps (RECHECK_S at the kept count's step)
 LOAD_CHANGE_CORES = 0.5  # other processes' use of the cores that moved this much since the timing: time again
@@ -207,10 +213,12 @@ class ThreadTuner:
         self._trial_meter: LoadMeter | None = None
         self._meter: LoadMeter | None = None  # since the last look
         self._timed_load: CoreLoad | None = None  # while the counts were last timed
+        self._kept_s: float | None = None  # the kept count's timed step (the slowest rank's)
         self._every = RECHECK_STEPS[1]  # steps between looks, where they go by steps
         self._since_look = 0
         self._last_look = clock()
         self._moved_votes = self._bind_votes = 0
+        self._look_s, self._look_steps = 0.0, 0  # the steps timed since the last look
 
     def __call__(self, trainer: TimedStep) -> None:
         """After each training step: the next step of a timing, or a look at the cores when one is due.
@@ -226,6 +234,8 @@ class ThreadTuner:
         if self._schedule:
             self._trial_step(trainer.last_step_s)
             return
+        if trainer.last_step_s is not None:
+            self._look_s, self._look_steps = self._look_s + trainer.last_step_s, self._look_steps + 1
         self._since_look += 1
         if (self._since_look >= self._every if self._by_steps else
                 self._clock() - self._last_look >= self._recheck_s):
@@ -245,6 +255,12 @@ class ThreadTuner:
         index, timed = self._schedule.pop(0)
         if timed and step_s is not None:
             self._samples[index].append(step_s)
+        if not timed and index > 0:  # a later count's settling step: one all-reduce on every rank
+            best = min((statistics.median(s) for s in self._samples[:index] if s), default=math.inf)
+            slow = step_s is not None and step_s > ABANDON_FACTOR * best
+            if self._reduce_max([float(slow)])[0] > 0:  # far slower on some rank: timed no further
+                self._samples[index] = [step_s] if step_s is not None else []
+                self._schedule = [e for e in self._schedule if e[0] != index]
         if not self._schedule:
             self._decide()
         elif self._schedule[0][0] != index:
@@ -256,9 +272,11 @@ class ThreadTuner:
         agreed = self._reduce_max(mine)
         load = self._trial_meter.read() if self._trial_meter is not None else None
         finite = [i for i, t in enumerate(agreed) if math.isfinite(t)]
+        self._kept_s = None
         if finite:
             fastest = min(agreed[i] for i in finite)
-            n = self.count(next(i for i in finite if agreed[i] <= fastest * (1 + TIE_FRACTION)))
+            best = next(i for i in finite if agreed[i] <= fastest * (1 + TIE_FRACTION))
+            n, self._kept_s = self.count(best), agreed[best]
             self._every = min(RECHECK_STEPS[1], max(RECHECK_STEPS[0], math.ceil(self._recheck_s / fastest)))
         else:  # no step was timed (chunks of one step): the count kept stays
             n = self.choice.intra_op
@@ -268,15 +286,18 @@ class ThreadTuner:
         self.choice = dataclasses.replace(self.choice, intra_op=n, load=load or self.choice.load)
         self._timed_load = load
         self._meter, self._since_look, self._last_look = self._meter_of(self._cpus), 0, self._clock()
-        self._moved_votes = 0
+        self._moved_votes, self._look_s, self._look_steps = 0, 0.0, 0
         if _is_main():
             logger.info("threads: %s", self.trial.describe())
 
     def _look(self) -> None:
-        """The cores since the last look: rebind by the rule; where other processes' use moved on any rank
-        at `RAISE_AFTER` looks in a row, every rank times the counts again."""
+        """The cores since the last look: rebind by the rule; where other processes' use moved, or the steps
+        ran `SLOWER_FACTOR` times the timed one, on any rank at `RAISE_AFTER` looks in a row, every rank
+        times the counts again."""
         load = self._meter.read() if self._meter is not None else None
+        step_s = self._look_s / self._look_steps if self._look_steps else None
         self._meter, self._since_look, self._last_look = self._meter_of(self._cpus), 0, self._clock()
+        self._look_s, self._look_steps = 0.0, 0
         if load is not None and self.rebinder is not None:
             self._rebind(load)
         if self._k < 2:
@@ -285,14 +306,17 @@ class ThreadTuner:
             self._timed_load = load  # unreadable during the timing: compare with the first look that reads
         moved = (load is not None and self._timed_load is not None and
                  abs(load.other_cores - self._timed_load.other_cores) >= LOAD_CHANGE_CORES)
-        self._moved_votes = self._moved_votes + 1 if moved else 0
+        slower = step_s is not None and self._kept_s is not None and step_s > SLOWER_FACTOR * self._kept_s
+        self._moved_votes = self._moved_votes + 1 if moved or slower else 0
         if self._reduce_max([float(self._moved_votes >= RAISE_AFTER)])[0] > 0:
             if _is_main():
                 was = self._timed_load.other_cores if self._timed_load is not None else math.nan
                 now = load.other_cores if load is not None else math.nan
-                logger.info("threads: other processes' use of the cores moved by %s or more on a rank since "
-                            "the counts were timed (here %.2f -> %.2f cores): timing them again",
-                            LOAD_CHANGE_CORES, was, now)
+                took = f"{step_s * 1e3:.2f}" if step_s is not None else "-"
+                kept = f"{self._kept_s * 1e3:.2f}" if self._kept_s is not None else "-"
+                logger.info("threads: the load changed on a rank since the counts were timed (here other "
+                            "processes %.2f -> %.2f cores, step %s -> %s ms): timing them again", was, now,
+                            kept, took)
             self._start_trial()
 
     def _rebind(self, load: CoreLoad) -> None:
