@@ -107,7 +107,7 @@ class Trainer:
         self.predicted_memory: list[MemoryPrediction] | None = None  # each rank's peak, where predicted
         # Called after every training step with the trainer (anyrec-parity records each step's loss).
         self.step_hooks: list[Callable[[Trainer], None]] = []
-        self.step_hooks += self.backend.step_hooks()  # e.g. the CPU's thread re-check
+        self.step_hooks += self.backend.step_hooks()  # e.g. the CPU's thread timing (backends/threads.py)
         self.stopper: StopRequest | None = None  # during train(): SIGINT/SIGTERM stop every rank
         self.build()
         self.checkpoints = (CheckpointManager(cfg.trainer.checkpoint, self.signature(), self.dist,
