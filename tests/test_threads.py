@@ -152,6 +152,11 @@ class FakeGroup:
         return reduce
 
 
+def tuner_lines(caplog) -> list[str]:
+    """What the tuner logged (another test's leftover thread may log meanwhile)."""
+    return [r.getMessage() for r in caplog.records if r.name == "anyrec.backends.threads"]
+
+
 TRIAL = 1 + 2 * (1 + TRIAL_STEPS)  # steps until the count is kept: the first, then per count settle + timed
 
 
@@ -166,11 +171,11 @@ def test_auto_keeps_the_count_that_ran_the_step_fastest(step_ms, best, caplog):
     job.steps(1)
     assert job.threads == best and job.tuner.choice.intra_op == best and job.applied == [1, 2, best]
     assert job.tuner.trial.step_ms == pytest.approx(step_ms)
-    lines = [r.getMessage() for r in caplog.records]
+    lines = tuner_lines(caplog)
     assert lines == [f"threads: {best} intra-op, the job's step timed at 1 -> {step_ms[1]:.2f} ms, 2 -> "
                      f"{step_ms[2]:.2f} ms (median of {TRIAL_STEPS} steps each, slowest rank)"]
     job.steps(3 * RECHECK_STEPS[1])  # a steady host: nothing is timed again
-    assert job.applied == [1, 2, best] and len(caplog.records) == 1
+    assert job.applied == [1, 2, best] and len(tuner_lines(caplog)) == 1
 
 
 def test_a_step_far_off_does_not_swing_the_median_and_ties_go_to_fewer_threads():
@@ -204,6 +209,7 @@ def test_a_load_change_times_the_counts_again(ranks, caplog):
     assert job.applied == [1, 2, 2]
     job.step_ms = {1: 9.1, 2: 40.0}  # 2 threads now wait for the core it holds
     caplog.set_level(logging.INFO, logger="anyrec.backends.threads")
+    caplog.clear()  # from here on (another test may have left the logger at INFO before)
     for _ in range(every + 1):
         job.steps(1)
         if job.tuner._schedule:
@@ -211,9 +217,9 @@ def test_a_load_change_times_the_counts_again(ranks, caplog):
     assert job.tuner._schedule  # the second look saw it too: timing again
     job.steps(TRIAL - 1)
     assert job.threads == 1 and job.applied == [1, 2, 2, 1, 2, 1]
-    assert "the load changed on a rank" in caplog.records[0].getMessage()
-    assert "other processes 0.10 -> 1.00 cores" in caplog.records[0].getMessage()
-    assert caplog.records[-1].getMessage().startswith("threads: 1 intra-op")
+    lines = tuner_lines(caplog)
+    assert "the load changed on a rank" in lines[0] and "other processes 0.10 -> 1.00 cores" in lines[0]
+    assert lines[-1].startswith("threads: 1 intra-op")
     job.steps(every * 5)  # the load stays where it was timed: nothing timed again
     job.loads[0] = None  # unreadable: nothing is timed again either
     job.steps(every * 5)
@@ -231,13 +237,14 @@ def test_a_count_far_slower_is_timed_no_further_and_a_slower_step_times_again(ca
     job.steps(1000)  # 10 s at 10 ms: looks every 2 s, nothing moved
     assert job.applied == [1, 2, 1]
     caplog.set_level(logging.INFO, logger="anyrec.backends.threads")
+    caplog.clear()  # from here on (another test may have left the logger at INFO before)
     job.step_ms = {1: 25.0, 2: 15.0}
     steps = 0
     while not job.tuner._schedule and steps < 400:
         job.steps(1)
         steps += 1
     assert 80 < steps <= 3 * 80  # 2 s of steps is one look, and one look at 2.5x is not enough
-    assert "step 10.00 -> 25.00 ms" in caplog.records[0].getMessage()
+    assert "step 10.00 -> 25.00 ms" in tuner_lines(caplog)[0]
     job.steps(TRIAL)
     assert job.threads == 2 and job.applied == [1, 2, 1, 1, 2, 2]
     # a peer's far slower settling step stops this rank's timing of that count too
@@ -320,13 +327,6 @@ def test_idle_data_workers_are_at_most_the_steps_threads():
         torch.set_num_threads(before)
 
 
-@pytest.fixture
-def keep_threads():
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
-
-
 def _trainer(*overrides):
     _, cfg = compose_config([*TINY, "trainer.eval_steps=0", "trainer.calibrate=never", *overrides])
     return trainer_module.Trainer(cfg)
@@ -341,7 +341,7 @@ def test_option_is_in_the_schema_and_every_backend_file():
 
 
 @TWO_CORES
-def test_fixed_option_reaches_torch(one_rank, keep_threads, monkeypatch):  # noqa: F811
+def test_fixed_option_reaches_torch(one_rank, monkeypatch):  # noqa: F811
     monkeypatch.setattr(cpu, "measure_core_load", lambda cpus: pytest.fail("a fixed count measures nothing"))
     torch.set_num_threads(2)
     t = _trainer("backend.threads=1", "trainer.steps=2")
@@ -355,7 +355,7 @@ def test_fixed_option_reaches_torch(one_rank, keep_threads, monkeypatch):  # noq
 
 
 @TWO_CORES
-def test_auto_times_the_trainers_own_steps(one_rank, keep_threads, monkeypatch):  # noqa: F811
+def test_auto_times_the_trainers_own_steps(one_rank, monkeypatch):  # noqa: F811
     """The default job's path: the tuner times the trainer's own steps (`last_step_s`, read by a hook after
     it) at 1 then 2 threads, keeps the count whose median step was the shorter, and the summary says so."""
     monkeypatch.setattr(cpu, "measure_core_load", lambda cpus: QUIET)  # the start: both cores
