@@ -1,17 +1,20 @@
 """Threads per CPU rank: `backend.threads=auto` (the default) against every fixed count, quiet and shared.
 
-    python benchmarks/threads.py                                   # 1 and 2 ranks, quiet and loaded
-    python benchmarks/threads.py --rounds 1 --steps 60 --json out.json
+    python benchmarks/threads.py --json benchmarks/results/<date>_cpu-2core/threads.json  # 1 rank
+    python benchmarks/threads.py --nproc 1,2 --background off,busy,job --rounds 3
 
-Each case trains `--model` (dlrm_small) at `--batch-size` (256) per rank with `--nproc` ranks (1 and 2) and
-`backend.threads` set to auto or to each fixed count from 1 to the host's cores; `--background` says with
-(`on`) or without (`off`) a second 2-rank anyrec training job (dlrm_small, default settings) running on the
-same host for the whole of that half, stopped with everything it started at the end. A case's step time is
-the trainer's own figure (`measured_step_ms`: the slowest rank after warm-up, from the run's summary);
-samples/s = ranks x batch / step. Cases run alternately, `--rounds` times (the order rotates each round);
-the table shows medians, the JSON every run with the load average around it and the thread choices the
-runs logged. A run past `--timeout-s` is stopped and reported as such. Launching, the background job and
-stopping are `vs_reference.py`'s.
+Each case trains `--model` (dlrm_small, the default job's) at `--batch-size` (256) per rank with `--nproc`
+ranks (1) and `backend.threads` set to auto or to each fixed count from 1 to the host's cores, plus
+`omp1`: the default job (auto) started with `OMP_NUM_THREADS=1` in its environment, the comparison users
+make. A fixed count N also runs with `OMP_NUM_THREADS=N`. `--background` names the halves: `off` (quiet),
+`busy` (one core kept busy by a spinning process the benchmark starts before the half and stops after it)
+and `job` (a second 2-rank anyrec training job, dlrm_small, default settings, stopped with everything it
+started at the end). A case's step time is the trainer's own figure (`measured_step_ms`: the slowest rank
+after warm-up, from the run's summary); samples/s = ranks x batch / step. Cases run alternately,
+`--rounds` times (the order rotates each round); the table shows medians and auto over the best other
+case (the target: within 1.2x), the JSON every run with the load average around it, the count auto kept
+(`intra_op_threads`), its timings (`thread_trial_ms`) and the thread lines the runs logged. A run past
+`--timeout-s` is stopped and reported as such. Launching the jobs and stopping them are `vs_reference.py`'s.
 """
 
 from __future__ import annotations
@@ -48,17 +51,32 @@ def _summary(log: str) -> dict:
     raise BenchmarkError("no summary line in the run's output")
 
 
+OMP_CASE = "omp1"  # auto, started with OMP_NUM_THREADS=1
+ROOT = Path(__file__).resolve().parent.parent  # this checkout: the anyrec every run imports
+
+
+def case_env(threads: str) -> dict:
+    """The environment of a case: a fixed count N with OMP_NUM_THREADS=N, `omp1` with 1, auto as is."""
+    env = _env(ROOT)
+    env.pop("OMP_NUM_THREADS", None)
+    if threads != "auto":
+        env["OMP_NUM_THREADS"] = "1" if threads == OMP_CASE else threads
+    return env
+
+
 def run_case(nproc: int, threads: str, args: argparse.Namespace, work: Path) -> dict:
-    """One training run with `backend.threads=threads`, timed by the trainer."""
+    """One training run with `backend.threads=threads` (`omp1`: auto under OMP_NUM_THREADS=1), timed by
+    the trainer."""
     out = work / f"{nproc}r_{threads}_{time.monotonic_ns()}"
     out.mkdir(parents=True)
+    setting = "auto" if threads == OMP_CASE else threads
     runner = ["--out", str(out), "--", "anyrec",
               *anyrec_args(args.model, args.batch_size, args.steps, out / "run", None),
-              f"backend.threads={threads}", "trainer.calibrate=never"]
+              f"backend.threads={setting}", "trainer.calibrate=never"]
     load_before = os.getloadavg()
     start = time.perf_counter()
     with open(out / "log.txt", "w") as log:
-        proc = _launch(nproc, runner, _env(True), log)
+        proc = _launch(nproc, runner, case_env(threads), log)
         try:
             code = proc.wait(timeout=args.timeout_s)
         except subprocess.TimeoutExpired:
@@ -68,7 +86,7 @@ def run_case(nproc: int, threads: str, args: argparse.Namespace, work: Path) -> 
     rec = {"nproc": nproc, "threads": threads, "loadavg_before": load_before,
            "loadavg_after": os.getloadavg(), "wall_s": time.perf_counter() - start,
            "choices": [ln.split("] - ", 1)[-1] for ln in text.splitlines()
-                       if "intra-op" in ln or "threads " in ln and " -> " in ln]}
+                       if "intra-op" in ln or "timing them again" in ln or "threads " in ln and " -> " in ln]}
     if code is None:
         return {**rec, "step_ms": None, "samples_per_s": None, "timed_out": True}
     if code != 0:
@@ -77,11 +95,13 @@ def run_case(nproc: int, threads: str, args: argparse.Namespace, work: Path) -> 
     s = _summary(text)
     step_ms = s["measured_step_ms"]
     return {**rec, "step_ms": step_ms, "samples_per_s": nproc * args.batch_size / step_ms * 1e3,
-            "final_loss": s["final_loss"], "timed_out": False}
+            "final_loss": s["final_loss"], "intra_op_threads": s["intra_op_threads"],
+            "thread_trial_ms": s["thread_trial_ms"], "timed_out": False}
 
 
 def summarize(runs: list[dict]) -> dict:
-    """Per (ranks, threads): the median step; per ranks: auto against the best fixed count."""
+    """Per (ranks, threads): the median step; per ranks: auto against the best other case (a fixed count or
+    `omp1`)."""
     out: dict = {}
     for nproc in sorted({r["nproc"] for r in runs}):
         cases = {}
@@ -116,32 +136,41 @@ def table(results: dict, batch: int) -> str:
                 sps = f"{int(nproc) * batch / ms * 1e3:.0f}" if math.isfinite(ms) else "timed out"
                 rows.append(f"{bg:<11}{nproc:>6}{threads:>9}{ms:>10.2f}{sps:>11}{c['runs']:>6}"
                             f"{c['min_step_ms']:>9.1f}-{c['max_step_ms']:.1f}")
-            rows.append(f"{'':<11}{nproc:>6}  auto / best fixed ({s['best_fixed']}): "
-                        f"{s['auto_over_best_fixed']:.2f}x")
+            rows.append(f"{'':<11}{nproc:>6}  auto / best other ({s['best_fixed']}): "
+                        f"{s['auto_over_best_fixed']:.2f}x (target <= 1.2x)")
     return "\n".join(rows)
 
 
-def run_half(background: bool, args: argparse.Namespace, work: Path) -> dict:
-    cases = [(n, t) for n in args.nproc for t in ["auto", *map(str, range(1, _cores() + 1))]]
+def _busy_loop(log) -> subprocess.Popen:
+    """A process that keeps one core busy until stopped (its own session, so `_stop` ends it)."""
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"], stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def run_half(background: str, args: argparse.Namespace, work: Path) -> dict:
+    cases = [(n, t) for n in args.nproc for t in ["auto", *map(str, range(1, _cores() + 1)), OMP_CASE]]
     half: dict = {"loadavg_start": os.getloadavg(), "runs": []}
     job = None
     with open(work / f"background_{background}.log", "w") as job_log:
         try:
-            if background:
+            if background == "busy":
+                job = _busy_loop(job_log)
+                time.sleep(2)
+            elif background == "job":
                 bg = work / "background"
                 job = _launch(2, ["--out", str(bg), "--", "anyrec",
                                   *anyrec_args(args.model, args.batch_size, 10**8, bg / "run", None)],
-                              _env(True), job_log)
+                              _env(ROOT), job_log)
                 time.sleep(20)  # past its start-up, into its steps
-                if job.poll() is not None:
-                    raise BenchmarkError(f"the background job exited {job.returncode}")
+            if job is not None and job.poll() is not None:
+                raise BenchmarkError(f"the background ({background}) exited {job.returncode}")
             for i in range(args.rounds):
                 k = i % len(cases)
                 for nproc, threads in cases[k:] + cases[:k]:
                     r = run_case(nproc, threads, args, work)
                     half["runs"].append(r)
                     step = "timed out" if r["timed_out"] else f"{r['step_ms']:.2f} ms"
-                    print(f"background {'on' if background else 'off'} round {i + 1}/{args.rounds} "
+                    print(f"background {background} round {i + 1}/{args.rounds} "
                           f"{nproc} rank(s) threads={threads:<5} step {step} "
                           f"(load {r['loadavg_before'][0]:.1f})", flush=True)
         finally:
@@ -157,12 +186,12 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="dlrm_small", help="anyrec model config")
     ap.add_argument("--batch-size", type=int, default=256, help="per rank")
-    ap.add_argument("--nproc", default="1,2", help="comma-separated rank counts (one host, gloo)")
+    ap.add_argument("--nproc", default="1", help="comma-separated rank counts (one host, gloo)")
     ap.add_argument("--steps", type=int, default=100, help="training steps per run (a fifth, at most 10, "
                     "left out as warm-up by the trainer)")
     ap.add_argument("--rounds", type=int, default=2, help="runs of each case, alternating")
-    ap.add_argument("--background", default="off,on", help="comma-separated: off (quiet) | on (a second "
-                    "2-rank job throughout)")
+    ap.add_argument("--background", default="off,busy", help="comma-separated: off (quiet) | busy (one core "
+                    "kept busy by a spinning process) | job (a second 2-rank job throughout)")
     ap.add_argument("--timeout-s", type=int, default=300, help="per run")
     ap.add_argument("--json", type=Path, help="write every run and the summary here")
     args = ap.parse_args(argv)
@@ -170,19 +199,21 @@ def main(argv: list[str] | None = None) -> int:
         args.nproc = [int(n) for n in args.nproc.split(",") if n]
         halves = [b for b in args.background.split(",") if b]
         if (args.rounds < 1 or args.steps < 10 or not args.nproc or min(args.nproc) < 1
-                or not set(halves) <= {"off", "on"}):
-            raise BenchmarkError("need --rounds >= 1, --steps >= 10, --nproc >= 1 each, --background off|on")
+                or not set(halves) <= {"off", "busy", "job"}):
+            raise BenchmarkError("need --rounds >= 1, --steps >= 10, --nproc >= 1 each, "
+                                 "--background off|busy|job")
     except ValueError as e:
         ap.error(f"--nproc: {e}")
     except BenchmarkError as e:
         ap.error(str(e))
-    results = {"host": {"cpus": _cores(), "loadavg_start": os.getloadavg()},
+    results = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+               "host": {"cpus": _cores(), "loadavg_start": os.getloadavg()},
                "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                "halves": {}}
     try:
         with tempfile.TemporaryDirectory(prefix="threads_bench_") as tmp:
             for bg in halves:
-                results["halves"][bg] = run_half(bg == "on", args, Path(tmp))
+                results["halves"][bg] = run_half(bg, args, Path(tmp))
     except BenchmarkError as e:
         print(f"threads.py: error: {e}", file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from anyrec.backends import get_backend
@@ -85,6 +86,15 @@ def last_json_line(stdout: str) -> dict:
     lines = [ln for ln in stdout.strip().splitlines() if ln.strip()]
     assert lines, "no stdout"
     return json.loads(lines[-1])
+
+
+@pytest.fixture(autouse=True)
+def keep_torch_threads():
+    """Each test starts at the process's intra-op thread count: a Trainer run in-process under
+    backend.threads=auto keeps the count its timing found fastest, which later tests must not inherit."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ import torch
 from anyrec.backends.interface import Backend, DeviceFacts
 from anyrec.backends.specs import SKUS, DeviceSpec
 from anyrec.backends.threads import (
-    RECHECK_S,
     Rebinder,
     ThreadChoice,
     ThreadTuner,
@@ -73,6 +72,7 @@ class CPUBackend(Backend):
     # Triton reaches the CPU only through its interpreter: never chosen by auto, only when forced.
     kernel_order = {**Backend.kernel_order, "embedding": ("fbgemm", "torch", "triton"),
                     "interaction": ("torch", "triton"), "dcn_cross": ("torch", "triton")}
+    _tuner: ThreadTuner | None = None  # under backend.threads=auto, once bind_local_rank ran
 
     @classmethod
     def probe_facts(cls) -> DeviceFacts:
@@ -90,9 +90,9 @@ class CPUBackend(Backend):
     def bind_local_rank(self, local_rank: int, local_world_size: int, bind_cores: bool | str = "auto",
                         threads: int | str = "auto") -> list[int] | None:
         """Each rank runs torch's threads on its own contiguous share of the host's cores, bound to it
-        where `bind_cores` says so (auto: see core_load), as many as `threads` says (auto: see threads);
-        the decisions are kept in `self.bind_choice` and `self.thread_choice`, and under auto
-        `self.step_hooks()` re-checks them while the job trains."""
+        where `bind_cores` says so (auto: see core_load), as many as `threads` says (auto: a start, see
+        threads); the decisions are kept in `self.bind_choice` and `self.thread_choice` (auto's start), and
+        under auto `self.step_hooks()` times the job's step at each candidate count while it trains."""
         self.bind_choice: BindChoice | None = None
         self.thread_choice: ThreadChoice | None = None
         self._tuner: ThreadTuner | None = None
@@ -134,21 +134,17 @@ class CPUBackend(Backend):
         torch.set_num_threads(choice.intra_op)
         self.interop_threads = set_interop_threads(choice.intra_op)
         self.thread_choice = choice
-        if forced is None and allowed and load is not None:
+        if forced is None:  # on every rank alike: the tuner's timings are collectives
             self._tuner = ThreadTuner(choice, allowed)
 
     def _log_threads(self, local_rank: int, local_world_size: int) -> None:
-        # fewer threads than the rank's share (other processes hold cores) is news; the share, detail
-        c = self.thread_choice
-        level = logging.INFO if c.setting is None and c.intra_op < c.share_cores else logging.DEBUG
-        logger.log(level, "local rank %d of %d: %s, %d inter-op threads%s", local_rank, local_world_size,
-                    self.thread_choice.describe(), self.interop_threads,
-                    f", re-checked every {RECHECK_S:g} s" if self._tuner is not None else "")
+        # the start is detail: the count the timing keeps is logged once it is known
+        logger.debug("local rank %d of %d: %s, %d inter-op threads", local_rank, local_world_size,
+                     self.thread_choice.describe(), self.interop_threads)
 
     def step_hooks(self) -> list[Callable[[object], None]]:
-        """The thread (and binding) re-check under backend.threads=auto, as a step hook; else none."""
-        tuner = getattr(self, "_tuner", None)
-        return [tuner] if tuner is not None else []
+        """The thread timing (and binding re-check) under backend.threads=auto, as a step hook; else none."""
+        return [self._tuner] if self._tuner is not None else []
 
     def device_spec(self) -> DeviceSpec:
         cpu = SKUS["cpu"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from itertools import islice
@@ -23,6 +24,7 @@ from anyrec.backends import Backend
 from anyrec.backends.dispatch import Impl
 from anyrec.backends.hardware import Hardware, resolve_hardware
 from anyrec.backends.sparse_ops import install as install_sparse_ops
+from anyrec.backends.threads import ThreadTuner
 from anyrec.calibration.steplearn import run_key
 from anyrec.config import AnyrecConfig
 from anyrec.kernels.ebc import TritonEBCOptimizer
@@ -98,11 +100,14 @@ class Trainer:
         self.state = TrainerState(rank=self.dist.rank)
         self.resumed_from: int | None = None
         self.last_loss = torch.tensor(math.nan)  # on this rank's device: reading it waits for the device
+        # host seconds of the step just run (None for a chunk's first, which fills the pipeline): what the
+        # CPU's thread timing reads; on an accelerator the host runs ahead, so it times launches
+        self.last_step_s: float | None = None
         self.predicted_perf: Perf | None = None  # the plan's slowest rank, where a planner predicted one
         self.predicted_memory: list[MemoryPrediction] | None = None  # each rank's peak, where predicted
         # Called after every training step with the trainer (anyrec-parity records each step's loss).
         self.step_hooks: list[Callable[[Trainer], None]] = []
-        self.step_hooks += self.backend.step_hooks()  # e.g. the CPU's thread re-check
+        self.step_hooks += self.backend.step_hooks()  # e.g. the CPU's thread timing (backends/threads.py)
         self.stopper: StopRequest | None = None  # during train(): SIGINT/SIGTERM stop every rank
         self.build()
         self.checkpoints = (CheckpointManager(cfg.trainer.checkpoint, self.signature(), self.dist,
@@ -290,6 +295,7 @@ class Trainer:
         batches = self.validator.wrap(source, self.step) if self.validator is not None else source
         self.model.train()
         run.timer.chunk_start(self.step, timed=run.profiler is None)  # profiled steps are slower
+        self.last_step_s, mark = None, None
         while True:
             lr_factor = self.schedule.factor(self.step)
             self.optimizers.set_lr(lr_factor)
@@ -298,6 +304,8 @@ class Trainer:
             except StopIteration:
                 break
             self.state.step += 1
+            now = time.perf_counter()
+            self.last_step_s, mark = (now - mark if mark is not None else None), now
             if run.profiler is not None:
                 run.profiler.step()
             run.timer.after_step(self.step)
@@ -395,7 +403,18 @@ class Trainer:
                       self.backend.max_memory_allocated(), self.backend.max_memory_reserved(),
                       weights_fingerprint(self.model, self.dist) if self.cfg.trainer.fingerprint_weights
                       else None)
-        return run_summary(self.job, run, out)
+        return {**run_summary(self.job, run, out), **self._thread_facts()}
+
+    def _thread_facts(self) -> dict[str, Any]:
+        """The summary's thread keys: this rank's intra-op count (under backend.threads=auto the count its
+        last timing kept) and that timing (count -> the slowest rank's ms per step; null where nothing was
+        timed)."""
+        tuner = next((h for h in self.step_hooks if isinstance(h, ThreadTuner)), None)
+        if tuner is None:
+            return {"intra_op_threads": torch.get_num_threads(), "thread_trial_ms": None}
+        timed = None if tuner.trial is None else {str(n): ms if math.isfinite(ms) else None
+                                                  for n, ms in tuner.trial.step_ms.items()}
+        return {"intra_op_threads": tuner.choice.intra_op, "thread_trial_ms": timed}
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
