@@ -10,6 +10,7 @@ import time
 import pytest
 import torch.distributed as dist
 
+from anyrec.backends import Hardware, get_backend
 from anyrec.calibration.run import CalibrationRun, CalibrationStopped
 from anyrec.trainer.agreement import Agreement, parse_delay
 from anyrec.trainer.errors import PeerLostError
@@ -136,6 +137,7 @@ def test_the_step_points_plan_from_agreed_figures(monkeypatch):
 
     monkeypatch.setattr(step, "_train_point", fake_train)
     points = step.points_at(2, quick=True)
+    hardware = Hardware(get_backend("cpu").device_spec())
 
     def one(rank: int) -> None:
         run = CalibrationRun.unbounded()
@@ -144,8 +146,8 @@ def test_the_step_points_plan_from_agreed_figures(monkeypatch):
         run.deadline = run.until = now + 0.1 * len(points)
         run.agreement = Agreement(rank, 2, store, "test", 10.0)
         try:
-            results[rank] = step.measure_step_costs(FakeRuntime(rank), None, 1.0, lambda *a, **k: [0.0] * 9,
-                                                    quick=True, run=run)
+            results[rank] = step.measure_step_costs(FakeRuntime(rank), hardware, 1.0,
+                                                    lambda *a, **k: [0.0] * 9, quick=True, run=run)
         except Exception as e:  # noqa: BLE001
             results[rank] = e
 

@@ -125,16 +125,17 @@ def test_a_fit_past_30_percent_is_used_and_not_trusted():
 def test_step_figures_measured_in_part_scale_the_built_in_ones():
     """Step points cut short by the time limit: the built-in figures scaled to the points measured, never
     the built-in figures as they are."""
+    from anyrec.calibration.fileformat import STEP_FIELDS
     from anyrec.calibration.step import builtin_scale
 
-    spec = get_backend("cpu").device_spec().replace(step_fixed_s=1e-3, step_per_sample_s=1e-6)
+    bare = get_backend("cpu").device_spec().replace(**{f: 0.0 for f in STEP_FIELDS})
+    spec = bare.replace(step_fixed_s=1e-3, step_per_sample_s=1e-6)
     rows = [[1.0, 8, 32, 0, 0, 0, 4, 0, 0], [1.0, 8, 512, 0, 0, 0, 4, 0, 0]]
     builtin = [1e-3 + 32e-6, 1e-3 + 512e-6]
     # a host three times slower than the built-in figures say, beside 0.1 ms of bytes and FLOPs
     measured = [3 * b + 1e-4 for b in builtin]
     assert builtin_scale(rows, measured, [1e-4, 1e-4], spec) == pytest.approx(3.0)
-    none = spec.replace(step_fixed_s=0.0, step_per_sample_s=0.0)
-    assert builtin_scale(rows, measured, [1e-4, 1e-4], none) == 1.0
+    assert builtin_scale(rows, measured, [1e-4, 1e-4], bare) == 1.0
 
 
 def test_a_signal_a_step_points_trainer_caught_stops_the_run(monkeypatch):
@@ -162,3 +163,28 @@ def test_a_signal_a_step_points_trainer_caught_stops_the_run(monkeypatch):
         calibrate_step._train_point(calibrate_step.POINTS[0], runtime, hardware, steps=40,
                                     run=CalibrationRun.unbounded())
     assert e.value.signum == signal.SIGTERM
+
+
+def test_the_step_points_fit_what_bytes_and_flops_leave_unexplained(monkeypatch):
+    """The points are costed without the spec's own step figures (those are what the fit replaces): a
+    spec whose built-in step figures are large must not make the points' model swallow the framework
+    costs the fit is for."""
+    from anyrec.backends import Hardware
+    from anyrec.calibration import step
+
+    seen = []
+
+    def fake_train(p, runtime, hardware, steps, run):
+        seen.append(hardware.spec.step_fixed_s)
+        return 0.005, 0.001
+
+    class Rt:
+        class dist:  # noqa: N801 - a stand-in for the DistInfo
+            world_size = 1
+        device = None
+
+    monkeypatch.setattr(step, "_train_point", fake_train)
+    spec = get_backend("cpu").device_spec().replace(step_fixed_s=0.05)
+    out = step.measure_step_costs(Rt(), Hardware(spec), 0.0, measure.fit_nonnegative, quick=True)
+    assert seen and set(seen) == {0.0}
+    assert out["fields"]["step_fixed_s"] > 0  # the 4 ms bytes and FLOPs leave unexplained, fitted

@@ -10,6 +10,7 @@ workloads: calibration measures primitives, `benchmarks/planner_accuracy.py` val
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import time
@@ -194,6 +195,10 @@ def measure_step_costs(runtime: Runtime, hardware: Hardware, budget_s: float, fi
     run = run or CalibrationRun.unbounded()
     world = runtime.dist.world_size
     points = points_at(world, quick)
+    # the points are costed from bytes and FLOPs alone (what is left is what the fit explains); the spec's
+    # own (built-in) step figures are kept for scaling where the points are too few to fit
+    builtin = hardware.spec
+    hardware = dataclasses.replace(hardware, spec=builtin.replace(**{f: 0.0 for f in STEP_FIELDS}))
     # Five passes (median): with three, one noisy pass of the pooling points swung the per-id term
     # between 0 and 1.8e-7 s between two calibrations of this 2-core host.
     steps, passes = (40, 5) if budget_s >= 0.1 else (10, 1)
@@ -242,10 +247,10 @@ def measure_step_costs(runtime: Runtime, hardware: Hardware, budget_s: float, fi
         # none, to the warm-up point (its trainer's lazy set-up included: an over-estimate, never 5x under).
         rows = [points[i].terms(world) for i in got] or [points[0].terms(world)]
         seconds = [p["measured_s"] for p in out["points"]] or [warm[0]]
-        scale = builtin_scale(rows, seconds, [model[i] for i in got] or [warm[1]], hardware.spec)
+        scale = builtin_scale(rows, seconds, [model[i] for i in got] or [warm[1]], builtin)
         which = f"{len(got)} of {len(points)} points in time" if got else "the warm-up point only"
         run.approximate(f"trainer step ({which}: the built-in figures scaled x{scale:.2f} to it)")
-        out["fields"] = {f: getattr(hardware.spec, f) * scale for f in STEP_FIELDS}
+        out["fields"] = {f: getattr(builtin, f) * scale for f in STEP_FIELDS}
         out["builtin_scale"] = scale
         return out
     measured = [sorted(t)[len(t) // 2] for t in times]
