@@ -11,7 +11,7 @@ import yaml
 from anyrec.backends import get_backend, load_hardware_file, resolve_hardware
 from anyrec.backends.dispatch import KernelProfile
 from anyrec.backends.hardware import check_spec
-from anyrec.backends.specs import SKUS
+from anyrec.backends.specs import SKUS, get_sku
 from anyrec.calibration.fileformat import PLAUSIBLE, SPEC_FIELDS
 
 from .conftest import ROOT
@@ -162,7 +162,8 @@ def test_a_spec_without_a_base_names_the_figures_it_lacks(tmp_path):
     del data["spec"]["replicated_table_s"]  # a default exists, but without a base nothing may default
     _refused(_write(tmp_path, data), "spec lacks replicated_table_s")
     data["sku"] = "cpu"
-    assert load_hardware_file(_write(tmp_path, data)).spec.replicated_table_s == 0  # the base's
+    base = get_sku("cpu").replicated_table_s
+    assert load_hardware_file(_write(tmp_path, data)).spec.replicated_table_s == base  # the base's
 
 
 def test_figures_taken_from_the_base_sku_are_logged(tmp_path, caplog):
