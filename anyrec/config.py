@@ -93,8 +93,8 @@ class BackendConfig:
     # CPU, several ranks per host: bind each rank's threads to its share of the cores (false: threads
     # float, their count still split; auto: bind unless other processes use the cores, calibration/core_load)
     bind_cores: str = "auto"  # auto | true | false
-    # CPU: torch threads per rank: auto (the rank's share of the cores less what other processes use,
-    # re-checked while training, backends/threads.py) | N (fixed)
+    # CPU: torch threads per rank: auto (the job's own step timed at each candidate count during warm-up,
+    # the fastest kept, timed again when the load changes; backends/threads.py) | N (fixed)
     threads: str = "auto"  # auto | N
 
 
