@@ -75,9 +75,10 @@ def test_two_jobs_started_together_on_an_empty_cache(tmp_path):
         (line,) = _lines(proc, "calibration: cache")
         assert "cache " in line and last_json_line(proc.stdout)["predicted_step_ms"] > 0
     path, hardware = _entry(tmp_path)
-    # no temporary left (beside the entry: the two runs' measured steps, anyrec.calibration.steplearn)
+    # no temporary left (beside the entry: the two runs' measured steps, anyrec.calibration.steplearn,
+    # and the per-user signing key)
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted(
-        [path.name, "observed-steps.json", "observed-steps.lock"])
+        [path.name, "observed-steps.json", "observed-steps.lock", "signing.key"])
     assert key_world(path) == 1 and _step_costs(hardware, path) > 0
 
 

@@ -31,11 +31,11 @@ def _check_file(path, world_size: int) -> dict:
     for name in ("fbgemm", "torch"):  # every registered implementation that runs on CPU
         assert len(emb[name]["points"]) == len(measure.EMB_POINTS["small"])
         assert all(p["step_s"] > 0 and p["spread"] >= 0 for p in emb[name]["points"])
-        # a fit that misses a point by more than 30 % is not used (a busy host): it says so
+        # a fit that misses a point by more than 30 % (a busy host) is used all the same, and the verdict
+        # names it: such figures are not trusted later
+        assert 0 < emb[name]["profile"]["bw_efficiency"] <= 1
         if emb[name]["fit_max_rel_error"] > 0.3:
-            assert "fit error" in emb[name]["skipped"] and "profile" not in emb[name]
-        else:
-            assert 0 < emb[name]["profile"]["bw_efficiency"] <= 1
+            assert f"embedding {name} (fit error" in " ".join(m["trust"]["reasons"])
     assert m["spread"] and all(v >= 0 for v in m["spread"].values())  # each repeated measurement's
     assert isinstance(m["trust"]["trusted"], bool) and m["trust"]["cores"] >= 1
     # Triton is timed wherever it reaches the device (not on CPU without its interpreter).
