@@ -12,6 +12,7 @@ import yaml
 from anyrec.calibration import cache as calcache
 from anyrec.calibration.fileformat import STEP_FIELDS
 from anyrec.config import AnyrecConfig, Calibrate
+from anyrec.signing import resolve_key
 
 from .conftest import compose_config, last_json_line, torchrun
 
@@ -94,7 +95,9 @@ def _trust(path) -> None:
     """Mark the cache entry at `path` trusted, as a quiet host's calibration is (rewritten whole)."""
     data = yaml.safe_load(path.read_text())
     data["measurements"]["trust"] = {**data["measurements"]["trust"], "trusted": True, "reasons": []}
-    calcache.write_entry(path, calcache.CacheKey.from_dict(data["cache"]["key"]), data)
+    # signed again with the per-user key the job made in its cache folder, as a job would sign it
+    key = resolve_key(None, {calcache.CACHE_DIR_ENV: str(path.parent)})
+    calcache.write_entry(path, calcache.CacheKey.from_dict(data["cache"]["key"]), data, signing_key=key)
 
 
 def key_world(path) -> int:
