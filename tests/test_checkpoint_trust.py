@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from anyrec.config import CheckpointConfig
-from anyrec.signing import FIELD, SigningKey
+from anyrec.signing import FIELD, SigningKey, resolve_key
 from anyrec.trainer.checkpoint import CheckpointManager
 from anyrec.trainer.dcp_reader import ALLOWED_GLOBALS, load_metadata
 from anyrec.trainer.distributed import ONE_PROCESS
@@ -189,7 +189,9 @@ def test_an_unbounded_meta_json_is_refused_in_one_line(tmp_path, text):
 
 @pytest.mark.integration
 def test_resume_from_a_forged_checkpoint_runs_nothing(tmp_path):
-    """The documented resume_from path, end to end: one error line, exit 2, no marker."""
+    """The documented resume_from path, end to end: one error line, exit 2, no marker. The forger here
+    holds the per-user key too (the checkpoint is re-signed with it): the restricted reader still refuses
+    to unpickle the index."""
     base = [sys.executable, "-m", "anyrec.train", "model=dlrm_tiny", "data.batch_size=32", "trainer.steps=2",
             "trainer.eval_steps=0", "trainer.progress=false", "trainer.tensorboard=false",
             "trainer.calibrate=never", f"hydra.run.dir={tmp_path}/hydra"]
@@ -200,7 +202,7 @@ def test_resume_from_a_forged_checkpoint_runs_nothing(tmp_path):
     assert first.returncode == 0, first.stderr[-3000:]
     marker = tmp_path / "pwned"
     _forge_index(tmp_path / "a" / "step_2", marker)
-    _recompute(tmp_path / "a" / "step_2")
+    _recompute(tmp_path / "a" / "step_2", resolve_key(None, {"ANYREC_CACHE_DIR": str(tmp_path)}))
     for where in ([f"trainer.checkpoint.dir={tmp_path}/a"],
                   [f"trainer.checkpoint.dir={tmp_path}/b", f"trainer.checkpoint.resume_from={tmp_path}/a"]):
         proc = subprocess.run([*base, "trainer.steps=4", *where], capture_output=True, text=True, timeout=240,
