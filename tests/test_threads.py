@@ -113,7 +113,7 @@ class FakeJob:
         self._reduce = reduce
         self.tuner = ThreadTuner(ThreadChoice(start, share, None, QUIET), [0, 1], rebinder,
                                  meter=lambda cpus: FakeMeter(self.loads), apply=self._apply,
-                                 reduce_max=self._reduce_max, world_size=lambda: ranks,
+                                 reduce_max=self._reduce_max, world_size=ranks,
                                  clock=lambda: self.now)
 
     def _apply(self, n: int) -> None:
@@ -403,3 +403,23 @@ def test_benchmark_summary_compares_auto_with_the_best_fixed_count():
         with pytest.raises(SystemExit) as e:  # before anything is launched
             bench.main(argv)
         assert e.value.code == code
+
+
+def test_the_backend_hands_the_tuner_the_world_it_was_given(monkeypatch):
+    """The ranks' agreement is over the world the runtime hands down (rank and world size as values, not
+    looked up): with 2 ranks the first step's decision is an all-reduce, with 1 none is made."""
+    from types import SimpleNamespace
+
+    calls = []
+    monkeypatch.setattr(threads_module.dist, "all_reduce", lambda t, op: calls.append(t.tolist()))
+    before = torch.get_num_threads()
+    try:
+        for world, expected in ((2, 1), (1, 0)):
+            calls.clear()
+            backend = cpu.CPUBackend()
+            backend.bind_local_rank(0, 1, False, "auto", rank=world - 1, world_size=world)
+            (tuner,) = backend.step_hooks()
+            tuner(SimpleNamespace(last_step_s=None, step=1))
+            assert len(calls) == expected, (world, calls)
+    finally:
+        torch.set_num_threads(before)

@@ -88,11 +88,12 @@ class CPUBackend(Backend):
         return torch.device("cpu")
 
     def bind_local_rank(self, local_rank: int, local_world_size: int, bind_cores: bool | str = "auto",
-                        threads: int | str = "auto") -> list[int] | None:
+                        threads: int | str = "auto", rank: int = 0, world_size: int = 1) -> list[int] | None:
         """Each rank runs torch's threads on its own contiguous share of the host's cores, bound to it
         where `bind_cores` says so (auto: see core_load), as many as `threads` says (auto: a start, see
         threads); the decisions are kept in `self.bind_choice` and `self.thread_choice` (auto's start), and
-        under auto `self.step_hooks()` times the job's step at each candidate count while it trains."""
+        under auto `self.step_hooks()` times the job's step at each candidate count while it trains, agreed
+        over the job's `world_size` ranks (this one is `rank`)."""
         self.bind_choice: BindChoice | None = None
         self.thread_choice: ThreadChoice | None = None
         self._tuner: ThreadTuner | None = None
@@ -106,13 +107,14 @@ class CPUBackend(Backend):
             if allowed:
                 logger.warning("%d local ranks on %d cores: ranks share cores, threads not bound",
                                local_world_size, cores)
-            self._choose_threads(forced, max(1, cores // local_world_size), local_world_size, allowed, None)
+            self._choose_threads(forced, max(1, cores // local_world_size), local_world_size, allowed, None,
+                                rank, world_size)
             return None
         readable = os.path.isdir("/proc/self/task")
         load = None
         if readable and (forced is None or local_world_size > 1 and bind_setting(bind_cores) == "auto"):
             load = measure_core_load(allowed)  # one sample serves both rules
-        self._choose_threads(forced, len(share), local_world_size, allowed, load)
+        self._choose_threads(forced, len(share), local_world_size, allowed, load, rank, world_size)
         if local_world_size <= 1 or not readable:
             self._log_threads(local_rank, local_world_size)
             return None
@@ -129,13 +131,13 @@ class CPUBackend(Backend):
         return share if bind else None
 
     def _choose_threads(self, forced: int | None, share_cores: int, local_world_size: int,
-                        allowed: list[int], load: CoreLoad | None) -> None:
+                        allowed: list[int], load: CoreLoad | None, rank: int, world_size: int) -> None:
         choice = choose_threads(forced, share_cores, local_world_size, load)
         torch.set_num_threads(choice.intra_op)
         self.interop_threads = set_interop_threads(choice.intra_op)
         self.thread_choice = choice
         if forced is None:  # on every rank alike: the tuner's timings are collectives
-            self._tuner = ThreadTuner(choice, allowed)
+            self._tuner = ThreadTuner(choice, allowed, rank=rank, world_size=world_size)
 
     def _log_threads(self, local_rank: int, local_world_size: int) -> None:
         # the start is detail: the count the timing keeps is logged once it is known

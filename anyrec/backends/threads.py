@@ -137,23 +137,14 @@ def set_interop_threads(n: int) -> int:
     return torch.get_num_interop_threads()
 
 
-def all_reduce_max(values: list[float]) -> list[float]:
-    """The largest of every rank's `values`, element by element (a collective on every rank of the default
-    group; as given in a process without one)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def all_reduce_max(values: list[float], world_size: int) -> list[float]:
+    """The largest of every rank's `values`, element by element, over the default process group of
+    `world_size` ranks (a collective; as given for one rank)."""
+    if world_size == 1:
         return list(values)
     t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
-
-
-def world_size() -> int:
-    """Ranks in the default group (1 without one)."""
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _is_main() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 class TimedStep(Protocol):
@@ -196,16 +187,17 @@ class ThreadTuner:
     def __init__(self, choice: ThreadChoice, cpus: Sequence[int], rebinder: Rebinder | None = None,
                  meter: Callable[[Sequence[int]], LoadMeter] = LoadMeter,
                  apply: Callable[[int], None] = torch.set_num_threads,
-                 reduce_max: Callable[[list[float]], list[float]] = all_reduce_max,
-                 world_size: Callable[[], int] = world_size, clock: Callable[[], float] = time.monotonic,
-                 recheck_s: float = RECHECK_S) -> None:
+                 rank: int = 0, world_size: int = 1,
+                 reduce_max: Callable[[list[float]], list[float]] | None = None,
+                 clock: Callable[[], float] = time.monotonic, recheck_s: float = RECHECK_S) -> None:
         if choice.setting is not None:
             raise ValueError(f"backend.threads={choice.setting} is fixed: nothing to time")
         self.choice, self.rebinder = choice, rebinder
         self.candidates = thread_candidates(choice.share_cores)
         self.trial: ThreadTrial | None = None
-        self._cpus, self._meter_of, self._apply, self._reduce_max = list(cpus), meter, apply, reduce_max
-        self._world_size, self._clock, self._recheck_s = world_size, clock, recheck_s
+        self._cpus, self._meter_of, self._apply = list(cpus), meter, apply
+        self._reduce_max = reduce_max or (lambda values: all_reduce_max(values, world_size))
+        self._rank, self._world_size, self._clock, self._recheck_s = rank, world_size, clock, recheck_s
         self._k = 0  # candidates every rank times (the most any rank has; agreed at the first step)
         self._by_steps = False  # looks end in a collective: the step count says when, not the clock
         self._schedule: list[tuple[int, bool]] = []  # the coming steps' (candidate index, timed)
@@ -225,7 +217,7 @@ class ThreadTuner:
         Whether a collective follows depends on the number of calls alone, so every rank makes the same."""
         if not self._k:  # the first step: how many counts the ranks time (they may have other shares)
             self._k = int(self._reduce_max([float(len(self.candidates))])[0])
-            self._by_steps = self._k > 1 and self._world_size() > 1
+            self._by_steps = self._k > 1 and self._world_size > 1
             if self._k > 1:
                 self._start_trial()
             else:
@@ -287,7 +279,7 @@ class ThreadTuner:
         self._timed_load = load
         self._meter, self._since_look, self._last_look = self._meter_of(self._cpus), 0, self._clock()
         self._moved_votes, self._look_s, self._look_steps = 0, 0.0, 0
-        if _is_main():
+        if self._rank == 0:
             logger.info("threads: %s", self.trial.describe())
 
     def _look(self) -> None:
@@ -309,7 +301,7 @@ class ThreadTuner:
         slower = step_s is not None and self._kept_s is not None and step_s > SLOWER_FACTOR * self._kept_s
         self._moved_votes = self._moved_votes + 1 if moved or slower else 0
         if self._reduce_max([float(self._moved_votes >= RAISE_AFTER)])[0] > 0:
-            if _is_main():
+            if self._rank == 0:
                 was = self._timed_load.other_cores if self._timed_load is not None else math.nan
                 now = load.other_cores if load is not None else math.nan
                 took = f"{step_s * 1e3:.2f}" if step_s is not None else "-"

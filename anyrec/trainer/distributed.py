@@ -218,7 +218,8 @@ def start_runtime(backend_name: str, bind_cores: bool | str = "auto", timeout_s:
     backend = get_backend(backend_name)
     info = init_distributed(backend, timeout_s, peer_timeout_s)
     cores = tuple(allowed_cores())
-    bound = backend.bind_local_rank(info.local_rank, info.local_world_size, bind_cores, threads) is not None
+    bound = backend.bind_local_rank(info.local_rank, info.local_world_size, bind_cores, threads, info.rank,
+                                    info.world_size) is not None
     return Runtime(backend, info, backend.device(info.local_rank), bound, cores)
 
 
