@@ -30,7 +30,6 @@ from tqdm import tqdm
 from anyrec.trainer.agreement import Agreement, How
 from anyrec.trainer.shutdown import StopRequest
 
-logger = logging.getLogger("anyrec.calibrate")
 
 STOP_GRACE_S = 4.0  # after a signal, a rank not out by then exits at once (the promise is 5 s)
 
@@ -141,13 +140,8 @@ class CalibrationRun:
         measure a collective together decide by, so they decide alike."""
         return self.agree(what, lambda: min(self.left_s(), self.until - time.monotonic()), "min")
 
-    def warn(self, msg: str, *args: object) -> None:
-        """A warning from rank 0 (every rank measures the same way: one says it)."""
-        if self.rank == 0:
-            logger.warning(msg, *args)
-
     def fell_back(self, what: str) -> None:
-        """`what` was not measured in time (or not usable): it keeps its datasheet figure; said once."""
+        """`what` was not measured in time (or not usable): it keeps its built-in figure; said once."""
         self.fallbacks.append(what)
 
     def approximate(self, what: str) -> None:

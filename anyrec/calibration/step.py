@@ -190,8 +190,8 @@ def measure_step_costs(runtime: Runtime, hardware: Hardware, budget_s: float, fi
                        run: CalibrationRun | None = None) -> dict[str, Any]:
     """Train every point of `points_at(world, quick)` on the process group's ranks (in `runtime`: its
     group, device and binding) and fit with `fit` (measure.fit_nonnegative) what `hardware` leaves
-    unexplained. Within `run`'s time: as many passes as fit (at least one, else no `fields`: the
-    datasheet's stay)."""
+    unexplained. Within `run`'s time: as many passes as fit (one started at least, ending with the time;
+    points measured in part scale the spec's built-in step figures, none measured leave them as they are)."""
     run = run or CalibrationRun.unbounded()
     world = runtime.dist.world_size
     points = points_at(world, quick)
@@ -213,10 +213,10 @@ def measure_step_costs(runtime: Runtime, hardware: Hardware, budget_s: float, fi
     warm = _train_point(points[0], runtime, hardware, steps, run)
     run.measured("step warm-up")
     # Larger points take longer than the first: a pass is planned at twice its time per point (the
-    # slowest rank's), and the plan is rank 0's, taken from figures agreed over the ranks.
+    # slowest rank's); the plan follows from figures agreed over the ranks, so it is the same on every rank.
     pass_s = run.agree("step points: pass time", lambda: 2 * (time.monotonic() - start) * len(points), "max")
     left_s = run.agreed_left_s("step points: time left after warm-up")
-    steps, pass_s = run.agree("step points: plan", lambda: _shorten(steps, pass_s, left_s))
+    steps, pass_s = _shorten(steps, pass_s, left_s)
     if pass_s > left_s:  # not even one pass fits: one is started, and ends with the time (points in part)
         run.expect(-len(points) * (passes - 1))
         passes = 1
