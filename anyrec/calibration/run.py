@@ -30,7 +30,6 @@ from tqdm import tqdm
 from anyrec.trainer.agreement import Agreement, How
 from anyrec.trainer.shutdown import StopRequest
 
-
 STOP_GRACE_S = 4.0  # after a signal, a rank not out by then exits at once (the promise is 5 s)
 
 
