@@ -61,6 +61,36 @@ def test_one_clock_gives_training_time_and_timed_steps(monkeypatch):
     assert timer.steps == 6 and timer.step_s == pytest.approx(0.1)
 
 
+def test_steps_timed_one_by_one_measure_the_median_step(monkeypatch):
+    """Where the backend's steps finish on the host, a burst of another process on three steps (200 ms
+    each against 10 ms) moves the mean by half and the measured (median) step by nothing."""
+    clock = _Clock()
+    monkeypatch.setattr(perfcheck.time, "perf_counter", clock)
+    timers = {per_step: StepTimer(first_step=0, steps=20, per_step=per_step) for per_step in (True, False)}
+    for timer in timers.values():
+        clock.now = 0.0
+        timer.chunk_start(0)
+        for step in range(1, 21):
+            clock.now += 0.1 if step <= 4 else 0.2 if step in (8, 12, 15) else 0.01
+            timer.after_step(step)
+        timer.chunk_end(20)
+    median, mean = timers[True], timers[False]
+    assert median.mean_step_s == mean.step_s == pytest.approx((13 * 0.01 + 3 * 0.2) / 16)
+    assert median.step_s == pytest.approx(0.01, rel=0.003)  # a 0.5 % bin: within a quarter percent
+    assert median.per_step.n == 16 and mean.per_step is None
+
+
+def test_the_step_median_is_bounded_and_exact_to_its_bin():
+    m = perfcheck.StepMedian()
+    assert m.median() is None
+    for s in (0.003, 0.001, 0.002, float("nan"), 0.0, -1.0):  # not step times: left out
+        m.add(s)
+    assert m.n == 3 and m.median() == pytest.approx(0.002, rel=0.003)
+    for _ in range(100_000):
+        m.add(0.0050001)
+    assert len(m.counts) == 4 and m.median() == pytest.approx(0.005, rel=0.003)
+
+
 def test_no_step_after_warmup_measures_nothing():
     timer = StepTimer(first_step=0, steps=1)
     timer.chunk_start(0)

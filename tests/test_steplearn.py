@@ -1,5 +1,6 @@
 """Each run's measured step corrects the next run's prediction of the same workload on the same machine
-(anyrec.calibration.steplearn): one ratio per run, the median of the last few, under a lock."""
+(anyrec.calibration.steplearn): one ratio per run, the median of the last few shrunk toward the model's
+own figure by n / (n + 1), under a lock."""
 
 from __future__ import annotations
 
@@ -17,15 +18,18 @@ from .conftest import compose_config, last_json_line, torchrun
 CAL = Path(__file__).parent / "data" / "calibration_cpu_2rank.yaml"
 
 
-def test_the_next_run_predicts_with_the_median_ratio_of_the_last_runs(tmp_path):
+def test_the_next_run_predicts_with_the_median_ratio_of_the_last_runs_shrunk(tmp_path):
     store = steplearn.ObservedSteps(tmp_path)
     assert store.correction("k/busy") == steplearn.Correction(1.0, 0)  # nothing learnt yet
-    store.record("k/busy", measured_s=0.0141, model_s=0.0100)
-    assert store.correction("k/busy").factor == pytest.approx(1.41) and store.correction("k/busy").runs == 1
+    store.record("k/busy", measured_s=0.0144, model_s=0.0100)
+    # One run moves the prediction half way (geometrically): sqrt(1.44) = 1.2.
+    assert store.correction("k/busy").factor == pytest.approx(1.2) and store.correction("k/busy").runs == 1
+    store.record("k/busy", measured_s=0.81, model_s=1.0)  # below the model: median 1.125
+    assert store.correction("k/busy").factor == pytest.approx(((1.44 + 0.81) / 2) ** (2 / 3))
     for ratio in (1.2, 5.0, 1.3, 1.25, 1.35):  # one disturbed run (5x) does not swing the median
         store.record("k/busy", measured_s=ratio, model_s=1.0)
     c = store.correction("k/busy")
-    assert c.runs == steplearn.KEEP and c.factor == pytest.approx(1.3)
+    assert c.runs == steplearn.KEEP and c.factor == pytest.approx(1.3 ** (5 / 6))
     assert store.correction("k/quiet").runs == 0  # another load: its own ratios
 
 
@@ -33,8 +37,8 @@ def test_a_damaged_file_is_ignored_and_replaced(tmp_path):
     store = steplearn.ObservedSteps(tmp_path)
     store.path.write_text('{"k/busy": [{"ratio": "NaN"}]')
     assert store.correction("k/busy").runs == 0
-    store.record("k/busy", 2.0, 1.0)
-    assert store.correction("k/busy").factor == 2.0
+    store.record("k/busy", 4.0, 1.0)
+    assert store.correction("k/busy").factor == pytest.approx(2.0)
 
 
 def test_only_runs_planned_with_a_calibrated_file_learn(tmp_path):
@@ -89,8 +93,9 @@ def test_a_second_run_predicts_what_the_first_measured(tmp_path):
         runs.append((last_json_line(proc.stdout), proc.stdout + proc.stderr))
     (first, _), (second, log) = runs
     assert first["step_correction_runs"] == 0 and first["predicted_step_ms"] == first["model_step_ms"]
-    # The second run's prediction is the model's times the first run's measured / model ratio.
+    # The second run's prediction is the model's times the first run's measured / model ratio, one run
+    # weighted 1/2 against the model (geometrically).
     ratio = first["measured_step_ms"] / first["model_step_ms"]
-    assert second["step_correction_runs"] == 1 and second["step_correction"] == pytest.approx(ratio)
-    assert second["predicted_step_ms"] == pytest.approx(second["model_step_ms"] * ratio)
+    assert second["step_correction_runs"] == 1 and second["step_correction"] == pytest.approx(ratio ** 0.5)
+    assert second["predicted_step_ms"] == pytest.approx(second["model_step_ms"] * ratio ** 0.5)
     assert "earlier run(s) of this workload on this machine" in log

@@ -118,3 +118,18 @@ def test_checkpoint_stores_the_step_once_and_reads_the_previous_layout(one_rank,
         assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
     finally:
         b.close()
+
+
+def test_a_cpu_trainer_times_each_step_and_measures_the_median(one_rank):
+    """The CPU backend queues no device work, so the trainer times each step alone: the summary's
+    measured step is the median of the timed steps."""
+    t = _trainer("trainer.steps=12", "trainer.eval_steps=0")
+    try:
+        assert not t.backend.queues_device_work()
+        summary = t.train()
+        timer = t.run.timer
+        assert timer.per_step is not None and timer.per_step.n == summary["measured_steps"] > 0
+        assert summary["measured_step_ms"] == pytest.approx(timer.per_step.median() * 1e3)
+        assert summary["measured_step_statistic"] == "median"
+    finally:
+        t.close()

@@ -148,6 +148,9 @@ class CPUBackend(Backend):
         """The thread timing (and binding re-check) under backend.threads=auto, as a step hook; else none."""
         return [self._tuner] if self._tuner is not None else []
 
+    def queues_device_work(self) -> bool:
+        return False  # the host runs every op before its call returns
+
     def device_spec(self) -> DeviceSpec:
         cpu = SKUS["cpu"]
         mem = self.facts.memory_bytes or cpu.memory_bytes

@@ -92,6 +92,12 @@ class Backend(abc.ABC):
     def synchronize(self) -> None:  # noqa: B027 - optional hook
         """Wait for queued device work (used by timers)."""
 
+    def queues_device_work(self) -> bool:
+        """Whether ops return before the device has done them (an accelerator's stream): a step's time is
+        then known only at a sync point. False where every op is done when its call returns (the host
+        CPU), so each step can be timed alone."""
+        return True
+
     # ---- host memory: every page-locked buffer is asked for here ---------------------------------
 
     def pins_host_memory(self) -> bool:

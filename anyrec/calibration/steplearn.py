@@ -6,8 +6,12 @@ calibration cache folder (`$ANYREC_CACHE_DIR/observed-steps.json`), the ratio of
 (slowest rank, after warm-up) to the model's prediction, under a key made of that hardware file, the
 workload's shape (model, batch per rank, optimizer, embedding kernel, world size, ranks per host) and
 the host's load when the run started (quiet, busy, or unknown). The next run of the same key predicts
-the model's step times the median of the last `KEEP` ratios, and says so in one line. Nothing else
-changes: the plan, the numbers trained, the model's own figures (`model_step_ms` in the summary).
+the model's step times a factor learnt from the last `KEEP` ratios, and says so in one line: their
+median, shrunk toward 1 by as much as one more run at the model's own figure would (a geometric weight
+n / (n + 1) on the median's logarithm). One run on a shared host measures its step 20 % off the next
+one's now and then; a calibrated model is already close on the machine it measured, so one ratio moves
+the prediction half way and five move it five sixths. Nothing else changes: the plan, the numbers
+trained, the model's own figures (`model_step_ms` in the summary).
 
 Concurrent jobs update the file under an exclusive lock (`fcntl.flock` on a lock file beside it) and
 replace it whole; a damaged or oversized file is ignored (and replaced by the next record).
@@ -98,14 +102,15 @@ class ObservedSteps:
         self.path = (directory or cache_dir()) / FILE
 
     def correction(self, key: str) -> Correction:
-        """The median ratio of the key's last runs (none yet: factor 1)."""
+        """The key's last runs' median ratio shrunk toward 1 by weight n / (n + 1) on its logarithm
+        (none yet: factor 1)."""
         ratios = [o["ratio"] for o in self._read().get(key, [])]
         if not ratios:
             return Correction()
-        ordered = sorted(ratios)
-        mid = len(ordered) // 2
-        median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-        return Correction(median, len(ratios))
+        ordered, n = sorted(ratios), len(ratios)
+        mid = n // 2
+        median = ordered[mid] if n % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+        return Correction(median ** (n / (n + 1)), n)
 
     def record(self, key: str, measured_s: float, model_s: float) -> None:
         """Add one run's measured / model ratio under `key` (locked against concurrent jobs)."""
@@ -150,4 +155,5 @@ def describe(correction: Correction, model_s: float, load: str) -> str:
     """The log line of a corrected prediction."""
     return (f"step prediction: {model_s * 1e3:.2f} ms from the cost model x {correction.factor:.2f}, the "
             f"median measured/model ratio of {correction.runs} earlier run(s) of this workload on this "
-            f"machine ({load} host) = {model_s * correction.factor * 1e3:.2f} ms")
+            f"machine ({load} host), weighted {correction.runs}/{correction.runs + 1} against the model "
+            f"= {model_s * correction.factor * 1e3:.2f} ms")

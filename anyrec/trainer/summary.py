@@ -147,12 +147,14 @@ class RunState:
 
     @classmethod
     def begin(cls, step: int, steps: int, log_every: int, device: torch.device, writer: MetricWriter,
-              samples_per_step: int, is_main: bool, progress: bool) -> RunState:
-        """A fresh state at `step` of `steps` (with a progress bar on rank 0 when `progress`)."""
+              samples_per_step: int, is_main: bool, progress: bool, per_step_timing: bool = False,
+              ) -> RunState:
+        """A fresh state at `step` of `steps` (with a progress bar on rank 0 when `progress`; each step
+        timed alone where `per_step_timing`: the backend queues no device work)."""
         bar = tqdm(total=steps, initial=step, desc="train", unit="step", file=sys.stderr,
                    dynamic_ncols=True, mininterval=0.5, disable=not (is_main and progress))
-        return cls(step, LossWindow(max(1, log_every), device), StepTimer(step, steps), bar, writer,
-                   samples_per_step, is_main)
+        timer = StepTimer(step, steps, per_step_timing)
+        return cls(step, LossWindow(max(1, log_every), device), timer, bar, writer, samples_per_step, is_main)
 
 
 def log_train(run: RunState, step: int, lr_factor: float, dense_lr: float, embedding_lr: float) -> None:
@@ -195,6 +197,7 @@ def run_summary(job: JobFacts, run: RunState, out: Outcome) -> dict[str, Any]:
     if dist.is_main:
         _reject_far_miss(job.hardware_file, model_s, summary["measured_step_ms"])
     summary["measured_steps"] = run.timer.steps  # this rank's timed steps (the same on every rank)
+    summary["measured_step_statistic"] = "median" if run.timer.per_step is not None else "mean"
     summary.update(memory_check(out.predicted_memory, gather_objects(out.peak_allocated_bytes, dist),
                                 log=dist.is_main, measured_reserved=gather_objects(out.peak_reserved_bytes,
                                                                                    dist)))

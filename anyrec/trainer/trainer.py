@@ -121,7 +121,8 @@ class Trainer:
         self.compiled = compile_dense(self.model, cfg.model, self.backend, self.device, tc.compile,
                                       tc.steps - self.step, self.batch_size, self.autocast, self.dist)
         self.run = RunState.begin(self.step, tc.steps, tc.log_every, self.device, self.writer,
-                                  self.batch_size * self.dist.world_size, self.dist.is_main, tc.progress)
+                                  self.batch_size * self.dist.world_size, self.dist.is_main, tc.progress,
+                                  per_step_timing=not self.backend.queues_device_work())
 
     def init_distributed(self) -> Runtime:
         """The backend, process group and core binding the config names (a Trainer given no runtime)."""
