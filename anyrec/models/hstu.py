@@ -156,7 +156,7 @@ class HSTUDense(nn.Module):
         seq_N = torch.repeat_interleave(arange_B, full_len_B, output_size=N)
         pos_N = arange_N - full_offsets_B1[seq_N]
         src_N = torch.where(pos_N < C, seq_N * C + pos_N, B * C + arange_N - C * (seq_N + 1))
-        x_ND = torch.cat([contextual_KD, seq_TD.to(contextual_KD.dtype)]).index_select(0, src_N)
+        x_ND = torch.cat([contextual_KD, seq_TD]).index_select(0, src_N)  # cat promotes mixed dtypes
         # contextual tokens carry time 0, as in the reference (the last time bucket, for real clocks)
         timestamps_N = torch.cat([timestamps_T.new_zeros(B * C), timestamps_T]).index_select(0, src_N)
         query_time_B = timestamps_T[offsets_B1[1:] - 1]
