@@ -172,7 +172,24 @@ def test_attention_gets_the_jagged_layout():
     model(make_batch(HISTORY, TARGETS))
     lengths = [h + t + C for h, t in zip(HISTORY, TARGETS, strict=True)]
     offsets = [sum(lengths[:i]) for i in range(len(lengths) + 1)]
-    assert calls == [((offsets[-1], 2, 4), (offsets[-1], 2, 4), offsets, max(lengths), 2, TARGETS, 0)] * 2
+    # scores are divided by the configured longest sequence, whatever the batch's longest
+    cfg = tiny_config()
+    assert max(lengths) < cfg.max_seq_len
+    assert calls == [((offsets[-1], 2, 4), (offsets[-1], 2, 4), offsets, cfg.max_seq_len, 2, TARGETS, 0)] * 2
+
+
+def test_a_sample_scores_the_same_whatever_else_is_in_its_batch():
+    """The same sample alone and beside longer ones gives the same logits (world sizes and serving
+    batches split samples differently)."""
+    model = build().eval()
+    both = make_batch([3, 7, 0], [2, 1, 1])  # sample 0 (5 positions) beside a longer one
+    kjt = both.sparse_features
+    first = {f: kjt[f].values()[:5 if f in SEQUENCE_FEATURES else 1] for f in kjt.keys()}
+    alone = make_batch([3], [2], ids=first, actions=both.actions[:5])
+    alone.timestamps.copy_(both.timestamps[:5])
+    with torch.no_grad():
+        logits_alone, logits_both = model(alone)[1][0], model(both)[1][0]
+    torch.testing.assert_close(logits_alone, logits_both[:2], rtol=1e-5, atol=1e-6)
 
 
 def test_causal_and_target_aware():

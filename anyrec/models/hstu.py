@@ -163,8 +163,11 @@ class HSTUDense(nn.Module):
         position_N = positions(pos_N, full_len_B[seq_N], num_targets_B[seq_N], C)
         x_ND = self.positional(x_ND, position_N, timestamps_N, query_time_B[seq_N])
         x_ND = F.dropout(x_ND, p=self.input_dropout, training=self.training)
+        # Scores are divided by the configured longest sequence, not the batch's (the reference's
+        # padded length): a sample's output then does not depend on what else is in its batch, so the
+        # numbers are the same whatever the world size, batch split or serving batch.
         for layer in self.layers:
-            x_ND = layer(x_ND, full_offsets_B1, max_len + C, num_targets_B, self.attention_contextual)
+            x_ND = layer(x_ND, full_offsets_B1, self.max_seq_len, num_targets_B, self.attention_contextual)
 
         # target g of sample b sits from_end_G[g] tokens before the end of b's sequence
         seq_G = torch.repeat_interleave(arange_B, num_targets_B, output_size=G)
