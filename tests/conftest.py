@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -157,6 +158,28 @@ def pip_install_target(package: Path, tmp: Path) -> Path:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return target
+
+
+def run_shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder every process of this pytest run sees: the run's own temporary folder, which pytest-xdist's
+    workers share (each has a subfolder of it); a run without workers has it to itself."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@pytest.fixture(scope="session")
+def simdev_site(tmp_path_factory) -> Path:
+    """examples/simdev installed with pip into a target directory (not the venv) once per pytest run,
+    shared by its xdist workers (the first to take the lock installs it)."""
+    shared = run_shared_dir(tmp_path_factory) / "simdev-install"
+    shared.mkdir(exist_ok=True)
+    done = shared / "installed"
+    with open(shared / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not done.exists():
+            pip_install_target(ROOT / "examples" / "simdev", shared)
+            done.touch()
+    return shared / "site"
 
 
 @pytest.fixture

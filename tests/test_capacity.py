@@ -12,7 +12,7 @@ import pytest
 
 from anyrec.planner.memory import INIT_WORKSPACE_BYTES
 
-from .conftest import ROOT, pip_install_target, single_process_env
+from .conftest import ROOT, single_process_env
 
 
 def _benchmark(script: str, tmp_path) -> dict:
@@ -24,11 +24,6 @@ def _benchmark(script: str, tmp_path) -> dict:
     proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
-
-
-@pytest.fixture(scope="module")
-def simdev_path(tmp_path_factory):
-    return pip_install_target(ROOT / "examples" / "simdev", tmp_path_factory.mktemp("simdev"))
 
 
 def test_the_data_source_is_part_of_the_plan_on_the_host_as_on_the_device():
@@ -46,7 +41,7 @@ def test_the_data_source_is_part_of_the_plan_on_the_host_as_on_the_device():
 
 
 @pytest.mark.integration
-def test_the_initialisers_temporaries_stay_within_the_predicted_start_up_workspace(simdev_path):
+def test_the_initialisers_temporaries_stay_within_the_predicted_start_up_workspace(simdev_site):
     """Drawing a table's initial weights on a device keeps at most INIT_WORKSPACE_BYTES of temporaries
     (measured by simdev's allocator), so start-up never passes the reserved prediction."""
     code = ("import torch, anyrec_simdev\nfrom anyrec_simdev import module as m\n"
@@ -54,7 +49,7 @@ def test_the_initialisers_temporaries_stay_within_the_predicted_start_up_workspa
             "w = torch.empty(300_000, 32, device='simdev')\nbase = m.memory_allocated()\n"
             "m.reset_peak_memory_stats()\nfill_table_block(w, 0, 't', 300_000)\n"
             "print(m.max_memory_allocated() - base)\n")
-    proc = subprocess.run([sys.executable, "-c", code], env=single_process_env(simdev_path), cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-c", code], env=single_process_env(simdev_site), cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     temporaries = int(proc.stdout.split()[-1])

@@ -17,7 +17,6 @@ from anyrec.planner import CoDesignPlanner, Topology
 from anyrec.planner.memory import ALLOC_ROUND_BYTES, alloc_bytes, predict_memory, touched_rows_zipf
 from anyrec.planner.report import format_report, size_text
 from anyrec.planner.types import InfeasiblePlanError, ShardingType, TableSpec
-from tests.conftest import pip_install_target
 
 ROOT = Path(__file__).resolve().parent.parent
 TABLES = [TableSpec("t0", 10_000, 16, 1.0, ["f0"]), TableSpec("t1", 4_000, 16, 2.0, ["f1"])]
@@ -98,11 +97,10 @@ def test_report_prints_megabytes_where_gigabytes_round_to_zero():
 
 
 @pytest.mark.integration
-def test_simdev_summary_checks_the_memory_prediction(tmp_path):
+def test_simdev_summary_checks_the_memory_prediction(tmp_path, simdev_site):
     """A 2-rank simdev run (the co-design plan, four steps) reports each rank's predicted and measured
     peak, and the model is within 15 % of the measurement."""
-    target = pip_install_target(ROOT / "examples" / "simdev", tmp_path)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(target)]), "OMP_NUM_THREADS": "1",
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(simdev_site)]), "OMP_NUM_THREADS": "1",
            "ANYREC_CACHE_DIR": str(tmp_path / "cache")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
            "anyrec.train", "backend=simdev", "model=dlrm_tiny", "trainer.calibrate=never", "trainer.steps=4",

@@ -17,19 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT, last_json_line, pip_install_target, single_process_env
+from .conftest import ROOT, last_json_line, single_process_env
 
 pytestmark = pytest.mark.integration
 
 PKG = ROOT / "examples" / "simdev"
 DOC = ROOT / "docs" / "porting.md"
 CHECK = ROOT / "tests" / "dist" / "simdev_check.py"
-
-
-@pytest.fixture(scope="module")
-def simdev_path(tmp_path_factory) -> Path:
-    """examples/simdev installed with pip into a fresh target directory (not the venv)."""
-    return pip_install_target(PKG, tmp_path_factory.mktemp("simdev"))
 
 
 def _sh(cmd: str, cwd: Path, path: Path, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -57,13 +51,13 @@ def walkthrough_commands() -> list[str]:
     return [ln.strip() for ln in block.group(1).splitlines() if ln.strip() and not ln.startswith("#")]
 
 
-def test_porting_walkthrough_runs_as_written(simdev_path, tmp_path):
+def test_porting_walkthrough_runs_as_written(simdev_site, tmp_path):
     cmds = walkthrough_commands()
     # The first installs the package: here into the module's target directory rather than the venv.
     assert cmds[0] == "pip install examples/simdev"
     outs = []
     for cmd in cmds[1:]:
-        proc = _sh(cmd, tmp_path, simdev_path)
+        proc = _sh(cmd, tmp_path, simdev_site)
         assert proc.returncode == 0, f"{cmd}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
         outs.append(proc.stdout)
     selfcheck, train, resume, _, against = outs
@@ -94,13 +88,13 @@ def _jobs(path: Path, tmp: Path, jobs: list[str], nproc: int) -> dict:
     return json.loads((tmp / "out.json").read_text())
 
 
-def test_two_ranks_train_every_sharding_type_with_the_cpus_numbers(simdev_path, tmp_path):
+def test_two_ranks_train_every_sharding_type_with_the_cpus_numbers(simdev_site, tmp_path):
     """One 2-rank job per device trains dlrm_tiny under a plan mixing every sharding type with
     data-parallel tables (column-wise ones except under rowwise_adagrad), for each optimizer, with
     evaluation and a checkpoint: simdev's records are the CPU's bit for bit, and the torch
     implementation's data-parallel tables train as FBGEMM's dense ones do, bit for bit."""
-    cpu = _jobs(simdev_path, tmp_path / "cpu", [f"cpu torch {o}" for o in OPTIMS] + ["cpu fbgemm sgd"], 2)
-    sim = _jobs(simdev_path, tmp_path / "sim", [f"simdev torch {o}" for o in OPTIMS], 2)
+    cpu = _jobs(simdev_site, tmp_path / "cpu", [f"cpu torch {o}" for o in OPTIMS] + ["cpu fbgemm sgd"], 2)
+    sim = _jobs(simdev_site, tmp_path / "sim", [f"simdev torch {o}" for o in OPTIMS], 2)
     for o in OPTIMS:
         c, s = cpu[f"cpu torch {o}"], sim[f"simdev torch {o}"]
         summary = s["summary"]
@@ -113,11 +107,11 @@ def test_two_ranks_train_every_sharding_type_with_the_cpus_numbers(simdev_path, 
     assert cpu["cpu fbgemm sgd"]["weights_sha256"] == cpu["cpu torch sgd"]["weights_sha256"]
 
 
-def test_one_rank_parity_and_precision(simdev_path, tmp_path):
+def test_one_rank_parity_and_precision(simdev_site, tmp_path):
     """One rank (the unsharded torch TBE): the CPU's numbers bit for bit; `mixed_precision=auto` runs
     fp32 on simdev (no autocast dtypes) and a forced bf16 is refused in one line."""
     bf16 = "simdev torch sgd trainer.mixed_precision=bf16"
-    rec = _jobs(simdev_path, tmp_path / "one", [f"{b} torch {o}" for o in OPTIMS for b in ("cpu", "simdev")]
+    rec = _jobs(simdev_site, tmp_path / "one", [f"{b} torch {o}" for o in OPTIMS for b in ("cpu", "simdev")]
                 + [bf16], 1)
     for o in OPTIMS:
         c, s = rec[f"cpu torch {o}"], rec[f"simdev torch {o}"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .conftest import ROOT, last_json_line, pip_install_target
+from .conftest import ROOT, last_json_line
 from .test_simdev import _sh
 
 pytestmark = pytest.mark.integration
@@ -26,11 +26,6 @@ spec = SimdevBackend(facts).device_spec()
 assert spec.name == "SimDev-1" and spec.memory_bytes == 32 << 30 and spec.simd_width == 32
 print("unit ok")
 """
-
-
-@pytest.fixture(scope="module")
-def simdev_path(tmp_path_factory) -> Path:
-    return pip_install_target(ROOT / "examples" / "simdev", tmp_path_factory.mktemp("simdev"))
 
 
 def doc_block(marker: str) -> list[str]:
@@ -52,10 +47,10 @@ def _run(cmd: str, cwd: Path, path: Path, cache: Path, timeout: float = 900):
     return proc
 
 
-def test_the_porting_checklist_runs_as_written_on_simdev(simdev_path, tmp_path):
+def test_the_porting_checklist_runs_as_written_on_simdev(simdev_site, tmp_path):
     cmds = doc_block("porting-checklist")
     assert cmds[0] == "pip install -e anyrec-xpu"  # done by the fixture, into a target directory
-    registry, train, calibrate, planned = (_run(c.replace("xpu", "simdev"), tmp_path, simdev_path,
+    registry, train, calibrate, planned = (_run(c.replace("xpu", "simdev"), tmp_path, simdev_site,
                                                 tmp_path / "cache") for c in cmds[1:])
     assert registry.stdout.strip().splitlines()[-1].startswith("['simdev', ")
     summary = last_json_line(train.stdout)
@@ -67,13 +62,13 @@ def test_the_porting_checklist_runs_as_written_on_simdev(simdev_path, tmp_path):
     measured = _measurements(tmp_path / "simdev.yaml")  # simdev cannot pin: the pageable copy alone
     assert measured["h2d_pageable_bw_bytes_per_s"] > 0 and "h2d_bw_bytes_per_s" not in measured
     assert last_json_line(planned.stdout)["backend"] == "simdev"
-    unit = _run(f"python -c '{CHECKLIST_UNIT}'", tmp_path, simdev_path, tmp_path / "cache")
+    unit = _run(f"python -c '{CHECKLIST_UNIT}'", tmp_path, simdev_site, tmp_path / "cache")
     assert "unit ok" in unit.stdout
 
 
-def test_the_default_two_rank_job_calibrates_and_trains_on_simdev(simdev_path, tmp_path):
+def test_the_default_two_rank_job_calibrates_and_trains_on_simdev(simdev_site, tmp_path):
     cache = tmp_path / "cache"
-    train, calibrate = (_run(c, tmp_path, simdev_path, cache) for c in doc_block("simdev-default-path"))
+    train, calibrate = (_run(c, tmp_path, simdev_site, cache) for c in doc_block("simdev-default-path"))
     summary = last_json_line(train.stdout)
     assert summary["backend"] == "simdev" and summary["world_size"] == 2 and summary["steps"] > 0
     assert summary["predicted_step_ms"] is not None and summary["peak_memory_bytes"] > 0
@@ -82,7 +77,7 @@ def test_the_default_two_rank_job_calibrates_and_trains_on_simdev(simdev_path, t
     assert "bus_bw_bytes_per_s" in _measurements(tmp_path / "simdev.yaml")["collectives"]["all_to_all"]
 
 
-def test_with_simdev_installed_the_cpu_jobs_stay_on_the_cpu(simdev_path, tmp_path):
+def test_with_simdev_installed_the_cpu_jobs_stay_on_the_cpu(simdev_site, tmp_path):
     """`scripts/dev.sh train` (the 2-rank default job, calibrating on first contact), the loss baseline job
     (50 steps) and `anyrec.calibrate`, with the plugin importable: on the CPU, the baseline's loss and
     weights as without it."""
@@ -90,16 +85,16 @@ def test_with_simdev_installed_the_cpu_jobs_stay_on_the_cpu(simdev_path, tmp_pat
     dev_sh = (ROOT / "scripts" / "dev.sh").read_text()
     assert 'torchrun" --standalone --nproc_per_node="${ANYREC_NPROC:-2}" -m anyrec.train "$@"' in dev_sh
     job = "torchrun --standalone --nproc_per_node=2 -m anyrec.train"  # what dev.sh train runs
-    default = last_json_line(_run(job, tmp_path, simdev_path, cache).stdout)
+    default = last_json_line(_run(job, tmp_path, simdev_site, cache).stdout)
     assert default["backend"] == "cpu" and default["world_size"] == 2
     assert default["predicted_step_ms"] is not None
     assert len(list(cache.glob("calibration-cpu-*-2r-*.yaml"))) == 1
     baseline = f"{job} trainer.fingerprint_weights=true trainer.calibrate=never trainer.steps=50"
     with_plugin, without = (last_json_line(_run(baseline, tmp_path, path, cache).stdout)
-                            for path in (simdev_path, tmp_path / "no-plugin"))
+                            for path in (simdev_site, tmp_path / "no-plugin"))
     assert with_plugin["backend"] == without["backend"] == "cpu"
     assert with_plugin["final_loss"] == without["final_loss"]  # the loss does not move
     assert with_plugin["steps"] == 50 and with_plugin["weights_sha256"] == without["weights_sha256"]
     _run("python -m anyrec.calibrate calibrate.size=quick calibrate.budget_s=0.01 calibrate.output=cpu.yaml",
-         tmp_path, simdev_path, cache)
+         tmp_path, simdev_site, cache)
     assert _measurements(tmp_path / "cpu.yaml")["copy_bw_bytes_per_s"] > 0

@@ -7,11 +7,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT, pip_install_target, single_process_env
+from .conftest import single_process_env
 
 pytestmark = pytest.mark.integration
 
@@ -53,13 +52,8 @@ print(json.dumps(out))
 '''
 
 
-@pytest.fixture(scope="module")
-def simdev_path(tmp_path_factory) -> Path:
-    return pip_install_target(ROOT / "examples" / "simdev", tmp_path_factory.mktemp("simdev"))
-
-
-def test_capacity_statistics_and_out_of_memory_on_device_tensors(simdev_path):
-    env = {**single_process_env(simdev_path), "SIMDEV_MEMORY_BYTES": str(64 * MiB)}
+def test_capacity_statistics_and_out_of_memory_on_device_tensors(simdev_site):
+    env = {**single_process_env(simdev_site), "SIMDEV_MEMORY_BYTES": str(64 * MiB)}
     proc = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -78,11 +72,11 @@ def test_capacity_statistics_and_out_of_memory_on_device_tensors(simdev_path):
     assert out["num_ooms"] == 3
 
 
-def test_a_bad_capacity_is_one_line(simdev_path):
-    env = {**single_process_env(simdev_path), "SIMDEV_MEMORY_BYTES": "lots"}
+def test_a_bad_capacity_is_one_line(simdev_site):
+    env = {**single_process_env(simdev_site), "SIMDEV_MEMORY_BYTES": "lots"}
     proc = subprocess.run([sys.executable, "-m", "anyrec.train", "backend=simdev", "model=dlrm_tiny",
                            "trainer.steps=1", "hydra.run.dir=."], env=env, capture_output=True, text=True,
-                          timeout=120, cwd=simdev_path.parent)
+                          timeout=120, cwd=simdev_site.parent)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
         "anyrec-train: error: SIMDEV_MEMORY_BYTES must be a positive whole number of bytes, got 'lots'")

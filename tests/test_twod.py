@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 from pathlib import Path
 
@@ -34,7 +33,7 @@ from anyrec.planner.types import PlanResult, TableSpec
 from anyrec.trainer.pipeline import ReplicaSync
 from anyrec.trainer.twod import GLUE_SOURCE_SHA256, glue_source_sha256
 
-from .conftest import ROOT, last_json_line, pip_install_target, torchrun
+from .conftest import ROOT, torchrun
 
 
 def test_the_torchrec_source_under_the_glue_is_the_one_it_was_written_against():
@@ -169,79 +168,120 @@ def test_a_1d_model_is_never_synced():
 
 
 # ---- real runs: 4 ranks on the CPU, two groups of two -------------------------------------------
+# Every single-host 2D job of this file runs in one 4-rank torchrun launch (tests/dist/jobs_check.py:
+# anyrec-train's loop, one job after the other, one interpreter start and one rendezvous); the tests
+# read its records. The two-host test launches `anyrec.train` itself.
 
-JOB = ["-m", "anyrec.train", "model=dlrm_tiny", "data.batch_size=64", "trainer.eval_steps=2",
-       "trainer.progress=false", "trainer.tensorboard=false", "trainer.fingerprint_weights=true",
-       "trainer.calibrate=never", "hardware.sku=cpu"]
-
-
-def _train(cwd: Path, *overrides: str, timeout: float = 300) -> dict:
-    """A 4-rank job run in `cwd` (its Hydra run folder under it); its summary."""
-    proc = torchrun([*JOB, *overrides], nproc=4, timeout=timeout, cwd=cwd)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return last_json_line(proc.stdout)
-
-
+JOB = ["model=dlrm_tiny", "data.batch_size=64", "trainer.eval_steps=2", "trainer.progress=false",
+       "trainer.tensorboard=false", "trainer.fingerprint_weights=true", "trainer.calibrate=never",
+       "hardware.sku=cpu"]
 TWO_GROUPS = ["planner.sharding_group_size=2", "trainer.steps=4"]  # the job several tests compare with
+SHARDINGS = ["table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel"]
+# anyrec-parity's variants (its record: per-step losses and whole weights, no evaluation or checkpoint)
+PARITY = ["trainer.eval_steps=0", "trainer.checkpoint.dir=null", "trainer.progress=false",
+          "trainer.tensorboard=false", "model=dlrm_tiny", "data.batch_size=64", "trainer.steps=3",
+          "hardware.sku=cpu"]
+SGD = [*PARITY, "optim=sgd", "optim.embedding_lr=0.5", "planner.sharding=table_wise"]
+SIMDEV = [*PARITY, "backend.embedding_kernel=torch", "planner.sharding_group_size=2"]
+
+
+def _jobs(tmp: Path) -> dict[str, list[str]]:
+    """The launch's jobs by label, in the order they run (a checkpoint is written before it is read)."""
+    ck2d, ck1d = (f"trainer.checkpoint.dir={tmp / d}" for d in ("ck2d", "ck1d"))
+    return {
+        "two_groups": [*JOB, *TWO_GROUPS],
+        "eager_every_1": [*JOB, *TWO_GROUPS, "trainer.pipeline=false"],
+        "pipelined_every_3": [*JOB, *TWO_GROUPS, "planner.replica_sync_every=3"],
+        "eager_every_3": [*JOB, *TWO_GROUPS, "planner.replica_sync_every=3", "trainer.pipeline=false"],
+        "sgd_group_4": [*SGD, "planner.sharding_group_size=4"],
+        "sgd_group_2": [*SGD, "planner.sharding_group_size=2"],
+        **{f"sharding_{s}": [*JOB, "planner=simple", f"planner.sharding={s}", "planner.sharding_group_size=2",
+                             "trainer.steps=2"] for s in SHARDINGS},
+        # checkpoints between layouts: a 2D one resumed in another group size and in 1D, a 1D one in 2D
+        "saved_2d": [*JOB, "planner.sharding_group_size=2", "trainer.steps=2", ck2d],
+        "2d_resumed_in_4": [*JOB, "planner.sharding_group_size=4", "trainer.steps=2", ck2d],
+        "2d_resumed_in_1": [*JOB, "planner.sharding_group_size=1", "trainer.steps=2", ck2d],
+        "saved_1d": [*JOB, "planner.sharding_group_size=world", "trainer.steps=2", ck1d],
+        "1d_resumed_in_2d": [*JOB, "planner.sharding_group_size=2", "trainer.steps=2", ck1d],
+        "2d_continued": [*JOB, *TWO_GROUPS, ck2d],  # 2 + 2 steps, against the 4 of two_groups
+        "on_cpu": [*SIMDEV, "backend=cpu"],
+        "on_simdev": [*SIMDEV, "backend=simdev"],
+    }
 
 
 @pytest.fixture(scope="module")
-def two_groups(tmp_path_factory) -> dict:
-    """The summary of JOB + TWO_GROUPS (4 ranks on one host, two groups of two, 4 steps), run once."""
-    return _train(tmp_path_factory.mktemp("two_groups"), *TWO_GROUPS)
+def runs(tmp_path_factory, simdev_site) -> dict[str, dict]:
+    """Every job of `_jobs`, run once in one 4-rank launch with the simdev plugin importable; the records
+    by label."""
+    tmp = tmp_path_factory.mktemp("twod")
+    (tmp / "jobs.json").write_text(json.dumps(_jobs(tmp)))
+    script = ROOT / "tests" / "dist" / "jobs_check.py"
+    proc = torchrun([str(script), str(tmp / "jobs.json"), str(tmp / "out.json"), str(tmp / "runs")], nproc=4,
+                    timeout=900, env={"PYTHONPATH": str(simdev_site)})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads((tmp / "out.json").read_text())
+
+
+def _agree(a: dict, b: dict, loss_rtol: float = 1e-5, weight_atol: float = 1e-5) -> None:
+    """anyrec-parity's check of record `b` against `a`: per-step losses and every weight within tolerance."""
+    diff = parity.compare(a, b)
+    assert len(a["losses"]) == 3 and diff["loss_rel"] <= loss_rtol and diff["weight_abs"] <= weight_atol, diff
+
+
+@pytest.mark.integration
+def test_the_jobs_ran_where_they_were_asked_to(runs):
+    """The plugin on the path moves no job off the CPU; only backend=simdev runs there."""
+    assert all(r["summary"]["backend"] != "simdev" for k, r in runs.items() if k != "on_simdev")
+    assert runs["on_simdev"]["summary"]["backend"] == "simdev"
+    assert runs["on_cpu"]["summary"]["backend"] == "cpu"
+    assert all(r["summary"]["world_size"] == 4 for r in runs.values())
 
 
 @pytest.mark.integration
 @pytest.mark.parametrize("every", [1, 3])
-def test_two_groups_of_two_train_pipelined_and_eager_alike_with_evaluation(tmp_path, every, request):
+def test_two_groups_of_two_train_pipelined_and_eager_alike_with_evaluation(runs, every):
     """torchrec's pipeline and the eager loop average the replicas on one schedule (every step, or every
     third and at the end): the same weights bit for bit."""
-    job = [*TWO_GROUPS, f"planner.replica_sync_every={every}"]
-    if every == 1:  # the default: the pipelined run is the shared TWO_GROUPS job, composed alike
-        assert compose_job([*JOB[2:], *job]) == compose_job([*JOB[2:], *TWO_GROUPS])
-        pipelined = request.getfixturevalue("two_groups")
-    else:
-        pipelined = _train(tmp_path, *job)
-    eager = _train(tmp_path, *job, "trainer.pipeline=false")
+    pipelined = runs["two_groups" if every == 1 else "pipelined_every_3"]["summary"]
+    eager = runs[f"eager_every_{every}"]["summary"]
+    if every == 1:  # the default: the shared TWO_GROUPS job is composed alike
+        default = compose_job([*JOB, *TWO_GROUPS])
+        assert compose_job([*JOB, *TWO_GROUPS, "planner.replica_sync_every=1"]) == default
     assert pipelined["sharding_group_size"] == 2 and pipelined["world_size"] == 4
     assert pipelined["eval_auc"] is not None and pipelined["steps"] == 4
     assert pipelined["final_loss"] == eager["final_loss"]
     assert pipelined["weights_sha256"] == eager["weights_sha256"]
+    if every == 3:  # averaging less often is another run, not the same one
+        assert pipelined["weights_sha256"] != runs["two_groups"]["summary"]["weights_sha256"]
 
 
 @pytest.mark.integration
-def test_sgd_in_two_groups_trains_as_1d(tmp_path, monkeypatch):
+def test_sgd_in_two_groups_trains_as_1d(runs):
     """torchrec divides the embeddings' gradients by the sharding group's size, so a group's SGD update
     is its ranks' mean gradient, and the replicas' average is the world's mean: 1D's update. Two groups
     of two train as one group of four, per step and per weight, to rounding; without the averaging each
     group would follow its own half of the data."""
-    monkeypatch.chdir(tmp_path)
-    variants = ["nproc=4 planner.sharding_group_size=4", "nproc=4 planner.sharding_group_size=2"]
-    code = parity.main(["model=dlrm_tiny", "optim=sgd", "optim.embedding_lr=0.5", "data.batch_size=64",
-                        "trainer.steps=3", "planner.sharding=table_wise", "hardware.sku=cpu",
-                        "parity.variants=[" + ",".join(json.dumps(v) for v in variants) + "]",
-                        "parity.loss_rtol=1e-5", "parity.weight_atol=1e-5"])
-    assert code == 0
+    one, two = runs["sgd_group_4"], runs["sgd_group_2"]
+    assert one["summary"]["sharding_group_size"] == 4 and two["summary"]["sharding_group_size"] == 2
+    _agree(one, two)
 
 
 @pytest.mark.integration
-def test_checkpoints_convert_between_1d_2d_and_group_sizes(tmp_path, two_groups):
+def test_checkpoints_convert_between_1d_2d_and_group_sizes(runs):
     """A 2D checkpoint resumes in 1D and in another group size with the same weights, a 1D one in 2D,
     and a 2D run resumed in 2D continues as the uninterrupted run."""
-    ck2d, ck1d = (f"trainer.checkpoint.dir={tmp_path / d}" for d in ("ck2d", "ck1d"))
-    saved = _train(tmp_path, "planner.sharding_group_size=2", "trainer.steps=2", ck2d)
+    saved = runs["saved_2d"]["summary"]
     for group in ("4", "1"):
-        resumed = _train(tmp_path, f"planner.sharding_group_size={group}", "trainer.steps=2",
-                         ck2d)
+        resumed = runs[f"2d_resumed_in_{group}"]["summary"]
+        assert resumed["sharding_group_size"] == int(group)
         assert resumed["resumed_from_step"] == 2 and resumed["weights_sha256"] == saved["weights_sha256"]
-    saved_1d = _train(tmp_path, "planner.sharding_group_size=world", "trainer.steps=2",
-                      ck1d)
-    into_2d = _train(tmp_path, "planner.sharding_group_size=2", "trainer.steps=2", ck1d)
+    saved_1d, into_2d = runs["saved_1d"]["summary"], runs["1d_resumed_in_2d"]["summary"]
+    assert saved_1d["sharding_group_size"] == 4 and into_2d["resumed_from_step"] == 2
     assert into_2d["sharding_group_size"] == 2 and into_2d["weights_sha256"] == saved_1d["weights_sha256"]
     # optimizer state and data position: 2D 2 + 2 steps train as the 4 uninterrupted 2D steps of TWO_GROUPS
-    continued = _train(tmp_path, *TWO_GROUPS, ck2d)
-    assert continued["resumed_from_step"] == 2 and continued["steps"] == two_groups["steps"] == 4
-    assert continued["final_loss"] == pytest.approx(two_groups["final_loss"], abs=1e-6)
+    continued, whole = runs["2d_continued"]["summary"], runs["two_groups"]["summary"]
+    assert continued["resumed_from_step"] == 2 and continued["steps"] == whole["steps"] == 4
+    assert continued["final_loss"] == pytest.approx(whole["final_loss"], abs=1e-6)
 
 
 # ---- the cost model: pricing a group and choosing its size -----------------------------------------
@@ -319,7 +359,7 @@ def test_nothing_fitting_is_one_error_naming_every_size():
 
 
 @pytest.mark.integration
-def test_two_hosts_of_two_ranks_train_in_two_groups_with_host_local_replicas(tmp_path, two_groups):
+def test_two_hosts_of_two_ranks_train_in_two_groups_with_host_local_replicas(tmp_path, runs):
     """Two torchrun agents on loopback (2 ranks each), two sharding groups of 2, laid out as the planner
     chose: strided groups spanning both hosts (ranks 0, 2 and 1, 3; each rank's replica its neighbour on
     its own host) or contiguous ones on one host each (0, 1 and 2, 3; the replicas across the hosts).
@@ -327,7 +367,7 @@ def test_two_hosts_of_two_ranks_train_in_two_groups_with_host_local_replicas(tmp
     2D job on one host of four ranks."""
     from .test_multihost import launch_hosts
 
-    job = [*JOB, *TWO_GROUPS, f"hydra.run.dir={tmp_path}/h"]
+    job = ["-m", "anyrec.train", *JOB, *TWO_GROUPS, f"hydra.run.dir={tmp_path}/h"]
     run = launch_hosts(job, tmp_path)
     assert run.returncodes == [0, 0], run.out[-4000:]
     assert run.strays == []
@@ -344,24 +384,18 @@ def test_two_hosts_of_two_ranks_train_in_two_groups_with_host_local_replicas(tmp
     assert f"2 sharding groups of 2 ranks, {layout} layout (use_inter_host_allreduce={flag})" in log
     # the group's plan: its two ranks on one host (contiguous) or on two hosts, one each (strided)
     assert f"tables on 2 x CPU ({'1 host(s) x 2' if flag == 'True' else '2 host(s) x 1'})" in log
-    assert two_groups["hosts"] == 1  # the same job on one host
-    assert two["final_loss"] == pytest.approx(two_groups["final_loss"], rel=1e-5)
+    one_host = runs["two_groups"]["summary"]  # the same job on one host
+    assert one_host["hosts"] == 1
+    assert two["final_loss"] == pytest.approx(one_host["final_loss"], rel=1e-5)
 
 
 @pytest.mark.integration
-def test_two_groups_train_on_the_simulated_plugin_device_as_on_the_cpu(tmp_path, monkeypatch):
+def test_two_groups_train_on_the_simulated_plugin_device_as_on_the_cpu(runs):
     """torchrec's DMPCollection machinery on a plugin device (examples/simdev, its own process-group
     backend): anyrec's torch TBE joins torchrec's averaging, and the job trains as on the CPU, per step
     and per weight within anyrec-parity's tolerance."""
-    site = pip_install_target(ROOT / "examples" / "simdev", tmp_path)
-    path = [str(ROOT), str(site), os.environ.get("PYTHONPATH", "")]
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(path))
-    monkeypatch.chdir(tmp_path)
-    variants = ["nproc=4 backend=cpu", "nproc=4 backend=simdev"]
-    code = parity.main(["model=dlrm_tiny", "backend.embedding_kernel=torch", "planner.sharding_group_size=2",
-                        "data.batch_size=64", "trainer.steps=3", "hardware.sku=cpu",
-                        "parity.variants=[" + ",".join(json.dumps(v) for v in variants) + "]"])
-    assert code == 0
+    assert runs["on_simdev"]["summary"]["sharding_group_size"] == 2
+    _agree(runs["on_cpu"], runs["on_simdev"])
 
 
 def test_data_parallel_tables_gradients_are_all_reduced_over_the_world_not_the_group():
@@ -378,12 +412,10 @@ def test_data_parallel_tables_gradients_are_all_reduced_over_the_world_not_the_g
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("sharding", ["table_wise", "row_wise", "column_wise", "table_row_wise",
-                                      "data_parallel"])
-def test_every_sharding_type_trains_within_a_group(tmp_path, sharding):
+@pytest.mark.parametrize("sharding", SHARDINGS)
+def test_every_sharding_type_trains_within_a_group(runs, sharding):
     """Each sharding type within groups of two; table-row-wise keeps a table's rows on the group's ranks
     of one host (torchrec's node group, which anyrec sets from the layout: its default, all ranks of a
     host, is refused by torchrec for a group smaller than a host)."""
-    s = _train(tmp_path, "planner=simple", f"planner.sharding={sharding}", "planner.sharding_group_size=2",
-               "trainer.steps=2")
+    s = runs[f"sharding_{sharding}"]["summary"]
     assert s["sharding_group_size"] == 2 and s["steps"] == 2 and 0 < s["final_loss"] < 1
