@@ -34,11 +34,6 @@ def run(cfg: AnyrecConfig) -> None:
     opts = cfg.calibrate
     if not opts.output and not opts.cache:
         raise ValueError("calibrate.output=FILE.yaml is required (or calibrate.cache=true)")
-    if not opts.budget_s > 0:
-        raise ValueError(f"calibrate.budget_s must be a positive number of seconds, got {opts.budget_s}")
-    if not opts.time_limit_s > 0:
-        raise ValueError(f"calibrate.time_limit_s must be a positive number of seconds, got "
-                         f"{opts.time_limit_s}")
     writable_file(opts.output, "calibrate.output")
     signing_key = resolve_key(cfg.trainer.signing_key_file)  # signs the cache entry
     if env_dist_info().rank != 0:

@@ -39,6 +39,59 @@ TablePrecision = StrEnum("TablePrecision", "fp32 fp16 int8")
 IdLayout = StrEnum("IdLayout", "offsets lengths")
 Split = StrEnum("Split", "train eval")
 Int8Kernel = StrEnum("Int8Kernel", "auto fbgemm torch")
+Switch = StrEnum("Switch", "auto true false")  # auto, or forced on or off
+ReplicaUpdateChoice = StrEnum("ReplicaUpdateChoice", "auto average gradients")
+GroupWord = StrEnum("GroupWord", "world auto")
+
+# Choices a word or a number (`auto|N`), and auto|true|false (which the command line gives as a bool), are
+# no OmegaConf type: their schema type is Any, and each is parsed once, where its section is built (the
+# dataclass's __post_init__, which OmegaConf.to_object calls), into the typed value library code reads.
+GroupSize = GroupWord | int  # planner.sharding_group_size: world (1D), auto (the planner chooses) or N ranks
+
+
+def parse_switch(key: str, value: object) -> Switch:
+    """An auto|true|false option (a bool, or its word in any case) as a Switch; ValueError naming `key`."""
+    if isinstance(value, Switch):
+        return value
+    word = str(value).strip().lower()
+    if word not in Switch.__members__:
+        raise ValueError(f"{key}={value!r}: choose auto, true or false")
+    return Switch[word]
+
+
+def _count(value: object) -> int | None:
+    """A positive whole number given as an int or its digits; None for anything else."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value if value >= 1 else None
+    text = str(value).strip()
+    return int(text) if text.isdigit() and int(text) >= 1 else None
+
+
+def parse_threads(value: object) -> int | None:
+    """`backend.threads`: None for auto, else a thread count >= 1; ValueError in one line."""
+    if value is None or str(value).strip().lower() == "auto":
+        return None
+    n = _count(value)
+    if n is None:
+        raise ValueError(f"backend.threads={value!r}: choose auto or a thread count >= 1")
+    return n
+
+
+def parse_group_size(value: object) -> GroupSize:
+    """`planner.sharding_group_size`: world, auto or a number of ranks >= 1 (that it divides the world size
+    is checked where the world size is known, `anyrec.planner.planned`); ValueError in one line."""
+    if isinstance(value, GroupWord):
+        return value
+    word = str(value).strip().lower()
+    if word in GroupWord.__members__:
+        return GroupWord[word]
+    n = _count(value)
+    if n is None:
+        raise ValueError(f"planner.sharding_group_size={value!r}: expected world, auto or a number of "
+                         f"ranks >= 1")
+    return n
 
 
 @dataclass
@@ -92,10 +145,14 @@ class BackendConfig:
     sparse_ops: SparseOps = SparseOps.auto
     # CPU, several ranks per host: bind each rank's threads to its share of the cores (false: threads
     # float, their count still split; auto: bind unless other processes use the cores, calibration/core_load)
-    bind_cores: str = "auto"  # auto | true | false
+    bind_cores: Any = Switch.auto  # auto | true | false: a Switch once built
     # CPU: torch threads per rank: auto (the job's own step timed at each candidate count during warm-up,
     # the fastest kept, timed again when the load changes; backends/threads.py) | N (fixed)
-    threads: str = "auto"  # auto | N
+    threads: Any = None  # auto | N: None (auto) or N once built
+
+    def __post_init__(self) -> None:
+        self.bind_cores = parse_switch("backend.bind_cores", self.bind_cores)
+        self.threads = parse_threads(self.threads)
 
 
 @dataclass
@@ -123,13 +180,16 @@ class PlannerConfig:
     # 2D sparse parallelism: tables sharded within groups of this many ranks, each group a replica of
     # the others (torchrec's DMPCollection). world: one group of every rank (1D); auto: the size the
     # co-design model predicts fastest among those that fit; N: a divisor of the world size.
-    sharding_group_size: str = "world"
+    sharding_group_size: Any = GroupWord.world  # a GroupSize once built
     replica_sync_every: int = 1  # steps between the replicas' weight averaging (2D only)
     # 2D: how the replicas stay one model. average: torchrec's averaging of weights and optimizer state
     # (1D's update for SGD only); gradients: each step's embedding gradients exchanged before the fused
     # update (1D's update for every optimizer); auto: gradients for a stateful optimizer averaged every
     # step, else average
-    replica_update: str = "auto"
+    replica_update: ReplicaUpdateChoice = ReplicaUpdateChoice.auto
+
+    def __post_init__(self) -> None:
+        self.sharding_group_size = parse_group_size(self.sharding_group_size)
 
 
 @dataclass
@@ -185,7 +245,7 @@ class TrainerConfig:
     mixed_precision: Precision = Precision.auto  # auto: bf16 autocast on accelerators, fp32 on CPU
     # the dense model (MLPs, interaction, loss) through torch.compile: auto | true | false
     # (anyrec.trainer.compile; auto: when the saving over the job's steps exceeds the compile time)
-    compile: str = "auto"
+    compile: Any = Switch.auto  # a Switch once built
     skip_nonfinite: bool = False  # NaN/inf loss or dense inputs of a training batch: skip it, not stop
     validate_inputs: bool = True  # check ids and feature counts of every batch before it is used
     run_dir: str | None = None  # JSONL/TensorBoard logs; the entry point sets Hydra's output dir
@@ -203,6 +263,9 @@ class TrainerConfig:
     # records (unsigned or foreign ones are then refused); unset: $ANYREC_SIGNING_KEY, else no signing
     signing_key_file: str | None = None
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self) -> None:
+        self.compile = parse_switch("trainer.compile", self.compile)
 
 
 @dataclass

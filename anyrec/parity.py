@@ -81,9 +81,6 @@ def parse_variant(text: str) -> Variant:
 def check_options(opts: ParityConfig, signing_key: SigningKey | None = None) -> dict[str, Any] | None:
     """The tolerances and files of `opts` checked before any variant runs; the `against` records (signed
     with `signing_key`, if given)."""
-    for key in ("loss_rtol", "weight_atol", "timeout_s"):
-        if not getattr(opts, key) > 0:
-            raise ValueError(f"parity.{key} must be > 0, got {getattr(opts, key)}")
     writable_file(opts.save, "parity.save")
     if opts.against is None:
         return None

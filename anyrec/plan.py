@@ -19,9 +19,10 @@ from anyrec.backends.dispatch import FBGEMM_EMBEDDING, get_impl
 from anyrec.backends.hardware import figure_sources
 from anyrec.calibration.cache import find_for_device
 from anyrec.config import AnyrecConfig
+from anyrec.data import resolve_batch_size
 from anyrec.io_checks import writable_file
 from anyrec.models.dlrm import build_model
-from anyrec.planner.job import plan_model
+from anyrec.planner.planned import PlannedJob, plan_job
 from anyrec.planner.planner import CoDesignPlanner
 from anyrec.planner.report import (
     format_compare,
@@ -31,12 +32,11 @@ from anyrec.planner.report import (
     plot_plan,
     write_json_atomic,
 )
-from anyrec.planner.twod import GroupChoice, choose_group_size, resolve_replica_update, sharding_group_size
-from anyrec.planner.types import InfeasiblePlanError, PlanResult, Topology
+from anyrec.planner.types import InfeasiblePlanError, PlanResult
 from anyrec.signing import resolve_key
 from anyrec.trainer.distributed import ONE_PROCESS, DistInfo
 from anyrec.trainer.inputs import host_estimate_of_resident_bytes
-from anyrec.trainer.planning import id_skew
+from anyrec.trainer.trainer import EBC_PATH
 
 
 def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print,
@@ -63,29 +63,18 @@ def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print,
     model = build_model(cfg.model, meta, ebc_device=meta)
     world, local = cfg.topology.world_size, cfg.topology.local_world_size or cfg.topology.world_size
     resident = host_estimate_of_resident_bytes(cfg, DistInfo(0, world, 0, local))
+    batch = cfg.plan.batch_size or resolve_batch_size(cfg.data, world).batch_size
 
-    group = sharding_group_size(cfg.planner.sharding_group_size, world)
-    update = resolve_replica_update(cfg.planner.replica_update, cfg.optim.name,
-                                    cfg.planner.replica_sync_every)
-
-    def plan_on(hw: Hardware) -> tuple[PlanResult, GroupChoice | None]:
+    def plan_on(hw: Hardware) -> PlannedJob:
         # this machine's device type for its own hardware (as the trainer plans); a SKU's otherwise
         device_type = backend.device_type if backend is not None and hw is hardware else None
+        return plan_job(cfg, model, EBC_PATH, hw, impl, world, local, batch, device_type, resident, planner)
 
-        def plan_for(topo: Topology) -> PlanResult:
-            return plan_model(model, model.sparse_arch, cfg.model, cfg.planner, cfg.optim.name, topo,
-                              cfg.plan.batch_size or cfg.data.batch_size, hw.embedding_cost(impl), planner,
-                              id_zipf_exponent=id_skew(cfg), resident_bytes=resident)
-
-        if group == world:
-            return plan_for(Topology(hw.spec, world, cfg.topology.local_world_size, device_type)), None
-        # 2D: the tables planned for one sharding group, the group size chosen (auto) or priced (N)
-        choice = choose_group_size(world, local, hw.spec, device_type, plan_for,
-                                   None if group is None else [group], cfg.planner.replica_sync_every,
-                                   hw.subgroups, hw.link_source, update)
-        return choice.plan, choice
-
-    result, groups = plan_on(hardware)
+    planned = plan_on(hardware)
+    if planned.result is None:
+        raise ValueError(f"planner={cfg.planner.name} predicts nothing to report; anyrec-plan reports the "
+                         f"co-design planner's plan (planner=codesign)")
+    result, groups = planned.result, planned.groups
     if groups is not None:
         print_fn(f"sharding group sizes on {world} x {hardware.spec.name} ({local} per host):")
         print_fn(format_group_choice(groups) + "\n")
@@ -99,7 +88,8 @@ def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print,
     other = None
     if compare is not None:
         try:
-            other, other_groups = plan_on(compare)
+            other_job = plan_on(compare)
+            other, other_groups = other_job.result, other_job.groups
             if other_groups is not None:
                 print_fn(f"\ncompare: sharding group sizes on {world} x {compare.spec.name}:")
                 print_fn(format_group_choice(other_groups))

@@ -12,12 +12,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from anyrec.backends import get_backend, resolve_hardware
 from anyrec.backends.dispatch import FBGEMM_EMBEDDING
 from anyrec.models.dlrm import build_model
-from anyrec.trainer.distributed import DistInfo
-from anyrec.trainer.planning import plan_and_predict
+from anyrec.planner.planned import plan_job
 
 from .conftest import compose_config
 
-INFO = DistInfo(rank=0, world_size=2, local_rank=0, local_world_size=2)
 WIDE = ["model=dlrm_tiny", "model.embedding_dim=32", "model.bottom_mlp=[16,32]", "hardware=cpu"]
 
 
@@ -27,8 +25,9 @@ def _plan(overrides: list[str]):
     model = build_model(cfg.model, meta, ebc_device=meta)
     backend = get_backend("cpu")
     hardware = resolve_hardware(cfg.hardware.sku, cfg.hardware.spec, backend, cfg.hardware.measurements)
-    plan, _ = plan_and_predict(cfg, backend, INFO, model, "model.sparse_arch", FBGEMM_EMBEDDING, hardware)
-    return model, plan.plan["model.sparse_arch"]
+    planned = plan_job(cfg, model, "model.sparse_arch", hardware, FBGEMM_EMBEDDING, 2, 2, cfg.data.batch_size,
+                       backend.device_type)
+    return model, planned.plan.plan["model.sparse_arch"]
 
 
 @pytest.mark.parametrize("planner", ["codesign", "simple"])

@@ -57,8 +57,8 @@ def _split(command: list[str]) -> tuple[list[str], list[tuple[str, list[str]]], 
         key, value = word.split("=", 1)
         if _is_placeholder(value):
             keys.append(key.lstrip("+"))
-        elif "|" in value:
-            alternatives.append((key, value.split("|")))
+        elif "|" in value:  # a placeholder among them (`N|auto`) documents the key, not a value
+            alternatives.append((key, [v for v in value.split("|") if not _is_placeholder(v)]))
         else:
             concrete.append(word)
     return concrete, alternatives, keys

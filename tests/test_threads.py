@@ -16,6 +16,7 @@ import torch
 
 import anyrec.backends.cpu as cpu
 import anyrec.backends.threads as threads_module
+from anyrec._hydra import cli_problem
 from anyrec.backends.threads import (
     LOAD_CHANGE_CORES,
     RECHECK_STEPS,
@@ -26,9 +27,9 @@ from anyrec.backends.threads import (
     ThreadTuner,
     choose_threads,
     thread_candidates,
-    thread_setting,
 )
 from anyrec.calibration.core_load import CoreLoad
+from anyrec.config import parse_threads
 from anyrec.data.prefetch import PrefetchIterator
 from anyrec.trainer import trainer as trainer_module
 
@@ -76,11 +77,13 @@ def test_candidates_are_one_the_powers_of_two_below_the_share_and_the_share():
 
 
 def test_setting_parses_auto_and_counts_and_rejects_the_rest():
-    assert thread_setting("auto") is None and thread_setting("AUTO") is None
-    assert thread_setting(2) == 2 and thread_setting("4") == 4
+    # parsed once, where the config is built: auto is None, a count an int
+    assert parse_threads("auto") is None and parse_threads("AUTO") is None
+    assert parse_threads(2) == 2 and parse_threads("4") == 4
     for bad in ("0", "-1", "many", "1.5", True):
-        with pytest.raises(ValueError, match="backend.threads=.*: choose auto or a thread count >= 1"):
-            thread_setting(bad)
+        with pytest.raises(ValueError, match="^backend.threads=.*: choose auto or a thread count >= 1$"):
+            parse_threads(bad)
+    assert cli_problem(["backend.threads=0"]) == "backend.threads=0: choose auto or a thread count >= 1"
     with pytest.raises(ValueError, match="share_cores and local_world_size must be >= 1"):
         choose_threads(None, 0, 1, None)
 
@@ -335,9 +338,9 @@ def _trainer(*overrides):
 def test_option_is_in_the_schema_and_every_backend_file():
     for backend in ("auto", "cpu", "cuda", "rocm"):
         _, cfg = compose_config([f"backend={backend}"])
-        assert cfg.backend.threads == "auto"
+        assert cfg.backend.threads is None  # auto
     _, cfg = compose_config(["backend.threads=3"])
-    assert cfg.backend.threads == "3"
+    assert cfg.backend.threads == 3
 
 
 @TWO_CORES
@@ -417,7 +420,7 @@ def test_the_backend_hands_the_tuner_the_world_it_was_given(monkeypatch):
         for world, expected in ((2, 1), (1, 0)):
             calls.clear()
             backend = cpu.CPUBackend()
-            backend.bind_local_rank(0, 1, False, "auto", rank=world - 1, world_size=world)
+            backend.bind_local_rank(0, 1, False, None, rank=world - 1, world_size=world)
             (tuner,) = backend.step_hooks()
             tuner(SimpleNamespace(last_step_s=None, step=1))
             assert len(calls) == expected, (world, calls)

@@ -15,10 +15,11 @@ from torchrec.distributed import model_parallel
 from torchrec.distributed.model_parallel import DMPCollection
 
 from anyrec import parity
-from anyrec._hydra import compose_job
+from anyrec._hydra import cli_problem, compose_job
 from anyrec.backends.specs import get_sku
 from anyrec.planner import CoDesignPlanner, InfeasiblePlanError, ShardingType, Topology
 from anyrec.planner.estimators import all_reduce_time_s, dense_all_reduce_time_s
+from anyrec.planner.planned import ParallelLayout, group_size_in_ranks
 from anyrec.planner.report import format_group_choice
 from anyrec.planner.twod import (
     GroupLayout,
@@ -27,9 +28,8 @@ from anyrec.planner.twod import (
     price_group,
     replica_bytes,
     replica_sync_time_s,
-    sharding_group_size,
 )
-from anyrec.planner.types import PlanResult, TableSpec
+from anyrec.planner.types import PlanResult, ReplicaUpdate, TableSpec
 from anyrec.trainer.pipeline import ReplicaSync
 from anyrec.trainer.twod import GLUE_SOURCE_SHA256, glue_source_sha256
 
@@ -45,14 +45,37 @@ def test_the_torchrec_source_under_the_glue_is_the_one_it_was_written_against():
 @pytest.mark.parametrize("text, world, expected", [
     ("world", 4, 4), ("auto", 4, None), ("2", 4, 2), ("1", 4, 1), ("4", 4, 4), ("8", 16, 8)])
 def test_group_size_values(text, world, expected):
-    assert sharding_group_size(text, world) == expected
+    # parsed once where the config is built, resolved against the world where the job is planned
+    size = compose_job([f"planner.sharding_group_size={text}"]).planner.sharding_group_size
+    assert group_size_in_ranks(size, world) == expected
 
 
-@pytest.mark.parametrize("text", ["3", "0", "-2", "half", "8"])
+@pytest.mark.parametrize("text", ["3", "8"])
 def test_a_group_size_that_does_not_divide_the_world_is_refused(text):
-    with pytest.raises(ValueError, match=f"planner.sharding_group_size={text}: expected world, auto or a "
-                                         f"divisor of the world size 4"):
-        sharding_group_size(text, 4)
+    size = compose_job([f"planner.sharding_group_size={text}"]).planner.sharding_group_size
+    with pytest.raises(ValueError, match=f"^planner.sharding_group_size={text}: expected world, auto or a "
+                                         f"divisor of the world size 4$"):
+        group_size_in_ranks(size, 4)
+
+
+@pytest.mark.parametrize("text", ["0", "-2", "half", "true"])
+def test_a_group_size_that_is_no_number_of_ranks_is_refused_at_the_door(text):
+    problem = cli_problem([f"planner.sharding_group_size={text}"])
+    assert problem is not None and problem.startswith("planner.sharding_group_size=")
+    assert problem.endswith(": expected world, auto or a number of ranks >= 1")
+
+
+def test_the_layout_value_says_what_2d_does():
+    one_d = ParallelLayout.one_d(4, 4)
+    assert (one_d.is_2d, one_d.replicas, one_d.sync_every) == (False, 1, 1)
+    averaged = ParallelLayout(4, 2, 2, replica_update=ReplicaUpdate.AVERAGE, replica_sync_every=3)
+    assert (averaged.is_2d, averaged.replicas, averaged.sync_every, averaged.name) == (True, 2, 3, "strided")
+    assert [averaged.group_rank(r) for r in range(4)] == [0, 0, 1, 1]
+    exchanged = ParallelLayout(4, 2, 2, True, ReplicaUpdate.GRADIENTS, 1)
+    assert exchanged.sync_every == 1 and exchanged.name == "contiguous"
+    assert [exchanged.group_rank(r) for r in range(4)] == [0, 1, 0, 1]
+    with pytest.raises(ValueError, match="sharding group size 3 does not divide the world size 4"):
+        ParallelLayout(4, 4, 3)
 
 
 @pytest.mark.parametrize("world, local, group, expected", [
@@ -137,9 +160,9 @@ def test_contiguous_groups_win_when_the_all_to_all_outweighs_the_replicas_traffi
 class _CountingDMP(DMPCollection):
     """A DMPCollection that only counts sync() calls (the schedule is what is tested)."""
 
-    def __init__(self, sync_every: int) -> None:
+    def __init__(self) -> None:
         nn.Module.__init__(self)
-        self.sync_every, self.calls = sync_every, 0
+        self.calls = 0
 
     def sync(self, include_optimizer_state: bool = True) -> None:
         self.calls += 1
@@ -150,8 +173,8 @@ def test_the_eager_loop_averages_on_torchrecs_schedule_and_at_the_end_of_a_chunk
                                                                                   at_end):
     """torchrec's pipeline syncs after the backward of batch i when i % every == 0; the eager loop does the
     same, and a chunk that ends with k > 1 leaves no replica behind."""
-    model = _CountingDMP(every)
-    replicas = ReplicaSync(model)
+    model = _CountingDMP()
+    replicas = ReplicaSync(model, every)
     for _ in range(steps):
         replicas.after_backward()
     assert model.calls == during

@@ -10,10 +10,13 @@ import pytest
 import torch
 
 from anyrec import parity
+from anyrec._hydra import cli_problem
 from anyrec.backends.specs import get_sku
+from anyrec.config import ReplicaUpdateChoice
 from anyrec.planner import CoDesignPlanner, ShardingType, Topology
 from anyrec.planner.estimators import ID_BYTES, OUTPUT_BYTES
 from anyrec.planner.memory import alloc_bytes, predict_memory
+from anyrec.planner.planned import resolve_replica_update
 from anyrec.planner.twod import (
     GroupLayout,
     dense_extra_time_s,
@@ -22,7 +25,6 @@ from anyrec.planner.twod import (
     replica_bytes,
     replica_exchange_time_s,
     replica_sync_time_s,
-    resolve_replica_update,
 )
 from anyrec.planner.types import PlanResult, ReplicaUpdate, TableSpec
 from anyrec.trainer.replica_exchange import merge_lookups
@@ -103,17 +105,18 @@ def test_a_replica_without_samples_takes_part_with_an_empty_batch():
     ("gradients", "sgd", 1, ReplicaUpdate.GRADIENTS),
 ])
 def test_auto_exchanges_gradients_where_averaging_is_not_1ds_update(text, optimizer, every, expected):
-    assert resolve_replica_update(text, optimizer, every) == expected
+    assert resolve_replica_update(ReplicaUpdateChoice[text], optimizer, every) == expected
 
 
-@pytest.mark.parametrize("text, every, message", [
-    ("gradients", 4, "planner.replica_update=gradients keeps the replicas equal every step; "
-                     "planner.replica_sync_every=4 applies to average only"),
-    ("mean", 1, "planner.replica_update=mean: expected auto, average or gradients"),
-])
-def test_a_bad_replica_update_is_one_line(text, every, message):
-    with pytest.raises(ValueError, match=message):
-        resolve_replica_update(text, "adagrad", every)
+def test_gradients_with_a_sync_interval_is_one_line():
+    with pytest.raises(ValueError, match="^planner.replica_update=gradients keeps the replicas equal every "
+                                         "step; planner.replica_sync_every=4 applies to average only$"):
+        resolve_replica_update(ReplicaUpdateChoice.gradients, "adagrad", 4)
+
+
+def test_an_unknown_replica_update_is_refused_at_the_door():
+    assert cli_problem(["planner.replica_update=mean"]) == ("planner.replica_update: Invalid value 'mean', "
+                                                            "expected one of [auto, average, gradients]")
 
 
 # ---- the cost model ----------------------------------------------------------------------------------

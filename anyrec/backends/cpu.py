@@ -18,9 +18,8 @@ from anyrec.backends.threads import (
     ThreadTuner,
     choose_threads,
     set_interop_threads,
-    thread_setting,
 )
-from anyrec.calibration.core_load import BindChoice, CoreLoad, bind_setting, choose_binding, measure_core_load
+from anyrec.calibration.core_load import BindChoice, CoreLoad, choose_binding, measure_core_load
 
 logger = logging.getLogger(__name__)
 
@@ -88,17 +87,16 @@ class CPUBackend(Backend):
         return torch.device("cpu")
 
     def bind_local_rank(self, local_rank: int, local_world_size: int, bind_cores: bool | str = "auto",
-                        threads: int | str = "auto", rank: int = 0, world_size: int = 1) -> list[int] | None:
+                        threads: int | None = None, rank: int = 0, world_size: int = 1) -> list[int] | None:
         """Each rank runs torch's threads on its own contiguous share of the host's cores, bound to it
-        where `bind_cores` says so (auto: see core_load), as many as `threads` says (auto: a start, see
+        where `bind_cores` says so (auto: see core_load), as many as `threads` says (None, auto: a start, see
         threads); the decisions are kept in `self.bind_choice` and `self.thread_choice` (auto's start), and
         under auto `self.step_hooks()` times the job's step at each candidate count while it trains, agreed
         over the job's `world_size` ranks (this one is `rank`)."""
         self.bind_choice: BindChoice | None = None
         self.thread_choice: ThreadChoice | None = None
         self._tuner: ThreadTuner | None = None
-        bind_setting(bind_cores)  # bad values fail on every host, not only where they would be read
-        forced = thread_setting(threads)
+        forced = threads  # parsed where the config was built (anyrec.config.parse_threads)
         allowed = _host_cores()
         share = (core_share(allowed, local_rank, local_world_size) if allowed and local_world_size > 1
                  else allowed or None)
@@ -112,7 +110,7 @@ class CPUBackend(Backend):
             return None
         readable = os.path.isdir("/proc/self/task")
         load = None
-        if readable and (forced is None or local_world_size > 1 and bind_setting(bind_cores) == "auto"):
+        if readable and (forced is None or local_world_size > 1 and bind_cores == "auto"):
             load = measure_core_load(allowed)  # one sample serves both rules
         self._choose_threads(forced, len(share), local_world_size, allowed, load, rank, world_size)
         if local_world_size <= 1 or not readable:

@@ -74,7 +74,7 @@ class Backend(abc.ABC):
         """Bind this process to its device (no-op where devices are not per-process)."""
 
     def bind_local_rank(self, local_rank: int, local_world_size: int,  # noqa: B027 - optional hook
-                        bind_cores: bool | str = "auto", threads: int | str = "auto", rank: int = 0,
+                        bind_cores: bool | str = "auto", threads: int | None = None, rank: int = 0,
                         world_size: int = 1) -> list[int] | None:
         """Give this local rank its share of the host's cores (and its thread count; `rank` of the job's
         `world_size` ranks, for choices the ranks agree on); the cores it is bound to, or None (on

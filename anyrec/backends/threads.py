@@ -61,20 +61,6 @@ LOAD_CHANGE_CORES = 0.5  # other processes' use of the cores that moved this muc
 RAISE_AFTER = 2  # looks in a row that must agree before a rank binds again or times the counts again
 
 
-def thread_setting(value: int | str) -> int | None:
-    """`backend.threads` as None (auto) or a positive thread count."""
-    s = str(value).strip().lower()
-    if s == "auto":
-        return None
-    try:
-        n = int(s)
-    except ValueError:
-        n = 0
-    if n < 1 or isinstance(value, bool):
-        raise ValueError(f"backend.threads={value!r}: choose auto or a thread count >= 1")
-    return n
-
-
 @dataclass(frozen=True)
 class ThreadChoice:
     """A rank's thread counts and what they were chosen from (`load` is None unless measured)."""

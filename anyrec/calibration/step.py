@@ -24,11 +24,7 @@ from anyrec.backends import Hardware
 from anyrec.calibration.fileformat import STEP_FIELDS
 from anyrec.calibration.run import STOP_GRACE_S, CalibrationRun, Timing
 from anyrec.models.dlrm import build_model
-from anyrec.planner.evaluate import evaluate_assignment
-from anyrec.planner.job import planner_inputs
-from anyrec.planner.planner import make_workload
-from anyrec.planner.torchrec_plan import to_sharding_plan
-from anyrec.planner.types import Topology
+from anyrec.planner.planned import Assignment, PlannedJob, plan_job
 from anyrec.trainer.distributed import Runtime
 from anyrec.trainer.trainer import EBC_PATH, Trainer
 
@@ -121,7 +117,7 @@ def _overrides(p: StepPoint, backend: str, steps: int) -> list[str]:
             f"trainer.stop_grace_s={STOP_GRACE_S}", "trainer.checkpoint.dir=null", "trainer.run_dir=null"]
 
 
-def _assignment(p: StepPoint, world: int) -> dict[str, tuple[str, str, list[int]]]:
+def _assignment(p: StepPoint, world: int) -> Assignment:
     """Table -> (sharding, placement, ranks); table-wise tables go round-robin over the ranks."""
     out = {}
     for i in range(p.tables):
@@ -139,22 +135,19 @@ def _train_point(p: StepPoint, runtime: Runtime, hardware: Hardware, steps: int,
     run.check()
     backend, world = runtime.backend, runtime.dist.world_size
     cfg = _hydra.compose_job(_overrides(p, backend.name, steps))
-    embedding = hardware.embedding_cost(backend.select_kernels(cfg.backend)["embedding"])
+    embedding = backend.select_kernels(cfg.backend)["embedding"]
     meta = torch.device("meta")
     model = build_model(cfg.model, meta, ebc_device=meta)
-    ebc = model.sparse_arch
-    opt = cfg.optim.name
-    tables, dense_params, options = planner_inputs(model, ebc, cfg.model, cfg.planner, opt, embedding,
-                                                   backend.device_type)
-    workload = make_workload(tables, p.batch, opt, dense_params, **options)
-    topology = Topology(hardware.spec, world, world, backend.device_type)
-    predicted = evaluate_assignment(_assignment(p, world), topology, workload)
-    plan = to_sharding_plan(predicted, EBC_PATH, ebc, backend.device_type)
+    planned = plan_job(cfg, model, EBC_PATH, hardware, embedding, world, runtime.dist.local_world_size,
+                       p.batch, backend.device_type, assignment=_assignment(p, world))
+    # the trainer takes the plan alone: the points are costed without the step figures being fitted, a
+    # prediction for the trainer to check or learn from is none
+    given = PlannedJob(planned.plan, planned.layout)
     quiet = logging.getLogger("anyrec.trainer")
     level = quiet.level
     quiet.setLevel(logging.WARNING)  # one set-up log per point would bury the calibration's table
     try:
-        trainer = Trainer(cfg, plan=plan, runtime=runtime, hardware=hardware)
+        trainer = Trainer(cfg, given, runtime=runtime, hardware=hardware)
         run.check()  # a signal while it was built
         trainer.step_hooks.append(lambda _: run.check())  # the trainer's own catches one while it trains
         try:
@@ -166,7 +159,7 @@ def _train_point(p: StepPoint, runtime: Runtime, hardware: Hardware, steps: int,
     finally:
         quiet.setLevel(level)
     run.stopped_by(summary.get("stopped_by"))
-    return summary["measured_step_ms"] / 1e3, predicted.predicted_step_s
+    return summary["measured_step_ms"] / 1e3, planned.predicted_step_s
 
 
 def builtin_scale(rows: list[list[float]], measured: list[float], model: list[float], spec: Any) -> float:

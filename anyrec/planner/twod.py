@@ -173,37 +173,6 @@ def group_links(device: DeviceSpec, layout: GroupLayout, measured: dict[int, Sub
     return GroupLinks(group, replica, device, group_source, replica_source)
 
 
-def sharding_group_size(text: str, world_size: int) -> int | None:
-    """`planner.sharding_group_size` in ranks: `world` -> the world size, `auto` -> None (the planner
-    chooses), N -> N, which must divide the world size."""
-    if text == "world":
-        return world_size
-    if text == "auto":
-        return None
-    if not text.isdigit() or int(text) < 1 or world_size % int(text):
-        raise ValueError(f"planner.sharding_group_size={text}: expected world, auto or a divisor of the "
-                         f"world size {world_size}")
-    return int(text)
-
-
-def resolve_replica_update(text: str, optimizer: str, sync_every: int) -> ReplicaUpdate:
-    """`planner.replica_update` for a job: `auto` exchanges gradients where averaging is not 1D's update
-    (a stateful optimizer, averaged every step) and averages otherwise (SGD, whose averaged update is
-    1D's, or k > 1 steps, where the replicas are meant to drift between averagings). ValueError for an
-    unknown value, or gradients with k > 1 (exchanged replicas never drift; k would be ignored)."""
-    if text == "auto":
-        stateful = optimizer != "sgd"
-        return ReplicaUpdate.GRADIENTS if stateful and sync_every == 1 else ReplicaUpdate.AVERAGE
-    try:
-        update = ReplicaUpdate(text)
-    except ValueError:
-        raise ValueError(f"planner.replica_update={text}: expected auto, average or gradients") from None
-    if update == ReplicaUpdate.GRADIENTS and sync_every != 1:
-        raise ValueError(f"planner.replica_update=gradients keeps the replicas equal every step; "
-                         f"planner.replica_sync_every={sync_every} applies to average only")
-    return update
-
-
 def replica_bytes(plan: PlanResult) -> list[tuple[int, int]]:
     """Per rank of the group: the (weight, optimizer state) bytes its sharded tables' shards hold, which
     the replicas average (data-parallel tables are DDP's, averaged with the dense gradients)."""

@@ -174,9 +174,6 @@ class CheckpointManager:
 
     def __init__(self, cfg: CheckpointConfig, signature: dict[str, Any], info: DistInfo,
                  identity: dict[str, Any] | None = None, signing_key: SigningKey | None = None) -> None:
-        if cfg.every < 0 or cfg.keep < 1:
-            raise ValueError(f"trainer.checkpoint.every must be >= 0 and keep >= 1, got "
-                             f"every={cfg.every}, keep={cfg.keep}")
         self.cfg, self.root, self.signature, self.info = cfg, Path(cfg.dir), signature, info
         self.is_main = info.is_main
         self.identity = identity or {}

@@ -211,10 +211,10 @@ class Runtime:
 
 
 def start_runtime(backend_name: str, bind_cores: bool | str = "auto", timeout_s: float | None = None,
-                  peer_timeout_s: float | None = None, threads: int | str = "auto") -> Runtime:
+                  peer_timeout_s: float | None = None, threads: int | None = None) -> Runtime:
     """The backend called `backend_name`, the process group joined (init_distributed, with its timeouts)
-    and this rank's threads bound as `bind_cores` says and as many as `threads` says (auto: by the cores'
-    load): once per process."""
+    and this rank's threads bound as `bind_cores` says and as many as `threads` says (None, auto: by the
+    cores' load): once per process."""
     backend = get_backend(backend_name)
     info = init_distributed(backend, timeout_s, peer_timeout_s)
     cores = tuple(allowed_cores())

@@ -30,9 +30,6 @@ OPTIMIZERS = tuple(k.value for k in OptimizerKind)  # the fused update rules nam
 def _check(cfg: OptimConfig) -> None:
     if cfg.name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {cfg.name!r}; choose one of {', '.join(OPTIMIZERS)}")
-    if cfg.embedding_lr <= 0 or cfg.dense_lr <= 0:
-        raise ValueError(f"learning rates must be > 0, got embedding_lr={cfg.embedding_lr}, "
-                         f"dense_lr={cfg.dense_lr}")
     if len(cfg.betas) != 2:
         raise ValueError(f"optim.betas needs two values (beta1, beta2), got {list(cfg.betas)}")
 
@@ -164,13 +161,9 @@ class WarmupPolyDecay:
 
     @classmethod
     def from_config(cls, cfg: OptimConfig) -> WarmupPolyDecay:
-        if cfg.warmup_steps < 0 or cfg.decay_steps < 0 or cfg.decay_start_step < 0:
-            raise ValueError("optim.warmup_steps, decay_start_step and decay_steps must be >= 0")
         if cfg.decay_steps and cfg.decay_start_step < cfg.warmup_steps:
             raise ValueError(f"optim.decay_start_step={cfg.decay_start_step} must not come before the "
                              f"end of warmup (optim.warmup_steps={cfg.warmup_steps})")
-        if not 0.0 <= cfg.end_lr_factor <= 1.0:
-            raise ValueError(f"optim.end_lr_factor must be in [0, 1], got {cfg.end_lr_factor}")
         return cls(cfg.warmup_steps, cfg.decay_start_step, cfg.decay_steps, cfg.decay_power,
                    cfg.end_lr_factor)
 

@@ -26,16 +26,17 @@ logging.getLogger("torchrec.distributed.train_pipeline.train_pipelines").setLeve
 
 
 class SparseDistPipeline(TrainPipelineSparseDist):
-    """TrainPipelineSparseDist (batch i+1's input dist overlaps batch i's compute) with our hooks."""
+    """TrainPipelineSparseDist (batch i+1's input dist overlaps batch i's compute) with our hooks.
+    `sync_every`: steps between a 2D model's averagings of its replicas (ParallelLayout.sync_every)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
-                 fns: Any) -> None:
+                 fns: Any, sync_every: int = 1) -> None:
         # 2D (torchrec's DMPCollection): torchrec's pipeline averages the replicas after the backward of
         # every `sync_every`-th batch it runs; see ReplicaSync for the end of a chunk
         super().__init__(model, optimizer, device, execute_all_batches=True, custom_model_fwd=fns.forward,
-                         dmp_collection_sync_interval_batches=getattr(model, "sync_every", 1))
+                         dmp_collection_sync_interval_batches=sync_every)
         self._fns = fns  # the trainer: its forward, backward and optimizer_step
-        self._replicas = ReplicaSync(model)
+        self._replicas = ReplicaSync(model, sync_every)
 
     def progress(self, dataloader_iter: Iterator[Batch]) -> Any:
         try:
@@ -65,9 +66,9 @@ class ReplicaSync:
     every `sync_every`-th step of the eager loop (the schedule torchrec's pipeline keeps), and whenever a
     chunk of training steps ends with unaveraged steps, so evaluation and checkpoints see one model."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, sync_every: int = 1) -> None:
         self._model = model if isinstance(model, DMPCollection) else None
-        self._every = getattr(model, "sync_every", 1)
+        self._every = sync_every
         self._steps = 0  # training steps run
         self._unsynced = False
 
@@ -92,12 +93,13 @@ class ReplicaSync:
 
 
 class EagerLoop:
-    """One batch at a time: copy, forward, backward, step (`trainer.pipeline=false`)."""
+    """One batch at a time: copy, forward, backward, step (`trainer.pipeline=false`); `sync_every` as
+    SparseDistPipeline's."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
-                 fns: Any) -> None:
+                 fns: Any, sync_every: int = 1) -> None:
         self._model, self._optimizer, self._device, self._fns = model, optimizer, device, fns
-        self._replicas = ReplicaSync(model)
+        self._replicas = ReplicaSync(model, sync_every)
 
     def progress(self, batches: Iterator[Batch]) -> Any:
         try:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import warnings
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,12 +24,8 @@ from anyrec.config import AnyrecConfig, PlannerConfig
 from anyrec.data import resolve_batch_size
 from anyrec.planner.job import plan_model
 from anyrec.planner.memory import MemoryPrediction, predict_memory
-from anyrec.planner.report import format_group_choice, format_report
-from anyrec.planner.simple import simple_table_shardings
-from anyrec.planner.simple import to_sharding_plan as simple_sharding_plan
-from anyrec.planner.torchrec_plan import to_sharding_plan
-from anyrec.planner.twod import GroupLayout, choose_group_size, resolve_replica_update, sharding_group_size
-from anyrec.planner.types import Perf, PlanResult, ReplicaUpdate, Topology
+from anyrec.planner.planned import PlannedJob, id_skew, plan_job
+from anyrec.planner.types import Topology
 from anyrec.trainer.distributed import DistInfo, broadcast_from_main
 from anyrec.trainer.twod import TwoDModelParallel
 
@@ -77,60 +72,37 @@ def dense_wrapper(world_size: int, static_graph: bool = True) -> DataParallelWra
     return DenseDataParallelWrapper(static_graph=static_graph)
 
 
-@dataclass
-class GroupShardingPlan(ShardingPlan):
-    """A sharding plan for one sharding group of `sharding_group_size` ranks (its ranks 0..size-1; torchrec's
-    DMPCollection maps them onto each group's), replicated across the world's groups, which exchange their
-    gradients every step or are averaged every `replica_sync_every` steps (`replica_update`); the groups
-    are laid out as torchrec's `use_inter_host_allreduce` says (anyrec.planner.twod.GroupLayout)."""
-
-    sharding_group_size: int = 1
-    replica_sync_every: int = 1
-    replica_update: ReplicaUpdate = ReplicaUpdate.AVERAGE
-    use_inter_host_allreduce: bool = False
-
-
-def shard_model(module: nn.Module, device: torch.device, plan: ShardingPlan, backend: Backend, info: DistInfo,
-                embedding: Impl, static_graph: bool) -> DistributedModelParallel:
-    """`module` sharded by `plan`: torchrec's DistributedModelParallel over the whole world, or (a
-    GroupShardingPlan for a group smaller than the world) its 2D DMPCollection, whose replicas exchange
-    their gradients every step or are averaged every `plan.replica_sync_every` steps
-    (`plan.replica_update`)."""
-    group = getattr(plan, "sharding_group_size", info.world_size)
+def shard_model(module: nn.Module, device: torch.device, planned: PlannedJob, backend: Backend,
+                info: DistInfo, embedding: Impl, static_graph: bool) -> DistributedModelParallel:
+    """`module` sharded as `planned` says: torchrec's DistributedModelParallel over the whole world (1D),
+    or torchrec's 2D DMPCollection (the layout's groups smaller than the world), whose replicas exchange
+    their gradients every step or are averaged every `replica_sync_every` steps (`replica_update`)."""
+    layout = planned.layout
     wrapper = dense_wrapper(info.world_size, static_graph)
-    if group == info.world_size:
-        return DistributedModelParallel(module, device=device, plan=plan,
+    if not layout.is_2d:
+        return DistributedModelParallel(module, device=device, plan=planned.plan,
                                         sharders=sharders(embedding, static_graph),
                                         data_parallel_wrapper=wrapper)
-    layout = GroupLayout(info.world_size, info.local_world_size, group, plan.use_inter_host_allreduce)
-    model = TwoDModelParallel(module, device, plan, info.rank, info.world_size, group, dist.group.WORLD,
+    model = TwoDModelParallel(module, device, planned.plan, info.rank, layout, dist.group.WORLD,
                               sharders(embedding, static_graph), wrapper,
-                              place=lambda p: place_shards(p, backend, info.local_world_size),
-                              sync_every=plan.replica_sync_every, node_group_size=layout.group_local_size,
-                              replica_update=plan.replica_update,
-                              use_inter_host_allreduce=layout.use_inter_host_allreduce)
-    sharded = [name for m in plan.plan.values() for name, ps in m.items()
+                              place=lambda p: place_shards(p, backend, info.local_world_size))
+    sharded = [name for m in planned.plan.plan.values() for name, ps in m.items()
                if ps.sharding_type != "data_parallel"]
     if sharded and model.synced_tensors() == 0:
-        raise ValueError(f"planner.sharding_group_size={group}: backend.embedding_kernel={embedding.name} "
-                         f"has no kernel torchrec's 2D sync can average (tables {', '.join(sharded)})")
+        raise ValueError(f"planner.sharding_group_size={layout.group_size}: backend.embedding_kernel="
+                         f"{embedding.name} has no kernel torchrec's 2D sync can average (tables "
+                         f"{', '.join(sharded)})")
     if info.is_main:
-        how = "exchange their embedding gradients every step"
-        if plan.replica_update == ReplicaUpdate.AVERAGE:
-            how = f"are averaged every {plan.replica_sync_every} step(s)"
-        logger.info("2D: %d sharding groups of %d ranks, %s layout (use_inter_host_allreduce=%s); the "
-                    "replicas %s", layout.replicas, group, layout.name, layout.use_inter_host_allreduce, how)
+        logger.info("%s", layout.describe())
     return model
 
 
 def shared_plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module, module_path: str,
-                embedding: Impl, hardware: Hardware, resident_bytes: int = 0
-                ) -> tuple[ShardingPlan, Perf | None, list[MemoryPrediction] | None]:
-    """Rank 0 plans and every rank takes its plan, the predicted per-step cost of the plan's slowest
-    rank and each rank's predicted peak memory (None from a planner that predicts nothing; with the
-    `resident_bytes` the data sources keep on each device, which the plan must leave room for): ranks must
-    never shard by different plans. A planning error on rank 0 (e.g. nothing fits) is raised on every
-    rank, so none waits."""
+                embedding: Impl, hardware: Hardware, resident_bytes: int = 0) -> PlannedJob:
+    """Rank 0 plans the job (`plan_job`, with the `resident_bytes` the data sources keep on each device,
+    which the plan must leave room for) and every rank takes the same PlannedJob: ranks must never shard
+    by different plans. A planning error on rank 0 (e.g. nothing fits) is raised on every rank, so none
+    waits."""
     if info.world_size == 1:
         return _plan(cfg, backend, info, model, module_path, embedding, hardware, resident_bytes)
     result: Any = None
@@ -145,89 +117,13 @@ def shared_plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.M
     return result
 
 
-def plan_and_predict(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module,
-                     module_path: str, embedding: Impl, hardware: Hardware, resident_bytes: int = 0
-                     ) -> tuple[ShardingPlan, Perf | None]:
-    """The configured planner's plan for the EmbeddingBagCollection at `module_path` of `model` and the
-    co-design planner's predicted cost of its slowest rank per step (None: simple), for the embedding
-    implementation on `hardware` (its spec and measured profiles)."""
-    plan, slowest, _ = _plan(cfg, backend, info, model, module_path, embedding, hardware, resident_bytes)
-    return plan, slowest
-
-
 def _plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module, module_path: str,
-          embedding: Impl, hardware: Hardware, resident_bytes: int = 0
-          ) -> tuple[ShardingPlan, Perf | None, list[MemoryPrediction] | None]:
-    """plan_and_predict's plan and cost, and each rank's predicted peak memory (None: simple), for one
-    sharding group (a GroupShardingPlan)."""
-    group = sharding_group_size(cfg.planner.sharding_group_size, info.world_size)
-    if group is None and cfg.planner.name != "codesign":
-        raise ValueError("planner.sharding_group_size=auto needs planner=codesign (the cost model chooses)")
-    if cfg.planner.replica_sync_every < 1:
-        raise ValueError(f"planner.replica_sync_every must be >= 1, got {cfg.planner.replica_sync_every}")
-    update = resolve_replica_update(cfg.planner.replica_update, cfg.optim.name,
-                                    cfg.planner.replica_sync_every)
-    plan, slowest, memory, layout = _plan_group(cfg, backend, info, model, module_path, embedding, hardware,
-                                                group, resident_bytes, update)
-    if memory is not None:  # world rank r runs its group's rank layout.group_rank(r)
-        memory = [memory[layout.group_rank(r)] for r in range(info.world_size)]
-    return (GroupShardingPlan(plan.plan, sharding_group_size=layout.group_size,
-                              replica_sync_every=cfg.planner.replica_sync_every, replica_update=update,
-                              use_inter_host_allreduce=layout.use_inter_host_allreduce),
-            slowest, memory)
-
-
-def _plan_group(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module, module_path: str,
-                embedding: Impl, hardware: Hardware, group: int | None, resident_bytes: int = 0,
-                update: ReplicaUpdate = ReplicaUpdate.AVERAGE
-                ) -> tuple[ShardingPlan, Perf | None, list[MemoryPrediction] | None, GroupLayout]:
-    """The plan of one sharding group of `group` ranks (the whole world in 1D; None: the co-design
-    planner chooses), its cost and memory (the replicas kept one model by `update`), and the groups'
-    layout (the co-design planner chooses among torchrec's two; the simple planner keeps its default)."""
-    ebc = model.sparse_arch
-    if cfg.planner.name == "simple":
-        if cfg.planner.sharding == "data_parallel" and not embedding.data_parallel:
-            raise ValueError(f"planner.sharding=data_parallel cannot run with "
-                             f"backend.embedding_kernel={embedding.name}")
-        layout = GroupLayout(info.world_size, info.local_world_size, group)  # torchrec's default layout
-        shardings = simple_table_shardings(ebc.embedding_bag_configs(), group,
-                                           force=cfg.planner.sharding, optimizer=cfg.optim.name)
-        plan = simple_sharding_plan(ebc, shardings, module_path, group, layout.group_local_size,
-                                    backend.device_type, sharder=sharders(embedding)[0],
-                                    compute_kernel=embedding.compute_kernel())
-        return place_shards(plan, backend, info.local_world_size), None, None, layout
-    if cfg.planner.name != "codesign":
-        raise ValueError(f"unknown planner {cfg.planner.name!r}; choose codesign or simple")
-    batch = resolve_batch_size(cfg.data, info.world_size).batch_size
-
-    def plan_for(topology: Topology) -> PlanResult:
-        return plan_model(model, ebc, cfg.model, cfg.planner, cfg.optim.name, topology, batch,
-                          hardware.embedding_cost(embedding), id_zipf_exponent=id_skew(cfg),
-                          resident_bytes=resident_bytes)
-
-    if group == info.world_size:  # 1D
-        layout = GroupLayout(info.world_size, info.local_world_size, group)
-        result = plan_for(Topology(hardware.spec, info.world_size, info.local_world_size,
-                                   backend.device_type))
-    else:
-        choice = choose_group_size(info.world_size, info.local_world_size, hardware.spec, backend.device_type,
-                                   plan_for, None if group is None else [group],
-                                   cfg.planner.replica_sync_every, hardware.subgroups, hardware.link_source,
-                                   update)
-        result = choice.plan
-        layout = GroupLayout(info.world_size, info.local_world_size, choice.chosen,
-                             choice.use_inter_host_allreduce)
-        if info.is_main:
-            logger.info("2D: %s", format_group_choice(choice).splitlines()[-1])
-            logger.debug("sharding group sizes weighed:\n%s", format_group_choice(choice))
-    if info.is_main:  # the console has the planner's line and the notes; the log file the whole report
-        logger.debug("co-design plan:\n%s", format_report(result, advice=False))
-        for note in result.notes:
-            logger.info("plan note: %s", note)
-    slowest = max(result.rank_perf, key=lambda p: p.total_s)  # its total_s is result.predicted_step_s
-    plan = to_sharding_plan(result, module_path, ebc, backend.device_type)
-    memory = predict_memory(result, resident_bytes)
-    return place_shards(plan, backend, info.local_world_size), slowest, memory, layout
+          embedding: Impl, hardware: Hardware, resident_bytes: int) -> PlannedJob:
+    """This process's job planned: its world, its batch per rank, its backend's device type and devices."""
+    return plan_job(cfg, model, module_path, hardware, embedding, info.world_size, info.local_world_size,
+                    resolve_batch_size(cfg.data, info.world_size).batch_size, backend.device_type,
+                    resident_bytes, place=lambda p: place_shards(p, backend, info.local_world_size),
+                    log=info.is_main)
 
 
 def unsharded_memory(cfg: AnyrecConfig, backend: Backend, model: nn.Module, embedding: Impl,
@@ -242,12 +138,6 @@ def unsharded_memory(cfg: AnyrecConfig, backend: Backend, model: nn.Module, embe
     result = plan_model(model, ebc, cfg.model, planner_cfg, cfg.optim.name, topology, batch,
                         hardware.embedding_cost(embedding), id_zipf_exponent=id_skew(cfg))
     return predict_memory(result, resident_bytes, sharded=False)
-
-
-def id_skew(cfg: AnyrecConfig) -> float:
-    """The ids' Zipf exponent where the data source sets it (synthetic data); 0 (uniform ids, the most
-    rows touched per step) for files, whose skew is unknown before reading them."""
-    return float(cfg.data.zipf_exponent) if cfg.data.name == "synthetic" else 0.0
 
 
 def place_shards(plan: ShardingPlan, backend: Backend, local_world_size: int) -> ShardingPlan:

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from torch import nn
 from torchrec.datasets.utils import Batch
-from torchrec.distributed.types import ShardingPlan
 
 from anyrec.backends import Backend
 from anyrec.backends.dispatch import Impl
@@ -31,6 +30,7 @@ from anyrec.kernels.ebc import TritonEBCOptimizer
 from anyrec.models.dlrm import DLRM, build_model, table_configs
 from anyrec.models.init import init_model
 from anyrec.planner.memory import MemoryPrediction
+from anyrec.planner.planned import PlannedJob
 from anyrec.planner.types import Perf
 from anyrec.signing import resolve_key
 from anyrec.trainer.checkpoint import (
@@ -84,10 +84,12 @@ class DLRMTrain(nn.Module):
 class Trainer:
     """Owns the backend, the process group, the sharded model, its optimizers, data and checkpoints."""
 
-    def __init__(self, cfg: AnyrecConfig, plan: ShardingPlan | None = None, runtime: Runtime | None = None,
+    def __init__(self, cfg: AnyrecConfig, planned: PlannedJob | None = None, runtime: Runtime | None = None,
                  hardware: Hardware | None = None) -> None:
-        """`runtime`: the process's backend, group and binding, set up by the caller (else here, from the
-        config); `hardware`: the device the plan is costed on (else resolved from `cfg.hardware`)."""
+        """`planned`: the job planned by the caller (calibration's step points: a plan given table by
+        table), else here (`shared_plan`); `runtime`: the process's backend, group and binding, set up by
+        the caller (else here, from the config); `hardware`: the device the plan is costed on (else
+        resolved from `cfg.hardware`)."""
         self.cfg = cfg
         signing_key = resolve_key(cfg.trainer.signing_key_file)  # an unusable key fails before any work
         self.runtime = runtime if runtime is not None else self.init_distributed()
@@ -96,7 +98,7 @@ class Trainer:
         self.device = self.runtime.device
         self.hardware = hardware
         self.kernels: dict[str, Impl] = self.backend.select_kernels(cfg.backend)  # each op's, resolved once
-        self.plan_override = plan
+        self.planned = planned  # the sharded path's job, planned once (None: one device, unsharded)
         self.state = TrainerState(rank=self.dist.rank)
         self.resumed_from: int | None = None
         self.last_loss = torch.tensor(math.nan)  # on this rank's device: reading it waits for the device
@@ -104,7 +106,7 @@ class Trainer:
         # CPU's thread timing reads; on an accelerator the host runs ahead, so it times launches
         self.last_step_s: float | None = None
         self.predicted_perf: Perf | None = None  # the plan's slowest rank, where a planner predicted one
-        self.predicted_memory: list[MemoryPrediction] | None = None  # each rank's peak, where predicted
+        self.predicted_memory: list[MemoryPrediction] | None = None  # each world rank's peak, if predicted
         # Called after every training step with the trainer (anyrec-parity records each step's loss).
         self.step_hooks: list[Callable[[Trainer], None]] = []
         self.step_hooks += self.backend.step_hooks()  # e.g. the CPU's thread timing (backends/threads.py)
@@ -168,9 +170,11 @@ class Trainer:
         init_model(self.model, table_configs(self.cfg.model), tc.seed, EBC_PATH)
         self.optimizers = Optimizers(self.model, self.fused_optimizer, self.cfg.optim, EBC_PATH)
         loop = SparseDistPipeline if tc.pipeline and not self.unsharded else EagerLoop
-        self.pipeline = loop(self.model, self.optimizers.combined, self.device, self)
+        layout = self.planned.layout if self.planned is not None else None
+        self.pipeline = loop(self.model, self.optimizers.combined, self.device, self,
+                             layout.sync_every if layout is not None else 1)
         self.writer = MetricWriter(tc.run_dir, self.dist.is_main, tc.tensorboard)
-        group = getattr(self.sharding_plan, "sharding_group_size", self.dist.world_size)
+        group = layout.group_size if layout is not None else self.dist.world_size
         self.job = JobFacts(self.backend.name, self.embedding_kernel, self.dist, self.batch_size, group,
                             self._step_key(group) if self.dist.is_main else None,
                             hardware_file=self._hardware().measured_by)
@@ -186,9 +190,7 @@ class Trainer:
                        self.dist.world_size, self.dist.local_world_size, other, sharding_group_size)
 
     def _check_trainer_config(self) -> None:
-        tc = self.cfg.trainer
-        if tc.steps < 0 or tc.eval_steps < 0 or tc.eval_every < 0 or tc.breakdown_steps < 0:
-            raise ValueError("trainer.steps, eval_steps, eval_every and breakdown_steps must be >= 0")
+        tc = self.cfg.trainer  # ranges: checked where the typed config was built (anyrec.config.RANGES)
         if tc.breakdown_steps:
             breakdown_window(tc.steps, warmup_steps(tc.steps), tc.breakdown_steps)  # room for it
 
@@ -215,19 +217,20 @@ class Trainer:
         # Embedding optimizer fused into the backward pass (TBE updates rows in place).
         apply_embedding_optimizer(model.sparse_arch.parameters(), self.cfg.optim)
         embedding, hardware = self.kernels["embedding"], self._hardware()
-        # a plan given from outside (calibration's step points) names the devices as a planned one does
-        self.sharding_plan, self.predicted_perf, self.predicted_memory = (
-            (place_shards(self.plan_override, self.backend, self.dist.local_world_size), None, None)
-            if self.plan_override else
-            shared_plan(self.cfg, self.backend, self.dist, model, EBC_PATH, embedding, hardware,
-                        self.resident_bytes))
-        check_embedding_optimizer(self.cfg.optim, embedding, self.device.type, self.sharding_plan)
+        if self.planned is None:
+            self.planned = shared_plan(self.cfg, self.backend, self.dist, model, EBC_PATH, embedding,
+                                       hardware, self.resident_bytes)
+        else:  # a job planned outside (calibration's step points) names the devices as a planned one does
+            place_shards(self.planned.plan, self.backend, self.dist.local_world_size)
+        self.predicted_perf = self.planned.slowest
+        self.predicted_memory = list(self.planned.memory) if self.planned.memory is not None else None
+        check_embedding_optimizer(self.cfg.optim, embedding, self.device.type, self.planned.plan)
         # DDP's static graph page-locks host memory for a device's used-parameter map: off where the
         # device cannot (its copies are then plain ones; the numbers do not change), for the dense
         # modules and for the data-parallel tables of a sharder that takes the setting.
         static_graph = self.device.type == "cpu" or self.backend.pins_host_memory()
-        self.model = shard_model(DLRMTrain(model), self.device, self.sharding_plan, self.backend, self.dist,
-                                 embedding, static_graph)  # 1D or 2D (planner.sharding_group_size)
+        self.model = shard_model(DLRMTrain(model), self.device, self.planned, self.backend, self.dist,
+                                 embedding, static_graph)  # 1D or 2D (the planned layout)
         self.fused_optimizer = self.model.fused_optimizer
 
     def _build_unsharded(self) -> None:
@@ -235,7 +238,6 @@ class Trainer:
         ebc = self.kernels["embedding"].build_unsharded(
             table_configs(self.cfg.model), optimizer=embedding_optimizer_config(self.cfg.optim),
             device=self.device)
-        self.sharding_plan = None
         self.model = DLRMTrain(DLRM(self.cfg.model, ebc, device=self.device, kernels=self.kernels))
         hardware = self._hardware()
         self.predicted_memory = unsharded_memory(self.cfg, self.backend, self.model.model,
@@ -249,7 +251,7 @@ class Trainer:
             logger.info("one device, %s embedding kernel: tables unsharded (no input distribution)",
                         self.embedding_kernel)
         else:
-            logger.debug("torchrec sharding plan:\n%s", self.sharding_plan)  # the log file: a table a line
+            logger.debug("torchrec sharding plan:\n%s", self.planned.plan)  # the log file: a table a line
         logger.info("step loop: %s, precision: %s, batch %d per rank", type(self.pipeline).__name__,
                     "bf16 autocast" if self.autocast else "fp32", self.batch_size)
 

@@ -38,6 +38,7 @@ from torchrec.distributed.types import (
 )
 
 from anyrec.kernels.tbe import TritonTableBatchedEmbedding
+from anyrec.planner.planned import ParallelLayout
 from anyrec.planner.types import ReplicaUpdate
 from anyrec.trainer.replica_exchange import exchange_gradients
 
@@ -54,28 +55,25 @@ def glue_source_sha256() -> str:
 
 
 class TwoDModelParallel(DMPCollection):
-    """torchrec's DMPCollection (tables sharded within `sharding_group_size` ranks, replicated across
-    groups, replicas averaged by `sync()`) built on any device: DMPCollection.__init__'s body without its
-    CUDA/MTIA assert. `place` names each shard's device after torchrec remaps the plan to this rank's
-    group (its remap writes `<type>:<local index>`, which only indexed devices have). `sync_every`: the
-    train pipeline averages the replicas every that many steps. `node_group_size`: the group's ranks on
-    one host, which table-row-wise sharding keeps a table's rows within (torchrec's default, the ranks per
-    host, is the group's only where one host holds the whole group). `replica_update`: AVERAGE is
+    """torchrec's DMPCollection (tables sharded within the layout's groups, replicated across groups,
+    replicas averaged by `sync()`) built on any device: DMPCollection.__init__'s body without its
+    CUDA/MTIA assert, for the groups `layout` says (anyrec.planner.planned.ParallelLayout). `place` names
+    each shard's device after torchrec remaps the plan to this rank's group (its remap writes
+    `<type>:<local index>`, which only indexed devices have). The train pipeline averages the replicas
+    every `layout.sync_every` steps. torchrec's `node_group_size` is the group's ranks on one host,
+    which table-row-wise sharding keeps a table's rows within (torchrec's default, the ranks per host, is
+    the group's only where one host holds the whole group). `layout.replica_update`: AVERAGE is
     torchrec's sync(); GRADIENTS exchanges each step's embedding gradients over the replica group before
     the fused update (anyrec.trainer.replica_exchange), so the replicas stay equal and sync() has
-    nothing to do. `use_inter_host_allreduce`: torchrec's layout of the groups (False: strided groups,
-    replicas on neighbouring ranks; True: contiguous groups; anyrec.planner.twod.GroupLayout)."""
+    nothing to do. `layout.use_inter_host_allreduce`: torchrec's layout of the groups (False: strided
+    groups, replicas on neighbouring ranks; True: contiguous groups)."""
 
     def __init__(self, module: nn.Module, device: torch.device, plan: ShardingPlan, rank: int,
-                 world_size: int, sharding_group_size: int, global_pg: dist.ProcessGroup,
+                 layout: ParallelLayout, global_pg: dist.ProcessGroup,
                  sharders: list[ModuleSharder[nn.Module]], data_parallel_wrapper: DataParallelWrapper,
-                 place: Callable[[ShardingPlan], ShardingPlan], sync_every: int = 1,
-                 node_group_size: int | None = None,
-                 replica_update: ReplicaUpdate = ReplicaUpdate.AVERAGE,
-                 use_inter_host_allreduce: bool = False) -> None:
-        if sharding_group_size < 1 or world_size % sharding_group_size:
-            raise ValueError(f"sharding group size {sharding_group_size} does not divide the world size "
-                             f"{world_size}")
+                 place: Callable[[ShardingPlan], ShardingPlan]) -> None:
+        world_size, sharding_group_size = layout.world_size, layout.group_size
+        node_group_size, use_inter_host_allreduce = layout.group_local_size, layout.use_inter_host_allreduce
         # DMPCollection.__init__ from here, for ShardingStrategy.DEFAULT and no submodule configs
         self._device = device
         self._pg = global_pg
@@ -107,12 +105,9 @@ class TwoDModelParallel(DMPCollection):
         self._sharded_relay_state = None
         # DMPCollection.__init__ ends here.
         self._add_anyrec_kernels(ctx)
-        self.sharding_group_size = sharding_group_size
-        self.sync_every = sync_every
-        self.replica_update = replica_update
-        self.use_inter_host_allreduce = use_inter_host_allreduce
+        self.layout = layout
         self.exchanged_kernels = 0
-        if replica_update == ReplicaUpdate.GRADIENTS:
+        if layout.replica_update == ReplicaUpdate.GRADIENTS:
             # the replicas' batches merge in world-rank order: interleaved per group rank where the groups
             # are strided, one replica's whole batch after another's where they are contiguous
             interleave = 1 if use_inter_host_allreduce else sharding_group_size
@@ -122,7 +117,7 @@ class TwoDModelParallel(DMPCollection):
     def sync(self, include_optimizer_state: bool = True) -> None:
         """torchrec's averaging of the replicas; nothing with exchanged gradients, where every replica
         applied the same update from the same state (averaging equal values would only round them)."""
-        if self.replica_update == ReplicaUpdate.GRADIENTS:
+        if self.layout.replica_update == ReplicaUpdate.GRADIENTS:
             return
         super().sync(include_optimizer_state)
 

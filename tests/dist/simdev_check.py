@@ -22,6 +22,7 @@ from anyrec.backends.dispatch import get_impl
 from anyrec.models.dlrm import build_model
 from anyrec.parity import full_weights, weights_sha256
 from anyrec.planner.estimators import inexact_update_reason
+from anyrec.planner.planned import ParallelLayout, PlannedJob
 from anyrec.planner.simple import to_sharding_plan
 from anyrec.trainer.distributed import all_reduce_mean
 from anyrec.trainer.planning import place_shards, sharders
@@ -47,7 +48,7 @@ def mixed_plan(cfg, backend, kernel: str, world: int):
     impl = get_impl("embedding", kernel)
     plan = to_sharding_plan(ebc, shardings, EBC_PATH, world, world, backend.device_type,
                             impl.compute_kernel(), sharders(impl)[0])
-    return place_shards(plan, backend, world)
+    return PlannedJob(place_shards(plan, backend, world), ParallelLayout.one_d(world, world))
 
 
 def job(run_dir: Path, backend: str, kernel: str, optim: str, *overrides: str) -> dict:
@@ -57,7 +58,7 @@ def job(run_dir: Path, backend: str, kernel: str, optim: str, *overrides: str) -
     world = int(os.environ.get("WORLD_SIZE", "1"))
     plan = mixed_plan(cfg, get_backend(backend), kernel, world) if world > 1 else None
     try:
-        trainer = Trainer(cfg, plan=plan)
+        trainer = Trainer(cfg, plan)
     except ValueError as e:
         return {"error": str(e)}
     losses: list[torch.Tensor] = []
