@@ -49,15 +49,14 @@ def run(cfg: AnyrecConfig) -> None:
     try:
         start = time.perf_counter()
         kernels = backend.select_kernels()
-        m = calibrate(runtime, opts.size, opts.budget_s, run)
-        m["seconds"] = time.perf_counter() - start
+        calibration = calibrate(runtime, opts.size, opts.budget_s, run).timed(time.perf_counter() - start)
         run.close()
         if rank == 0:
-            report_trust(m)
+            report_trust(calibration.measurements)
         key = local_key(backend, info, runtime.cores) if opts.cache else None  # collective
         run.check()  # a signal now still leaves nothing written
         if rank == 0 and key is not None:
-            entry = write_entry(cache_dir() / key.file_name(), key, hardware_yaml(backend, m),
+            entry = write_entry(cache_dir() / key.file_name(), key, hardware_yaml(backend, calibration),
                                 f"# Calibration measured by anyrec.calibrate ({backend.describe()}, {world} "
                                 f"ranks, size={opts.size}); a cache entry used by hardware=auto.\n",
                                 signing_key)
@@ -68,9 +67,9 @@ def run(cfg: AnyrecConfig) -> None:
                       f"{kernels}) on {time.strftime('%Y-%m-%d', time.gmtime())}.\n"
                       f"# Units are in the key names (_s seconds, _bytes_per_s bytes/s, _flops FLOP/s).\n"
                       f"# Use with: hardware.sku={out.resolve()}\n")
-            write_yaml(out, hardware_yaml(backend, m), header)
-            print(format_table(m))
-            print(f"wrote {out} in {m['seconds']:.1f} s", flush=True)
+            write_yaml(out, hardware_yaml(backend, calibration), header)
+            print(format_table(calibration.measurements))
+            print(f"wrote {out} in {calibration.measurements.seconds:.1f} s", flush=True)
     except CalibrationStopped as e:
         exit_stopped("anyrec.calibrate", e, rank == 0)
     finally:

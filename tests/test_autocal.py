@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import yaml
 
+from anyrec.backends.hardware_file import STEP_FIELDS
 from anyrec.calibration import cache as calcache
-from anyrec.calibration.fileformat import STEP_FIELDS
 from anyrec.config import AnyrecConfig, Calibrate
 from anyrec.signing import resolve_key
 

@@ -130,7 +130,7 @@ def test_flat_json_with_base_is_accepted(tmp_path):
     ({"simd_width": 0}, "simd_width must be a finite number > 0, got 0"),
     ({"memory_bw_bytes_per_s": float("nan")}, "memory_bw_bytes_per_s must be a finite number > 0, got nan"),
     ({"scale_up_bw_bytes_per_s": "inf"}, "scale_up_bw_bytes_per_s must be a finite number > 0, got inf"),
-    ({"simd_width": "inf"}, "simd_width: expected a number"),
+    ({"simd_width": "inf"}, "simd_width must be a finite number > 0, got inf"),
 ])
 def test_spec_numbers_must_be_finite_and_positive(override, message):
     with pytest.raises(ValueError, match=message):

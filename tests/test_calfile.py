@@ -1,4 +1,4 @@
-"""Hardware / calibration files are checked whole before use (anyrec.calibration.fileformat)."""
+"""Hardware / calibration files are checked whole before use (anyrec.backends.hardware_file)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import yaml
 from anyrec.backends import get_backend, load_hardware_file, resolve_hardware
 from anyrec.backends.dispatch import KernelProfile
 from anyrec.backends.hardware import check_spec
+from anyrec.backends.hardware_file import PLAUSIBLE, SPEC_FIELDS
 from anyrec.backends.specs import SKUS, get_sku
-from anyrec.calibration.fileformat import PLAUSIBLE, SPEC_FIELDS
 
 from .conftest import ROOT
 

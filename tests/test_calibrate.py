@@ -11,8 +11,8 @@ from anyrec.backends import get_backend, load_hardware_file, resolve_hardware
 from anyrec.backends.dispatch import KernelProfile, availability, get_impl
 from anyrec.backends.specs import get_sku
 from anyrec.calibration import cache as calcache
-from anyrec.calibration import measure
 from anyrec.calibration import step as calibrate_step
+from anyrec.calibration.measure import embedding, phases, timing
 from anyrec.plan import run
 from anyrec.planner import estimators
 from anyrec.planner.types import Topology
@@ -29,7 +29,7 @@ def _check_file(path, world_size: int) -> dict:
     assert m["dlrm_mlp"]["flops"] > 1e7
     emb = m["embedding"]
     for name in ("fbgemm", "torch"):  # every registered implementation that runs on CPU
-        assert len(emb[name]["points"]) == len(measure.EMB_POINTS["small"])
+        assert len(emb[name]["points"]) == len(embedding.EMB_POINTS["small"])
         assert all(p["step_s"] > 0 and p["spread"] >= 0 for p in emb[name]["points"])
         # a fit that misses a point by more than 30 % (a busy host) is used all the same, and the verdict
         # names it: such figures are not trusted later
@@ -58,7 +58,7 @@ def _check_file(path, world_size: int) -> dict:
         c = m["collectives"]
         assert c["world_size"] == world_size
         assert c["all_to_all"]["bus_bw_bytes_per_s"] > 1e6 and c["all_reduce"]["bus_bw_bytes_per_s"] > 1e6
-        assert len(c["all_to_all"]["seconds"]) == len(measure.SIZES["small"]["comm_bytes"])
+        assert len(c["all_to_all"]["seconds"]) == len(phases.SIZES["small"]["comm_bytes"])
         assert spec.scale_up_bw_bytes_per_s == c["all_to_all"]["bus_bw_bytes_per_s"]
         assert spec.scale_up_latency_s > 0 and "scale_up_latency_s" in m["measured_fields"]
     # The trainer's framework costs, from real training steps at this world size (one rank's too): a
@@ -133,11 +133,11 @@ def test_fit_recovers_known_costs():
     # step = 50 us + 3 ns per row + bytes term / 0.25: the fit gets the three terms back.
     rows = [[1.0, r, b] for r, b in [(1e3, 1e-5), (1e5, 1e-4), (4e5, 1e-3), (2e4, 5e-3), (3e5, 2e-4)]]
     y = [50e-6 + 3e-9 * r + b / 0.25 for _, r, b in rows]
-    launch, per_row, per_byte = measure.fit_nonnegative(rows, y)
+    launch, per_row, per_byte = timing.fit_nonnegative(rows, y)
     assert launch == pytest.approx(50e-6, rel=1e-6) and per_row == pytest.approx(3e-9, rel=1e-6)
     assert per_byte == pytest.approx(4.0, rel=1e-6)
     # A negative best fit is not taken: costs are never negative.
-    assert min(measure.fit_nonnegative([[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]], [3.0, 2.0, 1.0])) >= 0
+    assert min(timing.fit_nonnegative([[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]], [3.0, 2.0, 1.0])) >= 0
 
 
 def _cal_file(tmp_path, **profile) -> str:

@@ -8,8 +8,9 @@ import signal
 import pytest
 
 from anyrec.backends import get_backend
-from anyrec.calibration import measure
 from anyrec.calibration.core_load import CoreLoad
+from anyrec.calibration.measure import embedding
+from anyrec.calibration.measure import timing as measure_timing
 from anyrec.calibration.run import CalibrationRun, CalibrationStopped, Timing
 from anyrec.calibration.trust import assess
 
@@ -33,10 +34,10 @@ def test_a_measurement_ends_at_its_phase_end_after_one_timed_call():
     run = CalibrationRun.unbounded()
     run.until = 0.0  # the phase's share is spent already
     calls, fn = _counting()
-    timing = measure.timeit(fn, get_backend("cpu"), budget_s=60, min_reps=3, run=run)
+    timing = measure_timing.timeit(fn, get_backend("cpu"), budget_s=60, min_reps=3, run=run)
     assert len(calls) == 2 and timing.reps == 1  # the warm-up and one timed call: a figure, then stop
     calls, fn = _counting()
-    assert measure.timeit(fn, get_backend("cpu"), budget_s=0, min_reps=3).reps == 3  # no limit: all
+    assert measure_timing.timeit(fn, get_backend("cpu"), budget_s=0, min_reps=3).reps == 3  # no limit: all
 
 
 def test_a_signal_stops_a_measurement_between_its_repetitions():
@@ -49,7 +50,7 @@ def test_a_signal_stops_a_measurement_between_its_repetitions():
             run.stop = _Signalled(signal.SIGTERM)
 
     with pytest.raises(CalibrationStopped) as e:
-        measure.timeit(fn, get_backend("cpu"), budget_s=60, min_reps=100, run=run)
+        measure_timing.timeit(fn, get_backend("cpu"), budget_s=60, min_reps=100, run=run)
     assert len(calls) == 4 and e.value.exit_code == 128 + signal.SIGTERM
     assert "SIGTERM" in str(e.value) and "nothing written" in str(e.value)
 
@@ -101,31 +102,32 @@ def test_a_fit_past_30_percent_is_used_and_not_trusted():
     times off), so the job that measured it uses it, and the verdict keeps it from being trusted later."""
     backend = get_backend("cpu")
     device, spec = backend.device(0), backend.device_spec()
-    points = measure.EMB_POINTS["small"][:3]
+    points = embedding.EMB_POINTS["small"][:3]
     run = CalibrationRun.unbounded()
-    measure_max = measure.MAX_FIT_ERROR
+    measure_max = embedding.MAX_FIT_ERROR
     try:
-        measure.MAX_FIT_ERROR = -1.0  # every fit misses by more
-        out = measure.measure_embedding(backend, device, spec, points, 0.0, run)
+        embedding.MAX_FIT_ERROR = -1.0  # every fit misses by more
+        out = embedding.measure_embedding(backend, device, spec, points, 0.0, run)
     finally:
-        measure.MAX_FIT_ERROR = measure_max
-    assert "profile" in out["torch"] and len(out["torch"]["points"]) == 3
+        embedding.MAX_FIT_ERROR = measure_max
+    assert out["torch"].profile is not None and len(out["torch"].points) == 3
     assert any(a.startswith("embedding torch (fit error") for a in run.approximated)
     verdict = assess(None, 2, {}, run.fallbacks, run.approximated)
     assert not verdict.trusted and "fitted poorly (used as measured)" in verdict.line()
     close = CalibrationRun.unbounded()
     try:
-        measure.MAX_FIT_ERROR = float("inf")  # every fit close enough
-        assert "profile" in measure.measure_embedding(backend, device, spec, points, 0.0, close)["torch"]
+        embedding.MAX_FIT_ERROR = float("inf")  # every fit close enough
+        out = embedding.measure_embedding(backend, device, spec, points, 0.0, close)
+        assert out["torch"].profile is not None
     finally:
-        measure.MAX_FIT_ERROR = measure_max
+        embedding.MAX_FIT_ERROR = measure_max
     assert not close.approximated
 
 
 def test_step_figures_measured_in_part_scale_the_built_in_ones():
     """Step points cut short by the time limit: the built-in figures scaled to the points measured, never
     the built-in figures as they are."""
-    from anyrec.calibration.fileformat import STEP_FIELDS
+    from anyrec.backends.hardware_file import STEP_FIELDS
     from anyrec.calibration.step import builtin_scale
 
     bare = get_backend("cpu").device_spec().replace(**{f: 0.0 for f in STEP_FIELDS})
@@ -185,6 +187,6 @@ def test_the_step_points_fit_what_bytes_and_flops_leave_unexplained(monkeypatch)
 
     monkeypatch.setattr(step, "_train_point", fake_train)
     spec = get_backend("cpu").device_spec().replace(step_fixed_s=0.05)
-    out = step.measure_step_costs(Rt(), Hardware(spec), 0.0, measure.fit_nonnegative, quick=True)
+    out = step.measure_step_costs(Rt(), Hardware(spec), 0.0, measure_timing.fit_nonnegative, quick=True)
     assert seen and set(seen) == {0.0}
     assert out["fields"]["step_fixed_s"] > 0  # the 4 ms bytes and FLOPs leave unexplained, fitted

@@ -31,15 +31,8 @@ from anyrec.planner.twod import (
 )
 from anyrec.planner.types import PlanResult, ReplicaUpdate, TableSpec
 from anyrec.trainer.pipeline import ReplicaSync
-from anyrec.trainer.twod import GLUE_SOURCE_SHA256, glue_source_sha256
 
 from .conftest import ROOT, torchrun
-
-
-def test_the_torchrec_source_under_the_glue_is_the_one_it_was_written_against():
-    """TwoDModelParallel reproduces DMPCollection.__init__'s body and relies on the helpers it calls: a
-    torchrec whose sources of them differ must be read (and GLUE_SOURCE_SHA256 updated) before use."""
-    assert glue_source_sha256() == GLUE_SOURCE_SHA256
 
 
 @pytest.mark.parametrize("text, world, expected", [

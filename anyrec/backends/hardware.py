@@ -12,7 +12,8 @@ Three parts of `measurements` feed the planner, in the `Hardware` value `resolve
 (whoever plans passes it down; nothing is registered): `embedding.<impl>.profile` (a KernelProfile costed
 instead of the Impl's built-in one), `measured_fields` (spec fields measured rather than taken from the
 base) and `collectives_subgroups` (the collectives of 2D's sharding and replica groups, per group size).
-The flat form is accepted too: DeviceSpec fields at the top level, `base: <sku>` for the rest.
+The flat form is accepted too: DeviceSpec fields at the top level, `base: <sku>` for the rest. The file's
+schema (its records, ranges and rules) is `anyrec.backends.hardware_file`; this module reads its values.
 """
 
 from __future__ import annotations
@@ -25,15 +26,23 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from anyrec.backends.dispatch import TORCH_EMBEDDING, Impl, KernelProfile
+from anyrec.backends.hardware_file import (
+    SPEC_FIELDS,
+    Link,
+    Measurements,
+    check_spec_value,
+    is_hardware_path,
+    read_hardware_file,
+    read_measurements,
+    spec_fields,
+)
 from anyrec.backends.specs import SKUS, DeviceSpec, sku_key
-from anyrec.calibration.fileformat import ASSUMED_FIELDS, SPEC_FIELDS, check_hardware_data, check_spec_value
 from anyrec.safe_load import load_yaml
 
 if TYPE_CHECKING:
     from anyrec.backends.interface import Backend
 
 logger = logging.getLogger(__name__)
-_FILE_KEYS = ("sku", "base", "spec", "measurements", "cache")  # cache: what a cached calibration is for
 
 
 @dataclass(frozen=True)
@@ -105,58 +114,39 @@ class Hardware:
                              self.profiles.get(TORCH_EMBEDDING.name, builtin.dense_profile))
 
 
-def measured(hardware: Hardware, measurements: dict[str, Any] | None, where: str) -> Hardware:
-    """`hardware` with a calibration's `measurements` on top (checked whole by `check_hardware_data`)."""
-    if not measurements:
+def measured(hardware: Hardware, measurements: Measurements | None, where: str) -> Hardware:
+    """`hardware` with a calibration's `measurements` (checked whole by the schema) on top."""
+    if measurements is None:
         return hardware
     profiles = {name: KernelProfile(
-        bw_efficiency=float(p["bw_efficiency"]), access_bytes=int(p["access_bytes"]),
-        per_row_s=float(p["per_row_s"]), per_launch_s=float(p["per_launch_s"]), source=p.get("source", ""))
-        for name, entry in (measurements.get("embedding") or {}).items()
-        if (p := entry.get("profile")) is not None}  # None: skipped on that machine
-    fields = tuple(f for f in measurements.get("measured_fields", []) if f in SPEC_FIELDS)
+        bw_efficiency=p.bw_efficiency, access_bytes=p.access_bytes, per_row_s=p.per_row_s,
+        per_launch_s=p.per_launch_s, source=p.source or "")
+        for name, entry in (measurements.embedding or {}).items()
+        if (p := entry.profile) is not None}  # None: skipped on that machine
     return dataclasses.replace(hardware, profiles={**hardware.profiles, **profiles},
-                               measured_fields=tuple(dict.fromkeys(hardware.measured_fields + fields)),
+                               measured_fields=tuple(dict.fromkeys(hardware.measured_fields
+                                                                   + measurements.measured_fields)),
                                measured_by=where,
                                subgroups={**hardware.subgroups, **subgroup_links(measurements)})
 
 
-def _fit(entry: Any) -> LinkFit | None:
+def _fit(link: Link | None) -> LinkFit | None:
     """One measured collective's fit, or None where it was skipped."""
-    if not isinstance(entry, dict) or "bus_bw_bytes_per_s" not in entry:
+    if link is None or link.bus_bw_bytes_per_s is None or link.latency_s is None:
         return None
-    return LinkFit(float(entry["latency_s"]), float(entry["bus_bw_bytes_per_s"]))
+    return LinkFit(link.latency_s, link.bus_bw_bytes_per_s)
 
 
-def subgroup_links(measurements: dict[str, Any]) -> dict[int, SubgroupLinks]:
-    """`collectives_subgroups` (checked by `check_hardware_data`) per group size; {} in files without it."""
+def subgroup_links(measurements: Measurements) -> dict[int, SubgroupLinks]:
+    """`collectives_subgroups` per group size; {} in files without it."""
     out = {}
-    for key, entry in (measurements.get("collectives_subgroups") or {}).items():
-        if "replicas" not in entry:  # skipped (the time limit): the world's figures price this size
+    for group, entry in (measurements.collectives_subgroups or {}).items():
+        if entry.replicas is None:  # skipped (the time limit): the world's figures price this size
             continue
-        links = SubgroupLinks(int(key), int(entry["replicas"]), _fit(entry.get("all_to_all")),
-                              _fit(entry.get("all_reduce_replicas")))
+        links = SubgroupLinks(group, entry.replicas, _fit(entry.all_to_all), _fit(entry.all_reduce_replicas))
         if links.all_to_all is not None or links.all_reduce_replicas is not None:
-            out[links.group_size] = links
+            out[group] = links
     return out
-
-
-def is_hardware_path(sku: str) -> bool:
-    """Whether a `hardware` value names a file rather than a SKU (a .yaml/.yml name or a path)."""
-    return sku.endswith((".yaml", ".yml", ".json")) or os.sep in sku or "/" in sku
-
-
-def _coerce(name: str, value: Any) -> Any:
-    """One DeviceSpec field from YAML: numbers may arrive as strings ('1.9e11' is a str in YAML 1.1)."""
-    kind = SPEC_FIELDS[name].type
-    try:
-        if kind == "int":
-            return int(float(value))
-        if kind == "float":
-            return float(value)
-    except (TypeError, ValueError, OverflowError):
-        raise ValueError(f"hardware field {name}: expected a number, got {value!r}") from None
-    return str(value)
 
 
 def check_spec(spec: DeviceSpec, where: str) -> DeviceSpec:
@@ -171,11 +161,7 @@ def apply_overrides(spec: DeviceSpec, overrides: dict[str, Any] | None,
     """`spec` with some fields replaced; unknown field names are a ValueError naming `where`."""
     if not overrides:
         return spec
-    unknown = sorted(set(overrides) - set(SPEC_FIELDS))
-    if unknown:
-        raise ValueError(f"{where}: unknown DeviceSpec field(s) {', '.join(unknown)}; "
-                         f"known: {', '.join(SPEC_FIELDS)}")
-    return check_spec(spec.replace(**{k: _coerce(k, v) for k, v in overrides.items()}), where)
+    return check_spec(spec.replace(**spec_fields(overrides, where)), where)
 
 
 def load_hardware_file(path: str | os.PathLike, backend: Backend | None = None) -> Hardware:
@@ -190,48 +176,17 @@ def load_hardware_file(path: str | os.PathLike, backend: Backend | None = None) 
 def hardware_from_data(data: Any, where: str, source: str, backend: Backend | None = None) -> Hardware:
     """A parsed hardware file (`where` names it in errors, `source` in the Hardware) as a Hardware value,
     checked whole first."""
-    data = data or {}
-    if not isinstance(data, dict):
-        raise ValueError(f"{where}: expected a mapping with keys {', '.join(_FILE_KEYS)}")
-    data = dict(data)
-    data.pop("defaults", None)  # present when the file doubles as a Hydra group option
-    unknown = sorted(set(data) - set(_FILE_KEYS) - set(SPEC_FIELDS))
-    if unknown:
-        raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)}; expected "
-                         f"{', '.join(_FILE_KEYS)} or DeviceSpec fields")
-    fields = data.get("spec") or {}
-    if not isinstance(fields, dict):
-        raise ValueError(f"{where}: `spec` must be a mapping of DeviceSpec fields")
-    flat = {k: v for k, v in data.items() if k in SPEC_FIELDS}
-    if set(flat) & set(fields):
-        raise ValueError(f"{where}: {', '.join(sorted(set(flat) & set(fields)))} given twice")
-    fields = {**fields, **flat}
-    check_hardware_data(data, fields, where)  # whole, before any of it is used
-    if "sku" in data and "base" in data:
-        raise ValueError(f"{where}: give the base SKU once (`sku:` or `base:`)")
-    base = data.get("sku", data.get("base"))
-    if base is not None:
-        if is_hardware_path(str(base)):
-            raise ValueError(f"{where}: `sku: {base}` must be a SKU name or auto, not a file")
-        base_spec = resolve_hardware(str(base), backend=backend).spec
-        from_base = [f for f in SPEC_FIELDS if f not in fields and f not in ("name", "source")]
+    file = read_hardware_file(data, where)
+    if file.sku is not None:
+        base_spec = resolve_hardware(file.sku, backend=backend).spec
+        from_base = [f for f in SPEC_FIELDS if f not in file.spec and f not in ("name", "source")]
         if from_base:
-            logger.info("%s: %d figure(s) from the base %s (%s): %s", where, len(from_base), base,
+            logger.info("%s: %d figure(s) from the base %s (%s): %s", where, len(from_base), file.sku,
                         base_spec.source or "SKU table", ", ".join(from_base))
-        spec = apply_overrides(base_spec, fields, where)
-        return measured(Hardware(spec), data.get("measurements"), source)
-    unknown = sorted(set(fields) - set(SPEC_FIELDS))
-    if unknown:
-        raise ValueError(f"{where}: unknown DeviceSpec field(s) {', '.join(unknown)}")
-    # Without a base every figure must be there (assumptions keep their defaults): a spec cut short (the
-    # older layout wrote the spec first) would otherwise plan with defaults in place of the figures it lost.
-    missing = [n for n in SPEC_FIELDS if n not in fields and n not in ASSUMED_FIELDS]
-    if missing:
-        raise ValueError(f"{where}: no `sku:` base and spec lacks {', '.join(missing[:6])}"
-                         f"{f' (+{len(missing) - 6} more)' if len(missing) > 6 else ''}: cut short or "
-                         "written by an older anyrec (calibrate again), or name a base with `sku:`")
-    spec = check_spec(DeviceSpec(**{k: _coerce(k, v) for k, v in fields.items()}), where)
-    return measured(Hardware(spec), data.get("measurements"), source)
+        spec = check_spec(base_spec.replace(**file.spec), where)
+    else:
+        spec = check_spec(DeviceSpec(**file.spec), where)
+    return measured(Hardware(spec), file.measurements, source)
 
 
 def resolve_hardware(sku: str, overrides: dict[str, Any] | None = None, backend: Backend | None = None,
@@ -252,11 +207,13 @@ def resolve_hardware(sku: str, overrides: dict[str, Any] | None = None, backend:
             raise ValueError(f"unknown hardware {sku!r}: use auto, a SKU ({', '.join(sorted(SKUS))}) "
                              "or a path to a hardware .yaml")
         hardware = Hardware(SKUS[key])
-    if measurements:  # a calibrated YAML used as a group option: checked as the file would be
-        check_hardware_data({"spec": overrides or {}, "measurements": measurements}, overrides or {},
-                            "hardware.measurements")
     hardware = dataclasses.replace(hardware, spec=apply_overrides(hardware.spec, overrides))
-    return measured(hardware, measurements, "hardware.measurements")
+    if not measurements:
+        return hardware
+    # a calibrated YAML used as a group option: checked as the file would be
+    where = "hardware.measurements"
+    return measured(hardware, read_measurements(measurements, spec_fields(overrides or {}, where), where),
+                    where)
 
 
 def figure_sources(hardware: Hardware, cost: EmbeddingCost) -> list[str]:

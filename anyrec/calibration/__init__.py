@@ -2,10 +2,9 @@
 
 One module per role: `measure` (the measurements and their fits), `step` (the trainer's framework costs,
 from real training steps), `run` (a run's time limit, stop signals and progress), `trust` (whether the
-figures are this machine's), `cache` (entries per machine and software), `fileformat` (a hardware file
-checked whole), `core_load` (the cores' load, which also decides core binding), `first_contact` (a
-`hardware=auto` job's calibration) and `steplearn` (each run's measured step, for the next prediction).
-The command is `anyrec.calibrate`.
+figures are this machine's), `cache` (entries per machine and software), `core_load` (the cores' load,
+which also decides core binding), `first_contact` (a `hardware=auto` job's calibration) and `steplearn`
+(each run's measured step, for the next prediction). The command is `anyrec.calibrate`.
 """
 
 # The backends read this package's file format and core-load sampler: importing them first gives one

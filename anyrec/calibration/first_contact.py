@@ -143,14 +143,15 @@ def _find_or_measure(cfg: AnyrecConfig, runtime: Runtime, signing_key: SigningKe
     run = CalibrationRun.begin(cfg.calibrate.time_limit_s, info.rank, info.world_size, cfg.trainer.progress,
                                cfg.trainer.collective_timeout_s, agreement)
     try:
-        m = calibrate(runtime, "quick", cfg.trainer.calibrate_budget_s, run)
+        calibration = calibrate(runtime, "quick", cfg.trainer.calibrate_budget_s, run)
     except CalibrationStopped as e:
         exit_stopped("anyrec-train", e, info.is_main)
     finally:
         run.close()
         quiet.setLevel(level)
     if info.is_main:
-        report_trust(m)  # the job plans with these figures either way: it runs on this host as it is
+        # the job plans with these figures either way: it runs on this host as it is
+        report_trust(calibration.measurements)
 
     def written() -> str | None:
         if not info.is_main:
@@ -158,7 +159,7 @@ def _find_or_measure(cfg: AnyrecConfig, runtime: Runtime, signing_key: SigningKe
         header = (f"# Quick calibration measured by anyrec.calibration.first_contact ({backend.describe()}, "
                   f"{info.world_size} ranks) on {time.strftime('%Y-%m-%d', time.gmtime())}; a cache entry,\n"
                   f"# used by hardware=auto on this machine and software (`cache:` below).\n")
-        write_entry(Path(path), key, hardware_yaml(backend, m), header, signing_key)
+        write_entry(Path(path), key, hardware_yaml(backend, calibration), header, signing_key)
         return Path(path).read_text()
 
     text = agreement.decide("the file written", written)

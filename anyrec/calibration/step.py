@@ -21,7 +21,7 @@ import torch
 
 from anyrec import _hydra
 from anyrec.backends import Hardware
-from anyrec.calibration.fileformat import STEP_FIELDS
+from anyrec.backends.hardware_file import STEP_FIELDS
 from anyrec.calibration.run import STOP_GRACE_S, CalibrationRun, Timing
 from anyrec.models.dlrm import build_model
 from anyrec.planner.planned import Assignment, PlannedJob, plan_job

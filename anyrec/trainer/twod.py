@@ -10,15 +10,13 @@ context, no submodule configs, no sharded relay), calling torchrec's own helpers
 `_create_process_groups`, `_remap_sharding_plan`, `ShardingEnv2D`, `DistributedModelParallel.__init__`,
 `_group_sharded_modules`, `_cache_sync_tensors`. Every other method (`_shard_modules_impl`, state
 dicts) is DMPCollection's, and `sync` is too unless the replicas exchange their gradients instead
-(`ReplicaUpdate.GRADIENTS`, anyrec/trainer/replica_exchange.py). `GLUE_SOURCE_SHA256` pins the
+(`ReplicaUpdate.GRADIENTS`, anyrec/trainer/replica_exchange.py). anyrec/internals.py pins the
 torchrec source this reproduces; a test fails when torchrec's changes (docs/planning.md, "2D sparse
 parallelism").
 """
 
 from __future__ import annotations
 
-import hashlib
-import inspect
 from collections.abc import Callable
 
 import torch
@@ -41,17 +39,6 @@ from anyrec.kernels.tbe import TritonTableBatchedEmbedding
 from anyrec.planner.planned import ParallelLayout
 from anyrec.planner.types import ReplicaUpdate
 from anyrec.trainer.replica_exchange import exchange_gradients
-
-# sha256 of the torchrec functions whose glue TwoDModelParallel.__init__ reproduces or whose behaviour it
-# relies on (torchrec 1.9.2): a change in any of them must be read before this class is trusted again.
-GLUED = (DMPCollection.__init__, DMPCollection._create_process_groups, DMPCollection._remap_sharding_plan,
-         DMPCollection._group_sharded_modules, DMPCollection._cache_sync_tensors, DMPCollection._sync)
-GLUE_SOURCE_SHA256 = "feaf2a7616df23a2b6786d5c5b3c1b9b234abeb27be5368f1fee6c3d3b64638f"
-
-
-def glue_source_sha256() -> str:
-    """The sha256 of the installed torchrec's sources of `GLUED`, in order."""
-    return hashlib.sha256("\n".join(inspect.getsource(f) for f in GLUED).encode()).hexdigest()
 
 
 class TwoDModelParallel(DMPCollection):
