@@ -17,8 +17,8 @@ from anyrec import _hydra
 from anyrec.backends import Hardware, get_backend, resolve_hardware
 from anyrec.backends.dispatch import FBGEMM_EMBEDDING, get_impl
 from anyrec.backends.hardware import figure_sources
-from anyrec.calibration.cache import find_for_device
 from anyrec.config import AnyrecConfig
+from anyrec.history.cache import find_for_device
 from anyrec.io_checks import writable_file
 from anyrec.models.dlrm import build_model
 from anyrec.planner.job import plan_model
@@ -33,8 +33,8 @@ from anyrec.planner.report import (
 )
 from anyrec.planner.twod import GroupChoice, choose_group_size, resolve_replica_update, sharding_group_size
 from anyrec.planner.types import InfeasiblePlanError, PlanResult, Topology
+from anyrec.runtime.distributed import ONE_PROCESS, DistInfo
 from anyrec.signing import resolve_key
-from anyrec.trainer.distributed import ONE_PROCESS, DistInfo
 from anyrec.trainer.inputs import host_estimate_of_resident_bytes
 from anyrec.trainer.planning import id_skew
 

@@ -9,9 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import yaml
 
-from anyrec.calibration import cache as calcache
 from anyrec.calibration.fileformat import STEP_FIELDS
 from anyrec.config import AnyrecConfig, Calibrate
+from anyrec.history import cache as calcache
 from anyrec.signing import resolve_key
 
 from .conftest import compose_config, last_json_line, torchrun
@@ -76,7 +76,7 @@ def test_two_jobs_started_together_on_an_empty_cache(tmp_path):
         (line,) = _lines(proc, "calibration: cache")
         assert "cache " in line and last_json_line(proc.stdout)["predicted_step_ms"] > 0
     path, hardware = _entry(tmp_path)
-    # no temporary left (beside the entry: the two runs' measured steps, anyrec.calibration.steplearn,
+    # no temporary left (beside the entry: the two runs' measured steps, anyrec.history.steplearn,
     # and the per-user signing key)
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted(
         [path.name, "observed-steps.json", "observed-steps.lock", "signing.key"])

@@ -8,10 +8,10 @@ import signal
 import pytest
 
 from anyrec.backends import get_backend
+from anyrec.backends.core_load import CoreLoad
 from anyrec.calibration import measure
-from anyrec.calibration.core_load import CoreLoad
 from anyrec.calibration.run import CalibrationRun, CalibrationStopped, Timing
-from anyrec.calibration.trust import assess
+from anyrec.history.trust import assess
 
 
 class _Signalled:
@@ -146,7 +146,7 @@ def test_a_signal_a_step_points_trainer_caught_stops_the_run(monkeypatch):
 
     from anyrec.backends import Hardware
     from anyrec.calibration import step as calibrate_step
-    from anyrec.trainer.distributed import start_runtime
+    from anyrec.runtime.distributed import start_runtime
 
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("signal handlers are the main thread's (the trainer's would not catch the signal)")

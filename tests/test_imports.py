@@ -139,9 +139,9 @@ def test_anyrec_imports_form_a_dag():
 LAYERS: list[tuple[str, ...]] = [
     ("anyrec", "anyrec.kernels", "anyrec.safe_load"),
     ("anyrec.backends", "anyrec.calibration", "anyrec.calibration.fileformat",
-     "anyrec.calibration.core_load"),
+     "anyrec.backends.core_load"),
     ("anyrec.config", "anyrec.schema", "anyrec.io_checks", "anyrec.proc", "anyrec.signing",
-     "anyrec.calibration.cache", "anyrec.calibration.trust", "anyrec.calibration.steplearn"),
+     "anyrec.history.cache", "anyrec.history.trust", "anyrec.history.steplearn"),
     ("anyrec.planner", "anyrec.models", "anyrec.data"),
     ("anyrec.trainer",),
     ("anyrec.serving",),

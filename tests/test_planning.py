@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from anyrec.backends import get_backend, resolve_hardware
 from anyrec.backends.dispatch import FBGEMM_EMBEDDING
 from anyrec.models.dlrm import build_model
-from anyrec.trainer.distributed import DistInfo
+from anyrec.runtime.distributed import DistInfo
 from anyrec.trainer.planning import plan_and_predict
 
 from .conftest import compose_config

@@ -17,7 +17,7 @@ from anyrec.backends.specs import SKUS
 from anyrec.kernels.torchrec_kernel import TorchDenseTBE
 from anyrec.models.dlrm import build_model
 from anyrec.planner.types import Topology
-from anyrec.trainer.distributed import DistInfo
+from anyrec.runtime.distributed import DistInfo
 from anyrec.trainer.planning import place_shards, plan_and_predict
 
 from .conftest import compose_config

@@ -16,6 +16,7 @@ import torch
 
 import anyrec.backends.cpu as cpu
 import anyrec.backends.threads as threads_module
+from anyrec.backends.core_load import CoreLoad
 from anyrec.backends.threads import (
     LOAD_CHANGE_CORES,
     RECHECK_STEPS,
@@ -28,7 +29,6 @@ from anyrec.backends.threads import (
     thread_candidates,
     thread_setting,
 )
-from anyrec.calibration.core_load import CoreLoad
 from anyrec.data.prefetch import PrefetchIterator
 from anyrec.trainer import trainer as trainer_module
 

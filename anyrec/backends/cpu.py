@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from anyrec.backends.core_load import BindChoice, CoreLoad, bind_setting, choose_binding, measure_core_load
 from anyrec.backends.interface import Backend, DeviceFacts
 from anyrec.backends.specs import SKUS, DeviceSpec
 from anyrec.backends.threads import (
@@ -20,7 +21,6 @@ from anyrec.backends.threads import (
     set_interop_threads,
     thread_setting,
 )
-from anyrec.calibration.core_load import BindChoice, CoreLoad, bind_setting, choose_binding, measure_core_load
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,11 @@ import time
 from pathlib import Path
 
 from anyrec.backends import Hardware, resolve_hardware
-from anyrec.calibration.cache import (
+from anyrec.backends.core_load import CoreLoad, measure_core_load
+from anyrec.calibration.measure import calibrate, hardware_yaml, report_trust
+from anyrec.calibration.run import CalibrationRun, CalibrationStopped, exit_stopped
+from anyrec.config import AnyrecConfig
+from anyrec.history.cache import (
     CACHE_DIR_ENV,
     CacheKey,
     Lookup,
@@ -26,17 +30,13 @@ from anyrec.calibration.cache import (
     lookup,
     write_entry,
 )
-from anyrec.calibration.core_load import CoreLoad, measure_core_load
-from anyrec.calibration.measure import calibrate, hardware_yaml, report_trust
-from anyrec.calibration.run import CalibrationRun, CalibrationStopped, exit_stopped
-from anyrec.calibration.trust import BUSY_OTHER_CORES
-from anyrec.config import AnyrecConfig
+from anyrec.history.trust import BUSY_OTHER_CORES
 from anyrec.io_checks import atomic_write, writable_dir
+from anyrec.runtime.agreement import Agreement
+from anyrec.runtime.distributed import Runtime
+from anyrec.runtime.errors import PeerLostError
+from anyrec.runtime.shutdown import peer_failure
 from anyrec.signing import SigningKey, resolve_key
-from anyrec.trainer.agreement import Agreement
-from anyrec.trainer.distributed import Runtime
-from anyrec.trainer.errors import PeerLostError
-from anyrec.trainer.shutdown import peer_failure
 
 logger = logging.getLogger("anyrec.calibration.first_contact")
 

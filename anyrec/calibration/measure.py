@@ -26,18 +26,18 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from anyrec.backends import Backend
+from anyrec.backends.core_load import LoadMeter
 from anyrec.backends.dispatch import Impl, KernelProfile, availability, implementations
 from anyrec.backends.hardware import EmbeddingCost, Hardware
 from anyrec.backends.specs import DeviceSpec
-from anyrec.calibration.core_load import LoadMeter
 from anyrec.calibration.run import CalibrationRun, Timing
 from anyrec.calibration.step import measure_step_costs
-from anyrec.calibration.trust import MAX_FIT_ERROR, Trust, assess
+from anyrec.history.trust import MAX_FIT_ERROR, Trust, assess
 from anyrec.kernels.optimizers import OptimizerConfig
 from anyrec.planner.estimators import lookup_time_s
 from anyrec.planner.twod import GroupLayout
 from anyrec.planner.types import Placement, TableSpec, Topology
-from anyrec.trainer.distributed import Runtime
+from anyrec.runtime.distributed import Runtime
 
 logger = logging.getLogger("anyrec.calibrate")
 

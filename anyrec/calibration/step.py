@@ -29,7 +29,7 @@ from anyrec.planner.job import planner_inputs
 from anyrec.planner.planner import make_workload
 from anyrec.planner.torchrec_plan import to_sharding_plan
 from anyrec.planner.types import Topology
-from anyrec.trainer.distributed import Runtime
+from anyrec.runtime.distributed import Runtime
 from anyrec.trainer.trainer import EBC_PATH, Trainer
 
 logger = logging.getLogger("anyrec.calibrate")

@@ -38,11 +38,11 @@ import torch
 from torch import nn
 from torchrec.distributed.model_parallel import get_unwrapped_module
 
-from anyrec.calibration.cache import cache_dir
 from anyrec.config import ModelConfig
+from anyrec.history.cache import cache_dir
 from anyrec.io_checks import atomic_write
+from anyrec.runtime.distributed import ONE_PROCESS, DistInfo, broadcast_from_main
 from anyrec.safe_load import UnsafeFileError, load_json
-from anyrec.trainer.distributed import ONE_PROCESS, DistInfo, broadcast_from_main
 
 if TYPE_CHECKING:
     from anyrec.backends import Backend

@@ -31,7 +31,7 @@ from anyrec.planner.simple import to_sharding_plan as simple_sharding_plan
 from anyrec.planner.torchrec_plan import to_sharding_plan
 from anyrec.planner.twod import GroupLayout, choose_group_size, resolve_replica_update, sharding_group_size
 from anyrec.planner.types import Perf, PlanResult, ReplicaUpdate, Topology
-from anyrec.trainer.distributed import DistInfo, broadcast_from_main
+from anyrec.runtime.distributed import DistInfo, broadcast_from_main
 from anyrec.trainer.twod import TwoDModelParallel
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from anyrec.trainer.shutdown import StopRequest
+from anyrec.runtime.shutdown import StopRequest
 
 dist.init_process_group("gloo", timeout=timedelta(seconds=30))  # a hang fails, never strays
 rank, world = dist.get_rank(), dist.get_world_size()

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from anyrec.calibration.cache import cache_dir
-from anyrec.calibration.trust import BUSY_OTHER_CORES
 from anyrec.config import AnyrecConfig
+from anyrec.history.cache import cache_dir
+from anyrec.history.trust import BUSY_OTHER_CORES
 from anyrec.io_checks import atomic_write, open_nofollow
 from anyrec.safe_load import load_json
 
@@ -92,7 +92,7 @@ def run_key(cfg: AnyrecConfig, hardware: Hardware, batch_per_rank: int, kernel: 
 
 
 class ObservedSteps:
-    """The observations file of one cache folder (default: `anyrec.calibration.cache.cache_dir()`)."""
+    """The observations file of one cache folder (default: `anyrec.history.cache.cache_dir()`)."""
 
     def __init__(self, directory: Path | None = None) -> None:
         self.path = (directory or cache_dir()) / FILE
