@@ -1,13 +1,13 @@
-"""Calibration: this machine's figures, measured, cached and checked, for the planner to cost with.
+"""Calibration: this machine's figures, measured, for the planner to cost with.
 
 One module per role: `measure` (the measurements and their fits), `step` (the trainer's framework costs,
-from real training steps), `run` (a run's time limit, stop signals and progress), `trust` (whether the
-figures are this machine's), `cache` (entries per machine and software), `fileformat` (a hardware file
-checked whole), `core_load` (the cores' load, which also decides core binding), `first_contact` (a
-`hardware=auto` job's calibration) and `steplearn` (each run's measured step, for the next prediction).
-The command is `anyrec.calibrate`.
+from real training steps), `run` (a run's time limit, stop signals and progress), `fileformat` (a
+hardware file checked whole) and `first_contact` (a `hardware=auto` job's calibration). What the
+measurements leave for later runs (the cache, trust verdicts, step corrections) is `anyrec.history`; the
+command is `anyrec.calibrate`.
 """
 
-# The backends read this package's file format and core-load sampler: importing them first gives one
-# import order whichever module of either package a program imports first.
+# backends/hardware.py still reads this package's file format, the one import arrow left pointing up
+# (tests/test_imports.py PENDING_ARROWS): importing the backends first gives one import order whichever
+# of the two a program imports first. This line goes with that arrow, when the format moves below.
 import anyrec.backends  # noqa: F401
