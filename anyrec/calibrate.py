@@ -12,7 +12,6 @@ figures are this machine's (anyrec.history.trust).
 
 from __future__ import annotations
 
-import logging
 import time
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from anyrec.config import AnyrecConfig
 from anyrec.history.cache import cache_dir, local_key, write_entry
 from anyrec.io_checks import writable_file, write_yaml
 from anyrec.runtime.agreement import Agreement
-from anyrec.runtime.distributed import destroy_distributed, env_dist_info, start_runtime
+from anyrec.runtime.distributed import destroy_distributed, start_runtime
 from anyrec.signing import resolve_key
 
 
@@ -41,8 +40,6 @@ def run(cfg: AnyrecConfig) -> None:
                          f"{opts.time_limit_s}")
     writable_file(opts.output, "calibrate.output")
     signing_key = resolve_key(cfg.trainer.signing_key_file)  # signs the cache entry
-    if env_dist_info().rank != 0:
-        logging.getLogger("anyrec").setLevel(logging.WARNING)
     # Ranks take their share of the host's cores as the trainer's do: the figures are the trainer's;
     # what the rule chose (auto) or was told, the step points' trainers run with.
     runtime = start_runtime(cfg.backend.name, cfg.backend.bind_cores, cfg.trainer.collective_timeout_s,

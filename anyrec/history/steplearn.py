@@ -37,7 +37,7 @@ from anyrec.safe_load import load_json
 if TYPE_CHECKING:
     from anyrec.backends import Hardware
 
-logger = logging.getLogger("anyrec.trainer.trainer")
+logger = logging.getLogger(__name__)
 
 FILE = "observed-steps.json"
 KEEP = 5  # ratios kept per key: the median of a few runs, so one disturbed run does not swing it

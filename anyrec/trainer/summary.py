@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from anyrec.planner.memory import MemoryPrediction
     from anyrec.planner.types import Perf
 
-logger = logging.getLogger("anyrec.trainer.trainer")  # the trainer's own log lines
+logger = logging.getLogger(__name__)
 
 
 class LossWindow:
