@@ -12,7 +12,8 @@ import yaml
 
 from anyrec.backends import cpu, get_backend, resolve_hardware
 from anyrec.backends import hardware as hardware_module
-from anyrec.history import cache, first_contact
+from anyrec.calibration import first_contact
+from anyrec.history import cache
 from anyrec.runtime import distributed
 from anyrec.runtime.distributed import ONE_PROCESS, destroy_distributed, start_runtime
 from anyrec.trainer import trainer as trainer_module
