@@ -1,5 +1,5 @@
 """A calibration run's bounds (anyrec.calibration.run): its time limit and the signals that stop it,
-inside a measurement; and the verdict on whether its figures are this machine's (calibration.trust)."""
+inside a measurement; and the verdict on whether its figures are this machine's (anyrec.history.trust)."""
 
 from __future__ import annotations
 
