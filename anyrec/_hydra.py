@@ -44,7 +44,7 @@ from anyrec.config import (
     config_dir,
 )
 from anyrec.io_checks import writable_dir
-from anyrec.trainer.errors import say_line, write_error_file
+from anyrec.runtime.errors import say_line, write_error_file
 
 
 def _rank0_only(value: str) -> str | None:

@@ -4,7 +4,7 @@ hardware YAML (for `hardware.sku=FILE.yaml`); options are the config's `calibrat
 The measurements are anyrec.calibration.measure's (under torchrun with collectives and the trainer's
 framework costs at that world size). Within `calibrate.time_limit_s` of the job's start, stopped by
 SIGINT/SIGTERM/SIGHUP with nothing written (anyrec.calibration.run); its last line says whether the
-figures are this machine's (anyrec.calibration.trust).
+figures are this machine's (anyrec.history.trust).
 
     python -m anyrec.calibrate calibrate.output=cal.yaml [calibrate.budget_s=0.5] [calibrate.time_limit_s=100]
     torchrun --nproc_per_node=2 -m anyrec.calibrate calibrate.cache=true  # the entry hardware=auto reads
@@ -12,21 +12,20 @@ figures are this machine's (anyrec.calibration.trust).
 
 from __future__ import annotations
 
-import logging
 import time
 from pathlib import Path
 
 from omegaconf import DictConfig
 
 from anyrec import _hydra
-from anyrec.calibration.cache import cache_dir, local_key, write_entry
 from anyrec.calibration.measure import calibrate, format_table, hardware_yaml, report_trust
 from anyrec.calibration.run import CalibrationRun, CalibrationStopped, exit_stopped
 from anyrec.config import AnyrecConfig
+from anyrec.history.cache import cache_dir, local_key, write_entry
 from anyrec.io_checks import writable_file, write_yaml
+from anyrec.runtime.agreement import Agreement
+from anyrec.runtime.distributed import destroy_distributed, start_runtime
 from anyrec.signing import resolve_key
-from anyrec.trainer.agreement import Agreement
-from anyrec.trainer.distributed import destroy_distributed, env_dist_info, start_runtime
 
 
 def run(cfg: AnyrecConfig) -> None:
@@ -36,8 +35,6 @@ def run(cfg: AnyrecConfig) -> None:
         raise ValueError("calibrate.output=FILE.yaml is required (or calibrate.cache=true)")
     writable_file(opts.output, "calibrate.output")
     signing_key = resolve_key(cfg.trainer.signing_key_file)  # signs the cache entry
-    if env_dist_info().rank != 0:
-        logging.getLogger("anyrec").setLevel(logging.WARNING)
     # Ranks take their share of the host's cores as the trainer's do: the figures are the trainer's;
     # what the rule chose (auto) or was told, the step points' trainers run with.
     runtime = start_runtime(cfg.backend.name, cfg.backend.bind_cores, cfg.trainer.collective_timeout_s,

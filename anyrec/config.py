@@ -144,7 +144,7 @@ class BackendConfig:
     # pure-torch kernels elsewhere) | fbgemm | portable (pure torch everywhere, overriding FBGEMM)
     sparse_ops: SparseOps = SparseOps.auto
     # CPU, several ranks per host: bind each rank's threads to its share of the cores (false: threads
-    # float, their count still split; auto: bind unless other processes use the cores, calibration/core_load)
+    # float, their count still split; auto: bind unless other processes use the cores, backends/core_load)
     bind_cores: Any = Switch.auto  # auto | true | false: a Switch once built
     # CPU: torch threads per rank: auto (the job's own step timed at each candidate count during warm-up,
     # the fastest kept, timed again when the load changes; backends/threads.py) | N (fixed)
@@ -254,7 +254,7 @@ class TrainerConfig:
     collective_timeout_s: float = 600.0  # a rank waiting this long on a peer fails the job
     peer_timeout_s: float = 60.0  # a rank whose heartbeat stands still this long is named, the job fails
     # hardware=auto: plan with this machine's cached calibration, measured on first contact (auto),
-    # measured again (always), or the backend's datasheet figures (never); anyrec.calibration.cache
+    # measured again (always), or the backend's datasheet figures (never); anyrec.history.cache
     calibrate: Calibrate = Calibrate.auto
     calibrate_budget_s: float = 0.01  # seconds each timed measurement of that quick calibration repeats
     stop_check_every: int = 10  # steps between the ranks' checks for a stop request (a signal)

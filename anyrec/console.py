@@ -3,22 +3,42 @@
 The console shows anyrec's INFO, everyone's warnings and errors, each message once per process; ranks other
 than 0 add only their own anyrec warnings and everyone's errors (a library warns alike on every rank, as
 every rank runs the same code: rank 0 shows it, each rank's file keeps it). The log file keeps every
-record, libraries' INFO and anyrec's DEBUG detail included. configs/hydra/job_logging/anyrec.yaml puts
-`ConsoleFilter` on the console; `capture_warnings` routes Python warnings and torch's own log (which
-prints to stderr through a handler of its own) through the same policy."""
+record, libraries' INFO and anyrec's DEBUG detail included. A job run inside another (a calibration's
+training points, the quick calibration inside a training job) logs as any job does, inside
+`log_file_only()`: its INFO goes to the log file, its warnings still to the console. No logger's level is
+changed to keep the console quiet, and every module logs under its own name. configs/hydra/job_logging/
+anyrec.yaml puts `ConsoleFilter` on the console; `capture_warnings` routes Python warnings and torch's own
+log (which prints to stderr through a handler of its own) through the same policy."""
 
 from __future__ import annotations
 
 import logging
 import os
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 OWN = "anyrec"
+# Set inside log_file_only(). A context variable, not an argument: the filter is built by the logging
+# config and sees only records; it is read in the context (thread) that logs.
+_FILE_ONLY: ContextVar[bool] = ContextVar("anyrec_console_file_only", default=False)
+
+
+@contextmanager
+def log_file_only() -> Iterator[None]:
+    """Inside: anyrec's INFO goes to the log file only (a job nested in another, whose set-up lines would
+    bury the outer job's); warnings and errors show as ever."""
+    token = _FILE_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _FILE_ONLY.reset(token)
 
 
 class ConsoleFilter(logging.Filter):
-    """Passes anyrec's INFO (rank 0 only), its warnings, and everyone's WARNING (rank 0) and ERROR and
-    above, each message once."""
+    """Passes anyrec's INFO (rank 0 only, outside log_file_only()), its warnings, and everyone's WARNING
+    (rank 0) and ERROR and above, each message once."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -27,7 +47,7 @@ class ConsoleFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         own = record.name == OWN or record.name.startswith(f"{OWN}.")
-        floor = logging.INFO if own else logging.WARNING
+        floor = logging.INFO if own and not _FILE_ONLY.get() else logging.WARNING
         if not self.main:
             floor = logging.WARNING if own else logging.ERROR
         if record.levelno < floor:

@@ -209,7 +209,7 @@ PINS: tuple[Pin, ...] = (
         "e8453c853e0891ef72ad7766c388368c3d846eb555918fef652b44400cd2f4ef"),
     Pin("torch.distributed.distributed_c10d:_get_default_store", ("_get_default_store",),
         "the default process group's store (agreements, stop requests)",
-        ("anyrec/trainer/agreement.py", "anyrec/trainer/shutdown.py"), TORCH,
+        ("anyrec/runtime/agreement.py", "anyrec/runtime/shutdown.py"), TORCH,
         "4f987107c62d0352eea05483dd84737f07c272fa7aa6aafe08b9cc04da727eeb"),
     Pin("torch.fx.experimental._config", ("_config",), "`patch(backed_size_oblivious=True)` for export",
         ("anyrec/serving/artifact.py",), TORCH,

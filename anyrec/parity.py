@@ -36,9 +36,9 @@ from anyrec import _hydra
 from anyrec.config import AnyrecConfig, ParityConfig
 from anyrec.io_checks import atomic_write, writable_file
 from anyrec.proc import run_session
+from anyrec.runtime.distributed import DistInfo, all_reduce_mean
 from anyrec.safe_load import load_json
 from anyrec.signing import SignatureError, SigningKey, resolve_key, warn_unkeyed
-from anyrec.trainer.distributed import DistInfo, all_reduce_mean
 from anyrec.trainer.fingerprint import full_state
 from anyrec.trainer.trainer import Trainer
 

@@ -17,9 +17,9 @@ from anyrec import _hydra
 from anyrec.backends import Hardware, get_backend, resolve_hardware
 from anyrec.backends.dispatch import FBGEMM_EMBEDDING, get_impl
 from anyrec.backends.hardware import figure_sources
-from anyrec.calibration.cache import find_for_device
 from anyrec.config import AnyrecConfig
 from anyrec.data import resolve_batch_size
+from anyrec.history.cache import find_for_device
 from anyrec.io_checks import writable_file
 from anyrec.models.dlrm import build_model
 from anyrec.planner.planned import PlannedJob, plan_job
@@ -33,8 +33,8 @@ from anyrec.planner.report import (
     write_json_atomic,
 )
 from anyrec.planner.types import InfeasiblePlanError, PlanResult
+from anyrec.runtime.distributed import ONE_PROCESS, DistInfo
 from anyrec.signing import resolve_key
-from anyrec.trainer.distributed import ONE_PROCESS, DistInfo
 from anyrec.trainer.inputs import host_estimate_of_resident_bytes
 from anyrec.trainer.trainer import EBC_PATH
 

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from anyrec.trainer.errors import watch_launcher
+from anyrec.runtime.errors import watch_launcher
 
 watch_launcher()  # a worker whose torchrun dies while it imports or starts up leaves too
 
@@ -20,7 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from anyrec import _hydra
 from anyrec.io_checks import writable_dir
-from anyrec.trainer.errors import NonFiniteLossError, PeerLostError, say_line, write_error_file
+from anyrec.runtime.errors import NonFiniteLossError, PeerLostError, say_line, write_error_file
 
 logger = logging.getLogger("anyrec.train")
 # Exit statuses without torchrun (README, "Exit codes"): 2 a user or data mistake, 3 a diverged run,
@@ -32,8 +32,8 @@ def run(cfg: DictConfig) -> dict:
     """Train with a composed config; rank 0 prints the JSON summary as its last stdout line."""
     # torchrec (the trainer, and calibration, which trains) loads once Hydra has parsed the command line
     from anyrec.calibration.first_contact import calibrated_hardware, wants_calibration  # torchrec: late
-    from anyrec.trainer.distributed import destroy_distributed, start_runtime  # after the command line
-    from anyrec.trainer.shutdown import peer_failure, peers_met  # with the trainer, after Hydra parsed argv
+    from anyrec.runtime.distributed import destroy_distributed, start_runtime  # after the command line
+    from anyrec.runtime.shutdown import peer_failure, peers_met  # with the trainer, after Hydra parsed argv
     from anyrec.trainer.trainer import Trainer  # torchrec loads once Hydra has parsed the command line
 
     config = _hydra.to_object(cfg)  # every value checked (anyrec.config.check_values)

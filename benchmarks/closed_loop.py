@@ -8,7 +8,7 @@ Each loop starts from an empty calibration cache (`ANYREC_CACHE_DIR`, its own fo
 (dlrm_small) `--runs` times for `--steps` (200) at `--batch-size` (256) per rank on 2 ranks with the
 default settings (`hardware=auto`, `trainer.calibrate=auto`): the first run calibrates on first contact
 (a cache miss) and plans with the figures, every later one is a cache hit and predicts with the step
-correction the earlier runs of the loop wrote back (`anyrec.calibration.steplearn`). Each run's figures
+correction the earlier runs of the loop wrote back (`anyrec.history.steplearn`). Each run's figures
 are its summary's: `predicted_step_ms`, `measured_step_ms`, `prediction_error`, `step_correction`,
 `step_correction_runs`. With `--background` (the default) a second 2-rank anyrec training job
 (dlrm_small, default settings, its own cache) runs on the same host for the whole benchmark, stopped with

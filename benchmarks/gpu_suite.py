@@ -353,7 +353,7 @@ def section_dlrm_sharded(device, execution: str, small: bool, steps: int) -> dic
         from anyrec.config import OptimConfig
         from anyrec.kernels.torchrec_kernel import TritonEmbeddingBagCollectionSharder
         from anyrec.planner.simple import to_sharding_plan
-        from anyrec.trainer.distributed import destroy_distributed
+        from anyrec.runtime.distributed import destroy_distributed
         from anyrec.trainer.optim import embedding_optimizer
     except Exception as ex:
         return skipped_without_torchrec("dlrm_sharded", ex)

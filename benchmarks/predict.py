@@ -40,11 +40,11 @@ from anyrec._hydra import compose_job
 from anyrec.config import IdLayout, Int8Kernel, ModelConfig, TablePrecision
 from anyrec.models.dlrm import build_model, table_configs
 from anyrec.models.init import init_model
+from anyrec.runtime.distributed import ONE_PROCESS
 from anyrec.schema import load_model_config
 from anyrec.serving.artifact import Artifact, export_program, load_artifact, manifest, save_artifact
 from anyrec.serving.model import ScoringModel, resolve_int8_kernel
 from anyrec.serving.scoring import batch_inputs
-from anyrec.trainer.distributed import ONE_PROCESS
 from anyrec.trainer.inputs import build_inputs
 
 TORCHREC_DTYPES = {TablePrecision.fp32: torch.float, TablePrecision.int8: torch.qint8}

@@ -67,12 +67,12 @@ def floor_of_job(overrides: list[str], hardware_files: list[str], nproc: int, ba
     from anyrec.backends import get_backend, resolve_hardware
     from anyrec.backends.dispatch import KernelProfile
     from anyrec.backends.hardware import EmbeddingCost
-    from anyrec.calibration.cache import find_for_device
+    from anyrec.history.cache import find_for_device
     from anyrec.models.dlrm import build_model
     from anyrec.planner.evaluate import evaluate_assignment
     from anyrec.planner.job import plan_model
     from anyrec.planner.types import Topology
-    from anyrec.trainer.distributed import ONE_PROCESS
+    from anyrec.runtime.distributed import ONE_PROCESS
     from anyrec.trainer.planning import id_skew
 
     cfg = compose_job(overrides)

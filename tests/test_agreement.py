@@ -1,4 +1,4 @@
-"""The ranks' decisions (anyrec.trainer.agreement): one agreed value per decision, a mismatch or a missing
+"""The ranks' decisions (anyrec.runtime.agreement): one agreed value per decision, a mismatch or a missing
 rank named in one line within the agreement's timeout, never a hang; and calibration's plan of its step
 points taken from agreed figures, so a slow rank cannot send the ranks different ways."""
 
@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 from anyrec.backends import Hardware, get_backend
 from anyrec.calibration.run import CalibrationRun, CalibrationStopped
-from anyrec.trainer.agreement import Agreement, parse_delay
-from anyrec.trainer.errors import PeerLostError
+from anyrec.runtime.agreement import Agreement, parse_delay
+from anyrec.runtime.errors import PeerLostError
 
 
 def _ranks(world: int, body, timeout_s: float = 5.0, delays: dict[int, float] | None = None) -> list:

@@ -4,14 +4,15 @@ again."""
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import yaml
 
 from anyrec.backends.hardware_file import STEP_FIELDS
-from anyrec.calibration import cache as calcache
 from anyrec.config import AnyrecConfig, Calibrate
+from anyrec.history import cache as calcache
 from anyrec.signing import resolve_key
 
 from .conftest import compose_config, last_json_line, torchrun
@@ -76,7 +77,7 @@ def test_two_jobs_started_together_on_an_empty_cache(tmp_path):
         (line,) = _lines(proc, "calibration: cache")
         assert "cache " in line and last_json_line(proc.stdout)["predicted_step_ms"] > 0
     path, hardware = _entry(tmp_path)
-    # no temporary left (beside the entry: the two runs' measured steps, anyrec.calibration.steplearn,
+    # no temporary left (beside the entry: the two runs' measured steps, anyrec.history.steplearn,
     # and the per-user signing key)
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted(
         [path.name, "observed-steps.json", "observed-steps.lock", "signing.key"])
@@ -118,3 +119,34 @@ def test_which_jobs_calibrate():
     assert not wants_calibration(cfg("planner=simple"))
     assert not wants_calibration(cfg("trainer.calibrate=never"))
     assert wants_calibration(cfg("trainer.calibrate=always"))
+
+
+class _Measured(Exception):
+    """Raised by a stand-in measurement once it has seen what it needed."""
+
+
+def test_the_quick_calibration_logs_its_points_to_the_file_only(tmp_path, monkeypatch):
+    """The first-contact calibration measures inside the training job: its points' INFO goes to the log
+    file only (console.log_file_only), the job's own INFO to the console as ever."""
+    from anyrec import console
+    from anyrec.calibration import first_contact
+    from anyrec.runtime.distributed import destroy_distributed, start_runtime
+
+    monkeypatch.setenv(calcache.CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.delenv("RANK", raising=False)
+    point = logging.LogRecord("anyrec.calibration.measure", logging.INFO, __file__, 1, "point 1", None, None)
+    shown = []
+
+    def measure(runtime, size, budget_s, run):
+        shown.append(console.ConsoleFilter().filter(point))
+        raise _Measured
+
+    monkeypatch.setattr(first_contact, "calibrate", measure)
+    cfg = compose_config(["trainer.calibrate=always", "trainer.progress=false"])[1]
+    runtime = start_runtime("cpu", bind_cores=False)
+    try:
+        with pytest.raises(_Measured):
+            first_contact.calibrated_hardware(cfg, runtime)
+    finally:
+        destroy_distributed(barrier=False)
+    assert shown == [False] and console.ConsoleFilter().filter(point)

@@ -11,8 +11,7 @@ import time
 
 import pytest
 
-from anyrec.backends.cpu import core_share
-from anyrec.calibration.core_load import (
+from anyrec.backends.core_load import (
     OTHER_BUSY_MAX_CORES,
     CoreLoad,
     LoadMeter,
@@ -20,6 +19,7 @@ from anyrec.calibration.core_load import (
     choose_binding,
     measure_core_load,
 )
+from anyrec.backends.cpu import core_share
 
 LINUX_2_CORES = pytest.mark.skipif(
     not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2
@@ -72,7 +72,7 @@ def test_measurement_counts_other_processes_and_subtracts_the_jobs_own():
 AUTO_CHILD = """
 import json, os, sys, logging
 import anyrec.backends.cpu as cpu
-from anyrec.calibration.core_load import CoreLoad
+from anyrec.backends.core_load import CoreLoad
 logging.basicConfig(level=logging.INFO)
 busy, own = float(sys.argv[1]), float(sys.argv[2])
 cpu.measure_core_load = lambda cpus: CoreLoad(busy_cores=busy, own_cores=own, sample_s=0.25)

@@ -1,4 +1,4 @@
-"""The calibration cache (anyrec.calibration.cache): found again by key, never used when damaged or
+"""The calibration cache (anyrec.history.cache): found again by key, never used when damaged or
 foreign."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import yaml
 
 from anyrec.backends import get_backend
 from anyrec.backends.threads import ThreadChoice
-from anyrec.calibration import cache as calcache
+from anyrec.history import cache as calcache
+from anyrec.runtime.distributed import ONE_PROCESS
 from anyrec.signing import SigningKey
-from anyrec.trainer.distributed import ONE_PROCESS
 
 CAL = Path(__file__).parent / "data" / "calibration_cpu_2rank.yaml"
 
@@ -199,7 +199,7 @@ def test_a_small_entry_that_expands_without_bound_is_not_used(tmp_path):
 
 
 def test_an_entry_measured_on_a_busy_host_says_so(tmp_path):
-    from anyrec.calibration.core_load import CoreLoad
+    from anyrec.backends.core_load import CoreLoad
     from anyrec.calibration.first_contact import remeasure_untrusted
 
     data = yaml.safe_load(CAL.read_text())

@@ -10,9 +10,9 @@ from anyrec import calibrate
 from anyrec.backends import get_backend, load_hardware_file, resolve_hardware
 from anyrec.backends.dispatch import KernelProfile, availability, get_impl
 from anyrec.backends.specs import get_sku
-from anyrec.calibration import cache as calcache
 from anyrec.calibration import step as calibrate_step
 from anyrec.calibration.measure import embedding, phases, timing
+from anyrec.history import cache as calcache
 from anyrec.plan import run
 from anyrec.planner import estimators
 from anyrec.planner.types import Topology

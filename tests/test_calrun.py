@@ -1,5 +1,5 @@
 """A calibration run's bounds (anyrec.calibration.run): its time limit and the signals that stop it,
-inside a measurement; and the verdict on whether its figures are this machine's (calibration.trust)."""
+inside a measurement; and the verdict on whether its figures are this machine's (anyrec.history.trust)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import signal
 import pytest
 
 from anyrec.backends import get_backend
-from anyrec.calibration.core_load import CoreLoad
+from anyrec.backends.core_load import CoreLoad
 from anyrec.calibration.measure import embedding
 from anyrec.calibration.measure import timing as measure_timing
 from anyrec.calibration.run import CalibrationRun, CalibrationStopped, Timing
-from anyrec.calibration.trust import assess
+from anyrec.history.trust import assess
 
 
 class _Signalled:
@@ -148,7 +148,7 @@ def test_a_signal_a_step_points_trainer_caught_stops_the_run(monkeypatch):
 
     from anyrec.backends import Hardware
     from anyrec.calibration import step as calibrate_step
-    from anyrec.trainer.distributed import start_runtime
+    from anyrec.runtime.distributed import start_runtime
 
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("signal handlers are the main thread's (the trainer's would not catch the signal)")

@@ -29,7 +29,7 @@ def _benchmark(script: str, tmp_path) -> dict:
 def test_the_data_source_is_part_of_the_plan_on_the_host_as_on_the_device():
     """`anyrec-plan` counts what the synthetic source keeps on the device, as the trainer does."""
     from anyrec import _hydra
-    from anyrec.trainer.distributed import ONE_PROCESS
+    from anyrec.runtime.distributed import ONE_PROCESS
     from anyrec.trainer.inputs import host_estimate_of_resident_bytes
 
     synthetic = _hydra.compose_job(["model=dlrm_tiny", "trainer.eval_steps=0"])

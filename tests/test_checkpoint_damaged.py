@@ -10,9 +10,9 @@ import shutil
 import pytest
 
 from anyrec.config import CheckpointConfig
+from anyrec.runtime.distributed import ONE_PROCESS
+from anyrec.runtime.errors import CheckpointError
 from anyrec.trainer.checkpoint import CheckpointManager
-from anyrec.trainer.distributed import ONE_PROCESS
-from anyrec.trainer.errors import CheckpointError
 
 from .test_checkpoint_trust import SIGNATURE, _state
 

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from anyrec.config import CheckpointConfig
+from anyrec.runtime.distributed import ONE_PROCESS
+from anyrec.runtime.errors import CheckpointError
 from anyrec.trainer.checkpoint import CheckpointManager
-from anyrec.trainer.distributed import ONE_PROCESS
-from anyrec.trainer.errors import CheckpointError
 
 from .conftest import ROOT
 
@@ -172,7 +172,7 @@ def test_a_locked_directory_is_refused_and_a_killed_holder_frees_it(tmp_path):
     m.start()
     proc = _python(f"""
         from tests.test_checkpoint_ownership import _train
-        from anyrec.trainer.errors import CheckpointError
+        from anyrec.runtime.errors import CheckpointError
         try:
             _train({str(root)!r}, [1])
         except CheckpointError as e:
@@ -200,7 +200,7 @@ def test_a_failed_save_is_one_line_and_leaves_no_temporary(tmp_path):
     proc = _python(f"""
         import resource, signal
         from tests.test_checkpoint_ownership import _manager, _state
-        from anyrec.trainer.errors import CheckpointError
+        from anyrec.runtime.errors import CheckpointError
         import torch
         m = _manager({str(root)!r})
         m.start()

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from anyrec.config import CheckpointConfig
+from anyrec.runtime.distributed import ONE_PROCESS
+from anyrec.runtime.errors import CheckpointError
 from anyrec.signing import FIELD, SigningKey, resolve_key
 from anyrec.trainer.checkpoint import CheckpointManager
 from anyrec.trainer.dcp_reader import ALLOWED_GLOBALS, load_metadata
-from anyrec.trainer.distributed import ONE_PROCESS
-from anyrec.trainer.errors import CheckpointError
 
 from .conftest import ROOT
 

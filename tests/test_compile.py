@@ -1,29 +1,22 @@
-"""trainer.compile: the decision (auto, true, false, a device without inductor), the per-machine record,
-the fallback to eager on a failed compile, and compiled training agreeing with eager within the parity
-tolerances (anyrec/trainer/compile.py)."""
+"""trainer.compile: the decision (auto, true, false, a device without inductor), the fallback to eager on
+a failed compile, and compiled training agreeing with eager within the parity tolerances
+(anyrec/trainer/compile.py)."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 
 import pytest
 import torch
 
 from anyrec.backends import get_backend
 from anyrec.config import ParityConfig
+from anyrec.history.compile_records import CompileRecord, read_record
 from anyrec.models.dlrm import build_model
 from anyrec.trainer import compile as comp
 from anyrec.trainer import trainer as trainer_module
-from anyrec.trainer.compile import (
-    CompileRecord,
-    choose,
-    compile_dense,
-    read_record,
-    record_path,
-    worth_compiling,
-)
+from anyrec.trainer.compile import choose, compile_dense, worth_compiling
 
 from .conftest import compose_config
 
@@ -82,29 +75,6 @@ def test_choose_auto_without_record_bounds_the_saving_by_the_eager_dense_step():
 def test_backend_compiles_where_inductor_generates_code():
     assert get_backend("cpu").compiles
     assert not NoInductor().compiles
-
-
-def test_record_round_trips_and_a_damaged_or_foreign_one_is_ignored(tmp_path, caplog):
-    path = record_path("abc", tmp_path)
-    rec = CompileRecord("abc", 12.5, 0.004, 0.003)
-    comp.write_record(path, rec)
-    assert read_record(path, "abc") == rec
-    assert read_record(path, "other") is None  # another job's shape
-    path.write_text(path.read_text()[:20])  # cut short
-    with caplog.at_level(logging.WARNING):
-        assert read_record(path, "abc") is None
-    assert "compile record ignored" in caplog.text
-    assert read_record(tmp_path / "missing.json", "abc") is None
-
-
-def test_record_write_replaces_a_link_never_writes_through_it(tmp_path):
-    target = tmp_path / "elsewhere.json"
-    target.write_text("keep")
-    path = record_path("abc", tmp_path)
-    path.parent.mkdir(parents=True)
-    os.symlink(target, path)
-    comp.write_record(path, CompileRecord("abc", 1.0, 2.0, 3.0))
-    assert target.read_text() == "keep" and not path.is_symlink()
 
 
 def _tiny_train_model():

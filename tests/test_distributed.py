@@ -10,7 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from anyrec.backends import get_backend
-from anyrec.trainer.distributed import RendezvousError, init_distributed
+from anyrec.runtime.distributed import RendezvousError, init_distributed
 
 
 def _free_port() -> int:
@@ -67,7 +67,7 @@ def test_train_entry_point_says_it_in_one_line_and_exits_2(monkeypatch, capfd):
 
 
 def test_a_launch_handshake_that_times_out_is_one_line(monkeypatch):
-    from anyrec.trainer import distributed
+    from anyrec.runtime import distributed
 
     _started_by_hand(monkeypatch, 0)
 

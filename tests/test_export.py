@@ -19,6 +19,8 @@ from anyrec import export as export_cli
 from anyrec.config import CheckpointConfig, IdLayout, Int8Kernel, ModelConfig, TablePrecision
 from anyrec.models.dlrm import build_model, table_configs
 from anyrec.models.init import init_model
+from anyrec.runtime.distributed import ONE_PROCESS
+from anyrec.runtime.errors import CheckpointError
 from anyrec.schema import load_model_config
 from anyrec.serving.artifact import export_program, load_artifact, read_manifest
 from anyrec.serving.model import ScoringModel, dequantize_rowwise_int8, quantize_rowwise_int8
@@ -27,8 +29,6 @@ from anyrec.serving.scoring import batch_inputs, score_batches
 from anyrec.serving.weights import load_checkpoint
 from anyrec.signing import resolve_key
 from anyrec.trainer.checkpoint import CheckpointManager
-from anyrec.trainer.distributed import ONE_PROCESS
-from anyrec.trainer.errors import CheckpointError
 from anyrec.trainer.trainer import DLRMTrain
 from tests.conftest import compose_config
 

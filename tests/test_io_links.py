@@ -15,7 +15,7 @@ from anyrec._hydra import _linked_outputs
 from anyrec.data.preprocess import main as preprocess_main
 from anyrec.io_checks import LinkError, NoFollowFileHandler, atomic_write, open_nofollow
 from anyrec.planner.report import plot_plan
-from anyrec.trainer.errors import CheckpointError, write_error_file
+from anyrec.runtime.errors import CheckpointError, write_error_file
 from anyrec.trainer.lineage import LOCK, DirLock
 from anyrec.trainer.summary import MetricWriter
 

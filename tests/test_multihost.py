@@ -29,7 +29,7 @@ import torch.distributed as dist
 from anyrec.backends import get_backend
 from anyrec.config import DataConfig, ModelConfig
 from anyrec.data.criteo import CriteoSource, npy_paths
-from anyrec.trainer.distributed import destroy_distributed, init_distributed, launch_token
+from anyrec.runtime.distributed import destroy_distributed, init_distributed, launch_token
 
 from .conftest import ROOT, free_port, last_json_line, torchrun
 from .faults import KILL_AT_STEP, KILL_RANK, faulty
@@ -296,7 +296,7 @@ def test_launch_token_ignores_an_earlier_launchs_keys():
 _JOIN = """
 import torch, torch.distributed as dist
 from anyrec.backends import get_backend
-from anyrec.trainer.distributed import init_distributed
+from anyrec.runtime.distributed import init_distributed
 init_distributed(get_backend("cpu"))
 t = torch.ones(1)
 dist.all_reduce(t)

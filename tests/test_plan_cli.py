@@ -204,7 +204,7 @@ def test_plan_uses_this_machines_cached_calibration_and_says_so(tmp_path, monkey
     import yaml
 
     from anyrec.backends import get_backend
-    from anyrec.calibration import cache as calcache
+    from anyrec.history import cache as calcache
 
     monkeypatch.setenv(calcache.CACHE_DIR_ENV, str(tmp_path))
     args = ["hardware=auto", "backend=cpu", "topology.world_size=2", "plan.compare=h100",
@@ -212,7 +212,7 @@ def test_plan_uses_this_machines_cached_calibration_and_says_so(tmp_path, monkey
     datasheet, text = _plan(args)
     assert "no calibration cached for this machine at 2 local rank(s)" in text and "datasheet" in text
     assert "compare figures: all device figures from the SKU table (datasheet)" in text
-    from anyrec.trainer.distributed import ONE_PROCESS
+    from anyrec.runtime.distributed import ONE_PROCESS
 
     key = dataclasses.replace(calcache.local_key(get_backend("cpu"), ONE_PROCESS), local_world_size=2,
                               cores_per_rank=((0,), (1,)))

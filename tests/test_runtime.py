@@ -12,10 +12,11 @@ import yaml
 
 from anyrec.backends import cpu, get_backend, resolve_hardware
 from anyrec.backends import hardware as hardware_module
-from anyrec.calibration import cache, first_contact
-from anyrec.trainer import distributed
+from anyrec.calibration import first_contact
+from anyrec.history import cache
+from anyrec.runtime import distributed
+from anyrec.runtime.distributed import ONE_PROCESS, destroy_distributed, start_runtime
 from anyrec.trainer import trainer as trainer_module
-from anyrec.trainer.distributed import ONE_PROCESS, destroy_distributed, start_runtime
 
 from .conftest import compose_config
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from anyrec.trainer import shutdown
+from anyrec.runtime import shutdown
 from benchmarks.interrupt import alive, descendants, launch, output, wait_for, wait_gone
 
 from .conftest import ROOT, torchrun
@@ -232,7 +232,7 @@ def test_ranks_saying_their_error_line_at_once_never_splice_them(tmp_path):
     """The ranks of a job share their launcher's stderr: two processes saying lines at the same time
     (as every worker of a killed launcher does) leave each line whole, newline included, also where
     stderr is unbuffered (PYTHONUNBUFFERED, as the launches here and in many job scripts set)."""
-    say = ("import sys; from anyrec.trainer.errors import say_line\n"
+    say = ("import sys; from anyrec.runtime.errors import say_line\n"
            "for i in range(2000):\n"
            "    say_line(f'anyrec-train: error: rank {sys.argv[1]}: ' + 'x' * 150 + f' {i}')")
     with open(tmp_path / "stderr.txt", "w") as shared:  # one open file, as torchrun's workers inherit it

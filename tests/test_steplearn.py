@@ -1,5 +1,5 @@
 """Each run's measured step corrects the next run's prediction of the same workload on the same machine
-(anyrec.calibration.steplearn): one ratio per run, the median of the last few shrunk toward the model's
+(anyrec.history.steplearn): one ratio per run, the median of the last few shrunk toward the model's
 own figure by n / (n + 1), under a lock."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from anyrec.backends import resolve_hardware
-from anyrec.calibration import steplearn
+from anyrec.history import steplearn
 
 from .conftest import compose_config, last_json_line, torchrun
 

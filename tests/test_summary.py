@@ -9,10 +9,10 @@ import time
 import pytest
 import torch
 
-from anyrec.calibration.cache import CACHE_DIR_ENV
-from anyrec.calibration.steplearn import ObservedSteps
+from anyrec.history.cache import CACHE_DIR_ENV
+from anyrec.history.steplearn import ObservedSteps
 from anyrec.planner.types import Perf
-from anyrec.trainer.distributed import ONE_PROCESS
+from anyrec.runtime.distributed import ONE_PROCESS
 from anyrec.trainer.summary import JobFacts, MetricWriter, Outcome, RunState, log_train, run_summary
 
 KEY = "0123456789abcdef/quiet"

@@ -17,6 +17,7 @@ import torch
 import anyrec.backends.cpu as cpu
 import anyrec.backends.threads as threads_module
 from anyrec._hydra import cli_problem
+from anyrec.backends.core_load import CoreLoad
 from anyrec.backends.threads import (
     LOAD_CHANGE_CORES,
     RECHECK_STEPS,
@@ -28,7 +29,6 @@ from anyrec.backends.threads import (
     choose_threads,
     thread_candidates,
 )
-from anyrec.calibration.core_load import CoreLoad
 from anyrec.config import parse_threads
 from anyrec.data.prefetch import PrefetchIterator
 from anyrec.trainer import trainer as trainer_module

@@ -12,9 +12,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from anyrec.config import OptimConfig
 from anyrec.data.prefetch import Prefetched
+from anyrec.runtime.distributed import ONE_PROCESS, DistInfo
+from anyrec.runtime.errors import NonFiniteLossError
 from anyrec.trainer import validate
-from anyrec.trainer.distributed import ONE_PROCESS, DistInfo
-from anyrec.trainer.errors import NonFiniteLossError
 from anyrec.trainer.optim import WarmupPolyDecay
 from anyrec.trainer.validate import (
     InputValidator,

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from anyrec.backends.core_load import BindChoice, CoreLoad, choose_binding, measure_core_load
 from anyrec.backends.interface import Backend, DeviceFacts
 from anyrec.backends.specs import SKUS, DeviceSpec
 from anyrec.backends.threads import (
@@ -19,7 +20,6 @@ from anyrec.backends.threads import (
     choose_threads,
     set_interop_threads,
 )
-from anyrec.calibration.core_load import BindChoice, CoreLoad, choose_binding, measure_core_load
 
 logger = logging.getLogger(__name__)
 

@@ -44,7 +44,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from anyrec.calibration.core_load import OTHER_BUSY_MAX_CORES, CoreLoad, LoadMeter, choose_binding
+from anyrec.backends.core_load import OTHER_BUSY_MAX_CORES, CoreLoad, LoadMeter, choose_binding
 
 logger = logging.getLogger(__name__)
 

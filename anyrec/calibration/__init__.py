@@ -1,12 +1,9 @@
-"""Calibration: this machine's figures, measured, cached and checked, for the planner to cost with.
+"""Calibration: this machine's figures, measured, for the planner to cost with.
 
-One module per role: `measure` (the measurements and their fits), `step` (the trainer's framework costs,
-from real training steps), `run` (a run's time limit, stop signals and progress), `trust` (whether the
-figures are this machine's), `cache` (entries per machine and software), `core_load` (the cores' load,
-which also decides core binding), `first_contact` (a `hardware=auto` job's calibration) and `steplearn`
-(each run's measured step, for the next prediction). The command is `anyrec.calibrate`.
+One module per role: `measure` (a package: the device, embedding and collective measurements, their
+timing and fits, the whole run and its report), `step` (the trainer's framework costs, from real
+training steps), `run` (a run's time limit, stop signals and progress) and `first_contact` (a
+`hardware=auto` job's calibration). The hardware file's schema is `anyrec.backends.hardware_file`; what
+the measurements leave for later runs (the cache, trust verdicts, step corrections) is `anyrec.history`;
+the command is `anyrec.calibrate`.
 """
-
-# The backends read this package's file format and core-load sampler: importing them first gives one
-# import order whichever module of either package a program imports first.
-import anyrec.backends  # noqa: F401

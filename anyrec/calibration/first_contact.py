@@ -17,7 +17,12 @@ import time
 from pathlib import Path
 
 from anyrec.backends import Hardware, resolve_hardware
-from anyrec.calibration.cache import (
+from anyrec.backends.core_load import CoreLoad, measure_core_load
+from anyrec.calibration.measure import calibrate, hardware_yaml, report_trust
+from anyrec.calibration.run import CalibrationRun, CalibrationStopped, exit_stopped
+from anyrec.config import AnyrecConfig
+from anyrec.console import log_file_only
+from anyrec.history.cache import (
     CACHE_DIR_ENV,
     CacheKey,
     Lookup,
@@ -26,19 +31,15 @@ from anyrec.calibration.cache import (
     lookup,
     write_entry,
 )
-from anyrec.calibration.core_load import CoreLoad, measure_core_load
-from anyrec.calibration.measure import calibrate, hardware_yaml, report_trust
-from anyrec.calibration.run import CalibrationRun, CalibrationStopped, exit_stopped
-from anyrec.calibration.trust import BUSY_OTHER_CORES
-from anyrec.config import AnyrecConfig
+from anyrec.history.trust import BUSY_OTHER_CORES
 from anyrec.io_checks import atomic_write, writable_dir
+from anyrec.runtime.agreement import Agreement
+from anyrec.runtime.distributed import Runtime
+from anyrec.runtime.errors import PeerLostError
+from anyrec.runtime.shutdown import peer_failure
 from anyrec.signing import SigningKey, resolve_key
-from anyrec.trainer.agreement import Agreement
-from anyrec.trainer.distributed import Runtime
-from anyrec.trainer.errors import PeerLostError
-from anyrec.trainer.shutdown import peer_failure
 
-logger = logging.getLogger("anyrec.calibration.first_contact")
+logger = logging.getLogger(__name__)
 
 
 def wants_calibration(cfg: AnyrecConfig) -> bool:
@@ -137,18 +138,15 @@ def _find_or_measure(cfg: AnyrecConfig, runtime: Runtime, signing_key: SigningKe
     if problem and info.is_main:
         logger.warning("calibration cache file %s not used: %s; measuring again", path, problem)
     start = time.perf_counter()
-    quiet = logging.getLogger("anyrec.calibrate")
-    level = quiet.level
-    quiet.setLevel(logging.WARNING)  # the point-by-point log is the thorough calibration's
     run = CalibrationRun.begin(cfg.calibrate.time_limit_s, info.rank, info.world_size, cfg.trainer.progress,
                                cfg.trainer.collective_timeout_s, agreement)
     try:
-        calibration = calibrate(runtime, "quick", cfg.trainer.calibrate_budget_s, run)
+        with log_file_only():  # the point-by-point log: the console's is the thorough calibration's
+            calibration = calibrate(runtime, "quick", cfg.trainer.calibrate_budget_s, run)
     except CalibrationStopped as e:
         exit_stopped("anyrec-train", e, info.is_main)
     finally:
         run.close()
-        quiet.setLevel(level)
     if info.is_main:
         # the job plans with these figures either way: it runs on this host as it is
         report_trust(calibration.measurements)

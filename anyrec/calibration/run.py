@@ -27,8 +27,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from anyrec.trainer.agreement import Agreement, How
-from anyrec.trainer.shutdown import StopRequest
+from anyrec.runtime.agreement import Agreement, How
+from anyrec.runtime.shutdown import StopRequest
 
 STOP_GRACE_S = 4.0  # after a signal, a rank not out by then exits at once (the promise is 5 s)
 

@@ -25,7 +25,7 @@ from anyrec.backends.hardware_file import STEP_FIELDS
 from anyrec.calibration.run import STOP_GRACE_S, CalibrationRun, Timing
 from anyrec.models.dlrm import build_model
 from anyrec.planner.planned import Assignment, PlannedJob, plan_job
-from anyrec.trainer.distributed import Runtime
+from anyrec.runtime.distributed import Runtime
 from anyrec.trainer.trainer import EBC_PATH, Trainer
 
 logger = logging.getLogger("anyrec.calibrate")

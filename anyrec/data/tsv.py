@@ -21,7 +21,7 @@ from typing import BinaryIO
 import numpy as np
 from torchrec.datasets.criteo import CAT_FEATURE_COUNT, INT_FEATURE_COUNT
 
-logger = logging.getLogger("anyrec.data.criteo")
+logger = logging.getLogger(__name__)
 
 NUM_FIELDS = 1 + INT_FEATURE_COUNT + CAT_FEATURE_COUNT
 MALFORMED = ("error", "skip")

@@ -15,9 +15,9 @@ import torch
 from torchrec.datasets.utils import Batch
 
 from anyrec.config import IdLayout, ModelConfig
+from anyrec.runtime.distributed import ONE_PROCESS
 from anyrec.schema import feature_names
 from anyrec.serving.model import ScoringInputs
-from anyrec.trainer.distributed import ONE_PROCESS
 from anyrec.trainer.metrics import EvalMetrics
 from anyrec.trainer.validate import InputValidator, flush_checks
 

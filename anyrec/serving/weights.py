@@ -18,11 +18,11 @@ import torch
 
 from anyrec.config import CheckpointConfig, ModelConfig
 from anyrec.models.dlrm import DLRM, build_model, table_configs
+from anyrec.runtime.distributed import ONE_PROCESS
+from anyrec.runtime.errors import CheckpointError
 from anyrec.serving.model import TablePrecision, table_bytes
 from anyrec.signing import SigningKey
 from anyrec.trainer.checkpoint import CheckpointManager
-from anyrec.trainer.distributed import ONE_PROCESS
-from anyrec.trainer.errors import CheckpointError
 from anyrec.trainer.lineage import META, read_meta_file, scan
 from anyrec.trainer.trainer import DLRMTrain
 

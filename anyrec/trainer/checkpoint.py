@@ -41,10 +41,10 @@ from torch.distributed.checkpoint.stateful import Stateful
 import anyrec
 from anyrec.config import CheckpointConfig
 from anyrec.io_checks import open_nofollow
+from anyrec.runtime.distributed import DistInfo, broadcast_from_main, gather_objects
+from anyrec.runtime.errors import CheckpointError
 from anyrec.signing import SignatureError, SigningKey, warn_unkeyed
 from anyrec.trainer.dcp_reader import SafeLoadPlanner, SafeReader
-from anyrec.trainer.distributed import DistInfo, broadcast_from_main, gather_objects
-from anyrec.trainer.errors import CheckpointError
 from anyrec.trainer.lineage import META, DirLock, RunIdentity, decide_start, read_meta_file, scan
 
 logger = logging.getLogger(__name__)

@@ -12,20 +12,16 @@ wrapper see the same modules. The compile happens at build, on copies of the den
 the job's shape: a failure is caught there (eager, one warning) rather than in the first training step,
 and the real modules then reuse the compiled code (dynamo's cache; their first call takes milliseconds).
 
-`auto` reads a record measured once per machine and dense-model shape, cached in the calibration cache
-folder (`compile/<key>.json`): the compile time (training and evaluation graphs) and the dense part's step
-time eager and compiled. Without a record it first bounds the saving by the whole eager dense step (no
-compile saves more than all of it): below `MIN_COMPILE_S` over the remaining steps the job stays eager
-without compiling anything; otherwise it measures, writes the record and decides. Rank 0 decides; every
-rank follows.
+`auto` reads a record measured once per machine and dense-model shape (`anyrec.history.compile_records`):
+the compile time (training and evaluation graphs) and the dense part's step time eager and compiled.
+Without a record it first bounds the saving by the whole eager dense step (no compile saves more than all
+of it): below `MIN_COMPILE_S` over the remaining steps the job stays eager without compiling anything;
+otherwise it measures, writes the record and decides. Rank 0 decides; every rank follows.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
-import hashlib
-import json
 import logging
 import statistics
 import time
@@ -38,11 +34,9 @@ import torch
 from torch import nn
 from torchrec.distributed.model_parallel import get_unwrapped_module
 
-from anyrec.calibration.cache import cache_dir
 from anyrec.config import ModelConfig
-from anyrec.io_checks import atomic_write
-from anyrec.safe_load import UnsafeFileError, load_json
-from anyrec.trainer.distributed import ONE_PROCESS, DistInfo, broadcast_from_main
+from anyrec.history.compile_records import CompileRecord, read_record, record_key, record_path, write_record
+from anyrec.runtime.distributed import ONE_PROCESS, DistInfo, broadcast_from_main
 
 if TYPE_CHECKING:
     from anyrec.backends import Backend
@@ -57,7 +51,6 @@ DENSE_MODULES = ("model.dense_arch", "model.interaction", "model.over_arch", "lo
 # 2-core CPU host, dlrm_small, 2026-12-04, took 12.7 s: a saving bounded below this is not worth measuring.
 MIN_COMPILE_S = 10.0
 TIMED_STEPS = 10  # dense steps timed eager and compiled by the measurement
-RECORD_VERSION = 1
 
 
 def compile_setting(value: bool | str) -> str:
@@ -66,22 +59,6 @@ def compile_setting(value: bool | str) -> str:
     if s not in SETTINGS:
         raise ValueError(f"trainer.compile={value!r}: choose auto, true or false")
     return s
-
-
-@dataclass(frozen=True)
-class CompileRecord:
-    """One machine's measurement for one dense-model shape: seconds to compile (first calls included),
-    and seconds per dense forward + backward, eager and compiled."""
-
-    key: str
-    compile_s: float
-    eager_step_s: float
-    compiled_step_s: float
-    version: int = RECORD_VERSION
-
-    @property
-    def saving_per_step_s(self) -> float:
-        return self.eager_step_s - self.compiled_step_s
 
 
 def worth_compiling(record: CompileRecord, remaining_steps: int) -> bool:
@@ -97,50 +74,6 @@ class CompileDecision:
     setting: str
     reason: str
     record: CompileRecord | None = None
-
-
-# ---- the per-machine record ------------------------------------------------------------------------
-
-
-def record_key(backend: Backend, model: ModelConfig, batch_size: int, autocast: bool, local_world_size: int
-               ) -> str:
-    """The digest naming a record: the device and software, how the host is shared, the dense model's
-    shape and the batch (what changes compile time or the dense step)."""
-    parts = {"backend": backend.name, "device": backend.facts.device_name, "arch": backend.facts.arch,
-             "torch": torch.__version__, "threads": torch.get_num_threads(), "local_ranks": local_world_size,
-             "bottom_mlp": list(model.bottom_mlp), "top_mlp": list(model.top_mlp),
-             "interaction": model.interaction, "dcn": [model.dcn_num_layers, model.dcn_low_rank],
-             "dense": model.num_dense_features, "sparse": len(model.table_rows), "dim": model.embedding_dim,
-             "batch": batch_size, "bf16": autocast}
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
-
-
-def record_path(key: str, directory: Path | None = None) -> Path:
-    return (directory or cache_dir()) / "compile" / f"{key}.json"
-
-
-def read_record(path: Path, key: str) -> CompileRecord | None:
-    """The record at `path` if it is whole, for `key` and of this version; None (said in one line) else."""
-    if not path.exists():
-        return None
-    try:
-        data = load_json(path, f"compile record {path}", max_bytes=4096)
-        record = CompileRecord(**data)
-    except (UnsafeFileError, TypeError) as e:
-        logger.warning("compile record ignored: %s", str(e).splitlines()[0])
-        return None
-    values = (record.compile_s, record.eager_step_s, record.compiled_step_s)
-    if record.key != key or record.version != RECORD_VERSION or not all(
-            isinstance(v, float | int) and v >= 0 for v in values):
-        logger.warning("compile record ignored: %s is not a valid record for this job", path)
-        return None
-    return record
-
-
-def write_record(path: Path, record: CompileRecord) -> None:
-    """Write `record` whole or not at all (a rename; a link at `path` is replaced, never written through)."""
-    with atomic_write(path) as f:
-        json.dump(dataclasses.asdict(record), f)
 
 
 # ---- measuring -------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 
 from anyrec.models.init import dtensor_shards
-from anyrec.trainer.distributed import DistInfo, gather_objects
+from anyrec.runtime.distributed import DistInfo, gather_objects
 
 # name -> [(offsets of a piece in the full tensor, the piece)]
 Pieces = dict[str, list[tuple[list[int], torch.Tensor]]]

@@ -14,7 +14,7 @@ from anyrec.config import AnyrecConfig
 from anyrec.data import build_source, resolve_batch_size
 from anyrec.data.prefetch import Prefetched
 from anyrec.models.dlrm import feature_names
-from anyrec.trainer.distributed import DistInfo
+from anyrec.runtime.distributed import DistInfo
 from anyrec.trainer.memcheck import resident_device_bytes
 from anyrec.trainer.validate import InputValidator, NonFiniteGuard
 

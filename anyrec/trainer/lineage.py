@@ -30,8 +30,8 @@ from typing import Any
 
 from anyrec.config import AnyrecConfig, CheckpointConfig
 from anyrec.io_checks import LinkError, open_nofollow
+from anyrec.runtime.errors import CheckpointError
 from anyrec.safe_load import load_json
-from anyrec.trainer.errors import CheckpointError
 
 LOCK = ".anyrec.lock"
 META = "meta.json"

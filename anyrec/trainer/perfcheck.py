@@ -32,7 +32,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function, schedule, supported_activities
 
 from anyrec.planner.types import Perf
-from anyrec.trainer.distributed import DistInfo, gather_objects
+from anyrec.runtime.distributed import DistInfo, gather_objects
 
 logger = logging.getLogger(__name__)
 

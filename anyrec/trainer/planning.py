@@ -26,7 +26,7 @@ from anyrec.planner.job import plan_model
 from anyrec.planner.memory import MemoryPrediction, predict_memory
 from anyrec.planner.planned import PlannedJob, id_skew, plan_job
 from anyrec.planner.types import Topology
-from anyrec.trainer.distributed import DistInfo, broadcast_from_main
+from anyrec.runtime.distributed import DistInfo, broadcast_from_main
 from anyrec.trainer.twod import TwoDModelParallel
 
 logger = logging.getLogger(__name__)

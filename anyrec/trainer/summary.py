@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm import tqdm
 
-from anyrec.calibration.cache import FAR_MISS, reject_entry
-from anyrec.calibration.steplearn import Correction, ObservedSteps, describe
+from anyrec.history.cache import FAR_MISS, reject_entry
+from anyrec.history.steplearn import Correction, ObservedSteps, describe
 from anyrec.io_checks import LinkError, open_nofollow
-from anyrec.trainer.distributed import DistInfo, gather_objects
+from anyrec.runtime.distributed import DistInfo, gather_objects
 from anyrec.trainer.memcheck import memory_check
 from anyrec.trainer.perfcheck import StepProfiler, StepTimer, prediction_check
 
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from anyrec.planner.memory import MemoryPrediction
     from anyrec.planner.types import Perf
 
-logger = logging.getLogger("anyrec.trainer.trainer")  # the trainer's own log lines
+logger = logging.getLogger(__name__)
 
 
 class LossWindow:

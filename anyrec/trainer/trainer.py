@@ -24,14 +24,16 @@ from anyrec.backends.dispatch import Impl
 from anyrec.backends.hardware import Hardware, resolve_hardware
 from anyrec.backends.sparse_ops import install as install_sparse_ops
 from anyrec.backends.threads import ThreadTuner
-from anyrec.calibration.steplearn import run_key
 from anyrec.config import AnyrecConfig
+from anyrec.history.steplearn import run_key
 from anyrec.kernels.ebc import TritonEBCOptimizer
 from anyrec.models.dlrm import DLRM, build_model, table_configs
 from anyrec.models.init import init_model
 from anyrec.planner.memory import MemoryPrediction
 from anyrec.planner.planned import PlannedJob
 from anyrec.planner.types import Perf
+from anyrec.runtime.distributed import DistInfo, Runtime, all_reduce_mean, destroy_distributed, start_runtime
+from anyrec.runtime.shutdown import StopRequest, peers_met
 from anyrec.signing import resolve_key
 from anyrec.trainer.checkpoint import (
     LEGACY_PROGRESS,
@@ -41,7 +43,6 @@ from anyrec.trainer.checkpoint import (
     legacy_template,
 )
 from anyrec.trainer.compile import compile_dense
-from anyrec.trainer.distributed import DistInfo, Runtime, all_reduce_mean, destroy_distributed, start_runtime
 from anyrec.trainer.fingerprint import weights_fingerprint
 from anyrec.trainer.inputs import build_inputs
 from anyrec.trainer.lineage import identity_config
@@ -58,7 +59,6 @@ from anyrec.trainer.optim import (
 from anyrec.trainer.perfcheck import StepProfiler, breakdown_window, phase, warmup_steps
 from anyrec.trainer.pipeline import EagerLoop, SparseDistPipeline, predictions
 from anyrec.trainer.planning import place_shards, shard_model, shared_plan, unsharded_memory
-from anyrec.trainer.shutdown import StopRequest, peers_met
 from anyrec.trainer.summary import JobFacts, MetricWriter, Outcome, RunState, log_eval, log_train, run_summary
 from anyrec.trainer.validate import flush_checks
 

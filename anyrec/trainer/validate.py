@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from torchrec.datasets.utils import Batch
 
-from anyrec.trainer.distributed import DistInfo
-from anyrec.trainer.errors import NonFiniteLossError
+from anyrec.runtime.distributed import DistInfo
+from anyrec.runtime.errors import NonFiniteLossError
 
 _NONE = 2**62  # "no bad step" in the min-reduced step codes
 _REPORT = "_anyrec_value_report"  # a batch's precomputed value findings (InputValidator.prepare)

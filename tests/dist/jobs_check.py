@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from anyrec.parity import full_weights
-from anyrec.trainer.distributed import all_reduce_mean
+from anyrec.runtime.distributed import all_reduce_mean
 from anyrec.trainer.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))

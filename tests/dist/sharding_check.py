@@ -22,7 +22,7 @@ from anyrec.config import DataConfig, ModelConfig
 from anyrec.data.synthetic import SyntheticCriteo
 from anyrec.models.dlrm import build_model
 from anyrec.planner.simple import to_sharding_plan
-from anyrec.trainer.distributed import destroy_distributed, init_distributed
+from anyrec.runtime.distributed import destroy_distributed, init_distributed
 from anyrec.trainer.trainer import EBC_PATH, DLRMTrain
 
 LR, STEPS = 0.1, 3

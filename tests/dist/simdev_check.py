@@ -24,7 +24,7 @@ from anyrec.parity import full_weights, weights_sha256
 from anyrec.planner.estimators import inexact_update_reason
 from anyrec.planner.planned import ParallelLayout, PlannedJob
 from anyrec.planner.simple import to_sharding_plan
-from anyrec.trainer.distributed import all_reduce_mean
+from anyrec.runtime.distributed import all_reduce_mean
 from anyrec.trainer.planning import place_shards, sharders
 from anyrec.trainer.trainer import EBC_PATH, Trainer
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from torch.profiler import ProfilerActivity, profile
 
 from anyrec.backends import sparse_ops
-from anyrec.trainer.distributed import destroy_distributed
+from anyrec.runtime.distributed import destroy_distributed
 from anyrec.trainer.fingerprint import weights_fingerprint
 from anyrec.trainer.trainer import Trainer
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from anyrec.trainer.shutdown import StopRequest
+from anyrec.runtime.shutdown import StopRequest
 
 
 def stop_round(rank: int, world: int, signum: int, signal_rank: int) -> dict:

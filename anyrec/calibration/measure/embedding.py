@@ -19,7 +19,7 @@ from anyrec.backends.hardware_file import Embedding, EmbeddingPoint, Profile
 from anyrec.backends.specs import DeviceSpec
 from anyrec.calibration.measure.timing import fit_nonnegative, timed
 from anyrec.calibration.run import CalibrationRun
-from anyrec.calibration.trust import MAX_FIT_ERROR
+from anyrec.history.trust import MAX_FIT_ERROR
 from anyrec.kernels.optimizers import OptimizerConfig
 from anyrec.planner.estimators import lookup_time_s
 from anyrec.planner.types import Placement, TableSpec, Topology

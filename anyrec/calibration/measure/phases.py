@@ -1,7 +1,7 @@
 """A whole calibration, phase by phase, within a `CalibrationRun`'s time limit and stop signals
 (anyrec.calibration.run): the device's figures, the embedding implementations' profiles, with 2+ ranks the
 collectives (and 2D's on sharding groups), then the trainer's framework costs (anyrec.calibration.step);
-the figures carry a verdict on whether they are this machine's (anyrec.calibration.trust). The result is
+the figures carry a verdict on whether they are this machine's (anyrec.history.trust). The result is
 a `Calibration`: the hardware file's `Measurements` (anyrec.backends.hardware_file) and the DeviceSpec
 fields they set, written as a hardware file by `hardware_yaml`.
 """
@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from anyrec.backends import Backend
+from anyrec.backends.core_load import LoadMeter
 from anyrec.backends.dispatch import KernelProfile, implementations
 from anyrec.backends.hardware import Hardware
 from anyrec.backends.hardware_file import (
@@ -27,7 +28,6 @@ from anyrec.backends.hardware_file import (
     read_hardware_file,
 )
 from anyrec.backends.records import from_data, to_data
-from anyrec.calibration.core_load import LoadMeter
 from anyrec.calibration.measure.collectives import (
     BUS_FACTOR,
     link_fields,
@@ -40,8 +40,8 @@ from anyrec.calibration.measure.embedding import EMB_POINTS, measure_embedding
 from anyrec.calibration.measure.timing import fit_nonnegative
 from anyrec.calibration.run import CalibrationRun
 from anyrec.calibration.step import measure_step_costs
-from anyrec.calibration.trust import MAX_FIT_ERROR, assess
-from anyrec.trainer.distributed import Runtime
+from anyrec.history.trust import MAX_FIT_ERROR, assess
+from anyrec.runtime.distributed import Runtime
 
 # Each phase's share of the time left when it starts (the step points take the rest): the device and
 # embedding phases took 4 % and 10 % of a default 2-rank calibration on a quiet 2-core host.

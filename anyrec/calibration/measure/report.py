@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from anyrec.backends.hardware_file import Measurements
-from anyrec.calibration.trust import Trust
+from anyrec.history.trust import Trust
 
 logger = logging.getLogger("anyrec.calibrate")
 

@@ -32,16 +32,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from anyrec.calibration.cache import cache_dir
-from anyrec.calibration.trust import BUSY_OTHER_CORES
 from anyrec.config import AnyrecConfig
+from anyrec.history.cache import cache_dir
+from anyrec.history.trust import BUSY_OTHER_CORES
 from anyrec.io_checks import atomic_write, open_nofollow
 from anyrec.safe_load import load_json
 
 if TYPE_CHECKING:
     from anyrec.backends import Hardware
 
-logger = logging.getLogger("anyrec.trainer.trainer")
+logger = logging.getLogger(__name__)
 
 FILE = "observed-steps.json"
 KEEP = 5  # ratios kept per key: the median of a few runs, so one disturbed run does not swing it
@@ -96,7 +96,7 @@ def run_key(cfg: AnyrecConfig, hardware: Hardware, batch_per_rank: int, kernel: 
 
 
 class ObservedSteps:
-    """The observations file of one cache folder (default: `anyrec.calibration.cache.cache_dir()`)."""
+    """The observations file of one cache folder (default: `anyrec.history.cache.cache_dir()`)."""
 
     def __init__(self, directory: Path | None = None) -> None:
         self.path = (directory or cache_dir()) / FILE

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from anyrec.calibration.core_load import CoreLoad
+from anyrec.backends.core_load import CoreLoad
 
 # Empirical: cores' worth of CPU time other processes may take while calibrating (a desktop's editors
 # and daemons stay below 0.1 on this project's 2-core hosts; a second 2-rank job takes 1.4 to 1.9).

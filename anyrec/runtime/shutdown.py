@@ -25,8 +25,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from anyrec.trainer.agreement import AGREE_TIMEOUT_S, Agreement
-from anyrec.trainer.errors import NonFiniteLossError, PeerLostError, exit_now
+from anyrec.runtime.agreement import AGREE_TIMEOUT_S, Agreement
+from anyrec.runtime.errors import NonFiniteLossError, PeerLostError, exit_now
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 
-from anyrec.trainer.errors import PeerLostError
+from anyrec.runtime.errors import PeerLostError
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from anyrec.backends import Backend, get_backend
 from anyrec.backends.cpu import allowed_cores
-from anyrec.trainer.shutdown import start_heartbeat, stop_heartbeat
+from anyrec.runtime.shutdown import start_heartbeat, stop_heartbeat
 
 logger = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ from anyrec.signing import CACHE_DIR_ENV as CACHE_DIR_ENV  # one definition, als
 from anyrec.signing import FIELD, SigningKey, cache_dir, warn_unkeyed
 
 if TYPE_CHECKING:
-    from anyrec.trainer.distributed import DistInfo
+    from anyrec.runtime.distributed import DistInfo
 
 # Distribution names per package (the first installed one counts): FBGEMM ships CPU and GPU wheels.
 PACKAGES = {"torch": ("torch",), "fbgemm": ("fbgemm-gpu", "fbgemm-gpu-cpu", "fbgemm-gpu-nightly"),
