@@ -43,9 +43,10 @@ Int8Kernel = StrEnum("Int8Kernel", "auto fbgemm torch")
 
 @dataclass
 class ModelConfig:
-    """A DLRM-family model: tables, MLPs and the interaction."""
+    """A model: its family (`anyrec.models.family`), tables, MLPs and the interaction."""
 
     name: str = MISSING
+    family: str = "dlrm"  # dlrm (DLRM, DLRMv2)
     interaction: Interaction = Interaction.dot
     embedding_dim: int = 16
     num_dense_features: int = 13

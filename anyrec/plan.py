@@ -20,7 +20,7 @@ from anyrec.backends.hardware import figure_sources
 from anyrec.calibration.cache import find_for_device
 from anyrec.config import AnyrecConfig
 from anyrec.io_checks import writable_file
-from anyrec.models.dlrm import build_model
+from anyrec.models.family import resolve_family
 from anyrec.planner.job import plan_model
 from anyrec.planner.planner import CoDesignPlanner
 from anyrec.planner.report import (
@@ -59,8 +59,9 @@ def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print,
     # FBGEMM's (what an accelerator SKU runs)
     impl = (backend.select_kernels(cfg.backend)["embedding"] if backend is not None
             else FBGEMM_EMBEDDING if kernel == "auto" else get_impl("embedding", kernel))
-    meta = torch.device("meta")
-    model = build_model(cfg.model, meta, ebc_device=meta)
+    meta, family = torch.device("meta"), resolve_family(cfg.model)
+    model = family.build_train(cfg.model, meta, meta, {})
+    facts = family.workload_facts(cfg.model)
     world, local = cfg.topology.world_size, cfg.topology.local_world_size or cfg.topology.world_size
     resident = host_estimate_of_resident_bytes(cfg, DistInfo(0, world, 0, local))
 
@@ -73,7 +74,7 @@ def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print,
         device_type = backend.device_type if backend is not None and hw is hardware else None
 
         def plan_for(topo: Topology) -> PlanResult:
-            return plan_model(model, model.sparse_arch, cfg.model, cfg.planner, cfg.optim.name, topo,
+            return plan_model(model, family.sparse_module(model), facts, cfg.planner, cfg.optim.name, topo,
                               cfg.plan.batch_size or cfg.data.batch_size, hw.embedding_cost(impl), planner,
                               id_zipf_exponent=id_skew(cfg), resident_bytes=resident)
 

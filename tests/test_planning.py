@@ -11,7 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from anyrec.backends import get_backend, resolve_hardware
 from anyrec.backends.dispatch import FBGEMM_EMBEDDING
-from anyrec.models.dlrm import build_model
+from anyrec.models.dlrm import DLRMTrain, build_model
+from anyrec.models.family import DLRM_FAMILY
 from anyrec.trainer.distributed import DistInfo
 from anyrec.trainer.planning import plan_and_predict
 
@@ -27,7 +28,7 @@ def _plan(overrides: list[str]):
     model = build_model(cfg.model, meta, ebc_device=meta)
     backend = get_backend("cpu")
     hardware = resolve_hardware(cfg.hardware.sku, cfg.hardware.spec, backend, cfg.hardware.measurements)
-    plan, _ = plan_and_predict(cfg, backend, INFO, model, "model.sparse_arch", FBGEMM_EMBEDDING, hardware)
+    plan, _ = plan_and_predict(cfg, backend, INFO, DLRMTrain(model), DLRM_FAMILY, FBGEMM_EMBEDDING, hardware)
     return model, plan.plan["model.sparse_arch"]
 
 

@@ -15,7 +15,8 @@ from anyrec.backends.cpu import CPUBackend
 from anyrec.backends.dispatch import TORCH_EMBEDDING
 from anyrec.backends.specs import SKUS
 from anyrec.kernels.torchrec_kernel import TorchDenseTBE
-from anyrec.models.dlrm import build_model
+from anyrec.models.dlrm import DLRMTrain, build_model
+from anyrec.models.family import DLRM_FAMILY
 from anyrec.planner.types import Topology
 from anyrec.trainer.distributed import DistInfo
 from anyrec.trainer.planning import place_shards, plan_and_predict
@@ -43,7 +44,7 @@ def test_shard_placements_name_the_device_each_rank_trains_on(sharding):
     meta = torch.device("meta")
     cpu = get_backend("cpu")
     model = build_model(cfg.model, meta, ebc_device=meta)
-    plan, _ = plan_and_predict(cfg, cpu, INFO, model, "model.sparse_arch", TORCH_EMBEDDING,
+    plan, _ = plan_and_predict(cfg, cpu, INFO, DLRMTrain(model), DLRM_FAMILY, TORCH_EMBEDDING,
                                resolve_hardware("cpu", {}, cpu))
     before = _placements(plan)
     assert before and all(p.endswith("/cpu") for ps in before.values() for p in ps)  # unchanged on cpu
@@ -78,8 +79,8 @@ def test_forcing_data_parallel_on_an_implementation_without_it_is_refused_at_pla
     meta, cpu = torch.device("meta"), get_backend("cpu")
     no_dp = dataclasses.replace(TORCH_EMBEDDING, data_parallel=False)
     with pytest.raises(ValueError) as e:
-        plan_and_predict(cfg, cpu, INFO, build_model(cfg.model, meta, ebc_device=meta), "model.sparse_arch",
-                         no_dp, resolve_hardware("cpu", {}, cpu))
+        model = DLRMTrain(build_model(cfg.model, meta, ebc_device=meta))
+        plan_and_predict(cfg, cpu, INFO, model, DLRM_FAMILY, no_dp, resolve_hardware("cpu", {}, cpu))
     assert str(e.value) == "planner.sharding=data_parallel cannot run with backend.embedding_kernel=torch"
 
 

@@ -23,14 +23,14 @@ from anyrec import _hydra
 from anyrec.backends import Hardware
 from anyrec.calibration.fileformat import STEP_FIELDS
 from anyrec.calibration.run import STOP_GRACE_S, CalibrationRun, Timing
-from anyrec.models.dlrm import build_model
+from anyrec.models.family import resolve_family
 from anyrec.planner.evaluate import evaluate_assignment
 from anyrec.planner.job import planner_inputs
 from anyrec.planner.planner import make_workload
 from anyrec.planner.torchrec_plan import to_sharding_plan
 from anyrec.planner.types import Topology
 from anyrec.trainer.distributed import Runtime
-from anyrec.trainer.trainer import EBC_PATH, Trainer
+from anyrec.trainer.trainer import Trainer
 
 logger = logging.getLogger("anyrec.calibrate")
 
@@ -140,21 +140,21 @@ def _train_point(p: StepPoint, runtime: Runtime, hardware: Hardware, steps: int,
     backend, world = runtime.backend, runtime.dist.world_size
     cfg = _hydra.compose_job(_overrides(p, backend.name, steps))
     embedding = hardware.embedding_cost(backend.select_kernels(cfg.backend)["embedding"])
-    meta = torch.device("meta")
-    model = build_model(cfg.model, meta, ebc_device=meta)
-    ebc = model.sparse_arch
+    meta, family = torch.device("meta"), resolve_family(cfg.model)
+    model = family.build_train(cfg.model, meta, meta, {})
+    ebc = family.sparse_module(model)
     opt = cfg.optim.name
-    tables, dense_params, options = planner_inputs(model, ebc, cfg.model, cfg.planner, opt, embedding,
-                                                   backend.device_type)
+    tables, dense_params, options = planner_inputs(model, ebc, family.workload_facts(cfg.model), cfg.planner,
+                                                   opt, embedding, backend.device_type)
     workload = make_workload(tables, p.batch, opt, dense_params, **options)
     topology = Topology(hardware.spec, world, world, backend.device_type)
     predicted = evaluate_assignment(_assignment(p, world), topology, workload)
-    plan = to_sharding_plan(predicted, EBC_PATH, ebc, backend.device_type)
+    plan = to_sharding_plan(predicted, family.sparse_path, ebc, backend.device_type)
     quiet = logging.getLogger("anyrec.trainer")
     level = quiet.level
     quiet.setLevel(logging.WARNING)  # one set-up log per point would bury the calibration's table
     try:
-        trainer = Trainer(cfg, plan=plan, runtime=runtime, hardware=hardware)
+        trainer = Trainer(cfg, plan=plan, runtime=runtime, hardware=hardware, family=family)
         run.check()  # a signal while it was built
         trainer.step_hooks.append(lambda _: run.check())  # the trainer's own catches one while it trains
         try:

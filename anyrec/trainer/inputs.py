@@ -13,7 +13,7 @@ from torchrec.datasets.utils import Batch
 from anyrec.config import AnyrecConfig
 from anyrec.data import build_source, resolve_batch_size
 from anyrec.data.prefetch import Prefetched
-from anyrec.models.dlrm import feature_names
+from anyrec.models.family import ModelFamily
 from anyrec.trainer.distributed import DistInfo
 from anyrec.trainer.memcheck import resident_device_bytes
 from anyrec.trainer.validate import InputValidator, NonFiniteGuard
@@ -30,10 +30,12 @@ class Inputs:
     loss_guard: NonFiniteGuard
 
 
-def build_inputs(cfg: AnyrecConfig, dist: DistInfo, device: torch.device,
+def build_inputs(cfg: AnyrecConfig, family: ModelFamily, dist: DistInfo, device: torch.device,
                  pin: Callable[[Batch], Batch] | None) -> Inputs:
-    """Sources for this rank (prefetched file batches land in page-locked memory by `pin`, if given)."""
+    """Sources for this rank of the data `family`'s model reads (prefetched file batches land in
+    page-locked memory by `pin`, if given), checked against the family's batch schema."""
     tc = cfg.trainer
+    family.check_data(cfg.data.name)
     data_cfg = resolve_batch_size(cfg.data, dist.world_size)
 
     def source(split: str) -> Any:
@@ -42,8 +44,9 @@ def build_inputs(cfg: AnyrecConfig, dist: DistInfo, device: torch.device,
                             pin=pin, device=device,
                             skip_nonfinite=tc.skip_nonfinite and split == "train")
 
-    validator = (InputValidator(feature_names(len(cfg.model.table_rows)), list(cfg.model.table_rows),
-                                cfg.model.num_dense_features, device, dist, tc.skip_nonfinite)
+    schema = family.batch_schema(cfg.model)
+    validator = (InputValidator(list(schema.features), list(schema.table_rows), schema.num_dense, device,
+                                dist, tc.skip_nonfinite)
                  if tc.validate_inputs else None)
     inputs = Inputs(data_cfg.batch_size, source("train"), source("eval") if tc.eval_steps > 0 else None,
                     validator, NonFiniteGuard(tc.skip_nonfinite, device, dist))

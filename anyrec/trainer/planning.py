@@ -23,7 +23,8 @@ from anyrec.backends.dispatch import Impl
 from anyrec.backends.sharders import embedding_sharder
 from anyrec.config import AnyrecConfig, PlannerConfig
 from anyrec.data import resolve_batch_size
-from anyrec.planner.job import plan_model
+from anyrec.models.family import ModelFamily
+from anyrec.planner.job import collection_configs, plan_model
 from anyrec.planner.memory import MemoryPrediction, predict_memory
 from anyrec.planner.report import format_group_choice, format_report
 from anyrec.planner.simple import simple_table_shardings
@@ -123,7 +124,7 @@ def shard_model(module: nn.Module, device: torch.device, plan: ShardingPlan, bac
     return model
 
 
-def shared_plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module, module_path: str,
+def shared_plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module, family: ModelFamily,
                 embedding: Impl, hardware: Hardware, resident_bytes: int = 0
                 ) -> tuple[ShardingPlan, Perf | None, list[MemoryPrediction] | None]:
     """Rank 0 plans and every rank takes its plan, the predicted per-step cost of the plan's slowest
@@ -132,11 +133,11 @@ def shared_plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.M
     never shard by different plans. A planning error on rank 0 (e.g. nothing fits) is raised on every
     rank, so none waits."""
     if info.world_size == 1:
-        return _plan(cfg, backend, info, model, module_path, embedding, hardware, resident_bytes)
+        return _plan(cfg, backend, info, model, family, embedding, hardware, resident_bytes)
     result: Any = None
     if info.is_main:
         try:
-            result = _plan(cfg, backend, info, model, module_path, embedding, hardware, resident_bytes)
+            result = _plan(cfg, backend, info, model, family, embedding, hardware, resident_bytes)
         except ValueError as e:
             result = ValueError(str(e))
     result = broadcast_from_main(result, info)
@@ -146,16 +147,17 @@ def shared_plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.M
 
 
 def plan_and_predict(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module,
-                     module_path: str, embedding: Impl, hardware: Hardware, resident_bytes: int = 0
+                     family: ModelFamily, embedding: Impl, hardware: Hardware, resident_bytes: int = 0
                      ) -> tuple[ShardingPlan, Perf | None]:
-    """The configured planner's plan for the EmbeddingBagCollection at `module_path` of `model` and the
+    """The configured planner's plan for the embedding collection of the training module `model` (of
+    `family`, which says where the collection sits and what the planner needs of the model) and the
     co-design planner's predicted cost of its slowest rank per step (None: simple), for the embedding
     implementation on `hardware` (its spec and measured profiles)."""
-    plan, slowest, _ = _plan(cfg, backend, info, model, module_path, embedding, hardware, resident_bytes)
+    plan, slowest, _ = _plan(cfg, backend, info, model, family, embedding, hardware, resident_bytes)
     return plan, slowest
 
 
-def _plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module, module_path: str,
+def _plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module, family: ModelFamily,
           embedding: Impl, hardware: Hardware, resident_bytes: int = 0
           ) -> tuple[ShardingPlan, Perf | None, list[MemoryPrediction] | None]:
     """plan_and_predict's plan and cost, and each rank's predicted peak memory (None: simple), for one
@@ -167,7 +169,7 @@ def _plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module,
         raise ValueError(f"planner.replica_sync_every must be >= 1, got {cfg.planner.replica_sync_every}")
     update = resolve_replica_update(cfg.planner.replica_update, cfg.optim.name,
                                     cfg.planner.replica_sync_every)
-    plan, slowest, memory, layout = _plan_group(cfg, backend, info, model, module_path, embedding, hardware,
+    plan, slowest, memory, layout = _plan_group(cfg, backend, info, model, family, embedding, hardware,
                                                 group, resident_bytes, update)
     if memory is not None:  # world rank r runs its group's rank layout.group_rank(r)
         memory = [memory[layout.group_rank(r)] for r in range(info.world_size)]
@@ -177,20 +179,20 @@ def _plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module,
             slowest, memory)
 
 
-def _plan_group(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module, module_path: str,
+def _plan_group(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module, family: ModelFamily,
                 embedding: Impl, hardware: Hardware, group: int | None, resident_bytes: int = 0,
                 update: ReplicaUpdate = ReplicaUpdate.AVERAGE
                 ) -> tuple[ShardingPlan, Perf | None, list[MemoryPrediction] | None, GroupLayout]:
     """The plan of one sharding group of `group` ranks (the whole world in 1D; None: the co-design
     planner chooses), its cost and memory (the replicas kept one model by `update`), and the groups'
     layout (the co-design planner chooses among torchrec's two; the simple planner keeps its default)."""
-    ebc = model.sparse_arch
+    ebc, module_path = family.sparse_module(model), family.sparse_path
     if cfg.planner.name == "simple":
         if cfg.planner.sharding == "data_parallel" and not embedding.data_parallel:
             raise ValueError(f"planner.sharding=data_parallel cannot run with "
                              f"backend.embedding_kernel={embedding.name}")
         layout = GroupLayout(info.world_size, info.local_world_size, group)  # torchrec's default layout
-        shardings = simple_table_shardings(ebc.embedding_bag_configs(), group,
+        shardings = simple_table_shardings(collection_configs(ebc), group,
                                            force=cfg.planner.sharding, optimizer=cfg.optim.name)
         plan = simple_sharding_plan(ebc, shardings, module_path, group, layout.group_local_size,
                                     backend.device_type, sharder=sharders(embedding)[0],
@@ -201,8 +203,8 @@ def _plan_group(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.M
     batch = resolve_batch_size(cfg.data, info.world_size).batch_size
 
     def plan_for(topology: Topology) -> PlanResult:
-        return plan_model(model, ebc, cfg.model, cfg.planner, cfg.optim.name, topology, batch,
-                          hardware.embedding_cost(embedding), id_zipf_exponent=id_skew(cfg),
+        return plan_model(model, ebc, family.workload_facts(cfg.model), cfg.planner, cfg.optim.name, topology,
+                          batch, hardware.embedding_cost(embedding), id_zipf_exponent=id_skew(cfg),
                           resident_bytes=resident_bytes)
 
     if group == info.world_size:  # 1D
@@ -230,17 +232,17 @@ def _plan_group(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.M
     return place_shards(plan, backend, info.local_world_size), slowest, memory, layout
 
 
-def unsharded_memory(cfg: AnyrecConfig, backend: Backend, model: nn.Module, embedding: Impl,
-                     hardware: Hardware, resident_bytes: int = 0) -> list[MemoryPrediction]:
+def unsharded_memory(cfg: AnyrecConfig, backend: Backend, model: nn.Module, family: ModelFamily,
+                     embedding: Impl, hardware: Hardware, resident_bytes: int = 0) -> list[MemoryPrediction]:
     """The predicted peak memory of one rank that runs every table itself (no torchrec sharding): the
     co-design planner's costing of all tables table-wise on that rank, without the all-to-alls."""
-    ebc = model.sparse_arch
+    ebc = family.sparse_module(model)
     topology = Topology(hardware.spec, 1, 1, backend.device_type)
     batch = resolve_batch_size(cfg.data, 1).batch_size
     planner_cfg = PlannerConfig(sharding="table_wise", allow_uvm=False,
                                 memory_reserve_fraction=cfg.planner.memory_reserve_fraction)
-    result = plan_model(model, ebc, cfg.model, planner_cfg, cfg.optim.name, topology, batch,
-                        hardware.embedding_cost(embedding), id_zipf_exponent=id_skew(cfg))
+    result = plan_model(model, ebc, family.workload_facts(cfg.model), planner_cfg, cfg.optim.name, topology,
+                        batch, hardware.embedding_cost(embedding), id_zipf_exponent=id_skew(cfg))
     return predict_memory(result, resident_bytes, sharded=False)
 
 

@@ -1,4 +1,5 @@
-"""The Trainer: build a sharded DLRM from a config, train it, evaluate it, checkpoint it, report.
+"""The Trainer: build a sharded model of its family from a config, train it, evaluate it, checkpoint it,
+report.
 
 Steps run through torchrec's TrainPipelineSparseDist (or an eager loop), the embedding optimizer fused
 into the backward and the dense one stepped after it.
@@ -16,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.types import ShardingPlan
 
@@ -28,7 +28,8 @@ from anyrec.backends.threads import ThreadTuner
 from anyrec.calibration.steplearn import run_key
 from anyrec.config import AnyrecConfig
 from anyrec.kernels.ebc import TritonEBCOptimizer
-from anyrec.models.dlrm import DLRM, build_model, table_configs
+from anyrec.models.dlrm import DLRMTrain
+from anyrec.models.family import ModelFamily, resolve_family
 from anyrec.models.init import init_model
 from anyrec.planner.memory import MemoryPrediction
 from anyrec.planner.types import Perf
@@ -40,7 +41,7 @@ from anyrec.trainer.checkpoint import (
     from_legacy,
     legacy_template,
 )
-from anyrec.trainer.compile import compile_dense
+from anyrec.trainer.compile import compile_dense, compile_setting
 from anyrec.trainer.distributed import DistInfo, Runtime, all_reduce_mean, destroy_distributed, start_runtime
 from anyrec.trainer.fingerprint import weights_fingerprint
 from anyrec.trainer.inputs import build_inputs
@@ -64,31 +65,21 @@ from anyrec.trainer.validate import flush_checks
 
 logger = logging.getLogger(__name__)
 
-EBC_PATH = "model.sparse_arch"  # where the EmbeddingBagCollection sits inside DLRMTrain
+__all__ = ["EBC_PATH", "DLRMTrain", "Trainer"]
 
-
-class DLRMTrain(nn.Module):
-    """A DLRM plus its loss, taking a whole Batch (the shape torchrec's train pipelines expect)."""
-
-    def __init__(self, model: DLRM) -> None:
-        super().__init__()
-        self.model = model
-        self.loss_fn = nn.BCEWithLogitsLoss()
-
-    def forward(self, batch: Batch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        logits_B = self.model(batch.dense_features, batch.sparse_features)
-        loss = self.loss_fn(logits_B.float(), batch.labels)
-        return loss, (logits_B.detach(), batch.labels)
+EBC_PATH = "model.sparse_arch"  # where the EmbeddingBagCollection sits inside DLRMTrain (the dlrm family)
 
 
 class Trainer:
     """Owns the backend, the process group, the sharded model, its optimizers, data and checkpoints."""
 
     def __init__(self, cfg: AnyrecConfig, plan: ShardingPlan | None = None, runtime: Runtime | None = None,
-                 hardware: Hardware | None = None) -> None:
+                 hardware: Hardware | None = None, family: ModelFamily | None = None) -> None:
         """`runtime`: the process's backend, group and binding, set up by the caller (else here, from the
-        config); `hardware`: the device the plan is costed on (else resolved from `cfg.hardware`)."""
+        config); `hardware`: the device the plan is costed on (else resolved from `cfg.hardware`);
+        `family`: the model family (else resolved from `cfg.model.family`)."""
         self.cfg = cfg
+        self.family = family if family is not None else resolve_family(cfg.model)
         signing_key = resolve_key(cfg.trainer.signing_key_file)  # an unusable key fails before any work
         self.runtime = runtime if runtime is not None else self.init_distributed()
         self.backend: Backend = self.runtime.backend
@@ -118,8 +109,12 @@ class Trainer:
             self.load_checkpoint(start)
         tc = cfg.trainer
         # after any resume: `auto` weighs the saving over the steps this job has left to run
-        self.compiled = compile_dense(self.model, cfg.model, self.backend, self.device, tc.compile,
-                                      tc.steps - self.step, self.batch_size, self.autocast, self.dist)
+        if self.family.compiles_dense:
+            self.compiled = compile_dense(self.model, cfg.model, self.backend, self.device, tc.compile,
+                                          tc.steps - self.step, self.batch_size, self.autocast, self.dist)
+        elif compile_setting(tc.compile) == "true" and self.dist.is_main:
+            logger.warning("trainer.compile=true ignored: model.family=%s runs its dense part eagerly",
+                           self.family.name)
         self.run = RunState.begin(self.step, tc.steps, tc.log_every, self.device, self.writer,
                                   self.batch_size * self.dist.world_size, self.dist.is_main, tc.progress,
                                   per_step_timing=not self.backend.queues_device_work())
@@ -150,12 +145,12 @@ class Trainer:
         # One device with anyrec's own TBE: no sharding, so no input distribution (whose KJT
         # permutes need FBGEMM ops) and no FBGEMM kernel anywhere in the step. Naming the sparse ops'
         # implementation (backend.sparse_ops=portable|fbgemm) asks for the sharded path instead.
-        self.unsharded = (self.dist.world_size == 1
+        self.unsharded = (self.dist.world_size == 1 and self.family.build_around is not None
                           and self.kernels["embedding"].unsharded_builder is not None
                           and self.cfg.backend.sparse_ops == "auto")
         # The data first: what its sources keep on the device is part of the memory the plan must fit.
         # Prefetched file batches land in page-locked memory where there is a device to copy them to.
-        inputs = build_inputs(self.cfg, self.dist, self.device,
+        inputs = build_inputs(self.cfg, self.family, self.dist, self.device,
                               self.backend.pin if self.backend.pins_host_memory() else None)
         self.batch_size, self.train_data, self.eval_data = inputs.batch_size, inputs.train, inputs.eval
         self.validator, self.loss_guard = inputs.validator, inputs.loss_guard
@@ -165,8 +160,9 @@ class Trainer:
         else:
             self._build_sharded()
         # the same initial weights whatever the kernel, plan, world size or device
-        init_model(self.model, table_configs(self.cfg.model), tc.seed, EBC_PATH)
-        self.optimizers = Optimizers(self.model, self.fused_optimizer, self.cfg.optim, EBC_PATH)
+        family = self.family
+        init_model(self.model, family.table_configs(self.cfg.model), tc.seed, family.sparse_path)
+        self.optimizers = Optimizers(self.model, self.fused_optimizer, self.cfg.optim, family.sparse_path)
         loop = SparseDistPipeline if tc.pipeline and not self.unsharded else EagerLoop
         self.pipeline = loop(self.model, self.optimizers.combined, self.device, self)
         self.writer = MetricWriter(tc.run_dir, self.dist.is_main, tc.tensorboard)
@@ -210,37 +206,39 @@ class Trainer:
     def _build_sharded(self) -> None:
         """Tables on the meta device, placed by the plan and allocated by DistributedModelParallel."""
         install_sparse_ops(self.backend, self.cfg.backend.sparse_ops)  # torchrec's input/output dist ops
-        model = build_model(self.cfg.model, self.device, ebc_device=torch.device("meta"),
-                            kernels=self.kernels)
+        family = self.family
+        model = family.build_train(self.cfg.model, self.device, torch.device("meta"), self.kernels)
         # Embedding optimizer fused into the backward pass (TBE updates rows in place).
-        apply_embedding_optimizer(model.sparse_arch.parameters(), self.cfg.optim)
+        apply_embedding_optimizer(family.sparse_module(model).parameters(), self.cfg.optim)
         embedding, hardware = self.kernels["embedding"], self._hardware()
         # a plan given from outside (calibration's step points) names the devices as a planned one does
         self.sharding_plan, self.predicted_perf, self.predicted_memory = (
             (place_shards(self.plan_override, self.backend, self.dist.local_world_size), None, None)
             if self.plan_override else
-            shared_plan(self.cfg, self.backend, self.dist, model, EBC_PATH, embedding, hardware,
+            shared_plan(self.cfg, self.backend, self.dist, model, family, embedding, hardware,
                         self.resident_bytes))
         check_embedding_optimizer(self.cfg.optim, embedding, self.device.type, self.sharding_plan)
         # DDP's static graph page-locks host memory for a device's used-parameter map: off where the
         # device cannot (its copies are then plain ones; the numbers do not change), for the dense
         # modules and for the data-parallel tables of a sharder that takes the setting.
         static_graph = self.device.type == "cpu" or self.backend.pins_host_memory()
-        self.model = shard_model(DLRMTrain(model), self.device, self.sharding_plan, self.backend, self.dist,
+        self.model = shard_model(model, self.device, self.sharding_plan, self.backend, self.dist,
                                  embedding, static_graph)  # 1D or 2D (planner.sharding_group_size)
         self.fused_optimizer = self.model.fused_optimizer
 
     def _build_unsharded(self) -> None:
         """All tables on this device in anyrec's TritonEmbeddingBagCollection (Triton or torch ops)."""
+        family = self.family
+        assert family.build_around is not None  # `unsharded` asks for it
         ebc = self.kernels["embedding"].build_unsharded(
-            table_configs(self.cfg.model), optimizer=embedding_optimizer_config(self.cfg.optim),
+            family.table_configs(self.cfg.model), optimizer=embedding_optimizer_config(self.cfg.optim),
             device=self.device)
         self.sharding_plan = None
-        self.model = DLRMTrain(DLRM(self.cfg.model, ebc, device=self.device, kernels=self.kernels))
+        self.model = family.build_around(self.cfg.model, ebc, self.device, self.kernels)
         hardware = self._hardware()
-        self.predicted_memory = unsharded_memory(self.cfg, self.backend, self.model.model,
+        self.predicted_memory = unsharded_memory(self.cfg, self.backend, self.model, family,
                                                  self.kernels["embedding"], hardware, self.resident_bytes)
-        self.fused_optimizer = TritonEBCOptimizer(ebc, prefix=f"{EBC_PATH}.")
+        self.fused_optimizer = TritonEBCOptimizer(ebc, prefix=f"{family.sparse_path}.")
 
     def _log_setup(self) -> None:
         logger.info("backend: %s", self.backend.describe())
@@ -436,7 +434,7 @@ class Trainer:
 
     def signature(self) -> dict[str, Any]:
         """What a checkpoint must match to load into this model (world size may differ)."""
-        tables = {c.name: [c.num_embeddings, c.embedding_dim] for c in table_configs(self.cfg.model)}
+        tables = self.family.table_shapes(self.cfg.model)
         dense = {n: list(p.shape) for n, p in self.model.named_parameters() if "sparse_arch" not in n}
         return {"tables": tables, "dense": dense, "optimizer": self.cfg.optim.name}
 
