@@ -187,9 +187,11 @@ def _strip_wrappers(name: str) -> str:
     return ".".join(p for p in name.split(".") if p not in ("_dmp_wrapped_module", "module"))
 
 
-def init_model(model: nn.Module, tables: Iterable, seed: int, ebc_path: str) -> None:
+def init_model(model: nn.Module, tables: Iterable, seed: int, ebc_path: str,
+               collection: str = "embedding_bags") -> None:
     """Plan-invariant initial weights for a built (and, if sharded, materialised) model, in place. The
-    embedding collection sits at `ebc_path` (`<ebc_path>.embedding_bags.<table>.weight` in the state_dict,
-    DistributedModelParallel or not); everything else is dense."""
-    init_tables(model.state_dict(), tables, seed, f"{ebc_path}.embedding_bags.")
+    embedding collection sits at `ebc_path` (`<ebc_path>.<collection>.<table>.weight` in the state_dict,
+    DistributedModelParallel or not: `embedding_bags` for an EmbeddingBagCollection, `embeddings` for an
+    EmbeddingCollection); everything else is dense."""
+    init_tables(model.state_dict(), tables, seed, f"{ebc_path}.{collection}.")
     init_dense(model, seed, skip=lambda name: _strip_wrappers(name) == ebc_path)
