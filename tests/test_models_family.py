@@ -23,7 +23,7 @@ def test_the_family_named_by_the_config_is_resolved_and_an_unknown_one_is_one_li
     assert resolve_family(TINY) is DLRM_FAMILY
     with pytest.raises(UnknownFamilyError) as e:
         resolve_family(dataclasses.replace(TINY, family="gpt"))
-    assert str(e.value) == "model.family='gpt' (model tiny): known families are dlrm"
+    assert str(e.value) == "model.family='gpt' (model tiny): known families are dlrm, dlrmv4"
 
 
 def test_dlrm_builds_its_training_module_with_tables_where_asked():

@@ -7,7 +7,7 @@ implementation per op; says where its embedding collection sits in that module a
 torchrec EmbeddingBagCollection) or not (an EmbeddingCollection: one vector per sequence position); and
 states its batch schema, the data sources it reads, what the planner needs beyond the tables, whether
 torch.compile takes its dense part, and whether it exports. DLRM (dot interaction) and DLRMv2 (DCNv2) are one
-family, `dlrm`: the interaction is a field of their config.
+family, `dlrm`: the interaction is a field of their config; DLRMv4 (HSTU) is `dlrmv4`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
 from anyrec.backends.dispatch import Impl
 from anyrec.config import ModelConfig
-from anyrec.models import dlrm
+from anyrec.models import dlrm, dlrmv4
 from anyrec.schema import BatchSchema, WorkloadFacts
 
 # (model config, dense device, table device, the backend's implementation per op) -> training module
@@ -93,7 +93,19 @@ DLRM_FAMILY = ModelFamily(
     scoring_part=dlrm.scoring_part,
 )
 
-FAMILIES: Mapping[str, ModelFamily] = {f.name: f for f in (DLRM_FAMILY,)}
+# DLRMv4 (MLPerf Training v6.1): HSTU over each user's history; sequence embeddings, streamed 1-day windows
+DLRMV4_FAMILY = ModelFamily(
+    name="dlrmv4",
+    build_train=dlrmv4.build_train,
+    table_configs=dlrmv4.table_configs,
+    sparse_path="sparse_arch",
+    pooled=False,
+    batch_schema=dlrmv4.batch_schema,
+    workload_facts=dlrmv4.workload_facts,
+    data_sources=("yambda_synthetic", "yambda"),
+)
+
+FAMILIES: Mapping[str, ModelFamily] = {f.name: f for f in (DLRM_FAMILY, DLRMV4_FAMILY)}
 
 
 def resolve_family(cfg: ModelConfig) -> ModelFamily:

@@ -50,6 +50,8 @@ def _replicating_every_table(optimizer: str, reason: str, device_type: str) -> N
     quiet_dense_tbe_warning()
 
 
+# what torchrec's EmbeddingCollection sharder shards (its data-parallel tables are not planned here)
+SEQUENCE_SHARDINGS = (ShardingType.TABLE_WISE, ShardingType.ROW_WISE, ShardingType.COLUMN_WISE)
 WEIGHT_DTYPES = {DataType.FP32: "fp32", DataType.FP16: "fp16", DataType.BF16: "bf16", DataType.INT8: "int8"}
 
 
@@ -130,7 +132,14 @@ def planner_inputs(model: nn.Module, ebc: nn.Module, facts: WorkloadFacts, cfg_p
                    dense_activation_bytes_per_sample=facts.dense_activation_bytes_per_sample,
                    dense_gradient_bytes_per_sample=facts.dense_gradient_bytes_per_sample,
                    dense_features=facts.dense_features, dense_flops_per_sample=facts.dense_flops_per_sample)
-    return model_tables(collection_configs(ebc), facts), sum(p.numel() for p in dense), options
+    tables = model_tables(collection_configs(ebc), facts)
+    if any(t.sequence for t in tables):  # torchrec shards an EmbeddingCollection these three ways
+        allowed = tuple(s for s in options["allowed_shardings"] if s in SEQUENCE_SHARDINGS)
+        if not allowed:
+            raise ValueError(f"planner.sharding={cfg_planner.sharding}: sequence embeddings shard "
+                             f"{', '.join(SEQUENCE_SHARDINGS)}")
+        options["allowed_shardings"] = allowed
+    return tables, sum(p.numel() for p in dense), options
 
 
 def plan_model(model: nn.Module, ebc: nn.Module, facts: WorkloadFacts, cfg_planner: PlannerConfig,

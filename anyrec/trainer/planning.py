@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import _remote_device
+from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.model_parallel import (
     DataParallelWrapper,
     DefaultDataParallelWrapper,
@@ -38,14 +39,29 @@ from anyrec.trainer.twod import TwoDModelParallel
 logger = logging.getLogger(__name__)
 
 
-def sharders(embedding: Impl, static_graph: bool = True) -> list[ModuleSharder]:
+def sharders(embedding: Impl, static_graph: bool = True, pooled: bool = True) -> list[ModuleSharder]:
     """The sharders DistributedModelParallel uses: one for the selected embedding implementation.
     `static_graph=False` (the device cannot page-lock host memory) goes to a sharder that has the
-    setting (anyrec's TBE: DDP of its data-parallel lookups; FBGEMM's never runs on such a device)."""
+    setting (anyrec's TBE: DDP of its data-parallel lookups; FBGEMM's never runs on such a device).
+    `pooled=False`: torchrec's EmbeddingCollection sharder (sequence embeddings), whose fused kernels
+    must be the implementation's (ValueError otherwise)."""
+    if not pooled:
+        return [sequence_sharder(embedding)]
     sharder = embedding_sharder(embedding)
     if hasattr(sharder, "static_graph"):
         sharder.static_graph = static_graph
     return [sharder]
+
+
+def sequence_sharder(embedding: Impl) -> EmbeddingCollectionSharder:
+    """torchrec's EmbeddingCollection sharder, for an implementation whose fused kernel it runs."""
+    sharder = EmbeddingCollectionSharder()
+    runs = {k for device in ("cpu", "cuda") for k in sharder.compute_kernels("table_wise", device)}
+    if embedding.compute_kernel() not in runs:
+        raise ValueError(f"backend.embedding_kernel={embedding.name} has no kernel for sequence embeddings "
+                         f"(torchrec's EmbeddingCollection runs FBGEMM's fused TBE): use "
+                         f"backend.embedding_kernel=fbgemm")
+    return sharder
 
 
 class NoDataParallelWrapper(DataParallelWrapper):
@@ -92,7 +108,7 @@ class GroupShardingPlan(ShardingPlan):
 
 
 def shard_model(module: nn.Module, device: torch.device, plan: ShardingPlan, backend: Backend, info: DistInfo,
-                embedding: Impl, static_graph: bool) -> DistributedModelParallel:
+                embedding: Impl, static_graph: bool, pooled: bool = True) -> DistributedModelParallel:
     """`module` sharded by `plan`: torchrec's DistributedModelParallel over the whole world, or (a
     GroupShardingPlan for a group smaller than the world) its 2D DMPCollection, whose replicas exchange
     their gradients every step or are averaged every `plan.replica_sync_every` steps
@@ -101,11 +117,11 @@ def shard_model(module: nn.Module, device: torch.device, plan: ShardingPlan, bac
     wrapper = dense_wrapper(info.world_size, static_graph)
     if group == info.world_size:
         return DistributedModelParallel(module, device=device, plan=plan,
-                                        sharders=sharders(embedding, static_graph),
+                                        sharders=sharders(embedding, static_graph, pooled),
                                         data_parallel_wrapper=wrapper)
     layout = GroupLayout(info.world_size, info.local_world_size, group, plan.use_inter_host_allreduce)
     model = TwoDModelParallel(module, device, plan, info.rank, info.world_size, group, dist.group.WORLD,
-                              sharders(embedding, static_graph), wrapper,
+                              sharders(embedding, static_graph, pooled), wrapper,
                               place=lambda p: place_shards(p, backend, info.local_world_size),
                               sync_every=plan.replica_sync_every, node_group_size=layout.group_local_size,
                               replica_update=plan.replica_update,
@@ -195,7 +211,7 @@ def _plan_group(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.M
         shardings = simple_table_shardings(collection_configs(ebc), group,
                                            force=cfg.planner.sharding, optimizer=cfg.optim.name)
         plan = simple_sharding_plan(ebc, shardings, module_path, group, layout.group_local_size,
-                                    backend.device_type, sharder=sharders(embedding)[0],
+                                    backend.device_type, sharder=sharders(embedding, True, family.pooled)[0],
                                     compute_kernel=embedding.compute_kernel())
         return place_shards(plan, backend, info.local_world_size), None, None, layout
     if cfg.planner.name != "codesign":

@@ -111,11 +111,11 @@ class Trainer:
         # after any resume: `auto` weighs the saving over the steps this job has left to run
         if self.family.compiles_dense:
             self.compiled = compile_dense(self.model, cfg.model, self.backend, self.device, tc.compile,
-                                          tc.steps - self.step, self.batch_size, self.autocast, self.dist)
+                                          self.steps - self.step, self.batch_size, self.autocast, self.dist)
         elif compile_setting(tc.compile) == "true" and self.dist.is_main:
             logger.warning("trainer.compile=true ignored: model.family=%s runs its dense part eagerly",
                            self.family.name)
-        self.run = RunState.begin(self.step, tc.steps, tc.log_every, self.device, self.writer,
+        self.run = RunState.begin(self.step, self.steps, tc.log_every, self.device, self.writer,
                                   self.batch_size * self.dist.world_size, self.dist.is_main, tc.progress,
                                   per_step_timing=not self.backend.queues_device_work())
 
@@ -153,6 +153,11 @@ class Trainer:
         inputs = build_inputs(self.cfg, self.family, self.dist, self.device,
                               self.backend.pin if self.backend.pins_host_memory() else None)
         self.batch_size, self.train_data, self.eval_data = inputs.batch_size, inputs.train, inputs.eval
+        self.eval_batches, self.eval_points, self.source_facts = (inputs.eval_batches, inputs.eval_points,
+                                                                  inputs.facts)
+        # trainer.steps, or fewer where the source holds fewer (a stream's training windows)
+        self.steps = tc.steps if inputs.steps is None else min(tc.steps, inputs.steps)
+        self.window_evals: list[dict[str, Any]] = []  # a stream's evaluation after each training window
         self.validator, self.loss_guard = inputs.validator, inputs.loss_guard
         self.resident_bytes = resident_device_bytes([self.train_data, self.eval_data], self.device)
         if self.unsharded:
@@ -161,7 +166,8 @@ class Trainer:
             self._build_sharded()
         # the same initial weights whatever the kernel, plan, world size or device
         family = self.family
-        init_model(self.model, family.table_configs(self.cfg.model), tc.seed, family.sparse_path)
+        init_model(self.model, family.table_configs(self.cfg.model), tc.seed, family.sparse_path,
+                   family.collection_key)
         self.optimizers = Optimizers(self.model, self.fused_optimizer, self.cfg.optim, family.sparse_path)
         loop = SparseDistPipeline if tc.pipeline and not self.unsharded else EagerLoop
         self.pipeline = loop(self.model, self.optimizers.combined, self.device, self)
@@ -222,8 +228,8 @@ class Trainer:
         # device cannot (its copies are then plain ones; the numbers do not change), for the dense
         # modules and for the data-parallel tables of a sharder that takes the setting.
         static_graph = self.device.type == "cpu" or self.backend.pins_host_memory()
-        self.model = shard_model(model, self.device, self.sharding_plan, self.backend, self.dist,
-                                 embedding, static_graph)  # 1D or 2D (planner.sharding_group_size)
+        self.model = shard_model(model, self.device, self.sharding_plan, self.backend, self.dist, embedding,
+                                 static_graph, family.pooled)  # 1D or 2D (planner.sharding_group_size)
         self.fused_optimizer = self.model.fused_optimizer
 
     def _build_unsharded(self) -> None:
@@ -340,7 +346,7 @@ class Trainer:
         tc, run = self.cfg.trainer, self.run
         if tc.breakdown_steps:
             try:
-                run.profile_at = breakdown_window(tc.steps, run.timer.warm_step, tc.breakdown_steps)
+                run.profile_at = breakdown_window(self.steps, run.timer.warm_step, tc.breakdown_steps)
             except ValueError as e:  # resumed too close to the end (a fresh run was checked in build)
                 logger.warning("no step breakdown: %s", e)
         self.backend.reset_peak_memory_stats()
@@ -348,10 +354,10 @@ class Trainer:
                                    tc.collective_timeout_s)
         self.stopper.install()  # SIGINT/SIGTERM: every rank stops after the same step
         try:
-            while self.step < tc.steps and not self.stopper.stopped_by:
+            while self.step < self.steps and not self.stopper.stopped_by:
                 if self.step == run.profile_at:
                     run.profiler = StepProfiler(tc.breakdown_steps, self.backend.device_type).__enter__()
-                self.run_steps(self._next_stop(tc.steps) - self.step)
+                self.run_steps(self._next_stop(self.steps) - self.step)
                 if not self.stopper.stopped_by:
                     self._between_chunks()
             run.bar.close()
@@ -370,15 +376,17 @@ class Trainer:
         for every in (tc.eval_every, tc.checkpoint.every if self.checkpoints else 0):
             if every > 0:
                 stops.append((self.step // every + 1) * every)
+        stops += [p for p in self.eval_points if p > self.step][:1]
         return min(stops)
 
     def _between_chunks(self) -> None:
         """A periodic checkpoint and evaluation when one is due (not at the end)."""
         tc = self.cfg.trainer
-        if self.checkpoints is not None and self.step < tc.steps and tc.checkpoint.every and \
+        if self.checkpoints is not None and self.step < self.steps and tc.checkpoint.every and \
                 self.step % tc.checkpoint.every == 0:
             self.run.last_checkpoint = self.save_checkpoint()
-        if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.steps and self.eval_data:
+        due = (tc.eval_every and self.step % tc.eval_every == 0) or self.step in self.eval_points
+        if due and self.step < self.steps and self.eval_data:
             log_eval(self.run, self.step, self.evaluate())
 
     def _finish(self) -> dict[str, Any]:
@@ -402,7 +410,17 @@ class Trainer:
                       self.backend.max_memory_allocated(), self.backend.max_memory_reserved(),
                       weights_fingerprint(self.model, self.dist) if self.cfg.trainer.fingerprint_weights
                       else None)
-        return {**run_summary(self.job, run, out), **self._thread_facts()}
+        return {**run_summary(self.job, run, out), **self._thread_facts(), **self._model_facts()}
+
+    def _model_facts(self) -> dict[str, Any]:
+        """The summary's model keys: the model, its family, each op's implementation the model runs, the
+        dense precision, each streamed window's evaluation and what the data source says of itself."""
+        ops = {op: impl.name for op, impl in self.kernels.items() if op in ("interaction", "dcn_cross",
+                                                                             "hstu_attention")}
+        return {"model": self.cfg.model.name, "model_family": self.family.name,
+                "attention_kernel": ops.get("hstu_attention") if not self.family.pooled else None,
+                "precision": "bf16" if self.autocast else "fp32", "window_eval": self.window_evals,
+                **self.source_facts}
 
     def _thread_facts(self) -> dict[str, Any]:
         """The summary's thread keys: this rank's intra-op count (under backend.threads=auto the count its
@@ -418,17 +436,21 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """AUC, NE, log loss and accuracy over `trainer.eval_steps` held-out batches per rank."""
-        assert self.eval_data is not None
+        assert self.eval_data is not None and self.eval_batches is not None
         self.model.eval()
         metrics = EvalMetrics(self.device)
-        batches = self.eval_data.iter_from(0, self.cfg.trainer.eval_steps)
+        batches = self.eval_batches(self.step)
         if self.validator is not None:
             batches = self.validator.wrap(batches, 0, "eval batch")
         for logits_B, labels_B in predictions(self.pipeline, batches):
             metrics.update(logits_B, labels_B)
         flush_checks(self.validator, None)
         self.model.train()
-        return metrics.compute()
+        result = metrics.compute()
+        if self.step in self.eval_points:  # a stream's: the window after the one trained last
+            self.window_evals.append({"window": self.eval_points.index(self.step) + 1, "step": self.step,
+                                      **result})
+        return result
 
     # ---- checkpoints ----------------------------------------------------------------------------
 
