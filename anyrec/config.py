@@ -96,9 +96,10 @@ def parse_group_size(value: object) -> GroupSize:
 
 @dataclass
 class ModelConfig:
-    """A DLRM-family model: tables, MLPs and the interaction."""
+    """A model: its family (`anyrec.models.family`), tables, MLPs and the interaction."""
 
     name: str = MISSING
+    family: str = "dlrm"  # dlrm (DLRM, DLRMv2) | dlrmv4 (HSTU over user sequences)
     interaction: Interaction = Interaction.dot
     embedding_dim: int = 16
     num_dense_features: int = 13
@@ -108,6 +109,9 @@ class ModelConfig:
     top_mlp: list[int] = field(default_factory=list)  # last width == 1
     dcn_num_layers: int = 3
     dcn_low_rank: int = 512
+    # family dlrmv4: anyrec.models.hstu.DLRMv4Config fields, and `table_scale` (every table that x the
+    # reference's rows)
+    hstu: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -130,6 +134,8 @@ class DataConfig:
     dense_transform: DenseTransform = DenseTransform.torchrec  # TSV; torchrec: log(x - min + 2) (tsv_to_npys)
     prefetch: int = 2  # batches made ahead by background threads (files; synthetic on a CPU); 0 = in the step
     prefetch_workers: int = 1  # threads making them (order is kept either way)
+    # sequence sources (yambda_synthetic, yambda): anyrec.data.sequences.SequenceDataConfig fields
+    sequence: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -197,6 +203,7 @@ class OptimConfig:
     """Embedding (fused) and dense optimizers, gradient clipping and the learning-rate schedule."""
 
     name: Optimizer = Optimizer.adagrad
+    dense_name: Optimizer | None = None  # the dense part's optimizer; None: `name`'s
     embedding_lr: float = 0.05
     dense_lr: float = 0.05
     eps: float = 1e-8

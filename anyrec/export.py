@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 from anyrec import _hydra
 from anyrec.config import AnyrecConfig, check_values
 from anyrec.io_checks import writable_file
+from anyrec.models.family import resolve_family
 from anyrec.signing import resolve_key
 
 logger = logging.getLogger("anyrec.export")
@@ -48,7 +49,9 @@ def run(cfg: AnyrecConfig, host_bytes: int | None = None,
     writable_file(ec.output, "export.output")
     check_fits(export_memory_bytes(cfg.model, ec.precision), f"exporting model {cfg.model.name} at "
                f"{ec.precision}", host_memory_bytes() if host_bytes is None else host_bytes)
-    loaded = load_checkpoint(Path(ec.checkpoint), cfg.model, resolve_key(cfg.trainer.signing_key_file))
+    family = resolve_family(cfg.model)  # once, here
+    loaded = load_checkpoint(Path(ec.checkpoint), cfg.model, family,
+                             resolve_key(cfg.trainer.signing_key_file))
     logger.info("checkpoint %s: step %d, written by %s rank(s)", loaded.path, loaded.step,
                 loaded.world_size or "?")
     kernel = resolve_int8_kernel(ec.int8_kernel)  # kept for every precision: the manifest says it

@@ -21,7 +21,7 @@ from anyrec.config import AnyrecConfig
 from anyrec.data import resolve_batch_size
 from anyrec.history.cache import find_for_device
 from anyrec.io_checks import writable_file
-from anyrec.models.dlrm import build_model
+from anyrec.models.family import resolve_family
 from anyrec.planner.planned import PlannedJob, plan_job
 from anyrec.planner.planner import CoDesignPlanner
 from anyrec.planner.report import (
@@ -36,7 +36,6 @@ from anyrec.planner.types import InfeasiblePlanError, PlanResult
 from anyrec.runtime.distributed import ONE_PROCESS, DistInfo
 from anyrec.signing import resolve_key
 from anyrec.trainer.inputs import host_estimate_of_resident_bytes
-from anyrec.trainer.trainer import EBC_PATH
 
 
 def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print,
@@ -59,8 +58,9 @@ def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print,
     # FBGEMM's (what an accelerator SKU runs)
     impl = (backend.select_kernels(cfg.backend)["embedding"] if backend is not None
             else FBGEMM_EMBEDDING if kernel == "auto" else get_impl("embedding", kernel))
-    meta = torch.device("meta")
-    model = build_model(cfg.model, meta, ebc_device=meta)
+    meta, family = torch.device("meta"), resolve_family(cfg.model)
+    model = family.build_train(cfg.model, meta, meta, {})
+    facts = family.workload_facts(cfg.model)
     world, local = cfg.topology.world_size, cfg.topology.local_world_size or cfg.topology.world_size
     resident = host_estimate_of_resident_bytes(cfg, DistInfo(0, world, 0, local))
     batch = cfg.plan.batch_size or resolve_batch_size(cfg.data, world).batch_size
@@ -68,7 +68,8 @@ def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print,
     def plan_on(hw: Hardware) -> PlannedJob:
         # this machine's device type for its own hardware (as the trainer plans); a SKU's otherwise
         device_type = backend.device_type if backend is not None and hw is hardware else None
-        return plan_job(cfg, model, EBC_PATH, hw, impl, world, local, batch, device_type, resident, planner)
+        return plan_job(cfg, model, family.sparse_module(model), family.sparse_path, facts, hw, impl, world,
+                        local, batch, device_type, resident, planner)
 
     planned = plan_on(hardware)
     if planned.result is None:

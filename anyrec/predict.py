@@ -35,11 +35,12 @@ def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print) -> dict[str,
     from tqdm import tqdm
 
     from anyrec.backends import get_backend  # late: after the command line
+    from anyrec.models.family import resolve_family  # late: after the command line
     from anyrec.runtime.distributed import DistInfo  # late: after the command line
     from anyrec.serving.artifact import load_artifact, read_manifest  # late: after the command line
     from anyrec.serving.scoring import score_batches  # late: after the command line
     from anyrec.serving.weights import check_fits, host_memory_bytes  # late: after the command line
-    from anyrec.trainer.inputs import build_inputs  # late: after the command line
+    from anyrec.trainer.inputs import build_inputs
 
     check_values(cfg)
     pc = cfg.predict
@@ -69,9 +70,9 @@ def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print) -> dict[str,
     program = artifact.scorer.to(device)
     # the sources the training run built, for the artifact's model: the rows its ranks read
     job = dataclasses.replace(cfg, model=model, trainer=dataclasses.replace(cfg.trainer, eval_steps=steps))
-    sources = []
+    sources, family = [], resolve_family(model)
     for rank in range(pc.world_size):
-        inputs = build_inputs(job, DistInfo(rank, pc.world_size, rank, pc.world_size), device, None)
+        inputs = build_inputs(job, family, DistInfo(rank, pc.world_size, rank, pc.world_size), device, None)
         sources.append(inputs.eval if pc.split == "eval" else inputs.train)
     total = steps * pc.world_size * sources[0].batch_size
     bar = tqdm(total=total, desc=f"score {pc.split}", unit="sample", unit_scale=True, file=sys.stderr,

@@ -71,3 +71,31 @@ def load_model_config(name: str, folder: Path | None = None) -> ModelConfig:
         if isinstance(entry, str) and (folder / f"{entry}.yaml").is_file():
             merged = OmegaConf.merge(merged, OmegaConf.structured(load_model_config(entry, folder)))
     return OmegaConf.to_object(OmegaConf.merge(merged, raw))
+
+
+@dataclass(frozen=True)
+class WorkloadFacts:
+    """What the planner needs of a model besides its tables and dense parameters (which it reads from the
+    model itself): ids each feature looks up per sample (pooled: its multi-hot count; sequence: its
+    positions), and the dense part's per-sample pairwise interaction and fp32 activation bytes (see
+    `PlanOptions`)."""
+
+    lookups_per_sample: dict[str, float]  # feature -> ids per sample
+    interaction_pairs: int = 0
+    dense_lookup_bytes_per_sample: int = 0  # alive while the embeddings are looked up
+    dense_activation_bytes_per_sample: int = 0  # alive at the end of the dense forward
+    dense_gradient_bytes_per_sample: int = 0  # alive while the backward reaches the embeddings
+    dense_features: int = 0  # dense inputs per sample
+    dense_flops_per_sample: float = 0.0  # forward + backward; 0: 6 per dense parameter (the planner's rule)
+
+
+@dataclass(frozen=True)
+class BatchSchema:
+    """What a model reads of a batch, as its input checks see it: the sparse features in key order, the
+    rows of the table serving each, dense inputs per sample (pooled models), and whether the features
+    are sequences (a jagged list of ids per sample, unpooled) or bags."""
+
+    features: tuple[str, ...]
+    table_rows: tuple[int, ...]
+    num_dense: int = 0
+    sequence: bool = False

@@ -96,6 +96,7 @@ def worker(overrides: list[str]) -> None:
     from anyrec import _hydra
     from anyrec.backends import get_backend, resolve_hardware
     from anyrec.models.dlrm import build_model
+    from anyrec.planner.planned import ParallelLayout, PlannedJob
     from anyrec.trainer.optim import embedding_optimizer
     from anyrec.trainer.planning import sharders
     from anyrec.trainer.trainer import DLRMTrain, Trainer
@@ -119,7 +120,8 @@ def worker(overrides: list[str]) -> None:
         if int(os.environ.get("RANK", "0")) == 0:
             print(json.dumps({"refused": str(e).splitlines()[0][:300]}), flush=True)
         return
-    trainer = Trainer(cfg, plan=tr_plan)  # the Trainer names each shard's device
+    # torchrec's plan as the job, 1D over the world (the Trainer names each shard's device)
+    trainer = Trainer(cfg, PlannedJob(tr_plan, ParallelLayout.one_d(world, world)))
     failed = True
     try:
         summary = trainer.train()

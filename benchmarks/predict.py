@@ -39,6 +39,7 @@ from torchrec.inference.modules import quantize_embeddings
 from anyrec._hydra import compose_job
 from anyrec.config import IdLayout, Int8Kernel, ModelConfig, TablePrecision
 from anyrec.models.dlrm import build_model, table_configs
+from anyrec.models.family import resolve_family
 from anyrec.models.init import init_model
 from anyrec.runtime.distributed import ONE_PROCESS
 from anyrec.schema import load_model_config
@@ -56,7 +57,7 @@ SCORE_ATOL = {TablePrecision.fp32: 1e-5, TablePrecision.int8: 1e-2}
 def batches_for(model: str, batch: int, count: int) -> list:
     """`count` synthetic eval batches of `model` (what `anyrec-predict` reads), made once."""
     cfg = compose_job([f"model={model}", f"data.batch_size={batch}", "data.prefetch=0"])
-    source = build_inputs(cfg, ONE_PROCESS, torch.device("cpu"), None).eval
+    source = build_inputs(cfg, resolve_family(cfg.model), ONE_PROCESS, torch.device("cpu"), None).eval
     return list(source.iter_from(0, count))
 
 

@@ -68,7 +68,7 @@ def floor_of_job(overrides: list[str], hardware_files: list[str], nproc: int, ba
     from anyrec.backends.dispatch import KernelProfile
     from anyrec.backends.hardware import EmbeddingCost
     from anyrec.history.cache import find_for_device
-    from anyrec.models.dlrm import build_model
+    from anyrec.models.dlrm import build_model, workload_facts
     from anyrec.planner.evaluate import evaluate_assignment
     from anyrec.planner.job import plan_model
     from anyrec.planner.types import Topology
@@ -91,8 +91,8 @@ def floor_of_job(overrides: list[str], hardware_files: list[str], nproc: int, ba
     model = build_model(cfg.model, meta, ebc_device=meta)
     batch = batch_size or cfg.data.batch_size
     topo = Topology(hardware.spec, nproc, nproc, backend.device_type)
-    plan = plan_model(model, model.sparse_arch, cfg.model, cfg.planner, cfg.optim.name, topo, batch,
-                      hardware.embedding_cost(impl), id_zipf_exponent=id_skew(cfg))
+    plan = plan_model(model, model.sparse_arch, workload_facts(cfg.model), cfg.planner, cfg.optim.name, topo,
+                      batch, hardware.embedding_cost(impl), id_zipf_exponent=id_skew(cfg))
     # the lookups at the copy bandwidth: efficiency 1, no per-row or per-launch seconds (the access size,
     # the smallest memory transaction, stays the implementation's)
     ideal = KernelProfile(1.0, plan.workload.options.embedding.profile.access_bytes, 0.0)

@@ -18,6 +18,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from anyrec import export as export_cli
 from anyrec.config import CheckpointConfig, IdLayout, Int8Kernel, ModelConfig, TablePrecision
 from anyrec.models.dlrm import build_model, table_configs
+from anyrec.models.family import DLRM_FAMILY
 from anyrec.models.init import init_model
 from anyrec.runtime.distributed import ONE_PROCESS
 from anyrec.runtime.errors import CheckpointError
@@ -128,13 +129,13 @@ def exported(tmp_path_factory):
 def test_checkpoint_loads_into_the_unsharded_model(tmp_path):
     model = _model(TINY, seed=3)
     ckpt = _checkpoint(tmp_path, TINY, model)
-    loaded = load_checkpoint(ckpt.parent, TINY)  # the folder: its newest checkpoint
+    loaded = load_checkpoint(ckpt.parent, TINY, DLRM_FAMILY)  # the folder: its newest checkpoint
     assert loaded.step == 7 and loaded.path == ckpt and set(loaded.sha256) >= {".metadata"}
     for (name, want), got in zip(model.state_dict().items(), loaded.model.state_dict().values(), strict=True):
         assert torch.equal(want, got), name
     other = dataclasses.replace(TINY, table_rows=[*TINY.table_rows[:-1], 5])
     with pytest.raises(CheckpointError, match=r"t_cat_25 is 256 rows .*\(model=dlrm_tiny here"):
-        load_checkpoint(ckpt, other)
+        load_checkpoint(ckpt, other, DLRM_FAMILY)
 
 
 def test_a_damaged_checkpoint_is_refused(tmp_path):
@@ -144,7 +145,7 @@ def test_a_damaged_checkpoint_is_refused(tmp_path):
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="checksum mismatch"):
-        load_checkpoint(ckpt, TINY)
+        load_checkpoint(ckpt, TINY, DLRM_FAMILY)
 
 
 def test_the_artifact_scores_as_the_model_and_says_what_it_is(exported):

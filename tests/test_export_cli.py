@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from anyrec.config import IdLayout
+from anyrec.models.family import resolve_family
 from anyrec.runtime.distributed import ONE_PROCESS
 from anyrec.serving.artifact import load_artifact
 from anyrec.serving.scoring import batch_inputs
@@ -66,7 +67,7 @@ def _ok(proc: subprocess.CompletedProcess) -> dict:
 def _eval_inputs(overrides: list[str], steps: int) -> list:
     """The eval rows a one-rank run reads, as the artifact's plain tensors."""
     _, cfg = compose_config(overrides)
-    source = build_inputs(cfg, ONE_PROCESS, torch.device("cpu"), None).eval
+    source = build_inputs(cfg, resolve_family(cfg.model), ONE_PROCESS, torch.device("cpu"), None).eval
     return [batch_inputs(b, IdLayout.offsets, torch.device("cpu")).args() for b in source.iter_from(0, steps)]
 
 

@@ -184,7 +184,7 @@ def test_framework_costs_are_charged_per_step_feature_sample_id_value_entry_and_
 def test_interaction_entries_follow_the_model():
     """The dot interaction's matrix is (features + 1)^2 per sample; DCN's cost is in its GEMM FLOPs."""
     from anyrec.config import ModelConfig
-    from anyrec.planner.job import interaction_pairs
+    from anyrec.models.dlrm import interaction_pairs
 
     assert interaction_pairs(ModelConfig(name="m", table_rows=[10] * 26, interaction="dot")) == 27**2
     assert interaction_pairs(ModelConfig(name="m", table_rows=[10] * 26, interaction="dcn")) == 0

@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from anyrec.backends import get_backend, resolve_hardware
 from anyrec.backends.dispatch import FBGEMM_EMBEDDING
-from anyrec.models.dlrm import build_model
+from anyrec.models.dlrm import DLRMTrain, build_model, workload_facts
 from anyrec.planner.planned import plan_job
 
 from .conftest import compose_config
@@ -25,7 +25,8 @@ def _plan(overrides: list[str]):
     model = build_model(cfg.model, meta, ebc_device=meta)
     backend = get_backend("cpu")
     hardware = resolve_hardware(cfg.hardware.sku, cfg.hardware.spec, backend, cfg.hardware.measurements)
-    planned = plan_job(cfg, model, "model.sparse_arch", hardware, FBGEMM_EMBEDDING, 2, 2, cfg.data.batch_size,
+    planned = plan_job(cfg, DLRMTrain(model), model.sparse_arch, "model.sparse_arch",
+                       workload_facts(cfg.model), hardware, FBGEMM_EMBEDDING, 2, 2, cfg.data.batch_size,
                        backend.device_type)
     return model, planned.plan.plan["model.sparse_arch"]
 

@@ -15,7 +15,7 @@ from anyrec.backends.cpu import CPUBackend
 from anyrec.backends.dispatch import TORCH_EMBEDDING
 from anyrec.backends.specs import SKUS
 from anyrec.kernels.torchrec_kernel import TorchDenseTBE
-from anyrec.models.dlrm import build_model
+from anyrec.models.dlrm import DLRMTrain, build_model, workload_facts
 from anyrec.planner.planned import plan_job
 from anyrec.planner.types import Topology
 from anyrec.trainer.planning import place_shards
@@ -41,8 +41,9 @@ def test_shard_placements_name_the_device_each_rank_trains_on(sharding):
     meta = torch.device("meta")
     cpu = get_backend("cpu")
     model = build_model(cfg.model, meta, ebc_device=meta)
-    plan = plan_job(cfg, model, "model.sparse_arch", resolve_hardware("cpu", {}, cpu), TORCH_EMBEDDING, 2, 2,
-                    cfg.data.batch_size, cpu.device_type).plan
+    plan = plan_job(cfg, DLRMTrain(model), model.sparse_arch, "model.sparse_arch", workload_facts(cfg.model),
+                    resolve_hardware("cpu", {}, cpu), TORCH_EMBEDDING, 2, 2, cfg.data.batch_size,
+                    cpu.device_type).plan
     before = _placements(plan)
     assert before and all(p.endswith("/cpu") for ps in before.values() for p in ps)  # unchanged on cpu
     after = _placements(place_shards(plan, IndexedDevice(), local_world_size=2))
@@ -76,7 +77,8 @@ def test_forcing_data_parallel_on_an_implementation_without_it_is_refused_at_pla
     meta, cpu = torch.device("meta"), get_backend("cpu")
     no_dp = dataclasses.replace(TORCH_EMBEDDING, data_parallel=False)
     with pytest.raises(ValueError) as e:
-        plan_job(cfg, build_model(cfg.model, meta, ebc_device=meta), "model.sparse_arch",
+        plan_job(cfg, DLRMTrain(model := build_model(cfg.model, meta, ebc_device=meta)), model.sparse_arch,
+                 "model.sparse_arch", workload_facts(cfg.model),
                  resolve_hardware("cpu", {}, cpu), no_dp, 2, 2, cfg.data.batch_size, cpu.device_type)
     assert str(e.value) == "planner.sharding=data_parallel cannot run with backend.embedding_kernel=torch"
 

@@ -5,8 +5,9 @@
 
 from __future__ import annotations
 
+from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-from torchrec.distributed.types import ShardingType
+from torchrec.distributed.types import ModuleSharder, ShardingType
 
 from anyrec.backends.dispatch import Impl
 
@@ -40,3 +41,20 @@ def embedding_sharder(impl: Impl) -> EmbeddingBagCollectionSharder:
         return impl.build()
     except ImportError as e:  # e.g. a build without anyrec.kernels, or a plugin's missing library
         raise ValueError(f"backend.embedding_kernel={impl.name} is not available: {e}") from None
+
+
+def sequence_sharder(embedding: Impl) -> EmbeddingCollectionSharder:
+    """torchrec's EmbeddingCollection sharder, for an implementation whose fused kernel it runs."""
+    sharder = EmbeddingCollectionSharder()
+    runs = {k for device in ("cpu", "cuda") for k in sharder.compute_kernels("table_wise", device)}
+    if embedding.compute_kernel() not in runs:
+        raise ValueError(f"backend.embedding_kernel={embedding.name} has no kernel for sequence embeddings "
+                         f"(torchrec's EmbeddingCollection runs FBGEMM's fused TBE): use "
+                         f"backend.embedding_kernel=fbgemm")
+    return sharder
+
+
+def collection_sharder(impl: Impl, pooled: bool = True) -> ModuleSharder:
+    """The sharder of a model's embedding collection: the implementation's EBC sharder (pooled), else
+    torchrec's EmbeddingCollection sharder (sequence embeddings)."""
+    return embedding_sharder(impl) if pooled else sequence_sharder(impl)

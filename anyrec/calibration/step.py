@@ -23,10 +23,10 @@ from anyrec import _hydra
 from anyrec.backends import Hardware
 from anyrec.backends.hardware_file import STEP_FIELDS
 from anyrec.calibration.run import STOP_GRACE_S, CalibrationRun, Timing
-from anyrec.models.dlrm import build_model
+from anyrec.models.family import resolve_family
 from anyrec.planner.planned import Assignment, PlannedJob, plan_job
 from anyrec.runtime.distributed import Runtime
-from anyrec.trainer.trainer import EBC_PATH, Trainer
+from anyrec.trainer.trainer import Trainer
 
 logger = logging.getLogger("anyrec.calibrate")
 
@@ -136,10 +136,12 @@ def _train_point(p: StepPoint, runtime: Runtime, hardware: Hardware, steps: int,
     backend, world = runtime.backend, runtime.dist.world_size
     cfg = _hydra.compose_job(_overrides(p, backend.name, steps))
     embedding = backend.select_kernels(cfg.backend)["embedding"]
-    meta = torch.device("meta")
-    model = build_model(cfg.model, meta, ebc_device=meta)
-    planned = plan_job(cfg, model, EBC_PATH, hardware, embedding, world, runtime.dist.local_world_size,
-                       p.batch, backend.device_type, assignment=_assignment(p, world))
+    meta, family = torch.device("meta"), resolve_family(cfg.model)
+    model = family.build_train(cfg.model, meta, meta, {})
+    planned = plan_job(cfg, model, family.sparse_module(model), family.sparse_path,
+                       family.workload_facts(cfg.model), hardware, embedding, world,
+                       runtime.dist.local_world_size, p.batch, backend.device_type,
+                       assignment=_assignment(p, world))
     # the trainer takes the plan alone: the points are costed without the step figures being fitted, a
     # prediction for the trainer to check or learn from is none
     given = PlannedJob(planned.plan, planned.layout)
@@ -147,7 +149,7 @@ def _train_point(p: StepPoint, runtime: Runtime, hardware: Hardware, steps: int,
     level = quiet.level
     quiet.setLevel(logging.WARNING)  # one set-up log per point would bury the calibration's table
     try:
-        trainer = Trainer(cfg, given, runtime=runtime, hardware=hardware)
+        trainer = Trainer(cfg, given, runtime=runtime, hardware=hardware, family=family)
         run.check()  # a signal while it was built
         trainer.step_hooks.append(lambda _: run.check())  # the trainer's own catches one while it trains
         try:

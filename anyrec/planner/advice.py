@@ -53,8 +53,8 @@ def _buffers_per_rank(wl: Workload) -> float:
     b, depth = wl.batch_size_per_rank, wl.options.pipeline_depth
     per = 0.0
     for t in wl.tables:
-        out = b * t.num_features * t.embedding_dim * OUTPUT_BYTES
-        per += depth * (b * (t.pooling_factor + t.num_features) * ID_BYTES + out) + out
+        out = b * t.bags_per_sample * t.embedding_dim * OUTPUT_BYTES
+        per += depth * (b * (t.pooling_factor + t.bags_per_sample) * ID_BYTES + out) + out
     return per
 
 

@@ -192,7 +192,7 @@ def framework_time_s(workload: Workload, topology: Topology) -> float:
     b = workload.batch_size_per_rank
     features = sum(t.num_features for t in workload.tables)
     ids = b * sum(t.pooling_factor for t in workload.tables)
-    values = b * sum(t.num_features * t.embedding_dim for t in workload.tables)
+    values = b * sum(t.bags_per_sample * t.embedding_dim for t in workload.tables)
     return (dev.step_fixed_s + features * dev.step_per_feature_s + b * dev.step_per_sample_s
             + ids * dev.step_per_id_s + values * dev.step_per_value_s
             + b * workload.options.interaction_pairs * dev.step_per_pair_s
@@ -219,7 +219,7 @@ class EmbeddingPerfEstimator(ShardEstimator):
         t = option.table
         b, w = workload.batch_size_per_rank, topology.world_size
         g = b * w  # global batch
-        p, f = t.pooling_factor, t.num_features
+        p, f = t.pooling_factor, t.bags_per_sample
         emb = workload.options.embedding
         opt = workload.optimizer
 
@@ -276,7 +276,7 @@ def shard_lookups(option: ShardingOption, topology: Topology, workload: Workload
     rank looking up its own batch."""
     t = option.table
     b, w = workload.batch_size_per_rank, topology.world_size
-    p, f = t.pooling_factor, t.num_features
+    p, f = t.pooling_factor, t.bags_per_sample
     if not sharded:
         return b * p, b * f, 1
     g = b * w
@@ -310,7 +310,7 @@ class EmbeddingStorageEstimator(ShardEstimator):
         t = option.table
         b, w = workload.batch_size_per_rank, topology.world_size
         g = b * w
-        p, f = t.pooling_factor, t.num_features
+        p, f = t.pooling_factor, t.bags_per_sample
         depth = workload.options.pipeline_depth
         st = option.sharding
         if st == ShardingType.DATA_PARALLEL:
@@ -343,13 +343,14 @@ class DenseEstimator:
         b = workload.batch_size_per_rank
         opts = workload.options
         dense_state = OPTIMIZER_DENSE_STATE_BYTES[workload.optimizer]
-        pooled = b * sum(t.num_features * t.embedding_dim for t in workload.tables) * OUTPUT_BYTES
+        pooled = b * sum(t.bags_per_sample * t.embedding_dim for t in workload.tables) * OUTPUT_BYTES
         hbm = n * (4 + 4 + dense_state) + opts.pipeline_depth * pooled + pooled
         hbm += b * opts.dense_activation_bytes_per_sample
         dev = topology.device
         half = opts.dense_dtype in ("bf16", "fp16") and topology.compute_device != "cpu"
         peak = dev.peak_bf16_flops if half else dev.peak_fp32_flops
-        flops = 6.0 * n * b  # forward 2 FLOPs per parameter per sample, backward 4
+        # forward 2 FLOPs per parameter per sample, backward 4, unless the model states its own
+        flops = (opts.dense_flops_per_sample or 6.0 * n) * b
         compute = flops / (peak * (dev.dense_efficiency or DENSE_EFFICIENCY)) if peak > 0 else 0.0
         comms = dense_all_reduce_time_s(n, topology)
         launch = opts.embedding.profile.per_launch_s

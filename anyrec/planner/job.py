@@ -1,6 +1,6 @@
 """From a job's model and config to planner inputs, as the trainer and `anyrec-plan` share them: tables and
-dense parameters from the model itself (the trainer's, or `anyrec-plan`'s on the meta device), pooling
-factors from the data schema."""
+dense parameters from the model itself (the trainer's, or `anyrec-plan`'s on the meta device), ids per
+sample and the dense part's per-sample facts from the model family (`anyrec.schema.WorkloadFacts`)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,16 @@ import warnings
 from collections.abc import Sequence
 
 from torch import nn
-from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig, DataType, EmbeddingConfig
+from torchrec.modules.embedding_modules import EmbeddingCollection
 
 from anyrec.backends.dispatch import implementations
 from anyrec.backends.hardware import EmbeddingCost
-from anyrec.config import ModelConfig, PlannerConfig
+from anyrec.config import PlannerConfig
 from anyrec.planner.estimators import inexact_update_reason
 from anyrec.planner.planner import CoDesignPlanner
 from anyrec.planner.types import Placement, PlanResult, ShardingType, TableSpec, Topology
-from anyrec.schema import feature_names, ids_per_sample
+from anyrec.schema import WorkloadFacts
 
 logger = logging.getLogger(__name__)
 
@@ -49,41 +50,30 @@ def _replicating_every_table(optimizer: str, reason: str, device_type: str) -> N
     quiet_dense_tbe_warning()
 
 
+# what torchrec's EmbeddingCollection sharder shards (its data-parallel tables are not planned here)
+SEQUENCE_SHARDINGS = (ShardingType.TABLE_WISE, ShardingType.ROW_WISE, ShardingType.COLUMN_WISE)
 WEIGHT_DTYPES = {DataType.FP32: "fp32", DataType.FP16: "fp16", DataType.BF16: "bf16", DataType.INT8: "int8"}
 
 
-def model_tables(configs: Sequence[EmbeddingBagConfig], model: ModelConfig) -> list[TableSpec]:
-    """One TableSpec per embedding table of the model; pooling = ids per sample over its features."""
-    hot = dict(zip(feature_names(len(model.table_rows)), ids_per_sample(model), strict=True))
+def collection_configs(collection: nn.Module) -> list[BaseEmbeddingConfig]:
+    """The table configs of an embedding collection: a torchrec EmbeddingCollection's (unpooled) or an
+    EmbeddingBagCollection's (torchrec's or anyrec's own)."""
+    if isinstance(collection, EmbeddingCollection):
+        return collection.embedding_configs()
+    return collection.embedding_bag_configs()
+
+
+def model_tables(configs: Sequence[BaseEmbeddingConfig], facts: WorkloadFacts) -> list[TableSpec]:
+    """One TableSpec per embedding table of the model; pooling = ids per sample over its features (the
+    model's `facts`); an EmbeddingConfig's table is unpooled (a sequence: one output per id)."""
+    hot = facts.lookups_per_sample
     return [
         TableSpec(name=c.name, num_rows=c.num_embeddings, embedding_dim=c.embedding_dim,
                   pooling_factor=float(sum(hot.get(f, 1) for f in c.feature_names)),
-                  feature_names=list(c.feature_names), weight_dtype=WEIGHT_DTYPES.get(c.data_type, "fp32"))
+                  feature_names=list(c.feature_names), weight_dtype=WEIGHT_DTYPES.get(c.data_type, "fp32"),
+                  sequence=isinstance(c, EmbeddingConfig))
         for c in configs
     ]
-
-
-def interaction_pairs(model: ModelConfig) -> int:
-    """Entries of the pairwise interaction per sample: (features + 1)^2 for the dot interaction (the
-    dense vector and each table's pooled embedding), 0 for DCN (its cost is GEMMs, in the FLOPs)."""
-    return (len(model.table_rows) + 1) ** 2 if model.interaction == "dot" else 0
-
-
-def dense_memory_per_sample(model: ModelConfig) -> tuple[int, int, int]:
-    """fp32 bytes per sample of the dense part's tensors alive (1) while the embeddings are looked up: the
-    bottom MLP's outputs (and the dot interaction's gradient buffer, (features + 1)^2, kept between
-    steps); (2) at the end of the interaction: those, its input ((features + 1) x dim), output and (dot)
-    its (features + 1)^2 matrix, or (DCN) each cross layer's input, low-rank projection and output;
-    (3) while the backward reaches the embeddings: the bottom MLP's outputs and the kept buffer."""
-    f1, dim = len(model.table_rows) + 1, model.embedding_dim
-    bottom = sum(model.bottom_mlp)
-    kept = f1 * f1 if model.interaction == "dot" else 0
-    if model.interaction == "dot":
-        interaction = f1 * dim + f1 * f1 + f1 * (f1 - 1) // 2
-    else:
-        width = f1 * dim
-        interaction = width + model.dcn_num_layers * (2 * width + model.dcn_low_rank)
-    return 4 * (bottom + kept), 4 * (bottom + kept + interaction), 4 * (bottom + kept)
 
 
 def dense_parameters(model: nn.Module, ebc: nn.Module) -> list[nn.Parameter]:
@@ -129,28 +119,37 @@ def plan_options(cfg: PlannerConfig, embedding: EmbeddingCost, optimizer: str,
     return opts
 
 
-def planner_inputs(model: nn.Module, ebc: nn.Module, cfg_model: ModelConfig, cfg_planner: PlannerConfig,
+def planner_inputs(model: nn.Module, ebc: nn.Module, facts: WorkloadFacts, cfg_planner: PlannerConfig,
                    optimizer: str, embedding: EmbeddingCost, device_type: str | None = None
                    ) -> tuple[list[TableSpec], int, dict[str, object]]:
-    """What the planner needs of `model` (EmbeddingBagCollection `ebc`): its tables, its dense parameter
-    count and the PlanOptions fields (the `planner` config group's and the model's)."""
+    """What the planner needs of `model` (embedding collection `ebc`, the model's workload `facts`): its
+    tables, its dense parameter count and the PlanOptions fields (the `planner` config group's and the
+    model's)."""
     dense = dense_parameters(model, ebc)
     options = plan_options(cfg_planner, embedding, optimizer, device_type)
-    lookup, forward, backward = dense_memory_per_sample(cfg_model)
-    options.update(interaction_pairs=interaction_pairs(cfg_model), dense_tensors=len(dense),
-                   dense_lookup_bytes_per_sample=lookup, dense_activation_bytes_per_sample=forward,
-                   dense_gradient_bytes_per_sample=backward, dense_features=cfg_model.num_dense_features)
-    return model_tables(ebc.embedding_bag_configs(), cfg_model), sum(p.numel() for p in dense), options
+    options.update(interaction_pairs=facts.interaction_pairs, dense_tensors=len(dense),
+                   dense_lookup_bytes_per_sample=facts.dense_lookup_bytes_per_sample,
+                   dense_activation_bytes_per_sample=facts.dense_activation_bytes_per_sample,
+                   dense_gradient_bytes_per_sample=facts.dense_gradient_bytes_per_sample,
+                   dense_features=facts.dense_features, dense_flops_per_sample=facts.dense_flops_per_sample)
+    tables = model_tables(collection_configs(ebc), facts)
+    if any(t.sequence for t in tables):  # torchrec shards an EmbeddingCollection these three ways
+        allowed = tuple(s for s in options["allowed_shardings"] if s in SEQUENCE_SHARDINGS)
+        if not allowed:
+            raise ValueError(f"planner.sharding={cfg_planner.sharding}: sequence embeddings shard "
+                             f"{', '.join(SEQUENCE_SHARDINGS)}")
+        options["allowed_shardings"] = allowed
+    return tables, sum(p.numel() for p in dense), options
 
 
-def plan_model(model: nn.Module, ebc: nn.Module, cfg_model: ModelConfig, cfg_planner: PlannerConfig,
+def plan_model(model: nn.Module, ebc: nn.Module, facts: WorkloadFacts, cfg_planner: PlannerConfig,
                optimizer: str, topology: Topology, batch_size_per_rank: int, embedding: EmbeddingCost,
                planner: CoDesignPlanner | None = None, id_zipf_exponent: float = 0.0,
                resident_bytes: int = 0) -> PlanResult:
-    """Plan the tables of `model`'s EmbeddingBagCollection `ebc` on `topology` with the co-design planner;
+    """Plan the tables of `model`'s embedding collection `ebc` on `topology` with the co-design planner;
     `id_zipf_exponent`: the ids' skew where the data's is known (0: uniform, the most rows touched);
     `resident_bytes`: what the data sources keep on each device (the plan leaves room for it)."""
-    tables, dense_params, options = planner_inputs(model, ebc, cfg_model, cfg_planner, optimizer, embedding,
+    tables, dense_params, options = planner_inputs(model, ebc, facts, cfg_planner, optimizer, embedding,
                                                    topology.compute_device)
     options.update(id_zipf_exponent=id_zipf_exponent, resident_bytes=resident_bytes)
     return (planner or CoDesignPlanner()).plan(tables, topology, batch_size_per_rank, optimizer, dense_params,

@@ -222,7 +222,7 @@ def _rank_prediction(plan: PlanResult, r: _Rank, data_source_bytes: int, sharded
     # the input all-to-all delivers this rank's tables' ids and lengths for the batch in flight and the
     # next.
     local_ids = b * sum(t.pooling_factor for t in wl.tables)
-    local_bags = b * sum(t.num_features for t in wl.tables)
+    local_bags = b * sum(t.bags_per_sample for t in wl.tables)
     dense_in = b * (opts.dense_features + 1)  # dense features and the label
     depth = opts.pipeline_depth if sharded else 1  # one device steps eagerly, one batch at a time
     batch = depth * (alloc_bytes(local_ids * ID_BYTES) + alloc_bytes(local_bags * LENGTH_BYTES)
@@ -234,7 +234,7 @@ def _rank_prediction(plan: PlanResult, r: _Rank, data_source_bytes: int, sharded
     # and the model's concatenation of it, and the lookups' own outputs) and the fused update (its
     # temporaries beside the gradient of the lookups' outputs). Data-parallel lookups run through
     # autograd: what they save stays from their forward to the backward.
-    pooled = alloc_bytes(b * sum(t.num_features * t.embedding_dim for t in wl.tables) * OUTPUT_BYTES)
+    pooled = alloc_bytes(b * sum(t.bags_per_sample * t.embedding_dim for t in wl.tables) * OUTPUT_BYTES)
     out = alloc_bytes(r.out_values * OUTPUT_BYTES)
     replica = alloc_bytes(ws.replica_per_value * r.replica_values + ID_BYTES * r.replica_ids)
     upd = ws.update_per_row_value.get(wl.optimizer, 0.0)

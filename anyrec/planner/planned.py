@@ -13,13 +13,14 @@ from dataclasses import dataclass
 
 from torch import nn
 from torchrec.distributed.types import ShardingPlan
+from torchrec.modules.embedding_modules import EmbeddingCollection
 
 from anyrec.backends.dispatch import Impl
 from anyrec.backends.hardware import Hardware
-from anyrec.backends.sharders import embedding_sharder
+from anyrec.backends.sharders import collection_sharder
 from anyrec.config import AnyrecConfig, GroupSize, GroupWord, PlannerName, ReplicaUpdateChoice
 from anyrec.planner.evaluate import evaluate_assignment
-from anyrec.planner.job import plan_model, planner_inputs
+from anyrec.planner.job import collection_configs, plan_model, planner_inputs
 from anyrec.planner.memory import MemoryPrediction, predict_memory
 from anyrec.planner.planner import CoDesignPlanner, make_workload
 from anyrec.planner.report import format_group_choice, format_report
@@ -28,6 +29,7 @@ from anyrec.planner.simple import to_sharding_plan as simple_sharding_plan
 from anyrec.planner.torchrec_plan import to_sharding_plan
 from anyrec.planner.twod import GroupChoice, GroupLayout, choose_group_size
 from anyrec.planner.types import Perf, PlanResult, ReplicaUpdate, ShardingType, Topology
+from anyrec.schema import WorkloadFacts
 
 logger = logging.getLogger(__name__)
 
@@ -157,13 +159,15 @@ def id_skew(cfg: AnyrecConfig) -> float:
     return float(cfg.data.zipf_exponent) if cfg.data.name == "synthetic" else 0.0
 
 
-def plan_job(cfg: AnyrecConfig, model: nn.Module, module_path: str, hardware: Hardware, embedding: Impl,
-             world_size: int, local_world_size: int, batch_size_per_rank: int, device_type: str | None = None,
+def plan_job(cfg: AnyrecConfig, model: nn.Module, collection: nn.Module, module_path: str,
+             facts: WorkloadFacts, hardware: Hardware, embedding: Impl, world_size: int,
+             local_world_size: int, batch_size_per_rank: int, device_type: str | None = None,
              resident_bytes: int = 0, planner: CoDesignPlanner | None = None,
              place: Callable[[ShardingPlan], ShardingPlan] | None = None,
              assignment: Assignment | None = None, log: bool = False) -> PlannedJob:
-    """Plan the tables of `model`'s EmbeddingBagCollection (`model.sparse_arch`, at `module_path` in the
-    module the plan shards) for `world_size` ranks (`local_world_size` per host) training
+    """Plan the tables of `model`'s embedding collection (`collection`, at `module_path` in `model`, the
+    module the plan shards; pooled or sequence, the model family's `facts` say what the planner needs of
+    the rest of the model) for `world_size` ranks (`local_world_size` per host) training
     `batch_size_per_rank` samples each, with the `embedding` implementation costed on `hardware`, on a
     `device_type` device (None: the hardware's spec, planning offline), leaving each device the
     `resident_bytes` its data sources keep. The configured planner chooses (`planner`: the co-design
@@ -175,7 +179,7 @@ def plan_job(cfg: AnyrecConfig, model: nn.Module, module_path: str, hardware: Ha
     if group is None and pc.name != PlannerName.codesign:
         raise ValueError("planner.sharding_group_size=auto needs planner=codesign (the cost model chooses)")
     update = resolve_replica_update(pc.replica_update, cfg.optim.name, pc.replica_sync_every)
-    ebc = model.sparse_arch
+    ebc = collection
     compute_device = Topology(hardware.spec, world_size, local_world_size, device_type).compute_device
     place = place or (lambda plan: plan)
 
@@ -185,7 +189,7 @@ def plan_job(cfg: AnyrecConfig, model: nn.Module, module_path: str, hardware: Ha
     if assignment is not None:
         if group != world_size:
             raise ValueError("a plan given table by table is 1D: planner.sharding_group_size=world")
-        tables, dense_params, options = planner_inputs(model, ebc, cfg.model, pc, cfg.optim.name,
+        tables, dense_params, options = planner_inputs(model, ebc, facts, pc, cfg.optim.name,
                                                        hardware.embedding_cost(embedding), device_type)
         workload = make_workload(tables, batch_size_per_rank, cfg.optim.name, dense_params, **options)
         result = evaluate_assignment(assignment, Topology(hardware.spec, world_size, local_world_size,
@@ -197,15 +201,16 @@ def plan_job(cfg: AnyrecConfig, model: nn.Module, module_path: str, hardware: Ha
             raise ValueError(f"planner.sharding=data_parallel cannot run with "
                              f"backend.embedding_kernel={embedding.name}")
         layout = layout_of(group)  # torchrec's default layout
-        shardings = simple_table_shardings(ebc.embedding_bag_configs(), group, force=pc.sharding,
+        shardings = simple_table_shardings(collection_configs(ebc), group, force=pc.sharding,
                                            optimizer=cfg.optim.name)
+        sharder = collection_sharder(embedding, pooled=not isinstance(ebc, EmbeddingCollection))
         plan = simple_sharding_plan(ebc, shardings, module_path, group, layout.group_local_size,
-                                    compute_device, sharder=embedding_sharder(embedding),
+                                    compute_device, sharder=sharder,
                                     compute_kernel=embedding.compute_kernel())
         return PlannedJob(place(plan), layout)
 
     def plan_for(topology: Topology) -> PlanResult:
-        return plan_model(model, ebc, cfg.model, pc, cfg.optim.name, topology, batch_size_per_rank,
+        return plan_model(model, ebc, facts, pc, cfg.optim.name, topology, batch_size_per_rank,
                           hardware.embedding_cost(embedding), planner, id_zipf_exponent=id_skew(cfg),
                           resident_bytes=resident_bytes)
 

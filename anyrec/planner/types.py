@@ -57,6 +57,7 @@ class TableSpec:
     pooling_factor: float
     feature_names: list[str]
     weight_dtype: str = "fp32"
+    sequence: bool = False  # unpooled (torchrec's EmbeddingCollection): one output vector per id
 
     def __post_init__(self) -> None:
         if self.num_rows <= 0 or self.embedding_dim <= 0:
@@ -72,6 +73,11 @@ class TableSpec:
     @property
     def num_features(self) -> int:
         return len(self.feature_names)
+
+    @property
+    def bags_per_sample(self) -> float | int:
+        """Output vectors per sample: one per feature pooled, one per id (its pooling factor) unpooled."""
+        return self.pooling_factor if self.sequence else self.num_features
 
     @property
     def element_bytes(self) -> int:
@@ -247,6 +253,9 @@ class PlanOptions:
     id_zipf_exponent: float = 0.0  # ids' popularity ~ 1 / rank^s (0: uniform): rows touched per step
     interaction_pairs: int = 0  # per sample (DeviceSpec.step_per_pair_s each): see job.interaction_pairs
     dense_tensors: int = 0  # parameter tensors of the dense model (DeviceSpec.step_per_dense_tensor_s each)
+    # forward + backward FLOPs of the dense model per sample, where the model states them (attention's
+    # grow with the sequence, not the parameters); 0: 6 per dense parameter (a matmul's 2 + 4)
+    dense_flops_per_sample: float = 0.0
 
     def __post_init__(self) -> None:
         self.allowed_shardings = tuple(ShardingType(s) for s in self.allowed_shardings)

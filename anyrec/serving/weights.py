@@ -15,23 +15,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from anyrec.config import CheckpointConfig, ModelConfig
-from anyrec.models.dlrm import DLRM, build_model, table_configs
+from anyrec.models.family import ModelFamily
 from anyrec.runtime.distributed import ONE_PROCESS
 from anyrec.runtime.errors import CheckpointError
 from anyrec.serving.model import TablePrecision, table_bytes
 from anyrec.signing import SigningKey
 from anyrec.trainer.checkpoint import CheckpointManager
 from anyrec.trainer.lineage import META, read_meta_file, scan
-from anyrec.trainer.trainer import DLRMTrain
 
 
 @dataclass(frozen=True)
 class LoadedCheckpoint:
-    """A trained model and where it came from."""
+    """A trained model (its scoring part: `ModelFamily.scoring_module`) and where it came from."""
 
-    model: DLRM
+    model: nn.Module
     path: Path
     step: int
     sha256: dict[str, str]  # file name -> SHA-256, as meta.json records (and the load checked)
@@ -71,24 +71,28 @@ def check_fits(need_bytes: int, what: str, host_bytes: int) -> None:
                          f"{host_bytes / 2**30:.2f} GiB: the tables do not fit one host")
 
 
-def _signature(train: DLRMTrain, model: ModelConfig, optimizer: Any) -> dict[str, Any]:
+def _signature(train: nn.Module, model: ModelConfig, family: ModelFamily, optimizer: Any) -> dict[str, Any]:
     """What the trainer's signature of this model is (`Trainer.signature`), with the saved optimizer (the
     optimizer's state is not read)."""
-    tables = {c.name: [c.num_embeddings, c.embedding_dim] for c in table_configs(model)}
+    tables = family.table_shapes(model)
     dense = {n: list(p.shape) for n, p in train.named_parameters() if "sparse_arch" not in n}
     return {"tables": tables, "dense": dense, "optimizer": optimizer}
 
 
-def load_checkpoint(path: Path, model: ModelConfig,
+def load_checkpoint(path: Path, model: ModelConfig, family: ModelFamily,
                     signing_key: SigningKey | None = None) -> LoadedCheckpoint:
-    """The unsharded model `model` with the weights of checkpoint `path` (a step folder or the folder of
-    them), on the CPU; ValueError (CheckpointError) in one line when it is not this model's or damaged."""
+    """The unsharded model `model` (of `family`) with the weights of checkpoint `path` (a step folder or the
+    folder of them), on the CPU; ValueError (CheckpointError) in one line when it is not this model's or
+    damaged, or the family exports nothing."""
     path = find_checkpoint(Path(path))
-    train = DLRMTrain(build_model(model, torch.device("cpu")))
+    cpu = torch.device("cpu")
+    train = family.build_train(model, cpu, cpu, {})
+    family.scoring_module(train)  # a family without a scoring artifact fails before reading anything
     saved = read_meta_file(path)
     optimizer = saved["signature"].get("optimizer") if isinstance(saved["signature"], dict) else None
     manager = CheckpointManager(CheckpointConfig(dir=str(path.parent), verify=True),
-                                _signature(train, model, optimizer), ONE_PROCESS, signing_key=signing_key)
+                                _signature(train, model, family, optimizer), ONE_PROCESS,
+                                signing_key=signing_key)
     try:
         meta = manager.read_meta(path)
     except CheckpointError as e:
@@ -101,5 +105,5 @@ def load_checkpoint(path: Path, model: ModelConfig,
         manager.load(path, state)
     train.load_state_dict(state["model"])
     run = meta.get("run") if isinstance(meta.get("run"), dict) else {}
-    return LoadedCheckpoint(train.model.eval(), path, int(meta["step"]), dict(meta["sha256"]),
-                            meta.get("world_size"), run.get("lineage"))
+    return LoadedCheckpoint(family.scoring_module(train).eval(), path, int(meta["step"]),
+                            dict(meta["sha256"]), meta.get("world_size"), run.get("lineage"))

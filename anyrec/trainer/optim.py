@@ -93,12 +93,13 @@ def apply_embedding_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimCo
 
 
 def dense_optimizer(cfg: OptimConfig, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """The optimizer of the MLPs and interaction (row-wise Adagrad means plain Adagrad here)."""
+    """The optimizer of the dense part (`optim.dense_name`, else `optim.name`; row-wise Adagrad means plain
+    Adagrad here)."""
     _check(cfg)
-    params, lr = list(params), cfg.dense_lr
-    if cfg.name == "sgd":
+    params, lr, name = list(params), cfg.dense_lr, cfg.dense_name or cfg.name
+    if name == "sgd":
         return torch.optim.SGD(params, lr=lr, weight_decay=cfg.weight_decay)
-    if cfg.name in ("adagrad", "rowwise_adagrad"):
+    if name in ("adagrad", "rowwise_adagrad"):
         return torch.optim.Adagrad(params, lr=lr, eps=cfg.eps, weight_decay=cfg.weight_decay)
     return torch.optim.Adam(params, lr=lr, eps=cfg.eps, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
 

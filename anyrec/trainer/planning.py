@@ -19,9 +19,10 @@ from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 
 from anyrec.backends import Backend, Hardware
 from anyrec.backends.dispatch import Impl
-from anyrec.backends.sharders import embedding_sharder
+from anyrec.backends.sharders import collection_sharder
 from anyrec.config import AnyrecConfig, PlannerConfig
 from anyrec.data import resolve_batch_size
+from anyrec.models.family import ModelFamily
 from anyrec.planner.job import plan_model
 from anyrec.planner.memory import MemoryPrediction, predict_memory
 from anyrec.planner.planned import PlannedJob, id_skew, plan_job
@@ -32,11 +33,13 @@ from anyrec.trainer.twod import TwoDModelParallel
 logger = logging.getLogger(__name__)
 
 
-def sharders(embedding: Impl, static_graph: bool = True) -> list[ModuleSharder]:
+def sharders(embedding: Impl, static_graph: bool = True, pooled: bool = True) -> list[ModuleSharder]:
     """The sharders DistributedModelParallel uses: one for the selected embedding implementation.
     `static_graph=False` (the device cannot page-lock host memory) goes to a sharder that has the
-    setting (anyrec's TBE: DDP of its data-parallel lookups; FBGEMM's never runs on such a device)."""
-    sharder = embedding_sharder(embedding)
+    setting (anyrec's TBE: DDP of its data-parallel lookups; FBGEMM's never runs on such a device).
+    `pooled=False`: torchrec's EmbeddingCollection sharder (sequence embeddings), whose fused kernels
+    must be the implementation's (ValueError otherwise)."""
+    sharder = collection_sharder(embedding, pooled)
     if hasattr(sharder, "static_graph"):
         sharder.static_graph = static_graph
     return [sharder]
@@ -73,7 +76,8 @@ def dense_wrapper(world_size: int, static_graph: bool = True) -> DataParallelWra
 
 
 def shard_model(module: nn.Module, device: torch.device, planned: PlannedJob, backend: Backend,
-                info: DistInfo, embedding: Impl, static_graph: bool) -> DistributedModelParallel:
+                info: DistInfo, embedding: Impl, static_graph: bool, pooled: bool = True
+                ) -> DistributedModelParallel:
     """`module` sharded as `planned` says: torchrec's DistributedModelParallel over the whole world (1D),
     or torchrec's 2D DMPCollection (the layout's groups smaller than the world), whose replicas exchange
     their gradients every step or are averaged every `replica_sync_every` steps (`replica_update`)."""
@@ -81,10 +85,10 @@ def shard_model(module: nn.Module, device: torch.device, planned: PlannedJob, ba
     wrapper = dense_wrapper(info.world_size, static_graph)
     if not layout.is_2d:
         return DistributedModelParallel(module, device=device, plan=planned.plan,
-                                        sharders=sharders(embedding, static_graph),
+                                        sharders=sharders(embedding, static_graph, pooled),
                                         data_parallel_wrapper=wrapper)
     model = TwoDModelParallel(module, device, planned.plan, info.rank, layout, dist.group.WORLD,
-                              sharders(embedding, static_graph), wrapper,
+                              sharders(embedding, static_graph, pooled), wrapper,
                               place=lambda p: place_shards(p, backend, info.local_world_size))
     sharded = [name for m in planned.plan.plan.values() for name, ps in m.items()
                if ps.sharding_type != "data_parallel"]
@@ -97,18 +101,18 @@ def shard_model(module: nn.Module, device: torch.device, planned: PlannedJob, ba
     return model
 
 
-def shared_plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module, module_path: str,
+def shared_plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module, family: ModelFamily,
                 embedding: Impl, hardware: Hardware, resident_bytes: int = 0) -> PlannedJob:
     """Rank 0 plans the job (`plan_job`, with the `resident_bytes` the data sources keep on each device,
     which the plan must leave room for) and every rank takes the same PlannedJob: ranks must never shard
     by different plans. A planning error on rank 0 (e.g. nothing fits) is raised on every rank, so none
     waits."""
     if info.world_size == 1:
-        return _plan(cfg, backend, info, model, module_path, embedding, hardware, resident_bytes)
+        return _plan(cfg, backend, info, model, family, embedding, hardware, resident_bytes)
     result: Any = None
     if info.is_main:
         try:
-            result = _plan(cfg, backend, info, model, module_path, embedding, hardware, resident_bytes)
+            result = _plan(cfg, backend, info, model, family, embedding, hardware, resident_bytes)
         except ValueError as e:
             result = ValueError(str(e))
     result = broadcast_from_main(result, info)
@@ -117,26 +121,28 @@ def shared_plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.M
     return result
 
 
-def _plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module, module_path: str,
+def _plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module, family: ModelFamily,
           embedding: Impl, hardware: Hardware, resident_bytes: int) -> PlannedJob:
     """This process's job planned: its world, its batch per rank, its backend's device type and devices."""
-    return plan_job(cfg, model, module_path, hardware, embedding, info.world_size, info.local_world_size,
+    return plan_job(cfg, model, family.sparse_module(model), family.sparse_path,
+                    family.workload_facts(cfg.model), hardware, embedding, info.world_size,
+                    info.local_world_size,
                     resolve_batch_size(cfg.data, info.world_size).batch_size, backend.device_type,
                     resident_bytes, place=lambda p: place_shards(p, backend, info.local_world_size),
                     log=info.is_main)
 
 
-def unsharded_memory(cfg: AnyrecConfig, backend: Backend, model: nn.Module, embedding: Impl,
-                     hardware: Hardware, resident_bytes: int = 0) -> list[MemoryPrediction]:
+def unsharded_memory(cfg: AnyrecConfig, backend: Backend, model: nn.Module, family: ModelFamily,
+                     embedding: Impl, hardware: Hardware, resident_bytes: int = 0) -> list[MemoryPrediction]:
     """The predicted peak memory of one rank that runs every table itself (no torchrec sharding): the
     co-design planner's costing of all tables table-wise on that rank, without the all-to-alls."""
-    ebc = model.sparse_arch
+    ebc = family.sparse_module(model)
     topology = Topology(hardware.spec, 1, 1, backend.device_type)
     batch = resolve_batch_size(cfg.data, 1).batch_size
     planner_cfg = PlannerConfig(sharding="table_wise", allow_uvm=False,
                                 memory_reserve_fraction=cfg.planner.memory_reserve_fraction)
-    result = plan_model(model, ebc, cfg.model, planner_cfg, cfg.optim.name, topology, batch,
-                        hardware.embedding_cost(embedding), id_zipf_exponent=id_skew(cfg))
+    result = plan_model(model, ebc, family.workload_facts(cfg.model), planner_cfg, cfg.optim.name, topology,
+                        batch, hardware.embedding_cost(embedding), id_zipf_exponent=id_skew(cfg))
     return predict_memory(result, resident_bytes, sharded=False)
 
 

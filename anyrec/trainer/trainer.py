@@ -1,4 +1,5 @@
-"""The Trainer: build a sharded DLRM from a config, train it, evaluate it, checkpoint it, report.
+"""The Trainer: build a sharded model of its family from a config, train it, evaluate it, checkpoint it,
+report.
 
 Steps run through torchrec's TrainPipelineSparseDist (or an eager loop), the embedding optimizer fused
 into the backward and the dense one stepped after it.
@@ -16,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 from torchrec.datasets.utils import Batch
 
 from anyrec.backends import Backend
@@ -24,10 +24,11 @@ from anyrec.backends.dispatch import Impl
 from anyrec.backends.hardware import Hardware, resolve_hardware
 from anyrec.backends.sparse_ops import install as install_sparse_ops
 from anyrec.backends.threads import ThreadTuner
-from anyrec.config import AnyrecConfig
+from anyrec.config import AnyrecConfig, Switch
 from anyrec.history.steplearn import run_key
 from anyrec.kernels.ebc import TritonEBCOptimizer
-from anyrec.models.dlrm import DLRM, build_model, table_configs
+from anyrec.models.dlrm import DLRMTrain
+from anyrec.models.family import ModelFamily, resolve_family
 from anyrec.models.init import init_model
 from anyrec.planner.memory import MemoryPrediction
 from anyrec.planner.planned import PlannedJob
@@ -64,33 +65,23 @@ from anyrec.trainer.validate import flush_checks
 
 logger = logging.getLogger(__name__)
 
-EBC_PATH = "model.sparse_arch"  # where the EmbeddingBagCollection sits inside DLRMTrain
+__all__ = ["EBC_PATH", "DLRMTrain", "Trainer"]
 
-
-class DLRMTrain(nn.Module):
-    """A DLRM plus its loss, taking a whole Batch (the shape torchrec's train pipelines expect)."""
-
-    def __init__(self, model: DLRM) -> None:
-        super().__init__()
-        self.model = model
-        self.loss_fn = nn.BCEWithLogitsLoss()
-
-    def forward(self, batch: Batch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        logits_B = self.model(batch.dense_features, batch.sparse_features)
-        loss = self.loss_fn(logits_B.float(), batch.labels)
-        return loss, (logits_B.detach(), batch.labels)
+EBC_PATH = "model.sparse_arch"  # where the EmbeddingBagCollection sits inside DLRMTrain (the dlrm family)
 
 
 class Trainer:
     """Owns the backend, the process group, the sharded model, its optimizers, data and checkpoints."""
 
     def __init__(self, cfg: AnyrecConfig, planned: PlannedJob | None = None, runtime: Runtime | None = None,
-                 hardware: Hardware | None = None) -> None:
+                 hardware: Hardware | None = None, family: ModelFamily | None = None) -> None:
         """`planned`: the job planned by the caller (calibration's step points: a plan given table by
         table), else here (`shared_plan`); `runtime`: the process's backend, group and binding, set up by
         the caller (else here, from the config); `hardware`: the device the plan is costed on (else
-        resolved from `cfg.hardware`)."""
+        resolved from `cfg.hardware`); `family`: the model family (else resolved from
+        `cfg.model.family`)."""
         self.cfg = cfg
+        self.family = family if family is not None else resolve_family(cfg.model)
         signing_key = resolve_key(cfg.trainer.signing_key_file)  # an unusable key fails before any work
         self.runtime = runtime if runtime is not None else self.init_distributed()
         self.backend: Backend = self.runtime.backend
@@ -120,9 +111,13 @@ class Trainer:
             self.load_checkpoint(start)
         tc = cfg.trainer
         # after any resume: `auto` weighs the saving over the steps this job has left to run
-        self.compiled = compile_dense(self.model, cfg.model, self.backend, self.device, tc.compile,
-                                      tc.steps - self.step, self.batch_size, self.autocast, self.dist)
-        self.run = RunState.begin(self.step, tc.steps, tc.log_every, self.device, self.writer,
+        if self.family.compiles_dense:
+            self.compiled = compile_dense(self.model, cfg.model, self.backend, self.device, tc.compile,
+                                          self.steps - self.step, self.batch_size, self.autocast, self.dist)
+        elif tc.compile == Switch.true and self.dist.is_main:
+            logger.warning("trainer.compile=true ignored: model.family=%s runs its dense part eagerly",
+                           self.family.name)
+        self.run = RunState.begin(self.step, self.steps, tc.log_every, self.device, self.writer,
                                   self.batch_size * self.dist.world_size, self.dist.is_main, tc.progress,
                                   per_step_timing=not self.backend.queues_device_work())
 
@@ -152,14 +147,19 @@ class Trainer:
         # One device with anyrec's own TBE: no sharding, so no input distribution (whose KJT
         # permutes need FBGEMM ops) and no FBGEMM kernel anywhere in the step. Naming the sparse ops'
         # implementation (backend.sparse_ops=portable|fbgemm) asks for the sharded path instead.
-        self.unsharded = (self.dist.world_size == 1
+        self.unsharded = (self.dist.world_size == 1 and self.family.build_around is not None
                           and self.kernels["embedding"].unsharded_builder is not None
                           and self.cfg.backend.sparse_ops == "auto")
         # The data first: what its sources keep on the device is part of the memory the plan must fit.
         # Prefetched file batches land in page-locked memory where there is a device to copy them to.
-        inputs = build_inputs(self.cfg, self.dist, self.device,
+        inputs = build_inputs(self.cfg, self.family, self.dist, self.device,
                               self.backend.pin if self.backend.pins_host_memory() else None)
         self.batch_size, self.train_data, self.eval_data = inputs.batch_size, inputs.train, inputs.eval
+        self.eval_batches, self.eval_points, self.source_facts = (inputs.eval_batches, inputs.eval_points,
+                                                                  inputs.facts)
+        # trainer.steps, or fewer where the source holds fewer (a stream's training windows)
+        self.steps = tc.steps if inputs.steps is None else min(tc.steps, inputs.steps)
+        self.window_evals: list[dict[str, Any]] = []  # a stream's evaluation after each training window
         self.validator, self.loss_guard = inputs.validator, inputs.loss_guard
         self.resident_bytes = resident_device_bytes([self.train_data, self.eval_data], self.device)
         if self.unsharded:
@@ -167,8 +167,10 @@ class Trainer:
         else:
             self._build_sharded()
         # the same initial weights whatever the kernel, plan, world size or device
-        init_model(self.model, table_configs(self.cfg.model), tc.seed, EBC_PATH)
-        self.optimizers = Optimizers(self.model, self.fused_optimizer, self.cfg.optim, EBC_PATH)
+        family = self.family
+        init_model(self.model, family.table_configs(self.cfg.model), tc.seed, family.sparse_path,
+                   family.collection_key)
+        self.optimizers = Optimizers(self.model, self.fused_optimizer, self.cfg.optim, family.sparse_path)
         loop = SparseDistPipeline if tc.pipeline and not self.unsharded else EagerLoop
         layout = self.planned.layout if self.planned is not None else None
         self.pipeline = loop(self.model, self.optimizers.combined, self.device, self,
@@ -212,13 +214,13 @@ class Trainer:
     def _build_sharded(self) -> None:
         """Tables on the meta device, placed by the plan and allocated by DistributedModelParallel."""
         install_sparse_ops(self.backend, self.cfg.backend.sparse_ops)  # torchrec's input/output dist ops
-        model = build_model(self.cfg.model, self.device, ebc_device=torch.device("meta"),
-                            kernels=self.kernels)
+        family = self.family
+        model = family.build_train(self.cfg.model, self.device, torch.device("meta"), self.kernels)
         # Embedding optimizer fused into the backward pass (TBE updates rows in place).
-        apply_embedding_optimizer(model.sparse_arch.parameters(), self.cfg.optim)
+        apply_embedding_optimizer(family.sparse_module(model).parameters(), self.cfg.optim)
         embedding, hardware = self.kernels["embedding"], self._hardware()
         if self.planned is None:
-            self.planned = shared_plan(self.cfg, self.backend, self.dist, model, EBC_PATH, embedding,
+            self.planned = shared_plan(self.cfg, self.backend, self.dist, model, family, embedding,
                                        hardware, self.resident_bytes)
         else:  # a job planned outside (calibration's step points) names the devices as a planned one does
             place_shards(self.planned.plan, self.backend, self.dist.local_world_size)
@@ -229,20 +231,22 @@ class Trainer:
         # device cannot (its copies are then plain ones; the numbers do not change), for the dense
         # modules and for the data-parallel tables of a sharder that takes the setting.
         static_graph = self.device.type == "cpu" or self.backend.pins_host_memory()
-        self.model = shard_model(DLRMTrain(model), self.device, self.planned, self.backend, self.dist,
-                                 embedding, static_graph)  # 1D or 2D (the planned layout)
+        self.model = shard_model(model, self.device, self.planned, self.backend, self.dist, embedding,
+                                 static_graph, family.pooled)  # 1D or 2D (the planned layout)
         self.fused_optimizer = self.model.fused_optimizer
 
     def _build_unsharded(self) -> None:
         """All tables on this device in anyrec's TritonEmbeddingBagCollection (Triton or torch ops)."""
+        family = self.family
+        assert family.build_around is not None  # `unsharded` asks for it
         ebc = self.kernels["embedding"].build_unsharded(
-            table_configs(self.cfg.model), optimizer=embedding_optimizer_config(self.cfg.optim),
+            family.table_configs(self.cfg.model), optimizer=embedding_optimizer_config(self.cfg.optim),
             device=self.device)
-        self.model = DLRMTrain(DLRM(self.cfg.model, ebc, device=self.device, kernels=self.kernels))
+        self.model = family.build_around(self.cfg.model, ebc, self.device, self.kernels)
         hardware = self._hardware()
-        self.predicted_memory = unsharded_memory(self.cfg, self.backend, self.model.model,
+        self.predicted_memory = unsharded_memory(self.cfg, self.backend, self.model, family,
                                                  self.kernels["embedding"], hardware, self.resident_bytes)
-        self.fused_optimizer = TritonEBCOptimizer(ebc, prefix=f"{EBC_PATH}.")
+        self.fused_optimizer = TritonEBCOptimizer(ebc, prefix=f"{family.sparse_path}.")
 
     def _log_setup(self) -> None:
         logger.info("backend: %s", self.backend.describe())
@@ -344,7 +348,7 @@ class Trainer:
         tc, run = self.cfg.trainer, self.run
         if tc.breakdown_steps:
             try:
-                run.profile_at = breakdown_window(tc.steps, run.timer.warm_step, tc.breakdown_steps)
+                run.profile_at = breakdown_window(self.steps, run.timer.warm_step, tc.breakdown_steps)
             except ValueError as e:  # resumed too close to the end (a fresh run was checked in build)
                 logger.warning("no step breakdown: %s", e)
         self.backend.reset_peak_memory_stats()
@@ -352,10 +356,10 @@ class Trainer:
                                    tc.collective_timeout_s)
         self.stopper.install()  # SIGINT/SIGTERM: every rank stops after the same step
         try:
-            while self.step < tc.steps and not self.stopper.stopped_by:
+            while self.step < self.steps and not self.stopper.stopped_by:
                 if self.step == run.profile_at:
                     run.profiler = StepProfiler(tc.breakdown_steps, self.backend.device_type).__enter__()
-                self.run_steps(self._next_stop(tc.steps) - self.step)
+                self.run_steps(self._next_stop(self.steps) - self.step)
                 if not self.stopper.stopped_by:
                     self._between_chunks()
             run.bar.close()
@@ -374,15 +378,17 @@ class Trainer:
         for every in (tc.eval_every, tc.checkpoint.every if self.checkpoints else 0):
             if every > 0:
                 stops.append((self.step // every + 1) * every)
+        stops += [p for p in self.eval_points if p > self.step][:1]
         return min(stops)
 
     def _between_chunks(self) -> None:
         """A periodic checkpoint and evaluation when one is due (not at the end)."""
         tc = self.cfg.trainer
-        if self.checkpoints is not None and self.step < tc.steps and tc.checkpoint.every and \
+        if self.checkpoints is not None and self.step < self.steps and tc.checkpoint.every and \
                 self.step % tc.checkpoint.every == 0:
             self.run.last_checkpoint = self.save_checkpoint()
-        if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.steps and self.eval_data:
+        due = (tc.eval_every and self.step % tc.eval_every == 0) or self.step in self.eval_points
+        if due and self.step < self.steps and self.eval_data:
             log_eval(self.run, self.step, self.evaluate())
 
     def _finish(self) -> dict[str, Any]:
@@ -406,7 +412,17 @@ class Trainer:
                       self.backend.max_memory_allocated(), self.backend.max_memory_reserved(),
                       weights_fingerprint(self.model, self.dist) if self.cfg.trainer.fingerprint_weights
                       else None)
-        return {**run_summary(self.job, run, out), **self._thread_facts()}
+        return {**run_summary(self.job, run, out), **self._thread_facts(), **self._model_facts()}
+
+    def _model_facts(self) -> dict[str, Any]:
+        """The summary's model keys: the model, its family, each op's implementation the model runs, the
+        dense precision, each streamed window's evaluation and what the data source says of itself."""
+        ops = {op: impl.name for op, impl in self.kernels.items() if op in ("interaction", "dcn_cross",
+                                                                             "hstu_attention")}
+        return {"model": self.cfg.model.name, "model_family": self.family.name,
+                "attention_kernel": ops.get("hstu_attention") if not self.family.pooled else None,
+                "precision": "bf16" if self.autocast else "fp32", "window_eval": self.window_evals,
+                **self.source_facts}
 
     def _thread_facts(self) -> dict[str, Any]:
         """The summary's thread keys: this rank's intra-op count (under backend.threads=auto the count its
@@ -422,23 +438,27 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """AUC, NE, log loss and accuracy over `trainer.eval_steps` held-out batches per rank."""
-        assert self.eval_data is not None
+        assert self.eval_data is not None and self.eval_batches is not None
         self.model.eval()
         metrics = EvalMetrics(self.device)
-        batches = self.eval_data.iter_from(0, self.cfg.trainer.eval_steps)
+        batches = self.eval_batches(self.step)
         if self.validator is not None:
             batches = self.validator.wrap(batches, 0, "eval batch")
         for logits_B, labels_B in predictions(self.pipeline, batches):
             metrics.update(logits_B, labels_B)
         flush_checks(self.validator, None)
         self.model.train()
-        return metrics.compute()
+        result = metrics.compute()
+        if self.step in self.eval_points:  # a stream's: the window after the one trained last
+            self.window_evals.append({"window": self.eval_points.index(self.step) + 1, "step": self.step,
+                                      **result})
+        return result
 
     # ---- checkpoints ----------------------------------------------------------------------------
 
     def signature(self) -> dict[str, Any]:
         """What a checkpoint must match to load into this model (world size may differ)."""
-        tables = {c.name: [c.num_embeddings, c.embedding_dim] for c in table_configs(self.cfg.model)}
+        tables = self.family.table_shapes(self.cfg.model)
         dense = {n: list(p.shape) for n, p in self.model.named_parameters() if "sparse_arch" not in n}
         return {"tables": tables, "dense": dense, "optimizer": self.cfg.optim.name}
 

@@ -1,0 +1,113 @@
+"""DLRMv4 as a model family's parts: its sizes from the job's model config, its training module with the
+backend's attention, its batch schema and what the planner needs of it (see `anyrec.models.family`).
+
+Legend: S tokens per sample through the STU stack (history, contextual tokens and the candidate).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torchrec.modules.embedding_configs import EmbeddingConfig
+
+from anyrec.backends.dispatch import Impl
+from anyrec.config import ModelConfig
+from anyrec.models import hstu
+from anyrec.models.hstu import CONTEXTUAL_FEATURES, REFERENCE_TABLE_ROWS, SEQUENCE_FEATURES, DLRMv4Config
+from anyrec.schema import BatchSchema, WorkloadFacts
+
+ATTENTION_OP = "hstu_attention"  # the backend's op whose implementation the STU layers call
+
+
+def dlrmv4_config(cfg: ModelConfig) -> DLRMv4Config:
+    """The DLRMv4 sizes of a job's model config: `model.hstu`'s DLRMv4Config fields over the reference's,
+    `model.embedding_dim` the tables' width, `model.hstu.table_scale` (default 1) every table's rows x that
+    (rounded up, at least 2); ValueError naming a field DLRMv4 does not have, or a bad value."""
+    fields = dict(cfg.hstu)
+    scale = float(fields.pop("table_scale", 1.0))
+    if not 0 < scale <= 1:
+        raise ValueError(f"model.hstu.table_scale must be in (0, 1], got {scale}")
+    known = {f.name for f in dataclasses.fields(DLRMv4Config)} - {"name", "table_rows", "table_dim"}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"model {cfg.name}: model.hstu has no field {unknown[0]!r}; known: table_scale, "
+                         f"{', '.join(sorted(known))}")
+    rows = {f: max(2, math.ceil(r * scale)) for f, r in REFERENCE_TABLE_ROWS.items()}
+    out = DLRMv4Config(name=cfg.name, table_rows=rows, table_dim=cfg.embedding_dim, **fields)
+    hstu.check_config(out)
+    return out
+
+
+def table_configs(cfg: ModelConfig) -> list[EmbeddingConfig]:
+    """One unpooled table per feature (sequence features first), named as the feature."""
+    return hstu.table_configs(dlrmv4_config(cfg))
+
+
+class TargetLoss(nn.Module):
+    """The masked BCE of the target positions (`hstu.masked_bce`), their logits checked against the labels:
+    a module of its own, so torchrec's pipeline, which traces the training module's forward to find the
+    embedding collection's input, never traces this check's control flow."""
+
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, logits_G: torch.Tensor, labels_G: torch.Tensor) -> torch.Tensor:
+        if logits_G.shape != labels_G.shape:
+            raise ValueError(f"labels have shape {tuple(labels_G.shape)} for {logits_G.numel()} targets")
+        return hstu.masked_bce(logits_G, labels_G, self.scale)
+
+
+class DLRMv4Train(nn.Module):
+    """DLRMv4's embedding collection and dense part (`hstu.DLRMv4`'s, the same parameter names) with its
+    loss: (loss, (logits, labels)) of a whole sequence batch, as the trainer's pipelines expect."""
+
+    def __init__(self, model: hstu.DLRMv4) -> None:
+        super().__init__()
+        self.sparse_arch = model.sparse_arch
+        self.dense_arch = model.dense_arch
+        self.loss_fn = TargetLoss(model.loss_scale)
+
+    def forward(self, batch: Any) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        embeddings = self.sparse_arch(batch.sparse_features)
+        logits_G = self.dense_arch(embeddings, batch.actions, batch.timestamps, batch.num_targets)
+        return self.loss_fn(logits_G, batch.labels), (logits_G.detach(), batch.labels)
+
+
+def build_train(cfg: ModelConfig, device: torch.device, table_device: torch.device,
+                kernels: Mapping[str, Impl]) -> DLRMv4Train:
+    """DLRMv4 with its loss, the STU layers calling the backend's `hstu_attention` implementation (its
+    Impl in `kernels`, resolved once by `Backend.select_kernels`); tables on `table_device`."""
+    impl = kernels.get(ATTENTION_OP)
+    if impl is None:
+        raise ValueError(f"model.family=dlrmv4 needs the backend's {ATTENTION_OP} implementation "
+                         f"(backend.attention_kernel)")
+    return DLRMv4Train(hstu.build_dlrmv4(dlrmv4_config(cfg), device, impl.build(), ec_device=table_device))
+
+
+def batch_schema(cfg: ModelConfig) -> BatchSchema:
+    """Eleven features in key order (three sequences, eight contextual ids), no dense inputs."""
+    rows = dlrmv4_config(cfg).table_rows
+    features = SEQUENCE_FEATURES + CONTEXTUAL_FEATURES
+    return BatchSchema(features, tuple(rows[f] for f in features), sequence=True)
+
+
+def workload_facts(cfg: ModelConfig) -> WorkloadFacts:
+    """Ids per sample (every sequence feature: the longest sequence's positions, an upper bound; each
+    contextual feature: 1), the dense part's FLOPs per sample at the longest sequence (attention grows
+    with its square, not with the parameters) and its activations: per token, the STU layers' inputs,
+    their U, V, Q, K and attention outputs in fp32 (the backward keeps them)."""
+    m = dlrmv4_config(cfg)
+    positions = m.max_seq_len - len(CONTEXTUAL_FEATURES)
+    lookups = {f: float(positions) for f in SEQUENCE_FEATURES} | {f: 1.0 for f in CONTEXTUAL_FEATURES}
+    per_token = m.model_dim + m.num_heads * (2 * m.qk_dim + 3 * m.v_dim) + 3 * m.num_heads * m.v_dim
+    activations = 4 * m.max_seq_len * (m.num_layers * per_token + m.model_dim)
+    flops = hstu.dlrmv4_flops_per_sample(m, m.max_seq_len).total
+    return WorkloadFacts(lookups, dense_lookup_bytes_per_sample=0,
+                         dense_activation_bytes_per_sample=activations,
+                         dense_gradient_bytes_per_sample=activations, dense_flops_per_sample=flops)

@@ -1,0 +1,117 @@
+"""A model family as one value: everything the trainer, the planner, calibration, parity and export need to
+know of a kind of model, resolved once from the config (`model.family`) at the entry point and handed down.
+
+A family builds its training module (the model and its loss: `forward(batch) -> (loss, (logits, labels))`)
+with its tables on a chosen device (meta: DistributedModelParallel allocates the shards) and the backend's
+implementation per op; says where its embedding collection sits in that module and whether it pools (a
+torchrec EmbeddingBagCollection) or not (an EmbeddingCollection: one vector per sequence position); and
+states its batch schema, the data sources it reads, what the planner needs beyond the tables, whether
+torch.compile takes its dense part, and whether it exports. DLRM (dot interaction) and DLRMv2 (DCNv2) are one
+family, `dlrm`: the interaction is a field of their config; DLRMv4 (HSTU) is `dlrmv4`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig
+
+from anyrec.backends.dispatch import Impl
+from anyrec.config import ModelConfig
+from anyrec.models import dlrm, dlrmv4
+from anyrec.schema import BatchSchema, WorkloadFacts
+
+# (model config, dense device, table device, the backend's implementation per op) -> training module
+BuildTrain = Callable[[ModelConfig, torch.device, torch.device, Mapping[str, Impl]], nn.Module]
+# (model config, an embedding collection already built on the device, device, implementations) -> module
+BuildAround = Callable[[ModelConfig, nn.Module, torch.device, Mapping[str, Impl]], nn.Module]
+
+
+class UnknownFamilyError(ValueError):
+    """`model.family` names no model family."""
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One kind of model, as every layer above the models sees it (see the module doc)."""
+
+    name: str
+    build_train: BuildTrain
+    table_configs: Callable[[ModelConfig], list[BaseEmbeddingConfig]]
+    sparse_path: str  # the embedding collection's path in the training module
+    pooled: bool  # EmbeddingBagCollection (True) or EmbeddingCollection (sequence embeddings)
+    batch_schema: Callable[[ModelConfig], BatchSchema]
+    workload_facts: Callable[[ModelConfig], WorkloadFacts]
+    data_sources: tuple[str, ...]  # the `data.name`s whose batches the model reads
+    # around a single-device embedding collection (anyrec's TBE, no torchrec sharding); None: always sharded
+    build_around: BuildAround | None = None
+    compiles_dense: bool = False  # trainer.compile applies (anyrec.trainer.compile knows its dense step)
+    # the part of a trained training module a scoring artifact holds (anyrec-export); None: none yet
+    scoring_part: Callable[[nn.Module], nn.Module] | None = None
+
+    @property
+    def collection_key(self) -> str:
+        """The state_dict key under the collection that holds the tables: `embedding_bags` | `embeddings`."""
+        return "embedding_bags" if self.pooled else "embeddings"
+
+    def sparse_module(self, train_module: nn.Module) -> nn.Module:
+        """The embedding collection inside a training module (unwrapped, or as DistributedModelParallel
+        wraps it)."""
+        return train_module.get_submodule(self.sparse_path)
+
+    def table_shapes(self, cfg: ModelConfig) -> dict[str, list[int]]:
+        """Table name -> [rows, dim]: what a checkpoint's tables must match."""
+        return {c.name: [c.num_embeddings, c.embedding_dim] for c in self.table_configs(cfg)}
+
+    def scoring_module(self, train_module: nn.Module) -> nn.Module:
+        """What a scoring artifact of a trained module holds; ValueError where the family exports none."""
+        if self.scoring_part is None:
+            raise ValueError(f"model.family={self.name} has no scoring artifact (anyrec-export) yet")
+        return self.scoring_part(train_module)
+
+    def check_data(self, data_name: str) -> None:
+        """ValueError (one line) when the model cannot read batches of the `data.name` source."""
+        if data_name not in self.data_sources:
+            raise ValueError(f"model.family={self.name} reads data={' | '.join(self.data_sources)}, "
+                             f"not data={data_name}")
+
+
+DLRM_FAMILY = ModelFamily(
+    name="dlrm",
+    build_train=dlrm.build_train,
+    table_configs=dlrm.table_configs,
+    sparse_path="model.sparse_arch",
+    pooled=True,
+    batch_schema=dlrm.batch_schema,
+    workload_facts=dlrm.workload_facts,
+    data_sources=("synthetic", "criteo_tsv", "criteo_npy", "criteo_multihot"),
+    build_around=dlrm.build_train_around,
+    compiles_dense=True,
+    scoring_part=dlrm.scoring_part,
+)
+
+# DLRMv4 (MLPerf Training v6.1): HSTU over each user's history; sequence embeddings, streamed 1-day windows
+DLRMV4_FAMILY = ModelFamily(
+    name="dlrmv4",
+    build_train=dlrmv4.build_train,
+    table_configs=dlrmv4.table_configs,
+    sparse_path="sparse_arch",
+    pooled=False,
+    batch_schema=dlrmv4.batch_schema,
+    workload_facts=dlrmv4.workload_facts,
+    data_sources=("yambda_synthetic", "yambda"),
+)
+
+FAMILIES: Mapping[str, ModelFamily] = {f.name: f for f in (DLRM_FAMILY, DLRMV4_FAMILY)}
+
+
+def resolve_family(cfg: ModelConfig) -> ModelFamily:
+    """The family `cfg.family` names (once, at the entry point); UnknownFamilyError in one line otherwise."""
+    family = FAMILIES.get(cfg.family)
+    if family is None:
+        raise UnknownFamilyError(f"model.family={cfg.family!r} (model {cfg.name}): known families are "
+                                 f"{', '.join(FAMILIES)}")
+    return family
