@@ -197,15 +197,20 @@ if not IN_INTERPRETER:
         run_under_triton_interpreter(__file__)
 
 else:
+    from anyrec.backends.dispatch import get_impl
     from anyrec.kernels.triton_hstu import hstu_attention_triton
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-    @pytest.mark.parametrize("name", ["targets", "contextual", "contextual_targets"])
+    @pytest.mark.parametrize("name", ["ragged", "contextual_targets"])
     def test_triton_matches_float64(name, dtype):
         check_against_reference(hstu_attention_triton, name, dtype)
 
     def test_triton_mask_by_hand():
+        assert get_impl("hstu_attention", "triton").build() is hstu_attention_triton
         assert visibility(hstu_attention_triton, 6, 2, 2).tolist() == EXPECTED_6_CTX2_TGT2
+        for n, ctx, targets in ((5, 2, None), (5, 0, 2), (18, 3, 1)):  # 18: rows and columns in two blocks
+            want = visibility(hstu_attention_torch, n, ctx, targets)
+            assert visibility(hstu_attention_triton, n, ctx, targets).tolist() == want.tolist()
 
     def test_triton_reads_strided_views_and_matches_torch():
         """q, k, v as views of one fused projection (token and head strides, no copy), ragged with every

@@ -315,11 +315,11 @@ BUILTIN_IMPLS: tuple[Impl, ...] = (
     Impl("dcn_cross", "triton", "anyrec.models.interaction:TritonLowRankCrossNet",
          all_of(probe_triton, _module_present("anyrec.kernels.dcn", _TRITON_KERNELS))),
     Impl("dcn_cross", "torch", "anyrec.models.interaction:LowRankCrossNet"),
-    # builds the op's function (anyrec.kernels.hstu.HstuAttentionFn)
-    Impl("hstu_attention", "triton", "anyrec.kernels.hstu:hstu_attention_fn",
+    # each builds the op's function (anyrec.kernels.hstu.HstuAttentionFn)
+    Impl("hstu_attention", "triton", "anyrec.kernels.triton_hstu:triton_attention_fn",
          all_of(probe_triton, _module_present("anyrec.kernels.triton_hstu", _TRITON_KERNELS)),
-         options={"execution": "triton"}, description="anyrec's Triton kernels, forward and backward"),
-    Impl("hstu_attention", "torch", "anyrec.kernels.hstu:hstu_attention_fn", options={"execution": "torch"},
+         description="anyrec's Triton kernels, forward and backward"),
+    Impl("hstu_attention", "torch", "anyrec.kernels.hstu:torch_attention_fn",
          description="padded chunks of whole sequences in plain torch (the oracle)"),
     Impl("collectives", "nccl", probe=probe_nccl),
     Impl("collectives", "gloo", probe=probe_gloo),

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -180,15 +179,9 @@ def hstu_attention_torch(q_THQ: torch.Tensor, k_THQ: torch.Tensor, v_THV: torch.
     return torch.cat(outs).to(v_THV.dtype)
 
 
-def hstu_attention_fn(execution: str) -> Callable[..., torch.Tensor]:
-    """The builder of the op's Impl records: the implementation's function (`HstuAttentionFn`)."""
-    if execution == "torch":
-        return hstu_attention_torch
-    if execution == "triton":
-        from anyrec.kernels.triton_hstu import hstu_attention_triton
-
-        return hstu_attention_triton
-    raise ValueError(f"unknown hstu attention execution {execution!r}; known: torch, triton")
+def torch_attention_fn() -> HstuAttentionFn:
+    """The builder of the op's torch Impl record: `hstu_attention_torch`."""
+    return hstu_attention_torch
 
 
 def attention_flops(lengths: list[int], num_heads: int, dq: int, dv: int) -> tuple[float, float]:

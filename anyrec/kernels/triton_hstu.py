@@ -23,24 +23,26 @@ import math
 import torch
 
 from anyrec.kernels._triton import HAS_TRITON, interpreter_enabled, tl, triton
-from anyrec.kernels.hstu import check_inputs
+from anyrec.kernels.hstu import HstuAttentionFn, check_inputs
 
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-def attention_blocks(dq: int, dv: int, fp32: bool,
+def attention_blocks(dq: int, dv: int, fp32: bool, warp_size: int = 32,
                      interpret: bool = False) -> dict[str, tuple[int, int, int]]:
     """Per kernel ("fwd", "bwd_dq", "bwd_dkdv"): (BLOCK_M, BLOCK_N, num_warps); plus "dims": the padded head
     dims (BLOCK_DQ, BLOCK_DV, 0). tl.dot needs 16 in every dimension; the interpreter gets the smallest
     blocks (tests cross block edges with short sequences). On GPUs at dims 128 (the reference's), bf16 64-row
     tiles and fp32 (IEEE dots, no tensor cores) 32-row ones keep the fp32 accumulators in registers without
-    spills on every AOT target (`python -m anyrec.kernels.aot`)."""
+    spills on every AOT target (`python -m anyrec.kernels.aot`): the backward's dk/dv (and fp32 dq) take 8
+    warps of 32 lanes on NVIDIA; 64-lane wavefronts (AMD) stay at 4, as 8 would halve each lane's VGPRs."""
     dims = (max(16, 1 << (dq - 1).bit_length()), max(16, 1 << (dv - 1).bit_length()), 0)
     if interpret:
         return {"fwd": (16, 16, 4), "bwd_dq": (16, 16, 4), "bwd_dkdv": (16, 16, 4), "dims": dims}
+    wide = 8 if warp_size == 32 else 4
     if fp32:
-        return {"fwd": (32, 32, 4), "bwd_dq": (32, 32, 8), "bwd_dkdv": (16, 32, 8), "dims": dims}
-    return {"fwd": (64, 64, 4), "bwd_dq": (64, 64, 4), "bwd_dkdv": (32, 64, 8), "dims": dims}
+        return {"fwd": (32, 32, 4), "bwd_dq": (32, 32, wide), "bwd_dkdv": (16, 32, wide), "dims": dims}
+    return {"fwd": (64, 64, 4), "bwd_dq": (64, 64, 4), "bwd_dkdv": (32, 64, wide), "dims": dims}
 
 
 if HAS_TRITON:
@@ -309,7 +311,8 @@ class _HstuAttention(torch.autograd.Function):
 def _launch(meta: dict, dtype: torch.dtype) -> tuple[dict, dict]:
     """The block table and the launch arguments every kernel shares."""
     interpret = interpreter_enabled()
-    blocks = attention_blocks(meta["dq"], meta["dv"], dtype == torch.float32, interpret)
+    warp_size = 32 if interpret else triton.runtime.driver.active.get_current_target().warp_size
+    blocks = attention_blocks(meta["dq"], meta["dv"], dtype == torch.float32, warp_size, interpret)
     block_dq, block_dv, _ = blocks["dims"]
     constexprs = {"HAS_TARGETS": meta["has_targets"], "DOT_FP32": dtype == torch.float32 or interpret,
                   "BLOCK_DQ": block_dq, "BLOCK_DV": block_dv}
@@ -325,3 +328,8 @@ def hstu_attention_triton(q_THQ: torch.Tensor, k_THQ: torch.Tensor, v_THV: torch
         raise RuntimeError("the triton hstu attention was requested but triton is not installed")
     check_inputs(q_THQ, k_THQ, v_THV, offsets_B1, max_len, num_heads, num_targets_B, num_contextual, DTYPES)
     return _HstuAttention.apply(q_THQ, k_THQ, v_THV, offsets_B1, max_len, num_targets_B, num_contextual)
+
+
+def triton_attention_fn() -> HstuAttentionFn:
+    """The builder of the op's triton Impl record: `hstu_attention_triton`."""
+    return hstu_attention_triton
