@@ -139,18 +139,19 @@ def _chunk_attention(q_tHQ: torch.Tensor, k_tHQ: torch.Tensor, v_tHV: torch.Tens
     starts_b = torch.cumsum(lengths_b, 0) - lengths_b
     tokens, device = q_tHQ.shape[0], q_tHQ.device
     seq_t = torch.repeat_interleave(torch.arange(nb, device=device), lengths_b, output_size=tokens)
-    slot_t = seq_t * n + torch.arange(tokens, device=device) - starts_b[seq_t]
+    pos_t = torch.arange(tokens, device=device) - starts_b[seq_t]
 
     def padded(x_tHD: torch.Tensor) -> torch.Tensor:
-        out = x_tHD.new_zeros(nb * n, heads, x_tHD.shape[2]).index_copy(0, slot_t, x_tHD)
-        return out.view(nb, n, heads, x_tHD.shape[2])
+        # [b, H, N, D]: each head's positions contiguous, so the products are plain batched GEMMs
+        out = x_tHD.new_zeros(nb, heads, n, x_tHD.shape[2])
+        out[seq_t, :, pos_t] = x_tHD
+        return out
 
     alpha = 1.0 / math.sqrt(q_tHQ.shape[2])
-    scores_BHNN = torch.einsum("bihd,bjhd->bhij", padded(q_tHQ), padded(k_tHQ)) * alpha
+    scores_BHNN = torch.matmul(padded(q_tHQ), padded(k_tHQ).transpose(2, 3)) * alpha
     valid_B1NN = valid_mask(lengths_b, num_targets_b, num_contextual, n)[:, None]
     probs_BHNN = torch.where(valid_B1NN, F.silu(scores_BHNN) / max_len, 0.0)
-    out_BNHV = torch.einsum("bhij,bjhv->bihv", probs_BHNN, padded(v_tHV))
-    return out_BNHV.reshape(nb * n, heads, v_tHV.shape[2]).index_select(0, slot_t)
+    return torch.matmul(probs_BHNN, padded(v_tHV))[seq_t, :, pos_t]
 
 
 def hstu_attention_torch(q_THQ: torch.Tensor, k_THQ: torch.Tensor, v_THV: torch.Tensor,
