@@ -83,7 +83,8 @@ def check_against_reference(fn, name: str, dtype: torch.dtype) -> None:
     want = run(reference_f64, q.double(), k.double(), v.double(), grad.double(), offsets, max_len, nt, ctx)
     for what, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
         assert a.dtype == dtype and a.shape == b.shape
-        err, scale = float((a.detach().double() - b).abs().max()), float(b.detach().abs().max())
+        a, b = a.detach(), b.detach()
+        err, scale = float((a.double() - b).abs().max()), float(b.abs().max())
         assert scale > 0, (name, what)  # every case has work to check
         assert err <= TOL[dtype] * scale, f"{name} {dtype} {what}: max error {err:.2e} of {scale:.2e}"
 
