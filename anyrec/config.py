@@ -146,6 +146,7 @@ class BackendConfig:
     embedding_kernel: str = "auto"  # auto | fbgemm | triton | torch
     interaction_kernel: str = "auto"  # auto | triton | torch
     dcn_kernel: str = "auto"  # auto | triton | torch
+    attention_kernel: str = "auto"  # HSTU attention: auto | triton | torch
     # FBGEMM sparse ops of torchrec's sharded path: auto (FBGEMM where it has a kernel for the device,
     # pure-torch kernels elsewhere) | fbgemm | portable (pure torch everywhere, overriding FBGEMM)
     sparse_ops: SparseOps = SparseOps.auto

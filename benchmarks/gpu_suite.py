@@ -10,6 +10,11 @@ Sections (each runs on its own; a failure is recorded and the rest still run):
                fwd+bwd+row-wise Adagrad vs nn.EmbeddingBag and the device copy, same run
   interaction  benchmarks/interaction.py: the dot interaction forward + backward, Triton kernel and
                torch module vs plain torch's upper-triangle gather, batch 4096-65536, dim 128
+  attention    benchmarks/hstu_attention.py: jagged HSTU attention forward and forward + backward, the
+               Triton kernels (checked against the torch version first) at the DLRMv4 reference's shapes
+               (bf16, 4 heads, dims 128, 8 contextual tokens and a target per sequence, max lengths 512 to
+               4,096): ms, achieved TFLOP/s and the fraction of the device's dense bf16 peak; JSON in
+               hstu_attention.json
   dlrm_tbe     a DLRM-like train loop (bottom MLP, TritonTableBatchedEmbedding, top MLP; dense Adagrad)
                from torch + triton only: samples/s
   dlrm_ebc     the same loop through TritonEmbeddingBagCollection on KeyedJaggedTensors (the
@@ -505,6 +510,16 @@ def section_interaction(out_dir: Path, small: bool) -> dict:
     return {"rows": [{k: r[k] for k in ("batch", "dim", "contender", "us", "ratio_to_anchor")} for r in rows]}
 
 
+def section_attention(out_dir: Path, small: bool) -> dict:
+    """benchmarks/hstu_attention.py (its torch version times only up to 1,024 positions on a GPU); JSON in
+    hstu_attention.json."""
+    args = ["--json", str(out_dir / "hstu_attention.json")] + (["--small"] if small else [])
+    report = load_benchmark("hstu_attention").main(args)
+    rows = [{k: r[k] for k in ("contender", "mode", "max_len", "tokens", "dtype", "ms", "peak_fraction")}
+            | {"tflop_per_s": r["gflop_per_s"] / 1e3} for r in report["rows"]]
+    return {"rows": rows, "triton": report["triton"], "peak_of": report["rows"][0]["peak_of"]}
+
+
 def section_loop(device: torch.device, small: bool, out_dir: Path) -> dict:
     """benchmarks/train_step.py through the one-device Triton TBE (the torch TBE on a CPU-only
     machine): the trainer's whole loop with device-made data against its step on pre-made batches
@@ -651,6 +666,7 @@ def main(argv: list[str] | None = None) -> dict:
         "correctness": lambda: section_correctness(device, a.execution, small),
         "tbe": lambda: section_tbe(out_dir, a.execution, small),
         "interaction": lambda: section_interaction(out_dir, small),
+        "attention": lambda: section_attention(out_dir, small),
         "dlrm_tbe": lambda: section_dlrm_tbe(device, a.execution, small, steps),
         "dlrm_ebc": lambda: section_dlrm_ebc(device, a.execution, small, steps),
         "dlrm_sharded": lambda: section_dlrm_sharded(device, a.execution, small, steps),

@@ -29,7 +29,7 @@ def _fresh_probes(monkeypatch, fresh_impls):
 
 
 def test_registry_has_the_ops_and_every_backend_orders_them():
-    assert {"embedding", "interaction", "dcn_cross", "collectives"} <= set(dispatch.OPS)
+    assert {"embedding", "interaction", "dcn_cross", "hstu_attention", "collectives"} <= set(dispatch.OPS)
     for cls in (CPUBackend, type(get_backend("cuda", facts=H200))):
         assert set(cls.kernel_order) == set(dispatch.OPS)
         assert cls.kernel_order["embedding"][0] == "fbgemm"
@@ -40,8 +40,8 @@ def test_cpu_auto_choices_are_logged_once(caplog):
     b = get_backend("cpu")
     kernels = b.select_kernels(BackendConfig())
     assert {op: i.name for op, i in kernels.items()} == {
-        "embedding": "fbgemm", "interaction": "torch", "dcn_cross": "torch", "collectives": "gloo",
-        "sparse_ops": "fbgemm"}
+        "embedding": "fbgemm", "interaction": "torch", "dcn_cross": "torch", "hstu_attention": "torch",
+        "collectives": "gloo", "sparse_ops": "fbgemm"}
     b.select_kernels(BackendConfig())
     get_backend("cpu").select_kernels(BackendConfig())
     assert caplog.text.count("op embedding -> fbgemm (fallback chain: fbgemm > torch > triton)") == 1
@@ -69,10 +69,13 @@ def test_triton_on_cpu_is_an_explicit_opt_in(monkeypatch):
     # ... and every op has its kernels, but on CPU auto still prefers torch for the dense ops.
     assert dispatch.availability(b, "interaction", "triton") is None
     assert dispatch.availability(b, "dcn_cross", "triton") is None
+    assert dispatch.availability(b, "hstu_attention", "triton") is None
     assert dispatch.availability(b, "embedding", "triton") is None
-    assert b.select_kernels()["interaction"].name == b.select_kernels()["dcn_cross"].name == "torch"
-    forced = b.select_kernels(BackendConfig(interaction_kernel="triton", dcn_kernel="triton"))
-    assert forced["interaction"].name == forced["dcn_cross"].name == "triton"
+    auto = b.select_kernels()
+    assert auto["interaction"].name == auto["dcn_cross"].name == auto["hstu_attention"].name == "torch"
+    forced = b.select_kernels(BackendConfig(interaction_kernel="triton", dcn_kernel="triton",
+                                            attention_kernel="triton"))
+    assert forced["interaction"].name == forced["dcn_cross"].name == forced["hstu_attention"].name == "triton"
 
 
 def test_dense_op_order_per_backend():
@@ -80,9 +83,9 @@ def test_dense_op_order_per_backend():
     resort on GPUs, and a missing kernel module is a clear reason."""
     for name, facts in (("cuda", H200), ("rocm", MI300X)):
         b = get_backend(name, facts=facts)
-        for op in ("interaction", "dcn_cross"):
+        for op in ("interaction", "dcn_cross", "hstu_attention"):
             assert b.kernel_order[op] == ("triton", "torch")
-    for op in ("interaction", "dcn_cross"):
+    for op in ("interaction", "dcn_cross", "hstu_attention"):
         assert CPUBackend.kernel_order[op] == ("torch", "triton")
     probe = dispatch._module_present("anyrec.kernels.no_such_op", dispatch._TRITON_KERNELS)
     assert probe(CPUBackend()) == "anyrec.kernels.no_such_op (the op's Triton kernels) is not installed"
@@ -95,7 +98,8 @@ def test_gpu_without_its_kernels_falls_back_loudly(caplog):
     assert dispatch.probe_fbgemm(b) == "fbgemm_gpu has no TBE kernels for cuda (wrong fbgemm_gpu build?)"
     with caplog.at_level(logging.INFO, logger="anyrec.backends.dispatch"):
         kernels = b.select_kernels()
-    assert {kernels[op].name for op in ("embedding", "interaction", "dcn_cross")} == {"torch"}
+    dense_ops = ("embedding", "interaction", "dcn_cross", "hstu_attention")
+    assert {kernels[op].name for op in dense_ops} == {"torch"}
     warned = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert any("fbgemm skipped on cuda" in r.getMessage() for r in warned)
     assert any("triton skipped on cuda" in r.getMessage() for r in warned)

@@ -36,11 +36,15 @@ def test_aot_gate_compiles_every_kernel_for_all_targets(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     results = json.loads(out.read_text())
     expected = len(_variants()) * len(TARGETS)
-    # 9 TBE variants, 2 x 2 dot interaction (fwd/bwd x fp32/bf16), 2 x 2 DCN epilogue
-    assert len(results) == expected == 17 * 4
+    # 9 TBE variants, 2 x 2 dot interaction (fwd/bwd x fp32/bf16), 2 x 2 DCN epilogue, 3 x 2 HSTU
+    # attention (fwd, bwd dq, bwd dk/dv x bf16/fp32)
+    assert len(results) == expected == 23 * 4
     assert {r["target"] for r in results} == set(TARGETS)
     assert {r["kernel"] for r in results} == {"tbe_forward", "tbe_backward", "dot_fwd", "dot_bwd",
-                                              "dcn_epi_fwd", "dcn_epi_bwd"}
+                                              "dcn_epi_fwd", "dcn_epi_bwd", "hstu_fwd", "hstu_bwd_dq",
+                                              "hstu_bwd_dkdv"}
+    assert {r["variant"] for r in results if r["kernel"].startswith("hstu")} == {
+        "x=bf16 H=4 D<=128", "x=fp32 H=4 D<=128"}
     assert all(r["ok"] and r["registers"] for r in results)
     # the production-shape (D=128) kernels must not spill on any target
     assert all(r["spills"] == 0 for r in results if "D<=128" in r["variant"]), proc.stdout

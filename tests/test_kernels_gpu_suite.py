@@ -40,7 +40,7 @@ def test_gpu_suite_small_on_cpu(tmp_path):
     s = rep["sections"]
     assert {k: v["status"] for k, v in s.items()} == {k: "ok" for k in
                                                       ("env", "correctness", "tbe", "interaction",
-                                                       "dlrm_tbe", "dlrm_ebc",
+                                                       "attention", "dlrm_tbe", "dlrm_ebc",
                                                        "dlrm_sharded", "data", "parity", "loop",
                                                        "compile", "calibrate", "memory")}
     assert all(c["ok"] for k, c in s["correctness"].items() if isinstance(c, dict))
@@ -51,6 +51,11 @@ def test_gpu_suite_small_on_cpu(tmp_path):
     assert (tmp_path / "tbe.json").exists() and "GPU: not run" in proc.stdout
     assert {r["contender"] for r in s["interaction"]["rows"]} == {"torch gather", "anyrec torch"}
     assert (tmp_path / "interaction.json").exists()
+    rows = s["attention"]["rows"]
+    assert {(r["contender"], r["mode"]) for r in rows} == {("torch", "fwd"), ("torch", "fwd+bwd")}
+    assert all(r["tflop_per_s"] > 0 and r["tokens"] > 0 for r in rows)
+    assert "not run" in s["attention"]["triton"]
+    assert json.loads((tmp_path / "hstu_attention.json").read_text())["rows"]
     # Issue checks a GPU run answers: device-made synthetic batches, CPU-vs-device parity, calibration.
     assert s["data"]["identical_to_cpu"] and s["data"]["samples_per_s"] > 0
     # One optimizer at --small; CPU against CPU: the same bits.
@@ -77,12 +82,13 @@ def test_gpu_suite_small_on_cpu(tmp_path):
 
 
 def test_gpu_suite_without_torchrec_or_fbgemm(tmp_path):
-    only = "correctness,interaction,dlrm_tbe,dlrm_ebc,dlrm_sharded,data,parity,loop,compile,calibrate,memory"
+    only = ("correctness,interaction,attention,dlrm_tbe,dlrm_ebc,dlrm_sharded,data,parity,loop,compile,"
+            "calibrate,memory")
     proc, rep = _run(tmp_path, ["--small", "--only", only], block=True)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     s = rep["sections"]
     assert s["correctness"]["status"] == "ok" and s["dlrm_tbe"]["status"] == "ok"
-    assert s["interaction"]["status"] == "ok"  # torch + triton only
+    assert s["interaction"]["status"] == s["attention"]["status"] == "ok"  # torch + triton only
     for name in ("dlrm_ebc", "dlrm_sharded", "data", "parity", "loop", "compile", "calibrate", "memory"):
         assert s[name]["status"] == "skipped" and "torchrec does not import" in s[name]["skipped"]
     assert "does not import" in s["env"]["torchrec"]

@@ -70,7 +70,8 @@ class CPUBackend(Backend):
     dist_backend = "gloo"
     # Triton reaches the CPU only through its interpreter: never chosen by auto, only when forced.
     kernel_order = {**Backend.kernel_order, "embedding": ("fbgemm", "torch", "triton"),
-                    "interaction": ("torch", "triton"), "dcn_cross": ("torch", "triton")}
+                    "interaction": ("torch", "triton"), "dcn_cross": ("torch", "triton"),
+                    "hstu_attention": ("torch", "triton")}
     _tuner: ThreadTuner | None = None  # under backend.threads=auto, once bind_local_rank ran
 
     @classmethod

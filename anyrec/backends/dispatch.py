@@ -1,11 +1,12 @@
 """Op dispatch: one `Impl` record per (op, implementation), and the backend's choice among them.
 
-Each op (`embedding`, `interaction`, `dcn_cross`, `collectives`, `sparse_ops`) has implementations named
-after the library that provides them (`fbgemm`, `triton`, `torch`, `nccl`, `gloo`, `portable`), each one
-`Impl` record, built in or a plugin's (the `anyrec.impls` entry points, or `register_impl` before first
-use); the registry is read-only once plugins are loaded. `select` returns the first record in the
-backend's `kernel_order` whose probe passes (probed once per process), or the one the config forces;
-the caller hands the record down: the planner, the sharder and the model builder never take a name.
+Each op (`embedding`, `interaction`, `dcn_cross`, `hstu_attention`, `collectives`, `sparse_ops`) has
+implementations named after the library that provides them (`fbgemm`, `triton`, `torch`, `nccl`, `gloo`,
+`portable`), each one `Impl` record, built in or a plugin's (the `anyrec.impls` entry points, or
+`register_impl` before first use); the registry is read-only once plugins are loaded. `select` returns the
+first record in the backend's `kernel_order` whose probe passes (probed once per process), or the one the
+config forces; the caller hands the record down: the planner, the sharder and the model builder never take
+a name.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ OPS: dict[str, Op] = {op.name: op for op in (
     Op("embedding", "embedding_kernel"),  # pooled lookup with the optimizer fused into backward
     Op("interaction", "interaction_kernel"),  # DLRM pairwise dot interaction
     Op("dcn_cross", "dcn_kernel"),  # DCNv2 low-rank cross layers
+    # jagged HSTU (pointwise SiLU) attention; a backend written before it gets the torch version
+    Op("hstu_attention", "attention_kernel", default_order=("torch",)),
     Op("collectives", None),  # the torch.distributed process-group backend
     # FBGEMM ops of torchrec's input/output distribution: KJT permutes, offsets and bucketisation,
     # pooled-embedding permutes (sparse_ops.py)
@@ -312,6 +315,12 @@ BUILTIN_IMPLS: tuple[Impl, ...] = (
     Impl("dcn_cross", "triton", "anyrec.models.interaction:TritonLowRankCrossNet",
          all_of(probe_triton, _module_present("anyrec.kernels.dcn", _TRITON_KERNELS))),
     Impl("dcn_cross", "torch", "anyrec.models.interaction:LowRankCrossNet"),
+    # each builds the op's function (anyrec.kernels.hstu.HstuAttentionFn)
+    Impl("hstu_attention", "triton", "anyrec.kernels.triton_hstu:triton_attention_fn",
+         all_of(probe_triton, _module_present("anyrec.kernels.triton_hstu", _TRITON_KERNELS)),
+         description="anyrec's Triton kernels, forward and backward"),
+    Impl("hstu_attention", "torch", "anyrec.kernels.hstu:torch_attention_fn",
+         description="padded chunks of whole sequences in plain torch (the oracle)"),
     Impl("collectives", "nccl", probe=probe_nccl),
     Impl("collectives", "gloo", probe=probe_gloo),
     Impl("sparse_ops", "fbgemm", probe="anyrec.backends.sparse_ops:probe_fbgemm",

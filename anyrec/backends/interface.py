@@ -41,6 +41,7 @@ class Backend(abc.ABC):
         "embedding": ("fbgemm", "triton", "torch"),
         "interaction": ("triton", "torch"),
         "dcn_cross": ("triton", "torch"),
+        "hstu_attention": ("triton", "torch"),
         "collectives": ("gloo",),
         "sparse_ops": ("fbgemm", "portable"),
     }

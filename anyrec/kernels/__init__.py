@@ -1,6 +1,7 @@
 """Portable kernels: Triton table-batched embeddings with a fused optimizer (`tbe`; torchrec modules on it
 in `ebc` and `torchrec_kernel`, the only modules here that import torchrec), the DLRM dot interaction
-(`interaction`) and the DCNv2 cross-layer epilogue (`dcn`), each with a pure-torch oracle;
+(`interaction`), the DCNv2 cross-layer epilogue (`dcn`) and jagged HSTU attention (`hstu` the torch
+version, `triton_hstu` the kernels), each with a pure-torch oracle;
 `python -m anyrec.kernels.aot` is the portability gate.
 """
 

@@ -54,7 +54,8 @@ class CompileResult:
 
 
 def _variants():
-    """(kernel name, variant label, jit fn, signature types, constexprs, num_warps)."""
+    """(kernel name, variant label, jit fn, signature types, constexprs, num_warps: an int, or a dict by the
+    target's warp size where the launcher picks by it)."""
     from anyrec.kernels.triton_tbe import forward_blocks, tbe_forward_kernel  # needs triton
     from anyrec.kernels.triton_tbe_backward import (  # needs triton
         LONG_SEGMENT,
@@ -82,6 +83,38 @@ def _variants():
               "LONG_SEGMENT": LONG_SEGMENT, "BLOCK_U": bu, "BLOCK_L": bl, "BLOCK_D": bd, "NUM_D_TILES": tiles}
         out.append(("tbe_backward", f"{kind.value} w={wdt} D<={dim}", tbe_backward_kernel, types, cx, nw))
     out += _dense_variants()
+    out += _attention_variants()
+    return out
+
+
+def _attention_variants():
+    """HSTU attention at the DLRMv4 reference's shapes (4 heads, q/k and v dims 128; heads and lengths are
+    runtime values), bf16 (its mixed precision) and fp32, with targets and contextual tokens."""
+    from anyrec.kernels.triton_hstu import (  # needs triton
+        attention_blocks,
+        hstu_bwd_dkdv_kernel,
+        hstu_bwd_dq_kernel,
+        hstu_fwd_kernel,
+    )
+
+    # strides (H * 128, 128) and dims 128 divisible by 16; num_heads (4) and num_contextual are not.
+    # num_heads, dq, dv, num_contextual, alpha, 1 / max_len:
+    scalars = ["i32", "i32:16", "i32:16", "i32", "fp32", "fp32"]
+    out = []
+    for dt in ("bf16", "fp32"):
+        by_warp = {w: attention_blocks(128, 128, dt == "fp32", w) for w in (32, 64)}
+        block_dq, block_dv, _ = by_warp[32]["dims"]
+        label = f"x={dt} H=4 D<=128"
+        ints = ["*i64", "*i64"]  # offsets, num_targets
+        kernels = (("hstu_fwd", hstu_fwd_kernel, ["*" + dt] * 4 + ints + ["i32:16"] * 8),
+                   ("hstu_bwd_dq", hstu_bwd_dq_kernel, ["*" + dt] * 5 + ints + ["i32:16"] * 6),
+                   ("hstu_bwd_dkdv", hstu_bwd_dkdv_kernel, ["*" + dt] * 6 + ints + ["i32:16"] * 6))
+        for name, fn, types in kernels:
+            block_m, block_n, _ = by_warp[32][name.removeprefix("hstu_")]
+            warps = {w: blocks[name.removeprefix("hstu_")][2] for w, blocks in by_warp.items()}
+            cx = {"HAS_TARGETS": True, "DOT_FP32": dt == "fp32", "BLOCK_M": block_m, "BLOCK_N": block_n,
+                  "BLOCK_DQ": block_dq, "BLOCK_DV": block_dv}
+            out.append((name, label, fn, types + scalars, cx, warps))
     return out
 
 
@@ -154,11 +187,15 @@ def compile_one(name, label, fn, types, constexprs, num_warps, target: str) -> C
         args = [a for a in fn.arg_names if a not in constexprs]
         if len(args) != len(types):
             raise ValueError(f"{name}: {len(args)} runtime args but {len(types)} types")
-        sig = dict(zip(args, types, strict=True)) | {k: "constexpr" for k in constexprs}
-        # pointers 16-byte aligned, as the launcher specialises them for torch allocations
+        # "i32:16": an int the launcher sees divisible by 16 at the shapes compiled for (it specialises such
+        # values, as it does pointers: 16-byte aligned torch allocations)
+        sig = {a: t.removesuffix(":16") for a, t in zip(args, types, strict=True)} | {k: "constexpr"
+                                                                                     for k in constexprs}
         attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a, t in zip(args, types, strict=True)
-                 if t.startswith("*")}
+                 if t.startswith("*") or t.endswith(":16")}
         backend, arch, warp = TARGETS[target]
+        if isinstance(num_warps, dict):
+            num_warps = num_warps[warp]
         src = ASTSource(fn, sig, constexprs=constexprs, attrs=attrs)
         # the options each launcher passes besides num_warps, so kernels compile here as they ship
         options = {"num_warps": num_warps, **(BACKWARD_COMPILE_OPTIONS if name == "tbe_backward" else {})}
