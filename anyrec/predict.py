@@ -40,7 +40,7 @@ def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print) -> dict[str,
     from anyrec.serving.artifact import load_artifact, read_manifest  # late: after the command line
     from anyrec.serving.scoring import score_batches  # late: after the command line
     from anyrec.serving.weights import check_fits, host_memory_bytes  # late: after the command line
-    from anyrec.trainer.inputs import build_inputs
+    from anyrec.trainer.inputs import build_inputs  # late: after the command line
 
     check_values(cfg)
     pc = cfg.predict

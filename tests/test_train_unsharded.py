@@ -27,7 +27,7 @@ def test_single_device_torch_kernel_trains_without_fbgemm_ops(tmp_path, monkeypa
                              f"trainer.run_dir={tmp_path}", "trainer.validate_inputs=false"])
     trainer = Trainer(cfg)
     try:
-        assert trainer.unsharded and trainer.sharding_plan is None
+        assert trainer.unsharded and trainer.planned is None
         assert isinstance(trainer.model.model.sparse_arch, TritonEmbeddingBagCollection)
         batches = [trainer.train_data.batch(i) for i in range(3)]
         before = trainer.model.model.sparse_arch.embedding_bags["t_cat_0"].weight.detach().clone()

@@ -23,12 +23,13 @@ from anyrec import _hydra
 from anyrec.backends import Hardware
 from anyrec.backends.hardware_file import STEP_FIELDS
 from anyrec.calibration.run import STOP_GRACE_S, CalibrationRun, Timing
+from anyrec.console import log_file_only
 from anyrec.models.family import resolve_family
 from anyrec.planner.planned import Assignment, PlannedJob, plan_job
 from anyrec.runtime.distributed import Runtime
 from anyrec.trainer.trainer import Trainer
 
-logger = logging.getLogger("anyrec.calibrate")
+logger = logging.getLogger(__name__)
 
 ROWS = 1_000  # rows per table: lookups stay cheap, framework time dominates
 
@@ -145,10 +146,8 @@ def _train_point(p: StepPoint, runtime: Runtime, hardware: Hardware, steps: int,
     # the trainer takes the plan alone: the points are costed without the step figures being fitted, a
     # prediction for the trainer to check or learn from is none
     given = PlannedJob(planned.plan, planned.layout)
-    quiet = logging.getLogger("anyrec.trainer")
-    level = quiet.level
-    quiet.setLevel(logging.WARNING)  # one set-up log per point would bury the calibration's table
-    try:
+    # one set-up log per point would bury the calibration's table: the points' own lines go to the log file
+    with log_file_only():
         trainer = Trainer(cfg, given, runtime=runtime, hardware=hardware, family=family)
         run.check()  # a signal while it was built
         trainer.step_hooks.append(lambda _: run.check())  # the trainer's own catches one while it trains
@@ -158,8 +157,6 @@ def _train_point(p: StepPoint, runtime: Runtime, hardware: Hardware, steps: int,
             trainer.writer.close()
             del trainer
             gc.collect()
-    finally:
-        quiet.setLevel(level)
     run.stopped_by(summary.get("stopped_by"))
     return summary["measured_step_ms"] / 1e3, planned.predicted_step_s
 

@@ -11,7 +11,6 @@ bit-identical weights to the eager loop.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,9 +19,6 @@ from torch import nn
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.model_parallel import DMPCollection
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
-
-# torchrec logs at INFO each time an iterator runs out (once per chunk of steps here): keep it quiet.
-logging.getLogger("torchrec.distributed.train_pipeline.train_pipelines").setLevel(logging.WARNING)
 
 
 class SparseDistPipeline(TrainPipelineSparseDist):

@@ -7,7 +7,7 @@ import logging
 from anyrec.backends.hardware_file import Measurements
 from anyrec.history.trust import Trust
 
-logger = logging.getLogger("anyrec.calibrate")
+logger = logging.getLogger(__name__)
 
 
 def format_table(m: Measurements) -> str:
