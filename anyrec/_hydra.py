@@ -1,14 +1,34 @@
 """Hydra plumbing shared by the entry points: schema registration, resolvers, the strict key check,
-one-line errors and the one composition of a command line, run by Hydra's public API."""
+the typed config, and `launch`, which runs an entry point's job under Hydra's own runner, `hydra.main`.
+
+anyrec adds to the runner only through Hydra's extension points, each small:
+- `HYDRA_FULL_ERROR=1` while `hydra.main` runs (not inside the job), so that what Hydra would print as a
+  stripped traceback and exit 1 (a refused override, a group option that does not exist, an override's
+  syntax) reaches `launch`, which says it in one line, `<prog>: error: ...`, exit status 2. A user who
+  sets `HYDRA_FULL_ERROR=1` gets Hydra's full trace instead.
+- a callback, `StartChecks` (`hydra.callbacks.start_checks` in configs/config.yaml): after composition and
+  before the run folder is made, a mandatory value unset, a value out of range, or an output folder that
+  cannot be written or holds links is refused the same way (`StartRefused`, exit status 2).
+- `--help` is Hydra's, its template (configs/config.yaml's `hydra.help`) listing each group's real
+  options through the `anyrec_config_groups` resolver; the console and log file are a `hydra/job_logging`
+  config (configs/hydra/job_logging/anyrec.yaml); only rank 0 writes `.hydra/` (`anyrec_rank0`).
+What this costs: `hydra.main` composes a plain run's config twice (once to read `hydra.mode`: about
+0.12 s of CPU with these groups); Hydra sets up its own logging (`hydra/hydra_logging`) before the job's,
+which `launch` undoes when it refuses a job; a mistake among Hydra's flags (`--bogus`) is argparse's
+usage and error, exit 2, as it was before.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
+import functools
+import logging
 import os
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -17,12 +37,12 @@ from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
-from hydra.core.utils import run_job
-from hydra.errors import ConfigCompositionException, MissingConfigException
-from hydra.types import HydraContext, RunMode
-from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import (
+    InterpolationKeyError,
     InterpolationResolutionError,
     MissingMandatoryValue,
     OmegaConfBaseException,
@@ -45,6 +65,8 @@ from anyrec.config import (
 )
 from anyrec.io_checks import writable_dir
 from anyrec.runtime.errors import say_line, write_error_file
+
+FULL_ERROR = "HYDRA_FULL_ERROR"  # Hydra's switch: raise instead of printing a stripped trace
 
 
 def _rank0_only(value: str) -> str | None:
@@ -145,11 +167,11 @@ def _raw_value(cfg: DictConfig, key: str) -> Any:
 
 def _resolution_problem(cfg: DictConfig, e: OmegaConfBaseException) -> str | None:
     """One line for a value refused only when the config is resolved (an environment variable's value
-    through `${oc.env:NAME,...}`, or the variable unset), naming the option and the variable; None for
-    an interpolation that only a running Hydra app resolves."""
+    through `${oc.env:NAME,...}`, or the variable unset), naming the option and the variable, or an
+    interpolation of a key that does not exist; None for one that only a running Hydra app resolves."""
     raw = _raw_value(cfg, e.full_key)
     env = _ENV.search(raw) if isinstance(raw, str) else None
-    if env is None and not isinstance(e, ValidationError):
+    if env is None and not isinstance(e, ValidationError | InterpolationKeyError):
         return None
     reason = str(e.msg).splitlines()[0]
     reason = re.sub(r"^While dereferencing interpolation '.*?': ", "", reason)
@@ -257,22 +279,64 @@ def _linked_outputs(cfg: DictConfig, multirun: bool = False) -> str | None:
     return None
 
 
-def _composition_problem(e: Exception) -> str | None:
-    """One line for an override refused at composition (`trainer.steps=many`, `trainer.stepz=3`, a file
-    as the `hardware` group's option), else None."""
-    group, _, option = (getattr(e, "missing_cfg_file", None) or "").partition("/")
+def _command_line_problem(e: Exception) -> str:
+    """One line for what Hydra refused before the job started: an override's value (`trainer.steps=many`,
+    `trainer.stepz=3`), a file as the `hardware` group's option, a group option that does not exist, an
+    override's syntax, else the first line of Hydra's message (e.g. two commands among its flags)."""
+    missing = getattr(e, "missing_cfg_file", None) or ""  # `group/option`; an option may be a path
+    group, _, option = missing.rpartition("/") if missing.startswith("hydra/") else missing.partition("/")
     if isinstance(e, MissingConfigException) and group == "hardware" and is_hardware_path(option):
         return (f"hardware={option}: a hardware file is named with hardware.sku={option} "
                 "(hardware= takes a group option: auto, a SKU name, or a YAML's name on hydra.searchpath)")
     cause = e.__cause__ if isinstance(e, ConfigCompositionException) else e
     if isinstance(cause, OmegaConfBaseException) and cause.full_key:
         return f"{cause.full_key}: {str(cause.msg).splitlines()[0]}"
-    return None
+    if isinstance(e, MissingConfigException) and group and e.options:
+        options = sorted(o for o in e.options if o != f"{group}_schema")
+        return f"{group}={option}: no such option; {group} takes one of: {', '.join(options)}"
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    first = lines[0] if lines else type(e).__name__
+    return f"{e.override}: {first}" if isinstance(e, OverrideParseException) else first
+
+
+def start_problem(cfg: DictConfig, multirun: bool = False) -> str | None:
+    """One line naming what stops a composed job before its run folder is made (a mandatory value
+    unset, a value the typed config refuses, an output folder that cannot be written or whose Hydra files
+    are links), else None. A sweep's values are its jobs' to check: only its folder is checked here."""
+    if not multirun:
+        problem = _missing(cfg) or _values(cfg)
+        if problem:
+            return problem
+    return _output_dir(cfg, multirun) or _linked_outputs(cfg, multirun)
+
+
+class StartRefused(SystemExit):
+    """A job refused by `StartChecks`, exit status 2; `launch` prints `problem` as the entry point's one
+    line. A SystemExit because Hydra turns a callback's Exception into a warning and goes on."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(2)
+        self.problem = problem
+
+
+class StartChecks(Callback):
+    """The `hydra.callbacks.start_checks` of configs/config.yaml: `start_problem` on the composed config,
+    after Hydra composes it and before it makes the run (or sweep) folder."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        problem = start_problem(config)
+        if problem:
+            raise StartRefused(problem)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        problem = start_problem(config, multirun=True)
+        if problem:
+            raise StartRefused(problem)
 
 
 def cli_problem(overrides: list[str]) -> str | None:
-    """One line naming what stops an entry point before it starts (a refused override, a mandatory value
-    unset, an unwritable output folder), else None; informational flags (--help, --cfg, ...) are Hydra's."""
+    """The one line an entry point would exit with on these overrides before its job starts, else None;
+    informational flags (--help, --cfg, ...) are None."""
     multirun = any(o in ("-m", "--multirun") for o in overrides)
     if any(o.startswith("-") and o not in ("-m", "--multirun") for o in overrides):
         return None
@@ -282,10 +346,10 @@ def cli_problem(overrides: list[str]) -> str | None:
         with initialize_config_dir(str(config_dir()), version_base="1.3"):
             cfg = compose("config", overrides, return_hydra_config=True)
     except (ConfigCompositionException, ValidationError) as e:
-        return _composition_problem(e)
+        return _command_line_problem(e)
     except Exception:  # noqa: BLE001 - anything else (a sweep's syntax, a launcher plugin): Hydra says it
         return None
-    return _missing(cfg) or _values(cfg) or _output_dir(cfg, multirun) or _linked_outputs(cfg, multirun)
+    return start_problem(cfg, multirun)
 
 
 def _refuse(prog: str, problem: str) -> NoReturn:
@@ -306,65 +370,57 @@ def run_typed(prog: str, run: Callable[[AnyrecConfig], Any], cfg: DictConfig) ->
         sys.exit(2)
 
 
+@contextlib.contextmanager
+def _environ(name: str, value: str | None) -> Iterator[None]:
+    """The environment variable `name` set to `value` (unset where None) inside the block only."""
+    saved = os.environ.pop(name, None)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
+        if saved is not None:
+            os.environ[name] = saved
+
+
 def launch(prog: str, task: Callable[[DictConfig], Any], argv: list[str] | None = None) -> None:
-    """Run `task` on the command line's (or `argv`'s) config, composed once: what stops the job before it
-    starts is one line and exit status 2, then `task` runs in its output folder as `hydra.main` runs it
-    (logging, `.hydra/`). Hydra's flags (--help, --cfg, --multirun, ...) go to `hydra.main` itself."""
+    """Run `task` under Hydra's runner, `hydra.main`, on the command line (or `argv`): Hydra's flags
+    (--help, --cfg, --multirun, ...), its run folder, logging, `.hydra/` and callbacks. What stops the job
+    before it starts (Hydra refusing an override, `StartChecks` refusing a value or a folder) is one line
+    and exit status 2; an exception of the job itself is raised here with its traceback."""
     setup()
     console.capture_warnings()
-    argv = list(sys.argv[1:] if argv is None else argv)
-    job_name = Path(sys.modules[task.__module__].__file__ or prog).stem  # as hydra.main names the job
-    if any(a.startswith("-") for a in argv):
-        problem = cli_problem(argv)
-        if problem:
-            _refuse(prog, problem)
+    user_full_error = os.environ.get(FULL_ERROR)
+    started = False
+
+    @functools.wraps(task)  # Hydra names the job after the unwrapped task's module
+    def job(cfg: DictConfig) -> Any:
+        nonlocal started
+        started = True
+        with _environ(FULL_ERROR, user_full_error):  # the job's own children see the user's setting
+            return task(cfg)
+
+    saved_argv, root = sys.argv[:], logging.getLogger()
+    saved_logging = root.handlers[:], root.level
+    if argv is not None:
+        sys.argv[1:] = argv  # hydra.main parses sys.argv
+    try:
+        with _environ(FULL_ERROR, "1"):  # Hydra raises what it would print as a stripped traceback
+            hydra.main(str(config_dir()), "config", version_base="1.3")(job)()
+    except StartRefused as e:
+        problem = e.problem
+    except Exception as e:
+        if started or user_full_error == "1":  # the job's own failure, or the user asked for Hydra's trace
+            raise
+        problem = _command_line_problem(e)
     else:
-        with initialize_config_dir(str(config_dir()), job_name=job_name, version_base="1.3"):
-            try:
-                cfg = compose("config", argv, return_hydra_config=True)
-            except Exception as e:  # noqa: BLE001 - what cannot be said in one line, Hydra's app says below
-                problem = _composition_problem(e)
-                if problem:
-                    _refuse(prog, problem)
-            else:
-                problem = (_missing(cfg) or _values(cfg) or _output_dir(cfg, multirun=False)
-                           or _linked_outputs(cfg))
-                if problem:
-                    _refuse(prog, problem)
-                _run(task, cfg)
-                return
-    sys.argv[1:] = argv  # hydra.main reads sys.argv
-    hydra.main(str(config_dir()), "config", version_base="1.3")(task)()
-
-
-class _Callbacks:
-    """The configured `hydra.callbacks`, called where Hydra's runner calls them."""
-
-    def __init__(self, cfg: DictConfig) -> None:
-        self.callbacks = [instantiate(c) for c in (cfg.hydra.callbacks or {}).values()]
-
-    def __getattr__(self, event: str) -> Callable[..., None]:
-        if event.startswith("_"):
-            raise AttributeError(event)
-
-        def call(**kwargs: Any) -> None:
-            for callback in self.callbacks:
-                getattr(callback, event)(**kwargs)
-        return call
-
-
-def _run(task: Callable[[DictConfig], Any], cfg: DictConfig) -> None:
-    """A composed config's job, as `hydra.main` runs one: `run_job` (output folder, logging, `.hydra/`)
-    between the callbacks; the job's exception is raised here."""
-    with read_write(cfg.hydra):
-        cfg.hydra.mode = RunMode.RUN
-    callbacks = _Callbacks(cfg)
-    callbacks.on_run_start(config=cfg, config_name="config")
-    context = HydraContext(config_loader=GlobalHydra.instance().config_loader(), callbacks=callbacks)
-    ret = run_job(task_function=task, config=cfg, job_dir_key="hydra.run.dir", job_subdir_key=None,
-                  hydra_context=context)
-    callbacks.on_run_end(config=cfg, config_name="config", job_return=ret)
-    _ = ret.return_value  # raises the job's exception
+        return
+    finally:
+        sys.argv[:] = saved_argv
+    root.handlers[:], level = saved_logging  # refused: Hydra's own logging set-up undone, as if not run
+    root.setLevel(level)
+    _refuse(prog, problem)
 
 
 def compose_job(overrides: list[str]) -> AnyrecConfig:

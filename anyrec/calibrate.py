@@ -80,7 +80,7 @@ def main(cfg: DictConfig) -> None:
 
 
 def cli(argv: list[str] | None = None) -> None:
-    """Console entry: the command line (or `argv`) composed once, as `anyrec-train` composes its own."""
+    """Console entry: the command line (or `argv`) under Hydra's runner (`_hydra.launch`)."""
     _hydra.launch("anyrec.calibrate", main, argv)
 
 

@@ -72,7 +72,7 @@ def main(cfg: DictConfig) -> None:
 
 
 def cli() -> None:
-    """Console entry: the command line composed once (`_hydra.launch`), Hydra's flags to `hydra.main`."""
+    """Console entry: the job under Hydra's runner (`_hydra.launch`), one line and exit 2 for a mistake."""
     _hydra.launch("anyrec-export", main)
 
 

@@ -326,7 +326,7 @@ def _task(cfg: DictConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command line (or `argv`) composed once, as `anyrec-train` composes its own; the exit status:
+    """The command line (or `argv`) under Hydra's runner, as `anyrec-train` runs its own; the exit status:
     0 when all variants agree within tolerance, 1 if not, 2 on bad input."""
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == _WORKER_FLAG:
