@@ -50,7 +50,8 @@ def run(cfg: AnyrecConfig) -> None:
         run.close()
         if rank == 0:
             report_trust(calibration.measurements)
-        key = local_key(backend, info, runtime.cores) if opts.cache else None  # collective
+        # a collective
+        key = local_key(backend, info, runtime.cores, runtime.binding.threads) if opts.cache else None
         run.check()  # a signal now still leaves nothing written
         if rank == 0 and key is not None:
             entry = write_entry(cache_dir() / key.file_name(), key, hardware_yaml(backend, calibration),

@@ -84,7 +84,7 @@ logging.basicConfig(level=logging.INFO)
 rank, world, bind = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
 stop = threading.Event()
 before = threading.Thread(target=stop.wait); before.start()
-share = CPUBackend().bind_local_rank(rank, world, bind)
+share = CPUBackend().bind_local_rank(rank, world, bind).cores
 after = threading.Thread(target=stop.wait); after.start()
 masks = {tid: sorted(os.sched_getaffinity(int(tid))) for tid in os.listdir("/proc/self/task")}
 stop.set(); before.join(); after.join()

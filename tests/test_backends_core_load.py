@@ -77,8 +77,9 @@ logging.basicConfig(level=logging.INFO)
 busy, own = float(sys.argv[1]), float(sys.argv[2])
 cpu.measure_core_load = lambda cpus: CoreLoad(busy_cores=busy, own_cores=own, sample_s=0.25)
 backend = cpu.CPUBackend()
-share = backend.bind_local_rank(1, 2, "auto")
-print(json.dumps({"share": share, "mask": sorted(os.sched_getaffinity(0)), "bind": backend.bind_choice.bind}))
+binding = backend.bind_local_rank(1, 2, "auto")
+mask = sorted(os.sched_getaffinity(0))
+print(json.dumps({"share": binding.cores, "mask": mask, "bind": binding.bind.bind}))
 """
 
 

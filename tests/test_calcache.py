@@ -221,13 +221,11 @@ def test_the_key_holds_the_share_of_cores_not_what_a_busy_host_left(monkeypatch)
     """Two jobs that started beside different loads (auto took 1 thread in one, 2 in the other) share an
     entry: the key holds auto's share; a forced count is the machine's setting and stays in the key."""
     backend = get_backend("cpu")
-    monkeypatch.setattr(backend, "thread_choice", ThreadChoice(intra_op=1, share_cores=2, setting=None),
-                        raising=False)
     monkeypatch.setattr("torch.get_num_threads", lambda: 1)
-    assert calcache.local_key(backend, ONE_PROCESS).threads_per_rank == 2
-    monkeypatch.setattr(backend, "thread_choice", ThreadChoice(intra_op=1, share_cores=2, setting=1),
-                        raising=False)
-    assert calcache.local_key(backend, ONE_PROCESS).threads_per_rank == 1
+    auto = ThreadChoice(intra_op=1, share_cores=2, setting=None)
+    assert calcache.local_key(backend, ONE_PROCESS, threads=auto).threads_per_rank == 2
+    forced = ThreadChoice(intra_op=1, share_cores=2, setting=1)
+    assert calcache.local_key(backend, ONE_PROCESS, threads=forced).threads_per_rank == 1
 
 
 def test_an_entry_a_run_measured_ten_times_off_is_named_and_not_used_again(tmp_path, monkeypatch, caplog):

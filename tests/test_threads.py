@@ -349,7 +349,7 @@ def test_fixed_option_reaches_torch(one_rank, monkeypatch):  # noqa: F811
     torch.set_num_threads(2)
     t = _trainer("backend.threads=1", "trainer.steps=2")
     try:
-        assert torch.get_num_threads() == 1 and t.backend.thread_choice.setting == 1
+        assert torch.get_num_threads() == 1 and t.runtime.binding.threads.setting == 1
         assert not any(isinstance(h, ThreadTuner) for h in t.step_hooks)
         summary = t.train()
     finally:

@@ -10,8 +10,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from anyrec.backends.core_load import BindChoice, CoreLoad, choose_binding, measure_core_load
-from anyrec.backends.interface import Backend, DeviceFacts
+from anyrec.backends.core_load import CoreLoad, choose_binding, measure_core_load
+from anyrec.backends.interface import Backend, Binding, DeviceFacts
 from anyrec.backends.specs import SKUS, DeviceSpec
 from anyrec.backends.threads import (
     Rebinder,
@@ -88,14 +88,12 @@ class CPUBackend(Backend):
         return torch.device("cpu")
 
     def bind_local_rank(self, local_rank: int, local_world_size: int, bind_cores: bool | str = "auto",
-                        threads: int | None = None, rank: int = 0, world_size: int = 1) -> list[int] | None:
+                        threads: int | None = None, rank: int = 0, world_size: int = 1) -> Binding:
         """Each rank runs torch's threads on its own contiguous share of the host's cores, bound to it
         where `bind_cores` says so (auto: see core_load), as many as `threads` says (None, auto: a start, see
-        threads); the decisions are kept in `self.bind_choice` and `self.thread_choice` (auto's start), and
-        under auto `self.step_hooks()` times the job's step at each candidate count while it trains, agreed
-        over the job's `world_size` ranks (this one is `rank`)."""
-        self.bind_choice: BindChoice | None = None
-        self.thread_choice: ThreadChoice | None = None
+        threads); returns the decisions (the thread count auto starts from), and under auto
+        `self.step_hooks()` times the job's step at each candidate count while it trains, agreed over the
+        job's `world_size` ranks (this one is `rank`)."""
         self._tuner: ThreadTuner | None = None
         forced = threads  # parsed where the config was built (anyrec.config.parse_threads)
         allowed = _host_cores()
@@ -106,42 +104,43 @@ class CPUBackend(Backend):
             if allowed:
                 logger.warning("%d local ranks on %d cores: ranks share cores, threads not bound",
                                local_world_size, cores)
-            self._choose_threads(forced, max(1, cores // local_world_size), local_world_size, allowed, None,
-                                rank, world_size)
-            return None
+            choice = self._choose_threads(forced, max(1, cores // local_world_size), local_world_size,
+                                          allowed, None, rank, world_size)
+            return Binding(threads=choice)
         readable = os.path.isdir("/proc/self/task")
         load = None
         if readable and (forced is None or local_world_size > 1 and bind_cores == "auto"):
             load = measure_core_load(allowed)  # one sample serves both rules
-        self._choose_threads(forced, len(share), local_world_size, allowed, load, rank, world_size)
+        choice = self._choose_threads(forced, len(share), local_world_size, allowed, load, rank, world_size)
         if local_world_size <= 1 or not readable:
-            self._log_threads(local_rank, local_world_size)
-            return None
-        self.bind_choice = choose_binding(bind_cores, lambda: load)
-        bind = self.bind_choice.bind
+            self._log_threads(local_rank, local_world_size, choice)
+            return Binding(threads=choice)
+        bind_choice = choose_binding(bind_cores, lambda: load)
+        bind = bind_choice.bind
         if bind:
             bind_threads(share)
-        if self._tuner is not None and self.bind_choice.setting == "auto":
+        if self._tuner is not None and bind_choice.setting == "auto":
             self._tuner.rebinder = Rebinder(share, allowed, bind, bind_threads)
         logger.info("local rank %d of %d: threads %s cores %s (%s)", local_rank, local_world_size,
                     "bound to" if bind else "free on", ",".join(map(str, share if bind else allowed)),
-                    self.bind_choice.describe())
-        self._log_threads(local_rank, local_world_size)
-        return share if bind else None
+                    bind_choice.describe())
+        self._log_threads(local_rank, local_world_size, choice)
+        return Binding(tuple(share) if bind else None, bind_choice, choice)
 
     def _choose_threads(self, forced: int | None, share_cores: int, local_world_size: int,
-                        allowed: list[int], load: CoreLoad | None, rank: int, world_size: int) -> None:
+                        allowed: list[int], load: CoreLoad | None, rank: int, world_size: int
+                        ) -> ThreadChoice:
         choice = choose_threads(forced, share_cores, local_world_size, load)
         torch.set_num_threads(choice.intra_op)
         self.interop_threads = set_interop_threads(choice.intra_op)
-        self.thread_choice = choice
         if forced is None:  # on every rank alike: the tuner's timings are collectives
             self._tuner = ThreadTuner(choice, allowed, rank=rank, world_size=world_size)
+        return choice
 
-    def _log_threads(self, local_rank: int, local_world_size: int) -> None:
+    def _log_threads(self, local_rank: int, local_world_size: int, choice: ThreadChoice) -> None:
         # the start is detail: the count the timing keeps is logged once it is known
         logger.debug("local rank %d of %d: %s, %d inter-op threads", local_rank, local_world_size,
-                     self.thread_choice.describe(), self.interop_threads)
+                     choice.describe(), self.interop_threads)
 
     def step_hooks(self) -> list[Callable[[object], None]]:
         """The thread timing (and binding re-check) under backend.threads=auto, as a step hook; else none."""

@@ -7,12 +7,27 @@ import abc
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from anyrec.backends.dispatch import OPS, Impl, select_all
 from anyrec.backends.specs import DeviceSpec
+
+if TYPE_CHECKING:
+    from anyrec.backends.core_load import BindChoice
+    from anyrec.backends.threads import ThreadChoice
+
+
+@dataclass(frozen=True)
+class Binding:
+    """What a process decided about its host threads, once, at start: the cores its threads are bound to
+    (None: not bound), the binding decision with the load sample behind it, and the thread count's (None
+    where the backend leaves them alone: accelerators, one rank)."""
+
+    cores: tuple[int, ...] | None = None
+    bind: BindChoice | None = None
+    threads: ThreadChoice | None = None
 
 
 @dataclass(frozen=True)
@@ -76,11 +91,11 @@ class Backend(abc.ABC):
 
     def bind_local_rank(self, local_rank: int, local_world_size: int,  # noqa: B027 - optional hook
                         bind_cores: bool | str = "auto", threads: int | None = None, rank: int = 0,
-                        world_size: int = 1) -> list[int] | None:
+                        world_size: int = 1) -> Binding:
         """Give this local rank its share of the host's cores (and its thread count; `rank` of the job's
-        `world_size` ranks, for choices the ranks agree on); the cores it is bound to, or None (on
-        accelerators torchrun --numa-binding binds host cores to devices)."""
-        return None
+        `world_size` ranks, for choices the ranks agree on); what was decided (on accelerators torchrun
+        --numa-binding binds host cores to devices: nothing here)."""
+        return Binding()
 
     def step_hooks(self) -> list[Callable[[Any], None]]:
         """Hooks to call after every training step (the CPU backend's thread re-check); none by default."""

@@ -121,7 +121,7 @@ def _find_or_measure(cfg: AnyrecConfig, runtime: Runtime, signing_key: SigningKe
     # what the binding rule chose (backend.bind_cores=auto looks at the cores' load), once for the process:
     # the step points' trainers and this job's trainer run with it
     bound = runtime.bound
-    key = local_key(backend, info, cores)
+    key = local_key(backend, info, cores, runtime.binding.threads)
     path, hit, problem, measured_bound = agreement.decide(
         "cache lookup", lambda: _look_up(cfg, key, cores, signing_key) if info.is_main else None)
     threads = {True: "bound", False: "free"}

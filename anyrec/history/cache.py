@@ -41,6 +41,7 @@ from anyrec.signing import CACHE_DIR_ENV as CACHE_DIR_ENV  # one definition, als
 from anyrec.signing import FIELD, SigningKey, cache_dir, warn_unkeyed
 
 if TYPE_CHECKING:
+    from anyrec.backends.threads import ThreadChoice
     from anyrec.runtime.distributed import DistInfo
 
 # Distribution names per package (the first installed one counts): FBGEMM ships CPU and GPU wheels.
@@ -236,15 +237,17 @@ def write_entry(path: Path, key: CacheKey, data: dict[str, Any], header: str = "
     return path
 
 
-def local_key(backend: Backend, info: DistInfo, cores: Sequence[int] | None = None) -> CacheKey:
+def local_key(backend: Backend, info: DistInfo, cores: Sequence[int] | None = None,
+              threads: ThreadChoice | None = None) -> CacheKey:
     """This host's key, agreed by its ranks (a collective: every rank calls it, after setting its
     threads): each rank's `cores` (`allowed_cores()` taken before binding; default: now) and threads: a
     forced count as set, `backend.threads=auto`'s the rank's share of the cores, which a quiet host gives
     it (the count auto took under other processes' load is not the machine's: jobs that started beside
-    different loads share the entry)."""
-    choice = getattr(backend, "thread_choice", None)
-    threads = choice.share_cores if choice is not None and choice.setting is None else torch.get_num_threads()
-    mine = (info.host, info.local_rank, allowed_cores() if cores is None else cores, threads)
+    different loads share the entry); `threads`: the runtime's thread decision (None: torch's count
+    now)."""
+    auto = threads is not None and threads.setting is None
+    count = threads.share_cores if auto else torch.get_num_threads()
+    mine = (info.host, info.local_rank, allowed_cores() if cores is None else cores, count)
     everyone = [mine]
     if info.world_size > 1:
         everyone = [None] * info.world_size

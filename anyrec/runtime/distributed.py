@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from anyrec.backends import Backend, get_backend
 from anyrec.backends.cpu import allowed_cores
+from anyrec.backends.interface import Binding
 from anyrec.runtime.shutdown import start_heartbeat, stop_heartbeat
 
 logger = logging.getLogger(__name__)
@@ -206,8 +207,13 @@ class Runtime:
     backend: Backend
     dist: DistInfo
     device: torch.device
-    bound: bool  # threads bound to this rank's share of the host's cores
+    binding: Binding  # the host threads' binding and count, as decided at start
     cores: tuple[int, ...]  # the cores the process could run on before binding (calibration's cache key)
+
+    @property
+    def bound(self) -> bool:
+        """Threads bound to this rank's share of the host's cores."""
+        return self.binding.cores is not None
 
 
 def start_runtime(backend_name: str, bind_cores: bool | str = "auto", timeout_s: float | None = None,
@@ -218,9 +224,9 @@ def start_runtime(backend_name: str, bind_cores: bool | str = "auto", timeout_s:
     backend = get_backend(backend_name)
     info = init_distributed(backend, timeout_s, peer_timeout_s)
     cores = tuple(allowed_cores())
-    bound = backend.bind_local_rank(info.local_rank, info.local_world_size, bind_cores, threads, info.rank,
-                                    info.world_size) is not None
-    return Runtime(backend, info, backend.device(info.local_rank), bound, cores)
+    binding = backend.bind_local_rank(info.local_rank, info.local_world_size, bind_cores, threads, info.rank,
+                                      info.world_size)
+    return Runtime(backend, info, backend.device(info.local_rank), binding, cores)
 
 
 def destroy_distributed(barrier: bool = True) -> None:

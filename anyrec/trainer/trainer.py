@@ -186,7 +186,7 @@ class Trainer:
     def _step_key(self, sharding_group_size: int) -> str | None:
         """Where this workload's measured steps on this machine are learnt (None where the plan was not
         made with a calibrated file): its shape, and the other processes' load the binding saw."""
-        choice = getattr(self.backend, "bind_choice", None)
+        choice = self.runtime.binding.bind
         other = choice.load.other_cores if choice is not None and choice.load is not None else None
         return run_key(self.cfg, self._hardware(), self.batch_size, self.embedding_kernel,
                        self.dist.world_size, self.dist.local_world_size, other, sharding_group_size)

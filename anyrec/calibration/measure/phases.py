@@ -125,7 +125,7 @@ def calibrate(runtime: Runtime, size: str = "small", budget_s: float = 0.5,
     if step.fields is not None:
         fields.update(to_data(step.fields))
     lap("step")
-    choice = getattr(backend, "bind_choice", None)
+    choice = runtime.binding.bind
     # the verdict (what is cached as trusted) is rank 0's: its load sample, spreads and fallbacks
     trust = run.agree("trust verdict", lambda: assess(meter.read(), meter.cores, run.spreads, run.fallbacks,
                                                       run.approximated).to_dict())
