@@ -110,16 +110,17 @@ def fleet_cell(sku: str, gpus: int) -> Cell:
 
 def table_text(cells: list[Cell]) -> str:
     lines = [f"DLRMv4 at {REFERENCE_BATCH} samples/rank: what fits, predicted step, samples/s, time to "
-             f"{REFERENCE_SAMPLES / 1e6:.1f} M samples (recompute: not implemented in the trainer, a what-if)",
-             f"{'SKU':<7} {'GPUs':>4}  {'mode':<14} {'batch':>5} {'step ms':>8} {'samples/s':>10} {'time':>6}  "
-             f"{'off HBM':>7}"]
+             f"{REFERENCE_SAMPLES / 1e6:.1f} M samples (recompute: not in the trainer, a what-if)",
+             f"{'SKU':<7} {'GPUs':>4}  {'mode':<14} {'batch':>5} {'step ms':>8} {'samples/s':>10} "
+             f"{'time':>6}  {'off HBM':>7}"]
     for c in cells:
         if not c.answers:
             lines.append(f"{c.sku:<7} {c.gpus:>4}  nothing fits: {c.refusal}")
         for i, a in enumerate(c.answers):
             head = f"{c.sku:<7} {c.gpus:>4}" if i == 0 else " " * 12
-            lines.append(f"{head}  {a.mode:<14} {a.batch_per_rank:>5} {a.step_ms:>8.0f} {a.samples_per_s:>10,.0f} "
-                         f"{duration_text(a.hours_to_reference * 3600):>6}  {a.tables_off_hbm:>7}")
+            lines.append(f"{head}  {a.mode:<14} {a.batch_per_rank:>5} {a.step_ms:>8.0f} "
+                         f"{a.samples_per_s:>10,.0f} {duration_text(a.hours_to_reference * 3600):>6}  "
+                         f"{a.tables_off_hbm:>7}")
     return "\n".join(lines)
 
 
@@ -153,7 +154,8 @@ def fleet_svg(cells: list[Cell]) -> str:
             x = left + j * w
             cell = next(c for c in cells if c.sku == sku and c.gpus == n)
             if not cell.answers:
-                out.append(f'<rect x="{x}" y="{y}" width="{w - 2}" height="{h - 2}" fill="white" stroke="#ccc"/>')
+                out.append(f'<rect x="{x}" y="{y}" width="{w - 2}" height="{h - 2}" fill="white" '
+                           f'stroke="#ccc"/>')
                 continue
             a = cell.answers[0]
             out.append(f'<rect x="{x}" y="{y}" width="{w - 2}" height="{h - 2}" '

@@ -106,10 +106,12 @@ def hstu_lines(plan: PlanResult) -> list[str]:
         f"{REFERENCE_SAMPLES / 1e6:.1f} M samples (the DLRMv4 reference's 8-GPU run) in "
         f"{duration_text(REFERENCE_SAMPLES / rate)}",
         f"HSTU ({opts.hstu.num_layers} layers, {opts.hstu.seq_len} tokens/sample, "
-        f"{'bf16' if half else 'fp32'}): GEMMs {t.gemm_s * 1e3:.1f} ms, attention {t.attention_s * 1e3:.1f} ms "
+        f"{'bf16' if half else 'fp32'}): GEMMs {t.gemm_s * 1e3:.1f} ms, "
+        f"attention {t.attention_s * 1e3:.1f} ms "
         f"({opts.attention_impl}, {attention_efficiency(opts.attention_impl):.0%} of peak), elementwise "
         f"{t.elementwise_s * 1e3:.1f} ms{recompute}; activations {size_text(act)} per rank"
-        + (" with activation recompute (not implemented in the trainer)" if opts.activation_recompute else ""),
+        + (" with activation recompute (not implemented in the trainer)"
+           if opts.activation_recompute else ""),
     ]
 
 

@@ -154,7 +154,8 @@ def preprocessor_bytes_per_token(shape: HSTUShape, a: int) -> float:
     hidden layer's GEMM output and its fp32 norm tensors, and its D-wide output with the norm's fp32
     input."""
     hidden = shape.preprocessor_hidden_dim
-    return a * shape.preprocessor_in_dim + (2 * a + 2 * FP32_BYTES) * hidden + (a + FP32_BYTES) * shape.model_dim
+    return (a * shape.preprocessor_in_dim + (2 * a + 2 * FP32_BYTES) * hidden
+            + (a + FP32_BYTES) * shape.model_dim)
 
 
 @dataclass(frozen=True)
