@@ -21,6 +21,7 @@ from anyrec.config import AnyrecConfig
 from anyrec.data import resolve_batch_size
 from anyrec.history.cache import find_for_device
 from anyrec.io_checks import writable_file
+from anyrec.models.dlrmv4 import ATTENTION_OP
 from anyrec.models.family import resolve_family
 from anyrec.planner.planned import PlannedJob, plan_job
 from anyrec.planner.planner import CoDesignPlanner
@@ -56,10 +57,15 @@ def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print,
     kernel = cfg.backend.embedding_kernel
     # hardware=auto plans for this machine: the implementation its backend would run; offline, auto is
     # FBGEMM's (what an accelerator SKU runs)
-    impl = (backend.select_kernels(cfg.backend)["embedding"] if backend is not None
+    kernels = backend.select_kernels(cfg.backend) if backend is not None else {}
+    impl = (kernels["embedding"] if backend is not None
             else FBGEMM_EMBEDDING if kernel == "auto" else get_impl("embedding", kernel))
+    # an HSTU model's attention: this machine's choice, or offline the Triton kernels an accelerator runs
+    attention_kernel = cfg.backend.attention_kernel
+    attention = (kernels[ATTENTION_OP] if backend is not None
+                 else get_impl(ATTENTION_OP, "triton" if attention_kernel == "auto" else attention_kernel))
     meta, family = torch.device("meta"), resolve_family(cfg.model)
-    model = family.build_train(cfg.model, meta, meta, {})
+    model = family.build_train(cfg.model, meta, meta, {ATTENTION_OP: attention})
     facts = family.workload_facts(cfg.model)
     world, local = cfg.topology.world_size, cfg.topology.local_world_size or cfg.topology.world_size
     resident = host_estimate_of_resident_bytes(cfg, DistInfo(0, world, 0, local))
@@ -69,7 +75,7 @@ def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print,
         # this machine's device type for its own hardware (as the trainer plans); a SKU's otherwise
         device_type = backend.device_type if backend is not None and hw is hardware else None
         return plan_job(cfg, model, family.sparse_module(model), family.sparse_path, facts, hw, impl, world,
-                        local, batch, device_type, resident, planner)
+                        local, batch, device_type, resident, planner, attention=attention.name, what_if=True)
 
     planned = plan_on(hardware)
     if planned.result is None:

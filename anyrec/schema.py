@@ -74,6 +74,32 @@ def load_model_config(name: str, folder: Path | None = None) -> ModelConfig:
 
 
 @dataclass(frozen=True)
+class HSTUShape:
+    """An HSTU dense part's sizes as the planner costs it: `seq_len` tokens per sample through `num_layers`
+    STU layers of width `model_dim` (`num_heads` heads of `qk_dim` query/key and `v_dim` U/V dims), the
+    first `contextual` tokens of each sample contextual, `targets` candidates last; `preprocessor_in_dim`:
+    the embedding values per position the preprocessor reads, `preprocessor_hidden_dim` its MLPs' width."""
+
+    seq_len: int
+    num_layers: int
+    model_dim: int
+    num_heads: int
+    qk_dim: int
+    v_dim: int
+    contextual: int = 0
+    targets: int = 1
+    preprocessor_in_dim: int = 0
+    preprocessor_hidden_dim: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "num_layers", "model_dim", "num_heads", "qk_dim", "v_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"HSTU shape: {name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.contextual < self.seq_len:
+            raise ValueError(f"HSTU shape: contextual must be in [0, seq_len), got {self.contextual}")
+
+
+@dataclass(frozen=True)
 class WorkloadFacts:
     """What the planner needs of a model besides its tables and dense parameters (which it reads from the
     model itself): ids each feature looks up per sample (pooled: its multi-hot count; sequence: its
@@ -87,6 +113,9 @@ class WorkloadFacts:
     dense_gradient_bytes_per_sample: int = 0  # alive while the backward reaches the embeddings
     dense_features: int = 0  # dense inputs per sample
     dense_flops_per_sample: float = 0.0  # forward + backward; 0: 6 per dense parameter (the planner's rule)
+    # an HSTU dense part (DLRMv4): the planner costs its STU layers' GEMMs, attention and activations
+    # from these sizes (anyrec.planner.sequence), the rest of `dense_flops_per_sample` as GEMMs
+    hstu: HSTUShape | None = None
 
 
 @dataclass(frozen=True)

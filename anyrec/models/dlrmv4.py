@@ -19,7 +19,7 @@ from anyrec.backends.dispatch import Impl
 from anyrec.config import ModelConfig
 from anyrec.models import hstu
 from anyrec.models.hstu import CONTEXTUAL_FEATURES, REFERENCE_TABLE_ROWS, SEQUENCE_FEATURES, DLRMv4Config
-from anyrec.schema import BatchSchema, WorkloadFacts
+from anyrec.schema import BatchSchema, HSTUShape, WorkloadFacts
 
 ATTENTION_OP = "hstu_attention"  # the backend's op whose implementation the STU layers call
 
@@ -108,6 +108,11 @@ def workload_facts(cfg: ModelConfig) -> WorkloadFacts:
     per_token = m.model_dim + m.num_heads * (2 * m.qk_dim + 3 * m.v_dim) + 3 * m.num_heads * m.v_dim
     activations = 4 * m.max_seq_len * (m.num_layers * per_token + m.model_dim)
     flops = hstu.dlrmv4_flops_per_sample(m, m.max_seq_len).total
+    shape = HSTUShape(m.max_seq_len, m.num_layers, m.model_dim, m.num_heads, m.qk_dim, m.v_dim,
+                      contextual=len(CONTEXTUAL_FEATURES), targets=1,
+                      preprocessor_in_dim=len(SEQUENCE_FEATURES) * m.table_dim,
+                      preprocessor_hidden_dim=m.preprocessor_hidden_dim)
     return WorkloadFacts(lookups, dense_lookup_bytes_per_sample=0,
                          dense_activation_bytes_per_sample=activations,
-                         dense_gradient_bytes_per_sample=activations, dense_flops_per_sample=flops)
+                         dense_gradient_bytes_per_sample=activations, dense_flops_per_sample=flops,
+                         hstu=shape)

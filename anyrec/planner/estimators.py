@@ -9,6 +9,14 @@ import math
 from anyrec.backends.dispatch import FBGEMM_EMBEDDING, Impl, KernelProfile
 from anyrec.backends.hardware import EmbeddingCost
 from anyrec.backends.specs import DEFAULT_SCALE_OUT_LATENCY_S, DEFAULT_SCALE_UP_LATENCY_S
+from anyrec.planner.sequence import (
+    activation_bytes,
+    dense_bytes_per_sample,
+    hstu_time_s,
+    sequence_lookups,
+    sequence_perf,
+    stu_flops,
+)
 from anyrec.planner.types import (
     Perf,
     Placement,
@@ -228,7 +236,10 @@ class EmbeddingPerfEstimator(ShardEstimator):
                                  option.cache_ratio, rows=rows)
 
         st = option.sharding
-        if st == ShardingType.DATA_PARALLEL:
+        if t.sequence:  # an EmbeddingCollection table: every position is an output row (sequence.py)
+            perf = sequence_perf(option, topology, workload, lookup,
+                                 lambda nbytes: all_to_all_time_s(nbytes, topology, latency=False))
+        elif st == ShardingType.DATA_PARALLEL:
             # torchrec's "dense" kernel (plain embedding bags, costed with the plain-torch Impl's profile)
             # scatters into a dense gradient of the whole table, zeroed, all-reduced and stepped by the
             # dense optimizer every step.
@@ -279,6 +290,9 @@ def shard_lookups(option: ShardingOption, topology: Topology, workload: Workload
     p, f = t.pooling_factor, t.bags_per_sample
     if not sharded:
         return b * p, b * f, 1
+    if t.sequence:
+        ids, outputs = sequence_lookups(option, topology, workload)
+        return ids, outputs, w if option.sharding == ShardingType.ROW_WISE else 1
     g = b * w
     if option.sharding in (ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE):
         return g * p, g * f, 1
@@ -313,7 +327,9 @@ class EmbeddingStorageEstimator(ShardEstimator):
         p, f = t.pooling_factor, t.bags_per_sample
         depth = workload.options.pipeline_depth
         st = option.sharding
-        if st == ShardingType.DATA_PARALLEL:
+        if t.sequence:
+            ids, bags = sequence_lookups(option, topology, workload)
+        elif st == ShardingType.DATA_PARALLEL:
             ids, bags = b * p, b * f
         elif st in (ShardingType.TABLE_WISE, ShardingType.COLUMN_WISE):
             ids, bags = g * p, g * f
@@ -327,7 +343,10 @@ class EmbeddingStorageEstimator(ShardEstimator):
             if key not in cache:
                 _, _, hbm, ddr = shard_data_bytes(option, s, topology, workload)
                 out = bags * s.num_cols * OUTPUT_BYTES
-                buffers = int(depth * ((ids + bags) * ID_BYTES + out) + out)  # + output gradient
+                if t.sequence:  # ids for every batch in flight; one batch's rows (or their gradient)
+                    buffers = int(depth * ids * ID_BYTES + out)
+                else:
+                    buffers = int(depth * ((ids + bags) * ID_BYTES + out) + out)  # + output gradient
                 cache[key] = Storage(hbm + buffers, ddr)
             s.storage = cache[key]
 
@@ -344,14 +363,23 @@ class DenseEstimator:
         opts = workload.options
         dense_state = OPTIMIZER_DENSE_STATE_BYTES[workload.optimizer]
         pooled = b * sum(t.bags_per_sample * t.embedding_dim for t in workload.tables) * OUTPUT_BYTES
-        hbm = n * (4 + 4 + dense_state) + opts.pipeline_depth * pooled + pooled
-        hbm += b * opts.dense_activation_bytes_per_sample
+        # sequence rows are read by the dense part as they arrive: one batch's, beside its activations (the
+        # memory model's peak; their gradient comes when the activations are gone)
+        copies = 1 if any(t.sequence for t in workload.tables) else opts.pipeline_depth + 1
+        hbm = n * (4 + 4 + dense_state) + copies * pooled
+        hbm += b * dense_bytes_per_sample(opts, topology)[1]
         dev = topology.device
-        half = opts.dense_dtype in ("bf16", "fp16") and topology.compute_device != "cpu"
+        half = activation_bytes(topology, opts.dense_dtype) == 2
         peak = dev.peak_bf16_flops if half else dev.peak_fp32_flops
-        # forward 2 FLOPs per parameter per sample, backward 4, unless the model states its own
-        flops = (opts.dense_flops_per_sample or 6.0 * n) * b
-        compute = flops / (peak * (dev.dense_efficiency or DENSE_EFFICIENCY)) if peak > 0 else 0.0
+        efficiency = dev.dense_efficiency or DENSE_EFFICIENCY
+        if opts.hstu is not None and peak > 0:  # STU GEMMs, attention and elementwise (sequence.py)
+            other = max(0.0, opts.dense_flops_per_sample - stu_flops(opts.hstu).total)
+            compute = hstu_time_s(opts.hstu, other, b, dev, half, efficiency, opts.attention_impl,
+                                  opts.activation_recompute).total_s
+        else:
+            # forward 2 FLOPs per parameter per sample, backward 4, unless the model states its own
+            flops = (opts.dense_flops_per_sample or 6.0 * n) * b
+            compute = flops / (peak * efficiency) if peak > 0 else 0.0
         comms = dense_all_reduce_time_s(n, topology)
         launch = opts.embedding.profile.per_launch_s
         perf = Perf(compute / 3 + launch / 3, 2 * compute / 3 + 2 * launch / 3, 0.0, comms)

@@ -17,7 +17,7 @@ from anyrec.backends.hardware import EmbeddingCost
 from anyrec.config import PlannerConfig
 from anyrec.planner.estimators import inexact_update_reason
 from anyrec.planner.planner import CoDesignPlanner
-from anyrec.planner.types import Placement, PlanResult, ShardingType, TableSpec, Topology
+from anyrec.planner.types import InfeasiblePlanError, Placement, PlanResult, ShardingType, TableSpec, Topology
 from anyrec.schema import WorkloadFacts
 
 logger = logging.getLogger(__name__)
@@ -120,18 +120,19 @@ def plan_options(cfg: PlannerConfig, embedding: EmbeddingCost, optimizer: str,
 
 
 def planner_inputs(model: nn.Module, ebc: nn.Module, facts: WorkloadFacts, cfg_planner: PlannerConfig,
-                   optimizer: str, embedding: EmbeddingCost, device_type: str | None = None
-                   ) -> tuple[list[TableSpec], int, dict[str, object]]:
+                   optimizer: str, embedding: EmbeddingCost, device_type: str | None = None,
+                   attention_impl: str = "triton") -> tuple[list[TableSpec], int, dict[str, object]]:
     """What the planner needs of `model` (embedding collection `ebc`, the model's workload `facts`): its
     tables, its dense parameter count and the PlanOptions fields (the `planner` config group's and the
-    model's)."""
+    model's; an HSTU part's sizes with the `attention_impl` that runs its attention)."""
     dense = dense_parameters(model, ebc)
     options = plan_options(cfg_planner, embedding, optimizer, device_type)
     options.update(interaction_pairs=facts.interaction_pairs, dense_tensors=len(dense),
                    dense_lookup_bytes_per_sample=facts.dense_lookup_bytes_per_sample,
                    dense_activation_bytes_per_sample=facts.dense_activation_bytes_per_sample,
                    dense_gradient_bytes_per_sample=facts.dense_gradient_bytes_per_sample,
-                   dense_features=facts.dense_features, dense_flops_per_sample=facts.dense_flops_per_sample)
+                   dense_features=facts.dense_features, dense_flops_per_sample=facts.dense_flops_per_sample,
+                   hstu=facts.hstu, attention_impl=attention_impl)
     tables = model_tables(collection_configs(ebc), facts)
     if any(t.sequence for t in tables):  # torchrec shards an EmbeddingCollection these three ways
         allowed = tuple(s for s in options["allowed_shardings"] if s in SEQUENCE_SHARDINGS)
@@ -145,13 +146,38 @@ def planner_inputs(model: nn.Module, ebc: nn.Module, facts: WorkloadFacts, cfg_p
 def plan_model(model: nn.Module, ebc: nn.Module, facts: WorkloadFacts, cfg_planner: PlannerConfig,
                optimizer: str, topology: Topology, batch_size_per_rank: int, embedding: EmbeddingCost,
                planner: CoDesignPlanner | None = None, id_zipf_exponent: float = 0.0,
-               resident_bytes: int = 0) -> PlanResult:
+               resident_bytes: int = 0, attention_impl: str = "triton",
+               allow_recompute: bool = False) -> PlanResult:
     """Plan the tables of `model`'s embedding collection `ebc` on `topology` with the co-design planner;
     `id_zipf_exponent`: the ids' skew where the data's is known (0: uniform, the most rows touched);
-    `resident_bytes`: what the data sources keep on each device (the plan leaves room for it)."""
+    `resident_bytes`: what the data sources keep on each device (the plan leaves room for it). An HSTU
+    model that fits only with activation recompute gets that plan, said in its notes, where
+    `allow_recompute` (a what-if plan: the trainer does not recompute yet); otherwise InfeasiblePlanError
+    says it would fit with recompute."""
     tables, dense_params, options = planner_inputs(model, ebc, facts, cfg_planner, optimizer, embedding,
-                                                   topology.compute_device)
+                                                   topology.compute_device, attention_impl)
     options.update(id_zipf_exponent=id_zipf_exponent, resident_bytes=resident_bytes)
-    return (planner or CoDesignPlanner()).plan(tables, topology, batch_size_per_rank, optimizer, dense_params,
-                                               **options)
+    planner = planner or CoDesignPlanner()
+
+    def plan(recompute: bool) -> PlanResult:
+        return planner.plan(tables, topology, batch_size_per_rank, optimizer, dense_params, **options,
+                            activation_recompute=recompute)
+
+    try:
+        return plan(False)
+    except InfeasiblePlanError as e:
+        if facts.hstu is None:
+            raise
+        try:
+            result = plan(True)
+        except InfeasiblePlanError:
+            raise e from None
+        step = f"predicted step {result.predicted_step_s * 1e3:.0f} ms"
+        if not allow_recompute:
+            raise InfeasiblePlanError(f"{e}; it would fit with activation recompute (not implemented in the "
+                                      f"trainer; {step})") from None
+        result.notes.append(f"activation recompute: no plan fits without it; each STU layer keeps only its "
+                            f"input and recomputes the rest in the backward ({step}); not implemented in "
+                            f"the trainer: a what-if plan")
+        return result
 

@@ -22,6 +22,7 @@ from anyrec.planner.estimators import (
     shard_lookups,
     state_bytes,
 )
+from anyrec.planner.sequence import dense_bytes_per_sample
 from anyrec.planner.types import Placement, PlanResult, ReplicaUpdate, ShardingType, Topology
 
 # CUDA's caching allocator (and simdev's) rounds every allocation up to a multiple of 512 bytes.
@@ -254,12 +255,14 @@ def _rank_prediction(plan: PlanResult, r: _Rank, data_source_bytes: int, sharded
     update_ws += alloc_bytes(ws.replica_update_per_value * r.replica_values + ID_BYTES * r.replica_ids)
     bucket = alloc_bytes(r.replica_grad) if plan.topology.world_size > 1 else 0
     # phase -> (activations, embedding in/out, workspace, replicas' gradient)
+    lookup_b, activation_b, gradient_b = dense_bytes_per_sample(opts, plan.topology)  # HSTU: sequence.py
+    copies = 1 if any(t.sequence for t in wl.tables) else 2  # sequence rows: read as they are, no concat
     phases = {
-        "lookup": (alloc_bytes(b * opts.dense_lookup_bytes_per_sample), out, lookup_ws + replica, bucket),
+        "lookup": (alloc_bytes(b * lookup_b), out, lookup_ws + replica, bucket),
         # (unsharded, the lookups' output is the pooled embeddings)
-        "interaction": (alloc_bytes(b * opts.dense_activation_bytes_per_sample),
-                        2 * pooled + (out if sharded else 0), replica, bucket),
-        "update": (alloc_bytes(b * opts.dense_gradient_bytes_per_sample), out, update_ws,
+        "interaction": (alloc_bytes(b * activation_b), copies * pooled + (out if sharded else 0), replica,
+                        bucket),
+        "update": (alloc_bytes(b * gradient_b), out, update_ws,
                    bucket + alloc_bytes(r.replica_grad)),
     }
     if replicas > 1 and plan.replica_update == ReplicaUpdate.AVERAGE and averaging_flattens(plan.topology):

@@ -33,6 +33,12 @@ from anyrec.schema import WorkloadFacts
 
 logger = logging.getLogger(__name__)
 
+# 2D (torchrec's DMPCollection) for an EmbeddingCollection: DMPCollection's averaging finds the sequence
+# tables' TBE kernels as it finds pooled ones, but anyrec's gradient exchange (1D's update for a stateful
+# optimizer, planner.replica_update=gradients) and the 2D memory model cover pooled lookups only.
+SEQUENCE_2D_REFUSAL = ("planner.sharding_group_size: 2D sparse parallelism is not available for sequence "
+                       "embeddings (EmbeddingCollection) yet: anyrec's gradient exchange and its 2D cost "
+                       "model cover pooled tables only; use planner.sharding_group_size=world")
 # table -> (sharding type, placement, ranks): a plan given table by table (calibration's step points)
 Assignment = dict[str, tuple[str, str, list[int]]]
 
@@ -164,7 +170,8 @@ def plan_job(cfg: AnyrecConfig, model: nn.Module, collection: nn.Module, module_
              local_world_size: int, batch_size_per_rank: int, device_type: str | None = None,
              resident_bytes: int = 0, planner: CoDesignPlanner | None = None,
              place: Callable[[ShardingPlan], ShardingPlan] | None = None,
-             assignment: Assignment | None = None, log: bool = False) -> PlannedJob:
+             assignment: Assignment | None = None, log: bool = False, attention: str | None = None,
+             what_if: bool = False) -> PlannedJob:
     """Plan the tables of `model`'s embedding collection (`collection`, at `module_path` in `model`, the
     module the plan shards; pooled or sequence, the model family's `facts` say what the planner needs of
     the rest of the model) for `world_size` ranks (`local_world_size` per host) training
@@ -172,15 +179,22 @@ def plan_job(cfg: AnyrecConfig, model: nn.Module, collection: nn.Module, module_
     `device_type` device (None: the hardware's spec, planning offline), leaving each device the
     `resident_bytes` its data sources keep. The configured planner chooses (`planner`: the co-design
     planner to use), or `assignment` gives every table's sharding (1D). `place` names each shard's device
-    (the trainer's backend). ValueError (one line) for a job the trainer would refuse;
-    InfeasiblePlanError when nothing fits."""
+    (the trainer's backend). `attention`: the implementation that runs an HSTU model's attention (None:
+    triton on an accelerator, torch on a CPU); `what_if`: an offline plan (anyrec-plan) may use what the
+    trainer lacks (activation recompute), said in its notes. ValueError (one line) for a job the trainer
+    would refuse; InfeasiblePlanError when nothing fits."""
     pc = cfg.planner
     group = group_size_in_ranks(pc.sharding_group_size, world_size)
+    if isinstance(collection, EmbeddingCollection) and group != world_size:
+        if group is not None:
+            raise ValueError(SEQUENCE_2D_REFUSAL)
+        group = world_size  # auto: 1D is the only layout sequence embeddings have
     if group is None and pc.name != PlannerName.codesign:
         raise ValueError("planner.sharding_group_size=auto needs planner=codesign (the cost model chooses)")
     update = resolve_replica_update(pc.replica_update, cfg.optim.name, pc.replica_sync_every)
     ebc = collection
     compute_device = Topology(hardware.spec, world_size, local_world_size, device_type).compute_device
+    attention = attention or ("torch" if compute_device == "cpu" else "triton")
     place = place or (lambda plan: plan)
 
     def layout_of(size: int, inter_host: bool = False) -> ParallelLayout:
@@ -190,7 +204,8 @@ def plan_job(cfg: AnyrecConfig, model: nn.Module, collection: nn.Module, module_
         if group != world_size:
             raise ValueError("a plan given table by table is 1D: planner.sharding_group_size=world")
         tables, dense_params, options = planner_inputs(model, ebc, facts, pc, cfg.optim.name,
-                                                       hardware.embedding_cost(embedding), device_type)
+                                                       hardware.embedding_cost(embedding), device_type,
+                                                       attention)
         workload = make_workload(tables, batch_size_per_rank, cfg.optim.name, dense_params, **options)
         result = evaluate_assignment(assignment, Topology(hardware.spec, world_size, local_world_size,
                                                           device_type), workload)
@@ -212,7 +227,7 @@ def plan_job(cfg: AnyrecConfig, model: nn.Module, collection: nn.Module, module_
     def plan_for(topology: Topology) -> PlanResult:
         return plan_model(model, ebc, facts, pc, cfg.optim.name, topology, batch_size_per_rank,
                           hardware.embedding_cost(embedding), planner, id_zipf_exponent=id_skew(cfg),
-                          resident_bytes=resident_bytes)
+                          resident_bytes=resident_bytes, attention_impl=attention, allow_recompute=what_if)
 
     if group == world_size:  # 1D
         result = plan_for(Topology(hardware.spec, world_size, local_world_size, device_type))

@@ -10,8 +10,16 @@ from pathlib import Path
 
 from anyrec.io_checks import atomic_write
 from anyrec.planner.advice import GB, alternatives_s, co_design_advice, size_text
-from anyrec.planner.estimators import shard_data_bytes
+from anyrec.planner.estimators import DENSE_EFFICIENCY, shard_data_bytes
 from anyrec.planner.memory import predict_memory
+from anyrec.planner.sequence import (
+    REFERENCE_SAMPLES,
+    activation_bytes,
+    attention_efficiency,
+    dense_bytes_per_sample,
+    hstu_time_s,
+    stu_flops,
+)
 from anyrec.planner.twod import GroupChoice
 from anyrec.planner.types import Placement, PlanResult, ShardingType
 
@@ -78,6 +86,46 @@ def host_summary(plan: PlanResult) -> str:
             + ("; ".join(why) or "the least predicted step time"))
 
 
+def hstu_lines(plan: PlanResult) -> list[str]:
+    """For an HSTU model: the predicted samples/s and time to REFERENCE_SAMPLES, and the STU layers' step
+    time by kind and their activations (anyrec.planner.sequence); nothing for other models."""
+    topo, wl = plan.topology, plan.workload
+    opts = wl.options
+    if opts.hstu is None:
+        return []
+    rate = samples_per_s(plan)
+    dev = topo.device
+    half = activation_bytes(topo, opts.dense_dtype) == 2
+    other = max(0.0, opts.dense_flops_per_sample - stu_flops(opts.hstu).total)
+    t = hstu_time_s(opts.hstu, other, wl.batch_size_per_rank, dev, half,
+                    dev.dense_efficiency or DENSE_EFFICIENCY, opts.attention_impl, opts.activation_recompute)
+    act = wl.batch_size_per_rank * dense_bytes_per_sample(opts, topo)[1]
+    recompute = f", recompute {t.recompute_s * 1e3:.1f} ms" if opts.activation_recompute else ""
+    return [
+        f"predicted {rate:,.0f} samples/s ({topo.world_size} x {wl.batch_size_per_rank} per step); "
+        f"{REFERENCE_SAMPLES / 1e6:.1f} M samples (the DLRMv4 reference's 8-GPU run) in "
+        f"{duration_text(REFERENCE_SAMPLES / rate)}",
+        f"HSTU ({opts.hstu.num_layers} layers, {opts.hstu.seq_len} tokens/sample, "
+        f"{'bf16' if half else 'fp32'}): GEMMs {t.gemm_s * 1e3:.1f} ms, "
+        f"attention {t.attention_s * 1e3:.1f} ms "
+        f"({opts.attention_impl}, {attention_efficiency(opts.attention_impl):.0%} of peak), elementwise "
+        f"{t.elementwise_s * 1e3:.1f} ms{recompute}; activations {size_text(act)} per rank"
+        + (" with activation recompute (not implemented in the trainer)"
+           if opts.activation_recompute else ""),
+    ]
+
+
+def samples_per_s(plan: PlanResult) -> float:
+    """Global samples per second the plan's predicted step gives."""
+    return plan.topology.world_size * plan.workload.batch_size_per_rank / plan.predicted_step_s
+
+
+def duration_text(seconds: float) -> str:
+    """`2h39m` style."""
+    minutes = round(seconds / 60)
+    return f"{minutes // 60}h{minutes % 60:02d}m"
+
+
 def format_report(plan: PlanResult, advice: bool = True, max_tables: int = 60) -> str:
     """Per rank: memory used/cap, predicted compute and comms; per table: sharding, placement, ranks, why."""
     topo, wl = plan.topology, plan.workload
@@ -90,6 +138,7 @@ def format_report(plan: PlanResult, advice: bool = True, max_tables: int = 60) -
         f"predicted step {step * 1e3:.3f} ms (slowest rank); lower bound {lb * 1e3:.3f} ms, gap {gap:.1%}; "
         f"solver {plan.solver}, planned in {plan.plan_time_s:.3f} s",
         host_summary(plan),
+        *hstu_lines(plan),
         "",
         f"{'rank':>4}  {'HBM used / cap':>21}  {'peak':>9}  {'DDR':>9}  {'compute ms':>10}  "
         f"{'comms ms':>9}  {'total ms':>9}",

@@ -13,6 +13,7 @@ from typing import Any
 from anyrec.backends.dispatch import FBGEMM_EMBEDDING
 from anyrec.backends.hardware import EmbeddingCost
 from anyrec.backends.specs import DeviceSpec
+from anyrec.schema import HSTUShape
 
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "fp8": 1}
 
@@ -256,6 +257,12 @@ class PlanOptions:
     # forward + backward FLOPs of the dense model per sample, where the model states them (attention's
     # grow with the sequence, not the parameters); 0: 6 per dense parameter (a matmul's 2 + 4)
     dense_flops_per_sample: float = 0.0
+    # An HSTU dense part (DLRMv4): its STU layers' time and memory are costed from its sizes
+    # (anyrec.planner.sequence), with the attention implementation's efficiency; `activation_recompute`:
+    # each STU layer keeps only its input and recomputes the rest in the backward
+    hstu: HSTUShape | None = None
+    attention_impl: str = "triton"
+    activation_recompute: bool = False
 
     def __post_init__(self) -> None:
         self.allowed_shardings = tuple(ShardingType(s) for s in self.allowed_shardings)

@@ -1,0 +1,242 @@
+"""Sequence embeddings and an HSTU dense part in the cost model (DLRMv4): what torchrec's
+EmbeddingCollection costs per sharding type, and the STU layers' time and memory.
+
+An EmbeddingCollection table looks up every position of a sequence and pools nothing: each id is its own
+output row, so a step moves B x S x D rows through the output all-to-all each way (forward the rows,
+backward their gradients), not B x D bags. torchrec shards such a table table-wise, column-wise or
+row-wise; row-wise sends each id to the rank that holds its row (with the permutation that puts the rows
+back in order) and each row back, an all-to-all, where a pooled table reduce-scatters partial sums.
+
+The STU layers' FLOPs are the reference's count (`stu_flops`: 315.7 GFLOP per sample at the DLRMv4
+reference's sizes). GEMMs run at the device's dense efficiency, the attention at its implementation's
+(`ATTENTION_EFFICIENCY`), both in bf16 where the device has it; the elementwise work (norms, SiLU, gating,
+dropout, casts) streams the layers' activations through HBM. Memory: each layer keeps, per token, what
+autograd saves of anyrec's STU layer (`stu_kept_bytes_per_token`); with activation recompute a layer keeps
+only its input and recomputes the rest in the backward (one more forward of the STU stack).
+
+Legend: B samples per rank, S tokens per sample, L layers, D model dim, H heads, A q/k dim per head,
+V u/v dim per head (U = H x V), a bytes of an activation element (2 in bf16, 4 in fp32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from anyrec.backends.specs import DeviceSpec
+from anyrec.planner.types import Perf, PlanOptions, ShardingOption, ShardingType, Topology, Workload
+from anyrec.schema import HSTUShape
+
+ID_BYTES = 8  # int64 ids, as torchrec's KeyedJaggedTensor carries them (estimators.ID_BYTES)
+OUTPUT_BYTES = 4  # an fp32 table's rows and their gradients travel as fp32 (no quantised comms)
+FP32_BYTES = 4
+MASK_BYTES = 1  # a dropout mask element (bool)
+LAYER_NORM_STATS_BYTES = 16  # two layer norms, each a mean and a reciprocal deviation in fp32 per token
+# Jagged HSTU attention's forward + backward FLOP over the causal pairs, achieved / dense bf16 peak, by the
+# implementation (`backend.attention_kernel`). assumed, not measured on a GPU yet: anyrec's Triton kernels
+# tile Q x K on chip like FlashAttention (whose forward + backward reaches ~35 % of peak on an H100, its
+# authors report ~35-40 %); the torch version pads chunks of sequences and materialises their scores
+# (memory-bound, ~10 %). A device where benchmarks/hstu_attention.py measured its kernel should use that.
+ATTENTION_EFFICIENCY: dict[str, float] = {"triton": 0.35, "torch": 0.10}
+# The attention's temporaries per token beyond its inputs and output, as a multiple of a token's q, k, v
+# bytes: the backward's dq (fp32 accumulation), dk and dv; the torch version also pads q, k, v (a copy).
+ATTENTION_WORKSPACE_QKV: dict[str, float] = {"triton": 2.0, "torch": 3.0}
+# The elementwise passes stream each layer's saved activations about three times a step: written in the
+# forward, read in the backward, gradients of the same size written. estimate, not measured.
+ELEMENTWISE_PASSES = 3.0
+ELEMENTWISE_EFFICIENCY = 0.87  # as estimators.ELEMENTWISE_EFFICIENCY (an H200 copy: 4.18 of 4.8 TB/s)
+# Samples the DLRMv4 reference trained to its target on 8 GPUs (mean of 20 seeds): what plans are timed to
+REFERENCE_SAMPLES = 69.3e6
+SEQUENCE_SHARDINGS = (ShardingType.TABLE_WISE, ShardingType.ROW_WISE, ShardingType.COLUMN_WISE)
+
+
+@dataclass(frozen=True)
+class STUFlops:
+    """Forward + backward FLOP of one sample through the STU stack, by part (the reference's split)."""
+
+    attention: float
+    uvqk: float
+    output: float
+
+    @property
+    def total(self) -> float:
+        return self.attention + self.uvqk + self.output
+
+
+def stu_flops(shape: HSTUShape) -> STUFlops:
+    """The reference's count: 2 FLOP per multiply-add, a GEMM's backward twice its forward; the attention
+    over half the S x S pairs (causal) for QK^T and AV, its backward 2.5x its forward (3.5x in all)."""
+    S, L, D, H = shape.seq_len, shape.num_layers, shape.model_dim, shape.num_heads
+    A, V = shape.qk_dim, shape.v_dim
+    gemm = 2 * 3  # FLOP per multiply-add, forward + backward
+    uvqk = L * gemm * S * D * 2 * H * (A + V)
+    output = L * gemm * S * 3 * H * V * D
+    attention = L * 2 * 3.5 * (S * S / 2) * H * (A + V)
+    return STUFlops(float(attention), float(uvqk), float(output))
+
+
+def check_sequence_sharding(option: ShardingOption) -> None:
+    """ValueError (one line) for a sharding type torchrec's EmbeddingCollection sharder lacks."""
+    if option.sharding not in SEQUENCE_SHARDINGS:
+        raise ValueError(f"table {option.table.name}: sequence embeddings (EmbeddingCollection) shard "
+                         f"{', '.join(SEQUENCE_SHARDINGS)}, not {option.sharding.value}")
+
+
+def sequence_lookups(option: ShardingOption, topology: Topology, workload: Workload) -> tuple[float, float]:
+    """Per step, the ids one shard of a sequence table looks up and the rows it outputs (the same: nothing
+    is pooled): every id of the world's batch for a table-wise or column-wise shard, its rows' share (1 /
+    world) for a row-wise one."""
+    check_sequence_sharding(option)
+    g = workload.batch_size_per_rank * topology.world_size
+    ids = g * option.table.pooling_factor
+    if option.sharding == ShardingType.ROW_WISE:
+        ids /= topology.world_size
+    return ids, ids
+
+
+def sequence_comms_bytes(option: ShardingOption, topology: Topology, workload: Workload,
+                         dim: int) -> tuple[float, float]:
+    """Bytes one shard's rank sends to all ranks per step for a sequence table's shard of width `dim`: the
+    input all-to-all (ids and each feature's lengths; row-wise also the permutation back, an int64 per id)
+    and the output all-to-all (its rows forward; the backward sends the same bytes of their gradients)."""
+    t = option.table
+    b, w = workload.batch_size_per_rank, topology.world_size
+    p, nf = t.pooling_factor, t.num_features
+    if option.sharding == ShardingType.ROW_WISE:
+        # every rank sends each of its ids to the row's owner and gets its rows back: b x p each way
+        return b * (2 * p + nf) * ID_BYTES, b * p * dim * OUTPUT_BYTES
+    check_sequence_sharding(option)
+    # the shard's rank receives every rank's ids and sends every rank its rows
+    return w * b * (p + nf) * ID_BYTES, w * b * p * dim * OUTPUT_BYTES
+
+
+def sequence_perf(option: ShardingOption, topology: Topology, workload: Workload, lookup, all_to_all) -> Perf:
+    """One shard's Perf for a sequence table: `lookup(ids, outputs, dim, rows)` -> (fwd, bwd) seconds of
+    the lookup kernel, `all_to_all(bytes)` -> seconds of that share of a batched all-to-all."""
+    t = option.table
+    ids, outputs = sequence_lookups(option, topology, workload)
+    dim = option.shards[0].num_cols
+    rows = t.num_rows / topology.world_size if option.sharding == ShardingType.ROW_WISE else t.num_rows
+    fwd, bwd = lookup(ids, outputs, dim, rows)
+    id_bytes, row_bytes = sequence_comms_bytes(option, topology, workload, dim)
+    out = all_to_all(row_bytes)
+    return Perf(fwd, bwd, all_to_all(id_bytes) + out, out)
+
+
+def activation_bytes(topology: Topology, dense_dtype: str) -> int:
+    """Bytes of an activation element: 2 under bf16/fp16 autocast on an accelerator, 4 otherwise."""
+    return 2 if dense_dtype in ("bf16", "fp16") and topology.compute_device != "cpu" else FP32_BYTES
+
+
+def stu_kept_bytes_per_token(shape: HSTUShape, a: int) -> float:
+    """Bytes one STU layer's autograd keeps per token from its forward to its backward (anyrec's STULayer
+    under autocast at `a` bytes an element): the input (the norm's), the normed input as the GEMM reads
+    it, the UVQK output (its views are SiLU's and the attention's inputs), the attention's output, the
+    gating's fp32 tensors (U, the attention's fp32 copy where a < 4, the normed attention), the dropout
+    mask and the output GEMM's input [U, attention, gated], and the two norms' statistics."""
+    D, U, QK = shape.model_dim, shape.num_heads * shape.v_dim, shape.num_heads * shape.qk_dim
+    fp32_copy = FP32_BYTES * U if a < FP32_BYTES else 0
+    return (a * D + a * D + a * (2 * U + 2 * QK) + a * U + FP32_BYTES * U + fp32_copy + FP32_BYTES * U
+            + MASK_BYTES * 3 * U + a * 3 * U + LAYER_NORM_STATS_BYTES)
+
+
+def stu_backward_bytes_per_token(shape: HSTUShape, a: int, attention_impl: str) -> float:
+    """Bytes per token the backward of one STU layer holds at once beside the saved tensors: the gradients
+    of its output GEMM's input (fp32 gating) and of the UVQK output, the input's gradient, and the
+    attention kernel's workspace (`ATTENTION_WORKSPACE_QKV`)."""
+    D, U, QK = shape.model_dim, shape.num_heads * shape.v_dim, shape.num_heads * shape.qk_dim
+    qkv = a * (2 * QK + U)
+    workspace = ATTENTION_WORKSPACE_QKV.get(attention_impl, max(ATTENTION_WORKSPACE_QKV.values())) * qkv
+    return FP32_BYTES * 3 * U + a * (2 * U + 2 * QK) + a * D + workspace
+
+
+def preprocessor_bytes_per_token(shape: HSTUShape, a: int) -> float:
+    """Bytes per token the preprocessor keeps: its MLPs' input (the embeddings concatenated, at `a`), the
+    hidden layer's GEMM output and its fp32 norm tensors, and its D-wide output with the norm's fp32
+    input."""
+    hidden = shape.preprocessor_hidden_dim
+    return (a * shape.preprocessor_in_dim + (2 * a + 2 * FP32_BYTES) * hidden
+            + (a + FP32_BYTES) * shape.model_dim)
+
+
+@dataclass(frozen=True)
+class HSTUMemory:
+    """Per sample, the bytes of an HSTU dense part alive at its memory's two moments: `activation`, the
+    backward's start (every layer's kept tensors, the last layer's backward temporaries and the attention
+    workspace: with recompute, the layers' inputs and one layer's recomputed tensors instead) and
+    `gradient`, the backward reaching the embeddings (the gradient of the embeddings read, fp32, and the
+    preprocessor's input gradient)."""
+
+    kept_per_layer: float
+    preprocessor: float
+    backward: float
+    activation: float
+    gradient: float
+
+
+def hstu_memory_per_sample(shape: HSTUShape, a: int, attention_impl: str, recompute: bool) -> HSTUMemory:
+    """The HSTU part's bytes per sample (see HSTUMemory); `recompute`: each layer keeps its input only and
+    recomputes the rest in its backward (torch.utils.checkpoint around each STU layer)."""
+    S, L = shape.seq_len, shape.num_layers
+    kept = stu_kept_bytes_per_token(shape, a)
+    pre = preprocessor_bytes_per_token(shape, a)
+    bwd = stu_backward_bytes_per_token(shape, a, attention_impl)
+    layers = L * a * shape.model_dim + kept if recompute else L * kept
+    positions = S - shape.contextual
+    gradient = positions * FP32_BYTES * shape.preprocessor_in_dim + S * a * shape.model_dim
+    return HSTUMemory(kept, pre, bwd, S * (layers + pre + bwd), gradient)
+
+
+@dataclass(frozen=True)
+class HSTUTime:
+    """Seconds per step of an HSTU dense part on one rank, by kind; `recompute_s` is the extra forward."""
+
+    gemm_s: float
+    attention_s: float
+    elementwise_s: float
+    recompute_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return self.gemm_s + self.attention_s + self.elementwise_s + self.recompute_s
+
+
+def attention_efficiency(attention_impl: str) -> float:
+    """The implementation's attention efficiency (ATTENTION_EFFICIENCY); ValueError for an unknown one."""
+    if attention_impl not in ATTENTION_EFFICIENCY:
+        raise ValueError(f"attention implementation {attention_impl!r} has no efficiency in the cost model; "
+                         f"known: {', '.join(ATTENTION_EFFICIENCY)}")
+    return ATTENTION_EFFICIENCY[attention_impl]
+
+
+def hstu_time_s(shape: HSTUShape, other_flops_per_sample: float, batch: int, device: DeviceSpec, half: bool,
+                dense_efficiency: float, attention_impl: str, recompute: bool) -> HSTUTime:
+    """Forward + backward seconds of `batch` samples through the HSTU part on `device`: the STU GEMMs and
+    the model's other GEMMs (`other_flops_per_sample`) at `dense_efficiency` of peak (bf16 peak where
+    `half`), the attention at its implementation's efficiency, the elementwise passes over the kept
+    activations at HBM bandwidth; with `recompute`, one more forward of the STU stack."""
+    flops = stu_flops(shape)
+    peak = device.peak_bf16_flops if half else device.peak_fp32_flops
+    gemm_rate = peak * dense_efficiency
+    attn_rate = peak * attention_efficiency(attention_impl)
+    gemm = batch * (flops.uvqk + flops.output + other_flops_per_sample) / gemm_rate
+    attention = batch * flops.attention / attn_rate
+    a = 2 if half else FP32_BYTES
+    streamed = batch * shape.seq_len * shape.num_layers * stu_kept_bytes_per_token(shape, a)
+    elementwise = ELEMENTWISE_PASSES * streamed / (device.memory_bw_bytes_per_s * ELEMENTWISE_EFFICIENCY)
+    extra = 0.0
+    if recompute:  # one more forward: a third of the GEMMs', 1 / 3.5 of the attention's, one elementwise pass
+        extra = (batch * (flops.uvqk + flops.output) / 3 / gemm_rate + attention / 3.5
+                 + elementwise / ELEMENTWISE_PASSES)
+    return HSTUTime(gemm, attention, elementwise, extra)
+
+
+def dense_bytes_per_sample(options: PlanOptions, topology: Topology) -> tuple[int, int, int]:
+    """The dense part's bytes per sample alive during the lookups, at the forward's end (for HSTU: the
+    backward's start, its peak) and while the backward reaches the embeddings: the model's stated figures,
+    or, for an HSTU part, `hstu_memory_per_sample` at the device's activation dtype."""
+    if options.hstu is None:
+        return (options.dense_lookup_bytes_per_sample, options.dense_activation_bytes_per_sample,
+                options.dense_gradient_bytes_per_sample)
+    m = hstu_memory_per_sample(options.hstu, activation_bytes(topology, options.dense_dtype),
+                               options.attention_impl, options.activation_recompute)
+    return 0, int(m.activation), int(m.gradient)

@@ -1,0 +1,179 @@
+"""anyrec.planner.sequence: sequence embeddings per EmbeddingCollection sharding type, the STU layers' FLOPs,
+time and memory, activation recompute, and DLRMv4's two done-when plans."""
+
+import pytest
+import torch
+
+from anyrec.backends import resolve_hardware
+from anyrec.backends.dispatch import FBGEMM_EMBEDDING, get_impl
+from anyrec.backends.specs import get_sku
+from anyrec.models.dlrmv4 import ATTENTION_OP
+from anyrec.models.family import resolve_family
+from anyrec.models.hstu import DLRMv4Config, dlrmv4_flops_per_sample
+from anyrec.plan import run
+from anyrec.planner import sequence
+from anyrec.planner.estimators import EmbeddingPerfEstimator, EmbeddingStorageEstimator, shard_lookups
+from anyrec.planner.planned import SEQUENCE_2D_REFUSAL, plan_job
+from anyrec.planner.planner import make_workload
+from anyrec.planner.types import (
+    InfeasiblePlanError,
+    Perf,
+    Placement,
+    Shard,
+    ShardingOption,
+    ShardingType,
+    Storage,
+    TableSpec,
+    Topology,
+)
+from anyrec.schema import HSTUShape
+from tests.conftest import compose_config
+
+REFERENCE = HSTUShape(4096, 3, 512, 4, 128, 128, contextual=8, preprocessor_in_dim=1536,
+                      preprocessor_hidden_dim=256)
+B, W, S, D = 64, 4, 1000, 256
+
+
+def _option(sharding: ShardingType, sequence_table: bool = True, cols: int = D) -> ShardingOption:
+    t = TableSpec("items", 100_000, D, float(S), ["items"], sequence=sequence_table)
+    n = W if sharding == ShardingType.ROW_WISE else 1
+    shards = [Shard(t.num_rows // n, cols, Storage(), Perf(), rank=r) for r in range(n)]
+    return ShardingOption(t, sharding, Placement.HBM, "fused", shards)
+
+
+def _topology() -> Topology:
+    return Topology(get_sku("mi355x"), W)
+
+
+def _workload(option: ShardingOption):
+    return make_workload([option.table], B, "rowwise_adagrad")
+
+
+def test_reference_stu_flops_are_315_7_gflop_per_sample():
+    f = sequence.stu_flops(REFERENCE)
+    assert f.total / 1e9 == pytest.approx(315.7, abs=0.05)
+    assert (f.attention / 1e9, f.uvqk / 1e9, f.output / 1e9) == pytest.approx((180.4, 77.3, 58.0), abs=0.05)
+    model = dlrmv4_flops_per_sample(DLRMv4Config(), 4096)  # the model's own count agrees
+    assert (f.attention, f.uvqk, f.output) == (model.attention, model.uvqk, model.output)
+
+
+def test_sequence_rows_travel_unpooled_each_way():
+    topo = _topology()
+    tw, rw = _option(ShardingType.TABLE_WISE), _option(ShardingType.ROW_WISE)
+    # table-wise: the owner sends every rank's B x S rows of D fp32; row-wise: each rank its own B x S
+    assert sequence.sequence_comms_bytes(tw, topo, _workload(tw), D)[1] == W * B * S * D * 4
+    assert sequence.sequence_comms_bytes(rw, topo, _workload(rw), D)[1] == B * S * D * 4
+    # ids: every rank's ids and each feature's lengths to the owner; row-wise also the permutation back
+    assert sequence.sequence_comms_bytes(tw, topo, _workload(tw), D)[0] == W * B * (S + 1) * 8
+    assert sequence.sequence_comms_bytes(rw, topo, _workload(rw), D)[0] == B * (2 * S + 1) * 8
+    # one output row per id: a row-wise shard writes its share of the ids, not every bag
+    assert sequence.sequence_lookups(rw, topo, _workload(rw)) == (B * S, B * S)
+    assert shard_lookups(rw, topo, _workload(rw)) == (B * S, B * S, W)
+
+
+def test_sequence_table_costs_its_rows_not_bags():
+    topo = _topology()
+    seq, pooled = _option(ShardingType.ROW_WISE), _option(ShardingType.ROW_WISE, sequence_table=False)
+    for opt in (seq, pooled):
+        EmbeddingPerfEstimator().estimate(opt, topo, _workload(opt))
+    # the backward sends each row's gradient back: as many bytes as the forward's rows
+    p = seq.shards[0].perf
+    assert p.bwd_comms_s > 0 and p.fwd_comms_s > p.bwd_comms_s
+    # pooled row-wise reduce-scatters B x D bags per rank; unpooled moves B x S rows: far more
+    assert p.comms_s > 10 * pooled.shards[0].perf.comms_s
+
+
+def test_column_wise_sequence_shard_moves_its_columns():
+    topo = _topology()
+    cw = _option(ShardingType.COLUMN_WISE, cols=D // 2)
+    assert sequence.sequence_comms_bytes(cw, topo, _workload(cw), D // 2)[1] == W * B * S * (D // 2) * 4
+
+
+def test_sequence_storage_keeps_one_batch_of_rows():
+    topo = _topology()
+    tw = _option(ShardingType.TABLE_WISE)
+    wl = _workload(tw)
+    EmbeddingStorageEstimator().estimate(tw, topo, wl)
+    rows = W * B * S * D * 4
+    weights = tw.table.weight_bytes
+    got = tw.shards[0].storage.hbm_bytes - weights
+    assert rows <= got < 1.1 * rows + wl.options.pipeline_depth * W * B * S * 8 + 2 * tw.table.num_rows * 4
+
+
+def test_data_parallel_sequence_is_refused():
+    opt = _option(ShardingType.DATA_PARALLEL)
+    with pytest.raises(ValueError, match="EmbeddingCollection"):
+        sequence.sequence_lookups(opt, _topology(), _workload(opt))
+
+
+def test_stu_memory_terms_and_recompute():
+    kept = sequence.stu_kept_bytes_per_token(REFERENCE, 2)
+    # bf16 under autocast: x, normed, uvqk, attention out, y at 2 bytes; the gating's fp32 tensors; the mask
+    assert kept == 2 * (512 + 512 + 2048 + 512 + 3 * 512) + 4 * 3 * 512 + 3 * 512 + 16
+    full = sequence.hstu_memory_per_sample(REFERENCE, 2, "triton", recompute=False)
+    less = sequence.hstu_memory_per_sample(REFERENCE, 2, "triton", recompute=True)
+    assert full.activation > 1.5 * less.activation > 0
+    # recompute keeps each layer's input and one layer's tensors
+    assert full.activation - less.activation == pytest.approx(4096 * (2 * kept - 3 * 2 * 512))
+    # fp32 keeps more than bf16; the torch attention's workspace is larger than the Triton kernel's
+    assert sequence.stu_kept_bytes_per_token(REFERENCE, 4) > kept
+    torch_ws = sequence.hstu_memory_per_sample(REFERENCE, 2, "torch", recompute=False)
+    assert torch_ws.activation > full.activation
+
+
+def test_hstu_time_splits_gemm_attention_and_recompute():
+    dev = get_sku("mi355x")
+    t = sequence.hstu_time_s(REFERENCE, 0.0, 1024, dev, True, 0.5, "triton", recompute=False)
+    f = sequence.stu_flops(REFERENCE)
+    assert t.gemm_s == pytest.approx(1024 * (f.uvqk + f.output) / (dev.peak_bf16_flops * 0.5))
+    assert t.attention_s == pytest.approx(1024 * f.attention / (dev.peak_bf16_flops * 0.35))
+    assert t.elementwise_s > 0 and t.recompute_s == 0
+    r = sequence.hstu_time_s(REFERENCE, 0.0, 1024, dev, True, 0.5, "triton", recompute=True)
+    assert r.recompute_s == pytest.approx(t.gemm_s / 3 + t.attention_s / 3.5 + t.elementwise_s / 3)
+    fp32 = sequence.hstu_time_s(REFERENCE, 0.0, 1024, dev, False, 0.5, "triton", recompute=False)
+    assert fp32.gemm_s > 10 * t.gemm_s  # bf16 where the device has it
+    slow = sequence.hstu_time_s(REFERENCE, 0.0, 1024, dev, True, 0.5, "torch", recompute=False)
+    assert slow.attention_s > 3 * t.attention_s
+    with pytest.raises(ValueError, match="no efficiency"):
+        sequence.attention_efficiency("cutlass")
+
+
+def _plan(overrides: list[str]):
+    _, cfg = compose_config(["model=dlrmv4", *overrides])
+    lines: list[str] = []
+    return run(cfg, print_fn=lines.append), "\n".join(lines)
+
+
+def test_mi355x_plans_the_reference_and_prints_samples_per_s():
+    result, text = _plan(["hardware=mi355x", "topology.world_size=8"])
+    assert "samples/s" in text and "M samples" in text
+    # what fits at 1,024 per rank is said, never silent: recompute is named as not in the trainer
+    if result.workload.options.activation_recompute:
+        assert "not implemented in the trainer" in text
+    assert result.workload.batch_size_per_rank == 1024
+    assert {o.sharding for o in result.tables.values()} <= set(sequence.SEQUENCE_SHARDINGS)
+
+
+def test_h100_refuses_the_reference_batch_naming_memory():
+    with pytest.raises(InfeasiblePlanError, match="GB") as e:
+        _plan(["hardware=h100", "topology.world_size=8"])
+    assert "\n" not in str(e.value)
+
+
+def test_trainer_refuses_a_plan_that_needs_recompute():
+    _, cfg = compose_config(["model=dlrmv4", "hardware=mi355x", "topology.world_size=8"])
+    family = resolve_family(cfg.model)
+    meta = torch.device("meta")
+    model = family.build_train(cfg.model, meta, meta, {ATTENTION_OP: get_impl(ATTENTION_OP, "triton")})
+    args = (cfg, model, family.sparse_module(model), family.sparse_path, family.workload_facts(cfg.model),
+            resolve_hardware("mi355x"), FBGEMM_EMBEDDING, 8, 8, 1024)
+    what_if = plan_job(*args, what_if=True)
+    assert what_if.result.workload.options.activation_recompute
+    with pytest.raises(InfeasiblePlanError, match="would fit with activation recompute"):
+        plan_job(*args)  # as the trainer calls it
+
+
+def test_2d_for_sequences_is_refused_in_one_line():
+    with pytest.raises(ValueError) as e:
+        _plan(["hardware=mi355x", "topology.world_size=8", "planner.sharding_group_size=4"])
+    assert str(e.value) == SEQUENCE_2D_REFUSAL
