@@ -31,8 +31,9 @@ def configure_allocator(hip: bool, environ: MutableMapping[str, str] = os.enviro
         if "expandable_segments" in value:
             on = "expandable_segments:True" in value.replace(" ", "")
             if not on:
-                logger.warning("%s=%s turns expandable segments off: the planner's reserved-memory prediction "
-                               "assumes them, so an accepted plan may run out of memory", name, value)
+                logger.warning("%s=%s turns expandable segments off: the planner's reserved-memory "
+                               "prediction assumes them, so an accepted plan may run out of memory",
+                               name, value)
             return on
     name = "PYTORCH_HIP_ALLOC_CONF" if hip else "PYTORCH_CUDA_ALLOC_CONF"
     environ[name] = ",".join(filter(None, (environ.get(name, ""), ALLOCATOR_SETTING)))

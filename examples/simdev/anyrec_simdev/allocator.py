@@ -15,13 +15,14 @@ The rules (what `torch.simdev.memory_*` report):
   (as CUDA does), and if it still does not fit, `torch.OutOfMemoryError` is raised.
 
 With expandable segments (`set_allocator_settings("expandable_segments:True")` or SIMDEV_ALLOC_CONF, as
-PYTORCH_CUDA_ALLOC_CONF sets CUDA's), each pool grows segments of address space (9/8 of the capacity, as
-CUDA's; another when one is full) whose pages are mapped on demand: 2 MiB pages for the small pool, 20 MiB for the large one
-(kSmallBuffer, kLargeBuffer). A request takes the best-fitting free mapped block (split wherever 512 bytes
-or more are left); failing that, the lowest unmapped range (with the free block just before it) is mapped,
-page by page, until the request fits. Freed blocks merge with free neighbours. `reserved` counts mapped
-pages; when mapping would pass the capacity, every whole free page is unmapped first, then the request is
-tried again. Fragmentation then costs at most the partly used pages at the edges of free ranges.
+PYTORCH_CUDA_ALLOC_CONF sets CUDA's), each pool grows segments of address space (9/8 of the capacity,
+as CUDA's; another when one is full) whose pages are mapped on demand: 2 MiB pages for the small pool,
+20 MiB for the large one (kSmallBuffer, kLargeBuffer). A request takes the best-fitting free mapped block
+(split wherever 512 bytes or more are left); failing that, the lowest unmapped range (with the free block
+just before it) is mapped, page by page, until the request fits. Freed blocks merge with free neighbours.
+`reserved` counts mapped pages; when mapping would pass the capacity, every whole free page is unmapped
+first, then the request is tried again. Fragmentation then costs at most the partly used pages at the
+edges of free ranges (`pages_in_use_bytes`: the pages holding an allocated byte).
 
 Nothing here touches host memory: the device asks for the accounting before (or, for an op whose output
 size it cannot know ahead, right after) the host bytes are allocated.
@@ -430,7 +431,8 @@ class CachingAllocator:
                             ("allocation", 1), ("active", 1)):
                 self._count(stat, pool, -n)
             if seg.page_bytes:
-                self._count("pages_in_use_bytes", pool, self._use_pages(seg, block.offset, block.rounded_bytes, -1))
+                unused = self._use_pages(seg, block.offset, block.rounded_bytes, -1)
+                self._count("pages_in_use_bytes", pool, unused)
             if i + 1 < len(seg.blocks) and seg.blocks[i + 1][2] == 0:  # merge with free neighbours
                 seg.blocks[i][1] += seg.blocks.pop(i + 1)[1]
             if i > 0 and seg.blocks[i - 1][2] == 0:
