@@ -1,11 +1,15 @@
 """Never out of memory on a plan it calls feasible: for each job on the simulated device (simdev), find
-the smallest per-device capacity the co-design planner accepts, then train 2 ranks at capacities from
+the smallest per-device capacity the co-design planner accepts, then train its ranks at capacities from
 just below it up to 2x, each device holding exactly that many bytes (`SIMDEV_MEMORY_BYTES`: simdev's
 allocator raises `torch.OutOfMemoryError` past it, as CUDA's does). The anchor, in the same table:
 torchrec's `EmbeddingShardingPlanner` given the same topology and capacity (its default storage
 reservation and estimators), its plans trained the same way.
 
-    python benchmarks/capacity_sweep.py [--small] [--steps N] [--output out.json]
+    python benchmarks/capacity_sweep.py [--small] [--only JOB ...] [--factors F ...] [--anyrec-only]
+                                        [--steps N] [--output out.json]
+
+The jobs cover every optimizer, batches up to 4,096 per rank and 2D (replicated sharding groups); simdev
+runs its allocator with expandable segments, as anyrec's backends do on CUDA and ROCm.
 
 Each cell is one `torchrun` job: `ok` (trained every step), `oom` (an allocation failed), `refused`
 (the planner said no before any rank allocated a table; anyrec's one-line reason is kept) or `error`.
@@ -27,14 +31,25 @@ ROOT = Path(__file__).resolve().parent.parent
 
 from anyrec.proc import run_session  # noqa: E402
 
-# name -> Hydra overrides of a 2-rank simdev job (the default planner, its own choice of sharding).
+# name -> Hydra overrides of a simdev job (the default planner, its own choice of sharding); 2 ranks unless
+# RANKS says otherwise. data.batch_size is per rank.
 JOBS: dict[str, list[str]] = {
     "tiny_adagrad_b256": ["model=dlrm_tiny", "data.batch_size=256"],
     "small_adagrad_b256": ["model=dlrm_small", "data.batch_size=256"],
     "small_sgd_b1024": ["model=dlrm_small", "optim=sgd", "data.batch_size=1024"],
     "small_rowwise_b512": ["model=dlrm_small", "optim=rowwise_adagrad", "data.batch_size=512"],
+    "small_adam_b4096": ["model=dlrm_small", "optim=adam", "data.batch_size=4096"],
     "v2small_adagrad_b256": ["model=dlrmv2_small", "data.batch_size=256"],
+    "v2small_adagrad_b2048": ["model=dlrmv2_small", "data.batch_size=2048"],
+    "v2small_rowwise_b4096": ["model=dlrmv2_small", "optim=rowwise_adagrad", "data.batch_size=4096"],
+    "v2small_sgd_b4096": ["model=dlrmv2_small", "optim=sgd", "data.batch_size=4096"],
+    "v2small_adam_b1024": ["model=dlrmv2_small", "optim=adam", "data.batch_size=1024"],
+    # 2D: groups of one rank holding every table, replicas averaged (2 ranks), and groups of two (4 ranks)
+    "small_2d_g1_b1024": ["model=dlrm_small", "planner.sharding_group_size=1", "data.batch_size=1024"],
+    "v2small_2d_g2_b512": ["model=dlrmv2_small", "planner.sharding_group_size=2", "optim=rowwise_adagrad",
+                           "data.batch_size=512"],
 }
+RANKS = {"v2small_2d_g2_b512": 4}
 SMALL = ("tiny_adagrad_b256",)
 # Capacities as multiples of anyrec's smallest accepted one: below it anyrec must refuse (where
 # torchrec's planner may still accept and run out of memory), from it up it must train.
@@ -60,12 +75,12 @@ def job_overrides(workload: list[str], steps: int) -> list[str]:
 
 
 def accepts(name: str, capacity: int) -> bool:
-    """Whether anyrec's planner finds a plan for job `name` on WORLD simdev devices of `capacity` bytes
+    """Whether anyrec's planner finds a plan for job `name` on its simdev devices of `capacity` bytes
     (planned in this process, as rank 0 of the job plans: `anyrec-plan` on the same config)."""
     from anyrec import _hydra, plan
     from anyrec.planner.types import InfeasiblePlanError
 
-    cfg = _hydra.compose_job([*job_overrides(JOBS[name], 1), f"topology.world_size={WORLD}",
+    cfg = _hydra.compose_job([*job_overrides(JOBS[name], 1), f"topology.world_size={RANKS.get(name, WORLD)}",
                               f"+hardware.spec.memory_bytes={capacity}"])
     try:
         plan.run(cfg, print_fn=lambda _: None)
@@ -155,9 +170,9 @@ def outcome(proc: subprocess.CompletedProcess) -> dict:
 
 
 def run_job(planner: str, workload: list[str], capacity: int, steps: int, simdev: Path, workdir: Path,
-            timeout_s: float) -> dict:
-    """One 2-rank job of `workload` at `capacity` bytes per device, planned by anyrec's planner or
-    torchrec's."""
+            timeout_s: float, ranks: int = WORLD) -> dict:
+    """One job of `workload` on `ranks` ranks at `capacity` bytes per device, planned by anyrec's planner
+    or torchrec's."""
     run_dir = workdir / f"{planner}_{abs(hash(tuple(workload)))}_{capacity}"
     overrides = [*job_overrides(workload, steps), f"hydra.run.dir={run_dir}"]
     args = (["-m", "anyrec.train", *overrides] if planner == "anyrec"
@@ -165,7 +180,7 @@ def run_job(planner: str, workload: list[str], capacity: int, steps: int, simdev
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(simdev)]), "OMP_NUM_THREADS": "1",
            "PYTHONUNBUFFERED": "1", "SIMDEV_MEMORY_BYTES": str(capacity),
            "ANYREC_CACHE_DIR": str(workdir / "cache")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}", *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *args]
     try:
         proc = run_session(cmd, timeout_s, env=env, cwd=workdir)
     except subprocess.TimeoutExpired:
@@ -174,8 +189,8 @@ def run_job(planner: str, workload: list[str], capacity: int, steps: int, simdev
 
 
 def sweep(names: tuple[str, ...], factors: tuple[float, ...], steps: int, workdir: Path,
-          timeout_s: float) -> list[dict]:
-    """Per job and capacity, anyrec's cell and torchrec's."""
+          timeout_s: float, planners: tuple[str, ...] = ("anyrec", "torchrec")) -> list[dict]:
+    """Per job and capacity, anyrec's cell and torchrec's (a planner left out: `skipped`)."""
     simdev = install_simdev(workdir / "simdev")
     sys.path.insert(0, str(simdev))
     rows = []
@@ -185,7 +200,9 @@ def sweep(names: tuple[str, ...], factors: tuple[float, ...], steps: int, workdi
             cap = int(smallest * f)
             row = {"job": name, "capacity_bytes": cap, "factor": f, "smallest_accepted_bytes": smallest}
             for planner in ("anyrec", "torchrec"):
-                row[planner] = run_job(planner, JOBS[name], cap, steps, simdev, workdir, timeout_s)
+                row[planner] = (run_job(planner, JOBS[name], cap, steps, simdev, workdir, timeout_s,
+                                        RANKS.get(name, WORLD))
+                                if planner in planners else {"result": "skipped"})
             print(line(row), flush=True)
             rows.append(row)
     return rows
@@ -207,7 +224,7 @@ def table(rows: list[dict]) -> str:
             "reason (anyrec)")
     accepted = [r for r in rows if r["factor"] >= 1.0]
     a_oom = sum(r["anyrec"]["result"] == "oom" for r in accepted)
-    t_ran = [r for r in rows if r["torchrec"]["result"] in ("ok", "oom")]
+    t_ran = [r for r in rows if r["torchrec"]["result"] in ("ok", "oom")]  # (not skipped)
     t_oom = sum(r["torchrec"]["result"] == "oom" for r in t_ran)
     below = [r for r in rows if r["factor"] < 1.0]  # anyrec must refuse these
     refused = sum(r["anyrec"]["result"] == "refused" for r in below)
@@ -222,6 +239,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="one job at three capacities (for tests)")
     ap.add_argument("--only", nargs="+", choices=tuple(JOBS), help="run only these jobs")
+    ap.add_argument("--factors", nargs="+", type=float, help=f"capacities as multiples of the smallest "
+                    f"accepted (default {' '.join(map(str, FACTORS))})")
+    ap.add_argument("--anyrec-only", action="store_true", help="leave torchrec's planner out")
     ap.add_argument("--steps", type=int, default=None, help="training steps per job (default 8; 3 small)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per job")
     ap.add_argument("--output", type=Path, help="write the rows as JSON here")
@@ -232,10 +252,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         worker(args.overrides)
         return []
     names = tuple(args.only) if args.only else SMALL if args.small else tuple(JOBS)
-    factors = SMALL_FACTORS if args.small else FACTORS
+    factors = tuple(args.factors) if args.factors else SMALL_FACTORS if args.small else FACTORS
     steps = args.steps or (3 if args.small else 8)
     with tempfile.TemporaryDirectory(prefix="anyrec-capacity-") as tmp:
-        rows = sweep(names, factors, steps, Path(tmp), args.timeout)
+        rows = sweep(names, factors, steps, Path(tmp), args.timeout,
+                     ("anyrec",) if args.anyrec_only else ("anyrec", "torchrec"))
     print(table(rows))
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,10 @@
 """Does the planner predict each rank's peak device memory? Train a sweep of short jobs on the simulated
 device (examples/simdev: its allocator counts every device byte) and compare, per rank, the plan's
 predicted peak (`predicted_peak_memory_bytes_per_rank` of the run's summary) with the measured one
-(`measured_peak_memory_bytes_per_rank`: the backend's max_memory_allocated over the training steps).
+(`measured_peak_memory_bytes_per_rank`: the backend's max_memory_allocated over the training steps), and
+the predicted reserved peak with the least capacity each rank fits in: the peak of simdev's
+`pages_in_use_bytes` (expandable segments' pages holding an allocated byte, which no out-of-memory retry
+can unmap) as well as `max_memory_reserved` (which also counts free pages kept mapped while there is room).
 
     python benchmarks/memory_accuracy.py [--small] [--jobs NAME ...] [--output out.json]
 
@@ -13,8 +16,10 @@ and 4 ranks. simdev is installed with pip into a temporary folder unless it is i
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import runpy
 import statistics
 import subprocess
 import sys
@@ -66,13 +71,33 @@ def simdev_path(tmp: Path) -> str | None:
     return str(target)
 
 
+PAGES_FILE_ENV = "ANYREC_MEMACC_PAGES"  # where each rank's worker writes its pages-in-use peak
+
+
+def worker(overrides: list[str]) -> None:
+    """One rank: anyrec-train on `overrides`, then simdev's pages-in-use peak (over the training steps:
+    the trainer resets the peaks before them) written to $ANYREC_MEMACC_PAGES.<rank>."""
+    def write_pages() -> None:
+        import torch
+
+        stats = torch.get_device_module("simdev").memory_stats()
+        Path(f"{os.environ[PAGES_FILE_ENV]}.{os.environ.get('RANK', '0')}").write_text(
+            str(stats["pages_in_use_bytes.all.peak"]))
+
+    atexit.register(write_pages)
+    sys.argv = ["anyrec.train", *overrides]
+    runpy.run_module("anyrec.train", run_name="__main__")
+
+
 def run_job(name: str, ranks: int, overrides: list[str], cwd: Path, extra_path: str | None,
             timeout_s: float) -> dict:
     """One job's row: per-rank predicted and measured peaks and errors, or its error."""
     paths = [str(ROOT), *([extra_path] if extra_path else []), os.environ.get("PYTHONPATH", "")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p), "OMP_NUM_THREADS": "1"}
+    pages = cwd / f"pages_{name}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p), "OMP_NUM_THREADS": "1",
+           PAGES_FILE_ENV: str(pages)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-           "-m", "anyrec.train", *COMMON, *overrides]
+           str(Path(__file__).resolve()), "--worker", "--", *COMMON, *overrides]
     start = time.perf_counter()
     proc = run_session(cmd, timeout_s, env=env, cwd=cwd)
     row: dict = {"job": name, "ranks": ranks, "overrides": overrides,
@@ -87,14 +112,16 @@ def run_job(name: str, ranks: int, overrides: list[str], cwd: Path, extra_path: 
             "predicted_reserved_memory_bytes_per_rank", "measured_reserved_memory_bytes_per_rank",
             "predicted_memory_terms", "batch_size_per_rank")
     row.update({k: summary[k] for k in keys})
+    files = [Path(f"{pages}.{r}") for r in range(ranks)]
+    row["least_capacity_bytes_per_rank"] = [int(f.read_text()) if f.exists() else None for f in files]
     return row
 
 
 def table(rows: list[dict]) -> str:
     """Predicted, measured and error of every rank of every job; the median and worst |error| last."""
     lines = [f"{'job':<24} {'rank':>4} {'predicted MiB':>14} {'measured MiB':>13} {'error':>8}  "
-             f"{'reserved: predicted':>19} {'measured':>9} {'error':>7}"]
-    errors, reserved_errors = [], []
+             f"{'reserved: predicted':>19} {'measured':>9} {'error':>7} {'least cap.':>10} {'error':>7}"]
+    errors, reserved_errors, capacity_errors = [], [], []
     for row in rows:
         if "error" in row:
             lines.append(f"{row['job']:<24} failed: {row['error'].strip().splitlines()[-1][:80]}")
@@ -102,15 +129,25 @@ def table(rows: list[dict]) -> str:
         columns = ("predicted_peak_memory_bytes_per_rank", "measured_peak_memory_bytes_per_rank",
                    "memory_prediction_error_per_rank", "predicted_reserved_memory_bytes_per_rank",
                    "measured_reserved_memory_bytes_per_rank")
+        least = row.get("least_capacity_bytes_per_rank") or [None] * row["ranks"]
         for r, (p, m, e, pr, mr) in enumerate(zip(*(row[c] for c in columns), strict=True)):
             errors.append(abs(e))
             reserved_errors.append(pr / mr - 1)
+            cap = (f"{least[r] / 2**20:>10.2f} {pr / least[r] - 1:>+7.1%}" if least[r]
+                   else f"{'-':>10} {'-':>7}")
+            if least[r]:
+                capacity_errors.append(pr / least[r] - 1)
             lines.append(f"{row['job']:<24} {r:>4} {p / 2**20:>14.2f} {m / 2**20:>13.2f} {e:>+8.1%}  "
-                         f"{pr / 2**20:>19.2f} {mr / 2**20:>9.2f} {pr / mr - 1:>+7.1%}")
+                         f"{pr / 2**20:>19.2f} {mr / 2**20:>9.2f} {pr / mr - 1:>+7.1%} {cap}")
     if errors:
         lines.append(f"{len(errors)} ranks of {sum('error' not in r for r in rows)} jobs: median |error| "
                      f"{statistics.median(errors):.1%}, worst {max(errors):.1%}; reserved (what the capacity "
-                     f"bounds): from {min(reserved_errors):+.1%} to {max(reserved_errors):+.1%}")
+                     f"bounds): from {min(reserved_errors):+.1%} to {max(reserved_errors):+.1%} of "
+                     f"max_memory_reserved, median {statistics.median(reserved_errors):+.1%}")
+    if capacity_errors:
+        lines.append(f"reserved against the least capacity each rank fits in: from "
+                     f"{min(capacity_errors):+.1%} "
+                     f"to {max(capacity_errors):+.1%}, median {statistics.median(capacity_errors):+.1%}")
     return "\n".join(lines)
 
 
@@ -121,7 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", nargs="+", choices=sorted(JOBS), help="run these jobs only")
     ap.add_argument("--output", type=Path, help="write the rows and the summary as JSON here")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per job")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("overrides", nargs="*", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.worker:
+        worker(args.overrides)
+        return 0
     names = args.jobs or (list(SMALL) if args.small else list(JOBS))
     rows = []
     with tempfile.TemporaryDirectory(prefix="anyrec-memacc-") as tmp:
@@ -133,7 +175,15 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr, flush=True)
     print(table(rows))
     errors = [abs(e) for r in rows if "error" not in r for e in r["memory_prediction_error_per_rank"]]
+    ok = [r for r in rows if "error" not in r]
+    predicted = [p for r in ok for p in r["predicted_reserved_memory_bytes_per_rank"]]
+    measured = [m for r in ok for m in r["measured_reserved_memory_bytes_per_rank"]]
+    reserved = [p / m - 1 for p, m in zip(predicted, measured, strict=True)]
+    least = [p / c - 1 for p, c in zip(predicted, [c for r in ok for c in r["least_capacity_bytes_per_rank"]],
+                                       strict=True) if c]
     result = {"jobs": rows, "ranks_measured": len(errors),
+              "reserved_error_range": [min(reserved), max(reserved)] if reserved else None,
+              "reserved_vs_least_capacity_error_range": [min(least), max(least)] if least else None,
               "median_abs_error": statistics.median(errors) if errors else None,
               "worst_abs_error": max(errors) if errors else None}
     if args.output:

@@ -80,3 +80,30 @@ def test_a_bad_capacity_is_one_line(simdev_site):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
         "anyrec-train: error: SIMDEV_MEMORY_BYTES must be a positive whole number of bytes, got 'lots'")
+
+
+EXPANDABLE = r'''
+import json, logging
+import torch
+from anyrec.backends import get_backend
+
+logging.basicConfig()
+b = get_backend("simdev")
+b.set_device(0)  # the backend's first step in every process: expandable segments on
+x = torch.empty(30 << 20, dtype=torch.uint8, device="simdev")
+print(json.dumps([b.memory_reserved(), b.memory_stats()["pages_in_use_bytes.all.current"]]))
+'''
+
+
+@pytest.mark.parametrize(("conf", "reserved"), [(None, 40 * MiB), ("expandable_segments:False", 30 * MiB)])
+def test_the_backend_turns_expandable_segments_on_unless_told_not_to(simdev_site, conf, reserved):
+    """set_device switches simdev's allocator to expandable segments (30 MiB: two 20 MiB pages, not a 30 MiB
+    segment), which the planner's reserved model assumes; SIMDEV_ALLOC_CONF=...False keeps plain segments and
+    warns."""
+    env = {**single_process_env(simdev_site), **({"SIMDEV_ALLOC_CONF": conf} if conf else {})}
+    proc = subprocess.run([sys.executable, "-c", EXPANDABLE], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got_reserved, pages_in_use = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got_reserved == reserved and pages_in_use == (reserved if conf is None else 0)
+    assert ("turns expandable segments off" in proc.stderr) == (conf is not None)

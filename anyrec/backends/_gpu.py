@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import MutableMapping
 
 import torch
 
@@ -12,11 +14,39 @@ from anyrec.backends.specs import SKUS, DeviceSpec, match_sku
 logger = logging.getLogger(__name__)
 
 
+# The caching allocator's settings anyrec runs with: expandable segments, which the planner's reserved-memory
+# model assumes (anyrec.planner.memory). torch reads them from the environment when the allocator starts;
+# PYTORCH_ALLOC_CONF is the device-neutral name (torch >= 2.9), the others the CUDA and HIP builds' own.
+ALLOCATOR_SETTING = "expandable_segments:True"
+ALLOC_CONF_NAMES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
+
+
+def configure_allocator(hip: bool, environ: MutableMapping[str, str] = os.environ) -> bool:
+    """Switch on expandable segments for this process's CUDA (or HIP) caching allocator, before its first
+    allocation, by its build's variable (PYTORCH_HIP_ALLOC_CONF on ROCm, PYTORCH_CUDA_ALLOC_CONF else),
+    other settings kept. A user's own `expandable_segments` is left as it is (warned when off). Returns
+    whether expandable segments are on."""
+    for name in ALLOC_CONF_NAMES:
+        value = environ.get(name, "")
+        if "expandable_segments" in value:
+            on = "expandable_segments:True" in value.replace(" ", "")
+            if not on:
+                logger.warning("%s=%s turns expandable segments off: the planner's reserved-memory "
+                               "prediction assumes them, so an accepted plan may run out of memory",
+                               name, value)
+            return on
+    name = "PYTORCH_HIP_ALLOC_CONF" if hip else "PYTORCH_CUDA_ALLOC_CONF"
+    environ[name] = ",".join(filter(None, (environ.get(name, ""), ALLOCATOR_SETTING)))
+    return True
+
+
 def probe_torch_cuda_facts() -> DeviceFacts:
-    """Facts from torch's cuda module; on ROCm builds this is HIP under the same API."""
+    """Facts from torch's cuda module; on ROCm builds this is HIP under the same API. The allocator is
+    configured (configure_allocator) before the first call that starts CUDA."""
     hip = getattr(torch.version, "hip", None)
     if not torch.cuda.is_available():
         return DeviceFacts(cuda_available=False, hip_version=hip)
+    configure_allocator(hip is not None)
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     arch = getattr(props, "gcnArchName", "") or ""
     if hip is None or not arch:

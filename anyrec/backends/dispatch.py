@@ -249,14 +249,36 @@ def probe_gloo(_: Backend) -> str | None:
     return None if dist.is_available() and dist.is_gloo_available() else "torch was built without gloo"
 
 
+@dataclass(frozen=True)
+class _ModulePresent:
+    """A probe that passes when `module` can be imported (a value, so a plan holding its Impl pickles)."""
+
+    module: str
+    what: str
+
+    def __call__(self, _: Backend) -> str | None:
+        if importlib.util.find_spec(self.module) is None:
+            return f"{self.module} ({self.what}) is not installed"
+        return None
+
+
+@dataclass(frozen=True)
+class _AllOf:
+    """A probe that passes when every one of `probes` does (the first reason otherwise)."""
+
+    probes: tuple[Probe, ...]
+
+    def __call__(self, backend: Backend) -> str | None:
+        return next((reason for p in self.probes if (reason := p(backend)) is not None), None)
+
+
 def _module_present(module: str, what: str) -> Probe:
-    missing = f"{module} ({what}) is not installed"
-    return lambda _: missing if importlib.util.find_spec(module) is None else None
+    return _ModulePresent(module, what)
 
 
 def all_of(*probes: Probe) -> Probe:
     """A probe that passes when every one of `probes` does (the first reason otherwise)."""
-    return lambda backend: next((reason for p in probes if (reason := p(backend)) is not None), None)
+    return _AllOf(probes)
 
 
 # ---- the registry ---------------------------------------------------------------------------------

@@ -27,16 +27,27 @@ from anyrec.planner.types import Placement, PlanResult, ReplicaUpdate, ShardingT
 
 # CUDA's caching allocator (and simdev's) rounds every allocation up to a multiple of 512 bytes.
 ALLOC_ROUND_BYTES = 512
-# Reserved memory comes in 2 MiB segments for requests up to 1 MiB and 20 MiB buffers for requests under
-# 10 MiB (CUDA's caching allocator, and simdev's which follows its rules): segments' unused space and the
-# gaps between cached blocks are reserved but not allocated. empirical: reserved less allocated over the
-# 42 ranks of benchmarks/memory_accuracy.py on simdev (2026-12-04) is 14-52 MiB at 5-120 MiB allocated;
-# the envelope is two buffers and two small segments of granularity plus 10 % of the allocated peak
-# (fragmentation). Not yet measured on a GPU (benchmarks/gpu_suite.py, section memory, measures it).
-ALLOC_SEGMENT_BYTES = 2 * 2**20
-ALLOC_BUFFER_BYTES = 20 * 2**20
-ALLOCATOR_FIXED_BYTES = 2 * ALLOC_BUFFER_BYTES + 2 * ALLOC_SEGMENT_BYTES
-ALLOCATOR_FRAGMENTATION = 0.10
+# The caching allocator runs with expandable segments: anyrec's CUDA and ROCm backends set them in
+# PYTORCH_CUDA_ALLOC_CONF / PYTORCH_HIP_ALLOC_CONF and simdev's backend in SIMDEV_ALLOC_CONF before the first
+# allocation (anyrec.backends._gpu.configure_allocator). Each pool maps pages of an address range on demand,
+# 2 MiB pages for requests up to 1 MiB (the small pool) and 20 MiB above (CUDA's kSmallBuffer and
+# kLargeBuffer); a free block is split for any request it holds and coalesces with its free neighbours, and
+# an allocation that would pass the capacity first unmaps every whole free page. What the capacity must
+# hold at the peak is then the pages that hold an allocated byte (`allocator_slack`), whatever order the
+# step allocates in; without expandable segments the cached segments' holes depend on that order, which is
+# how an allocated peak of 420 MiB once needed 665 MB.
+ALLOC_SMALL_PAGE_BYTES = 2 * 2**20
+ALLOC_LARGE_PAGE_BYTES = 20 * 2**20
+# The live blocks at a step's peak lie in runs: what start-up made (tables, their state, the dense model, the
+# data source), the batches the pipeline holds, the phase's temporaries. Each run ends in a page it shares
+# with a free range on either side: half a page used on average. empirical: pages in use at the peak less
+# the allocated peak, dlrmv2_small b2048 on simdev (2026-12-07): 3.4 and 2.2 large pages on its two ranks.
+ALLOC_LIVE_RUNS = 3
+# The allocated terms are themselves a model: a reserved prediction that must never be under what the device
+# needs carries a margin for their error. empirical: -2.7 % at worst among dlrmv2_small's ranks at batches
+# 2,048 and 4,096 per rank on simdev (2026-12-07), where 1 % under was an out-of-memory at the smallest
+# capacity accepted.
+ALLOCATED_MARGIN = 0.05
 # empirical: the initial weights are drawn on the device in passes over 2^19 elements, whose hash keeps
 # ~40.5 bytes an element of int64 temporaries (20.25 MiB on simdev, counted as 21): start-up's peak,
 # beside the tables before any batch, whose segments stay reserved.
@@ -99,6 +110,17 @@ def touched_rows_zipf(n_ids: float, rows: int, exponent: float) -> float:
     return min(float(rows), area)
 
 
+def allocator_slack(allocated_bytes: int, startup_bytes: int) -> int:
+    """Reserved less allocated at a step's peak of `allocated_bytes` after a start-up that peaked at
+    `startup_bytes`, with expandable segments: start-up's excess (its pages stay mapped), the last large
+    page partly used, each run of live blocks' two edge pages half used (ALLOC_LIVE_RUNS) and the small
+    pool's partly used pages (one each end)."""
+    peak = max(allocated_bytes, startup_bytes)
+    last_page = -peak % ALLOC_LARGE_PAGE_BYTES
+    return (peak - allocated_bytes + last_page + ALLOC_LIVE_RUNS * ALLOC_LARGE_PAGE_BYTES
+            + 2 * ALLOC_SMALL_PAGE_BYTES)
+
+
 def alloc_bytes(nbytes: float, tensors: int = 1) -> int:
     """Bytes the allocator counts for `tensors` tensors of `nbytes` in all (rounded up, each the same)."""
     if tensors <= 0 or nbytes <= 0:
@@ -125,7 +147,7 @@ class MemoryPrediction:
     workspace_bytes: int  # the embedding implementation's temporaries (EmbeddingWorkspace)
     data_source_bytes: int  # what the data source keeps on the device (read from it, not modelled)
     rounding_bytes: int  # other live tensors' rounding to ALLOC_ROUND_BYTES
-    allocator_overhead_bytes: int  # reserved less allocated: segment fragmentation
+    allocator_overhead_bytes: int  # reserved less allocated: partly used pages (allocator_slack)
     # "lookup" | "interaction" | "update" | "replica sync" (2D's averaging): the moment of the step the
     # peak falls in
     peak_phase: str
@@ -289,9 +311,8 @@ def _rank_prediction(plan: PlanResult, r: _Rank, data_source_bytes: int, sharded
         peak_phase=phase,
     )
     # Start-up's peak (the tables, the dense model and the data source beside the initialiser's temporaries)
-    # is not the step's, but the segments it reserved stay reserved: where it is higher, the difference
-    # is reserved too.
+    # is not the step's, but the pages it mapped stay mapped for the step to reuse.
     startup = tables + dense + data_source_bytes + INIT_WORKSPACE_BYTES
-    slack = (ALLOCATOR_FIXED_BYTES + int(ALLOCATOR_FRAGMENTATION * prediction.allocated_bytes)
-             + max(0, startup - prediction.allocated_bytes))
+    slack = (allocator_slack(prediction.allocated_bytes, startup)
+             + int(ALLOCATED_MARGIN * max(prediction.allocated_bytes, startup)))
     return dataclasses.replace(prediction, allocator_overhead_bytes=slack)

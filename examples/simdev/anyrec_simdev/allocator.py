@@ -14,6 +14,16 @@ The rules (what `torch.simdev.memory_*` report):
 - the capacity bounds `reserved`: when a new segment would pass it, every empty segment is released first
   (as CUDA does), and if it still does not fit, `torch.OutOfMemoryError` is raised.
 
+With expandable segments (`set_allocator_settings("expandable_segments:True")` or SIMDEV_ALLOC_CONF, as
+PYTORCH_CUDA_ALLOC_CONF sets CUDA's), each pool grows segments of address space (9/8 of the capacity,
+as CUDA's; another when one is full) whose pages are mapped on demand: 2 MiB pages for the small pool,
+20 MiB for the large one (kSmallBuffer, kLargeBuffer). A request takes the best-fitting free mapped block
+(split wherever 512 bytes or more are left); failing that, the lowest unmapped range (with the free block
+just before it) is mapped, page by page, until the request fits. Freed blocks merge with free neighbours.
+`reserved` counts mapped pages; when mapping would pass the capacity, every whole free page is unmapped
+first, then the request is tried again. Fragmentation then costs at most the partly used pages at the
+edges of free ranges (`pages_in_use_bytes`: the pages holding an allocated byte).
+
 Nothing here touches host memory: the device asks for the accounting before (or, for an op whose output
 size it cannot know ahead, right after) the host bytes are allocated.
 """
@@ -37,10 +47,17 @@ MIN_LARGE_ALLOC_BYTES = 10 << 20  # requests below this share a LARGE_BUFFER_BYT
 LARGE_BUFFER_BYTES = 20 << 20
 DEFAULT_CAPACITY_BYTES = 32 << 30
 CAPACITY_ENV = "SIMDEV_MEMORY_BYTES"
+ALLOC_CONF_ENV = "SIMDEV_ALLOC_CONF"
+SMALL_PAGE_BYTES = 2 << 20  # expandable segments' mapping unit, small pool (CUDA's kSmallBuffer)
+LARGE_PAGE_BYTES = 20 << 20  # and large pool (kLargeBuffer)
+UNMAPPED = -1  # a block's request field: address space with no memory behind it
 
 POOLS = ("small_pool", "large_pool")
 # memory_stats' statistics, as CUDA names them (bytes or counts, each with current/peak/allocated/freed).
-STATS = ("allocated_bytes", "reserved_bytes", "active_bytes", "allocation", "segment", "active")
+STATS = ("allocated_bytes", "reserved_bytes", "active_bytes", "allocation", "segment", "active",
+         # simdev's own: expandable segments' pages holding an allocated byte, which an out-of-memory retry
+         # cannot unmap (its peak is the least capacity the run fits in)
+         "pages_in_use_bytes")
 
 
 class CapacityError(ValueError):
@@ -59,6 +76,23 @@ def capacity_from_env(environ: Mapping[str, str] = os.environ) -> int:
     if value <= 0:
         raise CapacityError(f"{CAPACITY_ENV} must be a positive whole number of bytes, got {text!r}")
     return value
+
+
+class AllocConfError(ValueError):
+    """An allocator setting simdev does not know, or a bad value."""
+
+
+def parse_alloc_conf(text: str) -> dict[str, bool]:
+    """Settings written as PYTORCH_CUDA_ALLOC_CONF writes them (`key:value,...`); simdev knows
+    `expandable_segments` (True/False) only."""
+    out = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        key, _, value = item.partition(":")
+        if key.strip() != "expandable_segments" or value.strip() not in ("True", "False"):
+            raise AllocConfError(f"allocator setting {item!r} unknown to simdev (it knows "
+                                 f"expandable_segments:True|False)")
+        out["expandable_segments"] = value.strip() == "True"
+    return out
 
 
 def round_size(nbytes: int) -> int:
@@ -111,13 +145,15 @@ class Segment:
     small: bool
     number: int  # creation order: ties go to the oldest
     blocks: list[list[int]] = field(default_factory=list)
+    page_bytes: int = 0  # an expandable segment's mapping unit (0: a plain segment, mapped whole)
+    users: dict[int, int] = field(default_factory=dict)  # page index -> allocated blocks on it
 
     def __post_init__(self) -> None:
-        self.blocks = [[0, self.size_bytes, 0]]
+        self.blocks = [[0, self.size_bytes, UNMAPPED if self.page_bytes else 0]]
 
     @property
     def empty(self) -> bool:
-        return all(b[2] == 0 for b in self.blocks)
+        return all(b[2] <= 0 for b in self.blocks)
 
 
 @dataclass(frozen=True, eq=False)
@@ -132,9 +168,10 @@ class Block:
 class CachingAllocator:
     """One simulated device's memory: segments, blocks, CUDA's statistics and the capacity."""
 
-    def __init__(self, capacity_bytes: int, device: str = "simdev:0") -> None:
+    def __init__(self, capacity_bytes: int, device: str = "simdev:0", expandable: bool = False) -> None:
         self.capacity_bytes = capacity_bytes
         self.device = device
+        self.expandable = expandable
         self.segments: list[Segment] = []
         self.stats = {(s, p): Stat() for s in STATS for p in ("all", *POOLS)}
         self.num_ooms = 0
@@ -180,10 +217,20 @@ class CachingAllocator:
 
     # ---- allocation ---------------------------------------------------------------------------------
 
+    def set_expandable(self, expandable: bool) -> None:
+        """Switch expandable segments on or off: before the first allocation only (nothing reserved)."""
+        with self._locked():
+            if expandable != self.expandable and self.segments:
+                raise AllocConfError(f"{self.device}: expandable_segments set after memory was reserved; "
+                                     "set it before the first allocation")
+            self.expandable = expandable
+
     def malloc(self, nbytes: int) -> Block:
         """A block for `nbytes` (rounded); raises torch.OutOfMemoryError past the capacity."""
         rounded = round_size(nbytes)
         small = rounded <= SMALL_REQUEST_BYTES
+        if self.expandable:
+            return self._malloc_expandable(rounded, small)
         with self._locked():
             found = self._best_fit(rounded, small)
             if found is None:
@@ -212,6 +259,135 @@ class CachingAllocator:
                             ("active", 1)):
                 self._count(stat, pool, n)
             return Block(seg, free[0], rounded)
+
+    def _malloc_expandable(self, rounded: int, small: bool) -> Block:
+        with self._locked():
+            found = self._best_fit(rounded, small) or self._map_for(rounded, small)
+            if found is None:
+                self.num_alloc_retries += 1
+                self._release_empty()
+                found = self._best_fit(rounded, small) or self._map_for(rounded, small)
+                if found is None:
+                    self.num_ooms += 1
+                    page = SMALL_PAGE_BYTES if small else LARGE_PAGE_BYTES
+                    raise torch.OutOfMemoryError(self._oom_message(rounded, -(-rounded // page) * page))
+            seg, free = found
+            if free[1] - rounded >= ROUND_BYTES:  # CUDA splits expandable blocks down to its minimum block
+                seg.blocks.insert(seg.blocks.index(free) + 1, [free[0] + rounded, free[1] - rounded, 0])
+                free[1] = rounded
+            free[2] = rounded
+            pool = POOLS[not small]
+            for stat, n in (("allocated_bytes", rounded), ("active_bytes", rounded), ("allocation", 1),
+                            ("active", 1), ("pages_in_use_bytes", self._use_pages(seg, free[0], rounded, 1))):
+                self._count(stat, pool, n)
+            return Block(seg, free[0], rounded)
+
+    @staticmethod
+    def _use_pages(seg: Segment, offset: int, size: int, delta: int) -> int:
+        """Add `delta` users to the pages of [offset, offset + size); the bytes of pages that gained their
+        first user (or lost their last: negative)."""
+        changed = 0
+        for page in range(offset // seg.page_bytes, (offset + size - 1) // seg.page_bytes + 1):
+            before = seg.users.get(page, 0)
+            seg.users[page] = before + delta
+            if (before == 0) != (before + delta == 0):
+                changed += seg.page_bytes if delta > 0 else -seg.page_bytes
+            if before + delta == 0:
+                del seg.users[page]
+        return changed
+
+    def _map_for(self, rounded: int, small: bool) -> tuple[Segment, list[int]] | None:
+        """Map pages so that a free block of at least `rounded` bytes exists, as CUDA's
+        find_expandable_block: the lowest unmapped range (joined with the free block just before it) with
+        room enough in the pool's expandable segments, else in a new one (address space of 9/8 of the
+        capacity, nothing mapped); None where mapping would pass the capacity."""
+        segs = [s for s in self.segments if s.small == small and s.page_bytes]
+        for seg in segs:
+            found = self._room_in(seg, rounded)
+            if found is not None:
+                return self._map_run(seg, *found, rounded)
+        page = SMALL_PAGE_BYTES if small else LARGE_PAGE_BYTES
+        space = -(-max(self.capacity_bytes + self.capacity_bytes // 8, rounded) // page) * page
+        if self._reserved() + -(-rounded // page) * page > self.capacity_bytes:
+            return None  # no memory for it whatever the address space
+        seg = Segment(space, small, self._made, page_bytes=page)
+        self._made += 1
+        self.segments.append(seg)
+        return self._map_run(seg, 0, 0, rounded)
+
+    @staticmethod
+    def _room_in(seg: Segment, rounded: int) -> tuple[int, int] | None:
+        """(first block of the run, first unmapped block): the lowest unmapped block of `seg` that, with
+        the free block before it and the free or unmapped blocks after, spans `rounded` bytes."""
+        blocks = seg.blocks
+        for i, b in enumerate(blocks):
+            if b[2] != UNMAPPED:
+                continue
+            start = i - 1 if i > 0 and blocks[i - 1][2] == 0 else i
+            room, j = 0, start
+            while j < len(blocks) and blocks[j][2] <= 0 and room < rounded:
+                room, j = room + blocks[j][1], j + 1
+            if room >= rounded:
+                return start, i
+        return None
+
+    def _map_run(self, seg: Segment, start: int, i: int, rounded: int) -> tuple[Segment, list[int]] | None:
+        """Map the unmapped blocks from `i` on, whole pages, until the free run from `start` covers
+        `rounded` bytes; None (nothing mapped) where that would pass the capacity."""
+        blocks = seg.blocks
+        need = rounded - (blocks[start][1] if start < i else 0)
+        pages, k = 0, i
+        while need > 0:
+            take = blocks[k][1] if blocks[k][2] == 0 else min(
+                blocks[k][1], -(-need // seg.page_bytes) * seg.page_bytes)
+            pages += take if blocks[k][2] == UNMAPPED else 0
+            need, k = need - take, k + 1
+        if self._reserved() + pages > self.capacity_bytes:
+            return None
+        target = blocks[start]  # the run merges into its first block
+        self._map(seg, i, pages)
+        return seg, target
+
+    def _map(self, seg: Segment, i: int, nbytes: int) -> None:
+        """Map `nbytes` (whole pages) of the address space from unmapped block `i` on; the mapped range
+        merges with the free blocks around it."""
+        pool, left, blocks = POOLS[not seg.small], nbytes, seg.blocks
+        while left > 0:
+            b = blocks[i]
+            if b[2] == UNMAPPED:
+                take = min(b[1], left)
+                if take < b[1]:
+                    blocks.insert(i + 1, [b[0] + take, b[1] - take, UNMAPPED])
+                    b[1] = take
+                b[2] = 0
+                self._count("reserved_bytes", pool, take)
+                left -= take
+            i += 1
+        self._merge_free(seg)
+
+    @staticmethod
+    def _merge_free(seg: Segment) -> None:
+        merged: list[list[int]] = []
+        for b in seg.blocks:
+            if merged and b[2] <= 0 and merged[-1][2] == b[2]:
+                merged[-1][1] += b[1]
+            else:
+                merged.append(b)
+        seg.blocks[:] = merged
+
+    def _unmap_free(self, seg: Segment) -> None:
+        """Unmap every whole page inside a free block of expandable segment `seg` (CUDA's unmap_block)."""
+        page, pool, out = seg.page_bytes, POOLS[not seg.small], []
+        for b in seg.blocks:
+            lo, hi = -(-b[0] // page) * page, (b[0] + b[1]) // page * page
+            if b[2] != 0 or hi <= lo:
+                out.append(b)
+                continue
+            out.extend(x for x in ([b[0], lo - b[0], 0], [lo, hi - lo, UNMAPPED],
+                                   [hi, b[0] + b[1] - hi, 0]) if x[1] > 0)
+            self._count("reserved_bytes", pool, -(hi - lo))
+        seg.blocks[:] = out
+        self._merge_free(seg)
 
     def free(self, block: Block) -> None:
         """Give `block` back (safe from a finalizer: applied now, or by the next operation)."""
@@ -254,6 +430,9 @@ class CachingAllocator:
             for stat, n in (("allocated_bytes", block.rounded_bytes), ("active_bytes", block.rounded_bytes),
                             ("allocation", 1), ("active", 1)):
                 self._count(stat, pool, -n)
+            if seg.page_bytes:
+                unused = self._use_pages(seg, block.offset, block.rounded_bytes, -1)
+                self._count("pages_in_use_bytes", pool, unused)
             if i + 1 < len(seg.blocks) and seg.blocks[i + 1][2] == 0:  # merge with free neighbours
                 seg.blocks[i][1] += seg.blocks.pop(i + 1)[1]
             if i > 0 and seg.blocks[i - 1][2] == 0:
@@ -273,7 +452,10 @@ class CachingAllocator:
         return self.stats["reserved_bytes", "all"].current
 
     def _release_empty(self) -> None:
-        for seg in [s for s in self.segments if s.empty]:
+        for seg in self.segments:
+            if seg.page_bytes:
+                self._unmap_free(seg)
+        for seg in [s for s in self.segments if s.empty and not s.page_bytes]:
             self.segments.remove(seg)
             pool = POOLS[not seg.small]
             self._count("reserved_bytes", pool, -seg.size_bytes)

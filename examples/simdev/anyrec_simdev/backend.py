@@ -5,14 +5,19 @@ Found through the `anyrec.backends` entry point (pyproject.toml); importing it r
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 
 import anyrec_simdev  # noqa: F401 - registers the device, its kernels and its process-group backend
 from anyrec.backends.interface import Backend, DeviceFacts
 from anyrec.backends.specs import DeviceSpec
 from anyrec_simdev import module
-from anyrec_simdev.allocator import DEFAULT_CAPACITY_BYTES
-from anyrec_simdev.device import NAME, capacity_bytes
+from anyrec_simdev.allocator import ALLOC_CONF_ENV, DEFAULT_CAPACITY_BYTES, parse_alloc_conf
+from anyrec_simdev.device import NAME, allocators, capacity_bytes, set_allocator_settings
+
+logger = logging.getLogger(__name__)
 
 # Made-up but plausible figures (a mid-range accelerator); the planner costs plans with them. Its
 # memory is replaced by the capacity the device enforces (SIMDEV_MEMORY_BYTES), so plans see that.
@@ -55,6 +60,14 @@ class SimdevBackend(Backend):
         return torch.device(NAME, 0)  # one simulated device per process
 
     def set_device(self, local_rank: int = 0) -> None:
+        # The planner models expandable segments (anyrec.planner.memory): switched on before the first
+        # allocation, as the CUDA and ROCm backends do, unless SIMDEV_ALLOC_CONF turns them off.
+        if "expandable_segments" in parse_alloc_conf(os.environ.get(ALLOC_CONF_ENV, "")):
+            if not allocators()[0].expandable:
+                logger.warning("%s turns expandable segments off: the planner's reserved-memory prediction "
+                               "assumes them, so an accepted plan may run out of memory", ALLOC_CONF_ENV)
+        else:
+            set_allocator_settings("expandable_segments:True")
         module.set_device(0)
 
     def synchronize(self) -> None:

@@ -14,12 +14,20 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import weakref
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from anyrec_simdev.allocator import Block, CachingAllocator, capacity_from_env, round_size
+from anyrec_simdev.allocator import (
+    ALLOC_CONF_ENV,
+    Block,
+    CachingAllocator,
+    capacity_from_env,
+    parse_alloc_conf,
+    round_size,
+)
 
 NAME = "simdev"
 # One simulated device per process (as if each process were launched with one visible device):
@@ -37,9 +45,20 @@ HOST_ARG_OPS = frozenset({"aten::copy_", "aten::_copy_from", "aten::_copy_from_a
 @functools.cache
 def allocators() -> list[CachingAllocator]:
     """One simulated caching allocator per device, made on first use with the capacity SIMDEV_MEMORY_BYTES
-    sets (32 GiB unset; a bad value raises CapacityError, a ValueError, there)."""
+    sets (32 GiB unset; a bad value raises CapacityError, a ValueError, there) and the settings
+    SIMDEV_ALLOC_CONF gives (as PYTORCH_CUDA_ALLOC_CONF: `expandable_segments:True`)."""
     capacity = capacity_from_env()
-    return [CachingAllocator(capacity, f"{NAME}:{i}") for i in range(DEVICE_COUNT)]
+    expandable = parse_alloc_conf(os.environ.get(ALLOC_CONF_ENV, "")).get("expandable_segments", False)
+    return [CachingAllocator(capacity, f"{NAME}:{i}", expandable) for i in range(DEVICE_COUNT)]
+
+
+def set_allocator_settings(text: str) -> None:
+    """Apply allocator settings (`expandable_segments:True`) to every device, before its first allocation
+    (torch.cuda.memory._set_allocator_settings for simdev)."""
+    expandable = parse_alloc_conf(text).get("expandable_segments")
+    if expandable is not None:
+        for allocator in allocators():
+            allocator.set_expandable(expandable)
 
 
 def capacity_bytes() -> int:
