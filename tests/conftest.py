@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -23,8 +24,12 @@ ROOT = Path(__file__).resolve().parent.parent
 # Jobs the tests launch plan with the datasheet figures and never write into the user's cache; the
 # tests of calibration on first contact ask for it (trainer.calibrate=auto) with a cache of their own.
 os.environ.setdefault("ANYREC_CALIBRATE", "never")
-os.environ.setdefault("ANYREC_CACHE_DIR",
-                      str(Path(os.environ.get("TMPDIR", "/tmp")) / f"anyrec-test-cache-{os.getpid()}"))
+# The run's own cache folder (signing key, step records), removed when the run ends; an xdist worker
+# inherits its controller's and leaves it to the controller.
+_OWN_CACHE_DIR = None if "ANYREC_CACHE_DIR" in os.environ else (
+    Path(os.environ.get("TMPDIR", "/tmp")) / f"anyrec-test-cache-{os.getpid()}")
+if _OWN_CACHE_DIR is not None:
+    os.environ["ANYREC_CACHE_DIR"] = str(_OWN_CACHE_DIR)
 
 
 def pytest_configure(config):
@@ -32,6 +37,12 @@ def pytest_configure(config):
         "markers", "integration: starts processes or runs long; the fast tier is -m 'not integration'")
     config.addinivalue_line(
         "markers", "cpu_only: expects a host without an accelerator (skipped where anyrec detects one)")
+
+
+def pytest_unconfigure(config):
+    """Remove the cache folder this process made for the run."""
+    if _OWN_CACHE_DIR is not None:
+        shutil.rmtree(_OWN_CACHE_DIR, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -203,3 +214,75 @@ def reset_probes() -> None:
 
     dispatch._probe_cache.clear()
     dispatch._logged.clear()
+
+
+def default_job(cwd: Path, cache: Path, timeout: float = 480) -> tuple[int, str]:
+    """`torchrun --standalone --nproc_per_node=2 -m anyrec.train` as a user types it (calibration on first
+    contact at its default, into the cache folder `cache`): exit status and its whole console."""
+    # as a user has it: calibration on (the tests' default is off), torchrun's notice about threads too
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ANYREC_") and k != "OMP_NUM_THREADS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env["ANYREC_CACHE_DIR"] = str(cache)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+           "anyrec.train"]
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        # bytes: the bar's carriage returns stay what they are. The bound: a cold run's calibration (itself
+        # bounded at 2 minutes), the start-up and 300 steps on a host other jobs may share
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # nothing left behind, whatever happened
+    return proc.returncode, out.decode(errors="replace")
+
+
+def trust_entry(path: Path) -> None:
+    """Mark the calibration cache entry at `path` trusted, as a quiet host's calibration is (rewritten
+    whole, signed again with the per-user key in its cache folder, as a job signs it)."""
+    import yaml
+
+    from anyrec.calibration import cache as calcache
+    from anyrec.signing import resolve_key
+
+    data = yaml.safe_load(path.read_text())
+    data["measurements"]["trust"] = {**data["measurements"]["trust"], "trusted": True, "reasons": []}
+    key = resolve_key(None, {calcache.CACHE_DIR_ENV: str(path.parent)})
+    calcache.write_entry(path, calcache.CacheKey.from_dict(data["cache"]["key"]), data, signing_key=key)
+
+
+@dataclass(frozen=True)
+class ColdJob:
+    """The default 2-rank job run once on an empty cache: its exit status, its console and the cache it
+    filled (read only: `calibrated_cache` copies it)."""
+
+    returncode: int
+    console: str
+    cache: Path
+
+    def calibrated_cache(self, dest: Path) -> Path:
+        """A copy of the filled cache at `dest` (entries, per-user key, step records), every entry trusted:
+        a later job there finds it and measures nothing, however busy the host was when it was measured."""
+        shutil.copytree(self.cache, dest)
+        for entry in dest.glob("calibration-*.yaml"):
+            trust_entry(entry)
+        return dest
+
+
+@pytest.fixture(scope="session")
+def cold_default_job(tmp_path_factory) -> ColdJob:
+    """The run's one cold calibration: the default 2-rank job as a user types it, on an empty cache, once
+    per pytest run and shared by its xdist workers (the first to take the lock runs it). Tests that watch
+    the cold path read its console; tests that need a calibrated cache copy its cache."""
+    shared = run_shared_dir(tmp_path_factory) / "cold-default-job"
+    shared.mkdir(exist_ok=True)
+    done = shared / "returncode"
+    with open(shared / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not done.exists():
+            code, out = default_job(shared, shared / "cache")
+            (shared / "console.txt").write_bytes(out.encode())  # its carriage returns kept
+            done.write_text(str(code))
+    job = ColdJob(int(done.read_text()), (shared / "console.txt").read_bytes().decode(), shared / "cache")
+    assert job.returncode == 0, job.console[-3000:]
+    return job
