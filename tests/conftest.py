@@ -178,19 +178,26 @@ def run_shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
+def once_per_run(tmp_path_factory: pytest.TempPathFactory, name: str, make) -> Path:
+    """The folder `name` of run_shared_dir, filled by `make(folder)` once per pytest run: the first of its
+    xdist workers to take the folder's lock calls it, the others wait and find it done."""
+    shared = run_shared_dir(tmp_path_factory) / name
+    shared.mkdir(exist_ok=True)
+    done = shared / ".done"
+    with open(shared / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not done.exists():
+            make(shared)
+            done.touch()
+    return shared
+
+
 @pytest.fixture(scope="session")
 def simdev_site(tmp_path_factory) -> Path:
     """examples/simdev installed with pip into a target directory (not the venv) once per pytest run,
-    shared by its xdist workers (the first to take the lock installs it)."""
-    shared = run_shared_dir(tmp_path_factory) / "simdev-install"
-    shared.mkdir(exist_ok=True)
-    done = shared / "installed"
-    with open(shared / "lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if not done.exists():
-            pip_install_target(ROOT / "examples" / "simdev", shared)
-            done.touch()
-    return shared / "site"
+    shared by its xdist workers."""
+    return once_per_run(tmp_path_factory, "simdev-install",
+                        lambda folder: pip_install_target(ROOT / "examples" / "simdev", folder)) / "site"
 
 
 @pytest.fixture
@@ -271,18 +278,43 @@ class ColdJob:
 
 @pytest.fixture(scope="session")
 def cold_default_job(tmp_path_factory) -> ColdJob:
-    """The run's one cold calibration: the default 2-rank job as a user types it, on an empty cache, once
-    per pytest run and shared by its xdist workers (the first to take the lock runs it). Tests that watch
-    the cold path read its console; tests that need a calibrated cache copy its cache."""
-    shared = run_shared_dir(tmp_path_factory) / "cold-default-job"
-    shared.mkdir(exist_ok=True)
-    done = shared / "returncode"
-    with open(shared / "lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if not done.exists():
-            code, out = default_job(shared, shared / "cache")
-            (shared / "console.txt").write_bytes(out.encode())  # its carriage returns kept
-            done.write_text(str(code))
-    job = ColdJob(int(done.read_text()), (shared / "console.txt").read_bytes().decode(), shared / "cache")
+    """The run's one cold calibration on first contact: the default 2-rank job as a user types it, on an
+    empty cache, once per pytest run and shared by its xdist workers. Tests that watch the cold path read
+    its console; tests that need a calibrated cache copy its cache."""
+    def run(folder: Path) -> None:
+        code, out = default_job(folder, folder / "cache")
+        (folder / "console.txt").write_bytes(out.encode())  # its carriage returns kept
+        (folder / "returncode").write_text(str(code))
+
+    shared = once_per_run(tmp_path_factory, "cold-default-job", run)
+    job = ColdJob(int((shared / "returncode").read_text()), (shared / "console.txt").read_bytes().decode(),
+                  shared / "cache")
     assert job.returncode == 0, job.console[-3000:]
     return job
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """`torchrun --nproc_per_node=2 -m anyrec.calibrate` run once: its process, the hardware file it wrote
+    and the cache folder its entry went to (both read only)."""
+
+    proc: subprocess.CompletedProcess
+    output: Path
+    cache: Path
+
+
+@pytest.fixture(scope="session")
+def two_rank_calibration(tmp_path_factory) -> Calibration:
+    """The run's one thorough 2-rank calibration (every figure measured, collectives included, a small
+    budget), its entry cached too: once per pytest run, shared by its xdist workers."""
+    def run(folder: Path) -> None:
+        proc = torchrun(["-m", "anyrec.calibrate", f"calibrate.output={folder / 'cal2.yaml'}",
+                         "calibrate.budget_s=0.02", "calibrate.cache=true", "calibrate.time_limit_s=900"],
+                        nproc=2, cwd=folder, env={"ANYREC_CACHE_DIR": str(folder / "cache")}, timeout=900)
+        (folder / "proc.json").write_text(json.dumps([proc.returncode, proc.stdout, proc.stderr]))
+
+    shared = once_per_run(tmp_path_factory, "two-rank-calibration", run)
+    code, out, err = json.loads((shared / "proc.json").read_text())
+    assert code == 0, err[-3000:]
+    proc = subprocess.CompletedProcess([], code, out, err)
+    return Calibration(proc, shared / "cal2.yaml", shared / "cache")
