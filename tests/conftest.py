@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -23,8 +24,12 @@ ROOT = Path(__file__).resolve().parent.parent
 # Jobs the tests launch plan with the datasheet figures and never write into the user's cache; the
 # tests of calibration on first contact ask for it (trainer.calibrate=auto) with a cache of their own.
 os.environ.setdefault("ANYREC_CALIBRATE", "never")
-os.environ.setdefault("ANYREC_CACHE_DIR",
-                      str(Path(os.environ.get("TMPDIR", "/tmp")) / f"anyrec-test-cache-{os.getpid()}"))
+# The run's own cache folder (signing key, step records), removed when the run ends; an xdist worker
+# inherits its controller's and leaves it to the controller.
+_OWN_CACHE_DIR = None if "ANYREC_CACHE_DIR" in os.environ else (
+    Path(os.environ.get("TMPDIR", "/tmp")) / f"anyrec-test-cache-{os.getpid()}")
+if _OWN_CACHE_DIR is not None:
+    os.environ["ANYREC_CACHE_DIR"] = str(_OWN_CACHE_DIR)
 
 
 def pytest_configure(config):
@@ -32,6 +37,12 @@ def pytest_configure(config):
         "markers", "integration: starts processes or runs long; the fast tier is -m 'not integration'")
     config.addinivalue_line(
         "markers", "cpu_only: expects a host without an accelerator (skipped where anyrec detects one)")
+
+
+def pytest_unconfigure(config):
+    """Remove the cache folder this process made for the run."""
+    if _OWN_CACHE_DIR is not None:
+        shutil.rmtree(_OWN_CACHE_DIR, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -167,19 +178,26 @@ def run_shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
+def once_per_run(tmp_path_factory: pytest.TempPathFactory, name: str, make) -> Path:
+    """The folder `name` of run_shared_dir, filled by `make(folder)` once per pytest run: the first of its
+    xdist workers to take the folder's lock calls it, the others wait and find it done."""
+    shared = run_shared_dir(tmp_path_factory) / name
+    shared.mkdir(exist_ok=True)
+    done = shared / ".done"
+    with open(shared / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not done.exists():
+            make(shared)
+            done.touch()
+    return shared
+
+
 @pytest.fixture(scope="session")
 def simdev_site(tmp_path_factory) -> Path:
     """examples/simdev installed with pip into a target directory (not the venv) once per pytest run,
-    shared by its xdist workers (the first to take the lock installs it)."""
-    shared = run_shared_dir(tmp_path_factory) / "simdev-install"
-    shared.mkdir(exist_ok=True)
-    done = shared / "installed"
-    with open(shared / "lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if not done.exists():
-            pip_install_target(ROOT / "examples" / "simdev", shared)
-            done.touch()
-    return shared / "site"
+    shared by its xdist workers."""
+    return once_per_run(tmp_path_factory, "simdev-install",
+                        lambda folder: pip_install_target(ROOT / "examples" / "simdev", folder)) / "site"
 
 
 @pytest.fixture
@@ -203,3 +221,100 @@ def reset_probes() -> None:
 
     dispatch._probe_cache.clear()
     dispatch._logged.clear()
+
+
+def default_job(cwd: Path, cache: Path, timeout: float = 480) -> tuple[int, str]:
+    """`torchrun --standalone --nproc_per_node=2 -m anyrec.train` as a user types it (calibration on first
+    contact at its default, into the cache folder `cache`): exit status and its whole console."""
+    # as a user has it: calibration on (the tests' default is off), torchrun's notice about threads too
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ANYREC_") and k != "OMP_NUM_THREADS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env["ANYREC_CACHE_DIR"] = str(cache)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+           "anyrec.train"]
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        # bytes: the bar's carriage returns stay what they are. The bound: a cold run's calibration (itself
+        # bounded at 2 minutes), the start-up and 300 steps on a host other jobs may share
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # nothing left behind, whatever happened
+    return proc.returncode, out.decode(errors="replace")
+
+
+def trust_entry(path: Path) -> None:
+    """Mark the calibration cache entry at `path` trusted, as a quiet host's calibration is (rewritten
+    whole, signed again with the per-user key in its cache folder, as a job signs it)."""
+    import yaml
+
+    from anyrec.calibration import cache as calcache
+    from anyrec.signing import resolve_key
+
+    data = yaml.safe_load(path.read_text())
+    data["measurements"]["trust"] = {**data["measurements"]["trust"], "trusted": True, "reasons": []}
+    key = resolve_key(None, {calcache.CACHE_DIR_ENV: str(path.parent)})
+    calcache.write_entry(path, calcache.CacheKey.from_dict(data["cache"]["key"]), data, signing_key=key)
+
+
+@dataclass(frozen=True)
+class ColdJob:
+    """The default 2-rank job run once on an empty cache: its exit status, its console and the cache it
+    filled (read only: `calibrated_cache` copies it)."""
+
+    returncode: int
+    console: str
+    cache: Path
+
+    def calibrated_cache(self, dest: Path) -> Path:
+        """A copy of the filled cache at `dest` (entries, per-user key, step records), every entry trusted:
+        a later job there finds it and measures nothing, however busy the host was when it was measured."""
+        shutil.copytree(self.cache, dest)
+        for entry in dest.glob("calibration-*.yaml"):
+            trust_entry(entry)
+        return dest
+
+
+@pytest.fixture(scope="session")
+def cold_default_job(tmp_path_factory) -> ColdJob:
+    """The run's one cold calibration on first contact: the default 2-rank job as a user types it, on an
+    empty cache, once per pytest run and shared by its xdist workers. Tests that watch the cold path read
+    its console; tests that need a calibrated cache copy its cache."""
+    def run(folder: Path) -> None:
+        code, out = default_job(folder, folder / "cache")
+        (folder / "console.txt").write_bytes(out.encode())  # its carriage returns kept
+        (folder / "returncode").write_text(str(code))
+
+    shared = once_per_run(tmp_path_factory, "cold-default-job", run)
+    job = ColdJob(int((shared / "returncode").read_text()), (shared / "console.txt").read_bytes().decode(),
+                  shared / "cache")
+    assert job.returncode == 0, job.console[-3000:]
+    return job
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """`torchrun --nproc_per_node=2 -m anyrec.calibrate` run once: its process, the hardware file it wrote
+    and the cache folder its entry went to (both read only)."""
+
+    proc: subprocess.CompletedProcess
+    output: Path
+    cache: Path
+
+
+@pytest.fixture(scope="session")
+def two_rank_calibration(tmp_path_factory) -> Calibration:
+    """The run's one thorough 2-rank calibration (every figure measured, collectives included, a small
+    budget), its entry cached too: once per pytest run, shared by its xdist workers."""
+    def run(folder: Path) -> None:
+        proc = torchrun(["-m", "anyrec.calibrate", f"calibrate.output={folder / 'cal2.yaml'}",
+                         "calibrate.budget_s=0.02", "calibrate.cache=true", "calibrate.time_limit_s=900"],
+                        nproc=2, cwd=folder, env={"ANYREC_CACHE_DIR": str(folder / "cache")}, timeout=900)
+        (folder / "proc.json").write_text(json.dumps([proc.returncode, proc.stdout, proc.stderr]))
+
+    shared = once_per_run(tmp_path_factory, "two-rank-calibration", run)
+    code, out, err = json.loads((shared / "proc.json").read_text())
+    assert code == 0, err[-3000:]
+    proc = subprocess.CompletedProcess([], code, out, err)
+    return Calibration(proc, shared / "cal2.yaml", shared / "cache")

@@ -13,9 +13,8 @@ import yaml
 from anyrec.backends.hardware_file import STEP_FIELDS
 from anyrec.config import AnyrecConfig, Calibrate
 from anyrec.history import cache as calcache
-from anyrec.signing import resolve_key
 
-from .conftest import compose_config, last_json_line, torchrun
+from .conftest import compose_config, last_json_line, torchrun, trust_entry
 
 
 def _lines(proc, text: str) -> list[str]:
@@ -42,15 +41,26 @@ def _entry(tmp_path):
 
 
 @pytest.mark.integration
-def test_first_contact_measures_caches_and_then_reuses(tmp_path):
+def test_first_contact_measures_caches_and_then_reuses(cold_default_job, tmp_path):
+    # First contact: the run's one cold calibration, the default 2-rank job on an empty cache.
+    (line,) = [ln for ln in cold_default_job.console.splitlines() if "calibration: cache" in ln]
+    assert "cache miss, measured in" in line
+    assert len([ln for ln in cold_default_job.console.splitlines() if "trusted" in ln]) == 1  # said once
+    (measured,) = cold_default_job.cache.glob("calibration-*.yaml")
+    assert str(measured) in line and key_world(measured) == 2
+    assert last_json_line(cold_default_job.console)["predicted_step_ms"] > 0
+    # Cut short: named in one warning line, measured again (threads bound), replaced by a whole file.
+    cache = cold_default_job.calibrated_cache(tmp_path / "cache")
+    path = cache / measured.name
+    path.write_text(path.read_text()[:2000])
     first = _train(tmp_path, "a")
-    (line,) = _lines(first, "calibration: cache")
-    assert "cache miss, measured in" in line and "with threads bound" in line
+    (warning,) = _lines(first, "measuring again")
+    assert str(path) in warning
+    (line,) = _lines(first, "calibration: cache miss")
+    assert "measured in" in line and "with threads bound" in line and str(path) in line
     assert len(_lines(first, "trusted")) == 1  # trusted or not, said in one line
-    path, hardware = _entry(tmp_path)
-    assert str(path) in line and _step_costs(hardware, path) > 0
-    assert key_world(path) == 2 and last_json_line(first.stdout)["predicted_step_ms"] > 0
-    _trust(path)  # a busy host's entry is measured again once the host is quiet (test_autocal_trust)
+    assert _step_costs(_entry(tmp_path)[1], path) > 0 and key_world(path) == 2
+    trust_entry(path)  # a busy host's entry is measured again once the host is quiet (test_autocal_trust)
     stamp = path.stat().st_mtime_ns
     # Free threads (as backend.bind_cores=auto leaves them on a loaded host): the same entry, and the
     # line says the binding differs from the calibration's.
@@ -58,13 +68,6 @@ def test_first_contact_measures_caches_and_then_reuses(tmp_path):
     (line,) = _lines(second, "calibration: cache")
     assert f"cache hit, planning with {path}" in line and path.stat().st_mtime_ns == stamp
     assert "measured with threads bound, this run's are free" in line
-    # Cut short: named in one warning line, measured again, replaced by a whole file.
-    path.write_text(path.read_text()[:2000])
-    third = _train(tmp_path, "c")
-    (warning,) = _lines(third, "measuring again")
-    assert str(path) in warning and "measuring again" in warning
-    assert "cache miss" in _lines(third, "calibration: cache")[0]
-    assert _step_costs(_entry(tmp_path)[1], path) > 0
 
 
 @pytest.mark.integration
@@ -92,20 +95,10 @@ def _step_costs(hardware, path) -> float:
     return sum(getattr(hardware.spec, f) for f in STEP_FIELDS)
 
 
-def _trust(path) -> None:
-    """Mark the cache entry at `path` trusted, as a quiet host's calibration is (rewritten whole)."""
-    data = yaml.safe_load(path.read_text())
-    data["measurements"]["trust"] = {**data["measurements"]["trust"], "trusted": True, "reasons": []}
-    # signed again with the per-user key the job made in its cache folder, as a job would sign it
-    key = resolve_key(None, {calcache.CACHE_DIR_ENV: str(path.parent)})
-    calcache.write_entry(path, calcache.CacheKey.from_dict(data["cache"]["key"]), data, signing_key=key)
-
-
 def key_world(path) -> int:
     return yaml.safe_load(path.read_text())["cache"]["key"]["local_world_size"]
 
 
-@pytest.mark.integration
 def test_which_jobs_calibrate():
     from anyrec.calibration.first_contact import wants_calibration
 

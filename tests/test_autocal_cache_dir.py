@@ -28,11 +28,11 @@ def test_check_cache_dir(tmp_path, monkeypatch):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("cache", ["file", "unwritable"])
-def test_train_refuses_an_unusable_cache_before_measuring(tmp_path, cache):
-    path = tmp_path / "a_file" if cache == "file" else UNWRITABLE
-    if cache == "file":
-        path.write_text("x")
+def test_train_refuses_an_unusable_cache_before_measuring(tmp_path):
+    """One unusable folder (a file) end to end; test_check_cache_dir covers each cause's line, which reaches
+    the job the same way."""
+    path = tmp_path / "a_file"
+    path.write_text("x")
     env = {**os.environ, "ANYREC_CACHE_DIR": str(path), "ANYREC_CALIBRATE": "auto"}
     args = ["model=dlrm_tiny", "trainer.steps=2", "trainer.progress=false", "trainer.tensorboard=false",
             f"hydra.run.dir={tmp_path / 'run'}"]

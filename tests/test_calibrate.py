@@ -17,7 +17,7 @@ from anyrec.plan import run
 from anyrec.planner import estimators
 from anyrec.planner.types import Topology
 
-from .conftest import compose_config, torchrun
+from .conftest import compose_config
 
 
 def _check_file(path, world_size: int) -> dict:
@@ -107,13 +107,10 @@ def test_calibrate_writes_a_hardware_yaml(tmp_path, capsys, monkeypatch):
 
 @pytest.mark.integration
 @pytest.mark.cpu_only  # two ranks on one host: one device each only without an accelerator
-def test_calibrate_under_torchrun_measures_collectives(tmp_path):
-    out = tmp_path / "cal2.yaml"
-    cache = tmp_path / "cache"
-    proc = torchrun(["-m", "anyrec.calibrate", f"calibrate.output={out}", "calibrate.budget_s=0.02",
-                     "calibrate.cache=true", "calibrate.time_limit_s=900"], nproc=2,  # every figure measured
-                    cwd=tmp_path, env={"ANYREC_CACHE_DIR": str(cache)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_calibrate_under_torchrun_measures_collectives(two_rank_calibration):
+    """The run's one 2-rank calibration (`two_rank_calibration`: calibrate.cache=true, every figure
+    measured)."""
+    proc, out, cache = two_rank_calibration.proc, two_rank_calibration.output, two_rank_calibration.cache
     m = _check_file(out, world_size=2)
     assert proc.stdout.count("wrote ") == 2  # rank 0 only: the file and this machine's cache entry
     # bind_cores=auto by default: what the rule chose, and from what, is recorded with the figures
@@ -154,7 +151,8 @@ def _cal_file(tmp_path, **profile) -> str:
 
 def test_calibration_file_changes_the_plan(tmp_path):
     lines: list[str] = []
-    args = ["model=dlrm_small", "topology.world_size=2", "plan.batch_size=256"]
+    # no evaluation: anyrec-plan builds each split's synthetic source to count what it keeps on the device
+    args = ["model=dlrm_small", "topology.world_size=2", "plan.batch_size=256", "trainer.eval_steps=0"]
     before = run(compose_config(args + ["hardware.sku=cpu"])[1], print_fn=lambda *_: None)
     after = run(compose_config(args + [f"hardware.sku={_cal_file(tmp_path)}"])[1], print_fn=lines.append)
     # 2 ms per launch, 1 us per row and 1% of DDR bandwidth: a much slower predicted step.

@@ -50,6 +50,8 @@ def runs(tmp_path_factory):
 
 
 def test_resume_is_exact(runs):
+    """C (B's first 10 steps, resumed in a new launch) ends as A to the last bit: a resume restores
+    everything, and two launches with the same seed train the same weights."""
     tmp, a, b, c = runs
     assert b["steps"] == 10 and b["checkpoint"].endswith("step_10")
     assert c["resumed_from_step"] == 10 and c["steps"] == 20

@@ -7,9 +7,6 @@ from __future__ import annotations
 import ast
 import io
 import logging
-import os
-import signal
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -23,8 +20,7 @@ from omegaconf import open_dict
 from anyrec import _hydra, console
 from anyrec.config import config_dir
 
-from .conftest import ROOT
-from .test_autocal import _trust
+from .conftest import ROOT, default_job
 
 
 def _record(name: str, level: int, msg: str) -> logging.LogRecord:
@@ -248,42 +244,19 @@ def test_no_entry_point_leans_on_hydras_internals():
     assert users == []
 
 
-def _default_job(cwd: Path, cache: Path) -> tuple[int, str]:
-    """`torchrun --standalone --nproc_per_node=2 -m anyrec.train` as a user types it: exit status and
-    its whole console (stdout and stderr)."""
-    # as a user has it: calibration on (the tests' default is off), torchrun's notice about threads too
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ANYREC_") and k != "OMP_NUM_THREADS"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    env["ANYREC_CACHE_DIR"] = str(cache)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-           "anyrec.train"]
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    try:
-        # bytes: the bar's carriage returns stay what they are. The bound: the cold run's calibration
-        # (itself bounded at 2 minutes) and two start-ups and 300 steps on a host other jobs may share
-        out, _ = proc.communicate(timeout=480)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # nothing left behind, whatever happened
-        except ProcessLookupError:
-            pass
-    return proc.returncode, out.decode(errors="replace")
-
-
 @pytest.mark.integration
-def test_the_default_job_fits_a_screen_cold_and_warm(tmp_path):
-    for name, limit in [("cold", 40), ("warm", 25)]:  # cold: the calibration runs first
-        code, out = _default_job(tmp_path, tmp_path / "cache")
+def test_the_default_job_fits_a_screen_cold_and_warm(cold_default_job, tmp_path):
+    """Cold: the run's one cold calibration (the `cold_default_job` fixture), whose console has the
+    calibration's lines too; warm: the same job again on a copy of the cache it filled."""
+    warm = default_job(tmp_path, cold_default_job.calibrated_cache(tmp_path / "cache"))
+    for name, limit, (code, out) in [("cold", 40, (cold_default_job.returncode, cold_default_job.console)),
+                                     ("warm", 25, warm)]:
         assert code == 0, out[-3000:]
         lines = out.count("\n")
         assert 0 < lines <= limit, f"{name} cache: {lines} console lines\n{out}"
         assert out.rstrip().splitlines()[-1].startswith('{"steps": 300')
         assert "model_parallel.py" not in out  # our DDP wrapper's `broadcast_buffers` warning
         assert ("calibration: cache miss" in out) == (name == "cold")
-        if name == "cold":  # warm means an entry used as it is: a busy host's is measured again once quiet
-            for entry in (tmp_path / "cache").glob("*.yaml"):
-                _trust(entry)
 
 
 def test_warnings_are_captured_even_after_a_block_undid_an_earlier_capture():

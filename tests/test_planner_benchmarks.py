@@ -36,10 +36,11 @@ def test_planner_validate_quick(tmp_path):
     assert all(r["measured_ms"] > 0 and r["predicted_ms"] > 0 for r in data["shapes"])
 
 
-@pytest.mark.integration  # a 2-rank calibration and four torchrun jobs
-def test_planner_accuracy_small(tmp_path):
+@pytest.mark.integration  # four torchrun jobs, planned with the run's one 2-rank calibration
+def test_planner_accuracy_small(tmp_path, two_rank_calibration):
     out = tmp_path / "acc.json"
-    rows = _load("planner_accuracy").main(["--small", "--output", str(out)])
+    rows = _load("planner_accuracy").main(["--small", "--calibration", str(two_rank_calibration.output),
+                                           "--output", str(out)])
     assert [r["workload"] for r in rows] == ["tiny_26x8", "small_26x16"]
     for r in rows:
         for label in ("uncal", "cal"):

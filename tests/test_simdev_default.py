@@ -1,6 +1,7 @@
 """The default path on a device that is neither cpu nor cuda, and the CPU's with that device installed:
-docs/porting.md's checklist and simdev default-path block run as written (simdev for `xpu`), each with an
-empty calibration cache, so every job calibrates on first contact and plans with the co-design planner."""
+docs/porting.md's checklist and simdev default-path block run as written (simdev for `xpu`), the simdev
+jobs each with an empty calibration cache, so they calibrate on first contact and plan with the co-design
+planner; the CPU jobs with the cache the run's one cold calibration filled."""
 
 from __future__ import annotations
 
@@ -77,18 +78,20 @@ def test_the_default_two_rank_job_calibrates_and_trains_on_simdev(simdev_site, t
     assert "bus_bw_bytes_per_s" in _measurements(tmp_path / "simdev.yaml")["collectives"]["all_to_all"]
 
 
-def test_with_simdev_installed_the_cpu_jobs_stay_on_the_cpu(simdev_site, tmp_path):
-    """`scripts/dev.sh train` (the 2-rank default job, calibrating on first contact), the loss baseline job
-    (50 steps) and `anyrec.calibrate`, with the plugin importable: on the CPU, the baseline's loss and
-    weights as without it."""
-    cache = tmp_path / "cache"
+def test_with_simdev_installed_the_cpu_jobs_stay_on_the_cpu(simdev_site, cold_default_job, tmp_path):
+    """`scripts/dev.sh train` (the 2-rank default job, on the cache the run's one cold calibration filled),
+    the loss baseline job (50 steps) and `anyrec.calibrate`, with the plugin importable: on the CPU, planned
+    with the CPU's cache entry, the baseline's loss and weights as without it."""
+    cache = cold_default_job.calibrated_cache(tmp_path / "cache")
     dev_sh = (ROOT / "scripts" / "dev.sh").read_text()
     assert 'torchrun" --standalone --nproc_per_node="${ANYREC_NPROC:-2}" -m anyrec.train "$@"' in dev_sh
     job = "torchrun --standalone --nproc_per_node=2 -m anyrec.train"  # what dev.sh train runs
-    default = last_json_line(_run(job, tmp_path, simdev_site, cache).stdout)
+    proc = _run(job, tmp_path, simdev_site, cache)
+    default = last_json_line(proc.stdout)
     assert default["backend"] == "cpu" and default["world_size"] == 2
     assert default["predicted_step_ms"] is not None
-    assert len(list(cache.glob("calibration-cpu-*-2r-*.yaml"))) == 1
+    (entry,) = cache.glob("calibration-cpu-*-2r-*.yaml")  # the CPU's key: a hit, nothing measured
+    assert f"calibration: cache hit, planning with {entry}" in proc.stdout + proc.stderr
     baseline = f"{job} trainer.fingerprint_weights=true trainer.calibrate=never trainer.steps=50"
     with_plugin, without = (last_json_line(_run(baseline, tmp_path, path, cache).stdout)
                             for path in (simdev_site, tmp_path / "no-plugin"))
