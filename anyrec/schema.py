@@ -75,10 +75,14 @@ def load_model_config(name: str, folder: Path | None = None) -> ModelConfig:
 
 @dataclass(frozen=True)
 class HSTUShape:
-    """An HSTU dense part's sizes as the planner costs it: `seq_len` tokens per sample through `num_layers`
-    STU layers of width `model_dim` (`num_heads` heads of `qk_dim` query/key and `v_dim` U/V dims), the
-    first `contextual` tokens of each sample contextual, `targets` candidates last; `preprocessor_in_dim`:
-    the embedding values per position the preprocessor reads, `preprocessor_hidden_dim` its MLPs' width."""
+    """An HSTU dense part's sizes as the planner costs it: at most `seq_len` tokens per sample through
+    `num_layers` STU layers of width `model_dim` (`num_heads` heads of `qk_dim` query/key and `v_dim` U/V
+    dims), the first `contextual` tokens of each sample contextual, `targets` candidates last;
+    `preprocessor_in_dim`: the embedding values per position the preprocessor reads, `preprocessor_action_dim`
+    its action MLP's input width, `preprocessor_hidden_dim` its MLPs' width; the dropout rates (a mask is
+    kept where one is > 0). Sequences are jagged: `mean_seq_len` tokens per sample on average and
+    `rms_seq_len` the root mean square of the lengths (the attention's pairs grow with its square); both
+    None: every sample at `seq_len`, the bound."""
 
     seq_len: int
     num_layers: int
@@ -90,6 +94,11 @@ class HSTUShape:
     targets: int = 1
     preprocessor_in_dim: int = 0
     preprocessor_hidden_dim: int = 0
+    preprocessor_action_dim: int = 0
+    input_dropout: float = 0.0
+    stu_dropout: float = 0.0
+    mean_seq_len: float | None = None
+    rms_seq_len: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "num_layers", "model_dim", "num_heads", "qk_dim", "v_dim"):
@@ -97,6 +106,22 @@ class HSTUShape:
                 raise ValueError(f"HSTU shape: {name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.contextual < self.seq_len:
             raise ValueError(f"HSTU shape: contextual must be in [0, seq_len), got {self.contextual}")
+        if (self.mean_seq_len is None) != (self.rms_seq_len is None):
+            raise ValueError("HSTU shape: give both mean_seq_len and rms_seq_len, or neither")
+        mean, rms = self.mean_tokens, self.rms_tokens
+        if not self.contextual + self.targets <= mean <= rms <= self.seq_len:
+            raise ValueError(f"HSTU shape: need contextual + targets ({self.contextual + self.targets}) <= "
+                             f"mean_seq_len ({mean:g}) <= rms_seq_len ({rms:g}) <= seq_len ({self.seq_len})")
+
+    @property
+    def mean_tokens(self) -> float:
+        """Mean tokens per sample (`seq_len` where the lengths are not given)."""
+        return float(self.seq_len if self.mean_seq_len is None else self.mean_seq_len)
+
+    @property
+    def rms_tokens(self) -> float:
+        """Root mean square of the tokens per sample (`seq_len` where the lengths are not given)."""
+        return float(self.seq_len if self.rms_seq_len is None else self.rms_seq_len)
 
 
 @dataclass(frozen=True)

@@ -106,33 +106,78 @@ def test_data_parallel_sequence_is_refused():
         sequence.sequence_lookups(opt, _topology(), _workload(opt))
 
 
+GPU_BF16 = sequence.activation_dtypes(cpu=False, half=True)
+GPU_FP32 = sequence.activation_dtypes(cpu=False, half=False)
+
+
 def test_stu_memory_terms_and_recompute():
-    kept = sequence.stu_kept_bytes_per_token(REFERENCE, 2)
-    # bf16 under autocast: x, normed, uvqk, attention out, y at 2 bytes; the gating's fp32 tensors; the mask
-    assert kept == 2 * (512 + 512 + 2048 + 512 + 3 * 512) + 4 * 3 * 512 + 3 * 512 + 16
-    full = sequence.hstu_memory_per_sample(REFERENCE, 2, "triton", recompute=False)
-    less = sequence.hstu_memory_per_sample(REFERENCE, 2, "triton", recompute=True)
+    shape = REFERENCE
+    kept = sequence.stu_kept_bytes_per_token(shape, GPU_BF16)
+    # bf16 on a GPU: the norm's fp32 input, normed, uvqk, y at 2 bytes, the gating's three fp32 tensors, the
+    # two norms' statistics; no mask without dropout
+    assert kept == 4 * 512 + 2 * (512 + 2048 + 3 * 512) + 4 * 3 * 512 + 16
+    dropout = HSTUShape(4096, 3, 512, 4, 128, 128, contextual=8, stu_dropout=0.1)
+    assert sequence.stu_kept_bytes_per_token(dropout, GPU_BF16) == kept + 3 * 512  # a bool mask
+    full = sequence.hstu_memory_per_sample(shape, GPU_BF16, "triton", recompute=False, tokens=4096)
+    less = sequence.hstu_memory_per_sample(shape, GPU_BF16, "triton", recompute=True, tokens=4096)
     assert full.activation > 1.5 * less.activation > 0
     # recompute keeps each layer's input and one layer's tensors
     assert full.activation - less.activation == pytest.approx(4096 * (2 * kept - 3 * 2 * 512))
     # fp32 keeps more than bf16; the torch attention's workspace is larger than the Triton kernel's
-    assert sequence.stu_kept_bytes_per_token(REFERENCE, 4) > kept
-    torch_ws = sequence.hstu_memory_per_sample(REFERENCE, 2, "torch", recompute=False)
+    assert sequence.stu_kept_bytes_per_token(shape, GPU_FP32) > kept
+    torch_ws = sequence.hstu_memory_per_sample(shape, GPU_BF16, "torch", recompute=False, tokens=4096)
     assert torch_ws.activation > full.activation
+    # memory grows with the tokens (jagged: nothing padded)
+    half = sequence.hstu_memory_per_sample(shape, GPU_BF16, "triton", recompute=False, tokens=2048)
+    assert half.activation < 0.51 * full.activation
+
+
+def test_lengths_mean_for_gemms_mean_square_for_attention():
+    jagged = HSTUShape(4096, 3, 512, 4, 128, 128, contextual=8, mean_seq_len=2048, rms_seq_len=2896)
+    f, bound = sequence.stu_flops(jagged), sequence.stu_flops(REFERENCE)
+    assert f.uvqk == pytest.approx(bound.uvqk / 2) and f.output == pytest.approx(bound.output / 2)
+    assert f.attention == pytest.approx(bound.attention * (2896 / 4096) ** 2)
+    # a batch's memory: the mean plus three standard deviations of a batch's mean, at most the longest
+    sd = (2896 ** 2 - 2048 ** 2) ** 0.5
+    assert sequence.memory_tokens_per_sample(jagged, 1024) == pytest.approx(2048 + 3 * sd / 32)
+    assert sequence.memory_tokens_per_sample(jagged, 1) == 4096
+    assert sequence.memory_tokens_per_sample(REFERENCE, 1024) == 4096
+    assert "mean 2,048, rms 2,896, longest 4,096" in sequence.lengths_text(jagged)
+    for bad in ({"mean_seq_len": 2048}, {"mean_seq_len": 3000, "rms_seq_len": 2900},
+                {"mean_seq_len": 3000, "rms_seq_len": 5000}, {"mean_seq_len": 4, "rms_seq_len": 5}):
+        with pytest.raises(ValueError, match="HSTU shape"):
+            HSTUShape(4096, 3, 512, 4, 128, 128, contextual=8, **bad)
+
+
+def test_dlrmv4_plans_the_configured_lengths():
+    _, cfg = compose_config(["model=dlrmv4"])
+    facts = resolve_family(cfg.model).workload_facts(cfg.model)
+    assert (facts.hstu.mean_tokens, facts.hstu.rms_tokens, facts.hstu.seq_len) == (2760, 2800, 4096)
+    assert facts.lookups_per_sample["item_id"] == 2760 - 8
+    model = dlrmv4_flops_per_sample(DLRMv4Config(), 2760)
+    at_rms = dlrmv4_flops_per_sample(DLRMv4Config(), 2800).attention  # at the rms: above
+    assert facts.dense_flops_per_sample == pytest.approx(model.total - model.attention + at_rms)
+    assert facts.dense_flops_per_sample > model.total
+    _, bound = compose_config(["model=dlrmv4", "~model.hstu.mean_seq_len", "~model.hstu.rms_seq_len"])
+    hstu = resolve_family(bound.model).workload_facts(bound.model).hstu
+    assert hstu.mean_tokens == hstu.rms_tokens == 4096  # every sample at its longest: the bound
+    _, one = compose_config(["model=dlrmv4", "~model.hstu.rms_seq_len"])
+    with pytest.raises(ValueError, match="together"):
+        resolve_family(one.model).workload_facts(one.model)
 
 
 def test_hstu_time_splits_gemm_attention_and_recompute():
     dev = get_sku("mi355x")
-    t = sequence.hstu_time_s(REFERENCE, 0.0, 1024, dev, True, 0.5, "triton", recompute=False)
+    t = sequence.hstu_time_s(REFERENCE, 0.0, 1024, dev, GPU_BF16, 0.5, "triton", recompute=False)
     f = sequence.stu_flops(REFERENCE)
     assert t.gemm_s == pytest.approx(1024 * (f.uvqk + f.output) / (dev.peak_bf16_flops * 0.5))
     assert t.attention_s == pytest.approx(1024 * f.attention / (dev.peak_bf16_flops * 0.35))
     assert t.elementwise_s > 0 and t.recompute_s == 0
-    r = sequence.hstu_time_s(REFERENCE, 0.0, 1024, dev, True, 0.5, "triton", recompute=True)
+    r = sequence.hstu_time_s(REFERENCE, 0.0, 1024, dev, GPU_BF16, 0.5, "triton", recompute=True)
     assert r.recompute_s == pytest.approx(t.gemm_s / 3 + t.attention_s / 3.5 + t.elementwise_s / 3)
-    fp32 = sequence.hstu_time_s(REFERENCE, 0.0, 1024, dev, False, 0.5, "triton", recompute=False)
+    fp32 = sequence.hstu_time_s(REFERENCE, 0.0, 1024, dev, GPU_FP32, 0.5, "triton", recompute=False)
     assert fp32.gemm_s > 10 * t.gemm_s  # bf16 where the device has it
-    slow = sequence.hstu_time_s(REFERENCE, 0.0, 1024, dev, True, 0.5, "torch", recompute=False)
+    slow = sequence.hstu_time_s(REFERENCE, 0.0, 1024, dev, GPU_BF16, 0.5, "torch", recompute=False)
     assert slow.attention_s > 3 * t.attention_s
     with pytest.raises(ValueError, match="no efficiency"):
         sequence.attention_efficiency("cutlass")

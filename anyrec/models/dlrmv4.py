@@ -18,10 +18,19 @@ from torchrec.modules.embedding_configs import EmbeddingConfig
 from anyrec.backends.dispatch import Impl
 from anyrec.config import ModelConfig
 from anyrec.models import hstu
-from anyrec.models.hstu import CONTEXTUAL_FEATURES, REFERENCE_TABLE_ROWS, SEQUENCE_FEATURES, DLRMv4Config
+from anyrec.models.hstu import (
+    ACTION_BITS,
+    CONTEXTUAL_FEATURES,
+    REFERENCE_TABLE_ROWS,
+    SEQUENCE_FEATURES,
+    DLRMv4Config,
+)
 from anyrec.schema import BatchSchema, HSTUShape, WorkloadFacts
 
 ATTENTION_OP = "hstu_attention"  # the backend's op whose implementation the STU layers call
+# model.hstu's keys for the planner only: the data's mean tokens per sample and the root mean square of
+# its lengths (contextual tokens and the candidate included); absent: every sample at max_seq_len
+LENGTH_KEYS = ("mean_seq_len", "rms_seq_len")
 
 
 def dlrmv4_config(cfg: ModelConfig) -> DLRMv4Config:
@@ -30,6 +39,8 @@ def dlrmv4_config(cfg: ModelConfig) -> DLRMv4Config:
     (rounded up, at least 2); ValueError naming a field DLRMv4 does not have, or a bad value."""
     fields = dict(cfg.hstu)
     scale = float(fields.pop("table_scale", 1.0))
+    for planning_only in LENGTH_KEYS:  # the sequence lengths the planner costs (workload_facts)
+        fields.pop(planning_only, None)
     if not 0 < scale <= 1:
         raise ValueError(f"model.hstu.table_scale must be in (0, 1], got {scale}")
     known = {f.name for f in dataclasses.fields(DLRMv4Config)} - {"name", "table_rows", "table_dim"}
@@ -98,21 +109,24 @@ def batch_schema(cfg: ModelConfig) -> BatchSchema:
 
 
 def workload_facts(cfg: ModelConfig) -> WorkloadFacts:
-    """Ids per sample (every sequence feature: the longest sequence's positions, an upper bound; each
-    contextual feature: 1), the dense part's FLOPs per sample at the longest sequence (attention grows
-    with its square, not with the parameters) and its activations: per token, the STU layers' inputs,
-    their U, V, Q, K and attention outputs in fp32 (the backward keeps them)."""
+    """Ids per sample (every sequence feature: its mean positions; each contextual feature: 1), the dense
+    part's FLOPs per sample (the GEMMs over the mean tokens, the attention over the mean of the squared
+    lengths) and its HSTU shape with the lengths the data gives (`model.hstu.mean_seq_len` and
+    `rms_seq_len`; absent: every sample at `max_seq_len`, the bound). Its activations are the planner's
+    (anyrec.planner.sequence), not stated here."""
     m = dlrmv4_config(cfg)
-    positions = m.max_seq_len - len(CONTEXTUAL_FEATURES)
-    lookups = {f: float(positions) for f in SEQUENCE_FEATURES} | {f: 1.0 for f in CONTEXTUAL_FEATURES}
-    per_token = m.model_dim + m.num_heads * (2 * m.qk_dim + 3 * m.v_dim) + 3 * m.num_heads * m.v_dim
-    activations = 4 * m.max_seq_len * (m.num_layers * per_token + m.model_dim)
-    flops = hstu.dlrmv4_flops_per_sample(m, m.max_seq_len).total
+    lengths = {k: float(cfg.hstu[k]) for k in LENGTH_KEYS if cfg.hstu.get(k) is not None}
+    if lengths and len(lengths) != len(LENGTH_KEYS):
+        raise ValueError(f"model {cfg.name}: give model.hstu.{' and model.hstu.'.join(LENGTH_KEYS)} together")
+    C = len(CONTEXTUAL_FEATURES)
     shape = HSTUShape(m.max_seq_len, m.num_layers, m.model_dim, m.num_heads, m.qk_dim, m.v_dim,
-                      contextual=len(CONTEXTUAL_FEATURES), targets=1,
-                      preprocessor_in_dim=len(SEQUENCE_FEATURES) * m.table_dim,
-                      preprocessor_hidden_dim=m.preprocessor_hidden_dim)
-    return WorkloadFacts(lookups, dense_lookup_bytes_per_sample=0,
-                         dense_activation_bytes_per_sample=activations,
-                         dense_gradient_bytes_per_sample=activations, dense_flops_per_sample=flops,
-                         hstu=shape)
+                      contextual=C, targets=1, preprocessor_in_dim=len(SEQUENCE_FEATURES) * m.table_dim,
+                      preprocessor_hidden_dim=m.preprocessor_hidden_dim,
+                      preprocessor_action_dim=len(ACTION_BITS) * m.action_dim, input_dropout=m.input_dropout,
+                      stu_dropout=m.stu_dropout, mean_seq_len=lengths.get("mean_seq_len"),
+                      rms_seq_len=lengths.get("rms_seq_len"))
+    lookups = {f: shape.mean_tokens - C for f in SEQUENCE_FEATURES} | {f: 1.0 for f in CONTEXTUAL_FEATURES}
+    at_mean = hstu.dlrmv4_flops_per_sample(m, shape.mean_tokens)
+    at_rms = hstu.dlrmv4_flops_per_sample(m, shape.rms_tokens)
+    flops = at_mean.total - at_mean.attention + at_rms.attention
+    return WorkloadFacts(lookups, dense_flops_per_sample=flops, hstu=shape)

@@ -13,6 +13,7 @@ from anyrec.planner.sequence import (
     activation_bytes,
     dense_bytes_per_sample,
     hstu_time_s,
+    job_activation_dtypes,
     sequence_lookups,
     sequence_perf,
     stu_flops,
@@ -367,14 +368,15 @@ class DenseEstimator:
         # memory model's peak; their gradient comes when the activations are gone)
         copies = 1 if any(t.sequence for t in workload.tables) else opts.pipeline_depth + 1
         hbm = n * (4 + 4 + dense_state) + copies * pooled
-        hbm += b * dense_bytes_per_sample(opts, topology)[1]
+        hbm += b * dense_bytes_per_sample(opts, topology, b)[1]
         dev = topology.device
         half = activation_bytes(topology, opts.dense_dtype) == 2
         peak = dev.peak_bf16_flops if half else dev.peak_fp32_flops
         efficiency = dev.dense_efficiency or DENSE_EFFICIENCY
         if opts.hstu is not None and peak > 0:  # STU GEMMs, attention and elementwise (sequence.py)
             other = max(0.0, opts.dense_flops_per_sample - stu_flops(opts.hstu).total)
-            compute = hstu_time_s(opts.hstu, other, b, dev, half, efficiency, opts.attention_impl,
+            compute = hstu_time_s(opts.hstu, other, b, dev, job_activation_dtypes(topology, opts.dense_dtype),
+                                  efficiency, opts.attention_impl,
                                   opts.activation_recompute).total_s
         else:
             # forward 2 FLOPs per parameter per sample, backward 4, unless the model states its own

@@ -277,7 +277,7 @@ def _rank_prediction(plan: PlanResult, r: _Rank, data_source_bytes: int, sharded
     update_ws += alloc_bytes(ws.replica_update_per_value * r.replica_values + ID_BYTES * r.replica_ids)
     bucket = alloc_bytes(r.replica_grad) if plan.topology.world_size > 1 else 0
     # phase -> (activations, embedding in/out, workspace, replicas' gradient)
-    lookup_b, activation_b, gradient_b = dense_bytes_per_sample(opts, plan.topology)  # HSTU: sequence.py
+    lookup_b, activation_b, gradient_b = dense_bytes_per_sample(opts, plan.topology, b)  # HSTU: sequence.py
     copies = 1 if any(t.sequence for t in wl.tables) else 2  # sequence rows: read as they are, no concat
     phases = {
         "lookup": (alloc_bytes(b * lookup_b), out, lookup_ws + replica, bucket),

@@ -18,6 +18,8 @@ from anyrec.planner.sequence import (
     attention_efficiency,
     dense_bytes_per_sample,
     hstu_time_s,
+    job_activation_dtypes,
+    lengths_text,
     stu_flops,
 )
 from anyrec.planner.twod import GroupChoice
@@ -97,15 +99,16 @@ def hstu_lines(plan: PlanResult) -> list[str]:
     dev = topo.device
     half = activation_bytes(topo, opts.dense_dtype) == 2
     other = max(0.0, opts.dense_flops_per_sample - stu_flops(opts.hstu).total)
-    t = hstu_time_s(opts.hstu, other, wl.batch_size_per_rank, dev, half,
+    ab = job_activation_dtypes(topo, opts.dense_dtype)
+    t = hstu_time_s(opts.hstu, other, wl.batch_size_per_rank, dev, ab,
                     dev.dense_efficiency or DENSE_EFFICIENCY, opts.attention_impl, opts.activation_recompute)
-    act = wl.batch_size_per_rank * dense_bytes_per_sample(opts, topo)[1]
+    act = wl.batch_size_per_rank * dense_bytes_per_sample(opts, topo, wl.batch_size_per_rank)[1]
     recompute = f", recompute {t.recompute_s * 1e3:.1f} ms" if opts.activation_recompute else ""
     return [
         f"predicted {rate:,.0f} samples/s ({topo.world_size} x {wl.batch_size_per_rank} per step); "
         f"{REFERENCE_SAMPLES / 1e6:.1f} M samples (the DLRMv4 reference's 8-GPU run) in "
         f"{duration_text(REFERENCE_SAMPLES / rate)}",
-        f"HSTU ({opts.hstu.num_layers} layers, {opts.hstu.seq_len} tokens/sample, "
+        f"HSTU ({opts.hstu.num_layers} layers, {lengths_text(opts.hstu)}, "
         f"{'bf16' if half else 'fp32'}): GEMMs {t.gemm_s * 1e3:.1f} ms, "
         f"attention {t.attention_s * 1e3:.1f} ms "
         f"({opts.attention_impl}, {attention_efficiency(opts.attention_impl):.0%} of peak), elementwise "

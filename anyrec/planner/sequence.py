@@ -11,8 +11,14 @@ The STU layers' FLOPs are the reference's count (`stu_flops`: 315.7 GFLOP per sa
 reference's sizes). GEMMs run at the device's dense efficiency, the attention at its implementation's
 (`ATTENTION_EFFICIENCY`), both in bf16 where the device has it; the elementwise work (norms, SiLU, gating,
 dropout, casts) streams the layers' activations through HBM. Memory: each layer keeps, per token, what
-autograd saves of anyrec's STU layer (`stu_kept_bytes_per_token`); with activation recompute a layer keeps
-only its input and recomputes the rest in the backward (one more forward of the STU stack).
+autograd saves of anyrec's STU layer (`stu_kept_bytes_per_token`, checked against a measurement by
+tests/test_planner_saved_tensors.py); with activation recompute a layer keeps only its input and recomputes
+the rest in the backward (one more forward of the STU stack).
+
+Sequences are jagged and nothing is padded: the GEMMs, the lookups, the all-to-alls and the kept tensors
+grow with the mean tokens per sample, the attention with the mean of the squared lengths (`HSTUShape`'s
+`mean_tokens`, `rms_tokens`); a batch's memory is planned at its mean plus three standard deviations of a
+batch's tokens (`memory_tokens_per_sample`), never above the longest.
 
 Legend: B samples per rank, S tokens per sample, L layers, D model dim, H heads, A q/k dim per head,
 V u/v dim per head (U = H x V), a bytes of an activation element (2 in bf16, 4 in fp32).
@@ -29,8 +35,10 @@ from anyrec.schema import HSTUShape
 ID_BYTES = 8  # int64 ids, as torchrec's KeyedJaggedTensor carries them (estimators.ID_BYTES)
 OUTPUT_BYTES = 4  # an fp32 table's rows and their gradients travel as fp32 (no quantised comms)
 FP32_BYTES = 4
-MASK_BYTES = 1  # a dropout mask element (bool)
-LAYER_NORM_STATS_BYTES = 16  # two layer norms, each a mean and a reciprocal deviation in fp32 per token
+INDEX_BYTES = 8  # an int64 index per token: the token's source row, its position and time buckets
+LAYER_NORM_STATS_BYTES = 8  # a layer norm's mean and reciprocal deviation, fp32, per row
+# A batch's tokens are a sum of B lengths: its memory is planned this many standard deviations above the mean
+TOKEN_SIGMAS = 3.0
 # Jagged HSTU attention's forward + backward FLOP over the causal pairs, achieved / dense bf16 peak, by the
 # implementation (`backend.attention_kernel`). assumed, not measured on a GPU yet: anyrec's Triton kernels
 # tile Q x K on chip like FlashAttention (whose forward + backward reaches ~35 % of peak on an H100, its
@@ -63,14 +71,15 @@ class STUFlops:
 
 
 def stu_flops(shape: HSTUShape) -> STUFlops:
-    """The reference's count: 2 FLOP per multiply-add, a GEMM's backward twice its forward; the attention
-    over half the S x S pairs (causal) for QK^T and AV, its backward 2.5x its forward (3.5x in all)."""
-    S, L, D, H = shape.seq_len, shape.num_layers, shape.model_dim, shape.num_heads
+    """The reference's count per sample: 2 FLOP per multiply-add, a GEMM's backward twice its forward (over
+    the mean tokens); the attention over half the S x S pairs (causal) for QK^T and AV, its backward 2.5x
+    its forward (3.5x in all), S^2 the mean of the squared lengths."""
+    S, L, D, H = shape.mean_tokens, shape.num_layers, shape.model_dim, shape.num_heads
     A, V = shape.qk_dim, shape.v_dim
     gemm = 2 * 3  # FLOP per multiply-add, forward + backward
     uvqk = L * gemm * S * D * 2 * H * (A + V)
     output = L * gemm * S * 3 * H * V * D
-    attention = L * 2 * 3.5 * (S * S / 2) * H * (A + V)
+    attention = L * 2 * 3.5 * (shape.rms_tokens ** 2 / 2) * H * (A + V)
     return STUFlops(float(attention), float(uvqk), float(output))
 
 
@@ -127,16 +136,52 @@ def activation_bytes(topology: Topology, dense_dtype: str) -> int:
     return 2 if dense_dtype in ("bf16", "fp16") and topology.compute_device != "cpu" else FP32_BYTES
 
 
-def stu_kept_bytes_per_token(shape: HSTUShape, a: int) -> float:
-    """Bytes one STU layer's autograd keeps per token from its forward to its backward (anyrec's STULayer
-    under autocast at `a` bytes an element): the input (the norm's), the normed input as the GEMM reads
-    it, the UVQK output (its views are SiLU's and the attention's inputs), the attention's output, the
-    gating's fp32 tensors (U, the attention's fp32 copy where a < 4, the normed attention), the dropout
-    mask and the output GEMM's input [U, attention, gated], and the two norms' statistics."""
+@dataclass(frozen=True)
+class ActivationBytes:
+    """Bytes per element of what autograd keeps, by kind: `gemm`, a GEMM's input or output (2 under
+    autocast); `norm_input`, a layer norm's input as it saves it; `stu_mask` and `input_mask`, the STU
+    gating's and the input's dropout masks."""
+
+    gemm: int
+    norm_input: int
+    stu_mask: int
+    input_mask: int
+
+
+def activation_dtypes(cpu: bool, half: bool) -> ActivationBytes:
+    """What torch keeps on the device: on an accelerator, autocast runs layer norms in fp32 (CUDA's autocast
+    lists layer_norm among its fp32 ops: its saved input is an fp32 copy) and dropout is the fused
+    `native_dropout`, whose mask is bool; on the CPU, autocast leaves a layer norm in its input's dtype and
+    dropout multiplies by a noise tensor of its input's dtype (the STU gating's input is fp32)."""
+    a = 2 if half else FP32_BYTES
+    if cpu:
+        return ActivationBytes(a, a, FP32_BYTES, a)
+    return ActivationBytes(a, FP32_BYTES, 1, 1)
+
+
+def job_activation_dtypes(topology: Topology, dense_dtype: str) -> ActivationBytes:
+    """`activation_dtypes` of a job: bf16 autocast on an accelerator (`activation_bytes`), fp32 on the CPU."""
+    return activation_dtypes(topology.compute_device == "cpu", activation_bytes(topology, dense_dtype) == 2)
+
+
+def stu_kept_bytes_per_token(shape: HSTUShape, ab: ActivationBytes) -> float:
+    """Bytes one STU layer's autograd keeps per token from its forward to its backward (anyrec's STULayer,
+    its attention keeping q, k, v, views of the UVQK output, as the Triton kernel does): the input norm's
+    input and statistics, the normed input as the GEMM reads it, the UVQK output, the gating's three fp32
+    tensors (U, the attention output, the normed attention) and its norm's statistics, the dropout mask and
+    the output GEMM's input [U, attention, gated]."""
     D, U, QK = shape.model_dim, shape.num_heads * shape.v_dim, shape.num_heads * shape.qk_dim
-    fp32_copy = FP32_BYTES * U if a < FP32_BYTES else 0
-    return (a * D + a * D + a * (2 * U + 2 * QK) + a * U + FP32_BYTES * U + fp32_copy + FP32_BYTES * U
-            + MASK_BYTES * 3 * U + a * 3 * U + LAYER_NORM_STATS_BYTES)
+    a = ab.gemm
+    mask = ab.stu_mask * 3 * U if shape.stu_dropout > 0 else 0
+    return (ab.norm_input * D + LAYER_NORM_STATS_BYTES + a * D + a * (2 * U + 2 * QK) + 3 * FP32_BYTES * U
+            + LAYER_NORM_STATS_BYTES + mask + a * 3 * U)
+
+
+def input_bytes_per_token(shape: HSTUShape, ab: ActivationBytes) -> float:
+    """Bytes per token kept before the STU layers: the token's source row and its position and time bucket
+    (int64 indices) and the input dropout's mask."""
+    mask = ab.input_mask * shape.model_dim if shape.input_dropout > 0 else 0
+    return 3 * INDEX_BYTES + mask
 
 
 def stu_backward_bytes_per_token(shape: HSTUShape, a: int, attention_impl: str) -> float:
@@ -149,13 +194,33 @@ def stu_backward_bytes_per_token(shape: HSTUShape, a: int, attention_impl: str) 
     return FP32_BYTES * 3 * U + a * (2 * U + 2 * QK) + a * D + workspace
 
 
-def preprocessor_bytes_per_token(shape: HSTUShape, a: int) -> float:
-    """Bytes per token the preprocessor keeps: its MLPs' input (the embeddings concatenated, at `a`), the
-    hidden layer's GEMM output and its fp32 norm tensors, and its D-wide output with the norm's fp32
-    input."""
-    hidden = shape.preprocessor_hidden_dim
-    return (a * shape.preprocessor_in_dim + (2 * a + 2 * FP32_BYTES) * hidden
-            + (a + FP32_BYTES) * shape.model_dim)
+def preprocessor_bytes_per_position(shape: HSTUShape, ab: ActivationBytes) -> float:
+    """Bytes per sequence position the preprocessor keeps: its three MLPs' inputs (the item, the artist and
+    album, the action bits' encoding) and the action bits (bool), then per MLP its hidden layer's fp32
+    tensors (the SwishLayerNorm's input, its sigmoid, their product as the second GEMM reads it), the norm
+    statistics and the output norm's input (D wide)."""
+    h, a = shape.preprocessor_hidden_dim, ab.gemm
+    per_mlp = 2 * FP32_BYTES * h + LAYER_NORM_STATS_BYTES + a * h + ab.norm_input * shape.model_dim \
+        + LAYER_NORM_STATS_BYTES
+    action_bits = 4 if shape.preprocessor_action_dim else 0  # three bits and the target flag, bool
+    return a * (shape.preprocessor_in_dim + shape.preprocessor_action_dim) + action_bits + 3 * per_mlp
+
+
+def memory_tokens_per_sample(shape: HSTUShape, batch: int) -> float:
+    """Tokens per sample a batch of `batch` is planned with for memory: the mean plus TOKEN_SIGMAS standard
+    deviations of a batch's mean (sd / sqrt(batch)), at most the longest."""
+    mean, rms = shape.mean_tokens, shape.rms_tokens
+    sd = max(0.0, rms * rms - mean * mean) ** 0.5
+    return min(float(shape.seq_len), mean + TOKEN_SIGMAS * sd / max(batch, 1) ** 0.5)
+
+
+def lengths_text(shape: HSTUShape) -> str:
+    """`mean 2,760, rms 2,800, longest 4,096 tokens/sample` (or `4,096 tokens/sample, every sample at its
+    longest` where the lengths are not given)."""
+    if shape.mean_seq_len is None:
+        return f"{shape.seq_len:,} tokens/sample, every sample at its longest"
+    return (f"mean {shape.mean_tokens:,.0f}, rms {shape.rms_tokens:,.0f}, longest {shape.seq_len:,} "
+            f"tokens/sample")
 
 
 @dataclass(frozen=True)
@@ -173,17 +238,20 @@ class HSTUMemory:
     gradient: float
 
 
-def hstu_memory_per_sample(shape: HSTUShape, a: int, attention_impl: str, recompute: bool) -> HSTUMemory:
-    """The HSTU part's bytes per sample (see HSTUMemory); `recompute`: each layer keeps its input only and
-    recomputes the rest in its backward (torch.utils.checkpoint around each STU layer)."""
-    S, L = shape.seq_len, shape.num_layers
-    kept = stu_kept_bytes_per_token(shape, a)
-    pre = preprocessor_bytes_per_token(shape, a)
+def hstu_memory_per_sample(shape: HSTUShape, ab: ActivationBytes, attention_impl: str, recompute: bool,
+                           tokens: float) -> HSTUMemory:
+    """The HSTU part's bytes per sample of `tokens` tokens (see HSTUMemory); `recompute`: each layer keeps
+    its input only and recomputes the rest in its backward (torch.utils.checkpoint around each STU
+    layer)."""
+    L, a = shape.num_layers, ab.gemm
+    positions = tokens - shape.contextual
+    kept = stu_kept_bytes_per_token(shape, ab)
+    pre = preprocessor_bytes_per_position(shape, ab)
     bwd = stu_backward_bytes_per_token(shape, a, attention_impl)
     layers = L * a * shape.model_dim + kept if recompute else L * kept
-    positions = S - shape.contextual
-    gradient = positions * FP32_BYTES * shape.preprocessor_in_dim + S * a * shape.model_dim
-    return HSTUMemory(kept, pre, bwd, S * (layers + pre + bwd), gradient)
+    per_token = layers + input_bytes_per_token(shape, ab) + bwd
+    gradient = positions * FP32_BYTES * shape.preprocessor_in_dim + tokens * a * shape.model_dim
+    return HSTUMemory(kept, pre, bwd, tokens * per_token + positions * pre, gradient)
 
 
 @dataclass(frozen=True)
@@ -208,20 +276,20 @@ def attention_efficiency(attention_impl: str) -> float:
     return ATTENTION_EFFICIENCY[attention_impl]
 
 
-def hstu_time_s(shape: HSTUShape, other_flops_per_sample: float, batch: int, device: DeviceSpec, half: bool,
-                dense_efficiency: float, attention_impl: str, recompute: bool) -> HSTUTime:
+def hstu_time_s(shape: HSTUShape, other_flops_per_sample: float, batch: int, device: DeviceSpec,
+                ab: ActivationBytes, dense_efficiency: float, attention_impl: str,
+                recompute: bool) -> HSTUTime:
     """Forward + backward seconds of `batch` samples through the HSTU part on `device`: the STU GEMMs and
-    the model's other GEMMs (`other_flops_per_sample`) at `dense_efficiency` of peak (bf16 peak where
-    `half`), the attention at its implementation's efficiency, the elementwise passes over the kept
-    activations at HBM bandwidth; with `recompute`, one more forward of the STU stack."""
+    the model's other GEMMs (`other_flops_per_sample`) at `dense_efficiency` of peak (bf16 peak where the
+    activations are half, `ab`), the attention at its implementation's efficiency, the elementwise passes
+    over the kept activations at HBM bandwidth; with `recompute`, one more forward of the STU stack."""
     flops = stu_flops(shape)
-    peak = device.peak_bf16_flops if half else device.peak_fp32_flops
+    peak = device.peak_bf16_flops if ab.gemm == 2 else device.peak_fp32_flops
     gemm_rate = peak * dense_efficiency
     attn_rate = peak * attention_efficiency(attention_impl)
     gemm = batch * (flops.uvqk + flops.output + other_flops_per_sample) / gemm_rate
     attention = batch * flops.attention / attn_rate
-    a = 2 if half else FP32_BYTES
-    streamed = batch * shape.seq_len * shape.num_layers * stu_kept_bytes_per_token(shape, a)
+    streamed = batch * shape.mean_tokens * shape.num_layers * stu_kept_bytes_per_token(shape, ab)
     elementwise = ELEMENTWISE_PASSES * streamed / (device.memory_bw_bytes_per_s * ELEMENTWISE_EFFICIENCY)
     extra = 0.0
     if recompute:  # one more forward: a third of the GEMMs', 1 / 3.5 of the attention's, one elementwise pass
@@ -230,13 +298,15 @@ def hstu_time_s(shape: HSTUShape, other_flops_per_sample: float, batch: int, dev
     return HSTUTime(gemm, attention, elementwise, extra)
 
 
-def dense_bytes_per_sample(options: PlanOptions, topology: Topology) -> tuple[int, int, int]:
+def dense_bytes_per_sample(options: PlanOptions, topology: Topology, batch: int) -> tuple[int, int, int]:
     """The dense part's bytes per sample alive during the lookups, at the forward's end (for HSTU: the
     backward's start, its peak) and while the backward reaches the embeddings: the model's stated figures,
-    or, for an HSTU part, `hstu_memory_per_sample` at the device's activation dtype."""
+    or, for an HSTU part, `hstu_memory_per_sample` at the job's activation dtypes and a batch of `batch`'s
+    planned tokens (`memory_tokens_per_sample`)."""
     if options.hstu is None:
         return (options.dense_lookup_bytes_per_sample, options.dense_activation_bytes_per_sample,
                 options.dense_gradient_bytes_per_sample)
-    m = hstu_memory_per_sample(options.hstu, activation_bytes(topology, options.dense_dtype),
-                               options.attention_impl, options.activation_recompute)
+    tokens = memory_tokens_per_sample(options.hstu, batch)
+    m = hstu_memory_per_sample(options.hstu, job_activation_dtypes(topology, options.dense_dtype),
+                               options.attention_impl, options.activation_recompute, tokens)
     return 0, int(m.activation), int(m.gradient)
