@@ -151,22 +151,21 @@ def logging_problems(root: Path) -> dict[str, list[str]]:
                     and ast.unparse(node.value) not in {f"logging.getLogger({n})" for n in ok}):
                 problems.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
         for i, line in enumerate(text.splitlines(), 1):
-            if ".setLevel(" in line or "logging.disable(" in line:
+            if (".setLevel(" in line or "logging.disable(" in line) and \
+                    (str(rel), line.strip()) not in RESTORED_LEVELS:
                 problems.append(f"{rel}:{i}: {line.strip()}")
         if problems:
             found[str(rel)] = sorted(set(problems))
     return found
 
 
-# Modules whose logging others are rewriting now; each leaves this set when it logs under its own name
-# and changes no level (test_every_module_logs_under_its_own_name_and_changes_no_level then says so).
-PENDING_LOGGING: set[str] = set()
+# Level calls that put back a level another library set, not changes to keep quiet: a command line
+# Hydra refused leaves the root logger as it found it (anyrec._hydra.launch, for in-process callers).
+RESTORED_LEVELS = {("anyrec/_hydra.py", "root.setLevel(level)")}
 
 
 def test_every_module_logs_under_its_own_name_and_changes_no_level():
-    found = logging_problems(ROOT)
-    assert {k: v for k, v in found.items() if k not in PENDING_LOGGING} == {}
-    assert set(found) == PENDING_LOGGING, f"fixed: {sorted(PENDING_LOGGING - set(found))}"
+    assert logging_problems(ROOT) == {}
 
 
 def test_the_logging_check_finds_borrowed_names_and_level_changes(tmp_path):
