@@ -1,5 +1,6 @@
-"""The run summary is built from values (JobFacts, RunState, Outcome), with no Trainer: what it
-reports, and the measured step written back to the cache only by a run that was not stopped."""
+"""The run summary is built from values (JobFacts, RunState, Outcome), with no Trainer, and touches no
+file: what it reports; `remember_run` writes the measured step back to the cache, only for a run that
+was not stopped; the correction read at set-up is what the prediction uses."""
 
 from __future__ import annotations
 
@@ -10,10 +11,19 @@ import pytest
 import torch
 
 from anyrec.history.cache import CACHE_DIR_ENV
-from anyrec.history.steplearn import ObservedSteps
+from anyrec.history.steplearn import Correction, ObservedSteps
 from anyrec.planner.types import Perf
 from anyrec.runtime.distributed import ONE_PROCESS
-from anyrec.trainer.summary import JobFacts, MetricWriter, Outcome, RunState, log_train, run_summary
+from anyrec.trainer.summary import (
+    JobFacts,
+    MetricWriter,
+    Outcome,
+    RunState,
+    learnt_correction,
+    log_train,
+    remember_run,
+    run_summary,
+)
 
 KEY = "0123456789abcdef/quiet"
 
@@ -54,14 +64,24 @@ def test_summary_reports_the_values_it_is_given(cache):
     assert s["samples_per_s"] == pytest.approx(20 * 64 / run.timer.total_s)
     assert s["weights_sha256"] == "ab" * 32 and s["stopped_by"] is None
     assert s["model_step_ms"] == pytest.approx(1.0) and s["measured_step_ms"] > 0
+    assert cache.correction(KEY).runs == 0  # the summary writes nothing
+    remember_run(job, s, _outcome())
     assert cache.correction(KEY).runs == 1  # this run's step, learnt for the next one
+    # the next run reads it once, at set-up, and predicts with it
+    learnt = learnt_correction(KEY, 1e-3, ONE_PROCESS)
+    assert learnt.runs == 1 and learnt.factor == pytest.approx((s["measured_step_ms"] / 1.0) ** 0.5)
+    again = run_summary(JobFacts("cpu", "torch", ONE_PROCESS, 64, 1, KEY, correction=learnt), _run(),
+                        _outcome())
+    assert again["predicted_step_ms"] == pytest.approx(learnt.factor) and again["step_correction_runs"] == 1
 
 
 def test_a_stopped_run_teaches_nothing(cache):
     job = JobFacts("cpu", "torch", ONE_PROCESS, batch_size=64, sharding_group_size=1, step_key=KEY)
     s = run_summary(job, _run(), _outcome(stopped_by="SIGTERM", weights_sha256=None))
     assert s["stopped_by"] == "SIGTERM" and "weights_sha256" not in s
+    remember_run(job, s, _outcome(stopped_by="SIGTERM"))
     assert cache.correction(KEY).runs == 0
+    assert JobFacts("cpu", "torch", ONE_PROCESS, 64, 1).correction == Correction()  # none read: factor 1
 
 
 def test_train_record_rate_counts_every_rank(tmp_path):

@@ -107,6 +107,7 @@ class JobFacts:
     sharding_group_size: int  # the ranks each table is sharded over (the world in 1D)
     step_key: str | None = None  # where this workload's measured steps are learnt (rank 0; None: nowhere)
     hardware_file: str = ""  # the hardware file the plan's figures came from ("" = the datasheet's)
+    correction: Correction = Correction()  # what earlier runs of this workload here measured (agreed)
 
 
 @dataclass
@@ -181,21 +182,17 @@ def log_eval(run: RunState, step: int, result: dict[str, float]) -> None:
 
 
 def run_summary(job: JobFacts, run: RunState, out: Outcome) -> dict[str, Any]:
-    """The run's JSON summary: its figures, the prediction check, the step breakdown where one was
-    profiled, the weights' fingerprint where asked (collectives: every rank calls it)."""
-    dist = job.dist
+    """The run's JSON summary: its figures, the prediction check (the model's step times the correction
+    read at set-up), the step breakdown where one was profiled, the weights' fingerprint where asked
+    (collectives: every rank calls it). It reads and writes no file: `remember_run` writes back."""
+    dist, correction = job.dist, job.correction
     summary = _figures(job, run, out)
     per_rank_s = gather_objects(run.timer.step_s, dist)
     model_s = out.predicted_perf.total_s if out.predicted_perf else None
-    correction = _learnt_correction(job, model_s)  # what earlier runs of this workload here measured
     summary.update(prediction_check(model_s * correction.factor if model_s else None, per_rank_s,
                                     log=dist.is_main))
     summary.update(model_step_ms=model_s * 1e3 if model_s else None, step_correction=correction.factor,
                    step_correction_runs=correction.runs)
-    if not out.stopped_by:  # a run stopped early teaches nothing
-        _record_step(job.step_key, summary["measured_step_ms"], model_s)
-    if dist.is_main:
-        _reject_far_miss(job.hardware_file, model_s, summary["measured_step_ms"])
     summary["measured_steps"] = run.timer.steps  # this rank's timed steps (the same on every rank)
     summary["measured_step_statistic"] = "median" if run.timer.per_step is not None else "mean"
     summary.update(memory_check(out.predicted_memory, gather_objects(out.peak_allocated_bytes, dist),
@@ -209,14 +206,26 @@ def run_summary(job: JobFacts, run: RunState, out: Outcome) -> dict[str, Any]:
     return summary
 
 
-def _learnt_correction(job: JobFacts, model_s: float | None) -> Correction:
-    """Rank 0's correction for this workload on this machine (every rank gets it: a collective)."""
+def learnt_correction(step_key: str | None, model_s: float | None, dist: DistInfo) -> Correction:
+    """Rank 0's correction for this workload on this machine, read once at set-up (every rank gets it:
+    a collective)."""
     correction = Correction()
-    if job.step_key is not None and model_s:
-        correction = ObservedSteps().correction(job.step_key)
+    if step_key is not None and model_s:
+        correction = ObservedSteps().correction(step_key)
         if correction.runs:
-            logger.info("%s", describe(correction, model_s, job.step_key.rsplit("/", 1)[1]))
-    return gather_objects(correction, job.dist)[0]
+            logger.info("%s", describe(correction, model_s, step_key.rsplit("/", 1)[1]))
+    return gather_objects(correction, dist)[0]
+
+
+def remember_run(job: JobFacts, summary: dict[str, Any], out: Outcome) -> None:
+    """What this run teaches the machine, written back once (rank 0): its measured step for the next
+    prediction, and a cache entry whose prediction missed by more than FAR_MISS set aside."""
+    if not job.dist.is_main:
+        return
+    model_s = out.predicted_perf.total_s if out.predicted_perf else None
+    if not out.stopped_by:  # a run stopped early teaches nothing
+        _record_step(job.step_key, summary["measured_step_ms"], model_s)
+    _reject_far_miss(job.hardware_file, model_s, summary["measured_step_ms"])
 
 
 def _reject_far_miss(entry: str, model_s: float | None, measured_ms: float | None) -> None:

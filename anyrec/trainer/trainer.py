@@ -60,7 +60,17 @@ from anyrec.trainer.optim import (
 from anyrec.trainer.perfcheck import StepProfiler, breakdown_window, phase, warmup_steps
 from anyrec.trainer.pipeline import EagerLoop, SparseDistPipeline, predictions
 from anyrec.trainer.planning import place_shards, shard_model, shared_plan, unsharded_memory
-from anyrec.trainer.summary import JobFacts, MetricWriter, Outcome, RunState, log_eval, log_train, run_summary
+from anyrec.trainer.summary import (
+    JobFacts,
+    MetricWriter,
+    Outcome,
+    RunState,
+    learnt_correction,
+    log_eval,
+    log_train,
+    remember_run,
+    run_summary,
+)
 from anyrec.trainer.validate import flush_checks
 
 logger = logging.getLogger(__name__)
@@ -177,9 +187,11 @@ class Trainer:
                              layout.sync_every if layout is not None else 1)
         self.writer = MetricWriter(tc.run_dir, self.dist.is_main, tc.tensorboard)
         group = layout.group_size if layout is not None else self.dist.world_size
+        step_key = self._step_key(group) if self.dist.is_main else None
+        model_s = self.predicted_perf.total_s if self.predicted_perf is not None else None
         self.job = JobFacts(self.backend.name, self.embedding_kernel, self.dist, self.batch_size, group,
-                            self._step_key(group) if self.dist.is_main else None,
-                            hardware_file=self._hardware().measured_by)
+                            step_key, hardware_file=self._hardware().measured_by,
+                            correction=learnt_correction(step_key, model_s, self.dist))
         if self.dist.is_main:
             self._log_setup()
 
@@ -412,7 +424,9 @@ class Trainer:
                       self.backend.max_memory_allocated(), self.backend.max_memory_reserved(),
                       weights_fingerprint(self.model, self.dist) if self.cfg.trainer.fingerprint_weights
                       else None)
-        return {**run_summary(self.job, run, out), **self._thread_facts(), **self._model_facts()}
+        summary = run_summary(self.job, run, out)
+        remember_run(self.job, summary, out)  # the machine's history, written back once
+        return {**summary, **self._thread_facts(), **self._model_facts()}
 
     def _model_facts(self) -> dict[str, Any]:
         """The summary's model keys: the model, its family, each op's implementation the model runs, the
