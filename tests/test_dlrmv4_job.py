@@ -23,6 +23,8 @@ def test_dlrmv4_small_default_job_reaches_the_hidden_auc(tmp_path):
     assert [e["window"] for e in evals] == list(range(1, len(evals) + 1)) and len(evals) >= 2
     last = evals[-1]
     hidden = summary["hidden_auc_by_window"][str(last["window"])]
+    print(f"dlrmv4_small: window {last['window']} AUC {last['auc']:.4f}, hidden-model AUC {hidden:.4f}, "
+          f"{summary['steps']} steps, training {summary['elapsed_s']:.0f} s")  # shown under pytest -s
     assert last["auc"] == pytest.approx(summary["eval_auc"])
     assert last["auc"] >= 0.70, (last, hidden)
     assert abs(last["auc"] - hidden) <= 0.03, (last, hidden)
