@@ -369,8 +369,34 @@ def test_masked_bce():
     assert masked_bce(torch.zeros(0), torch.zeros(0), 0.2).item() == 0.0
 
 
+def test_padding_samples_add_no_logits_and_change_none():
+    """Samples with no positions and no target (an eval window's last batch is padded with them) give no
+    logit and leave the others' logits, loss and gradients as they are, wherever they sit."""
+    model = build().eval()
+    plain = make_batch([3, 7], [1, 1], seed=4)
+    kjt = plain.sparse_features
+    ids = {f: kjt[f].values() for f in SEQUENCE_FEATURES}
+    zero = torch.zeros(1, dtype=torch.int64)
+    ids |= {f: torch.cat([zero, kjt[f].values()[:1], zero, kjt[f].values()[1:], zero])
+            for f in CONTEXTUAL_FEATURES}
+    padded = make_batch([0, 3, 0, 7, 0], [0, 1, 0, 1, 0], ids=ids, actions=plain.actions)
+    padded.timestamps.copy_(plain.timestamps)
+    padded.labels = plain.labels
+    with torch.no_grad():
+        loss_plain, (logits_plain, _) = model(plain)
+        loss_padded, (logits_padded, _) = model(padded)
+    assert logits_padded.shape == (2,)
+    torch.testing.assert_close(logits_padded, logits_plain, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss_padded, loss_plain, rtol=1e-5, atol=1e-7)
+    model.train()
+    only_padding = make_batch([0, 0], [0, 0])
+    loss, (logits, labels) = model(only_padding)
+    assert logits.shape == labels.shape == (0,) and loss.item() == 0.0
+    loss.backward()  # a rank whose whole batch is padding still takes part in the step
+
+
 @pytest.mark.parametrize("history, targets, match", [
-    ([2, 3], [0, 1], "between 1 and"),
+    ([2, 3], [1, 1], "between 0 \\(a padding sample\\) and"),
     ([2, 3], [1, 1], "labels have shape"),
     ([60, 1], [1, 1], "exceeds max_seq_len"),
 ])
@@ -379,6 +405,8 @@ def test_bad_batches_fail_in_one_line(history, targets, match):
     batch = make_batch(history, targets)
     if match == "labels have shape":
         batch.labels = batch.labels[:1]
+    if match.startswith("between"):
+        batch.num_targets = torch.tensor([1, 5])  # more targets than sample 1's 4 positions
     with pytest.raises(ValueError, match=match):
         model(batch)
 

@@ -88,8 +88,8 @@ def test_batch_layout_and_pipelineable():
     builder.add(none, none, none, none, none, (9, 3, 5, 40), ctx + 10, 0.0)
     builder.add_padding()
     b = builder.build(window=4)
-    kjt = b.features.to_dict()
-    assert b.features.keys() == list(SEQUENCE_FEATURES + CONTEXTUAL_FEATURES)
+    kjt = b.sparse_features.to_dict()
+    assert b.sparse_features.keys() == list(SEQUENCE_FEATURES + CONTEXTUAL_FEATURES)
     assert kjt["item_id"].lengths().tolist() == [3, 1, 0] and kjt["album_id"].lengths().tolist() == [3, 1, 0]
     assert kjt["item_id"].values().tolist() == [5, 6, 7, 9]
     assert kjt["artist_id"].values().tolist() == [1, 1, 2, 3]
@@ -100,7 +100,7 @@ def test_batch_layout_and_pipelineable():
     assert b.labels.dtype == torch.float32 and b.actions.dtype == torch.int64 and b.window == 4
     assert b.batch_size == 3 and b.sequence_lengths().tolist() == [3, 1, 0]
     moved = b.to(torch.device("cpu"), non_blocking=True)
-    assert moved.window == 4 and torch.equal(moved.features.values(), b.features.values())
+    assert moved.window == 4 and torch.equal(moved.sparse_features.values(), b.sparse_features.values())
 
 
 def test_config_checks_its_ranges():

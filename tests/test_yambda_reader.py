@@ -73,10 +73,10 @@ def _samples(batches):
             if n == 0:
                 continue
             sl = slice(starts[i], starts[i + 1])
-            yield {"uid": int(b.features["uid"].values()[i]), "ts": b.timestamps[sl].tolist(),
-                   "item": b.features["item_id"].values()[sl].tolist(),
-                   "artist": b.features["artist_id"].values()[sl].tolist(),
-                   "album": b.features["album_id"].values()[sl].tolist(),
+            yield {"uid": int(b.sparse_features["uid"].values()[i]), "ts": b.timestamps[sl].tolist(),
+                   "item": b.sparse_features["item_id"].values()[sl].tolist(),
+                   "artist": b.sparse_features["artist_id"].values()[sl].tolist(),
+                   "album": b.sparse_features["album_id"].values()[sl].tolist(),
                    "actions": b.actions[sl].tolist(), "label": next(label)}
 
 

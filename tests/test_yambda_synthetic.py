@@ -21,9 +21,9 @@ def stream() -> SyntheticYambda:
 
 
 def _same(a, b) -> bool:
-    return (a.window == b.window and a.features.keys() == b.features.keys()
-            and torch.equal(a.features.values(), b.features.values())
-            and torch.equal(a.features.lengths(), b.features.lengths())
+    return (a.window == b.window and a.sparse_features.keys() == b.sparse_features.keys()
+            and torch.equal(a.sparse_features.values(), b.sparse_features.values())
+            and torch.equal(a.sparse_features.lengths(), b.sparse_features.lengths())
             and all(torch.equal(x, y) for x, y in zip((a.actions, a.timestamps, a.num_targets, a.labels),
                                                       (b.actions, b.timestamps, b.num_targets, b.labels),
                                                       strict=True)))
@@ -49,7 +49,7 @@ def test_catalogue_is_consistent(stream):
 
 def test_batches_are_consistent_jagged_tensors(stream):
     for batch in [stream.train_batch(1, 0), stream.eval_batch(1, stream.num_eval_batches(1) - 1)]:
-        kjt = batch.features.to_dict()
+        kjt = batch.sparse_features.to_dict()
         L = kjt["item_id"].lengths()
         assert torch.equal(L, kjt["artist_id"].lengths()) and torch.equal(L, kjt["album_id"].lengths())
         for key in list(kjt)[3:]:
@@ -79,7 +79,7 @@ def test_history_is_causal_and_the_most_recent_per_pool(stream):
         ts = batch.timestamps[starts[b]:starts[b + 1]].numpy()
         anchor_ts, hist_ts = ts[-1], ts[:-1]
         assert (hist_ts < anchor_ts).all() and (np.diff(hist_ts) > 0).all()
-        uid = int(batch.features["uid"].values()[b])
+        uid = int(batch.sparse_features["uid"].values()[b])
         # Expected: the user's events strictly before the anchor, last 8 per pool, in time order.
         user_ts = np.concatenate([e.ts[e.user == uid - 1] for e in every])
         user_pool = np.concatenate([e.pool[e.user == uid - 1] for e in every])
@@ -96,7 +96,7 @@ def test_labels_are_the_candidates_pool(stream):
     rows = day.anchors[:DATA.batch_size]
     assert batch.labels.tolist() == (day.events.pool[rows] == LISTEN_PLUS).astype(float).tolist()
     L = batch.sequence_lengths()
-    cand = batch.features["item_id"].values()[torch.cumsum(L, 0) - 1]
+    cand = batch.sparse_features["item_id"].values()[torch.cumsum(L, 0) - 1]
     assert cand.tolist() == day.events.item[rows].tolist()
     assert 0.55 < float(np.mean(day.events.pool[day.anchors] == LISTEN_PLUS)) < 0.70
 
@@ -106,8 +106,8 @@ def test_same_seed_same_batches_and_resume(stream):
     assert _same(stream.train_batch(2, 1), again.train_batch(2, 1))
     assert _same(next(iter(stream.train_batches(2, start=1))), again.train_batch(2, 1))
     other = SyntheticYambda(SCHEMA, DATA, seed=4)
-    assert not torch.equal(other.train_batch(2, 1).features.values(),
-                           stream.train_batch(2, 1).features.values())
+    assert not torch.equal(other.train_batch(2, 1).sparse_features.values(),
+                           stream.train_batch(2, 1).sparse_features.values())
     # Going back to an earlier window replays from day 0: the same batch again.
     assert _same(again.train_batch(0, 0), stream.train_batch(0, 0))
 

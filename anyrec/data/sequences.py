@@ -82,13 +82,14 @@ class SequenceDataConfig:
 
 @dataclass
 class SequenceBatch(Pipelineable):
-    """One batch of B samples. `features` holds item_id, artist_id, album_id (the same lengths: history +
-    num_targets, candidates last) and the 8 contextual features (one id each); `actions` (pool bits: 1
-    listen_plus, 2 like, 4 skip; 0 for candidates) and `timestamps` (seconds) are per sequence position,
-    aligned with each sequence feature's values; `labels` has one entry per target (1.0: the candidate
-    was a listen_plus). A padding sample has uid 0, length 0 and no target."""
+    """One batch of B samples. `sparse_features` (the name torchrec's Batch and pipelines read) holds
+    item_id, artist_id, album_id (the same lengths: history + num_targets, candidates last) and the 8
+    contextual features (one id each); `actions` (pool bits: 1 listen_plus, 2 like, 4 skip; 0 for
+    candidates) and `timestamps` (seconds) are per sequence position, aligned with each sequence
+    feature's values; `labels` has one entry per target (1.0: the candidate was a listen_plus).
+    A padding sample has uid 0, length 0 and no target."""
 
-    features: KeyedJaggedTensor
+    sparse_features: KeyedJaggedTensor
     actions: torch.Tensor  # int64 [T]
     timestamps: torch.Tensor  # int64 [T]
     num_targets: torch.Tensor  # int64 [B]
@@ -96,19 +97,19 @@ class SequenceBatch(Pipelineable):
     window: int
 
     def to(self, device: torch.device, non_blocking: bool = False) -> SequenceBatch:
-        return SequenceBatch(self.features.to(device=device, non_blocking=non_blocking),
+        return SequenceBatch(self.sparse_features.to(device=device, non_blocking=non_blocking),
                              self.actions.to(device=device, non_blocking=non_blocking),
                              self.timestamps.to(device=device, non_blocking=non_blocking),
                              self.num_targets.to(device=device, non_blocking=non_blocking),
                              self.labels.to(device=device, non_blocking=non_blocking), self.window)
 
     def record_stream(self, stream: torch.Stream) -> None:
-        self.features.record_stream(stream)
+        self.sparse_features.record_stream(stream)
         for t in (self.actions, self.timestamps, self.num_targets, self.labels):
             t.record_stream(stream)
 
     def pin_memory(self) -> SequenceBatch:
-        return SequenceBatch(self.features.pin_memory(), self.actions.pin_memory(),
+        return SequenceBatch(self.sparse_features.pin_memory(), self.actions.pin_memory(),
                              self.timestamps.pin_memory(), self.num_targets.pin_memory(),
                              self.labels.pin_memory(), self.window)
 
@@ -119,7 +120,7 @@ class SequenceBatch(Pipelineable):
 
     def sequence_lengths(self) -> torch.Tensor:
         """Positions of each sample's sequence (history + targets), [B]."""
-        return self.features.lengths()[: self.batch_size]
+        return self.sparse_features.lengths()[: self.batch_size]
 
 
 class SequenceSource(Protocol):

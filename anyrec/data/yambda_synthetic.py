@@ -59,9 +59,11 @@ LIKE_SHARE = 2 / 99  # of events; listens are the other 97/99
 LISTEN_PLUS_RATE = 61 / 97  # of listens, on average
 # The hidden model (logit scales) and the exposure: chosen so that its AUC is about 0.78 and a small
 # model reaches most of it from ids and histories (tests/test_yambda_synthetic.py checks the range).
-TASTE_SCALE = 1.0  # std of the user x taste-group term
-QUALITY_SCALE = 0.6  # std of the artist quality term
-USER_BIAS_SCALE = 0.5  # std of the user's own bias
+# The artist's quality and the user's bias carry most of it (an id model learns them from a few hundred
+# samples per id); the user x taste-group term the rest (learnt from the history and the uid's crosses).
+TASTE_SCALE = 0.4  # std of the user x taste-group term
+QUALITY_SCALE = 1.0  # std of the artist quality term
+USER_BIAS_SCALE = 0.7  # std of the user's own bias
 EXPOSURE_TILT = 0.8  # listens: P(group) ~ mass x exp(tilt x taste)
 LIKE_TILT = 2.5  # likes go to the groups a user loves
 TASTE_PERIOD_DAYS = 120.0  # the taste vector turns a full circle in this many days

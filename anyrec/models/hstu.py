@@ -130,7 +130,8 @@ class HSTUDense(nn.Module):
         """Logits [G] (fp32), sample by sample and in order within each. `embeddings`: the collection's
         output (sequence features: [T, E] with the same lengths; contextual: [B, E]); `actions_T`: int64
         bitmasks (1 listen_plus, 2 like, 4 skip; the targets' are never read); `timestamps_T`: int64
-        seconds; `num_targets_B`: the last num_targets_B[b] positions of sample b are its targets."""
+        seconds; `num_targets_B`: the last num_targets_B[b] positions of sample b are its targets (0: a
+        padding sample, no logit)."""
         C = self.num_contextual
         item_TE, artist_TE, album_TE = (embeddings[f].values() for f in SEQUENCE_FEATURES)
         lengths_B = embeddings["item_id"].lengths().long()
@@ -159,7 +160,8 @@ class HSTUDense(nn.Module):
         x_ND = torch.cat([contextual_KD, seq_TD]).index_select(0, src_N)  # cat promotes mixed dtypes
         # contextual tokens carry time 0, as in the reference (the last time bucket, for real clocks)
         timestamps_N = torch.cat([timestamps_T.new_zeros(B * C), timestamps_T]).index_select(0, src_N)
-        query_time_B = timestamps_T[offsets_B1[1:] - 1]
+        # a sample's query time is its last position's; a padding sample (no positions) gets 0
+        query_time_B = F.pad(timestamps_T, (1, 0))[torch.where(lengths_B > 0, offsets_B1[1:], 0)]
         position_N = positions(pos_N, full_len_B[seq_N], num_targets_B[seq_N], C)
         x_ND = self.positional(x_ND, position_N, timestamps_N, query_time_B[seq_N])
         x_ND = F.dropout(x_ND, p=self.input_dropout, training=self.training)
@@ -210,8 +212,9 @@ class HSTUDense(nn.Module):
              mismatched]).tolist()
         if mismatched:
             raise ValueError("item_id, artist_id and album_id must have the same length in every sample")
-        if fewest < 1 or too_many:
-            raise ValueError("every sample needs between 1 and its sequence length of targets (num_targets)")
+        if fewest < 0 or too_many:
+            raise ValueError("every sample needs between 0 (a padding sample) and its sequence length of "
+                             "targets (num_targets)")
         if longest + self.num_contextual > self.max_seq_len:
             raise ValueError(f"a sequence of {longest} positions plus {self.num_contextual} contextual "
                              f"tokens exceeds max_seq_len={self.max_seq_len}")
