@@ -6,7 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from anyrec.backends.cpu import CPUBackend
 from anyrec.data.sequences import (
     LIKE,
     LISTEN_PLUS,
@@ -101,6 +103,22 @@ def test_batch_layout_and_pipelineable():
     assert b.batch_size == 3 and b.sequence_lengths().tolist() == [3, 1, 0]
     moved = b.to(torch.device("cpu"), non_blocking=True)
     assert moved.window == 4 and torch.equal(moved.sparse_features.values(), b.sparse_features.values())
+    # a backend that page-locks host memory does so through map_tensors, every piece once
+    seen = []
+
+    class Pinning(CPUBackend):
+        def pins_host_memory(self) -> bool:
+            return True
+
+        def pin(self, x):
+            if isinstance(x, torch.Tensor | KeyedJaggedTensor):
+                seen.append(type(x).__name__)
+                return x
+            return super().pin(x)
+
+    pinned = Pinning().pin(b)
+    assert seen == ["KeyedJaggedTensor"] + ["Tensor"] * 4 and pinned.window == 4
+    assert torch.equal(pinned.labels, b.labels) and pinned is not b
 
 
 def test_config_checks_its_ranges():

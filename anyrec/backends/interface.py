@@ -136,9 +136,12 @@ class Backend(abc.ABC):
         return True
 
     def pin(self, x: Any) -> Any:
-        """`x` (a host tensor, or anything with `pin_memory()`, such as a torchrec Batch) in page-locked
-        memory for this device; `x` itself, pageable, where this backend cannot pin."""
-        return x.pin_memory() if self.pins_host_memory() else x
+        """`x` (a host tensor, anything with `pin_memory()` such as a torchrec Batch or KJT, or a batch
+        that maps its tensors, `map_tensors(fn)`, such as anyrec's SequenceBatch) in page-locked memory
+        for this device; `x` itself, pageable, where this backend cannot pin."""
+        if not self.pins_host_memory():
+            return x
+        return x.map_tensors(self.pin) if hasattr(x, "map_tensors") else x.pin_memory()
 
     def pinned_empty(self, *size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """An uninitialised host tensor, page-locked for this device where it can be, else pageable."""

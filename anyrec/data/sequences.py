@@ -16,9 +16,9 @@ Legend: B samples, T sequence positions of the batch (sum of lengths), C context
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -108,10 +108,11 @@ class SequenceBatch(Pipelineable):
         for t in (self.actions, self.timestamps, self.num_targets, self.labels):
             t.record_stream(stream)
 
-    def pin_memory(self) -> SequenceBatch:
-        return SequenceBatch(self.sparse_features.pin_memory(), self.actions.pin_memory(),
-                             self.timestamps.pin_memory(), self.num_targets.pin_memory(),
-                             self.labels.pin_memory(), self.window)
+    def map_tensors(self, fn: Callable[[Any], Any]) -> SequenceBatch:
+        """The batch with `fn` applied to its KJT and each tensor: how a backend page-locks it
+        (`Backend.pin`), which alone knows whether its device can."""
+        return SequenceBatch(fn(self.sparse_features), fn(self.actions), fn(self.timestamps),
+                             fn(self.num_targets), fn(self.labels), self.window)
 
     @property
     def batch_size(self) -> int:
