@@ -113,6 +113,15 @@ def weights_sha256(weights: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def sharding_types(trainer: Trainer) -> list[str]:
+    """The sharding types the trainer's plan gives its tables, sorted; [] when the tables are unsharded
+    (one device, no plan)."""
+    if trainer.planned is None:
+        return []
+    return sorted({ps.sharding_type for tables in trainer.planned.plan.plan.values()
+                   for ps in tables.values()})
+
+
 def train_losses(trainer: Trainer) -> list[float]:
     """Run `trainer.train()` (anyrec-train's loop) and return every step's loss, averaged over ranks."""
     losses: list[torch.Tensor] = []
@@ -129,7 +138,7 @@ def worker(out_path: str, overrides: list[str]) -> None:
         weights = full_weights(trainer.model, trainer.dist)
         meta = {"embedding_kernel": trainer.embedding_kernel, "world_size": trainer.dist.world_size,
                 "backend": trainer.backend.describe(), "torch": torch.__version__,
-                "batch_size_per_rank": trainer.batch_size}
+                "batch_size_per_rank": trainer.batch_size, "sharding_types": sharding_types(trainer)}
         is_main = trainer.dist.is_main
     finally:
         trainer.close()
