@@ -222,3 +222,13 @@ def test_2d_for_sequences_is_refused_in_one_line():
     with pytest.raises(ValueError) as e:
         _plan(["hardware=mi355x", "topology.world_size=8", "planner.sharding_group_size=4"])
     assert str(e.value) == SEQUENCE_2D_REFUSAL
+
+
+def test_data_parallel_sequence_tables_are_refused_in_one_line():
+    """torchrec's EmbeddingCollection cannot run a data-parallel sequence table (its output split
+    fails mid-step): a forced data_parallel is refused before any table is built."""
+    for planner in ("codesign", "simple"):
+        with pytest.raises(ValueError, match="sequence tables") as e:
+            _plan(["hardware=mi355x", "topology.world_size=8", "planner.sharding=data_parallel",
+                   f"planner={planner}"])
+        assert "\n" not in str(e.value)

@@ -189,6 +189,10 @@ def plan_job(cfg: AnyrecConfig, model: nn.Module, collection: nn.Module, module_
         if group is not None:
             raise ValueError(SEQUENCE_2D_REFUSAL)
         group = world_size  # auto: 1D is the only layout sequence embeddings have
+    if isinstance(collection, EmbeddingCollection) and pc.sharding == ShardingType.DATA_PARALLEL:
+        # torchrec's EmbeddingCollection splits a data-parallel table's unpooled output by the wrong sizes
+        raise ValueError("planner.sharding=data_parallel: sequence tables (EmbeddingCollection) are sharded "
+                         "table_wise, row_wise or column_wise")
     if group is None and pc.name != PlannerName.codesign:
         raise ValueError("planner.sharding_group_size=auto needs planner=codesign (the cost model chooses)")
     update = resolve_replica_update(pc.replica_update, cfg.optim.name, pc.replica_sync_every)
