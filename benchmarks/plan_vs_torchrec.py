@@ -84,6 +84,7 @@ def worker(overrides: list[str], segments: int, segment_steps: int) -> None:
     import copy
 
     from anyrec import _hydra
+    from anyrec.planner.planned import ParallelLayout, PlannedJob
     from anyrec.trainer.trainer import Trainer
 
     cfg = _hydra.compose_job(overrides)
@@ -93,16 +94,19 @@ def worker(overrides: list[str], segments: int, segment_steps: int) -> None:
     summaries: dict[str, dict] = {}
     failed = True
     try:
-        for name, plan in plans.items():
-            trainers[name] = Trainer(copy.deepcopy(cfg), plan=plan)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+        for name, plan in plans.items():  # torchrec's plan as the job, 1D over the world
+            planned = PlannedJob(plan, ParallelLayout.one_d(world, local)) if plan is not None else None
+            trainers[name] = Trainer(copy.deepcopy(cfg), planned)
         for labels in segment_order(tuple(trainers), segments):
             for name in labels:
                 t = trainers[name]
-                t.cfg.trainer.steps = t.step + segment_steps
+                t.steps = t.step + segment_steps  # train() runs on to the new end
                 summaries[name] = t.train()
                 series[name].append(summaries[name]["measured_step_ms"])
         for name, t in trainers.items():
-            summaries[name]["plan"] = describe_plan(t.sharding_plan)
+            summaries[name]["plan"] = describe_plan(t.planned.plan)
         is_main = trainers["anyrec"].dist.is_main
         failed = False
     finally:

@@ -154,7 +154,7 @@ def bench_loop(cfg: ModelConfig, batch_size: int, steps: int, warmup: int, kerne
     trainer = anyrec_trainer(cfg, batch_size, warmup, kernel=kernel)
     try:
         trainer.train()
-        trainer.cfg.trainer.steps = warmup + steps
+        trainer.steps = warmup + steps  # train() runs on to the new end
         c0 = time.process_time()
         summary = trainer.train()
         CPU_SECONDS["anyrec loop"] = time.process_time() - c0
@@ -174,7 +174,7 @@ def profile_loop(cfg: ModelConfig, batch_size: int, steps: int, warmup: int, ker
     trainer = anyrec_trainer(cfg, batch_size, warmup, kernel=kernel)
     try:
         trainer.train()
-        trainer.cfg.trainer.steps = warmup + steps
+        trainer.steps = warmup + steps  # train() runs on to the new end
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             trainer.train()
     finally:

@@ -249,7 +249,7 @@ def trust_entry(path: Path) -> None:
     whole, signed again with the per-user key in its cache folder, as a job signs it)."""
     import yaml
 
-    from anyrec.calibration import cache as calcache
+    from anyrec.history import cache as calcache
     from anyrec.signing import resolve_key
 
     data = yaml.safe_load(path.read_text())

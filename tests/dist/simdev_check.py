@@ -67,7 +67,7 @@ def job(run_dir: Path, backend: str, kernel: str, optim: str, *overrides: str) -
         summary = trainer.train()
         mean = all_reduce_mean([float(x) for x in losses], trainer.device)
         weights = full_weights(trainer.model, trainer.dist)
-        plan = trainer.sharding_plan
+        plan = trainer.planned.plan if trainer.planned is not None else None
         shardings = {n: ps.sharding_type for n, ps in plan.plan[EBC_PATH].items()} if plan else {}
     finally:
         trainer.close()
