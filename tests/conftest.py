@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
+import importlib.util
 import json
 import os
 import shutil
@@ -56,6 +58,18 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason=f"expects a CPU-only host; this one has {backend.describe()}")
     for item in marked:
         item.add_marker(skip)
+
+
+@functools.cache
+def simdev_allocator():
+    """The simulated device's caching allocator module (examples/simdev), loaded from its file once per
+    process without installing the plugin: its rules tested alone."""
+    path = ROOT / "examples" / "simdev" / "anyrec_simdev" / "allocator.py"
+    spec = importlib.util.spec_from_file_location("simdev_allocator_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
 
 
 def compose_config(overrides: list[str] | None = None):

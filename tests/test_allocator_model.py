@@ -4,9 +4,7 @@ from its file), and the backends' switch that turns expandable segments on."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
 
 import pytest
 import torch
@@ -14,21 +12,12 @@ import torch
 from anyrec.backends._gpu import configure_allocator
 from anyrec.planner.memory import ALLOC_LARGE_PAGE_BYTES, allocator_slack
 
-from .conftest import ROOT
+from .conftest import simdev_allocator
 
 MiB = 1 << 20
 
 
-def _load():
-    path = ROOT / "examples" / "simdev" / "anyrec_simdev" / "allocator.py"
-    spec = importlib.util.spec_from_file_location("simdev_allocator_model_test", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-A = _load()
+A = simdev_allocator()
 
 
 def _consistent(alloc) -> None:

@@ -6,27 +6,15 @@ The module is loaded from its file alone: importing the package would register t
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
 import torch
 
-from .conftest import ROOT
+from .conftest import simdev_allocator
 
 MiB = 1 << 20
 
 
-def _load():
-    path = ROOT / "examples" / "simdev" / "anyrec_simdev" / "allocator.py"
-    spec = importlib.util.spec_from_file_location("simdev_allocator_under_test", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-A = _load()
+A = simdev_allocator()
 
 
 def test_requests_are_rounded_to_512_bytes_and_counted_rounded():
