@@ -79,6 +79,12 @@ if HAS_TRITON:
         return tl.dot(a, b)
 
     @triton.jit
+    def _score_grad(dp, x, sig, scale):
+        """The loss's gradient with respect to q.k, given dp, its gradient with respect to the score
+        silu(x) / max_len (x = alpha q.k, sig = sigmoid(x)); `scale` is alpha / max_len."""
+        return dp * sig * (1.0 + x * (1.0 - sig)) * scale
+
+    @triton.jit
     def hstu_fwd_kernel(
         q_ptr, k_ptr, v_ptr,  # [T, H, dq], [T, H, dq], [T, H, dv] (fp32 / bf16; last dim contiguous)
         out_ptr,  # [T, H, dv] out, same dtype
@@ -168,7 +174,7 @@ if HAS_TRITON:
             x_MN = _dot(q_MQ, tl.trans(k_NQ), DOT_FP32) * alpha
             sig_MN = tl.sigmoid(x_MN)
             dp_MN = _dot(do_MV, tl.trans(v_NV), DOT_FP32)
-            ds_MN = dp_MN * sig_MN * (1.0 + x_MN * (1.0 - sig_MN)) * (inv_max_len * alpha)
+            ds_MN = _score_grad(dp_MN, x_MN, sig_MN, inv_max_len * alpha)
             ok_MN = _valid(rows_M[:, None], cols_N[None, :], row_ids_M[:, None], col_ids_N[None, :],
                            num_contextual, max_id, length)
             ds_MN = tl.where(ok_MN, ds_MN, 0.0).to(k_NQ.dtype)
@@ -200,7 +206,7 @@ if HAS_TRITON:
             s_NM = tl.where(ok_NM, x_NM * sig_NM * inv_max_len, 0.0).to(do_MV.dtype)
             dv_NV = dv_NV + _dot(s_NM, do_MV, DOT_FP32)
             dp_NM = _dot(v_NV, tl.trans(do_MV), DOT_FP32)
-            ds_NM = dp_NM * sig_NM * (1.0 + x_NM * (1.0 - sig_NM)) * (inv_max_len * alpha)
+            ds_NM = _score_grad(dp_NM, x_NM, sig_NM, inv_max_len * alpha)
             ds_NM = tl.where(ok_NM, ds_NM, 0.0).to(q_MQ.dtype)
             dk_NQ = dk_NQ + _dot(ds_NM, q_MQ, DOT_FP32)
         return dk_NQ, dv_NV
