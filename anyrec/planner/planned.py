@@ -185,11 +185,12 @@ def plan_job(cfg: AnyrecConfig, model: nn.Module, collection: nn.Module, module_
     would refuse; InfeasiblePlanError when nothing fits."""
     pc = cfg.planner
     group = group_size_in_ranks(pc.sharding_group_size, world_size)
-    if isinstance(collection, EmbeddingCollection) and group != world_size:
+    pooled = not isinstance(collection, EmbeddingCollection)  # else sequence embeddings
+    if not pooled and group != world_size:
         if group is not None:
             raise ValueError(SEQUENCE_2D_REFUSAL)
         group = world_size  # auto: 1D is the only layout sequence embeddings have
-    if isinstance(collection, EmbeddingCollection) and pc.sharding == ShardingType.DATA_PARALLEL:
+    if not pooled and pc.sharding == ShardingType.DATA_PARALLEL:
         # torchrec's EmbeddingCollection splits a data-parallel table's unpooled output by the wrong sizes
         raise ValueError("planner.sharding=data_parallel: sequence tables (EmbeddingCollection) are sharded "
                          "table_wise, row_wise or column_wise")
@@ -222,7 +223,7 @@ def plan_job(cfg: AnyrecConfig, model: nn.Module, collection: nn.Module, module_
         layout = layout_of(group)  # torchrec's default layout
         shardings = simple_table_shardings(collection_configs(ebc), group, force=pc.sharding,
                                            optimizer=cfg.optim.name)
-        sharder = collection_sharder(embedding, pooled=not isinstance(ebc, EmbeddingCollection))
+        sharder = collection_sharder(embedding, pooled)
         plan = simple_sharding_plan(ebc, shardings, module_path, group, layout.group_local_size,
                                     compute_device, sharder=sharder,
                                     compute_kernel=embedding.compute_kernel())
