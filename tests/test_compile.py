@@ -73,8 +73,13 @@ def test_choose_auto_without_record_bounds_the_saving_by_the_eager_dense_step():
 
 
 def test_backend_compiles_where_inductor_generates_code():
+    from torch._inductor.codegen.common import get_scheduling_for_device, init_backend_registration
+
     assert get_backend("cpu").compiles
     assert not NoInductor().compiles
+    # cpu and cuda are answered without importing inductor: its registry agrees
+    init_backend_registration()
+    assert all(get_scheduling_for_device(t) is not None for t in ("cpu", "cuda"))
 
 
 def _tiny_train_model():

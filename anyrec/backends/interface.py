@@ -189,7 +189,10 @@ class Backend(abc.ABC):
     @property
     def compiles(self) -> bool:
         """Whether torch.compile's inductor generates code for this device type (CPU, CUDA and ROCm, XPU);
-        a plugin device without a registered inductor back end answers False (its models stay eager)."""
+        a plugin device without a registered inductor back end answers False (its models stay eager).
+        torch's own `cpu` and `cuda` always have one: answered without importing inductor (~1 s a process)."""
+        if self.device_type in ("cpu", "cuda"):
+            return True
         from torch._inductor.codegen.common import get_scheduling_for_device, init_backend_registration
 
         init_backend_registration()
