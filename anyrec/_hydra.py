@@ -213,6 +213,15 @@ def _values(cfg: DictConfig) -> str | None:
     return None
 
 
+def run_folder() -> str | None:
+    """The folder Hydra's runner made for this job (`hydra.run.dir`), or None outside a run (a config
+    composed by hand leaves Hydra's state with the folder unset)."""
+    if not HydraConfig.initialized():
+        return None
+    runtime = HydraConfig.get().runtime
+    return None if OmegaConf.is_missing(runtime, "output_dir") else runtime.output_dir
+
+
 def per_job_dir(path: str | None) -> str | None:
     """Under a Hydra multirun, `path/<job number>`: jobs of one sweep never share a checkpoint dir."""
     if path is None or not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:

@@ -14,7 +14,6 @@ import signal
 import sys
 import traceback
 
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -37,8 +36,8 @@ def run(cfg: DictConfig) -> dict:
     from anyrec.trainer.trainer import Trainer  # torchrec loads once Hydra has parsed the command line
 
     config = _hydra.to_object(cfg)  # every value checked (anyrec.config.check_values)
-    if config.trainer.run_dir is None and HydraConfig.initialized():
-        config.trainer.run_dir = HydraConfig.get().runtime.output_dir
+    if config.trainer.run_dir is None:
+        config.trainer.run_dir = _hydra.run_folder()
     config.trainer.checkpoint.dir = _hydra.per_job_dir(config.trainer.checkpoint.dir)
     writable_dir(config.trainer.checkpoint.dir, "trainer.checkpoint.dir")
     writable_dir(config.trainer.run_dir, "trainer.run_dir")

@@ -39,6 +39,9 @@ def pytest_configure(config):
         "markers", "integration: starts processes or runs long; the fast tier is -m 'not integration'")
     config.addinivalue_line(
         "markers", "cpu_only: expects a host without an accelerator (skipped where anyrec detects one)")
+    config.addinivalue_line(
+        "markers", "deadline: asserts a wall-clock bound (seconds to stop, a timeout firing on time); the "
+                   "integration tier runs these one at a time after the others, which share the cores")
 
 
 def pytest_unconfigure(config):

@@ -14,6 +14,7 @@ import yaml
 from .conftest import last_json_line, torchrun
 
 
+@pytest.mark.deadline
 @pytest.mark.integration
 def test_ranks_slowed_at_decision_points_still_finish(tmp_path):
     env = {"ANYREC_CACHE_DIR": str(tmp_path / "cache"), "ANYREC_CALIBRATE": "auto",

@@ -53,6 +53,7 @@ def _stop_when(proc: subprocess.Popen, marker: str, sig: int) -> tuple[int, floa
     (signal.SIGINT, "embedding torch"),  # between an embedding measurement's repetitions
     (signal.SIGHUP, "gemm bf16"),
 ], ids=["SIGTERM", "SIGINT", "SIGHUP"])
+@pytest.mark.deadline
 def test_a_signal_stops_the_calibration_with_nothing_written(tmp_path, sig, marker):
     out, cache = tmp_path / "cal.yaml", tmp_path / "cache"
     proc = _start(["anyrec.calibrate", f"calibrate.output={out}", "calibrate.cache=true"], tmp_path, cache)
@@ -65,6 +66,7 @@ def test_a_signal_stops_the_calibration_with_nothing_written(tmp_path, sig, mark
     assert "s left" in err  # the progress bar: what is measured, and the time left
 
 
+@pytest.mark.deadline
 @pytest.mark.integration
 def test_first_contact_calibration_stops_on_sigterm(tmp_path):
     cache = tmp_path / "cache"
@@ -78,6 +80,7 @@ def test_first_contact_calibration_stops_on_sigterm(tmp_path):
     assert not cache.exists() or [p.name for p in cache.iterdir()] in ([], ["signing.key"])
 
 
+@pytest.mark.deadline
 @pytest.mark.integration
 def test_the_time_limit_bounds_the_run_and_says_what_fell_back(tmp_path):
     out = tmp_path / "cal.yaml"

@@ -3,6 +3,7 @@ for what Hydra or `StartChecks` refuses, before the run folder is made; the job'
 
 from __future__ import annotations
 
+import copy
 import importlib
 import logging
 import os
@@ -104,3 +105,26 @@ def test_the_jobs_own_error_is_raised_as_it_is(tmp_path):
         _hydra.launch("anyrec-x", task, [f"hydra.run.dir={tmp_path}/run", "trainer.steps=5"])
     assert seen == {"env": None, "steps": 5}
     assert (tmp_path / "run" / "test_hydra_rank0.log").is_file()  # the job named after the task's module
+
+
+def test_the_run_folder_is_hydras_under_its_runner_and_none_for_a_config_composed_by_hand():
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    from anyrec.config import config_dir
+
+    _hydra.setup()
+    with initialize_config_dir(str(config_dir()), version_base="1.3"):
+        cfg = compose("config", return_hydra_config=True)
+    run = copy.deepcopy(cfg)
+    with open_dict(run):
+        run.hydra.runtime.output_dir = "/runs/a"  # what the runner sets
+    saved = HydraConfig.instance().cfg
+    try:
+        HydraConfig.instance().set_config(cfg)  # what composing leaves: the folder unset
+        assert _hydra.run_folder() is None
+        HydraConfig.instance().set_config(run)
+        assert _hydra.run_folder() == "/runs/a"
+    finally:
+        HydraConfig.instance().cfg = saved

@@ -89,6 +89,7 @@ def test_nan_input_batch_skipped_when_asked_with_validation_on(tmp_path):
     assert s["final_loss"] is not None and math.isfinite(s["final_loss"])
 
 
+@pytest.mark.deadline
 @pytest.mark.integration
 def test_a_short_soak_recovers_bit_identically_from_random_kills():
     # benchmarks/soak.py in short: 3 SIGKILLs (a rank or torchrun) at seeded-random instants.

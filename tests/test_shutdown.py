@@ -101,6 +101,7 @@ def test_sigterm_to_one_rank_stops_both(tmp_path):
     assert proc.returncode == 1 and re.search(r"exitcode\s*: 143", text), text[-3000:]
 
 
+@pytest.mark.deadline
 @pytest.mark.integration
 def test_a_stopped_rank_fails_the_job_naming_it(tmp_path):
     proc = launch(tmp_path, ["trainer.collective_timeout_s=5", "trainer.stop_check_every=1000"])
@@ -127,6 +128,7 @@ def test_a_stopped_rank_fails_the_job_naming_it(tmp_path):
     assert "trainer.collective_timeout_s=5)" in text and re.search(r"exitcode\s*: 4", text), text[-3000:]
 
 
+@pytest.mark.deadline
 @pytest.mark.integration
 def test_workers_of_a_killed_launcher_leave_at_once_in_one_line(tmp_path):
     ck = tmp_path / "ck"
@@ -154,6 +156,7 @@ def test_workers_of_a_killed_launcher_leave_at_once_in_one_line(tmp_path):
                                                if ".tmp-" not in p.name)
 
 
+@pytest.mark.deadline
 @pytest.mark.integration
 def test_workers_of_a_launcher_killed_while_they_start_leave_at_once(tmp_path):
     proc = launch(tmp_path, FAST)
@@ -181,6 +184,7 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
+@pytest.mark.deadline
 @pytest.mark.integration
 def test_a_stopped_rank_is_named_by_the_heartbeat_before_the_collective_timeout(tmp_path):
     # The collective timeout stays long (healthy long collectives keep it); the heartbeat names the
