@@ -24,7 +24,7 @@ from anyrec.config import AnyrecConfig
 from anyrec.history.cache import cache_dir, local_key, write_entry
 from anyrec.io_checks import writable_file, write_yaml
 from anyrec.runtime.agreement import Agreement
-from anyrec.runtime.distributed import destroy_distributed, start_runtime
+from anyrec.runtime.distributed import close_runtime, start_runtime
 from anyrec.signing import resolve_key
 
 
@@ -72,7 +72,7 @@ def run(cfg: AnyrecConfig) -> None:
         exit_stopped("anyrec.calibrate", e, rank == 0)
     finally:
         run.close()
-        destroy_distributed()
+        close_runtime(runtime)
 
 
 def main(cfg: DictConfig) -> None:

@@ -31,7 +31,7 @@ def run(cfg: DictConfig) -> dict:
     """Train with a composed config; rank 0 prints the JSON summary as its last stdout line."""
     # torchrec (the trainer, and calibration, which trains) loads once Hydra has parsed the command line
     from anyrec.calibration.first_contact import calibrated_hardware, wants_calibration  # torchrec: late
-    from anyrec.runtime.distributed import destroy_distributed, start_runtime  # after the command line
+    from anyrec.runtime.distributed import close_runtime, start_runtime  # after the command line
     from anyrec.runtime.shutdown import peer_failure, peers_met  # with the trainer, after Hydra parsed argv
     from anyrec.trainer.trainer import Trainer  # torchrec loads once Hydra has parsed the command line
 
@@ -55,7 +55,7 @@ def run(cfg: DictConfig) -> dict:
         # and the heartbeat down here. A heartbeat thread left in the store's C++ code when the
         # interpreter exits aborts the process ("terminate called without an active exception").
         traceback.clear_frames(e.__traceback__)  # the half-built Trainer's model goes before the group
-        destroy_distributed(barrier=peers_met(runtime.dist.rank, runtime.dist.world_size))  # bounded wait
+        close_runtime(runtime, barrier=peers_met(runtime.dist.rank, runtime.dist.world_size))  # bounded wait
         raise
     try:
         summary = trainer.train()

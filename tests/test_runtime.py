@@ -111,3 +111,30 @@ def test_train_calibrates_and_trains_in_one_runtime(tmp_path, monkeypatch, caplo
     (trainer,) = built
     assert trainer.hardware.measured_by == str(entry) and summary["predicted_step_ms"] > 0
     assert trainer.job.hardware_file == str(entry)  # what a run 10x off its prediction rejects
+
+
+def test_the_runtime_holds_its_heartbeat_and_closing_it_stops_the_thread(monkeypatch):
+    """The heartbeat is the runtime's own value (no module state): closing the runtime stops its thread
+    and tells the peer this rank left on purpose."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from anyrec.backends.interface import Binding
+    from anyrec.runtime.distributed import Runtime, close_runtime
+    from anyrec.runtime.shutdown import DONE, Heartbeat
+
+    from .conftest import free_port
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10))  # the launcher's
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    heartbeat = Heartbeat(0, 2, timeout_s=60).start()
+    backend = get_backend("cpu")
+    runtime = Runtime(backend, ONE_PROCESS, torch.device("cpu"), Binding(), (0,), heartbeat)
+    assert any(t.name == "anyrec-heartbeat" for t in threading.enumerate())
+    close_runtime(runtime, barrier=False)
+    assert not any(t.name == "anyrec-heartbeat" for t in threading.enumerate())
+    assert dist.PrefixStore("anyrec/heartbeat/", store).get("0") == DONE

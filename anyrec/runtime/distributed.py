@@ -22,7 +22,7 @@ import torch.distributed as dist
 from anyrec.backends import Backend, get_backend
 from anyrec.backends.cpu import allowed_cores
 from anyrec.backends.interface import Binding
-from anyrec.runtime.shutdown import start_heartbeat, stop_heartbeat
+from anyrec.runtime.shutdown import Heartbeat
 
 logger = logging.getLogger(__name__)
 
@@ -167,14 +167,12 @@ def _rendezvous_problem(info: DistInfo, e: Exception, timeout_s: float | None) -
             "torchrun")
 
 
-def init_distributed(backend: Backend, timeout_s: float | None = None,
-                     peer_timeout_s: float | None = None) -> DistInfo:
+def init_distributed(backend: Backend, timeout_s: float | None = None) -> DistInfo:
     """Join (or create) the default process group with the backend's collectives library.
 
     `timeout_s` (trainer.collective_timeout_s) bounds every collective: a rank waiting longer on a
-    stopped or stuck peer fails instead of hanging for torch's default (10 to 30 minutes).
-    `peer_timeout_s` starts the heartbeat (shutdown.Heartbeat). Ranks that never all join within
-    `timeout_s` are a RendezvousError (one line).
+    stopped or stuck peer fails instead of hanging for torch's default (10 to 30 minutes). Ranks that
+    never all join within `timeout_s` are a RendezvousError (one line).
     """
     info = env_dist_info()
     backend.set_device(info.local_rank)
@@ -190,8 +188,6 @@ def init_distributed(backend: Backend, timeout_s: float | None = None,
                                     timeout=timedelta(seconds=timeout_s) if timeout_s else None)
         except (dist.DistError, TimeoutError) as e:  # DistStoreError, DistNetworkError: peers never came
             raise RendezvousError(_rendezvous_problem(info, e, timeout_s)) from None
-    if peer_timeout_s:
-        start_heartbeat(info.rank, info.world_size, peer_timeout_s)
     check_hosts(info, backend.device(info.local_rank))
     if info.is_main:
         logger.info("%d host(s) x %d ranks (world size %d)", info.hosts, info.local_world_size,
@@ -209,6 +205,7 @@ class Runtime:
     device: torch.device
     binding: Binding  # the host threads' binding and count, as decided at start
     cores: tuple[int, ...]  # the cores the process could run on before binding (calibration's cache key)
+    heartbeat: Heartbeat | None = None  # watches the next rank (trainer.peer_timeout_s); None: unwatched
 
     @property
     def bound(self) -> bool:
@@ -222,21 +219,32 @@ def start_runtime(backend_name: str, bind_cores: bool | str = "auto", timeout_s:
     and this rank's threads bound as `bind_cores` says and as many as `threads` says (None, auto: by the
     cores' load): once per process."""
     backend = get_backend(backend_name)
-    info = init_distributed(backend, timeout_s, peer_timeout_s)
+    info = init_distributed(backend, timeout_s)
+    # the heartbeat (shutdown.Heartbeat) once the group is up; the runtime holds it, close_runtime stops it
+    heartbeat = Heartbeat(info.rank, info.world_size, peer_timeout_s).start() if peer_timeout_s else None
     cores = tuple(allowed_cores())
     binding = backend.bind_local_rank(info.local_rank, info.local_world_size, bind_cores, threads, info.rank,
                                       info.world_size)
-    return Runtime(backend, info, backend.device(info.local_rank), binding, cores)
+    return Runtime(backend, info, backend.device(info.local_rank), binding, cores, heartbeat)
 
 
-def destroy_distributed(barrier: bool = True) -> None:
+def close_runtime(runtime: Runtime, barrier: bool = True) -> None:
+    """The end of what start_runtime began: the group torn down (destroy_distributed) and the runtime's
+    heartbeat stopped with it."""
+    destroy_distributed(barrier, runtime.heartbeat)
+
+
+def destroy_distributed(barrier: bool = True, heartbeat: Heartbeat | None = None) -> None:
     """Tear the group down; collect sharded modules first (avoids an abort at exit with row-wise shards).
-    `barrier=False` when a peer may be gone (after an error): then nobody waits for it."""
+    `barrier=False` when a peer may be gone (after an error): then nobody waits for it. `heartbeat` stops
+    after the barrier (it still watches the peers there) and before the group goes down (the peers leave
+    at their own pace)."""
     gc.collect()
+    if barrier and dist.is_initialized():
+        dist.barrier()
+    if heartbeat is not None:
+        heartbeat.stop()
     if dist.is_initialized():
-        if barrier:
-            dist.barrier()
-        stop_heartbeat()
         dist.destroy_process_group()
 
 

@@ -246,24 +246,6 @@ class Heartbeat:
             exit_now(line, PEER_LOST_EXIT)
 
 
-_heartbeat: Heartbeat | None = None
-
-
-def start_heartbeat(rank: int, world_size: int, timeout_s: float) -> None:
-    """Start this process's heartbeat (once the process group is up); see Heartbeat."""
-    global _heartbeat
-    stop_heartbeat()
-    _heartbeat = Heartbeat(rank, world_size, timeout_s).start()
-
-
-def stop_heartbeat() -> None:
-    """Stop watching (before the group goes down: the peers leave at their own pace)."""
-    global _heartbeat
-    if _heartbeat is not None:
-        _heartbeat.stop()
-        _heartbeat = None
-
-
 # gloo's words for a peer that is gone or silent (it raises plain RuntimeErrors), and the libraries'.
 _PEER_MARKERS = ("Timed out waiting", "Application timeout caused pair closure", "Connection closed by peer",
                  "Connection reset by peer", "watchdog", "NCCL", "RCCL", "gloo")

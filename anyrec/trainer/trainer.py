@@ -33,7 +33,7 @@ from anyrec.models.init import init_model
 from anyrec.planner.memory import MemoryPrediction
 from anyrec.planner.planned import PlannedJob
 from anyrec.planner.types import Perf
-from anyrec.runtime.distributed import DistInfo, Runtime, all_reduce_mean, destroy_distributed, start_runtime
+from anyrec.runtime.distributed import DistInfo, Runtime, all_reduce_mean, close_runtime, start_runtime
 from anyrec.runtime.shutdown import StopRequest, peers_met
 from anyrec.signing import resolve_key
 from anyrec.trainer.checkpoint import (
@@ -532,4 +532,4 @@ class Trainer:
         del self.pipeline, self.optimizers, self.fused_optimizer
         del self.model, self.train_data, self.eval_data, self.checkpoints
         if not keep_group:
-            destroy_distributed(barrier=not failed or peers_met(self.dist.rank, self.dist.world_size))
+            close_runtime(self.runtime, barrier=not failed or peers_met(self.dist.rank, self.dist.world_size))
