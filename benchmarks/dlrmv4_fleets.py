@@ -1,18 +1,22 @@
 """Which fleets can train DLRMv4: `anyrec-plan model=dlrmv4` at the reference batch (1,024 samples per rank)
 on 8, 16 and 32 GPUs of every SKU in the table, and where the tables and activations do not fit in HBM, what
 does: tables in UVM caching, activation recompute (not implemented in the trainer: a what-if), the largest
-batch per rank that fits in HBM without either, or more GPUs (the next column). Each answer carries the
+batch per rank that fits in HBM without either (where none does: with tables in host memory), or more GPUs
+(the next column). Each answer carries the
 predicted step, samples/s and time to the reference's 69.3 M samples.
 
     python benchmarks/dlrmv4_fleets.py [--out-dir benchmarks/results/2026-12-07_planning] [--skus h100,mi355x]
 
 Writes fleets.json, fleets.txt (the table) and fleets.svg (SKU x GPU count coloured by the predicted time
-to 69.3 M samples of each cell's first answer, blank where nothing fits).
+to 69.3 M samples of each cell's first answer, blank where nothing fits), and hbm_terms.txt: on 8 x MI355X
+(`--terms`), every table in HBM at the reference batch without recompute, each predicted memory term of the
+rank predicted highest against the usable HBM.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 from dataclasses import asdict, dataclass
@@ -20,8 +24,17 @@ from pathlib import Path
 
 from anyrec import _hydra
 from anyrec.plan import run
+from anyrec.planner.advice import size_text
+from anyrec.planner.estimators import usable_caps
+from anyrec.planner.memory import predict_memory
 from anyrec.planner.report import duration_text, samples_per_s
-from anyrec.planner.sequence import REFERENCE_SAMPLES
+from anyrec.planner.sequence import (
+    REFERENCE_SAMPLES,
+    hstu_memory_per_sample,
+    input_bytes_per_token,
+    job_activation_dtypes,
+    memory_tokens_per_sample,
+)
 from anyrec.planner.types import InfeasiblePlanError, Placement, PlanResult
 
 SKUS = ("h100", "h200", "b200", "gb200", "mi300x", "mi325x", "mi350x", "mi355x")
@@ -34,7 +47,7 @@ DEFAULT_OUT = Path("benchmarks/results/2026-12-07_planning")
 class Answer:
     """One plan that fits: how (`mode`), at which batch per rank, and what the planner predicts of it."""
 
-    mode: str  # "hbm" | "uvm" | "recompute" | "uvm+recompute" | "smaller batch"
+    mode: str  # "hbm" | "uvm" | "recompute" | "uvm+recompute" | "smaller batch" | "uvm, smaller"
     batch_per_rank: int
     step_ms: float
     samples_per_s: float
@@ -74,13 +87,13 @@ def recomputes(result: PlanResult) -> bool:
     return result.workload.options.activation_recompute
 
 
-def largest_batch(sku: str, gpus: int) -> PlanResult | None:
-    """The plan at the largest batch per rank (a multiple of 32, below the reference's) that fits with every
-    table in HBM and no recompute; None where not even 32 does."""
+def largest_batch(sku: str, gpus: int, uvm: bool = False) -> PlanResult | None:
+    """The plan at the largest batch per rank (a multiple of 32, below the reference's) that fits with no
+    recompute and every table in HBM (`uvm`: tables in host memory allowed); None where not even 32 does."""
     lo, hi, best = 1, REFERENCE_BATCH // 32 - 1, None
     while lo <= hi:
         mid = (lo + hi) // 2
-        got = plan(sku, gpus, 32 * mid, uvm=False)
+        got = plan(sku, gpus, 32 * mid, uvm=uvm)
         if isinstance(got, PlanResult) and not recomputes(got):
             best, lo = got, mid + 1
         else:
@@ -105,6 +118,8 @@ def fleet_cell(sku: str, gpus: int) -> Cell:
     smaller = largest_batch(sku, gpus)
     if smaller is not None:
         answers.append(answer(smaller, "smaller batch"))
+    elif not answers and (smaller := largest_batch(sku, gpus, uvm=True)) is not None:
+        answers.append(answer(smaller, "uvm, smaller"))
     return Cell(sku, gpus, answers, refusal)
 
 
@@ -161,22 +176,61 @@ def fleet_svg(cells: list[Cell]) -> str:
             out.append(f'<rect x="{x}" y="{y}" width="{w - 2}" height="{h - 2}" '
                        f'fill="{_colour(a.hours_to_reference, lo, hi)}"/>')
             label = f"{duration_text(a.hours_to_reference * 3600)} ({a.mode}"
-            label += f", b={a.batch_per_rank})" if a.mode == "smaller batch" else ")"
+            label += f", b={a.batch_per_rank})" if a.batch_per_rank != REFERENCE_BATCH else ")"
             out.append(f'<text x="{x + (w - 2) / 2}" y="{y + h / 2 + 4}" text-anchor="middle" '
                        f'fill="white">{label}</text>')
     out.append(f'<text x="10" y="{top + h * len(skus) + 25}">hbm: every table in HBM at the reference batch; '
-               f'uvm: some tables in UVM caching; recompute: activation recompute (not in the trainer yet); '
-               f'blank: nothing fits</text>')
+               f'uvm: some tables in host memory; recompute: activation recompute (not in the trainer yet); '
+               f'b=: a smaller batch per rank; blank: nothing fits</text>')
     out.append("</svg>")
     return "\n".join(out)
+
+
+def hbm_terms(sku: str, gpus: int) -> str:
+    """Every table in HBM at the reference batch and no recompute on `gpus` x `sku`: the predicted memory
+    terms of the highest rank against the usable HBM (the plan is the HBM-only one, costed without the
+    recompute the planner needed), and the activations per token by part."""
+    got = plan(sku, gpus, REFERENCE_BATCH, uvm=False)
+    if isinstance(got, str):
+        return f"{gpus} x {sku}: {got}"
+    opts = dataclasses.replace(got.workload.options, activation_recompute=False)
+    whole = dataclasses.replace(got, workload=dataclasses.replace(got.workload, options=opts))
+    m = max(predict_memory(whole), key=lambda p: p.reserved_bytes)
+    usable = usable_caps(whole.topology, whole.workload).hbm_bytes
+    lines = [f"{gpus} x {whole.topology.device.name}, {REFERENCE_BATCH} samples/rank, every table in HBM, no "
+             f"activation recompute: predicted peak of the highest rank by term (moment: {m.peak_phase})"]
+    lines += [f"  {name:<28} {size_text(v):>10}" for name, v in m.terms().items() if v]
+    short = m.reserved_bytes - usable
+    lines.append(f"  {'reserved peak':<28} {size_text(m.reserved_bytes):>10}  usable {size_text(usable)}: "
+                 + (f"{size_text(short)} short" if short > 0 else f"fits, {size_text(-short)} to spare"))
+    shape, b = opts.hstu, REFERENCE_BATCH
+    tokens = memory_tokens_per_sample(shape, b)
+    ab = job_activation_dtypes(whole.topology, opts.dense_dtype)
+    h = hstu_memory_per_sample(shape, ab, opts.attention_impl, False, tokens)
+    per_rank_tokens, positions = b * tokens, b * (tokens - shape.contextual)
+    lines.append(f"activations at {tokens:,.0f} tokens/sample ({per_rank_tokens / 1e6:.2f} M per rank):")
+    for what, per, n in ((f"{shape.num_layers} STU layers' kept tensors", shape.num_layers * h.kept_per_layer,
+                          per_rank_tokens),
+                         ("the last layer's backward and attention workspace", h.backward, per_rank_tokens),
+                         ("the preprocessor's kept tensors", h.preprocessor, positions),
+                         ("token indices and the input dropout mask", input_bytes_per_token(shape, ab),
+                          per_rank_tokens)):
+        lines.append(f"  {what:<50} {per:>8,.0f} B/token {size_text(per * n):>10}")
+    return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--skus", default=",".join(SKUS))
+    ap.add_argument("--terms", default="mi355x:8", help="SKU:GPUS whose memory terms hbm_terms.txt lists")
     args = ap.parse_args()
     logging.getLogger("anyrec").setLevel(logging.WARNING)
+    sku, gpus = args.terms.split(":")
+    terms = hbm_terms(sku, int(gpus))
+    print(terms)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "hbm_terms.txt").write_text(terms + "\n")
     cells = [fleet_cell(sku, n) for sku in args.skus.split(",") for n in GPUS]
     text = table_text(cells)
     print(text)

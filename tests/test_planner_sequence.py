@@ -1,6 +1,9 @@
 """anyrec.planner.sequence: sequence embeddings per EmbeddingCollection sharding type, the STU layers' FLOPs,
 time and memory, activation recompute, and DLRMv4's two done-when plans."""
 
+import dataclasses
+import re
+
 import pytest
 import torch
 
@@ -12,9 +15,12 @@ from anyrec.models.family import resolve_family
 from anyrec.models.hstu import DLRMv4Config, dlrmv4_flops_per_sample
 from anyrec.plan import run
 from anyrec.planner import sequence
+from anyrec.planner.advice import _buffers_per_rank
 from anyrec.planner.estimators import EmbeddingPerfEstimator, EmbeddingStorageEstimator, shard_lookups
+from anyrec.planner.job import largest_fitting_batch
+from anyrec.planner.memory import predict_memory
 from anyrec.planner.planned import SEQUENCE_2D_REFUSAL, plan_job
-from anyrec.planner.planner import make_workload
+from anyrec.planner.planner import CoDesignPlanner, make_workload
 from anyrec.planner.types import (
     InfeasiblePlanError,
     Perf,
@@ -189,24 +195,97 @@ def _plan(overrides: list[str]):
     return run(cfg, print_fn=lines.append), "\n".join(lines)
 
 
-def test_mi355x_plans_the_reference_and_prints_samples_per_s():
+def _sequence_plan(device_type: str | None, sharding: ShardingType = ShardingType.ROW_WISE):
+    """A small HSTU workload (one sequence table) planned on 2 x MI355X run on `device_type`."""
+    shape = HSTUShape(64, 2, 32, 2, 16, 16, contextual=1, preprocessor_in_dim=32, preprocessor_hidden_dim=32)
+    table = TableSpec("items", 10_000, 32, 60.0, ["items"], sequence=True)
+    topo = Topology(get_sku("mi355x"), 2, 2, device_type)
+    return CoDesignPlanner().plan([table], topo, 256, "rowwise_adagrad", 1000, hstu=shape,
+                                  allowed_shardings=(sharding,))
+
+
+def test_sequence_rows_at_the_backward_start():
+    """At the backward's start a sequence model holds neither the output all-to-all's send buffer (freed at
+    the forward's wait) nor, under bf16 autocast, the fp32 rows it read (its GEMMs keep bf16 copies); in
+    fp32 its first GEMMs keep the rows."""
+    rows = 256 * 60 * 32 * 4  # one rank's batch of rows read, fp32
+    for sharding in (ShardingType.ROW_WISE, ShardingType.TABLE_WISE):
+        gpu = predict_memory(_sequence_plan(None, sharding))
+        assert all(m.peak_phase == "interaction" and m.embedding_io_bytes == 0 for m in gpu)
+    cpu = _sequence_plan("cpu")
+    assert [m.embedding_io_bytes for m in predict_memory(cpu)] == [rows, rows]
+    # the planner's per-rank dense storage holds the rows where the peak does
+    gpu = _sequence_plan(None)
+    for plan, kept in ((gpu, 0), (cpu, rows)):
+        activations = 256 * sequence.dense_bytes_per_sample(plan.workload.options, plan.topology, 256)[1]
+        assert kept <= plan.base.storage.hbm_bytes - activations < kept + rows / 10  # + the dense model
+    # the advice's buffers: a sequence table's batches in flight hold its ids, not rows
+    wl = gpu.workload
+    assert _buffers_per_rank(wl) == wl.options.pipeline_depth * 256 * (60 + 60) * 8
+
+
+def test_mi355x_plans_the_reference_batch_and_prints_samples_per_s():
+    """8 x MI355X at 1,024 samples per rank: with every table in HBM and no recompute the predicted peak is
+    over the usable 286 GB (the STU layers' kept tensors: docs/planning.md), so the default plan moves
+    tables to host memory and says so, and with HBM only it fits as the recompute what-if, said as such."""
     result, text = _plan(["hardware=mi355x", "topology.world_size=8"])
-    assert "samples/s" in text and "M samples" in text
-    # what fits at 1,024 per rank is said, never silent: recompute is named as not in the trainer
-    if result.workload.options.activation_recompute:
-        assert "not implemented in the trainer" in text
-    assert result.workload.batch_size_per_rank == 1024
+    assert result.workload.batch_size_per_rank == 1024 and not result.workload.options.activation_recompute
+    assert "samples/s" in text and "M samples" in text and "tables leave HBM" in text
     assert {o.sharding for o in result.tables.values()} <= set(sequence.SEQUENCE_SHARDINGS)
+    usable = 286e9
+    assert all(m.reserved_bytes <= usable for m in predict_memory(result))
+    hbm, text = _plan(["hardware=mi355x", "topology.world_size=8", "planner.allow_uvm=false"])
+    assert hbm.workload.options.activation_recompute and "not implemented in the trainer" in text
+    assert all(o.placement == Placement.HBM for o in hbm.tables.values())
+    assert hbm.workload.batch_size_per_rank == 1024 and "samples/s" in text
+    # the same plan without recompute: every table in HBM is 55-65 GB over a rank
+    no_recompute = dataclasses.replace(hbm.workload.options, activation_recompute=False)
+    whole = dataclasses.replace(hbm, workload=dataclasses.replace(hbm.workload, options=no_recompute))
+    short = max(m.reserved_bytes for m in predict_memory(whole)) - usable
+    assert 55e9 < short < 65e9
 
 
-def test_h100_refuses_the_reference_batch_naming_memory():
-    with pytest.raises(InfeasiblePlanError, match="GB") as e:
-        _plan(["hardware=h100", "topology.world_size=8"])
-    assert "\n" not in str(e.value)
+def _h100_refusal(*extra: str) -> tuple[str, int]:
+    with pytest.raises(InfeasiblePlanError, match=r"GB short before any table") as e:
+        _plan(["hardware=h100", "topology.world_size=8", *extra])
+    line = str(e.value)
+    assert "\n" not in line and "activations" in line and "allowing uvm_caching" not in line
+    return line, int(re.search(r"would fit on 8 x H100: (\d+) samples per rank", line).group(1))
+
+
+def test_h100_refuses_the_reference_batch_naming_memory_and_what_fits():
+    """8 x H100 at 1,024 per rank: one line naming the memory and the shortfall, and the largest smaller
+    batch, planned (planning it again fits; the next step up does not without recompute)."""
+    line, batch = _h100_refusal()
+    assert 32 <= batch < 1024 and "planned: predicted" in line
+    fits, _ = _plan(["hardware=h100", "topology.world_size=8", f"plan.batch_size={batch}"])
+    assert fits.workload.batch_size_per_rank == batch and not fits.workload.options.activation_recompute
+    try:
+        above, _ = _plan(["hardware=h100", "topology.world_size=8", f"plan.batch_size={batch + 32}"])
+        assert above.workload.options.activation_recompute
+    except InfeasiblePlanError:
+        pass
+    # with HBM only, no batch fits (the tables alone fill a rank): the hint plans with UVM allowed
+    hbm_line, hbm_batch = _h100_refusal("planner.allow_uvm=false")
+    assert hbm_batch == batch and "with planner.allow_uvm=true" in hbm_line
+
+
+def test_largest_fitting_batch_searches_multiples():
+    fits_below = 300
+
+    def plan_at(b: int):
+        if b > fits_below:
+            raise InfeasiblePlanError("too big")
+        return b
+
+    assert largest_fitting_batch(plan_at, 1024) == 288
+    assert largest_fitting_batch(plan_at, 20) == 19  # below one step: any batch
+    assert largest_fitting_batch(lambda b: plan_at(b + 1000), 1024) is None
 
 
 def test_trainer_refuses_a_plan_that_needs_recompute():
-    _, cfg = compose_config(["model=dlrmv4", "hardware=mi355x", "topology.world_size=8"])
+    _, cfg = compose_config(["model=dlrmv4", "hardware=mi355x", "topology.world_size=8",
+                             "planner.allow_uvm=false"])
     family = resolve_family(cfg.model)
     meta = torch.device("meta")
     model = family.build_train(cfg.model, meta, meta, {ATTENTION_OP: get_impl(ATTENTION_OP, "triton")})
@@ -214,8 +293,10 @@ def test_trainer_refuses_a_plan_that_needs_recompute():
             resolve_hardware("mi355x"), FBGEMM_EMBEDDING, 8, 8, 1024)
     what_if = plan_job(*args, what_if=True)
     assert what_if.result.workload.options.activation_recompute
-    with pytest.raises(InfeasiblePlanError, match="would fit with activation recompute"):
-        plan_job(*args)  # as the trainer calls it
+    # as the trainer calls it: refused, with a batch that fits without recompute
+    with pytest.raises(InfeasiblePlanError, match="would fit with activation recompute .* would fit on 8 x "
+                                                  r"MI355X: \d+ samples per rank"):
+        plan_job(*args)
 
 
 def test_2d_for_sequences_is_refused_in_one_line():

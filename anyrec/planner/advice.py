@@ -49,12 +49,15 @@ def table_bytes(t: TableSpec, wl: Workload) -> int:
 
 
 def _buffers_per_rank(wl: Workload) -> float:
-    """Approximate per-rank HBM for sharded ids/outputs: the global batch's buffers spread over ranks."""
+    """Approximate per-rank HBM for sharded ids/outputs: the global batch's buffers spread over ranks. A
+    sequence table's batches in flight hold its ids only: the rows it outputs are one batch's, in the dense
+    part's storage where they are alive at the peak (DenseEstimator)."""
     b, depth = wl.batch_size_per_rank, wl.options.pipeline_depth
     per = 0.0
     for t in wl.tables:
-        out = b * t.bags_per_sample * t.embedding_dim * OUTPUT_BYTES
-        per += depth * (b * (t.pooling_factor + t.bags_per_sample) * ID_BYTES + out) + out
+        ids = b * (t.pooling_factor + t.bags_per_sample) * ID_BYTES
+        out = 0.0 if t.sequence else b * t.bags_per_sample * t.embedding_dim * OUTPUT_BYTES
+        per += depth * (ids + out) + out
     return per
 
 
@@ -104,10 +107,12 @@ def explain_infeasible(wl: Workload, topo: Topology, caps: Storage, base: RankCo
     sizes = {t.name: table_bytes(t, wl) for t in wl.tables}
     biggest = max(sizes, key=sizes.get)
     if free <= 0:
-        what = (f"the dense model, its optimizer and the batch buffers need "
+        # per rank, whatever the tables: no placement of them, number of devices or table dim makes room
+        return (f"cannot plan {len(wl.tables)} tables on {where}: the dense model, its optimizer, its "
+                f"activations and the batch buffers at {wl.batch_size_per_rank:,} samples per rank need "
                 f"{size_text(base.storage.hbm_bytes)} per rank but a rank has {size_text(caps.hbm_bytes)} "
-                f"usable ({reserve})")
-    elif sizes[biggest] / w > free and hbm_only:
+                f"usable ({reserve}): {size_text(-free)} short before any table")
+    if sizes[biggest] / w > free and hbm_only:
         what = (f"table {biggest} needs {size_text(sizes[biggest] / w)} per rank even split row-wise over "
                 f"{w} rank(s); a rank has {size_text(free)} free ({reserve}, less "
                 f"{size_text(base.storage.hbm_bytes)} dense and buffers)")

@@ -14,6 +14,7 @@ from anyrec.planner.sequence import (
     dense_bytes_per_sample,
     hstu_time_s,
     job_activation_dtypes,
+    rows_kept_for_backward,
     sequence_lookups,
     sequence_perf,
     stu_flops,
@@ -364,9 +365,13 @@ class DenseEstimator:
         opts = workload.options
         dense_state = OPTIMIZER_DENSE_STATE_BYTES[workload.optimizer]
         pooled = b * sum(t.bags_per_sample * t.embedding_dim for t in workload.tables) * OUTPUT_BYTES
-        # sequence rows are read by the dense part as they arrive: one batch's, beside its activations (the
-        # memory model's peak; their gradient comes when the activations are gone)
-        copies = 1 if any(t.sequence for t in workload.tables) else opts.pipeline_depth + 1
+        # sequence rows are read by the dense part as they arrive: one batch's, beside its activations at the
+        # memory model's peak only where the dense part keeps them (fp32: rows_kept_for_backward); their
+        # gradient comes when the activations are gone
+        if any(t.sequence for t in workload.tables):
+            copies = 1 if rows_kept_for_backward(topology, opts.dense_dtype) else 0
+        else:
+            copies = opts.pipeline_depth + 1
         hbm = n * (4 + 4 + dense_state) + copies * pooled
         hbm += b * dense_bytes_per_sample(opts, topology, b)[1]
         dev = topology.device

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 
 from torch import nn
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig, DataType, EmbeddingConfig
@@ -153,14 +154,16 @@ def plan_model(model: nn.Module, ebc: nn.Module, facts: WorkloadFacts, cfg_plann
     `resident_bytes`: what the data sources keep on each device (the plan leaves room for it). An HSTU
     model that fits only with activation recompute gets that plan, said in its notes, where
     `allow_recompute` (a what-if plan: the trainer does not recompute yet); otherwise InfeasiblePlanError
-    says it would fit with recompute."""
+    says it would fit with recompute. An HSTU model refused at this batch is told the largest batch per
+    rank that does fit here (`what_fits`: planned, not estimated)."""
     tables, dense_params, options = planner_inputs(model, ebc, facts, cfg_planner, optimizer, embedding,
                                                    topology.compute_device, attention_impl)
     options.update(id_zipf_exponent=id_zipf_exponent, resident_bytes=resident_bytes)
     planner = planner or CoDesignPlanner()
+    allowed = options["allowed_placements"]
 
-    def plan(recompute: bool) -> PlanResult:
-        return planner.plan(tables, topology, batch_size_per_rank, optimizer, dense_params, **options,
+    def plan(recompute: bool, batch: int = batch_size_per_rank, **extra: object) -> PlanResult:
+        return planner.plan(tables, topology, batch, optimizer, dense_params, **{**options, **extra},
                             activation_recompute=recompute)
 
     try:
@@ -171,13 +174,57 @@ def plan_model(model: nn.Module, ebc: nn.Module, facts: WorkloadFacts, cfg_plann
         try:
             result = plan(True)
         except InfeasiblePlanError:
-            raise e from None
+            tail = what_fits(plan, batch_size_per_rank, allowed, embedding, topology)
+            raise InfeasiblePlanError(f"{e}{tail}") from None
         step = f"predicted step {result.predicted_step_s * 1e3:.0f} ms"
         if not allow_recompute:
+            tail = what_fits(plan, batch_size_per_rank, allowed, embedding, topology)
             raise InfeasiblePlanError(f"{e}; it would fit with activation recompute (not implemented in the "
-                                      f"trainer; {step})") from None
+                                      f"trainer; {step}){tail}") from None
         result.notes.append(f"activation recompute: no plan fits without it; each STU layer keeps only its "
                             f"input and recomputes the rest in the backward ({step}); not implemented in "
                             f"the trainer: a what-if plan")
         return result
 
+
+BATCH_STEP = 32  # smaller batches per rank are tried in multiples of this (of 1 below it)
+
+
+def largest_fitting_batch(plan_at: Callable[[int], PlanResult], batch: int) -> PlanResult | None:
+    """The plan at the largest batch per rank below `batch` (a multiple of BATCH_STEP where `batch` is
+    larger) that `plan_at` finds; None where not even the smallest fits. A batch's memory grows with its
+    size, so a binary search."""
+    step = BATCH_STEP if batch > BATCH_STEP else 1
+    lo, hi, best = 1, (batch - 1) // step, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        try:
+            best, lo = plan_at(mid * step), mid + 1
+        except InfeasiblePlanError:
+            hi = mid - 1
+    return best
+
+
+def what_fits(plan: Callable[..., PlanResult], batch: int, allowed: tuple[Placement, ...],
+              embedding: EmbeddingCost, topology: Topology) -> str:
+    """The tail of a refusal: the largest batch per rank below `batch` that plans here without recompute
+    (`plan(recompute, batch, **options)`) with the `allowed` placements, or, where they leave out UVM
+    caching and no batch fits without it, with it (where the implementation offers it); or that no
+    smaller batch fits either."""
+    found = largest_fitting_batch(lambda b: plan(False, b), batch)
+    uvm = ""
+    if (found is None and Placement.UVM_CACHING not in allowed and topology.compute_device != "cpu"
+            and Placement.UVM_CACHING.value in embedding.impl.compute_kernels):
+        # as planner.allow_uvm=true offers them: every placement the implementation runs
+        placements = tuple(p for p in Placement if p.value in embedding.impl.compute_kernels)
+        found = largest_fitting_batch(lambda b: plan(False, b, allowed_placements=placements), batch)
+        uvm = " with planner.allow_uvm=true"
+    where = f"{topology.world_size} x {topology.device.name}"
+    if found is None:
+        return f"; no smaller batch fits {where} either"
+    off = Counter(o.placement.value for o in found.tables.values() if o.placement != Placement.HBM)
+    rate = topology.world_size * found.workload.batch_size_per_rank / found.predicted_step_s
+    tables = (", " + ", ".join(f"{n} of {len(found.tables)} tables in {p}" for p, n in sorted(off.items()))
+              if off else ", every table in HBM")
+    return (f"; would fit on {where}: {found.workload.batch_size_per_rank} samples per rank{uvm}{tables} "
+            f"(planned: predicted {rate:,.0f} samples/s)")

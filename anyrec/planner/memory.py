@@ -22,7 +22,7 @@ from anyrec.planner.estimators import (
     shard_lookups,
     state_bytes,
 )
-from anyrec.planner.sequence import dense_bytes_per_sample
+from anyrec.planner.sequence import dense_bytes_per_sample, rows_kept_for_backward
 from anyrec.planner.types import Placement, PlanResult, ReplicaUpdate, ShardingType, Topology
 
 # CUDA's caching allocator (and simdev's) rounds every allocation up to a multiple of 512 bytes.
@@ -278,12 +278,18 @@ def _rank_prediction(plan: PlanResult, r: _Rank, data_source_bytes: int, sharded
     bucket = alloc_bytes(r.replica_grad) if plan.topology.world_size > 1 else 0
     # phase -> (activations, embedding in/out, workspace, replicas' gradient)
     lookup_b, activation_b, gradient_b = dense_bytes_per_sample(opts, plan.topology, b)  # HSTU: sequence.py
-    copies = 1 if any(t.sequence for t in wl.tables) else 2  # sequence rows: read as they are, no concat
+    if any(t.sequence for t in wl.tables):
+        # Sequence rows are read as they are (no concatenation). At the backward's start the all-to-all's
+        # send buffer is gone, and the rows it delivered are kept only where the dense part runs in fp32
+        # (sequence.rows_kept_for_backward).
+        seen = pooled if rows_kept_for_backward(plan.topology, opts.dense_dtype) else 0
+    else:
+        # the pooled embeddings twice (KeyedTensor and the model's concatenation) and the lookups' own
+        # output (unsharded, the lookups' output is the pooled embeddings)
+        seen = 2 * pooled + (out if sharded else 0)
     phases = {
         "lookup": (alloc_bytes(b * lookup_b), out, lookup_ws + replica, bucket),
-        # (unsharded, the lookups' output is the pooled embeddings)
-        "interaction": (alloc_bytes(b * activation_b), copies * pooled + (out if sharded else 0), replica,
-                        bucket),
+        "interaction": (alloc_bytes(b * activation_b), seen, replica, bucket),
         "update": (alloc_bytes(b * gradient_b), out, update_ws,
                    bucket + alloc_bytes(r.replica_grad)),
     }

@@ -136,6 +136,16 @@ def activation_bytes(topology: Topology, dense_dtype: str) -> int:
     return 2 if dense_dtype in ("bf16", "fp16") and topology.compute_device != "cpu" else FP32_BYTES
 
 
+def rows_kept_for_backward(topology: Topology, dense_dtype: str) -> bool:
+    """Whether the fp32 rows a sequence model read from the output all-to-all are still alive when its
+    backward starts. In fp32 the preprocessor's first GEMMs save them as their inputs. Under bf16/fp16
+    autocast those GEMMs save half-precision copies (`preprocessor_bytes_per_position`) and nothing else
+    holds the rows: torchrec's sequence all-to-all (`All2All_Seq_Req_Wait`) and its unbucketize permute save
+    no embeddings for their backward, so the rows are freed when the forward returns. (The all-to-all's
+    send buffer is freed earlier, when the forward waits on it.)"""
+    return activation_bytes(topology, dense_dtype) == FP32_BYTES
+
+
 @dataclass(frozen=True)
 class ActivationBytes:
     """Bytes per element of what autograd keeps, by kind: `gemm`, a GEMM's input or output (2 under
