@@ -24,7 +24,7 @@ from anyrec.config import AnyrecConfig
 from anyrec.history.cache import cache_dir, local_key, write_entry
 from anyrec.io_checks import writable_file, write_yaml
 from anyrec.runtime.agreement import Agreement
-from anyrec.runtime.distributed import close_runtime, start_runtime
+from anyrec.runtime.distributed import close_runtime, launch_started, start_runtime
 from anyrec.signing import resolve_key
 
 
@@ -38,11 +38,11 @@ def run(cfg: AnyrecConfig) -> None:
     # Ranks take their share of the host's cores as the trainer's do: the figures are the trainer's;
     # what the rule chose (auto) or was told, the step points' trainers run with.
     runtime = start_runtime(cfg.backend.name, cfg.backend.bind_cores, cfg.trainer.collective_timeout_s,
-                            cfg.trainer.peer_timeout_s, cfg.backend.threads)
+                            cfg.trainer.peer_timeout_s, cfg.backend.threads, started=launch_started())
     backend, info = runtime.backend, runtime.dist
     rank, world = info.rank, info.world_size
     run = CalibrationRun.begin(opts.time_limit_s, rank, world, progress=True,
-                               agreement=Agreement.begin(rank, world, "calibration"))
+                               agreement=Agreement.begin(rank, world, "calibration"), started=runtime.started)
     try:
         start = time.perf_counter()
         kernels = backend.select_kernels()

@@ -31,7 +31,11 @@ def run(cfg: DictConfig) -> dict:
     """Train with a composed config; rank 0 prints the JSON summary as its last stdout line."""
     # torchrec (the trainer, and calibration, which trains) loads once Hydra has parsed the command line
     from anyrec.calibration.first_contact import calibrated_hardware, wants_calibration  # torchrec: late
-    from anyrec.runtime.distributed import close_runtime, start_runtime  # after the command line
+    from anyrec.runtime.distributed import (  # after the command line
+        close_runtime,
+        launch_started,
+        start_runtime,
+    )
     from anyrec.runtime.shutdown import peer_failure, peers_met  # with the trainer, after Hydra parsed argv
     from anyrec.trainer.trainer import Trainer  # torchrec loads once Hydra has parsed the command line
 
@@ -44,7 +48,7 @@ def run(cfg: DictConfig) -> dict:
     # The backend, the process group and this rank's core binding: once, for calibration and training.
     tc = config.trainer
     runtime = start_runtime(config.backend.name, config.backend.bind_cores, tc.collective_timeout_s,
-                            tc.peer_timeout_s, config.backend.threads)
+                            tc.peer_timeout_s, config.backend.threads, started=launch_started())
     hardware = None  # the Trainer resolves `hardware.sku` itself
     try:
         if wants_calibration(config):  # hardware=auto: this machine's cached figures, measured on a miss

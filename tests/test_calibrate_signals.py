@@ -84,25 +84,21 @@ def test_first_contact_calibration_stops_on_sigterm(tmp_path):
 @pytest.mark.integration
 def test_the_time_limit_bounds_the_run_and_says_what_fell_back(tmp_path):
     out = tmp_path / "cal.yaml"
-    limit_s = 2.0
+    limit_s = 1.0  # less than the command's start-up (torch alone imports in more): all of it spent there
     proc = subprocess.run([sys.executable, "-m", "anyrec.calibrate", f"calibrate.output={out}",
                            f"calibrate.time_limit_s={limit_s}"], cwd=tmp_path, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = yaml.safe_load(out.read_text())["measurements"]
-    # Past the limit at most the warm-up trainer runs (to learn how long one takes) and the pass started
-    # ends with the time: the built-in step figures scaled to what was measured (the warm-up point), or,
-    # with nothing measured at all, kept as they are; a measurement started ends after one timed call.
+    # The limit counts from the command's start: past it, a measurement started ends after one timed
+    # call, no embedding point and no pass of the step points runs; the built-in figures are kept as they
+    # are, and the file says what fell back.
     reasons = " ".join(m["trust"]["reasons"])
-    if "step" in m:
-        assert m["step"]["builtin_scale"] >= 0 and len(m["step"]["points"]) <= 1
-        assert "trainer step (" in reasons and "the built-in figures scaled" in reasons
-    else:
-        assert m["step_unused"]["passes"] == 0 and not m["step_unused"]["points"]
-        assert "trainer step (time limit)" in reasons
-    assert len([k for k, e in m["embedding"].items() if "profile" in e]) == 0
+    assert "step" not in m and m["step_unused"]["passes"] == 0 and not m["step_unused"]["points"]
+    assert "trainer step (time limit)" in reasons
+    assert m["embedding"]["fbgemm"]["skipped"].startswith("0 of "), m["embedding"]
     assert not m["trust"]["trusted"]
     assert "figures not cached as trusted" in proc.stdout + proc.stderr  # said in one line
     spec = resolve_hardware(str(out)).spec  # a usable file: the built-in figures where none measured
-    assert ("step_fixed_s" in m["measured_fields"]) == ("step" in m)
+    assert "step_fixed_s" not in m["measured_fields"]
     assert spec.peak_fp32_flops == m["gemm_flops"]["fp32"]

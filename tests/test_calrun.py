@@ -190,3 +190,28 @@ def test_the_step_points_fit_what_bytes_and_flops_leave_unexplained(monkeypatch)
     out = step.measure_step_costs(Rt(), Hardware(spec), 0.0, measure_timing.fit_nonnegative, quick=True)
     assert seen and set(seen) == {0.0}
     assert out["fields"]["step_fixed_s"] > 0  # the 4 ms bytes and FLOPs leave unexplained, fitted
+
+
+def test_the_time_limit_counts_from_when_the_job_began_as_the_entry_point_says():
+    """An entry point hands the job's start (launch_started: this process's, here) to the run, so start-up
+    counts against the limit; a library call's limit starts with the run. Nothing is read from argv."""
+    import os
+    import time
+
+    from anyrec.runtime.distributed import launch_started
+
+    with open(f"/proc/{os.getpid()}/stat") as f:
+        assert int(f.read().rsplit(")", 1)[1].split()[19]) > 0  # /proc answers: launch_started reads it
+    before = time.monotonic()
+    started = launch_started()
+    assert started < before - 0.5  # this test process began well before now (imports, collection)
+    run = CalibrationRun.begin(100.0, progress=False, started=started)
+    try:
+        assert run.left_s() == pytest.approx(100.0 - (time.monotonic() - started), abs=0.5)
+    finally:
+        run.close()
+    library = CalibrationRun.begin(100.0, progress=False)
+    try:
+        assert 99.0 < library.left_s() <= 100.0
+    finally:
+        library.close()

@@ -139,7 +139,7 @@ def _find_or_measure(cfg: AnyrecConfig, runtime: Runtime, signing_key: SigningKe
         logger.warning("calibration cache file %s not used: %s; measuring again", path, problem)
     start = time.perf_counter()
     run = CalibrationRun.begin(cfg.calibrate.time_limit_s, info.rank, info.world_size, cfg.trainer.progress,
-                               cfg.trainer.collective_timeout_s, agreement)
+                               cfg.trainer.collective_timeout_s, agreement, started=runtime.started)
     try:
         with log_file_only():  # the point-by-point log: the console's is the thorough calibration's
             calibration = calibrate(runtime, "quick", cfg.trainer.calibrate_budget_s, run)

@@ -22,7 +22,6 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
@@ -82,16 +81,18 @@ class CalibrationRun:
 
     @classmethod
     def begin(cls, limit_s: float, rank: int = 0, world_size: int = 1, progress: bool = True,
-              timeout_s: float = 600.0, agreement: Agreement | None = None) -> CalibrationRun:
-        """Catch the stop signals (main thread only; `close()` undoes it); the clock started with the job
-        (its launcher, under torchrun): `limit_s` bounds what a user waits, start-up included. With several
-        ranks, `agreement` (every rank's, begun at the same point) takes the run's decisions."""
+              timeout_s: float = 600.0, agreement: Agreement | None = None,
+              started: float | None = None) -> CalibrationRun:
+        """Catch the stop signals (main thread only; `close()` undoes it). `limit_s` counts from `started`
+        (time.monotonic() when the job began: `Runtime.started`, its launcher's start for an entry point,
+        so the limit bounds what a user waits, start-up included), else from now. With several ranks,
+        `agreement` (every rank's, begun at the same point) takes the run's decisions."""
         stop = StopRequest(rank, world_size, 1, STOP_GRACE_S, timeout_s,
                            boundary="the current measurement", lost="nothing written")
         stop.install()
         bar = tqdm(total=0, desc="calibrate", unit="pt", file=sys.stderr, dynamic_ncols=True, mininterval=0.5,
                    disable=not (rank == 0 and progress))
-        deadline = time.monotonic() - job_age_s() + limit_s
+        deadline = (time.monotonic() if started is None else started) + limit_s
         return cls(limit_s, deadline, world_size, rank, stop, bar, deadline, agreement=agreement)
 
     @classmethod
@@ -180,23 +181,6 @@ class CalibrationRun:
             self.spreads[name] = timing.spread
         if self.bar is not None:
             self.bar.update(1)
-
-
-def job_age_s() -> float:
-    """Seconds since this job started: its launcher (under torchrun) or this process where it was started
-    for anyrec (`python -m anyrec.X`, `anyrec-X`); 0 for a library call (a test, a notebook) or unknown."""
-    entry = Path(sys.argv[0] if sys.argv else "")
-    if not (entry.name.startswith("anyrec") or Path(__file__).parent in entry.resolve().parents):
-        return 0.0
-    pid = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid()
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22 of proc(5): starttime
-        with open("/proc/uptime") as f:
-            uptime_s = float(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 0.0
-    return max(0.0, uptime_s - start_ticks / os.sysconf("SC_CLK_TCK"))
 
 
 def exit_stopped(prog: str, e: CalibrationStopped, is_main: bool) -> None:

@@ -206,6 +206,7 @@ class Runtime:
     binding: Binding  # the host threads' binding and count, as decided at start
     cores: tuple[int, ...]  # the cores the process could run on before binding (calibration's cache key)
     heartbeat: Heartbeat | None = None  # watches the next rank (trainer.peer_timeout_s); None: unwatched
+    started: float | None = None  # time.monotonic() when the job began (launch_started); None: a library call
 
     @property
     def bound(self) -> bool:
@@ -213,11 +214,28 @@ class Runtime:
         return self.binding.cores is not None
 
 
+def launch_started() -> float:
+    """time.monotonic() when this job began: its launcher's start under torchrun, else this process's
+    (an entry point's: what a user has waited since the command); now where /proc cannot tell."""
+    pid = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid()
+    now = time.monotonic()
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22 of proc(5): starttime
+        with open("/proc/uptime") as f:
+            uptime_s = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return now
+    return now - max(0.0, uptime_s - start_ticks / os.sysconf("SC_CLK_TCK"))
+
+
 def start_runtime(backend_name: str, bind_cores: bool | str = "auto", timeout_s: float | None = None,
-                  peer_timeout_s: float | None = None, threads: int | None = None) -> Runtime:
+                  peer_timeout_s: float | None = None, threads: int | None = None,
+                  started: float | None = None) -> Runtime:
     """The backend called `backend_name`, the process group joined (init_distributed, with its timeouts)
     and this rank's threads bound as `bind_cores` says and as many as `threads` says (None, auto: by the
-    cores' load): once per process."""
+    cores' load): once per process. `started`: when the job began (launch_started(), from an entry
+    point); None for a library call."""
     backend = get_backend(backend_name)
     info = init_distributed(backend, timeout_s)
     # the heartbeat (shutdown.Heartbeat) once the group is up; the runtime holds it, close_runtime stops it
@@ -225,7 +243,7 @@ def start_runtime(backend_name: str, bind_cores: bool | str = "auto", timeout_s:
     cores = tuple(allowed_cores())
     binding = backend.bind_local_rank(info.local_rank, info.local_world_size, bind_cores, threads, info.rank,
                                       info.world_size)
-    return Runtime(backend, info, backend.device(info.local_rank), binding, cores, heartbeat)
+    return Runtime(backend, info, backend.device(info.local_rank), binding, cores, heartbeat, started)
 
 
 def close_runtime(runtime: Runtime, barrier: bool = True) -> None:
