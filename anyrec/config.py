@@ -11,6 +11,8 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from anyrec.choices import Switch, parse_switch
+
 
 def config_dir() -> Path:
     """The Hydra config groups: shipped inside the package when installed, else the repo's `configs/`."""
@@ -39,7 +41,6 @@ TablePrecision = StrEnum("TablePrecision", "fp32 fp16 int8")
 IdLayout = StrEnum("IdLayout", "offsets lengths")
 Split = StrEnum("Split", "train eval")
 Int8Kernel = StrEnum("Int8Kernel", "auto fbgemm torch")
-Switch = StrEnum("Switch", "auto true false")  # auto, or forced on or off
 ReplicaUpdateChoice = StrEnum("ReplicaUpdateChoice", "auto average gradients")
 GroupWord = StrEnum("GroupWord", "world auto")
 
@@ -47,16 +48,6 @@ GroupWord = StrEnum("GroupWord", "world auto")
 # no OmegaConf type: their schema type is Any, and each is parsed once, where its section is built (the
 # dataclass's __post_init__, which OmegaConf.to_object calls), into the typed value library code reads.
 GroupSize = GroupWord | int  # planner.sharding_group_size: world (1D), auto (the planner chooses) or N ranks
-
-
-def parse_switch(key: str, value: object) -> Switch:
-    """An auto|true|false option (a bool, or its word in any case) as a Switch; ValueError naming `key`."""
-    if isinstance(value, Switch):
-        return value
-    word = str(value).strip().lower()
-    if word not in Switch.__members__:
-        raise ValueError(f"{key}={value!r}: choose auto, true or false")
-    return Switch[word]
 
 
 def _count(value: object) -> int | None:

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from anyrec.backends.hardware_file import STEP_FIELDS
+from anyrec.choices import Switch
 from anyrec.config import AnyrecConfig, Calibrate
 from anyrec.history import cache as calcache
 
@@ -136,7 +137,7 @@ def test_the_quick_calibration_logs_its_points_to_the_file_only(tmp_path, monkey
 
     monkeypatch.setattr(first_contact, "calibrate", measure)
     cfg = compose_config(["trainer.calibrate=always", "trainer.progress=false"])[1]
-    runtime = start_runtime("cpu", bind_cores=False)
+    runtime = start_runtime("cpu", bind_cores=Switch.false)
     try:
         with pytest.raises(_Measured):
             first_contact.calibrated_hardware(cfg, runtime)

@@ -80,8 +80,10 @@ BIND_CHILD = """
 import json, os, sys, threading, logging
 import torch
 from anyrec.backends.cpu import CPUBackend
+from anyrec.choices import Switch
 logging.basicConfig(level=logging.INFO)
-rank, world, bind = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+rank, world = int(sys.argv[1]), int(sys.argv[2])
+bind = Switch.true if sys.argv[3] == "1" else Switch.false
 stop = threading.Event()
 before = threading.Thread(target=stop.wait); before.start()
 share = CPUBackend().bind_local_rank(rank, world, bind).cores

@@ -15,11 +15,11 @@ from anyrec.backends.core_load import (
     OTHER_BUSY_MAX_CORES,
     CoreLoad,
     LoadMeter,
-    bind_setting,
     choose_binding,
     measure_core_load,
 )
 from anyrec.backends.cpu import core_share
+from anyrec.choices import Switch, parse_switch
 
 LINUX_2_CORES = pytest.mark.skipif(
     not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2
@@ -33,19 +33,19 @@ def _never() -> CoreLoad:
 
 
 def test_rule_binds_on_free_cores_and_not_on_busy_ones():
-    quiet = choose_binding("auto", lambda: QUIET)
+    quiet = choose_binding(Switch.auto, lambda: QUIET)
     assert quiet.bind and "bound" in quiet.describe() and "0.05 cores" in quiet.describe()
-    loaded = choose_binding("auto", lambda: LOADED)
+    loaded = choose_binding(Switch.auto, lambda: LOADED)
     assert not loaded.bind and "1.60 cores" in loaded.describe() and "free" in loaded.describe()
     edge = CoreLoad(busy_cores=1.0 + OTHER_BUSY_MAX_CORES, own_cores=1.0, sample_s=0.25)
-    assert choose_binding("auto", lambda: edge).bind
-    assert choose_binding("auto", lambda: None).bind  # unreadable: the quiet-host default
-    # Forced either way, nothing is measured; Hydra hands booleans over as 'True' / 'False'.
-    assert choose_binding(True, _never).bind and choose_binding("True", _never).bind
-    assert not choose_binding("false", _never).bind
-    assert choose_binding("false", _never).describe() == "backend.bind_cores=false"
+    assert choose_binding(Switch.auto, lambda: edge).bind
+    assert choose_binding(Switch.auto, lambda: None).bind  # unreadable: the quiet-host default
+    # Forced either way, nothing is measured (Hydra's 'True' / 'False' are parsed where the config is built)
+    assert choose_binding(Switch.true, _never).bind
+    assert not choose_binding(Switch.false, _never).bind
+    assert choose_binding(Switch.false, _never).describe() == "backend.bind_cores=false"
     with pytest.raises(ValueError, match="backend.bind_cores='sometimes': choose auto, true or false"):
-        bind_setting("sometimes")
+        parse_switch("backend.bind_cores", "sometimes")
 
 
 @pytest.mark.integration
@@ -73,11 +73,12 @@ AUTO_CHILD = """
 import json, os, sys, logging
 import anyrec.backends.cpu as cpu
 from anyrec.backends.core_load import CoreLoad
+from anyrec.choices import Switch
 logging.basicConfig(level=logging.INFO)
 busy, own = float(sys.argv[1]), float(sys.argv[2])
 cpu.measure_core_load = lambda cpus: CoreLoad(busy_cores=busy, own_cores=own, sample_s=0.25)
 backend = cpu.CPUBackend()
-binding = backend.bind_local_rank(1, 2, "auto")
+binding = backend.bind_local_rank(1, 2, Switch.auto)
 mask = sorted(os.sched_getaffinity(0))
 print(json.dumps({"share": binding.cores, "mask": mask, "bind": binding.bind.bind}))
 """

@@ -12,6 +12,7 @@ from anyrec.backends.core_load import CoreLoad
 from anyrec.calibration.measure import embedding
 from anyrec.calibration.measure import timing as measure_timing
 from anyrec.calibration.run import CalibrationRun, CalibrationStopped, Timing
+from anyrec.choices import Switch
 from anyrec.history.trust import assess
 
 
@@ -159,7 +160,7 @@ def test_a_signal_a_step_points_trainer_caught_stops_the_run(monkeypatch):
             self.step_hooks.append(lambda t: os.kill(os.getpid(), signal.SIGTERM) if t.step == 1 else None)
 
     monkeypatch.setattr(calibrate_step, "Trainer", SignalledTrainer)
-    runtime = start_runtime("cpu", bind_cores=False)
+    runtime = start_runtime("cpu", bind_cores=Switch.false)
     hardware = Hardware(runtime.backend.device_spec())
     with pytest.raises(CalibrationStopped) as e:
         calibrate_step._train_point(calibrate_step.POINTS[0], runtime, hardware, steps=40,

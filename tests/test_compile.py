@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from anyrec.backends import get_backend
-from anyrec.config import ParityConfig
+from anyrec.config import ParityConfig, Switch, parse_switch
 from anyrec.history.compile_records import CompileRecord, read_record
 from anyrec.models.dlrm import build_model
 from anyrec.trainer import compile as comp
@@ -40,10 +40,10 @@ def _never() -> float:
 
 
 def test_setting_parses_bools_and_refuses_others():
-    assert [comp.compile_setting(v) for v in (True, False, "AUTO", " true ", "False")] == \
-        ["true", "false", "auto", "true", "false"]
+    assert [parse_switch("trainer.compile", v) for v in (True, False, "AUTO", " true ", "False")] == \
+        [Switch.true, Switch.false, Switch.auto, Switch.true, Switch.false]
     with pytest.raises(ValueError, match=r"trainer.compile='yes': choose auto, true or false"):
-        comp.compile_setting("yes")
+        parse_switch("trainer.compile", "yes")
 
 
 def test_worth_compiling_weighs_saving_over_remaining_steps_against_compile_time():
@@ -56,20 +56,20 @@ def test_worth_compiling_weighs_saving_over_remaining_steps_against_compile_time
 def test_choose_auto_uses_the_record_and_false_or_no_inductor_stay_eager():
     cpu = get_backend("cpu")
     rec = _record(compile_s=20.0, eager_ms=10.0, compiled_ms=6.0)
-    assert choose("auto", cpu, 10_000, rec, _never)[0] == "compile"
-    action, why = choose("auto", cpu, 1_000, rec, _never)
+    assert choose(Switch.auto, cpu, 10_000, rec, _never)[0] == "compile"
+    action, why = choose(Switch.auto, cpu, 1_000, rec, _never)
     assert action == "eager" and "1000 steps x 4.000 ms saved = 4.0 s vs 20.0 s to compile" in why
-    assert choose("false", cpu, 10**9, rec, _never) == ("eager", "trainer.compile=false")
-    assert choose("true", cpu, 1, None, _never) == ("compile", "trainer.compile=true")
-    action, why = choose("true", NoInductor(), 10**9, rec, _never)
+    assert choose(Switch.false, cpu, 10**9, rec, _never) == ("eager", "trainer.compile=false")
+    assert choose(Switch.true, cpu, 1, None, _never) == ("compile", "trainer.compile=true")
+    action, why = choose(Switch.true, NoInductor(), 10**9, rec, _never)
     assert action == "eager" and "has no inductor code generator" in why
 
 
 def test_choose_auto_without_record_bounds_the_saving_by_the_eager_dense_step():
     cpu = get_backend("cpu")
     # 2 ms x 1000 steps = 2 s: below any compile, nothing is measured
-    assert choose("auto", cpu, 1000, None, lambda: 2e-3)[0] == "eager"
-    assert choose("auto", cpu, 100_000, None, lambda: 2e-3)[0] == "measure"
+    assert choose(Switch.auto, cpu, 1000, None, lambda: 2e-3)[0] == "eager"
+    assert choose(Switch.auto, cpu, 100_000, None, lambda: 2e-3)[0] == "measure"
 
 
 def test_backend_compiles_where_inductor_generates_code():
@@ -96,8 +96,8 @@ def test_failed_compile_falls_back_to_eager_with_one_warning(tmp_path, caplog):
     cfg, model = _tiny_train_model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with caplog.at_level(logging.WARNING, logger="anyrec.trainer.compile"):
-        decision = compile_dense(model, cfg.model, get_backend("cpu"), torch.device("cpu"), "true", 100, 32,
-                                 False, directory=tmp_path, compiler=_failing_compiler)
+        decision = compile_dense(model, cfg.model, get_backend("cpu"), torch.device("cpu"), Switch.true, 100,
+                                 32, False, directory=tmp_path, compiler=_failing_compiler)
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert not decision.compiled and decision.reason.startswith("compile failed")
     assert len(warnings) == 1 and "compile failed" in warnings[0].getMessage()
@@ -108,9 +108,9 @@ def test_failed_compile_falls_back_to_eager_with_one_warning(tmp_path, caplog):
 
 def test_false_and_no_inductor_leave_the_modules_eager(tmp_path, caplog):
     cfg, model = _tiny_train_model()
-    for setting, backend, level in (("false", get_backend("cpu"), logging.DEBUG),
-                                    ("true", NoInductor(), logging.WARNING),
-                                    ("auto", NoInductor(), logging.INFO)):
+    for setting, backend, level in ((Switch.false, get_backend("cpu"), logging.DEBUG),
+                                    (Switch.true, NoInductor(), logging.WARNING),
+                                    (Switch.auto, NoInductor(), logging.INFO)):
         caplog.clear()
         with caplog.at_level(logging.DEBUG, logger="anyrec.trainer.compile"):
             decision = compile_dense(model, cfg.model, backend, torch.device("cpu"), setting, 10**6, 32,
@@ -130,17 +130,17 @@ def test_auto_measures_once_caches_the_record_and_compiled_agrees_with_eager(tmp
     decision reads the record; compiled dense steps agree with eager within the parity tolerances."""
     cfg, model = _tiny_train_model()
     backend = get_backend("cpu")
-    first = compile_dense(model, cfg.model, backend, torch.device("cpu"), "auto", 10**9, 32, False,
+    first = compile_dense(model, cfg.model, backend, torch.device("cpu"), Switch.auto, 10**9, 32, False,
                           directory=tmp_path)
     assert first.record is not None and first.record.compile_s > 0 and "measured now" in first.reason
     cached = list((tmp_path / "compile").glob("*.json"))
     assert len(cached) == 1 and read_record(cached[0], first.record.key) == first.record
-    again = choose("auto", backend, 10**9, read_record(cached[0], first.record.key), _never)
+    again = choose(Switch.auto, backend, 10**9, read_record(cached[0], first.record.key), _never)
     assert again[0] == ("compile" if first.compiled else "eager") and "this machine's record" in again[1]
 
     # compiled vs eager, same weights and batch: forward loss and every gradient
     _, eager = _tiny_train_model()
-    forced = compile_dense(model, cfg.model, backend, torch.device("cpu"), "true", 1, 32, False,
+    forced = compile_dense(model, cfg.model, backend, torch.device("cpu"), Switch.true, 1, 32, False,
                            directory=tmp_path)
     assert forced.compiled
     assert all(m._compiled_call_impl is not None for m in comp.dense_modules(model).values())

@@ -13,6 +13,7 @@ import yaml
 from anyrec.backends import cpu, get_backend, resolve_hardware
 from anyrec.backends import hardware as hardware_module
 from anyrec.calibration import first_contact
+from anyrec.choices import Switch
 from anyrec.history import cache
 from anyrec.runtime import distributed
 from anyrec.runtime.distributed import ONE_PROCESS, destroy_distributed, start_runtime
@@ -52,7 +53,7 @@ class Calls:
 
 def test_a_trainer_given_a_runtime_and_hardware_sets_up_nothing_again(monkeypatch):
     calls = Calls(monkeypatch)
-    runtime = start_runtime("cpu", bind_cores=False)
+    runtime = start_runtime("cpu", bind_cores=Switch.false)
     hardware = resolve_hardware(str(CAL))
     assert calls == (1, 1, 1)
     cfg = compose_config(JOB)[1]

@@ -29,6 +29,7 @@ from anyrec.backends.threads import (
     choose_threads,
     thread_candidates,
 )
+from anyrec.choices import Switch
 from anyrec.config import parse_threads
 from anyrec.data.prefetch import PrefetchIterator
 from anyrec.trainer import trainer as trainer_module
@@ -420,7 +421,7 @@ def test_the_backend_hands_the_tuner_the_world_it_was_given(monkeypatch):
         for world, expected in ((2, 1), (1, 0)):
             calls.clear()
             backend = cpu.CPUBackend()
-            backend.bind_local_rank(0, 1, False, None, rank=world - 1, world_size=world)
+            backend.bind_local_rank(0, 1, Switch.false, None, rank=world - 1, world_size=world)
             (tuner,) = backend.step_hooks()
             tuner(SimpleNamespace(last_step_s=None, step=1))
             assert len(calls) == expected, (world, calls)

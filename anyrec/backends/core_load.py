@@ -15,11 +15,12 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from anyrec.choices import Switch
+
 SAMPLE_S = 0.25  # long enough for the kernel's tick accounting (10 ms) to average over 25 ticks per core
 # Empirical: a pinned rank sharing its core with a process that needs a quarter of it already waits
 # that long per step, and so does its peer in the collective; idle desktops and editors stay far below.
 OTHER_BUSY_MAX_CORES = 0.25
-BIND_SETTINGS = ("auto", "true", "false")
 
 
 @dataclass(frozen=True)
@@ -41,11 +42,11 @@ class BindChoice:
     """The binding decision and what it was made from (`load` is None unless measured)."""
 
     bind: bool
-    setting: str
+    setting: Switch
     load: CoreLoad | None = None
 
     def describe(self) -> str:
-        if self.setting != "auto":
+        if self.setting is not Switch.auto:
             return f"backend.bind_cores={self.setting}"
         if self.load is None:
             return "backend.bind_cores=auto, core load unreadable: bound as on a quiet host"
@@ -54,21 +55,12 @@ class BindChoice:
                 f"{OTHER_BUSY_MAX_CORES}: {'bound' if self.bind else 'free'}")
 
 
-def bind_setting(value: bool | str) -> str:
-    """`backend.bind_cores` as one of auto | true | false (a bool, or its string in any case)."""
-    s = str(value).strip().lower()
-    if s not in BIND_SETTINGS:
-        raise ValueError(f"backend.bind_cores={value!r}: choose auto, true or false")
-    return s
-
-
-def choose_binding(setting: bool | str, measure: Callable[[], CoreLoad | None]) -> BindChoice:
+def choose_binding(setting: Switch, measure: Callable[[], CoreLoad | None]) -> BindChoice:
     """true/false force it; auto binds where other processes leave the cores (nearly) free."""
-    s = bind_setting(setting)
-    if s != "auto":
-        return BindChoice(s == "true", s)
+    if setting is not Switch.auto:
+        return BindChoice(setting is Switch.true, setting)
     load = measure()
-    return BindChoice(load is None or load.other_cores <= OTHER_BUSY_MAX_CORES, s, load)
+    return BindChoice(load is None or load.other_cores <= OTHER_BUSY_MAX_CORES, setting, load)
 
 
 def _cpu_jiffies(cpus: set[int]) -> tuple[int, int]:

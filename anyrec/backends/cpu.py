@@ -20,6 +20,7 @@ from anyrec.backends.threads import (
     choose_threads,
     set_interop_threads,
 )
+from anyrec.choices import Switch
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ class CPUBackend(Backend):
     def device(self, local_rank: int = 0) -> torch.device:
         return torch.device("cpu")
 
-    def bind_local_rank(self, local_rank: int, local_world_size: int, bind_cores: bool | str = "auto",
+    def bind_local_rank(self, local_rank: int, local_world_size: int, bind_cores: Switch = Switch.auto,
                         threads: int | None = None, rank: int = 0, world_size: int = 1) -> Binding:
         """Each rank runs torch's threads on its own contiguous share of the host's cores, bound to it
         where `bind_cores` says so (auto: see core_load), as many as `threads` says (None, auto: a start, see
@@ -109,7 +110,7 @@ class CPUBackend(Backend):
             return Binding(threads=choice)
         readable = os.path.isdir("/proc/self/task")
         load = None
-        if readable and (forced is None or local_world_size > 1 and bind_cores == "auto"):
+        if readable and (forced is None or local_world_size > 1 and bind_cores is Switch.auto):
             load = measure_core_load(allowed)  # one sample serves both rules
         choice = self._choose_threads(forced, len(share), local_world_size, allowed, load, rank, world_size)
         if local_world_size <= 1 or not readable:
@@ -119,7 +120,7 @@ class CPUBackend(Backend):
         bind = bind_choice.bind
         if bind:
             bind_threads(share)
-        if self._tuner is not None and bind_choice.setting == "auto":
+        if self._tuner is not None and bind_choice.setting is Switch.auto:
             self._tuner.rebinder = Rebinder(share, allowed, bind, bind_threads)
         logger.info("local rank %d of %d: threads %s cores %s (%s)", local_rank, local_world_size,
                     "bound to" if bind else "free on", ",".join(map(str, share if bind else allowed)),

@@ -13,6 +13,7 @@ import torch
 
 from anyrec.backends.dispatch import OPS, Impl, select_all
 from anyrec.backends.specs import DeviceSpec
+from anyrec.choices import Switch
 
 if TYPE_CHECKING:
     from anyrec.backends.core_load import BindChoice
@@ -90,7 +91,7 @@ class Backend(abc.ABC):
         """Bind this process to its device (no-op where devices are not per-process)."""
 
     def bind_local_rank(self, local_rank: int, local_world_size: int,  # noqa: B027 - optional hook
-                        bind_cores: bool | str = "auto", threads: int | None = None, rank: int = 0,
+                        bind_cores: Switch = Switch.auto, threads: int | None = None, rank: int = 0,
                         world_size: int = 1) -> Binding:
         """Give this local rank its share of the host's cores (and its thread count; `rank` of the job's
         `world_size` ranks, for choices the ranks agree on); what was decided (on accelerators torchrun

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from anyrec.backends.core_load import OTHER_BUSY_MAX_CORES, CoreLoad, LoadMeter, choose_binding
+from anyrec.choices import Switch
 
 logger = logging.getLogger(__name__)
 
@@ -299,7 +300,7 @@ class ThreadTuner:
 
     def _rebind(self, load: CoreLoad) -> None:
         r = self.rebinder
-        bind = choose_binding("auto", lambda: load).bind
+        bind = choose_binding(Switch.auto, lambda: load).bind
         self._bind_votes = self._bind_votes + 1 if bind and not r.bound else 0
         if (not bind and r.bound) or self._bind_votes >= RAISE_AFTER:
             self._bind_votes = 0

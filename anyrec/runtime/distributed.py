@@ -22,6 +22,7 @@ import torch.distributed as dist
 from anyrec.backends import Backend, get_backend
 from anyrec.backends.cpu import allowed_cores
 from anyrec.backends.interface import Binding
+from anyrec.choices import Switch
 from anyrec.runtime.shutdown import Heartbeat
 
 logger = logging.getLogger(__name__)
@@ -229,7 +230,7 @@ def launch_started() -> float:
     return now - max(0.0, uptime_s - start_ticks / os.sysconf("SC_CLK_TCK"))
 
 
-def start_runtime(backend_name: str, bind_cores: bool | str = "auto", timeout_s: float | None = None,
+def start_runtime(backend_name: str, bind_cores: Switch = Switch.auto, timeout_s: float | None = None,
                   peer_timeout_s: float | None = None, threads: int | None = None,
                   started: float | None = None) -> Runtime:
     """The backend called `backend_name`, the process group joined (init_distributed, with its timeouts)

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torchrec.distributed.model_parallel import get_unwrapped_module
 
-from anyrec.config import ModelConfig
+from anyrec.config import ModelConfig, Switch
 from anyrec.history.compile_records import CompileRecord, read_record, record_key, record_path, write_record
 from anyrec.runtime.distributed import ONE_PROCESS, DistInfo, broadcast_from_main
 
@@ -43,7 +43,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SETTINGS = ("auto", "true", "false")
 # Where the dense modules sit in the trainer's DLRMTrain (the EmbeddingBagCollection, model.sparse_arch,
 # is never compiled: torchrec's pipeline rewrites its input distribution).
 DENSE_MODULES = ("model.dense_arch", "model.interaction", "model.over_arch", "loss_fn")
@@ -51,14 +50,6 @@ DENSE_MODULES = ("model.dense_arch", "model.interaction", "model.over_arch", "lo
 # 2-core CPU host, dlrm_small, 2026-12-04, took 12.7 s: a saving bounded below this is not worth measuring.
 MIN_COMPILE_S = 10.0
 TIMED_STEPS = 10  # dense steps timed eager and compiled by the measurement
-
-
-def compile_setting(value: bool | str) -> str:
-    """`trainer.compile` as one of auto | true | false (a bool, or its string in any case)."""
-    s = str(value).strip().lower()
-    if s not in SETTINGS:
-        raise ValueError(f"trainer.compile={value!r}: choose auto, true or false")
-    return s
 
 
 def worth_compiling(record: CompileRecord, remaining_steps: int) -> bool:
@@ -71,7 +62,7 @@ class CompileDecision:
     """What `compile_dense` did and why (the reason is logged once)."""
 
     compiled: bool
-    setting: str
+    setting: Switch
     reason: str
     record: CompileRecord | None = None
 
@@ -160,16 +151,16 @@ def measure_compiled(modules: dict[str, nn.Module], batch: tuple, backend: Backe
 # ---- the choice ------------------------------------------------------------------------------------
 
 
-def choose(setting: str, backend: Backend, remaining_steps: int, record: CompileRecord | None,
+def choose(setting: Switch, backend: Backend, remaining_steps: int, record: CompileRecord | None,
            eager_step_s: Callable[[], float]) -> tuple[str, str]:
     """What to do before any compile: ("eager" | "compile" | "measure", why). `eager_step_s` is called
     only when `auto` has no record (it times the eager dense step)."""
-    if setting == "false":
+    if setting is Switch.false:
         return "eager", "trainer.compile=false"
     if not backend.compiles:
         return "eager", (f"the {backend.name} backend's device ({backend.device_type}) has no inductor code "
                          f"generator")
-    if setting == "true":
+    if setting is Switch.true:
         return "compile", "trainer.compile=true"
     if record is not None:
         saving = record.saving_per_step_s * remaining_steps
@@ -184,13 +175,12 @@ def choose(setting: str, backend: Backend, remaining_steps: int, record: Compile
 
 
 def compile_dense(train_model: nn.Module, model_cfg: ModelConfig, backend: Backend, device: torch.device,
-                  setting: bool | str, remaining_steps: int, batch_size: int, autocast: bool,
+                  setting: Switch, remaining_steps: int, batch_size: int, autocast: bool,
                   info: DistInfo = ONE_PROCESS, directory: Path | None = None,
                   compiler: str | Callable = "inductor") -> CompileDecision:
     """Compile `train_model`'s dense modules in place as `setting` says (rank 0 decides, every rank follows
     and compiles its own); logs the decision once. A failed compile leaves them eager, with one warning.
     `directory`: the records' folder (default: the calibration cache's); `compiler`: torch.compile's."""
-    setting = compile_setting(setting)
     modules = dense_modules(train_model)
     batch = example_batch(model_cfg, batch_size, device)
     ctx = lambda: backend.autocast(autocast)  # noqa: E731 - a fresh context per step
@@ -213,7 +203,7 @@ def compile_dense(train_model: nn.Module, model_cfg: ModelConfig, backend: Backe
     if info.is_main:
         # a forced compile the device cannot do is a setting ignored: a warning (a failed one warned already)
         failed = decision.reason.startswith("compile failed")
-        ignored = setting == "true" and not decision.compiled and not failed
+        ignored = setting is Switch.true and not decision.compiled and not failed
         # compiled, or a device without inductor: said on the console; auto's "it does not pay": the log file
         level = (logging.WARNING if ignored else
                  logging.INFO if decision.compiled or failed or not backend.compiles else logging.DEBUG)
@@ -222,11 +212,11 @@ def compile_dense(train_model: nn.Module, model_cfg: ModelConfig, backend: Backe
     return decision
 
 
-def _decide(setting: str, modules: dict[str, nn.Module], batch: tuple, backend: Backend,
+def _decide(setting: Switch, modules: dict[str, nn.Module], batch: tuple, backend: Backend,
             ctx: Callable[[], object], remaining_steps: int, key: str, directory: Path | None,
             compiler: str | Callable) -> CompileDecision:
     path = record_path(key, directory)
-    record = read_record(path, key) if setting == "auto" else None
+    record = read_record(path, key) if setting is Switch.auto else None
     action, reason = choose(setting, backend, remaining_steps, record,
                             # the fastest of a few steps: on a busy host the median can be 10x the cost
                             lambda: measure_eager(modules, batch, backend, ctx, steps=5, best=True))
@@ -254,7 +244,7 @@ def _decide(setting: str, modules: dict[str, nn.Module], batch: tuple, backend: 
                            record)
 
 
-def _failed(setting: str, error: BaseException) -> CompileDecision:
+def _failed(setting: Switch, error: BaseException) -> CompileDecision:
     logger.warning("trainer.compile=%s: the dense model's compile failed (%s: %s); it runs eager",
                    setting, type(error).__name__, _first_lines(error))
     return CompileDecision(False, setting, f"compile failed: {type(error).__name__}")
