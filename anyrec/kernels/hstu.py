@@ -18,6 +18,8 @@ but no other target; a contextual token sees every non-target token. `hstu_atten
 on padded chunks of whole sequences (fp32 math for bf16/fp16 inputs, autocast off), the chunks small
 enough that the [b, H, N, N] score tensors stay bounded and checkpointed when there are several;
 `anyrec.kernels.triton_hstu` is the Triton kernel. Both take and return the same layout.
+`hstu_attention_traceable` is the torch version as one chunk with no host-side reads, the form `torch.export`
+traces into a scoring artifact.
 
 Legend (shape suffixes): T tokens of the batch (all sequences back to back), H heads, Q query/key dim,
 V value dim, B sequences, B1 = B + 1 offsets, N positions of a padded chunk (its longest sequence).

@@ -3,8 +3,9 @@
 The checkpoint is checked as the trainer checks one before resuming (meta.json's signature against this
 model, every file's size and SHA-256, the signing key where one is set) by `CheckpointManager.read_meta`;
 torch.distributed.checkpoint then reads it into plain tensors in one process (it reassembles row- and
-column-wise shards), its index unpickled by the restricted reader (`anyrec.trainer.dcp_reader`).
-"""
+column-wise shards, of pooled and sequence tables alike), its index unpickled by the restricted reader
+(`anyrec.trainer.dcp_reader`). The model is rebuilt with the portable implementations its family's export
+signature names (`ExportSignature.load_kernels`)."""
 
 from __future__ import annotations
 
