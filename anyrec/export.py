@@ -1,10 +1,12 @@
 """`anyrec-export` / `python -m anyrec.export`: a checkpoint to one self-contained scoring artifact.
 
     anyrec-export model=dlrm_small export.checkpoint=ckpt/ export.output=model.pt2 export.precision=int8
+    anyrec-export model=dlrmv4_small export.checkpoint=ckpt/ export.output=v4.pt2
 
 The checkpoint may come from any world size and sharding plan; the model is rebuilt unsharded from the
 run's model overrides, checked against the checkpoint and loaded, its tables stored at `export.precision`,
-and traced by `torch.export` into a `.pt2` file that loads with torch alone (anyrec.serving.artifact)."""
+and its family's scoring module (its export signature, anyrec.models.scoring) traced by `torch.export`
+into a `.pt2` file that loads with torch alone (anyrec.serving.artifact)."""
 
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ def run(cfg: AnyrecConfig, host_bytes: int | None = None,
     ValueError in one line for a missing option, a checkpoint of another model, a damaged one, or tables
     larger than this host's memory (`host_bytes`, default: this host's), before anything is written."""
     from anyrec.serving.artifact import export_program, manifest, save_artifact  # torch.export loads late
-    from anyrec.serving.model import ScoringModel, resolve_int8_kernel  # late: after the command line
+    from anyrec.serving.model import TableStages, resolve_int8_kernel  # late: after the command line
     from anyrec.serving.weights import (  # late: after the command line
         check_fits,
         export_memory_bytes,
@@ -47,18 +49,20 @@ def run(cfg: AnyrecConfig, host_bytes: int | None = None,
             raise ValueError(f"export.{key}: a value is required; set it on the command line, e.g. "
                              f"export.{key}=...")
     writable_file(ec.output, "export.output")
-    check_fits(export_memory_bytes(cfg.model, ec.precision), f"exporting model {cfg.model.name} at "
-               f"{ec.precision}", host_memory_bytes() if host_bytes is None else host_bytes)
     family = resolve_family(cfg.model)  # once, here
+    export = family.export_signature()
+    check_fits(export_memory_bytes(cfg.model, family, ec.precision), f"exporting model {cfg.model.name} at "
+               f"{ec.precision}", host_memory_bytes() if host_bytes is None else host_bytes)
     loaded = load_checkpoint(Path(ec.checkpoint), cfg.model, family,
                              resolve_key(cfg.trainer.signing_key_file))
     logger.info("checkpoint %s: step %d, written by %s rank(s)", loaded.path, loaded.step,
                 loaded.world_size or "?")
     kernel = resolve_int8_kernel(ec.int8_kernel)  # kept for every precision: the manifest says it
-    program = export_program(ScoringModel(loaded.model, ec.precision, ec.id_layout, kernel), cfg.model)
+    scoring = export.build(loaded.model, TableStages(ec.precision, ec.id_layout, kernel))
+    program = export_program(scoring, family, cfg.model, ec.id_layout)
     source = {"path": str(loaded.path.resolve()), "step": loaded.step, "sha256": loaded.sha256,
               "world_size": loaded.world_size, "lineage": loaded.lineage}
-    info = manifest(cfg.model, ec.precision, ec.id_layout, source, kernel)
+    info = manifest(cfg.model, family, ec.precision, ec.id_layout, source, kernel)
     save_artifact(program, info, ec.output)
     logger.info("wrote %s (%s tables, %.1f MiB)", ec.output, ec.precision, info["table_bytes"] / 2**20)
     sys.stdout.flush()

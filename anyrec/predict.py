@@ -1,11 +1,14 @@
 """`anyrec-predict` / `python -m anyrec.predict`: score a data split with an exported artifact.
 
     anyrec-predict predict.artifact=model.pt2 predict.split=eval predict.steps=20 predict.output=scores.npy
+    anyrec-predict predict.artifact=v4.pt2 predict.world_size=2
 
 The data overrides are the training run's (`data=criteo_npy data.path=...`, `trainer.seed`, ...): the
 rows are those its sources give, so split=eval with steps=trainer.eval_steps (and predict.world_size=the
-run's world size) are the rows the trainer evaluated on. The model is the artifact's own. Prints AUC, NE,
-log loss and accuracy; the last stdout line is a JSON summary."""
+run's world size) are the rows the trainer evaluated on. A stream of windows (DLRMv4's): split=eval is
+the window the trainer evaluated after the artifact's checkpoint step (the final checkpoint: the run's last
+evaluation, its `eval_auc`), split=train the first predict.steps training batches. The model is the
+artifact's own. Prints AUC, NE, log loss and accuracy; the last stdout line is a JSON summary."""
 
 from __future__ import annotations
 
@@ -48,8 +51,8 @@ def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print) -> dict[str,
         raise ValueError("predict.artifact: a value is required; set it on the command line, e.g. "
                          "predict.artifact=model.pt2")
     steps = cfg.trainer.eval_steps if pc.steps is None else pc.steps
-    if steps < 1 or pc.world_size < 1:
-        raise ValueError(f"predict.steps and predict.world_size must be >= 1, got {steps} and "
+    if pc.world_size < 1 or (pc.steps is not None and pc.steps < 1):
+        raise ValueError(f"predict.steps and predict.world_size must be >= 1, got {pc.steps} and "
                          f"{pc.world_size}")
     writable_file(pc.output, "predict.output")
     check_fits(int(read_manifest(pc.artifact)["table_bytes"]), f"scoring with {pc.artifact}",
@@ -70,19 +73,23 @@ def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print) -> dict[str,
     program = artifact.scorer.to(device)
     # the sources the training run built, for the artifact's model: the rows its ranks read
     job = dataclasses.replace(cfg, model=model, trainer=dataclasses.replace(cfg.trainer, eval_steps=steps))
-    sources, family = [], resolve_family(model)
-    for rank in range(pc.world_size):
-        inputs = build_inputs(job, family, DistInfo(rank, pc.world_size, rank, pc.world_size), device, None)
-        sources.append(inputs.eval if pc.split == "eval" else inputs.train)
-    total = steps * pc.world_size * sources[0].batch_size
-    bar = tqdm(total=total, desc=f"score {pc.split}", unit="sample", unit_scale=True, file=sys.stderr,
+    family = resolve_family(model)
+    ranks = [build_inputs(job, family, DistInfo(rank, pc.world_size, rank, pc.world_size), device, None)
+             for rank in range(pc.world_size)]
+    checkpoint_step = int(artifact.manifest["checkpoint"].get("step") or 0)
+    if (pc.split == "eval" and ranks[0].eval_batches is None) or (pc.split == "train" and steps < 1):
+        raise ValueError(f"predict.steps must be >= 1, got {steps} (the default: trainer.eval_steps)")
+    bar = tqdm(desc=f"score {pc.split}", unit="sample", unit_scale=True, file=sys.stderr,
                disable=not cfg.trainer.progress)
 
     def batches():
-        for source in sources:
-            yield from source.iter_from(0, steps)
+        for inputs in ranks:
+            # eval: what the trainer evaluated after the checkpoint's step (a stream: its window)
+            yield from (inputs.eval_batches(checkpoint_step) if pc.split == "eval"
+                        else inputs.train.iter_from(0, steps))
 
-    scored = score_batches(program, model, artifact.id_layout, batches(), device, on_batch=bar.update)
+    scored = score_batches(program, family, model, artifact.id_layout, batches(), device,
+                           on_batch=bar.update)
     bar.close()
     probs = torch.cat(scored.probs).numpy().astype(np.float32) if scored.probs else np.zeros(0, np.float32)
     if pc.output:

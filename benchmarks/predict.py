@@ -39,13 +39,13 @@ from torchrec.inference.modules import quantize_embeddings
 from anyrec._hydra import compose_job
 from anyrec.config import IdLayout, Int8Kernel, ModelConfig, TablePrecision
 from anyrec.models.dlrm import build_model, table_configs
-from anyrec.models.family import resolve_family
+from anyrec.models.dlrm_scoring import batch_inputs
+from anyrec.models.family import DLRM_FAMILY, resolve_family
 from anyrec.models.init import init_model
 from anyrec.runtime.distributed import ONE_PROCESS
 from anyrec.schema import load_model_config
 from anyrec.serving.artifact import Artifact, export_program, load_artifact, manifest, save_artifact
 from anyrec.serving.model import ScoringModel, resolve_int8_kernel
-from anyrec.serving.scoring import batch_inputs
 from anyrec.trainer.inputs import build_inputs
 
 TORCHREC_DTYPES = {TablePrecision.fp32: torch.float, TablePrecision.int8: torch.qint8}
@@ -76,8 +76,9 @@ def exported(model: torch.nn.Module, cfg: ModelConfig, precision: TablePrecision
     """The artifact anyrec-export would write for `model`, written and loaded back."""
     path = Path(folder) / f"{cfg.name}_{precision}.pt2"
     kernel = resolve_int8_kernel(Int8Kernel(kernel))
-    program = export_program(ScoringModel(model, precision, IdLayout.offsets, kernel), cfg)
-    save_artifact(program, manifest(cfg, precision, IdLayout.offsets, {}, kernel), path)
+    program = export_program(ScoringModel(model, precision, IdLayout.offsets, kernel), DLRM_FAMILY, cfg,
+                             IdLayout.offsets)
+    save_artifact(program, manifest(cfg, DLRM_FAMILY, precision, IdLayout.offsets, {}, kernel), path)
     return load_artifact(path)
 
 

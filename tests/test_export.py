@@ -18,6 +18,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from anyrec import export as export_cli
 from anyrec.config import CheckpointConfig, IdLayout, Int8Kernel, ModelConfig, TablePrecision
 from anyrec.models.dlrm import build_model, table_configs
+from anyrec.models.dlrm_scoring import batch_inputs, checker
 from anyrec.models.family import DLRM_FAMILY
 from anyrec.models.init import init_model
 from anyrec.runtime.distributed import ONE_PROCESS
@@ -26,7 +27,7 @@ from anyrec.schema import load_model_config
 from anyrec.serving.artifact import export_program, load_artifact, read_manifest
 from anyrec.serving.model import ScoringModel, dequantize_rowwise_int8, quantize_rowwise_int8
 from anyrec.serving.program import ScoringProgram
-from anyrec.serving.scoring import batch_inputs, score_batches
+from anyrec.serving.scoring import score_batches
 from anyrec.serving.weights import load_checkpoint
 from anyrec.signing import resolve_key
 from anyrec.trainer.checkpoint import CheckpointManager
@@ -175,9 +176,10 @@ def _scores_as(model, cfg: ModelConfig, program) -> None:
 
 def test_a_cross_net_model_with_multi_hot_features_exports():
     model = _model(TINY_DCN)
-    program = export_program(ScoringModel(model, TablePrecision.fp32, IdLayout.offsets), TINY_DCN)
+    scoring = ScoringModel(model, TablePrecision.fp32, IdLayout.offsets)
+    program = export_program(scoring, DLRM_FAMILY, TINY_DCN, IdLayout.offsets)
     _scores_as(model, TINY_DCN, program.module())
-    _scores_as(model, TINY_DCN, ScoringProgram(program, 3, TINY_DCN.num_dense_features, IdLayout.offsets))
+    _scores_as(model, TINY_DCN, ScoringProgram(program, 7, checker(TINY_DCN, IdLayout.offsets)))
 
 
 @pytest.mark.parametrize("precision, kernel", [("int8", "fbgemm"), ("int8", "torch"), ("fp16", "torch")])
@@ -186,8 +188,8 @@ def test_the_graph_called_directly_scores_as_the_guarded_module(precision, kerne
     """`ScoringProgram` (what anyrec-predict calls) gives the module's scores, bit for bit."""
     model, layout = _model(TINY_DCN), IdLayout(layout)
     program = export_program(ScoringModel(model, TablePrecision(precision), layout, Int8Kernel(kernel)),
-                             TINY_DCN)
-    direct = ScoringProgram(program, 3, TINY_DCN.num_dense_features, layout)
+                             DLRM_FAMILY, TINY_DCN, layout)
+    direct = ScoringProgram(program, 7, checker(TINY_DCN, layout))
     guarded = program.module()
     for size in (1, 7):
         args = batch_inputs(_batch(TINY_DCN, size=size, seed=size), layout, torch.device("cpu")).args()
@@ -229,7 +231,7 @@ def test_a_program_of_another_shape_is_not_called_as_a_scoring_program(exported)
     _, _, path, _ = exported
     program = torch.export.load(str(path))
     with pytest.raises(ValueError, match="not an anyrec scoring program"):
-        ScoringProgram(program, 25, TINY.num_dense_features, IdLayout.offsets)
+        ScoringProgram(program, 51, checker(TINY, IdLayout.offsets))
 
 
 def test_tables_larger_than_the_host_are_refused_before_anything_is_written(exported, tmp_path):
@@ -289,7 +291,7 @@ def test_mismatched_inputs_are_refused_before_scoring(exported, call):
     program = getattr(artifact, call)  # the graph called directly (what anyrec-predict calls), the module
     cpu = torch.device("cpu")
     good = _batch(TINY, size=4)
-    run = score_batches(program, TINY, IdLayout.offsets, [good], cpu)
+    run = score_batches(program, DLRM_FAMILY, TINY, IdLayout.offsets, [good], cpu)
     assert run.samples == 4 and np.isfinite(torch.cat(run.probs).numpy()).all()
     kjt = good.sparse_features
     too_big = KeyedJaggedTensor.from_lengths_sync(kjt.keys(), kjt.values() + 10_000, kjt.lengths())
@@ -298,4 +300,4 @@ def test_mismatched_inputs_are_refused_before_scoring(exported, call):
                        (Batch(good.dense_features, fewer, good.labels), "25 sparse features"),
                        (Batch(good.dense_features[:, :5], kjt, good.labels), "5 dense features")]:
         with pytest.raises(ValueError, match=why):
-            score_batches(program, TINY, IdLayout.offsets, [batch], cpu)
+            score_batches(program, DLRM_FAMILY, TINY, IdLayout.offsets, [batch], cpu)

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from anyrec.config import IdLayout
+from anyrec.models.dlrm_scoring import batch_inputs
 from anyrec.models.family import resolve_family
 from anyrec.runtime.distributed import ONE_PROCESS
 from anyrec.serving.artifact import load_artifact
-from anyrec.serving.scoring import batch_inputs
 from anyrec.trainer.inputs import build_inputs
 from tests.conftest import compose_config, last_json_line, single_process_env, torchrun
 

@@ -134,6 +134,17 @@ def test_chunked_equals_whole(monkeypatch):
 
 
 @in_parent
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_traceable_form_is_the_torch_version_bit_for_bit(name):
+    """`hstu_attention_traceable` (what a scoring artifact runs): the torch version's numbers on a batch
+    that runs as one chunk, forward and backward."""
+    q, k, v, grad, offsets, max_len, nt, ctx = make_case(name, torch.float32)
+    want = run(hstu_attention_torch, q, k, v, grad, offsets, max_len, nt, ctx)
+    got = run(hstu.hstu_attention_traceable, q, k, v, grad, offsets, max_len, nt, ctx)
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+
+@in_parent
 def test_autocast_leaves_it_in_fp32():
     q, k, v, _, offsets, max_len, nt, ctx = make_case("targets", torch.float32)
     plain = hstu_attention_torch(q, k, v, offsets, max_len, HEADS, nt, ctx)

@@ -18,6 +18,8 @@ but no other target; a contextual token sees every non-target token. `hstu_atten
 on padded chunks of whole sequences (fp32 math for bf16/fp16 inputs, autocast off), the chunks small
 enough that the [b, H, N, N] score tensors stay bounded and checkpointed when there are several;
 `anyrec.kernels.triton_hstu` is the Triton kernel. Both take and return the same layout.
+`hstu_attention_traceable` is the torch version as one chunk with no host-side reads, the form `torch.export`
+traces into a scoring artifact.
 
 Legend (shape suffixes): T tokens of the batch (all sequences back to back), H heads, Q query/key dim,
 V value dim, B sequences, B1 = B + 1 offsets, N positions of a padded chunk (its longest sequence).
@@ -139,19 +141,21 @@ def _chunk_attention(q_tHQ: torch.Tensor, k_tHQ: torch.Tensor, v_tHV: torch.Tens
     starts_b = torch.cumsum(lengths_b, 0) - lengths_b
     tokens, device = q_tHQ.shape[0], q_tHQ.device
     seq_t = torch.repeat_interleave(torch.arange(nb, device=device), lengths_b, output_size=tokens)
-    pos_t = torch.arange(tokens, device=device) - starts_b[seq_t]
+    # each token's row in the padded [b * N] layout: one flat index copy and one gather (no advanced
+    # indexing over two dims, whose broadcast torch.export cannot trace for a dynamic token count)
+    row_t = seq_t * n + torch.arange(tokens, device=device) - starts_b[seq_t]
 
     def padded(x_tHD: torch.Tensor) -> torch.Tensor:
         # [b, H, N, D]: each head's positions contiguous, so the products are plain batched GEMMs
-        out = x_tHD.new_zeros(nb, heads, n, x_tHD.shape[2])
-        out[seq_t, :, pos_t] = x_tHD
-        return out
+        out = x_tHD.new_zeros(nb * n, heads, x_tHD.shape[2]).index_copy_(0, row_t, x_tHD)
+        return out.view(nb, n, heads, -1).transpose(1, 2).contiguous()
 
     alpha = 1.0 / math.sqrt(q_tHQ.shape[2])
     scores_BHNN = torch.matmul(padded(q_tHQ), padded(k_tHQ).transpose(2, 3)) * alpha
     valid_B1NN = valid_mask(lengths_b, num_targets_b, num_contextual, n)[:, None]
     probs_BHNN = torch.where(valid_B1NN, F.silu(scores_BHNN) / max_len, 0.0)
-    return torch.matmul(probs_BHNN, padded(v_tHV))[seq_t, :, pos_t]
+    out_BHNV = torch.matmul(probs_BHNN, padded(v_tHV))
+    return out_BHNV.transpose(1, 2).reshape(nb * n, heads, -1).index_select(0, row_t)
 
 
 def hstu_attention_torch(q_THQ: torch.Tensor, k_THQ: torch.Tensor, v_THV: torch.Tensor,
@@ -178,6 +182,23 @@ def hstu_attention_torch(q_THQ: torch.Tensor, k_THQ: torch.Tensor, v_THV: torch.
     if not outs:  # no token at all: the empty output, still part of the graph
         return v_THV.clone()
     return torch.cat(outs).to(v_THV.dtype)
+
+
+def hstu_attention_traceable(q_THQ: torch.Tensor, k_THQ: torch.Tensor, v_THV: torch.Tensor,
+                             offsets_B1: torch.Tensor, max_len: int, num_heads: int,
+                             num_targets_B: torch.Tensor | None, num_contextual: int) -> torch.Tensor:
+    """The same attention as one padded chunk of the whole batch, its longest sequence read as a tensor
+    value (no host-side list, no value checks: the caller checks its inputs): the form `torch.export` traces
+    for a scoring artifact, the padded length a data-dependent size. Equal to `hstu_attention_torch`, bit
+    for bit, where that one runs a single chunk (a batch of fewer than CHUNK_SCORE_ELEMENTS scores)."""
+    lengths_B = torch.diff(offsets_B1)
+    n = lengths_B.max().item()
+    torch._check(n >= 0)
+    torch._check(n <= max_len)
+    compute = torch.promote_types(q_THQ.dtype, torch.float32)
+    out_THV = _chunk_attention(q_THQ.to(compute), k_THQ.to(compute), v_THV.to(compute), lengths_B,
+                               num_targets_B, max_len, num_contextual, n)
+    return out_THV.to(v_THV.dtype)
 
 
 def torch_attention_fn() -> HstuAttentionFn:

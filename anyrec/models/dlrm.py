@@ -113,12 +113,6 @@ def build_train_around(cfg: ModelConfig, tables: nn.Module, device: torch.device
     return DLRMTrain(DLRM(cfg, tables, device=device, kernels=kernels))
 
 
-def scoring_part(train: nn.Module) -> nn.Module:
-    """The DLRM inside a trained DLRMTrain: what a scoring artifact holds (no loss)."""
-    assert isinstance(train, DLRMTrain)
-    return train.model
-
-
 def batch_schema(cfg: ModelConfig) -> BatchSchema:
     """What a DLRM reads of a batch: dense features, and one bag of ids per sparse feature."""
     features = sparse_features(cfg)

@@ -6,8 +6,9 @@ with its tables on a chosen device (meta: DistributedModelParallel allocates the
 implementation per op; says where its embedding collection sits in that module and whether it pools (a
 torchrec EmbeddingBagCollection) or not (an EmbeddingCollection: one vector per sequence position); and
 states its batch schema, the data sources it reads, what the planner needs beyond the tables, whether
-torch.compile takes its dense part, and whether it exports. DLRM (dot interaction) and DLRMv2 (DCNv2) are one
-family, `dlrm`: the interaction is a field of their config; DLRMv4 (HSTU) is `dlrmv4`.
+torch.compile takes its dense part, and its export signature (anyrec.models.scoring). DLRM (dot
+interaction) and DLRMv2 (DCNv2) are one family, `dlrm`: the interaction is a field of their config; DLRMv4
+(HSTU) is `dlrmv4`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 from anyrec.backends.dispatch import Impl
 from anyrec.config import ModelConfig
 from anyrec.models import dlrm, dlrmv4
+from anyrec.models.dlrm_scoring import DLRM_EXPORT
+from anyrec.models.dlrmv4_scoring import DLRMV4_EXPORT
+from anyrec.models.scoring import ExportSignature
 from anyrec.schema import BatchSchema, WorkloadFacts
 
 # (model config, dense device, table device, the backend's implementation per op) -> training module
@@ -49,8 +53,8 @@ class ModelFamily:
     # around a single-device embedding collection (anyrec's TBE, no torchrec sharding); None: always sharded
     build_around: BuildAround | None = None
     compiles_dense: bool = False  # trainer.compile applies (anyrec.trainer.compile knows its dense step)
-    # the part of a trained training module a scoring artifact holds (anyrec-export); None: none yet
-    scoring_part: Callable[[nn.Module], nn.Module] | None = None
+    # what a scoring artifact of a trained module holds and takes (anyrec-export, anyrec-predict); None: none
+    export: ExportSignature | None = None
 
     @property
     def collection_key(self) -> str:
@@ -66,11 +70,15 @@ class ModelFamily:
         """Table name -> [rows, dim]: what a checkpoint's tables must match."""
         return {c.name: [c.num_embeddings, c.embedding_dim] for c in self.table_configs(cfg)}
 
+    def export_signature(self) -> ExportSignature:
+        """The family's export signature; ValueError in one line where the family exports none."""
+        if self.export is None:
+            raise ValueError(f"model.family={self.name} has no scoring artifact (anyrec-export)")
+        return self.export
+
     def scoring_module(self, train_module: nn.Module) -> nn.Module:
         """What a scoring artifact of a trained module holds; ValueError where the family exports none."""
-        if self.scoring_part is None:
-            raise ValueError(f"model.family={self.name} has no scoring artifact (anyrec-export) yet")
-        return self.scoring_part(train_module)
+        return self.export_signature().part(train_module)
 
     def check_data(self, data_name: str) -> None:
         """ValueError (one line) when the model cannot read batches of the `data.name` source."""
@@ -90,7 +98,7 @@ DLRM_FAMILY = ModelFamily(
     data_sources=("synthetic", "criteo_tsv", "criteo_npy", "criteo_multihot"),
     build_around=dlrm.build_train_around,
     compiles_dense=True,
-    scoring_part=dlrm.scoring_part,
+    export=DLRM_EXPORT,
 )
 
 # DLRMv4 (MLPerf Training v6.1): HSTU over each user's history; sequence embeddings, streamed 1-day windows
@@ -103,6 +111,7 @@ DLRMV4_FAMILY = ModelFamily(
     batch_schema=dlrmv4.batch_schema,
     workload_facts=dlrmv4.workload_facts,
     data_sources=("yambda_synthetic", "yambda"),
+    export=DLRMV4_EXPORT,
 )
 
 FAMILIES: Mapping[str, ModelFamily] = {f.name: f for f in (DLRM_FAMILY, DLRMV4_FAMILY)}

@@ -132,13 +132,23 @@ class HSTUDense(nn.Module):
         bitmasks (1 listen_plus, 2 like, 4 skip; the targets' are never read); `timestamps_T`: int64
         seconds; `num_targets_B`: the last num_targets_B[b] positions of sample b are its targets (0: a
         padding sample, no logit)."""
-        C = self.num_contextual
         item_TE, artist_TE, album_TE = (embeddings[f].values() for f in SEQUENCE_FEATURES)
         lengths_B = embeddings["item_id"].lengths().long()
         B, T = lengths_B.numel(), item_TE.shape[0]
         contextual_BCE = torch.stack([self._contextual(embeddings, f, B) for f in CONTEXTUAL_FEATURES], dim=1)
         self._check_shapes(artist_TE, album_TE, actions_T, timestamps_T, num_targets_B, B, T)
-        max_len, G = self._check_lengths(embeddings, lengths_B, num_targets_B)
+        _, G = self._check_lengths(embeddings, lengths_B, num_targets_B)
+        return self.logits(item_TE, artist_TE, album_TE, contextual_BCE, lengths_B, actions_T, timestamps_T,
+                           num_targets_B, G)
+
+    def logits(self, item_TE: torch.Tensor, artist_TE: torch.Tensor, album_TE: torch.Tensor,
+               contextual_BCE: torch.Tensor, lengths_B: torch.Tensor, actions_T: torch.Tensor,
+               timestamps_T: torch.Tensor, num_targets_B: torch.Tensor, G: int) -> torch.Tensor:
+        """`forward`'s logits [G] from plain tensors already checked (`forward` checks them; a scoring
+        artifact's caller does): the sequence features' rows, the contextual rows [B, C, E], int64 lengths
+        and targets per sample, `G` their sum of targets (a host int; a traced size under torch.export)."""
+        C = self.num_contextual
+        B, T = lengths_B.numel(), item_TE.shape[0]
         dev = lengths_B.device
         arange_B = torch.arange(B, device=dev)
 
@@ -149,14 +159,14 @@ class HSTUDense(nn.Module):
                                                   contextual_BCE)
 
         # Each sample laid out [contextual, history, targets]; every token's source row in
-        # cat([contextual (B * C rows), sequence (T rows)]).
+        # cat([contextual (C * B rows, feature-major), sequence (T rows)]).
         full_len_B = lengths_B + C
         full_offsets_B1 = F.pad(torch.cumsum(full_len_B, 0), (1, 0))
         N = T + B * C
         arange_N = torch.arange(N, device=dev)
         seq_N = torch.repeat_interleave(arange_B, full_len_B, output_size=N)
         pos_N = arange_N - full_offsets_B1[seq_N]
-        src_N = torch.where(pos_N < C, seq_N * C + pos_N, B * C + arange_N - C * (seq_N + 1))
+        src_N = torch.where(pos_N < C, pos_N * B + seq_N, B * C + arange_N - C * (seq_N + 1))
         x_ND = torch.cat([contextual_KD, seq_TD]).index_select(0, src_N)  # cat promotes mixed dtypes
         # contextual tokens carry time 0, as in the reference (the last time bucket, for real clocks)
         timestamps_N = torch.cat([timestamps_T.new_zeros(B * C), timestamps_T]).index_select(0, src_N)

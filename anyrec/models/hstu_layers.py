@@ -65,14 +65,17 @@ class ContextualPreprocessor(nn.Module):
     def forward(self, item_TE: torch.Tensor, artist_TE: torch.Tensor, album_TE: torch.Tensor,
                 actions_T: torch.Tensor, is_target_T: torch.Tensor,
                 contextual_BCE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sequence tokens [T, D], contextual tokens [B * C, D], row b * C + c for feature c of sample b)."""
+        """(sequence tokens [T, D], contextual tokens [C * B, D], row c * B + b for feature c of sample b:
+        the projection's own layout, flattened as a view whatever B, which torch.export traces for any
+        batch of a scoring artifact, where a transposed copy's would assume B > 1)."""
         seq_TD = self.content_mlp(item_TE) + self.extra_mlp(torch.cat([artist_TE, album_TE], dim=-1))
         seq_TD = seq_TD + self.action_mlp(self.action_encoder(actions_T, is_target_T))
         return seq_TD, self.contextual(contextual_BCE).flatten(0, 1)
 
 
 class ContextualProjection(nn.Module):
-    """One affine map E -> D per contextual feature (the reference's batched contextual linear)."""
+    """One affine map E -> D per contextual feature (the reference's batched contextual linear): [B, C, E]
+    in, [C, B, D] out."""
 
     def __init__(self, num_features: int, in_dim: int, out_dim: int) -> None:
         super().__init__()
@@ -86,8 +89,7 @@ class ContextualProjection(nn.Module):
         nn.init.zeros_(self.bias)
 
     def forward(self, x_BCE: torch.Tensor) -> torch.Tensor:
-        out_CBD = torch.baddbmm(self.bias.unsqueeze(1), x_BCE.transpose(0, 1), self.weight)
-        return out_CBD.transpose(0, 1)
+        return torch.baddbmm(self.bias.unsqueeze(1), x_BCE.transpose(0, 1), self.weight)
 
 
 class PositionalEncoder(nn.Module):

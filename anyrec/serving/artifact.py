@@ -4,7 +4,10 @@ Loading it needs torch only:
 
     files = {"manifest.json": ""}
     program = torch.export.load("model.pt2", extra_files=files).module()
-    logits_B = program(dense_BI, ids, bags)  # ids, bags: one tensor per feature (see the manifest)
+    logits_B = program(dense_BI, ids, bags)  # DLRM: ids, bags one tensor per feature (see the manifest)
+    logits_G = program(ids, bags, actions_T, timestamps_T, num_targets_B)  # DLRMv4 (jagged)
+
+What a family's program takes, holds and checks is its export signature (anyrec.models.scoring).
 
 `torch.export.load` unpickles whatever the archive marks as pickled (weights, constants, custom objects,
 and its sample inputs after a failed restricted read). `load_artifact` refuses such an archive first:
@@ -22,15 +25,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.export import Dim
 from torch.fx.experimental import _config as fx_config
 
 import anyrec
 from anyrec.config import Int8Kernel, ModelConfig
 from anyrec.io_checks import atomic_write, writable_file
+from anyrec.models.family import ModelFamily, resolve_family
+from anyrec.models.scoring import flat_inputs
 from anyrec.safe_load import load_json
-from anyrec.schema import sparse_features
-from anyrec.serving.model import IdLayout, ScoringInputs, ScoringModel, TablePrecision, table_bytes
+from anyrec.serving.model import IdLayout, TablePrecision, table_bytes
 from anyrec.serving.program import ScoringProgram
 
 MANIFEST = "manifest.json"
@@ -40,51 +43,35 @@ MAX_MANIFEST_BYTES = 2**20
 _MAX_CONFIG_BYTES = 64 * 2**20  # a weights/constants index: a few hundred bytes per tensor
 
 
-def example_inputs(model: ModelConfig, id_layout: IdLayout, batch: int = 3) -> ScoringInputs:
-    """A small batch of `model`'s shape (two ids per bag: no id count equal to the batch, which `torch.export`
-    would take for a relation)."""
-    feats = sparse_features(model)
-    ids = [torch.arange(2 * batch, dtype=torch.int64) % f.num_rows for f in feats]
-    if id_layout == IdLayout.lengths:
-        bags = [torch.full((batch,), 2, dtype=torch.int64) for _ in feats]
-    else:
-        bags = [torch.arange(0, 2 * batch + 1, 2, dtype=torch.int64) for _ in feats]
-    return ScoringInputs(torch.zeros(batch, model.num_dense_features), ids, bags)
-
-
-def export_program(scoring: ScoringModel, model: ModelConfig) -> torch.export.ExportedProgram:
-    """`scoring` traced by `torch.export`, the batch and every feature's id count dynamic."""
-    layout = scoring.tables.id_layout
-    example = example_inputs(model, layout)
-    batch = Dim("batch", min=1)
-    ids = [{0: Dim(f"ids_{i}", min=0)} for i in range(len(example.ids))]
-    bags = [{0: batch if layout == IdLayout.lengths else batch + 1} for _ in example.bags]
+def export_program(scoring: torch.nn.Module, family: ModelFamily, model: ModelConfig,
+                   id_layout: IdLayout) -> torch.export.ExportedProgram:
+    """`scoring` (the family's scoring module of `model`) traced by `torch.export` on the family's example
+    call, with its dynamic dims (the batch, and each feature's id count or the sequence positions)."""
+    export = family.export_signature()
     scoring = scoring.eval().requires_grad_(False)  # a scoring call builds no autograd graph
     # size-oblivious: a batch of 1 or a feature without ids runs the same graph (no 0/1 specialisation)
     with torch.no_grad(), fx_config.patch(backed_size_oblivious=True):
-        return torch.export.export(scoring, example.args(), dynamic_shapes=({0: batch}, ids, bags))
+        return torch.export.export(scoring, export.example(model, id_layout),
+                                   dynamic_shapes=export.dynamic_shapes(model, id_layout))
 
 
-def manifest(model: ModelConfig, precision: TablePrecision, id_layout: IdLayout,
+def model_table_bytes(family: ModelFamily, model: ModelConfig, precision: TablePrecision) -> int:
+    """Bytes of `model`'s tables at `precision`."""
+    return sum(table_bytes(rows, dim, precision) for rows, dim in family.table_shapes(model).values())
+
+
+def manifest(model: ModelConfig, family: ModelFamily, precision: TablePrecision, id_layout: IdLayout,
              checkpoint: dict[str, Any], int8_kernel: Int8Kernel = Int8Kernel.torch) -> dict[str, Any]:
-    """What an artifact says about itself: the model config, its inputs, tables and source checkpoint."""
-    feats = sparse_features(model)
+    """What an artifact says about itself: the model config, its inputs (the family's), tables and source
+    checkpoint."""
     return {
         "format": FORMAT, "format_version": FORMAT_VERSION,
         "model": json.loads(json.dumps(dataclasses.asdict(model), default=str)),
         "precision": str(precision), "id_layout": str(id_layout),
         # fbgemm: torch's quantized CPU op, no other device runs it
         "int8_kernel": str(int8_kernel) if precision == TablePrecision.int8 else None,
-        "inputs": {"dense": f"float32 [batch, {model.num_dense_features}]",
-                   "ids": "one int64 tensor per feature, in `features` order",
-                   "bags": ("one int64 tensor of batch + 1 offsets per feature"
-                            if id_layout == IdLayout.offsets
-                            else "one int64 tensor of batch lengths per feature")},
-        "output": "float32 [batch] logits (sigmoid: click probability)",
-        "features": [{"name": f.name, "table": f.table, "rows": f.num_rows,
-                      "ids_per_sample": f.ids_per_sample}
-                     for f in feats],
-        "table_bytes": table_bytes(sum(f.num_rows for f in feats), model.embedding_dim, precision),
+        **family.export_signature().describe(model, id_layout),
+        "table_bytes": model_table_bytes(family, model, precision),
         "checkpoint": checkpoint,
         "torch_version": torch.__version__, "anyrec_version": anyrec.__version__,
     }
@@ -174,8 +161,8 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
                              f"version {FORMAT_VERSION}")
         try:
             model = model_config(info["model"])
-            sparse_features(model)
-            TablePrecision(info["precision"]), IdLayout(info["id_layout"])
+            resolve_family(model).export_signature().describe(model, IdLayout(info["id_layout"]))
+            TablePrecision(info["precision"])
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{what}: the manifest is incomplete or malformed ({e})") from None
         _refuse_pickles(zf, what)
@@ -191,10 +178,11 @@ def load_artifact(path: str | Path) -> Artifact:
     except Exception as e:  # noqa: BLE001 - a damaged archive raises whatever its bytes trigger
         raise ValueError(f"predict.artifact {path}: the program cannot be loaded "
                          f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})") from None
-    model = model_config(info["model"])
+    model, layout = model_config(info["model"]), IdLayout(info["id_layout"])
+    export = resolve_family(model).export_signature()
     try:
-        scorer = ScoringProgram(exported, len(sparse_features(model)), model.num_dense_features,
-                                IdLayout(info["id_layout"]))
+        scorer = ScoringProgram(exported, len(flat_inputs(export.example(model, layout))),
+                                export.check(model, layout))
     except ValueError as e:
         raise ValueError(f"predict.artifact {path}: {e}") from None
     return Artifact(program, scorer, info, Path(path))

@@ -1,6 +1,8 @@
-"""The scoring model an artifact holds: a DLRM's dense towers and interaction with its tables in one
-pure-torch embedding stage at a serving precision, so that `torch.export` traces it to aten ops only and
-the exported program loads and runs with torch alone.
+"""The tables of a scoring artifact: a trained model's tables in one pure-torch embedding stage at a
+serving precision, so that `torch.export` traces the family's scoring module (anyrec.models.scoring) to aten
+ops only and the exported program loads and runs with torch alone. `TableStages` is what a family's
+scoring module asks for its tables: pooled (`PooledTables`, DLRM's bags) or one row per id (`RowTables`,
+DLRMv4's sequence and contextual features).
 
 Tables are concatenated into one [R, D] buffer (`R` = the sum of the table sizes), each feature's ids
 offset by its table's first row, so a batch takes one lookup whatever the number of features:
@@ -12,8 +14,10 @@ offset by its table's first row, so a batch takes one lookup whatever the number
   lookup torch itself ships (`quantized::embedding_bag_byte_rowwise_offsets`, FBGEMM's kernel, CPU only;
   its own prepack quantizes); `torch`, plain ops on any device (gathered, dequantized, summed in fp32).
 
-Legend: B batch, I dense features, F sparse features, D embedding dim, R rows of all tables, N ids of a
-batch (all features), f = F + 1, P pairs.
+A row lookup (`RowTables`) gathers the rows at the same precision (fp32: `embedding`; int8 `fbgemm`: the
+same op with a bag per id).
+
+Legend: B batch, F sparse features, D embedding dim, R rows of all tables, N ids of a batch (all features).
 """
 
 from __future__ import annotations
@@ -26,9 +30,10 @@ from torch.nn import functional as F
 
 from anyrec.config import IdLayout, Int8Kernel, TablePrecision
 from anyrec.models.dlrm import DLRM
-from anyrec.models.interaction import CrossInteraction, DotInteraction
+from anyrec.models.dlrm_scoring import DLRMScoring
 
-__all__ = ["IdLayout", "PooledTables", "ScoringModel", "TablePrecision", "quantize_rowwise_int8"]
+__all__ = ["IdLayout", "PackedTables", "PooledTables", "RowTables", "ScoringModel", "TablePrecision",
+           "TableStages", "quantize_rowwise_int8"]
 
 BYTES_PER_VALUE = {TablePrecision.fp32: 4, TablePrecision.fp16: 2, TablePrecision.int8: 1}
 INT8_ROW_EXTRA_BYTES = 8  # the fp32 scale and bias of an int8 row
@@ -65,10 +70,11 @@ def dequantize_rowwise_int8(q_ND: torch.Tensor, scale_bias_N2: torch.Tensor) -> 
     return q_ND.to(torch.float32, copy=True).mul_(scale_bias_N2[:, :1]).add_(scale_bias_N2[:, 1:])
 
 
-class PooledTables(nn.Module):
-    """Sum-pooled lookups of every feature in its own table, all tables in one buffer at one precision."""
+class PackedTables(nn.Module):
+    """Every feature's table (one [rows, D] weight each) in one buffer at `precision`: `weight` (the tables
+    one after another), `scale_bias` (int8 with the torch kernel) and each table's first row."""
 
-    def __init__(self, weights: list[torch.Tensor], precision: TablePrecision, id_layout: IdLayout,
+    def __init__(self, weights: list[torch.Tensor], precision: TablePrecision,
                  int8_kernel: Int8Kernel = Int8Kernel.torch) -> None:
         super().__init__()
         if int8_kernel == Int8Kernel.auto:
@@ -77,7 +83,7 @@ class PooledTables(nn.Module):
         dims = {w.shape[1] for w in weights}
         if len(dims) != 1:
             raise ValueError(f"all tables must share one embedding dim, got {sorted(dims)}")
-        self.precision, self.id_layout = TablePrecision(precision), IdLayout(id_layout)
+        self.precision = TablePrecision(precision)
         self.num_features, self.dim = len(weights), dims.pop()
         rows = [w.shape[0] for w in weights]
         self.first_rows = [sum(rows[:i]) for i in range(len(rows))]
@@ -95,6 +101,15 @@ class PooledTables(nn.Module):
         else:
             dtype = torch.float16 if self.precision == TablePrecision.fp16 else torch.float32
             self.register_buffer("weight", weight_RD.to(dtype))
+
+
+class PooledTables(PackedTables):
+    """Sum-pooled lookups of every feature in its own table, all tables in one buffer at one precision."""
+
+    def __init__(self, weights: list[torch.Tensor], precision: TablePrecision, id_layout: IdLayout,
+                 int8_kernel: Int8Kernel = Int8Kernel.torch) -> None:
+        super().__init__(weights, precision, int8_kernel)
+        self.id_layout = IdLayout(id_layout)
 
     def forward(self, ids: list[torch.Tensor], bags: list[torch.Tensor]) -> torch.Tensor:
         """[B, F, D] sums of each feature's bags; `bags` are B + 1 offsets or B lengths per feature."""
@@ -124,73 +139,47 @@ class PooledTables(nn.Module):
         return pooled_FBD.view(self.num_features, -1, self.dim).transpose(0, 1)
 
 
-class DotPairs(nn.Module):
-    """DLRM's dot interaction as `DotInteraction` computes its forward (the dense vector, then the upper
-    triangle of the gram of dense and pooled vectors), in plain ops."""
+class RowTables(PackedTables):
+    """One row per id of every feature (unpooled: sequence embeddings), each feature in its own table, all
+    tables in one buffer at one precision; the rows come back in fp32."""
 
-    def __init__(self, source: DotInteraction) -> None:
-        super().__init__()
-        self.register_buffer("pairs", source._pairs.clone())
-
-    def forward(self, dense_BD: torch.Tensor, sparse_BFD: torch.Tensor) -> torch.Tensor:
-        feats_BfD = torch.cat([dense_BD.unsqueeze(1), sparse_BFD], dim=1)
-        gram_Bff = torch.bmm(feats_BfD, feats_BfD.transpose(1, 2))
-        return torch.cat([dense_BD, gram_Bff.flatten(1).index_select(1, self.pairs)], dim=1)
-
-
-class CrossNet(nn.Module):
-    """DLRMv2's interaction as `CrossInteraction` computes it: dense and pooled vectors side by side, then
-    its cross net's layers x_{l+1} = x_0 * (U_l (V_l x_l) + b_l) + x_l. One cat of [B, 1, D] and [B, F, D]
-    (the pooled vectors arrive as a transposed view), so the flattening is a view: flattening the view
-    itself makes `torch.export` assume a batch above one."""
-
-    def __init__(self, source: CrossInteraction) -> None:
-        super().__init__()
-        self.cross = source.cross
-
-    def forward(self, dense_BD: torch.Tensor, sparse_BFD: torch.Tensor) -> torch.Tensor:
-        x0_BN = torch.cat([dense_BD.unsqueeze(1), sparse_BFD], dim=1).flatten(1)
-        x_BN = x0_BN
-        for v, u in zip(self.cross.V, self.cross.U, strict=True):
-            # the product and sum in place, in the trained net's order (the same roundings): two [B, N]
-            # buffers fewer per layer to allocate and fill (scoring keeps no activations for a backward)
-            x_BN = F.linear(F.linear(x_BN, v.weight), u.weight, u.bias).mul_(x0_BN).add_(x_BN)
-        return x_BN
-
-
-class ScoringModel(nn.Module):
-    """A trained DLRM for scoring: `forward(dense_BI, ids, bags) -> logits_B`, ids and bags one tensor
-    per feature in the model's feature order (no torchrec type anywhere)."""
-
-    def __init__(self, model: DLRM, precision: TablePrecision, id_layout: IdLayout,
-                 int8_kernel: Int8Kernel = Int8Kernel.torch) -> None:
-        super().__init__()
-        ebc = model.sparse_arch
-        weights = [ebc.embedding_bags[c.name].weight for c in ebc.embedding_bag_configs()]
-        self.tables = PooledTables(weights, precision, id_layout, int8_kernel)
-        self.dense_arch = model.dense_arch
-        if isinstance(model.interaction, DotInteraction):
-            self.interaction: nn.Module = DotPairs(model.interaction)
-        elif isinstance(model.interaction, CrossInteraction):
-            self.interaction = CrossNet(model.interaction)
+    def forward(self, ids: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per feature, its ids' rows [N_f, D]."""
+        # each id offset by its table's first row (a constant per feature), then one lookup for all
+        ids_N = torch.cat([ids_n + first for ids_n, first in zip(ids, self.first_rows, strict=True)])
+        if self.precision == TablePrecision.fp32:
+            rows_ND = F.embedding(ids_N, self.weight)
+        elif self.precision == TablePrecision.int8 and self.int8_kernel == Int8Kernel.fbgemm:
+            offsets_N1 = torch.arange(ids_N.shape[0] + 1, device=ids_N.device)  # a bag per id
+            rows_ND = torch.ops.quantized.embedding_bag_byte_rowwise_offsets(
+                self.weight, ids_N, offsets_N1, False, 0, False, None, None, True)
         else:
-            raise ValueError(f"no serving form for the interaction {type(model.interaction).__name__}")
-        self.over_arch = model.over_arch
-
-    def forward(self, dense_BI: torch.Tensor, ids: list[torch.Tensor],
-                bags: list[torch.Tensor]) -> torch.Tensor:
-        dense_BD = self.dense_arch(dense_BI)
-        sparse_BFD = self.tables(ids, bags)
-        return self.over_arch(self.interaction(dense_BD, sparse_BFD)).squeeze(-1)
+            rows_ND = self.weight.index_select(0, ids_N)
+            rows_ND = (dequantize_rowwise_int8(rows_ND, self.scale_bias.index_select(0, ids_N))
+                       if self.precision == TablePrecision.int8 else rows_ND.float())
+        return list(torch.split(rows_ND, [ids_n.shape[0] for ids_n in ids]))
 
 
 @dataclass(frozen=True)
-class ScoringInputs:
-    """One batch as a scoring call takes it."""
+class TableStages:
+    """The table lookups a family's scoring module asks for (anyrec.models.scoring.TableStage), at one
+    precision, id layout and int8 kernel."""
 
-    dense_BI: torch.Tensor
-    ids: list[torch.Tensor]
-    bags: list[torch.Tensor]
+    precision: TablePrecision
+    id_layout: IdLayout
+    int8_kernel: Int8Kernel
 
-    def args(self) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-        return self.dense_BI, self.ids, self.bags
+    def pooled(self, weights: list[torch.Tensor]) -> PooledTables:
+        return PooledTables(weights, self.precision, self.id_layout, self.int8_kernel)
+
+    def rows(self, weights: list[torch.Tensor]) -> RowTables:
+        return RowTables(weights, self.precision, self.int8_kernel)
+
+
+class ScoringModel(DLRMScoring):
+    """A trained DLRM's scoring module with its tables at `precision` (the dlrm family's export signature
+    built on `TableStages`)."""
+
+    def __init__(self, model: DLRM, precision: TablePrecision, id_layout: IdLayout,
+                 int8_kernel: Int8Kernel = Int8Kernel.torch) -> None:
+        super().__init__(model, TableStages(TablePrecision(precision), IdLayout(id_layout), int8_kernel))

@@ -3,8 +3,9 @@
 The checkpoint is checked as the trainer checks one before resuming (meta.json's signature against this
 model, every file's size and SHA-256, the signing key where one is set) by `CheckpointManager.read_meta`;
 torch.distributed.checkpoint then reads it into plain tensors in one process (it reassembles row- and
-column-wise shards), its index unpickled by the restricted reader (`anyrec.trainer.dcp_reader`).
-"""
+column-wise shards, of pooled and sequence tables alike), its index unpickled by the restricted reader
+(`anyrec.trainer.dcp_reader`). The model is rebuilt with the portable implementations its family's export
+signature names (`ExportSignature.load_kernels`)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from anyrec.backends.dispatch import get_impl
 from anyrec.config import CheckpointConfig, ModelConfig
 from anyrec.models.family import ModelFamily
 from anyrec.runtime.distributed import ONE_PROCESS
@@ -57,11 +59,11 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def export_memory_bytes(model: ModelConfig, precision: TablePrecision) -> int:
+def export_memory_bytes(model: ModelConfig, family: ModelFamily, precision: TablePrecision) -> int:
     """Host memory an export of `model` holds at its peak: the fp32 tables read from the checkpoint plus
-    their copy at `precision` (the dense towers are small beside them)."""
-    rows, dim = sum(model.table_rows), model.embedding_dim
-    return table_bytes(rows, dim, TablePrecision.fp32) + table_bytes(rows, dim, precision)
+    their copy at `precision` (the dense part is small beside them)."""
+    return sum(table_bytes(rows, dim, TablePrecision.fp32) + table_bytes(rows, dim, precision)
+               for rows, dim in family.table_shapes(model).values())
 
 
 def check_fits(need_bytes: int, what: str, host_bytes: int) -> None:
@@ -86,8 +88,9 @@ def load_checkpoint(path: Path, model: ModelConfig, family: ModelFamily,
     damaged, or the family exports nothing."""
     path = find_checkpoint(Path(path))
     cpu = torch.device("cpu")
-    train = family.build_train(model, cpu, cpu, {})
-    family.scoring_module(train)  # a family without a scoring artifact fails before reading anything
+    export = family.export_signature()  # a family without a scoring artifact fails before reading anything
+    kernels = {op: get_impl(op, name) for op, name in export.load_kernels.items()}
+    train = family.build_train(model, cpu, cpu, kernels)
     saved = read_meta_file(path)
     optimizer = saved["signature"].get("optimizer") if isinstance(saved["signature"], dict) else None
     manager = CheckpointManager(CheckpointConfig(dir=str(path.parent), verify=True),
@@ -105,5 +108,5 @@ def load_checkpoint(path: Path, model: ModelConfig, family: ModelFamily,
         manager.load(path, state)
     train.load_state_dict(state["model"])
     run = meta.get("run") if isinstance(meta.get("run"), dict) else {}
-    return LoadedCheckpoint(family.scoring_module(train).eval(), path, int(meta["step"]),
+    return LoadedCheckpoint(export.part(train).eval(), path, int(meta["step"]),
                             dict(meta["sha256"]), meta.get("world_size"), run.get("lineage"))
