@@ -43,11 +43,25 @@ Split = StrEnum("Split", "train eval")
 Int8Kernel = StrEnum("Int8Kernel", "auto fbgemm torch")
 ReplicaUpdateChoice = StrEnum("ReplicaUpdateChoice", "auto average gradients")
 GroupWord = StrEnum("GroupWord", "world auto")
+# model.hstu.stu_recompute: what an STU layer's backward recomputes rather than keeps: selective (the input
+# norm, the UVQK projection and the gated output, as the MLPerf DLRMv4 reference) or none
+STURecompute = StrEnum("STURecompute", "selective none")
 
 # Choices a word or a number (`auto|N`), and auto|true|false (which the command line gives as a bool), are
 # no OmegaConf type: their schema type is Any, and each is parsed once, where its section is built (the
 # dataclass's __post_init__, which OmegaConf.to_object calls), into the typed value library code reads.
 GroupSize = GroupWord | int  # planner.sharding_group_size: world (1D), auto (the planner chooses) or N ranks
+
+
+def parse_stu_recompute(value: object) -> STURecompute:
+    """`model.hstu.stu_recompute` (selective or none, any case) as an STURecompute; ValueError in one line."""
+    if isinstance(value, STURecompute):
+        return value
+    word = str(value).strip().lower()
+    if word not in STURecompute.__members__:
+        choices = " or ".join(STURecompute.__members__)
+        raise ValueError(f"model.hstu.stu_recompute={value!r}: choose {choices}")
+    return STURecompute[word]
 
 
 def _count(value: object) -> int | None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from anyrec.config import ModelConfig, config_dir
+from anyrec.config import ModelConfig, STURecompute, config_dir
 
 
 def feature_names(num_tables: int) -> list[str]:
@@ -82,7 +82,8 @@ class HSTUShape:
     its action MLP's input width, `preprocessor_hidden_dim` its MLPs' width; the dropout rates (a mask is
     kept where one is > 0). Sequences are jagged: `mean_seq_len` tokens per sample on average and
     `rms_seq_len` the root mean square of the lengths (the attention's pairs grow with its square); both
-    None: every sample at `seq_len`, the bound."""
+    None: every sample at `seq_len`, the bound. `stu_recompute`: what each STU layer's backward recomputes
+    rather than keeps (none: it keeps every tensor its ops save)."""
 
     seq_len: int
     num_layers: int
@@ -99,6 +100,7 @@ class HSTUShape:
     stu_dropout: float = 0.0
     mean_seq_len: float | None = None
     rms_seq_len: float | None = None
+    stu_recompute: STURecompute = STURecompute.none
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "num_layers", "model_dim", "num_heads", "qk_dim", "v_dim"):

@@ -1,16 +1,17 @@
 """Which fleets can train DLRMv4: `anyrec-plan model=dlrmv4` at the reference batch (1,024 samples per rank)
-on 8, 16 and 32 GPUs of every SKU in the table, and where the tables and activations do not fit in HBM, what
-does: tables in UVM caching, activation recompute (not implemented in the trainer: a what-if), the largest
-batch per rank that fits in HBM without either (where none does: with tables in host memory), or more GPUs
-(the next column). Each answer carries the
-predicted step, samples/s and time to the reference's 69.3 M samples.
+on 8, 16 and 32 GPUs of every SKU in the table, its STU layers recomputing selectively as the reference's do
+(`model.hstu.stu_recompute`, the default), and where the tables and activations do not fit in HBM, what
+does: tables in UVM caching, whole-layer activation recompute (not implemented in the trainer: a what-if),
+the largest batch per rank that fits in HBM without either (where none does: with tables in host memory),
+or more GPUs (the next column). Each answer carries the predicted step, samples/s and time to the
+reference's 69.3 M samples.
 
     python benchmarks/dlrmv4_fleets.py [--out-dir benchmarks/results/2026-12-07_planning] [--skus h100,mi355x]
 
 Writes fleets.json, fleets.txt (the table) and fleets.svg (SKU x GPU count coloured by the predicted time
 to 69.3 M samples of each cell's first answer, blank where nothing fits), and hbm_terms.txt: on 8 x MI355X
-(`--terms`), every table in HBM at the reference batch without recompute, each predicted memory term of the
-rank predicted highest against the usable HBM.
+(`--terms`), every table in HBM at the reference batch with the STU layers' selective recompute and without
+it, each predicted memory term of the rank predicted highest against the usable HBM.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from anyrec import _hydra
+from anyrec.config import STURecompute
 from anyrec.plan import run
 from anyrec.planner.advice import size_text
 from anyrec.planner.estimators import usable_caps
@@ -66,10 +68,10 @@ class Cell:
     refusal: str = ""
 
 
-def plan(sku: str, gpus: int, batch: int, uvm: bool) -> PlanResult | str:
+def plan(sku: str, gpus: int, batch: int, uvm: bool, *extra: str) -> PlanResult | str:
     """anyrec-plan's plan (what-if: activation recompute allowed, said in the plan), or its refusal line."""
     cfg = _hydra.compose_job(["model=dlrmv4", f"hardware={sku}", f"topology.world_size={gpus}",
-                              f"plan.batch_size={batch}", f"planner.allow_uvm={str(uvm).lower()}"])
+                              f"plan.batch_size={batch}", f"planner.allow_uvm={str(uvm).lower()}", *extra])
     try:
         return run(cfg, print_fn=lambda _: None)
     except InfeasiblePlanError as e:
@@ -125,7 +127,8 @@ def fleet_cell(sku: str, gpus: int) -> Cell:
 
 def table_text(cells: list[Cell]) -> str:
     lines = [f"DLRMv4 at {REFERENCE_BATCH} samples/rank: what fits, predicted step, samples/s, time to "
-             f"{REFERENCE_SAMPLES / 1e6:.1f} M samples (recompute: not in the trainer, a what-if)",
+             f"{REFERENCE_SAMPLES / 1e6:.1f} M samples; STU layers: selective recompute, as the reference "
+             f"(recompute: whole-layer activation recompute, not in the trainer, a what-if)",
              f"{'SKU':<7} {'GPUs':>4}  {'mode':<14} {'batch':>5} {'step ms':>8} {'samples/s':>10} "
              f"{'time':>6}  {'off HBM':>7}"]
     for c in cells:
@@ -180,41 +183,54 @@ def fleet_svg(cells: list[Cell]) -> str:
             out.append(f'<text x="{x + (w - 2) / 2}" y="{y + h / 2 + 4}" text-anchor="middle" '
                        f'fill="white">{label}</text>')
     out.append(f'<text x="10" y="{top + h * len(skus) + 25}">hbm: every table in HBM at the reference batch; '
-               f'uvm: some tables in host memory; recompute: activation recompute (not in the trainer yet); '
+               f'uvm: some tables in host memory; recompute: whole-layer activation recompute (a what-if); '
                f'b=: a smaller batch per rank; blank: nothing fits</text>')
     out.append("</svg>")
     return "\n".join(out)
 
 
 def hbm_terms(sku: str, gpus: int) -> str:
-    """Every table in HBM at the reference batch and no recompute on `gpus` x `sku`: the predicted memory
-    terms of the highest rank against the usable HBM (the plan is the HBM-only one, costed without the
-    recompute the planner needed), and the activations per token by part."""
-    got = plan(sku, gpus, REFERENCE_BATCH, uvm=False)
-    if isinstance(got, str):
-        return f"{gpus} x {sku}: {got}"
-    opts = dataclasses.replace(got.workload.options, activation_recompute=False)
-    whole = dataclasses.replace(got, workload=dataclasses.replace(got.workload, options=opts))
+    """Every table in HBM at the reference batch on `gpus` x `sku`, with the STU layers' selective recompute
+    (the model's default) and without it (the HBM-only plan costed without the recompute it needs): the
+    predicted memory terms of the highest rank against the usable HBM, and the activations per token by
+    part."""
+    sections = []
+    for recompute in (STURecompute.selective, STURecompute.none):
+        got = plan(sku, gpus, REFERENCE_BATCH, False, f"model.hstu.stu_recompute={recompute}")
+        if isinstance(got, str):
+            sections.append(f"{gpus} x {sku}, STU recompute {recompute}: {got}")
+            continue
+        opts = dataclasses.replace(got.workload.options, activation_recompute=False)
+        workload = dataclasses.replace(got.workload, options=opts)
+        sections.append(_terms(dataclasses.replace(got, workload=workload)))
+    return "\n\n".join(sections)
+
+
+def _terms(whole: PlanResult) -> str:
+    opts = whole.workload.options
+    shape, b = opts.hstu, REFERENCE_BATCH
     m = max(predict_memory(whole), key=lambda p: p.reserved_bytes)
     usable = usable_caps(whole.topology, whole.workload).hbm_bytes
-    lines = [f"{gpus} x {whole.topology.device.name}, {REFERENCE_BATCH} samples/rank, every table in HBM, no "
-             f"activation recompute: predicted peak of the highest rank by term (moment: {m.peak_phase})"]
+    topo = whole.topology
+    lines = [f"{topo.world_size} x {topo.device.name}, {b} samples/rank, every table in HBM, "
+             f"STU layers' recompute: {shape.stu_recompute}, no activation recompute: predicted peak of the "
+             f"highest rank by term (moment: {m.peak_phase})"]
     lines += [f"  {name:<28} {size_text(v):>10}" for name, v in m.terms().items() if v]
     short = m.reserved_bytes - usable
     lines.append(f"  {'reserved peak':<28} {size_text(m.reserved_bytes):>10}  usable {size_text(usable)}: "
                  + (f"{size_text(short)} short" if short > 0 else f"fits, {size_text(-short)} to spare"))
-    shape, b = opts.hstu, REFERENCE_BATCH
     tokens = memory_tokens_per_sample(shape, b)
     ab = job_activation_dtypes(whole.topology, opts.dense_dtype)
     h = hstu_memory_per_sample(shape, ab, opts.attention_impl, False, tokens)
     per_rank_tokens, positions = b * tokens, b * (tokens - shape.contextual)
     lines.append(f"activations at {tokens:,.0f} tokens/sample ({per_rank_tokens / 1e6:.2f} M per rank):")
-    for what, per, n in ((f"{shape.num_layers} STU layers' kept tensors", shape.num_layers * h.kept_per_layer,
-                          per_rank_tokens),
-                         ("the last layer's backward and attention workspace", h.backward, per_rank_tokens),
-                         ("the preprocessor's kept tensors", h.preprocessor, positions),
-                         ("token indices and the input dropout mask", input_bytes_per_token(shape, ab),
-                          per_rank_tokens)):
+    parts = [(f"{shape.num_layers} STU layers' kept tensors", h.kept_layers, per_rank_tokens)]
+    if h.recomputed:
+        parts.append(("the last layer's recomputed tensors", h.recomputed, per_rank_tokens))
+    parts += [("the last layer's backward and attention workspace", h.backward, per_rank_tokens),
+              ("the preprocessor's kept tensors", h.preprocessor, positions),
+              ("token indices and the input dropout mask", input_bytes_per_token(shape, ab), per_rank_tokens)]
+    for what, per, n in parts:
         lines.append(f"  {what:<50} {per:>8,.0f} B/token {size_text(per * n):>10}")
     return "\n".join(lines)
 

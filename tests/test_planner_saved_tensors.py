@@ -1,14 +1,17 @@
 """The memory model's per-token bytes of DLRMv4's dense part (anyrec.planner.sequence) against what autograd
 actually saves of anyrec's layers (torch.autograd.graph.saved_tensors_hooks), on the CPU in fp32 and under
-bf16 autocast; and dlrmv4_small's planned sequence lengths against its synthetic stream."""
+bf16 autocast, with the STU layers' selective recompute and without; and dlrmv4_small's planned sequence
+lengths against its synthetic stream."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
 import torch
 
-from anyrec.config import DataConfig
+from anyrec.config import DataConfig, STURecompute
 from anyrec.data.sequences import NUM_CONTEXTUAL, SequenceDataConfig
 from anyrec.data.yambda_synthetic import SyntheticYambda
 from anyrec.models import hstu
@@ -42,6 +45,7 @@ def _attention(q, k, v, offsets, max_len, num_heads, num_targets, num_contextual
 
 @pytest.fixture(scope="module")
 def small():
+    """(config, HSTU shape, model) of dlrmv4_small, its STU layers recomputing (the default)."""
     _, cfg = compose_config(["model=dlrmv4_small"])
     m = dlrmv4_config(cfg.model)
     torch.manual_seed(0)
@@ -76,21 +80,29 @@ def _saved_bytes(model, history: list[int], half: bool) -> dict[str, int]:
     return by_part
 
 
+@pytest.mark.parametrize("recompute", [STURecompute.selective, STURecompute.none])
 @pytest.mark.parametrize("half", [False, True], ids=["fp32", "bf16-autocast"])
-def test_kept_bytes_per_token_match_what_autograd_saves(small, half):
+def test_kept_bytes_per_token_match_what_autograd_saves(small, half, recompute):
     _, shape, model = small
+    shape = dataclasses.replace(shape, stu_recompute=recompute)
+    for layer in model.dense_arch.layers:
+        layer.selective_recompute = recompute == STURecompute.selective
     # per token: the difference between two batches of the same samples, 160 positions longer each
     short, long = _saved_bytes(model, [10] * 4, half), _saved_bytes(model, [50] * 4, half)
     per_token = {k: (long[k] - short.get(k, 0)) / 160 for k in long}
     ab = sequence.activation_dtypes(cpu=True, half=half)
     modelled = {"preprocessor": sequence.preprocessor_bytes_per_position(shape, ab),
                 "input": sequence.input_bytes_per_token(shape, ab)}
-    modelled |= {f"layer{i}": sequence.stu_kept_bytes_per_token(shape, ab) for i in range(shape.num_layers)}
+    modelled |= {f"layer{i}": sequence.stu_layer_kept_bytes_per_token(shape, ab, i)
+                 for i in range(shape.num_layers)}
     assert set(per_token) == set(modelled)
     for k, measured in per_token.items():
         assert modelled[k] == pytest.approx(measured, abs=TOLERANCE_BYTES), k
-    # the STU layers' share dominates what the stack keeps: a term dropped from it shows
-    assert sum(per_token[f"layer{i}"] for i in range(shape.num_layers)) > 0.3 * sum(per_token.values())
+    stu = sum(per_token[f"layer{i}"] for i in range(shape.num_layers))
+    if recompute == STURecompute.none:  # the STU layers' share dominates what the stack keeps
+        assert stu > 0.3 * sum(per_token.values())
+    else:  # the input, U and the attention output: a fifth of what the layers keep without recompute
+        assert stu < 0.25 * shape.num_layers * sequence.stu_kept_bytes_per_token(shape, ab)
 
 
 def test_dlrmv4_small_lengths_are_its_streams(small):

@@ -10,6 +10,7 @@ import torch
 from anyrec.backends import resolve_hardware
 from anyrec.backends.dispatch import FBGEMM_EMBEDDING, get_impl
 from anyrec.backends.specs import get_sku
+from anyrec.config import STURecompute
 from anyrec.models.dlrmv4 import ATTENTION_OP
 from anyrec.models.family import resolve_family
 from anyrec.models.hstu import DLRMv4Config, dlrmv4_flops_per_sample
@@ -129,6 +130,19 @@ def test_stu_memory_terms_and_recompute():
     assert full.activation > 1.5 * less.activation > 0
     # recompute keeps each layer's input and one layer's tensors
     assert full.activation - less.activation == pytest.approx(4096 * (2 * kept - 3 * 2 * 512))
+    # selective recompute: a layer keeps its input (the first layer's fp32, the stack's input under autocast),
+    # U and the attention output, and one layer's larger recomputed part is alive in its backward
+    selective = dataclasses.replace(shape, stu_recompute=STURecompute.selective)
+    assert [sequence.stu_layer_kept_bytes_per_token(selective, GPU_BF16, i) for i in range(3)] == [
+        4 * 512 + 2 * 2 * 512, 3 * 2 * 512, 3 * 2 * 512]
+    gated = 4 * 3 * 512 + 8 + 2 * 3 * 512
+    assert sequence.stu_recomputed_bytes_per_token(selective, GPU_BF16) == gated
+    assert sequence.stu_recomputed_bytes_per_token(shape, GPU_BF16) == 0
+    sel = sequence.hstu_memory_per_sample(selective, GPU_BF16, "triton", recompute=False, tokens=4096)
+    assert full.activation - sel.activation == pytest.approx(4096 * (3 * kept - (4096 + 2 * 3072) - gated))
+    assert sel.activation < 0.7 * full.activation
+    # activation recompute (the what-if) overrides it
+    assert sequence.hstu_memory_per_sample(selective, GPU_BF16, "triton", True, 4096) == less
     # fp32 keeps more than bf16; the torch attention's workspace is larger than the Triton kernel's
     assert sequence.stu_kept_bytes_per_token(shape, GPU_FP32) > kept
     torch_ws = sequence.hstu_memory_per_sample(shape, GPU_BF16, "torch", recompute=False, tokens=4096)
@@ -183,6 +197,16 @@ def test_hstu_time_splits_gemm_attention_and_recompute():
     assert r.recompute_s == pytest.approx(t.gemm_s / 3 + t.attention_s / 3.5 + t.elementwise_s / 3)
     fp32 = sequence.hstu_time_s(REFERENCE, 0.0, 1024, dev, GPU_FP32, 0.5, "triton", recompute=False)
     assert fp32.gemm_s > 10 * t.gemm_s  # bf16 where the device has it
+    assert t.selective_recompute_s == 0
+    # selective recompute: the UVQK GEMM's forward once more and the tensors it drops written once more
+    selective = dataclasses.replace(REFERENCE, stu_recompute=STURecompute.selective)
+    s = sequence.hstu_time_s(selective, 0.0, 1024, dev, GPU_BF16, 0.5, "triton", recompute=False)
+    dropped = 3 * sequence.stu_kept_bytes_per_token(REFERENCE, GPU_BF16) - (4096 + 2 * 3072)
+    written = 1024 * 4096 * dropped / (dev.memory_bw_bytes_per_s * sequence.ELEMENTWISE_EFFICIENCY)
+    assert s.selective_recompute_s == pytest.approx(t.gemm_s * f.uvqk / (f.uvqk + f.output) / 3 + written)
+    assert s.total_s == pytest.approx(t.total_s + s.selective_recompute_s)
+    what_if = sequence.hstu_time_s(selective, 0.0, 1024, dev, GPU_BF16, 0.5, "triton", recompute=True)
+    assert what_if.selective_recompute_s == 0 and what_if.recompute_s == r.recompute_s
     slow = sequence.hstu_time_s(REFERENCE, 0.0, 1024, dev, GPU_BF16, 0.5, "torch", recompute=False)
     assert slow.attention_s > 3 * t.attention_s
     with pytest.raises(ValueError, match="no efficiency"):
@@ -224,23 +248,23 @@ def test_sequence_rows_at_the_backward_start():
     assert _buffers_per_rank(wl) == wl.options.pipeline_depth * 256 * (60 + 60) * 8
 
 
-def test_mi355x_plans_the_reference_batch_and_prints_samples_per_s():
-    """8 x MI355X at 1,024 samples per rank: with every table in HBM and no recompute the predicted peak is
-    over the usable 286 GB (the STU layers' kept tensors: docs/planning.md), so the default plan moves
-    tables to host memory and says so, and with HBM only it fits as the recompute what-if, said as such."""
+def test_mi355x_plans_the_reference_batch_with_every_table_in_hbm_and_prints_samples_per_s():
+    """8 x MI355X at 1,024 samples per rank: the STU layers' selective recompute (the model's default, the
+    reference's) keeps the predicted peak under the usable 286 GB with every table in HBM, no what-if; the
+    same plan with layers that keep everything is 55-65 GB over a rank (docs/planning.md)."""
     result, text = _plan(["hardware=mi355x", "topology.world_size=8"])
-    assert result.workload.batch_size_per_rank == 1024 and not result.workload.options.activation_recompute
-    assert "samples/s" in text and "M samples" in text and "tables leave HBM" in text
+    opts = result.workload.options
+    assert result.workload.batch_size_per_rank == 1024 and not opts.activation_recompute
+    assert opts.hstu.stu_recompute == STURecompute.selective
+    assert all(o.placement == Placement.HBM for o in result.tables.values())
+    assert "samples/s" in text and "M samples" in text and "selective recompute" in text
+    assert "tables leave HBM" not in text and "what-if" not in text
     assert {o.sharding for o in result.tables.values()} <= set(sequence.SEQUENCE_SHARDINGS)
     usable = 286e9
     assert all(m.reserved_bytes <= usable for m in predict_memory(result))
-    hbm, text = _plan(["hardware=mi355x", "topology.world_size=8", "planner.allow_uvm=false"])
-    assert hbm.workload.options.activation_recompute and "not implemented in the trainer" in text
-    assert all(o.placement == Placement.HBM for o in hbm.tables.values())
-    assert hbm.workload.batch_size_per_rank == 1024 and "samples/s" in text
-    # the same plan without recompute: every table in HBM is 55-65 GB over a rank
-    no_recompute = dataclasses.replace(hbm.workload.options, activation_recompute=False)
-    whole = dataclasses.replace(hbm, workload=dataclasses.replace(hbm.workload, options=no_recompute))
+    keeps_all = dataclasses.replace(opts, hstu=dataclasses.replace(opts.hstu,
+                                                                   stu_recompute=STURecompute.none))
+    whole = dataclasses.replace(result, workload=dataclasses.replace(result.workload, options=keeps_all))
     short = max(m.reserved_bytes for m in predict_memory(whole)) - usable
     assert 55e9 < short < 65e9
 
@@ -285,7 +309,7 @@ def test_largest_fitting_batch_searches_multiples():
 
 def test_trainer_refuses_a_plan_that_needs_recompute():
     _, cfg = compose_config(["model=dlrmv4", "hardware=mi355x", "topology.world_size=8",
-                             "planner.allow_uvm=false"])
+                             "planner.allow_uvm=false", "model.hstu.stu_recompute=none"])
     family = resolve_family(cfg.model)
     meta = torch.device("meta")
     model = family.build_train(cfg.model, meta, meta, {ATTENTION_OP: get_impl(ATTENTION_OP, "triton")})

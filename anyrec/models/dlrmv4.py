@@ -16,7 +16,7 @@ from torch import nn
 from torchrec.modules.embedding_configs import EmbeddingConfig
 
 from anyrec.backends.dispatch import Impl
-from anyrec.config import ModelConfig
+from anyrec.config import ModelConfig, parse_stu_recompute
 from anyrec.models import hstu
 from anyrec.models.hstu import (
     ACTION_BITS,
@@ -48,6 +48,8 @@ def dlrmv4_config(cfg: ModelConfig) -> DLRMv4Config:
     if unknown:
         raise ValueError(f"model {cfg.name}: model.hstu has no field {unknown[0]!r}; known: table_scale, "
                          f"{', '.join(sorted(known))}")
+    if "stu_recompute" in fields:
+        fields["stu_recompute"] = parse_stu_recompute(fields["stu_recompute"])
     rows = {f: max(2, math.ceil(r * scale)) for f, r in REFERENCE_TABLE_ROWS.items()}
     out = DLRMv4Config(name=cfg.name, table_rows=rows, table_dim=cfg.embedding_dim, **fields)
     hstu.check_config(out)
@@ -124,7 +126,7 @@ def workload_facts(cfg: ModelConfig) -> WorkloadFacts:
                       preprocessor_hidden_dim=m.preprocessor_hidden_dim,
                       preprocessor_action_dim=len(ACTION_BITS) * m.action_dim, input_dropout=m.input_dropout,
                       stu_dropout=m.stu_dropout, mean_seq_len=lengths.get("mean_seq_len"),
-                      rms_seq_len=lengths.get("rms_seq_len"))
+                      rms_seq_len=lengths.get("rms_seq_len"), stu_recompute=m.stu_recompute)
     lookups = {f: shape.mean_tokens - C for f in SEQUENCE_FEATURES} | {f: 1.0 for f in CONTEXTUAL_FEATURES}
     at_mean = hstu.dlrmv4_flops_per_sample(m, shape.mean_tokens)
     at_rms = hstu.dlrmv4_flops_per_sample(m, shape.rms_tokens)

@@ -22,6 +22,7 @@ from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
+from anyrec.config import STURecompute
 from anyrec.models.hstu_layers import (
     ACTION_BITS,
     ContextualPreprocessor,
@@ -73,6 +74,9 @@ class DLRMv4Config:
     # recommenders' `contextual_seq_len`), which, over several layers, carries later history into earlier
     # positions.
     contextual_sees_history: bool = False
+    # What each STU layer's backward recomputes rather than keeps (the reference's: selective); the numbers
+    # are the same either way
+    stu_recompute: STURecompute = STURecompute.selective
 
 
 def check_config(cfg: DLRMv4Config) -> None:
@@ -118,7 +122,8 @@ class HSTUDense(nn.Module):
                                                    cfg.action_dim, self.num_contextual)
         self.positional = PositionalEncoder(cfg.position_buckets, cfg.time_buckets, D)
         self.layers = nn.ModuleList(
-            STULayer(D, cfg.num_heads, cfg.qk_dim, cfg.v_dim, cfg.stu_dropout, attention)
+            STULayer(D, cfg.num_heads, cfg.qk_dim, cfg.v_dim, cfg.stu_dropout, attention,
+                     selective_recompute=cfg.stu_recompute == STURecompute.selective)
             for _ in range(cfg.num_layers))
         self.postprocessor = TimestampLayerNormPostprocessor(D)
         self.item_mlp = norm_mlp(len(SEQUENCE_FEATURES) * cfg.table_dim, cfg.item_hidden_dim, D,

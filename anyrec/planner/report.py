@@ -104,6 +104,8 @@ def hstu_lines(plan: PlanResult) -> list[str]:
                     dev.dense_efficiency or DENSE_EFFICIENCY, opts.attention_impl, opts.activation_recompute)
     act = wl.batch_size_per_rank * dense_bytes_per_sample(opts, topo, wl.batch_size_per_rank)[1]
     recompute = f", recompute {t.recompute_s * 1e3:.1f} ms" if opts.activation_recompute else ""
+    if t.selective_recompute_s > 0:
+        recompute += f", selective recompute {t.selective_recompute_s * 1e3:.1f} ms"
     return [
         f"predicted {rate:,.0f} samples/s ({topo.world_size} x {wl.batch_size_per_rank} per step); "
         f"{REFERENCE_SAMPLES / 1e6:.1f} M samples (the DLRMv4 reference's 8-GPU run) in "

@@ -11,9 +11,12 @@ The STU layers' FLOPs are the reference's count (`stu_flops`: 315.7 GFLOP per sa
 reference's sizes). GEMMs run at the device's dense efficiency, the attention at its implementation's
 (`ATTENTION_EFFICIENCY`), both in bf16 where the device has it; the elementwise work (norms, SiLU, gating,
 dropout, casts) streams the layers' activations through HBM. Memory: each layer keeps, per token, what
-autograd saves of anyrec's STU layer (`stu_kept_bytes_per_token`, checked against a measurement by
-tests/test_planner_saved_tensors.py); with activation recompute a layer keeps only its input and recomputes
-the rest in the backward (one more forward of the STU stack).
+autograd saves of anyrec's STU layer (`stu_layer_kept_bytes_per_token`, checked against a measurement by
+tests/test_planner_saved_tensors.py): with the model's selective recompute (`HSTUShape.stu_recompute`, the
+reference's) its input, U and the attention output, the rest recomputed in its backward (the UVQK GEMM once
+more, `selective_recompute_s`); without it every tensor its ops save (`stu_kept_bytes_per_token`). With
+activation recompute (a what-if) a layer keeps only its input and recomputes the rest in the backward (one
+more forward of the STU stack).
 
 Sequences are jagged and nothing is padded: the GEMMs, the lookups, the all-to-alls and the kept tensors
 grow with the mean tokens per sample, the attention with the mean of the squared lengths (`HSTUShape`'s
@@ -29,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from anyrec.backends.specs import DeviceSpec
+from anyrec.config import STURecompute
 from anyrec.planner.types import Perf, PlanOptions, ShardingOption, ShardingType, Topology, Workload
 from anyrec.schema import HSTUShape
 
@@ -150,23 +154,25 @@ def rows_kept_for_backward(topology: Topology, dense_dtype: str) -> bool:
 class ActivationBytes:
     """Bytes per element of what autograd keeps, by kind: `gemm`, a GEMM's input or output (2 under
     autocast); `norm_input`, a layer norm's input as it saves it; `stu_mask` and `input_mask`, the STU
-    gating's and the input's dropout masks."""
+    gating's and the input's dropout masks; `stack_input`, the STU stack's input (the first layer's)."""
 
     gemm: int
     norm_input: int
     stu_mask: int
     input_mask: int
+    stack_input: int
 
 
 def activation_dtypes(cpu: bool, half: bool) -> ActivationBytes:
     """What torch keeps on the device: on an accelerator, autocast runs layer norms in fp32 (CUDA's autocast
-    lists layer_norm among its fp32 ops: its saved input is an fp32 copy) and dropout is the fused
-    `native_dropout`, whose mask is bool; on the CPU, autocast leaves a layer norm in its input's dtype and
-    dropout multiplies by a noise tensor of its input's dtype (the STU gating's input is fp32)."""
+    lists layer_norm among its fp32 ops: its saved input is an fp32 copy, and the preprocessor's closing layer
+    norms make the STU stack's input fp32) and dropout is the fused `native_dropout`, whose mask is bool; on
+    the CPU, autocast leaves a layer norm in its input's dtype and dropout multiplies by a noise tensor of its
+    input's dtype (the STU gating's input is fp32)."""
     a = 2 if half else FP32_BYTES
     if cpu:
-        return ActivationBytes(a, a, FP32_BYTES, a)
-    return ActivationBytes(a, FP32_BYTES, 1, 1)
+        return ActivationBytes(a, a, FP32_BYTES, a, a)
+    return ActivationBytes(a, FP32_BYTES, 1, 1, FP32_BYTES)
 
 
 def job_activation_dtypes(topology: Topology, dense_dtype: str) -> ActivationBytes:
@@ -174,17 +180,50 @@ def job_activation_dtypes(topology: Topology, dense_dtype: str) -> ActivationByt
     return activation_dtypes(topology.compute_device == "cpu", activation_bytes(topology, dense_dtype) == 2)
 
 
-def stu_kept_bytes_per_token(shape: HSTUShape, ab: ActivationBytes) -> float:
-    """Bytes one STU layer's autograd keeps per token from its forward to its backward (anyrec's STULayer,
-    its attention keeping q, k, v, views of the UVQK output, as the Triton kernel does): the input norm's
-    input and statistics, the normed input as the GEMM reads it, the UVQK output, the gating's three fp32
-    tensors (U, the attention output, the normed attention) and its norm's statistics, the dropout mask and
-    the output GEMM's input [U, attention, gated]."""
+def stu_uvqk_bytes_per_token(shape: HSTUShape, ab: ActivationBytes) -> float:
+    """Bytes per token autograd saves of an STU layer's UVQK part (its attention keeping q, k, v, views of
+    the UVQK output, as the Triton kernel does): the input norm's input and statistics, the normed input as
+    the GEMM reads it, the UVQK output."""
     D, U, QK = shape.model_dim, shape.num_heads * shape.v_dim, shape.num_heads * shape.qk_dim
-    a = ab.gemm
+    return ab.norm_input * D + LAYER_NORM_STATS_BYTES + ab.gemm * D + ab.gemm * (2 * U + 2 * QK)
+
+
+def stu_gated_bytes_per_token(shape: HSTUShape, ab: ActivationBytes) -> float:
+    """Bytes per token autograd saves of an STU layer's output part: the gating's three fp32 tensors (U,
+    the attention output, the normed attention) and its norm's statistics, the dropout mask and the output
+    GEMM's input [U, attention, gated]."""
+    U = shape.num_heads * shape.v_dim
     mask = ab.stu_mask * 3 * U if shape.stu_dropout > 0 else 0
-    return (ab.norm_input * D + LAYER_NORM_STATS_BYTES + a * D + a * (2 * U + 2 * QK) + 3 * FP32_BYTES * U
-            + LAYER_NORM_STATS_BYTES + mask + a * 3 * U)
+    return 3 * FP32_BYTES * U + LAYER_NORM_STATS_BYTES + mask + ab.gemm * 3 * U
+
+
+def stu_kept_bytes_per_token(shape: HSTUShape, ab: ActivationBytes) -> float:
+    """Bytes one STU layer's autograd keeps per token from its forward to its backward without selective
+    recompute: every tensor its ops save, the UVQK part's and the output part's."""
+    return stu_uvqk_bytes_per_token(shape, ab) + stu_gated_bytes_per_token(shape, ab)
+
+
+def stu_selective_kept_bytes_per_token(shape: HSTUShape, ab: ActivationBytes, first_layer: bool) -> float:
+    """Bytes one STU layer keeps per token with selective recompute: its input as it arrives (the STU
+    stack's input for the first layer, the previous layer's GEMM output after it), U after SiLU and the
+    attention output; the reference's set but its two norms' statistics (anyrec recomputes the norms)."""
+    x = ab.stack_input if first_layer else ab.gemm
+    return x * shape.model_dim + 2 * ab.gemm * shape.num_heads * shape.v_dim
+
+
+def stu_layer_kept_bytes_per_token(shape: HSTUShape, ab: ActivationBytes, layer: int) -> float:
+    """Bytes STU layer `layer` (0 the first) keeps per token, as `shape.stu_recompute` has it."""
+    if shape.stu_recompute == STURecompute.selective:
+        return stu_selective_kept_bytes_per_token(shape, ab, first_layer=layer == 0)
+    return stu_kept_bytes_per_token(shape, ab)
+
+
+def stu_recomputed_bytes_per_token(shape: HSTUShape, ab: ActivationBytes) -> float:
+    """Bytes per token a layer's selective recompute brings back in its backward, the larger of its two parts
+    (the output part's backward runs, and frees its tensors, before the UVQK part's); 0 without it."""
+    if shape.stu_recompute != STURecompute.selective:
+        return 0.0
+    return max(stu_uvqk_bytes_per_token(shape, ab), stu_gated_bytes_per_token(shape, ab))
 
 
 def input_bytes_per_token(shape: HSTUShape, ab: ActivationBytes) -> float:
@@ -236,12 +275,14 @@ def lengths_text(shape: HSTUShape) -> str:
 @dataclass(frozen=True)
 class HSTUMemory:
     """Per sample, the bytes of an HSTU dense part alive at its memory's two moments: `activation`, the
-    backward's start (every layer's kept tensors, the last layer's backward temporaries and the attention
-    workspace: with recompute, the layers' inputs and one layer's recomputed tensors instead) and
-    `gradient`, the backward reaching the embeddings (the gradient of the embeddings read, fp32, and the
-    preprocessor's input gradient)."""
+    backward's start (every layer's kept tensors, the last layer's recomputed ones under selective recompute,
+    its backward temporaries and the attention workspace: with activation recompute, the layers' inputs and
+    one layer's recomputed tensors instead) and `gradient`, the backward reaching the embeddings (the
+    gradient of the embeddings read, fp32, and the preprocessor's input gradient). The per-token terms:
+    `kept_layers` (every layer's kept tensors), `recomputed`, `preprocessor` (per position), `backward`."""
 
-    kept_per_layer: float
+    kept_layers: float
+    recomputed: float
     preprocessor: float
     backward: float
     activation: float
@@ -252,30 +293,35 @@ def hstu_memory_per_sample(shape: HSTUShape, ab: ActivationBytes, attention_impl
                            tokens: float) -> HSTUMemory:
     """The HSTU part's bytes per sample of `tokens` tokens (see HSTUMemory); `recompute`: each layer keeps
     its input only and recomputes the rest in its backward (torch.utils.checkpoint around each STU
-    layer)."""
+    layer, a what-if), whatever `shape.stu_recompute`."""
     L, a = shape.num_layers, ab.gemm
     positions = tokens - shape.contextual
-    kept = stu_kept_bytes_per_token(shape, ab)
+    kept = sum(stu_layer_kept_bytes_per_token(shape, ab, i) for i in range(L))
+    recomputed = stu_recomputed_bytes_per_token(shape, ab)
     pre = preprocessor_bytes_per_position(shape, ab)
     bwd = stu_backward_bytes_per_token(shape, a, attention_impl)
-    layers = L * a * shape.model_dim + kept if recompute else L * kept
-    per_token = layers + input_bytes_per_token(shape, ab) + bwd
+    if recompute:
+        kept, recomputed = L * a * shape.model_dim, stu_kept_bytes_per_token(shape, ab)
+    per_token = kept + recomputed + input_bytes_per_token(shape, ab) + bwd
     gradient = positions * FP32_BYTES * shape.preprocessor_in_dim + tokens * a * shape.model_dim
-    return HSTUMemory(kept, pre, bwd, tokens * per_token + positions * pre, gradient)
+    return HSTUMemory(kept, recomputed, pre, bwd, tokens * per_token + positions * pre, gradient)
 
 
 @dataclass(frozen=True)
 class HSTUTime:
-    """Seconds per step of an HSTU dense part on one rank, by kind; `recompute_s` is the extra forward."""
+    """Seconds per step of an HSTU dense part on one rank, by kind; `recompute_s` is activation recompute's
+    extra forward, `selective_recompute_s` what the model's selective recompute adds."""
 
     gemm_s: float
     attention_s: float
     elementwise_s: float
     recompute_s: float = 0.0
+    selective_recompute_s: float = 0.0
 
     @property
     def total_s(self) -> float:
-        return self.gemm_s + self.attention_s + self.elementwise_s + self.recompute_s
+        return (self.gemm_s + self.attention_s + self.elementwise_s + self.recompute_s
+                + self.selective_recompute_s)
 
 
 def attention_efficiency(attention_impl: str) -> float:
@@ -305,7 +351,22 @@ def hstu_time_s(shape: HSTUShape, other_flops_per_sample: float, batch: int, dev
     if recompute:  # one more forward: a third of the GEMMs', 1 / 3.5 of the attention's, one elementwise pass
         extra = (batch * (flops.uvqk + flops.output) / 3 / gemm_rate + attention / 3.5
                  + elementwise / ELEMENTWISE_PASSES)
-    return HSTUTime(gemm, attention, elementwise, extra)
+    selective = 0.0 if recompute else selective_recompute_s(shape, batch, device, ab, gemm_rate)
+    return HSTUTime(gemm, attention, elementwise, extra, selective)
+
+
+def selective_recompute_s(shape: HSTUShape, batch: int, device: DeviceSpec, ab: ActivationBytes,
+                          gemm_rate: float) -> float:
+    """Seconds the selective recompute (`shape.stu_recompute`) adds to a step of `batch` samples: the UVQK
+    GEMM's forward once more (a third of its FLOPs) at `gemm_rate`, and the tensors it recomputes rather
+    than keeps written once more at HBM bandwidth (the norms, SiLU and gating: one elementwise pass)."""
+    if shape.stu_recompute != STURecompute.selective:
+        return 0.0
+    L = shape.num_layers
+    dropped = L * stu_kept_bytes_per_token(shape, ab) - sum(
+        stu_layer_kept_bytes_per_token(shape, ab, i) for i in range(L))
+    written = batch * shape.mean_tokens * dropped / (device.memory_bw_bytes_per_s * ELEMENTWISE_EFFICIENCY)
+    return batch * stu_flops(shape).uvqk / 3 / gemm_rate + written
 
 
 def dense_bytes_per_sample(options: PlanOptions, topology: Topology, batch: int) -> tuple[int, int, int]:

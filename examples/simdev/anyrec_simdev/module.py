@@ -64,6 +64,16 @@ def manual_seed_all(seed: int) -> None:
     """Seed every device's generator (see manual_seed)."""
 
 
+def get_rng_state(device: int | str | torch.device | None = None) -> torch.Tensor:
+    """The device's generator state: the host generator's (see manual_seed)."""
+    return torch.get_rng_state()
+
+
+def set_rng_state(new_state: torch.Tensor, device: int | str | torch.device | None = None) -> None:
+    """Set the device's generator state: the host generator's (see manual_seed)."""
+    torch.set_rng_state(new_state)
+
+
 def _allocator(device: int | str | torch.device | None) -> CachingAllocator:
     return allocators()[_index(device)]
 
