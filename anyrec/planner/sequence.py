@@ -8,9 +8,11 @@ row-wise; row-wise sends each id to the rank that holds its row (with the permut
 back in order) and each row back, an all-to-all, where a pooled table reduce-scatters partial sums.
 
 The STU layers' FLOPs are the reference's count (`stu_flops`: 315.7 GFLOP per sample at the DLRMv4
-reference's sizes). GEMMs run at the device's dense efficiency, the attention at its implementation's
-(`ATTENTION_EFFICIENCY`), both in bf16 where the device has it; the elementwise work (norms, SiLU, gating,
-dropout, casts) streams the layers' activations through HBM. Memory: each layer keeps, per token, what
+reference's sizes). GEMMs run at the device's dense efficiency, the attention at the rate its
+implementation was measured at on the job's shapes (`measured_attention`: the calibration on first
+contact measures it) or, where none was, at its assumed efficiency (`ATTENTION_EFFICIENCY`), both in bf16
+where the device has it; the elementwise work (norms, SiLU, gating, dropout, casts) streams the layers'
+activations through HBM. Memory: each layer keeps, per token, what
 autograd saves of anyrec's STU layer (`stu_kept_bytes_per_token`, checked against a measurement by
 tests/test_planner_saved_tensors.py); with activation recompute a layer keeps only its input and recomputes
 the rest in the backward (one more forward of the STU stack).
@@ -26,8 +28,10 @@ V u/v dim per head (U = H x V), a bytes of an activation element (2 in bf16, 4 i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from anyrec.backends.hardware import AttentionRate
 from anyrec.backends.specs import DeviceSpec
 from anyrec.planner.types import Perf, PlanOptions, ShardingOption, ShardingType, Topology, Workload
 from anyrec.schema import HSTUShape
@@ -79,8 +83,15 @@ def stu_flops(shape: HSTUShape) -> STUFlops:
     gemm = 2 * 3  # FLOP per multiply-add, forward + backward
     uvqk = L * gemm * S * D * 2 * H * (A + V)
     output = L * gemm * S * 3 * H * V * D
-    attention = L * 2 * 3.5 * (shape.rms_tokens ** 2 / 2) * H * (A + V)
+    attention = L * attention_layer_flops(shape.rms_tokens ** 2, H, A, V)
     return STUFlops(float(attention), float(uvqk), float(output))
+
+
+def attention_layer_flops(squared_tokens: float, heads: int, qk_dim: int, v_dim: int) -> float:
+    """Forward + backward FLOP of one layer's attention over sequences whose squared lengths sum to
+    `squared_tokens` (the reference's count: QK^T and AV over half the S x S pairs, the backward 2.5x the
+    forward)."""
+    return 2 * 3.5 * (squared_tokens / 2) * heads * (qk_dim + v_dim)
 
 
 def check_sequence_sharding(option: ShardingOption) -> None:
@@ -219,8 +230,8 @@ def lengths_text(shape: HSTUShape) -> str:
     longest` where the lengths are not given)."""
     if shape.mean_seq_len is None:
         return f"{shape.seq_len:,} tokens/sample, every sample at its longest"
-    return (f"mean {shape.mean_tokens:,.0f}, rms {shape.rms_tokens:,.0f}, longest {shape.seq_len:,} "
-            f"tokens/sample")
+    return (f"mean {shape.mean_tokens:,.0f}, rms {shape.rms_tokens:,.0f}, "
+            f"longest {shape.longest_tokens:,.0f} tokens/sample")
 
 
 @dataclass(frozen=True)
@@ -268,6 +279,29 @@ class HSTUTime:
         return self.gemm_s + self.attention_s + self.elementwise_s + self.recompute_s
 
 
+def measured_attention(rates: tuple[AttentionRate, ...], shape: HSTUShape, attention_impl: str,
+                       half: bool) -> AttentionRate | None:
+    """The rate `attention_impl` was measured at on `shape`'s heads, dims and lengths in the job's dtype
+    (bf16 where `half`), or None where it was not (another job's shapes, another implementation)."""
+    dtype = "bf16" if half else "fp32"
+    for r in rates:
+        same = (r.impl == attention_impl and r.dtype == dtype
+                and (r.heads, r.qk_dim, r.v_dim) == (shape.num_heads, shape.qk_dim, shape.v_dim))
+        if same and all(math.isclose(a, b, rel_tol=1e-6) for a, b in (
+                (r.mean_tokens, shape.mean_tokens), (r.rms_tokens, shape.rms_tokens),
+                (r.longest_tokens, shape.longest_tokens))):
+            return r
+    return None
+
+
+def job_attention(options: PlanOptions, topology: Topology) -> AttentionRate | None:
+    """`measured_attention` for a job's HSTU shape, attention implementation and activation dtype."""
+    if options.hstu is None:
+        return None
+    half = activation_bytes(topology, options.dense_dtype) == 2
+    return measured_attention(options.attention_rates, options.hstu, options.attention_impl, half)
+
+
 def attention_efficiency(attention_impl: str) -> float:
     """The implementation's attention efficiency (ATTENTION_EFFICIENCY); ValueError for an unknown one."""
     if attention_impl not in ATTENTION_EFFICIENCY:
@@ -278,24 +312,28 @@ def attention_efficiency(attention_impl: str) -> float:
 
 def hstu_time_s(shape: HSTUShape, other_flops_per_sample: float, batch: int, device: DeviceSpec,
                 ab: ActivationBytes, dense_efficiency: float, attention_impl: str,
-                recompute: bool) -> HSTUTime:
+                recompute: bool, attention: AttentionRate | None = None) -> HSTUTime:
     """Forward + backward seconds of `batch` samples through the HSTU part on `device`: the STU GEMMs and
     the model's other GEMMs (`other_flops_per_sample`) at `dense_efficiency` of peak (bf16 peak where the
-    activations are half, `ab`), the attention at its implementation's efficiency, the elementwise passes
-    over the kept activations at HBM bandwidth; with `recompute`, one more forward of the STU stack."""
+    activations are half, `ab`), the attention at its `attention` measurement's rate (None: its
+    implementation's assumed efficiency of peak), the elementwise passes over the kept activations at HBM
+    bandwidth; with `recompute`, one more forward of the STU stack."""
     flops = stu_flops(shape)
     peak = device.peak_bf16_flops if ab.gemm == 2 else device.peak_fp32_flops
     gemm_rate = peak * dense_efficiency
-    attn_rate = peak * attention_efficiency(attention_impl)
+    assumed = attention is None
+    attn_rate = peak * attention_efficiency(attention_impl) if assumed else attention.flops_per_s
     gemm = batch * (flops.uvqk + flops.output + other_flops_per_sample) / gemm_rate
-    attention = batch * flops.attention / attn_rate
+    attention_s = batch * flops.attention / attn_rate
     streamed = batch * shape.mean_tokens * shape.num_layers * stu_kept_bytes_per_token(shape, ab)
     elementwise = ELEMENTWISE_PASSES * streamed / (device.memory_bw_bytes_per_s * ELEMENTWISE_EFFICIENCY)
     extra = 0.0
-    if recompute:  # one more forward: a third of the GEMMs', 1 / 3.5 of the attention's, one elementwise pass
-        extra = (batch * (flops.uvqk + flops.output) / 3 / gemm_rate + attention / 3.5
+    if recompute:  # one more forward: a third of the GEMMs', the attention's forward (measured, else 1 / 3.5
+        # of forward + backward by the FLOP count), one elementwise pass
+        forward = attention.forward_s / attention.step_s if attention is not None else 1 / 3.5
+        extra = (batch * (flops.uvqk + flops.output) / 3 / gemm_rate + attention_s * forward
                  + elementwise / ELEMENTWISE_PASSES)
-    return HSTUTime(gemm, attention, elementwise, extra)
+    return HSTUTime(gemm, attention_s, elementwise, extra)
 
 
 def dense_bytes_per_sample(options: PlanOptions, topology: Topology, batch: int) -> tuple[int, int, int]:
