@@ -19,14 +19,13 @@ from pathlib import Path
 
 from anyrec.backends import Hardware, resolve_hardware
 from anyrec.backends.core_load import CoreLoad, measure_core_load
-from anyrec.backends.hardware import AttentionRate
+from anyrec.backends.hardware import HSTURates
 from anyrec.calibration.measure import calibrate, hardware_yaml, report_trust
-from anyrec.calibration.measure.attention import measure_attention
+from anyrec.calibration.measure.hstu import measure_hstu
 from anyrec.calibration.run import CalibrationRun, CalibrationStopped, exit_stopped
 from anyrec.config import AnyrecConfig
 from anyrec.console import log_file_only
 from anyrec.data import resolve_batch_size
-from anyrec.history.attention_records import read_record, record_key, record_path, write_record
 from anyrec.history.cache import (
     CACHE_DIR_ENV,
     CacheKey,
@@ -36,6 +35,7 @@ from anyrec.history.cache import (
     lookup,
     write_entry,
 )
+from anyrec.history.hstu_records import read_record, record_key, record_path, write_record
 from anyrec.history.trust import BUSY_OTHER_CORES
 from anyrec.io_checks import atomic_write, writable_dir
 from anyrec.models.dlrmv4 import ATTENTION_OP
@@ -78,8 +78,8 @@ def remeasure_untrusted(distrust: str, now: CoreLoad | None) -> str | None:
 
 def calibrated_hardware(cfg: AnyrecConfig, runtime: Runtime) -> Hardware:
     """The Hardware of this machine's cached calibration file (with `cfg.hardware.spec` on top), measured
-    now in `runtime` if none is usable (every rank calls it); for an HSTU model, with the rate of the
-    attention the job runs on its own shapes (`job_attention`). Its `measured_by` names the file."""
+    now in `runtime` if none is usable (every rank calls it); for an HSTU model, with its kernels' rates
+    on the job's own shapes (`job_hstu_rates`). Its `measured_by` names the file."""
     signing_key = resolve_key(cfg.trainer.signing_key_file)
     info = runtime.dist
     agreement = Agreement.begin(info.rank, info.world_size, "calibration on first contact")
@@ -87,16 +87,16 @@ def calibrated_hardware(cfg: AnyrecConfig, runtime: Runtime) -> Hardware:
         path = _find_or_measure(cfg, runtime, signing_key, agreement)
         hw = cfg.hardware
         hardware = resolve_hardware(path, hw.spec, runtime.backend, hw.measurements)
-        rate = job_attention(cfg, runtime, hardware, Path(path), agreement)
+        rate = job_hstu_rates(cfg, runtime, hardware, Path(path), agreement)
     except Exception as e:
         _name_lost_peer(e, cfg, runtime)
         raise
-    return dataclasses.replace(hardware, attention=(rate,)) if rate is not None else hardware
+    return dataclasses.replace(hardware, hstu_rates=(rate,)) if rate is not None else hardware
 
 
 def _name_lost_peer(e: Exception, cfg: AnyrecConfig, runtime: Runtime) -> None:
     """Every choice that decides what the ranks do next (hit or miss, a folder that cannot be written, the
-    file's text, an attention record) is rank 0's, agreed through one `Agreement`; a rank's collective that
+    file's text, an HSTU record) is rank 0's, agreed through one `Agreement`; a rank's collective that
     fails because a peer went a different way or left is named in one line (PeerLostError)."""
     info = runtime.dist
     lost = peer_failure(e, info.rank, info.world_size, cfg.trainer.collective_timeout_s)
@@ -104,12 +104,13 @@ def _name_lost_peer(e: Exception, cfg: AnyrecConfig, runtime: Runtime) -> None:
         raise PeerLostError(lost) from None
 
 
-def job_attention(cfg: AnyrecConfig, runtime: Runtime, hardware: Hardware, entry: Path,
-                  agreement: Agreement) -> AttentionRate | None:
-    """For an HSTU model, the rate of the attention implementation the job runs (the backend's choice) on
-    the job's heads, dims, planned lengths and batch, in the dtype the planner costs: the record kept
-    beside the calibration entry `entry` (anyrec.history.attention_records), or measured now by every rank
-    at once (as the job's ranks will run it) and kept (rank 0's figure); None for other models."""
+def job_hstu_rates(cfg: AnyrecConfig, runtime: Runtime, hardware: Hardware, entry: Path,
+                  agreement: Agreement) -> HSTURates | None:
+    """For an HSTU model, the rates of its kernels (the attention implementation the job runs, the
+    backend's choice; the STU GEMMs; the elementwise passes) on the job's heads, dims, planned lengths and
+    batch, in the dtype the planner costs: the record kept beside the calibration entry `entry`
+    (anyrec.history.hstu_records), or measured now by every rank at once (as the job's ranks will run
+    them) and kept (rank 0's figures); None for other models."""
     shape = resolve_family(cfg.model).workload_facts(cfg.model).hstu
     if shape is None:
         return None
@@ -129,26 +130,29 @@ def job_attention(cfg: AnyrecConfig, runtime: Runtime, hardware: Hardware, entry
         rate = read_record(path, key)
         return dataclasses.asdict(rate) if rate is not None else None
 
-    found = agreement.decide("attention record", recorded)
+    found = agreement.decide("HSTU record", recorded)
     if found is not None:
         if info.is_main:
-            logger.info("calibration: attention %s at this job's shapes from %s", impl.name, path)
-        return AttentionRate(**found)
-    mine = measure_attention(impl.build(), impl.name, shape, batch, half, backend, runtime.device,
-                             cfg.trainer.calibrate_budget_s)
+            logger.info("calibration: HSTU kernels (attention %s) at this job's shapes from %s", impl.name,
+                        path)
+        return HSTURates(**found)
+    mine = measure_hstu(impl.build(), impl.name, shape, batch, half, backend, runtime.device,
+                        cfg.trainer.calibrate_budget_s)
     stamp = time.strftime("%Y-%m-%d", time.gmtime())
     mine = dataclasses.replace(mine, source=f"measured on first contact ({backend.describe()}, "
                                             f"{info.world_size} ranks at once) on {stamp}")
-    rate = AttentionRate(**agreement.decide("attention measured", lambda: dataclasses.asdict(mine)))
+    rate = HSTURates(**agreement.decide("HSTU measured", lambda: dataclasses.asdict(mine)))
     if info.is_main:
         try:
             write_record(path, key, rate)
             kept = f"kept in {path}"
         except OSError as e:
             kept = f"not kept ({e})"
-        logger.info("calibration: attention %s measured at this job's shapes (%d samples of %s, %d heads): "
-                    "%.1f ms forward + backward per layer, %.2f GFLOP/s; %s", impl.name, batch,
-                    lengths_text(shape), shape.num_heads, rate.step_s * 1e3, rate.flops_per_s / 1e9, kept)
+        logger.info("calibration: HSTU kernels measured at this job's shapes (%d samples of %s, %d heads): "
+                    "attention %s %.1f ms forward + backward per layer (%.2f GFLOP/s), GEMMs %.1f GFLOP/s, "
+                    "elementwise %.1f GB/s; %s", batch, lengths_text(shape), shape.num_heads, impl.name,
+                    rate.step_s * 1e3, rate.flops_per_s / 1e9, rate.gemm_flops_per_s / 1e9,
+                    rate.elementwise_bw_bytes_per_s / 1e9, kept)
     return rate
 
 

@@ -14,7 +14,7 @@ from anyrec.planner.sequence import (
     dense_bytes_per_sample,
     hstu_time_s,
     job_activation_dtypes,
-    job_attention,
+    job_hstu_rates,
     sequence_lookups,
     sequence_perf,
     stu_flops,
@@ -378,7 +378,7 @@ class DenseEstimator:
             other = max(0.0, opts.dense_flops_per_sample - stu_flops(opts.hstu).total)
             compute = hstu_time_s(opts.hstu, other, b, dev, job_activation_dtypes(topology, opts.dense_dtype),
                                   efficiency, opts.attention_impl, opts.activation_recompute,
-                                  job_attention(opts, topology)).total_s
+                                  job_hstu_rates(opts, topology)).total_s
         else:
             # forward 2 FLOPs per parameter per sample, backward 4, unless the model states its own
             flops = (opts.dense_flops_per_sample or 6.0 * n) * b

@@ -11,7 +11,7 @@ from enum import StrEnum
 from typing import Any
 
 from anyrec.backends.dispatch import FBGEMM_EMBEDDING
-from anyrec.backends.hardware import AttentionRate, EmbeddingCost
+from anyrec.backends.hardware import EmbeddingCost, HSTURates
 from anyrec.backends.specs import DeviceSpec
 from anyrec.schema import HSTUShape
 
@@ -259,11 +259,11 @@ class PlanOptions:
     dense_flops_per_sample: float = 0.0
     # An HSTU dense part (DLRMv4): its STU layers' time and memory are costed from its sizes
     # (anyrec.planner.sequence), with the attention implementation's efficiency (measured where
-    # `attention_rates` has its implementation at the job's shapes: Hardware.attention);
+    # `hstu_rates` has its implementation at the job's shapes: Hardware.attention);
     # `activation_recompute`: each STU layer keeps only its input and recomputes the rest in the backward
     hstu: HSTUShape | None = None
     attention_impl: str = "triton"
-    attention_rates: tuple[AttentionRate, ...] = ()
+    hstu_rates: tuple[HSTURates, ...] = ()
     activation_recompute: bool = False
 
     def __post_init__(self) -> None:

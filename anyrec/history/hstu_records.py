@@ -1,8 +1,8 @@
-"""The attention records: an HSTU attention implementation's rate measured on one job's shapes on this
-machine, kept beside the calibration cache entry it was measured with, so a later job of the same shapes
-plans with it without measuring again.
+"""The HSTU records: an HSTU job's kernels' rates (its attention implementation, its GEMMs, its elementwise
+passes) measured on its shapes on this machine, kept beside the calibration cache entry they were measured
+with, so a later job of the same shapes plans with them without measuring again.
 
-A record lives in the cache folder (`$ANYREC_CACHE_DIR/attention/<key>.json`), named by `record_key`: the
+A record lives in the cache folder (`$ANYREC_CACHE_DIR/hstu/<key>.json`), named by `record_key`: the
 content of the calibration entry (a re-measured entry, a quiet host's after a busy one's, names new
 records), the implementation, the dtype, the heads, dims and lengths, and the batch. A record cut short,
 made for another key, of another version or holding a value out of range is ignored, in one line, and
@@ -18,7 +18,7 @@ import logging
 import math
 from pathlib import Path
 
-from anyrec.backends.hardware import AttentionRate
+from anyrec.backends.hardware import HSTURates
 from anyrec.io_checks import atomic_write
 from anyrec.safe_load import UnsafeFileError, load_json
 from anyrec.schema import HSTUShape
@@ -42,8 +42,8 @@ def record_key(entry_text: str, impl: str, half: bool, shape: HSTUShape, batch: 
 
 
 def record_path(key: str, directory: Path | None = None) -> Path:
-    """Where the record named `key` lives: `directory` (default: the cache folder) / attention / key.json."""
-    return (directory or cache_dir()) / "attention" / f"{key}.json"
+    """Where the record named `key` lives: `directory` (default: the cache folder) / hstu / key.json."""
+    return (directory or cache_dir()) / "hstu" / f"{key}.json"
 
 
 def _problem(data: object, key: str) -> str | None:
@@ -56,7 +56,8 @@ def _problem(data: object, key: str) -> str | None:
     texts = (rate.get("impl"), rate.get("source", ""))
     if rate.get("dtype") not in DTYPES or not all(isinstance(t, str) for t in texts):
         return "its implementation, dtype or source is not one"
-    for name in ("forward_s", "step_s", "flops_per_s", "mean_tokens", "rms_tokens", "longest_tokens"):
+    for name in ("forward_s", "step_s", "flops_per_s", "gemm_flops_per_s", "elementwise_bw_bytes_per_s",
+                 "mean_tokens", "rms_tokens", "longest_tokens"):
         v = rate.get(name)
         if isinstance(v, bool) or not isinstance(v, float | int) or not math.isfinite(v) or v <= 0:
             return f"{name} is not a positive number"
@@ -70,23 +71,23 @@ def _problem(data: object, key: str) -> str | None:
     return None
 
 
-def read_record(path: Path, key: str) -> AttentionRate | None:
+def read_record(path: Path, key: str) -> HSTURates | None:
     """The rate recorded at `path` if the record is whole, for `key` and of this version; None (said in one
     line when a file is there) else."""
     if not path.exists():
         return None
     try:
-        data = load_json(path, f"attention record {path}", max_bytes=MAX_RECORD_BYTES)
+        data = load_json(path, f"HSTU record {path}", max_bytes=MAX_RECORD_BYTES)
         problem = _problem(data, key)
         if problem is None:
-            return AttentionRate(**data["rate"])
+            return HSTURates(**data["rate"])
     except (UnsafeFileError, TypeError) as e:
         problem = str(e).splitlines()[0]
-    logger.warning("attention record %s ignored (%s): measuring again", path, problem)
+    logger.warning("HSTU record %s ignored (%s): measuring again", path, problem)
     return None
 
 
-def write_record(path: Path, key: str, rate: AttentionRate) -> None:
+def write_record(path: Path, key: str, rate: HSTURates) -> None:
     """Write `rate` as the record named `key`, whole or not at all (a rename; a link at `path` is
     replaced, never written through)."""
     with atomic_write(path) as f:
