@@ -162,7 +162,7 @@ def test_first_contact_measures_the_jobs_attention_once_then_reads_it(tmp_path, 
     monkeypatch.delenv("RANK", raising=False)
     entry = tmp_path / "calibration-entry.yaml"
     entry.write_text("measurements: {}\n")
-    _, cfg = compose_config(["model=dlrmv4_small", "data.batch_size=8", "trainer.calibrate=auto"])
+    _, cfg = compose_config(["model=dlrmv4_small", "data.batch_size=2", "trainer.calibrate=auto"])
     runtime = start_runtime("cpu", bind_cores=False)
     try:
         hardware = Hardware(runtime.backend.device_spec())
@@ -174,7 +174,7 @@ def test_first_contact_measures_the_jobs_attention_once_then_reads_it(tmp_path, 
         assert rate is not None and "HSTU kernels measured at this job's shapes" in caplog.text
         shape = resolve_family(cfg.model).workload_facts(cfg.model).hstu
         assert sequence.measured_hstu((rate,), shape, "torch", half=False) is rate  # what the job plans
-        assert rate.batch == 8 and "first contact" in rate.source
+        assert rate.batch == 2 and "first contact" in rate.source
         (kept,) = (tmp_path / "hstu").glob("*.json")
 
         def never(*args, **kwargs):
