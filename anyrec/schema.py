@@ -82,8 +82,9 @@ class HSTUShape:
     its action MLP's input width, `preprocessor_hidden_dim` its MLPs' width; the dropout rates (a mask is
     kept where one is > 0). Sequences are jagged: `mean_seq_len` tokens per sample on average and
     `rms_seq_len` the root mean square of the lengths (the attention's pairs grow with its square); both
-    None: every sample at `seq_len`, the bound. `stu_recompute`: what each STU layer's backward recomputes
-    rather than keeps (none: it keeps every tensor its ops save)."""
+    None: every sample at `seq_len`, the bound. `longest_seq_len`: the longest sample the data gives (an
+    implementation that pads a batch pads it to about this; None: `seq_len`). `stu_recompute`: what each
+    STU layer's backward recomputes rather than keeps (none: it keeps every tensor its ops save)."""
 
     seq_len: int
     num_layers: int
@@ -100,6 +101,7 @@ class HSTUShape:
     stu_dropout: float = 0.0
     mean_seq_len: float | None = None
     rms_seq_len: float | None = None
+    longest_seq_len: float | None = None
     stu_recompute: STURecompute = STURecompute.none
 
     def __post_init__(self) -> None:
@@ -114,6 +116,9 @@ class HSTUShape:
         if not self.contextual + self.targets <= mean <= rms <= self.seq_len:
             raise ValueError(f"HSTU shape: need contextual + targets ({self.contextual + self.targets}) <= "
                              f"mean_seq_len ({mean:g}) <= rms_seq_len ({rms:g}) <= seq_len ({self.seq_len})")
+        if not rms <= self.longest_tokens <= self.seq_len:
+            raise ValueError(f"HSTU shape: need rms_seq_len ({rms:g}) <= longest_seq_len "
+                             f"({self.longest_tokens:g}) <= seq_len ({self.seq_len})")
 
     @property
     def mean_tokens(self) -> float:
@@ -124,6 +129,11 @@ class HSTUShape:
     def rms_tokens(self) -> float:
         """Root mean square of the tokens per sample (`seq_len` where the lengths are not given)."""
         return float(self.seq_len if self.rms_seq_len is None else self.rms_seq_len)
+
+    @property
+    def longest_tokens(self) -> float:
+        """Tokens of the longest sample (`seq_len` where the data's longest is not given)."""
+        return float(self.seq_len if self.longest_seq_len is None else self.longest_seq_len)
 
 
 @dataclass(frozen=True)

@@ -90,15 +90,47 @@ class SubgroupLinks:
 
 
 @dataclass(frozen=True)
+class HSTURates:
+    """An HSTU part's kernels measured on this device at one job's shapes: `batch` sequences of
+    `mean_tokens` tokens on average (root mean square `rms_tokens`, the longest `longest_tokens`), `heads`
+    heads of `qk_dim` query/key and `v_dim` value dims, in `dtype` ("fp32" or "bf16"). The attention
+    implementation `impl`: one layer's forward took `forward_s` and forward + backward `step_s` (medians),
+    `flops_per_s` the planner's count of its FLOP over those seconds; `gemm_flops_per_s`, one layer's
+    UVQK and output GEMMs forward + backward over all the tokens; `elementwise_bw_bytes_per_s`, a layer
+    norm's forward + backward over the attention output's elements (bytes read and written).
+    (anyrec.planner.sequence costs with them; anyrec.calibration.measure.hstu measures them.)"""
+
+    impl: str
+    dtype: str
+    heads: int
+    qk_dim: int
+    v_dim: int
+    mean_tokens: float
+    rms_tokens: float
+    longest_tokens: float
+    batch: int
+    forward_s: float
+    step_s: float
+    flops_per_s: float
+    gemm_flops_per_s: float
+    elementwise_bw_bytes_per_s: float
+    spread: float = 0.0  # the attention's repeated measurements' spread (anyrec.calibration.run.Timing)
+    source: str = ""  # where and when it was measured
+
+
+@dataclass(frozen=True)
 class Hardware:
     """The device the planner reasons about, as one value: its spec (memory, compute and link figures),
-    the embedding profiles a calibration measured, and which of the spec's figures were measured."""
+    the embedding profiles a calibration measured, which of the spec's figures were measured, and the
+    HSTU kernels' rates measured at a job's shapes."""
 
     spec: DeviceSpec
     profiles: dict[str, KernelProfile] = field(default_factory=dict)  # embedding impl -> measured
     measured_fields: tuple[str, ...] = ()  # spec fields measured (the rest from the base SKU)
     measured_by: str = ""  # where the measurements come from (a file, the hardware config); "" = none
     subgroups: dict[int, SubgroupLinks] = field(default_factory=dict)  # group size -> 2D's collectives
+    # an HSTU part's kernels measured at a job's shapes (the calibration on first contact's)
+    hstu_rates: tuple[HSTURates, ...] = ()
 
     @property
     def link_source(self) -> str:

@@ -12,16 +12,20 @@ as given). `trainer.calibrate=never`, a SKU or file, or `planner=simple` skip al
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
 
 from anyrec.backends import Hardware, resolve_hardware
 from anyrec.backends.core_load import CoreLoad, measure_core_load
+from anyrec.backends.hardware import HSTURates
 from anyrec.calibration.measure import calibrate, hardware_yaml, report_trust
+from anyrec.calibration.measure.hstu import measure_hstu
 from anyrec.calibration.run import CalibrationRun, CalibrationStopped, exit_stopped
 from anyrec.config import AnyrecConfig
 from anyrec.console import log_file_only
+from anyrec.data import resolve_batch_size
 from anyrec.history.cache import (
     CACHE_DIR_ENV,
     CacheKey,
@@ -31,12 +35,18 @@ from anyrec.history.cache import (
     lookup,
     write_entry,
 )
+from anyrec.history.hstu_records import read_record, record_key, record_path, write_record
 from anyrec.history.trust import BUSY_OTHER_CORES
 from anyrec.io_checks import atomic_write, writable_dir
+from anyrec.models.dlrmv4 import ATTENTION_OP
+from anyrec.models.family import resolve_family
+from anyrec.planner.sequence import activation_bytes, lengths_text
+from anyrec.planner.types import PlanOptions, Topology
 from anyrec.runtime.agreement import Agreement
 from anyrec.runtime.distributed import Runtime
 from anyrec.runtime.errors import PeerLostError
 from anyrec.runtime.shutdown import peer_failure
+from anyrec.safe_load import MAX_YAML_BYTES, read_text
 from anyrec.signing import SigningKey, resolve_key
 
 logger = logging.getLogger(__name__)
@@ -68,27 +78,82 @@ def remeasure_untrusted(distrust: str, now: CoreLoad | None) -> str | None:
 
 def calibrated_hardware(cfg: AnyrecConfig, runtime: Runtime) -> Hardware:
     """The Hardware of this machine's cached calibration file (with `cfg.hardware.spec` on top), measured
-    now in `runtime` if none is usable (every rank calls it). Its `measured_by` names the file."""
+    now in `runtime` if none is usable (every rank calls it); for an HSTU model, with its kernels' rates
+    on the job's own shapes (`job_hstu_rates`). Its `measured_by` names the file."""
     signing_key = resolve_key(cfg.trainer.signing_key_file)
-    path = _calibration_file(cfg, runtime, signing_key)
-    hw = cfg.hardware
-    return resolve_hardware(path, hw.spec, runtime.backend, hw.measurements)
-
-
-def _calibration_file(cfg: AnyrecConfig, runtime: Runtime, signing_key: SigningKey | None) -> str:
-    """The path of this machine's cache entry, found or measured now (see calibrated_hardware). Every
-    choice that decides what the ranks do next (hit or miss, a folder that cannot be written, the file's
-    text) is rank 0's, agreed through one `Agreement`; a rank's collective that fails because a peer went
-    a different way or left is named in one line (PeerLostError)."""
     info = runtime.dist
     agreement = Agreement.begin(info.rank, info.world_size, "calibration on first contact")
     try:
-        return _find_or_measure(cfg, runtime, signing_key, agreement)
+        path = _find_or_measure(cfg, runtime, signing_key, agreement)
+        hw = cfg.hardware
+        hardware = resolve_hardware(path, hw.spec, runtime.backend, hw.measurements)
+        rate = job_hstu_rates(cfg, runtime, hardware, Path(path), agreement)
     except Exception as e:
-        lost = peer_failure(e, info.rank, info.world_size, cfg.trainer.collective_timeout_s)
-        if lost:
-            raise PeerLostError(lost) from None
+        _name_lost_peer(e, cfg, runtime)
         raise
+    return dataclasses.replace(hardware, hstu_rates=(rate,)) if rate is not None else hardware
+
+
+def _name_lost_peer(e: Exception, cfg: AnyrecConfig, runtime: Runtime) -> None:
+    """Every choice that decides what the ranks do next (hit or miss, a folder that cannot be written, the
+    file's text, an HSTU record) is rank 0's, agreed through one `Agreement`; a rank's collective that
+    fails because a peer went a different way or left is named in one line (PeerLostError)."""
+    info = runtime.dist
+    lost = peer_failure(e, info.rank, info.world_size, cfg.trainer.collective_timeout_s)
+    if lost:
+        raise PeerLostError(lost) from None
+
+
+def job_hstu_rates(cfg: AnyrecConfig, runtime: Runtime, hardware: Hardware, entry: Path,
+                  agreement: Agreement) -> HSTURates | None:
+    """For an HSTU model, the rates of its kernels (the attention implementation the job runs, the
+    backend's choice; the STU GEMMs; the elementwise passes) on the job's heads, dims, planned lengths and
+    batch, in the dtype the planner costs: the record kept beside the calibration entry `entry`
+    (anyrec.history.hstu_records), or measured now by every rank at once (as the job's ranks will run
+    them) and kept (rank 0's figures); None for other models."""
+    shape = resolve_family(cfg.model).workload_facts(cfg.model).hstu
+    if shape is None:
+        return None
+    backend, info = runtime.backend, runtime.dist
+    impl = backend.select_kernels(cfg.backend)[ATTENTION_OP]
+    batch = resolve_batch_size(cfg.data, info.world_size).batch_size
+    topology = Topology(hardware.spec, info.world_size, info.local_world_size, backend.device_type)
+    half = activation_bytes(topology, PlanOptions().dense_dtype) == 2
+    # rank 0 looks the record up and writes it: the key is its own
+    key = record_key(read_text(entry, "the calibration entry", MAX_YAML_BYTES), impl.name, half, shape,
+                     batch) if info.is_main else ""
+    path = record_path(key)
+
+    def recorded() -> dict | None:
+        if not info.is_main or cfg.trainer.calibrate == "always":
+            return None
+        rate = read_record(path, key)
+        return dataclasses.asdict(rate) if rate is not None else None
+
+    found = agreement.decide("HSTU record", recorded)
+    if found is not None:
+        if info.is_main:
+            logger.info("calibration: HSTU kernels (attention %s) at this job's shapes from %s", impl.name,
+                        path)
+        return HSTURates(**found)
+    mine = measure_hstu(impl.build(), impl.name, shape, batch, half, backend, runtime.device,
+                        cfg.trainer.calibrate_budget_s)
+    stamp = time.strftime("%Y-%m-%d", time.gmtime())
+    mine = dataclasses.replace(mine, source=f"measured on first contact ({backend.describe()}, "
+                                            f"{info.world_size} ranks at once) on {stamp}")
+    rate = HSTURates(**agreement.decide("HSTU measured", lambda: dataclasses.asdict(mine)))
+    if info.is_main:
+        try:
+            write_record(path, key, rate)
+            kept = f"kept in {path}"
+        except OSError as e:
+            kept = f"not kept ({e})"
+        logger.info("calibration: HSTU kernels measured at this job's shapes (%d samples of %s, %d heads): "
+                    "attention %s %.1f ms forward + backward per layer (%.2f GFLOP/s), GEMMs %.1f GFLOP/s, "
+                    "elementwise %.1f GB/s; %s", batch, lengths_text(shape), shape.num_heads, impl.name,
+                    rate.step_s * 1e3, rate.flops_per_s / 1e9, rate.gemm_flops_per_s / 1e9,
+                    rate.elementwise_bw_bytes_per_s / 1e9, kept)
+    return rate
 
 
 def _look_up(cfg: AnyrecConfig, key: CacheKey, cores: tuple[int, ...],

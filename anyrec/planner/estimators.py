@@ -14,6 +14,7 @@ from anyrec.planner.sequence import (
     dense_bytes_per_sample,
     hstu_time_s,
     job_activation_dtypes,
+    job_hstu_rates,
     rows_kept_for_backward,
     sequence_lookups,
     sequence_perf,
@@ -381,8 +382,8 @@ class DenseEstimator:
         if opts.hstu is not None and peak > 0:  # STU GEMMs, attention and elementwise (sequence.py)
             other = max(0.0, opts.dense_flops_per_sample - stu_flops(opts.hstu).total)
             compute = hstu_time_s(opts.hstu, other, b, dev, job_activation_dtypes(topology, opts.dense_dtype),
-                                  efficiency, opts.attention_impl,
-                                  opts.activation_recompute).total_s
+                                  efficiency, opts.attention_impl, opts.activation_recompute,
+                                  job_hstu_rates(opts, topology)).total_s
         else:
             # forward 2 FLOPs per parameter per sample, backward 4, unless the model states its own
             flops = (opts.dense_flops_per_sample or 6.0 * n) * b

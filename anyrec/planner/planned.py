@@ -210,7 +210,7 @@ def plan_job(cfg: AnyrecConfig, model: nn.Module, collection: nn.Module, module_
             raise ValueError("a plan given table by table is 1D: planner.sharding_group_size=world")
         tables, dense_params, options = planner_inputs(model, ebc, facts, pc, cfg.optim.name,
                                                        hardware.embedding_cost(embedding), device_type,
-                                                       attention)
+                                                       attention, hardware.hstu_rates)
         workload = make_workload(tables, batch_size_per_rank, cfg.optim.name, dense_params, **options)
         result = evaluate_assignment(assignment, Topology(hardware.spec, world_size, local_world_size,
                                                           device_type), workload)
@@ -232,7 +232,8 @@ def plan_job(cfg: AnyrecConfig, model: nn.Module, collection: nn.Module, module_
     def plan_for(topology: Topology) -> PlanResult:
         return plan_model(model, ebc, facts, pc, cfg.optim.name, topology, batch_size_per_rank,
                           hardware.embedding_cost(embedding), planner, id_zipf_exponent=id_skew(cfg),
-                          resident_bytes=resident_bytes, attention_impl=attention, allow_recompute=what_if)
+                          resident_bytes=resident_bytes, attention_impl=attention, allow_recompute=what_if,
+                          hstu_rates=hardware.hstu_rates)
 
     if group == world_size:  # 1D
         result = plan_for(Topology(hardware.spec, world_size, local_world_size, device_type))

@@ -19,6 +19,7 @@ from anyrec.planner.sequence import (
     dense_bytes_per_sample,
     hstu_time_s,
     job_activation_dtypes,
+    job_hstu_rates,
     lengths_text,
     stu_flops,
 )
@@ -100,8 +101,19 @@ def hstu_lines(plan: PlanResult) -> list[str]:
     half = activation_bytes(topo, opts.dense_dtype) == 2
     other = max(0.0, opts.dense_flops_per_sample - stu_flops(opts.hstu).total)
     ab = job_activation_dtypes(topo, opts.dense_dtype)
+    measured = job_hstu_rates(opts, topo)
     t = hstu_time_s(opts.hstu, other, wl.batch_size_per_rank, dev, ab,
-                    dev.dense_efficiency or DENSE_EFFICIENCY, opts.attention_impl, opts.activation_recompute)
+                    dev.dense_efficiency or DENSE_EFFICIENCY, opts.attention_impl, opts.activation_recompute,
+                    measured)
+    peak = dev.peak_bf16_flops if half else dev.peak_fp32_flops
+    if measured is not None:  # the job's kernels measured at its shapes
+        gemm = f" (measured {measured.gemm_flops_per_s / 1e9:,.1f} GFLOP/s)"
+        attn = (f"measured {measured.flops_per_s / 1e9:,.1f} GFLOP/s, {measured.flops_per_s / peak:.0%} "
+                f"of peak")
+        elementwise = f" (measured {measured.elementwise_bw_bytes_per_s / 1e9:,.1f} GB/s)"
+    else:
+        gemm, elementwise = "", ""
+        attn = f"{attention_efficiency(opts.attention_impl):.0%} of peak, assumed"
     act = wl.batch_size_per_rank * dense_bytes_per_sample(opts, topo, wl.batch_size_per_rank)[1]
     recompute = f", recompute {t.recompute_s * 1e3:.1f} ms" if opts.activation_recompute else ""
     if t.selective_recompute_s > 0:
@@ -111,10 +123,10 @@ def hstu_lines(plan: PlanResult) -> list[str]:
         f"{REFERENCE_SAMPLES / 1e6:.1f} M samples (the DLRMv4 reference's 8-GPU run) in "
         f"{duration_text(REFERENCE_SAMPLES / rate)}",
         f"HSTU ({opts.hstu.num_layers} layers, {lengths_text(opts.hstu)}, "
-        f"{'bf16' if half else 'fp32'}): GEMMs {t.gemm_s * 1e3:.1f} ms, "
-        f"attention {t.attention_s * 1e3:.1f} ms "
-        f"({opts.attention_impl}, {attention_efficiency(opts.attention_impl):.0%} of peak), elementwise "
-        f"{t.elementwise_s * 1e3:.1f} ms{recompute}; activations {size_text(act)} per rank"
+        f"{'bf16' if half else 'fp32'}): GEMMs {t.gemm_s * 1e3:.1f} ms{gemm}, "
+        f"attention {t.attention_s * 1e3:.1f} ms ({opts.attention_impl}, {attn}), "
+        f"elementwise {t.elementwise_s * 1e3:.1f} ms{elementwise}{recompute}; activations {size_text(act)} "
+        f"per rank"
         + (" with activation recompute (not implemented in the trainer)"
            if opts.activation_recompute else ""),
     ]

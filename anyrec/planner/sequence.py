@@ -8,15 +8,17 @@ row-wise; row-wise sends each id to the rank that holds its row (with the permut
 back in order) and each row back, an all-to-all, where a pooled table reduce-scatters partial sums.
 
 The STU layers' FLOPs are the reference's count (`stu_flops`: 315.7 GFLOP per sample at the DLRMv4
-reference's sizes). GEMMs run at the device's dense efficiency, the attention at its implementation's
-(`ATTENTION_EFFICIENCY`), both in bf16 where the device has it; the elementwise work (norms, SiLU, gating,
-dropout, casts) streams the layers' activations through HBM. Memory: each layer keeps, per token, what
-autograd saves of anyrec's STU layer (`stu_layer_kept_bytes_per_token`, checked against a measurement by
-tests/test_planner_saved_tensors.py): with the model's selective recompute (`HSTUShape.stu_recompute`, the
-reference's) its input, U and the attention output, the rest recomputed in its backward (the UVQK GEMM once
-more, `selective_recompute_s`); without it every tensor its ops save (`stu_kept_bytes_per_token`). With
-activation recompute (a what-if) a layer keeps only its input and recomputes the rest in the backward (one
-more forward of the STU stack).
+reference's sizes). Where the calibration on first contact measured the job's kernels at its own shapes
+(`measured_hstu`), the GEMMs, the attention implementation and the elementwise work run at the measured
+rates; otherwise the GEMMs at the device's dense efficiency, the attention at its implementation's assumed
+efficiency (`ATTENTION_EFFICIENCY`), both in bf16 where the device has it, and the elementwise work (norms,
+SiLU, gating, dropout, casts) streams the layers' activations through HBM at its bandwidth. Memory: each
+layer keeps, per token, what autograd saves of anyrec's STU layer (`stu_layer_kept_bytes_per_token`, checked
+against a measurement by tests/test_planner_saved_tensors.py): with the model's selective recompute
+(`HSTUShape.stu_recompute`, the reference's) its input, U and the attention output, the rest recomputed in
+its backward (the UVQK GEMM once more, `selective_recompute_s`); without it every tensor its ops save
+(`stu_kept_bytes_per_token`). With activation recompute (a what-if) a layer keeps only its input and
+recomputes the rest in the backward (one more forward of the STU stack).
 
 Sequences are jagged and nothing is padded: the GEMMs, the lookups, the all-to-alls and the kept tensors
 grow with the mean tokens per sample, the attention with the mean of the squared lengths (`HSTUShape`'s
@@ -29,8 +31,10 @@ V u/v dim per head (U = H x V), a bytes of an activation element (2 in bf16, 4 i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from anyrec.backends.hardware import HSTURates
 from anyrec.backends.specs import DeviceSpec
 from anyrec.config import STURecompute
 from anyrec.planner.types import Perf, PlanOptions, ShardingOption, ShardingType, Topology, Workload
@@ -83,8 +87,21 @@ def stu_flops(shape: HSTUShape) -> STUFlops:
     gemm = 2 * 3  # FLOP per multiply-add, forward + backward
     uvqk = L * gemm * S * D * 2 * H * (A + V)
     output = L * gemm * S * 3 * H * V * D
-    attention = L * 2 * 3.5 * (shape.rms_tokens ** 2 / 2) * H * (A + V)
+    attention = L * attention_layer_flops(shape.rms_tokens ** 2, H, A, V)
     return STUFlops(float(attention), float(uvqk), float(output))
+
+
+def stu_gemm_flops_per_token(shape: HSTUShape) -> float:
+    """Forward + backward FLOP of one STU layer's UVQK and output GEMMs per token (`stu_flops`' count)."""
+    D, H, A, V = shape.model_dim, shape.num_heads, shape.qk_dim, shape.v_dim
+    return 2 * 3 * (D * 2 * H * (A + V) + 3 * H * V * D)
+
+
+def attention_layer_flops(squared_tokens: float, heads: int, qk_dim: int, v_dim: int) -> float:
+    """Forward + backward FLOP of one layer's attention over sequences whose squared lengths sum to
+    `squared_tokens` (the reference's count: QK^T and AV over half the S x S pairs, the backward 2.5x the
+    forward)."""
+    return 2 * 3.5 * (squared_tokens / 2) * heads * (qk_dim + v_dim)
 
 
 def check_sequence_sharding(option: ShardingOption) -> None:
@@ -268,8 +285,8 @@ def lengths_text(shape: HSTUShape) -> str:
     longest` where the lengths are not given)."""
     if shape.mean_seq_len is None:
         return f"{shape.seq_len:,} tokens/sample, every sample at its longest"
-    return (f"mean {shape.mean_tokens:,.0f}, rms {shape.rms_tokens:,.0f}, longest {shape.seq_len:,} "
-            f"tokens/sample")
+    return (f"mean {shape.mean_tokens:,.0f}, rms {shape.rms_tokens:,.0f}, "
+            f"longest {shape.longest_tokens:,.0f} tokens/sample")
 
 
 @dataclass(frozen=True)
@@ -324,6 +341,29 @@ class HSTUTime:
                 + self.selective_recompute_s)
 
 
+def measured_hstu(rates: tuple[HSTURates, ...], shape: HSTUShape, attention_impl: str,
+                       half: bool) -> HSTURates | None:
+    """The rate `attention_impl` was measured at on `shape`'s heads, dims and lengths in the job's dtype
+    (bf16 where `half`), or None where it was not (another job's shapes, another implementation)."""
+    dtype = "bf16" if half else "fp32"
+    for r in rates:
+        same = (r.impl == attention_impl and r.dtype == dtype
+                and (r.heads, r.qk_dim, r.v_dim) == (shape.num_heads, shape.qk_dim, shape.v_dim))
+        if same and all(math.isclose(a, b, rel_tol=1e-6) for a, b in (
+                (r.mean_tokens, shape.mean_tokens), (r.rms_tokens, shape.rms_tokens),
+                (r.longest_tokens, shape.longest_tokens))):
+            return r
+    return None
+
+
+def job_hstu_rates(options: PlanOptions, topology: Topology) -> HSTURates | None:
+    """`measured_hstu` for a job's HSTU shape, attention implementation and activation dtype."""
+    if options.hstu is None:
+        return None
+    half = activation_bytes(topology, options.dense_dtype) == 2
+    return measured_hstu(options.hstu_rates, options.hstu, options.attention_impl, half)
+
+
 def attention_efficiency(attention_impl: str) -> float:
     """The implementation's attention efficiency (ATTENTION_EFFICIENCY); ValueError for an unknown one."""
     if attention_impl not in ATTENTION_EFFICIENCY:
@@ -334,22 +374,31 @@ def attention_efficiency(attention_impl: str) -> float:
 
 def hstu_time_s(shape: HSTUShape, other_flops_per_sample: float, batch: int, device: DeviceSpec,
                 ab: ActivationBytes, dense_efficiency: float, attention_impl: str,
-                recompute: bool) -> HSTUTime:
-    """Forward + backward seconds of `batch` samples through the HSTU part on `device`: the STU GEMMs and
-    the model's other GEMMs (`other_flops_per_sample`) at `dense_efficiency` of peak (bf16 peak where the
-    activations are half, `ab`), the attention at its implementation's efficiency, the elementwise passes
-    over the kept activations at HBM bandwidth; with `recompute`, one more forward of the STU stack."""
+                recompute: bool, rates: HSTURates | None = None) -> HSTUTime:
+    """Forward + backward seconds of `batch` samples through the HSTU part on `device`. Where `rates` were
+    measured at the job's shapes (`measured_hstu`): the STU GEMMs and the model's other GEMMs
+    (`other_flops_per_sample`, over the same tokens) at the measured GEMM rate, the attention at its
+    implementation's measured rate, the elementwise passes over the kept activations at the measured
+    elementwise bandwidth. Otherwise: the GEMMs at `dense_efficiency` of peak (bf16 peak where the
+    activations are half, `ab`), the attention at its implementation's assumed efficiency of peak, the
+    elementwise passes at HBM bandwidth. With `recompute`, one more forward of the STU stack."""
     flops = stu_flops(shape)
     peak = device.peak_bf16_flops if ab.gemm == 2 else device.peak_fp32_flops
-    gemm_rate = peak * dense_efficiency
-    attn_rate = peak * attention_efficiency(attention_impl)
+    streamed = ELEMENTWISE_PASSES * batch * shape.mean_tokens * shape.num_layers * stu_kept_bytes_per_token(
+        shape, ab)
+    if rates is None:
+        gemm_rate, attn_rate = peak * dense_efficiency, peak * attention_efficiency(attention_impl)
+        elementwise = streamed / (device.memory_bw_bytes_per_s * ELEMENTWISE_EFFICIENCY)
+        forward = 1 / 3.5  # of the attention's forward + backward, by the FLOP count
+    else:
+        gemm_rate, attn_rate = rates.gemm_flops_per_s, rates.flops_per_s
+        elementwise = streamed / rates.elementwise_bw_bytes_per_s
+        forward = rates.forward_s / rates.step_s
     gemm = batch * (flops.uvqk + flops.output + other_flops_per_sample) / gemm_rate
     attention = batch * flops.attention / attn_rate
-    streamed = batch * shape.mean_tokens * shape.num_layers * stu_kept_bytes_per_token(shape, ab)
-    elementwise = ELEMENTWISE_PASSES * streamed / (device.memory_bw_bytes_per_s * ELEMENTWISE_EFFICIENCY)
     extra = 0.0
-    if recompute:  # one more forward: a third of the GEMMs', 1 / 3.5 of the attention's, one elementwise pass
-        extra = (batch * (flops.uvqk + flops.output) / 3 / gemm_rate + attention / 3.5
+    if recompute:  # one more forward: a third of the GEMMs', the attention's forward, one elementwise pass
+        extra = (batch * (flops.uvqk + flops.output) / 3 / gemm_rate + attention * forward
                  + elementwise / ELEMENTWISE_PASSES)
     selective = 0.0 if recompute else selective_recompute_s(shape, batch, device, ab, gemm_rate)
     return HSTUTime(gemm, attention, elementwise, extra, selective)

@@ -11,7 +11,7 @@ from enum import StrEnum
 from typing import Any
 
 from anyrec.backends.dispatch import FBGEMM_EMBEDDING
-from anyrec.backends.hardware import EmbeddingCost
+from anyrec.backends.hardware import EmbeddingCost, HSTURates
 from anyrec.backends.specs import DeviceSpec
 from anyrec.schema import HSTUShape
 
@@ -258,10 +258,12 @@ class PlanOptions:
     # grow with the sequence, not the parameters); 0: 6 per dense parameter (a matmul's 2 + 4)
     dense_flops_per_sample: float = 0.0
     # An HSTU dense part (DLRMv4): its STU layers' time and memory are costed from its sizes
-    # (anyrec.planner.sequence), with the attention implementation's efficiency; `activation_recompute`:
-    # each STU layer keeps only its input and recomputes the rest in the backward
+    # (anyrec.planner.sequence), with the attention implementation's efficiency (measured where
+    # `hstu_rates` has its implementation at the job's shapes: Hardware.attention);
+    # `activation_recompute`: each STU layer keeps only its input and recomputes the rest in the backward
     hstu: HSTUShape | None = None
     attention_impl: str = "triton"
+    hstu_rates: tuple[HSTURates, ...] = ()
     activation_recompute: bool = False
 
     def __post_init__(self) -> None:
