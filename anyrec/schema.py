@@ -82,7 +82,8 @@ class HSTUShape:
     its action MLP's input width, `preprocessor_hidden_dim` its MLPs' width; the dropout rates (a mask is
     kept where one is > 0). Sequences are jagged: `mean_seq_len` tokens per sample on average and
     `rms_seq_len` the root mean square of the lengths (the attention's pairs grow with its square); both
-    None: every sample at `seq_len`, the bound."""
+    None: every sample at `seq_len`, the bound. `longest_seq_len`: the data's longest sample (what a batch is
+    padded to where an implementation pads); None: `seq_len`."""
 
     seq_len: int
     num_layers: int
@@ -99,6 +100,7 @@ class HSTUShape:
     stu_dropout: float = 0.0
     mean_seq_len: float | None = None
     rms_seq_len: float | None = None
+    longest_seq_len: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "num_layers", "model_dim", "num_heads", "qk_dim", "v_dim"):
@@ -112,11 +114,19 @@ class HSTUShape:
         if not self.contextual + self.targets <= mean <= rms <= self.seq_len:
             raise ValueError(f"HSTU shape: need contextual + targets ({self.contextual + self.targets}) <= "
                              f"mean_seq_len ({mean:g}) <= rms_seq_len ({rms:g}) <= seq_len ({self.seq_len})")
+        if not rms <= self.longest_tokens <= self.seq_len:
+            raise ValueError(f"HSTU shape: need rms_seq_len ({rms:g}) <= longest_seq_len "
+                             f"({self.longest_tokens}) <= seq_len ({self.seq_len})")
 
     @property
     def mean_tokens(self) -> float:
         """Mean tokens per sample (`seq_len` where the lengths are not given)."""
         return float(self.seq_len if self.mean_seq_len is None else self.mean_seq_len)
+
+    @property
+    def longest_tokens(self) -> int:
+        """Tokens of the longest sample (`seq_len` where not given)."""
+        return self.seq_len if self.longest_seq_len is None else int(self.longest_seq_len)
 
     @property
     def rms_tokens(self) -> float:

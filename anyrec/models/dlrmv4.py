@@ -31,6 +31,8 @@ ATTENTION_OP = "hstu_attention"  # the backend's op whose implementation the STU
 # model.hstu's keys for the planner only: the data's mean tokens per sample and the root mean square of
 # its lengths (contextual tokens and the candidate included); absent: every sample at max_seq_len
 LENGTH_KEYS = ("mean_seq_len", "rms_seq_len")
+# and the tokens of its longest sample (what the torch attention pads a batch to); absent: max_seq_len
+LONGEST_KEY = "longest_seq_len"
 
 
 def dlrmv4_config(cfg: ModelConfig) -> DLRMv4Config:
@@ -39,7 +41,7 @@ def dlrmv4_config(cfg: ModelConfig) -> DLRMv4Config:
     (rounded up, at least 2); ValueError naming a field DLRMv4 does not have, or a bad value."""
     fields = dict(cfg.hstu)
     scale = float(fields.pop("table_scale", 1.0))
-    for planning_only in LENGTH_KEYS:  # the sequence lengths the planner costs (workload_facts)
+    for planning_only in (*LENGTH_KEYS, LONGEST_KEY):  # the lengths the planner costs (workload_facts)
         fields.pop(planning_only, None)
     if not 0 < scale <= 1:
         raise ValueError(f"model.hstu.table_scale must be in (0, 1], got {scale}")
@@ -112,19 +114,20 @@ def workload_facts(cfg: ModelConfig) -> WorkloadFacts:
     """Ids per sample (every sequence feature: its mean positions; each contextual feature: 1), the dense
     part's FLOPs per sample (the GEMMs over the mean tokens, the attention over the mean of the squared
     lengths) and its HSTU shape with the lengths the data gives (`model.hstu.mean_seq_len` and
-    `rms_seq_len`; absent: every sample at `max_seq_len`, the bound). Its activations are the planner's
-    (anyrec.planner.sequence), not stated here."""
+    `rms_seq_len`, and `longest_seq_len`; absent: every sample at `max_seq_len`, the bound). Its
+    activations are the planner's (anyrec.planner.sequence), not stated here."""
     m = dlrmv4_config(cfg)
     lengths = {k: float(cfg.hstu[k]) for k in LENGTH_KEYS if cfg.hstu.get(k) is not None}
     if lengths and len(lengths) != len(LENGTH_KEYS):
         raise ValueError(f"model {cfg.name}: give model.hstu.{' and model.hstu.'.join(LENGTH_KEYS)} together")
+    longest = int(cfg.hstu[LONGEST_KEY]) if cfg.hstu.get(LONGEST_KEY) is not None else None
     C = len(CONTEXTUAL_FEATURES)
     shape = HSTUShape(m.max_seq_len, m.num_layers, m.model_dim, m.num_heads, m.qk_dim, m.v_dim,
                       contextual=C, targets=1, preprocessor_in_dim=len(SEQUENCE_FEATURES) * m.table_dim,
                       preprocessor_hidden_dim=m.preprocessor_hidden_dim,
                       preprocessor_action_dim=len(ACTION_BITS) * m.action_dim, input_dropout=m.input_dropout,
                       stu_dropout=m.stu_dropout, mean_seq_len=lengths.get("mean_seq_len"),
-                      rms_seq_len=lengths.get("rms_seq_len"))
+                      rms_seq_len=lengths.get("rms_seq_len"), longest_seq_len=longest)
     lookups = {f: shape.mean_tokens - C for f in SEQUENCE_FEATURES} | {f: 1.0 for f in CONTEXTUAL_FEATURES}
     at_mean = hstu.dlrmv4_flops_per_sample(m, shape.mean_tokens)
     at_rms = hstu.dlrmv4_flops_per_sample(m, shape.rms_tokens)

@@ -278,12 +278,14 @@ def _rank_prediction(plan: PlanResult, r: _Rank, data_source_bytes: int, sharded
     bucket = alloc_bytes(r.replica_grad) if plan.topology.world_size > 1 else 0
     # phase -> (activations, embedding in/out, workspace, replicas' gradient)
     lookup_b, activation_b, gradient_b = dense_bytes_per_sample(opts, plan.topology, b)  # HSTU: sequence.py
-    copies = 1 if any(t.sequence for t in wl.tables) else 2  # sequence rows: read as they are, no concat
+    sequence = any(t.sequence for t in wl.tables)
+    copies = 1 if sequence else 2  # sequence rows: read as they are, no concat
+    # a sequence lookup's rows are freed once the output all-to-all has sent them (its autograd keeps
+    # neither); unsharded, the lookups' output is the pooled embeddings
+    kept_out = out if sharded and not sequence else 0
     phases = {
         "lookup": (alloc_bytes(b * lookup_b), out, lookup_ws + replica, bucket),
-        # (unsharded, the lookups' output is the pooled embeddings)
-        "interaction": (alloc_bytes(b * activation_b), copies * pooled + (out if sharded else 0), replica,
-                        bucket),
+        "interaction": (alloc_bytes(b * activation_b), copies * pooled + kept_out, replica, bucket),
         "update": (alloc_bytes(b * gradient_b), out, update_ws,
                    bucket + alloc_bytes(r.replica_grad)),
     }
