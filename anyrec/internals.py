@@ -104,6 +104,7 @@ _PIPELINE = "torchrec.distributed.train_pipeline.train_pipelines:TrainPipelineSp
 _FS = "torch.distributed.checkpoint.filesystem"
 _TWOD = ("anyrec/trainer/twod.py",)
 _KERNEL = ("anyrec/kernels/torchrec_kernel.py",)
+_SEQ = ("anyrec/kernels/torchrec_sequence.py",)
 _DCP = ("anyrec/trainer/dcp_reader.py",)
 _GLUE = "TwoDModelParallel.__init__ reproduces DMPCollection.__init__'s body and calls its helpers"
 
@@ -169,6 +170,35 @@ PINS: tuple[Pin, ...] = (
         "TorchDpPooledEmbeddingSharding.create_lookup is its body with the dense torch kernel", _KERNEL,
         TORCHREC,
         "2a9e5a79a0599683d0cd8b3eeddc722fc725652ed24b6cbf0037376881fe09bf"),
+    # the sequence sharder: torchrec's sequence shardings with another lookup and kernel
+    Pin("torchrec.distributed.batched_embedding_kernel:BaseBatchedEmbedding.__init__",
+        ("_local_rows", "_local_cols", "_feature_table_map"),
+        "the sequence kernel's local shard shapes and feature-table map, set before the TBE", _SEQ, TORCHREC,
+        "95482d0f9de566d1c35fb9b3f1e928e129006ab658f8ce755da91fb94c897c21"),
+    Pin("torchrec.distributed.batched_embedding_kernel:TritonBatchedFusedEmbeddingBag", ("_param_per_table",),
+        "TritonFusedEmbedding borrows its plumbing methods, which read only the TBE and the config", _SEQ,
+        TORCHREC, "0f5f3daa29f3e183af98e3ce4ad27202d9be24f9e5569252179be882c3d90951"),
+    Pin("torchrec.distributed.embedding_lookup:GroupedEmbeddingsLookup._create_embedding_kernel",
+        ("_create_embedding_kernel",), "the sequence lookup builds each group's kernel here (overridden)",
+        _SEQ, TORCHREC, "d8c8198e252b9917653e0d20163e7f2003bd3140d3ffd00ab0e1a4a950a1c7b4"),
+    Pin("torchrec.distributed.sharding.tw_sequence_sharding:TwSequenceEmbeddingSharding.create_lookup",
+        ("_grouped_embedding_configs", "_env"),
+        "_SequenceLookupMixin.create_lookup is its body with the Triton-aware lookup", _SEQ, TORCHREC,
+        "a8fa77a9ca0cd3f2af712f1db5dbf2a8a84209752086e4a4adb455ecaaffc313"),
+    Pin("torchrec.distributed.sharding.rw_sequence_sharding:RwSequenceEmbeddingSharding.create_lookup",
+        ("_grouped_embedding_configs", "_env"),
+        "_SequenceLookupMixin.create_lookup is its body with the Triton-aware lookup", _SEQ, TORCHREC,
+        "69959f1b0a0ccc7a922c020d9535fa8d7f63e0efa7c9149fda9868fbf2fdb437"),
+    Pin("torchrec.distributed.sharding.cw_sequence_sharding:CwSequenceEmbeddingSharding.create_lookup",
+        ("_grouped_embedding_configs", "_env"),
+        "_SequenceLookupMixin.create_lookup is its body with the Triton-aware lookup", _SEQ, TORCHREC,
+        "a8fa77a9ca0cd3f2af712f1db5dbf2a8a84209752086e4a4adb455ecaaffc313"),
+    Pin("torchrec.distributed.embedding:EmbeddingCollectionSharder.shard", ("_use_index_dedup",),
+        "TritonEmbeddingCollectionSharder.shard is its body", _SEQ, TORCHREC,
+        "effa8e15a2090127f68e46fe82c9aff5c5b878e984c73c9c78240b29bc74601c"),
+    Pin("torchrec.distributed.embedding:ShardedEmbeddingCollection.create_embedding_sharding", (),
+        "TritonShardedEmbeddingCollection.create_embedding_sharding is its body with the Triton-aware "
+        "shardings", _SEQ, TORCHREC, "128dfb20c9c1bcae6a5e23409706ba77095ac46318cdf11e9f4b3b4278c6ac87"),
     # the train pipeline's hooks
     Pin(f"{_PIPELINE}.progress", (), "progress calls _backward and _optimizer_step once per training step",
         ("anyrec/trainer/pipeline.py",), TORCHREC,

@@ -101,7 +101,7 @@ class HSTUShape:
     stu_dropout: float = 0.0
     mean_seq_len: float | None = None
     rms_seq_len: float | None = None
-    longest_seq_len: float | None = None
+    longest_seq_len: int | None = None
     stu_recompute: STURecompute = STURecompute.none
 
     def __post_init__(self) -> None:
@@ -126,14 +126,15 @@ class HSTUShape:
         return float(self.seq_len if self.mean_seq_len is None else self.mean_seq_len)
 
     @property
+    def longest_tokens(self) -> int:
+        """Tokens of the longest sample (`seq_len` where not given)."""
+        return self.seq_len if self.longest_seq_len is None else int(self.longest_seq_len)
+
+    @property
     def rms_tokens(self) -> float:
         """Root mean square of the tokens per sample (`seq_len` where the lengths are not given)."""
         return float(self.seq_len if self.rms_seq_len is None else self.rms_seq_len)
 
-    @property
-    def longest_tokens(self) -> float:
-        """Tokens of the longest sample (`seq_len` where the data's longest is not given)."""
-        return float(self.seq_len if self.longest_seq_len is None else self.longest_seq_len)
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,10 @@ can unmap) as well as `max_memory_reserved` (which also counts free pages kept m
 
     python benchmarks/memory_accuracy.py [--small] [--jobs NAME ...] [--output out.json]
 
-The sweep covers three models (dlrm_tiny, dlrm_small, dlrmv2_small multi-hot), every sharding type
-the device runs (table-, row-, column-wise, data-parallel), four optimizers, batches 64-4096 and 1, 2
-and 4 ranks. simdev is installed with pip into a temporary folder unless it is importable already.
+The sweep covers four models (dlrm_tiny, dlrm_small, dlrmv2_small multi-hot, dlrmv4_small: sequence
+tables and HSTU layers at three sequence lengths), every sharding type the device runs (table-, row-,
+column-wise, data-parallel), four optimizers, batches 32-4096 and 1, 2 and 4 ranks. simdev is installed
+with pip into a temporary folder unless it is importable already.
 """
 
 from __future__ import annotations
@@ -30,6 +31,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 from anyrec.proc import run_session  # noqa: E402
+
+# dlrmv4_small's synthetic stream at `history` events per pool (16 by default): its longest sample (3
+# pools, 8 contextual tokens, the candidate) and the lengths the planner costs, measured from the stream's
+# training windows (seed 0) as tests/test_planner_saved_tensors.py measures the default's
+V4_LENGTHS = {8: (31.9, 32.0), 16: (51.7, 52.0), 32: (85.8, 86.2)}
+
+
+def _v4_lengths(history: int) -> list[str]:
+    longest = 3 * history + 9
+    mean, rms = V4_LENGTHS[history]
+    return [f"data.sequence.history_per_pool={history}", f"data.sequence.max_seq_len={longest}",
+            f"model.hstu.max_seq_len={longest}", f"model.hstu.mean_seq_len={mean}",
+            f"model.hstu.rms_seq_len={rms}", f"model.hstu.longest_seq_len={longest}"]
+
 
 # name -> (ranks, Hydra overrides)
 JOBS: dict[str, tuple[int, list[str]]] = {
@@ -53,6 +68,20 @@ JOBS: dict[str, tuple[int, list[str]]] = {
     "v2_2r_tw_sgd_b64": (2, ["model=dlrmv2_small", "planner.sharding=table_wise", "optim=sgd",
                              "data.batch_size=64"]),
     "v2_4r_cw_adam_b256": (4, ["model=dlrmv2_small", "planner.sharding=column_wise", "optim=adam"]),
+    # DLRMv4: sequence tables (EmbeddingCollection) on anyrec's torch TBE, the HSTU dense part with the
+    # torch attention; sequences of at most 33, 57 (the default) and 105 tokens
+    "v4_1r_b64": (1, ["model=dlrmv4_small", "data.batch_size=64"]),
+    "v4_1r_adam_s33_b256": (1, ["model=dlrmv4_small", "optim=adam", "data.batch_size=256", *_v4_lengths(8)]),
+    "v4_2r_auto": (2, ["model=dlrmv4_small"]),
+    "v4_2r_tw_b256": (2, ["model=dlrmv4_small", "planner.sharding=table_wise", "data.batch_size=256"]),
+    "v4_2r_rw_s33": (2, ["model=dlrmv4_small", "planner.sharding=row_wise", *_v4_lengths(8)]),
+    "v4_2r_cw_adagrad_s105_b64": (2, ["model=dlrmv4_small", "planner.sharding=column_wise", "optim=adagrad",
+                                      "data.batch_size=64", *_v4_lengths(32)]),
+    "v4_2r_tw_sgd_b32": (2, ["model=dlrmv4_small", "planner.sharding=table_wise", "optim=sgd",
+                             "data.batch_size=32"]),
+    "v4_4r_auto_b64": (4, ["model=dlrmv4_small", "data.batch_size=64"]),
+    "v4_4r_rw_s105_b32": (4, ["model=dlrmv4_small", "planner.sharding=row_wise", "data.batch_size=32",
+                              *_v4_lengths(32)]),
 }
 SMALL = ("tiny_1r_adagrad", "tiny_2r_dp_adam")
 COMMON = ["backend=simdev", "trainer.calibrate=never", "trainer.steps=6", "trainer.eval_steps=0",

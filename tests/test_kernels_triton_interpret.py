@@ -28,6 +28,10 @@ else:
     from anyrec.kernels import reference as R
     from anyrec.kernels.optimizers import OptimizerConfig
     from anyrec.kernels.tbe import TritonTableBatchedEmbedding
+    from tests.test_kernels_sequence import OPTS as SEQUENCE_OPTS
+    from tests.test_kernels_sequence import check_empty_and_skipped, opt_id
+    from tests.test_kernels_sequence import check_forward as check_sequence_forward
+    from tests.test_kernels_sequence import check_fused_update as check_sequence_update
     from tests.test_kernels_tbe import (
         ALL_OPTS,
         FTM,
@@ -130,6 +134,21 @@ else:
         train(p, [(ids, off, None, g)])
         torch.testing.assert_close(t.weight, p.weight, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(t.momentum1, p.momentum1, rtol=1e-5, atol=1e-7)
+
+    @pytest.mark.parametrize(("opt", "long_segment"), [(o, 32) for o in SEQUENCE_OPTS]
+                             + [(o, 0) for o in SEQUENCE_OPTS if o.kind.value in ("rowwise_adagrad", "adam")
+                                and o.weight_decay], ids=lambda v: opt_id(v) if not isinstance(v, int)
+                             else ("blocked" if v else "all-long"))
+    def test_sequence_lookups(opt, long_segment, monkeypatch):
+        """Unpooled lookups (the pooled kernels on a per-lookup view) against the float64 reference: rows,
+        fused update (short segments, and every row the one-at-a-time path), empty and skipped ids."""
+        from anyrec.kernels import triton_tbe_backward
+
+        monkeypatch.setattr(triton_tbe_backward, "LONG_SEGMENT", long_segment)
+        check_sequence_update("triton", opt)
+        if opt is SEQUENCE_OPTS[0] and long_segment:
+            check_sequence_forward("triton", torch.int32)
+            check_empty_and_skipped("triton")
 
     def test_bounds_error_under_triton():
         m = TritonTableBatchedEmbedding(SPECS, FTM, execution="triton")

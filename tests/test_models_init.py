@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
-from anyrec.models.init import fill_table_block, init_dense, init_tables
+from anyrec.models.init import cpu_copy, fill_table_block, init_dense, init_tables
 
 
 def _full(seed=7, table="t", rows=50, cols=6, **kw) -> torch.Tensor:
@@ -137,3 +137,14 @@ def test_trainer_starts_from_the_same_weights_on_every_kernel_and_plan(monkeypat
         assert other.keys() == weights[0].keys()
         for name, w in weights[0].items():
             assert torch.equal(w, other[name]), name
+
+
+def test_the_cpu_copy_clones_no_device_storage(monkeypatch):
+    """init_dense re-draws a CPU copy of each module: its buffers are copied to the host directly, never by
+    a storage clone on their device (a device without a storage allocator of its own crashes on that)."""
+    m = nn.Linear(2, 2)
+    m.register_buffer("bits", torch.tensor([1, 2, 4]))
+    monkeypatch.setattr(torch.UntypedStorage, "clone", lambda self: pytest.fail("a storage was cloned"))
+    c = cpu_copy(m)
+    assert c.bits is not m.bits and torch.equal(c.bits, m.bits)
+    assert isinstance(c.weight, nn.Parameter) and c.weight is not m.weight and torch.equal(c.weight, m.weight)

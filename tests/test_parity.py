@@ -286,8 +286,8 @@ def test_one_rank_kernels_give_the_same_bits_and_plans_agree(optimizer, capsys):
 @pytest.mark.integration
 def test_dlrmv4_small_agrees_across_world_sizes_and_plans(tmp_path, capsys):
     """`+experiment=dlrmv4_parity`: the sequence model on one rank against two ranks under the co-design
-    plan, every table table-wise and every table row-wise: the same losses and weights within tolerance,
-    each variant under the plan it names."""
+    plan, every table table-wise and every table row-wise (on anyrec's torch TBE): the same losses and
+    weights within tolerance, each variant under the plan and kernel it names."""
     saved = tmp_path / "v4.json"
     rc = main(["+experiment=dlrmv4_parity", f"parity.save={saved}", "parity.timeout_s=400"])
     rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| ") and "---" not in ln]
@@ -296,4 +296,5 @@ def test_dlrmv4_small_agrees_across_world_sizes_and_plans(tmp_path, capsys):
     assert [r["meta"]["world_size"] for r in runs] == [1, 2, 2, 2]
     assert runs[2]["meta"]["sharding_types"] == ["table_wise"]
     assert runs[3]["meta"]["sharding_types"] == ["row_wise"]
+    assert [r["meta"]["embedding_kernel"] for r in runs] == ["fbgemm", "fbgemm", "fbgemm", "torch"]
     assert len(runs[0]["losses"]) == 4 and all(0 < x < 1 for x in runs[0]["losses"])

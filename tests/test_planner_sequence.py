@@ -11,6 +11,7 @@ from anyrec.backends import resolve_hardware
 from anyrec.backends.dispatch import FBGEMM_EMBEDDING, get_impl
 from anyrec.backends.specs import get_sku
 from anyrec.config import STURecompute
+from anyrec.kernels.hstu import CHUNK_SCORE_ELEMENTS
 from anyrec.models.dlrmv4 import ATTENTION_OP
 from anyrec.models.family import resolve_family
 from anyrec.models.hstu import DLRMv4Config, dlrmv4_flops_per_sample
@@ -337,3 +338,30 @@ def test_data_parallel_sequence_tables_are_refused_in_one_line():
             _plan(["hardware=mi355x", "topology.world_size=8", "planner.sharding=data_parallel",
                    f"planner={planner}"])
         assert "\n" not in str(e.value)
+
+
+def test_torch_attention_holds_padded_scores():
+    """The torch attention pads a batch to its longest sample and keeps [b, H, N, N] fp32 scores: two per
+    layer, their mask and the padded q, k, v, and six more in the last layer's backward; past the chunk
+    bound it runs one checkpointed chunk at a time. The Triton kernel holds none of it."""
+    shape = HSTUShape(64, 2, 32, 2, 16, 16, contextual=8, mean_seq_len=51.7, rms_seq_len=52.0,
+                      longest_seq_len=57)
+    scores = 2 * 57 * 57
+    per_layer = 4 * 2 * scores + 57 * 57 + 4 * 2 * 57 * (2 * 16 + 16)
+    one_chunk = sequence.torch_attention_bytes_per_sample(shape, 128, recompute=False)
+    assert one_chunk == 2 * per_layer + 4 * 6 * scores
+    torch_m, triton_m = (sequence.hstu_memory_per_sample(shape, GPU_FP32, impl, False, 52.0, 128)
+                         for impl in ("torch", "triton"))
+    assert torch_m.activation - triton_m.activation == pytest.approx(one_chunk)
+    # padded to the longest sample, not the mean: the bound when the data's longest is not given
+    bound = HSTUShape(64, 2, 32, 2, 16, 16, contextual=8, mean_seq_len=51.7, rms_seq_len=52.0)
+    assert bound.longest_tokens == 64
+    assert sequence.torch_attention_bytes_per_sample(bound, 128, False) > 1.2 * one_chunk
+    # a batch whose scores pass the chunk bound: one chunk of one layer at a time
+    big = 4 * CHUNK_SCORE_ELEMENTS // scores
+    chunks = -(-big * scores // CHUNK_SCORE_ELEMENTS)
+    assert chunks == 4 and sequence.torch_attention_bytes_per_sample(shape, big, False) == pytest.approx(
+        (per_layer + 4 * 6 * scores) / chunks, rel=1e-9)
+    with pytest.raises(ValueError, match="longest_seq_len"):
+        HSTUShape(64, 2, 32, 2, 16, 16, contextual=8, mean_seq_len=51.7, rms_seq_len=52.0,
+                  longest_seq_len=80)

@@ -102,7 +102,8 @@ class Impl:
     what the op runs: the embedding op's EBC sharder, the interaction's and cross net's nn.Module.
     Embedding-only: `compute_kernels` (placement "hbm" | "uvm_caching" | "ddr" -> torchrec compute
     kernel), `data_parallel` (replicated tables can run with it), `state_bytes_per_row` ((optimizer,
-    dim) -> bytes of fused optimizer state), `profile`, `unsharded_builder` (no torchrec sharding).
+    dim) -> bytes of fused optimizer state), `profile`, `unsharded_builder` (no torchrec sharding),
+    `sequence_builder` (the EmbeddingCollection sharder: sequence embeddings).
     """
 
     op: str
@@ -118,6 +119,9 @@ class Impl:
     # embedding: builds the whole EmbeddingBagCollection on one device without torchrec sharding
     # (called with the table configs, optimizer= and device=, plus `options`); None: always shard.
     unsharded_builder: str | Callable | None = None
+    # embedding: builds the torchrec EmbeddingCollection sharder for sequence (unpooled) tables, with the
+    # same compute kernels (called with `options`); None: the implementation has no sequence lookup.
+    sequence_builder: str | Callable | None = None
     # embedding: its fused update applies `optim.weight_decay` (False: the trainer refuses a decay)
     fused_weight_decay: bool = False
     # embedding: the fused update rules it has on CPU devices (None: every one)
@@ -139,6 +143,12 @@ class Impl:
         if self.builder is None:
             raise ValueError(f"{self.op} implementation {self.name!r} builds nothing")
         return _resolve(self.builder)(*args, **{**self.options, **kwargs})
+
+    def build_sequence(self) -> Any:
+        """The EmbeddingCollection sharder (`sequence_builder(**options)`)."""
+        if self.sequence_builder is None:
+            raise ValueError(f"{self.op} implementation {self.name!r} has no sequence lookup")
+        return _resolve(self.sequence_builder)(**self.options)
 
     def build_unsharded(self, *args: Any, **kwargs: Any) -> Any:
         """The single-device EmbeddingBagCollection (`unsharded_builder(*args, **options, **kwargs)`)."""
@@ -304,6 +314,7 @@ _ANYREC_TBE = dict(
     compute_kernels={"hbm": "fused_triton"},  # anyrec's own TBE under torchrec's reserved kernel name
     state_bytes_per_row="anyrec.kernels.optimizers:state_bytes_per_row",
     unsharded_builder="anyrec.kernels.ebc:TritonEmbeddingBagCollection",
+    sequence_builder="anyrec.kernels.torchrec_sequence:TritonEmbeddingCollectionSharder",
     fused_weight_decay=True,
 )
 
@@ -311,6 +322,7 @@ _FBGEMM_KERNELS = {"hbm": "fused", "uvm_caching": "fused_uvm_caching", "ddr": "f
 FBGEMM_EMBEDDING = Impl(
     "embedding", "fbgemm", "anyrec.backends.sharders:KernelFamilySharder", probe_fbgemm,
     options={"impl": "fbgemm", "kernels": list(_FBGEMM_KERNELS.values())},  # the sharder's kernels
+    sequence_builder="anyrec.backends.sharders:SequenceKernelFamilySharder",
     compute_kernels=_FBGEMM_KERNELS, data_parallel=True, state_bytes_per_row=fbgemm_state_bytes_per_row,
     profile=KernelProfile(0.55, 32, source="empirical: FBGEMM TBE forward+backward reaches roughly "
                                             "55% of HBM bandwidth on dim-128 fp32 rows"),

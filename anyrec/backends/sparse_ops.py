@@ -219,6 +219,14 @@ def permute_pooled_embs_auto_grad(pooled_embs, offset_dim_list, permute_list, in
                                 inv_permute_list)
 
 
+def invert_permute(permute: torch.Tensor) -> torch.Tensor:
+    """The inverse permutation (out[permute[i]] = i), in permute's dtype: the row-wise sequence output
+    dist puts the rows it got back in the input's order with it."""
+    out = torch.empty_like(permute)
+    out[permute.to(torch.int64)] = torch.arange(permute.numel(), dtype=permute.dtype, device=permute.device)
+    return out
+
+
 @dataclass(frozen=True)
 class SparseOp:
     """One FBGEMM operator with its portable kernel; `autograd` ops also get it at the Autograd key."""
@@ -235,6 +243,7 @@ SPARSE_OPS: dict[str, SparseOp] = {op.name: op for op in (
     SparseOp("fbgemm::permute_2D_sparse_data", permute_2D_sparse_data),
     SparseOp("fbgemm::permute_1D_sparse_data", permute_1D_sparse_data),  # variable batch per rank
     SparseOp("fbgemm::block_bucketize_sparse_features", block_bucketize_sparse_features),  # row-wise
+    SparseOp("fbgemm::invert_permute", invert_permute),  # row-wise sequence tables (EmbeddingCollection)
     # each pooled permute is what FBGEMM's Python autograd glue calls for the auto_grad op after it
     SparseOp("fbgemm::permute_pooled_embs_split", permute_pooled_embs),
     SparseOp("fbgemm::permute_pooled_embs_auto_grad_split", permute_pooled_embs_auto_grad, autograd=True),

@@ -3,7 +3,7 @@
 A data-parallel table is a plain parameter on every rank; DDP all-reduces its gradient (averaged over
 ranks, as torchrec averages sharded-table gradients) and this optimizer applies the rule, state layout
 and learning rate a sharded copy would get inside the TBE backward, with the torch TBE path's own
-arithmetic (`torch_tbe._apply_rows`): one implementation of each rule.
+arithmetic (`torch_tbe.apply_rows`): one implementation of each rule.
 
 "Lazy" as in the fused kernels: only rows with a non-zero gradient move (their state included). A row
 looked up whose summed gradient is exactly zero counts as not looked up; the fused kernels would still
@@ -19,7 +19,7 @@ from collections.abc import Iterable
 import torch
 
 from anyrec.kernels.optimizers import OptimizerConfig, zero_state
-from anyrec.kernels.torch_tbe import _apply_rows
+from anyrec.kernels.torch_tbe import apply_rows
 
 
 class ReplicatedTableOptimizer(torch.optim.Optimizer):
@@ -52,6 +52,6 @@ class ReplicatedTableOptimizer(torch.optim.Optimizer):
                 dim = p.shape[1]
                 addr_UD = rows_U[:, None] * dim + torch.arange(dim, device=p.device)
                 placeholder = state["step"].new_zeros(0)
-                _apply_rows(p.data.view(-1), state.get("momentum1", placeholder),
-                            state.get("momentum2", placeholder), state["step"], rows_U, addr_UD,
-                            g_RD[rows_U].float(), rule, False)
+                apply_rows(p.data.view(-1), state.get("momentum1", placeholder),
+                           state.get("momentum2", placeholder), state["step"], rows_U, addr_UD,
+                           g_RD[rows_U].float(), rule, False)

@@ -1,5 +1,6 @@
-"""`TritonTableBatchedEmbedding`: pooled embedding bags over many tables with the optimizer fused into the
-backward, like FBGEMM's `SplitTableBatchedEmbeddingBagsCodegen` but portable.
+"""`TritonTableBatchedEmbedding`: embedding bags over many tables with the optimizer fused into the backward,
+like FBGEMM's `SplitTableBatchedEmbeddingBagsCodegen` but portable: pooled (sum, mean) or unpooled ("none",
+a sequence's lookups, one output row per id: `sequence_tbe`).
 
 All tables share one flat weight buffer and flat optimizer-state buffers (buffers, so `state_dict()` carries
 them). The backward applies the optimizer update in place and returns no weight gradient, so training code
@@ -23,11 +24,20 @@ from anyrec.kernels._triton import interpreter_enabled
 from anyrec.kernels.layout import BoundsCheckMode, LayoutTensors, TBELayout, batch_size, check_ids
 from anyrec.kernels.optimizers import OptimizerConfig, OptimizerKind, zero_state
 from anyrec.kernels.reference import POOLING_MODES
+from anyrec.kernels.sequence_tbe import (
+    check_sequence_layout,
+    torch_sequence_backward_update,
+    torch_sequence_forward,
+    triton_sequence_backward_update,
+    triton_sequence_forward,
+)
 from anyrec.kernels.torch_tbe import torch_backward_update, torch_forward
 
 logger = logging.getLogger(__name__)
 
 EXECUTIONS = ("triton", "torch")
+UNPOOLED = "none"  # the pooling of sequence lookups (FBGEMM's PoolingMode.NONE)
+LOOKUP_POOLINGS = (*POOLING_MODES, UNPOOLED)
 
 _LOGGED: set[tuple[str, str]] = set()
 
@@ -48,13 +58,13 @@ def check_execution(execution: str, device: torch.device) -> str:
 
 
 class _TBELookup(torch.autograd.Function):
-    """Pooled forward; backward applies the fused optimizer and returns no gradients."""
+    """Lookup forward; backward applies the fused optimizer and returns no gradients."""
 
     @staticmethod
     def forward(ctx, placeholder, module, layouts, indices_N, offsets_FB1, psw_N, batch):
         ctx.module, ctx.layouts, ctx.batch = module, layouts, batch
         ctx.inputs = (indices_N, offsets_FB1, psw_N)
-        return module._pooled_forward(layouts, indices_N, offsets_FB1, psw_N, batch)
+        return module._lookup_forward(layouts, indices_N, offsets_FB1, psw_N, batch)
 
     @staticmethod
     def backward(ctx, grad_out_BDt):
@@ -64,10 +74,11 @@ class _TBELookup(torch.autograd.Function):
 
 
 class TritonTableBatchedEmbedding(nn.Module):
-    """Table-batched pooled embeddings with a fused optimizer (sum/mean; fp32/fp16/bf16 weights).
+    """Table-batched embeddings with a fused optimizer (sum/mean/none; fp32/fp16/bf16 weights).
     `embedding_specs`: (rows, dim) per table. `feature_table_map`: table of each KJT feature (default: feature
     t reads table t). forward(indices, offsets, per_sample_weights) takes a KJT's values and offsets (F*B+1,
-    feature-major, int32 or int64) and returns [B, sum of the features' dims]."""
+    feature-major, int32 or int64) and returns [B, sum of the features' dims] pooled, [N ids, dim] unpooled
+    (pooling "none": every table one dim, no per-sample weights)."""
 
     def __init__(
         self, embedding_specs: Sequence[tuple[int, int]], feature_table_map: Sequence[int] | None = None,
@@ -78,8 +89,8 @@ class TritonTableBatchedEmbedding(nn.Module):
         execution: str = "torch",
     ) -> None:
         super().__init__()
-        if pooling not in POOLING_MODES:
-            raise ValueError(f"pooling must be one of {POOLING_MODES}, got {pooling!r}")
+        if pooling not in LOOKUP_POOLINGS:
+            raise ValueError(f"pooling must be one of {LOOKUP_POOLINGS}, got {pooling!r}")
         for name, dtype in (("weights_dtype", weights_dtype), ("output_dtype", output_dtype)):
             if dtype not in (torch.float32, torch.float16, torch.bfloat16):
                 raise ValueError(f"{name} must be fp32, fp16 or bf16, got {dtype}")
@@ -87,6 +98,8 @@ class TritonTableBatchedEmbedding(nn.Module):
         ftm = tuple(feature_table_map) if feature_table_map is not None else tuple(range(len(specs)))
         self.layout = TBELayout(tuple(r for r, _ in specs), tuple(d for _, d in specs), ftm,
                                 tuple(feature_names or ()))
+        if pooling == UNPOOLED:
+            check_sequence_layout(self.layout)
         self.optimizer = optimizer or OptimizerConfig()
         self.pooling, self.output_dtype, self.stochastic_rounding = pooling, output_dtype, stochastic_rounding
         self.bounds_check = BoundsCheckMode(bounds_check)
@@ -170,21 +183,28 @@ class TritonTableBatchedEmbedding(nn.Module):
         self, indices: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None = None,
         feature_order: Sequence[int] | None = None,
     ) -> torch.Tensor:
-        """Pooled lookups: [B, output_dim]; in training, backward applies the fused optimizer.
+        """Pooled lookups [B, output_dim] (unpooled: [N, dim]); in training, backward applies the fused
+        optimizer.
         `feature_order`: when the KJT's features come in another order than the layout's, feature i of the
         input is layout feature feature_order[i]; the output columns keep the layout order."""
         layouts = self._layouts(feature_order)
         B = batch_size(self.layout, offsets)
         if per_sample_weights is not None and per_sample_weights.numel() != indices.numel():
             raise ValueError("per_sample_weights needs one weight per id")
+        if per_sample_weights is not None and self.pooling == UNPOOLED:
+            raise ValueError("unpooled lookups take no per_sample_weights")
         if self.bounds_check == BoundsCheckMode.ERROR:
             check_ids(*layouts, indices, offsets, B)
         if self.training and torch.is_grad_enabled():
             return _TBELookup.apply(self._placeholder, self, layouts, indices, offsets, per_sample_weights, B)
-        return self._pooled_forward(layouts, indices, offsets, per_sample_weights, B)
+        return self._lookup_forward(layouts, indices, offsets, per_sample_weights, B)
 
-    def _pooled_forward(self, layouts, indices_N, offsets_FB1, psw_N, batch: int) -> torch.Tensor:
-        run = triton_tbe.triton_forward if self._execution() == "triton" else torch_forward
+    def _lookup_forward(self, layouts, indices_N, offsets_FB1, psw_N, batch: int) -> torch.Tensor:
+        triton = self._execution() == "triton"
+        if self.pooling == UNPOOLED:
+            run_rows = triton_sequence_forward if triton else torch_sequence_forward
+            return run_rows(*layouts, self.weight, indices_N, offsets_FB1, batch, self.output_dtype)
+        run = triton_tbe.triton_forward if triton else torch_forward
         return run(*layouts, self.weight, indices_N, offsets_FB1, psw_N, batch, self.pooling,
                    self.output_dtype)
 
@@ -198,6 +218,17 @@ class TritonTableBatchedEmbedding(nn.Module):
         state1 = getattr(self, "momentum1", dummy)
         state2 = getattr(self, "momentum2", dummy)
         layout, lt = layouts
+        if self.pooling == UNPOOLED:
+            if self._execution() == "triton":
+                seed = int(torch.randint(0, 2**31 - 1, (1,)))  # CPU generator: no device sync
+                triton_sequence_backward_update(layout, lt, self.weight, state1, state2, self.step, indices_N,
+                                                offsets_FB1, grad_out_BDt, batch, self.optimizer,
+                                                self.stochastic_rounding, seed)
+            else:
+                torch_sequence_backward_update(layout, lt, self.weight, state1, state2, self.step, indices_N,
+                                               offsets_FB1, grad_out_BDt, batch, self.optimizer,
+                                               self.stochastic_rounding)
+            return
         if self._execution() == "triton":
             segments = triton_tbe_backward.dedupe_rows(layout, lt, indices_N, offsets_FB1, batch)
             seed = int(torch.randint(0, 2**31 - 1, (1,)))  # CPU generator: no device sync

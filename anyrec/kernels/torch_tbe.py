@@ -95,10 +95,12 @@ def torch_backward_update(
         base_U = torch.zeros(rows_U.numel(), dtype=torch.int64, device=weights.device)
         base_U[inv_N] = lt.weight_offsets_T[table] + ids * d
         addr_UD = base_U[:, None] + ar_D
-        _apply_rows(weights, state1, state2, step, rows_U, addr_UD, g_UD, opt, stochastic_rounding)
+        apply_rows(weights, state1, state2, step, rows_U, addr_UD, g_UD, opt, stochastic_rounding)
 
 
-def _apply_rows(weights, state1, state2, step, rows_U, addr_UD, g_UD, opt: OptimizerConfig, sr: bool) -> None:
+def apply_rows(weights, state1, state2, step, rows_U, addr_UD, g_UD, opt: OptimizerConfig, sr: bool) -> None:
+    """Apply `opt` to unique rows `rows_U` (global row ids; element addresses `addr_UD`) from their summed
+    fp32 gradients `g_UD`, updating weights and state in place."""
     w_UD = weights[addr_UD].float()
     if opt.weight_decay > 0 and opt.kind != OptimizerKind.ADAM:  # L2; Adam's is decoupled, below
         g_UD = g_UD + opt.weight_decay * w_UD

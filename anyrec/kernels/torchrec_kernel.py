@@ -96,7 +96,8 @@ def _pooling(kernel: BaseBatchedEmbeddingBag) -> str:
     return "mean" if kernel._pooling == PoolingMode.MEAN else "sum"
 
 
-def _output_dtype(fused_params: dict[str, Any]) -> torch.dtype:
+def output_dtype_of(fused_params: dict[str, Any]) -> torch.dtype:
+    """The output dtype a kernel's fused params ask for (fp32 by default)."""
     output_dtype = fused_params.get("output_dtype", SparseType.FP32)
     return output_dtype.as_dtype() if isinstance(output_dtype, SparseType) else output_dtype
 
@@ -119,7 +120,7 @@ class TritonFusedEmbeddingBag(TritonBatchedFusedEmbeddingBag):
             list(zip(self._local_rows, self._local_cols, strict=True)),
             feature_table_map=self._feature_table_map, optimizer=optimizer_from_fused_params(fp),
             pooling=_pooling(self), weights_dtype=data_type_to_dtype(config.data_type),
-            output_dtype=_output_dtype(fp), stochastic_rounding=bool(fp.get("stochastic_rounding", True)),
+            output_dtype=output_dtype_of(fp), stochastic_rounding=bool(fp.get("stochastic_rounding", True)),
             bounds_check=fp.get("bounds_check", "error"), feature_names=names, device=device,
             execution=fp.get("execution", "torch"))
         self._optim = TritonEmbeddingFusedOptimizer(config, self._emb_module, pg)
@@ -170,7 +171,7 @@ class TorchDenseEmbeddingBag(BatchedDenseEmbeddingBag):
         fp = dict(config.fused_params or {})
         self._emb_module = TorchDenseTBE(
             list(zip(self._local_rows, self._local_cols, strict=True)), self._feature_table_map,
-            _pooling(self), data_type_to_dtype(config.data_type), _output_dtype(fp),
+            _pooling(self), data_type_to_dtype(config.data_type), output_dtype_of(fp),
             fp.get("bounds_check", "error"), device)
         self._param_per_table = dict(_gen_named_parameters_by_table_dense(
             self._emb_module, self.table_name_to_count.copy(), self._config))

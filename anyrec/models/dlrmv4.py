@@ -122,7 +122,7 @@ def workload_facts(cfg: ModelConfig) -> WorkloadFacts:
     lengths = {k: float(cfg.hstu[k]) for k in LENGTH_KEYS if cfg.hstu.get(k) is not None}
     if lengths and len(lengths) != len(LENGTH_KEYS):
         raise ValueError(f"model {cfg.name}: give model.hstu.{' and model.hstu.'.join(LENGTH_KEYS)} together")
-    longest = None if cfg.hstu.get(LONGEST_KEY) is None else float(cfg.hstu[LONGEST_KEY])
+    longest = None if cfg.hstu.get(LONGEST_KEY) is None else int(cfg.hstu[LONGEST_KEY])
     C = len(CONTEXTUAL_FEATURES)
     shape = HSTUShape(m.max_seq_len, m.num_layers, m.model_dim, m.num_heads, m.qk_dim, m.v_dim,
                       contextual=C, targets=1, preprocessor_in_dim=len(SEQUENCE_FEATURES) * m.table_dim,

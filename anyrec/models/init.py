@@ -173,13 +173,24 @@ def init_dense(model: nn.Module, seed: int, skip: Callable[[str], bool] = lambda
         if not hasattr(module, "reset_parameters"):
             raise ValueError(f"{name} ({type(module).__name__}) has parameters but no reset_parameters(); "
                              "it cannot be initialised independently of the plan")
-        cpu = copy.deepcopy(module).to("cpu")
+        cpu = cpu_copy(module)
         with _seeded(seed, "dense", _strip_wrappers(name)):
             cpu.reset_parameters()
         for p, q in zip(own, [q for q in cpu._parameters.values() if q is not None], strict=True):
             p.copy_(q)
         done += 1
     return done
+
+
+def cpu_copy(module: nn.Module) -> nn.Module:
+    """A copy of `module` on the CPU whose tensors are copied there directly: a deepcopy of a device tensor
+    that is not a parameter clones its storage on the device, which needs the device's own storage
+    allocator (an out-of-tree device may have none)."""
+    memo: dict[int, object] = {}
+    for t in (*module.parameters(), *module.buffers()):
+        cpu = t.detach().to("cpu", copy=True)
+        memo[id(t)] = nn.Parameter(cpu, t.requires_grad) if isinstance(t, nn.Parameter) else cpu
+    return copy.deepcopy(module, memo).to("cpu")
 
 
 def _strip_wrappers(name: str) -> str:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from anyrec.backends.hardware import HSTURates
 from anyrec.backends.specs import DeviceSpec
 from anyrec.config import STURecompute
+from anyrec.kernels.hstu import CHUNK_SCORE_ELEMENTS
 from anyrec.planner.types import Perf, PlanOptions, ShardingOption, ShardingType, Topology, Workload
 from anyrec.schema import HSTUShape
 
@@ -54,11 +55,21 @@ TOKEN_SIGMAS = 3.0
 # (memory-bound, ~10 %). A device where benchmarks/hstu_attention.py measured its kernel should use that.
 ATTENTION_EFFICIENCY: dict[str, float] = {"triton": 0.35, "torch": 0.10}
 # The attention's temporaries per token beyond its inputs and output, as a multiple of a token's q, k, v
-# bytes: the backward's dq (fp32 accumulation), dk and dv; the torch version also pads q, k, v (a copy).
-ATTENTION_WORKSPACE_QKV: dict[str, float] = {"triton": 2.0, "torch": 3.0}
+# bytes: the backward's dq (fp32 accumulation), dk and dv (the torch version's padded copies and scores are
+# `torch_attention_bytes_per_sample`'s).
+ATTENTION_WORKSPACE_QKV: dict[str, float] = {"triton": 2.0, "torch": 2.0}
 # The elementwise passes stream each layer's saved activations about three times a step: written in the
 # forward, read in the backward, gradients of the same size written. estimate, not measured.
 ELEMENTWISE_PASSES = 3.0
+# The torch attention (anyrec.kernels.hstu) pads each chunk of whole sequences to its longest and holds
+# [b, H, N, N] fp32 score tensors: a layer keeps two (the scores, which SiLU's backward reads, and the
+# probabilities, which the value GEMM's backward reads), its [b, N, N] bool mask and the padded q, k and v
+# for its backward. The backward of the last layer holds TORCH_ATTENTION_BACKWARD_SCORES more at its peak
+# (the gradients on their way through the value GEMM, the mask, the 1/max_len scale, SiLU and alpha, less
+# the probabilities it has freed). empirical: ten score-sized buffers at the peak of dlrmv4_small's two
+# layers, one rank, 128 samples, on simdev (2026-12-07).
+TORCH_ATTENTION_KEPT_SCORES = 2
+TORCH_ATTENTION_BACKWARD_SCORES = 6
 ELEMENTWISE_EFFICIENCY = 0.87  # as estimators.ELEMENTWISE_EFFICIENCY (an H200 copy: 4.18 of 4.8 TB/s)
 # Samples the DLRMv4 reference trained to its target on 8 GPUs (mean of 20 seeds): what plans are timed to
 REFERENCE_SAMPLES = 69.3e6
@@ -306,11 +317,28 @@ class HSTUMemory:
     gradient: float
 
 
+def torch_attention_bytes_per_sample(shape: HSTUShape, batch: int, recompute: bool) -> float:
+    """Bytes per sample the torch attention's padded score tensors hold at the backward's peak, its batch
+    padded to the longest sample: every layer's kept scores, probabilities, mask and padded q, k, v plus the
+    last layer's backward temporaries. Where a batch's scores pass CHUNK_SCORE_ELEMENTS the attention runs
+    chunk by chunk under checkpointing, and with `recompute` layer by layer: one chunk of one layer at a
+    time (not measured)."""
+    N, H = shape.longest_tokens, shape.num_heads
+    scores = H * N * N  # score elements per sample
+    per_layer = (FP32_BYTES * TORCH_ATTENTION_KEPT_SCORES * scores + N * N
+                 + FP32_BYTES * H * N * (2 * shape.qk_dim + shape.v_dim))
+    backward = FP32_BYTES * TORCH_ATTENTION_BACKWARD_SCORES * scores
+    chunks = -(-max(batch, 1) * scores // CHUNK_SCORE_ELEMENTS)
+    if chunks > 1 or recompute:
+        return (per_layer + backward) / chunks
+    return shape.num_layers * per_layer + backward
+
+
 def hstu_memory_per_sample(shape: HSTUShape, ab: ActivationBytes, attention_impl: str, recompute: bool,
-                           tokens: float) -> HSTUMemory:
-    """The HSTU part's bytes per sample of `tokens` tokens (see HSTUMemory); `recompute`: each layer keeps
-    its input only and recomputes the rest in its backward (torch.utils.checkpoint around each STU
-    layer, a what-if), whatever `shape.stu_recompute`."""
+                           tokens: float, batch: int = 1) -> HSTUMemory:
+    """The HSTU part's bytes per sample of `tokens` tokens in a batch of `batch` (see HSTUMemory);
+    `recompute`: each layer keeps its input only and recomputes the rest in its backward
+    (torch.utils.checkpoint around each STU layer, a what-if), whatever `shape.stu_recompute`."""
     L, a = shape.num_layers, ab.gemm
     positions = tokens - shape.contextual
     kept = sum(stu_layer_kept_bytes_per_token(shape, ab, i) for i in range(L))
@@ -321,7 +349,10 @@ def hstu_memory_per_sample(shape: HSTUShape, ab: ActivationBytes, attention_impl
         kept, recomputed = L * a * shape.model_dim, stu_kept_bytes_per_token(shape, ab)
     per_token = kept + recomputed + input_bytes_per_token(shape, ab) + bwd
     gradient = positions * FP32_BYTES * shape.preprocessor_in_dim + tokens * a * shape.model_dim
-    return HSTUMemory(kept, recomputed, pre, bwd, tokens * per_token + positions * pre, gradient)
+    activation = tokens * per_token + positions * pre
+    if attention_impl == "torch":
+        activation += torch_attention_bytes_per_sample(shape, batch, recompute)
+    return HSTUMemory(kept, recomputed, pre, bwd, activation, gradient)
 
 
 @dataclass(frozen=True)
@@ -428,5 +459,5 @@ def dense_bytes_per_sample(options: PlanOptions, topology: Topology, batch: int)
                 options.dense_gradient_bytes_per_sample)
     tokens = memory_tokens_per_sample(options.hstu, batch)
     m = hstu_memory_per_sample(options.hstu, job_activation_dtypes(topology, options.dense_dtype),
-                               options.attention_impl, options.activation_recompute, tokens)
+                               options.attention_impl, options.activation_recompute, tokens, batch)
     return 0, int(m.activation), int(m.gradient)

@@ -102,17 +102,18 @@ def shard_model(module: nn.Module, device: torch.device, planned: PlannedJob, ba
 
 
 def shared_plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module, family: ModelFamily,
-                embedding: Impl, hardware: Hardware, resident_bytes: int = 0) -> PlannedJob:
+                embedding: Impl, hardware: Hardware, resident_bytes: int = 0,
+                attention: Impl | None = None) -> PlannedJob:
     """Rank 0 plans the job (`plan_job`, with the `resident_bytes` the data sources keep on each device,
     which the plan must leave room for) and every rank takes the same PlannedJob: ranks must never shard
     by different plans. A planning error on rank 0 (e.g. nothing fits) is raised on every rank, so none
     waits."""
     if info.world_size == 1:
-        return _plan(cfg, backend, info, model, family, embedding, hardware, resident_bytes)
+        return _plan(cfg, backend, info, model, family, embedding, hardware, resident_bytes, attention)
     result: Any = None
     if info.is_main:
         try:
-            result = _plan(cfg, backend, info, model, family, embedding, hardware, resident_bytes)
+            result = _plan(cfg, backend, info, model, family, embedding, hardware, resident_bytes, attention)
         except ValueError as e:
             result = ValueError(str(e))
     result = broadcast_from_main(result, info)
@@ -122,14 +123,15 @@ def shared_plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.M
 
 
 def _plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module, family: ModelFamily,
-          embedding: Impl, hardware: Hardware, resident_bytes: int) -> PlannedJob:
-    """This process's job planned: its world, its batch per rank, its backend's device type and devices."""
+          embedding: Impl, hardware: Hardware, resident_bytes: int, attention: Impl | None) -> PlannedJob:
+    """This process's job planned: its world, its batch per rank, its backend's device type and devices, the
+    attention implementation the model runs (an HSTU model's)."""
     return plan_job(cfg, model, family.sparse_module(model), family.sparse_path,
                     family.workload_facts(cfg.model), hardware, embedding, info.world_size,
                     info.local_world_size,
                     resolve_batch_size(cfg.data, info.world_size).batch_size, backend.device_type,
                     resident_bytes, place=lambda p: place_shards(p, backend, info.local_world_size),
-                    log=info.is_main)
+                    log=info.is_main, attention=attention.name if attention is not None else None)
 
 
 def unsharded_memory(cfg: AnyrecConfig, backend: Backend, model: nn.Module, family: ModelFamily,

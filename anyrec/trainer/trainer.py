@@ -233,7 +233,7 @@ class Trainer:
         embedding, hardware = self.kernels["embedding"], self._hardware()
         if self.planned is None:
             self.planned = shared_plan(self.cfg, self.backend, self.dist, model, family, embedding,
-                                       hardware, self.resident_bytes)
+                                       hardware, self.resident_bytes, self.kernels.get("hstu_attention"))
         else:  # a job planned outside (calibration's step points) names the devices as a planned one does
             place_shards(self.planned.plan, self.backend, self.dist.local_world_size)
         self.predicted_perf = self.planned.slowest

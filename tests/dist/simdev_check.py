@@ -2,8 +2,9 @@
 jobs on backend=cpu and on backend=simdev, one after the other in this process (one interpreter start
 for all of them), each trained by `Trainer.train()` with evaluation and a checkpoint. At 2 ranks the
 plan mixes every sharding type with data-parallel tables (column-wise ones only where the optimizer's
-update stays exact). Rank 0 writes OUT as JSON: {JOB: {"losses", "weights_sha256" (anyrec-parity's
-record), "summary", "shardings", "autocast"}, or {"error": the ValueError's message}}.
+update stays exact). A job naming another model (`model=dlrmv4_small`) is planned by the trainer. Rank 0
+writes OUT as JSON: {JOB: {"losses", "weights_sha256" (anyrec-parity's record), "summary", "shardings",
+"autocast"}, or {"error": the ValueError's message}}.
 
 Usage: simdev_check.py OUT JOB... (JOB: "<backend> <embedding kernel> <optim> [override...]")
 """
@@ -52,11 +53,13 @@ def mixed_plan(cfg, backend, kernel: str, world: int):
 
 
 def job(run_dir: Path, backend: str, kernel: str, optim: str, *overrides: str) -> dict:
-    _, cfg = compose_config([*BASE, f"backend={backend}", f"backend.embedding_kernel={kernel}",
+    own_model = any(o.startswith("model=") for o in overrides)
+    base = [o for o in BASE if not (own_model and o.startswith("model="))]
+    _, cfg = compose_config([*base, f"backend={backend}", f"backend.embedding_kernel={kernel}",
                              f"optim={optim}", f"trainer.run_dir={run_dir}",
                              f"trainer.checkpoint.dir={run_dir / 'ckpt'}", *overrides])
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    plan = mixed_plan(cfg, get_backend(backend), kernel, world) if world > 1 else None
+    plan = mixed_plan(cfg, get_backend(backend), kernel, world) if world > 1 and not own_model else None
     try:
         trainer = Trainer(cfg, plan)
     except ValueError as e:
@@ -68,7 +71,8 @@ def job(run_dir: Path, backend: str, kernel: str, optim: str, *overrides: str) -
         mean = all_reduce_mean([float(x) for x in losses], trainer.device)
         weights = full_weights(trainer.model, trainer.dist)
         plan = trainer.planned.plan if trainer.planned is not None else None
-        shardings = {n: ps.sharding_type for n, ps in plan.plan[EBC_PATH].items()} if plan else {}
+        path = trainer.family.sparse_path
+        shardings = {n: ps.sharding_type for n, ps in plan.plan[path].items()} if plan else {}
     finally:
         trainer.close()
     return {"losses": mean, "weights_sha256": weights_sha256(weights), "summary": summary,
