@@ -22,8 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-# (device, generator state): the host generator's, and the tensors' device's where it has its own
-RngStates = list[tuple[torch.device, torch.Tensor]]
+from anyrec.backends.rng import RngStates, rng_states, set_rng_states
 
 
 @dataclass(frozen=True)
@@ -36,32 +35,15 @@ class _Note:
     offset: int
 
 
-def _rng_states(device: torch.device) -> RngStates:
-    """The generators a random op on `device` may draw from: the host's and, off the CPU, the device's
-    (its device module's, as torch.utils.checkpoint reads it)."""
-    states = [(torch.device("cpu"), torch.get_rng_state())]
-    if device.type != "cpu":
-        states.append((device, torch.get_device_module(device).get_rng_state(device)))
-    return states
-
-
-def _set_rng_states(states: RngStates) -> None:
-    for device, state in states:
-        if device.type == "cpu":
-            torch.set_rng_state(state)
-        else:
-            torch.get_device_module(device).set_rng_state(state, device)
-
-
 @contextlib.contextmanager
 def _replayed_rng(states: RngStates) -> Iterator[None]:
     """The generators set to `states` (the forward's), then back to where they were."""
-    now = _rng_states(states[-1][0])
-    _set_rng_states(states)
+    now = rng_states(states[-1][0])
+    set_rng_states(states)
     try:
         yield
     finally:
-        _set_rng_states(now)
+        set_rng_states(now)
 
 
 class _Recompute(torch.autograd.Function):
@@ -73,7 +55,7 @@ class _Recompute(torch.autograd.Function):
         ctx.fn, ctx.device_type = fn, device.type
         ctx.autocast_dtype = (torch.get_autocast_dtype(device.type)
                               if torch.is_autocast_enabled(device.type) else None)
-        ctx.rng = _rng_states(device) if random else None
+        ctx.rng = rng_states(device) if random else None
         out = fn(*inputs)
         ctx.layout = (out.size(), out.stride(), out.storage_offset())
         ctx.run = None
