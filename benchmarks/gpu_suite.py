@@ -34,14 +34,19 @@ Sections (each runs on its own; a failure is recorded and the rest still run):
   compile      the trainer's one-device DLRMv2 step (train_step.py's shape, batch 16384, fp32) with
                trainer.compile=false and =true (the dense model through inductor) on the same pre-made
                batches: samples/s, build seconds (the compile included) and the first steps' losses
+  dlrmv4       DLRMv4's training step through the trainer on this device: the reference's dense shapes
+               (3 STU layers, D 512, 4 heads, sequences up to 4,096) at 1,024 samples, tables at 1/1,000,
+               sequence tables on anyrec's Triton TBE, the backend's attention, bf16 where it has it:
+               samples/s, step and peak memory measured against the planner's predictions
   calibrate    python -m anyrec.calibrate calibrate.size=large on this device -> $OUT/calibration.yaml
   memory       the trainer on this device (one rank, DLRMv2-shaped dlrmv2_small, batch 16384): the plan's
                predicted peak memory (allocated, and reserved with the allocator's slack) against the
                measured max_memory_allocated and max_memory_reserved of the training steps; null on CPU
 Writes $OUT/gpu_suite.json (default ./gpu_out), $OUT/tbe.json and the files named above. The first
 six sections were sized for < 8 minutes on an H200 (most of it Triton compiles and nn.EmbeddingBag's
-sparse SGD); data, parity, loop and calibrate add a few minutes more (never timed on a GPU): where
-one command may run 10 minutes at most, run them as a second call with `--only data,parity,loop,calibrate`.
+sparse SGD); data, parity, loop, dlrmv4 and calibrate add a few minutes more (never timed on a GPU):
+where one command may run 10 minutes at most, run them as a second call with
+`--only data,parity,loop,dlrmv4,calibrate`.
 --small shrinks everything to toy sizes and, on CPU, uses the torch execution path (what its test runs).
 """
 
@@ -535,6 +540,43 @@ def section_loop(device: torch.device, small: bool, out_dir: Path) -> dict:
     return {k: res[k] for k in ("model", "batch_size", "embedding_kernel", "samples_per_s", "loop_vs_step")}
 
 
+def section_dlrmv4(device: torch.device, small: bool, steps: int) -> dict:
+    """DLRMv4's training step through anyrec's Trainer on this one device: the reference's dense shapes
+    (3 STU layers, D 512, 4 heads, sequences up to 4,096 tokens) at 1,024 samples, its tables scaled to
+    1/1,000 to fit one device; the sequence tables on anyrec's TBE (Triton on an accelerator, torch on a
+    CPU), the attention the backend chooses, bf16 where the device has it. Samples/s, the measured step
+    against the planner's prediction and the peak memory against its. --small: dlrmv4_small at 32."""
+    skipped = torchrec_missing("dlrmv4")
+    if skipped:
+        return skipped
+    from anyrec import _hydra
+    from anyrec.trainer.trainer import Trainer
+
+    kernel = "torch" if device.type == "cpu" else "triton"
+    shape = (["model=dlrmv4_small", "data.batch_size=32"] if small else
+             ["model=dlrmv4", "model.hstu.table_scale=0.001", "data.sequence.table_scale=0.001",
+              "data.batch_size=1024"])
+    run = [f"backend.embedding_kernel={kernel}", f"trainer.steps={steps + 3}", "trainer.progress=false",
+           "trainer.tensorboard=false", "trainer.calibrate=never", "trainer.checkpoint.dir=null",
+           "trainer.run_dir=null"]
+    cfg = _hydra.compose_job([*shape, *run])
+    trainer = Trainer(cfg)
+    try:
+        summary = trainer.train()
+    finally:
+        trainer.close()
+    keys = ("model", "batch_size_per_rank", "steps", "samples_per_s", "measured_step_ms", "predicted_step_ms",
+            "prediction_error", "attention_kernel", "embedding_kernel", "precision",
+            "predicted_peak_memory_bytes_per_rank", "measured_peak_memory_bytes_per_rank",
+            "memory_prediction_error", "final_loss")
+    res = {k: summary[k] for k in keys}
+    print(f"  dlrmv4: {res['samples_per_s']:.0f} samples/s at {res['batch_size_per_rank']} per step, "
+          f"step {res['measured_step_ms']:.1f} ms measured vs {res['predicted_step_ms']:.1f} ms predicted, "
+          f"attention {res['attention_kernel']}, tables on {res['embedding_kernel']}, {res['precision']}",
+          flush=True)
+    return res
+
+
 def section_compile(device: torch.device, small: bool, steps: int) -> dict:
     """The trainer's step (anyrec's Triton TBE on one device; torch's on a CPU) eager and with the dense
     model compiled (trainer.compile), at train_step.py's DLRMv2 shape: samples/s of `Trainer.run_steps`
@@ -674,6 +716,7 @@ def main(argv: list[str] | None = None) -> dict:
         "parity": lambda: section_parity(device, small, out_dir),
         "loop": lambda: section_loop(device, small, out_dir),
         "compile": lambda: section_compile(device, small, steps),
+        "dlrmv4": lambda: section_dlrmv4(device, small, steps),
         "calibrate": lambda: section_calibrate(small, out_dir),
         "memory": lambda: section_memory(device, small, out_dir),
     }

@@ -42,7 +42,7 @@ def test_gpu_suite_small_on_cpu(tmp_path):
                                                       ("env", "correctness", "tbe", "interaction",
                                                        "attention", "dlrm_tbe", "dlrm_ebc",
                                                        "dlrm_sharded", "data", "parity", "loop",
-                                                       "compile", "calibrate", "memory")}
+                                                       "compile", "dlrmv4", "calibrate", "memory")}
     assert all(c["ok"] for k, c in s["correctness"].items() if isinstance(c, dict))
     assert s["dlrm_tbe"]["samples_per_s"] > 0 and s["dlrm_ebc"]["fbgemm_ops_called"] == []
     # The sharded world-size-1 path: its fbgemm:: calls (KJT permute, offsets) all on portable kernels.
@@ -72,6 +72,10 @@ def test_gpu_suite_small_on_cpu(tmp_path):
     assert len(c["eager"]["first_losses"]) == 3
     assert all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(c["eager"]["first_losses"],
                                                            c["compiled"]["first_losses"], strict=True))
+    # DLRMv4's step through the trainer (dlrmv4_small at --small): the sequence tables on the torch TBE
+    v4 = s["dlrmv4"]
+    assert v4["model"] == "dlrmv4_small" and v4["embedding_kernel"] == "torch" and v4["samples_per_s"] > 0
+    assert v4["attention_kernel"] and v4["predicted_step_ms"] > 0 and v4["final_loss"] > 0
     # The trainer's memory check: predicted per term; the CPU measures no device memory (null)
     assert s["memory"]["predicted_peak_memory_bytes_per_rank"][0] > 0
     assert s["memory"]["predicted_memory_terms"]["embedding_weights_bytes"] > 0
@@ -83,13 +87,14 @@ def test_gpu_suite_small_on_cpu(tmp_path):
 
 def test_gpu_suite_without_torchrec_or_fbgemm(tmp_path):
     only = ("correctness,interaction,attention,dlrm_tbe,dlrm_ebc,dlrm_sharded,data,parity,loop,compile,"
-            "calibrate,memory")
+            "dlrmv4,calibrate,memory")
     proc, rep = _run(tmp_path, ["--small", "--only", only], block=True)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     s = rep["sections"]
     assert s["correctness"]["status"] == "ok" and s["dlrm_tbe"]["status"] == "ok"
     assert s["interaction"]["status"] == s["attention"]["status"] == "ok"  # torch + triton only
-    for name in ("dlrm_ebc", "dlrm_sharded", "data", "parity", "loop", "compile", "calibrate", "memory"):
+    for name in ("dlrm_ebc", "dlrm_sharded", "data", "parity", "loop", "compile", "dlrmv4", "calibrate",
+                 "memory"):
         assert s[name]["status"] == "skipped" and "torchrec does not import" in s[name]["skipped"]
     assert "does not import" in s["env"]["torchrec"]
     assert "dlrm_ebc: SKIPPED" in proc.stdout
