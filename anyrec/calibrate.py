@@ -24,11 +24,12 @@ from anyrec.config import AnyrecConfig
 from anyrec.history.cache import cache_dir, local_key, write_entry
 from anyrec.io_checks import writable_file, write_yaml
 from anyrec.runtime.agreement import Agreement
-from anyrec.runtime.distributed import close_runtime, launch_started, start_runtime
+from anyrec.runtime.clock import launch_started
+from anyrec.runtime.distributed import close_runtime, start_runtime
 from anyrec.signing import resolve_key
 
 
-def run(cfg: AnyrecConfig) -> None:
+def run(cfg: AnyrecConfig, started: float | None = None) -> None:
     """Calibrate with a composed config: the `calibrate` section, `backend.name`, `backend.bind_cores`."""
     opts = cfg.calibrate
     if not opts.output and not opts.cache:
@@ -38,7 +39,7 @@ def run(cfg: AnyrecConfig) -> None:
     # Ranks take their share of the host's cores as the trainer's do: the figures are the trainer's;
     # what the rule chose (auto) or was told, the step points' trainers run with.
     runtime = start_runtime(cfg.backend.name, cfg.backend.bind_cores, cfg.trainer.collective_timeout_s,
-                            cfg.trainer.peer_timeout_s, cfg.backend.threads, started=launch_started())
+                            cfg.trainer.peer_timeout_s, cfg.backend.threads, started=started)
     backend, info = runtime.backend, runtime.dist
     rank, world = info.rank, info.world_size
     run = CalibrationRun.begin(opts.time_limit_s, rank, world, progress=True,
@@ -75,14 +76,22 @@ def run(cfg: AnyrecConfig) -> None:
         close_runtime(runtime)
 
 
-def main(cfg: DictConfig) -> None:
-    """The calibration of a composed config; a user mistake is one line and exit status 2."""
-    _hydra.run_typed("anyrec.calibrate", run, cfg)
+def main(cfg: DictConfig, started: float | None = None) -> None:
+    """The calibration of a composed config; a user mistake is one line and exit status 2. `started`: when
+    the job began (calibrate.time_limit_s counts from it; None: from now)."""
+    _hydra.run_typed("anyrec.calibrate", lambda typed: run(typed, started), cfg)
 
 
 def cli(argv: list[str] | None = None) -> None:
-    """Console entry: the command line (or `argv`) under Hydra's runner (`_hydra.launch`)."""
-    _hydra.launch("anyrec.calibrate", main, argv)
+    """Console entry: the command line (or `argv`) under Hydra's runner (`_hydra.launch`). The time limit
+    counts from the command's start (its launcher's, under torchrun); given `argv` (a call within a
+    running program), from the call."""
+    started = launch_started() if argv is None else None
+
+    def job(cfg: DictConfig) -> None:  # this module's: Hydra names the job after it
+        main(cfg, started)
+
+    _hydra.launch("anyrec.calibrate", job, argv)
 
 
 if __name__ == "__main__":

@@ -27,15 +27,12 @@ logger = logging.getLogger("anyrec.train")
 EXIT_CODES = {NonFiniteLossError: 3, PeerLostError: 4}
 
 
-def run(cfg: DictConfig) -> dict:
-    """Train with a composed config; rank 0 prints the JSON summary as its last stdout line."""
+def run(cfg: DictConfig, started: float | None = None) -> dict:
+    """Train with a composed config; rank 0 prints the JSON summary as its last stdout line. `started`: when
+    the job began (a first contact's calibrate.time_limit_s counts from it; None: from now)."""
     # torchrec (the trainer, and calibration, which trains) loads once Hydra has parsed the command line
     from anyrec.calibration.first_contact import calibrated_hardware, wants_calibration  # torchrec: late
-    from anyrec.runtime.distributed import (  # after the command line
-        close_runtime,
-        launch_started,
-        start_runtime,
-    )
+    from anyrec.runtime.distributed import close_runtime, start_runtime  # after the command line
     from anyrec.runtime.shutdown import peer_failure, peers_met  # with the trainer, after Hydra parsed argv
     from anyrec.trainer.trainer import Trainer  # torchrec loads once Hydra has parsed the command line
 
@@ -48,7 +45,7 @@ def run(cfg: DictConfig) -> dict:
     # The backend, the process group and this rank's core binding: once, for calibration and training.
     tc = config.trainer
     runtime = start_runtime(config.backend.name, config.backend.bind_cores, tc.collective_timeout_s,
-                            tc.peer_timeout_s, config.backend.threads, started=launch_started())
+                            tc.peer_timeout_s, config.backend.threads, started=started)
     hardware = None  # the Trainer resolves `hardware.sku` itself
     try:
         if wants_calibration(config):  # hardware=auto: this machine's cached figures, measured on a miss
@@ -82,10 +79,10 @@ def run(cfg: DictConfig) -> dict:
 
 
 @record  # under torchrun: an unexpected exception's traceback goes to torchrun's error report
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig, started: float | None = None) -> None:
     """The job of a composed config; exits with the statuses `EXIT_CODES` names."""
     try:
-        summary = run(cfg)
+        summary = run(cfg, started)
     except (ValueError, NonFiniteLossError, PeerLostError) as e:
         # A user mistake, bad data, a bad checkpoint or a diverged run: every rank raises the same
         # error at the same point; rank 0 says it in one line, all exit non-zero. Bad rows are seen
@@ -110,8 +107,16 @@ def main(cfg: DictConfig) -> None:
 
 
 def cli() -> None:
-    """Console entry: the job under Hydra's runner (`_hydra.launch`), one line and exit 2 for a mistake."""
-    _hydra.launch("anyrec-train", main)
+    """Console entry: the job under Hydra's runner (`_hydra.launch`), one line and exit 2 for a mistake;
+    a first contact's time limit counts from the command's start (its launcher's, under torchrun)."""
+    from anyrec.runtime.clock import launch_started  # no torch: --help stays quick
+
+    started = launch_started()
+
+    def job(cfg: DictConfig) -> None:  # this module's: Hydra names the job after it
+        main(cfg, started)
+
+    _hydra.launch("anyrec-train", job)
 
 
 if __name__ == "__main__":

@@ -199,7 +199,7 @@ def test_the_time_limit_counts_from_when_the_job_began_as_the_entry_point_says()
     import os
     import time
 
-    from anyrec.runtime.distributed import launch_started
+    from anyrec.runtime.clock import launch_started
 
     with open(f"/proc/{os.getpid()}/stat") as f:
         assert int(f.read().rsplit(")", 1)[1].split()[19]) > 0  # /proc answers: launch_started reads it

@@ -2,6 +2,6 @@
 
 `distributed` (rendezvous, the world, the `Runtime` a process sets up once: backend, process group, core
 binding), `agreement` (decisions the ranks take together), `shutdown` (stop signals, the heartbeat,
-bounded waits) and `errors` (what the entry point turns into one line). Everything that runs in a job
-stands on this package; it stands on the backends alone.
+bounded waits), `errors` (what the entry point turns into one line) and `clock` (when the job began).
+Everything that runs in a job stands on this package; it stands on the backends alone.
 """
