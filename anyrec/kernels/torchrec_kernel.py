@@ -296,6 +296,18 @@ class TritonShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
                     gradient_as_bucket_view=True, broadcast_buffers=True, static_graph=self.static_graph)
 
 
+def kernel_fused_params(optimizer: OptimizerConfig | None, fused_params: dict[str, Any] | None,
+                        execution: str | None) -> dict[str, Any]:
+    """A sharder's fused_params for anyrec's TBE: `fused_params`, its optimizer keys set by `optimizer`,
+    and the kernel's `execution` where given."""
+    params = dict(fused_params or {})
+    if optimizer is not None:
+        params.update(fused_params_from_optimizer(optimizer))
+    if execution is not None:
+        params["execution"] = execution
+    return params
+
+
 class TritonEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     """EmbeddingBagCollection sharder whose model-parallel shards use the Triton TBE kernel. `optimizer` sets
     the fused update (it overrides the optimizer keys of `fused_params`); `execution` is passed to the kernel
@@ -307,12 +319,8 @@ class TritonEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         execution: str | None = None, qcomm_codecs_registry: dict | None = None, static_graph: bool = True,
     ) -> None:
         self.static_graph = static_graph
-        params = dict(fused_params or {})
-        if optimizer is not None:
-            params.update(fused_params_from_optimizer(optimizer))
-        if execution is not None:
-            params["execution"] = execution
-        super().__init__(fused_params=params, qcomm_codecs_registry=qcomm_codecs_registry)
+        super().__init__(fused_params=kernel_fused_params(optimizer, fused_params, execution),
+                         qcomm_codecs_registry=qcomm_codecs_registry)
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
         return list(_SHARDINGS)

@@ -47,7 +47,7 @@ from anyrec.kernels.optimizers import OptimizerConfig
 from anyrec.kernels.tbe import UNPOOLED, TritonTableBatchedEmbedding
 from anyrec.kernels.torchrec_kernel import (
     TRITON_COMPUTE_KERNEL,
-    fused_params_from_optimizer,
+    kernel_fused_params,
     optimizer_from_fused_params,
     output_dtype_of,
 )
@@ -144,12 +144,8 @@ class TritonEmbeddingCollectionSharder(EmbeddingCollectionSharder):
 
     def __init__(self, optimizer: OptimizerConfig | None = None, fused_params: dict[str, Any] | None = None,
                  execution: str | None = None, qcomm_codecs_registry: dict | None = None) -> None:
-        params = dict(fused_params or {})
-        if optimizer is not None:
-            params.update(fused_params_from_optimizer(optimizer))
-        if execution is not None:
-            params["execution"] = execution
-        super().__init__(fused_params=params, qcomm_codecs_registry=qcomm_codecs_registry)
+        super().__init__(fused_params=kernel_fused_params(optimizer, fused_params, execution),
+                         qcomm_codecs_registry=qcomm_codecs_registry)
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
         return list(SEQUENCE_SHARDINGS)
