@@ -188,6 +188,37 @@ def pip_install_target(package: Path, tmp: Path) -> Path:
     return target
 
 
+# The head of a script run where anyrec, torchrec and fbgemm cannot be imported: an exported artifact must
+# need torch alone. The script goes on with its own scoring.
+TORCH_ONLY_HEAD = """import sys
+class Blocker:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("anyrec", "torchrec", "fbgemm_gpu"):
+            raise ImportError(f"{name} is blocked")
+sys.meta_path.insert(0, Blocker())
+import torch
+"""
+
+
+def trainer_checkpoint(folder: Path, train: torch.nn.Module, tables: dict[str, list[int]], optimizer: str,
+                       step: int, model_name: str) -> Path:
+    """A checkpoint of `train` at `step` in folder/ckpt as the trainer writes it: its signature (the tables'
+    shapes, the dense parameters' shapes, the embedding optimizer), signed with the per-user key."""
+    from anyrec.config import CheckpointConfig
+    from anyrec.runtime.distributed import ONE_PROCESS
+    from anyrec.signing import resolve_key
+    from anyrec.trainer.checkpoint import CheckpointManager
+
+    dense = {n: list(p.shape) for n, p in train.named_parameters() if "sparse_arch" not in n}
+    manager = CheckpointManager(CheckpointConfig(dir=str(folder / "ckpt")),
+                                {"tables": tables, "dense": dense, "optimizer": optimizer}, ONE_PROCESS,
+                                signing_key=resolve_key(None))
+    manager.start()
+    path = manager.save(step, {"model": train.state_dict()}, {"world_size": 1, "model": model_name})
+    manager.close()
+    return path
+
+
 def run_shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A folder every process of this pytest run sees: the run's own temporary folder, which pytest-xdist's
     workers share (each has a subfolder of it); a run without workers has it to itself."""

@@ -24,19 +24,12 @@ from anyrec.models.family import resolve_family
 from anyrec.runtime.distributed import DistInfo
 from anyrec.trainer.inputs import build_inputs
 
-from .conftest import compose_config, last_json_line, torchrun
+from .conftest import TORCH_ONLY_HEAD, compose_config, last_json_line, torchrun
 
 pytestmark = pytest.mark.integration
 
 # Run where anyrec, torchrec and fbgemm cannot be imported: the artifact must need torch alone.
-TORCH_ONLY = textwrap.dedent("""
-    import sys
-    class Blocker:
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in ("anyrec", "torchrec", "fbgemm_gpu"):
-                raise ImportError(f"{name} is blocked")
-    sys.meta_path.insert(0, Blocker())
-    import torch
+TORCH_ONLY = TORCH_ONLY_HEAD + textwrap.dedent("""
     artifact, inputs, out = sys.argv[1:]
     program = torch.export.load(artifact).module()
     with torch.no_grad():

@@ -16,12 +16,11 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from anyrec import export as export_cli
-from anyrec.config import CheckpointConfig, IdLayout, Int8Kernel, ModelConfig, TablePrecision
+from anyrec.config import IdLayout, Int8Kernel, ModelConfig, TablePrecision
 from anyrec.models.dlrm import build_model, table_configs
 from anyrec.models.dlrm_scoring import batch_inputs, checker
 from anyrec.models.family import DLRM_FAMILY
 from anyrec.models.init import init_model
-from anyrec.runtime.distributed import ONE_PROCESS
 from anyrec.runtime.errors import CheckpointError
 from anyrec.schema import load_model_config
 from anyrec.serving.artifact import export_program, load_artifact, read_manifest
@@ -29,10 +28,8 @@ from anyrec.serving.model import ScoringModel, dequantize_rowwise_int8, quantize
 from anyrec.serving.program import ScoringProgram
 from anyrec.serving.scoring import score_batches
 from anyrec.serving.weights import load_checkpoint
-from anyrec.signing import resolve_key
-from anyrec.trainer.checkpoint import CheckpointManager
 from anyrec.trainer.trainer import DLRMTrain
-from tests.conftest import compose_config
+from tests.conftest import compose_config, trainer_checkpoint
 
 TINY = load_model_config("dlrm_tiny")
 # a cross-net model with multi-hot features (bags of 1 to 4 ids, some empty in `_batch`)
@@ -102,16 +99,8 @@ def test_rowwise_int8_error_is_within_half_a_step():
 
 def _checkpoint(tmp: Path, cfg: ModelConfig, model) -> Path:
     """A checkpoint of `model` written by the trainer's CheckpointManager (the DLRMTrain key layout)."""
-    train = DLRMTrain(model)
     tables = {c.name: [c.num_embeddings, c.embedding_dim] for c in table_configs(cfg)}
-    dense = {n: list(p.shape) for n, p in train.named_parameters() if "sparse_arch" not in n}
-    manager = CheckpointManager(CheckpointConfig(dir=str(tmp / "ckpt")),
-                                {"tables": tables, "dense": dense, "optimizer": "adagrad"}, ONE_PROCESS,
-                                signing_key=resolve_key(None))  # signed as the trainer signs it
-    manager.start()
-    path = manager.save(7, {"model": train.state_dict()}, {"world_size": 1, "model": cfg.name})
-    manager.close()
-    return path
+    return trainer_checkpoint(tmp, DLRMTrain(model), tables, "adagrad", 7, cfg.name)
 
 
 @pytest.fixture(scope="module")

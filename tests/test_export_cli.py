@@ -19,21 +19,14 @@ from anyrec.models.family import resolve_family
 from anyrec.runtime.distributed import ONE_PROCESS
 from anyrec.serving.artifact import load_artifact
 from anyrec.trainer.inputs import build_inputs
-from tests.conftest import compose_config, last_json_line, single_process_env, torchrun
+from tests.conftest import TORCH_ONLY_HEAD, compose_config, last_json_line, single_process_env, torchrun
 
 pytestmark = pytest.mark.integration
 
 TRAIN = ["model=dlrm_tiny", "trainer.steps=50", "trainer.progress=false", "trainer.tensorboard=false"]
 
 # Run where anyrec, torchrec and fbgemm cannot be imported: the artifact must need torch alone.
-TORCH_ONLY = textwrap.dedent("""
-    import sys
-    class Blocker:
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in ("anyrec", "torchrec", "fbgemm_gpu"):
-                raise ImportError(f"{name} is blocked")
-    sys.meta_path.insert(0, Blocker())
-    import torch
+TORCH_ONLY = TORCH_ONLY_HEAD + textwrap.dedent("""
     artifact, inputs, out = sys.argv[1:]
     from torch.export.graph_signature import InputKind
     files = {"manifest.json": ""}

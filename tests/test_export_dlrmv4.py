@@ -16,19 +16,16 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from anyrec import export as export_cli
 from anyrec.backends.dispatch import get_impl
-from anyrec.config import CheckpointConfig, IdLayout, Int8Kernel, TablePrecision
+from anyrec.config import IdLayout, Int8Kernel, TablePrecision
 from anyrec.data.sequences import SequenceBatch
 from anyrec.models.dlrmv4 import dlrmv4_config, table_configs
 from anyrec.models.dlrmv4_scoring import FEATURES, S
 from anyrec.models.family import DLRMV4_FAMILY
 from anyrec.models.init import init_model
-from anyrec.runtime.distributed import ONE_PROCESS
 from anyrec.serving.artifact import load_artifact
 from anyrec.serving.model import TableStages
 from anyrec.serving.scoring import score_batches
-from anyrec.signing import resolve_key
-from anyrec.trainer.checkpoint import CheckpointManager
-from tests.conftest import compose_config
+from tests.conftest import compose_config, trainer_checkpoint
 
 MODEL = ["model=dlrmv4_small", "model.hstu.table_scale=0.000002"]  # tables of 2 to 200 rows
 CPU = torch.device("cpu")
@@ -74,14 +71,7 @@ RAGGED = [[1, 2, 37, LONGEST, 0, 9], [LONGEST], [1], [0, 5]]  # empty history, l
 def _checkpoint(tmp: Path, train) -> Path:
     """A checkpoint of `train` as the trainer writes it (its signature, signed with the per-user key)."""
     cfg = _config()
-    dense = {n: list(p.shape) for n, p in train.named_parameters() if "sparse_arch" not in n}
-    manager = CheckpointManager(CheckpointConfig(dir=str(tmp / "ckpt")),
-                                {"tables": DLRMV4_FAMILY.table_shapes(cfg), "dense": dense,
-                                 "optimizer": "rowwise_adagrad"}, ONE_PROCESS, signing_key=resolve_key(None))
-    manager.start()
-    path = manager.save(11, {"model": train.state_dict()}, {"world_size": 1, "model": cfg.name})
-    manager.close()
-    return path
+    return trainer_checkpoint(tmp, train, DLRMV4_FAMILY.table_shapes(cfg), "rowwise_adagrad", 11, cfg.name)
 
 
 @pytest.fixture(scope="module")
