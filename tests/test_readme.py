@@ -97,10 +97,8 @@ def test_documented_overrides_compose(command):
     files = [f"{k}={v}" for k, v in pairs if k.lstrip("+") == "hardware" and is_hardware_path(v)]
     assert not files, f"a hardware file is named with hardware.sku=FILE, not {files}"
     concrete, alternatives, keys = _split(command)
-    concrete = _with_family(concrete) if concrete else concrete
-    if not any(w.startswith("model=") for w in concrete) and any(
-            k.startswith(tuple(FAMILY_SECTION)) for k in [*keys, *(k for k, _ in alternatives)]):
-        concrete = [*FAMILY_SECTION.values(), *concrete]
+    if not any(w.startswith("model=") for w in concrete):
+        concrete = [*_family_of([*concrete, *keys, *(k for k, _ in alternatives)]), *concrete]
     cfg, _ = compose_config(concrete)
     for key in keys:
         assert OmegaConf.select(cfg, key, default=_MISSING) is not _MISSING, f"{key} is not a config key"
@@ -117,20 +115,20 @@ def test_config_group_table_options_compose(option):
 FAMILY_SECTION = {"model.hstu.": "model=dlrmv4"}  # keys a model family's own config holds
 
 
-def _with_family(words: list[str]) -> list[str]:
-    """`words` composed where their keys exist: a model family's own keys (model.hstu.*) under that family,
-    unless the words name a model."""
-    family = {f for w in words for prefix, f in FAMILY_SECTION.items() if w.lstrip("+").startswith(prefix)}
-    return sorted(family) + words if family and not any(w.startswith("model=") for w in words) else words
+def _family_of(words: list[str]) -> list[str]:
+    """The model overrides under which the keys of `words` exist: a family's own section (model.hstu.*)
+    needs that family."""
+    return sorted({family for w in words for prefix, family in FAMILY_SECTION.items()
+                   if w.lstrip("+").startswith(prefix)})
 
 
 def test_keys_named_in_the_prose_exist():
     cfg, _ = compose_config()
     keys = _prose_keys(set(cfg))
     assert len(keys) >= 15, keys
-    families = {f: compose_config([f])[0] for f in FAMILY_SECTION.values()}
-    missing = [k for k in keys if OmegaConf.select(families.get(_with_family([k])[0], cfg), k,
-                                                   default=_MISSING) is _MISSING]
+    configs = {(): cfg, **{(f,): compose_config([f])[0] for f in FAMILY_SECTION.values()}}
+    missing = [k for k in keys
+               if OmegaConf.select(configs[tuple(_family_of([k]))], k, default=_MISSING) is _MISSING]
     assert not missing, f"README names config keys that do not exist: {missing}"
 
 
