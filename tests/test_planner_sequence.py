@@ -260,6 +260,10 @@ def test_mi355x_plans_the_reference_batch_with_every_table_in_hbm_and_prints_sam
     assert all(o.placement == Placement.HBM for o in result.tables.values())
     assert "samples/s" in text and "M samples" in text and "selective recompute" in text
     assert "tables leave HBM" not in text and "what-if" not in text
+    # the fleet line: a count where one holds every table, and where none can at this batch, why not
+    (fewest,) = (ln for ln in text.splitlines() if "fewest devices holding every table" in ln)
+    assert "MI355X 5" in fewest and ">" not in fewest, fewest
+    assert "on H100, H200 no device count does at 1,024 samples per rank" in fewest, fewest
     assert {o.sharding for o in result.tables.values()} <= set(sequence.SEQUENCE_SHARDINGS)
     usable = 286e9
     assert all(m.reserved_bytes <= usable for m in predict_memory(result))

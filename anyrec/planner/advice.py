@@ -68,12 +68,18 @@ def _topology_for(device: DeviceSpec, world_size: int, like: Topology) -> Topolo
     return Topology(device, world_size, local, like.compute_device)
 
 
+def _free_for_tables(wl: Workload, device: DeviceSpec, world_size: int, like: Topology) -> float:
+    """Bytes of a rank's usable HBM left for tables once the dense part, its activations and the batch
+    buffers have theirs (negative: they alone do not fit)."""
+    topo = _topology_for(device, world_size, like)
+    base = DenseEstimator().estimate(topo, wl)
+    return usable_caps(topo, wl).hbm_bytes - base.storage.hbm_bytes - _buffers_per_rank(wl)
+
+
 def fits_in_hbm(wl: Workload, device: DeviceSpec, world_size: int, like: Topology) -> bool:
     """Memory-model check that every table can live in HBM on `world_size` x `device` (aggregate
     bytes, and the largest table split row-wise over all ranks)."""
-    topo = _topology_for(device, world_size, like)
-    base = DenseEstimator().estimate(topo, wl)
-    free = usable_caps(topo, wl).hbm_bytes - base.storage.hbm_bytes - _buffers_per_rank(wl)
+    free = _free_for_tables(wl, device, world_size, like)
     if free <= 0:
         return False
     sizes = [table_bytes(t, wl) for t in wl.tables]
@@ -248,9 +254,19 @@ def co_design_advice(plan: PlanResult) -> list[str]:
         now = "now" if (b > cross if direction == "above" else b < cross) else "not yet"
         out.append(f"comms overtake compute on the slowest rank {direction} batch {cross}/rank "
                    f"({now}: batch {b}/rank)")
-    counts = []
+    counts, short = [], []
     for other in _accelerators():
         n = min_devices_in_hbm(wl, other, topo)
-        counts.append(f"{other.name} {n if n is not None else '>' + str(MAX_DEVICES)}")
-    out.append("fewest devices holding every table in HBM: " + ", ".join(counts))
+        if n is not None:
+            counts.append(f"{other.name} {n}")
+        elif _free_for_tables(wl, other, MAX_DEVICES, topo) <= 0:  # more devices leave a rank as full
+            short.append(other.name)
+        else:
+            counts.append(f"{other.name} >{MAX_DEVICES}")
+    line = "fewest devices holding every table in HBM: " + (", ".join(counts) if counts else "none")
+    if short:
+        line += (f"; on {', '.join(short)} no device count does at {b:,} samples per rank: the dense part, "
+                 f"its activations and the batch buffers alone fill a rank (a smaller batch per rank or "
+                 f"activation recompute)")
+    out.append(line)
     return out
