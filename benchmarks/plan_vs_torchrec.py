@@ -219,7 +219,7 @@ def row_of(name: str, got: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--small", action="store_true", help="two workloads, a few steps (for tests)")
+    ap.add_argument("--small", action="store_true", help="one workload, a few steps (for tests)")
     ap.add_argument("--hardware", default="cpu", help="what anyrec plans for: a SKU or a calibration file")
     ap.add_argument("--only", nargs="+", choices=tuple(WORKLOADS), help="run only these workloads")
     ap.add_argument("--segments", type=int, default=None, help="segments per plan, alternating (even)")

@@ -41,7 +41,7 @@ def test_planner_accuracy_small(tmp_path, two_rank_calibration):
     out = tmp_path / "acc.json"
     rows = _load("planner_accuracy").main(["--small", "--calibration", str(two_rank_calibration.output),
                                            "--output", str(out)])
-    assert [r["workload"] for r in rows] == ["tiny_26x8", "small_26x16"]
+    assert [r["workload"] for r in rows] == ["tiny_26x8"]
     for r in rows:
         for label in ("uncal", "cal"):
             assert r[f"{label}_error_msg"] is None, r
@@ -59,7 +59,7 @@ def test_planner_accuracy_small(tmp_path, two_rank_calibration):
 def test_plan_vs_torchrec_small(tmp_path):
     out = tmp_path / "pvt.json"
     rows = _load("plan_vs_torchrec").main(["--small", "--segments", "4", "--output", str(out)])
-    assert [r["workload"] for r in rows] == ["tiny_26x8", "small_26x16"]
+    assert [r["workload"] for r in rows] == ["tiny_26x8"]
     for r in rows:
         assert r["error_msg"] is None, r
         a, t = r["anyrec_segments_ms"], r["torchrec_segments_ms"]
@@ -74,7 +74,7 @@ def test_plan_vs_torchrec_small(tmp_path):
     # torchrec replicates dlrm_tiny's small tables, anyrec's calibrated-free plan shards them: the two
     # plans differ, and the row says so.
     assert rows[0]["same_plan"] is False and "data_parallel" in rows[0]["torchrec_plan"]
-    assert json.loads(out.read_text())["rows"][1]["workload"] == "small_26x16"
+    assert json.loads(out.read_text())["rows"][0]["workload"] == "tiny_26x8"
 
 
 def test_paired_ratio_and_order():
