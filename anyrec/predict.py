@@ -82,11 +82,15 @@ def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print) -> dict[str,
     bar = tqdm(desc=f"score {pc.split}", unit="sample", unit_scale=True, file=sys.stderr,
                disable=not cfg.trainer.progress)
 
+    per_rank = [0] * pc.world_size  # batches each rank's source gave (a stream's window: its length)
+
     def batches():
-        for inputs in ranks:
+        for rank, inputs in enumerate(ranks):
             # eval: what the trainer evaluated after the checkpoint's step (a stream: its window)
-            yield from (inputs.eval_batches(checkpoint_step) if pc.split == "eval"
-                        else inputs.train.iter_from(0, steps))
+            for batch in (inputs.eval_batches(checkpoint_step) if pc.split == "eval"
+                          else inputs.train.iter_from(0, steps)):
+                per_rank[rank] += 1
+                yield batch
 
     scored = score_batches(program, family, model, artifact.id_layout, batches(), device,
                            on_batch=bar.update)
@@ -100,7 +104,7 @@ def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print) -> dict[str,
                "samples": scored.samples,
                "samples_per_s": scored.samples / scored.wall_s if scored.wall_s else None,
                "model_samples_per_s": scored.samples / scored.model_s if scored.model_s else None,
-               "split": str(pc.split), "steps": steps, "world_size": pc.world_size,
+               "split": str(pc.split), "steps": max(per_rank), "world_size": pc.world_size,
                "precision": artifact.manifest["precision"], "backend": backend.name,
                "artifact": str(Path(pc.artifact).resolve()), "output": pc.output,
                "checkpoint_step": artifact.manifest["checkpoint"].get("step")}

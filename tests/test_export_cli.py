@@ -72,7 +72,7 @@ def test_export_then_predict_gives_the_trainers_eval_and_loads_with_torch_only(t
     assert exported["checkpoint"]["step"] == 50 and exported["precision"] == "fp32"
     predicted = _ok(_run("anyrec.predict", [f"predict.artifact={artifact}", "predict.split=eval",
                                             "predict.steps=20", f"predict.output={scores}"], tmp_path))
-    assert predicted["samples"] == 20 * 256 and predicted["samples_per_s"] > 0
+    assert predicted["samples"] == 20 * 256 and predicted["steps"] == 20 and predicted["samples_per_s"] > 0
     assert abs(predicted["auc"] - trained["eval_auc"]) <= 1e-6
     for key in ("ne", "logloss", "accuracy"):
         assert abs(predicted[key] - trained[f"eval_{key}"]) <= 1e-6, key

@@ -129,7 +129,7 @@ def test_predict_scores_sequence_batches_with_the_trainers_metrics(exported):
     artifact = exported[3]
     batches = [_batch(lengths, seed=i) for i, lengths in enumerate(RAGGED)]
     run = score_batches(artifact.scorer, DLRMV4_FAMILY, artifact.model, IdLayout.offsets, batches, CPU)
-    assert run.samples == sum(n > 0 for lengths in RAGGED for n in lengths)
+    assert run.samples == sum(n > 0 for lengths in RAGGED for n in lengths) and run.batches == len(RAGGED)
     assert 0 <= run.metrics["auc"] <= 1 and np.isfinite(torch.cat(run.probs).numpy()).all()
 
 

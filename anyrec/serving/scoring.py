@@ -32,6 +32,7 @@ class ScoreRun:
 
     probs: list[torch.Tensor] = field(default_factory=list)
     samples: int = 0  # scores (a sequence family: targets)
+    batches: int = 0  # batches scored
     model_s: float = 0.0  # seconds in the program's calls
     wall_s: float = 0.0  # seconds of the whole pass (reading and checking the data included)
     metrics: dict[str, float] | None = None
@@ -68,6 +69,7 @@ def score_batches(program: Callable[..., torch.Tensor], family: ModelFamily, mod
             metrics.update(logits, labels.to(device))
             run.probs.append(torch.sigmoid(logits.float()).cpu())
             run.samples += logits.shape[0]
+            run.batches += 1
             if on_batch is not None:
                 on_batch(logits.shape[0])
     run.wall_s = time.perf_counter() - start
