@@ -8,7 +8,8 @@ reservation and estimators), its plans trained the same way.
     python benchmarks/capacity_sweep.py [--small] [--only JOB ...] [--factors F ...] [--anyrec-only]
                                         [--steps N] [--output out.json]
 
-The jobs cover every optimizer, batches up to 4,096 per rank and 2D (replicated sharding groups); simdev
+The jobs cover every optimizer, batches up to 4,096 per rank, 2D (replicated sharding groups) and the
+sequence model dlrmv4_small; simdev
 runs its allocator with expandable segments, as anyrec's backends do on CUDA and ROCm.
 
 Each cell is one `torchrun` job: `ok` (trained every step), `oom` (an allocation failed), `refused`
@@ -48,6 +49,10 @@ JOBS: dict[str, list[str]] = {
     "small_2d_g1_b1024": ["model=dlrm_small", "planner.sharding_group_size=1", "data.batch_size=1024"],
     "v2small_2d_g2_b512": ["model=dlrmv2_small", "planner.sharding_group_size=2", "optim=rowwise_adagrad",
                            "data.batch_size=512"],
+    # DLRMv4: sequence tables (EmbeddingCollection) and the HSTU layers' activations, which dominate its
+    # memory: the recipe's row-wise Adagrad and Adam, 128 and 512 samples per rank
+    "v4small_rowwise_b128": ["model=dlrmv4_small"],
+    "v4small_adam_b512": ["model=dlrmv4_small", "optim=adam", "data.batch_size=512"],
 }
 RANKS = {"v2small_2d_g2_b512": 4}
 SMALL = ("tiny_adagrad_b256",)
@@ -76,17 +81,19 @@ def job_overrides(workload: list[str], steps: int) -> list[str]:
 
 def accepts(name: str, capacity: int) -> bool:
     """Whether anyrec's planner finds a plan for job `name` on its simdev devices of `capacity` bytes
-    (planned in this process, as rank 0 of the job plans: `anyrec-plan` on the same config)."""
+    (planned in this process, as rank 0 of the job plans: `anyrec-plan` on the same config, without its
+    what-ifs)."""
     from anyrec import _hydra, plan
     from anyrec.planner.types import InfeasiblePlanError
 
     cfg = _hydra.compose_job([*job_overrides(JOBS[name], 1), f"topology.world_size={RANKS.get(name, WORLD)}",
                               f"+hardware.spec.memory_bytes={capacity}"])
     try:
-        plan.run(cfg, print_fn=lambda _: None)
+        result = plan.run(cfg, print_fn=lambda _: None)
     except InfeasiblePlanError:
         return False
-    return True
+    # anyrec-plan may fit a job by activation recompute, a what-if the trainer refuses
+    return not result.workload.options.activation_recompute
 
 
 def smallest_capacity(name: str, hi: int = 2**34) -> int:
@@ -110,27 +117,28 @@ def worker(overrides: list[str]) -> None:
 
     from anyrec import _hydra
     from anyrec.backends import get_backend, resolve_hardware
-    from anyrec.models.dlrm import build_model
+    from anyrec.models.family import resolve_family
     from anyrec.planner.planned import ParallelLayout, PlannedJob
     from anyrec.trainer.optim import embedding_optimizer
     from anyrec.trainer.planning import sharders
-    from anyrec.trainer.trainer import DLRMTrain, Trainer
+    from anyrec.trainer.trainer import Trainer
 
     cfg = _hydra.compose_job(overrides)
     backend = get_backend(cfg.backend.name)
-    kernel = backend.select_kernels(cfg.backend)["embedding"]
+    kernels = backend.select_kernels(cfg.backend)
+    family = resolve_family(cfg.model)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     spec = resolve_hardware(cfg.hardware.sku, cfg.hardware.spec, backend, cfg.hardware.measurements).spec
     meta = torch.device("meta")
-    model = build_model(cfg.model, meta, ebc_device=meta)
+    module = family.build_train(cfg.model, meta, meta, kernels)  # the training module, as the trainer's
     opt_cls, opt_kwargs = embedding_optimizer(cfg.optim)
-    apply_optimizer_in_backward(opt_cls, model.sparse_arch.parameters(), opt_kwargs)
+    apply_optimizer_in_backward(opt_cls, family.sparse_module(module).parameters(), opt_kwargs)
     # torchrec as its users run it: the whole device as its HBM, its default storage reservation.
     topo = TrTopology(world_size=world, local_world_size=world, compute_device="cuda",
                       hbm_cap=spec.memory_bytes, ddr_cap=spec.host_memory_bytes or spec.memory_bytes)
     try:
         tr_plan = EmbeddingShardingPlanner(topology=topo, batch_size=cfg.data.batch_size).plan(
-            DLRMTrain(model), sharders(kernel))
+            module, sharders(kernels["embedding"], pooled=family.pooled))
     except PlannerError as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(json.dumps({"refused": str(e).splitlines()[0][:300]}), flush=True)
