@@ -1,19 +1,22 @@
 """`anyrec-parity` / `python -m anyrec.parity`: one training job under several variants, compared.
 
+    anyrec-parity model=dlrmv4_small
     anyrec-parity model=dlrm_tiny trainer.steps=20 parity.variants='["backend.embedding_kernel=fbgemm",
         "backend.embedding_kernel=torch nproc=2", "backend.embedding_kernel=triton TRITON_INTERPRET=1"]'
 
 The overrides other than `parity.*` are the base job. Each of `parity.variants` is Hydra overrides, plus
-`nproc=N` (ranks, under their own `torchrun --standalone`) and `NAME=VALUE` environment variables. Every
-variant runs `anyrec-train`'s loop (no evaluation or checkpoints) and records its per-step loss (mean over
-ranks) and final weights (every `*weight` / `*bias`, whole). The table compares each with the first;
-exit status 1 when one exceeds `parity.loss_rtol` / `parity.weight_atol` or a variant failed, 2 for bad
-arguments. `parity.save=FILE` writes the records (JSON); `parity.against=FILE` compares with the first
-record of such a file written elsewhere (e.g. a B200 run checked on an MI350X), checked whole first:
-bounded in size and nesting, each record's `record_sha256` covering all it asserts (losses, weights,
-label, meta), and, with a signing key (anyrec.signing), the file's HMAC-SHA256.
+`nproc=N` (ranks, under their own `torchrun --standalone`) and `NAME=VALUE` environment variables. Given no
+variants, the model family's default check runs (`ParityCheck`, anyrec.models.family; `--help` lists them):
+its base overrides (a few steps, a small global batch) and its variants, less every default whose key the
+command line sets. Every variant runs `anyrec-train`'s loop (no evaluation or checkpoints) and records its
+per-step loss (mean over ranks) and final weights (every `*weight` / `*bias`, whole). The table says which
+check ran and compares each variant with the first; exit status 1 when one exceeds `parity.loss_rtol` /
+`parity.weight_atol` or a variant failed, 2 for bad arguments. `parity.save=FILE` writes the records
+(JSON); `parity.against=FILE` compares with the first record of such a file written elsewhere (e.g. a B200
+run checked on an MI350X), checked whole first: bounded in size and nesting, each record's `record_sha256`
+covering all it asserts (losses, weights, label, meta), and, with a signing key (anyrec.signing), the
+file's HMAC-SHA256.
 """
-
 from __future__ import annotations
 
 import hashlib
@@ -24,6 +27,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +39,7 @@ from omegaconf import DictConfig
 from anyrec import _hydra
 from anyrec.config import AnyrecConfig, ParityConfig
 from anyrec.io_checks import atomic_write, writable_file
+from anyrec.models.family import FAMILIES, ModelFamily, resolve_family
 from anyrec.proc import run_session
 from anyrec.runtime.distributed import DistInfo, all_reduce_mean
 from anyrec.safe_load import load_json
@@ -76,6 +81,67 @@ def parse_variant(text: str) -> Variant:
         else:
             v.overrides.append(token)
     return v
+
+
+def override_key(text: str) -> str:
+    """The config key (or group) a Hydra override sets: `+trainer.steps=4` -> `trainer.steps`."""
+    return text.partition("=")[0].lstrip("~+")
+
+
+@dataclass
+class Check:
+    """What one `anyrec-parity` call runs: its name (the table's first line), the base job's overrides
+    and the variants, the first of them the reference."""
+
+    name: str
+    base: list[str]
+    variants: list[Variant]
+
+
+def _without_keys(overrides: Iterable[str], keys: set[str]) -> list[str]:
+    return [o for o in overrides if override_key(o) not in keys]
+
+
+def _unset_settings(settings: Iterable[str], keys: set[str]) -> list[str]:
+    """The overrides of every setting (overrides that go together, space-separated) none of whose keys is
+    in `keys`."""
+    kept = []
+    for setting in settings:
+        words = shlex.split(setting)
+        if not any(override_key(w) in keys for w in words):
+            kept += words
+    return kept
+
+
+def choose_check(command_line: list[str], variants: list[str], family: ModelFamily) -> Check:
+    """The check to run: the given `variants` on the command line's base job, or, given none, `family`'s
+    default check less what the command line sets (the user's own settings win; the command line's come
+    last): a base setting where the command line sets any of its keys, a variant's override where it sets
+    that key."""
+    if variants:
+        return Check("parity.variants", command_line, [parse_variant(v) for v in variants])
+    keys = {override_key(o) for o in command_line}
+    chosen = []
+    for text in family.parity.variants:
+        v = parse_variant(text)
+        kept = _without_keys(v.overrides, keys)
+        if kept != v.overrides:  # labelled by what runs
+            env = [f"{k}={val}" for k, val in v.env.items()]
+            nproc = [f"nproc={v.nproc}"] if v.nproc > 1 else []
+            v = Variant(" ".join([*kept, *nproc, *env]) or "(base)", kept, v.nproc, v.env)
+        chosen.append(v)
+    base = [*_unset_settings(family.parity.base, keys), *command_line]
+    return Check(f"default check of {family.name}", base, chosen)
+
+
+def default_checks_help() -> str:
+    """`--help`'s section on each family's default check."""
+    lines = ["== Default checks (no parity.variants given) ==",
+             "Per model family (model.family); a key set on the command line replaces the check's own", ""]
+    for family in FAMILIES.values():
+        lines.append(f"{family.name}: {' '.join(family.parity.base)}")
+        lines += [f"  variant: {v or '(base)'}" for v in family.parity.variants]
+    return "\n".join(lines)
 
 
 def check_options(opts: ParityConfig, signing_key: SigningKey | None = None) -> dict[str, Any] | None:
@@ -274,10 +340,10 @@ def shown(text: object) -> str:
 
 
 def report(labels: list[str], records: list[dict[str, Any]], ref: dict[str, Any], ref_label: str,
-           opts: ParityConfig) -> tuple[str, bool]:
-    """The table (markdown) and whether every variant is within tolerance (every label and error shown
-    escaped: they come from files and child processes)."""
-    rows = [f"reference: {shown(ref_label)}",
+           opts: ParityConfig, check: str = "parity.variants") -> tuple[str, bool]:
+    """The table (markdown) under the name of the `check` that ran, and whether every variant is within
+    tolerance (every label and error shown escaped: they come from files and child processes)."""
+    rows = [f"check: {shown(check)}", f"reference: {shown(ref_label)}",
             "| variant | steps | final loss | max abs loss diff | max rel loss diff | max abs weight diff "
             "| weights sha256 | result |",
             "|---|---|---|---|---|---|---|---|"]
@@ -302,10 +368,12 @@ def run(cfg: AnyrecConfig) -> int:
     opts = cfg.parity
     signing_key = resolve_key(cfg.trainer.signing_key_file)
     reference = check_options(opts, signing_key)
-    base = [o for o in HydraConfig.get().overrides.task if not o.startswith("parity.")]
-    variants = [parse_variant(v) for v in opts.variants] or [Variant(label="(base)")]
-    labels, records = [v.label for v in variants], []
-    for v in variants:
+    command_line = [o for o in HydraConfig.get().overrides.task if not o.startswith("parity.")]
+    check = choose_check(command_line, opts.variants, resolve_family(cfg.model))
+    base = check.base
+    labels, records = [v.label for v in check.variants], []
+    print(f"anyrec-parity: {check.name}: {' '.join(base)}", file=sys.stderr, flush=True)
+    for v in check.variants:
         print(f"anyrec-parity: running {v.label} ...", file=sys.stderr, flush=True)
         records.append(run_variant(base, v, opts.timeout_s))
     if opts.save is not None:
@@ -323,7 +391,7 @@ def run(cfg: AnyrecConfig) -> int:
             print("anyrec-parity: the reference (first) variant failed", file=sys.stderr)
             return 1
         ref, ref_label = records[0], labels[0]
-    table, ok = report(labels, records, ref, ref_label, opts)
+    table, ok = report(labels, records, ref, ref_label, opts, f"{check.name}: {' '.join(base)}")
     print(table)
     print(f"tolerance: per-step loss {opts.loss_rtol:g} relative, weights {opts.weight_atol:g} absolute: "
           f"{'all variants agree' if ok else 'VARIANTS DIFFER'}")
@@ -344,8 +412,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _hydra.launch("anyrec-parity", _task, argv)
     except SystemExit as e:
-        return e.code if isinstance(e.code, int) else 1
-    return 0
+        code = e.code if isinstance(e.code, int) else 1
+    else:
+        code = 0
+    if code == 0 and any(a in ("--help", "-h") for a in argv):
+        print(f"\n{default_checks_help()}")
+    return code
 
 
 def cli() -> None:

@@ -46,6 +46,8 @@ def test_help_prints_the_usage_and_exits_0(name, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "== Configuration groups ==" in out and "model: dlrm, " in out and "_schema" not in out
     assert "trainer:\n" in out  # the config itself
+    if name == "parity":  # and the check each model family runs when given no variants
+        assert "== Default checks (no parity.variants given) ==\n" in out and "\ndlrmv4: " in out
 
 
 REFUSED = [

@@ -10,6 +10,7 @@ import torch
 
 from anyrec import parity
 from anyrec.config import ParityConfig
+from anyrec.models.family import DLRM_FAMILY, DLRMV4_FAMILY, FAMILIES
 from anyrec.parity import compare, main, parse_variant
 from anyrec.signing import resolve_key
 
@@ -45,16 +46,79 @@ def test_bad_arguments_are_one_line_errors(argv, message, capsys):
     assert len(err) == 1 and err[0].startswith("anyrec-parity: error:") and message in err[0], err
 
 
-def test_base_overrides_and_defaults(monkeypatch):
+def _seen_runs(monkeypatch) -> list[tuple[list[str], parity.Variant, float]]:
+    """The (base, variant, timeout) of every variant `main` runs (each returns the same record)."""
     seen = []
 
     def run_variant(base, variant, timeout_s):
-        seen.append((base, variant.label, timeout_s))
+        seen.append((base, variant, timeout_s))
         return _record([0.5], [0.0, 1.0])
 
     monkeypatch.setattr(parity, "run_variant", run_variant)
-    assert main(["model=dlrm_tiny", "trainer.steps=3", "parity.timeout_s=60"]) == 0
-    assert seen == [(["model=dlrm_tiny", "trainer.steps=3"], "(base)", 60.0)]  # parity.* stay here
+    return seen
+
+
+def test_no_variants_runs_the_family_default_check_under_the_users_overrides(monkeypatch, capsys):
+    """`anyrec-parity model=dlrmv4_small` runs its family's default check: the family's base overrides
+    (less trainer.steps, which the command line sets: the user's own come last and win) and variants."""
+    seen = _seen_runs(monkeypatch)
+    assert main(["model=dlrmv4_small", "trainer.steps=3", "parity.timeout_s=60"]) == 0
+    bases = {tuple(base) for base, _, _ in seen}
+    assert bases == {("data.global_batch_size=64", "backend.attention_kernel=torch", "model=dlrmv4_small",
+                      "trainer.steps=3")}  # parity.* stay here
+    simple = "planner.name=simple planner.sharding"
+    assert [v.label for _, v, _ in seen] == ["(base)", "nproc=2", f"{simple}=table_wise nproc=2",
+                                             f"backend.embedding_kernel=torch {simple}=row_wise nproc=2"]
+    assert [v.nproc for _, v, _ in seen] == [1, 2, 2, 2] and {t for _, _, t in seen} == {60.0}
+    assert capsys.readouterr().out.startswith("check: default check of dlrmv4: data.global_batch_size=64 ")
+
+
+def test_given_variants_replace_the_default_check(monkeypatch, capsys):
+    seen = _seen_runs(monkeypatch)
+    assert main(["model=dlrm_tiny", "trainer.steps=3", _variants(["nproc=2"])]) == 0
+    assert [(base, v.label) for base, v, _ in seen] == [(["model=dlrm_tiny", "trainer.steps=3"], "nproc=2")]
+    assert capsys.readouterr().out.startswith("check: parity.variants: model=dlrm_tiny trainer.steps=3\n")
+
+
+def test_a_key_the_user_sets_is_dropped_from_the_default_variants():
+    """The user's setting of a key the default variants vary wins there too; each label says what runs."""
+    check = parity.choose_check(["model=dlrmv4_small", "+backend.embedding_kernel=fbgemm"], [], DLRMV4_FAMILY)
+    assert check.name == "default check of dlrmv4"
+    last = check.variants[-1]
+    assert last.overrides == ["planner.name=simple", "planner.sharding=row_wise"] and last.nproc == 2
+    assert last.label == "planner.name=simple planner.sharding=row_wise nproc=2"
+    assert check.variants[1].label == "nproc=2"  # untouched
+
+
+def test_a_base_setting_is_dropped_whole_where_the_user_sets_any_of_its_keys():
+    """The DLRM check's recipe (row-wise Adagrad tables, SGD dense) is one setting: the user's optimizer
+    replaces all of it, and the user's steps replace the check's."""
+    check = parity.choose_check(["model=dlrm_tiny", "optim=adam", "trainer.steps=2"], [], DLRM_FAMILY)
+    assert check.base == ["data.global_batch_size=64", "model=dlrm_tiny", "optim=adam", "trainer.steps=2"]
+    assert parity.choose_check(["model=dlrm_tiny"], [], DLRM_FAMILY).base == [
+        "trainer.steps=8", "data.global_batch_size=64", "optim=rowwise_adagrad", "optim.dense_name=sgd",
+        "model=dlrm_tiny"]
+
+
+@pytest.mark.parametrize("family", FAMILIES.values(), ids=FAMILIES.keys())
+def test_every_family_has_a_default_check_over_kernels_plans_and_world_sizes(family):
+    """A short job (a few steps, a global batch every world size splits alike) under variants that vary
+    the embedding kernel, the plan and the world size, none setting a key of the base."""
+    check = parity.choose_check(["model=x"], [], family)
+    base_keys = {parity.override_key(o) for o in check.base}
+    assert {"trainer.steps", "data.global_batch_size"} <= base_keys
+    assert len(check.variants) >= 3 and check.variants[0].nproc == 1
+    assert any(v.nproc > 1 for v in check.variants)
+    varied = {parity.override_key(o) for v in check.variants for o in v.overrides}
+    assert {"backend.embedding_kernel", "planner.sharding"} <= varied and not varied & base_keys
+
+
+def test_help_lists_each_familys_default_check():
+    """(tests/test_hydra.py checks that `anyrec-parity --help` prints it.)"""
+    text = parity.default_checks_help()
+    for family in FAMILIES.values():
+        assert f"\n{family.name}: {' '.join(family.parity.base)}\n" in f"{text}\n"
+        assert all(f"  variant: {v or '(base)'}" in text for v in family.parity.variants)
 
 
 def _record(losses, w):
@@ -76,14 +140,14 @@ def test_compare_reports_the_largest_differences():
 
 def test_against_a_saved_file(tmp_path, monkeypatch, capsys):
     """save writes every run; against compares with the first one, and a perturbed file fails."""
-    runs = iter([_record([0.7, 0.6], [0.1, 0.2]), _record([0.7, 0.6], [0.1, 0.2])])
-    monkeypatch.setattr(parity, "run_variant", lambda base, v, timeout_s: next(runs))
+    record = _record([0.7, 0.6], [0.1, 0.2])  # every variant's
+    monkeypatch.setattr(parity, "run_variant", lambda base, v, timeout_s: record)
     saved = tmp_path / "b200.json"
     assert main(["model=dlrm_tiny", f"parity.save={saved}"]) == 0
     data = json.loads(saved.read_text())
     assert data["format"] == parity.FORMAT and data["runs"][0]["losses"] == [0.7, 0.6]
     assert main(["model=dlrm_tiny", f"parity.against={saved}"]) == 0
-    runs = iter([_record([0.7, 0.6 * (1 + 1e-4)], [0.1, 0.2])])
+    record = _record([0.7, 0.6 * (1 + 1e-4)], [0.1, 0.2])
     assert main(["model=dlrm_tiny", f"parity.against={saved}"]) == 1
     assert "DIFFERS" in capsys.readouterr().out
 
@@ -285,12 +349,15 @@ def test_one_rank_kernels_give_the_same_bits_and_plans_agree(optimizer, capsys):
 
 @pytest.mark.integration
 def test_dlrmv4_small_agrees_across_world_sizes_and_plans(tmp_path, capsys):
-    """`+experiment=dlrmv4_parity`: the sequence model on one rank against two ranks under the co-design
-    plan, every table table-wise and every table row-wise (on anyrec's torch TBE): the same losses and
-    weights within tolerance, each variant under the plan and kernel it names."""
+    """`anyrec-parity model=dlrmv4_small`, its family's default check: the sequence model on one rank
+    against two ranks under the co-design plan, every table table-wise and every table row-wise (on
+    anyrec's torch TBE): the same losses and weights within tolerance, each variant under the plan and
+    kernel it names."""
     saved = tmp_path / "v4.json"
-    rc = main(["+experiment=dlrmv4_parity", f"parity.save={saved}", "parity.timeout_s=400"])
-    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| ") and "---" not in ln]
+    rc = main(["model=dlrmv4_small", f"parity.save={saved}", "parity.timeout_s=400"])
+    out = capsys.readouterr().out
+    rows = [ln for ln in out.splitlines() if ln.startswith("| ") and "---" not in ln]
+    assert out.startswith("check: default check of dlrmv4: "), out
     assert rc == 0 and len(rows) == 5 and all(r.split("|")[-2].strip() == "ok" for r in rows[1:]), rows
     runs = json.loads(saved.read_text())["runs"]
     assert [r["meta"]["world_size"] for r in runs] == [1, 2, 2, 2]

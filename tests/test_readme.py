@@ -11,7 +11,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from anyrec.backends.hardware import is_hardware_path
-from anyrec.parity import parse_variant
+from anyrec.models.family import FAMILIES, resolve_family
+from anyrec.parity import choose_check
 
 from .conftest import ROOT, compose_config
 
@@ -144,15 +145,18 @@ PARITY_COMMANDS = _parity_commands()
 
 
 def test_documented_parity_commands_compose_with_each_variant():
-    """The base overrides of each documented parity command compose, and so does each of its variants
-    on top (as the parity workers compose them)."""
+    """The base overrides of each documented parity command compose with each of its variants on top (as
+    the parity workers compose them): its own `parity.variants` or, given none, its model family's default
+    check, which the docs show for every family."""
     assert len(PARITY_COMMANDS) >= 1, PARITY_COMMANDS
-    variants_seen = 0
+    jobs, default_checks = set(), set()
     for words in PARITY_COMMANDS:
         _, cfg = compose_config(words)
-        assert cfg.parity.variants, words
-        base = [w for w in words if not w.startswith("parity.")]
-        for text in cfg.parity.variants:
-            compose_config([*base, *parse_variant(text).overrides])
-            variants_seen += 1
-    assert variants_seen >= 4
+        family = resolve_family(cfg.model)
+        if not cfg.parity.variants:
+            default_checks.add(family.name)
+        check = choose_check([w for w in words if not w.startswith("parity.")], cfg.parity.variants, family)
+        jobs |= {(*check.base, *variant.overrides) for variant in check.variants}
+    for job in jobs:  # each distinct job once (variants that differ in ranks only compose alike)
+        compose_config(list(job))
+    assert len(jobs) >= 4 and default_checks == set(FAMILIES), default_checks

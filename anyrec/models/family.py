@@ -6,7 +6,8 @@ with its tables on a chosen device (meta: DistributedModelParallel allocates the
 implementation per op; says where its embedding collection sits in that module and whether it pools (a
 torchrec EmbeddingBagCollection) or not (an EmbeddingCollection: one vector per sequence position); and
 states its batch schema, the data sources it reads, what the planner needs beyond the tables, whether
-torch.compile takes its dense part, and its export signature (anyrec.models.scoring). DLRM (dot
+torch.compile takes its dense part, its export signature (anyrec.models.scoring) and the check
+`anyrec-parity` runs when given no variants (`ParityCheck`). DLRM (dot
 interaction) and DLRMv2 (DCNv2) are one family, `dlrm`: the interaction is a field of their config; DLRMv4
 (HSTU) is `dlrmv4`.
 """
@@ -39,6 +40,18 @@ class UnknownFamilyError(ValueError):
 
 
 @dataclass(frozen=True)
+class ParityCheck:
+    """A family's default `anyrec-parity` check, run when no `parity.variants` is given: overrides of the
+    base job (each dropped where the command line sets its key) and the variants compared with the first,
+    each in `parity.variants`' syntax (Hydra overrides, `nproc=N`, `NAME=VALUE` environment)."""
+
+    # a short job: a few steps, a global batch that every world size splits alike. Each entry is one setting:
+    # overrides that go together (space-separated), dropped whole where the command line sets any of its keys
+    base: tuple[str, ...]
+    variants: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class ModelFamily:
     """One kind of model, as every layer above the models sees it (see the module doc)."""
 
@@ -50,6 +63,7 @@ class ModelFamily:
     batch_schema: Callable[[ModelConfig], BatchSchema]
     workload_facts: Callable[[ModelConfig], WorkloadFacts]
     data_sources: tuple[str, ...]  # the `data.name`s whose batches the model reads
+    parity: ParityCheck  # what `anyrec-parity` checks when given no variants
     # around a single-device embedding collection (anyrec's TBE, no torchrec sharding); None: always sharded
     build_around: BuildAround | None = None
     compiles_dense: bool = False  # trainer.compile applies (anyrec.trainer.compile knows its dense step)
@@ -87,6 +101,46 @@ class ModelFamily:
                              f"not data={data_name}")
 
 
+_SIMPLE = "planner.name=simple planner.sharding"
+
+# DLRM and DLRMv2: 8 steps (global batch 64) on FBGEMM's TBE, one rank, against the torch TBE on one rank and
+# FBGEMM's with every table row-wise on 2 ranks. The recipe: row-wise Adagrad for the tables (the state a
+# plan shards with the rows) and SGD for the dense part. Adagrad's element-wise step, lr * g / (sqrt(m) +
+# eps), turns the rounding of a gradient element that cancels to about zero into a visible change, so with
+# it the world sizes differ by more than their arithmetic does (measured on dlrm_small on a 2-core CPU: the
+# default exact Adagrad, 2.2e-3 on one table element; row-wise Adagrad with a dense Adagrad, 8.5e-6 on the
+# dense weights; this recipe, 6e-8). Left out: the Triton TBE (a CPU runs it only under the Triton
+# interpreter: slow; tests/test_kernels_triton_interpret.py checks it against a float64 reference); give
+# it as a variant where it runs ("backend.embedding_kernel=triton", with TRITON_INTERPRET=1 on a CPU).
+DLRM_PARITY = ParityCheck(
+    base=("trainer.steps=8", "data.global_batch_size=64", "optim=rowwise_adagrad optim.dense_name=sgd"),
+    variants=("backend.embedding_kernel=fbgemm", "backend.embedding_kernel=torch",
+              f"backend.embedding_kernel=fbgemm {_SIMPLE}=row_wise nproc=2"),
+)
+
+# DLRMv4: 4 steps of the job (global batch 64, the torch attention) on one rank, the co-design plan, against
+# - world size: 2 ranks under the co-design plan, with the same global batch;
+# - plans: every table forced table-wise, then row-wise, on 2 ranks;
+# - embedding kernels: the row-wise variant runs anyrec's torch TBE (backend.embedding_kernel=torch), the
+#   others the backend's default (FBGEMM's where present), so kernel and plan are checked in 4 launches.
+# Left out, and why:
+# - column-wise: refused in one line under the recipe's row-wise Adagrad (its per-row accumulator would be
+#   kept per column shard); it applies only with an element-wise optimizer;
+# - data-parallel: torchrec's EmbeddingCollection fails on it on CPU (its output split sizes);
+# - table-row-wise: torchrec's EmbeddingCollection sharder has no such type;
+# - the Triton TBE: a CPU runs it only under the Triton interpreter (slow); its unpooled lookups are the
+#   pooled kernels on a per-lookup view, checked against a float64 reference under the interpreter
+#   (tests/test_kernels_triton_interpret.py);
+# - the Triton attention: a CPU runs it only under the Triton interpreter, minutes for these 4 steps; its
+#   float64 check against the torch version (tests/test_hstu_attention.py) covers it instead.
+# Attention scores are divided by the configured max_seq_len, so a sample's output does not depend on the
+# other samples of its batch: the losses agree across world sizes to float tolerance.
+DLRMV4_PARITY = ParityCheck(
+    base=("trainer.steps=4", "data.global_batch_size=64", "backend.attention_kernel=torch"),
+    variants=("", "nproc=2", f"{_SIMPLE}=table_wise nproc=2",
+              f"backend.embedding_kernel=torch {_SIMPLE}=row_wise nproc=2"),
+)
+
 DLRM_FAMILY = ModelFamily(
     name="dlrm",
     build_train=dlrm.build_train,
@@ -96,6 +150,7 @@ DLRM_FAMILY = ModelFamily(
     batch_schema=dlrm.batch_schema,
     workload_facts=dlrm.workload_facts,
     data_sources=("synthetic", "criteo_tsv", "criteo_npy", "criteo_multihot"),
+    parity=DLRM_PARITY,
     build_around=dlrm.build_train_around,
     compiles_dense=True,
     export=DLRM_EXPORT,
@@ -111,6 +166,7 @@ DLRMV4_FAMILY = ModelFamily(
     batch_schema=dlrmv4.batch_schema,
     workload_facts=dlrmv4.workload_facts,
     data_sources=("yambda_synthetic", "yambda"),
+    parity=DLRMV4_PARITY,
     export=DLRMV4_EXPORT,
 )
 
