@@ -186,9 +186,10 @@ class TritonEmbeddingBagCollection(nn.Module):
 
 class TritonEBCOptimizer(KeyedOptimizer):
     """The fused optimizer of an unsharded TritonEmbeddingBagCollection as a torchrec KeyedOptimizer. The
-    update runs inside backward; like torchrec's fused optimizers, `step()` hands the param group's learning
-    rate to the kernel and `zero_grad()` has nothing to clear. The optimizer state (momentum buffers, step) is
-    part of the module's state_dict."""
+    update runs inside backward; like torchrec's fused optimizers, `zero_grad()` (before the step's
+    backward) and `step()` hand the param group's learning rate to the kernel, so the rows update at the
+    rate the schedule set for this step; there are no gradients to clear. The optimizer state (momentum
+    buffers, step) is part of the module's state_dict."""
 
     def __init__(self, ebc: TritonEmbeddingBagCollection, prefix: str = "") -> None:
         self._ebc = ebc
@@ -198,7 +199,7 @@ class TritonEBCOptimizer(KeyedOptimizer):
                                                           "lr": ebc.optimizer.lr}])
 
     def zero_grad(self, set_to_none: bool = False) -> None:
-        pass
+        self._ebc.tbe.learning_rate = float(self.param_groups[0]["lr"])
 
     def step(self, closure=None) -> None:  # noqa: ARG002 - torch.optim signature
         self._ebc.tbe.learning_rate = float(self.param_groups[0]["lr"])
