@@ -20,7 +20,10 @@ from anyrec.calibration.measure import hstu as measure
 from anyrec.history import cache as calcache
 from anyrec.history import hstu_records as records
 from anyrec.kernels.hstu import hstu_attention_torch
+from anyrec.models.dlrmv4 import dlrmv4_config
+from anyrec.models.dlrmv4 import workload_facts as dlrmv4_facts
 from anyrec.models.family import resolve_family
+from anyrec.models.hstu import HSTUDense
 from anyrec.planner import sequence
 from anyrec.planner.estimators import DenseEstimator
 from anyrec.planner.planner import make_workload
@@ -39,7 +42,8 @@ def _rate(shape: HSTUShape = SMALL, **changes) -> HSTURates:
     rate = HSTURates(impl="torch", dtype="fp32", heads=shape.num_heads, qk_dim=shape.qk_dim,
                          v_dim=shape.v_dim, mean_tokens=shape.mean_tokens, rms_tokens=shape.rms_tokens,
                          longest_tokens=shape.longest_tokens, batch=128, forward_s=0.01, step_s=0.04,
-                         flops_per_s=2e9, gemm_flops_per_s=5e10, elementwise_bw_bytes_per_s=8e9)
+                         flops_per_s=2e9, gemm_flops_per_s=5e10, elementwise_bw_bytes_per_s=8e9,
+                         dense_step_s=0.05)
     return dataclasses.replace(rate, **changes)
 
 
@@ -90,10 +94,37 @@ def test_the_measurement_runs_the_given_attention_forward_and_backward():
     assert rate.gemm_flops_per_s > 0 and rate.elementwise_bw_bytes_per_s > 0
 
 
+def test_the_whole_dense_part_is_timed_forward_and_backward_on_the_jobs_sequences():
+    """dlrmv4_small's dense part, built with the attention under test, trained on the measured lengths:
+    every parameter reached by the backward, its median step recorded."""
+    _, cfg = compose_config(["model=dlrmv4_small"])
+    model = dlrmv4_config(cfg.model)
+    shape = dlrmv4_facts(cfg.model).hstu
+    dense = measure.DenseUnderTest(HSTUDense(model, hstu_attention_torch), model.table_dim)
+    rate = measure.measure_hstu(hstu_attention_torch, "torch", shape, 4, False, get_backend("cpu"),
+                                torch.device("cpu"), budget_s=0.0, dense=dense)
+    assert rate.dense_step_s > 0 and rate.batch == 4
+    assert all(p.grad is not None for p in dense.module.parameters())
+    without = measure.measure_hstu(hstu_attention_torch, "torch", shape, 4, False, get_backend("cpu"),
+                                   torch.device("cpu"), budget_s=0.0)
+    assert without.dense_step_s == 0.0  # no dense part given: not measured
+
+
+def test_a_measured_dense_step_is_the_hstu_time_split_by_the_models_shares():
+    dev = get_sku("h100")
+    ab = sequence.activation_dtypes(cpu=True, half=False)
+    parts = sequence.hstu_time_s(SMALL, 1e6, 64, dev, ab, 0.5, "torch", recompute=False,
+                                 rates=_rate(dense_step_s=0.0))
+    whole = sequence.hstu_time_s(SMALL, 1e6, 64, dev, ab, 0.5, "torch", recompute=False, rates=_rate())
+    assert whole.total_s == pytest.approx(0.05 * 64 / 128)  # the measured step per sample, at this batch
+    for name in ("gemm_s", "attention_s", "elementwise_s", "selective_recompute_s"):
+        assert getattr(whole, name) / whole.total_s == pytest.approx(getattr(parts, name) / parts.total_s)
+
+
 def test_the_planner_costs_the_kernels_at_their_measured_rates():
     dev = get_sku("h100")  # any spec: the measured rate replaces its peak x assumed efficiency
     ab = sequence.activation_dtypes(cpu=True, half=False)
-    rate = _rate()
+    rate = _rate(dense_step_s=0.0)  # the parts' rates alone
     assert sequence.measured_hstu((rate,), SMALL, "torch", half=False) is rate
     for other in (_rate(impl="triton"), _rate(dtype="bf16"), _rate(heads=4), _rate(longest_tokens=64.0),
                   _rate(rms_tokens=53.0)):
@@ -174,7 +205,7 @@ def test_first_contact_measures_the_jobs_attention_once_then_reads_it(tmp_path, 
         assert rate is not None and "HSTU kernels measured at this job's shapes" in caplog.text
         shape = resolve_family(cfg.model).workload_facts(cfg.model).hstu
         assert sequence.measured_hstu((rate,), shape, "torch", half=False) is rate  # what the job plans
-        assert rate.batch == 2 and "first contact" in rate.source
+        assert rate.batch == 2 and "first contact" in rate.source and rate.dense_step_s > 0  # the model's
         (kept,) = (tmp_path / "hstu").glob("*.json")
 
         def never(*args, **kwargs):

@@ -97,7 +97,10 @@ class HSTURates:
     implementation `impl`: one layer's forward took `forward_s` and forward + backward `step_s` (medians),
     `flops_per_s` the planner's count of its FLOP over those seconds; `gemm_flops_per_s`, one layer's
     UVQK and output GEMMs forward + backward over all the tokens; `elementwise_bw_bytes_per_s`, a layer
-    norm's forward + backward over the attention output's elements (bytes read and written).
+    norm's forward + backward over the attention output's elements (bytes read and written);
+    `dense_step_s`, the model's whole dense part (every layer after the lookup, the loss's logits: the
+    preprocessor, the STU stack with its recompute, the postprocessor, the item MLP, the head, and the
+    jagged index work between them) forward + backward on those sequences (median; 0: not measured).
     (anyrec.planner.sequence costs with them; anyrec.calibration.measure.hstu measures them.)"""
 
     impl: str
@@ -116,6 +119,7 @@ class HSTURates:
     elementwise_bw_bytes_per_s: float
     spread: float = 0.0  # the attention's repeated measurements' spread (anyrec.calibration.run.Timing)
     source: str = ""  # where and when it was measured
+    dense_step_s: float = 0.0
 
 
 @dataclass(frozen=True)

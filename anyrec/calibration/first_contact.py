@@ -17,11 +17,13 @@ import logging
 import time
 from pathlib import Path
 
+import torch
+
 from anyrec.backends import Hardware, resolve_hardware
 from anyrec.backends.core_load import CoreLoad, measure_core_load
 from anyrec.backends.hardware import HSTURates
 from anyrec.calibration.measure import calibrate, hardware_yaml, report_trust
-from anyrec.calibration.measure.hstu import measure_hstu
+from anyrec.calibration.measure.hstu import DenseUnderTest, measure_hstu
 from anyrec.calibration.run import CalibrationRun, CalibrationStopped, exit_stopped
 from anyrec.config import AnyrecConfig
 from anyrec.console import log_file_only
@@ -38,8 +40,9 @@ from anyrec.history.cache import (
 from anyrec.history.hstu_records import read_record, record_key, record_path, write_record
 from anyrec.history.trust import BUSY_OTHER_CORES
 from anyrec.io_checks import atomic_write, writable_dir
-from anyrec.models.dlrmv4 import ATTENTION_OP
+from anyrec.models.dlrmv4 import ATTENTION_OP, dlrmv4_config
 from anyrec.models.family import resolve_family
+from anyrec.models.hstu import HSTUDense
 from anyrec.planner.sequence import activation_bytes, lengths_text
 from anyrec.planner.types import PlanOptions, Topology
 from anyrec.runtime.agreement import Agreement
@@ -136,8 +139,12 @@ def job_hstu_rates(cfg: AnyrecConfig, runtime: Runtime, hardware: Hardware, entr
             logger.info("calibration: HSTU kernels (attention %s) at this job's shapes from %s", impl.name,
                         path)
         return HSTURates(**found)
-    mine = measure_hstu(impl.build(), impl.name, shape, batch, half, backend, runtime.device,
-                        cfg.trainer.calibrate_budget_s)
+    fn = impl.build()
+    model = dlrmv4_config(cfg.model)
+    with torch.device(runtime.device):  # its draws precede the trainer's seeding (Trainer.build)
+        dense = DenseUnderTest(HSTUDense(model, fn), model.table_dim)
+    mine = measure_hstu(fn, impl.name, shape, batch, half, backend, runtime.device,
+                        cfg.trainer.calibrate_budget_s, dense=dense)
     stamp = time.strftime("%Y-%m-%d", time.gmtime())
     mine = dataclasses.replace(mine, source=f"measured on first contact ({backend.describe()}, "
                                             f"{info.world_size} ranks at once) on {stamp}")
@@ -149,9 +156,10 @@ def job_hstu_rates(cfg: AnyrecConfig, runtime: Runtime, hardware: Hardware, entr
         except OSError as e:
             kept = f"not kept ({e})"
         logger.info("calibration: HSTU kernels measured at this job's shapes (%d samples of %s, %d heads): "
-                    "attention %s %.1f ms forward + backward per layer (%.2f GFLOP/s), GEMMs %.1f GFLOP/s, "
-                    "elementwise %.1f GB/s; %s", batch, lengths_text(shape), shape.num_heads, impl.name,
-                    rate.step_s * 1e3, rate.flops_per_s / 1e9, rate.gemm_flops_per_s / 1e9,
+                    "the whole dense part %.1f ms forward + backward; attention %s %.1f ms per layer (%.2f "
+                    "GFLOP/s), GEMMs %.1f GFLOP/s, elementwise %.1f GB/s; %s", batch, lengths_text(shape),
+                    shape.num_heads, rate.dense_step_s * 1e3, impl.name, rate.step_s * 1e3,
+                    rate.flops_per_s / 1e9, rate.gemm_flops_per_s / 1e9,
                     rate.elementwise_bw_bytes_per_s / 1e9, kept)
     return rate
 

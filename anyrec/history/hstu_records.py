@@ -1,6 +1,6 @@
 """The HSTU records: an HSTU job's kernels' rates (its attention implementation, its GEMMs, its elementwise
-passes) measured on its shapes on this machine, kept beside the calibration cache entry they were measured
-with, so a later job of the same shapes plans with them without measuring again.
+passes, its whole dense part) measured on its shapes on this machine, kept beside the calibration cache
+entry they were measured with, so a later job of the same shapes plans with them without measuring again.
 
 A record lives in the cache folder (`$ANYREC_CACHE_DIR/hstu/<key>.json`), named by `record_key`: the
 content of the calibration entry (a re-measured entry, a quiet host's after a busy one's, names new
@@ -26,7 +26,7 @@ from anyrec.signing import cache_dir
 
 logger = logging.getLogger(__name__)
 
-RECORD_VERSION = 1
+RECORD_VERSION = 2  # 2: the whole dense part's step (dense_step_s)
 MAX_RECORD_BYTES = 4096
 DTYPES = ("fp32", "bf16")
 
@@ -57,7 +57,7 @@ def _problem(data: object, key: str) -> str | None:
     if rate.get("dtype") not in DTYPES or not all(isinstance(t, str) for t in texts):
         return "its implementation, dtype or source is not one"
     for name in ("forward_s", "step_s", "flops_per_s", "gemm_flops_per_s", "elementwise_bw_bytes_per_s",
-                 "mean_tokens", "rms_tokens", "longest_tokens"):
+                 "mean_tokens", "rms_tokens", "longest_tokens", "dense_step_s"):
         v = rate.get(name)
         if isinstance(v, bool) or not isinstance(v, float | int) or not math.isfinite(v) or v <= 0:
             return f"{name} is not a positive number"

@@ -410,9 +410,11 @@ def hstu_time_s(shape: HSTUShape, other_flops_per_sample: float, batch: int, dev
     measured at the job's shapes (`measured_hstu`): the STU GEMMs and the model's other GEMMs
     (`other_flops_per_sample`, over the same tokens) at the measured GEMM rate, the attention at its
     implementation's measured rate, the elementwise passes over the kept activations at the measured
-    elementwise bandwidth. Otherwise: the GEMMs at `dense_efficiency` of peak (bf16 peak where the
-    activations are half, `ab`), the attention at its implementation's assumed efficiency of peak, the
-    elementwise passes at HBM bandwidth. With `recompute`, one more forward of the STU stack."""
+    elementwise bandwidth; where the whole dense part was timed too (`rates.dense_step_s`), its time per
+    sample at this batch instead, split by those parts' shares. Otherwise: the GEMMs at `dense_efficiency`
+    of peak (bf16 peak where the activations are half, `ab`), the attention at its implementation's
+    assumed efficiency of peak, the elementwise passes at HBM bandwidth. With `recompute`, one more
+    forward of the STU stack."""
     flops = stu_flops(shape)
     peak = device.peak_bf16_flops if ab.gemm == 2 else device.peak_fp32_flops
     streamed = ELEMENTWISE_PASSES * batch * shape.mean_tokens * shape.num_layers * stu_kept_bytes_per_token(
@@ -432,6 +434,13 @@ def hstu_time_s(shape: HSTUShape, other_flops_per_sample: float, batch: int, dev
         extra = (batch * (flops.uvqk + flops.output) / 3 / gemm_rate + attention * forward
                  + elementwise / ELEMENTWISE_PASSES)
     selective = 0.0 if recompute else selective_recompute_s(shape, batch, device, ab, gemm_rate)
+    if rates is not None and rates.dense_step_s > 0:
+        # the whole dense part was timed at the job's shapes: its seconds (per sample, at this batch), split
+        # by the parts' modelled shares; activation recompute's extra forward (a what-if) stays modelled
+        parts = gemm + attention + elementwise + selective
+        scale = rates.dense_step_s * batch / rates.batch / parts
+        gemm, attention, elementwise, selective = (x * scale
+                                                   for x in (gemm, attention, elementwise, selective))
     return HSTUTime(gemm, attention, elementwise, extra, selective)
 
 

@@ -17,6 +17,8 @@ dim, Q = 2 H (A + V) the UVQK projection's width.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch.nn import functional as F
@@ -26,6 +28,7 @@ from anyrec.backends.hardware import HSTURates
 from anyrec.calibration.measure.timing import timeit
 from anyrec.calibration.run import CalibrationRun, Timing
 from anyrec.kernels.hstu import HstuAttentionFn
+from anyrec.models.hstu import HSTUDense
 from anyrec.planner.sequence import attention_layer_flops, stu_gemm_flops_per_token
 from anyrec.schema import HSTUShape
 
@@ -60,11 +63,12 @@ def _rounded(lengths: list[float]) -> list[int]:
 
 def measure_hstu(fn: HstuAttentionFn, impl: str, shape: HSTUShape, batch: int, half: bool,
                  backend: Backend, device: torch.device, budget_s: float,
-                 run: CalibrationRun | None = None) -> HSTURates:
+                 run: CalibrationRun | None = None, dense: DenseUnderTest | None = None) -> HSTURates:
     """`fn` (attention implementation `impl`), one layer's GEMMs and a layer norm on `batch` sequences of
     `measurement_lengths`, one target each, in bf16 where `half` (else fp32) on `device`: the median
     seconds of each one's forward + backward (at least MIN_REPS, each within `budget_s`; the attention's
-    forward alone too), and the rates they give."""
+    forward alone too), and the rates they give; with `dense` (the job's dense part, built with `fn`),
+    its whole forward + backward on the same sequences under the job's autocast."""
     lengths = measurement_lengths(shape, batch)
     H, A, V, D = shape.num_heads, shape.qk_dim, shape.v_dim, shape.model_dim
     dtype = torch.bfloat16 if half else torch.float32
@@ -109,6 +113,10 @@ def measure_hstu(fn: HstuAttentionFn, impl: str, shape: HSTUShape, batch: int, h
         out_TU = F.layer_norm(a_TU, (H * V,), w_U, b_U)
         torch.autograd.grad(out_TU, (a_TU,), grad_TU)
 
+    dense_step = 0.0
+    if dense is not None:
+        dense_step = timing(f"dense part B{batch} T{T}",
+                            dense_pass(dense, lengths, backend, device, half, gen)).median_s
     step = timing(f"attention {impl} B{batch} H{H} A{A} V{V} S{shape.mean_tokens:g}/{shape.longest_tokens:g}",
                   attention)
     forward = Timing.of(forward_times[1:])  # the first call is timeit's warm-up
@@ -123,4 +131,44 @@ def measure_hstu(fn: HstuAttentionFn, impl: str, shape: HSTUShape, batch: int, h
                      longest_tokens=shape.longest_tokens, batch=batch, forward_s=forward.median_s,
                      step_s=step.median_s, flops_per_s=flops / step.median_s,
                      gemm_flops_per_s=T * stu_gemm_flops_per_token(shape) / gemm.median_s,
-                     elementwise_bw_bytes_per_s=norm_bytes / elementwise.median_s, spread=step.spread)
+                     elementwise_bw_bytes_per_s=norm_bytes / elementwise.median_s, spread=step.spread,
+                     dense_step_s=dense_step)
+
+
+@dataclass(frozen=True)
+class DenseUnderTest:
+    """An HSTU model's dense part to time (`anyrec.models.hstu.HSTUDense`, on the device, in train mode) and
+    the dim of the table rows it reads."""
+
+    module: HSTUDense
+    table_dim: int
+
+
+def dense_pass(dense: DenseUnderTest, lengths: list[int], backend: Backend, device: torch.device,
+               half: bool, gen: torch.Generator) -> Callable[[], None]:
+    """One training pass of `dense` on sequences of `lengths` tokens (contextual tokens and one target
+    each): random table rows in, the logits' sum back to every parameter and row, under bf16 autocast where
+    `half`."""
+    m, E = dense.module, dense.table_dim
+    C = m.num_contextual
+    lengths_B = torch.tensor([max(1, n - C) for n in lengths], dtype=torch.int64)
+    B, T = lengths_B.numel(), int(lengths_B.sum())
+
+    def rows(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=gen).to(device).requires_grad_(True)
+
+    item_TE, artist_TE, album_TE, contextual_BCE = rows(T, E), rows(T, E), rows(T, E), rows(B, C, E)
+    actions_T = torch.tensor([1, 2, 4], dtype=torch.int64)[torch.randint(0, 3, (T,), generator=gen)]
+    timestamps_T = torch.cumsum(torch.randint(1, 600, (T,), generator=gen), 0) + 1_700_000_000
+    num_targets_B = torch.ones(B, dtype=torch.int64)
+    actions_T, timestamps_T, num_targets_B, lengths_B = (
+        t.to(device) for t in (actions_T, timestamps_T, num_targets_B, lengths_B))
+
+    def step() -> None:
+        m.zero_grad(set_to_none=True)
+        with backend.autocast(half):
+            logits_G = m.logits(item_TE, artist_TE, album_TE, contextual_BCE, lengths_B, actions_T,
+                                timestamps_T, num_targets_B, B)
+        logits_G.float().sum().backward()
+
+    return step
