@@ -30,8 +30,10 @@ size it cannot know ahead, right after) the host bytes are allocated.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
+import operator
 import os
 import threading
 from collections.abc import Iterator, Mapping
@@ -51,6 +53,8 @@ ALLOC_CONF_ENV = "SIMDEV_ALLOC_CONF"
 SMALL_PAGE_BYTES = 2 << 20  # expandable segments' mapping unit, small pool (CUDA's kSmallBuffer)
 LARGE_PAGE_BYTES = 20 << 20  # and large pool (kLargeBuffer)
 UNMAPPED = -1  # a block's request field: address space with no memory behind it
+_OFFSET = operator.itemgetter(0)  # a block's offset: blocks are sorted by it
+_SIZE = operator.itemgetter(1)
 
 POOLS = ("small_pool", "large_pool")
 # memory_stats' statistics, as CUDA names them (bytes or counts, each with current/peak/allocated/freed).
@@ -117,7 +121,7 @@ def format_bytes(n: int) -> str:
     return f"{n} bytes"
 
 
-@dataclass
+@dataclass(slots=True)
 class Stat:
     """One statistic: its current value, peak since reset, and totals added and removed."""
 
@@ -174,6 +178,10 @@ class CachingAllocator:
         self.expandable = expandable
         self.segments: list[Segment] = []
         self.stats = {(s, p): Stat() for s in STATS for p in ("all", *POOLS)}
+        # What every allocation and free moves, per pool: (byte statistics, count statistics), each for
+        # "all" and the pool (malloc and free run once per op on the device: no lookups by name there).
+        self._use_stats = {pool: (self._stats_of(("allocated_bytes", "active_bytes"), pool),
+                                  self._stats_of(("allocation", "active"), pool)) for pool in POOLS}
         self.num_ooms = 0
         self.num_alloc_retries = 0
         self._made = 0
@@ -184,9 +192,39 @@ class CachingAllocator:
 
     # ---- statistics ---------------------------------------------------------------------------------
 
+    def _stats_of(self, names: tuple[str, ...], pool: str) -> tuple[Stat, ...]:
+        return tuple(self.stats[name, p] for name in names for p in ("all", pool))
+
     def _count(self, stat: str, pool: str, n: int) -> None:
-        for p in ("all", pool):
-            (self.stats[stat, p].add if n >= 0 else self.stats[stat, p].sub)(abs(n))
+        for s in (self.stats[stat, "all"], self.stats[stat, pool]):
+            if n >= 0:
+                s.add(n)
+            else:
+                s.sub(-n)
+
+    def _count_use(self, pool: str, rounded: int) -> None:
+        """An allocation of `rounded` bytes in `pool`: allocated and active bytes and counts (Stat.add)."""
+        nbytes, count = self._use_stats[pool]
+        for s in nbytes:
+            s.current += rounded
+            s.allocated += rounded
+            if s.current > s.peak:
+                s.peak = s.current
+        for s in count:
+            s.current += 1
+            s.allocated += 1
+            if s.current > s.peak:
+                s.peak = s.current
+
+    def _count_release(self, pool: str, rounded: int) -> None:
+        """A free of `rounded` bytes in `pool`: the inverse of _count_use (Stat.sub)."""
+        nbytes, count = self._use_stats[pool]
+        for s in nbytes:
+            s.current -= rounded
+            s.freed += rounded
+        for s in count:
+            s.current -= 1
+            s.freed += 1
 
     def stat(self, name: str, pool: str = "all") -> Stat:
         """A copy of statistic `name` (see STATS) for `pool` ("all", "small_pool", "large_pool")."""
@@ -231,7 +269,8 @@ class CachingAllocator:
         small = rounded <= SMALL_REQUEST_BYTES
         if self.expandable:
             return self._malloc_expandable(rounded, small)
-        with self._locked():
+        with self._lock:
+            self._apply_frees()
             found = self._best_fit(rounded, small)
             if found is None:
                 size = segment_size(rounded)
@@ -251,17 +290,16 @@ class CachingAllocator:
             seg, free = found
             # split: the rest stays free (a large block only where more than a small request is left)
             if free[1] - rounded > (0 if small else SMALL_REQUEST_BYTES):
-                seg.blocks.insert(seg.blocks.index(free) + 1, [free[0] + rounded, free[1] - rounded, 0])
+                seg.blocks.insert(bisect.bisect_right(seg.blocks, free[0], key=_OFFSET),
+                                  [free[0] + rounded, free[1] - rounded, 0])
                 free[1] = rounded
             free[2] = rounded
-            pool = POOLS[not small]
-            for stat, n in (("allocated_bytes", rounded), ("active_bytes", rounded), ("allocation", 1),
-                            ("active", 1)):
-                self._count(stat, pool, n)
+            self._count_use(POOLS[not small], rounded)
             return Block(seg, free[0], rounded)
 
     def _malloc_expandable(self, rounded: int, small: bool) -> Block:
-        with self._locked():
+        with self._lock:
+            self._apply_frees()
             found = self._best_fit(rounded, small) or self._map_for(rounded, small)
             if found is None:
                 self.num_alloc_retries += 1
@@ -273,13 +311,13 @@ class CachingAllocator:
                     raise torch.OutOfMemoryError(self._oom_message(rounded, -(-rounded // page) * page))
             seg, free = found
             if free[1] - rounded >= ROUND_BYTES:  # CUDA splits expandable blocks down to its minimum block
-                seg.blocks.insert(seg.blocks.index(free) + 1, [free[0] + rounded, free[1] - rounded, 0])
+                seg.blocks.insert(bisect.bisect_right(seg.blocks, free[0], key=_OFFSET),
+                                  [free[0] + rounded, free[1] - rounded, 0])
                 free[1] = rounded
             free[2] = rounded
             pool = POOLS[not small]
-            for stat, n in (("allocated_bytes", rounded), ("active_bytes", rounded), ("allocation", 1),
-                            ("active", 1), ("pages_in_use_bytes", self._use_pages(seg, free[0], rounded, 1))):
-                self._count(stat, pool, n)
+            self._count_use(pool, rounded)
+            self._count("pages_in_use_bytes", pool, self._use_pages(seg, free[0], rounded, 1))
             return Block(seg, free[0], rounded)
 
     @staticmethod
@@ -425,11 +463,9 @@ class CachingAllocator:
         while self._pending:
             block = self._pending.popleft()
             seg, pool = block.segment, POOLS[not block.segment.small]
-            i = next(i for i, b in enumerate(seg.blocks) if b[0] == block.offset)
+            i = bisect.bisect_left(seg.blocks, block.offset, key=_OFFSET)
             seg.blocks[i][2] = 0
-            for stat, n in (("allocated_bytes", block.rounded_bytes), ("active_bytes", block.rounded_bytes),
-                            ("allocation", 1), ("active", 1)):
-                self._count(stat, pool, -n)
+            self._count_release(pool, block.rounded_bytes)
             if seg.page_bytes:
                 unused = self._use_pages(seg, block.offset, block.rounded_bytes, -1)
                 self._count("pages_in_use_bytes", pool, unused)
@@ -439,12 +475,15 @@ class CachingAllocator:
                 seg.blocks[i - 1][1] += seg.blocks.pop(i)[1]
 
     def _best_fit(self, rounded: int, small: bool) -> tuple[Segment, list[int]] | None:
+        """The smallest free block of the pool that fits, ties to the oldest segment and lowest offset."""
         best = None
         for seg in self.segments:
             if seg.small != small:
                 continue
-            for b in seg.blocks:
-                if b[2] == 0 and b[1] >= rounded and (best is None or b[1] < best[1][1]):
+            fits = [b for b in seg.blocks if b[1] >= rounded and b[2] == 0]
+            if fits:
+                b = min(fits, key=_SIZE)  # the first of the smallest
+                if best is None or b[1] < best[1][1]:
                     best = (seg, b)
         return best
 
