@@ -182,6 +182,7 @@ class CachingAllocator:
         # "all" and the pool (malloc and free run once per op on the device: no lookups by name there).
         self._use_stats = {pool: (self._stats_of(("allocated_bytes", "active_bytes"), pool),
                                   self._stats_of(("allocation", "active"), pool)) for pool in POOLS}
+        self._page_stats = {pool: self._stats_of(("pages_in_use_bytes",), pool) for pool in POOLS}
         self.num_ooms = 0
         self.num_alloc_retries = 0
         self._made = 0
@@ -317,7 +318,10 @@ class CachingAllocator:
             free[2] = rounded
             pool = POOLS[not small]
             self._count_use(pool, rounded)
-            self._count("pages_in_use_bytes", pool, self._use_pages(seg, free[0], rounded, 1))
+            used = self._use_pages(seg, free[0], rounded, 1)
+            if used:
+                for stat in self._page_stats[pool]:
+                    stat.add(used)
             return Block(seg, free[0], rounded)
 
     @staticmethod
@@ -468,7 +472,9 @@ class CachingAllocator:
             self._count_release(pool, block.rounded_bytes)
             if seg.page_bytes:
                 unused = self._use_pages(seg, block.offset, block.rounded_bytes, -1)
-                self._count("pages_in_use_bytes", pool, unused)
+                if unused:
+                    for stat in self._page_stats[pool]:
+                        stat.sub(-unused)
             if i + 1 < len(seg.blocks) and seg.blocks[i + 1][2] == 0:  # merge with free neighbours
                 seg.blocks[i][1] += seg.blocks.pop(i + 1)[1]
             if i > 0 and seg.blocks[i - 1][2] == 0:

@@ -36,6 +36,7 @@ DEVICE_COUNT = 1
 
 _CPU_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 _SET_STORAGE = torch.ops.aten.set_.source_Storage_storage_offset
+_SET_STORAGE_ON_CPU = _SET_STORAGE._handle.redispatch_boxed  # what _SET_STORAGE.redispatch calls
 # Ops that move data between the host and the device take a host tensor by design.
 HOST_ARG_OPS = frozenset({"aten::copy_", "aten::_copy_from", "aten::_copy_from_and_resize",
                           "aten::_to_copy", "aten::is_pinned", "aten::_pin_memory"})
@@ -61,6 +62,11 @@ def set_allocator_settings(text: str) -> None:
             allocator.set_expandable(expandable)
 
 
+@functools.cache
+def _device(index: int) -> torch.device:
+    return torch.device(NAME, index)  # once the device is registered: torch knows the name from then on
+
+
 def capacity_bytes() -> int:
     """The capacity of each simulated device."""
     return allocators()[0].capacity_bytes
@@ -78,8 +84,7 @@ def device_storage(host: torch.UntypedStorage, index: int,
         block = None
     if block is None and nbytes:
         block = allocator.malloc(nbytes)
-    storage = torch._C._construct_storage_from_data_pointer(host.data_ptr(), torch.device(NAME, index),
-                                                            nbytes)
+    storage = torch._C._construct_storage_from_data_pointer(host.data_ptr(), _device(index), nbytes)
     storage._simdev_host = host
     if block is not None:
         weakref.finalize(storage, allocator.free, block)
@@ -108,8 +113,7 @@ def _foreseen_nbytes(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> in
 
 def _set(t: torch.Tensor, storage: torch.UntypedStorage, like: torch.Tensor) -> torch.Tensor:
     # aten::set_ has no PrivateUse1 kernel; the CPU one only rewrites the TensorImpl's metadata.
-    return _SET_STORAGE.redispatch(_CPU_KEYS, t, storage, like.storage_offset(), like.size(),
-                                   like.stride())
+    return _SET_STORAGE_ON_CPU(_CPU_KEYS, t, storage, like.storage_offset(), like.size(), like.stride())
 
 
 def to_device(host: torch.Tensor, index: int, storage: torch.UntypedStorage | None = None,
@@ -152,7 +156,7 @@ class _OpFacts:
         self.as_strided = op is torch.ops.aten.as_strided.default
         # Where a Python number may stand for a Tensor (see _numbers_as_tensors).
         wants_tensor = [isinstance(a.type, torch._C.TensorType) for a in arguments]
-        self.tensor_positions = tuple(i for i, w in enumerate(wants_tensor) if w)
+        self.tensor_positions = frozenset(i for i, w in enumerate(wants_tensor) if w)
         self.tensor_names = frozenset(a.name for a, w in zip(arguments, wants_tensor, strict=True) if w)
         # The arguments the op writes (`Tensor(a!)`): only there can it resize or re-point a tensor.
         written = [a.alias_info is not None and a.alias_info.is_write for a in arguments]
@@ -163,6 +167,7 @@ class _OpFacts:
 _FACTS: dict[torch._ops.OpOverload, _OpFacts] = {}
 _CPU = torch.device("cpu")
 _NUMBERS = (int, float, complex)
+_NUMBER_TYPES = frozenset({int, float, complex, bool})  # the exact types isinstance(x, _NUMBERS) holds for
 _MOVABLE = (torch.Tensor, torch.device)
 # Values of an op's arguments and results that are no containers and never move: the fast paths leave
 # them as they are; anything not one of these, a Tensor, a device, a list or a tuple goes through pytree.
@@ -223,11 +228,13 @@ class _HostArgs:
         return x
 
     def move(self, facts: _OpFacts, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """The arguments for the CPU kernel, leaves visited in pytree's order (args, then kwargs)."""
+        """The arguments for the CPU kernel (numbers where the schema wants a Tensor made 0-dim tensors,
+        see _numbers_as_tensors), leaves visited in pytree's order (args, then kwargs)."""
         moved = self._move_flat(facts, args, kwargs)
         if moved is not None:
             return moved
         self.__init__(self.op, self.host_ok)  # a container the fast path does not know: start again
+        args, kwargs = _numbers_as_tensors(facts, args, kwargs)
         flat, spec = tree_flatten((args, kwargs))
         return tree_unflatten([self.leaf(x) for x in flat], spec)
 
@@ -239,8 +246,9 @@ class _HostArgs:
         for i, x in enumerate(args):
             kind = type(x)
             if kind in _PLAIN:
-                continue
-            if kind in _SEQUENCES:
+                if kind in _NUMBER_TYPES and i in facts.tensor_positions:
+                    out[i] = torch.tensor(x)
+            elif kind in _SEQUENCES:
                 seq = _map_seq(leaf, x, i in facts.written_positions)
                 if seq is None:
                     return None
@@ -255,8 +263,9 @@ class _HostArgs:
         for k, x in kwargs.items():
             kind = type(x)
             if kind in _PLAIN:
-                continue
-            if kind in _SEQUENCES:
+                if kind in _NUMBER_TYPES and k in facts.tensor_names:
+                    kw[k] = torch.tensor(x)
+            elif kind in _SEQUENCES:
                 seq = _map_seq(leaf, x, k in facts.written_names)
                 if seq is None:
                     return None
@@ -305,7 +314,7 @@ def _kernel(op: torch._ops.OpOverload, *args, **kwargs):
                                   f"own PrivateUse1 kernel for it)")
     if facts.copy_from:
         return _copy_from(facts.name, *args, **kwargs)
-    if facts.tensor_positions:
+    if facts.foresees:  # the numbers the sizes are worked out from (the others are turned on the way)
         args, kwargs = _numbers_as_tensors(facts, args, kwargs)
     if facts.as_strided and not kwargs and 3 <= len(args) <= 4:
         view = _as_strided(*args)
@@ -394,7 +403,7 @@ def _as_strided(x, size, stride, storage_offset=None) -> torch.Tensor | None:
     if 0 not in size and (span + offset) * x.element_size() > host.nbytes():
         return None
     view = torch._C._acc.create_empty_tensor([0], x.dtype)
-    return _SET_STORAGE.redispatch(_CPU_KEYS, view, storage, offset, size, stride)
+    return _SET_STORAGE_ON_CPU(_CPU_KEYS, view, storage, offset, size, stride)
 
 
 def _numbers_as_tensors(facts: _OpFacts, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
