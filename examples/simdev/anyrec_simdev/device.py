@@ -140,12 +140,13 @@ class _OpFacts:
     """What the fallback needs to know of one op, read from its schema once: every op on the device
     reaches `_kernel`, so whatever it works out per call is paid on every op."""
 
-    __slots__ = ("name", "supported", "host_ok", "copy_from", "to_copy", "foresees", "as_strided",
+    __slots__ = ("op", "name", "supported", "host_ok", "copy_from", "to_copy", "foresees", "as_strided",
                  "tensor_positions", "tensor_names", "written_positions", "written_names")
 
     def __init__(self, op: torch._ops.OpOverload) -> None:
         schema = op._schema
         arguments = schema.arguments
+        self.op = op  # kept: the facts are found by the op's id, which must not be reused
         self.name = schema.name
         self.supported = op.namespace in ("aten", "prims")
         self.host_ok = self.name in HOST_ARG_OPS
@@ -164,7 +165,7 @@ class _OpFacts:
         self.written_names = frozenset(a.name for a, w in zip(arguments, written, strict=True) if w)
 
 
-_FACTS: dict[torch._ops.OpOverload, _OpFacts] = {}
+_FACTS: dict[int, _OpFacts] = {}  # by id(op): OpOverload's own hash is a Python method
 _CPU = torch.device("cpu")
 _NUMBERS = (int, float, complex)
 _NUMBER_TYPES = frozenset({int, float, complex, bool})  # the exact types isinstance(x, _NUMBERS) holds for
@@ -306,9 +307,9 @@ def _host_view(t: torch.Tensor, storage: torch.UntypedStorage) -> torch.Tensor:
 
 def _kernel(op: torch._ops.OpOverload, *args, **kwargs):
     """The PrivateUse1 fallback: every ATen op on simdev tensors, computed on host aliases."""
-    facts = _FACTS.get(op)
+    facts = _FACTS.get(id(op))
     if facts is None:
-        facts = _FACTS[op] = _OpFacts(op)
+        facts = _FACTS[id(op)] = _OpFacts(op)
     if not facts.supported:
         raise NotImplementedError(f"simdev: no kernel for {op.name()} (a library must register its "
                                   f"own PrivateUse1 kernel for it)")
@@ -346,8 +347,8 @@ def _run(op: torch._ops.OpOverload, facts: _OpFacts, index: int, cargs: tuple, c
         # an earlier alias of the same tensor re-set it: only the others can differ.
         if not check and not any(r is d for r in reset):
             continue
-        if (h.size(), h.stride(), h.storage_offset(), h.untyped_storage().data_ptr()) != \
-                (d.size(), d.stride(), d.storage_offset(), d.untyped_storage().data_ptr()):
+        if h.size() != d.size() or h.stride() != d.stride() or h.storage_offset() != d.storage_offset() \
+                or h.untyped_storage().data_ptr() != d.untyped_storage().data_ptr():
             # the op resized or re-pointed a device tensor
             st = by_ptr.get(h.untyped_storage().data_ptr()) if h.untyped_storage().nbytes() else None
             _set(d, st if st is not None else device_storage(h.untyped_storage(), index), h)
