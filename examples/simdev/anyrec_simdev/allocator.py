@@ -54,7 +54,6 @@ SMALL_PAGE_BYTES = 2 << 20  # expandable segments' mapping unit, small pool (CUD
 LARGE_PAGE_BYTES = 20 << 20  # and large pool (kLargeBuffer)
 UNMAPPED = -1  # a block's request field: address space with no memory behind it
 _OFFSET = operator.itemgetter(0)  # a block's offset: blocks are sorted by it
-_SIZE = operator.itemgetter(1)
 
 POOLS = ("small_pool", "large_pool")
 # memory_stats' statistics, as CUDA names them (bytes or counts, each with current/peak/allocated/freed).
@@ -183,6 +182,11 @@ class CachingAllocator:
         self._use_stats = {pool: (self._stats_of(("allocated_bytes", "active_bytes"), pool),
                                   self._stats_of(("allocation", "active"), pool)) for pool in POOLS}
         self._page_stats = {pool: self._stats_of(("pages_in_use_bytes",), pool) for pool in POOLS}
+        # The free blocks of each pool (by `small`), sorted as best fit picks them: (size, segment number,
+        # offset); and the block each of those names. Kept with every change of a block, so that a best
+        # fit is a search, not a walk over every block of the pool.
+        self._free: dict[bool, list[tuple[int, int, int]]] = {True: [], False: []}
+        self._free_block: dict[tuple[int, int], tuple[Segment, list[int]]] = {}
         self.num_ooms = 0
         self.num_alloc_retries = 0
         self._made = 0
@@ -287,13 +291,13 @@ class CachingAllocator:
                 pool = POOLS[not small]
                 self._count("reserved_bytes", pool, size)
                 self._count("segment", pool, 1)
+                self._index_add(seg, seg.blocks[0])
                 found = (seg, seg.blocks[0])
             seg, free = found
+            self._index_remove(seg, free)
             # split: the rest stays free (a large block only where more than a small request is left)
             if free[1] - rounded > (0 if small else SMALL_REQUEST_BYTES):
-                seg.blocks.insert(bisect.bisect_right(seg.blocks, free[0], key=_OFFSET),
-                                  [free[0] + rounded, free[1] - rounded, 0])
-                free[1] = rounded
+                self._split(seg, free, rounded)
             free[2] = rounded
             self._count_use(POOLS[not small], rounded)
             return Block(seg, free[0], rounded)
@@ -311,10 +315,9 @@ class CachingAllocator:
                     page = SMALL_PAGE_BYTES if small else LARGE_PAGE_BYTES
                     raise torch.OutOfMemoryError(self._oom_message(rounded, -(-rounded // page) * page))
             seg, free = found
+            self._index_remove(seg, free)
             if free[1] - rounded >= ROUND_BYTES:  # CUDA splits expandable blocks down to its minimum block
-                seg.blocks.insert(bisect.bisect_right(seg.blocks, free[0], key=_OFFSET),
-                                  [free[0] + rounded, free[1] - rounded, 0])
-                free[1] = rounded
+                self._split(seg, free, rounded)
             free[2] = rounded
             pool = POOLS[not small]
             self._count_use(pool, rounded)
@@ -406,6 +409,7 @@ class CachingAllocator:
                 left -= take
             i += 1
         self._merge_free(seg)
+        self._index_segment(seg)
 
     @staticmethod
     def _merge_free(seg: Segment) -> None:
@@ -430,6 +434,7 @@ class CachingAllocator:
             self._count("reserved_bytes", pool, -(hi - lo))
         seg.blocks[:] = out
         self._merge_free(seg)
+        self._index_segment(seg)
 
     def free(self, block: Block) -> None:
         """Give `block` back (safe from a finalizer: applied now, or by the next operation)."""
@@ -467,31 +472,58 @@ class CachingAllocator:
         while self._pending:
             block = self._pending.popleft()
             seg, pool = block.segment, POOLS[not block.segment.small]
-            i = bisect.bisect_left(seg.blocks, block.offset, key=_OFFSET)
-            seg.blocks[i][2] = 0
+            blocks = seg.blocks
+            i = bisect.bisect_left(blocks, block.offset, key=_OFFSET)
+            blocks[i][2] = 0
             self._count_release(pool, block.rounded_bytes)
             if seg.page_bytes:
                 unused = self._use_pages(seg, block.offset, block.rounded_bytes, -1)
                 if unused:
                     for stat in self._page_stats[pool]:
                         stat.sub(-unused)
-            if i + 1 < len(seg.blocks) and seg.blocks[i + 1][2] == 0:  # merge with free neighbours
-                seg.blocks[i][1] += seg.blocks.pop(i + 1)[1]
-            if i > 0 and seg.blocks[i - 1][2] == 0:
-                seg.blocks[i - 1][1] += seg.blocks.pop(i)[1]
+            if i + 1 < len(blocks) and blocks[i + 1][2] == 0:  # merge with free neighbours
+                self._index_remove(seg, blocks[i + 1])
+                blocks[i][1] += blocks.pop(i + 1)[1]
+            if i > 0 and blocks[i - 1][2] == 0:
+                self._index_remove(seg, blocks[i - 1])
+                blocks[i - 1][1] += blocks.pop(i)[1]
+                i -= 1
+            self._index_add(seg, blocks[i])
 
     def _best_fit(self, rounded: int, small: bool) -> tuple[Segment, list[int]] | None:
         """The smallest free block of the pool that fits, ties to the oldest segment and lowest offset."""
-        best = None
-        for seg in self.segments:
-            if seg.small != small:
-                continue
-            fits = [b for b in seg.blocks if b[1] >= rounded and b[2] == 0]
-            if fits:
-                b = min(fits, key=_SIZE)  # the first of the smallest
-                if best is None or b[1] < best[1][1]:
-                    best = (seg, b)
-        return best
+        free = self._free[small]
+        i = bisect.bisect_left(free, (rounded,))
+        return self._free_block[free[i][1:]] if i < len(free) else None
+
+    # ---- the free-block index: updated before a block's size or offset changes ---------------------
+
+    def _index_add(self, seg: Segment, b: list[int]) -> None:
+        bisect.insort(self._free[seg.small], (b[1], seg.number, b[0]))
+        self._free_block[seg.number, b[0]] = (seg, b)
+
+    def _index_remove(self, seg: Segment, b: list[int]) -> None:
+        free = self._free[seg.small]
+        del free[bisect.bisect_left(free, (b[1], seg.number, b[0]))]
+        del self._free_block[seg.number, b[0]]
+
+    def _index_segment(self, seg: Segment) -> None:
+        """Index `seg`'s free blocks afresh (after its blocks were rebuilt; none when it is gone)."""
+        free = self._free[seg.small]
+        free[:] = [key for key in free if key[1] != seg.number]
+        for key in [key for key in self._free_block if key[0] == seg.number]:
+            del self._free_block[key]
+        if any(s is seg for s in self.segments):
+            for b in seg.blocks:
+                if b[2] == 0:
+                    self._index_add(seg, b)
+
+    def _split(self, seg: Segment, free: list[int], rounded: int) -> None:
+        """Cut free block `free` (out of the index) to `rounded` bytes; the rest a free block after it."""
+        rest = [free[0] + rounded, free[1] - rounded, 0]
+        seg.blocks.insert(bisect.bisect_right(seg.blocks, free[0], key=_OFFSET), rest)
+        free[1] = rounded
+        self._index_add(seg, rest)
 
     def _reserved(self) -> int:
         return self.stats["reserved_bytes", "all"].current
@@ -502,6 +534,7 @@ class CachingAllocator:
                 self._unmap_free(seg)
         for seg in [s for s in self.segments if s.empty and not s.page_bytes]:
             self.segments.remove(seg)
+            self._index_segment(seg)
             pool = POOLS[not seg.small]
             self._count("reserved_bytes", pool, -seg.size_bytes)
             self._count("segment", pool, -1)
