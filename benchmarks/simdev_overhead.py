@@ -39,14 +39,14 @@ def load_simdev() -> str:
     return str(Path(anyrec_simdev.__file__).parent)
 
 
-def _inputs(device: str) -> dict:
-    """The cases' tensors on `device`, and a training step of its own there (`step`)."""
+def _inputs(device: str, step: bool) -> dict:
+    """The cases' tensors on `device`, and where `step`, a training step of its own there (`step`)."""
     g = torch.Generator().manual_seed(0)
     host = {"a": torch.randn(BATCH, DIM, generator=g), "b": torch.randn(BATCH, DIM, generator=g),
             "w": torch.randn(DIM, DIM, generator=g), "bias": torch.randn(DIM, generator=g),
             "table": torch.randn(ROWS, DIM, generator=g), "ids": torch.randint(0, ROWS, (IDS,), generator=g),
             "offsets": torch.arange(0, IDS, IDS // BATCH)}
-    return {**{k: v.to(device) for k, v in host.items()}, "step": _Step(device)}
+    return {**{k: v.to(device) for k, v in host.items()}, **({"step": _Step(device)} if step else {})}
 
 
 class _Step:
@@ -97,7 +97,7 @@ def check_equal(name: str, results: dict[str, torch.Tensor]) -> None:
 
 def measure(devices: list[str], repeats: int, iters: int, cases: list[str]) -> list[dict]:
     """Median microseconds per call of each case on each device (timings alternate between devices)."""
-    inputs = {d: _inputs(d) for d in devices}
+    inputs = {d: _inputs(d, STEP in cases) for d in devices}
     rows = []
     for name in cases:
         fn = CASES[name]
