@@ -30,8 +30,10 @@ size it cannot know ahead, right after) the host bytes are allocated.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
+import operator
 import os
 import threading
 from collections.abc import Iterator, Mapping
@@ -51,6 +53,7 @@ ALLOC_CONF_ENV = "SIMDEV_ALLOC_CONF"
 SMALL_PAGE_BYTES = 2 << 20  # expandable segments' mapping unit, small pool (CUDA's kSmallBuffer)
 LARGE_PAGE_BYTES = 20 << 20  # and large pool (kLargeBuffer)
 UNMAPPED = -1  # a block's request field: address space with no memory behind it
+_OFFSET = operator.itemgetter(0)  # a block's offset: blocks are sorted by it
 
 POOLS = ("small_pool", "large_pool")
 # memory_stats' statistics, as CUDA names them (bytes or counts, each with current/peak/allocated/freed).
@@ -117,7 +120,7 @@ def format_bytes(n: int) -> str:
     return f"{n} bytes"
 
 
-@dataclass
+@dataclass(slots=True)
 class Stat:
     """One statistic: its current value, peak since reset, and totals added and removed."""
 
@@ -174,6 +177,16 @@ class CachingAllocator:
         self.expandable = expandable
         self.segments: list[Segment] = []
         self.stats = {(s, p): Stat() for s in STATS for p in ("all", *POOLS)}
+        # What every allocation and free moves, per pool: (byte statistics, count statistics), each for
+        # "all" and the pool (malloc and free run once per op on the device: no lookups by name there).
+        self._use_stats = {pool: (self._stats_of(("allocated_bytes", "active_bytes"), pool),
+                                  self._stats_of(("allocation", "active"), pool)) for pool in POOLS}
+        self._page_stats = {pool: self._stats_of(("pages_in_use_bytes",), pool) for pool in POOLS}
+        # The free blocks of each pool (by `small`), sorted as best fit picks them: (size, segment number,
+        # offset); and the block each of those names. Kept with every change of a block, so that a best
+        # fit is a search, not a walk over every block of the pool.
+        self._free: dict[bool, list[tuple[int, int, int]]] = {True: [], False: []}
+        self._free_block: dict[tuple[int, int], tuple[Segment, list[int]]] = {}
         self.num_ooms = 0
         self.num_alloc_retries = 0
         self._made = 0
@@ -184,9 +197,39 @@ class CachingAllocator:
 
     # ---- statistics ---------------------------------------------------------------------------------
 
+    def _stats_of(self, names: tuple[str, ...], pool: str) -> tuple[Stat, ...]:
+        return tuple(self.stats[name, p] for name in names for p in ("all", pool))
+
     def _count(self, stat: str, pool: str, n: int) -> None:
-        for p in ("all", pool):
-            (self.stats[stat, p].add if n >= 0 else self.stats[stat, p].sub)(abs(n))
+        for s in (self.stats[stat, "all"], self.stats[stat, pool]):
+            if n >= 0:
+                s.add(n)
+            else:
+                s.sub(-n)
+
+    def _count_use(self, pool: str, rounded: int) -> None:
+        """An allocation of `rounded` bytes in `pool`: allocated and active bytes and counts (Stat.add)."""
+        nbytes, count = self._use_stats[pool]
+        for s in nbytes:
+            s.current += rounded
+            s.allocated += rounded
+            if s.current > s.peak:
+                s.peak = s.current
+        for s in count:
+            s.current += 1
+            s.allocated += 1
+            if s.current > s.peak:
+                s.peak = s.current
+
+    def _count_release(self, pool: str, rounded: int) -> None:
+        """A free of `rounded` bytes in `pool`: the inverse of _count_use (Stat.sub)."""
+        nbytes, count = self._use_stats[pool]
+        for s in nbytes:
+            s.current -= rounded
+            s.freed += rounded
+        for s in count:
+            s.current -= 1
+            s.freed += 1
 
     def stat(self, name: str, pool: str = "all") -> Stat:
         """A copy of statistic `name` (see STATS) for `pool` ("all", "small_pool", "large_pool")."""
@@ -231,7 +274,8 @@ class CachingAllocator:
         small = rounded <= SMALL_REQUEST_BYTES
         if self.expandable:
             return self._malloc_expandable(rounded, small)
-        with self._locked():
+        with self._lock:
+            self._apply_frees()
             found = self._best_fit(rounded, small)
             if found is None:
                 size = segment_size(rounded)
@@ -247,21 +291,20 @@ class CachingAllocator:
                 pool = POOLS[not small]
                 self._count("reserved_bytes", pool, size)
                 self._count("segment", pool, 1)
+                self._index_add(seg, seg.blocks[0])
                 found = (seg, seg.blocks[0])
             seg, free = found
+            self._index_remove(seg, free)
             # split: the rest stays free (a large block only where more than a small request is left)
             if free[1] - rounded > (0 if small else SMALL_REQUEST_BYTES):
-                seg.blocks.insert(seg.blocks.index(free) + 1, [free[0] + rounded, free[1] - rounded, 0])
-                free[1] = rounded
+                self._split(seg, free, rounded)
             free[2] = rounded
-            pool = POOLS[not small]
-            for stat, n in (("allocated_bytes", rounded), ("active_bytes", rounded), ("allocation", 1),
-                            ("active", 1)):
-                self._count(stat, pool, n)
+            self._count_use(POOLS[not small], rounded)
             return Block(seg, free[0], rounded)
 
     def _malloc_expandable(self, rounded: int, small: bool) -> Block:
-        with self._locked():
+        with self._lock:
+            self._apply_frees()
             found = self._best_fit(rounded, small) or self._map_for(rounded, small)
             if found is None:
                 self.num_alloc_retries += 1
@@ -272,14 +315,16 @@ class CachingAllocator:
                     page = SMALL_PAGE_BYTES if small else LARGE_PAGE_BYTES
                     raise torch.OutOfMemoryError(self._oom_message(rounded, -(-rounded // page) * page))
             seg, free = found
+            self._index_remove(seg, free)
             if free[1] - rounded >= ROUND_BYTES:  # CUDA splits expandable blocks down to its minimum block
-                seg.blocks.insert(seg.blocks.index(free) + 1, [free[0] + rounded, free[1] - rounded, 0])
-                free[1] = rounded
+                self._split(seg, free, rounded)
             free[2] = rounded
             pool = POOLS[not small]
-            for stat, n in (("allocated_bytes", rounded), ("active_bytes", rounded), ("allocation", 1),
-                            ("active", 1), ("pages_in_use_bytes", self._use_pages(seg, free[0], rounded, 1))):
-                self._count(stat, pool, n)
+            self._count_use(pool, rounded)
+            used = self._use_pages(seg, free[0], rounded, 1)
+            if used:
+                for stat in self._page_stats[pool]:
+                    stat.add(used)
             return Block(seg, free[0], rounded)
 
     @staticmethod
@@ -364,6 +409,7 @@ class CachingAllocator:
                 left -= take
             i += 1
         self._merge_free(seg)
+        self._index_segment(seg)
 
     @staticmethod
     def _merge_free(seg: Segment) -> None:
@@ -388,6 +434,7 @@ class CachingAllocator:
             self._count("reserved_bytes", pool, -(hi - lo))
         seg.blocks[:] = out
         self._merge_free(seg)
+        self._index_segment(seg)
 
     def free(self, block: Block) -> None:
         """Give `block` back (safe from a finalizer: applied now, or by the next operation)."""
@@ -425,28 +472,58 @@ class CachingAllocator:
         while self._pending:
             block = self._pending.popleft()
             seg, pool = block.segment, POOLS[not block.segment.small]
-            i = next(i for i, b in enumerate(seg.blocks) if b[0] == block.offset)
-            seg.blocks[i][2] = 0
-            for stat, n in (("allocated_bytes", block.rounded_bytes), ("active_bytes", block.rounded_bytes),
-                            ("allocation", 1), ("active", 1)):
-                self._count(stat, pool, -n)
+            blocks = seg.blocks
+            i = bisect.bisect_left(blocks, block.offset, key=_OFFSET)
+            blocks[i][2] = 0
+            self._count_release(pool, block.rounded_bytes)
             if seg.page_bytes:
                 unused = self._use_pages(seg, block.offset, block.rounded_bytes, -1)
-                self._count("pages_in_use_bytes", pool, unused)
-            if i + 1 < len(seg.blocks) and seg.blocks[i + 1][2] == 0:  # merge with free neighbours
-                seg.blocks[i][1] += seg.blocks.pop(i + 1)[1]
-            if i > 0 and seg.blocks[i - 1][2] == 0:
-                seg.blocks[i - 1][1] += seg.blocks.pop(i)[1]
+                if unused:
+                    for stat in self._page_stats[pool]:
+                        stat.sub(-unused)
+            if i + 1 < len(blocks) and blocks[i + 1][2] == 0:  # merge with free neighbours
+                self._index_remove(seg, blocks[i + 1])
+                blocks[i][1] += blocks.pop(i + 1)[1]
+            if i > 0 and blocks[i - 1][2] == 0:
+                self._index_remove(seg, blocks[i - 1])
+                blocks[i - 1][1] += blocks.pop(i)[1]
+                i -= 1
+            self._index_add(seg, blocks[i])
 
     def _best_fit(self, rounded: int, small: bool) -> tuple[Segment, list[int]] | None:
-        best = None
-        for seg in self.segments:
-            if seg.small != small:
-                continue
+        """The smallest free block of the pool that fits, ties to the oldest segment and lowest offset."""
+        free = self._free[small]
+        i = bisect.bisect_left(free, (rounded,))
+        return self._free_block[free[i][1:]] if i < len(free) else None
+
+    # ---- the free-block index: updated before a block's size or offset changes ---------------------
+
+    def _index_add(self, seg: Segment, b: list[int]) -> None:
+        bisect.insort(self._free[seg.small], (b[1], seg.number, b[0]))
+        self._free_block[seg.number, b[0]] = (seg, b)
+
+    def _index_remove(self, seg: Segment, b: list[int]) -> None:
+        free = self._free[seg.small]
+        del free[bisect.bisect_left(free, (b[1], seg.number, b[0]))]
+        del self._free_block[seg.number, b[0]]
+
+    def _index_segment(self, seg: Segment) -> None:
+        """Index `seg`'s free blocks afresh (after its blocks were rebuilt; none when it is gone)."""
+        free = self._free[seg.small]
+        free[:] = [key for key in free if key[1] != seg.number]
+        for key in [key for key in self._free_block if key[0] == seg.number]:
+            del self._free_block[key]
+        if any(s is seg for s in self.segments):
             for b in seg.blocks:
-                if b[2] == 0 and b[1] >= rounded and (best is None or b[1] < best[1][1]):
-                    best = (seg, b)
-        return best
+                if b[2] == 0:
+                    self._index_add(seg, b)
+
+    def _split(self, seg: Segment, free: list[int], rounded: int) -> None:
+        """Cut free block `free` (out of the index) to `rounded` bytes; the rest a free block after it."""
+        rest = [free[0] + rounded, free[1] - rounded, 0]
+        seg.blocks.insert(bisect.bisect_right(seg.blocks, free[0], key=_OFFSET), rest)
+        free[1] = rounded
+        self._index_add(seg, rest)
 
     def _reserved(self) -> int:
         return self.stats["reserved_bytes", "all"].current
@@ -457,6 +534,7 @@ class CachingAllocator:
                 self._unmap_free(seg)
         for seg in [s for s in self.segments if s.empty and not s.page_bytes]:
             self.segments.remove(seg)
+            self._index_segment(seg)
             pool = POOLS[not seg.small]
             self._count("reserved_bytes", pool, -seg.size_bytes)
             self._count("segment", pool, -1)
