@@ -242,40 +242,35 @@ class _HostArgs:
     def _move_flat(self, facts: _OpFacts, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         # ATen arguments are values or lists of values: walked here without pytree; None for anything
         # else (nothing is kept of a walk given up, and leaves are visited in pytree's order).
-        leaf = self.leaf
-        out = list(args)
+        out = []
         for i, x in enumerate(args):
-            kind = type(x)
-            if kind in _PLAIN:
-                if kind in _NUMBER_TYPES and i in facts.tensor_positions:
-                    out[i] = torch.tensor(x)
-            elif kind in _SEQUENCES:
-                seq = _map_seq(leaf, x, i in facts.written_positions)
-                if seq is None:
-                    return None
-                out[i] = seq
-            elif isinstance(x, _MOVABLE) and kind not in SUPPORTED_NODES:
-                out[i] = leaf(x, i in facts.written_positions)
-            else:
+            moved = self._move_arg(x, i in facts.tensor_positions, i in facts.written_positions)
+            if moved is _GIVE_UP:
                 return None
-        if not kwargs:
-            return tuple(out), {}
-        kw = dict(kwargs)
+            out.append(moved)
+        kw = {}
         for k, x in kwargs.items():
-            kind = type(x)
-            if kind in _PLAIN:
-                if kind in _NUMBER_TYPES and k in facts.tensor_names:
-                    kw[k] = torch.tensor(x)
-            elif kind in _SEQUENCES:
-                seq = _map_seq(leaf, x, k in facts.written_names)
-                if seq is None:
-                    return None
-                kw[k] = seq
-            elif isinstance(x, _MOVABLE) and kind not in SUPPORTED_NODES:
-                kw[k] = leaf(x, k in facts.written_names)
-            else:
+            moved = self._move_arg(x, k in facts.tensor_names, k in facts.written_names)
+            if moved is _GIVE_UP:
                 return None
+            kw[k] = moved
         return tuple(out), kw
+
+    def _move_arg(self, x, wants_tensor: bool, written: bool):
+        """One argument as the CPU kernel takes it (a number the schema wants as a Tensor made a 0-dim
+        tensor); _GIVE_UP for a container the fast path does not know."""
+        kind = type(x)
+        if kind in _PLAIN:
+            return torch.tensor(x) if wants_tensor and kind in _NUMBER_TYPES else x
+        if kind in _SEQUENCES:
+            seq = _map_seq(self.leaf, x, written)
+            return _GIVE_UP if seq is None else seq
+        if isinstance(x, _MOVABLE) and kind not in SUPPORTED_NODES:
+            return self.leaf(x, written)
+        return _GIVE_UP
+
+
+_GIVE_UP = object()  # _move_arg: the argument is not one the fast path walks
 
 
 def _map_seq(fn, seq: list | tuple, *flags):
