@@ -102,6 +102,14 @@ class PackedTables(nn.Module):
             dtype = torch.float16 if self.precision == TablePrecision.fp16 else torch.float32
             self.register_buffer("weight", weight_RD.to(dtype))
 
+    def gathered_rows(self, ids_N: torch.Tensor) -> torch.Tensor:
+        """The rows of the packed ids `ids_N` in fp32 [N, D], gathered with plain ops (any device): int8 rows
+        dequantized with their scale and bias, fp16 rows widened."""
+        # index_select, not advanced indexing: several times faster on a CPU for row gathers
+        rows_ND = self.weight.index_select(0, ids_N)
+        return (dequantize_rowwise_int8(rows_ND, self.scale_bias.index_select(0, ids_N))
+                if self.precision == TablePrecision.int8 else rows_ND.float())
+
 
 class PooledTables(PackedTables):
     """Sum-pooled lookups of every feature in its own table, all tables in one buffer at one precision."""
@@ -128,10 +136,7 @@ class PooledTables(PackedTables):
             pooled_FBD = torch.ops.quantized.embedding_bag_byte_rowwise_offsets(
                 self.weight, ids_N, offsets_FB1, False, 0, False, None, None, True)
         else:
-            # index_select, not advanced indexing: several times faster on a CPU for row gathers
-            rows_ND = self.weight.index_select(0, ids_N)
-            rows_ND = (dequantize_rowwise_int8(rows_ND, self.scale_bias.index_select(0, ids_N))
-                       if self.precision == TablePrecision.int8 else rows_ND.float())
+            rows_ND = self.gathered_rows(ids_N)
             # the gathered rows summed per bag in fp32 (an fp16 sum would round at every add)
             positions_N = torch.arange(ids_N.shape[0], device=ids_N.device)
             pooled_FBD = F.embedding_bag(positions_N, rows_ND, offsets_FB1, mode="sum",
@@ -154,9 +159,7 @@ class RowTables(PackedTables):
             rows_ND = torch.ops.quantized.embedding_bag_byte_rowwise_offsets(
                 self.weight, ids_N, offsets_N1, False, 0, False, None, None, True)
         else:
-            rows_ND = self.weight.index_select(0, ids_N)
-            rows_ND = (dequantize_rowwise_int8(rows_ND, self.scale_bias.index_select(0, ids_N))
-                       if self.precision == TablePrecision.int8 else rows_ND.float())
+            rows_ND = self.gathered_rows(ids_N)
         return list(torch.split(rows_ND, [ids_n.shape[0] for ids_n in ids]))
 
 
