@@ -17,6 +17,7 @@ run checked on an MI350X), checked whole first: bounded in size and nesting, eac
 covering all it asserts (losses, weights, label, meta), and, with a signing key (anyrec.signing), the
 file's HMAC-SHA256.
 """
+
 from __future__ import annotations
 
 import hashlib

@@ -199,7 +199,10 @@ class TritonEBCOptimizer(KeyedOptimizer):
                                                           "lr": ebc.optimizer.lr}])
 
     def zero_grad(self, set_to_none: bool = False) -> None:
-        self._ebc.tbe.learning_rate = float(self.param_groups[0]["lr"])
+        self._hand_rate()
 
     def step(self, closure=None) -> None:  # noqa: ARG002 - torch.optim signature
+        self._hand_rate()
+
+    def _hand_rate(self) -> None:
         self._ebc.tbe.learning_rate = float(self.param_groups[0]["lr"])
