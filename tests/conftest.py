@@ -126,6 +126,29 @@ def keep_torch_threads():
     torch.set_num_threads(before)
 
 
+def _no_group_left(where: str):
+    """A process group a test (or a module's fixtures) started must be gone when it ends: left up, it is
+    the next test's (xdist hands any test to the worker), which then sees a group its ranks never formed.
+    The group is torn down and the one that left it fails."""
+    import torch.distributed as dist
+
+    before = dist.is_available() and dist.is_initialized()
+    yield
+    if not before and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail(f"{where} left the default process group up (close the runtime or trainer it started)")
+
+
+@pytest.fixture(autouse=True)
+def no_group_left_by_a_test():
+    yield from _no_group_left("this test")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_group_left_by_a_module():
+    yield from _no_group_left("this module's fixtures")
+
+
 @pytest.fixture
 def tmp_cwd(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -149,7 +149,7 @@ def test_a_signal_a_step_points_trainer_caught_stops_the_run(monkeypatch):
 
     from anyrec.backends import Hardware
     from anyrec.calibration import step as calibrate_step
-    from anyrec.runtime.distributed import start_runtime
+    from anyrec.runtime.distributed import close_runtime, start_runtime
 
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("signal handlers are the main thread's (the trainer's would not catch the signal)")
@@ -161,10 +161,13 @@ def test_a_signal_a_step_points_trainer_caught_stops_the_run(monkeypatch):
 
     monkeypatch.setattr(calibrate_step, "Trainer", SignalledTrainer)
     runtime = start_runtime("cpu", bind_cores=Switch.false)
-    hardware = Hardware(runtime.backend.device_spec())
-    with pytest.raises(CalibrationStopped) as e:
-        calibrate_step._train_point(calibrate_step.POINTS[0], runtime, hardware, steps=40,
-                                    run=CalibrationRun.unbounded())
+    try:
+        hardware = Hardware(runtime.backend.device_spec())
+        with pytest.raises(CalibrationStopped) as e:
+            calibrate_step._train_point(calibrate_step.POINTS[0], runtime, hardware, steps=40,
+                                        run=CalibrationRun.unbounded())
+    finally:
+        close_runtime(runtime, barrier=False)
     assert e.value.signum == signal.SIGTERM
 
 
