@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -102,12 +103,41 @@ def test_the_whole_dense_part_is_timed_forward_and_backward_on_the_jobs_sequence
     shape = dlrmv4_facts(cfg.model).hstu
     dense = measure.DenseUnderTest(HSTUDense(model, hstu_attention_torch), model.table_dim)
     rate = measure.measure_hstu(hstu_attention_torch, "torch", shape, 4, False, get_backend("cpu"),
-                                torch.device("cpu"), budget_s=0.0, dense=dense)
+                                torch.device("cpu"), budget_s=0.0, dense=dense, dense_budget_s=0.0)
     assert rate.dense_step_s > 0 and rate.batch == 4
     assert all(p.grad is not None for p in dense.module.parameters())
     without = measure.measure_hstu(hstu_attention_torch, "torch", shape, 4, False, get_backend("cpu"),
                                    torch.device("cpu"), budget_s=0.0)
     assert without.dense_step_s == 0.0  # no dense part given: not measured
+
+
+def test_the_dense_part_is_warmed_up_then_timed_for_its_whole_budget(monkeypatch):
+    """The dense step (what the planner costs the step by) is a median over `dense_budget_s` of passes
+    after DENSE_WARMUPS untimed ones, not over the quick budget's few: on a shared host a few passes give
+    that second's speed."""
+    passes = []
+
+    def whole(dense, lengths, backend, device, half, gen):
+        def step() -> None:
+            passes.append(time.perf_counter())
+            time.sleep(0.004)
+        return step
+
+    timings, timeit = [], measure.timeit
+
+    def kept(*args, **kwargs):
+        timings.append(timeit(*args, **kwargs))
+        return timings[-1]
+
+    monkeypatch.setattr(measure, "dense_pass", whole)
+    monkeypatch.setattr(measure, "timeit", kept)
+    rate = measure.measure_hstu(hstu_attention_torch, "torch", TINY, 4, False, get_backend("cpu"),
+                                torch.device("cpu"), budget_s=0.0, dense=object(), dense_budget_s=0.1)
+    dense = timings[0]  # the first timing is the dense part's
+    assert measure.DENSE_WARMUPS > 1 and len(passes) == measure.DENSE_WARMUPS + dense.reps
+    timed = passes[measure.DENSE_WARMUPS:]
+    assert dense.reps >= 0.1 / 0.006 and timed[-1] - timed[0] >= 0.08  # the whole budget, not MIN_REPS
+    assert rate.dense_step_s == dense.median_s and 0.004 <= rate.dense_step_s < 0.05
 
 
 def test_a_measured_dense_step_is_the_hstu_time_split_by_the_models_shares():

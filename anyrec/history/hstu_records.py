@@ -26,7 +26,7 @@ from anyrec.signing import cache_dir
 
 logger = logging.getLogger(__name__)
 
-RECORD_VERSION = 2  # 2: the whole dense part's step (dense_step_s)
+RECORD_VERSION = 3  # 2: the whole dense part's step (dense_step_s); 3: timed for DENSE_BUDGET_S, not 5 passes
 MAX_RECORD_BYTES = 4096
 DTYPES = ("fp32", "bf16")
 

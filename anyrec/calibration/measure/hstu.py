@@ -33,6 +33,12 @@ from anyrec.planner.sequence import attention_layer_flops, stu_gemm_flops_per_to
 from anyrec.schema import HSTUShape
 
 MIN_REPS = 5  # the job's largest dense term: a median of at least this many forward + backward passes
+# The whole dense part, the step's largest term and what the planner costs it by: timed for at least this
+# long after DENSE_WARMUPS untimed passes. On a shared host one pass varies by a quarter from one second to
+# the next (dlrmv4_small on the 2-core CPU host: medians of 5 passes 72-126 ms, of 30 passes 71-73 ms), so
+# a median of a few passes would be that second's speed, not the job's.
+DENSE_BUDGET_S = 3.0
+DENSE_WARMUPS = 3
 
 
 def measurement_lengths(shape: HSTUShape, batch: int) -> list[int]:
@@ -63,12 +69,14 @@ def _rounded(lengths: list[float]) -> list[int]:
 
 def measure_hstu(fn: HstuAttentionFn, impl: str, shape: HSTUShape, batch: int, half: bool,
                  backend: Backend, device: torch.device, budget_s: float,
-                 run: CalibrationRun | None = None, dense: DenseUnderTest | None = None) -> HSTURates:
+                 run: CalibrationRun | None = None, dense: DenseUnderTest | None = None,
+                 dense_budget_s: float = DENSE_BUDGET_S) -> HSTURates:
     """`fn` (attention implementation `impl`), one layer's GEMMs and a layer norm on `batch` sequences of
     `measurement_lengths`, one target each, in bf16 where `half` (else fp32) on `device`: the median
     seconds of each one's forward + backward (at least MIN_REPS, each within `budget_s`; the attention's
     forward alone too), and the rates they give; with `dense` (the job's dense part, built with `fn`),
-    its whole forward + backward on the same sequences under the job's autocast."""
+    its whole forward + backward on the same sequences under the job's autocast, timed for at least
+    `dense_budget_s` after DENSE_WARMUPS untimed passes."""
     lengths = measurement_lengths(shape, batch)
     H, A, V, D = shape.num_heads, shape.qk_dim, shape.v_dim, shape.model_dim
     dtype = torch.bfloat16 if half else torch.float32
@@ -79,9 +87,9 @@ def measure_hstu(fn: HstuAttentionFn, impl: str, shape: HSTUShape, batch: int, h
     def tensor(*size: int, grad: bool = True) -> torch.Tensor:
         return torch.randn(*size, generator=gen).to(device=device, dtype=dtype).requires_grad_(grad)
 
-    def timing(name: str, step) -> Timing:
+    def timing(name: str, step, budget: float = budget_s, warmups: int = 1) -> Timing:
         run.measuring(name)
-        out = timeit(step, backend, budget_s, min_reps=MIN_REPS, run=run)
+        out = timeit(step, backend, budget, min_reps=MIN_REPS, run=run, warmups=warmups)
         run.measured(name, out)
         return out
 
@@ -115,8 +123,9 @@ def measure_hstu(fn: HstuAttentionFn, impl: str, shape: HSTUShape, batch: int, h
 
     dense_step = 0.0
     if dense is not None:
-        dense_step = timing(f"dense part B{batch} T{T}",
-                            dense_pass(dense, lengths, backend, device, half, gen)).median_s
+        whole = dense_pass(dense, lengths, backend, device, half, gen)
+        dense_step = timing(f"dense part B{batch} T{T}", whole, max(budget_s, dense_budget_s),
+                            DENSE_WARMUPS).median_s
     step = timing(f"attention {impl} B{batch} H{H} A{A} V{V} S{shape.mean_tokens:g}/{shape.longest_tokens:g}",
                   attention)
     forward = Timing.of(forward_times[1:])  # the first call is timeit's warm-up

@@ -14,13 +14,14 @@ from anyrec.calibration.run import CalibrationRun, Timing
 
 
 def timeit(fn: Callable[[], Any], backend: Backend, budget_s: float, min_reps: int = 3,
-           reps: int | None = None, run: CalibrationRun | None = None) -> Timing:
-    """Seconds per call of `fn` (median and spread): one warm-up, then repeat until the budget is spent
-    (collectives pass a fixed `reps`: every rank must make the same number of calls). Within `run`, a
-    stop signal ends it at once and the phase's end after one timed call."""
+           reps: int | None = None, run: CalibrationRun | None = None, warmups: int = 1) -> Timing:
+    """Seconds per call of `fn` (median and spread): `warmups` untimed calls, then repeat until the budget
+    is spent (collectives pass a fixed `reps`: every rank must make the same number of calls). Within
+    `run`, a stop signal ends it at once and the phase's end after one timed call."""
     run = run or CalibrationRun.unbounded()
     run.check()
-    fn()
+    for _ in range(warmups):
+        fn()
     backend.synchronize()
     times: list[float] = []
     start = time.perf_counter()
