@@ -33,6 +33,7 @@ from anyrec.planner.report import (
     plot_plan,
     write_json_atomic,
 )
+from anyrec.planner.sequence import offline_attention
 from anyrec.planner.types import InfeasiblePlanError, PlanResult
 from anyrec.runtime.distributed import ONE_PROCESS, DistInfo
 from anyrec.signing import resolve_key
@@ -60,10 +61,11 @@ def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print,
     kernels = backend.select_kernels(cfg.backend) if backend is not None else {}
     impl = (kernels["embedding"] if backend is not None
             else FBGEMM_EMBEDDING if kernel == "auto" else get_impl("embedding", kernel))
-    # an HSTU model's attention: this machine's choice, or offline the Triton kernels an accelerator runs
-    attention_kernel = cfg.backend.attention_kernel
-    attention = (kernels[ATTENTION_OP] if backend is not None
-                 else get_impl(ATTENTION_OP, "triton" if attention_kernel == "auto" else attention_kernel))
+    # an HSTU model's attention: this machine's choice, or offline what the planned device runs (Triton's
+    # on an accelerator, torch's on a CPU)
+    chosen = cfg.backend.attention_kernel
+    offline = offline_attention(hardware.spec.torch_device_type) if chosen == "auto" else chosen
+    attention = kernels[ATTENTION_OP] if backend is not None else get_impl(ATTENTION_OP, offline)
     meta, family = torch.device("meta"), resolve_family(cfg.model)
     model = family.build_train(cfg.model, meta, meta, {ATTENTION_OP: attention})
     facts = family.workload_facts(cfg.model)

@@ -369,3 +369,18 @@ def test_torch_attention_holds_padded_scores():
     with pytest.raises(ValueError, match="longest_seq_len"):
         HSTUShape(64, 2, 32, 2, 16, 16, contextual=8, mean_seq_len=51.7, rms_seq_len=52.0,
                   longest_seq_len=80)
+
+
+def test_offline_plans_cost_the_attention_the_planned_device_runs():
+    """Planned for hardware not at hand, a CPU runs the torch attention (its padded scores held), an
+    accelerator anyrec's Triton kernels; `backend.attention_kernel` names another."""
+    def planned(*overrides: str) -> tuple[str, str]:
+        _, cfg = compose_config(["model=dlrmv4_small", "topology.world_size=2", *overrides])
+        lines: list[str] = []
+        result = run(cfg, print_fn=lines.append)
+        return result.workload.options.attention_impl, "\n".join(lines)
+
+    impl, text = planned("hardware=cpu")
+    assert impl == "torch" and "(torch, 10% of peak, assumed)" in text
+    assert planned("hardware=h100")[0] == "triton"
+    assert planned("hardware=cpu", "backend.attention_kernel=triton")[0] == "triton"

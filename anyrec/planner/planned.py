@@ -24,6 +24,7 @@ from anyrec.planner.job import collection_configs, plan_model, planner_inputs
 from anyrec.planner.memory import MemoryPrediction, predict_memory
 from anyrec.planner.planner import CoDesignPlanner, make_workload
 from anyrec.planner.report import format_group_choice, format_report
+from anyrec.planner.sequence import offline_attention
 from anyrec.planner.simple import simple_table_shardings
 from anyrec.planner.simple import to_sharding_plan as simple_sharding_plan
 from anyrec.planner.torchrec_plan import to_sharding_plan
@@ -199,7 +200,7 @@ def plan_job(cfg: AnyrecConfig, model: nn.Module, collection: nn.Module, module_
     update = resolve_replica_update(pc.replica_update, cfg.optim.name, pc.replica_sync_every)
     ebc = collection
     compute_device = Topology(hardware.spec, world_size, local_world_size, device_type).compute_device
-    attention = attention or ("torch" if compute_device == "cpu" else "triton")
+    attention = attention or offline_attention(compute_device)
     place = place or (lambda plan: plan)
 
     def layout_of(size: int, inter_host: bool = False) -> ParallelLayout:

@@ -395,6 +395,13 @@ def job_hstu_rates(options: PlanOptions, topology: Topology) -> HSTURates | None
     return measured_hstu(options.hstu_rates, options.hstu, options.attention_impl, half)
 
 
+def offline_attention(device_type: str) -> str:
+    """The attention implementation a device of `device_type` runs where no backend chose one (planning
+    for hardware not at hand): anyrec's Triton kernels on an accelerator, the torch one on a CPU (Triton
+    runs there only under its interpreter)."""
+    return "torch" if device_type == "cpu" else "triton"
+
+
 def attention_efficiency(attention_impl: str) -> float:
     """The implementation's attention efficiency (ATTENTION_EFFICIENCY); ValueError for an unknown one."""
     if attention_impl not in ATTENTION_EFFICIENCY:
