@@ -36,9 +36,13 @@ def test_aot_gate_compiles_every_kernel_for_all_targets(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     results = json.loads(out.read_text())
     expected = len(_variants()) * len(TARGETS)
-    # 9 TBE variants, 2 x 2 dot interaction (fwd/bwd x fp32/bf16), 2 x 2 DCN epilogue, 3 x 2 HSTU
-    # attention (fwd, bwd dq, bwd dk/dv x bf16/fp32)
-    assert len(results) == expected == 23 * 4
+    # 9 pooled TBE variants, 2 sequence ones (forward and backward at batch 1, the one-id bags' launch),
+    # 2 x 2 dot interaction (fwd/bwd x fp32/bf16), 2 x 2 DCN epilogue, 3 x 2 HSTU attention (fwd, bwd dq,
+    # bwd dk/dv x bf16/fp32)
+    assert len(results) == expected == 25 * 4
+    sequence = {(r["kernel"], r["variant"]) for r in results if r["variant"].startswith("sequence")}
+    assert sequence == {("tbe_forward", "sequence w=fp32 batch=1 D<=512"),
+                        ("tbe_backward", "sequence rowwise_adagrad w=fp32 batch=1 D<=512")}
     assert {r["target"] for r in results} == set(TARGETS)
     assert {r["kernel"] for r in results} == {"tbe_forward", "tbe_backward", "dot_fwd", "dot_bwd",
                                               "dcn_epi_fwd", "dcn_epi_bwd", "hstu_fwd", "hstu_bwd_dq",
