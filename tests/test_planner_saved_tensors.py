@@ -15,9 +15,9 @@ from anyrec.config import DataConfig, STURecompute
 from anyrec.data.sequences import NUM_CONTEXTUAL, SequenceDataConfig
 from anyrec.data.yambda_synthetic import SyntheticYambda
 from anyrec.models import hstu
-from anyrec.models.dlrmv4 import dlrmv4_config, workload_facts
+from anyrec.models.dlrmv4 import batch_schema, dlrmv4_config, workload_facts
 from anyrec.planner import sequence
-from anyrec.sequence_schema import reference_schema
+from anyrec.sequence_schema import SequenceSchema
 from tests.conftest import compose_config
 from tests.test_hstu_model import make_batch
 
@@ -109,7 +109,9 @@ def test_dlrmv4_small_lengths_are_its_streams(small):
     cfg, shape, _ = small
     fields = {**DataConfig().sequence, **cfg.data.sequence, "batch_size": cfg.data.batch_size}
     data = SequenceDataConfig(**fields)
-    stream = SyntheticYambda(reference_schema().scaled(data.table_scale), data, seed=0)
+    schema = batch_schema(cfg.model)  # the job's tables (model.hstu.table_scale), as its stream reads them
+    stream = SyntheticYambda(SequenceSchema(dict(zip(schema.features, schema.table_rows, strict=True))), data,
+                             seed=0)
     lengths = []
     for window in range(stream.num_windows() - 1):  # the windows the job trains on
         for i, batch in enumerate(stream.train_batches(window, 0)):

@@ -127,3 +127,12 @@ def test_config_checks_its_ranges():
         SequenceDataConfig(max_seq_len=9)
     with pytest.raises(ValueError, match="batch_size"):
         SequenceDataConfig(batch_size=0)
+
+
+def test_the_jobs_options_are_checked_by_name():
+    """`data.sequence` as the job gives it: a key that is no option (a typo, or the tables' scale, which is
+    the model's `model.hstu.table_scale`) is one line naming it, not a TypeError."""
+    data = SequenceDataConfig.of({"num_windows": 3}, 16)
+    assert (data.num_windows, data.batch_size) == (3, 16)
+    with pytest.raises(ValueError, match=r"^data.sequence.table_scale is not an option .*: events_per_user"):
+        SequenceDataConfig.of({"table_scale": 0.5, "num_windows": 3}, 16)

@@ -16,6 +16,7 @@ Legend: B samples, T sequence positions of the batch (sum of lengths), C context
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -47,7 +48,6 @@ class SequenceDataConfig:
     history_per_pool: int = 82  # most recent events kept per pool before the anchor (reference 1362)
     batch_size: int = 128  # samples per rank (reference 1024)
     num_windows: int = 6  # 1-day windows streamed (train T, evaluate T + 1); synthetic: days simulated
-    table_scale: float = 0.002  # every table's rows x this (1.0: the reference's); synthetic users/items too
     # synthetic stream
     history_days: int = 3  # days simulated before window 0, so that its samples have histories
     events_per_user_day: float = 20.0  # mean events of a user per day (users' activity is log-normal)
@@ -60,6 +60,17 @@ class SequenceDataConfig:
     scan_window: int = 20_000  # events before the anchor searched for its history (the reference's)
     window_seconds: int = 86_400
     rows_per_read: int = 4096  # parquet rows (sessions) read at a time: bounds the reader's memory
+
+    @classmethod
+    def of(cls, options: Mapping[str, Any], batch_size: int) -> SequenceDataConfig:
+        """The job's `data.sequence` options at `batch_size` samples per rank; a key that is no option is a
+        ValueError (one line) naming it and the options."""
+        known = sorted(f.name for f in dataclasses.fields(cls) if f.name != "batch_size")
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise ValueError(f"data.sequence.{unknown[0]} is not an option of a sequence source; its "
+                             f"options: {', '.join(known)}")
+        return cls(**{**options, "batch_size": batch_size})
 
     def __post_init__(self) -> None:
         if self.max_seq_len < NUM_CONTEXTUAL + NUM_TARGETS + 1:

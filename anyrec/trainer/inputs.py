@@ -122,7 +122,7 @@ def sequence_inputs(cfg: AnyrecConfig, schema: BatchSchema, batch_size: int, dis
 
     if cfg.data.name != "yambda_synthetic":
         raise ValueError(f"data={cfg.data.name}: the sequence trainer streams data=yambda_synthetic here")
-    data = SequenceDataConfig(**{**cfg.data.sequence, "batch_size": batch_size})
+    data = SequenceDataConfig.of(cfg.data.sequence, batch_size)
     source = SyntheticYambda(SequenceSchema(dict(zip(schema.features, schema.table_rows, strict=True))), data,
                              cfg.trainer.seed, dist.rank, dist.world_size)
     stream = WindowStream(source)
