@@ -8,6 +8,7 @@ trainer reads its real one."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -17,6 +18,7 @@ from anyrec import _hydra
 from anyrec.backends import Hardware, get_backend, resolve_hardware
 from anyrec.backends.dispatch import FBGEMM_EMBEDDING, get_impl
 from anyrec.backends.hardware import figure_sources
+from anyrec.calibration.first_contact import job_half, recorded_hstu_rates
 from anyrec.config import AnyrecConfig
 from anyrec.data import resolve_batch_size
 from anyrec.history.cache import find_for_device
@@ -70,6 +72,13 @@ def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print,
     model = family.build_train(cfg.model, meta, meta, {ATTENTION_OP: attention})
     facts = family.workload_facts(cfg.model)
     world, local = cfg.topology.world_size, cfg.topology.local_world_size or cfg.topology.world_size
+    # an HSTU job's kernels as a training job of it on this machine measured them (first contact), beside
+    # the cached calibration: planned with them, as that job was
+    recorded = (recorded_hstu_rates(cfg, cached.path, attention.name,
+                                    job_half(hardware, backend.device_type, world, local), world)
+                if cached is not None else None)
+    if recorded is not None:
+        hardware = dataclasses.replace(hardware, hstu_rates=(recorded[0],))
     resident = host_estimate_of_resident_bytes(cfg, DistInfo(0, world, 0, local))
     batch = cfg.plan.batch_size or resolve_batch_size(cfg.data, world).batch_size
 
@@ -91,6 +100,8 @@ def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print,
     print_fn("figures: " + "\n         ".join(figure_sources(hardware, hardware.embedding_cost(impl))))
     if cached is not None:
         print_fn(f"         this machine's cached calibration ({local_ranks} local rank(s)): {cached.path}")
+        if recorded is not None:
+            print_fn(f"         HSTU kernels as a training job of this model measured them: {recorded[1]}")
     elif backend is not None:
         print_fn(f"         no calibration cached for this machine at {local_ranks} local rank(s): the "
                  f"{backend.name} backend's datasheet figures (a hardware=auto training job measures one)")

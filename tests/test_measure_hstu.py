@@ -212,7 +212,7 @@ def test_records_round_trip_and_damage_is_measured_again(tmp_path, caplog):
         path.write_text(bad)
         caplog.clear()
         assert records.read_record(path, key) is None
-        assert "measuring again" in caplog.text
+        assert "ignored" in caplog.text
 
 
 def test_first_contact_measures_the_jobs_attention_once_then_reads_it(tmp_path, monkeypatch, caplog):

@@ -198,14 +198,27 @@ def test_the_planner_never_proposes_what_the_trainer_refuses():
         _plan(["hardware=cpu", "optim=adam", "planner.sharding=table_wise"])
 
 
-def test_plan_uses_this_machines_cached_calibration_and_says_so(tmp_path, monkeypatch):
-    """hardware=auto: the cached calibration for the local device at the planned local ranks, named;
-    without one (or for another SKU) the figures are said to be the datasheet's."""
+def _cached_entry(folder: Path) -> Path:
+    """This machine's calibration entry at 2 local ranks in the cache `folder`, signed as a job on this
+    machine signs it (with the per-user key anyrec created in the cache folder)."""
     import dataclasses
 
     import yaml
 
     from anyrec.backends import get_backend
+    from anyrec.history import cache as calcache
+    from anyrec.runtime.distributed import ONE_PROCESS
+    from anyrec.signing import resolve_key
+
+    key = dataclasses.replace(calcache.local_key(get_backend("cpu"), ONE_PROCESS), local_world_size=2,
+                              cores_per_rank=((0,), (1,)))
+    data = yaml.safe_load((Path(__file__).parent / "data" / "calibration_cpu_2rank.yaml").read_text())
+    return calcache.write_entry(folder / key.file_name(), key, data, signing_key=resolve_key(None))
+
+
+def test_plan_uses_this_machines_cached_calibration_and_says_so(tmp_path, monkeypatch):
+    """hardware=auto: the cached calibration for the local device at the planned local ranks, named;
+    without one (or for another SKU) the figures are said to be the datasheet's."""
     from anyrec.history import cache as calcache
 
     monkeypatch.setenv(calcache.CACHE_DIR_ENV, str(tmp_path))
@@ -214,15 +227,7 @@ def test_plan_uses_this_machines_cached_calibration_and_says_so(tmp_path, monkey
     datasheet, text = _plan(args)
     assert "no calibration cached for this machine at 2 local rank(s)" in text and "datasheet" in text
     assert "compare figures: all device figures from the SKU table (datasheet)" in text
-    from anyrec.runtime.distributed import ONE_PROCESS
-
-    key = dataclasses.replace(calcache.local_key(get_backend("cpu"), ONE_PROCESS), local_world_size=2,
-                              cores_per_rank=((0,), (1,)))
-    data = yaml.safe_load((Path(__file__).parent / "data" / "calibration_cpu_2rank.yaml").read_text())
-    from anyrec.signing import resolve_key
-
-    # signed as a job on this machine signs it: with the per-user key anyrec created in the cache folder
-    path = calcache.write_entry(tmp_path / key.file_name(), key, data, signing_key=resolve_key(None))
+    path = _cached_entry(tmp_path)
     cached, text = _plan(args)
     assert f"this machine's cached calibration (2 local rank(s)): {path}" in text
     assert f"measured ({path})" in text
@@ -231,3 +236,33 @@ def test_plan_uses_this_machines_cached_calibration_and_says_so(tmp_path, monkey
     assert "no calibration cached for this machine at 1 local rank(s)" in text
     _, text = _plan(args + ["trainer.calibrate=never"])
     assert "cached calibration" not in text
+
+
+def test_plan_of_an_hstu_job_uses_the_kernels_its_training_job_measured(tmp_path, monkeypatch):
+    """hardware=auto for dlrmv4_small: the HSTU record a training job of it kept beside this machine's
+    cached calibration (first contact) is what the plan costs the dense part by, as that job did, named."""
+    from anyrec.backends.hardware import HSTURates
+    from anyrec.calibration.first_contact import hstu_record_key
+    from anyrec.history import cache as calcache
+    from anyrec.history.hstu_records import record_path, write_record
+
+    monkeypatch.setenv(calcache.CACHE_DIR_ENV, str(tmp_path))
+    entry = _cached_entry(tmp_path)
+    overrides = ["model=dlrmv4_small", "hardware=auto", "backend=cpu", "topology.world_size=2",
+                 "trainer.calibrate=auto"]
+
+    def planned() -> tuple[float, str]:
+        lines: list[str] = []
+        return run(compose_config(overrides)[1], print_fn=lines.append).predicted_step_s, "\n".join(lines)
+
+    assumed, text = planned()
+    assert "(torch, 10% of peak, assumed)" in text and "HSTU kernels as a training job" not in text
+    key = hstu_record_key(compose_config(overrides)[1], entry, "torch", False, 2)
+    rate = HSTURates(impl="torch", dtype="fp32", heads=2, qk_dim=16, v_dim=16, mean_tokens=51.7,
+                     rms_tokens=52.0, longest_tokens=57, batch=128, forward_s=0.01, step_s=0.04,
+                     flops_per_s=2e9, gemm_flops_per_s=5e10, elementwise_bw_bytes_per_s=8e9, dense_step_s=0.5)
+    write_record(record_path(key), key, rate)
+    measured, text = planned()
+    assert "attention" in text and "measured 2.0 GFLOP/s" in text
+    assert f"HSTU kernels as a training job of this model measured them: {record_path(key)}" in text
+    assert assumed < 0.5 < measured  # the record's half-second dense step, not the assumed rates

@@ -107,6 +107,33 @@ def _name_lost_peer(e: Exception, cfg: AnyrecConfig, runtime: Runtime) -> None:
         raise PeerLostError(lost) from None
 
 
+def job_half(hardware: Hardware, device_type: str, world_size: int, local_world_size: int) -> bool:
+    """Whether an HSTU job on `hardware` (a `device_type` device, `world_size` ranks, `local_world_size` a
+    host) is costed, and so measured, in bf16."""
+    topology = Topology(hardware.spec, world_size, local_world_size, device_type)
+    return activation_bytes(topology, PlanOptions().dense_dtype) == 2
+
+
+def hstu_record_key(cfg: AnyrecConfig, entry: Path, impl: str, half: bool, world_size: int) -> str:
+    """The name of the HSTU record of `cfg`'s job (attention implementation `impl`, bf16 where `half`, on
+    `world_size` ranks: its batch per rank) kept beside the calibration entry `entry`."""
+    shape = resolve_family(cfg.model).workload_facts(cfg.model).hstu
+    batch = resolve_batch_size(cfg.data, world_size).batch_size
+    return record_key(read_text(entry, "the calibration entry", MAX_YAML_BYTES), impl, half, shape, batch)
+
+
+def recorded_hstu_rates(cfg: AnyrecConfig, entry: Path, impl: str, half: bool,
+                        world_size: int) -> tuple[HSTURates, Path] | None:
+    """The HSTU record a training job of `cfg` on `world_size` ranks measured on first contact beside the
+    calibration entry `entry` (what it planned with), and where it is; None for other models or where
+    none is kept. What `anyrec-plan` on this machine plans with, as the job does."""
+    if resolve_family(cfg.model).workload_facts(cfg.model).hstu is None:
+        return None
+    path = record_path(key := hstu_record_key(cfg, entry, impl, half, world_size))
+    rate = read_record(path, key)
+    return (rate, path) if rate is not None else None
+
+
 def job_hstu_rates(cfg: AnyrecConfig, runtime: Runtime, hardware: Hardware, entry: Path,
                   agreement: Agreement) -> HSTURates | None:
     """For an HSTU model, the rates of its kernels (the attention implementation the job runs, the
@@ -120,11 +147,9 @@ def job_hstu_rates(cfg: AnyrecConfig, runtime: Runtime, hardware: Hardware, entr
     backend, info = runtime.backend, runtime.dist
     impl = backend.select_kernels(cfg.backend)[ATTENTION_OP]
     batch = resolve_batch_size(cfg.data, info.world_size).batch_size
-    topology = Topology(hardware.spec, info.world_size, info.local_world_size, backend.device_type)
-    half = activation_bytes(topology, PlanOptions().dense_dtype) == 2
+    half = job_half(hardware, backend.device_type, info.world_size, info.local_world_size)
     # rank 0 looks the record up and writes it: the key is its own
-    key = record_key(read_text(entry, "the calibration entry", MAX_YAML_BYTES), impl.name, half, shape,
-                     batch) if info.is_main else ""
+    key = hstu_record_key(cfg, entry, impl.name, half, info.world_size) if info.is_main else ""
     path = record_path(key)
 
     def recorded() -> dict | None:

@@ -83,7 +83,7 @@ def read_record(path: Path, key: str) -> HSTURates | None:
             return HSTURates(**data["rate"])
     except (UnsafeFileError, TypeError) as e:
         problem = str(e).splitlines()[0]
-    logger.warning("HSTU record %s ignored (%s): measuring again", path, problem)
+    logger.warning("HSTU record %s ignored (%s)", path, problem)
     return None
 
 
