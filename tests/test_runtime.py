@@ -16,7 +16,7 @@ from anyrec.calibration import first_contact
 from anyrec.choices import Switch
 from anyrec.history import cache
 from anyrec.runtime import distributed
-from anyrec.runtime.distributed import ONE_PROCESS, destroy_distributed, start_runtime
+from anyrec.runtime.distributed import ONE_PROCESS, close_runtime, destroy_distributed, start_runtime
 from anyrec.trainer import trainer as trainer_module
 
 from .conftest import compose_config
@@ -139,3 +139,48 @@ def test_the_runtime_holds_its_heartbeat_and_closing_it_stops_the_thread(monkeyp
     close_runtime(runtime, barrier=False)
     assert not any(t.name == "anyrec-heartbeat" for t in threading.enumerate())
     assert dist.PrefixStore("anyrec/heartbeat/", store).get("0") == DONE
+
+
+def test_a_trainer_that_set_up_its_runtime_stops_its_heartbeat_when_it_leaves_the_group_up(monkeypatch):
+    """Trainers built one after another in one process (tools, benchmarks) each set up a runtime; closing
+    one with keep_group=True leaves the group for the next, but stops the heartbeat it started (a thread
+    left beating when the interpreter exits aborts the process). A runtime given to a Trainer is its
+    caller's: the Trainer leaves that heartbeat alone."""
+    import dataclasses
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from anyrec.runtime.shutdown import DONE, Heartbeat
+
+    from .conftest import free_port
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10))  # the launcher's
+    beats = dist.PrefixStore("anyrec/heartbeat/", store)
+
+    def with_heartbeat(runtime):
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        return dataclasses.replace(runtime, heartbeat=Heartbeat(0, 2, timeout_s=60).start())
+
+    def beating() -> bool:
+        return any(t.name == "anyrec-heartbeat" for t in threading.enumerate())
+
+    alone = trainer_module.start_runtime
+    monkeypatch.setattr(trainer_module, "start_runtime", lambda *a, **kw: with_heartbeat(alone(*a, **kw)))
+    cfg = compose_config(JOB)[1]
+    try:
+        trainer = trainer_module.Trainer(cfg)
+        assert beating()
+        trainer.close(keep_group=True)
+        assert not beating() and beats.get("0") == DONE and dist.is_initialized()
+        given = with_heartbeat(trainer.runtime)
+        trainer = trainer_module.Trainer(cfg, runtime=given)
+        trainer.close(keep_group=True)
+        assert beating()  # the caller's runtime: its caller closes it
+        close_runtime(given, barrier=False)
+        assert not beating()
+    finally:
+        destroy_distributed(barrier=False)

@@ -93,6 +93,7 @@ class Trainer:
         self.cfg = cfg
         self.family = family if family is not None else resolve_family(cfg.model)
         signing_key = resolve_key(cfg.trainer.signing_key_file)  # an unusable key fails before any work
+        self.owns_runtime = runtime is None  # set up here: this Trainer ends it (close)
         self.runtime = runtime if runtime is not None else self.init_distributed()
         self.backend: Backend = self.runtime.backend
         self.dist: DistInfo = self.runtime.dist
@@ -523,7 +524,8 @@ class Trainer:
     def close(self, failed: bool = False, keep_group: bool = False) -> None:
         """Release the sharded model before the process group goes (see destroy_distributed).
         `failed`: a peer may be gone, wait for the others only briefly; `keep_group`: leave the group up
-        (another Trainer in this process still uses it and closes last)."""
+        (another Trainer in this process still uses it and closes last), but stop the heartbeat of a
+        runtime this Trainer set up (a thread left beating when the interpreter exits aborts it)."""
         self.writer.close()
         if self.checkpoints is not None:
             self.checkpoints.close()
@@ -533,3 +535,5 @@ class Trainer:
         del self.model, self.train_data, self.eval_data, self.checkpoints
         if not keep_group:
             close_runtime(self.runtime, barrier=not failed or peers_met(self.dist.rank, self.dist.world_size))
+        elif self.owns_runtime and self.runtime.heartbeat is not None:
+            self.runtime.heartbeat.stop()

@@ -57,7 +57,7 @@ def run(sharding: str, mode: str, out_dir: Path) -> dict:
         "served": {k: v for k, v in served.items() if v},
         "installed": list(sparse_ops.installed("CPU")),
     }
-    trainer.writer.close()
+    trainer.close(keep_group=True)  # its heartbeat stops; the group stays for the next run
     del trainer, prof
     gc.collect()
     return result
