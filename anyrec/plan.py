@@ -74,13 +74,15 @@ def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print,
     world, local = cfg.topology.world_size, cfg.topology.local_world_size or cfg.topology.world_size
     # an HSTU job's kernels as a training job of it on this machine measured them (first contact), beside
     # the cached calibration: planned with them, as that job was
-    recorded = (recorded_hstu_rates(cfg, cached.path, attention.name,
-                                    job_half(hardware, backend.device_type, world, local), world)
-                if cached is not None else None)
+    job_batch = resolve_batch_size(cfg.data, world).batch_size
+    recorded = (recorded_hstu_rates(cached.path, attention.name,
+                                    job_half(hardware, backend.device_type, world, local), facts.hstu,
+                                    job_batch)
+                if cached is not None and facts.hstu is not None else None)
     if recorded is not None:
         hardware = dataclasses.replace(hardware, hstu_rates=(recorded[0],))
     resident = host_estimate_of_resident_bytes(cfg, DistInfo(0, world, 0, local))
-    batch = cfg.plan.batch_size or resolve_batch_size(cfg.data, world).batch_size
+    batch = cfg.plan.batch_size or job_batch
 
     def plan_on(hw: Hardware) -> PlannedJob:
         # this machine's device type for its own hardware (as the trainer plans); a SKU's otherwise

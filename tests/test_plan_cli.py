@@ -243,8 +243,10 @@ def test_plan_of_an_hstu_job_uses_the_kernels_its_training_job_measured(tmp_path
     cached calibration (first contact) is what the plan costs the dense part by, as that job did, named."""
     from anyrec.backends.hardware import HSTURates
     from anyrec.calibration.first_contact import hstu_record_key
+    from anyrec.data import resolve_batch_size
     from anyrec.history import cache as calcache
     from anyrec.history.hstu_records import record_path, write_record
+    from anyrec.models.family import resolve_family
 
     monkeypatch.setenv(calcache.CACHE_DIR_ENV, str(tmp_path))
     entry = _cached_entry(tmp_path)
@@ -257,7 +259,9 @@ def test_plan_of_an_hstu_job_uses_the_kernels_its_training_job_measured(tmp_path
 
     assumed, text = planned()
     assert "(torch, 10% of peak, assumed)" in text and "HSTU kernels as a training job" not in text
-    key = hstu_record_key(compose_config(overrides)[1], entry, "torch", False, 2)
+    cfg = compose_config(overrides)[1]
+    key = hstu_record_key(entry, "torch", False, resolve_family(cfg.model).workload_facts(cfg.model).hstu,
+                          resolve_batch_size(cfg.data, 2).batch_size)
     rate = HSTURates(impl="torch", dtype="fp32", heads=2, qk_dim=16, v_dim=16, mean_tokens=51.7,
                      rms_tokens=52.0, longest_tokens=57, batch=128, forward_s=0.01, step_s=0.04,
                      flops_per_s=2e9, gemm_flops_per_s=5e10, elementwise_bw_bytes_per_s=8e9, dense_step_s=0.5)

@@ -50,6 +50,7 @@ from anyrec.runtime.distributed import Runtime
 from anyrec.runtime.errors import PeerLostError
 from anyrec.runtime.shutdown import peer_failure
 from anyrec.safe_load import MAX_YAML_BYTES, read_text
+from anyrec.schema import HSTUShape
 from anyrec.signing import SigningKey, resolve_key
 
 logger = logging.getLogger(__name__)
@@ -114,22 +115,18 @@ def job_half(hardware: Hardware, device_type: str, world_size: int, local_world_
     return activation_bytes(topology, PlanOptions().dense_dtype) == 2
 
 
-def hstu_record_key(cfg: AnyrecConfig, entry: Path, impl: str, half: bool, world_size: int) -> str:
-    """The name of the HSTU record of `cfg`'s job (attention implementation `impl`, bf16 where `half`, on
-    `world_size` ranks: its batch per rank) kept beside the calibration entry `entry`."""
-    shape = resolve_family(cfg.model).workload_facts(cfg.model).hstu
-    batch = resolve_batch_size(cfg.data, world_size).batch_size
+def hstu_record_key(entry: Path, impl: str, half: bool, shape: HSTUShape, batch: int) -> str:
+    """The name of the HSTU record of a job of `shape` (attention implementation `impl`, bf16 where `half`,
+    `batch` samples per rank) kept beside the calibration entry `entry`."""
     return record_key(read_text(entry, "the calibration entry", MAX_YAML_BYTES), impl, half, shape, batch)
 
 
-def recorded_hstu_rates(cfg: AnyrecConfig, entry: Path, impl: str, half: bool,
-                        world_size: int) -> tuple[HSTURates, Path] | None:
-    """The HSTU record a training job of `cfg` on `world_size` ranks measured on first contact beside the
-    calibration entry `entry` (what it planned with), and where it is; None for other models or where
-    none is kept. What `anyrec-plan` on this machine plans with, as the job does."""
-    if resolve_family(cfg.model).workload_facts(cfg.model).hstu is None:
-        return None
-    path = record_path(key := hstu_record_key(cfg, entry, impl, half, world_size))
+def recorded_hstu_rates(entry: Path, impl: str, half: bool, shape: HSTUShape,
+                        batch: int) -> tuple[HSTURates, Path] | None:
+    """The HSTU record a training job of `shape` at `batch` samples per rank measured on first contact
+    beside the calibration entry `entry` (what it planned with), and where it is; None where none is
+    kept. What `anyrec-plan` on this machine plans with, as the job does."""
+    path = record_path(key := hstu_record_key(entry, impl, half, shape, batch))
     rate = read_record(path, key)
     return (rate, path) if rate is not None else None
 
@@ -149,7 +146,7 @@ def job_hstu_rates(cfg: AnyrecConfig, runtime: Runtime, hardware: Hardware, entr
     batch = resolve_batch_size(cfg.data, info.world_size).batch_size
     half = job_half(hardware, backend.device_type, info.world_size, info.local_world_size)
     # rank 0 looks the record up and writes it: the key is its own
-    key = hstu_record_key(cfg, entry, impl.name, half, info.world_size) if info.is_main else ""
+    key = hstu_record_key(entry, impl.name, half, shape, batch) if info.is_main else ""
     path = record_path(key)
 
     def recorded() -> dict | None:
