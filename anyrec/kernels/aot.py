@@ -82,19 +82,25 @@ def _variants():
               "STOCHASTIC_ROUNDING": wdt != "fp32", "DROPPED_BITS": 16, "ALIGN": 16,
               "LONG_SEGMENT": LONG_SEGMENT, "BLOCK_U": bu, "BLOCK_L": bl, "BLOCK_D": bd, "NUM_D_TILES": tiles}
         out.append(("tbe_backward", f"{kind.value} w={wdt} D<={dim}", tbe_backward_kernel, types, cx, nw))
-    out += _sequence_variants(forward_blocks, backward_blocks, tbe_forward_kernel, tbe_backward_kernel,
-                              OPTIMIZER_CODES, LONG_SEGMENT)
+    out += _sequence_variants()
     out += _dense_variants()
     out += _attention_variants()
     return out
 
 
-def _sequence_variants(forward_blocks, backward_blocks, tbe_forward_kernel, tbe_backward_kernel,
-                       optimizer_codes, long_segment):
+def _sequence_variants():
     """The unpooled (sequence) lookups as `sequence_tbe` launches the pooled kernels: every lookup a one-id
     bag of a batch of one, so `batch` is 1 (a value the launcher specialises, a variant of its own), at the
     DLRMv4 reference's dim 512 with its row-wise Adagrad; int64 ids (forward) and the sort order (backward)
     stand in for the unread per-sample weights, and a row's stride (lookups x 512) divides by 16."""
+    from anyrec.kernels.triton_tbe import forward_blocks, tbe_forward_kernel  # needs triton
+    from anyrec.kernels.triton_tbe_backward import (  # needs triton
+        LONG_SEGMENT,
+        OPTIMIZER_CODES,
+        backward_blocks,
+        tbe_backward_kernel,
+    )
+
     dim = 512
     bb, bd, unroll, nw = forward_blocks(dim)
     types = ["*fp32"] + ["*i64"] * 5 + ["*i64", "*i64", "*i64", "*fp32", "i32", "i32:16"]
@@ -105,8 +111,8 @@ def _sequence_variants(forward_blocks, backward_blocks, tbe_forward_kernel, tbe_
     bu, bl, bd, tiles, nw = backward_blocks(dim)
     types = (["*fp32", "*fp32", "*fp32", "*fp32"] + ["*i64"] * 6 + ["*i64"] + ["*i64"] * 4
              + ["*fp32", "i32:16", "i32", "i64", "fp32", "fp32", "fp32", "fp32", "fp32", "i32"])
-    cx = {"batch": 1, "OPTIMIZER": optimizer_codes[kind], "HAS_PSW": False, "MEAN": False,
-          "STOCHASTIC_ROUNDING": False, "DROPPED_BITS": 16, "ALIGN": 16, "LONG_SEGMENT": long_segment,
+    cx = {"batch": 1, "OPTIMIZER": OPTIMIZER_CODES[kind], "HAS_PSW": False, "MEAN": False,
+          "STOCHASTIC_ROUNDING": False, "DROPPED_BITS": 16, "ALIGN": 16, "LONG_SEGMENT": LONG_SEGMENT,
           "BLOCK_U": bu, "BLOCK_L": bl, "BLOCK_D": bd, "NUM_D_TILES": tiles}
     out.append(("tbe_backward", f"sequence {kind.value} w=fp32 batch=1 D<={dim}", tbe_backward_kernel, types,
                 cx, nw))
