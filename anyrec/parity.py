@@ -373,7 +373,8 @@ def run(cfg: AnyrecConfig) -> int:
     check = choose_check(command_line, opts.variants, resolve_family(cfg.model))
     base = check.base
     labels, records = [v.label for v in check.variants], []
-    print(f"anyrec-parity: {check.name}: {' '.join(base)}", file=sys.stderr, flush=True)
+    described = f"{check.name}: {' '.join(base)}"  # the table's first line names it too
+    print(f"anyrec-parity: {described}", file=sys.stderr, flush=True)
     for v in check.variants:
         print(f"anyrec-parity: running {v.label} ...", file=sys.stderr, flush=True)
         records.append(run_variant(base, v, opts.timeout_s))
@@ -392,7 +393,7 @@ def run(cfg: AnyrecConfig) -> int:
             print("anyrec-parity: the reference (first) variant failed", file=sys.stderr)
             return 1
         ref, ref_label = records[0], labels[0]
-    table, ok = report(labels, records, ref, ref_label, opts, f"{check.name}: {' '.join(base)}")
+    table, ok = report(labels, records, ref, ref_label, opts, described)
     print(table)
     print(f"tolerance: per-step loss {opts.loss_rtol:g} relative, weights {opts.weight_atol:g} absolute: "
           f"{'all variants agree' if ok else 'VARIANTS DIFFER'}")
