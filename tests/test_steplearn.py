@@ -91,6 +91,17 @@ def test_a_second_run_predicts_what_the_first_measured(tmp_path):
         proc = torchrun([*args, f"hydra.run.dir={tmp_path / name}"], env=env, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs.append((last_json_line(proc.stdout), proc.stdout + proc.stderr))
+        if name == "a":
+            # The first run recorded one ratio under its workload and the host's load at its start. The
+            # second run's load class is sampled again (a test beside this one may start between them),
+            # so the ratio is copied to every load class of that workload: the second run reads it
+            # whatever its own class.
+            store = steplearn.ObservedSteps(tmp_path / "cache")
+            (key, observed), = store._read().items()
+            digest = key.rsplit("/", 1)[0]
+            for load in ("quiet", "busy", "unknown"):
+                if f"{digest}/{load}" != key:
+                    store.record(f"{digest}/{load}", observed[0]["measured_ms"], observed[0]["model_ms"])
     (first, _), (second, log) = runs
     assert first["step_correction_runs"] == 0 and first["predicted_step_ms"] == first["model_step_ms"]
     # The second run's prediction is the model's times the first run's measured / model ratio, one run
