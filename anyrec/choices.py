@@ -6,6 +6,9 @@ from __future__ import annotations
 from enum import StrEnum
 
 Switch = StrEnum("Switch", "auto true false")  # auto, or forced on or off
+# The dense part's precision: `auto` as configured (bf16 autocast on an accelerator that has it, fp32 on a
+# CPU), resolved to bf16 or fp32 once for the device a job runs on (Backend.dense_precision)
+Precision = StrEnum("Precision", "auto bf16 fp32")
 
 
 def parse_switch(key: str, value: object) -> Switch:

@@ -11,7 +11,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from anyrec.choices import Switch, parse_switch
+from anyrec.choices import Precision, Switch, parse_switch
 
 
 def config_dir() -> Path:
@@ -35,7 +35,6 @@ PlannerName = StrEnum("PlannerName", "codesign simple")
 Sharding = StrEnum("Sharding", "auto table_wise row_wise column_wise table_row_wise data_parallel")
 Optimizer = StrEnum("Optimizer", "sgd adagrad rowwise_adagrad adam")
 Calibrate = StrEnum("Calibrate", "auto always never")
-Precision = StrEnum("Precision", "auto bf16 fp32")
 CalibrationSize = StrEnum("CalibrationSize", "small large quick")
 TablePrecision = StrEnum("TablePrecision", "fp32 fp16 int8")
 IdLayout = StrEnum("IdLayout", "offsets lengths")

@@ -18,8 +18,8 @@ from anyrec import _hydra
 from anyrec.backends import Hardware, get_backend, resolve_hardware
 from anyrec.backends.dispatch import FBGEMM_EMBEDDING, get_impl
 from anyrec.backends.hardware import figure_sources
-from anyrec.calibration.first_contact import job_half, recorded_hstu_rates
-from anyrec.config import AnyrecConfig
+from anyrec.calibration.first_contact import recorded_hstu_rates
+from anyrec.config import AnyrecConfig, Precision
 from anyrec.data import resolve_batch_size
 from anyrec.history.cache import find_for_device
 from anyrec.io_checks import writable_file
@@ -75,8 +75,11 @@ def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print,
     # an HSTU job's kernels as a training job of it on this machine measured them (first contact), beside
     # the cached calibration: planned with them, as that job was
     job_batch = resolve_batch_size(cfg.data, world).batch_size
-    recorded = (recorded_hstu_rates(cached.path, attention.name,
-                                    job_half(hardware, backend.device_type, world, local), facts.hstu,
+    # the dense part's precision: as this machine's backend resolves it (as the trainer does), or the choice
+    # as configured for a device planned offline (auto: bf16 on an accelerator, fp32 on a CPU)
+    chosen_precision = cfg.trainer.mixed_precision
+    precision = backend.dense_precision(chosen_precision) if backend is not None else chosen_precision
+    recorded = (recorded_hstu_rates(cached.path, attention.name, precision == Precision.bf16, facts.hstu,
                                     job_batch)
                 if cached is not None and facts.hstu is not None else None)
     if recorded is not None:
@@ -86,9 +89,11 @@ def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print,
 
     def plan_on(hw: Hardware) -> PlannedJob:
         # this machine's device type for its own hardware (as the trainer plans); a SKU's otherwise
-        device_type = backend.device_type if backend is not None and hw is hardware else None
+        here = backend is not None and hw is hardware
         return plan_job(cfg, model, family.sparse_module(model), family.sparse_path, facts, hw, impl, world,
-                        local, batch, device_type, resident, planner, attention=attention.name, what_if=True)
+                        local, batch, backend.device_type if here else None, resident, planner,
+                        attention=attention.name, what_if=True,
+                        precision=precision if here else chosen_precision)
 
     planned = plan_on(hardware)
     if planned.result is None:

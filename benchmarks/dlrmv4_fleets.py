@@ -227,7 +227,8 @@ def _terms(whole: PlanResult) -> str:
     parts = [(f"{shape.num_layers} STU layers' kept tensors", h.kept_layers, per_rank_tokens)]
     if h.recomputed:
         parts.append(("the last layer's recomputed tensors", h.recomputed, per_rank_tokens))
-    parts += [("the last layer's backward and attention workspace", h.backward, per_rank_tokens),
+    parts += [("the gradient arriving at the last layer", ab.gemm * shape.model_dim, per_rank_tokens),
+              ("the last layer's largest backward part", h.backward, per_rank_tokens),
               ("the preprocessor's kept tensors", h.preprocessor, positions),
               ("token indices and the input dropout mask", input_bytes_per_token(shape, ab), per_rank_tokens)]
     for what, per, n in parts:

@@ -136,7 +136,9 @@ def floor_of_plan(plan, spec, ideal_cost, model_cfg, evaluate) -> dict:
     assignment = {n: (o.sharding.value, o.placement.value, o.ranks) for n, o in plan.tables.items()}
     ideal = evaluate(assignment, topo, workload)
     w, b, n = topo.world_size, workload.batch_size_per_rank, workload.dense_param_count
-    half = workload.options.dense_dtype in ("bf16", "fp16") and topo.compute_device != "cpu"
+    from anyrec.planner.sequence import activation_bytes
+
+    half = activation_bytes(topo, workload.options.dense_dtype) == 2
     flops_per_s = spec.peak_bf16_flops if half else spec.peak_fp32_flops
     f = len(model_cfg.table_rows) + 1
     # forward 2 FLOPs per parameter per sample, backward 4; the dot interaction's gram bmm likewise

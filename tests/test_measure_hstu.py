@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from anyrec.backends import get_backend
-from anyrec.backends.hardware import Hardware, HSTURates
+from anyrec.backends.hardware import HSTURates
 from anyrec.backends.specs import get_sku
 from anyrec.calibration import first_contact
 from anyrec.calibration.measure import hstu as measure
@@ -226,10 +226,8 @@ def test_first_contact_measures_the_jobs_attention_once_then_reads_it(tmp_path, 
     _, cfg = compose_config(["model=dlrmv4_small", "data.batch_size=2", "trainer.calibrate=auto"])
     runtime = start_runtime("cpu", bind_cores=False)
     try:
-        hardware = Hardware(runtime.backend.device_spec())
-
         def job() -> HSTURates | None:
-            return first_contact.job_hstu_rates(cfg, runtime, hardware, entry, Agreement.begin(0, 1, "test"))
+            return first_contact.job_hstu_rates(cfg, runtime, entry, Agreement.begin(0, 1, "test"))
 
         rate = job()
         assert rate is not None and "HSTU kernels measured at this job's shapes" in caplog.text
@@ -248,7 +246,7 @@ def test_first_contact_measures_the_jobs_attention_once_then_reads_it(tmp_path, 
             job()
         _, dlrm = compose_config(["model=dlrm_tiny"])
         agreement = Agreement.begin(0, 1, "t")
-        assert first_contact.job_hstu_rates(dlrm, runtime, hardware, entry, agreement) is None
+        assert first_contact.job_hstu_rates(dlrm, runtime, entry, agreement) is None
         assert kept.exists()
     finally:
         destroy_distributed(barrier=False)

@@ -110,3 +110,47 @@ def test_world_size_one_trains_without_ddp_and_the_same_weights(tmp_path, monkey
     assert len(weights) > 0 and weights.keys() == ddp_weights.keys()
     for name, w in weights.items():
         assert torch.equal(w, ddp_weights[name]), name
+
+
+def test_the_plan_is_costed_in_the_precision_the_step_runs(tmp_path, monkeypatch):
+    """The trainer resolves `trainer.mixed_precision` once (Backend.dense_precision) and plans in it: on the
+    CPU auto is fp32, and bf16 autocast (which the CPU has) plans the HSTU part's activations at 2 bytes."""
+    from anyrec.config import Precision
+    from anyrec.trainer.trainer import Trainer
+
+    from .conftest import free_port
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    backend = get_backend("cpu")
+    assert [backend.dense_precision(p) for p in Precision] == [Precision.fp32, Precision.bf16, Precision.fp32]
+    planned = {}
+    for choice in ("auto", "bf16"):
+        _, cfg = compose_config(["model=dlrmv4_small", "hardware=cpu", "trainer.progress=false",
+                                 "trainer.tensorboard=false", f"trainer.mixed_precision={choice}",
+                                 f"trainer.run_dir={tmp_path / choice}"])
+        trainer = Trainer(cfg)
+        try:
+            assert trainer.autocast == (choice == "bf16")
+            planned[choice] = (trainer.planned.result.workload.options.dense_dtype,
+                               trainer.predicted_memory[0].activation_bytes)
+        finally:
+            trainer.close()
+    assert planned["auto"][0] == Precision.fp32 and planned["bf16"][0] == Precision.bf16
+    assert planned["bf16"][1] < 0.9 * planned["auto"][1]  # the STU layers' and preprocessor's GEMM tensors
+
+
+def test_anyrec_plan_costs_the_configured_precision_offline():
+    """Planning a GPU offline, auto is bf16 (what the trainer runs there) and fp32 is costed as fp32."""
+    from anyrec.plan import run
+    from anyrec.planner.memory import predict_memory
+
+    peaks = {}
+    for choice in ("auto", "bf16", "fp32"):
+        _, cfg = compose_config(["model=dlrmv4_small", "hardware=h100", "topology.world_size=2",
+                                 f"trainer.mixed_precision={choice}"])
+        result = run(cfg, print_fn=lambda _: None)
+        peaks[choice] = max(m.activation_bytes for m in predict_memory(result))
+    assert peaks["auto"] == peaks["bf16"] < 0.9 * peaks["fp32"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -107,3 +108,16 @@ def test_the_backend_turns_expandable_segments_on_unless_told_not_to(simdev_site
     got_reserved, pages_in_use = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got_reserved == reserved and pages_in_use == (reserved if conf is None else 0)
     assert ("turns expandable segments off" in proc.stderr) == (conf is not None)
+
+
+def test_the_hstu_backward_peak_is_modelled_part_by_part(simdev_site):
+    """dlrmv4_small's dense part in fp32 on the simulated device (the torch attention): the peak of one
+    forward and backward, with the STU layers' selective recompute and without, within 5 % of the memory
+    model's activation peak (every layer's kept tensors, the gradient arriving, and the largest of the last
+    layer's three backward parts, each net of what the part before it freed)."""
+    check = Path(__file__).parent / "dist" / "hstu_peak_check.py"
+    proc = subprocess.run([sys.executable, str(check), "64:45:selective", "32:20:none"],
+                          env=single_process_env(simdev_site), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for row in json.loads(proc.stdout.strip().splitlines()[-1]):
+        assert row["modelled"] == pytest.approx(row["measured"], rel=0.05), row

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -13,7 +14,7 @@ import torch
 
 from anyrec.backends.dispatch import OPS, Impl, select_all
 from anyrec.backends.specs import DeviceSpec
-from anyrec.choices import Switch
+from anyrec.choices import Precision, Switch
 
 if TYPE_CHECKING:
     from anyrec.backends.core_load import BindChoice
@@ -180,6 +181,22 @@ class Backend(abc.ABC):
 
     def empty_cache(self) -> None:  # noqa: B027 - optional hook
         """Release the device memory the caching allocator holds unused."""
+
+    def dense_precision(self, choice: Precision) -> Precision:
+        """The precision the dense part runs in on this device (bf16 or fp32), resolved once from the
+        `trainer.mixed_precision` choice: auto is bf16 autocast on an accelerator that has it (torch would
+        warn and compute in fp32 on one without) and fp32 on a CPU; bf16 where there is none is a
+        ValueError."""
+        if choice == Precision.fp32 or (choice == Precision.auto and self.device_type == "cpu"):
+            return Precision.fp32
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with torch.autocast(self.device_type, dtype=torch.bfloat16):
+                runs = torch.is_autocast_enabled(self.device_type)
+        if choice == Precision.bf16 and not runs:
+            raise ValueError(f"trainer.mixed_precision=bf16: {self.device_type} has no bf16 autocast; "
+                             f"use auto or fp32")
+        return Precision.bf16 if runs else Precision.fp32
 
     def autocast(self, enabled: bool) -> contextlib.AbstractContextManager:
         """bf16 autocast on this device when enabled (and supported)."""

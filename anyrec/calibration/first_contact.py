@@ -25,7 +25,7 @@ from anyrec.backends.hardware import HSTURates
 from anyrec.calibration.measure import calibrate, hardware_yaml, report_trust
 from anyrec.calibration.measure.hstu import DenseUnderTest, measure_hstu
 from anyrec.calibration.run import CalibrationRun, CalibrationStopped, exit_stopped
-from anyrec.config import AnyrecConfig
+from anyrec.config import AnyrecConfig, Precision
 from anyrec.console import log_file_only
 from anyrec.data import resolve_batch_size
 from anyrec.history.cache import (
@@ -43,8 +43,7 @@ from anyrec.io_checks import atomic_write, writable_dir
 from anyrec.models.dlrmv4 import ATTENTION_OP, dlrmv4_config
 from anyrec.models.family import resolve_family
 from anyrec.models.hstu import HSTUDense
-from anyrec.planner.sequence import activation_bytes, lengths_text
-from anyrec.planner.types import PlanOptions, Topology
+from anyrec.planner.sequence import lengths_text
 from anyrec.runtime.agreement import Agreement
 from anyrec.runtime.distributed import Runtime
 from anyrec.runtime.errors import PeerLostError
@@ -91,7 +90,7 @@ def calibrated_hardware(cfg: AnyrecConfig, runtime: Runtime) -> Hardware:
         path = _find_or_measure(cfg, runtime, signing_key, agreement)
         hw = cfg.hardware
         hardware = resolve_hardware(path, hw.spec, runtime.backend, hw.measurements)
-        rate = job_hstu_rates(cfg, runtime, hardware, Path(path), agreement)
+        rate = job_hstu_rates(cfg, runtime, Path(path), agreement)
     except Exception as e:
         _name_lost_peer(e, cfg, runtime)
         raise
@@ -106,13 +105,6 @@ def _name_lost_peer(e: Exception, cfg: AnyrecConfig, runtime: Runtime) -> None:
     lost = peer_failure(e, info.rank, info.world_size, cfg.trainer.collective_timeout_s)
     if lost:
         raise PeerLostError(lost) from None
-
-
-def job_half(hardware: Hardware, device_type: str, world_size: int, local_world_size: int) -> bool:
-    """Whether an HSTU job on `hardware` (a `device_type` device, `world_size` ranks, `local_world_size` a
-    host) is costed, and so measured, in bf16."""
-    topology = Topology(hardware.spec, world_size, local_world_size, device_type)
-    return activation_bytes(topology, PlanOptions().dense_dtype) == 2
 
 
 def hstu_record_key(entry: Path, impl: str, half: bool, shape: HSTUShape, batch: int) -> str:
@@ -131,8 +123,8 @@ def recorded_hstu_rates(entry: Path, impl: str, half: bool, shape: HSTUShape,
     return (rate, path) if rate is not None else None
 
 
-def job_hstu_rates(cfg: AnyrecConfig, runtime: Runtime, hardware: Hardware, entry: Path,
-                  agreement: Agreement) -> HSTURates | None:
+def job_hstu_rates(cfg: AnyrecConfig, runtime: Runtime, entry: Path,
+                   agreement: Agreement) -> HSTURates | None:
     """For an HSTU model, the rates of its kernels (the attention implementation the job runs, the
     backend's choice; the STU GEMMs; the elementwise passes) on the job's heads, dims, planned lengths and
     batch, in the dtype the planner costs: the record kept beside the calibration entry `entry`
@@ -144,7 +136,8 @@ def job_hstu_rates(cfg: AnyrecConfig, runtime: Runtime, hardware: Hardware, entr
     backend, info = runtime.backend, runtime.dist
     impl = backend.select_kernels(cfg.backend)[ATTENTION_OP]
     batch = resolve_batch_size(cfg.data, info.world_size).batch_size
-    half = job_half(hardware, backend.device_type, info.world_size, info.local_world_size)
+    # measured in the precision the job runs, and so is costed, in
+    half = backend.dense_precision(cfg.trainer.mixed_precision) == Precision.bf16
     # rank 0 looks the record up and writes it: the key is its own
     key = hstu_record_key(entry, impl.name, half, shape, batch) if info.is_main else ""
     path = record_path(key)

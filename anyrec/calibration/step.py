@@ -142,7 +142,8 @@ def _train_point(p: StepPoint, runtime: Runtime, hardware: Hardware, steps: int,
     planned = plan_job(cfg, model, family.sparse_module(model), family.sparse_path,
                        family.workload_facts(cfg.model), hardware, embedding, world,
                        runtime.dist.local_world_size, p.batch, backend.device_type,
-                       assignment=_assignment(p, world))
+                       assignment=_assignment(p, world),
+                       precision=backend.dense_precision(cfg.trainer.mixed_precision))
     # the trainer takes the plan alone: the points are costed without the step figures being fitted, a
     # prediction for the trainer to check or learn from is none
     given = PlannedJob(planned.plan, planned.layout)

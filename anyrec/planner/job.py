@@ -15,7 +15,7 @@ from torchrec.modules.embedding_modules import EmbeddingCollection
 
 from anyrec.backends.dispatch import implementations
 from anyrec.backends.hardware import EmbeddingCost, HSTURates
-from anyrec.config import PlannerConfig
+from anyrec.config import PlannerConfig, Precision
 from anyrec.planner.estimators import inexact_update_reason
 from anyrec.planner.planner import CoDesignPlanner
 from anyrec.planner.types import InfeasiblePlanError, Placement, PlanResult, ShardingType, TableSpec, Topology
@@ -122,12 +122,13 @@ def plan_options(cfg: PlannerConfig, embedding: EmbeddingCost, optimizer: str,
 
 def planner_inputs(model: nn.Module, ebc: nn.Module, facts: WorkloadFacts, cfg_planner: PlannerConfig,
                    optimizer: str, embedding: EmbeddingCost, device_type: str | None = None,
-                   attention_impl: str = "triton", hstu_rates: tuple[HSTURates, ...] = ()
-                   ) -> tuple[list[TableSpec], int, dict[str, object]]:
+                   attention_impl: str = "triton", hstu_rates: tuple[HSTURates, ...] = (),
+                   precision: Precision = Precision.auto) -> tuple[list[TableSpec], int, dict[str, object]]:
     """What the planner needs of `model` (embedding collection `ebc`, the model's workload `facts`): its
     tables, its dense parameter count and the PlanOptions fields (the `planner` config group's and the
-    model's; an HSTU part's sizes with the `attention_impl` that runs its attention and the attention
-    rates the hardware measured, `hstu_rates`)."""
+    model's; the dense part's `precision`, resolved where the job's device is known, `auto` for a device
+    planned offline; an HSTU part's sizes with the `attention_impl` that runs its attention and the
+    attention rates the hardware measured, `hstu_rates`)."""
     dense = dense_parameters(model, ebc)
     options = plan_options(cfg_planner, embedding, optimizer, device_type)
     options.update(interaction_pairs=facts.interaction_pairs, dense_tensors=len(dense),
@@ -135,7 +136,8 @@ def planner_inputs(model: nn.Module, ebc: nn.Module, facts: WorkloadFacts, cfg_p
                    dense_activation_bytes_per_sample=facts.dense_activation_bytes_per_sample,
                    dense_gradient_bytes_per_sample=facts.dense_gradient_bytes_per_sample,
                    dense_features=facts.dense_features, dense_flops_per_sample=facts.dense_flops_per_sample,
-                   hstu=facts.hstu, attention_impl=attention_impl, hstu_rates=hstu_rates)
+                   hstu=facts.hstu, attention_impl=attention_impl, hstu_rates=hstu_rates,
+                   dense_dtype=precision)
     tables = model_tables(collection_configs(ebc), facts)
     if any(t.sequence for t in tables):  # torchrec shards an EmbeddingCollection these three ways
         allowed = tuple(s for s in options["allowed_shardings"] if s in SEQUENCE_SHARDINGS)
@@ -150,7 +152,8 @@ def plan_model(model: nn.Module, ebc: nn.Module, facts: WorkloadFacts, cfg_plann
                optimizer: str, topology: Topology, batch_size_per_rank: int, embedding: EmbeddingCost,
                planner: CoDesignPlanner | None = None, id_zipf_exponent: float = 0.0,
                resident_bytes: int = 0, attention_impl: str = "triton",
-               allow_recompute: bool = False, hstu_rates: tuple[HSTURates, ...] = ()) -> PlanResult:
+               allow_recompute: bool = False, hstu_rates: tuple[HSTURates, ...] = (),
+               precision: Precision = Precision.auto) -> PlanResult:
     """Plan the tables of `model`'s embedding collection `ebc` on `topology` with the co-design planner;
     `id_zipf_exponent`: the ids' skew where the data's is known (0: uniform, the most rows touched);
     `resident_bytes`: what the data sources keep on each device (the plan leaves room for it). An HSTU
@@ -159,7 +162,8 @@ def plan_model(model: nn.Module, ebc: nn.Module, facts: WorkloadFacts, cfg_plann
     says it would fit with recompute. An HSTU model refused at this batch is told the largest batch per
     rank that does fit here (`what_fits`: planned, not estimated)."""
     tables, dense_params, options = planner_inputs(model, ebc, facts, cfg_planner, optimizer, embedding,
-                                                   topology.compute_device, attention_impl, hstu_rates)
+                                                   topology.compute_device, attention_impl, hstu_rates,
+                                                   precision)
     options.update(id_zipf_exponent=id_zipf_exponent, resident_bytes=resident_bytes)
     planner = planner or CoDesignPlanner()
     allowed = options["allowed_placements"]

@@ -18,7 +18,7 @@ from torchrec.modules.embedding_modules import EmbeddingCollection
 from anyrec.backends.dispatch import Impl
 from anyrec.backends.hardware import Hardware
 from anyrec.backends.sharders import collection_sharder
-from anyrec.config import AnyrecConfig, GroupSize, GroupWord, PlannerName, ReplicaUpdateChoice
+from anyrec.config import AnyrecConfig, GroupSize, GroupWord, PlannerName, Precision, ReplicaUpdateChoice
 from anyrec.planner.evaluate import evaluate_assignment
 from anyrec.planner.job import collection_configs, plan_model, planner_inputs
 from anyrec.planner.memory import MemoryPrediction, predict_memory
@@ -172,7 +172,7 @@ def plan_job(cfg: AnyrecConfig, model: nn.Module, collection: nn.Module, module_
              resident_bytes: int = 0, planner: CoDesignPlanner | None = None,
              place: Callable[[ShardingPlan], ShardingPlan] | None = None,
              assignment: Assignment | None = None, log: bool = False, attention: str | None = None,
-             what_if: bool = False) -> PlannedJob:
+             what_if: bool = False, precision: Precision = Precision.auto) -> PlannedJob:
     """Plan the tables of `model`'s embedding collection (`collection`, at `module_path` in `model`, the
     module the plan shards; pooled or sequence, the model family's `facts` say what the planner needs of
     the rest of the model) for `world_size` ranks (`local_world_size` per host) training
@@ -182,8 +182,9 @@ def plan_job(cfg: AnyrecConfig, model: nn.Module, collection: nn.Module, module_
     planner to use), or `assignment` gives every table's sharding (1D). `place` names each shard's device
     (the trainer's backend). `attention`: the implementation that runs an HSTU model's attention (None:
     triton on an accelerator, torch on a CPU); `what_if`: an offline plan (anyrec-plan) may use what the
-    trainer lacks (activation recompute), said in its notes. ValueError (one line) for a job the trainer
-    would refuse; InfeasiblePlanError when nothing fits."""
+    trainer lacks (activation recompute), said in its notes; `precision`: the dense part's, as the job's
+    backend resolved it (`auto`: bf16 on an accelerator, fp32 on a CPU, for a device planned offline).
+    ValueError (one line) for a job the trainer would refuse; InfeasiblePlanError when nothing fits."""
     pc = cfg.planner
     group = group_size_in_ranks(pc.sharding_group_size, world_size)
     pooled = not isinstance(collection, EmbeddingCollection)  # else sequence embeddings
@@ -211,7 +212,7 @@ def plan_job(cfg: AnyrecConfig, model: nn.Module, collection: nn.Module, module_
             raise ValueError("a plan given table by table is 1D: planner.sharding_group_size=world")
         tables, dense_params, options = planner_inputs(model, ebc, facts, pc, cfg.optim.name,
                                                        hardware.embedding_cost(embedding), device_type,
-                                                       attention, hardware.hstu_rates)
+                                                       attention, hardware.hstu_rates, precision)
         workload = make_workload(tables, batch_size_per_rank, cfg.optim.name, dense_params, **options)
         result = evaluate_assignment(assignment, Topology(hardware.spec, world_size, local_world_size,
                                                           device_type), workload)
@@ -234,7 +235,7 @@ def plan_job(cfg: AnyrecConfig, model: nn.Module, collection: nn.Module, module_
         return plan_model(model, ebc, facts, pc, cfg.optim.name, topology, batch_size_per_rank,
                           hardware.embedding_cost(embedding), planner, id_zipf_exponent=id_skew(cfg),
                           resident_bytes=resident_bytes, attention_impl=attention, allow_recompute=what_if,
-                          hstu_rates=hardware.hstu_rates)
+                          hstu_rates=hardware.hstu_rates, precision=precision)
 
     if group == world_size:  # 1D
         result = plan_for(Topology(hardware.spec, world_size, local_world_size, device_type))

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from anyrec.backends.hardware import HSTURates
 from anyrec.backends.specs import DeviceSpec
-from anyrec.config import STURecompute
+from anyrec.config import Precision, STURecompute
 from anyrec.kernels.hstu import CHUNK_SCORE_ELEMENTS
 from anyrec.planner.types import Perf, PlanOptions, ShardingOption, ShardingType, Topology, Workload
 from anyrec.schema import HSTUShape
@@ -54,10 +54,11 @@ TOKEN_SIGMAS = 3.0
 # authors report ~35-40 %); the torch version pads chunks of sequences and materialises their scores
 # (memory-bound, ~10 %). A device where benchmarks/hstu_attention.py measured its kernel should use that.
 ATTENTION_EFFICIENCY: dict[str, float] = {"triton": 0.35, "torch": 0.10}
-# The attention's temporaries per token beyond its inputs and output, as a multiple of a token's q, k, v
-# bytes: the backward's dq (fp32 accumulation), dk and dv (the torch version's padded copies and scores are
-# `torch_attention_bytes_per_sample`'s).
-ATTENTION_WORKSPACE_QKV: dict[str, float] = {"triton": 2.0, "torch": 2.0}
+# The attention's backward temporaries per token beyond its inputs and output, as a multiple of a token's
+# q, k, v bytes: the Triton kernel's dq (fp32 accumulation), dk and dv. The torch version's are its padded
+# buffers (`torch_attention_bytes_per_sample`, per sample), its dq, dk and dv among them (measured: the
+# same six score-sized buffers at 40 and 66 tokens, whatever the q, k, v bytes beside them).
+ATTENTION_WORKSPACE_QKV: dict[str, float] = {"triton": 2.0, "torch": 0.0}
 # The elementwise passes stream each layer's saved activations about three times a step: written in the
 # forward, read in the backward, gradients of the same size written. estimate, not measured.
 ELEMENTWISE_PASSES = 3.0
@@ -66,8 +67,9 @@ ELEMENTWISE_PASSES = 3.0
 # probabilities, which the value GEMM's backward reads), its [b, N, N] bool mask and the padded q, k and v
 # for its backward. The backward of the last layer holds TORCH_ATTENTION_BACKWARD_SCORES more at its peak
 # (the gradients on their way through the value GEMM, the mask, the 1/max_len scale, SiLU and alpha, less
-# the probabilities it has freed). empirical: ten score-sized buffers at the peak of dlrmv4_small's two
-# layers, one rank, 128 samples, on simdev (2026-12-07).
+# the probabilities it has freed, its q, k, v gradients among them). measured: the attention alone on simdev
+# (fp32, dlrmv4_small's heads and dims, 64 and 128 samples of 40 and 66 tokens) holds 5.9 score-sized
+# buffers above its inputs and its output's gradient at its backward's peak (2026-12-07).
 TORCH_ATTENTION_KEPT_SCORES = 2
 TORCH_ATTENTION_BACKWARD_SCORES = 6
 ELEMENTWISE_EFFICIENCY = 0.87  # as estimators.ELEMENTWISE_EFFICIENCY (an H200 copy: 4.18 of 4.8 TB/s)
@@ -163,12 +165,15 @@ def sequence_perf(option: ShardingOption, topology: Topology, workload: Workload
     return Perf(fwd, bwd, all_to_all(id_bytes) + out, out)
 
 
-def activation_bytes(topology: Topology, dense_dtype: str) -> int:
-    """Bytes of an activation element: 2 under bf16/fp16 autocast on an accelerator, 4 otherwise."""
-    return 2 if dense_dtype in ("bf16", "fp16") and topology.compute_device != "cpu" else FP32_BYTES
+def activation_bytes(topology: Topology, dense_dtype: Precision) -> int:
+    """Bytes of an activation element: 2 under bf16 autocast, 4 in fp32; `auto` (a device planned offline)
+    is bf16 on an accelerator and fp32 on a CPU."""
+    if dense_dtype == Precision.auto:
+        return 2 if topology.compute_device != "cpu" else FP32_BYTES
+    return 2 if dense_dtype == Precision.bf16 else FP32_BYTES
 
 
-def rows_kept_for_backward(topology: Topology, dense_dtype: str) -> bool:
+def rows_kept_for_backward(topology: Topology, dense_dtype: Precision) -> bool:
     """Whether the fp32 rows a sequence model read from the output all-to-all are still alive when its
     backward starts. In fp32 the preprocessor's first GEMMs save them as their inputs. Under bf16/fp16
     autocast those GEMMs save half-precision copies (`preprocessor_bytes_per_position`) and nothing else
@@ -203,8 +208,8 @@ def activation_dtypes(cpu: bool, half: bool) -> ActivationBytes:
     return ActivationBytes(a, FP32_BYTES, 1, 1, FP32_BYTES)
 
 
-def job_activation_dtypes(topology: Topology, dense_dtype: str) -> ActivationBytes:
-    """`activation_dtypes` of a job: bf16 autocast on an accelerator (`activation_bytes`), fp32 on the CPU."""
+def job_activation_dtypes(topology: Topology, dense_dtype: Precision) -> ActivationBytes:
+    """`activation_dtypes` of a job on `topology`'s device in its dense precision (`activation_bytes`)."""
     return activation_dtypes(topology.compute_device == "cpu", activation_bytes(topology, dense_dtype) == 2)
 
 
@@ -246,14 +251,6 @@ def stu_layer_kept_bytes_per_token(shape: HSTUShape, ab: ActivationBytes, layer:
     return stu_kept_bytes_per_token(shape, ab)
 
 
-def stu_recomputed_bytes_per_token(shape: HSTUShape, ab: ActivationBytes) -> float:
-    """Bytes per token a layer's selective recompute brings back in its backward, the larger of its two parts
-    (the output part's backward runs, and frees its tensors, before the UVQK part's); 0 without it."""
-    if shape.stu_recompute != STURecompute.selective:
-        return 0.0
-    return max(stu_uvqk_bytes_per_token(shape, ab), stu_gated_bytes_per_token(shape, ab))
-
-
 def input_bytes_per_token(shape: HSTUShape, ab: ActivationBytes) -> float:
     """Bytes per token kept before the STU layers: the token's source row and its position and time bucket
     (int64 indices) and the input dropout's mask."""
@@ -261,14 +258,42 @@ def input_bytes_per_token(shape: HSTUShape, ab: ActivationBytes) -> float:
     return 3 * INDEX_BYTES + mask
 
 
-def stu_backward_bytes_per_token(shape: HSTUShape, a: int, attention_impl: str) -> float:
-    """Bytes per token the backward of one STU layer holds at once beside the saved tensors: the gradients
-    of its output GEMM's input (fp32 gating) and of the UVQK output, the input's gradient, and the
-    attention kernel's workspace (`ATTENTION_WORKSPACE_QKV`)."""
+@dataclass(frozen=True)
+class STUBackward:
+    """Bytes per token one STU layer's backward holds beside what the layers keep, in each of its three
+    parts, which run one after another, each freeing its saved tensors as it ends (so a layer that keeps
+    everything has freed its output part's by the attention's backward: those parts count net of them).
+    Measured on the simulated device in fp32 (dlrmv4_small, 64 samples, with selective recompute): the
+    output part 1,164 bytes a token against 1,160 here; the attention part the UVQK output (512) and the
+    torch attention's buffers (`TORCH_ATTENTION_BACKWARD_SCORES`); the UVQK part 768 against 768."""
+
+    output: float  # the gating recomputed (selective), the output GEMM input's gradient
+    attention: float  # the UVQK output recomputed (selective), the attention output's gradient, workspace
+    uvqk: float  # the UVQK GEMM's inputs recomputed (selective), the UVQK output's and the input's gradients
+
+    @property
+    def peak(self) -> float:
+        return max(self.output, self.attention, self.uvqk)
+
+
+def stu_backward_bytes_per_token(shape: HSTUShape, ab: ActivationBytes, attention_impl: str,
+                                 selective: bool) -> STUBackward:
+    """The parts of one STU layer's backward (STUBackward); `selective`: the layer recomputes what it did
+    not keep (`HSTUShape.stu_recompute`). The output GEMM's backward gives y's gradient in the GEMM's dtype,
+    cast to fp32 for the gating; the attention kernel's workspace is `ATTENTION_WORKSPACE_QKV` times the q,
+    k, v bytes (the torch attention's padded buffers are per sample: `torch_attention_bytes_per_sample`)."""
     D, U, QK = shape.model_dim, shape.num_heads * shape.v_dim, shape.num_heads * shape.qk_dim
-    qkv = a * (2 * QK + U)
-    workspace = ATTENTION_WORKSPACE_QKV.get(attention_impl, max(ATTENTION_WORKSPACE_QKV.values())) * qkv
-    return FP32_BYTES * 3 * U + a * (2 * U + 2 * QK) + a * D + workspace
+    a = ab.gemm
+    grad_y = FP32_BYTES * 3 * U + (a * 3 * U if a != FP32_BYTES else 0)
+    uvqk_out = a * (2 * U + 2 * QK)
+    workspace = ATTENTION_WORKSPACE_QKV.get(attention_impl, max(ATTENTION_WORKSPACE_QKV.values()))
+    gated = stu_gated_bytes_per_token(shape, ab)
+    output = (gated if selective else 0) + grad_y
+    # recomputed under selective recompute; kept, and the output part's freed, without it
+    again = uvqk_out if selective else -gated
+    attention = again + a * U + workspace * a * (2 * QK + U)
+    uvqk = (uvqk_out + a * D + LAYER_NORM_STATS_BYTES if selective else -gated) + uvqk_out + 2 * a * D
+    return STUBackward(output, attention, uvqk)
 
 
 def preprocessor_bytes_per_position(shape: HSTUShape, ab: ActivationBytes) -> float:
@@ -302,12 +327,13 @@ def lengths_text(shape: HSTUShape) -> str:
 
 @dataclass(frozen=True)
 class HSTUMemory:
-    """Per sample, the bytes of an HSTU dense part alive at its memory's two moments: `activation`, the
-    backward's start (every layer's kept tensors, the last layer's recomputed ones under selective recompute,
-    its backward temporaries and the attention workspace: with activation recompute, the layers' inputs and
-    one layer's recomputed tensors instead) and `gradient`, the backward reaching the embeddings (the
-    gradient of the embeddings read, fp32, and the preprocessor's input gradient). The per-token terms:
-    `kept_layers` (every layer's kept tensors), `recomputed`, `preprocessor` (per position), `backward`."""
+    """Per sample, the bytes of an HSTU dense part alive at its memory's two moments: `activation`, the peak
+    of the last STU layer's backward (what every layer keeps, the gradient arriving, and the largest of that
+    layer's backward parts: `STUBackward`; the torch attention's padded buffers beside its part) and
+    `gradient`, the backward reaching the embeddings (the gradient of the embeddings read, fp32, and the
+    preprocessor's input gradient). The per-token terms: `kept_layers` (every layer's kept tensors; with
+    activation recompute, their inputs), `recomputed` (activation recompute's: the last layer's forward
+    again), `preprocessor` (per position), `backward` (the largest backward part's, per token)."""
 
     kept_layers: float
     recomputed: float
@@ -317,12 +343,21 @@ class HSTUMemory:
     gradient: float
 
 
-def torch_attention_bytes_per_sample(shape: HSTUShape, batch: int, recompute: bool) -> float:
-    """Bytes per sample the torch attention's padded score tensors hold at the backward's peak, its batch
-    padded to the longest sample: every layer's kept scores, probabilities, mask and padded q, k, v plus the
-    last layer's backward temporaries. Where a batch's scores pass CHUNK_SCORE_ELEMENTS the attention runs
-    chunk by chunk under checkpointing, and with `recompute` layer by layer: one chunk of one layer at a
-    time (not measured)."""
+@dataclass(frozen=True)
+class TorchAttentionBytes:
+    """Per sample, the torch attention's padded buffers: `kept` from the forward to the backward (every
+    layer's), `backward` its last layer's backward temporaries."""
+
+    kept: float
+    backward: float
+
+
+def torch_attention_bytes_per_sample(shape: HSTUShape, batch: int, recompute: bool) -> TorchAttentionBytes:
+    """The torch attention's padded score tensors per sample, its batch padded to the longest sample: each
+    layer keeps its scores, probabilities, mask and padded q, k, v, and the last layer's backward holds
+    TORCH_ATTENTION_BACKWARD_SCORES more. Where a batch's scores pass CHUNK_SCORE_ELEMENTS the attention
+    runs chunk by chunk under checkpointing, and with `recompute` layer by layer: one chunk of one layer at
+    a time in the backward, nothing kept (not measured)."""
     N, H = shape.longest_tokens, shape.num_heads
     scores = H * N * N  # score elements per sample
     per_layer = (FP32_BYTES * TORCH_ATTENTION_KEPT_SCORES * scores + N * N
@@ -330,29 +365,36 @@ def torch_attention_bytes_per_sample(shape: HSTUShape, batch: int, recompute: bo
     backward = FP32_BYTES * TORCH_ATTENTION_BACKWARD_SCORES * scores
     chunks = -(-max(batch, 1) * scores // CHUNK_SCORE_ELEMENTS)
     if chunks > 1 or recompute:
-        return (per_layer + backward) / chunks
-    return shape.num_layers * per_layer + backward
+        return TorchAttentionBytes(0.0, (per_layer + backward) / chunks)
+    return TorchAttentionBytes(shape.num_layers * per_layer, backward)
 
 
 def hstu_memory_per_sample(shape: HSTUShape, ab: ActivationBytes, attention_impl: str, recompute: bool,
                            tokens: float, batch: int = 1) -> HSTUMemory:
     """The HSTU part's bytes per sample of `tokens` tokens in a batch of `batch` (see HSTUMemory);
     `recompute`: each layer keeps its input only and recomputes the rest in its backward
-    (torch.utils.checkpoint around each STU layer, a what-if), whatever `shape.stu_recompute`."""
-    L, a = shape.num_layers, ab.gemm
+    (torch.utils.checkpoint around each STU layer, a what-if), whatever `shape.stu_recompute`: the last
+    layer's forward runs again and its backward holds what a layer keeps without recompute."""
+    L, a, D = shape.num_layers, ab.gemm, shape.model_dim
     positions = tokens - shape.contextual
+    selective = shape.stu_recompute == STURecompute.selective and not recompute
     kept = sum(stu_layer_kept_bytes_per_token(shape, ab, i) for i in range(L))
-    recomputed = stu_recomputed_bytes_per_token(shape, ab)
-    pre = preprocessor_bytes_per_position(shape, ab)
-    bwd = stu_backward_bytes_per_token(shape, a, attention_impl)
+    recomputed = 0.0
     if recompute:
-        kept, recomputed = L * a * shape.model_dim, stu_kept_bytes_per_token(shape, ab)
-    per_token = kept + recomputed + input_bytes_per_token(shape, ab) + bwd
-    gradient = positions * FP32_BYTES * shape.preprocessor_in_dim + tokens * a * shape.model_dim
-    activation = tokens * per_token + positions * pre
+        kept, recomputed = L * a * D, stu_kept_bytes_per_token(shape, ab)
+    pre = preprocessor_bytes_per_position(shape, ab)
+    parts = stu_backward_bytes_per_token(shape, ab, attention_impl, selective)
+    # what is alive through the last layer's backward: every layer's kept tensors, the input's indices and
+    # mask, the preprocessor's, the gradient arriving from the layer above (the stack output's)
+    level = tokens * (kept + recomputed + input_bytes_per_token(shape, ab) + a * D) + positions * pre
+    attention = tokens * parts.attention
     if attention_impl == "torch":
-        activation += torch_attention_bytes_per_sample(shape, batch, recompute)
-    return HSTUMemory(kept, recomputed, pre, bwd, activation, gradient)
+        padded = torch_attention_bytes_per_sample(shape, batch, recompute)
+        level += padded.kept
+        attention += padded.backward
+    activation = level + max(tokens * parts.output, attention, tokens * parts.uvqk)
+    gradient = positions * FP32_BYTES * shape.preprocessor_in_dim + tokens * a * D
+    return HSTUMemory(kept, recomputed, pre, parts.peak, activation, gradient)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from typing import Any
 from anyrec.backends.dispatch import FBGEMM_EMBEDDING
 from anyrec.backends.hardware import EmbeddingCost, HSTURates
 from anyrec.backends.specs import DeviceSpec
+from anyrec.choices import Precision
 from anyrec.schema import HSTUShape
 
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "fp8": 1}
@@ -244,7 +245,10 @@ class PlanOptions:
     pipeline_depth: int = 3  # batches in flight: copies of input/output buffers (TrainPipelineSparseDist)
     max_column_shards: int = 8  # most column-wise pieces considered per table
     exhaustive_limit: int = 20_000  # search spaces at most this large are solved exactly
-    dense_dtype: str = "bf16"  # dense (MLP) compute dtype: picks peak FLOP/s
+    # The dense part's precision, as the job's backend resolved it (Backend.dense_precision); auto (a device
+    # planned offline): bf16 on an accelerator, fp32 on a CPU. It picks the peak FLOP/s and an HSTU part's
+    # activation bytes.
+    dense_dtype: Precision = Precision.auto
     # The dense part's bytes per sample alive at the forward's end (its activations), during the lookups,
     # and while the backward reaches the embeddings (job.dense_memory_per_sample)
     dense_activation_bytes_per_sample: int = 0

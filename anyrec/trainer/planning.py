@@ -20,7 +20,7 @@ from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 from anyrec.backends import Backend, Hardware
 from anyrec.backends.dispatch import Impl
 from anyrec.backends.sharders import collection_sharder
-from anyrec.config import AnyrecConfig, PlannerConfig
+from anyrec.config import AnyrecConfig, PlannerConfig, Precision
 from anyrec.data import resolve_batch_size
 from anyrec.models.family import ModelFamily
 from anyrec.planner.job import plan_model
@@ -102,18 +102,19 @@ def shard_model(module: nn.Module, device: torch.device, planned: PlannedJob, ba
 
 
 def shared_plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module, family: ModelFamily,
-                embedding: Impl, hardware: Hardware, resident_bytes: int = 0,
+                embedding: Impl, hardware: Hardware, precision: Precision, resident_bytes: int = 0,
                 attention: Impl | None = None) -> PlannedJob:
-    """Rank 0 plans the job (`plan_job`, with the `resident_bytes` the data sources keep on each device,
-    which the plan must leave room for) and every rank takes the same PlannedJob: ranks must never shard
-    by different plans. A planning error on rank 0 (e.g. nothing fits) is raised on every rank, so none
-    waits."""
+    """Rank 0 plans the job (`plan_job`, its dense part in `precision`, with the `resident_bytes` the data
+    sources keep on each device, which the plan must leave room for) and every rank takes the same
+    PlannedJob: ranks must never shard by different plans. A planning error on rank 0 (e.g. nothing fits)
+    is raised on every rank, so none waits."""
+    args = (cfg, backend, info, model, family, embedding, hardware, precision, resident_bytes, attention)
     if info.world_size == 1:
-        return _plan(cfg, backend, info, model, family, embedding, hardware, resident_bytes, attention)
+        return _plan(*args)
     result: Any = None
     if info.is_main:
         try:
-            result = _plan(cfg, backend, info, model, family, embedding, hardware, resident_bytes, attention)
+            result = _plan(*args)
         except ValueError as e:
             result = ValueError(str(e))
     result = broadcast_from_main(result, info)
@@ -123,7 +124,8 @@ def shared_plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.M
 
 
 def _plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module, family: ModelFamily,
-          embedding: Impl, hardware: Hardware, resident_bytes: int, attention: Impl | None) -> PlannedJob:
+          embedding: Impl, hardware: Hardware, precision: Precision, resident_bytes: int,
+          attention: Impl | None) -> PlannedJob:
     """This process's job planned: its world, its batch per rank, its backend's device type and devices, the
     attention implementation the model runs (an HSTU model's)."""
     return plan_job(cfg, model, family.sparse_module(model), family.sparse_path,
@@ -131,20 +133,24 @@ def _plan(cfg: AnyrecConfig, backend: Backend, info: DistInfo, model: nn.Module,
                     info.local_world_size,
                     resolve_batch_size(cfg.data, info.world_size).batch_size, backend.device_type,
                     resident_bytes, place=lambda p: place_shards(p, backend, info.local_world_size),
-                    log=info.is_main, attention=attention.name if attention is not None else None)
+                    log=info.is_main, attention=attention.name if attention is not None else None,
+                    precision=precision)
 
 
 def unsharded_memory(cfg: AnyrecConfig, backend: Backend, model: nn.Module, family: ModelFamily,
-                     embedding: Impl, hardware: Hardware, resident_bytes: int = 0) -> list[MemoryPrediction]:
+                     embedding: Impl, hardware: Hardware, precision: Precision,
+                     resident_bytes: int = 0) -> list[MemoryPrediction]:
     """The predicted peak memory of one rank that runs every table itself (no torchrec sharding): the
-    co-design planner's costing of all tables table-wise on that rank, without the all-to-alls."""
+    co-design planner's costing of all tables table-wise on that rank (its dense part in `precision`),
+    without the all-to-alls."""
     ebc = family.sparse_module(model)
     topology = Topology(hardware.spec, 1, 1, backend.device_type)
     batch = resolve_batch_size(cfg.data, 1).batch_size
     planner_cfg = PlannerConfig(sharding="table_wise", allow_uvm=False,
                                 memory_reserve_fraction=cfg.planner.memory_reserve_fraction)
     result = plan_model(model, ebc, family.workload_facts(cfg.model), planner_cfg, cfg.optim.name, topology,
-                        batch, hardware.embedding_cost(embedding), id_zipf_exponent=id_skew(cfg))
+                        batch, hardware.embedding_cost(embedding), id_zipf_exponent=id_skew(cfg),
+                        precision=precision)
     return predict_memory(result, resident_bytes, sharded=False)
 
 

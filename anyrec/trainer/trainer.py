@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from itertools import islice
 from pathlib import Path
@@ -24,7 +23,7 @@ from anyrec.backends.dispatch import Impl
 from anyrec.backends.hardware import Hardware, resolve_hardware
 from anyrec.backends.sparse_ops import install as install_sparse_ops
 from anyrec.backends.threads import ThreadTuner
-from anyrec.config import AnyrecConfig, Switch
+from anyrec.config import AnyrecConfig, Precision, Switch
 from anyrec.history.steplearn import run_key
 from anyrec.kernels.ebc import TritonEBCOptimizer
 from anyrec.models.dlrm import DLRMTrain
@@ -151,7 +150,9 @@ class Trainer:
         """Model (tables on meta, then sharded by DMP), plan, optimizers, step pipeline and data."""
         tc = self.cfg.trainer
         self._check_trainer_config()
-        self.autocast = self._bf16_autocast()
+        # the dense part's precision, resolved once: the plan is costed in it and the step runs in it
+        self.precision = self.backend.dense_precision(tc.mixed_precision)
+        self.autocast = self.precision == Precision.bf16
         self.schedule = WarmupPolyDecay.from_config(self.cfg.optim)
         torch.manual_seed(tc.seed)
         check_embedding_weight_decay(self.cfg.optim, self.kernels["embedding"])
@@ -209,21 +210,6 @@ class Trainer:
         if tc.breakdown_steps:
             breakdown_window(tc.steps, warmup_steps(tc.steps), tc.breakdown_steps)  # room for it
 
-    def _bf16_autocast(self) -> bool:
-        """trainer.mixed_precision=auto: bf16 autocast on an accelerator that has it (torch would warn
-        and compute in fp32 on one without), fp32 elsewhere; bf16 where there is none is an error."""
-        mp, device_type = self.cfg.trainer.mixed_precision, self.backend.device_type
-        if mp == "fp32" or (mp == "auto" and device_type == "cpu"):
-            return False
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with torch.autocast(device_type, dtype=torch.bfloat16):
-                runs = torch.is_autocast_enabled(device_type)
-        if mp == "bf16" and not runs:
-            raise ValueError(f"trainer.mixed_precision=bf16: {device_type} has no bf16 autocast; "
-                             f"use auto or fp32")
-        return runs
-
     def _build_sharded(self) -> None:
         """Tables on the meta device, placed by the plan and allocated by DistributedModelParallel."""
         install_sparse_ops(self.backend, self.cfg.backend.sparse_ops)  # torchrec's input/output dist ops
@@ -234,7 +220,8 @@ class Trainer:
         embedding, hardware = self.kernels["embedding"], self._hardware()
         if self.planned is None:
             self.planned = shared_plan(self.cfg, self.backend, self.dist, model, family, embedding,
-                                       hardware, self.resident_bytes, self.kernels.get("hstu_attention"))
+                                       hardware, self.precision, self.resident_bytes,
+                                       self.kernels.get("hstu_attention"))
         else:  # a job planned outside (calibration's step points) names the devices as a planned one does
             place_shards(self.planned.plan, self.backend, self.dist.local_world_size)
         self.predicted_perf = self.planned.slowest
@@ -258,7 +245,8 @@ class Trainer:
         self.model = family.build_around(self.cfg.model, ebc, self.device, self.kernels)
         hardware = self._hardware()
         self.predicted_memory = unsharded_memory(self.cfg, self.backend, self.model, family,
-                                                 self.kernels["embedding"], hardware, self.resident_bytes)
+                                                 self.kernels["embedding"], hardware, self.precision,
+                                                 self.resident_bytes)
         self.fused_optimizer = TritonEBCOptimizer(ebc, prefix=f"{family.sparse_path}.")
 
     def _log_setup(self) -> None:
