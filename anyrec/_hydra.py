@@ -65,6 +65,7 @@ from anyrec.config import (
 )
 from anyrec.io_checks import writable_dir
 from anyrec.runtime.errors import say_line, write_error_file
+from anyrec.sequence_schema import SequenceDataConfig
 
 FULL_ERROR = "HYDRA_FULL_ERROR"  # Hydra's switch: raise instead of printing a stripped trace
 
@@ -198,6 +199,7 @@ def to_object(cfg: DictConfig) -> AnyrecConfig:
             raise
         raise ValueError(problem) from None
     check_values(typed)
+    SequenceDataConfig.of(typed.data.sequence, typed.data.batch_size)  # a sequence source's options
     return typed
 
 

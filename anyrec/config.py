@@ -138,7 +138,8 @@ class DataConfig:
     dense_transform: DenseTransform = DenseTransform.torchrec  # TSV; torchrec: log(x - min + 2) (tsv_to_npys)
     prefetch: int = 2  # batches made ahead by background threads (files; synthetic on a CPU); 0 = in the step
     prefetch_workers: int = 1  # threads making them (order is kept either way)
-    # sequence sources (yambda_synthetic, yambda): anyrec.data.sequences.SequenceDataConfig fields
+    # sequence sources (yambda_synthetic, yambda): anyrec.sequence_schema.SequenceDataConfig fields, checked
+    # with the other values when the typed config is built (anyrec._hydra.to_object)
     sequence: dict[str, Any] = field(default_factory=dict)
 
 

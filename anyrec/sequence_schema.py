@@ -11,9 +11,11 @@ and rows from here, so none of them imports another for it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from anyrec.schema import table_name
 
@@ -31,6 +33,7 @@ REFERENCE_ROWS: Mapping[str, int] = {
 LISTEN_PLUS_BIT, LIKE_BIT, SKIP_BIT = 1, 2, 4
 POOL_BITS = (LISTEN_PLUS_BIT, LIKE_BIT, SKIP_BIT)
 NUM_TARGETS = 1  # candidates per sample, at the end of each sequence
+NUM_CONTEXTUAL = len(CONTEXTUAL_FEATURES)
 
 
 @dataclass(frozen=True)
@@ -106,3 +109,67 @@ class SequenceSchema:
 def reference_schema() -> SequenceSchema:
     """The MLPerf reference's tables (Yambda-5B)."""
     return SequenceSchema(dict(REFERENCE_ROWS))
+
+
+@dataclass
+class SequenceDataConfig:
+    """What a sequence source needs (defaults: the CPU-sized job; the reference's values in comments).
+    The job's seed, rank and world size are passed beside it."""
+
+    max_seq_len: int = 256  # tokens per sample: history + 8 contextual + 1 candidate (reference 4096)
+    history_per_pool: int = 82  # most recent events kept per pool before the anchor (reference 1362)
+    batch_size: int = 128  # samples per rank (reference 1024)
+    num_windows: int = 6  # 1-day windows streamed (train T, evaluate T + 1); synthetic: days simulated
+    # synthetic stream
+    history_days: int = 3  # days simulated before window 0, so that its samples have histories
+    events_per_user_day: float = 20.0  # mean events of a user per day (users' activity is log-normal)
+    zipf_exponent: float = 1.05  # item popularity ~ 1/rank^s
+    num_tastes: int = 8  # latent taste groups of artists; a user's affinity is per group
+    # Yambda files: <path>/train_sessions.parquet, <mapping_path>/{artist,album}_item_mapping.parquet
+    path: str | None = None
+    mapping_path: str | None = None  # default: <path>/../shared_metadata, the reference's layout
+    min_history: int = 1  # a listen is an anchor when its user has at least this many earlier events
+    scan_window: int = 20_000  # events before the anchor searched for its history (the reference's)
+    window_seconds: int = 86_400
+    rows_per_read: int = 4096  # parquet rows (sessions) read at a time: bounds the reader's memory
+
+    @classmethod
+    def of(cls, options: Mapping[str, Any], batch_size: int) -> SequenceDataConfig:
+        """The job's `data.sequence` options at `batch_size` samples per rank; a key that is no option, or a
+        value of the wrong kind, is a ValueError (one line) naming it."""
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "batch_size"}
+        unknown = sorted(set(options) - set(fields))
+        if unknown:
+            raise ValueError(f"data.sequence.{unknown[0]} is not an option of a sequence source; its "
+                             f"options: {', '.join(sorted(fields))}")
+        for name, value in options.items():
+            kind = type(fields[name].default)  # int, float, or None for a path
+            number = isinstance(value, int | float) and not isinstance(value, bool)
+            if kind is int and not (number and isinstance(value, int)):
+                raise ValueError(f"data.sequence.{name} must be an integer, got {value!r}")
+            if kind is float and not number:
+                raise ValueError(f"data.sequence.{name} must be a number, got {value!r}")
+            if kind is type(None) and not (value is None or isinstance(value, str)):
+                raise ValueError(f"data.sequence.{name} must be a path, got {value!r}")
+        return cls(**{**options, "batch_size": batch_size})
+
+    def __post_init__(self) -> None:
+        if self.max_seq_len < NUM_CONTEXTUAL + NUM_TARGETS + 1:
+            raise ValueError(f"data.sequence.max_seq_len must be >= {NUM_CONTEXTUAL + NUM_TARGETS + 1} "
+                             f"(8 contextual tokens, a candidate and some history), got {self.max_seq_len}")
+        if self.batch_size < 1:
+            raise ValueError(f"data.batch_size must be >= 1, got {self.batch_size}")
+        for name in ("history_per_pool", "num_windows", "num_tastes", "min_history", "scan_window",
+                     "window_seconds", "rows_per_read"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"data.sequence.{name} must be >= 1, got {getattr(self, name)}")
+        if self.history_days < 0:
+            raise ValueError(f"data.sequence.history_days must be >= 0, got {self.history_days}")
+        if not self.events_per_user_day > 0 or not self.zipf_exponent >= 0:
+            raise ValueError(f"data.sequence.events_per_user_day must be > 0 and data.sequence.zipf_exponent "
+                             f">= 0, got {self.events_per_user_day} and {self.zipf_exponent}")
+
+    @property
+    def history_budget(self) -> int:
+        """History positions a sample can hold: max_seq_len less the contextual tokens and the candidate."""
+        return self.max_seq_len - NUM_CONTEXTUAL - NUM_TARGETS

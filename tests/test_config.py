@@ -177,6 +177,25 @@ def test_ranges_are_checked_when_the_typed_config_is_built(override, message):
     assert cli_problem(["model=dlrm_tiny", override]) == message
 
 
+@pytest.mark.parametrize(("override", "message"), [
+    ("data.sequence.num_windows=0", "data.sequence.num_windows must be >= 1, got 0"),
+    ("data.sequence.num_windows=two", "data.sequence.num_windows must be an integer, got 'two'"),
+    ("data.sequence.max_seq_len=9", "data.sequence.max_seq_len must be >= 10 (8 contextual tokens, a candidate "
+                                    "and some history), got 9"),
+    ("+data.sequence.table_scale=0.5", "data.sequence.table_scale is not an option of a sequence source; its "
+                                       "options: events_per_user_day, history_days, history_per_pool, "
+                                       "mapping_path, max_seq_len, min_history, num_tastes, num_windows, "
+                                       "path, rows_per_read, scan_window, window_seconds, zipf_exponent"),
+])
+def test_a_sequence_sources_options_are_checked_with_the_others(override, message):
+    """`data.sequence` is checked where the typed config is built, as every other option: a bad one stops
+    the job before its first-contact calibration measures or writes anything."""
+    with pytest.raises(ValueError) as e:
+        compose_config(["model=dlrmv4_small", override])
+    assert str(e.value) == message
+    assert cli_problem(["model=dlrmv4_small", override]) == message
+
+
 @pytest.mark.parametrize("value", ["0", "-1"])
 def test_plan_refuses_a_bad_replica_sync_in_one_line_exit_2(value, tmp_path, capfd):
     from anyrec import plan

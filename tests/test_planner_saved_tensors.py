@@ -12,12 +12,11 @@ import pytest
 import torch
 
 from anyrec.config import DataConfig, STURecompute
-from anyrec.data.sequences import NUM_CONTEXTUAL, SequenceDataConfig
 from anyrec.data.yambda_synthetic import SyntheticYambda
 from anyrec.models import hstu
 from anyrec.models.dlrmv4 import batch_schema, dlrmv4_config, workload_facts
 from anyrec.planner import sequence
-from anyrec.sequence_schema import SequenceSchema
+from anyrec.sequence_schema import NUM_CONTEXTUAL, SequenceDataConfig, SequenceSchema
 from tests.conftest import compose_config
 from tests.test_hstu_model import make_batch
 

@@ -15,13 +15,17 @@ from anyrec.data.sequences import (
     NO_POOL,
     SKIP,
     BatchBuilder,
-    SequenceDataConfig,
     contextual_ids,
     history_positions,
     pools_of,
     xxh64_int64s,
 )
-from anyrec.sequence_schema import CONTEXTUAL_FEATURES, SEQUENCE_FEATURES, reference_schema
+from anyrec.sequence_schema import (
+    CONTEXTUAL_FEATURES,
+    SEQUENCE_FEATURES,
+    SequenceDataConfig,
+    reference_schema,
+)
 
 SMALL = reference_schema().scaled(0.002)
 

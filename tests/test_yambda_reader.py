@@ -9,9 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from anyrec.data.sequences import SequenceDataConfig
 from anyrec.data.yambda import MalformedRowError, YambdaReader
-from anyrec.sequence_schema import reference_schema
+from anyrec.sequence_schema import SequenceDataConfig, reference_schema
 
 SCHEMA = reference_schema().scaled(0.0005)
 DAY = 86_400

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from anyrec.data.sequences import LIKE, LISTEN_PLUS, SKIP, SequenceDataConfig
+from anyrec.data.sequences import LIKE, LISTEN_PLUS, SKIP
 from anyrec.data.yambda_synthetic import DAY_S, EPOCH_S, SyntheticYambda, auc
-from anyrec.sequence_schema import reference_schema
+from anyrec.sequence_schema import SequenceDataConfig, reference_schema
 
 SCHEMA = reference_schema().scaled(0.0005)  # 500 users, 4,696 items
 DATA = SequenceDataConfig(max_seq_len=40, history_per_pool=8, batch_size=32, num_windows=4, history_days=2,

@@ -16,7 +16,6 @@ Legend: B samples, T sequence positions of the batch (sum of lengths), C context
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -27,68 +26,15 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.streamable import Pipelineable
 
 from anyrec.sequence_schema import (
-    CONTEXTUAL_FEATURES,
     CROSS_FEATURES,
+    NUM_CONTEXTUAL,
     NUM_TARGETS,
     POOL_BITS,
     SEQUENCE_FEATURES,
     SequenceSchema,
 )
 
-NUM_CONTEXTUAL = len(CONTEXTUAL_FEATURES)
 LISTEN_PLUS, LIKE, SKIP, NO_POOL = 0, 1, 2, -1  # pool index of an event (NO_POOL: in no pool)
-
-
-@dataclass
-class SequenceDataConfig:
-    """What a sequence source needs (defaults: the CPU-sized job; the reference's values in comments).
-    The job's seed, rank and world size are passed beside it."""
-
-    max_seq_len: int = 256  # tokens per sample: history + 8 contextual + 1 candidate (reference 4096)
-    history_per_pool: int = 82  # most recent events kept per pool before the anchor (reference 1362)
-    batch_size: int = 128  # samples per rank (reference 1024)
-    num_windows: int = 6  # 1-day windows streamed (train T, evaluate T + 1); synthetic: days simulated
-    # synthetic stream
-    history_days: int = 3  # days simulated before window 0, so that its samples have histories
-    events_per_user_day: float = 20.0  # mean events of a user per day (users' activity is log-normal)
-    zipf_exponent: float = 1.05  # item popularity ~ 1/rank^s
-    num_tastes: int = 8  # latent taste groups of artists; a user's affinity is per group
-    # Yambda files: <path>/train_sessions.parquet, <mapping_path>/{artist,album}_item_mapping.parquet
-    path: str | None = None
-    mapping_path: str | None = None  # default: <path>/../shared_metadata, the reference's layout
-    min_history: int = 1  # a listen is an anchor when its user has at least this many earlier events
-    scan_window: int = 20_000  # events before the anchor searched for its history (the reference's)
-    window_seconds: int = 86_400
-    rows_per_read: int = 4096  # parquet rows (sessions) read at a time: bounds the reader's memory
-
-    @classmethod
-    def of(cls, options: Mapping[str, Any], batch_size: int) -> SequenceDataConfig:
-        """The job's `data.sequence` options at `batch_size` samples per rank; a key that is no option is a
-        ValueError (one line) naming it and the options."""
-        known = sorted(f.name for f in dataclasses.fields(cls) if f.name != "batch_size")
-        unknown = sorted(set(options) - set(known))
-        if unknown:
-            raise ValueError(f"data.sequence.{unknown[0]} is not an option of a sequence source; its "
-                             f"options: {', '.join(known)}")
-        return cls(**{**options, "batch_size": batch_size})
-
-    def __post_init__(self) -> None:
-        if self.max_seq_len < NUM_CONTEXTUAL + NUM_TARGETS + 1:
-            raise ValueError(f"data.max_seq_len must be >= {NUM_CONTEXTUAL + NUM_TARGETS + 1} "
-                             f"(8 contextual tokens, a candidate and some history), got {self.max_seq_len}")
-        for name in ("history_per_pool", "batch_size", "num_windows", "num_tastes", "min_history",
-                     "scan_window", "window_seconds", "rows_per_read"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"data.{name} must be >= 1, got {getattr(self, name)}")
-        if self.history_days < 0:
-            raise ValueError(f"data.history_days must be >= 0, got {self.history_days}")
-        if not self.events_per_user_day > 0 or not self.zipf_exponent >= 0:
-            raise ValueError("data.events_per_user_day must be > 0 and data.zipf_exponent >= 0")
-
-    @property
-    def history_budget(self) -> int:
-        """History positions a sample can hold: max_seq_len less the contextual tokens and the candidate."""
-        return self.max_seq_len - NUM_CONTEXTUAL - NUM_TARGETS
 
 
 @dataclass

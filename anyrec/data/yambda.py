@@ -38,13 +38,12 @@ from anyrec.data.sequences import (
     LISTEN_PLUS,
     BatchBuilder,
     SequenceBatch,
-    SequenceDataConfig,
     action_bits,
     contextual_ids,
     history_positions,
     pools_of,
 )
-from anyrec.sequence_schema import SequenceSchema
+from anyrec.sequence_schema import SequenceDataConfig, SequenceSchema
 
 SESSIONS_FILE = "train_sessions.parquet"
 ARTIST_MAPPING_FILE, ALBUM_MAPPING_FILE = "artist_item_mapping.parquet", "album_item_mapping.parquet"

@@ -46,12 +46,11 @@ from anyrec.data.sequences import (
     SKIP,
     BatchBuilder,
     SequenceBatch,
-    SequenceDataConfig,
     action_bits,
     contextual_ids,
     history_positions,
 )
-from anyrec.sequence_schema import SequenceSchema
+from anyrec.sequence_schema import SequenceDataConfig, SequenceSchema
 
 DAY_S = 86_400
 EPOCH_S = 1_700_006_400  # day 0 starts at a midnight (UTC)

@@ -116,9 +116,8 @@ def sequence_inputs(cfg: AnyrecConfig, schema: BatchSchema, batch_size: int, dis
     """A sequence model's stream (`data.name`: yambda_synthetic) for this rank: its windows' training
     batches, each window's evaluation on the next, and the generator's hidden-model AUC of each evaluated
     window (the ceiling a model can reach) for the summary."""
-    from anyrec.data.sequences import SequenceDataConfig  # a source loads only when chosen
     from anyrec.data.yambda_synthetic import SyntheticYambda  # a source loads only when chosen
-    from anyrec.sequence_schema import SequenceSchema  # a source loads only when chosen
+    from anyrec.sequence_schema import SequenceDataConfig, SequenceSchema  # a source loads only when chosen
 
     if cfg.data.name != "yambda_synthetic":
         raise ValueError(f"data={cfg.data.name}: the sequence trainer streams data=yambda_synthetic here")

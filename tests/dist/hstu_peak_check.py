@@ -19,7 +19,7 @@ import torch
 
 from anyrec.backends import get_backend
 from anyrec.config import STURecompute
-from anyrec.data.sequences import NUM_CONTEXTUAL
+from anyrec.sequence_schema import NUM_CONTEXTUAL
 from anyrec.kernels.hstu import hstu_attention_torch
 from anyrec.models import hstu
 from anyrec.models.dlrmv4 import dlrmv4_config, workload_facts
