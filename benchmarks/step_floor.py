@@ -92,7 +92,8 @@ def floor_of_job(overrides: list[str], hardware_files: list[str], nproc: int, ba
     batch = batch_size or cfg.data.batch_size
     topo = Topology(hardware.spec, nproc, nproc, backend.device_type)
     plan = plan_model(model, model.sparse_arch, workload_facts(cfg.model), cfg.planner, cfg.optim.name, topo,
-                      batch, hardware.embedding_cost(impl), id_zipf_exponent=id_skew(cfg))
+                      batch, hardware.embedding_cost(impl), id_zipf_exponent=id_skew(cfg),
+                      precision=backend.dense_precision(cfg.trainer.mixed_precision))
     # the lookups at the copy bandwidth: efficiency 1, no per-row or per-launch seconds (the access size,
     # the smallest memory transaction, stays the implementation's)
     ideal = KernelProfile(1.0, plan.workload.options.embedding.profile.access_bytes, 0.0)

@@ -180,8 +180,8 @@ def test_ranges_are_checked_when_the_typed_config_is_built(override, message):
 @pytest.mark.parametrize(("override", "message"), [
     ("data.sequence.num_windows=0", "data.sequence.num_windows must be >= 1, got 0"),
     ("data.sequence.num_windows=two", "data.sequence.num_windows must be an integer, got 'two'"),
-    ("data.sequence.max_seq_len=9", "data.sequence.max_seq_len must be >= 10 (8 contextual tokens, a candidate "
-                                    "and some history), got 9"),
+    ("data.sequence.max_seq_len=9",
+     "data.sequence.max_seq_len must be >= 10 (8 contextual tokens, a candidate and some history), got 9"),
     ("+data.sequence.table_scale=0.5", "data.sequence.table_scale is not an option of a sequence source; its "
                                        "options: events_per_user_day, history_days, history_per_pool, "
                                        "mapping_path, max_seq_len, min_history, num_tastes, num_windows, "

@@ -138,20 +138,24 @@ def test_stu_memory_terms_and_recompute():
         4 * 512 + 2 * 2 * 512, 3 * 2 * 512, 3 * 2 * 512]
     # the last layer's backward peaks in its output part: the gating recomputed and the output GEMM input's
     # gradient (bf16 from the GEMM, then fp32 for the gating); without recompute its gradient alone, the
-    # later parts net of the gating's saved tensors, freed by then
+    # later parts net of the gating's saved tensors (but U's and the attention output's size), freed by then
     gated = 4 * 3 * 512 + 8 + 2 * 3 * 512
+    uvqk_out = 2 * (2 * 512 + 2 * 512)
+    again = uvqk_out + 2 * 512 + 8  # the UVQK GEMM's output and input, recomputed
     parts = sequence.stu_backward_bytes_per_token(selective, GPU_BF16, "triton", selective=True)
     assert parts.output == gated + (2 + 4) * 3 * 512 == parts.peak
-    assert parts.attention == 2 * (2 * 512 + 2 * 512) + 2 * 512 + 2 * 2 * (2 * 512 + 512)
+    assert parts.attention == again + 2 * 512 + 2 * 2 * (2 * 512 + 512)  # its output's gradient, workspace
+    assert parts.uvqk == again + 2 * uvqk_out + 2 * 2 * 512  # the u, v, q, k gradients, concatenated
     keeps = sequence.stu_backward_bytes_per_token(shape, GPU_BF16, "triton", selective=False)
     assert keeps.output == (2 + 4) * 3 * 512 == keeps.peak
-    assert keeps.uvqk == -gated + 2 * (2 * 512 + 2 * 512) + 2 * 2 * 512
+    assert keeps.uvqk == -(gated - 2 * 4 * 512) + 2 * uvqk_out + 2 * 2 * 512
     sel = sequence.hstu_memory_per_sample(selective, GPU_BF16, "triton", recompute=False, tokens=4096)
     assert full.activation - sel.activation == pytest.approx(4096 * (3 * kept - (4096 + 2 * 3072) - gated))
     assert sel.activation < 0.7 * full.activation
     # activation recompute (the what-if) overrides it
     assert sequence.hstu_memory_per_sample(selective, GPU_BF16, "triton", True, 4096) == less
-    # fp32 keeps more than bf16; the torch attention's workspace is larger than the Triton kernel's
+    # fp32 keeps more than bf16; the torch attention's padded buffers hold more than the Triton kernel's
+    # workspace
     assert sequence.stu_kept_bytes_per_token(shape, GPU_FP32) > kept
     torch_ws = sequence.hstu_memory_per_sample(shape, GPU_BF16, "torch", recompute=False, tokens=4096)
     assert torch_ws.activation > full.activation

@@ -11,11 +11,13 @@ from pathlib import Path
 import pytest
 
 from anyrec.backends import resolve_hardware
+from anyrec.config import Precision
 from anyrec.history import steplearn
 
 from .conftest import compose_config, last_json_line, torchrun
 
 CAL = Path(__file__).parent / "data" / "calibration_cpu_2rank.yaml"
+FP32 = Precision.fp32
 
 
 def test_the_next_run_predicts_with_the_median_ratio_of_the_last_runs_shrunk(tmp_path):
@@ -45,18 +47,20 @@ def test_only_runs_planned_with_a_calibrated_file_learn(tmp_path):
     shutil.copy(CAL, tmp_path / "cal.yaml")
     cfg = compose_config([f"hardware.sku={tmp_path / 'cal.yaml'}"])[1]
     hw = resolve_hardware(cfg.hardware.sku)
-    key = steplearn.run_key(cfg, hw, 256, "fbgemm", 2, 2, other_cores=1.4)
-    assert key.endswith("/busy") and steplearn.run_key(cfg, hw, 256, "fbgemm", 2, 2, 0.1).endswith("/quiet")
-    assert steplearn.run_key(cfg, hw, 512, "fbgemm", 2, 2, 1.4) != key  # another workload shape
-    assert steplearn.run_key(cfg, hw, 256, "fbgemm", 4, 4, 1.4) != key  # another world size
-    assert steplearn.run_key(cfg, hw, 256, "fbgemm", 2, 2, 1.4, sharding_group_size=2) == key  # 1D
-    assert steplearn.run_key(cfg, hw, 256, "fbgemm", 2, 2, 1.4, sharding_group_size=1) != key  # 2D
+    key = steplearn.run_key(cfg, hw, 256, "fbgemm", FP32, 2, 2, other_cores=1.4)
+    quiet = steplearn.run_key(cfg, hw, 256, "fbgemm", FP32, 2, 2, 0.1)
+    assert key.endswith("/busy") and quiet.endswith("/quiet")
+    assert steplearn.run_key(cfg, hw, 512, "fbgemm", FP32, 2, 2, 1.4) != key  # another workload shape
+    assert steplearn.run_key(cfg, hw, 256, "fbgemm", FP32, 4, 4, 1.4) != key  # another world size
+    assert steplearn.run_key(cfg, hw, 256, "fbgemm", Precision.bf16, 2, 2, 1.4) != key  # another precision
+    assert steplearn.run_key(cfg, hw, 256, "fbgemm", FP32, 2, 2, 1.4, sharding_group_size=2) == key  # 1D
+    assert steplearn.run_key(cfg, hw, 256, "fbgemm", FP32, 2, 2, 1.4, sharding_group_size=1) != key  # 2D
     datasheet = compose_config(["hardware.sku=cpu"])[1]
-    assert steplearn.run_key(datasheet, resolve_hardware("cpu"), 256, "fbgemm", 2, 2, 1.4) is None
+    assert steplearn.run_key(datasheet, resolve_hardware("cpu"), 256, "fbgemm", FP32, 2, 2, 1.4) is None
     # A hardware=auto job handed the same calibrated file (first contact) learns under the same key: the
     # key follows the hardware the job planned with, not the config's `hardware.sku`.
     auto = compose_config(["hardware.sku=auto"])[1]
-    assert steplearn.run_key(auto, hw, 256, "fbgemm", 2, 2, 1.4) == key
+    assert steplearn.run_key(auto, hw, 256, "fbgemm", FP32, 2, 2, 1.4) == key
 
 
 def _record_many(directory: str, writer: int) -> None:

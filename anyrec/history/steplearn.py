@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from anyrec.config import AnyrecConfig
+from anyrec.config import AnyrecConfig, Precision
 from anyrec.history.cache import cache_dir
 from anyrec.history.trust import BUSY_OTHER_CORES
 from anyrec.io_checks import atomic_write, open_nofollow
@@ -75,17 +75,18 @@ def load_class(other_cores: float | None) -> str:
     return "busy" if other_cores > BUSY_OTHER_CORES else "quiet"
 
 
-def run_key(cfg: AnyrecConfig, hardware: Hardware, batch_per_rank: int, kernel: str, world_size: int,
-            local_world_size: int, other_cores: float | None,
+def run_key(cfg: AnyrecConfig, hardware: Hardware, batch_per_rank: int, kernel: str, precision: Precision,
+            world_size: int, local_world_size: int, other_cores: float | None,
             sharding_group_size: int | None = None) -> str | None:
     """The key of this run's observations, or None when it did not plan with a calibrated file (`hardware`:
-    what it planned with, a `hardware.sku` file or the calibration on first contact's cache entry; a
-    `sharding_group_size` under the world size: a 2D job, whose steps are its own)."""
+    what it planned with, a `hardware.sku` file or the calibration on first contact's cache entry;
+    `precision`: the dense part's, as the job resolved it and the plan costed it; a `sharding_group_size`
+    under the world size: a 2D job, whose steps are its own)."""
     hw = _calibrated_file(hardware.measured_by)
     if hw is None:
         return None
     shape = {"model": dataclasses.asdict(cfg.model), "batch_per_rank": batch_per_rank,
-             "optim": cfg.optim.name, "kernel": kernel, "world_size": world_size,
+             "optim": cfg.optim.name, "kernel": kernel, "precision": str(precision), "world_size": world_size,
              "local_world_size": local_world_size, "pipeline": cfg.trainer.pipeline,
              "hardware_sha256": hashlib.sha256(hw.read_bytes()).hexdigest(),
              "hardware_spec": cfg.hardware.spec,

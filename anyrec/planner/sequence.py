@@ -57,7 +57,8 @@ ATTENTION_EFFICIENCY: dict[str, float] = {"triton": 0.35, "torch": 0.10}
 # The attention's backward temporaries per token beyond its inputs and output, as a multiple of a token's
 # q, k, v bytes: the Triton kernel's dq (fp32 accumulation), dk and dv. The torch version's are its padded
 # buffers (`torch_attention_bytes_per_sample`, per sample), its dq, dk and dv among them (measured: the
-# same six score-sized buffers at 40 and 66 tokens, whatever the q, k, v bytes beside them).
+# same six score-sized buffers at 40 and 66 tokens with dlrmv4_small's heads of 16; with short sequences and
+# wide heads, d > N, its q, k, v gradients would pass them: not measured).
 ATTENTION_WORKSPACE_QKV: dict[str, float] = {"triton": 2.0, "torch": 0.0}
 # The elementwise passes stream each layer's saved activations about three times a step: written in the
 # forward, read in the backward, gradients of the same size written. estimate, not measured.
@@ -264,8 +265,10 @@ class STUBackward:
     parts, which run one after another, each freeing its saved tensors as it ends (so a layer that keeps
     everything has freed its output part's by the attention's backward: those parts count net of them).
     Measured on the simulated device in fp32 (dlrmv4_small, 64 samples, with selective recompute): the
-    output part 1,164 bytes a token against 1,160 here; the attention part the UVQK output (512) and the
-    torch attention's buffers (`TORCH_ATTENTION_BACKWARD_SCORES`); the UVQK part 768 against 768."""
+    output part 1,164 bytes a token against 1,160 here; the attention part the recomputed UVQK output and the
+    torch attention's buffers (`TORCH_ATTENTION_BACKWARD_SCORES`); with an attention that keeps q, k, v (as
+    the Triton kernel does) the UVQK part holds the peak, within 50 bytes a token of its terms here, with
+    selective recompute and without (tests/test_simdev_memory.py)."""
 
     output: float  # the gating recomputed (selective), the output GEMM input's gradient
     attention: float  # the UVQK output recomputed (selective), the attention output's gradient, workspace
@@ -289,10 +292,13 @@ def stu_backward_bytes_per_token(shape: HSTUShape, ab: ActivationBytes, attentio
     workspace = ATTENTION_WORKSPACE_QKV.get(attention_impl, max(ATTENTION_WORKSPACE_QKV.values()))
     gated = stu_gated_bytes_per_token(shape, ab)
     output = (gated if selective else 0) + grad_y
-    # recomputed under selective recompute; kept, and the output part's freed, without it
-    again = uvqk_out if selective else -gated
+    # under selective recompute the UVQK GEMM's output and input are recomputed for the attention's and the
+    # UVQK part's backward; without it they are kept, and the output part's saved tensors are freed by then,
+    # but for U's and the attention output's size (measured: they stay alive through the later parts)
+    again = uvqk_out + a * D + LAYER_NORM_STATS_BYTES if selective else -(gated - 2 * FP32_BYTES * U)
     attention = again + a * U + workspace * a * (2 * QK + U)
-    uvqk = (uvqk_out + a * D + LAYER_NORM_STATS_BYTES if selective else -gated) + uvqk_out + 2 * a * D
+    # the u, v, q, k gradients beside their concatenation, then the normed input's and the input's
+    uvqk = again + 2 * uvqk_out + 2 * a * D
     return STUBackward(output, attention, uvqk)
 
 

@@ -202,7 +202,7 @@ class Trainer:
         made with a calibrated file): its shape, and the other processes' load the binding saw."""
         choice = self.runtime.binding.bind
         other = choice.load.other_cores if choice is not None and choice.load is not None else None
-        return run_key(self.cfg, self._hardware(), self.batch_size, self.embedding_kernel,
+        return run_key(self.cfg, self._hardware(), self.batch_size, self.embedding_kernel, self.precision,
                        self.dist.world_size, self.dist.local_world_size, other, sharding_group_size)
 
     def _check_trainer_config(self) -> None:
