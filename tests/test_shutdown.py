@@ -104,7 +104,9 @@ def test_sigterm_to_one_rank_stops_both(tmp_path):
 @pytest.mark.deadline
 @pytest.mark.integration
 def test_a_stopped_rank_fails_the_job_naming_it(tmp_path):
-    proc = launch(tmp_path, ["trainer.collective_timeout_s=5", "trainer.stop_check_every=1000"])
+    # eager: with no compile record rank 0 would time a compile while its peer waits, longer than 5 s
+    proc = launch(tmp_path, ["trainer.collective_timeout_s=5", "trainer.stop_check_every=1000",
+                             "trainer.compile=false"])
     pids = wait_for(proc, tmp_path, "step 10 loss", timeout=240)
     stuck = _worker(pids, 1)
     os.kill(stuck, signal.SIGSTOP)
