@@ -137,6 +137,11 @@ class Trainer:
         return start_runtime(self.cfg.backend.name, self.cfg.backend.bind_cores, tc.collective_timeout_s,
                              tc.peer_timeout_s, self.cfg.backend.threads)
 
+    @property
+    def autocast(self) -> bool:
+        """Whether the step runs under bf16 autocast: the resolved precision's (`build`)."""
+        return self.precision == Precision.bf16
+
     def _hardware(self) -> Hardware:
         """The device the plan is costed on: the one given, else the config's, resolved once."""
         if self.hardware is None:
@@ -152,7 +157,6 @@ class Trainer:
         self._check_trainer_config()
         # the dense part's precision, resolved once: the plan is costed in it and the step runs in it
         self.precision = self.backend.dense_precision(tc.mixed_precision)
-        self.autocast = self.precision == Precision.bf16
         self.schedule = WarmupPolyDecay.from_config(self.cfg.optim)
         torch.manual_seed(tc.seed)
         check_embedding_weight_decay(self.cfg.optim, self.kernels["embedding"])
@@ -424,7 +428,7 @@ class Trainer:
                                                                              "hstu_attention")}
         return {"model": self.cfg.model.name, "model_family": self.family.name,
                 "attention_kernel": ops.get("hstu_attention") if not self.family.pooled else None,
-                "precision": "bf16" if self.autocast else "fp32", "window_eval": self.window_evals,
+                "precision": str(self.precision), "window_eval": self.window_evals,
                 **self.source_facts}
 
     def _thread_facts(self) -> dict[str, Any]:
