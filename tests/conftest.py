@@ -7,6 +7,7 @@ import fcntl
 import functools
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import signal
@@ -124,6 +125,28 @@ def keep_torch_threads():
     before = torch.get_num_threads()
     yield
     torch.set_num_threads(before)
+
+
+def _loggers() -> list[logging.Logger]:
+    return [logging.root, *(lg for lg in logging.Logger.manager.loggerDict.values()
+                            if isinstance(lg, logging.Logger))]
+
+
+@pytest.fixture(autouse=True)
+def logging_as_it_was():
+    """Each test starts with logging as the one before found it. Hydra's runner, run in-process by some
+    tests, configures handlers onto the streams pytest captured for that test; the next test would log
+    into closed files (a `--- Logging error ---` on its stderr). Handlers a test added go (pytest's own
+    stay: it removes those itself); every logger's level, propagation and disabled flag come back."""
+    before = {id(lg): (set(map(id, lg.handlers)), lg.level, lg.propagate, lg.disabled) for lg in _loggers()}
+    yield
+    for lg in _loggers():
+        handlers, level, propagate, disabled = before.get(id(lg), (set(), logging.NOTSET, True, False))
+        for h in [h for h in lg.handlers if id(h) not in handlers
+                  and not type(h).__module__.startswith("_pytest")]:
+            lg.removeHandler(h)
+        lg.setLevel(level)
+        lg.propagate, lg.disabled = propagate, disabled
 
 
 def _no_group_left(where: str):
