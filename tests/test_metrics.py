@@ -27,7 +27,38 @@ def test_eval_metrics_match_formulas():
     # AUC by counting correctly ordered (positive, negative) pairs.
     pos, neg = logits[labels == 1], logits[labels == 0]
     pairs = (pos[:, None] > neg[None, :]).double().mean()
-    assert abs(out["auc"] - float(pairs)) < 1e-6
+    assert abs(out["auc"] - float(pairs)) < 1e-12  # exact, in fp64
+
+
+def test_auc_counts_a_tied_pair_as_half_and_agrees_with_torchmetrics():
+    """Scores rounded to a tenth tie often: each tied (positive, negative) pair counts half. The AUROC
+    anyrec reported before (torchmetrics' BinaryAUROC, a trapezoid in fp32) agrees to its rounding."""
+    from torchmetrics.classification import BinaryAUROC  # installed with torchrec; anyrec imports neither
+
+    g = torch.Generator().manual_seed(1)
+    labels = torch.bernoulli(torch.full((3000,), 0.4), generator=g)
+    logits = torch.round((torch.randn(3000, generator=g) + labels) * 10) / 10
+    out = _metrics(logits, labels)
+    probs = torch.sigmoid(logits)
+    pos, neg = probs[labels == 1], probs[labels == 0]
+    pairs = ((pos[:, None] > neg[None, :]).double() + 0.5 * (pos[:, None] == neg[None, :]).double()).mean()
+    assert abs(out["auc"] - float(pairs)) < 1e-12
+    assert abs(out["auc"] - float(BinaryAUROC()(probs, labels.long()))) < 1e-6
+    assert abs(out["auc"] - float((pos[:, None] > neg[None, :]).double().mean())) > 1e-3  # ties matter here
+
+
+def test_the_metrics_import_neither_torchmetrics_nor_torchrecs_metrics():
+    """Both cost every rank's start-up about 0.4 s (torchmetrics imports matplotlib)."""
+    import ast
+
+    from .conftest import ROOT
+
+    for path in (ROOT / "anyrec").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not [n for n in names if n.split(".")[0] == "torchmetrics"
+                        or n.startswith("torchrec.metrics")], path
 
 
 def _metrics(logits, labels) -> dict[str, float]:
