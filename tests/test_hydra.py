@@ -130,3 +130,24 @@ def test_the_run_folder_is_hydras_under_its_runner_and_none_for_a_config_compose
         assert _hydra.run_folder() == "/runs/a"
     finally:
         HydraConfig.instance().cfg = saved
+
+
+JOB_REFUSED = [  # (entry point, arguments, what its one line names): refused by the job once it starts
+    ("predict", ["predict.artifact={tmp}/bad.pt2"], "not a torch.export archive"),
+    ("export", ["export.checkpoint={tmp}", "export.output={tmp}/x.pt2"], "no checkpoint"),
+    ("export", ["export.precision=int4"], "export.precision"),
+]
+
+
+@pytest.mark.parametrize(("name", "args", "why"), JOB_REFUSED, ids=[f"{n} {a[0]}" for n, a, _ in JOB_REFUSED])
+def test_export_and_predict_refuse_bad_input_in_one_line_exit_2(name, args, why, tmp_path, capfd):
+    """As the console entry runs them (`cli`: Hydra's runner), nothing written where the export would go."""
+    (tmp_path / "bad.pt2").write_text("not an archive")
+    module = importlib.import_module(f"anyrec.{name}")
+    with pytest.raises(SystemExit) as stop:
+        _hydra.launch(f"anyrec-{name}", module.main,
+                      [*(a.format(tmp=tmp_path) for a in args), f"hydra.run.dir={tmp_path}/run"])
+    assert stop.value.code == 2
+    lines = capfd.readouterr().err.strip().splitlines()
+    assert lines and lines[-1].startswith(f"anyrec-{name}: error: ") and why in lines[-1], lines[-5:]
+    assert not (tmp_path / "x.pt2").exists()
