@@ -76,7 +76,7 @@ def run(cfg: AnyrecConfig, print_fn: Callable[[str], None] = print,
     # the cached calibration: planned with them, as that job was
     job_batch = resolve_batch_size(cfg.data, world).batch_size
     # the dense part's precision: as this machine's backend resolves it (as the trainer does), or the choice
-    # as configured for a device planned offline (auto: bf16 on an accelerator, fp32 on a CPU)
+    # as configured for a device planned offline (auto: as its spec says, DeviceSpec.auto_precision)
     chosen_precision = cfg.trainer.mixed_precision
     precision = backend.dense_precision(chosen_precision) if backend is not None else chosen_precision
     recorded = (recorded_hstu_rates(cached.path, attention.name, precision == Precision.bf16, facts.hstu,

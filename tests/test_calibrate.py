@@ -103,6 +103,12 @@ def test_calibrate_writes_a_hardware_yaml(tmp_path, capsys, monkeypatch):
     assert f"wrote {out} in {m['seconds']:.1f} s" in table  # the time it reports is the one it stored
     assert "Units are in the key names" in out.read_text()
     assert not list(out.parent.glob(".*tmp*"))  # the atomic write left no temporary behind
+    # the spec ends with the measured fields: a cut anywhere loses one it claims (an assumed field with a
+    # default, auto_precision, comes before them)
+    data = yaml.safe_load(out.read_text())
+    measured = data["measurements"]["measured_fields"]
+    assert set(list(data["spec"])[-len(measured):]) == set(measured)
+    assert data["spec"]["auto_precision"] == "fp32"  # the CPU's: anyrec runs it in fp32 under auto
 
 
 @pytest.mark.integration

@@ -154,3 +154,24 @@ def test_anyrec_plan_costs_the_configured_precision_offline():
         result = run(cfg, print_fn=lambda _: None)
         peaks[choice] = max(m.activation_bytes for m in predict_memory(result))
     assert peaks["auto"] == peaks["bf16"] < 0.9 * peaks["fp32"]
+
+
+def test_offline_auto_is_what_the_devices_spec_says_it_runs(tmp_path):
+    """A device without bf16 autocast (its spec's auto_precision: fp32, as simdev's calibrated file says)
+    is costed in fp32 under auto when planned offline, as its jobs run; a bad value is one line."""
+    from anyrec.plan import run
+    from anyrec.planner.memory import predict_memory
+
+    def peak(*overrides: str) -> int:
+        _, cfg = compose_config(["model=dlrmv4_small", "topology.world_size=2", *overrides])
+        return max(m.activation_bytes for m in predict_memory(run(cfg, print_fn=lambda _: None)))
+
+    fp32 = peak("hardware=h100", "trainer.mixed_precision=fp32")
+    assert peak("hardware=h100", "+hardware.spec.auto_precision=fp32") == fp32
+    assert peak("hardware=h100") < 0.9 * fp32
+    sku = tmp_path / "dev.yaml"  # a hardware file such as a calibration writes
+    sku.write_text("base: h100\nspec:\n  auto_precision: fp32\n")
+    assert peak(f"hardware.sku={sku}") == fp32
+    sku.write_text("base: h100\nspec:\n  auto_precision: fp16\n")
+    with pytest.raises(ValueError, match="auto_precision must be one of bf16, fp32, got 'fp16'"):
+        peak(f"hardware.sku={sku}")

@@ -62,6 +62,8 @@ def test_the_porting_checklist_runs_as_written_on_simdev(simdev_site, tmp_path):
     assert "calibration: cache miss" in train.stderr + train.stdout
     measured = _measurements(tmp_path / "simdev.yaml")  # simdev cannot pin: the pageable copy alone
     assert measured["h2d_pageable_bw_bytes_per_s"] > 0 and "h2d_bw_bytes_per_s" not in measured
+    # no bf16 autocast on simdev: planned offline with this file, auto is costed in fp32, as it runs
+    assert yaml.safe_load((tmp_path / "simdev.yaml").read_text())["spec"]["auto_precision"] == "fp32"
     assert last_json_line(planned.stdout)["backend"] == "simdev"
     unit = _run(f"python -c '{CHECKLIST_UNIT}'", tmp_path, simdev_site, tmp_path / "cache")
     assert "unit ok" in unit.stdout

@@ -34,7 +34,7 @@ SPEC_FIELDS = {f.name: f for f in dataclasses.fields(DeviceSpec)}
 CALIBRATED_SOURCE = "anyrec.calibrate on "
 # Fields that are assumptions with a default, not figures a file must carry (files written before a field
 # was added stay whole without it).
-ASSUMED_FIELDS = ("runtime_reserved_bytes",)
+ASSUMED_FIELDS = ("runtime_reserved_bytes", "auto_precision")
 STEP = ("step_fixed_s", "step_per_feature_s", "step_per_sample_s", "step_per_id_s", "step_per_value_s",
         "step_per_pair_s", "step_per_dense_tensor_s", "sharding_group_s", "replicated_table_s")
 # Fields that may be 0 meaning "unknown" (the planner then falls back or refuses host placement);

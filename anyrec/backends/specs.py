@@ -13,6 +13,7 @@ from dataclasses import dataclass
 GB = 1e9
 TB = 1e12
 GF = 1e9  # FLOP/s
+AUTO_PRECISIONS = ("bf16", "fp32")  # DeviceSpec.auto_precision's values
 
 
 @dataclass(frozen=True)
@@ -56,8 +57,15 @@ class DeviceSpec:
     step_per_dense_tensor_s: float = 0.0  # per dense parameter tensor (gradient, DDP copy, update)
     sharding_group_s: float = 0.0  # per sharding type used (its own input and output all-to-alls)
     replicated_table_s: float = 0.0  # per data-parallel table
+    # The dense part's precision under trainer.mixed_precision=auto, for planning the device where it is
+    # not at hand (its backend decides where it is): "bf16" where the device has bf16 autocast, "fp32" on
+    # a CPU (anyrec does not autocast there) and on a device without it.
+    auto_precision: str = "bf16"
 
     def __post_init__(self) -> None:
+        if self.auto_precision not in AUTO_PRECISIONS:
+            raise ValueError(f"DeviceSpec {self.name}: auto_precision must be one of "
+                             f"{', '.join(AUTO_PRECISIONS)}, got {self.auto_precision!r}")
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if isinstance(v, (int, float)) and not isinstance(v, bool) and v < 0:
@@ -153,7 +161,7 @@ SKUS: dict[str, DeviceSpec] = {
         source="generic host, empirical (a quiet 2-core host); calibrate with anyrec.calibrate",
         scale_up_latency_s=170e-6, scale_out_latency_s=DEFAULT_CPU_LATENCY_S,
         step_fixed_s=1.85e-3, step_per_feature_s=1.3e-4, step_per_sample_s=1.0e-6, step_per_pair_s=1.4e-9,
-        sharding_group_s=5.1e-3, replicated_table_s=0.98e-3),
+        sharding_group_s=5.1e-3, replicated_table_s=0.98e-3, auto_precision="fp32"),
 }
 
 def sku_key(name: str) -> str | None:

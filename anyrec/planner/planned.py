@@ -183,7 +183,7 @@ def plan_job(cfg: AnyrecConfig, model: nn.Module, collection: nn.Module, module_
     (the trainer's backend). `attention`: the implementation that runs an HSTU model's attention (None:
     triton on an accelerator, torch on a CPU); `what_if`: an offline plan (anyrec-plan) may use what the
     trainer lacks (activation recompute), said in its notes; `precision`: the dense part's, as the job's
-    backend resolved it (`auto`: bf16 on an accelerator, fp32 on a CPU, for a device planned offline).
+    backend resolved it (`auto`, a device planned offline: its spec's `auto_precision`, fp32 on a CPU).
     ValueError (one line) for a job the trainer would refuse; InfeasiblePlanError when nothing fits."""
     pc = cfg.planner
     group = group_size_in_ranks(pc.sharding_group_size, world_size)

@@ -168,9 +168,11 @@ def sequence_perf(option: ShardingOption, topology: Topology, workload: Workload
 
 def activation_bytes(topology: Topology, dense_dtype: Precision) -> int:
     """Bytes of an activation element: 2 under bf16 autocast, 4 in fp32; `auto` (a device planned offline)
-    is bf16 on an accelerator and fp32 on a CPU."""
+    is what the device's spec says auto runs (`DeviceSpec.auto_precision`: bf16 on an accelerator that has
+    bf16 autocast), fp32 on a CPU."""
     if dense_dtype == Precision.auto:
-        return 2 if topology.compute_device != "cpu" else FP32_BYTES
+        cpu = topology.compute_device == "cpu"
+        return 2 if not cpu and topology.device.auto_precision == "bf16" else FP32_BYTES
     return 2 if dense_dtype == Precision.bf16 else FP32_BYTES
 
 

@@ -246,8 +246,8 @@ class PlanOptions:
     max_column_shards: int = 8  # most column-wise pieces considered per table
     exhaustive_limit: int = 20_000  # search spaces at most this large are solved exactly
     # The dense part's precision, as the job's backend resolved it (Backend.dense_precision); auto (a device
-    # planned offline): bf16 on an accelerator, fp32 on a CPU. It picks the peak FLOP/s and an HSTU part's
-    # activation bytes.
+    # planned offline): the spec's `auto_precision` (bf16 on an accelerator with bf16 autocast), fp32 on a
+    # CPU. It picks the peak FLOP/s and an HSTU part's activation bytes.
     dense_dtype: Precision = Precision.auto
     # The dense part's bytes per sample alive at the forward's end (its activations), during the lookups,
     # and while the backward reaches the embeddings (job.dense_memory_per_sample)

@@ -148,12 +148,14 @@ def hardware_yaml(backend: Backend, calibration: Calibration) -> dict[str, Any]:
     spec = backend.device_spec()
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     m = calibration.measurements
-    fields = {**spec.to_dict(), **calibration.spec_fields,
-              "source": f"anyrec.calibrate on {backend.describe()}, {stamp}: "
-                        f"{', '.join(m.measured_fields)} measured; the rest from "
-                        f"{spec.source or spec.name}"}
-    # Measurements first, the spec (ending with measured fields) last: a file cut short anywhere then
-    # lacks a field it claims to have measured, or its spec altogether, and is refused when read.
+    # Measurements first, the spec (ending with the measured fields) last: a file cut short anywhere then
+    # lacks a field it claims to have measured, or its spec altogether, and is refused when read (an
+    # assumed field with a default, such as auto_precision, is never the line a cut would lose unseen).
+    kept = {k: v for k, v in spec.to_dict().items() if k not in calibration.spec_fields}
+    fields = {**kept, "source": f"anyrec.calibrate on {backend.describe()}, {stamp}: "
+                                f"{', '.join(m.measured_fields)} measured; the rest from "
+                                f"{spec.source or spec.name}",
+              **calibration.spec_fields}
     data = to_data(HardwareFile(measurements=m, spec=fields))
     read_hardware_file(data, "the calibration measured")
     return data

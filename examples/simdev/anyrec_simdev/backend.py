@@ -27,6 +27,7 @@ SPEC = DeviceSpec(
     scale_up_bw_bytes_per_s=100e9, scale_out_bw_bytes_per_s=12.5e9, h2d_bw_bytes_per_s=25e9,
     host_memory_bytes=128 * 2**30, host_memory_bw_bytes_per_s=50e9,
     runtime_reserved_bytes=0,  # the simulated allocator owns the whole capacity: no runtime context
+    auto_precision="fp32",  # no bf16 autocast: the dense part runs in fp32 (trainer.mixed_precision=auto)
     source="simulated device: made-up figures, not a measurement of any hardware",
 )
 
