@@ -48,9 +48,12 @@ def run(cfg: DictConfig, started: float | None = None) -> dict:
                             tc.peer_timeout_s, config.backend.threads, started=started)
     hardware = None  # the Trainer resolves `hardware.sku` itself
     try:
+        # the dense part's precision, resolved once: first contact measures an HSTU model's kernels in it,
+        # the plan is costed in it and the step runs in it
+        precision = runtime.backend.dense_precision(tc.mixed_precision)
         if wants_calibration(config):  # hardware=auto: this machine's cached figures, measured on a miss
-            hardware = calibrated_hardware(config, runtime)
-        trainer = Trainer(config, runtime=runtime, hardware=hardware)
+            hardware = calibrated_hardware(config, runtime, precision)
+        trainer = Trainer(config, runtime=runtime, hardware=hardware, precision=precision)
     except BaseException as e:
         # No Trainer owns the runtime to close it (a bad checkpoint, a failed calibration): take the group
         # and the heartbeat down here. A heartbeat thread left in the store's C++ code when the

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from anyrec.backends.hardware_file import STEP_FIELDS
-from anyrec.choices import Switch
+from anyrec.choices import Precision, Switch
 from anyrec.config import AnyrecConfig, Calibrate
 from anyrec.history import cache as calcache
 
@@ -140,7 +140,7 @@ def test_the_quick_calibration_logs_its_points_to_the_file_only(tmp_path, monkey
     runtime = start_runtime("cpu", bind_cores=Switch.false)
     try:
         with pytest.raises(_Measured):
-            first_contact.calibrated_hardware(cfg, runtime)
+            first_contact.calibrated_hardware(cfg, runtime, Precision.fp32)
     finally:
         destroy_distributed(barrier=False)
     assert shown == [False] and console.ConsoleFilter().filter(point)

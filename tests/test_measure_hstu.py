@@ -18,6 +18,7 @@ from anyrec.backends.hardware import HSTURates
 from anyrec.backends.specs import get_sku
 from anyrec.calibration import first_contact
 from anyrec.calibration.measure import hstu as measure
+from anyrec.choices import Precision
 from anyrec.history import cache as calcache
 from anyrec.history import hstu_records as records
 from anyrec.kernels.hstu import hstu_attention_torch
@@ -227,7 +228,8 @@ def test_first_contact_measures_the_jobs_attention_once_then_reads_it(tmp_path, 
     runtime = start_runtime("cpu", bind_cores=False)
     try:
         def job() -> HSTURates | None:
-            return first_contact.job_hstu_rates(cfg, runtime, entry, Agreement.begin(0, 1, "test"))
+            return first_contact.job_hstu_rates(cfg, runtime, entry, Agreement.begin(0, 1, "test"),
+                                                Precision.fp32)
 
         rate = job()
         assert rate is not None and "HSTU kernels measured at this job's shapes" in caplog.text
@@ -246,7 +248,7 @@ def test_first_contact_measures_the_jobs_attention_once_then_reads_it(tmp_path, 
             job()
         _, dlrm = compose_config(["model=dlrm_tiny"])
         agreement = Agreement.begin(0, 1, "t")
-        assert first_contact.job_hstu_rates(dlrm, runtime, entry, agreement) is None
+        assert first_contact.job_hstu_rates(dlrm, runtime, entry, agreement, Precision.fp32) is None
         assert kept.exists()
     finally:
         destroy_distributed(barrier=False)

@@ -12,6 +12,7 @@ import yaml
 
 from anyrec.backends import cpu, get_backend, resolve_hardware
 from anyrec.backends import hardware as hardware_module
+from anyrec.backends.interface import Backend
 from anyrec.calibration import first_contact
 from anyrec.choices import Switch
 from anyrec.history import cache
@@ -90,9 +91,14 @@ def test_train_calibrates_and_trains_in_one_runtime(tmp_path, monkeypatch, caplo
     seen = []
     calibrated = first_contact.calibrated_hardware
 
-    def recording(config, runtime):
+    def recording(config, runtime, precision):
         seen.append(config)
-        return calibrated(config, runtime)
+        return calibrated(config, runtime, precision)
+
+    resolved = []  # the dense precision: resolved once, for the calibration's measurement and the step
+    dense_precision = Backend.dense_precision
+    monkeypatch.setattr(Backend, "dense_precision", lambda b, c: resolved.append(dense_precision(b, c))
+                        or resolved[-1])
 
     monkeypatch.setattr(first_contact, "calibrated_hardware", recording)
     calls = Calls(monkeypatch)
@@ -110,6 +116,7 @@ def test_train_calibrates_and_trains_in_one_runtime(tmp_path, monkeypatch, caplo
     (config,) = seen
     assert config.hardware.sku == "auto" and config.backend.bind_cores == "auto"  # nothing written back
     (trainer,) = built
+    assert resolved == [trainer.precision]
     assert trainer.hardware.measured_by == str(entry) and summary["predicted_step_ms"] > 0
     assert trainer.job.hardware_file == str(entry)  # what a run 10x off its prediction rejects
 

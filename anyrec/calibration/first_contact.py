@@ -79,10 +79,11 @@ def remeasure_untrusted(distrust: str, now: CoreLoad | None) -> str | None:
     return f"its figures are not trusted ({distrust}) and the host is quiet now"
 
 
-def calibrated_hardware(cfg: AnyrecConfig, runtime: Runtime) -> Hardware:
+def calibrated_hardware(cfg: AnyrecConfig, runtime: Runtime, precision: Precision) -> Hardware:
     """The Hardware of this machine's cached calibration file (with `cfg.hardware.spec` on top), measured
     now in `runtime` if none is usable (every rank calls it); for an HSTU model, with its kernels' rates
-    on the job's own shapes (`job_hstu_rates`). Its `measured_by` names the file."""
+    on the job's own shapes in the job's dense `precision` (`job_hstu_rates`). Its `measured_by` names
+    the file."""
     signing_key = resolve_key(cfg.trainer.signing_key_file)
     info = runtime.dist
     agreement = Agreement.begin(info.rank, info.world_size, "calibration on first contact")
@@ -90,7 +91,7 @@ def calibrated_hardware(cfg: AnyrecConfig, runtime: Runtime) -> Hardware:
         path = _find_or_measure(cfg, runtime, signing_key, agreement)
         hw = cfg.hardware
         hardware = resolve_hardware(path, hw.spec, runtime.backend, hw.measurements)
-        rate = job_hstu_rates(cfg, runtime, Path(path), agreement)
+        rate = job_hstu_rates(cfg, runtime, Path(path), agreement, precision)
     except Exception as e:
         _name_lost_peer(e, cfg, runtime)
         raise
@@ -123,8 +124,8 @@ def recorded_hstu_rates(entry: Path, impl: str, half: bool, shape: HSTUShape,
     return (rate, path) if rate is not None else None
 
 
-def job_hstu_rates(cfg: AnyrecConfig, runtime: Runtime, entry: Path,
-                   agreement: Agreement) -> HSTURates | None:
+def job_hstu_rates(cfg: AnyrecConfig, runtime: Runtime, entry: Path, agreement: Agreement,
+                   precision: Precision) -> HSTURates | None:
     """For an HSTU model, the rates of its kernels (the attention implementation the job runs, the
     backend's choice; the STU GEMMs; the elementwise passes) on the job's heads, dims, planned lengths and
     batch, in the dtype the planner costs: the record kept beside the calibration entry `entry`
@@ -136,8 +137,7 @@ def job_hstu_rates(cfg: AnyrecConfig, runtime: Runtime, entry: Path,
     backend, info = runtime.backend, runtime.dist
     impl = backend.select_kernels(cfg.backend)[ATTENTION_OP]
     batch = resolve_batch_size(cfg.data, info.world_size).batch_size
-    # measured in the precision the job runs, and so is costed, in
-    half = backend.dense_precision(cfg.trainer.mixed_precision) == Precision.bf16
+    half = precision == Precision.bf16  # measured in the precision the job runs, and so is costed, in
     # rank 0 looks the record up and writes it: the key is its own
     key = hstu_record_key(entry, impl.name, half, shape, batch) if info.is_main else ""
     path = record_path(key)

@@ -139,17 +139,18 @@ def _train_point(p: StepPoint, runtime: Runtime, hardware: Hardware, steps: int,
     embedding = backend.select_kernels(cfg.backend)["embedding"]
     meta, family = torch.device("meta"), resolve_family(cfg.model)
     model = family.build_train(cfg.model, meta, meta, {})
+    precision = backend.dense_precision(cfg.trainer.mixed_precision)  # planned and run in it
     planned = plan_job(cfg, model, family.sparse_module(model), family.sparse_path,
                        family.workload_facts(cfg.model), hardware, embedding, world,
                        runtime.dist.local_world_size, p.batch, backend.device_type,
                        assignment=_assignment(p, world),
-                       precision=backend.dense_precision(cfg.trainer.mixed_precision))
+                       precision=precision)
     # the trainer takes the plan alone: the points are costed without the step figures being fitted, a
     # prediction for the trainer to check or learn from is none
     given = PlannedJob(planned.plan, planned.layout)
     # one set-up log per point would bury the calibration's table: the points' own lines go to the log file
     with log_file_only():
-        trainer = Trainer(cfg, given, runtime=runtime, hardware=hardware, family=family)
+        trainer = Trainer(cfg, given, runtime=runtime, hardware=hardware, family=family, precision=precision)
         run.check()  # a signal while it was built
         trainer.step_hooks.append(lambda _: run.check())  # the trainer's own catches one while it trains
         try:

@@ -83,12 +83,14 @@ class Trainer:
     """Owns the backend, the process group, the sharded model, its optimizers, data and checkpoints."""
 
     def __init__(self, cfg: AnyrecConfig, planned: PlannedJob | None = None, runtime: Runtime | None = None,
-                 hardware: Hardware | None = None, family: ModelFamily | None = None) -> None:
+                 hardware: Hardware | None = None, family: ModelFamily | None = None,
+                 precision: Precision | None = None) -> None:
         """`planned`: the job planned by the caller (calibration's step points: a plan given table by
         table), else here (`shared_plan`); `runtime`: the process's backend, group and binding, set up by
         the caller (else here, from the config); `hardware`: the device the plan is costed on (else
         resolved from `cfg.hardware`); `family`: the model family (else resolved from
-        `cfg.model.family`)."""
+        `cfg.model.family`); `precision`: the dense part's, as the caller resolved `trainer.mixed_precision`
+        on the runtime's backend (else here)."""
         self.cfg = cfg
         self.family = family if family is not None else resolve_family(cfg.model)
         signing_key = resolve_key(cfg.trainer.signing_key_file)  # an unusable key fails before any work
@@ -98,6 +100,9 @@ class Trainer:
         self.dist: DistInfo = self.runtime.dist
         self.device = self.runtime.device
         self.hardware = hardware
+        # the dense part's precision, resolved once: the plan is costed in it and the step runs in it
+        self.precision = (precision if precision is not None
+                          else self.backend.dense_precision(cfg.trainer.mixed_precision))
         self.kernels: dict[str, Impl] = self.backend.select_kernels(cfg.backend)  # each op's, resolved once
         self.planned = planned  # the sharded path's job, planned once (None: one device, unsharded)
         self.state = TrainerState(rank=self.dist.rank)
@@ -155,8 +160,6 @@ class Trainer:
         """Model (tables on meta, then sharded by DMP), plan, optimizers, step pipeline and data."""
         tc = self.cfg.trainer
         self._check_trainer_config()
-        # the dense part's precision, resolved once: the plan is costed in it and the step runs in it
-        self.precision = self.backend.dense_precision(tc.mixed_precision)
         self.schedule = WarmupPolyDecay.from_config(self.cfg.optim)
         torch.manual_seed(tc.seed)
         check_embedding_weight_decay(self.cfg.optim, self.kernels["embedding"])
