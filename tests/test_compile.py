@@ -18,7 +18,7 @@ from anyrec.trainer import compile as comp
 from anyrec.trainer import trainer as trainer_module
 from anyrec.trainer.compile import choose, compile_dense, worth_compiling
 
-from .conftest import compose_config
+from .conftest import ROOT, compose_config, last_json_line, torchrun
 
 TINY = ["model=dlrm_tiny", "backend=cpu", "backend.embedding_kernel=torch", "trainer.progress=false",
         "trainer.tensorboard=false", "data.batch_size=32", "trainer.seed=3", "trainer.eval_steps=0"]
@@ -213,3 +213,18 @@ def test_a_resumed_job_weighs_the_steps_it_has_left(monkeypatch, tmp_path):
         finally:
             t.close()
     assert weighed == [6, 4]
+
+
+@pytest.mark.integration
+def test_ranks_compile_at_once_under_a_collective_timeout_shorter_than_one_compile(tmp_path):
+    """trainer.compile=true on two ranks with a 6 s collective timeout and a compile of 2 s a graph
+    (tests/dist/compile_check.py): every rank compiles at once, so none waits out rank 0's compile in
+    the decision's broadcast (which failed the job at start-up, gloo's timeout on rank 1)."""
+    timeout_s, slow_s = 6, 2
+    script = ROOT / "tests" / "dist" / "compile_check.py"
+    proc = torchrun([str(script), str(timeout_s), str(slow_s), str(tmp_path / "records")], timeout=240,
+                    cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = last_json_line(proc.stdout)
+    assert out["compiled"] and out["reason"] == "trainer.compile=true"
+    assert out["graphs"] * slow_s > 2 * timeout_s  # one rank's compile alone is over twice the timeout

@@ -180,23 +180,38 @@ def compile_dense(train_model: nn.Module, model_cfg: ModelConfig, backend: Backe
                   compiler: str | Callable = "inductor") -> CompileDecision:
     """Compile `train_model`'s dense modules in place as `setting` says (rank 0 decides, every rank follows
     and compiles its own); logs the decision once. A failed compile leaves them eager, with one warning.
-    `directory`: the records' folder (default: the calibration cache's); `compiler`: torch.compile's."""
+    `directory`: the records' folder (default: the calibration cache's); `compiler`: torch.compile's.
+
+    Rank 0 first says what to do (its record, or a short eager timing): stay eager, compile, or compile and
+    measure. Where a compile follows, every rank compiles its copies at once, rank 0 timing them where it
+    measures; the ranks then follow rank 0's verdict. No rank waits out a whole compile in a collective
+    (a `trainer.collective_timeout_s` shorter than a compile would fail the job at start-up), and the job
+    starts one compile later, not two."""
     modules = dense_modules(train_model)
     batch = example_batch(model_cfg, batch_size, device)
     ctx = lambda: backend.autocast(autocast)  # noqa: E731 - a fresh context per step
-    decision = None
-    if info.is_main:
-        decision = _decide(setting, modules, batch, backend, ctx, remaining_steps,
-                           record_key(backend, model_cfg, batch_size, autocast, info.local_world_size),
-                           directory, compiler)
-    decision = broadcast_from_main(decision, info)
-    assert isinstance(decision, CompileDecision)
-    if decision.compiled and not info.is_main:  # rank 0 compiled while deciding; the others compile now
-        try:
-            compile_copies(modules, batch, backend, ctx, compiler)
-        except Exception as e:  # noqa: BLE001 - any compile error: this rank's graphs are not usable
+    key = record_key(backend, model_cfg, batch_size, autocast, info.local_world_size) if info.is_main else ""
+    first = _first_say(setting, modules, batch, backend, ctx, remaining_steps, key, directory) \
+        if info.is_main else None
+    action, reason, record = broadcast_from_main(first, info)
+    if action == "eager":
+        decision = CompileDecision(False, setting, reason, record)
+    else:
+        failure = None
+        if info.is_main:
+            decision = _compile_here(action, setting, reason, record, modules, batch, backend, ctx,
+                                     remaining_steps, key, directory, compiler)
+        else:
+            try:
+                compile_copies(modules, batch, backend, ctx, compiler)
+            except Exception as e:  # noqa: BLE001 - any compile error: this rank's graphs are not usable
+                failure = e
+            decision = None
+        decision = broadcast_from_main(decision, info)
+        if decision.compiled and failure is not None:
             raise RuntimeError(f"rank {info.rank}: the dense model's compile failed where rank 0's "
-                               f"succeeded: {_first_lines(e)}") from e
+                               f"succeeded: {_first_lines(failure)}") from failure
+    assert isinstance(decision, CompileDecision)
     if decision.compiled:
         for m in modules.values():
             m.compile(backend=compiler)  # the compiled copies' code, reused (dynamo's cache)
@@ -212,18 +227,25 @@ def compile_dense(train_model: nn.Module, model_cfg: ModelConfig, backend: Backe
     return decision
 
 
-def _decide(setting: Switch, modules: dict[str, nn.Module], batch: tuple, backend: Backend,
-            ctx: Callable[[], object], remaining_steps: int, key: str, directory: Path | None,
-            compiler: str | Callable) -> CompileDecision:
-    path = record_path(key, directory)
-    record = read_record(path, key) if setting is Switch.auto else None
+def _first_say(setting: Switch, modules: dict[str, nn.Module], batch: tuple, backend: Backend,
+               ctx: Callable[[], object], remaining_steps: int, key: str,
+               directory: Path | None) -> tuple[str, str, CompileRecord | None]:
+    """Rank 0's word before any compile: (eager | compile | measure, why, this machine's record)."""
+    record = read_record(record_path(key, directory), key) if setting is Switch.auto else None
     action, reason = choose(setting, backend, remaining_steps, record,
                             # the fastest of a few steps: on a busy host the median can be 10x the cost
                             lambda: measure_eager(modules, batch, backend, ctx, steps=5, best=True))
-    if action == "eager":
-        return CompileDecision(False, setting, reason, record)
-    if action == "compile":  # forced, or auto with a record that says so
-        # the compile runs here, on copies, so a failure shows before the first training step
+    return action, reason, record
+
+
+def _compile_here(action: str, setting: Switch, reason: str, record: CompileRecord | None,
+                  modules: dict[str, nn.Module], batch: tuple, backend: Backend, ctx: Callable[[], object],
+                  remaining_steps: int, key: str, directory: Path | None,
+                  compiler: str | Callable) -> CompileDecision:
+    """Rank 0's compile (on copies, so a failure shows before the first training step): forced, or auto
+    with a record that says so (`compile`); or auto without a record (`measure`), timed against eager and
+    kept as this machine's record."""
+    if action == "compile":
         try:
             compile_copies(modules, batch, backend, ctx, compiler)
         except Exception as e:  # noqa: BLE001 - inductor raises many kinds; all mean "stay eager"
@@ -236,7 +258,7 @@ def _decide(setting: Switch, modules: dict[str, nn.Module], batch: tuple, backen
     eager_s = measure_eager(modules, batch, backend, ctx)
     record = CompileRecord(key, compile_s, eager_s, compiled_s)
     try:
-        write_record(path, record)
+        write_record(record_path(key, directory), record)
     except OSError as e:
         logger.warning("compile record not cached (%s): the next job measures again", e)
     _, reason = choose(setting, backend, remaining_steps, record, lambda: eager_s)
