@@ -104,7 +104,8 @@ def test_sigterm_to_one_rank_stops_both(tmp_path):
 @pytest.mark.deadline
 @pytest.mark.integration
 def test_a_stopped_rank_fails_the_job_naming_it(tmp_path):
-    # eager: with no compile record rank 0 would time a compile while its peer waits, longer than 5 s
+    # eager: with no compile record rank 0 times compiled and eager steps while its peer waits, which on a
+    # loaded host can near the 5 s timeout; the compile decision is not what this test checks
     proc = launch(tmp_path, ["trainer.collective_timeout_s=5", "trainer.stop_check_every=1000",
                              "trainer.compile=false"])
     pids = wait_for(proc, tmp_path, "step 10 loss", timeout=240)
