@@ -67,8 +67,11 @@ def _check_file(path, world_size: int) -> dict:
     assert (step["fit_max_rel_error"] <= 0.3) or not m["trust"]["trusted"]
     assert len(step["points"]) == len(calibrate_step.points_at(world_size))
     ratios = sorted(p["measured_s"] / p["model_s"] for p in step["points"] if p["model_s"] > 0)
-    assert len(ratios) == len(step["points"]) and ratios[len(ratios) // 2] > 1, ratios  # one point may
-    # time below the model when the host is busy while the bandwidths are measured, not most of them
+    assert len(ratios) == len(step["points"]), ratios
+    # one point may time below the model when the host is busy while the bandwidths are measured, not most
+    # of them; on a host seen busy (the figures not trusted) most may: a CI run measured a median of 0.82
+    # with a third process beside its two ranks
+    assert ratios[len(ratios) // 2] > 1 or not m["trust"]["trusted"], (ratios, m["trust"])
     assert sum(step["fields"].values()) > 0
     for name, value in step["fields"].items():  # the spec carries the fit
         assert getattr(spec, name) == value and name in m["measured_fields"]
