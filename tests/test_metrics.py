@@ -71,6 +71,7 @@ def test_single_class_auc_is_torchrecs_no_signal_value():
     assert _metrics([0.3, -1.0, 2.0], [1, 1, 1])["auc"] == 0.5
     assert _metrics([0.3, -1.0, 2.0], [0, 0, 0])["auc"] == 0.5
     assert _metrics([0.3, -1.0], [1, 0])["auc"] == 1.0  # two classes: the real AUC
+    assert _metrics([0.3, -1.0], [0.7, 0])["auc"] == 0.5  # a soft label counts as its integer part
 
 
 def test_probability_one_half_counts_positive():

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from anyrec.backends.records import RecordError, figure, implausible, items, non_finite, parse, text
-from anyrec.backends.specs import DeviceSpec
+from anyrec.backends.specs import AUTO_PRECISIONS, DeviceSpec
 
 SPEC_FIELDS = {f.name: f for f in dataclasses.fields(DeviceSpec)}
 # How anyrec.calibrate's spec `source` begins: such a spec always comes with its measurements.
@@ -352,6 +352,9 @@ def spec_value(name: str, value: Any, where: str) -> Any:
         return float(value)
     if isinstance(value, dict | list) or len(str(value)) > 4096:
         raise RecordError(f"{where}: {name} must be a short string, got {type(value).__name__}")
+    if name == "auto_precision" and value not in AUTO_PRECISIONS:
+        raise RecordError(f"{where}: auto_precision must be one of {', '.join(AUTO_PRECISIONS)}, got "
+                          f"{value!r}")
     return str(value)
 
 

@@ -41,13 +41,16 @@ def compute_ne(ce_sum: torch.Tensor, weighted_num_samples: torch.Tensor, pos_lab
 
 def exact_auc(probs_N: torch.Tensor, labels_N: torch.Tensor) -> float:
     """The fraction of (positive, negative) pairs the scores order correctly, a tie counting half: from
-    the positives' rank sum, ties given their average rank (fp64). Needs both classes present."""
+    the positives' rank sum, ties given their average rank (fp64); the no-signal 0.5 where a class is
+    missing (a label between 0 and 1 counts as its integer part, as torchmetrics' did)."""
     _, inverse_N, counts_U = torch.unique(probs_N, sorted=True, return_inverse=True, return_counts=True)
     ends_U = counts_U.double().cumsum(0)
     mean_rank_U = ends_U - (counts_U.double() - 1) / 2  # 1-based ranks of a tie group, averaged
     positive_N = labels_N.bool()
     n_pos = float(positive_N.sum())
     n_neg = probs_N.numel() - n_pos
+    if n_pos == 0 or n_neg == 0:
+        return _NO_SIGNAL_AUC
     rank_sum = float(mean_rank_U[inverse_N][positive_N].sum())
     return (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
 
@@ -80,7 +83,8 @@ class EvalMetrics:
         # -y log p - (1-y) log(1-p) with p = sigmoid(x), computed stably from x; torchrec keeps bits
         ce_nats_B = F.binary_cross_entropy_with_logits(logits_B.double(), labels_B, reduction="none")
         correct = ((probs_B >= THRESHOLD) == labels_B.bool()).sum()
-        self._sums += torch.stack([ce_nats_B.sum() / math.log(2.0), labels_B.new_tensor(labels_B.numel()),
+        # every term made on the device (new_full fills a scalar: no host copy that waits for the device)
+        self._sums += torch.stack([ce_nats_B.sum() / math.log(2.0), labels_B.new_full((), labels_B.numel()),
                                    labels_B.sum(), (1.0 - labels_B).sum(), correct.double()])
         self._probs.append(probs_B.reshape(-1))
         self._labels.append(labels_B.reshape(-1).to(torch.uint8))
