@@ -7,6 +7,7 @@ import math
 import torch
 from torch.nn import functional as F
 
+from anyrec.runtime.distributed import ONE_PROCESS
 from anyrec.trainer.metrics import EvalMetrics
 
 
@@ -14,7 +15,7 @@ def test_eval_metrics_match_formulas():
     g = torch.Generator().manual_seed(0)
     labels = torch.bernoulli(torch.full((1000,), 0.3), generator=g)
     logits = torch.randn(1000, generator=g) + 1.5 * labels
-    m = EvalMetrics(torch.device("cpu"))
+    m = EvalMetrics(torch.device("cpu"), ONE_PROCESS)
     m.update(logits[:600], labels[:600])
     m.update(logits[600:], labels[600:])
     out = m.compute()
@@ -62,7 +63,7 @@ def test_the_metrics_import_neither_torchmetrics_nor_torchrecs_metrics():
 
 
 def _metrics(logits, labels) -> dict[str, float]:
-    m = EvalMetrics(torch.device("cpu"))
+    m = EvalMetrics(torch.device("cpu"), ONE_PROCESS)
     m.update(torch.as_tensor(logits, dtype=torch.float32), torch.as_tensor(labels, dtype=torch.float32))
     return m.compute()
 

@@ -252,6 +252,24 @@ def destroy_distributed(barrier: bool = True, heartbeat: Heartbeat | None = None
         dist.destroy_process_group()
 
 
+def padded(t: torch.Tensor, size: int, dim: int = 0) -> torch.Tensor:
+    """`t` zero-padded along `dim` to `size` (all_gather needs one shape on every rank)."""
+    if t.shape[dim] == size:
+        return t.contiguous()
+    shape = list(t.shape)
+    shape[dim] = size
+    out = t.new_zeros(shape)
+    out.narrow(dim, 0, t.shape[dim]).copy_(t)
+    return out
+
+
+def all_gather_list(t: torch.Tensor, pg: dist.ProcessGroup | None, ranks: int) -> list[torch.Tensor]:
+    """Every one of the `ranks` ranks' `t` (one shape on all) in `pg` (None: the default group)."""
+    out = [torch.empty_like(t) for _ in range(ranks)]
+    dist.all_gather(out, t, group=pg)
+    return out
+
+
 def all_reduce_mean(values: list[float], device: torch.device) -> list[float]:
     """Mean over ranks of a few Python floats (float64 on the wire, on the collectives' device)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:

@@ -50,7 +50,7 @@ def score_batches(program: Callable[..., torch.Tensor], family: ModelFamily, mod
                  InputValidator(list(schema.features), list(schema.table_rows), schema.num_dense, device,
                                 ONE_PROCESS))
     check = export.check(model, id_layout)
-    metrics = EvalMetrics(device)
+    metrics = EvalMetrics(device, ONE_PROCESS)  # one process scores every rank's rows
     run, start = ScoreRun(), time.perf_counter()
     with torch.no_grad():
         for i, batch in enumerate(batches):

@@ -1,4 +1,4 @@
-"""Evaluation metrics over everything every rank saw (the default process group's ranks, where one is up),
+"""Evaluation metrics over everything every rank of the job saw (the default process group's ranks),
 computed as torchrec's `RecMetric`s compute them, without their `RecMetricModule` task machinery (and
 without importing torchrec.metrics or torchmetrics: about 0.4 s of every rank's start-up).
 
@@ -23,6 +23,8 @@ import math
 import torch
 import torch.distributed as dist
 from torch.nn import functional as F
+
+from anyrec.runtime.distributed import DistInfo, all_gather_list, padded
 
 _ETA = 1e-12  # torchrec's clamp for counts
 _NO_SIGNAL_AUC = 0.5  # torchrec's AUC when there are no (positive, negative) pairs
@@ -55,24 +57,19 @@ def exact_auc(probs_N: torch.Tensor, labels_N: torch.Tensor) -> float:
     return (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
 
 
-def _gathered(x_N: torch.Tensor) -> torch.Tensor:
-    """Every rank's `x_N` (lengths may differ), concatenated in rank order."""
-    world = dist.get_world_size()
-    n = torch.tensor([x_N.numel()], device=x_N.device)
-    sizes = [torch.zeros_like(n) for _ in range(world)]
-    dist.all_gather(sizes, n)
-    longest = int(max(int(s) for s in sizes))
-    padded = torch.zeros(longest, dtype=x_N.dtype, device=x_N.device)
-    padded[:x_N.numel()] = x_N
-    parts = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded)
-    return torch.cat([part[:int(s)] for part, s in zip(parts, sizes, strict=True)])
+def _gathered(x_N: torch.Tensor, world: int) -> torch.Tensor:
+    """Every one of the `world` ranks' `x_N` (lengths may differ), concatenated in rank order."""
+    sizes = [int(n) for n in all_gather_list(torch.tensor([x_N.numel()], device=x_N.device), None, world)]
+    parts = all_gather_list(padded(x_N, max(sizes)), None, world)
+    return torch.cat([part[:n] for part, n in zip(parts, sizes, strict=True)])
 
 
 class EvalMetrics:
-    """AUC, accuracy, normalized entropy and log loss over everything seen on every rank."""
+    """AUC, accuracy, normalized entropy and log loss over everything seen on every rank of `info`'s job
+    (one process: this one's alone)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, info: DistInfo) -> None:
+        self._world = info.world_size
         self._sums = torch.zeros(len(_SUMS), dtype=torch.float64, device=device)
         self._probs: list[torch.Tensor] = []
         self._labels: list[torch.Tensor] = []
@@ -93,9 +90,9 @@ class EvalMetrics:
         sums = self._sums.clone()
         probs_N = torch.cat(self._probs) if self._probs else sums.new_zeros(0, dtype=torch.float32)
         labels_N = torch.cat(self._labels) if self._labels else sums.new_zeros(0, dtype=torch.uint8)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if self._world > 1:
             dist.all_reduce(sums)
-            probs_N, labels_N = _gathered(probs_N), _gathered(labels_N)
+            probs_N, labels_N = _gathered(probs_N, self._world), _gathered(labels_N, self._world)
         ce, samples, pos, neg, correct = sums.unbind()
         ne = compute_ne(ce, samples, pos, neg, _ETA)
         # torchrec's cross entropy is in bits; the log loss is reported in nats like the train loss.

@@ -29,6 +29,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBat
 from torch import nn
 
 from anyrec.kernels.tbe import TritonTableBatchedEmbedding
+from anyrec.runtime.distributed import all_gather_list, padded
 
 # kernels whose backward applies the fused update and whose forward takes (indices, offsets,
 # per_sample_weights): the ones the exchange wraps
@@ -116,13 +117,13 @@ def gather_lookups(indices_N: torch.Tensor, offsets_FB1: torch.Tensor, psw_N: to
     batch = grad_BDt.shape[0]
     assert offsets_FB1.numel() - 1 == features * batch, (offsets_FB1.numel(), features, batch)
     sizes = torch.tensor([indices_N.numel(), batch], dtype=torch.int64, device=grad_BDt.device)
-    sizes_R2 = torch.stack(_all_gather(sizes, pg, replicas)).cpu()
+    sizes_R2 = torch.stack(all_gather_list(sizes, pg, replicas)).cpu()
     n_max, b_max = (int(v) for v in sizes_R2.max(0).values)
     lengths_FB = (offsets_FB1[1:] - offsets_FB1[:-1]).view(features, batch)
-    ids_R = _all_gather(_padded(indices_N, n_max), pg, replicas)
-    lengths_R = _all_gather(_padded(lengths_FB, b_max, dim=1), pg, replicas)
-    grads_R = _all_gather(_padded(grad_BDt.contiguous(), b_max), pg, replicas)
-    psw_R = _all_gather(_padded(psw_N, n_max), pg, replicas) if psw_N is not None else None
+    ids_R = all_gather_list(padded(indices_N, n_max), pg, replicas)
+    lengths_R = all_gather_list(padded(lengths_FB, b_max, dim=1), pg, replicas)
+    grads_R = all_gather_list(padded(grad_BDt.contiguous(), b_max), pg, replicas)
+    psw_R = all_gather_list(padded(psw_N, n_max), pg, replicas) if psw_N is not None else None
     n_R, b_R = sizes_R2[:, 0].tolist(), sizes_R2[:, 1].tolist()
     ids, offsets, psw, grads = merge_lookups(
         [t[:n] for t, n in zip(ids_R, n_R, strict=True)],
@@ -165,18 +166,3 @@ def merge_lookups(ids_R: list[torch.Tensor], lengths_R: list[torch.Tensor], psw_
     return torch.cat(ids_R)[order], offsets, psw, torch.cat([grads[k] for k in sorted(grads)]) / replicas
 
 
-def _padded(t: torch.Tensor, size: int, dim: int = 0) -> torch.Tensor:
-    """`t` zero-padded along `dim` to `size` (all_gather needs one shape on every rank)."""
-    if t.shape[dim] == size:
-        return t.contiguous()
-    shape = list(t.shape)
-    shape[dim] = size
-    out = t.new_zeros(shape)
-    out.narrow(dim, 0, t.shape[dim]).copy_(t)
-    return out
-
-
-def _all_gather(t: torch.Tensor, pg: dist.ProcessGroup, replicas: int) -> list[torch.Tensor]:
-    out = [torch.empty_like(t) for _ in range(replicas)]
-    dist.all_gather(out, t, group=pg)
-    return out

@@ -450,7 +450,7 @@ class Trainer:
         """AUC, NE, log loss and accuracy over `trainer.eval_steps` held-out batches per rank."""
         assert self.eval_data is not None and self.eval_batches is not None
         self.model.eval()
-        metrics = EvalMetrics(self.device)
+        metrics = EvalMetrics(self.device, self.dist)
         batches = self.eval_batches(self.step)
         if self.validator is not None:
             batches = self.validator.wrap(batches, 0, "eval batch")
