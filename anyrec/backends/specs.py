@@ -10,10 +10,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from anyrec.choices import Precision
+
 GB = 1e9
 TB = 1e12
 GF = 1e9  # FLOP/s
-AUTO_PRECISIONS = ("bf16", "fp32")  # DeviceSpec.auto_precision's values
+AUTO_PRECISIONS = tuple(str(p) for p in Precision if p is not Precision.auto)  # auto_precision's values
 
 
 @dataclass(frozen=True)
