@@ -248,6 +248,7 @@ class TrainerConfig:
     steps: int = 300
     seed: int = 0
     eval_steps: int = 20  # batches per rank per evaluation; 0 = none (a stream evaluates whole windows)
+    evaluate: bool = True  # false: no evaluation at all, a stream's windows included (the steps only)
     eval_every: int = 0  # steps between evaluations; 0 = only at the end
     log_every: int = 25
     # >0: the last N steps run under torch.profiler (after a warm-up step), out of measured_step_ms; the

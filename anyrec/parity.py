@@ -159,7 +159,7 @@ def check_options(opts: ParityConfig, signing_key: SigningKey | None = None) -> 
 # ---- one variant, inside its own process(es) ----------------------------------------------------
 
 # What the worker adds to the base job: the steps only (no evaluation, checkpoints or progress bar).
-STEPS_ONLY = ["trainer.eval_steps=0", "trainer.checkpoint.dir=null", "trainer.progress=false"]
+STEPS_ONLY = ["trainer.evaluate=false", "trainer.checkpoint.dir=null", "trainer.progress=false"]
 
 
 def full_weights(model, info: DistInfo) -> dict[str, Any]:

@@ -35,8 +35,10 @@ def test_the_data_source_is_part_of_the_plan_on_the_host_as_on_the_device():
     synthetic = _hydra.compose_job(["model=dlrm_tiny", "trainer.eval_steps=0"])
     with_eval = _hydra.compose_job(["model=dlrm_tiny", "trainer.eval_steps=2"])
     files = _hydra.compose_job(["model=dlrm_tiny", "data=criteo_npy"])
+    steps_only = _hydra.compose_job(["model=dlrm_tiny", "trainer.eval_steps=2", "trainer.evaluate=false"])
     one = host_estimate_of_resident_bytes(synthetic, ONE_PROCESS)
     assert one > 1_000_000 and host_estimate_of_resident_bytes(with_eval, ONE_PROCESS) == 2 * one
+    assert host_estimate_of_resident_bytes(steps_only, ONE_PROCESS) == one  # no eval source without eval
     assert host_estimate_of_resident_bytes(files, ONE_PROCESS) == 0
 
 

@@ -47,6 +47,12 @@ def test_windows_train_then_evaluate_the_next_and_resume_mid_window_exactly(one_
     assert full["eval_auc"] == full["window_eval"][-1]["auc"]
     assert (full["model"], full["attention_kernel"]) == ("dlrmv4_small", "torch")
 
+    # trainer.evaluate=false: the same steps and weights, no window evaluated (nor its hidden AUC drawn)
+    steps_only, points = _train("trainer.evaluate=false")
+    assert points == () and steps_only["window_eval"] == [] and steps_only["eval_auc"] is None
+    assert steps_only["steps"] == full["steps"] and steps_only["hidden_auc_by_window"] == {}
+    assert steps_only["weights_sha256"] == full["weights_sha256"]
+
     mid = window_ends[0] // 2  # inside training window 0
     ckpt = [f"trainer.checkpoint.dir={tmp_path / 'ck'}"]
     first, _ = _train(f"trainer.steps={mid}", *ckpt)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torchrec.datasets.utils import Batch
 
-from anyrec.config import AnyrecConfig
+from anyrec.config import AnyrecConfig, TrainerConfig
 from anyrec.data import build_source, resolve_batch_size
 from anyrec.data.prefetch import Prefetched
 from anyrec.models.family import ModelFamily
@@ -32,7 +32,7 @@ class Inputs:
 
     batch_size: int  # per rank
     train: Any  # a data source: `iter_from(step, n)`
-    eval: Any | None  # None without evaluation (trainer.eval_steps=0 on a source that streams no windows)
+    eval: Any | None  # None without evaluation (trainer.evaluate=false; eval_steps=0 on a batch source)
     validator: InputValidator | None  # None with trainer.validate_inputs=false
     loss_guard: NonFiniteGuard
     eval_batches: Callable[[int], Iterable[Any]] | None = None  # step -> the batches evaluated after it
@@ -101,7 +101,7 @@ def build_inputs(cfg: AnyrecConfig, family: ModelFamily, dist: DistInfo, device:
     validator = (InputValidator(list(schema.features), list(schema.table_rows), schema.num_dense, device,
                                 dist, tc.skip_nonfinite)
                  if tc.validate_inputs else None)
-    eval_source = source("eval") if tc.eval_steps > 0 else None
+    eval_source = source("eval") if evaluates_batches(tc) else None
     inputs = Inputs(data_cfg.batch_size, source("train"), eval_source, validator,
                     NonFiniteGuard(tc.skip_nonfinite, device, dist),
                     lambda _step: eval_source.iter_from(0, tc.eval_steps))
@@ -127,10 +127,18 @@ def sequence_inputs(cfg: AnyrecConfig, schema: BatchSchema, batch_size: int, dis
     stream = WindowStream(source)
     if cfg.trainer.validate_inputs and dist.is_main:
         logger.info("input checks: sequence batches are checked by the model (lengths, targets)")
+    guard = NonFiniteGuard(cfg.trainer.skip_nonfinite, device, dist)
+    if not cfg.trainer.evaluate:  # the steps only: no window is evaluated, so no hidden AUC is drawn
+        return Inputs(batch_size, stream, None, None, guard, None, stream.window_ends[-1],
+                      facts={"hidden_auc_by_window": {}})
     hidden = {str(w): source.hidden_auc(w) for w in range(1, len(stream.window_ends) + 1)}
-    return Inputs(batch_size, stream, stream, None, NonFiniteGuard(cfg.trainer.skip_nonfinite, device, dist),
-                  stream.eval_after, stream.window_ends[-1], stream.window_ends,
-                  {"hidden_auc_by_window": hidden})
+    return Inputs(batch_size, stream, stream, None, guard, stream.eval_after, stream.window_ends[-1],
+                  stream.window_ends, {"hidden_auc_by_window": hidden})
+
+
+def evaluates_batches(tc: TrainerConfig) -> bool:
+    """Whether a batch source's job evaluates: `trainer.evaluate` and at least one batch per evaluation."""
+    return tc.evaluate and tc.eval_steps > 0
 
 
 def host_estimate_of_resident_bytes(cfg: AnyrecConfig, dist: DistInfo) -> int:
@@ -142,7 +150,7 @@ def host_estimate_of_resident_bytes(cfg: AnyrecConfig, dist: DistInfo) -> int:
     from anyrec.data.synthetic import SyntheticCriteo  # a source loads only when chosen
 
     data, host = resolve_batch_size(cfg.data, dist.world_size), torch.device("cpu")
-    splits = ("train", "eval") if cfg.trainer.eval_steps > 0 else ("train",)
+    splits = ("train", "eval") if evaluates_batches(cfg.trainer) else ("train",)
     sources = [SyntheticCriteo(cfg.model, data, cfg.trainer.seed, dist.rank, dist.world_size, split=s,
                                device=host) for s in splits]
     return resident_device_bytes(sources, host)
