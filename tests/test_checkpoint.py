@@ -4,12 +4,12 @@ by torchrun, and clear failures (nothing overwritten) for corrupt or incompatibl
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 
 import pytest
+
+from anyrec import _hydra, train
 
 from .conftest import ROOT, last_json_line, torchrun
 from .faults import KILL_AT_STEP, faulty
@@ -70,10 +70,27 @@ def test_restore_onto_one_rank_reshards(runs, tmp_path):
     assert d["weights_sha256"] == b["weights_sha256"]
 
 
-def _single(tmp_path, extra, flags=()):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, *BASE[:2], *flags, *BASE[2:], f"hydra.run.dir={tmp_path}/hydra", *extra]
-    return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240, env=env)
+@pytest.fixture
+def single(tmp_path, monkeypatch, capfd):
+    """`python -m anyrec.train BASE... EXTRA` in one process without torchrun, run in this one: the console
+    entry's runner (`_hydra.launch` on `anyrec.train.main`), its exit status (0 when it returns) and what
+    it printed. No second interpreter: a checkpoint refused is refused before a step, in a second."""
+    monkeypatch.chdir(tmp_path)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+
+    def run(extra: list[str], flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+        capfd.readouterr()
+        code = 0
+        try:
+            _hydra.launch("anyrec-train", train.main, [*flags, *BASE[2:], f"hydra.run.dir={tmp_path}/hydra",
+                                                       *extra])
+        except SystemExit as e:
+            code = e.code
+        out = capfd.readouterr()
+        return subprocess.CompletedProcess(["anyrec-train", *extra], code, out.out, out.err)
+
+    return run
 
 
 def _error_lines(proc):
@@ -81,7 +98,7 @@ def _error_lines(proc):
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
-def test_corrupt_checkpoint_fails_clearly(runs, tmp_path, damage):
+def test_corrupt_checkpoint_fails_clearly(runs, tmp_path, damage, single):
     src = runs[0]
     shutil.copytree(src / "ck_at_10", tmp_path / "ck")
     shard = sorted((tmp_path / "ck" / "step_10").glob("*.distcp"))[0]
@@ -92,7 +109,7 @@ def test_corrupt_checkpoint_fails_clearly(runs, tmp_path, damage):
         data[len(data) // 2] ^= 0xFF
         shard.write_bytes(bytes(data))
     before = _tree(tmp_path / "ck")
-    proc = _single(tmp_path, ["trainer.steps=20", f"trainer.checkpoint.dir={tmp_path}/ck",
+    proc = single(["trainer.steps=20", f"trainer.checkpoint.dir={tmp_path}/ck",
                               "trainer.checkpoint.every=5"])
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = _error_lines(proc)
@@ -117,11 +134,11 @@ def test_a_corrupt_checkpoint_under_torchrun_exits_in_one_line_not_by_a_signal(r
         "rank 0 threads at exit: []", "rank 1 threads at exit: []"], out[-3000:]
 
 
-def test_incompatible_checkpoint_fails_clearly(runs, tmp_path):
+def test_incompatible_checkpoint_fails_clearly(runs, tmp_path, single):
     src = runs[0]
     shutil.copytree(src / "ck_at_10", tmp_path / "ck")
     before = _tree(tmp_path / "ck")
-    proc = _single(tmp_path, ["trainer.steps=20", f"trainer.checkpoint.dir={tmp_path}/ck",
+    proc = single(["trainer.steps=20", f"trainer.checkpoint.dir={tmp_path}/ck",
                               "model.embedding_dim=4", "model.bottom_mlp=[16,4]"])
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = _error_lines(proc)
@@ -154,11 +171,11 @@ def _hashes(path):
     (["optim.dense_lr=0.1"], "holds another run's checkpoints (step_5, step_10, run "),
     (["trainer.seed=3"], "trainer.seed 0 there, 3 here"),
 ])
-def test_another_runs_checkpoints_are_kept_byte_for_byte(runs, tmp_path, extra, message):
+def test_another_runs_checkpoints_are_kept_byte_for_byte(runs, tmp_path, extra, message, single):
     src = runs[0]
     shutil.copytree(src / "ck_at_10", tmp_path / "ck")
     before = _hashes(tmp_path / "ck")
-    proc = _single(tmp_path, ["trainer.steps=12", f"trainer.checkpoint.dir={tmp_path}/ck",
+    proc = single(["trainer.steps=12", f"trainer.checkpoint.dir={tmp_path}/ck",
                               "trainer.checkpoint.every=2", "trainer.checkpoint.keep=1", *extra])
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = _error_lines(proc)
@@ -166,26 +183,26 @@ def test_another_runs_checkpoints_are_kept_byte_for_byte(runs, tmp_path, extra, 
     assert _hashes(tmp_path / "ck") == before
 
 
-def test_overwrite_replaces_another_run(runs, tmp_path):
+def test_overwrite_replaces_another_run(runs, tmp_path, single):
     src = runs[0]
     shutil.copytree(src / "ck_at_10", tmp_path / "ck")
-    s = _ok(_single(tmp_path, ["trainer.steps=4", f"trainer.checkpoint.dir={tmp_path}/ck",
+    s = _ok(single(["trainer.steps=4", f"trainer.checkpoint.dir={tmp_path}/ck",
                                "trainer.checkpoint.resume=false", "trainer.checkpoint.overwrite=true"]))
     assert s["resumed_from_step"] is None and s["steps"] == 4
     assert sorted(p.name for p in (tmp_path / "ck").glob("step_*")) == ["step_4"]
 
 
-def test_resume_past_the_last_step_says_so(runs, tmp_path):
+def test_resume_past_the_last_step_says_so(runs, tmp_path, single):
     shutil.copytree(runs[0] / "ck_at_10", tmp_path / "ck")
-    proc = _single(tmp_path, ["trainer.steps=6", f"trainer.checkpoint.dir={tmp_path}/ck"])
+    proc = single(["trainer.steps=6", f"trainer.checkpoint.dir={tmp_path}/ck"])
     s = _ok(proc)
     assert s["steps"] == 10 and s["resumed_from_step"] == 10 and s["final_loss"] is None
     assert "resumed at step 10, past trainer.steps=6: no step to train" in proc.stdout + proc.stderr
 
 
-def test_multirun_jobs_get_a_directory_each(tmp_path):
-    proc = _single(tmp_path, ["trainer.steps=2,3", f"trainer.checkpoint.dir={tmp_path}/ck",
-                              f"hydra.sweep.dir={tmp_path}/sweep"], flags=["-m"])
+def test_multirun_jobs_get_a_directory_each(tmp_path, single):
+    proc = single(["trainer.steps=2,3", f"trainer.checkpoint.dir={tmp_path}/ck",
+                              f"hydra.sweep.dir={tmp_path}/sweep"], flags=("-m",))
     assert proc.returncode == 0, proc.stderr[-3000:]
     summaries = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
     assert [s["steps"] for s in summaries] == [2, 3]
@@ -193,9 +210,9 @@ def test_multirun_jobs_get_a_directory_each(tmp_path):
     assert [s["checkpoint"] for s in summaries] == [f"{tmp_path}/ck/0/step_2", f"{tmp_path}/ck/1/step_3"]
 
 
-def test_a_checkpoint_dir_that_is_a_file_fails_before_training(tmp_path):
+def test_a_checkpoint_dir_that_is_a_file_fails_before_training(tmp_path, single):
     (tmp_path / "ck").write_text("x")
-    proc = _single(tmp_path, ["trainer.steps=2", f"trainer.checkpoint.dir={tmp_path}/ck"])
+    proc = single(["trainer.steps=2", f"trainer.checkpoint.dir={tmp_path}/ck"])
     assert proc.returncode == 2
     assert _error_lines(proc) == [f"anyrec-train: error: trainer.checkpoint.dir {tmp_path}/ck is a file, "
                                   "not a folder"], proc.stderr[-3000:]
