@@ -210,6 +210,38 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.fixture
+def train_here(monkeypatch, capfd):
+    """`python -m anyrec.train ARGS` in one process without torchrun, run in the test's own: the console
+    entry's runner (`_hydra.launch` on `anyrec.train.main`) with `env` set (a None value unsets it) in
+    `cwd`, as a finished process: its exit status (0 when it returns) and what it printed. For a run that
+    is refused, or trains a few steps, no second interpreter's start-up (seconds) is paid."""
+    from anyrec import _hydra, train
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+
+    def run(args: list[str], cwd: Path, env: dict[str, str | None] | None = None,
+            flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+        with monkeypatch.context() as m:
+            m.chdir(cwd)
+            for name, value in (env or {}).items():
+                if value is None:
+                    m.delenv(name, raising=False)
+                else:
+                    m.setenv(name, value)
+            capfd.readouterr()
+            code = 0
+            try:
+                _hydra.launch("anyrec-train", train.main, [*flags, *args])
+            except SystemExit as e:
+                code = e.code
+            out = capfd.readouterr()
+        return subprocess.CompletedProcess(["anyrec-train", *flags, *args], code, out.out, out.err)
+
+    return run
+
+
 def single_process_env(*paths: Path) -> dict:
     """The environment of a one-process `python -m anyrec.train` child with anyrec and `paths`
     importable and no torchrun variables inherited from this process."""

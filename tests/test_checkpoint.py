@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 
 import pytest
-
-from anyrec import _hydra, train
 
 from .conftest import ROOT, last_json_line, torchrun
 from .faults import KILL_AT_STEP, faulty
@@ -71,24 +68,10 @@ def test_restore_onto_one_rank_reshards(runs, tmp_path):
 
 
 @pytest.fixture
-def single(tmp_path, monkeypatch, capfd):
-    """`python -m anyrec.train BASE... EXTRA` in one process without torchrun, run in this one: the console
-    entry's runner (`_hydra.launch` on `anyrec.train.main`), its exit status (0 when it returns) and what
-    it printed. No second interpreter: a checkpoint refused is refused before a step, in a second."""
-    monkeypatch.chdir(tmp_path)
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(var, raising=False)
-
-    def run(extra: list[str], flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-        capfd.readouterr()
-        code = 0
-        try:
-            _hydra.launch("anyrec-train", train.main, [*flags, *BASE[2:], f"hydra.run.dir={tmp_path}/hydra",
-                                                       *extra])
-        except SystemExit as e:
-            code = e.code
-        out = capfd.readouterr()
-        return subprocess.CompletedProcess(["anyrec-train", *extra], code, out.out, out.err)
+def single(train_here, tmp_path):
+    """`python -m anyrec.train BASE... EXTRA` in one process, run in this one (conftest.train_here)."""
+    def run(extra: list[str], flags: tuple[str, ...] = ()):
+        return train_here([*BASE[2:], f"hydra.run.dir={tmp_path}/hydra", *extra], tmp_path, flags=flags)
 
     return run
 

@@ -7,8 +7,6 @@ import hashlib
 import json
 import os
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,8 +18,6 @@ from anyrec.runtime.errors import CheckpointError
 from anyrec.signing import FIELD, SigningKey, resolve_key
 from anyrec.trainer.checkpoint import CheckpointManager
 from anyrec.trainer.dcp_reader import ALLOWED_GLOBALS, load_metadata
-
-from .conftest import ROOT
 
 SIGNATURE = {"optimizer": "sgd", "tables": {"t0": [4, 2]}, "dense": {"w": [3]}}
 KEY = SigningKey(b"0123456789abcdef0123", "test key")
@@ -187,26 +183,22 @@ def test_an_unbounded_meta_json_is_refused_in_one_line(tmp_path, text):
     assert "meta.json" in _one_line(e)
 
 
-@pytest.mark.integration
-def test_resume_from_a_forged_checkpoint_runs_nothing(tmp_path):
+def test_resume_from_a_forged_checkpoint_runs_nothing(tmp_path, train_here):
     """The documented resume_from path, end to end: one error line, exit 2, no marker. The forger here
     holds the per-user key too (the checkpoint is re-signed with it): the restricted reader still refuses
     to unpickle the index."""
-    base = [sys.executable, "-m", "anyrec.train", "model=dlrm_tiny", "data.batch_size=32", "trainer.steps=2",
-            "trainer.eval_steps=0", "trainer.progress=false", "trainer.tensorboard=false",
-            "trainer.calibrate=never", f"hydra.run.dir={tmp_path}/hydra"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "ANYREC_CACHE_DIR": str(tmp_path)}
-    env.pop("ANYREC_SIGNING_KEY", None)
-    first = subprocess.run([*base, f"trainer.checkpoint.dir={tmp_path}/a"], capture_output=True, text=True,
-                           timeout=240, env=env, cwd=tmp_path)
+    base = ["model=dlrm_tiny", "data.batch_size=32", "trainer.steps=2", "trainer.eval_steps=0",
+            "trainer.progress=false", "trainer.tensorboard=false", "trainer.calibrate=never",
+            f"hydra.run.dir={tmp_path}/hydra"]
+    env = {"ANYREC_CACHE_DIR": str(tmp_path), "ANYREC_SIGNING_KEY": None}
+    first = train_here([*base, f"trainer.checkpoint.dir={tmp_path}/a"], tmp_path, env)
     assert first.returncode == 0, first.stderr[-3000:]
     marker = tmp_path / "pwned"
     _forge_index(tmp_path / "a" / "step_2", marker)
     _recompute(tmp_path / "a" / "step_2", resolve_key(None, {"ANYREC_CACHE_DIR": str(tmp_path)}))
     for where in ([f"trainer.checkpoint.dir={tmp_path}/a"],
                   [f"trainer.checkpoint.dir={tmp_path}/b", f"trainer.checkpoint.resume_from={tmp_path}/a"]):
-        proc = subprocess.run([*base, "trainer.steps=4", *where], capture_output=True, text=True, timeout=240,
-                              env=env, cwd=tmp_path)
+        proc = train_here([*base, "trainer.steps=4", *where], tmp_path, env)
         lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("anyrec-train: error:")]
         assert proc.returncode == 2 and len(lines) == 1 and "posix.system" in lines[0], proc.stderr[-3000:]
         assert not marker.exists()
@@ -233,20 +225,16 @@ def test_a_malformed_meta_json_is_one_line_when_choosing_where_to_start(tmp_path
         m.close()
 
 
-@pytest.mark.integration
-def test_a_signed_run_resumes_with_its_key_only(tmp_path):
+def test_a_signed_run_resumes_with_its_key_only(tmp_path, train_here):
     """anyrec-train as documented: ANYREC_SIGNING_KEY signs, the same key resumes, another is one line;
     an unusable key file fails in one line before any checkpoint is touched."""
-    base = [sys.executable, "-m", "anyrec.train", "model=dlrm_tiny", "data.batch_size=32",
-            "trainer.eval_steps=0", "trainer.progress=false", "trainer.tensorboard=false",
-            "trainer.calibrate=never", f"hydra.run.dir={tmp_path}/hydra",
+    base = ["model=dlrm_tiny", "data.batch_size=32", "trainer.eval_steps=0", "trainer.progress=false",
+            "trainer.tensorboard=false", "trainer.calibrate=never", f"hydra.run.dir={tmp_path}/hydra",
             f"trainer.checkpoint.dir={tmp_path}/ck"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "ANYREC_CACHE_DIR": str(tmp_path),
-           "ANYREC_SIGNING_KEY": "a-key-of-more-than-16-bytes"}
+    env = {"ANYREC_CACHE_DIR": str(tmp_path), "ANYREC_SIGNING_KEY": "a-key-of-more-than-16-bytes"}
 
     def run(*extra, **env_changes):
-        proc = subprocess.run([*base, *extra], capture_output=True, text=True, timeout=240, cwd=tmp_path,
-                              env={**env, **env_changes})
+        proc = train_here([*base, *extra], tmp_path, {**env, **env_changes})
         return proc, [ln for ln in proc.stderr.splitlines() if ln.startswith("anyrec-train: error:")]
 
     proc, _ = run("trainer.steps=2")

@@ -4,17 +4,14 @@ features; every rank exits non-zero with one clear line from rank 0, and nothing
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 
-from .conftest import ROOT, last_json_line, torchrun
+from .conftest import last_json_line, torchrun
 from .faults import NAN_AT_STEP, faulty
 from .test_data import write_tsv
 
-pytestmark = pytest.mark.integration  # every test here starts processes
+pytestmark = pytest.mark.integration  # jobs: under torchrun, or one run in this process
 
 BASE = ["-m", "anyrec.train", "model=dlrm_tiny", "data.batch_size=32", "trainer.eval_steps=0",
         "trainer.progress=false", "trainer.tensorboard=false"]
@@ -66,13 +63,10 @@ def test_out_of_range_ids_fail_on_every_rank(tmp_path):
     assert "feature cat_" in line
 
 
-def test_wrong_number_of_features_fails_clearly(tmp_path):
+def test_wrong_number_of_features_fails_clearly(tmp_path, train_here):
     write_tsv(tmp_path / "day_0", 64)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, *BASE, "trainer.steps=2", "data=criteo_tsv", f"data.path={tmp_path}",
-         "model.table_rows=[10,20,30]", f"hydra.run.dir={tmp_path}/h"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=180, env=env)
+    proc = train_here([*BASE[2:], "trainer.steps=2", "data=criteo_tsv", f"data.path={tmp_path}",
+                       "model.table_rows=[10,20,30]", f"hydra.run.dir={tmp_path}/h"], tmp_path)
     assert proc.returncode == 2
     lines = _errors(proc)
     assert lines == ["anyrec-train: error: bad input at step 1: the data has 26 sparse features, "

@@ -8,7 +8,7 @@ import torch
 
 from anyrec.kernels.ebc import TritonEmbeddingBagCollection
 
-from .conftest import OpRecorder, compose_config, last_json_line, torchrun
+from .conftest import OpRecorder, compose_config, last_json_line
 
 TINY = ["model=dlrm_tiny", "trainer.progress=false", "trainer.tensorboard=false", "data.batch_size=64"]
 
@@ -53,13 +53,16 @@ def test_single_device_torch_kernel_trains_without_fbgemm_ops(tmp_path, monkeypa
         trainer.close()
 
 
-@pytest.mark.integration
-def test_single_device_resume_is_exact(tmp_path):
-    base = ["-m", "anyrec.train", *TINY, "backend.embedding_kernel=torch", "trainer.eval_steps=2",
+@pytest.mark.integration  # three runs
+def test_single_device_resume_is_exact(tmp_path, train_here):
+    """16 steps straight, and 8 resumed to 16 by a second run, end bit-identical: each run of
+    `python -m anyrec.train` run in this process, after the one before (what a run leaves in the process
+    must not reach the next)."""
+    base = [*TINY, "backend.embedding_kernel=torch", "trainer.eval_steps=2",
             "trainer.fingerprint_weights=true", f"hydra.run.dir={tmp_path}/h", "optim=adam"]
-    a = torchrun([*base, "trainer.steps=16"], nproc=1, cwd=tmp_path)
-    b = torchrun([*base, "trainer.steps=8", f"trainer.checkpoint.dir={tmp_path}/ck"], nproc=1, cwd=tmp_path)
-    c = torchrun([*base, "trainer.steps=16", f"trainer.checkpoint.dir={tmp_path}/ck"], nproc=1, cwd=tmp_path)
+    a = train_here([*base, "trainer.steps=16"], tmp_path)
+    b = train_here([*base, "trainer.steps=8", f"trainer.checkpoint.dir={tmp_path}/ck"], tmp_path)
+    c = train_here([*base, "trainer.steps=16", f"trainer.checkpoint.dir={tmp_path}/ck"], tmp_path)
     for p in (a, b, c):
         assert p.returncode == 0, p.stderr[-3000:]
     sa, sc = last_json_line(a.stdout), last_json_line(c.stdout)
