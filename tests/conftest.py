@@ -211,35 +211,43 @@ def free_port() -> int:
 
 
 @pytest.fixture
-def train_here(monkeypatch, capfd):
-    """`python -m anyrec.train ARGS` in one process without torchrun, run in the test's own: the console
-    entry's runner (`_hydra.launch` on `anyrec.train.main`) with `env` set (a None value unsets it) in
-    `cwd`, as a finished process: its exit status (0 when it returns) and what it printed. For a run that
-    is refused, or trains a few steps, no second interpreter's start-up (seconds) is paid."""
-    from anyrec import _hydra, train
+def run_here(monkeypatch, capfd):
+    """`python -m anyrec.NAME ARGS` (train, export, predict: one process without torchrun) run in the
+    test's own: the console entry's runner (`_hydra.launch` on the module's `main`) with `env` set (a None
+    value unsets it) in `cwd`, as a finished process: its exit status (0 when it returns) and what it
+    printed. For a run that is refused, or trains a few steps, no second interpreter's start-up (seconds)
+    is paid."""
+    from anyrec import _hydra
 
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
 
-    def run(args: list[str], cwd: Path, env: dict[str, str | None] | None = None,
+    def run(name: str, args: list[str], cwd: Path, env: dict[str, str | None] | None = None,
             flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+        entry = importlib.import_module(f"anyrec.{name}")
         with monkeypatch.context() as m:
             m.chdir(cwd)
-            for name, value in (env or {}).items():
+            for var, value in (env or {}).items():
                 if value is None:
-                    m.delenv(name, raising=False)
+                    m.delenv(var, raising=False)
                 else:
-                    m.setenv(name, value)
+                    m.setenv(var, value)
             capfd.readouterr()
             code = 0
             try:
-                _hydra.launch("anyrec-train", train.main, [*flags, *args])
+                _hydra.launch(f"anyrec-{name}", entry.main, [*flags, *args])
             except SystemExit as e:
                 code = e.code
             out = capfd.readouterr()
-        return subprocess.CompletedProcess(["anyrec-train", *flags, *args], code, out.out, out.err)
+        return subprocess.CompletedProcess([f"anyrec-{name}", *flags, *args], code, out.out, out.err)
 
     return run
+
+
+@pytest.fixture
+def train_here(run_here):
+    """`python -m anyrec.train ARGS` run in the test's process (run_here)."""
+    return functools.partial(run_here, "train")
 
 
 def single_process_env(*paths: Path) -> dict:

@@ -1,13 +1,13 @@
-"""anyrec-export and anyrec-predict as users run them: train with a checkpoint, export, score the eval rows
-(the trainer's eval AUC), load the artifact where only torch imports, and export a two-rank row-wise
-checkpoint (the same scores as a one-rank one)."""
+"""anyrec-export and anyrec-predict as users run them (the console entries' runner; the one-process
+commands in the test's process, the two-rank training under torchrun): train with a checkpoint, export,
+score the eval rows (the trainer's eval AUC), load the artifact where only torch imports, and export a
+two-rank row-wise checkpoint (the same scores as a one-rank one)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,7 +19,7 @@ from anyrec.models.family import resolve_family
 from anyrec.runtime.distributed import ONE_PROCESS
 from anyrec.serving.artifact import load_artifact
 from anyrec.trainer.inputs import build_inputs
-from tests.conftest import TORCH_ONLY_HEAD, compose_config, last_json_line, single_process_env, torchrun
+from tests.conftest import TORCH_ONLY_HEAD, compose_config, last_json_line, torchrun
 
 pytestmark = pytest.mark.integration
 
@@ -47,11 +47,6 @@ TORCH_ONLY = TORCH_ONLY_HEAD + textwrap.dedent("""
 """)
 
 
-def _run(module: str, args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=single_process_env(),
-                          capture_output=True, text=True, timeout=timeout)
-
-
 def _ok(proc: subprocess.CompletedProcess) -> dict:
     assert proc.returncode == 0, proc.stderr[-3000:]
     return last_json_line(proc.stdout)
@@ -64,13 +59,13 @@ def _eval_inputs(overrides: list[str], steps: int) -> list:
     return [batch_inputs(b, IdLayout.offsets, torch.device("cpu")).args() for b in source.iter_from(0, steps)]
 
 
-def test_export_then_predict_gives_the_trainers_eval_and_loads_with_torch_only(tmp_path):
-    trained = _ok(_run("anyrec.train", [*TRAIN, f"trainer.checkpoint.dir={tmp_path}/ckpt"], tmp_path))
+def test_export_then_predict_gives_the_trainers_eval_and_loads_with_torch_only(tmp_path, run_here):
+    trained = _ok(run_here("train", [*TRAIN, f"trainer.checkpoint.dir={tmp_path}/ckpt"], tmp_path))
     artifact, scores = tmp_path / "tiny.pt2", tmp_path / "scores.npy"
-    exported = _ok(_run("anyrec.export", ["model=dlrm_tiny", f"export.checkpoint={tmp_path}/ckpt",
+    exported = _ok(run_here("export", ["model=dlrm_tiny", f"export.checkpoint={tmp_path}/ckpt",
                                           f"export.output={artifact}"], tmp_path))
     assert exported["checkpoint"]["step"] == 50 and exported["precision"] == "fp32"
-    predicted = _ok(_run("anyrec.predict", [f"predict.artifact={artifact}", "predict.split=eval",
+    predicted = _ok(run_here("predict", [f"predict.artifact={artifact}", "predict.split=eval",
                                             "predict.steps=20", f"predict.output={scores}"], tmp_path))
     assert predicted["samples"] == 20 * 256 and predicted["steps"] == 20 and predicted["samples_per_s"] > 0
     assert abs(predicted["auc"] - trained["eval_auc"]) <= 1e-6
@@ -90,18 +85,18 @@ def test_export_then_predict_gives_the_trainers_eval_and_loads_with_torch_only(t
     np.testing.assert_allclose(torch.load(out, weights_only=True).numpy(), probs, rtol=0, atol=1e-6)
 
 
-def test_a_two_rank_row_wise_checkpoint_exports_as_a_one_rank_one(tmp_path):
+def test_a_two_rank_row_wise_checkpoint_exports_as_a_one_rank_one(tmp_path, run_here):
     same = [*TRAIN, "data.global_batch_size=512"]
     two = torchrun(["-m", "anyrec.train", *same, "planner.sharding=row_wise",
                     f"trainer.checkpoint.dir={tmp_path}/two",
                     f"hydra.run.dir={tmp_path}/run2"], nproc=2, timeout=400, cwd=tmp_path)
     assert two.returncode == 0, two.stderr[-3000:]
     two_eval = last_json_line(two.stdout)["eval_auc"]
-    _ok(_run("anyrec.train", [*same, f"trainer.checkpoint.dir={tmp_path}/one"], tmp_path))
+    _ok(run_here("train", [*same, f"trainer.checkpoint.dir={tmp_path}/one"], tmp_path))
     probs = {}
     for name in ("two", "one"):
         out = tmp_path / f"{name}.pt2"
-        _ok(_run("anyrec.export", ["model=dlrm_tiny", f"export.checkpoint={tmp_path}/{name}",
+        _ok(run_here("export", ["model=dlrm_tiny", f"export.checkpoint={tmp_path}/{name}",
                                    f"export.output={out}"], tmp_path))
         program = load_artifact(out).program
         with torch.no_grad():
@@ -109,7 +104,7 @@ def test_a_two_rank_row_wise_checkpoint_exports_as_a_one_rank_one(tmp_path):
     assert probs["one"].std() > 0.1
     torch.testing.assert_close(probs["two"], probs["one"], rtol=0, atol=1e-5)
     # the rows the two ranks evaluated on: the two-rank run's eval AUC
-    predicted = _ok(_run("anyrec.predict", [f"predict.artifact={tmp_path}/two.pt2", "predict.world_size=2",
+    predicted = _ok(run_here("predict", [f"predict.artifact={tmp_path}/two.pt2", "predict.world_size=2",
                                             "data.global_batch_size=512", "trainer.progress=false"],
                          tmp_path))
     assert abs(predicted["auc"] - two_eval) <= 1e-6
