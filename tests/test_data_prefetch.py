@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import gc
 import os
-import subprocess
-import sys
 import threading
 import time
 
@@ -19,7 +17,7 @@ from anyrec.data import build_source
 from anyrec.data.prefetch import Prefetched, PrefetchIterator
 from anyrec.data.preprocess import main as preprocess_main
 
-from .conftest import ROOT, compose_config, last_json_line
+from .conftest import compose_config, last_json_line
 from .test_data import write_tsv
 
 
@@ -112,25 +110,22 @@ def test_wrapper_passes_the_source_through():
         PrefetchIterator(src.batch, 0, 1, depth=0)
 
 
-def _train(tmp_path, name, extra):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "anyrec.train", "model=dlrm_tiny", "data=criteo_npy",
-         f"data.path={tmp_path}/npy", "data.batch_size=16", "trainer.steps=12", "trainer.eval_every=6",
-         "trainer.eval_steps=3", "trainer.progress=false", "trainer.tensorboard=false",
-         "trainer.fingerprint_weights=true",
-         f"hydra.run.dir={tmp_path}/{name}", *extra],
-        cwd=tmp_path, capture_output=True, text=True, timeout=180, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return last_json_line(proc.stdout)
-
-
-@pytest.mark.integration
-def test_training_with_prefetch_is_bit_identical(tmp_path):
+@pytest.mark.integration  # two trainings
+def test_training_with_prefetch_is_bit_identical(tmp_path, train_here):
     write_tsv(tmp_path / "day_0", 150)
     assert preprocess_main([str(tmp_path / "day_0"), "--out-dir", str(tmp_path / "npy")]) == 0
-    plain = _train(tmp_path, "plain", ["data.prefetch=0"])
-    ahead = _train(tmp_path, "ahead", ["data.prefetch=3", "data.prefetch_workers=2"])
+
+    def train(name: str, *extra: str) -> dict:
+        proc = train_here(["model=dlrm_tiny", "data=criteo_npy", f"data.path={tmp_path}/npy",
+                           "data.batch_size=16", "trainer.steps=12", "trainer.eval_every=6",
+                           "trainer.eval_steps=3", "trainer.progress=false", "trainer.tensorboard=false",
+                           "trainer.fingerprint_weights=true", f"hydra.run.dir={tmp_path}/{name}", *extra],
+                          tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return last_json_line(proc.stdout)
+
+    plain = train("plain", "data.prefetch=0")
+    ahead = train("ahead", "data.prefetch=3", "data.prefetch_workers=2")
     assert plain["final_loss"] == ahead["final_loss"] and plain["eval_auc"] == ahead["eval_auc"]
     assert plain["weights_sha256"] == ahead["weights_sha256"]
 

@@ -433,7 +433,7 @@ def _doc_commands() -> list[list[str]]:
 
 
 @pytest.mark.integration
-def test_every_command_in_the_multinode_doc_is_one_a_test_runs(tmp_path):
+def test_every_command_in_the_multinode_doc_is_one_a_test_runs(tmp_path, run_here):
     """torchrun lines are the two-host tests' agents, sbatch and kubectl name the files tested above,
     and the anyrec-plan lines run here, verbatim."""
     commands = _doc_commands()
@@ -451,9 +451,7 @@ def test_every_command_in_the_multinode_doc_is_one_a_test_runs(tmp_path):
         elif cmd[0] == "kubectl":
             assert cmd[1:] == ["apply", "-f", str(PYTORCHJOB.relative_to(ROOT))]
         else:
-            env = {**os.environ, "PYTHONPATH": str(ROOT)}
-            proc = subprocess.run([sys.executable, "-m", "anyrec.plan", *cmd[1:]], cwd=tmp_path, env=env,
-                                  capture_output=True, text=True, timeout=300)
+            proc = run_here("plan", cmd[1:], tmp_path)
             assert proc.returncode == 0, proc.stderr[-3000:]
             plans.append(proc.stdout)
     default, dlrmv2 = plans
