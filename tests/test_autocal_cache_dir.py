@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 from anyrec.calibration.first_contact import check_cache_dir
@@ -27,17 +23,15 @@ def test_check_cache_dir(tmp_path, monkeypatch):
     check_cache_dir()
 
 
-@pytest.mark.integration
-def test_train_refuses_an_unusable_cache_before_measuring(tmp_path):
+def test_train_refuses_an_unusable_cache_before_measuring(tmp_path, train_here):
     """One unusable folder (a file) end to end; test_check_cache_dir covers each cause's line, which reaches
     the job the same way."""
     path = tmp_path / "a_file"
     path.write_text("x")
-    env = {**os.environ, "ANYREC_CACHE_DIR": str(path), "ANYREC_CALIBRATE": "auto"}
+    env = {"ANYREC_CACHE_DIR": str(path), "ANYREC_CALIBRATE": "auto"}
     args = ["model=dlrm_tiny", "trainer.steps=2", "trainer.progress=false", "trainer.tensorboard=false",
             f"hydra.run.dir={tmp_path / 'run'}"]
-    proc = subprocess.run([sys.executable, "-m", "anyrec.train", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300, check=False)
+    proc = train_here(args, ROOT, env)
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and "ANYREC_CACHE_DIR" in errors[0], proc.stderr[-2000:]

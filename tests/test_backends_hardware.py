@@ -3,10 +3,6 @@ Hardware value (spec + measured profiles)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 from anyrec._hydra import cli_problem
@@ -14,7 +10,7 @@ from anyrec.backends import get_backend, load_hardware_file, resolve_hardware
 from anyrec.backends.interface import DeviceFacts
 from anyrec.backends.specs import SKUS
 
-from .conftest import ROOT, compose_config
+from .conftest import compose_config
 
 
 @pytest.mark.parametrize("sku", sorted(SKUS))
@@ -107,13 +103,10 @@ def test_a_file_as_the_hardware_group_option_is_refused_naming_hardware_sku(valu
     assert cli_problem(["model=dlrm_tiny", "hardware=h200"]) is None
 
 
-@pytest.mark.integration
-def test_a_file_as_the_hardware_group_option_exits_2_with_one_line(tmp_path):
+def test_a_file_as_the_hardware_group_option_exits_2_with_one_line(tmp_path, run_here):
     f = tmp_path / "cal.yaml"
     f.write_text("sku: cpu\n")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "anyrec.plan", f"hardware={f}"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120, env=env)
+    proc = run_here("plan", [f"hardware={f}"], tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [f"anyrec-plan: error: {cli_problem([f'hardware={f}'])}"]
     assert not (tmp_path / "outputs").exists()

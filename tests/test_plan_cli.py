@@ -4,14 +4,12 @@ and the one-line error with exit code 2."""
 import json
 import os
 import stat
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from anyrec.plan import run
-from tests.conftest import ROOT, compose_config
+from tests.conftest import compose_config
 
 GB = 1e9
 DLRMV2 = ["model=dlrmv2", "optim=adagrad", "plan.batch_size=8192"]
@@ -101,16 +99,11 @@ def test_forced_sharding_that_changes_the_update_is_one_line(tmp_path):
     assert not out.exists()
 
 
-@pytest.mark.integration
-def test_infeasible_exits_2_with_one_stderr_line(tmp_path):
+def test_infeasible_exits_2_with_one_stderr_line(tmp_path, run_here):
     out = tmp_path / "plan.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     args = ["hardware=b200", "topology.world_size=1", "planner.allow_uvm=false", f"plan.output={out}"]
     args += DLRMV2 + [f"hydra.run.dir={tmp_path / 'hydra'}"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "anyrec.plan", *args], capture_output=True, text=True, cwd=tmp_path, env=env,
-        timeout=120,
-    )
+    proc = run_here("plan", args, tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("anyrec-plan: error:")]
     assert len(errors) == 1 and errors[0].startswith("anyrec-plan: error: cannot plan"), proc.stderr[-2000:]
