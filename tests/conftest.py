@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import fcntl
 import functools
 import importlib.util
@@ -77,7 +78,15 @@ def simdev_allocator():
 
 
 def compose_config(overrides: list[str] | None = None):
-    """The typed AnyrecConfig for these overrides, as the entry points would compose it."""
+    """The composed config and the typed AnyrecConfig for these overrides, as the entry points would
+    compose them. Composed once per process for each list of overrides and value of $ANYREC_CALIBRATE (the
+    one variable the composed configs read); each call gets copies of its own to change."""
+    cfg, typed = _composed(tuple(overrides or ()), os.environ.get("ANYREC_CALIBRATE"))
+    return copy.deepcopy(cfg), copy.deepcopy(typed)
+
+
+@functools.cache
+def _composed(overrides: tuple[str, ...], calibrate: str | None):
     from hydra import compose, initialize_config_dir
 
     from anyrec import _hydra
@@ -86,7 +95,7 @@ def compose_config(overrides: list[str] | None = None):
 
     _hydra.setup()
     with initialize_config_dir(str(config_dir()), version_base="1.3"):
-        cfg = compose("config", overrides=overrides or [])
+        cfg = compose("config", overrides=list(overrides))
     return cfg, to_object(cfg)
 
 
