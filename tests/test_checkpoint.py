@@ -1,5 +1,6 @@
-"""Checkpoints under torchrun: exact resume, resharding 2 -> 1 ranks, a SIGKILLed rank restarted
-by torchrun, and clear failures (nothing overwritten) for corrupt or incompatible checkpoints."""
+"""Checkpoints: exact resume under torchrun, resharding 2 -> 1 ranks, a SIGKILLed rank restarted by
+torchrun, and clear failures (nothing overwritten) for corrupt or incompatible checkpoints (the one-process
+runs in the test's own process: conftest.run_here)."""
 
 from __future__ import annotations
 
@@ -18,10 +19,9 @@ BASE = ["-m", "anyrec.train", "model=dlrm_tiny", "data.batch_size=64", "trainer.
         "planner.sharding=row_wise", "trainer.tensorboard=false"]
 
 
-def _run(tmp_path, extra, nproc=2, torchrun_args=()):
-    proc = torchrun([*torchrun_args, *BASE, f"hydra.run.dir={tmp_path}/hydra", *extra], nproc=nproc,
-                    cwd=tmp_path)
-    return proc
+def _run(tmp_path, extra):
+    """`torchrun --standalone --nproc_per_node=2 -m anyrec.train BASE... EXTRA`."""
+    return torchrun([*BASE, f"hydra.run.dir={tmp_path}/hydra", *extra], cwd=tmp_path)
 
 
 def _ok(proc):
@@ -59,10 +59,10 @@ def test_resume_is_exact(runs):
     assert sorted(p.name for p in (tmp / "ck").iterdir()) == [".anyrec.lock", "step_15", "step_20"]
 
 
-def test_restore_onto_one_rank_reshards(runs, tmp_path):
+def test_restore_onto_one_rank_reshards(runs, tmp_path, single):
     src, _, b, _ = runs
     shutil.copytree(src / "ck_at_10", tmp_path / "ck")
-    d = _ok(_run(tmp_path, ["trainer.steps=10", f"trainer.checkpoint.dir={tmp_path}/ck"], nproc=1))
+    d = _ok(single(["trainer.steps=10", f"trainer.checkpoint.dir={tmp_path}/ck"]))
     assert d["world_size"] == 1 and d["resumed_from_step"] == 10 and d["steps"] == 10
     assert d["weights_sha256"] == b["weights_sha256"]
 
