@@ -65,10 +65,11 @@ def run(cfg: DictConfig, started: float | None = None) -> dict:
         summary = trainer.train()
     except BaseException as e:
         # A peer may be gone: name it (before the group goes) and do not wait for it in close(). An
-        # error only this rank saw (bad data it read) leaves its peers in a collective: exit now.
+        # error only this rank saw (bad data it read) leaves its peers in a collective: exit now; a
+        # process alone has no peer to wait for and closes as after any other error.
         info, timeout_s = trainer.dist, config.trainer.collective_timeout_s
         lost = peer_failure(e, info.rank, info.world_size, timeout_s) if isinstance(e, Exception) else None
-        if not getattr(e, "rank_local", False):
+        if not getattr(e, "rank_local", False) or info.world_size == 1:
             trainer.close(failed=True)
         if lost:
             raise PeerLostError(lost) from None

@@ -4,9 +4,6 @@
 from __future__ import annotations
 
 import gzip
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -17,7 +14,7 @@ from anyrec.config import DataConfig, ModelConfig
 from anyrec.data.criteo import CriteoSource, read_tsv, tsv_path
 from anyrec.data.preprocess import main as preprocess_main
 
-from .conftest import ROOT, torchrun
+from .conftest import torchrun
 from .test_data import _row, write_tsv
 
 MODEL = ModelConfig(name="m", table_rows=[97] * 26, bottom_mlp=[16], top_mlp=[1], embedding_dim=16)
@@ -160,15 +157,13 @@ def test_unreadable_npy_is_named(tmp_path, damage):
         _npy_source(d)
 
 
-@pytest.mark.integration
-def test_training_on_labels_of_7_fails_with_one_line(tmp_path):
+def test_training_on_labels_of_7_fails_with_one_line(tmp_path, train_here):
+    """One process: the one line, exit 2, and the run's process group closed (a process alone has no peer
+    left waiting in a collective; conftest fails a test that leaves the group up)."""
     d = _write_npy_day(tmp_path / "npy", n=64, labels=np.full((64, 1), 7, dtype=np.int32))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "anyrec.train", "model=dlrm_tiny", "data=criteo_npy", f"data.path={d}",
-         "data.batch_size=16", "trainer.steps=4", "trainer.eval_steps=0", "trainer.progress=false",
-         "trainer.tensorboard=false", f"hydra.run.dir={tmp_path}/h"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=180, env=env)
+    proc = train_here(["model=dlrm_tiny", "data=criteo_npy", f"data.path={d}", "data.batch_size=16",
+                       "trainer.steps=4", "trainer.eval_steps=0", "trainer.progress=false",
+                       "trainer.tensorboard=false", f"hydra.run.dir={tmp_path}/h"], tmp_path)
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("anyrec-train: error:")]
     assert lines == [f"anyrec-train: error: criteo: {d}/day_0_labels.npy row 0: label 7 is not 0 or 1"], \

@@ -275,3 +275,42 @@ def test_a_rank_arriving_after_its_peer_gave_up_waiting_does_not_meet_it(monkeyp
     start = time.monotonic()
     assert not shutdown.peers_met(1, 2)
     assert time.monotonic() - start < 0.5  # it knew at once, without waiting out its own timeout
+
+
+class _Left(BaseException):
+    """The heartbeat's exit, here raised with its line (a BaseException: no store error handler takes it)."""
+
+
+def test_the_heartbeat_asks_the_probe_before_each_store_call(monkeypatch):
+    """The store's process dies between two calls of one beat (the heartbeat thread, waiting for the GIL
+    behind a training thread, is slow between them): the next call is not made (a call to a dead store
+    dumps C++ frames on stderr); the rank leaves naming the launcher, from the probe."""
+    import socket
+
+    def leave(line, code):
+        raise _Left(line)
+
+    monkeypatch.setattr(shutdown, "exit_now", leave)
+    probe, store_end = socket.socketpair()
+    probe.settimeout(10)  # as the heartbeat's probe is made: its reads wait unless asked when ready
+    calls = []
+
+    class Store:
+        def set(self, key, value):
+            calls.append("set")
+            store_end.close()  # the launcher, and its store, die right after this call
+
+        def check(self, keys):
+            calls.append("check")
+            raise RuntimeError("Connection reset by peer")
+
+        def get(self, key):
+            calls.append("get")
+            return b""
+
+    beat = shutdown.Heartbeat(0, 2, timeout_s=60)
+    with pytest.raises(_Left) as left:
+        beat._run(Store(), probe)
+    probe.close()
+    assert calls == ["set"]
+    assert "the launcher" in str(left.value) and "is gone: exiting" in str(left.value), left.value

@@ -20,6 +20,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -222,8 +223,9 @@ class Heartbeat:
                 self._leave(gone)
             count += 1
             try:
-                store.set(str(self.rank), f"{pid}:{count}")
-                beat = store.get(str(self.peer)) if store.check([str(self.peer)]) else None
+                self._call(probe, gone, store.set, str(self.rank), f"{pid}:{count}")
+                has = self._call(probe, gone, store.check, [str(self.peer)])
+                beat = self._call(probe, gone, store.get, str(self.peer)) if has else None
             except Exception:  # noqa: BLE001 - the store is unreachable
                 self._leave(f"rank {self.rank}: the job's store (MASTER_ADDR:MASTER_PORT) stopped "
                             "answering: the launcher is gone; exiting")
@@ -240,6 +242,15 @@ class Heartbeat:
         except Exception:  # noqa: BLE001 - the store may be gone already
             pass
         probe.close()
+
+    def _call(self, probe: socket.socket, gone: str, op: Callable[..., Any], *args: Any) -> Any:
+        """`op(*args)` on the store, made only while the probe says the store's process is up (the launcher
+        is gone otherwise): a call to a store whose process died fails with c10d's C++ stack dump on stderr
+        before Python sees the error. Asked before each call, not once a beat: under a busy training thread
+        this one waits for the GIL between its calls, long enough for the launcher to die in between."""
+        if (select.select([probe], [], [], 0)[0] and not _alive(probe)) or _launcher_gone(self._parent):
+            self._leave(gone)
+        return op(*args)
 
     def _leave(self, line: str) -> None:
         if not self._stop.is_set():
