@@ -25,6 +25,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from anyrec.backends import get_backend
 
 ROOT = Path(__file__).resolve().parent.parent
+# what torchrun sets for its workers: unset for a one-process run, which must not take them as its own
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 # Jobs the tests launch plan with the datasheet figures and never write into the user's cache; the
 # tests of calibration on first contact ask for it (trainer.calibrate=auto) with a cache of their own.
 os.environ.setdefault("ANYREC_CALIBRATE", "never")
@@ -228,7 +230,7 @@ def run_here(monkeypatch, capfd):
     is paid."""
     from anyrec import _hydra
 
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    for var in TORCHRUN_VARS:
         monkeypatch.delenv(var, raising=False)
 
     def run(name: str, args: list[str], cwd: Path, env: dict[str, str | None] | None = None,
@@ -264,7 +266,7 @@ def single_process_env(*paths: Path) -> dict:
     importable and no torchrun variables inherited from this process."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), *map(str, paths), os.environ.get("PYTHONPATH", "")])}
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    for var in TORCHRUN_VARS:
         env.pop(var, None)
     return env
 

@@ -14,7 +14,7 @@ from anyrec.data import preprocess
 from anyrec.io_checks import atomic_write, writable_dir, writable_file
 from anyrec.plan import run as plan_run
 
-from .conftest import ROOT, compose_config
+from .conftest import ROOT, TORCHRUN_VARS, compose_config
 from .test_data import write_tsv
 
 # /sys refuses new files even to root, so the check bites whoever runs the tests.
@@ -95,7 +95,7 @@ def test_atomic_write_replaces_whole_or_leaves_the_old_file(tmp_path):
 
 def _entry(module: str, args: list[str], cwd) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    for var in TORCHRUN_VARS:
         env.pop(var, None)
     return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, capture_output=True, text=True,
                           timeout=120, env=env)

@@ -218,9 +218,7 @@ class Heartbeat:
         seen, since = None, time.monotonic()
         gone = f"rank {self.rank}: the launcher (pid {self._parent}) is gone: exiting"
         while not self._stop.is_set():
-            ready = select.select([probe], [], [], BEAT_S if count else 0)[0]
-            if (ready and not _alive(probe)) or _launcher_gone(self._parent):
-                self._leave(gone)
+            self._check_launcher(probe, BEAT_S if count else 0, gone)
             count += 1
             try:
                 self._call(probe, gone, store.set, str(self.rank), f"{pid}:{count}")
@@ -248,9 +246,14 @@ class Heartbeat:
         is gone otherwise): a call to a store whose process died fails with c10d's C++ stack dump on stderr
         before Python sees the error. Asked before each call, not once a beat: under a busy training thread
         this one waits for the GIL between its calls, long enough for the launcher to die in between."""
-        if (select.select([probe], [], [], 0)[0] and not _alive(probe)) or _launcher_gone(self._parent):
-            self._leave(gone)
+        self._check_launcher(probe, 0, gone)
         return op(*args)
+
+    def _check_launcher(self, probe: socket.socket, wait_s: float, gone: str) -> None:
+        """Leave with `gone` if, within `wait_s` (0: asked without waiting), the store's process closed the
+        probe's connection, or the launcher is no longer this process's parent."""
+        if (select.select([probe], [], [], wait_s)[0] and not _alive(probe)) or _launcher_gone(self._parent):
+            self._leave(gone)
 
     def _leave(self, line: str) -> None:
         if not self._stop.is_set():
